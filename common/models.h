@@ -1,0 +1,31 @@
+// The model zoo of ../shared/models.md, generated in code. Units are "embed", "layers.<i>" and
+// "head" (final norm plus lm_head when untied). Weights are [out, in] and bf16; matrices inside
+// decoder layers use the matrix optimizer (Muon convention), everything else is element-wise.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "common/inventory.h"
+
+namespace ragshard {
+
+struct ModelInfo {
+  std::string name;
+  int64_t total_params = 0;  // as published in models.md
+  int64_t tensors = 0;       // 0 when models.md gives no count
+};
+
+// The zoo, in models.md order.
+const std::vector<ModelInfo>& ModelZoo();
+
+// NAME is a zoo name, optionally with variants: "NAME:grouped" stores each layer's experts as
+// one [E, I, H] tensor per projection, "NAME:fused" fuses QKV and gate/up ("NAME:grouped:fused"
+// does both). Every tensor gets granule "element"; apply another with ApplyGranule.
+// Errors name the model and list the known ones.
+absl::StatusOr<Inventory> GenerateModel(absl::string_view name);
+
+}  // namespace ragshard

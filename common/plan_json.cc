@@ -1,0 +1,108 @@
+#include "common/plan_json.h"
+
+#include "common/dtype.h"
+
+namespace ragshard {
+
+using nlohmann::json;
+
+json MetricsToJson(const v1::LayoutMetrics& m) {
+  auto pct = [](int64_t part, int64_t whole) {
+    return whole > 0 ? 100.0 * static_cast<double>(part) / static_cast<double>(whole) : 0.0;
+  };
+  json j;
+  j["total_elems"] = m.total_elems();
+  j["padding_elems"] = m.padding_elems();
+  j["padding_pct"] = m.padding_pct();
+  j["imbalance"] = m.imbalance();
+  j["blocks128_split"] = m.blocks128_split();
+  j["blocks128_total"] = m.blocks128_total();
+  j["blocks128_split_pct"] = pct(m.blocks128_split(), m.blocks128_total());
+  j["blocks32_split"] = m.blocks32_split();
+  j["blocks32_total"] = m.blocks32_total();
+  j["blocks32_split_pct"] = pct(m.blocks32_split(), m.blocks32_total());
+  j["matrices_split"] = m.matrices_split();
+  j["matrices_total"] = m.matrices_total();
+  j["copy_bytes_per_step"] = m.copy_bytes_per_step();
+  j["lb1_elems"] = m.lb1_elems();
+  j["lb2_elems"] = m.lb2_elems();
+  j["lower_bound1_gap_pct"] = m.lb1_gap_pct();
+  j["lower_bound_gap_pct"] = m.lb2_gap_pct();
+  j["owner_load_max_over_mean"] = m.owner_load_max_over_mean();
+  j["owner_locality"] = m.owner_locality();
+  return j;
+}
+
+json PolicyResultToJson(const PolicyResult& result, int64_t max_segments) {
+  json j;
+  j["policy"] = std::string(PolicyName(result.policy));
+  if (result.plan) {
+    const v1::Plan& plan = *result.plan;
+    j["world"] = plan.world_size();
+    j["align_bytes"] = plan.align_bytes();
+    j["planner_version"] = plan.planner_version();
+    j["units"] = json::array();
+    for (const v1::UnitPlan& up : plan.units()) {
+      json ju;
+      ju["name"] = up.unit();
+      ju["dtype"] = std::string(DTypeName(up.dtype()));
+      ju["shard_elems"] = up.shard_elems();
+      ju["tensors"] = json::array();
+      for (const v1::TensorPlacement& tp : up.tensors()) {
+        json jt;
+        jt["name"] = tp.name();
+        jt["offset"] = tp.offset();
+        jt["numel"] = tp.numel();
+        jt["granule_elems"] = tp.granule_elems();
+        jt["first_rank"] = tp.first_rank();
+        jt["rank_elems"] = std::vector<int64_t>(tp.rank_elems().begin(), tp.rank_elems().end());
+        if (tp.owner_rank() >= 0) jt["owner_rank"] = tp.owner_rank();
+        ju["tensors"].push_back(std::move(jt));
+      }
+      ju["metrics"] = MetricsToJson(up.metrics());
+      j["units"].push_back(std::move(ju));
+    }
+  } else {
+    const Layout& layout = result.layout;
+    j["world"] = layout.world;
+    int64_t segments = 0;
+    for (const GroupLayout& g : layout.groups) {
+      for (const TensorLayout& t : g.tensors) {
+        segments += (t.start + t.numel - 1) / t.period - t.start / t.period + 1;
+      }
+    }
+    const bool with_segments = segments <= max_segments;
+    j["segment_count"] = segments;
+    if (!with_segments) {
+      j["segments_omitted"] = "more segments than --max-segments; figures are still exact";
+    }
+    j["groups"] = json::array();
+    for (const GroupLayout& g : layout.groups) {
+      json jg;
+      jg["name"] = g.name;
+      jg["dtype"] = std::string(DTypeName(g.dtype));
+      jg["per_rank_elems"] = g.per_rank_elems;
+      jg["copy_bytes_per_step"] = g.copy_bytes_per_step;
+      if (with_segments) {
+        // Per-rank segment lists: rank -> [[tensor, tensor_begin, count], ...] in tensor order.
+        std::vector<json> ranks(static_cast<size_t>(layout.world), json::array());
+        for (const TensorLayout& t : g.tensors) {
+          for (const Segment& s : TensorSegments(t)) {
+            ranks[static_cast<size_t>(s.rank)].push_back(
+                json::array({*t.name, s.tensor_begin, s.count}));
+          }
+        }
+        jg["segments"] = json::array();
+        for (int64_t r = 0; r < layout.world; ++r) {
+          jg["segments"].push_back({{"rank", r}, {"segments", std::move(ranks[r])}});
+        }
+      }
+      j["groups"].push_back(std::move(jg));
+    }
+  }
+  j["metrics"] = MetricsToJson(result.metrics);
+  j["timing"] = {{"plan_seconds", result.plan_seconds}};
+  return j;
+}
+
+}  // namespace ragshard

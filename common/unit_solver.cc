@@ -1,0 +1,333 @@
+#include "common/unit_solver.h"
+
+#include <algorithm>
+#include <limits>
+#include <numeric>
+
+#include "absl/strings/str_cat.h"
+
+namespace ragshard {
+namespace {
+
+constexpr int64_t kInf = std::numeric_limits<int64_t>::max();
+
+int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// lcm that saturates at kInf instead of overflowing.
+int64_t SatLcm(int64_t a, int64_t b) {
+  if (a == kInf || b == kInf) return kInf;
+  int64_t g = std::gcd(a, b);
+  int64_t out = 0;
+  if (__builtin_mul_overflow(a / g, b, &out)) return kInf;
+  return out;
+}
+
+// Enumerates the candidate shard sizes: S such that lcm(align, granules of items with
+// numel >= 2S) divides S. Every feasible S is a candidate.
+class CandidateSet {
+ public:
+  CandidateSet(const std::vector<UnitItem>& items, int64_t align) : align_(align) {
+    for (const auto& it : items) by_threshold_.push_back({it.numel / 2, it.granule});
+    std::sort(by_threshold_.begin(), by_threshold_.end());
+    suffix_lcm_.assign(by_threshold_.size() + 1, align);
+    for (int i = static_cast<int>(by_threshold_.size()) - 1; i >= 0; --i) {
+      suffix_lcm_[i] = SatLcm(suffix_lcm_[i + 1], by_threshold_[i].second);
+    }
+  }
+
+  // Smallest candidate >= s, or kInf.
+  int64_t Next(int64_t s) const {
+    while (true) {
+      // D(s) = items with numel/2 >= s: a suffix of the sorted list.
+      auto it =
+          std::lower_bound(by_threshold_.begin(), by_threshold_.end(),
+                           std::pair<int64_t, int64_t>{s, std::numeric_limits<int64_t>::min()});
+      size_t k = static_cast<size_t>(it - by_threshold_.begin());
+      int64_t m = suffix_lcm_[k];
+      int64_t end =
+          (k < by_threshold_.size()) ? by_threshold_[k].first : kInf;  // D constant on [s, end]
+      if (m != kInf && s <= kInf - m) {
+        int64_t c = RoundUp(s, m);
+        if (c <= end) return c;
+      }
+      if (end == kInf) return kInf;
+      s = end + 1;
+    }
+  }
+
+ private:
+  int64_t align_;
+  std::vector<std::pair<int64_t, int64_t>> by_threshold_;  // (numel / 2, granule)
+  std::vector<int64_t> suffix_lcm_;
+};
+
+// Append-only greedy: each item at its earliest valid offset after the previous one.
+bool PlaceAppend(const std::vector<UnitItem>& items, const std::vector<int>& order, int64_t shard,
+                 int64_t world, int64_t align, std::vector<int64_t>* offsets) {
+  const int64_t total = shard * world;
+  int64_t cur = 0;
+  for (int idx : order) {
+    const UnitItem& it = items[idx];
+    int64_t p = EarliestPlacement(cur, total, it.numel, it.granule, shard, align);
+    if (p < 0) return false;
+    (*offsets)[idx] = p;
+    cur = p + it.numel;
+  }
+  return true;
+}
+
+// First fit with holes: each item at the earliest valid offset in any free interval, so small
+// tensors fill the gaps that alignment to granule boundaries leaves behind large ones.
+bool PlaceHoles(const std::vector<UnitItem>& items, const std::vector<int>& order, int64_t shard,
+                int64_t world, int64_t align, std::vector<int64_t>* offsets) {
+  std::vector<std::pair<int64_t, int64_t>> free = {{0, shard * world}};
+  for (int idx : order) {
+    const UnitItem& it = items[idx];
+    bool placed = false;
+    for (size_t f = 0; f < free.size(); ++f) {
+      auto [lo, hi] = free[f];
+      if (hi - lo < it.numel) continue;
+      int64_t p = EarliestPlacement(lo, hi, it.numel, it.granule, shard, align);
+      if (p < 0) continue;
+      (*offsets)[idx] = p;
+      std::pair<int64_t, int64_t> left{lo, p}, right{p + it.numel, hi};
+      free.erase(free.begin() + static_cast<std::ptrdiff_t>(f));
+      if (right.second > RoundUp(right.first, align)) {
+        free.insert(free.begin() + static_cast<std::ptrdiff_t>(f), right);
+      }
+      if (left.second > RoundUp(left.first, align)) {
+        free.insert(free.begin() + static_cast<std::ptrdiff_t>(f), left);
+      }
+      placed = true;
+      break;
+    }
+    if (!placed) return false;
+  }
+  return true;
+}
+
+struct Orders {
+  std::vector<int> model;
+  std::vector<int> by_granule;  // granule desc, numel desc
+  std::vector<int> by_size;     // numel desc
+};
+
+Orders MakeOrders(const std::vector<UnitItem>& items) {
+  Orders o;
+  o.model.resize(items.size());
+  std::iota(o.model.begin(), o.model.end(), 0);
+  o.by_granule = o.model;
+  std::stable_sort(o.by_granule.begin(), o.by_granule.end(), [&](int a, int b) {
+    if (items[a].granule != items[b].granule) return items[a].granule > items[b].granule;
+    return items[a].numel > items[b].numel;
+  });
+  o.by_size = o.model;
+  std::stable_sort(o.by_size.begin(), o.by_size.end(),
+                   [&](int a, int b) { return items[a].numel > items[b].numel; });
+  return o;
+}
+
+bool FeasiblePaper(const std::vector<UnitItem>& items, const Orders& orders, int64_t s,
+                   int64_t world, int64_t align, std::vector<int64_t>* offsets) {
+  return PlaceAppend(items, orders.model, s, world, align, offsets);
+}
+
+bool FeasibleHeuristic(const std::vector<UnitItem>& items, const Orders& orders, int64_t s,
+                       int64_t world, int64_t align, std::vector<int64_t>* offsets) {
+  // Items longer than S must cross a cut; try them first, largest granule first.
+  return PlaceAppend(items, orders.model, s, world, align, offsets) ||
+         PlaceHoles(items, orders.by_granule, s, world, align, offsets) ||
+         PlaceHoles(items, orders.by_size, s, world, align, offsets) ||
+         PlaceHoles(items, orders.model, s, world, align, offsets) ||
+         PlaceAppend(items, orders.by_granule, s, world, align, offsets);
+}
+
+// Exact for a given S: for a fixed order, the earliest valid offset of each tensor is optimal
+// (its validity depends on its own offset only, and an earlier end never constrains the rest
+// more), so trying every order with append-only placement decides feasibility exactly.
+bool FeasibleExact(const std::vector<UnitItem>& items, int64_t s, int64_t world, int64_t align,
+                   std::vector<int64_t>* offsets) {
+  std::vector<int> order(items.size());
+  std::iota(order.begin(), order.end(), 0);
+  do {
+    if (PlaceAppend(items, order, s, world, align, offsets)) return true;
+  } while (std::next_permutation(order.begin(), order.end()));
+  return false;
+}
+
+int64_t AlwaysFeasible(const std::vector<UnitItem>& items, int64_t align) {
+  // With S >= the aligned sum, everything fits on rank 0 and no cut falls inside a tensor.
+  int64_t sum = 0;
+  for (const auto& it : items) sum += RoundUp(it.numel, align);
+  return RoundUp(sum, align);
+}
+
+}  // namespace
+
+int64_t EarliestPlacement(int64_t lo, int64_t hi, int64_t numel, int64_t granule, int64_t shard,
+                          int64_t align) {
+  int64_t p0 = RoundUp(lo, align);
+  // lcm(granule, align): b - p must be a multiple of it, since b (a shard start) is aligned.
+  const int64_t step = SatLcm(granule, align);
+  // Two shards suffice: from the second one on, the situation relative to the shard start
+  // repeats, so a failure there fails everywhere.
+  for (int iter = 0; iter < 2; ++iter) {
+    if (p0 > hi - numel) return -1;
+    const int64_t b = (p0 / shard + 1) * shard;  // first cut after p0
+    if (p0 + numel <= b) return p0;
+    const int64_t span = b - p0;
+    const int64_t d = step == kInf ? 0 : span / step * step;
+    if (d > 0) {
+      const int64_t p = b - d;  // the earliest offset whose first cut falls on a granule
+      // Further cuts (every `shard` elements) fall on granules only if the granule divides S.
+      if (p + numel <= b + shard || shard % granule == 0) return p + numel <= hi ? p : -1;
+    }
+    p0 = b;
+  }
+  return -1;
+}
+
+int64_t LowerBound1(const std::vector<UnitItem>& items, int64_t world, int64_t align) {
+  int64_t sum = 0, gmax = 1;
+  for (const auto& it : items) {
+    sum += it.numel;
+    gmax = std::max(gmax, it.granule);
+  }
+  return RoundUp(std::max((sum + world - 1) / world, gmax), align);
+}
+
+int64_t LowerBound2(const std::vector<UnitItem>& items, int64_t world, int64_t align) {
+  return CandidateSet(items, align).Next(LowerBound1(items, world, align));
+}
+
+absl::StatusOr<UnitSolution> SolveUnit(const std::vector<UnitItem>& items, int64_t world,
+                                       int64_t align, SolverMode mode) {
+  if (items.empty()) return absl::InvalidArgumentError("unit has no tensors");
+  if (world < 1) return absl::InvalidArgumentError("world size must be at least 1");
+  if (align < 1) return absl::InvalidArgumentError("alignment must be at least 1 element");
+  for (const auto& it : items) {
+    if (it.numel < 1 || it.granule < 1 || it.granule > it.numel) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("bad tensor size: numel ", it.numel, ", granule ", it.granule));
+    }
+  }
+  const int64_t upper = AlwaysFeasible(items, align);
+  int64_t wmax = 0;
+  if (__builtin_mul_overflow(upper, world, &wmax)) {
+    return absl::OutOfRangeError(absl::StrCat("world size ", world, " times the unit's ", upper,
+                                              " elements overflows int64"));
+  }
+
+  UnitSolution sol;
+  sol.lb1 = LowerBound1(items, world, align);
+  const CandidateSet candidates(items, align);
+  sol.lb2 = candidates.Next(sol.lb1);
+  const Orders orders = MakeOrders(items);
+  std::vector<int64_t> offsets(items.size());
+
+  auto test = [&](int64_t s, auto&& feasible) {
+    ++sol.feasibility_tests;
+    return feasible(s);
+  };
+  auto paper = [&](int64_t s) { return FeasiblePaper(items, orders, s, world, align, &offsets); };
+
+  // The paper's search: binary search over the shard sizes that are multiples of
+  // L = lcm(granules of the tensors that contain a whole shard). Which tensors contain a whole
+  // shard depends on S (numel >= 2S), so the candidates are those S that are multiples of the L
+  // of their own; feasibility is the greedy earliest placement in model order, assumed monotone.
+  int64_t paper_s = upper;
+  {
+    int64_t lo = sol.lb2;  // the first candidate
+    int64_t hi = lo;
+    int64_t delta = std::max<int64_t>(align, lo);
+    while (hi < upper && !test(hi, paper)) {
+      lo = hi;
+      hi = candidates.Next(hi + delta);
+      delta *= 2;
+    }
+    if (hi >= upper) hi = upper;  // `upper` is always feasible
+    while (true) {
+      const int64_t mid = candidates.Next(lo + (hi - lo) / 2 + 1);
+      if (mid >= hi) break;
+      if (test(mid, paper)) {
+        hi = mid;
+      } else {
+        lo = mid;
+      }
+    }
+    paper_s = hi;
+  }
+  if (mode == SolverMode::kPaper) {
+    sol.shard_elems = paper_s;
+    if (!FeasiblePaper(items, orders, paper_s, world, align, &offsets)) {
+      return absl::InternalError("paper planner lost the placement of its chosen shard size");
+    }
+    sol.offsets = offsets;
+    sol.exact = paper_s == sol.lb2;
+    return sol;
+  }
+
+  // ragged: candidates from LB2 upward, below the paper's S.
+  const bool exact =
+      mode == SolverMode::kRagged && static_cast<int>(items.size()) <= kExactMaxItems;
+  auto feasible = [&](int64_t s) {
+    return exact ? FeasibleExact(items, s, world, align, &offsets)
+                 : FeasibleHeuristic(items, orders, s, world, align, &offsets);
+  };
+  constexpr int kLinearProbes = 64;
+  constexpr int kExactProbes = 4096;
+  int64_t best = paper_s;
+  int64_t s = sol.lb2;
+  int probes = 0;
+  bool exhausted = true;  // every candidate below `best` was tested
+  int64_t last_infeasible = sol.lb2 - 1;
+  while (s < best) {
+    if (probes >= (exact ? kExactProbes : kLinearProbes)) {
+      exhausted = false;
+      break;
+    }
+    ++probes;
+    if (test(s, feasible)) {
+      best = s;
+      break;
+    }
+    last_infeasible = s;
+    s = candidates.Next(s + 1);
+  }
+  if (!exhausted) {
+    // Gallop, then bisect in value space between the last infeasible and the first feasible S.
+    int64_t delta = std::max<int64_t>(align, (s - sol.lb2) / 4 + 1);
+    int64_t lo = last_infeasible;
+    int64_t hi = best;
+    while (true) {
+      int64_t c = candidates.Next(lo + delta);
+      if (c >= hi) break;
+      if (test(c, feasible)) {
+        hi = c;
+        break;
+      }
+      lo = c;
+      delta *= 2;
+    }
+    while (true) {
+      int64_t c = candidates.Next(lo + (hi - lo) / 2 + 1);
+      if (c >= hi) break;
+      if (test(c, feasible)) {
+        hi = c;
+      } else {
+        lo = c;
+      }
+    }
+    best = hi;
+  }
+  sol.shard_elems = best;
+  sol.exact = (exact && exhausted) || best == sol.lb2;
+  // Recompute the placement of the chosen S.
+  bool ok =
+      best == paper_s ? FeasiblePaper(items, orders, best, world, align, &offsets) : feasible(best);
+  if (!ok) return absl::InternalError("planner lost the placement of its chosen shard size");
+  sol.offsets = offsets;
+  return sol;
+}
+
+}  // namespace ragshard

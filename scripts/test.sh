@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Installs missing dependencies, configures, builds and runs every test through ctest.
+# Exits non-zero on any failure. Usage: scripts/test.sh [extra ctest args]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+bash scripts/install-deps.sh
+BUILD_DIR=${BUILD_DIR:-build}
+JOBS=${JOBS:-$(nproc)}
+cmake -S . -B "$BUILD_DIR" -G Ninja \
+  -DCMAKE_BUILD_TYPE=${CMAKE_BUILD_TYPE:-RelWithDebInfo} \
+  -DPython3_EXECUTABLE=/usr/bin/python3 \
+  -DRAGSHARD_WITH_CUDA=${RAGSHARD_WITH_CUDA:-AUTO}
+cmake --build "$BUILD_DIR" -j "$JOBS"
+cd "$BUILD_DIR"
+# ctest prints its summary ("100% tests passed, 0 tests failed out of N") and exits non-zero
+# on any failure.
+ctest --output-on-failure -j "$JOBS" "$@"

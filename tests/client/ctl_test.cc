@@ -1,0 +1,191 @@
+// Runs the real ragshardctl binary and checks its output and exit codes.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "nlohmann/json.hpp"
+
+namespace ragshard {
+namespace {
+
+using ::testing::HasSubstr;
+
+struct Result {
+  int code = -1;
+  std::string out;
+  std::string err;
+};
+
+class CtlTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/ragshardctl_test.XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+  }
+  void TearDown() override { std::system(("rm -rf '" + dir_ + "'").c_str()); }
+
+  std::string Write(const std::string& name, const std::string& body) {
+    std::string path = dir_ + "/" + name;
+    std::ofstream(path) << body;
+    return path;
+  }
+
+  Result Run(const std::string& args) {
+    const std::string out = dir_ + "/stdout", err = dir_ + "/stderr";
+    const std::string cmd = std::string(RAGSHARDCTL_PATH) + " " + args + " >" + out + " 2>" + err;
+    int status = std::system(cmd.c_str());
+    Result r;
+    r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    std::stringstream a, b;
+    a << std::ifstream(out).rdbuf();
+    b << std::ifstream(err).rdbuf();
+    r.out = a.str();
+    r.err = b.str();
+    return r;
+  }
+
+  // Bad input: exit code 2 and exactly one line on stderr that names the field.
+  void ExpectBadInput(const std::string& args, const std::string& field) {
+    Result r = Run(args);
+    EXPECT_EQ(r.code, 2) << args << "\n" << r.err;
+    EXPECT_THAT(r.err, HasSubstr(field)) << args;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+    EXPECT_THAT(r.err, HasSubstr("error: "));
+  }
+
+  std::string Inventory(const std::string& tensors) {
+    return Write("inv.json", "{\"units\": [{\"name\": \"u\", \"tensors\": [" + tensors + "]}]}");
+  }
+
+  std::string dir_;
+};
+
+TEST_F(CtlTest, PlanJsonHasThePlanMetricsAndTiming) {
+  Result r = Run("plan --model llama3-8b --world 8 --granule rows:128 --json");
+  ASSERT_EQ(r.code, 0) << r.err;
+  auto j = nlohmann::json::parse(r.out);
+  ASSERT_EQ(j["units"].size(), 34u);
+  for (const auto& u : j["units"]) {
+    ASSERT_TRUE(u.contains("name") && u.contains("dtype") && u.contains("shard_elems"));
+    for (const auto& t : u["tensors"]) {
+      int64_t sum = 0;
+      for (const auto& c : t["rank_elems"]) sum += c.get<int64_t>();
+      EXPECT_EQ(sum, t["numel"].get<int64_t>());
+      EXPECT_TRUE(t.contains("offset") && t.contains("granule_elems") && t.contains("first_rank"));
+    }
+  }
+  for (const char* key :
+       {"padding_elems", "padding_pct", "imbalance", "blocks128_split", "blocks32_split",
+        "matrices_split", "copy_bytes_per_step", "lower_bound_gap_pct"}) {
+    EXPECT_TRUE(j["metrics"].contains(key)) << key;
+  }
+  EXPECT_EQ(j["metrics"]["blocks128_split"], 0);
+  EXPECT_TRUE(j["timing"].contains("plan_seconds"));
+  EXPECT_FALSE(j["units"][0].contains("plan_seconds"));
+}
+
+TEST_F(CtlTest, BaselineJsonHasSegmentLists) {
+  std::string inv = Inventory("{\"name\": \"w\", \"shape\": [10, 4], \"dtype\": \"bf16\"}");
+  Result r = Run("plan --inventory " + inv + " --world 4 --policy fsdp2 --json");
+  ASSERT_EQ(r.code, 0) << r.err;
+  auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["metrics"]["padding_elems"], 8);
+  const auto& segs = j["groups"][0]["segments"];
+  ASSERT_EQ(segs.size(), 4u);
+  EXPECT_EQ(segs[3]["segments"][0], nlohmann::json::array({"w", 36, 4}));
+}
+
+TEST_F(CtlTest, HumanPlanPrintsUnitsAndTotals) {
+  Result r = Run("plan --model mixtral-8x7b --world 64 --granule rows:128 --policy ragged-paper");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("layers.31"));
+  EXPECT_THAT(r.out, HasSubstr("total:"));
+  EXPECT_THAT(r.out, HasSubstr("plan time"));
+}
+
+TEST_F(CtlTest, CompareDeepSeekV3PrintsEveryPolicy) {
+  Result r = Run("compare --model deepseek-v3 --world 1024 --granule rows:128");
+  ASSERT_EQ(r.code, 0) << r.err;
+  for (const char* p :
+       {"ragged ", "ragged-paper", "fsdp2", "fsdp1", "zero3", "megatron-do", "megatron-fsdp"}) {
+    EXPECT_THAT(r.out, HasSubstr(p));
+  }
+  Result j = Run("compare --model llama-7b --world 64 --json");
+  ASSERT_EQ(j.code, 0);
+  EXPECT_EQ(nlohmann::json::parse(j.out)["policies"].size(), 7u);
+}
+
+TEST_F(CtlTest, BadFlagsAreRejected) {
+  ExpectBadInput("plan --model gpt5 --world 8", "unknown model 'gpt5'");
+  ExpectBadInput("plan --model llama3-8b --world 8 --policy fsdp3", "--policy");
+  ExpectBadInput("plan --model llama3-8b --world 0", "--world");
+  ExpectBadInput("plan --model llama3-8b --world=-4", "--world");
+  ExpectBadInput("plan --model llama3-8b --world 1048577", "--world");
+  ExpectBadInput("plan --model llama3-8b --world abc", "--world");
+  ExpectBadInput("plan --model llama3-8b", "--world");
+  ExpectBadInput("plan --world 8", "--model");
+  ExpectBadInput("plan --model llama3-8b --world 8 --granule rows:0", "granule");
+  ExpectBadInput("plan --model llama3-8b --world 8 --granule rows:-3", "granule");
+  ExpectBadInput("plan --model llama3-8b --world 8 --granule tiles", "granule");
+  ExpectBadInput("plan --model llama3-8b --world 8 --align-bytes 0", "--align-bytes");
+  ExpectBadInput("compare --model llama3-8b --world 99999999", "--world");
+  ExpectBadInput("frobnicate", "frobnicate");
+}
+
+TEST_F(CtlTest, BadInventoriesAreRejected) {
+  ExpectBadInput("plan --inventory " + Write("bad.json", "{\"units\": [") + " --world 4",
+                 "malformed JSON");
+  ExpectBadInput("plan --inventory " + dir_ + "/missing.json --world 4", "cannot open");
+  ExpectBadInput("plan --inventory " +
+                     Inventory("{\"name\": \"a\", \"shape\": [0, 4], \"dtype\": \"bf16\"}") +
+                     " --world 4",
+                 "shape[0]");
+  ExpectBadInput("plan --inventory " +
+                     Inventory("{\"name\": \"a\", \"shape\": [4, -4], \"dtype\": \"bf16\"}") +
+                     " --world 4",
+                 "shape[1]");
+  ExpectBadInput(
+      "plan --inventory " +
+          Inventory("{\"name\": \"a\", \"shape\": [9223372036854775807, 2], \"dtype\": \"bf16\"}") +
+          " --world 4",
+      "overflows int64");
+  ExpectBadInput("plan --inventory " +
+                     Inventory("{\"name\": \"a\", \"shape\": [4, 4], \"dtype\": \"bf16\", "
+                               "\"granule\": \"rows:0\"}") +
+                     " --world 4",
+                 "granule");
+  ExpectBadInput("plan --inventory " + Inventory("") + " --world 4", "empty unit");
+  ExpectBadInput("plan --inventory " +
+                     Inventory("{\"name\": \"a\", \"shape\": [4], \"dtype\": \"bf16\"},"
+                               "{\"name\": \"a\", \"shape\": [4], \"dtype\": \"bf16\"}") +
+                     " --world 4",
+                 "duplicate tensor name");
+  ExpectBadInput("plan --inventory " +
+                     Inventory("{\"name\": \"a\", \"shape\": [4], \"dtype\": \"complex64\"}") +
+                     " --world 4",
+                 "dtype");
+}
+
+TEST_F(CtlTest, OverflowingPlansAreBadInputNotCrashes) {
+  std::string inv = Inventory(
+      "{\"name\": \"a\", \"shape\": [1048576, 1048576, 1024], \"dtype\": \"bf16\", \"granule\": "
+      "\"whole\"}");
+  ExpectBadInput("plan --inventory " + inv + " --world 1048576", "overflows");
+}
+
+TEST_F(CtlTest, HelpExitsZero) {
+  Result r = Run("--help");
+  EXPECT_EQ(r.code, 0);
+  EXPECT_THAT(r.out, HasSubstr("plan"));
+}
+
+}  // namespace
+}  // namespace ragshard
