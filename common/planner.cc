@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <map>
 #include <numeric>
 #include <set>
 
@@ -203,11 +204,22 @@ absl::StatusOr<v1::Plan> BuildPlan(const Inventory& inventory, const PlanOptions
   plan.set_planner_version(std::string(kPlannerVersion));
   LowerBoundTotals lb;
   int64_t allocated = 0;
+  std::map<std::vector<int64_t>, absl::StatusOr<UnitSolution>> solved;
   for (const DTypeGroup& group : GroupByDType(inventory)) {
     const UnitSpec& unit = inventory.units(group.unit);
     std::vector<UnitItem> items = Items(inventory, group);
     const int64_t align = AlignElems(options.align_bytes, group.dtype);
-    auto sol = SolveUnit(items, options.world, align, mode);
+    // Units with the same tensor sizes (the decoder layers, usually) have the same solution.
+    std::vector<int64_t> key = {align};
+    for (const UnitItem& it : items) {
+      key.push_back(it.numel);
+      key.push_back(it.granule);
+    }
+    auto cached = solved.find(key);
+    if (cached == solved.end()) {
+      cached = solved.emplace(key, SolveUnit(items, options.world, align, mode)).first;
+    }
+    const absl::StatusOr<UnitSolution>& sol = cached->second;
     if (!sol.ok()) {
       return absl::Status(sol.status().code(),
                           absl::StrCat("unit '", unit.name(), "' (", DTypeName(group.dtype),

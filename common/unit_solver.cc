@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <limits>
+#include <functional>
 #include <numeric>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 
@@ -144,16 +146,72 @@ bool FeasibleHeuristic(const std::vector<UnitItem>& items, const Orders& orders,
 
 // Exact for a given S: for a fixed order, the earliest valid offset of each tensor is optimal
 // (its validity depends on its own offset only, and an earlier end never constrains the rest
-// more), so trying every order with append-only placement decides feasibility exactly.
-bool FeasibleExact(const std::vector<UnitItem>& items, int64_t s, int64_t world, int64_t align,
-                   std::vector<int64_t>* offsets) {
-  std::vector<int> order(items.size());
-  std::iota(order.begin(), order.end(), 0);
-  do {
-    if (PlaceAppend(items, order, s, world, align, offsets)) return true;
-  } while (std::next_permutation(order.begin(), order.end()));
-  return false;
-}
+// more), so trying every order with append-only placement decides feasibility exactly. Tensors
+// with the same (numel, granule) are interchangeable, so only distinct orders of the multiset
+// are tried.
+class ExactChecker {
+ public:
+  explicit ExactChecker(const std::vector<UnitItem>& items) : items_(items) {
+    std::vector<std::pair<int64_t, int64_t>> kinds;
+    for (const auto& it : items) kinds.push_back({it.numel, it.granule});
+    std::vector<std::pair<int64_t, int64_t>> distinct = kinds;
+    std::sort(distinct.begin(), distinct.end());
+    distinct.erase(std::unique(distinct.begin(), distinct.end()), distinct.end());
+    members_.resize(distinct.size());
+    for (size_t i = 0; i < items.size(); ++i) {
+      size_t k = static_cast<size_t>(
+          std::lower_bound(distinct.begin(), distinct.end(), kinds[i]) - distinct.begin());
+      members_[k].push_back(static_cast<int>(i));
+      types_.push_back(static_cast<int>(k));
+    }
+    std::sort(types_.begin(), types_.end());
+    // Number of distinct orders n! / prod(c!), saturating.
+    double count = 1;
+    int n = 0;
+    for (const auto& m : members_) {
+      for (size_t c = 1; c <= m.size(); ++c) count = count * (++n) / static_cast<double>(c);
+    }
+    orders_ = count;
+  }
+
+  double orders() const { return orders_; }
+
+  // Depth-first over the distinct orders, remembering (tensors left, end so far) states that
+  // failed: different prefixes often reach the same state.
+  bool Feasible(int64_t s, int64_t world, int64_t align, std::vector<int64_t>* offsets) const {
+    std::vector<size_t> left(members_.size());
+    for (size_t k = 0; k < members_.size(); ++k) left[k] = members_[k].size();
+    std::set<std::pair<std::vector<size_t>, int64_t>> failed;
+    const int64_t total = s * world;
+    std::function<bool(int64_t, size_t)> dfs = [&](int64_t cur, size_t placed) {
+      if (placed == items_.size()) return true;
+      if (failed.count({left, cur})) return false;
+      for (size_t k = 0; k < members_.size(); ++k) {
+        if (left[k] == 0) continue;
+        const int idx = members_[k][members_[k].size() - left[k]];
+        const UnitItem& it = items_[idx];
+        const int64_t p = EarliestPlacement(cur, total, it.numel, it.granule, s, align);
+        if (p < 0) continue;
+        --left[k];
+        const bool ok = dfs(p + it.numel, placed + 1);
+        ++left[k];
+        if (ok) {
+          (*offsets)[idx] = p;
+          return true;
+        }
+      }
+      failed.insert({left, cur});
+      return false;
+    };
+    return dfs(0, 0);
+  }
+
+ private:
+  const std::vector<UnitItem>& items_;
+  std::vector<std::vector<int>> members_;  // item indices of each distinct (numel, granule)
+  std::vector<int> types_;                 // the multiset of kinds, sorted
+  double orders_ = 0;
+};
 
 int64_t AlwaysFeasible(const std::vector<UnitItem>& items, int64_t align) {
   // With S >= the aligned sum, everything fits on rank 0 and no cut falls inside a tensor.
@@ -268,21 +326,23 @@ absl::StatusOr<UnitSolution> SolveUnit(const std::vector<UnitItem>& items, int64
   }
 
   // ragged: candidates from LB2 upward, below the paper's S.
-  const bool exact =
-      mode == SolverMode::kRagged && static_cast<int>(items.size()) <= kExactMaxItems;
+  const ExactChecker checker(items);
+  const bool exact = mode == SolverMode::kRagged && checker.orders() <= kExactMaxOrders;
   auto feasible = [&](int64_t s) {
-    return exact ? FeasibleExact(items, s, world, align, &offsets)
+    return exact ? checker.Feasible(s, world, align, &offsets)
                  : FeasibleHeuristic(items, orders, s, world, align, &offsets);
   };
-  constexpr int kLinearProbes = 64;
-  constexpr int kExactProbes = 4096;
+  // Exact units scan as many candidates as about 2^18 order evaluations allow.
+  constexpr int kLinearProbes = 16;
+  const int exact_probes =
+      exact ? static_cast<int>(std::max(16.0, std::min(4096.0, 262144.0 / checker.orders()))) : 0;
   int64_t best = paper_s;
   int64_t s = sol.lb2;
   int probes = 0;
   bool exhausted = true;  // every candidate below `best` was tested
   int64_t last_infeasible = sol.lb2 - 1;
   while (s < best) {
-    if (probes >= (exact ? kExactProbes : kLinearProbes)) {
+    if (probes >= (exact ? exact_probes : kLinearProbes)) {
       exhausted = false;
       break;
     }
@@ -295,6 +355,34 @@ absl::StatusOr<UnitSolution> SolveUnit(const std::vector<UnitItem>& items, int64
     s = candidates.Next(s + 1);
   }
   if (!exhausted) {
+    // Structured candidates: shard sizes that are multiples of the granules of every tensor
+    // longer than f*S, for f = 1 (the tensors that must cross a cut), 1/2, 1/4 and 0 (all), taken
+    // at their fixed point from LB2. When every size is a multiple of the granules, such an S
+    // makes every aligned offset valid.
+    for (const int64_t shift : {0, 1, 2, 62}) {
+      auto lcm_of_long = [&](int64_t at) {
+        int64_t l = align;
+        for (const auto& it : items) {
+          if (shift == 62 || it.numel >= (at >> shift)) l = SatLcm(l, it.granule);
+        }
+        return l;
+      };
+      int64_t c = sol.lb2;
+      while (true) {
+        const int64_t l = lcm_of_long(c);
+        if (l == kInf || l >= best) {
+          c = kInf;
+          break;
+        }
+        const int64_t next = RoundUp(c, l);
+        if (next == c || lcm_of_long(next) == l) {
+          c = next;
+          break;
+        }
+        c = next;
+      }
+      if (c < best && test(c, feasible)) best = c;
+    }
     // Gallop, then bisect in value space between the last infeasible and the first feasible S.
     int64_t delta = std::max<int64_t>(align, (s - sol.lb2) / 4 + 1);
     int64_t lo = last_infeasible;

@@ -22,8 +22,10 @@ struct UnitItem {
 };
 
 enum class SolverMode {
-  // Exact search (all orders) for units of at most kExactMaxItems tensors, the heuristic
-  // otherwise. Never worse than kPaper.
+  // Exact feasibility (every distinct order of the tensors) for units with at most
+  // kExactMaxOrders distinct orders, the heuristic otherwise. Candidates are scanned upward from
+  // LB2; when every candidate below the result was tested, the result is optimal (`exact`).
+  // Never worse than kPaper.
   kRagged,
   // The heuristic path that large units take, forced for every unit (for testing it).
   kRaggedHeuristic,
@@ -33,7 +35,7 @@ enum class SolverMode {
   kPaper,
 };
 
-inline constexpr int kExactMaxItems = 7;
+inline constexpr double kExactMaxOrders = 20000;
 
 struct UnitSolution {
   int64_t shard_elems = 0;
