@@ -80,7 +80,8 @@ int RssChild(const std::string& model, const std::string& world, const std::stri
 }
 
 int Main(int argc, char** argv) {
-  if (argc == 5 && std::string(argv[1]) == "--rss-child") return RssChild(argv[2], argv[3], argv[4]);
+  if (argc == 5 && std::string(argv[1]) == "--rss-child")
+    return RssChild(argv[2], argv[3], argv[4]);
   std::string out_path = "docs/benchmarks/planner.md", csv_path = "docs/benchmarks/planner.csv";
   std::vector<std::string> models;
   for (const auto& m : ModelZoo()) models.push_back(m.name);
@@ -150,13 +151,12 @@ int Main(int argc, char** argv) {
          "blocks128_total,blocks32_split,blocks32_total,matrices_split,matrices_total,"
          "copy_bytes_per_step,lb1_gap_pct,lb2_gap_pct,owner_load_max_over_mean,plan_seconds\n";
   for (const Row& r : rows) {
-    csv << absl::StrFormat("%s,%d,%s,%s,%d,%.6f,%.6f,%d,%d,%d,%d,%d,%d,%d,%.6f,%.6f,%.6f,%.6f\n",
-                           r.model, r.world, r.granule, PolicyName(r.policy), r.m.padding_elems(),
-                           r.m.padding_pct(), r.m.imbalance(), r.m.blocks128_split(),
-                           r.m.blocks128_total(), r.m.blocks32_split(), r.m.blocks32_total(),
-                           r.m.matrices_split(), r.m.matrices_total(), r.m.copy_bytes_per_step(),
-                           r.m.lb1_gap_pct(), r.m.lb2_gap_pct(), r.m.owner_load_max_over_mean(),
-                           r.seconds);
+    csv << absl::StrFormat(
+        "%s,%d,%s,%s,%d,%.6f,%.6f,%d,%d,%d,%d,%d,%d,%d,%.6f,%.6f,%.6f,%.6f\n", r.model, r.world,
+        r.granule, PolicyName(r.policy), r.m.padding_elems(), r.m.padding_pct(), r.m.imbalance(),
+        r.m.blocks128_split(), r.m.blocks128_total(), r.m.blocks32_split(), r.m.blocks32_total(),
+        r.m.matrices_split(), r.m.matrices_total(), r.m.copy_bytes_per_step(), r.m.lb1_gap_pct(),
+        r.m.lb2_gap_pct(), r.m.owner_load_max_over_mean(), r.seconds);
   }
 
   // Index rows by case.
@@ -215,8 +215,9 @@ int Main(int argc, char** argv) {
 
   md << "## Targets\n\n| target | result | status |\n|---|---|---|\n";
   if (have_ds) {
-    md << absl::StrFormat("| DeepSeek-V3, W=1024, rows:128 planned in < 1 s on one core | %.3f s | %s |\n",
-                          ds1024_s, mark(ds1024_s < 1.0));
+    md << absl::StrFormat(
+        "| DeepSeek-V3, W=1024, rows:128 planned in < 1 s on one core | %.3f s | %s |\n", ds1024_s,
+        mark(ds1024_s < 1.0));
     md << absl::StrFormat("| DeepSeek-V3, W=65536, rows:128 planned in < 10 s | %.3f s | %s |\n",
                           ds65536_s, mark(ds65536_s < 10.0));
     md << absl::StrFormat(
@@ -225,10 +226,12 @@ int Main(int argc, char** argv) {
         rss_base / 1024.0, rss1024 / 1024.0, rss65536 / 1024.0,
         mark(rss65536 > 0 && rss65536 - rss_base < 2 * (rss1024 - rss_base) + 16 * 1024));
   }
-  md << absl::StrFormat("| `ragged` splits zero 128×128 blocks at rows:128 | %d cases with splits | %s |\n",
-                        blk128_bad, mark(blk128_bad == 0));
   md << absl::StrFormat(
-      "| `ragged` splits zero 32×32 blocks at rows:32 (and rows:128) | %d cases with splits | %s |\n",
+      "| `ragged` splits zero 128×128 blocks at rows:128 | %d cases with splits | %s |\n",
+      blk128_bad, mark(blk128_bad == 0));
+  md << absl::StrFormat(
+      "| `ragged` splits zero 32×32 blocks at rows:32 (and rows:128) | %d cases with splits | %s "
+      "|\n",
       blk32_bad, mark(blk32_bad == 0));
   md << absl::StrFormat(
       "| `ragged`'s padding never worse than `ragged-paper`'s | worse in %d of %d cases; "
@@ -239,8 +242,9 @@ int Main(int argc, char** argv) {
       cases, Pct(within1, cases), mark(within1 * 10 >= cases * 9));
   md << absl::StrFormat("| distances to LB1 and LB2 reported for every case | %d cases | %s |\n",
                         cases, mark(true));
-  md << absl::StrFormat("| every ragged and ragged-paper plan passes the validator | %d invalid | %s |\n\n",
-                        invalid, mark(invalid == 0));
+  md << absl::StrFormat(
+      "| every ragged and ragged-paper plan passes the validator | %d invalid | %s |\n\n", invalid,
+      mark(invalid == 0));
   md << absl::StrFormat("Slowest `ragged` plan of the run: %.3f s.\n\n", max_ragged_s);
 
   md << "## RaggedShard planners against the lower bounds\n\n";
@@ -251,11 +255,11 @@ int Main(int argc, char** argv) {
     auto& c = by_case[key];
     const Row* rg = c[Policy::kRagged];
     const Row* pp = c[Policy::kRaggedPaper];
-    md << absl::StrFormat("| %s | %d | %s | %.3f | %.3f | %.3f | %.3f | %d | %d | %.3f | %.3f | %.3f |\n",
-                          std::get<0>(key), std::get<1>(key), std::get<2>(key),
-                          rg->m.padding_pct(), pp->m.padding_pct(), rg->m.lb1_gap_pct(),
-                          rg->m.lb2_gap_pct(), rg->m.blocks128_split(), rg->m.blocks32_split(),
-                          rg->m.owner_load_max_over_mean(), rg->seconds, pp->seconds);
+    md << absl::StrFormat(
+        "| %s | %d | %s | %.3f | %.3f | %.3f | %.3f | %d | %d | %.3f | %.3f | %.3f |\n",
+        std::get<0>(key), std::get<1>(key), std::get<2>(key), rg->m.padding_pct(),
+        pp->m.padding_pct(), rg->m.lb1_gap_pct(), rg->m.lb2_gap_pct(), rg->m.blocks128_split(),
+        rg->m.blocks32_split(), rg->m.owner_load_max_over_mean(), rg->seconds, pp->seconds);
   }
 
   md << "\n## Every policy\n\nEach cell: padding % / 128×128 blocks split % / 32×32 blocks split "
@@ -284,7 +288,8 @@ int Main(int argc, char** argv) {
   }
 
   md << "\n## Copies outside the collectives and matrices split (granule rows:128)\n\n";
-  md << "| model | W | policy | copy GB/step/rank | matrices split | plan s |\n|---|---:|---|---:|---:|---:|\n";
+  md << "| model | W | policy | copy GB/step/rank | matrices split | plan s "
+        "|\n|---|---:|---|---:|---:|---:|\n";
   for (const auto& key : order) {
     if (std::get<2>(key) != "rows:128" || (std::get<1>(key) != 64 && std::get<1>(key) != 1024)) {
       continue;

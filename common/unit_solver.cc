@@ -1,8 +1,8 @@
 #include "common/unit_solver.h"
 
 #include <algorithm>
-#include <limits>
 #include <functional>
+#include <limits>
 #include <numeric>
 #include <set>
 
@@ -159,8 +159,8 @@ class ExactChecker {
     distinct.erase(std::unique(distinct.begin(), distinct.end()), distinct.end());
     members_.resize(distinct.size());
     for (size_t i = 0; i < items.size(); ++i) {
-      size_t k = static_cast<size_t>(
-          std::lower_bound(distinct.begin(), distinct.end(), kinds[i]) - distinct.begin());
+      size_t k = static_cast<size_t>(std::lower_bound(distinct.begin(), distinct.end(), kinds[i]) -
+                                     distinct.begin());
       members_[k].push_back(static_cast<int>(i));
       types_.push_back(static_cast<int>(k));
     }
