@@ -32,7 +32,9 @@ TEST(ModelsTest, EveryZooModelMatchesThePublishedTotals) {
     ASSERT_TRUE(ValidateInventory(*inv).ok()) << info.name;
     Totals t = Count(*inv);
     EXPECT_EQ(t.params, info.total_params) << info.name;
-    if (info.tensors > 0) EXPECT_EQ(t.tensors, info.tensors) << info.name;
+    if (info.tensors > 0) {
+      EXPECT_EQ(t.tensors, info.tensors) << info.name;
+    }
   }
 }
 

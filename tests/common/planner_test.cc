@@ -57,7 +57,9 @@ TEST_P(ZooPlanTest, PlansAreValidAndRaggedBeatsPaper) {
   EXPECT_LE(ragged.metrics().padding_elems(), paper.metrics().padding_elems());
   EXPECT_GE(ragged.metrics().lb2_gap_pct(), 0.0);
   EXPECT_GE(ragged.metrics().lb1_gap_pct(), ragged.metrics().lb2_gap_pct());
-  if (c.granule == "rows:128") EXPECT_EQ(ragged.metrics().blocks128_split(), 0);
+  if (c.granule == "rows:128") {
+    EXPECT_EQ(ragged.metrics().blocks128_split(), 0);
+  }
   if (c.granule == "rows:128" || c.granule == "rows:32") {
     EXPECT_EQ(ragged.metrics().blocks32_split(), 0);
   }
