@@ -1,7 +1,9 @@
 #include "client/ctl.h"
 
 #include <cstdio>
+#include <cstdlib>
 #include <iomanip>
+#include <map>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -10,11 +12,13 @@
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "client/planner_client.h"
 #include "common/dtype.h"
 #include "common/inventory.h"
 #include "common/models.h"
 #include "common/plan_json.h"
 #include "common/planner.h"
+#include "google/protobuf/util/json_util.h"
 
 namespace ragshard {
 namespace {
@@ -36,7 +40,7 @@ void AddSourceFlags(CLI::App* cmd, Source* src) {
       "--model", src->model, "zoo model (llama3-8b, deepseek-v3, ...; NAME:grouped, NAME:fused)");
   auto* inv = cmd->add_option("--inventory", src->inventory, "inventory JSON file");
   model->excludes(inv);
-  cmd->add_option("--world", src->world, "world size W (1..1048576)")->required();
+  cmd->add_option("--world", src->world, "world size W (1..1048576)");
   cmd->add_option("--granule", src->granule,
                   "granule for every tensor of 2+ dimensions: element, rows:K or whole");
   cmd->add_option("--align-bytes", src->align_bytes, "alignment in bytes (16; 1 turns it off)");
@@ -192,6 +196,207 @@ int RunCompare(const Source& src, bool as_json, std::ostream& out, std::ostream&
   return kExitOk;
 }
 
+struct Online {
+  std::string planner;
+  ClientSecurityOptions security;
+  bool json = false;
+};
+
+void AddOnlineFlags(CLI::App* app, Online* o) {
+  const char* env = std::getenv("RAGSHARD_PLANNER");
+  o->planner = env != nullptr ? env : "127.0.0.1:7070";
+  app->add_option("--planner", o->planner, "planner address HOST:PORT (env RAGSHARD_PLANNER)");
+  app->add_option("--token-file", o->security.token_file, "bearer token file");
+  app->add_option("--tls-ca", o->security.tls_ca_file,
+                  "CA of the planner's certificate (enables TLS)");
+  app->add_option("--tls-cert", o->security.tls_cert_file, "client certificate (mutual TLS)");
+  app->add_option("--tls-key", o->security.tls_key_file, "client key (mutual TLS)");
+  app->add_option("--tls-server-name", o->security.tls_server_name,
+                  "name to check in the planner's certificate");
+}
+
+std::string OneLine(absl::string_view msg) {
+  std::string out(msg);
+  for (char& c : out) {
+    if (c == '\n') c = ' ';
+  }
+  return out;
+}
+
+int Fail(std::ostream& err, const absl::Status& s) {
+  err << "error: " << OneLine(s.message()) << "\n";
+  return absl::IsInvalidArgument(s) ? kExitBadInput : kExitFailure;
+}
+
+std::string ToJson(const google::protobuf::Message& m) {
+  std::string out;
+  google::protobuf::util::JsonPrintOptions opts;
+  opts.add_whitespace = true;
+  opts.always_print_primitive_fields = true;
+  (void)google::protobuf::util::MessageToJsonString(m, &out, opts);
+  return out;
+}
+
+std::string StatusName(v1::JobStatus s) {
+  std::string n = v1::JobStatus_Name(s);
+  return n.rfind("JOB_", 0) == 0 ? n.substr(4) : n;
+}
+
+int Registered(const v1::Job& job) {
+  int n = 0;
+  for (const auto& r : job.ranks()) n += r.registered() ? 1 : 0;
+  return n;
+}
+
+int RunOnline(const std::string& command, const Online& o, const std::string& id,
+              const std::string& unit, std::ostream& out, std::ostream& err) {
+  PlannerClientOptions opts;
+  opts.address = o.planner;
+  opts.security = o.security;
+  opts.rpc_timeout = std::chrono::milliseconds(10000);
+  auto client_or = GrpcPlannerClient::Create(opts);
+  if (!client_or.ok()) return Fail(err, client_or.status());
+  PlannerClient& client = **client_or;
+  if (command == "health") {
+    absl::Status s = client.Health();
+    if (!s.ok()) return Fail(err, s);
+    out << (o.json ? "{\"status\": \"SERVING\"}" : "SERVING") << "\n";
+    return kExitOk;
+  }
+  if (command == "jobs") {
+    auto jobs = client.ListJobs();
+    if (!jobs.ok()) return Fail(err, jobs.status());
+    if (o.json) {
+      v1::ListJobsResponse resp;
+      for (auto& j : *jobs) *resp.add_jobs() = j;
+      out << ToJson(resp) << "\n";
+      return kExitOk;
+    }
+    out << absl::StrFormat("%-24s %-12s %12s %-13s %11s %5s  %s\n", "JOB", "STATUS", "WORLD",
+                           "POLICY", "REGISTERED", "PLAN", "ERROR");
+    for (const auto& j : *jobs) {
+      out << absl::StrFormat(
+          "%-24s %-12s %12s %-13s %11s %5s  %s\n", j.job_id(), StatusName(j.status()),
+          absl::StrCat(j.mesh().replicate_size(), "x", j.mesh().shard_size()), j.options().policy(),
+          absl::StrCat(Registered(j), "/", j.world_size()),
+          j.plan_version() ? absl::StrCat("v", j.plan_version()) : "-", OneLine(j.error()));
+    }
+    return kExitOk;
+  }
+  if (command == "job show") {
+    auto job = client.GetJob(id);
+    if (!job.ok()) return Fail(err, job.status());
+    if (o.json) {
+      out << ToJson(*job) << "\n";
+      return kExitOk;
+    }
+    const v1::Job& j = *job;
+    out << "job:          " << j.job_id() << "\n"
+        << "status:       " << StatusName(j.status()) << "\n"
+        << "mesh:         " << j.mesh().replicate_size() << " replica(s) x "
+        << j.mesh().shard_size() << " ranks (world " << j.world_size() << ")\n"
+        << "policy:       " << j.options().policy() << ", align " << j.options().align_bytes()
+        << " B" << (j.options().default_granule().empty() ? "" : ", granule ")
+        << j.options().default_granule() << "\n"
+        << "registered:   " << Registered(j) << "/" << j.world_size() << "\n"
+        << "inventory:    "
+        << (j.inventory_sha256().empty() ? "-" : HexString(j.inventory_sha256())) << "\n"
+        << "plan version: " << j.plan_version() << "\n"
+        << "error:        " << (j.error().empty() ? "-" : OneLine(j.error())) << "\n";
+    std::map<std::string, int> per_node;
+    for (const auto& r : j.ranks()) {
+      if (r.registered()) ++per_node[r.node_id()];
+    }
+    for (const auto& [node, n] : per_node) out << "node " << node << ": " << n << " rank(s)\n";
+    return kExitOk;
+  }
+  // plan show / plan metrics
+  auto plan = client.GetPlan(id);
+  if (!plan.ok()) return Fail(err, plan.status());
+  if (command == "plan metrics") {
+    if (o.json) {
+      out << MetricsToJson(plan->metrics()).dump(1) << "\n";
+      return kExitOk;
+    }
+    PolicyResult r;
+    r.policy = *ParsePolicy(plan->policy());
+    r.metrics = plan->metrics();
+    r.plan = *plan;
+    std::ostringstream table;
+    PrintPlanTable(r, table);
+    std::string text = table.str();
+    out << text.substr(text.find("total:"));
+    return kExitOk;
+  }
+  if (!unit.empty()) {
+    const v1::UnitPlan* up = nullptr;
+    for (const auto& u : plan->units()) {
+      if (u.unit() == unit) up = &u;
+    }
+    if (up == nullptr) {
+      return Fail(err, absl::NotFoundError(
+                           absl::StrCat("--unit: job '", id, "' has no unit '", unit, "'")));
+    }
+    if (o.json) {
+      out << ToJson(*up) << "\n";
+      return kExitOk;
+    }
+    out << absl::StrFormat("unit %s (%s), shard_elems %d\n", up->unit(), DTypeName(up->dtype()),
+                           up->shard_elems());
+    out << absl::StrFormat("%-50s %14s %12s %10s %6s %6s %6s\n", "tensor", "offset", "numel",
+                           "granule", "first", "ranks", "owner");
+    for (const auto& t : up->tensors()) {
+      out << absl::StrFormat("%-50s %14d %12d %10d %6d %6d %6s\n", t.name(), t.offset(), t.numel(),
+                             t.granule_elems(), t.first_rank(), t.rank_elems_size(),
+                             t.owner_rank() >= 0 ? absl::StrCat(t.owner_rank()) : "-");
+    }
+    return kExitOk;
+  }
+  if (o.json) {
+    out << ToJson(*plan) << "\n";
+    return kExitOk;
+  }
+  PolicyResult r;
+  r.policy = *ParsePolicy(plan->policy());
+  r.metrics = plan->metrics();
+  r.plan = *plan;
+  out << "job " << id << ", plan v" << plan->version() << ", W=" << plan->world_size() << "\n";
+  PrintPlanTable(r, out);
+  return kExitOk;
+}
+
+int RunNodes(const Online& o, std::ostream& out, std::ostream& err) {
+  PlannerClientOptions opts;
+  opts.address = o.planner;
+  opts.security = o.security;
+  opts.rpc_timeout = std::chrono::milliseconds(10000);
+  auto client = GrpcPlannerClient::Create(opts);
+  if (!client.ok()) return Fail(err, client.status());
+  auto nodes = (*client)->ListNodes();
+  if (!nodes.ok()) return Fail(err, nodes.status());
+  if (o.json) {
+    v1::ListNodesResponse resp;
+    for (auto& n : *nodes) *resp.add_nodes() = n;
+    out << ToJson(resp) << "\n";
+    return kExitOk;
+  }
+  const int64_t now = std::chrono::duration_cast<std::chrono::milliseconds>(
+                          std::chrono::system_clock::now().time_since_epoch())
+                          .count();
+  out << absl::StrFormat("%-20s %-6s %-24s %12s %12s %12s %7s %8s %10s\n", "NODE", "STATUS",
+                         "DATA ADDRESS", "POOL CAP", "POOL USED", "POOL PEAK", "FRAG", "BUFFERS",
+                         "HEARTBEAT");
+  for (const auto& n : *nodes) {
+    const auto& f = n.figures();
+    out << absl::StrFormat("%-20s %-6s %-24s %12s %12s %12s %6.1f%% %8d %9.1fs\n", n.node_id(),
+                           n.status() == v1::NODE_UP ? "UP" : "LOST", n.data_address(),
+                           Human(f.pool_capacity_bytes()), Human(f.pool_used_bytes()),
+                           Human(f.pool_peak_bytes()), 100.0 * f.pool_fragmentation(), f.buffers(),
+                           (now - n.last_heartbeat_unix_ms()) / 1000.0);
+  }
+  return kExitOk;
+}
+
 }  // namespace
 
 int RunCtl(int argc, const char* const* argv, std::ostream& out, std::ostream& err) {
@@ -213,6 +418,39 @@ int RunCtl(int argc, const char* const* argv, std::ostream& out, std::ostream& e
   CLI::App* cmp = app.add_subcommand("compare", "compare every policy side by side");
   AddSourceFlags(cmp, &cmp_src);
   cmp->add_flag("--json", cmp_json, "print JSON");
+
+  // Commands that talk to a planner.
+  Online online;
+  std::string job_id, unit;
+  auto add_online = [&](CLI::App* parent, const std::string& name, const std::string& help,
+                        bool with_id) {
+    CLI::App* c = parent->add_subcommand(name, help);
+    AddOnlineFlags(c, &online);
+    c->add_flag("--json", online.json, "print JSON");
+    if (with_id) c->add_option("ID", job_id, "job id")->required();
+    return c;
+  };
+  CLI::App* jobs = add_online(&app, "jobs", "list jobs", false);
+  CLI::App* job = app.add_subcommand("job", "show one job");
+  job->require_subcommand(1);
+  CLI::App* job_show = add_online(job, "show", "show one job", true);
+  v1::CreateJobRequest create;
+  int64_t shard = 0, replicate = 1, align = 0, reg_timeout = 0;
+  std::string job_policy, job_granule;
+  CLI::App* job_create = add_online(job, "create", "create a job", true);
+  job_create->add_option("--shard", shard, "ranks per shard group")->required();
+  job_create->add_option("--replicate", replicate, "replicas of the shard group (HSDP)");
+  job_create->add_option("--policy", job_policy, "ragged (default) or ragged-paper");
+  job_create->add_option("--granule", job_granule, "default granule of 2-D+ tensors");
+  job_create->add_option("--align-bytes", align, "alignment in bytes (default 16)");
+  job_create->add_option("--registration-timeout-ms", reg_timeout, "registration deadline");
+  CLI::App* job_delete = add_online(job, "delete", "delete a job (admin token)", true);
+  plan->require_subcommand(0, 1);
+  CLI::App* plan_show = add_online(plan, "show", "show a job's stored plan", true);
+  plan_show->add_option("--unit", unit, "show the tensors of one unit");
+  CLI::App* plan_metrics = add_online(plan, "metrics", "show a job's plan metrics", true);
+  CLI::App* nodes = add_online(&app, "nodes", "list nodes with their pool figures", false);
+  CLI::App* health = add_online(&app, "health", "check the planner's health service", false);
 
   if (argc > 1 && argv[1][0] != '-') {
     auto known = app.get_subcommands([&](CLI::App* sub) { return sub->check_name(argv[1]); });
@@ -237,6 +475,37 @@ int RunCtl(int argc, const char* const* argv, std::ostream& out, std::ostream& e
     err << "error: " << msg << "\n";
     return kExitBadInput;
   }
+  if (jobs->parsed()) return RunOnline("jobs", online, "", "", out, err);
+  if (job_show->parsed()) return RunOnline("job show", online, job_id, "", out, err);
+  if (job_create->parsed() || job_delete->parsed()) {
+    PlannerClientOptions opts;
+    opts.address = online.planner;
+    opts.security = online.security;
+    opts.rpc_timeout = std::chrono::milliseconds(10000);
+    auto client = GrpcPlannerClient::Create(opts);
+    if (!client.ok()) return Fail(err, client.status());
+    if (job_delete->parsed()) {
+      absl::Status s = (*client)->DeleteJob(job_id);
+      if (!s.ok()) return Fail(err, s);
+      out << "job " << job_id << " deleted\n";
+      return kExitOk;
+    }
+    create.set_job_id(job_id);
+    create.mutable_mesh()->set_shard_size(shard);
+    create.mutable_mesh()->set_replicate_size(replicate);
+    create.mutable_options()->set_policy(job_policy);
+    create.mutable_options()->set_default_granule(job_granule);
+    create.mutable_options()->set_align_bytes(static_cast<int32_t>(align));
+    create.mutable_options()->set_registration_timeout_ms(reg_timeout);
+    auto created = (*client)->CreateJob(create);
+    if (!created.ok()) return Fail(err, created.status());
+    out << (online.json ? ToJson(*created) : absl::StrCat("job ", job_id, " created")) << "\n";
+    return kExitOk;
+  }
+  if (plan_show->parsed()) return RunOnline("plan show", online, job_id, unit, out, err);
+  if (plan_metrics->parsed()) return RunOnline("plan metrics", online, job_id, "", out, err);
+  if (nodes->parsed()) return RunNodes(online, out, err);
+  if (health->parsed()) return RunOnline("health", online, "", "", out, err);
   if (plan->parsed()) return RunPlan(plan_src, policy, plan_json, max_segments, out, err);
   if (cmp->parsed()) return RunCompare(cmp_src, cmp_json, out, err);
   err << "error: no command\n";

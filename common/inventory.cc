@@ -352,3 +352,98 @@ void ApplyGranule(Inventory* inventory, const Granule& granule) {
 }
 
 }  // namespace ragshard
+
+#include <openssl/sha.h>
+
+#include "absl/strings/str_join.h"
+#include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
+
+namespace ragshard {
+
+std::string InventorySha256(const Inventory& inventory) {
+  std::string bytes;
+  {
+    google::protobuf::io::StringOutputStream sos(&bytes);
+    google::protobuf::io::CodedOutputStream cos(&sos);
+    cos.SetSerializationDeterministic(true);
+    inventory.SerializeToCodedStream(&cos);
+  }
+  unsigned char digest[SHA256_DIGEST_LENGTH];
+  SHA256(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size(), digest);
+  return std::string(reinterpret_cast<const char*>(digest), SHA256_DIGEST_LENGTH);
+}
+
+std::string HexString(const std::string& bytes) {
+  static const char* kHex = "0123456789abcdef";
+  std::string out;
+  for (unsigned char c : bytes) {
+    out.push_back(kHex[c >> 4]);
+    out.push_back(kHex[c & 15]);
+  }
+  return out;
+}
+
+namespace {
+
+std::string ShapeString(const TensorSpec& t) {
+  return absl::StrCat("[", absl::StrJoin(t.shape(), ", "), "]");
+}
+
+std::string TensorDifference(const TensorSpec& ref, const TensorSpec& got) {
+  if (ref.name() != got.name())
+    return absl::StrCat("name '", got.name(), "' instead of '", ref.name(), "'");
+  if (!std::equal(ref.shape().begin(), ref.shape().end(), got.shape().begin(), got.shape().end())) {
+    return absl::StrCat("shape ", ShapeString(got), " differs from the reference's ",
+                        ShapeString(ref));
+  }
+  if (ref.dtype() != got.dtype()) {
+    return absl::StrCat("dtype ", v1::DType_Name(got.dtype()), " differs from the reference's ",
+                        v1::DType_Name(ref.dtype()));
+  }
+  if (ref.granule_kind() != got.granule_kind() || ref.granule_rows() != got.granule_rows()) {
+    return absl::StrCat("granule ", GranuleName(got), " differs from the reference's ",
+                        GranuleName(ref));
+  }
+  if (ref.optimizer() != got.optimizer()) return "optimizer kind differs from the reference's";
+  return "";
+}
+
+}  // namespace
+
+std::string FirstInventoryDifference(const Inventory& reference, const Inventory& other) {
+  const int units = std::min(reference.units_size(), other.units_size());
+  for (int u = 0; u < units; ++u) {
+    const UnitSpec& a = reference.units(u);
+    const UnitSpec& b = other.units(u);
+    if (a.name() != b.name()) {
+      return absl::StrCat("units[", u, "] is named '", b.name(), "' where the reference has '",
+                          a.name(), "'");
+    }
+    const int tensors = std::min(a.tensors_size(), b.tensors_size());
+    for (int t = 0; t < tensors; ++t) {
+      std::string d = TensorDifference(a.tensors(t), b.tensors(t));
+      if (!d.empty()) {
+        return absl::StrCat("tensor '", a.tensors(t).name(), "' (units[", u, "].tensors[", t,
+                            "]): ", d);
+      }
+    }
+    if (a.tensors_size() > tensors) {
+      return absl::StrCat("tensor '", a.tensors(tensors).name(), "' of unit '", a.name(),
+                          "' is missing");
+    }
+    if (b.tensors_size() > tensors) {
+      return absl::StrCat("tensor '", b.tensors(tensors).name(), "' of unit '", b.name(),
+                          "' is not in the reference");
+    }
+  }
+  if (reference.units_size() > units) {
+    return absl::StrCat("unit '", reference.units(units).name(), "' is missing");
+  }
+  if (other.units_size() > units) {
+    return absl::StrCat("unit '", other.units(units).name(), "' is not in the reference");
+  }
+  return "";
+}
+
+}  // namespace ragshard

@@ -65,3 +65,19 @@ std::string InventoryToJson(const Inventory& inventory);
 void ApplyGranule(Inventory* inventory, const Granule& granule);
 
 }  // namespace ragshard
+
+namespace ragshard {
+
+// SHA-256 (32 raw bytes) of the deterministic serialization of `inventory`: the canonical
+// inventory hash of planner.proto.
+std::string InventorySha256(const Inventory& inventory);
+
+// Lowercase hex of bytes (for messages).
+std::string HexString(const std::string& bytes);
+
+// Empty when the inventories are equal; otherwise a sentence naming the first unit or tensor that
+// differs and how, e.g. "tensor 'layers.0.q.weight' (units[1].tensors[2]): shape [4096, 4096]
+// differs from the reference's [4096, 1024]".
+std::string FirstInventoryDifference(const Inventory& reference, const Inventory& other);
+
+}  // namespace ragshard

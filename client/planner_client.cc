@@ -1,0 +1,286 @@
+#include "client/planner_client.h"
+
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "glog/logging.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "grpcpp/health_check_service_interface.h"
+
+namespace ragshard {
+
+absl::StatusOr<v1::Plan> PlannerClient::WaitForPlan(const std::string& job_id,
+                                                    std::chrono::milliseconds timeout) {
+  absl::Mutex mu;
+  absl::StatusOr<v1::Plan> result = absl::DeadlineExceededError(
+      absl::StrCat("job '", job_id, "' has no plan after ", timeout.count(), " ms"));
+  bool done = false;
+  auto watch = WatchPlan(job_id, [&](const absl::Status& s, const v1::WatchPlanEvent* ev) {
+    absl::MutexLock lock(&mu);
+    if (done) return;
+    if (!s.ok()) {
+      result = s;
+      done = true;
+    } else if (ev->has_plan()) {
+      result = ev->plan();
+      done = true;
+    } else if (ev->status() == v1::JOB_FAILED || ev->status() == v1::JOB_DELETED) {
+      result = absl::FailedPreconditionError(absl::StrCat(
+          "job '", job_id, "' is ", v1::JobStatus_Name(ev->status()), ": ", ev->error()));
+      done = true;
+    }
+  });
+  {
+    absl::MutexLock lock(&mu);
+    mu.AwaitWithTimeout(absl::Condition(&done), absl::FromChrono(timeout));
+  }
+  watch.reset();  // joins the watch thread before `mu` and `result` go away
+  absl::MutexLock lock(&mu);
+  return result;
+}
+
+namespace {
+
+// Runs one watch: a stream, reopened with backoff after transient failures.
+class GrpcPlanWatch final : public PlanWatch {
+ public:
+  GrpcPlanWatch(v1::Planner::Stub* stub, const ClientSecurity* security, std::string job_id,
+                PlanWatchCallback callback, const PlannerClientOptions* options)
+      : stub_(stub),
+        security_(security),
+        job_id_(std::move(job_id)),
+        callback_(std::move(callback)),
+        options_(options) {
+    thread_ = std::thread([this] { Run(); });
+  }
+
+  ~GrpcPlanWatch() override {
+    {
+      absl::MutexLock lock(&mu_);
+      stopped_ = true;
+      if (ctx_) ctx_->TryCancel();
+    }
+    thread_.join();
+  }
+
+ private:
+  bool Stopped() {
+    absl::MutexLock lock(&mu_);
+    return stopped_;
+  }
+
+  void Run() {
+    uint64_t seen_version = 0;
+    auto backoff = options_->watch_initial_backoff;
+    while (!Stopped()) {
+      grpc::ClientContext ctx;
+      Authorize(&ctx, *security_);
+      {
+        absl::MutexLock lock(&mu_);
+        if (stopped_) return;
+        ctx_ = &ctx;
+      }
+      v1::WatchPlanRequest req;
+      req.set_job_id(job_id_);
+      req.set_after_plan_version(seen_version);
+      auto reader = stub_->WatchPlan(&ctx, req);
+      v1::WatchPlanEvent ev;
+      bool got_any = false;
+      while (reader->Read(&ev)) {
+        got_any = true;
+        if (ev.has_plan()) seen_version = std::max(seen_version, ev.plan_version());
+        callback_(absl::OkStatus(), &ev);
+        if (ev.status() == v1::JOB_DELETED) break;
+      }
+      grpc::Status st = reader->Finish();
+      {
+        absl::MutexLock lock(&mu_);
+        ctx_ = nullptr;
+        if (stopped_) return;
+      }
+      if (ev.status() == v1::JOB_DELETED) {
+        callback_(absl::NotFoundError(absl::StrCat("job '", job_id_, "' deleted")), nullptr);
+        return;
+      }
+      const auto code = st.error_code();
+      if (code == grpc::StatusCode::NOT_FOUND || code == grpc::StatusCode::UNAUTHENTICATED ||
+          code == grpc::StatusCode::PERMISSION_DENIED ||
+          code == grpc::StatusCode::INVALID_ARGUMENT) {
+        callback_(FromGrpcStatus(st), nullptr);
+        return;
+      }
+      if (got_any) backoff = options_->watch_initial_backoff;
+      VLOG(1) << "watch of " << job_id_ << " ended (" << st.error_message() << "), retrying in "
+              << backoff.count() << " ms";
+      absl::MutexLock lock(&mu_);
+      mu_.AwaitWithTimeout(absl::Condition(&stopped_), absl::FromChrono(backoff));
+      backoff = std::min(backoff * 2, options_->watch_max_backoff);
+    }
+  }
+
+  v1::Planner::Stub* const stub_;
+  const ClientSecurity* const security_;
+  const std::string job_id_;
+  const PlanWatchCallback callback_;
+  const PlannerClientOptions* const options_;
+  absl::Mutex mu_;
+  bool stopped_ ABSL_GUARDED_BY(mu_) = false;
+  grpc::ClientContext* ctx_ ABSL_GUARDED_BY(mu_) = nullptr;
+  std::thread thread_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<GrpcPlannerClient>> GrpcPlannerClient::Create(
+    PlannerClientOptions options) {
+  if (options.address.empty()) return absl::InvalidArgumentError("--planner: address required");
+  auto security = LoadClientSecurity(options.security);
+  if (!security.ok()) return security.status();
+  return std::unique_ptr<GrpcPlannerClient>(
+      new GrpcPlannerClient(std::move(options), std::move(*security)));
+}
+
+GrpcPlannerClient::GrpcPlannerClient(PlannerClientOptions options, ClientSecurity security)
+    : options_(std::move(options)), security_(std::move(security)) {
+  channel_ = MakeChannel(options_.address, security_);
+  stub_ = v1::Planner::NewStub(channel_);
+}
+
+void GrpcPlannerClient::Prepare(grpc::ClientContext* ctx, std::chrono::milliseconds extra) const {
+  Authorize(ctx, security_);
+  ctx->set_deadline(std::chrono::system_clock::now() + options_.rpc_timeout + extra);
+}
+
+absl::Status GrpcPlannerClient::Wrap(const grpc::Status& status) const {
+  if (status.ok()) return absl::OkStatus();
+  if (status.error_code() == grpc::StatusCode::UNAVAILABLE) {
+    return absl::UnavailableError(
+        absl::StrCat("planner at ", options_.address, " unreachable: ", status.error_message()));
+  }
+  return FromGrpcStatus(status);
+}
+
+#define RAGSHARD_UNARY(method, req, resp)            \
+  grpc::ClientContext ctx;                           \
+  Prepare(&ctx);                                     \
+  grpc::Status st = stub_->method(&ctx, req, &resp); \
+  if (!st.ok()) return Wrap(st)
+
+absl::StatusOr<v1::Job> GrpcPlannerClient::CreateJob(const v1::CreateJobRequest& request) {
+  v1::CreateJobResponse resp;
+  RAGSHARD_UNARY(CreateJob, request, resp);
+  return resp.job();
+}
+
+absl::StatusOr<v1::Job> GrpcPlannerClient::GetJob(const std::string& job_id) {
+  v1::GetJobRequest req;
+  req.set_job_id(job_id);
+  v1::GetJobResponse resp;
+  RAGSHARD_UNARY(GetJob, req, resp);
+  return resp.job();
+}
+
+absl::StatusOr<std::vector<v1::Job>> GrpcPlannerClient::ListJobs() {
+  v1::ListJobsResponse resp;
+  RAGSHARD_UNARY(ListJobs, v1::ListJobsRequest(), resp);
+  return std::vector<v1::Job>(resp.jobs().begin(), resp.jobs().end());
+}
+
+absl::Status GrpcPlannerClient::DeleteJob(const std::string& job_id) {
+  v1::DeleteJobRequest req;
+  req.set_job_id(job_id);
+  v1::DeleteJobResponse resp;
+  RAGSHARD_UNARY(DeleteJob, req, resp);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::Job> GrpcPlannerClient::RegisterRank(const v1::RegisterRankRequest& request) {
+  v1::RegisterRankResponse resp;
+  RAGSHARD_UNARY(RegisterRank, request, resp);
+  return resp.job();
+}
+
+absl::StatusOr<v1::Plan> GrpcPlannerClient::GetPlan(const std::string& job_id) {
+  v1::GetPlanRequest req;
+  req.set_job_id(job_id);
+  v1::GetPlanResponse resp;
+  RAGSHARD_UNARY(GetPlan, req, resp);
+  return std::move(*resp.mutable_plan());
+}
+
+std::unique_ptr<PlanWatch> GrpcPlannerClient::WatchPlan(const std::string& job_id,
+                                                        PlanWatchCallback callback) {
+  return std::make_unique<GrpcPlanWatch>(stub_.get(), &security_, job_id, std::move(callback),
+                                         &options_);
+}
+
+absl::StatusOr<v1::RegisterNodeResponse> GrpcPlannerClient::RegisterNode(
+    const v1::RegisterNodeRequest& request) {
+  v1::RegisterNodeResponse resp;
+  RAGSHARD_UNARY(RegisterNode, request, resp);
+  return resp;
+}
+
+absl::StatusOr<v1::HeartbeatResponse> GrpcPlannerClient::Heartbeat(
+    const v1::HeartbeatRequest& request) {
+  v1::HeartbeatResponse resp;
+  RAGSHARD_UNARY(Heartbeat, request, resp);
+  return resp;
+}
+
+absl::StatusOr<std::vector<v1::Node>> GrpcPlannerClient::ListNodes() {
+  v1::ListNodesResponse resp;
+  RAGSHARD_UNARY(ListNodes, v1::ListNodesRequest(), resp);
+  return std::vector<v1::Node>(resp.nodes().begin(), resp.nodes().end());
+}
+
+absl::Status GrpcPlannerClient::Put(const std::string& job_id, const std::string& key,
+                                    const std::string& value) {
+  v1::PutRequest req;
+  req.set_job_id(job_id);
+  req.set_key(key);
+  req.set_value(value);
+  v1::PutResponse resp;
+  RAGSHARD_UNARY(Put, req, resp);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> GrpcPlannerClient::Get(const std::string& job_id,
+                                                   const std::string& key,
+                                                   std::chrono::milliseconds wait) {
+  v1::GetRequest req;
+  req.set_job_id(job_id);
+  req.set_key(key);
+  req.set_wait_ms(wait.count());
+  v1::GetResponse resp;
+  grpc::ClientContext ctx;
+  Prepare(&ctx, wait);
+  grpc::Status st = stub_->Get(&ctx, req, &resp);
+  if (!st.ok()) return Wrap(st);
+  return resp.value();
+}
+
+absl::Status GrpcPlannerClient::ReportFailure(const v1::ReportFailureRequest& request) {
+  v1::ReportFailureResponse resp;
+  RAGSHARD_UNARY(ReportFailure, request, resp);
+  return absl::OkStatus();
+}
+
+absl::Status GrpcPlannerClient::Health() {
+  auto stub = grpc::health::v1::Health::NewStub(channel_);
+  grpc::health::v1::HealthCheckRequest req;
+  grpc::health::v1::HealthCheckResponse resp;
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  grpc::Status st = stub->Check(&ctx, req, &resp);
+  if (!st.ok()) return Wrap(st);
+  if (resp.status() != grpc::health::v1::HealthCheckResponse::SERVING) {
+    return absl::UnavailableError(absl::StrCat("planner at ", options_.address, " not serving"));
+  }
+  return absl::OkStatus();
+}
+
+#undef RAGSHARD_UNARY
+
+}  // namespace ragshard

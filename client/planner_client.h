@@ -1,0 +1,109 @@
+// The client side of ragshard-planner: an interface, the gRPC implementation and (in
+// fake_planner_client.h) an in-memory fake for tests.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/rpc.h"
+#include "ragshard/v1/planner.grpc.pb.h"
+
+namespace ragshard {
+
+// A running watch; destroying it stops the watch and joins its thread. The callback never runs
+// after the destructor returns.
+class PlanWatch {
+ public:
+  virtual ~PlanWatch() = default;
+};
+
+// Called for each event, in order, from the watch's own thread. A final call with a non-OK
+// status ends the watch (job deleted or not found, or the watch was stopped by a permanent
+// error); transient errors are retried with backoff and never reported.
+using PlanWatchCallback =
+    std::function<void(const absl::Status& status, const v1::WatchPlanEvent* event)>;
+
+// Thread-safe: every method may be called from any thread.
+class PlannerClient {
+ public:
+  virtual ~PlannerClient() = default;
+
+  virtual absl::StatusOr<v1::Job> CreateJob(const v1::CreateJobRequest& request) = 0;
+  virtual absl::StatusOr<v1::Job> GetJob(const std::string& job_id) = 0;
+  virtual absl::StatusOr<std::vector<v1::Job>> ListJobs() = 0;
+  virtual absl::Status DeleteJob(const std::string& job_id) = 0;
+  // Blocks while a hash-only registration waits for the full inventory.
+  virtual absl::StatusOr<v1::Job> RegisterRank(const v1::RegisterRankRequest& request) = 0;
+  virtual absl::StatusOr<v1::Plan> GetPlan(const std::string& job_id) = 0;
+  // Watches plan versions and status changes, reconnecting with backoff and resuming after the
+  // last plan version seen.
+  virtual std::unique_ptr<PlanWatch> WatchPlan(const std::string& job_id,
+                                               PlanWatchCallback callback) = 0;
+  virtual absl::StatusOr<v1::RegisterNodeResponse> RegisterNode(
+      const v1::RegisterNodeRequest& request) = 0;
+  virtual absl::StatusOr<v1::HeartbeatResponse> Heartbeat(const v1::HeartbeatRequest& request) = 0;
+  virtual absl::StatusOr<std::vector<v1::Node>> ListNodes() = 0;
+  virtual absl::Status Put(const std::string& job_id, const std::string& key,
+                           const std::string& value) = 0;
+  // Waits up to `wait` for the key; DEADLINE_EXCEEDED when it does not appear.
+  virtual absl::StatusOr<std::string> Get(const std::string& job_id, const std::string& key,
+                                          std::chrono::milliseconds wait) = 0;
+  virtual absl::Status ReportFailure(const v1::ReportFailureRequest& request) = 0;
+  // SERVING according to the gRPC health service.
+  virtual absl::Status Health() = 0;
+
+  // Blocks until the job has a plan (returns it), fails, is deleted, or `timeout` passes.
+  absl::StatusOr<v1::Plan> WaitForPlan(const std::string& job_id,
+                                       std::chrono::milliseconds timeout);
+};
+
+struct PlannerClientOptions {
+  std::string address;
+  ClientSecurityOptions security;
+  // Deadline of each unary call (Get adds its wait).
+  std::chrono::milliseconds rpc_timeout{30'000};
+  // Watch reconnection backoff.
+  std::chrono::milliseconds watch_initial_backoff{100};
+  std::chrono::milliseconds watch_max_backoff{5'000};
+};
+
+class GrpcPlannerClient final : public PlannerClient {
+ public:
+  static absl::StatusOr<std::unique_ptr<GrpcPlannerClient>> Create(PlannerClientOptions options);
+
+  absl::StatusOr<v1::Job> CreateJob(const v1::CreateJobRequest& request) override;
+  absl::StatusOr<v1::Job> GetJob(const std::string& job_id) override;
+  absl::StatusOr<std::vector<v1::Job>> ListJobs() override;
+  absl::Status DeleteJob(const std::string& job_id) override;
+  absl::StatusOr<v1::Job> RegisterRank(const v1::RegisterRankRequest& request) override;
+  absl::StatusOr<v1::Plan> GetPlan(const std::string& job_id) override;
+  std::unique_ptr<PlanWatch> WatchPlan(const std::string& job_id,
+                                       PlanWatchCallback callback) override;
+  absl::StatusOr<v1::RegisterNodeResponse> RegisterNode(
+      const v1::RegisterNodeRequest& request) override;
+  absl::StatusOr<v1::HeartbeatResponse> Heartbeat(const v1::HeartbeatRequest& request) override;
+  absl::StatusOr<std::vector<v1::Node>> ListNodes() override;
+  absl::Status Put(const std::string& job_id, const std::string& key,
+                   const std::string& value) override;
+  absl::StatusOr<std::string> Get(const std::string& job_id, const std::string& key,
+                                  std::chrono::milliseconds wait) override;
+  absl::Status ReportFailure(const v1::ReportFailureRequest& request) override;
+  absl::Status Health() override;
+
+ private:
+  GrpcPlannerClient(PlannerClientOptions options, ClientSecurity security);
+  void Prepare(grpc::ClientContext* ctx, std::chrono::milliseconds extra = {}) const;
+  // Prefixes errors with the planner address, so "unreachable" says where.
+  absl::Status Wrap(const grpc::Status& status) const;
+
+  const PlannerClientOptions options_;
+  const ClientSecurity security_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Planner::Stub> stub_;
+};
+
+}  // namespace ragshard

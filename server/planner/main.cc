@@ -1,0 +1,89 @@
+// ragshard-planner: the central plan service. Flags are defined here only.
+#include <csignal>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <thread>
+
+#include "CLI/CLI.hpp"
+#include "common/rpc.h"
+#include "glog/logging.h"
+#include "server/planner/server.h"
+
+namespace {
+
+volatile std::sig_atomic_t g_stop = 0;
+void OnSignal(int) { g_stop = 1; }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  google::InitGoogleLogging(argv[0]);
+  FLAGS_logtostderr = true;
+  ragshard::planner::PlannerServerOptions options;
+  std::string port_file, token_file, admin_token_file;
+  int64_t node_timeout_ms = 5000, heartbeat_ms = 1000, registration_timeout_ms = 300000;
+  CLI::App app{"ragshard-planner: jobs, plans, nodes and rendezvous for ragshard"};
+  app.add_option("--listen", options.listen, "HOST:PORT to listen on (port 0 picks one)")
+      ->capture_default_str();
+  app.add_option("--data-dir", options.data_dir,
+                 "directory for the SQLite state (WAL mode: must be on local disk, not NFS)")
+      ->required();
+  app.add_option("--port-file", port_file, "write the bound address here once listening");
+  app.add_option("--token-file", token_file, "bearer token every call must carry");
+  app.add_option("--admin-token-file", admin_token_file, "bearer token for DeleteJob");
+  app.add_option("--tls-cert", options.security.tls_cert_file, "server certificate (PEM)");
+  app.add_option("--tls-key", options.security.tls_key_file, "server private key (PEM)");
+  app.add_option("--tls-client-ca", options.security.tls_client_ca_file,
+                 "CA of client certificates (mutual TLS)");
+  app.add_option("--node-timeout-ms", node_timeout_ms, "a node is LOST after this silence")
+      ->capture_default_str();
+  app.add_option("--heartbeat-interval-ms", heartbeat_ms, "heartbeat interval told to daemons")
+      ->capture_default_str();
+  app.add_option("--registration-timeout-ms", registration_timeout_ms,
+                 "default registration deadline of new jobs")
+      ->capture_default_str();
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;
+  }
+  if (node_timeout_ms < 1 || heartbeat_ms < 1 || registration_timeout_ms < 1) {
+    std::cerr << "error: timeouts must be positive\n";
+    return 2;
+  }
+  options.service.node_timeout = std::chrono::milliseconds(node_timeout_ms);
+  options.service.heartbeat_interval = std::chrono::milliseconds(heartbeat_ms);
+  options.service.default_registration_timeout = std::chrono::milliseconds(registration_timeout_ms);
+  for (auto [path, out] : {std::pair{&token_file, &options.service.token},
+                           std::pair{&admin_token_file, &options.service.admin_token}}) {
+    if (path->empty()) continue;
+    auto token = ragshard::ReadTokenFile(*path);
+    if (!token.ok()) {
+      std::cerr << "error: " << token.status().message() << "\n";
+      return 2;
+    }
+    *out = *token;
+  }
+  auto server = ragshard::planner::PlannerServer::Start(options);
+  if (!server.ok()) {
+    std::cerr << "error: " << server.status().message() << "\n";
+    return 1;
+  }
+  const std::string& addr = (*server)->bound_address();
+  if (!port_file.empty()) {
+    const std::string tmp = port_file + ".tmp";
+    std::ofstream(tmp) << addr << "\n";
+    std::rename(tmp.c_str(), port_file.c_str());
+  }
+  std::printf("ragshard-planner listening on %s\n", addr.c_str());
+  std::fflush(stdout);
+  std::signal(SIGINT, OnSignal);
+  std::signal(SIGTERM, OnSignal);
+  std::thread waiter([&] { (*server)->Wait(); });
+  while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  LOG(INFO) << "planner stopping";
+  (*server)->Shutdown();
+  waiter.join();
+  return 0;
+}

@@ -1,0 +1,60 @@
+#include "server/planner/server.h"
+
+#include "absl/strings/str_cat.h"
+#include "glog/logging.h"
+#include "grpcpp/health_check_service_interface.h"
+
+namespace ragshard::planner {
+
+absl::StatusOr<std::unique_ptr<PlannerServer>> PlannerServer::Start(PlannerServerOptions options) {
+  if (options.data_dir.empty()) return absl::InvalidArgumentError("--data-dir: required");
+  auto creds = LoadServerCredentials(options.security);
+  if (!creds.ok()) return creds.status();
+  auto store = Store::Open(options.data_dir);
+  if (!store.ok()) return store.status();
+  std::unique_ptr<PlannerServer> server(new PlannerServer());
+  auto svc = PlannerService::Create(std::move(*store), options.service);
+  if (!svc.ok()) return svc.status();
+  server->service_ = std::move(*svc);
+
+  const size_t colon = options.listen.rfind(':');
+  if (colon == std::string::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--listen: expected HOST:PORT, got '", options.listen, "'"));
+  }
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(options.listen, *creds, &port);
+  builder.RegisterService(server->service_.get());
+  builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
+  builder.SetMaxSendMessageSize(kMaxMessageBytes);
+  server->server_ = builder.BuildAndStart();
+  if (!server->server_ || port == 0) {
+    server->service_->Shutdown();
+    return absl::UnavailableError(absl::StrCat("cannot listen on '", options.listen, "'"));
+  }
+  server->bound_address_ = absl::StrCat(options.listen.substr(0, colon), ":", port);
+  server->server_->GetHealthCheckService()->SetServingStatus(true);
+  LOG(INFO) << "planner listening on " << server->bound_address_ << ", data dir "
+            << options.data_dir;
+  return server;
+}
+
+PlannerServer::~PlannerServer() { Shutdown(); }
+
+void PlannerServer::Wait() {
+  if (server_) server_->Wait();
+}
+
+void PlannerServer::Shutdown() {
+  if (shut_down_) return;
+  shut_down_ = true;
+  if (service_) service_->Shutdown();
+  if (server_) {
+    server_->GetHealthCheckService()->SetServingStatus(false);
+    server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  }
+}
+
+}  // namespace ragshard::planner

@@ -1,0 +1,44 @@
+// Runs the planner service on a gRPC server: the listener, TLS, the health service.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "common/rpc.h"
+#include "grpcpp/grpcpp.h"
+#include "server/planner/service.h"
+
+namespace ragshard::planner {
+
+struct PlannerServerOptions {
+  // host:port; port 0 picks a free port (see bound_address()).
+  std::string listen = "127.0.0.1:7070";
+  std::string data_dir;
+  ServerSecurityOptions security;
+  PlannerOptions service;
+};
+
+class PlannerServer {
+ public:
+  static absl::StatusOr<std::unique_ptr<PlannerServer>> Start(PlannerServerOptions options);
+  ~PlannerServer();
+  PlannerServer(const PlannerServer&) = delete;
+  PlannerServer& operator=(const PlannerServer&) = delete;
+
+  // The address actually bound, e.g. "127.0.0.1:40123".
+  const std::string& bound_address() const { return bound_address_; }
+  // Blocks until Shutdown() is called from another thread.
+  void Wait();
+  // Completes parked calls and streams, stops the server. Idempotent.
+  void Shutdown();
+
+ private:
+  PlannerServer() = default;
+  std::unique_ptr<PlannerService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::string bound_address_;
+  bool shut_down_ = false;
+};
+
+}  // namespace ragshard::planner

@@ -1,0 +1,164 @@
+// The ragshard-planner gRPC service (callback API).
+//
+// Threading (docs/threading.md): handlers run on gRPC's callback threads, validate the request,
+// then take `mu_`, which guards all state. Store writes happen under `mu_`, so the database and
+// memory never disagree. Plans are computed outside `mu_`. Reactors of parked calls (hash-only
+// registrations waiting for a full inventory, rendezvous gets waiting for a key) and watch
+// streams are completed after `mu_` is released. One ticker thread of our own expires
+// deadlines and marks nodes LOST.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "ragshard/v1/planner.grpc.pb.h"
+#include "server/planner/store.h"
+#include "server/planner/validation.h"
+
+namespace ragshard::planner {
+
+struct PlannerOptions {
+  // A node that sends no heartbeat for this long becomes LOST.
+  std::chrono::milliseconds node_timeout{5000};
+  // The interval daemons are told to heartbeat at.
+  std::chrono::milliseconds heartbeat_interval{1000};
+  // How often deadlines and node liveness are checked.
+  std::chrono::milliseconds tick{50};
+  std::chrono::milliseconds default_registration_timeout{300'000};
+  // Bearer tokens; empty disables authentication. DeleteJob needs admin_token when it is set
+  // (else token).
+  std::string token;
+  std::string admin_token;
+  ServiceLimits limits;
+  int64_t max_watchers = 1'000'000;
+};
+
+class WatchChannel;
+
+class PlannerService final : public v1::Planner::CallbackService {
+ public:
+  // Loads the stored state. Stored plans are served as stored, never recomputed.
+  static absl::StatusOr<std::unique_ptr<PlannerService>> Create(std::unique_ptr<Store> store,
+                                                                PlannerOptions options);
+  ~PlannerService() override;
+
+  // Completes every parked call and watch stream with UNAVAILABLE and stops the ticker. Call
+  // before shutting the grpc::Server down. Idempotent.
+  void Shutdown();
+
+  grpc::ServerUnaryReactor* CreateJob(grpc::CallbackServerContext* ctx,
+                                      const v1::CreateJobRequest* req,
+                                      v1::CreateJobResponse* resp) override;
+  grpc::ServerUnaryReactor* GetJob(grpc::CallbackServerContext* ctx, const v1::GetJobRequest* req,
+                                   v1::GetJobResponse* resp) override;
+  grpc::ServerUnaryReactor* ListJobs(grpc::CallbackServerContext* ctx,
+                                     const v1::ListJobsRequest* req,
+                                     v1::ListJobsResponse* resp) override;
+  grpc::ServerUnaryReactor* DeleteJob(grpc::CallbackServerContext* ctx,
+                                      const v1::DeleteJobRequest* req,
+                                      v1::DeleteJobResponse* resp) override;
+  grpc::ServerUnaryReactor* RegisterRank(grpc::CallbackServerContext* ctx,
+                                         const v1::RegisterRankRequest* req,
+                                         v1::RegisterRankResponse* resp) override;
+  grpc::ServerUnaryReactor* GetPlan(grpc::CallbackServerContext* ctx, const v1::GetPlanRequest* req,
+                                    v1::GetPlanResponse* resp) override;
+  grpc::ServerWriteReactor<v1::WatchPlanEvent>* WatchPlan(grpc::CallbackServerContext* ctx,
+                                                          const v1::WatchPlanRequest* req) override;
+  grpc::ServerUnaryReactor* RegisterNode(grpc::CallbackServerContext* ctx,
+                                         const v1::RegisterNodeRequest* req,
+                                         v1::RegisterNodeResponse* resp) override;
+  grpc::ServerUnaryReactor* Heartbeat(grpc::CallbackServerContext* ctx,
+                                      const v1::HeartbeatRequest* req,
+                                      v1::HeartbeatResponse* resp) override;
+  grpc::ServerUnaryReactor* ListNodes(grpc::CallbackServerContext* ctx,
+                                      const v1::ListNodesRequest* req,
+                                      v1::ListNodesResponse* resp) override;
+  grpc::ServerUnaryReactor* Put(grpc::CallbackServerContext* ctx, const v1::PutRequest* req,
+                                v1::PutResponse* resp) override;
+  grpc::ServerUnaryReactor* Get(grpc::CallbackServerContext* ctx, const v1::GetRequest* req,
+                                v1::GetResponse* resp) override;
+  grpc::ServerUnaryReactor* ReportFailure(grpc::CallbackServerContext* ctx,
+                                          const v1::ReportFailureRequest* req,
+                                          v1::ReportFailureResponse* resp) override;
+
+ private:
+  using Clock = std::chrono::system_clock;
+
+  // A unary call parked until an event or its deadline.
+  struct Parked {
+    grpc::ServerUnaryReactor* reactor = nullptr;
+    Clock::time_point deadline;
+    // Called with mu_ held; returns the status to finish with (it may fill the response).
+    std::function<grpc::Status(const absl::Status&)> complete;
+  };
+  struct PendingHash {
+    int64_t rank = 0;
+    std::string node_id;
+    std::string sha256;
+    v1::Job* job_out = nullptr;  // the call's response job
+    Parked parked;
+  };
+  struct JobState {
+    v1::Job job;
+    std::optional<Inventory> inventory;  // the reference
+    std::optional<v1::Plan> plan;
+    bool planning = false;
+    std::vector<PendingHash> pending_hash;
+    std::vector<std::shared_ptr<WatchChannel>> watchers;
+    std::map<std::string, std::string> kv;
+  };
+  struct PendingGet {
+    std::string job_id, key;
+    v1::GetResponse* resp = nullptr;
+    Parked parked;
+  };
+  // Work to run after mu_ is released.
+  using Deferred = std::vector<std::function<void()>>;
+
+  PlannerService(std::unique_ptr<Store> store, PlannerOptions options);
+
+  absl::Status Authenticate(grpc::CallbackServerContext* ctx, bool admin) const;
+  static int64_t NowMs();
+  v1::WatchPlanEvent EventFor(const JobState& js, uint64_t after_version) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Persists the job and tells its watchers.
+  absl::Status JobChanged(JobState* js, Deferred* deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RegisterRankLocked(JobState* js, int64_t rank, const std::string& node,
+                          const std::string& sha) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Starts planning when every rank is registered.
+  void MaybePlan(const std::string& job_id, JobState* js, Deferred* deferred)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ComputePlan(std::string job_id);
+  void FailJob(JobState* js, const std::string& error, Deferred* deferred)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ResolvePendingHashes(JobState* js, Deferred* deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  static void Finish(Deferred* deferred, grpc::ServerUnaryReactor* reactor, grpc::Status status);
+  void Tick();
+  void RunTicker();
+
+  const PlannerOptions options_;
+  std::unique_ptr<Store> store_;
+
+  mutable absl::Mutex mu_;
+  std::map<std::string, JobState> jobs_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, v1::Node> nodes_ ABSL_GUARDED_BY(mu_);
+  std::vector<PendingGet> pending_gets_ ABSL_GUARDED_BY(mu_);
+  int64_t watchers_ ABSL_GUARDED_BY(mu_) = 0;
+  bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<std::thread> planners_ ABSL_GUARDED_BY(mu_);
+
+  absl::Notification stop_;
+  std::thread ticker_;
+};
+
+}  // namespace ragshard::planner

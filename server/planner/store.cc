@@ -1,0 +1,202 @@
+#include "server/planner/store.h"
+
+#include "absl/strings/str_cat.h"
+#include "glog/logging.h"
+
+namespace ragshard::planner {
+namespace {
+
+absl::Status SqliteError(sqlite3* db, const std::string& what) {
+  return absl::InternalError(absl::StrCat("sqlite: ", what, ": ", sqlite3_errmsg(db)));
+}
+
+// One move-only owner of a prepared statement.
+class Statement {
+ public:
+  Statement(sqlite3* db, const std::string& sql) : db_(db) {
+    if (sqlite3_prepare_v2(db, sql.c_str(), -1, &stmt_, nullptr) != SQLITE_OK) stmt_ = nullptr;
+  }
+  ~Statement() { sqlite3_finalize(stmt_); }
+  Statement(const Statement&) = delete;
+  Statement& operator=(const Statement&) = delete;
+  sqlite3_stmt* get() const { return stmt_; }
+  bool ok() const { return stmt_ != nullptr; }
+
+ private:
+  sqlite3* db_;
+  sqlite3_stmt* stmt_ = nullptr;
+};
+
+std::string Column(sqlite3_stmt* s, int i) {
+  const void* p = sqlite3_column_blob(s, i);
+  int n = sqlite3_column_bytes(s, i);
+  return p ? std::string(static_cast<const char*>(p), static_cast<size_t>(n)) : std::string();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& data_dir) {
+  const std::string path = data_dir + "/planner.db";
+  sqlite3* db = nullptr;
+  if (sqlite3_open_v2(path.c_str(), &db,
+                      SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_FULLMUTEX,
+                      nullptr) != SQLITE_OK) {
+    absl::Status s = absl::FailedPreconditionError(
+        absl::StrCat("cannot open '", path, "': ", db ? sqlite3_errmsg(db) : "out of memory"));
+    sqlite3_close(db);
+    return s;
+  }
+  std::unique_ptr<Store> store(new Store(db));
+  sqlite3_busy_timeout(db, 5000);
+  for (const char* sql : {
+           "PRAGMA journal_mode=WAL",
+           "PRAGMA synchronous=FULL",
+           "CREATE TABLE IF NOT EXISTS schema_version(version INTEGER NOT NULL)",
+           "CREATE TABLE IF NOT EXISTS jobs(job_id TEXT PRIMARY KEY, job BLOB NOT NULL)",
+           "CREATE TABLE IF NOT EXISTS inventories(job_id TEXT PRIMARY KEY, inventory BLOB NOT "
+           "NULL)",
+           "CREATE TABLE IF NOT EXISTS plans(job_id TEXT NOT NULL, version INTEGER NOT NULL, "
+           "plan BLOB NOT NULL, PRIMARY KEY(job_id, version))",
+           "CREATE TABLE IF NOT EXISTS nodes(node_id TEXT PRIMARY KEY, node BLOB NOT NULL)",
+           "CREATE TABLE IF NOT EXISTS kv(job_id TEXT NOT NULL, key TEXT NOT NULL, value BLOB NOT "
+           "NULL, PRIMARY KEY(job_id, key))",
+       }) {
+    absl::Status s = store->Exec(sql);
+    if (!s.ok()) return s;
+  }
+  Statement q(db, "SELECT version FROM schema_version");
+  if (!q.ok()) return SqliteError(db, "schema_version");
+  if (sqlite3_step(q.get()) == SQLITE_ROW) {
+    int64_t v = sqlite3_column_int64(q.get(), 0);
+    if (v > kSchemaVersion) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          path, ": schema version ", v, " is newer than this planner's ", kSchemaVersion));
+    }
+  } else {
+    absl::Status s = store->Exec(
+        absl::StrCat("INSERT INTO schema_version(version) VALUES (", kSchemaVersion, ")"));
+    if (!s.ok()) return s;
+  }
+  return store;
+}
+
+Store::~Store() {
+  if (sqlite3_close(db_) != SQLITE_OK) LOG(ERROR) << "sqlite close: " << sqlite3_errmsg(db_);
+}
+
+absl::Status Store::Exec(const std::string& sql) {
+  char* err = nullptr;
+  if (sqlite3_exec(db_, sql.c_str(), nullptr, nullptr, &err) != SQLITE_OK) {
+    absl::Status s = absl::InternalError(absl::StrCat("sqlite: ", sql, ": ", err ? err : "?"));
+    sqlite3_free(err);
+    return s;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Store::Upsert(const std::string& sql, const std::vector<std::string>& texts,
+                           const std::string* blob, const int64_t* number) {
+  Statement st(db_, sql);
+  if (!st.ok()) return SqliteError(db_, sql);
+  int i = 1;
+  for (const std::string& t : texts) {
+    sqlite3_bind_text(st.get(), i++, t.data(), static_cast<int>(t.size()), SQLITE_TRANSIENT);
+  }
+  if (number != nullptr) sqlite3_bind_int64(st.get(), i++, *number);
+  if (blob != nullptr) {
+    sqlite3_bind_blob(st.get(), i++, blob->data(), static_cast<int>(blob->size()),
+                      SQLITE_TRANSIENT);
+  }
+  if (sqlite3_step(st.get()) != SQLITE_DONE) return SqliteError(db_, sql);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StoredState> Store::Load() {
+  StoredState out;
+  {
+    Statement st(db_, "SELECT job FROM jobs ORDER BY job_id");
+    if (!st.ok()) return SqliteError(db_, "load jobs");
+    while (sqlite3_step(st.get()) == SQLITE_ROW) {
+      v1::Job job;
+      if (!job.ParseFromString(Column(st.get(), 0))) return absl::DataLossError("corrupt job row");
+      out.jobs.push_back(std::move(job));
+    }
+  }
+  {
+    Statement st(db_, "SELECT job_id, inventory FROM inventories");
+    if (!st.ok()) return SqliteError(db_, "load inventories");
+    while (sqlite3_step(st.get()) == SQLITE_ROW) {
+      out.inventories.push_back({Column(st.get(), 0), Column(st.get(), 1)});
+    }
+  }
+  {
+    // The latest version of each job's plan.
+    Statement st(db_,
+                 "SELECT p.job_id, p.plan FROM plans p JOIN (SELECT job_id, MAX(version) v FROM "
+                 "plans GROUP BY job_id) m ON p.job_id = m.job_id AND p.version = m.v");
+    if (!st.ok()) return SqliteError(db_, "load plans");
+    while (sqlite3_step(st.get()) == SQLITE_ROW) {
+      out.plans.push_back({Column(st.get(), 0), Column(st.get(), 1)});
+    }
+  }
+  {
+    Statement st(db_, "SELECT node FROM nodes ORDER BY node_id");
+    if (!st.ok()) return SqliteError(db_, "load nodes");
+    while (sqlite3_step(st.get()) == SQLITE_ROW) {
+      v1::Node node;
+      if (!node.ParseFromString(Column(st.get(), 0)))
+        return absl::DataLossError("corrupt node row");
+      out.nodes.push_back(std::move(node));
+    }
+  }
+  {
+    Statement st(db_, "SELECT job_id, key, value FROM kv");
+    if (!st.ok()) return SqliteError(db_, "load kv");
+    while (sqlite3_step(st.get()) == SQLITE_ROW) {
+      out.kv.push_back({Column(st.get(), 0), Column(st.get(), 1), Column(st.get(), 2)});
+    }
+  }
+  return out;
+}
+
+absl::Status Store::PutJob(const v1::Job& job) {
+  std::string blob;
+  job.SerializeToString(&blob);
+  return Upsert("INSERT OR REPLACE INTO jobs(job_id, job) VALUES (?, ?)", {job.job_id()}, &blob);
+}
+
+absl::Status Store::PutInventory(const std::string& job_id, const std::string& serialized) {
+  return Upsert("INSERT OR REPLACE INTO inventories(job_id, inventory) VALUES (?, ?)", {job_id},
+                &serialized);
+}
+
+absl::Status Store::PutPlan(const std::string& job_id, uint64_t version,
+                            const std::string& serialized) {
+  const int64_t v = static_cast<int64_t>(version);
+  return Upsert("INSERT OR REPLACE INTO plans(job_id, version, plan) VALUES (?, ?, ?)", {job_id},
+                &serialized, &v);
+}
+
+absl::Status Store::PurgeJobData(const std::string& job_id) {
+  for (const char* table : {"inventories", "plans", "kv"}) {
+    absl::Status s =
+        Upsert(absl::StrCat("DELETE FROM ", table, " WHERE job_id = ?"), {job_id}, nullptr);
+    if (!s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Store::PutNode(const v1::Node& node) {
+  std::string blob;
+  node.SerializeToString(&blob);
+  return Upsert("INSERT OR REPLACE INTO nodes(node_id, node) VALUES (?, ?)", {node.node_id()},
+                &blob);
+}
+
+absl::Status Store::PutKv(const std::string& job_id, const std::string& key,
+                          const std::string& value) {
+  return Upsert("INSERT OR REPLACE INTO kv(job_id, key, value) VALUES (?, ?, ?)", {job_id, key},
+                &value);
+}
+
+}  // namespace ragshard::planner

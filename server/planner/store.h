@@ -1,0 +1,61 @@
+// Durable planner state in SQLite (WAL mode) under --data-dir. The data directory must be on a
+// local disk: SQLite's WAL mode does not work over NFS.
+//
+// Thread-compatible: the service calls it under its own mutex.
+#pragma once
+
+#include <sqlite3.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "ragshard/v1/plan.pb.h"
+#include "ragshard/v1/planner.pb.h"
+
+namespace ragshard::planner {
+
+inline constexpr int kSchemaVersion = 1;
+
+struct StoredState {
+  std::vector<v1::Job> jobs;
+  std::vector<std::pair<std::string, std::string>> inventories;  // job id, serialized Inventory
+  std::vector<std::pair<std::string, std::string>> plans;        // job id, serialized Plan (latest)
+  std::vector<v1::Node> nodes;
+  struct Kv {
+    std::string job_id, key, value;
+  };
+  std::vector<Kv> kv;
+};
+
+class Store {
+ public:
+  // Opens (creating if needed) <data_dir>/planner.db. Fails with FAILED_PRECONDITION when the
+  // file's schema version is newer than this binary's.
+  static absl::StatusOr<std::unique_ptr<Store>> Open(const std::string& data_dir);
+  ~Store();
+  Store(const Store&) = delete;
+  Store& operator=(const Store&) = delete;
+
+  absl::StatusOr<StoredState> Load();
+
+  absl::Status PutJob(const v1::Job& job);
+  absl::Status PutInventory(const std::string& job_id, const std::string& serialized);
+  // Stores plan bytes exactly as given; they are served as stored.
+  absl::Status PutPlan(const std::string& job_id, uint64_t version, const std::string& serialized);
+  // Removes the inventory, plans and rendezvous keys of a job (the job row stays as a tombstone).
+  absl::Status PurgeJobData(const std::string& job_id);
+  absl::Status PutNode(const v1::Node& node);
+  absl::Status PutKv(const std::string& job_id, const std::string& key, const std::string& value);
+
+ private:
+  explicit Store(sqlite3* db) : db_(db) {}
+  absl::Status Exec(const std::string& sql);
+  absl::Status Upsert(const std::string& sql, const std::vector<std::string>& texts,
+                      const std::string* blob, const int64_t* number = nullptr);
+
+  sqlite3* db_;
+};
+
+}  // namespace ragshard::planner

@@ -1,0 +1,174 @@
+#include "server/planner/validation.h"
+
+#include "absl/strings/str_cat.h"
+#include "common/planner.h"
+
+namespace ragshard::planner {
+namespace {
+
+absl::Status Bad(absl::string_view field, absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
+}
+
+bool IdChar(char c) {
+  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' ||
+         c == '.' || c == ':' || c == '/' || c == '-';
+}
+
+absl::Status CheckText(absl::string_view field, const std::string& value, int64_t max_len) {
+  if (static_cast<int64_t>(value.size()) > max_len) {
+    return Bad(field, absl::StrCat("longer than ", max_len, " bytes"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ValidateId(absl::string_view field, const std::string& value, int64_t max_len) {
+  if (value.empty()) return Bad(field, "empty");
+  if (static_cast<int64_t>(value.size()) > max_len) {
+    return Bad(field, absl::StrCat("longer than ", max_len, " characters"));
+  }
+  for (char c : value) {
+    if (!IdChar(c)) {
+      return Bad(field, absl::StrCat("character 0x", absl::Hex(static_cast<unsigned char>(c)),
+                                     " not allowed (allowed: letters, digits and _ . : / -)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateJobId(const std::string& job_id, const ServiceLimits& limits) {
+  return ValidateId("job_id", job_id, limits.max_id_length);
+}
+
+absl::Status ValidateCreateJob(const v1::CreateJobRequest& req, const ServiceLimits& limits) {
+  absl::Status s = ValidateJobId(req.job_id(), limits);
+  if (!s.ok()) return s;
+  const int64_t shard = req.mesh().shard_size(), rep = req.mesh().replicate_size();
+  if (shard < 1 || shard > limits.max_world) {
+    return Bad("mesh.shard_size",
+               absl::StrCat("must be in [1, ", limits.max_world, "], got ", shard));
+  }
+  if (rep < 1 || rep > limits.max_world) {
+    return Bad("mesh.replicate_size",
+               absl::StrCat("must be in [1, ", limits.max_world, "], got ", rep));
+  }
+  if (shard * rep > limits.max_world) {
+    return Bad("mesh", absl::StrCat("shard_size * replicate_size = ", shard * rep, " exceeds ",
+                                    limits.max_world));
+  }
+  const v1::JobOptions& o = req.options();
+  if (!o.policy().empty()) {
+    auto p = ParsePolicy(o.policy());
+    if (!p.ok()) return Bad("options.policy", p.status().message());
+    if (!IsRaggedPolicy(*p)) {
+      return Bad("options.policy",
+                 absl::StrCat("'", o.policy(), "' is a baseline; jobs use ragged or ragged-paper"));
+    }
+  }
+  if (!o.default_granule().empty()) {
+    auto g = ParseGranule(o.default_granule());
+    if (!g.ok()) return Bad("options.default_granule", g.status().message());
+  }
+  if (o.align_bytes() < 0 || o.align_bytes() > 4096) {
+    return Bad("options.align_bytes", absl::StrCat("must be in [0, 4096], got ", o.align_bytes()));
+  }
+  if (o.registration_timeout_ms() < 0 ||
+      o.registration_timeout_ms() > limits.max_registration_timeout_ms) {
+    return Bad("options.registration_timeout_ms",
+               absl::StrCat("must be in [0, ", limits.max_registration_timeout_ms, "], got ",
+                            o.registration_timeout_ms()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateRegisterRank(const v1::RegisterRankRequest& req, const ServiceLimits& limits) {
+  absl::Status s = ValidateJobId(req.job_id(), limits);
+  if (!s.ok()) return s;
+  if (req.rank() < 0 || req.rank() >= limits.max_world) {
+    return Bad("rank", absl::StrCat("must be in [0, ", limits.max_world, "), got ", req.rank()));
+  }
+  s = ValidateId("node_id", req.node_id(), limits.max_id_length);
+  if (!s.ok()) return s;
+  switch (req.inventory_or_hash_case()) {
+    case v1::RegisterRankRequest::kInventory: {
+      absl::Status v = ValidateInventory(req.inventory(), limits.inventory);
+      if (!v.ok()) return Bad("inventory", v.message());
+      return absl::OkStatus();
+    }
+    case v1::RegisterRankRequest::kInventorySha256:
+      if (req.inventory_sha256().size() != 32) {
+        return Bad("inventory_sha256",
+                   absl::StrCat("must be 32 bytes, got ", req.inventory_sha256().size()));
+      }
+      return absl::OkStatus();
+    default:
+      return Bad("inventory_or_hash", "send the inventory or its SHA-256");
+  }
+}
+
+absl::Status ValidateRegisterNode(const v1::RegisterNodeRequest& req, const ServiceLimits& limits) {
+  absl::Status s = ValidateId("node_id", req.node_id(), limits.max_id_length);
+  if (!s.ok()) return s;
+  s = CheckText("data_address", req.data_address(), limits.max_address_length);
+  if (!s.ok()) return s;
+  if (req.capacity_bytes() < 0) {
+    return Bad("capacity_bytes", absl::StrCat("must not be negative, got ", req.capacity_bytes()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateHeartbeat(const v1::HeartbeatRequest& req, const ServiceLimits& limits) {
+  absl::Status s = ValidateId("node_id", req.node_id(), limits.max_id_length);
+  if (!s.ok()) return s;
+  if (req.jobs_size() > limits.max_heartbeat_jobs) {
+    return Bad("jobs", absl::StrCat("more than ", limits.max_heartbeat_jobs, " jobs"));
+  }
+  for (int i = 0; i < req.jobs_size(); ++i) {
+    s = ValidateId(absl::StrCat("jobs[", i, "]"), req.jobs(i), limits.max_id_length);
+    if (!s.ok()) return s;
+  }
+  const auto& f = req.figures();
+  if (f.pool_capacity_bytes() < 0 || f.pool_used_bytes() < 0 || f.pool_peak_bytes() < 0 ||
+      f.buffers() < 0 || f.operations_in_flight() < 0) {
+    return Bad("figures", "counts must not be negative");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidatePut(const v1::PutRequest& req, const ServiceLimits& limits) {
+  absl::Status s = ValidateJobId(req.job_id(), limits);
+  if (!s.ok()) return s;
+  s = ValidateId("key", req.key(), limits.max_key_length);
+  if (!s.ok()) return s;
+  if (static_cast<int64_t>(req.value().size()) > limits.max_value_bytes) {
+    return Bad("value", absl::StrCat("larger than ", limits.max_value_bytes, " bytes"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateGet(const v1::GetRequest& req, const ServiceLimits& limits) {
+  absl::Status s = ValidateJobId(req.job_id(), limits);
+  if (!s.ok()) return s;
+  s = ValidateId("key", req.key(), limits.max_key_length);
+  if (!s.ok()) return s;
+  if (req.wait_ms() < 0 || req.wait_ms() > limits.max_wait_ms) {
+    return Bad("wait_ms",
+               absl::StrCat("must be in [0, ", limits.max_wait_ms, "], got ", req.wait_ms()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateReportFailure(const v1::ReportFailureRequest& req,
+                                   const ServiceLimits& limits) {
+  absl::Status s = ValidateJobId(req.job_id(), limits);
+  if (!s.ok()) return s;
+  s = ValidateId("reporter_node_id", req.reporter_node_id(), limits.max_id_length);
+  if (!s.ok()) return s;
+  s = CheckText("lost_peer", req.lost_peer(), limits.max_address_length);
+  if (!s.ok()) return s;
+  return CheckText("message", req.message(), limits.max_message_length);
+}
+
+}  // namespace ragshard::planner

@@ -1,0 +1,41 @@
+// Validators for every planner request. Each returns INVALID_ARGUMENT naming the field. They are
+// pure functions; the fuzz test throws random and mutated requests at them.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "common/inventory.h"
+#include "ragshard/v1/planner.pb.h"
+
+namespace ragshard::planner {
+
+struct ServiceLimits {
+  int64_t max_world = int64_t{1} << 20;
+  int64_t max_id_length = 128;
+  int64_t max_key_length = 256;
+  int64_t max_value_bytes = 1 << 20;
+  int64_t max_address_length = 512;
+  int64_t max_message_length = 4096;
+  int64_t max_registration_timeout_ms = 24LL * 3600 * 1000;
+  int64_t max_wait_ms = 10LL * 60 * 1000;
+  int64_t max_heartbeat_jobs = 10000;
+  InventoryLimits inventory;
+};
+
+// Ids (job ids, node ids, rendezvous keys): non-empty, at most `max_len` characters of
+// [A-Za-z0-9_.:/-].
+absl::Status ValidateId(absl::string_view field, const std::string& value, int64_t max_len);
+
+absl::Status ValidateCreateJob(const v1::CreateJobRequest& req, const ServiceLimits& limits);
+absl::Status ValidateJobId(const std::string& job_id, const ServiceLimits& limits);
+absl::Status ValidateRegisterRank(const v1::RegisterRankRequest& req, const ServiceLimits& limits);
+absl::Status ValidateRegisterNode(const v1::RegisterNodeRequest& req, const ServiceLimits& limits);
+absl::Status ValidateHeartbeat(const v1::HeartbeatRequest& req, const ServiceLimits& limits);
+absl::Status ValidatePut(const v1::PutRequest& req, const ServiceLimits& limits);
+absl::Status ValidateGet(const v1::GetRequest& req, const ServiceLimits& limits);
+absl::Status ValidateReportFailure(const v1::ReportFailureRequest& req,
+                                   const ServiceLimits& limits);
+
+}  // namespace ragshard::planner

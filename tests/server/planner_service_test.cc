@@ -1,0 +1,348 @@
+// The planner service through its real gRPC server on 127.0.0.1:0 and the gRPC client.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <future>
+#include <thread>
+
+#include "client/planner_client.h"
+#include "common/models.h"
+#include "common/validator.h"
+#include "server/planner/server.h"
+#include "tests/server/test_util.h"
+
+namespace ragshard {
+namespace {
+
+using ::testing::HasSubstr;
+using namespace std::chrono_literals;
+
+class PlannerServiceTest : public ::testing::Test {
+ protected:
+  void SetUp() override { Start(); }
+
+  void Start() {
+    planner::PlannerServerOptions o;
+    o.listen = "127.0.0.1:0";
+    o.data_dir = dir_.path();
+    o.service.node_timeout = 300ms;
+    o.service.tick = 20ms;
+    o.service.default_registration_timeout = 30s;
+    auto server = planner::PlannerServer::Start(o);
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = std::move(*server);
+    PlannerClientOptions co;
+    co.address = server_->bound_address();
+    auto client = GrpcPlannerClient::Create(co);
+    ASSERT_TRUE(client.ok());
+    client_ = std::move(*client);
+  }
+
+  v1::Job Create(const std::string& id, int64_t shard, int64_t timeout_ms = 0) {
+    v1::CreateJobRequest req;
+    req.set_job_id(id);
+    req.mutable_mesh()->set_shard_size(shard);
+    req.mutable_mesh()->set_replicate_size(1);
+    req.mutable_options()->set_registration_timeout_ms(timeout_ms);
+    auto job = client_->CreateJob(req);
+    EXPECT_TRUE(job.ok()) << job.status();
+    return job.ok() ? *job : v1::Job();
+  }
+
+  static Inventory SmallInventory() {
+    auto inv = ParseInventoryJson(R"({"units": [
+        {"name": "layers.0", "tensors": [
+          {"name": "layers.0.w", "shape": [256, 64], "dtype": "bf16", "granule": "rows:32",
+           "optimizer": "matrix"},
+          {"name": "layers.0.b", "shape": [64], "dtype": "bf16"}]},
+        {"name": "layers.1", "tensors": [
+          {"name": "layers.1.w", "shape": [256, 64], "dtype": "bf16", "granule": "rows:32"}]}]})");
+    EXPECT_TRUE(inv.ok());
+    return *inv;
+  }
+
+  absl::StatusOr<v1::Job> RegisterFull(const std::string& job, int64_t rank, const Inventory& inv,
+                                       const std::string& node = "n0") {
+    v1::RegisterRankRequest req;
+    req.set_job_id(job);
+    req.set_rank(rank);
+    req.set_node_id(node);
+    *req.mutable_inventory() = inv;
+    return client_->RegisterRank(req);
+  }
+
+  absl::StatusOr<v1::Job> RegisterHash(const std::string& job, int64_t rank, const std::string& sha,
+                                       const std::string& node = "n0") {
+    v1::RegisterRankRequest req;
+    req.set_job_id(job);
+    req.set_rank(rank);
+    req.set_node_id(node);
+    req.set_inventory_sha256(sha);
+    return client_->RegisterRank(req);
+  }
+
+  testing::TempDir dir_;
+  std::unique_ptr<planner::PlannerServer> server_;
+  std::unique_ptr<GrpcPlannerClient> client_;
+};
+
+TEST_F(PlannerServiceTest, JobsCanBeCreatedListedAndDeleted) {
+  v1::Job job = Create("job-a", 4);
+  EXPECT_EQ(job.status(), v1::JOB_REGISTERING);
+  EXPECT_EQ(job.world_size(), 4);
+  EXPECT_EQ(job.options().policy(), "ragged");
+  EXPECT_EQ(client_
+                ->CreateJob([] {
+                  v1::CreateJobRequest r;
+                  r.set_job_id("job-a");
+                  r.mutable_mesh()->set_shard_size(2);
+                  r.mutable_mesh()->set_replicate_size(1);
+                  return r;
+                }())
+                .status()
+                .code(),
+            absl::StatusCode::kAlreadyExists);
+  Create("job-b", 2);
+  auto jobs = client_->ListJobs();
+  ASSERT_TRUE(jobs.ok());
+  EXPECT_EQ(jobs->size(), 2u);
+  EXPECT_TRUE(client_->DeleteJob("job-a").ok());
+  EXPECT_EQ(client_->GetJob("job-a").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(client_->DeleteJob("job-a").code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(client_->ListJobs()->size(), 1u);
+}
+
+TEST_F(PlannerServiceTest, OneFullInventoryAndHashesMakeTheJobReady) {
+  Create("j", 4);
+  Inventory inv = SmallInventory();
+  const std::string sha = InventorySha256(inv);
+  ASSERT_TRUE(RegisterFull("j", 0, inv).ok());
+  for (int r = 1; r < 4; ++r) ASSERT_TRUE(RegisterHash("j", r, sha, r < 2 ? "n0" : "n1").ok());
+  auto plan = client_->WaitForPlan("j", 10s);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->world_size(), 4);
+  EXPECT_EQ(plan->job_id(), "j");
+  EXPECT_TRUE(ValidatePlan(*plan, &inv).ok()) << ValidatePlan(*plan, &inv);
+  auto job = client_->GetJob("j");
+  EXPECT_EQ(job->status(), v1::JOB_READY);
+  EXPECT_EQ(job->plan_version(), 1u);
+  // Registration is closed, but an identical re-registration (a restarted rank) is accepted.
+  EXPECT_TRUE(RegisterHash("j", 2, sha, "n1").ok());
+  EXPECT_EQ(RegisterHash("j", 2, std::string(32, 'x'), "n1").status().code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(PlannerServiceTest, HashBeforeAnyFullInventoryWaitsForIt) {
+  Create("j", 2);
+  Inventory inv = SmallInventory();
+  auto waiting =
+      std::async(std::launch::async, [&] { return RegisterHash("j", 1, InventorySha256(inv)); });
+  EXPECT_EQ(waiting.wait_for(200ms), std::future_status::timeout);
+  ASSERT_TRUE(RegisterFull("j", 0, inv).ok());
+  auto r = waiting.get();
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(client_->WaitForPlan("j", 10s).ok());
+}
+
+TEST_F(PlannerServiceTest, AMismatchNamesTheFirstDifferingTensorAndCanBeCorrected) {
+  Create("j", 2);
+  Inventory inv = SmallInventory();
+  ASSERT_TRUE(RegisterFull("j", 0, inv).ok());
+  Inventory other = inv;
+  other.mutable_units(1)->mutable_tensors(0)->set_shape(0, 128);
+  auto r = RegisterFull("j", 1, other);
+  ASSERT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("layers.1.w"));
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("shape [128, 64]"));
+  EXPECT_THAT(client_->GetJob("j")->error(), HasSubstr("layers.1.w"));
+  auto h = RegisterHash("j", 1, InventorySha256(other));
+  ASSERT_EQ(h.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(h.status().message()), HasSubstr(HexString(InventorySha256(other))));
+  // The rank registers again with the right inventory.
+  ASSERT_TRUE(RegisterFull("j", 1, inv).ok());
+  EXPECT_TRUE(client_->WaitForPlan("j", 10s).ok());
+}
+
+TEST_F(PlannerServiceTest, NoFullInventoryBeforeTheDeadlineFailsTheJob) {
+  Create("j", 2, /*timeout_ms=*/300);
+  auto r = RegisterHash("j", 1, std::string(32, 'a'));
+  ASSERT_FALSE(r.ok());
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("no rank sent a full inventory"));
+  auto job = client_->GetJob("j");
+  EXPECT_EQ(job->status(), v1::JOB_FAILED);
+  EXPECT_THAT(job->error(), HasSubstr("registration deadline"));
+  auto plan = client_->WaitForPlan("j", 5s);
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(PlannerServiceTest, WatchStreamsStatusChangesAndThePlan) {
+  Create("j", 2);
+  absl::Mutex mu;
+  std::vector<v1::WatchPlanEvent> events;
+  auto watch = client_->WatchPlan("j", [&](const absl::Status& s, const v1::WatchPlanEvent* ev) {
+    absl::MutexLock lock(&mu);
+    if (ev) events.push_back(*ev);
+  });
+  Inventory inv = SmallInventory();
+  ASSERT_TRUE(RegisterFull("j", 0, inv).ok());
+  ASSERT_TRUE(RegisterFull("j", 1, inv).ok());
+  {
+    absl::MutexLock lock(&mu);
+    auto has_plan = [&] { return !events.empty() && events.back().has_plan(); };
+    ASSERT_TRUE(mu.AwaitWithTimeout(absl::Condition(&has_plan), absl::Seconds(10)));
+    EXPECT_EQ(events.front().status(), v1::JOB_REGISTERING);
+    EXPECT_EQ(events.back().status(), v1::JOB_READY);
+    EXPECT_EQ(events.back().plan_version(), 1u);
+  }
+  ASSERT_TRUE(client_->DeleteJob("j").ok());
+  absl::MutexLock lock(&mu);
+  auto deleted = [&] { return events.back().status() == v1::JOB_DELETED; };
+  EXPECT_TRUE(mu.AwaitWithTimeout(absl::Condition(&deleted), absl::Seconds(10)));
+}
+
+TEST_F(PlannerServiceTest, ASilentNodeBecomesLostAndItsJobsDegraded) {
+  v1::RegisterNodeRequest node;
+  node.set_node_id("n1");
+  node.set_data_address("127.0.0.1:5555");
+  node.set_capacity_bytes(1 << 30);
+  ASSERT_TRUE(client_->RegisterNode(node).ok());
+  Create("j", 2);
+  Inventory inv = SmallInventory();
+  ASSERT_TRUE(RegisterFull("j", 0, inv, "n0").ok());
+  ASSERT_TRUE(RegisterFull("j", 1, inv, "n1").ok());
+  ASSERT_TRUE(client_->WaitForPlan("j", 10s).ok());
+  // Heartbeats keep it up.
+  for (int i = 0; i < 5; ++i) {
+    v1::HeartbeatRequest hb;
+    hb.set_node_id("n1");
+    hb.mutable_figures()->set_pool_capacity_bytes(1 << 30);
+    hb.mutable_figures()->set_pool_used_bytes(4096);
+    ASSERT_TRUE(client_->Heartbeat(hb).ok());
+    std::this_thread::sleep_for(100ms);
+  }
+  EXPECT_EQ(client_->GetJob("j")->status(), v1::JOB_READY);
+  auto nodes = client_->ListNodes();
+  ASSERT_EQ(nodes->size(), 1u);
+  EXPECT_EQ((*nodes)[0].figures().pool_used_bytes(), 4096);
+  // Then silence.
+  for (int i = 0; i < 100 && client_->GetJob("j")->status() != v1::JOB_DEGRADED; ++i) {
+    std::this_thread::sleep_for(20ms);
+  }
+  auto job = client_->GetJob("j");
+  EXPECT_EQ(job->status(), v1::JOB_DEGRADED);
+  EXPECT_THAT(job->error(), HasSubstr("node 'n1' lost"));
+  EXPECT_EQ(client_->ListNodes()->at(0).status(), v1::NODE_LOST);
+}
+
+TEST_F(PlannerServiceTest, DeletedJobsAreReleasedThroughHeartbeats) {
+  v1::RegisterNodeRequest node;
+  node.set_node_id("n1");
+  ASSERT_TRUE(client_->RegisterNode(node).ok());
+  Create("keep", 1);
+  Create("drop", 1);
+  ASSERT_TRUE(client_->DeleteJob("drop").ok());
+  v1::HeartbeatRequest hb;
+  hb.set_node_id("n1");
+  hb.add_jobs("keep");
+  hb.add_jobs("drop");
+  hb.add_jobs("never-existed");
+  auto resp = client_->Heartbeat(hb);
+  ASSERT_TRUE(resp.ok());
+  EXPECT_THAT(std::vector<std::string>(resp->release_jobs().begin(), resp->release_jobs().end()),
+              ::testing::ElementsAre("drop", "never-existed"));
+  hb.set_node_id("unknown");
+  EXPECT_EQ(client_->Heartbeat(hb).status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(PlannerServiceTest, RendezvousPutAndWaitingGet) {
+  Create("j", 2);
+  EXPECT_EQ(client_->Get("j", "nccl-id", 0ms).status().code(), absl::StatusCode::kNotFound);
+  auto waiting = std::async(std::launch::async, [&] { return client_->Get("j", "nccl-id", 5s); });
+  std::this_thread::sleep_for(100ms);
+  ASSERT_TRUE(client_->Put("j", "nccl-id", std::string("\0\1\2", 3)).ok());
+  auto got = waiting.get();
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, std::string("\0\1\2", 3));
+  auto late = client_->Get("j", "absent", 200ms);
+  EXPECT_EQ(late.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(client_->Put("nope", "k", "v").code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(PlannerServiceTest, ReportFailureDegradesTheJob) {
+  Create("j", 1);
+  v1::ReportFailureRequest req;
+  req.set_job_id("j");
+  req.set_reporter_node_id("n0");
+  req.set_lost_peer("n1");
+  req.set_message("connection reset");
+  ASSERT_TRUE(client_->ReportFailure(req).ok());
+  EXPECT_EQ(client_->GetJob("j")->status(), v1::JOB_DEGRADED);
+  EXPECT_THAT(client_->GetJob("j")->error(), HasSubstr("peer 'n1' lost"));
+}
+
+TEST_F(PlannerServiceTest, BadRequestsAreInvalidArgumentNamingTheField) {
+  auto expect = [](const absl::Status& s, const std::string& field) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_THAT(std::string(s.message()), HasSubstr(field));
+  };
+  v1::CreateJobRequest c;
+  c.set_job_id("bad id");
+  c.mutable_mesh()->set_shard_size(2);
+  c.mutable_mesh()->set_replicate_size(1);
+  expect(client_->CreateJob(c).status(), "job_id");
+  c.set_job_id(std::string(500, 'a'));
+  expect(client_->CreateJob(c).status(), "job_id");
+  c.set_job_id("ok");
+  c.mutable_mesh()->set_shard_size(0);
+  expect(client_->CreateJob(c).status(), "mesh.shard_size");
+  c.mutable_mesh()->set_shard_size(1 << 20);
+  c.mutable_mesh()->set_replicate_size(2);
+  expect(client_->CreateJob(c).status(), "mesh");
+  c.mutable_mesh()->set_replicate_size(1);
+  c.mutable_options()->set_policy("fsdp2");
+  expect(client_->CreateJob(c).status(), "options.policy");
+  c.mutable_options()->set_policy("ragged");
+  c.mutable_options()->set_default_granule("rows:0");
+  expect(client_->CreateJob(c).status(), "options.default_granule");
+
+  Create("j", 2);
+  expect(RegisterHash("j", 0, "short").status(), "inventory_sha256");
+  expect(RegisterHash("j", 5, std::string(32, 'a')).status(), "rank");
+  Inventory bad = SmallInventory();
+  bad.mutable_units(0)->mutable_tensors(0)->set_shape(0, -1);
+  expect(RegisterFull("j", 0, bad).status(), "inventory");
+  bad = SmallInventory();
+  bad.mutable_units(0)->mutable_tensors(1)->set_name("layers.0.w");
+  expect(RegisterFull("j", 0, bad).status(), "duplicate tensor name");
+  v1::RegisterRankRequest none;
+  none.set_job_id("j");
+  none.set_node_id("n");
+  expect(client_->RegisterRank(none).status(), "inventory_or_hash");
+  expect(client_->Put("j", "", "v"), "key");
+  expect(client_->Put("j", "k", std::string((1 << 20) + 1, 'v')), "value");
+  expect(client_->Get("j", "k", std::chrono::milliseconds(-1)).status(), "wait_ms");
+  v1::RegisterNodeRequest n;
+  n.set_node_id("n\n1");
+  expect(client_->RegisterNode(n).status(), "node_id");
+  EXPECT_EQ(client_->GetPlan("j").status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(PlannerServiceTest, HealthIsServing) { EXPECT_TRUE(client_->Health().ok()); }
+
+TEST_F(PlannerServiceTest, DeepSeekV3InventoryFitsTheMessageLimits) {
+  auto inv = GenerateModel("deepseek-v3");
+  ASSERT_TRUE(inv.ok());
+  ApplyGranule(&*inv, *ParseGranule("rows:128"));
+  Create("ds", 64);
+  ASSERT_TRUE(RegisterFull("ds", 0, *inv).ok());
+  const std::string sha = InventorySha256(*inv);
+  for (int r = 1; r < 64; ++r)
+    ASSERT_TRUE(RegisterHash("ds", r, sha, "n" + std::to_string(r / 8)).ok());
+  auto plan = client_->WaitForPlan("ds", 60s);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->metrics().blocks128_split(), 0);
+  EXPECT_TRUE(ValidatePlan(*plan, &*inv).ok());
+}
+
+}  // namespace
+}  // namespace ragshard

@@ -1,0 +1,116 @@
+// Test helpers: temporary directories and a ragshard-planner child process on 127.0.0.1:0
+// whose bound address is read from its port file.
+#pragma once
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace ragshard::testing {
+
+class TempDir {
+ public:
+  TempDir() {
+    char tmpl[] = "/tmp/ragshard_test.XXXXXX";
+    path_ = mkdtemp(tmpl);
+  }
+  ~TempDir() { std::system(("rm -rf '" + path_ + "'").c_str()); }
+  const std::string& path() const { return path_; }
+  std::string File(const std::string& name, const std::string& body) const {
+    std::string p = path_ + "/" + name;
+    std::ofstream(p) << body;
+    return p;
+  }
+
+ private:
+  std::string path_;
+};
+
+inline std::string ReadAll(const std::string& path) {
+  std::stringstream ss;
+  ss << std::ifstream(path).rdbuf();
+  return ss.str();
+}
+
+// A child process; killed (SIGKILL) and reaped by the destructor if still running.
+class Child {
+ public:
+  Child() = default;
+  explicit Child(std::vector<std::string> argv, const std::string& log = "") {
+    pid_ = fork();
+    if (pid_ == 0) {
+      if (!log.empty()) {
+        FILE* f = std::fopen(log.c_str(), "a");
+        if (f) {
+          dup2(fileno(f), 1);
+          dup2(fileno(f), 2);
+        }
+      }
+      std::vector<char*> args;
+      for (auto& a : argv) args.push_back(a.data());
+      args.push_back(nullptr);
+      execv(args[0], args.data());
+      _exit(127);
+    }
+  }
+  Child(Child&& o) noexcept : pid_(o.pid_) { o.pid_ = -1; }
+  Child& operator=(Child&& o) noexcept {
+    Kill(SIGKILL);
+    pid_ = o.pid_;
+    o.pid_ = -1;
+    return *this;
+  }
+  ~Child() { Kill(SIGKILL); }
+  pid_t pid() const { return pid_; }
+  // Sends `sig` and waits; returns the wait status.
+  int Kill(int sig) {
+    if (pid_ <= 0) return 0;
+    ::kill(pid_, sig);
+    int status = 0;
+    waitpid(pid_, &status, 0);
+    pid_ = -1;
+    return status;
+  }
+  bool Running() {
+    if (pid_ <= 0) return false;
+    int status = 0;
+    return waitpid(pid_, &status, WNOHANG) == 0;
+  }
+
+ private:
+  pid_t pid_ = -1;
+};
+
+// Starts ragshard-planner and waits for its port file. `extra` are additional flags.
+struct PlannerProcess {
+  Child child;
+  std::string address;
+
+  static PlannerProcess Start(const std::string& binary, const std::string& data_dir,
+                              const std::vector<std::string>& extra = {},
+                              const std::string& listen = "127.0.0.1:0") {
+    PlannerProcess p;
+    const std::string port_file = data_dir + "/port";
+    std::remove(port_file.c_str());
+    std::vector<std::string> argv = {binary,   "--listen",    listen,   "--data-dir",
+                                     data_dir, "--port-file", port_file};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    p.child = Child(argv, data_dir + "/planner.log");
+    for (int i = 0; i < 400 && p.address.empty(); ++i) {
+      std::string text = ReadAll(port_file);
+      if (!text.empty() && text.back() == '\n') p.address = text.substr(0, text.size() - 1);
+      if (p.address.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(25));
+    }
+    return p;
+  }
+};
+
+}  // namespace ragshard::testing
