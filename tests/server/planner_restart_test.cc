@@ -1,0 +1,147 @@
+// SIGKILLs a real ragshard-planner once during registration and once after READY, restarts it
+// on the same data directory, and checks that the plan it serves is byte-identical.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "client/planner_client.h"
+#include "common/models.h"
+#include "common/planner.h"
+#include "common/validator.h"
+#include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
+#include "tests/server/test_util.h"
+
+namespace ragshard {
+namespace {
+
+using namespace std::chrono_literals;
+
+std::string Bytes(const v1::Plan& plan) {
+  std::string out;
+  google::protobuf::io::StringOutputStream sos(&out);
+  google::protobuf::io::CodedOutputStream cos(&sos);
+  cos.SetSerializationDeterministic(true);
+  plan.SerializeToCodedStream(&cos);
+  return out;
+}
+
+std::unique_ptr<GrpcPlannerClient> Connect(const std::string& address) {
+  PlannerClientOptions o;
+  o.address = address;
+  o.rpc_timeout = 20s;
+  o.watch_initial_backoff = 50ms;
+  o.watch_max_backoff = 200ms;
+  return std::move(*GrpcPlannerClient::Create(o));
+}
+
+absl::Status Register(PlannerClient& c, int64_t rank, const Inventory& inv, bool full) {
+  v1::RegisterRankRequest req;
+  req.set_job_id("llama");
+  req.set_rank(rank);
+  req.set_node_id(rank < 4 ? "node-a" : "node-b");
+  if (full) {
+    *req.mutable_inventory() = inv;
+  } else {
+    req.set_inventory_sha256(InventorySha256(inv));
+  }
+  return c.RegisterRank(req).status();
+}
+
+TEST(PlannerRestartTest, PlansSurviveSigkillByteForByte) {
+  testing::TempDir dir;
+  auto inv = GenerateModel("llama3-8b");
+  ASSERT_TRUE(inv.ok());
+  ApplyGranule(&*inv, *ParseGranule("rows:128"));
+
+  auto p = testing::PlannerProcess::Start(RAGSHARD_PLANNER_PATH, dir.path());
+  ASSERT_FALSE(p.address.empty()) << testing::ReadAll(dir.path() + "/planner.log");
+  const std::string listen = p.address;  // restarts reuse the port so that watchers reconnect
+  auto client = Connect(p.address);
+  v1::CreateJobRequest create;
+  create.set_job_id("llama");
+  create.mutable_mesh()->set_shard_size(8);
+  create.mutable_mesh()->set_replicate_size(1);
+  create.mutable_options()->set_policy("ragged");
+  ASSERT_TRUE(client->CreateJob(create).ok());
+
+  // A watcher in the library that must ride through both restarts.
+  absl::Mutex mu;
+  std::vector<v1::WatchPlanEvent> events;
+  auto watch = client->WatchPlan("llama", [&](const absl::Status& s, const v1::WatchPlanEvent* ev) {
+    absl::MutexLock lock(&mu);
+    if (ev != nullptr) events.push_back(*ev);
+  });
+
+  ASSERT_TRUE(Register(*client, 0, *inv, true).ok());
+  for (int r = 1; r < 4; ++r) ASSERT_TRUE(Register(*client, r, *inv, false).ok());
+
+  // Kill during registration.
+  p.child.Kill(SIGKILL);
+  p = testing::PlannerProcess::Start(RAGSHARD_PLANNER_PATH, dir.path(), {}, listen);
+  ASSERT_EQ(p.address, listen) << testing::ReadAll(dir.path() + "/planner.log");
+  auto job = client->GetJob("llama");
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->status(), v1::JOB_REGISTERING);
+  int registered = 0;
+  for (const auto& r : job->ranks()) registered += r.registered();
+  EXPECT_EQ(registered, 4);  // the registrations before the kill were kept
+  for (int r = 4; r < 8; ++r) ASSERT_TRUE(Register(*client, r, *inv, false).ok());
+  auto plan = client->WaitForPlan("llama", 30s);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  const std::string before = Bytes(*plan);
+
+  // The plan is the pure function of its inputs.
+  PlanOptions o;
+  o.world = 8;
+  o.job_id = "llama";
+  EXPECT_EQ(Bytes(*BuildPlan(*inv, o)), before);
+
+  // Kill after READY.
+  p.child.Kill(SIGKILL);
+  p = testing::PlannerProcess::Start(RAGSHARD_PLANNER_PATH, dir.path(), {}, listen);
+  ASSERT_EQ(p.address, listen);
+  auto again = client->GetPlan("llama");
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(Bytes(*again), before);
+  EXPECT_EQ(client->GetJob("llama")->status(), v1::JOB_READY);
+
+  // The watcher reconnected and holds the plan, delivered once.
+  absl::MutexLock lock(&mu);
+  auto ready = [&] {
+    for (const auto& e : events) {
+      if (e.has_plan()) return true;
+    }
+    return false;
+  };
+  ASSERT_TRUE(mu.AwaitWithTimeout(absl::Condition(&ready), absl::Seconds(10)));
+  int plans = 0;
+  for (const auto& e : events) {
+    if (e.has_plan()) {
+      ++plans;
+      EXPECT_EQ(Bytes(e.plan()), before);
+    }
+  }
+  EXPECT_EQ(plans, 1);
+}
+
+TEST(PlannerRestartTest, RefusesANewerSchema) {
+  testing::TempDir dir;
+  {
+    auto p = testing::PlannerProcess::Start(RAGSHARD_PLANNER_PATH, dir.path());
+    ASSERT_FALSE(p.address.empty());
+    p.child.Kill(SIGTERM);
+  }
+  ASSERT_EQ(
+      std::system(("sqlite3 " + dir.path() + "/planner.db 'UPDATE schema_version SET version = 99'")
+                      .c_str()),
+      0);
+  testing::Child c({RAGSHARD_PLANNER_PATH, "--listen", "127.0.0.1:0", "--data-dir", dir.path()},
+                   dir.path() + "/second.log");
+  for (int i = 0; i < 200 && c.Running(); ++i) std::this_thread::sleep_for(20ms);
+  EXPECT_FALSE(c.Running());
+  EXPECT_THAT(testing::ReadAll(dir.path() + "/second.log"),
+              ::testing::HasSubstr("schema version 99"));
+}
+
+}  // namespace
+}  // namespace ragshard
