@@ -17,9 +17,9 @@ namespace ragshard::planner {
 // time. Push and Close are thread-safe; reactor calls are made outside the channel's mutex.
 class WatchChannel {
  public:
-  using Event = std::shared_ptr<const v1::WatchPlanEvent>;
+  using Event = std::shared_ptr<const grpc::ByteBuffer>;
 
-  explicit WatchChannel(grpc::ServerWriteReactor<v1::WatchPlanEvent>* reactor)
+  explicit WatchChannel(grpc::ServerWriteReactor<grpc::ByteBuffer>* reactor)
       : reactor_(reactor) {}
 
   // The plan version this watcher was last sent; touched only under the service's mutex.
@@ -27,7 +27,7 @@ class WatchChannel {
 
   // Events are shared between watchers: a DeepSeek-V3 plan is several MB.
   void Push(Event event) {
-    const v1::WatchPlanEvent* start = nullptr;
+    const grpc::ByteBuffer* start = nullptr;
     {
       absl::MutexLock lock(&mu_);
       if (closing_ || done_) return;
@@ -55,7 +55,7 @@ class WatchChannel {
   }
 
   void OnWriteDone(bool ok) {
-    const v1::WatchPlanEvent* next = nullptr;
+    const grpc::ByteBuffer* next = nullptr;
     bool finish = false;
     grpc::Status status;
     {
@@ -93,7 +93,7 @@ class WatchChannel {
   }
 
  private:
-  grpc::ServerWriteReactor<v1::WatchPlanEvent>* const reactor_;
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* const reactor_;
   mutable absl::Mutex mu_;
   std::deque<Event> queue_ ABSL_GUARDED_BY(mu_);
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
@@ -105,7 +105,7 @@ class WatchChannel {
 
 namespace {
 
-class WatchReactor final : public grpc::ServerWriteReactor<v1::WatchPlanEvent> {
+class WatchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
   WatchReactor() : channel_(std::make_shared<WatchChannel>(this)) {}
   std::shared_ptr<WatchChannel> channel() const { return channel_; }
@@ -134,6 +134,14 @@ std::string Deterministic(const google::protobuf::Message& m) {
   cos.SetSerializationDeterministic(true);
   m.SerializeToCodedStream(&cos);
   return out;
+}
+
+// Serializes once; copies of the buffer share its slices.
+std::shared_ptr<const grpc::ByteBuffer> ToBuffer(const v1::WatchPlanEvent& event) {
+  std::string bytes;
+  event.SerializeToString(&bytes);
+  grpc::Slice slice(std::move(bytes));
+  return std::make_shared<const grpc::ByteBuffer>(&slice, 1);
 }
 
 bool Terminal(v1::JobStatus s) { return s == v1::JOB_FAILED || s == v1::JOB_DELETED; }
@@ -279,11 +287,19 @@ absl::Status PlannerService::JobChanged(JobState* js, Deferred* deferred) {
   }
   js->watchers = live;
   if (live.empty()) return s;
-  auto with_plan = std::make_shared<const v1::WatchPlanEvent>(EventFor(*js, 0));
-  auto without_plan = std::make_shared<const v1::WatchPlanEvent>(EventFor(*js, ~uint64_t{0}));
+  if (js->notified_status == js->job.status() && js->notified_error == js->job.error() &&
+      js->notified_version == js->job.plan_version()) {
+    return s;  // nothing a watcher sees changed (e.g. one more rank registered)
+  }
+  js->notified_status = js->job.status();
+  js->notified_error = js->job.error();
+  js->notified_version = js->job.plan_version();
+  WatchChannel::Event with_plan;
+  const WatchChannel::Event without_plan = ToBuffer(EventFor(*js, ~uint64_t{0}));
   for (auto& w : live) {
     WatchChannel::Event ev = without_plan;
     if (w->sent_version < js->job.plan_version() && js->plan) {
+      if (!with_plan) with_plan = ToBuffer(EventFor(*js, 0));
       ev = with_plan;
       w->sent_version = js->job.plan_version();
     }
@@ -604,10 +620,21 @@ grpc::ServerUnaryReactor* PlannerService::GetPlan(grpc::CallbackServerContext* c
   return Reply(ctx, absl::OkStatus());
 }
 
-grpc::ServerWriteReactor<v1::WatchPlanEvent>* PlannerService::WatchPlan(
-    grpc::CallbackServerContext* ctx, const v1::WatchPlanRequest* req) {
+grpc::ServerWriteReactor<grpc::ByteBuffer>* PlannerService::WatchPlan(
+    grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request) {
   auto* reactor = new WatchReactor();
   std::shared_ptr<WatchChannel> channel = reactor->channel();
+  v1::WatchPlanRequest parsed;
+  std::vector<grpc::Slice> slices;
+  std::string bytes;
+  if (request->Dump(&slices).ok()) {
+    for (const auto& sl : slices) bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+  }
+  if (!parsed.ParseFromString(bytes)) {
+    channel->Close(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "malformed WatchPlanRequest"));
+    return reactor;
+  }
+  const v1::WatchPlanRequest* req = &parsed;
   absl::Status s = Authenticate(ctx, false);
   if (s.ok()) s = ValidateJobId(req->job_id(), options_.limits);
   if (!s.ok()) {
@@ -637,7 +664,7 @@ grpc::ServerWriteReactor<v1::WatchPlanEvent>* PlannerService::WatchPlan(
         close = grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "too many watchers");
         closing = true;
       } else {
-        first = std::make_shared<const v1::WatchPlanEvent>(EventFor(js, req->after_plan_version()));
+        first = ToBuffer(EventFor(js, req->after_plan_version()));
         channel->sent_version = std::max(req->after_plan_version(), js.job.plan_version());
         w.push_back(channel);
       }

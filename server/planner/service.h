@@ -45,7 +45,11 @@ struct PlannerOptions {
 
 class WatchChannel;
 
-class PlannerService final : public v1::Planner::CallbackService {
+// WatchPlan is a raw (ByteBuffer) method: an event is serialized once and its slices are shared
+// by every watcher's stream, so fanning a multi-MB plan out to 1024 watchers costs one
+// serialization.
+class PlannerService final
+    : public v1::Planner::WithRawCallbackMethod_WatchPlan<v1::Planner::CallbackService> {
  public:
   // Loads the stored state. Stored plans are served as stored, never recomputed.
   static absl::StatusOr<std::unique_ptr<PlannerService>> Create(std::unique_ptr<Store> store,
@@ -72,8 +76,8 @@ class PlannerService final : public v1::Planner::CallbackService {
                                          v1::RegisterRankResponse* resp) override;
   grpc::ServerUnaryReactor* GetPlan(grpc::CallbackServerContext* ctx, const v1::GetPlanRequest* req,
                                     v1::GetPlanResponse* resp) override;
-  grpc::ServerWriteReactor<v1::WatchPlanEvent>* WatchPlan(grpc::CallbackServerContext* ctx,
-                                                          const v1::WatchPlanRequest* req) override;
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* WatchPlan(grpc::CallbackServerContext* ctx,
+                                                        const grpc::ByteBuffer* request) override;
   grpc::ServerUnaryReactor* RegisterNode(grpc::CallbackServerContext* ctx,
                                          const v1::RegisterNodeRequest* req,
                                          v1::RegisterNodeResponse* resp) override;
@@ -116,6 +120,10 @@ class PlannerService final : public v1::Planner::CallbackService {
     std::vector<PendingHash> pending_hash;
     std::vector<std::shared_ptr<WatchChannel>> watchers;
     std::map<std::string, std::string> kv;
+    // What watchers were last told, so that rank registrations do not wake them.
+    v1::JobStatus notified_status = v1::JOB_STATUS_UNSPECIFIED;
+    std::string notified_error;
+    uint64_t notified_version = 0;
   };
   struct PendingGet {
     std::string job_id, key;

@@ -50,7 +50,7 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& data_dir) 
   sqlite3_busy_timeout(db, 5000);
   for (const char* sql : {
            "PRAGMA journal_mode=WAL",
-           "PRAGMA synchronous=FULL",
+           "PRAGMA synchronous=NORMAL",  // WAL: durable across process crashes (SIGKILL)
            "CREATE TABLE IF NOT EXISTS schema_version(version INTEGER NOT NULL)",
            "CREATE TABLE IF NOT EXISTS jobs(job_id TEXT PRIMARY KEY, job BLOB NOT NULL)",
            "CREATE TABLE IF NOT EXISTS inventories(job_id TEXT PRIMARY KEY, inventory BLOB NOT "
