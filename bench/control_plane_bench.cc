@@ -214,8 +214,9 @@ int Main(int argc, char** argv) {
   md << absl::StrFormat("| plan message size | %.2f MB |\n", plan_bytes / 1e6);
   md << absl::StrFormat("| planner peak RSS (VmHWM) | %.1f MiB (%.1f MiB idle) |\n",
                         rss_peak / 1024.0, rss_idle / 1024.0);
-  md << absl::StrFormat("| CPU time: planner / this process (1024 simulated ranks) | %.1f s / %.1f s |\n",
-                        planner_cpu, bench_cpu);
+  md << absl::StrFormat(
+      "| CPU time: planner / this process (1024 simulated ranks) | %.1f s / %.1f s |\n",
+      planner_cpu, bench_cpu);
   md << absl::StrFormat("| failed calls | %d |\n", failures.load());
   md << absl::StrFormat("| final job status | %s |\n\n",
                         job.ok() ? v1::JobStatus_Name(job->status()) : std::string("?"));

@@ -19,8 +19,7 @@ class WatchChannel {
  public:
   using Event = std::shared_ptr<const grpc::ByteBuffer>;
 
-  explicit WatchChannel(grpc::ServerWriteReactor<grpc::ByteBuffer>* reactor)
-      : reactor_(reactor) {}
+  explicit WatchChannel(grpc::ServerWriteReactor<grpc::ByteBuffer>* reactor) : reactor_(reactor) {}
 
   // The plan version this watcher was last sent; touched only under the service's mutex.
   uint64_t sent_version = 0;
@@ -628,7 +627,8 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* PlannerService::WatchPlan(
   std::vector<grpc::Slice> slices;
   std::string bytes;
   if (request->Dump(&slices).ok()) {
-    for (const auto& sl : slices) bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+    for (const auto& sl : slices)
+      bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
   }
   if (!parsed.ParseFromString(bytes)) {
     channel->Close(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "malformed WatchPlanRequest"));
