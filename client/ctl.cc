@@ -419,20 +419,22 @@ int RunCtl(int argc, const char* const* argv, std::ostream& out, std::ostream& e
   AddSourceFlags(cmp, &cmp_src);
   cmp->add_flag("--json", cmp_json, "print JSON");
 
-  // Commands that talk to a planner.
+  // Commands that talk to a planner; their flags are global.
   Online online;
+  AddOnlineFlags(&app, &online);
   std::string job_id, unit;
   auto add_online = [&](CLI::App* parent, const std::string& name, const std::string& help,
                         bool with_id) {
     CLI::App* c = parent->add_subcommand(name, help);
-    AddOnlineFlags(c, &online);
+    c->fallthrough();  // --planner and the security flags may come before or after the command
     c->add_flag("--json", online.json, "print JSON");
     if (with_id) c->add_option("ID", job_id, "job id")->required();
     return c;
   };
   CLI::App* jobs = add_online(&app, "jobs", "list jobs", false);
-  CLI::App* job = app.add_subcommand("job", "show one job");
+  CLI::App* job = app.add_subcommand("job", "create, show or delete a job");
   job->require_subcommand(1);
+  job->fallthrough();
   CLI::App* job_show = add_online(job, "show", "show one job", true);
   v1::CreateJobRequest create;
   int64_t shard = 0, replicate = 1, align = 0, reg_timeout = 0;
@@ -446,6 +448,7 @@ int RunCtl(int argc, const char* const* argv, std::ostream& out, std::ostream& e
   job_create->add_option("--registration-timeout-ms", reg_timeout, "registration deadline");
   CLI::App* job_delete = add_online(job, "delete", "delete a job (admin token)", true);
   plan->require_subcommand(0, 1);
+  plan->fallthrough();
   CLI::App* plan_show = add_online(plan, "show", "show a job's stored plan", true);
   plan_show->add_option("--unit", unit, "show the tensors of one unit");
   CLI::App* plan_metrics = add_online(plan, "metrics", "show a job's plan metrics", true);
