@@ -12,6 +12,12 @@ namespace {
 using ::testing::HasSubstr;
 using namespace std::chrono_literals;
 
+ClientSecurityOptions TokenOnly(const std::string& path) {
+  ClientSecurityOptions o;
+  o.token_file = path;
+  return o;
+}
+
 std::unique_ptr<GrpcPlannerClient> Connect(const std::string& address,
                                            ClientSecurityOptions security) {
   PlannerClientOptions o;
@@ -55,14 +61,14 @@ TEST(PlannerAuthTest, TokensAreRequiredAndDeleteNeedsTheAdminToken) {
 
   auto anonymous = Connect(p.address, {});
   EXPECT_EQ(anonymous->ListJobs().status().code(), absl::StatusCode::kUnauthenticated);
-  auto guesser = Connect(p.address, {wrong});
+  auto guesser = Connect(p.address, TokenOnly(wrong));
   EXPECT_EQ(guesser->CreateJob(Job("x")).status().code(), absl::StatusCode::kUnauthenticated);
 
-  auto user = Connect(p.address, {token});
+  auto user = Connect(p.address, TokenOnly(token));
   ASSERT_TRUE(user->CreateJob(Job("a")).ok());
   EXPECT_EQ(user->ListJobs()->size(), 1u);
   EXPECT_EQ(user->DeleteJob("a").code(), absl::StatusCode::kPermissionDenied);
-  auto root = Connect(p.address, {admin});
+  auto root = Connect(p.address, TokenOnly(admin));
   EXPECT_TRUE(root->DeleteJob("a").ok());
 
   // Watches are authenticated too.
