@@ -1,0 +1,188 @@
+#include "server/daemon/collectives.h"
+
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+
+namespace ragshard::daemon {
+
+float Bf16ToFloat(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+uint16_t FloatToBf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  if ((bits & 0x7f800000u) == 0x7f800000u && (bits & 0x007fffffu)) return 0x7fc0;  // NaN
+  const uint32_t rounding = 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>((bits + rounding) >> 16);
+}
+
+float Fp16ToFloat(uint16_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t mant = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {  // subnormal
+      exp = 127 - 15 + 1;
+      while ((mant & 0x400u) == 0) {
+        mant <<= 1;
+        --exp;
+      }
+      bits = sign | (exp << 23) | ((mant & 0x3ffu) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+void Accumulate(const void* src, v1::DType dtype, size_t count, float* acc) {
+  switch (dtype) {
+    case v1::DTYPE_FP32: {
+      const float* s = static_cast<const float*>(src);
+      for (size_t i = 0; i < count; ++i) acc[i] += s[i];
+      break;
+    }
+    case v1::DTYPE_BF16: {
+      const uint16_t* s = static_cast<const uint16_t*>(src);
+      for (size_t i = 0; i < count; ++i) acc[i] += Bf16ToFloat(s[i]);
+      break;
+    }
+    case v1::DTYPE_FP16: {
+      const uint16_t* s = static_cast<const uint16_t*>(src);
+      for (size_t i = 0; i < count; ++i) acc[i] += Fp16ToFloat(s[i]);
+      break;
+    }
+    default:
+      break;
+  }
+}
+
+namespace {
+
+size_t ItemSize(v1::DType dtype) { return dtype == v1::DTYPE_FP32 ? 4 : 2; }
+
+int Mod(int a, int n) { return ((a % n) + n) % n; }
+
+}  // namespace
+
+absl::Status AllGather(Comm& comm, char* buffer, size_t block_bytes, absl::Time deadline,
+                       uint64_t tag_base) {
+  const int n = comm.size(), r = comm.rank();
+  if (n == 1 || block_bytes == 0) return absl::OkStatus();
+  std::vector<uint64_t> reqs;
+  if (block_bytes <= kDirectMaxBlockBytes) {
+    // Direct: one round, every peer sends its block to every other peer.
+    for (int p = 0; p < n; ++p) {
+      if (p == r) continue;
+      auto recv =
+          comm.PostRecv(p, tag_base, buffer + static_cast<size_t>(p) * block_bytes, block_bytes);
+      if (!recv.ok()) return recv.status();
+      reqs.push_back(*recv);
+    }
+    for (int p = 0; p < n; ++p) {
+      if (p == r) continue;
+      auto send =
+          comm.PostSend(p, tag_base, buffer + static_cast<size_t>(r) * block_bytes, block_bytes);
+      if (!send.ok()) return send.status();
+      reqs.push_back(*send);
+    }
+    return comm.WaitAll(reqs, deadline);
+  }
+  // Ring: n - 1 steps; at step s, forward block (r - s) and receive block (r - s - 1).
+  const int next = Mod(r + 1, n), prev = Mod(r - 1, n);
+  for (int s = 0; s < n - 1; ++s) {
+    const int send_block = Mod(r - s, n), recv_block = Mod(r - s - 1, n);
+    reqs.clear();
+    auto recv = comm.PostRecv(prev, tag_base + static_cast<uint64_t>(s),
+                              buffer + static_cast<size_t>(recv_block) * block_bytes, block_bytes);
+    if (!recv.ok()) return recv.status();
+    reqs.push_back(*recv);
+    auto send = comm.PostSend(next, tag_base + static_cast<uint64_t>(s),
+                              buffer + static_cast<size_t>(send_block) * block_bytes, block_bytes);
+    if (!send.ok()) return send.status();
+    reqs.push_back(*send);
+    absl::Status st = comm.WaitAll(reqs, deadline);
+    if (!st.ok()) return st;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ReduceScatter(Comm& comm, const void* input, v1::DType dtype, size_t count,
+                           float* output, ReduceOp op, float* scratch, absl::Time deadline,
+                           uint64_t tag_base) {
+  if (dtype != v1::DTYPE_FP32 && dtype != v1::DTYPE_BF16 && dtype != v1::DTYPE_FP16) {
+    return absl::InvalidArgumentError("reduce_scatter: dtype must be fp32, bf16 or fp16");
+  }
+  const int n = comm.size(), r = comm.rank();
+  const size_t item = ItemSize(dtype);
+  const char* in = static_cast<const char*>(input);
+  auto chunk = [&](int c) { return in + static_cast<size_t>(c) * count * item; };
+  const float scale = op == ReduceOp::kAvg ? 1.0f / static_cast<float>(n) : 1.0f;
+  if (n == 1) {
+    std::fill(output, output + count, 0.0f);
+    Accumulate(chunk(0), dtype, count, output);
+    for (size_t i = 0; i < count; ++i) output[i] *= scale;
+    return absl::OkStatus();
+  }
+  // Ring with fp32 partial sums: at step s, send the partial of chunk (r - s - 1) and receive the
+  // partial of chunk (r - s - 2), to which the local contribution is added before it moves on.
+  const int next = Mod(r + 1, n), prev = Mod(r - 1, n);
+  float* send_buf = scratch;
+  float* recv_buf = scratch + count;
+  std::fill(send_buf, send_buf + count, 0.0f);
+  Accumulate(chunk(Mod(r - 1, n)), dtype, count, send_buf);
+  for (int s = 0; s < n - 1; ++s) {
+    std::vector<uint64_t> reqs;
+    auto recv =
+        comm.PostRecv(prev, tag_base + static_cast<uint64_t>(s), recv_buf, count * sizeof(float));
+    if (!recv.ok()) return recv.status();
+    reqs.push_back(*recv);
+    auto send =
+        comm.PostSend(next, tag_base + static_cast<uint64_t>(s), send_buf, count * sizeof(float));
+    if (!send.ok()) return send.status();
+    reqs.push_back(*send);
+    absl::Status st = comm.WaitAll(reqs, deadline);
+    if (!st.ok()) return st;
+    const int c = Mod(r - s - 2, n);
+    Accumulate(chunk(c), dtype, count, recv_buf);
+    std::swap(send_buf, recv_buf);
+  }
+  // After n - 1 steps the last received partial (now in send_buf) is chunk r, complete.
+  for (size_t i = 0; i < count; ++i) output[i] = send_buf[i] * scale;
+  return absl::OkStatus();
+}
+
+absl::Status AllReduce(Comm& comm, float* data, size_t count, ReduceOp op, absl::Time deadline,
+                       uint64_t tag_base) {
+  const int n = comm.size();
+  if (n == 1) return absl::OkStatus();
+  // Pad to a multiple of n so that every member owns an equal chunk.
+  const size_t chunk = (count + static_cast<size_t>(n) - 1) / static_cast<size_t>(n);
+  std::vector<float> padded(chunk * static_cast<size_t>(n), 0.0f);
+  std::copy(data, data + count, padded.begin());
+  std::vector<float> mine(chunk), scratch(2 * chunk);
+  absl::Status st = ReduceScatter(comm, padded.data(), v1::DTYPE_FP32, chunk, mine.data(), op,
+                                  scratch.data(), deadline, tag_base);
+  if (!st.ok()) return st;
+  std::copy(mine.begin(), mine.end(), padded.begin() + static_cast<long>(chunk) * comm.rank());
+  st = AllGather(comm, reinterpret_cast<char*>(padded.data()), chunk * sizeof(float), deadline,
+                 tag_base + 1024);
+  if (!st.ok()) return st;
+  std::copy(padded.begin(), padded.begin() + static_cast<long>(count), data);
+  return absl::OkStatus();
+}
+
+}  // namespace ragshard::daemon

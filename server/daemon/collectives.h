@@ -1,0 +1,43 @@
+// Collectives over a Comm: ring algorithms for large messages, direct exchange for small ones
+// (docs/collectives.md explains the choice). Every call has a deadline; an error names the peer.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "ragshard/v1/plan.pb.h"
+#include "server/daemon/comm.h"
+
+namespace ragshard::daemon {
+
+enum class ReduceOp { kSum, kAvg };
+
+// Below this many bytes per block, all-gather exchanges directly with every peer at once.
+inline constexpr size_t kDirectMaxBlockBytes = 64 * 1024;
+
+// `buffer` holds size() blocks of `block_bytes`; block rank() is filled on entry, every block on
+// return. Nothing is copied outside the transfers themselves.
+absl::Status AllGather(Comm& comm, char* buffer, size_t block_bytes, absl::Time deadline,
+                       uint64_t tag_base);
+
+// `input` holds size() chunks of `count` elements of `dtype` (fp32, bf16 or fp16); on return
+// `output` (count fp32 elements) holds the sum (or mean) over members of chunk rank(),
+// accumulated in fp32. `scratch` must hold 2 * count floats.
+absl::Status ReduceScatter(Comm& comm, const void* input, v1::DType dtype, size_t count,
+                           float* output, ReduceOp op, float* scratch, absl::Time deadline,
+                           uint64_t tag_base);
+
+// In-place sum (or mean) of `count` fp32 elements over the members (reduce-scatter + all-gather).
+absl::Status AllReduce(Comm& comm, float* data, size_t count, ReduceOp op, absl::Time deadline,
+                       uint64_t tag_base);
+
+// Element conversions used by the reductions.
+float Bf16ToFloat(uint16_t v);
+uint16_t FloatToBf16(float f);  // round to nearest even
+float Fp16ToFloat(uint16_t v);
+// Adds `count` elements of `dtype` at `src` into `acc`.
+void Accumulate(const void* src, v1::DType dtype, size_t count, float* acc);
+
+}  // namespace ragshard::daemon

@@ -1,0 +1,173 @@
+// Collectives against references computed independently, over the in-memory Comm.
+#include "server/daemon/collectives.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <random>
+#include <thread>
+
+#include "tests/daemon/mem_comm.h"
+
+namespace ragshard::daemon {
+namespace {
+
+using testing::MemComm;
+using testing::MemFabric;
+
+template <typename Fn>
+std::vector<absl::Status> RunGroup(int n, Fn fn) {
+  MemFabric fabric(n);
+  std::vector<absl::Status> out(n);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      MemComm comm(&fabric, r);
+      out[r] = fn(comm);
+    });
+  }
+  for (auto& t : threads) t.join();
+  return out;
+}
+
+TEST(ConversionTest, Bf16AndFp16) {
+  EXPECT_EQ(Bf16ToFloat(FloatToBf16(1.0f)), 1.0f);
+  EXPECT_EQ(Bf16ToFloat(FloatToBf16(-2.5f)), -2.5f);
+  EXPECT_EQ(FloatToBf16(1.00390625f), 0x3f80);  // ties to even
+  EXPECT_EQ(Fp16ToFloat(0x3c00), 1.0f);
+  EXPECT_EQ(Fp16ToFloat(0xc000), -2.0f);
+  EXPECT_EQ(Fp16ToFloat(0x0001), std::ldexp(1.0f, -24));  // smallest subnormal
+  EXPECT_TRUE(std::isinf(Fp16ToFloat(0x7c00)));
+}
+
+class AllGatherTest : public ::testing::TestWithParam<std::tuple<int, size_t>> {};
+
+TEST_P(AllGatherTest, EveryMemberGetsEveryBlock) {
+  const auto [n, block] = GetParam();
+  std::vector<std::vector<char>> bufs(n, std::vector<char>(block * n));
+  for (int r = 0; r < n; ++r) {
+    for (size_t i = 0; i < block; ++i) bufs[r][r * block + i] = static_cast<char>(r * 31 + i * 7);
+  }
+  auto st = RunGroup(n, [&](Comm& c) {
+    return AllGather(c, bufs[c.rank()].data(), block, absl::Now() + absl::Seconds(10), 0);
+  });
+  for (int r = 0; r < n; ++r) {
+    ASSERT_TRUE(st[r].ok()) << st[r];
+    for (int b = 0; b < n; ++b) {
+      for (size_t i = 0; i < block; i += 97) {
+        ASSERT_EQ(bufs[r][b * block + i], static_cast<char>(b * 31 + i * 7));
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Sizes, AllGatherTest,
+                         ::testing::Combine(::testing::Values(1, 2, 3, 5),
+                                            ::testing::Values(size_t{8}, kDirectMaxBlockBytes,
+                                                              kDirectMaxBlockBytes + 24)));
+
+struct RsCase {
+  int n;
+  v1::DType dtype;
+  ReduceOp op;
+  size_t count;
+};
+
+class ReduceScatterTest : public ::testing::TestWithParam<RsCase> {};
+
+TEST_P(ReduceScatterTest, MatchesAnIndependentReference) {
+  const RsCase c = GetParam();
+  std::mt19937 rng(c.n * 7 + static_cast<int>(c.count));
+  std::uniform_real_distribution<float> uni(-2, 2);
+  const size_t total = c.count * c.n;
+  // Inputs as floats (the reference) and encoded in the dtype.
+  std::vector<std::vector<float>> values(c.n, std::vector<float>(total));
+  std::vector<std::vector<uint16_t>> half(c.n, std::vector<uint16_t>(total));
+  for (int r = 0; r < c.n; ++r) {
+    for (size_t i = 0; i < total; ++i) {
+      float v = uni(rng);
+      if (c.dtype == v1::DTYPE_BF16) {
+        half[r][i] = FloatToBf16(v);
+        v = Bf16ToFloat(half[r][i]);
+      } else if (c.dtype == v1::DTYPE_FP16) {
+        // Exact in fp16: multiples of 1/256 in [-2, 2].
+        v = std::round(v * 256) / 256;
+        uint16_t h;
+        // encode through a tiny table-free path: sign, exponent, mantissa
+        float a = std::fabs(v);
+        if (a == 0) {
+          h = 0;
+        } else {
+          int e;
+          float m = std::frexp(a, &e);  // a = m * 2^e, m in [0.5, 1)
+          int exp = e - 1 + 15;
+          uint16_t mant = static_cast<uint16_t>(std::lround((m * 2 - 1) * 1024));
+          h = static_cast<uint16_t>((exp << 10) | mant);
+        }
+        if (v < 0) h |= 0x8000;
+        half[r][i] = h;
+        v = Fp16ToFloat(h);
+      }
+      values[r][i] = v;
+    }
+  }
+  std::vector<std::vector<float>> out(c.n, std::vector<float>(c.count));
+  auto st = RunGroup(c.n, [&](Comm& comm) {
+    const int r = comm.rank();
+    std::vector<float> scratch(2 * c.count);
+    const void* in = c.dtype == v1::DTYPE_FP32 ? static_cast<const void*>(values[r].data())
+                                               : static_cast<const void*>(half[r].data());
+    return ReduceScatter(comm, in, c.dtype, c.count, out[r].data(), c.op, scratch.data(),
+                         absl::Now() + absl::Seconds(10), 100);
+  });
+  for (int r = 0; r < c.n; ++r) {
+    ASSERT_TRUE(st[r].ok()) << st[r];
+    for (size_t i = 0; i < c.count; ++i) {
+      double expect = 0;
+      for (int k = 0; k < c.n; ++k) expect += values[k][r * c.count + i];
+      if (c.op == ReduceOp::kAvg) expect /= c.n;
+      ASSERT_NEAR(out[r][i], expect, 1e-5 * c.n) << "rank " << r << " element " << i;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, ReduceScatterTest,
+                         ::testing::Values(RsCase{1, v1::DTYPE_FP32, ReduceOp::kSum, 10},
+                                           RsCase{2, v1::DTYPE_FP32, ReduceOp::kSum, 1000},
+                                           RsCase{3, v1::DTYPE_BF16, ReduceOp::kAvg, 777},
+                                           RsCase{4, v1::DTYPE_FP16, ReduceOp::kSum, 513},
+                                           RsCase{5, v1::DTYPE_BF16, ReduceOp::kSum, 20000}));
+
+TEST(AllReduceTest, SumsAcrossMembers) {
+  const int n = 3;
+  std::vector<std::vector<float>> data(n, std::vector<float>(1001));
+  for (int r = 0; r < n; ++r) {
+    for (size_t i = 0; i < 1001; ++i) data[r][i] = static_cast<float>(r + i);
+  }
+  auto st = RunGroup(n, [&](Comm& c) {
+    return AllReduce(c, data[c.rank()].data(), 1001, ReduceOp::kSum,
+                     absl::Now() + absl::Seconds(10), 7);
+  });
+  for (int r = 0; r < n; ++r) {
+    ASSERT_TRUE(st[r].ok());
+    for (size_t i = 0; i < 1001; ++i) ASSERT_EQ(data[r][i], static_cast<float>(3 + 3 * i));
+  }
+}
+
+TEST(CollectiveFailureTest, ALostPeerIsAnErrorNamingIt) {
+  MemFabric fabric(3);
+  fabric.Lose(2);
+  std::vector<char> buf(3 * 100000);
+  MemComm comm(&fabric, 0);
+  absl::Status st = AllGather(comm, buf.data(), 100000, absl::Now() + absl::Seconds(5), 0);
+  EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(st.message()), ::testing::HasSubstr("peer 2"));
+  MemFabric quiet(2);
+  MemComm lonely(&quiet, 0);
+  std::vector<char> b2(2 * 10);
+  st = AllGather(lonely, b2.data(), 10, absl::Now() + absl::Milliseconds(100), 0);
+  EXPECT_EQ(st.code(), absl::StatusCode::kDeadlineExceeded);
+}
+
+}  // namespace
+}  // namespace ragshard::daemon
