@@ -1,0 +1,64 @@
+// UCX (ucp) transport for the collectives between daemons: one worker with a listener on the
+// data port, client endpoints to every peer with peer error handling (which limits UCX to
+// network transports: tcp here, RDMA where present), tagged sends and receives.
+//
+// Threading: a UcxWorker and the Comms it makes are used by one thread at a time; progress is
+// driven inside Connect and WaitAll (docs/collectives.md).
+#pragma once
+
+#include <ucp/api/ucp.h>
+
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "server/daemon/comm.h"
+
+namespace ragshard::daemon {
+
+// The one place where ucs_status_t becomes a Status.
+absl::Status UcsStatus(ucs_status_t status, absl::string_view what);
+
+class UcxWorker {
+ public:
+  // Listens on `ip`:`port` (0 picks a free port).
+  static absl::StatusOr<std::unique_ptr<UcxWorker>> Create(const std::string& ip, int port = 0);
+  ~UcxWorker();
+  UcxWorker(const UcxWorker&) = delete;
+  UcxWorker& operator=(const UcxWorker&) = delete;
+
+  // "ip:port" of the listener, to publish through the planner's rendezvous.
+  const std::string& address() const { return address_; }
+
+  // Only connections from these hosts are accepted (the planner's peers of the job); others are
+  // rejected. Empty allows none except through AllowAnyPeer (tests).
+  void AllowPeerHosts(std::set<std::string> hosts);
+  void AllowAnyPeer() { allow_any_ = true; }
+  int64_t rejected_connections() const { return rejected_; }
+
+  // A communicator in which this worker is member `rank` and member i listens at addresses[i].
+  // Connects to every peer and exchanges a hello with each before `deadline`.
+  absl::StatusOr<std::unique_ptr<Comm>> Connect(int rank, const std::vector<std::string>& addresses,
+                                                absl::Time deadline);
+
+  // Drives progress (incoming connections, pending transfers) for up to `max_wait` when idle.
+  void Progress(absl::Duration max_wait);
+
+  // Internal, used by the callbacks and UcxComm.
+  struct Impl;
+
+ private:
+  UcxWorker() = default;
+  std::unique_ptr<Impl> impl_;
+  std::string address_;
+  bool allow_any_ = false;
+  int64_t rejected_ = 0;
+  std::set<std::string> allowed_hosts_;
+  friend struct Impl;
+};
+
+}  // namespace ragshard::daemon
