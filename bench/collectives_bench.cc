@@ -1,0 +1,185 @@
+// ragshard's collectives over UCX (tcp, peer error handling) between N processes on loopback,
+// plus the physical limits: single-process memcpy and UCX point-to-point bandwidth.
+//   collectives_bench --members N [--max-mib 256]
+// Prints CSV rows (bench_common.h). Members are forked processes that exchange addresses
+// through pipes; rank 0 reports the slowest member's time of each size.
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "bench/bench_common.h"
+#include "server/daemon/collectives.h"
+#include "server/daemon/ucx_comm.h"
+
+namespace ragshard::bench {
+namespace {
+
+using daemon::Comm;
+
+// Max over members of a double, via an all-gather.
+double MaxOver(Comm& comm, double v) {
+  std::vector<double> all(comm.size());
+  all[comm.rank()] = v;
+  (void)daemon::AllGather(comm, reinterpret_cast<char*>(all.data()), sizeof(double),
+                          absl::Now() + absl::Seconds(60), 1ULL << 40);
+  double m = 0;
+  for (double x : all) m = std::max(m, x);
+  return m;
+}
+
+int Member(int rank, int n, Comm& comm, size_t max_bytes) {
+  uint64_t tag = 0;
+  for (size_t bytes : Sizes(size_t{1} << 20, max_bytes)) {
+    const size_t block = bytes / n;
+    std::vector<char> buf(block * n, static_cast<char>(rank));
+    const int iters = Iterations(bytes);
+    // warm-up
+    if (!daemon::AllGather(comm, buf.data(), block, absl::Now() + absl::Seconds(60), tag += 4096)
+             .ok())
+      return 1;
+    double t0 = Now();
+    for (int i = 0; i < iters; ++i) {
+      if (!daemon::AllGather(comm, buf.data(), block, absl::Now() + absl::Seconds(120), tag += 4096)
+               .ok())
+        return 1;
+    }
+    double t = MaxOver(comm, (Now() - t0) / iters);
+    if (rank == 0) PrintRow("ragshard-ucx", "allgather", n, bytes, t);
+
+    // Reduce-scatter of fp32 (the reduce dtype of ragshard).
+    const size_t count = block / sizeof(float);
+    std::vector<float> in(count * n, 1.0f), out(count), scratch(2 * count);
+    if (!daemon::ReduceScatter(comm, in.data(), v1::DTYPE_FP32, count, out.data(),
+                               daemon::ReduceOp::kSum, scratch.data(),
+                               absl::Now() + absl::Seconds(60), tag += 4096)
+             .ok()) {
+      return 1;
+    }
+    t0 = Now();
+    for (int i = 0; i < iters; ++i) {
+      if (!daemon::ReduceScatter(comm, in.data(), v1::DTYPE_FP32, count, out.data(),
+                                 daemon::ReduceOp::kSum, scratch.data(),
+                                 absl::Now() + absl::Seconds(120), tag += 4096)
+               .ok()) {
+        return 1;
+      }
+    }
+    t = MaxOver(comm, (Now() - t0) / iters);
+    if (rank == 0) PrintRow("ragshard-ucx", "reducescatter", n, count * n * sizeof(float), t);
+    if (out[0] != static_cast<float>(n)) return 2;
+  }
+  // Point-to-point: rank 0 sends to rank 1.
+  if (n == 2) {
+    for (size_t bytes : Sizes(size_t{1} << 20, max_bytes)) {
+      std::vector<char> buf(bytes);
+      const int iters = Iterations(bytes);
+      double t0 = Now();
+      for (int i = 0; i < iters; ++i) {
+        auto req = rank == 0 ? comm.PostSend(1, tag, buf.data(), bytes)
+                             : comm.PostRecv(0, tag, buf.data(), bytes);
+        if (!req.ok() || !comm.WaitAll({*req}, absl::Now() + absl::Seconds(60)).ok()) return 3;
+        ++tag;
+      }
+      double t = MaxOver(comm, (Now() - t0) / iters);
+      if (rank == 0) {
+        std::printf("ucx-p2p,sendrecv,2,%zu,%.6f,%.4f,%.4f\n", bytes, t, bytes / t / 1e9,
+                    bytes / t / 1e9);
+        std::fflush(stdout);
+      }
+    }
+  }
+  return 0;
+}
+
+void Memcpy(size_t max_bytes) {
+  for (size_t bytes : Sizes(size_t{1} << 20, max_bytes)) {
+    std::vector<char> a(bytes, 1), b(bytes, 2);
+    const int iters = Iterations(bytes) * 2;
+    std::memcpy(b.data(), a.data(), bytes);
+    const double t0 = Now();
+    for (int i = 0; i < iters; ++i)
+      std::memcpy(i % 2 ? a.data() : b.data(), i % 2 ? b.data() : a.data(), bytes);
+    const double t = (Now() - t0) / iters;
+    std::printf("memcpy,copy,1,%zu,%.6f,%.4f,%.4f\n", bytes, t, bytes / t / 1e9, bytes / t / 1e9);
+    std::fflush(stdout);
+  }
+}
+
+int Main(int argc, char** argv) {
+  int n = 2;
+  int64_t max_mib = 256;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    std::string f = argv[i];
+    if (f == "--members" && absl::SimpleAtoi(argv[i + 1], &n) && n >= 1 && n <= 64) continue;
+    if (f == "--max-mib" && absl::SimpleAtoi(argv[i + 1], &max_mib) && max_mib >= 1) continue;
+    std::cerr << "error: bad flag " << f << " (use --members N --max-mib M)\n";
+    return 2;
+  }
+  const size_t max_bytes = static_cast<size_t>(max_mib) << 20;
+  if (n == 1) {
+    Memcpy(max_bytes);
+    return 0;
+  }
+  std::vector<int> up(n), down(n);
+  std::vector<pid_t> pids;
+  for (int r = 0; r < n; ++r) {
+    int u[2], d[2];
+    if (pipe(u) != 0 || pipe(d) != 0) return 1;
+    pid_t pid = fork();
+    if (pid == 0) {
+      auto w = daemon::UcxWorker::Create("127.0.0.1", 0);
+      if (!w.ok()) _exit(10);
+      (*w)->AllowPeerHosts({"127.0.0.1"});
+      std::string addr = (*w)->address() + "\n";
+      if (write(u[1], addr.data(), addr.size()) < 0) _exit(11);
+      std::vector<std::string> addrs;
+      std::string cur;
+      char c;
+      while (static_cast<int>(addrs.size()) < n && read(d[0], &c, 1) == 1) {
+        if (c == '\n') {
+          addrs.push_back(cur);
+          cur.clear();
+        } else {
+          cur.push_back(c);
+        }
+      }
+      auto comm = (*w)->Connect(r, addrs, absl::Now() + absl::Seconds(30));
+      if (!comm.ok()) _exit(12);
+      _exit(Member(r, n, **comm, max_bytes));
+    }
+    close(u[1]);
+    close(d[0]);
+    up[r] = u[0];
+    down[r] = d[1];
+    pids.push_back(pid);
+  }
+  std::string all;
+  for (int r = 0; r < n; ++r) {
+    char c;
+    while (read(up[r], &c, 1) == 1) {
+      all.push_back(c);
+      if (c == '\n') break;
+    }
+  }
+  for (int r = 0; r < n; ++r) {
+    if (write(down[r], all.data(), all.size()) < 0) return 1;
+    close(down[r]);
+  }
+  int rc = 0;
+  for (pid_t pid : pids) {
+    int status = 0;
+    waitpid(pid, &status, 0);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) rc = 1;
+  }
+  return rc;
+}
+
+}  // namespace
+}  // namespace ragshard::bench
+
+int main(int argc, char** argv) { return ragshard::bench::Main(argc, argv); }
