@@ -15,96 +15,20 @@
 #include <vector>
 
 #include "server/daemon/collectives.h"
+#include "tests/daemon/ucx_group.h"
 
 namespace ragshard::daemon {
 namespace {
 
-// Runs `body(rank, addresses)` in `n` forked processes after exchanging their data-plane
-// addresses through pipes. Returns the children's pids; `ready` is called once all are connected
-// (each child writes one byte after Connect).
-struct Group {
-  std::vector<pid_t> pids;
-  std::vector<int> ready_fds;
-};
+using testing::UcxGroup;
 
-Group Spawn(int n, std::function<int(int, UcxWorker&, Comm&)> body, bool allow_any = true) {
-  Group g;
-  std::vector<int> to_parent(n), from_parent(n);
-  for (int r = 0; r < n; ++r) {
-    int up[2], down[2], ready[2];
-    EXPECT_EQ(pipe(up), 0);
-    EXPECT_EQ(pipe(down), 0);
-    EXPECT_EQ(pipe(ready), 0);
-    pid_t pid = fork();
-    if (pid == 0) {
-      auto w = UcxWorker::Create("127.0.0.1", 0);
-      if (!w.ok()) _exit(10);
-      if (allow_any) (*w)->AllowAnyPeer();
-      (*w)->AllowPeerHosts({"127.0.0.1"});
-      std::string addr = (*w)->address() + "\n";
-      if (write(up[1], addr.data(), addr.size()) != static_cast<ssize_t>(addr.size())) _exit(11);
-      std::vector<std::string> addrs;
-      std::string cur;
-      char c;
-      while (static_cast<int>(addrs.size()) < n && read(down[0], &c, 1) == 1) {
-        if (c == '\n') {
-          addrs.push_back(cur);
-          cur.clear();
-        } else {
-          cur.push_back(c);
-        }
-      }
-      auto comm = (*w)->Connect(r, addrs, absl::Now() + absl::Seconds(20));
-      if (!comm.ok()) {
-        fprintf(stderr, "rank %d connect: %s\n", r, std::string(comm.status().message()).c_str());
-        _exit(12);
-      }
-      char one = 1;
-      if (write(ready[1], &one, 1) != 1) _exit(13);
-      _exit(body(r, **w, **comm));
-    }
-    close(up[1]);
-    close(down[0]);
-    close(ready[1]);
-    to_parent[r] = up[0];
-    from_parent[r] = down[1];
-    g.pids.push_back(pid);
-    g.ready_fds.push_back(ready[0]);
-  }
-  std::string all;
-  for (int r = 0; r < n; ++r) {
-    char c;
-    while (read(to_parent[r], &c, 1) == 1) {
-      all.push_back(c);
-      if (c == '\n') break;
-    }
-  }
-  for (int r = 0; r < n; ++r) {
-    EXPECT_EQ(write(from_parent[r], all.data(), all.size()), static_cast<ssize_t>(all.size()));
-    close(from_parent[r]);
-    close(to_parent[r]);
-  }
-  return g;
-}
-
-void WaitConnected(const Group& g) {
-  for (int fd : g.ready_fds) {
-    char c;
-    ASSERT_EQ(read(fd, &c, 1), 1);
-  }
-}
-
-int ExitCode(pid_t pid) {
-  int status = 0;
-  waitpid(pid, &status, 0);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-}
+int ExitCode(pid_t pid) { return UcxGroup::ExitCode(pid); }
 
 char Pattern(int block, size_t i) { return static_cast<char>(block * 131 + i * 17 + 3); }
 
 TEST(UcxCommTest, RingAllGatherAndReduceScatterAcrossProcesses) {
   const int n = 3;
-  Group g = Spawn(n, [](int r, UcxWorker&, Comm& comm) {
+  UcxGroup g = UcxGroup::Spawn(n, [](int r, Comm& comm) {
     // All-gather, ring path (1 MiB blocks) and direct path (1 KiB).
     for (size_t block : {size_t{1} << 20, size_t{1024}}) {
       std::vector<char> buf(block * n);
@@ -145,7 +69,7 @@ TEST(UcxCommTest, AKilledPeerIsAnErrorNamingItWithinTheDeadline) {
   const int n = 3;
   // Ranks 0 and 1 loop over large all-gathers until one fails; the parent kills rank 2 with -9
   // in the middle. Exit code 0 means the failure named peer 2 or was reported in time.
-  Group g = Spawn(n, [](int r, UcxWorker&, Comm& comm) {
+  UcxGroup g = UcxGroup::Spawn(n, [](int r, Comm& comm) {
     const size_t block = 8 << 20;
     std::vector<char> buf(block * 3, static_cast<char>(r));
     const absl::Time start = absl::Now();
@@ -162,7 +86,7 @@ TEST(UcxCommTest, AKilledPeerIsAnErrorNamingItWithinTheDeadline) {
     }
     return 32;  // never failed
   });
-  WaitConnected(g);
+  g.WaitConnected();
   usleep(300 * 1000);
   kill(g.pids[2], SIGKILL);
   EXPECT_EQ(ExitCode(g.pids[2]), 128 + SIGKILL);

@@ -1,0 +1,206 @@
+// The node data plane: all-gather and reduce-scatter of random ragged plans with mixed granules
+// and dtypes, 2 nodes (processes, UCX) x 2 ranks and 1 node x 4 ranks, against references
+// computed independently; a node killed with -9 during an operation.
+#include "server/daemon/job_data_plane.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <cmath>
+#include <random>
+
+#include "common/dtype.h"
+#include "common/planner.h"
+#include "common/validator.h"
+#include "tests/daemon/ucx_group.h"
+
+namespace ragshard::daemon {
+namespace {
+
+using testing::UcxGroup;
+
+// A random inventory: 3 units, mixed dtypes and granules.
+Inventory RandomInventory(uint32_t seed) {
+  std::mt19937 rng(seed);
+  auto uni = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  const v1::DType dtypes[] = {v1::DTYPE_FP32, v1::DTYPE_BF16, v1::DTYPE_FP16};
+  Inventory inv;
+  for (int u = 0; u < 3; ++u) {
+    UnitSpec* unit = inv.add_units();
+    unit->set_name("layers." + std::to_string(u));
+    for (int t = uni(1, 5); t > 0; --t) {
+      TensorSpec* spec = unit->add_tensors();
+      spec->set_name(unit->name() + ".t" + std::to_string(t));
+      if (uni(0, 2) == 0) {
+        spec->add_shape(uni(1, 300));
+      } else {
+        spec->add_shape(uni(1, 40));
+        spec->add_shape(uni(1, 50));
+        if (uni(0, 1)) {
+          spec->set_granule_kind(v1::GRANULE_ROWS);
+          spec->set_granule_rows(uni(1, 8));
+        }
+      }
+      spec->set_dtype(dtypes[uni(0, 2)]);
+    }
+  }
+  return inv;
+}
+
+// The value rank r holds at element e of its shard, exactly representable in every dtype.
+float ParamValue(int64_t r, int64_t e) {
+  return static_cast<float>((r * 7 + e * 3) % 61 - 30) / 8.0f;
+}
+float GradValue(int64_t r, int64_t x) {
+  return static_cast<float>((r * 5 + x * 11) % 37 - 18) / 16.0f;
+}
+
+void Store(char* base, v1::DType dt, int64_t i, float v) {
+  if (dt == v1::DTYPE_FP32) {
+    reinterpret_cast<float*>(base)[i] = v;
+  } else if (dt == v1::DTYPE_BF16) {
+    reinterpret_cast<uint16_t*>(base)[i] = FloatToBf16(v);
+  } else {
+    // fp16 of a multiple of 1/16 in [-30, 30]: exact.
+    uint16_t h = 0;
+    const float a = std::fabs(v);
+    if (a != 0) {
+      int e;
+      const float m = std::frexp(a, &e);
+      h = static_cast<uint16_t>(((e - 1 + 15) << 10) |
+                                static_cast<uint16_t>(std::lround((m * 2 - 1) * 1024)));
+    }
+    if (v < 0) h |= 0x8000;
+    reinterpret_cast<uint16_t*>(base)[i] = h;
+  }
+}
+
+float Load(const char* base, v1::DType dt, int64_t i) {
+  if (dt == v1::DTYPE_FP32) return reinterpret_cast<const float*>(base)[i];
+  const uint16_t h = reinterpret_cast<const uint16_t*>(base)[i];
+  return dt == v1::DTYPE_BF16 ? Bf16ToFloat(h) : Fp16ToFloat(h);
+}
+
+// Runs the checks of one node; returns 0 when everything matched.
+int CheckNode(const v1::Plan& plan, int node, int ranks_per_node, Comm* comm) {
+  auto pool = Pool::Create(64 << 20);
+  if (!pool.ok()) return 40;
+  std::vector<int64_t> local;
+  for (int i = 0; i < ranks_per_node; ++i) local.push_back(node * ranks_per_node + i);
+  auto dp = JobDataPlane::Create(plan, local, pool->get(), comm);
+  if (!dp.ok()) {
+    std::fprintf(stderr, "create: %s\n", std::string(dp.status().message()).c_str());
+    return 41;
+  }
+  const int64_t w = plan.world_size();
+  for (int u = 0; u < plan.units_size(); ++u) {
+    const v1::UnitPlan& up = plan.units(u);
+    const int64_t s = up.shard_elems();
+    for (int i = 0; i < ranks_per_node; ++i) {
+      for (int64_t e = 0; e < s; ++e)
+        Store((*dp)->param_shard(u, i), up.dtype(), e, ParamValue(local[i], e));
+      for (int64_t x = 0; x < w * s; ++x)
+        Store((*dp)->grad(u, i), up.dtype(), x, GradValue(local[i], x));
+    }
+    if (!(*dp)->Unshard(u, absl::Now() + absl::Seconds(20)).ok()) return 42;
+    // Every element of the unsharded buffer, hence every tensor view [offset, offset + numel),
+    // holds its owner's value.
+    for (int64_t x = 0; x < w * s; ++x) {
+      if (Load((*dp)->unsharded(u), up.dtype(), x) != ParamValue(x / s, x % s)) return 43;
+    }
+    for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg}) {
+      if (!(*dp)->ReduceScatter(u, op, absl::Now() + absl::Seconds(20)).ok()) return 44;
+      for (int i = 0; i < ranks_per_node; ++i) {
+        for (int64_t e = 0; e < s; ++e) {
+          double expect = 0;
+          for (int64_t k = 0; k < w; ++k) expect += GradValue(k, local[i] * s + e);
+          if (op == ReduceOp::kAvg) expect /= static_cast<double>(w);
+          if (std::abs((*dp)->grad_shard(u, i)[e] - expect) > 1e-5) return 45;
+        }
+      }
+    }
+  }
+  return 0;
+}
+
+class JobDataPlaneTest : public ::testing::TestWithParam<uint32_t> {};
+
+TEST_P(JobDataPlaneTest, TwoNodesOfTwoRanksMatchTheReference) {
+  Inventory inv = RandomInventory(GetParam());
+  PlanOptions o;
+  o.world = 4;
+  auto plan = BuildPlan(inv, o);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_TRUE(ValidatePlan(*plan, &inv).ok());
+  UcxGroup g =
+      UcxGroup::Spawn(2, [&](int node, Comm& comm) { return CheckNode(*plan, node, 2, &comm); });
+  for (pid_t pid : g.pids) EXPECT_EQ(UcxGroup::ExitCode(pid), 0);
+}
+
+TEST_P(JobDataPlaneTest, OneNodeOfFourRanksMatchesTheReference) {
+  Inventory inv = RandomInventory(GetParam() + 1000);
+  PlanOptions o;
+  o.world = 4;
+  auto plan = BuildPlan(inv, o);
+  ASSERT_TRUE(plan.ok());
+  EXPECT_EQ(CheckNode(*plan, 0, 4, nullptr), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Seeds, JobDataPlaneTest, ::testing::Values(1u, 2u, 3u));
+
+TEST(JobDataPlaneFailureTest, AKilledNodeIsAnErrorWithinTheDeadline) {
+  Inventory inv;
+  UnitSpec* unit = inv.add_units();
+  unit->set_name("big");
+  TensorSpec* t = unit->add_tensors();
+  t->set_name("w");
+  t->add_shape(2048);
+  t->add_shape(2048);
+  t->set_dtype(v1::DTYPE_FP32);
+  PlanOptions o;
+  o.world = 2;
+  auto plan = BuildPlan(inv, o);
+  ASSERT_TRUE(plan.ok());
+  UcxGroup g = UcxGroup::Spawn(2, [&](int node, Comm& comm) {
+    auto pool = Pool::Create(128 << 20);
+    auto dp = JobDataPlane::Create(*plan, {node}, pool->get(), &comm);
+    if (!dp.ok()) return 50;
+    for (int i = 0; i < 1000000; ++i) {
+      absl::Status s = (*dp)->Unshard(0, absl::Now() + absl::Seconds(10));
+      if (!s.ok()) return std::string(s.message()).find("peer 1") != std::string::npos ? 0 : 51;
+    }
+    return 52;
+  });
+  g.WaitConnected();
+  usleep(200 * 1000);
+  kill(g.pids[1], SIGKILL);
+  EXPECT_EQ(UcxGroup::ExitCode(g.pids[1]), 128 + SIGKILL);
+  EXPECT_EQ(UcxGroup::ExitCode(g.pids[0]), 0);
+}
+
+TEST(JobDataPlaneErrorsTest, UnsupportedPlacementsAndSmallPoolsAreClearErrors) {
+  Inventory inv;
+  UnitSpec* unit = inv.add_units();
+  unit->set_name("u");
+  TensorSpec* t = unit->add_tensors();
+  t->set_name("w");
+  t->add_shape(1 << 20);
+  t->set_dtype(v1::DTYPE_FP32);
+  PlanOptions o;
+  o.world = 2;
+  auto plan = BuildPlan(inv, o);
+  auto pool = Pool::Create(1 << 20);
+  auto dp = JobDataPlane::Create(*plan, {0, 1}, pool->get(), nullptr);
+  EXPECT_EQ(dp.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(dp.status().message()), ::testing::HasSubstr("unit 'u'"));
+  auto big = Pool::Create(64 << 20);
+  auto odd = JobDataPlane::Create(*plan, {1}, big->get(), nullptr);
+  EXPECT_EQ(odd.status().code(), absl::StatusCode::kUnimplemented);
+  auto ok = JobDataPlane::Create(*plan, {0, 1}, big->get(), nullptr);
+  ASSERT_TRUE(ok.ok());
+  EXPECT_EQ((*ok)->Unshard(5, absl::Now()).code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace ragshard::daemon
