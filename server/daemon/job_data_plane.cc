@@ -71,6 +71,12 @@ absl::StatusOr<std::unique_ptr<JobDataPlane>> JobDataPlane::Create(const v1::Pla
 char* JobDataPlane::param_shard(int unit, int local) const {
   return units_[unit].param_shard[local].data();
 }
+JobDataPlane::Offsets JobDataPlane::offsets(int unit, int local) const {
+  const Unit& u = units_[unit];
+  return {u.param_shard[local].offset(), u.unsharded.offset(), u.grad[local].offset(),
+          u.grad_shard[local].offset()};
+}
+
 char* JobDataPlane::unsharded(int unit) const { return units_[unit].unsharded.data(); }
 char* JobDataPlane::grad(int unit, int local) const { return units_[unit].grad[local].data(); }
 float* JobDataPlane::grad_shard(int unit, int local) const {

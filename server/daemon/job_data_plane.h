@@ -40,7 +40,13 @@ class JobDataPlane {
   char* unsharded(int unit) const;
   char* grad(int unit, int local) const;
   float* grad_shard(int unit, int local) const;
-  const Lease& unsharded_lease(int unit) const { return units_[unit].unsharded; }
+  // Arena byte offsets of the same buffers, for local clients that map the arena.
+  struct Offsets {
+    int64_t param_shard, unsharded, grad, grad_shard;
+  };
+  Offsets offsets(int unit, int local) const;
+  v1::DType dtype(int unit) const { return units_[unit].dtype; }
+  int64_t shard_elems(int unit) const { return units_[unit].shard_elems; }
 
   // All-gather of every rank's parameter shard into the node's unsharded buffer.
   absl::Status Unshard(int unit, absl::Time deadline);

@@ -79,6 +79,14 @@ class Child {
     pid_ = -1;
     return status;
   }
+  // Waits for the child to exit; returns the wait status.
+  int Wait() {
+    if (pid_ <= 0) return 0;
+    int status = 0;
+    waitpid(pid_, &status, 0);
+    pid_ = -1;
+    return status;
+  }
   bool Running() {
     if (pid_ <= 0) return false;
     int status = 0;

@@ -1,0 +1,174 @@
+#include "client/client.h"
+
+#include <sys/mman.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "common/dtype.h"
+#include "common/fd_passing.h"
+#include "common/rpc.h"
+
+namespace ragshard {
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Create(ClientOptions options) {
+  if (options.daemon_socket.empty()) return absl::InvalidArgumentError("daemon socket: required");
+  if (!options.planner) return absl::InvalidArgumentError("planner client: required");
+  if (options.rank < 0) return absl::InvalidArgumentError("rank: must not be negative");
+  std::unique_ptr<Client> c(new Client(std::move(options)));
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(kMaxMessageBytes);
+  c->daemon_ = v1::Daemon::NewStub(grpc::CreateCustomChannel(
+      "unix:" + c->options_.daemon_socket, grpc::InsecureChannelCredentials(), args));
+  return c;
+}
+
+Client::~Client() {
+  if (arena_ != nullptr) ::munmap(arena_, arena_bytes_);
+  if (!attachment_.empty()) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    v1::DetachRequest req;
+    req.set_attachment_id(attachment_);
+    v1::DetachResponse resp;
+    (void)daemon_->Detach(&ctx, req, &resp);
+  }
+}
+
+absl::Status Client::Register(const Inventory& inventory, bool send_full) {
+  v1::RegisterRankRequest req;
+  req.set_job_id(options_.job_id);
+  req.set_rank(options_.rank);
+  req.set_node_id(options_.node_id);
+  if (send_full) {
+    *req.mutable_inventory() = inventory;
+  } else {
+    req.set_inventory_sha256(InventorySha256(inventory));
+  }
+  return options_.planner->RegisterRank(req).status();
+}
+
+absl::Status Client::Attach() {
+  v1::AttachRequest req;
+  req.set_job_id(options_.job_id);
+  req.set_rank(options_.rank);
+  req.set_timeout_ms(options_.timeout.count());
+  v1::AttachResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + options_.timeout + std::chrono::seconds(5));
+  grpc::Status st = daemon_->Attach(&ctx, req, &resp);
+  if (!st.ok()) {
+    absl::Status s = FromGrpcStatus(st);
+    return absl::Status(s.code(), absl::StrCat("attach to the daemon at ", options_.daemon_socket,
+                                               ": ", s.message()));
+  }
+  attachment_ = resp.attachment_id();
+  plan_ = resp.plan();
+  buffers_.assign(resp.units().begin(), resp.units().end());
+  auto conn = ConnectUnix(options_.daemon_socket + ".fd");
+  if (!conn.ok()) return conn.status();
+  side_channel_ = std::move(*conn);
+  absl::Status s = SendWithFds(side_channel_.get(), attachment_, {});
+  if (!s.ok()) return s;
+  auto got = ReceiveWithFds(side_channel_.get(), 1);
+  if (!got.ok()) return got.status();
+  if (got->payload != "ok" || got->fds.size() != 1) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("daemon refused the descriptor: ", got->payload));
+  }
+  arena_bytes_ = static_cast<size_t>(resp.arena_bytes());
+  void* p = ::mmap(nullptr, arena_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, got->fds[0].get(), 0);
+  if (p == MAP_FAILED)
+    return absl::InternalError(absl::StrCat("mmap arena: ", std::strerror(errno)));
+  arena_ = static_cast<char*>(p);
+  return absl::OkStatus();
+}
+
+absl::Status Client::CheckView(int unit, size_t item, bool (*matches)(v1::DType)) const {
+  if (arena_ == nullptr) return absl::FailedPreconditionError("not attached");
+  if (unit < 0 || unit >= units()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unit ", unit, " does not exist (", units(), " units)"));
+  }
+  const v1::DType d = buffers_[unit].dtype();
+  if (!matches(d) || item != static_cast<size_t>(DTypeSize(d))) {
+    return absl::InvalidArgumentError(absl::StrCat("unit '", buffers_[unit].unit(), "' holds ",
+                                                   DTypeName(d),
+                                                   "; the view's element type does not match"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<absl::Span<float>> Client::GradShard(int unit) {
+  if (arena_ == nullptr) return absl::FailedPreconditionError("not attached");
+  if (unit < 0 || unit >= units()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unit ", unit, " does not exist (", units(), " units)"));
+  }
+  return absl::Span<float>(reinterpret_cast<float*>(arena_ + buffers_[unit].grad_shard_offset()),
+                           static_cast<size_t>(buffers_[unit].shard_elems()));
+}
+
+absl::StatusOr<OpHandle> Client::StartOp(v1::OpKind kind, int unit, v1::ReduceKind op) {
+  if (attachment_.empty()) return absl::FailedPreconditionError("not attached");
+  v1::StartRequest req;
+  req.set_attachment_id(attachment_);
+  req.set_kind(kind);
+  req.set_unit_index(unit);
+  req.set_reduce(op);
+  req.set_timeout_ms(options_.timeout.count());
+  v1::StartResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  grpc::Status st = daemon_->Start(&ctx, req, &resp);
+  if (!st.ok()) return FromGrpcStatus(st);
+  return OpHandle(this, resp.handle());
+}
+
+absl::StatusOr<OpHandle> Client::Unshard(int unit) {
+  return StartOp(v1::OP_UNSHARD, unit, v1::REDUCE_SUM);
+}
+absl::StatusOr<OpHandle> Client::Reshard(int unit) {
+  return StartOp(v1::OP_RESHARD, unit, v1::REDUCE_SUM);
+}
+absl::StatusOr<OpHandle> Client::ReduceScatter(int unit, v1::ReduceKind op) {
+  return StartOp(v1::OP_REDUCE_SCATTER, unit, op);
+}
+
+absl::Status Client::NoOp() {
+  v1::NoOpRequest req;
+  v1::NoOpResponse resp;
+  grpc::ClientContext ctx;
+  return FromGrpcStatus(daemon_->NoOp(&ctx, req, &resp));
+}
+
+absl::Status OpHandle::Wait(std::chrono::milliseconds timeout) {
+  v1::WaitRequest req;
+  req.set_attachment_id(client_->attachment_);
+  req.set_handle(handle_);
+  req.set_timeout_ms(timeout.count());
+  v1::WaitResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + timeout + std::chrono::seconds(5));
+  grpc::Status st = client_->daemon_->Wait(&ctx, req, &resp);
+  if (!st.ok()) return FromGrpcStatus(st);
+  if (!resp.done()) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("operation ", handle_, " not done after ", timeout.count(), " ms"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<bool> OpHandle::Poll() {
+  v1::WaitRequest req;
+  req.set_attachment_id(client_->attachment_);
+  req.set_handle(handle_);
+  v1::WaitResponse resp;
+  grpc::ClientContext ctx;
+  grpc::Status st = client_->daemon_->Wait(&ctx, req, &resp);
+  if (!st.ok()) return FromGrpcStatus(st);
+  return resp.done();
+}
+
+}  // namespace ragshard

@@ -1,0 +1,130 @@
+// The data side of libragshard: a training process attaches to its node's daemon, maps the
+// daemon's shared-memory arena and works on views of its RaggedShard buffers without copying.
+// Operations are collective over the job's ranks and asynchronous: they return handles.
+//
+// Thread-compatible: one thread at a time per Client. Destroying the Client detaches (RAII).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "client/planner_client.h"
+#include "common/fd.h"
+#include "common/inventory.h"
+#include "ragshard/v1/daemon.grpc.pb.h"
+
+namespace ragshard {
+
+struct ClientOptions {
+  std::string daemon_socket;
+  std::shared_ptr<PlannerClient> planner;
+  std::string job_id;
+  int64_t rank = 0;
+  std::string node_id;
+  std::chrono::milliseconds timeout{60'000};
+};
+
+class Client;
+
+// An operation in flight. Wait returns its result (an error names a lost peer).
+class OpHandle {
+ public:
+  absl::Status Wait(std::chrono::milliseconds timeout = std::chrono::milliseconds(60'000));
+  // True when done; an error when the operation failed.
+  absl::StatusOr<bool> Poll();
+
+ private:
+  friend class Client;
+  OpHandle(Client* client, uint64_t handle) : client_(client), handle_(handle) {}
+  Client* client_;
+  uint64_t handle_;
+};
+
+class Client {
+ public:
+  static absl::StatusOr<std::unique_ptr<Client>> Create(ClientOptions options);
+  ~Client();
+
+  // Registers this rank's inventory with the planner: in full, or only its canonical hash.
+  absl::Status Register(const Inventory& inventory, bool send_full);
+  // Attaches to the daemon (which waits for the plan), receives the arena's memfd and maps it.
+  absl::Status Attach();
+
+  const v1::Plan& plan() const { return plan_; }
+  int units() const { return static_cast<int>(buffers_.size()); }
+  const v1::UnitBuffers& buffers(int unit) const { return buffers_[unit]; }
+
+  // Typed views into the daemon's buffers. T must match the unit's dtype (float for fp32,
+  // uint16_t for bf16/fp16, int8_t/uint8_t for 8-bit types, int32_t, int64_t); otherwise
+  // INVALID_ARGUMENT names both.
+  template <typename T>
+  absl::StatusOr<absl::Span<T>> ParamShard(int unit) {
+    return View<T>(unit, buffers_[Check(unit)].param_shard_offset(), 1);
+  }
+  template <typename T>
+  absl::StatusOr<absl::Span<T>> Unsharded(int unit) {
+    return View<T>(unit, buffers_[Check(unit)].unsharded_offset(), plan_.world_size());
+  }
+  template <typename T>
+  absl::StatusOr<absl::Span<T>> Grad(int unit) {
+    return View<T>(unit, buffers_[Check(unit)].grad_offset(), plan_.world_size());
+  }
+  // fp32, whatever the unit's dtype.
+  absl::StatusOr<absl::Span<float>> GradShard(int unit);
+
+  // The mapped arena, for checks that views point into the daemon's memory.
+  const char* arena() const { return arena_; }
+  size_t arena_bytes() const { return arena_bytes_; }
+
+  absl::StatusOr<OpHandle> Unshard(int unit);
+  absl::StatusOr<OpHandle> Reshard(int unit);
+  absl::StatusOr<OpHandle> ReduceScatter(int unit, v1::ReduceKind op = v1::REDUCE_AVG);
+  // A round trip to the daemon that does nothing (control-path latency).
+  absl::Status NoOp();
+
+ private:
+  friend class OpHandle;
+  explicit Client(ClientOptions options) : options_(std::move(options)) {}
+  int Check(int unit) const { return unit >= 0 && unit < units() ? unit : 0; }
+  absl::StatusOr<OpHandle> StartOp(v1::OpKind kind, int unit, v1::ReduceKind op);
+  absl::Status CheckView(int unit, size_t item, bool (*matches)(v1::DType)) const;
+  template <typename T>
+  absl::StatusOr<absl::Span<T>> View(int unit, int64_t offset, int64_t count_per_shard);
+
+  ClientOptions options_;
+  std::unique_ptr<v1::Daemon::Stub> daemon_;
+  std::string attachment_;
+  v1::Plan plan_;
+  std::vector<v1::UnitBuffers> buffers_;
+  ScopedFd side_channel_;
+  char* arena_ = nullptr;
+  size_t arena_bytes_ = 0;
+};
+
+template <typename T>
+bool DTypeMatches(v1::DType d) {
+  if constexpr (std::is_same_v<T, float>) return d == v1::DTYPE_FP32;
+  if constexpr (std::is_same_v<T, uint16_t>) return d == v1::DTYPE_BF16 || d == v1::DTYPE_FP16;
+  if constexpr (std::is_same_v<T, int8_t>) return d == v1::DTYPE_INT8;
+  if constexpr (std::is_same_v<T, uint8_t>) {
+    return d == v1::DTYPE_UINT8 || d == v1::DTYPE_FP8E4M3 || d == v1::DTYPE_FP8E5M2;
+  }
+  if constexpr (std::is_same_v<T, int32_t>) return d == v1::DTYPE_INT32;
+  if constexpr (std::is_same_v<T, int64_t>) return d == v1::DTYPE_INT64;
+  return false;
+}
+
+template <typename T>
+absl::StatusOr<absl::Span<T>> Client::View(int unit, int64_t offset, int64_t count_per_shard) {
+  absl::Status s = CheckView(unit, sizeof(T), &DTypeMatches<T>);
+  if (!s.ok()) return s;
+  T* base = reinterpret_cast<T*>(arena_ + offset);
+  return absl::Span<T>(base, static_cast<size_t>(buffers_[unit].shard_elems() * count_per_shard));
+}
+
+}  // namespace ragshard

@@ -1,0 +1,529 @@
+#include "server/daemon/daemon.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <deque>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "common/fd_passing.h"
+#include "common/rpc.h"
+#include "glog/logging.h"
+#include "server/daemon/job_data_plane.h"
+#include "server/daemon/ucx_comm.h"
+#include "server/planner/validation.h"
+
+namespace ragshard::daemon {
+
+// One job on this node: its data plane, its UCX worker, and the thread that runs its operations.
+class JobRuntime {
+ public:
+  JobRuntime(std::string job_id, std::string node_id, v1::Plan plan,
+             std::vector<int64_t> local_ranks, std::unique_ptr<UcxWorker> worker,
+             std::unique_ptr<Comm> comm, std::unique_ptr<JobDataPlane> dp,
+             std::shared_ptr<PlannerClient> planner)
+      : job_id_(std::move(job_id)),
+        node_id_(std::move(node_id)),
+        plan_(std::move(plan)),
+        local_ranks_(std::move(local_ranks)),
+        worker_(std::move(worker)),
+        comm_(std::move(comm)),
+        dp_(std::move(dp)),
+        planner_(std::move(planner)),
+        next_seq_(local_ranks_.size(), 1) {
+    thread_ = std::thread([this] { Run(); });
+  }
+
+  ~JobRuntime() {
+    {
+      absl::MutexLock lock(&mu_);
+      stopping_ = true;
+    }
+    thread_.join();
+    // The data plane's leases go back to the pool before the comm and worker close.
+    dp_.reset();
+    comm_.reset();
+    worker_.reset();
+  }
+
+  const v1::Plan& plan() const { return plan_; }
+  const std::vector<int64_t>& local_ranks() const { return local_ranks_; }
+  const JobDataPlane& dp() const { return *dp_; }
+
+  absl::StatusOr<uint64_t> StartOp(int local, const v1::StartRequest& req) {
+    absl::MutexLock lock(&mu_);
+    if (!failed_.ok()) return failed_;
+    if (req.kind() == v1::OP_NOOP) return uint64_t{0};
+    if (req.unit_index() < 0 || req.unit_index() >= dp_->units()) {
+      return absl::InvalidArgumentError(absl::StrCat("unit_index: ", req.unit_index(),
+                                                     " is not a unit of job '", job_id_,
+                                                     "' (it has ", dp_->units(), ")"));
+    }
+    const uint64_t seq = next_seq_[local]++;
+    Op& op = ops_[seq];
+    if (op.started == 0) {
+      op.kind = req.kind();
+      op.unit = req.unit_index();
+      op.reduce = req.reduce();
+      op.deadline =
+          absl::Now() + absl::Milliseconds(req.timeout_ms() > 0 ? req.timeout_ms() : 60000);
+    } else if (op.kind != req.kind() || op.unit != req.unit_index() || op.reduce != req.reduce()) {
+      op.status = absl::FailedPreconditionError(absl::StrCat(
+          "local ranks disagree on operation ", seq, ": ", v1::OpKind_Name(op.kind), " of unit ",
+          op.unit, " against ", v1::OpKind_Name(req.kind()), " of unit ", req.unit_index()));
+      op.done = true;
+      return seq;
+    }
+    if (++op.started == static_cast<int>(local_ranks_.size())) queue_.push_back(seq);
+    return seq;
+  }
+
+  // Waits until the operation is done (returns true and its status) or `timeout` passes.
+  std::pair<bool, absl::Status> WaitOp(uint64_t seq, absl::Duration timeout) {
+    if (seq == 0) return {true, absl::OkStatus()};  // no-op
+    absl::MutexLock lock(&mu_);
+    auto it = ops_.find(seq);
+    if (it == ops_.end()) {
+      return {true,
+              absl::NotFoundError(absl::StrCat("no operation ", seq, " in job '", job_id_, "'"))};
+    }
+    auto done = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return it->second.done; };
+    mu_.AwaitWithTimeout(absl::Condition(&done), timeout);
+    if (!it->second.done) return {false, absl::OkStatus()};
+    absl::Status s = it->second.status;
+    if (++it->second.waited >= static_cast<int>(local_ranks_.size())) ops_.erase(it);
+    return {true, s};
+  }
+
+ private:
+  struct Op {
+    v1::OpKind kind = v1::OP_KIND_UNSPECIFIED;
+    int unit = 0;
+    v1::ReduceKind reduce = v1::REDUCE_SUM;
+    absl::Time deadline;
+    int started = 0;
+    int waited = 0;
+    bool done = false;
+    absl::Status status;
+  };
+
+  void Run() {
+    while (true) {
+      uint64_t seq = 0;
+      Op op;
+      {
+        absl::MutexLock lock(&mu_);
+        auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          return stopping_ || !queue_.empty();
+        };
+        mu_.AwaitWithTimeout(absl::Condition(&ready), absl::Milliseconds(50));
+        if (stopping_) return;
+        if (queue_.empty()) continue;
+        seq = queue_.front();
+        queue_.pop_front();
+        op = ops_[seq];
+      }
+      absl::Status s;
+      switch (op.kind) {
+        case v1::OP_UNSHARD:
+          s = dp_->Unshard(op.unit, op.deadline);
+          break;
+        case v1::OP_RESHARD:
+          break;  // the unsharded buffer stays allocated in this version (docs/daemon.md)
+        case v1::OP_REDUCE_SCATTER:
+          s = dp_->ReduceScatter(
+              op.unit, op.reduce == v1::REDUCE_AVG ? ReduceOp::kAvg : ReduceOp::kSum, op.deadline);
+          break;
+        default:
+          s = absl::InvalidArgumentError("unknown operation kind");
+      }
+      if (!s.ok() && (absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s))) {
+        LOG(ERROR) << "job " << job_id_ << ": " << s;
+        v1::ReportFailureRequest report;
+        report.set_job_id(job_id_);
+        report.set_reporter_node_id(node_id_);
+        report.set_lost_peer(std::string(s.message()).substr(0, 256));
+        report.set_message(std::string(s.message()).substr(0, 1024));
+        absl::Status r = planner_->ReportFailure(report);
+        if (!r.ok()) LOG(WARNING) << "reporting the failure to the planner: " << r;
+      }
+      absl::MutexLock lock(&mu_);
+      if (!s.ok() && (absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s))) failed_ = s;
+      Op& o = ops_[seq];
+      o.done = true;
+      o.status = s;
+      // Operations queued behind a failure fail the same way.
+      if (!failed_.ok()) {
+        for (uint64_t q : queue_) {
+          ops_[q].done = true;
+          ops_[q].status = failed_;
+        }
+        queue_.clear();
+      }
+    }
+  }
+
+  const std::string job_id_, node_id_;
+  const v1::Plan plan_;
+  const std::vector<int64_t> local_ranks_;
+  std::unique_ptr<UcxWorker> worker_;
+  std::unique_ptr<Comm> comm_;
+  std::unique_ptr<JobDataPlane> dp_;
+  std::shared_ptr<PlannerClient> planner_;
+  absl::Mutex mu_;
+  std::vector<uint64_t> next_seq_ ABSL_GUARDED_BY(mu_);
+  std::map<uint64_t, Op> ops_ ABSL_GUARDED_BY(mu_);
+  std::deque<uint64_t> queue_ ABSL_GUARDED_BY(mu_);
+  absl::Status failed_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;
+};
+
+namespace {
+
+grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* ctx, const absl::Status& s) {
+  auto* r = ctx->DefaultReactor();
+  r->Finish(ToGrpcStatus(s));
+  return r;
+}
+
+std::string HostOf(const std::string& address) { return address.substr(0, address.rfind(':')); }
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<NodeDaemon>> NodeDaemon::Start(
+    DaemonOptions options, std::shared_ptr<PlannerClient> planner) {
+  planner::ServiceLimits limits;
+  if (auto s = planner::ValidateId("--node-id", options.node_id, limits.max_id_length); !s.ok())
+    return s;
+  if (options.socket_path.empty()) return absl::InvalidArgumentError("--socket: required");
+  auto pool = Pool::Create(options.pool_bytes);
+  if (!pool.ok()) return pool.status();
+  std::unique_ptr<NodeDaemon> d(
+      new NodeDaemon(std::move(options), std::move(planner), std::move(*pool)));
+  ::unlink(d->options_.socket_path.c_str());
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("unix:" + d->options_.socket_path, grpc::InsecureServerCredentials());
+  builder.RegisterService(d.get());
+  d->server_ = builder.BuildAndStart();
+  if (!d->server_)
+    return absl::UnavailableError("cannot listen on unix:" + d->options_.socket_path);
+  if (::chmod(d->options_.socket_path.c_str(), static_cast<mode_t>(d->options_.socket_mode)) != 0) {
+    return absl::PermissionDeniedError("chmod " + d->options_.socket_path);
+  }
+  // The side channel last: its socket appearing means the daemon is ready.
+  auto fds = ListenUnix(d->options_.socket_path + ".fd", d->options_.socket_mode);
+  if (!fds.ok()) return fds.status();
+  d->fd_listener_ = std::move(*fds);
+  v1::RegisterNodeRequest reg;
+  reg.set_node_id(d->options_.node_id);
+  reg.set_data_address(d->options_.data_host);
+  reg.set_capacity_bytes(d->options_.pool_bytes);
+  auto registered = d->planner_->RegisterNode(reg);
+  if (!registered.ok()) LOG(WARNING) << "registering with the planner: " << registered.status();
+  d->side_channel_ = std::thread([p = d.get()] { p->RunSideChannel(); });
+  d->heartbeats_ = std::thread([p = d.get()] { p->RunHeartbeats(); });
+  LOG(INFO) << "ragshardd " << d->options_.node_id << " serving unix:" << d->options_.socket_path
+            << ", pool " << d->options_.pool_bytes << " bytes";
+  return d;
+}
+
+NodeDaemon::NodeDaemon(DaemonOptions options, std::shared_ptr<PlannerClient> planner,
+                       std::unique_ptr<Pool> pool)
+    : options_(std::move(options)), planner_(std::move(planner)), pool_(std::move(pool)) {}
+
+NodeDaemon::~NodeDaemon() { Shutdown(); }
+
+void NodeDaemon::Shutdown() {
+  if (shut_down_) return;
+  shut_down_ = true;
+  stop_.Notify();
+  if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  if (side_channel_.joinable()) side_channel_.join();
+  if (heartbeats_.joinable()) heartbeats_.join();
+  absl::MutexLock lock(&mu_);
+  attachments_.clear();
+  jobs_.clear();
+  ::unlink(options_.socket_path.c_str());
+  ::unlink((options_.socket_path + ".fd").c_str());
+}
+
+void NodeDaemon::Wait() {
+  if (server_) server_->Wait();
+}
+
+absl::StatusOr<std::shared_ptr<JobRuntime>> NodeDaemon::GetOrCreateJob(const std::string& job_id,
+                                                                       int64_t rank,
+                                                                       absl::Time deadline) {
+  absl::MutexLock setup(&setup_mu_);
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = jobs_.find(job_id);
+    if (it != jobs_.end()) return it->second;
+  }
+  auto plan = planner_->WaitForPlan(job_id, absl::ToChronoMilliseconds(deadline - absl::Now()));
+  if (!plan.ok()) return plan.status();
+  auto job = planner_->GetJob(job_id);
+  if (!job.ok()) return job.status();
+  if (rank >= job->world_size() ||
+      job->ranks(static_cast<int>(rank)).node_id() != options_.node_id) {
+    return absl::FailedPreconditionError(absl::StrCat("rank ", rank, " of job '", job_id,
+                                                      "' is not on node '", options_.node_id, "'"));
+  }
+  if (job->mesh().replicate_size() != 1) {
+    return absl::UnimplementedError("the replicate dimension (HSDP) is not in the data plane yet");
+  }
+  std::vector<int64_t> local;
+  std::vector<std::string> nodes;
+  for (const auto& r : job->ranks()) {
+    if (r.node_id() == options_.node_id) local.push_back(r.rank());
+    if (std::find(nodes.begin(), nodes.end(), r.node_id()) == nodes.end())
+      nodes.push_back(r.node_id());
+  }
+  if (local.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("job '", job_id, "' has no ranks on node '", options_.node_id, "'"));
+  }
+  std::unique_ptr<UcxWorker> worker;
+  std::unique_ptr<Comm> comm;
+  if (nodes.size() > 1) {
+    auto w = UcxWorker::Create(options_.data_host, 0);
+    if (!w.ok()) return w.status();
+    worker = std::move(*w);
+    absl::Status s = planner_->Put(job_id, "data/" + options_.node_id, worker->address());
+    if (!s.ok()) return s;
+    std::vector<std::string> addresses;
+    std::set<std::string> hosts;
+    int me = 0;
+    for (size_t i = 0; i < nodes.size(); ++i) {
+      if (nodes[i] == options_.node_id) me = static_cast<int>(i);
+      auto a = planner_->Get(
+          job_id, "data/" + nodes[i],
+          absl::ToChronoMilliseconds(std::max(deadline - absl::Now(), absl::Milliseconds(1))));
+      if (!a.ok()) {
+        return absl::Status(a.status().code(),
+                            absl::StrCat("waiting for node '", nodes[i],
+                                         "' to publish its data address: ", a.status().message()));
+      }
+      addresses.push_back(*a);
+      hosts.insert(HostOf(*a));
+    }
+    worker->AllowPeerHosts(hosts);  // only the job's peers may connect
+    auto c = worker->Connect(me, addresses, deadline);
+    if (!c.ok()) return c.status();
+    comm = std::move(*c);
+  }
+  auto dp = JobDataPlane::Create(*plan, local, pool_.get(), comm.get());
+  if (!dp.ok()) return dp.status();
+  auto runtime =
+      std::make_shared<JobRuntime>(job_id, options_.node_id, std::move(*plan), local,
+                                   std::move(worker), std::move(comm), std::move(*dp), planner_);
+  absl::MutexLock lock(&mu_);
+  jobs_[job_id] = runtime;
+  LOG(INFO) << "job " << job_id << ": " << local.size() << " local rank(s), " << nodes.size()
+            << " node(s), buffers allocated";
+  return runtime;
+}
+
+grpc::ServerUnaryReactor* NodeDaemon::Attach(grpc::CallbackServerContext* ctx,
+                                             const v1::AttachRequest* req,
+                                             v1::AttachResponse* resp) {
+  planner::ServiceLimits limits;
+  if (auto s = planner::ValidateJobId(req->job_id(), limits); !s.ok()) return Reply(ctx, s);
+  if (req->rank() < 0) return Reply(ctx, absl::InvalidArgumentError("rank: must not be negative"));
+  const absl::Time deadline =
+      absl::Now() + absl::Milliseconds(req->timeout_ms() > 0 ? req->timeout_ms() : 60000);
+  auto job = GetOrCreateJob(req->job_id(), req->rank(), deadline);
+  if (!job.ok()) return Reply(ctx, job.status());
+  const auto& local = (*job)->local_ranks();
+  auto it = std::find(local.begin(), local.end(), req->rank());
+  if (it == local.end()) {
+    return Reply(ctx, absl::FailedPreconditionError(
+                          absl::StrCat("rank ", req->rank(), " of job '", req->job_id(),
+                                       "' is not on node '", options_.node_id, "'")));
+  }
+  const int li = static_cast<int>(it - local.begin());
+  std::string id;
+  {
+    absl::MutexLock lock(&mu_);
+    id = absl::StrCat("a", next_attachment_++, "-", req->job_id(), "-", req->rank());
+    attachments_[id] = {req->job_id(), req->rank(), li};
+  }
+  resp->set_attachment_id(id);
+  resp->set_arena_bytes(static_cast<int64_t>(pool_->arena().size()));
+  *resp->mutable_plan() = (*job)->plan();
+  const JobDataPlane& dp = (*job)->dp();
+  for (int u = 0; u < dp.units(); ++u) {
+    v1::UnitBuffers* b = resp->add_units();
+    b->set_unit((*job)->plan().units(u).unit());
+    b->set_dtype(dp.dtype(u));
+    b->set_shard_elems(dp.shard_elems(u));
+    auto off = dp.offsets(u, li);
+    b->set_param_shard_offset(off.param_shard);
+    b->set_unsharded_offset(off.unsharded);
+    b->set_grad_offset(off.grad);
+    b->set_grad_shard_offset(off.grad_shard);
+  }
+  return Reply(ctx, absl::OkStatus());
+}
+
+void NodeDaemon::ReleaseAttachment(const std::string& id) {
+  absl::MutexLock lock(&mu_);
+  auto it = attachments_.find(id);
+  if (it == attachments_.end()) return;
+  LOG(INFO) << "attachment " << id << " released";
+  attachments_.erase(it);
+}
+
+grpc::ServerUnaryReactor* NodeDaemon::Detach(grpc::CallbackServerContext* ctx,
+                                             const v1::DetachRequest* req, v1::DetachResponse*) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (attachments_.count(req->attachment_id()) == 0) {
+      return Reply(ctx, absl::NotFoundError(
+                            absl::StrCat("unknown attachment '", req->attachment_id(), "'")));
+    }
+  }
+  ReleaseAttachment(req->attachment_id());
+  return Reply(ctx, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* NodeDaemon::Start(grpc::CallbackServerContext* ctx,
+                                            const v1::StartRequest* req, v1::StartResponse* resp) {
+  std::shared_ptr<JobRuntime> job;
+  int local = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = attachments_.find(req->attachment_id());
+    if (it == attachments_.end()) {
+      return Reply(ctx, absl::NotFoundError(
+                            absl::StrCat("unknown attachment '", req->attachment_id(), "'")));
+    }
+    auto j = jobs_.find(it->second.job_id);
+    if (j == jobs_.end()) return Reply(ctx, absl::NotFoundError("the job was released"));
+    job = j->second;
+    local = it->second.local;
+  }
+  auto seq = job->StartOp(local, *req);
+  if (!seq.ok()) return Reply(ctx, seq.status());
+  resp->set_handle(*seq);
+  return Reply(ctx, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* NodeDaemon::Wait(grpc::CallbackServerContext* ctx,
+                                           const v1::WaitRequest* req, v1::WaitResponse* resp) {
+  std::shared_ptr<JobRuntime> job;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = attachments_.find(req->attachment_id());
+    if (it == attachments_.end()) {
+      return Reply(ctx, absl::NotFoundError(
+                            absl::StrCat("unknown attachment '", req->attachment_id(), "'")));
+    }
+    auto j = jobs_.find(it->second.job_id);
+    if (j == jobs_.end()) return Reply(ctx, absl::NotFoundError("the job was released"));
+    job = j->second;
+  }
+  auto [done, status] =
+      job->WaitOp(req->handle(), absl::Milliseconds(std::max<int64_t>(req->timeout_ms(), 0)));
+  resp->set_done(done);
+  return Reply(ctx, status);
+}
+
+grpc::ServerUnaryReactor* NodeDaemon::NoOp(grpc::CallbackServerContext* ctx, const v1::NoOpRequest*,
+                                           v1::NoOpResponse*) {
+  return Reply(ctx, absl::OkStatus());
+}
+
+void NodeDaemon::RunSideChannel() {
+  // Clients connect, send their attachment id and receive the arena's memfd. The connection
+  // stays open while the client lives; its end releases the attachment.
+  std::map<int, std::pair<ScopedFd, std::string>> clients;
+  while (!stop_.HasBeenNotified()) {
+    std::vector<pollfd> fds = {{fd_listener_.get(), POLLIN, 0}};
+    for (auto& [fd, c] : clients) fds.push_back({fd, POLLIN, 0});
+    if (::poll(fds.data(), fds.size(), 100) <= 0) continue;
+    if (fds[0].revents & POLLIN) {
+      ScopedFd conn(::accept4(fd_listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+      if (conn.valid()) {
+        timeval tv{2, 0};
+        ::setsockopt(conn.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+        auto msg = ReceiveWithFds(conn.get(), 0);
+        bool known = false;
+        if (msg.ok()) {
+          absl::MutexLock lock(&mu_);
+          known = attachments_.count(msg->payload) > 0;
+        }
+        if (known && SendWithFds(conn.get(), "ok", {pool_->arena().fd()}).ok()) {
+          const int fd = conn.get();
+          clients[fd] = {std::move(conn), msg->payload};
+        } else {
+          (void)SendWithFds(conn.get(), "error: unknown attachment", {});
+        }
+      }
+    }
+    for (size_t i = 1; i < fds.size(); ++i) {
+      if (fds[i].revents & (POLLIN | POLLHUP | POLLERR)) {
+        char buf[64];
+        if (::recv(fds[i].fd, buf, sizeof(buf), MSG_DONTWAIT) <= 0) {
+          auto it = clients.find(fds[i].fd);
+          ReleaseAttachment(it->second.second);
+          clients.erase(it);
+        }
+      }
+    }
+  }
+}
+
+void NodeDaemon::RunHeartbeats() {
+  while (!stop_.WaitForNotificationWithTimeout(absl::FromChrono(options_.heartbeat_interval))) {
+    v1::HeartbeatRequest hb;
+    hb.set_node_id(options_.node_id);
+    PoolStats s = pool_->Stats();
+    auto* f = hb.mutable_figures();
+    f->set_pool_capacity_bytes(s.capacity);
+    f->set_pool_used_bytes(s.used);
+    f->set_pool_peak_bytes(s.peak);
+    f->set_pool_fragmentation(s.fragmentation);
+    f->set_buffers(s.leases);
+    {
+      absl::MutexLock lock(&mu_);
+      for (const auto& [id, job] : jobs_) hb.add_jobs(id);
+      f->set_attachments(static_cast<int64_t>(attachments_.size()));
+    }
+    auto resp = planner_->Heartbeat(hb);
+    if (!resp.ok()) {
+      if (absl::IsNotFound(resp.status())) {
+        v1::RegisterNodeRequest reg;
+        reg.set_node_id(options_.node_id);
+        reg.set_data_address(options_.data_host);
+        reg.set_capacity_bytes(options_.pool_bytes);
+        (void)planner_->RegisterNode(reg);
+      } else {
+        LOG_EVERY_N(WARNING, 10) << "heartbeat: " << resp.status();
+      }
+      continue;
+    }
+    for (const std::string& job : resp->release_jobs()) {
+      std::shared_ptr<JobRuntime> gone;
+      {
+        absl::MutexLock lock(&mu_);
+        auto it = jobs_.find(job);
+        if (it == jobs_.end()) continue;
+        gone = std::move(it->second);
+        jobs_.erase(it);
+        for (auto a = attachments_.begin(); a != attachments_.end();) {
+          a = a->second.job_id == job ? attachments_.erase(a) : std::next(a);
+        }
+      }
+      gone.reset();  // joins the job thread and returns its buffers to the pool
+      LOG(INFO) << "job " << job << " deleted by the planner: buffers released";
+    }
+  }
+}
+
+}  // namespace ragshard::daemon

@@ -1,0 +1,94 @@
+// ragshardd: the per-node daemon. It registers with the planner and heartbeats, serves its
+// node's training processes on a Unix socket, owns the memory pool and every job's RaggedShard
+// buffers, passes the pool's memfd over a SCM_RIGHTS side channel, and runs the collectives
+// with the other nodes' daemons over UCX.
+//
+// Threading (docs/threading.md): gRPC callback threads validate requests and take `mu_`; each
+// job has one thread that owns its UCX worker and runs its operations in order; one thread
+// serves the descriptor side channel and notices clients that die; one thread heartbeats.
+#pragma once
+
+#include <chrono>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "client/planner_client.h"
+#include "common/fd.h"
+#include "ragshard/v1/daemon.grpc.pb.h"
+#include "server/daemon/pool.h"
+
+namespace ragshard::daemon {
+
+struct DaemonOptions {
+  std::string node_id;
+  // The Unix socket of the local service; the descriptor side channel is "<socket_path>.fd".
+  std::string socket_path;
+  int socket_mode = 0600;
+  int64_t pool_bytes = int64_t{1} << 30;
+  // Host the data-plane listeners bind (each job's UCX worker gets a port of its own, published
+  // through the planner's rendezvous).
+  std::string data_host = "127.0.0.1";
+  std::chrono::milliseconds heartbeat_interval{1000};
+};
+
+class JobRuntime;
+
+class NodeDaemon final : public v1::Daemon::CallbackService {
+ public:
+  static absl::StatusOr<std::unique_ptr<NodeDaemon>> Start(DaemonOptions options,
+                                                           std::shared_ptr<PlannerClient> planner);
+  ~NodeDaemon() override;
+  void Shutdown();
+  void Wait();
+
+  PoolStats pool_stats() const { return pool_->Stats(); }
+
+  grpc::ServerUnaryReactor* Attach(grpc::CallbackServerContext* ctx, const v1::AttachRequest* req,
+                                   v1::AttachResponse* resp) override;
+  grpc::ServerUnaryReactor* Detach(grpc::CallbackServerContext* ctx, const v1::DetachRequest* req,
+                                   v1::DetachResponse* resp) override;
+  grpc::ServerUnaryReactor* Start(grpc::CallbackServerContext* ctx, const v1::StartRequest* req,
+                                  v1::StartResponse* resp) override;
+  grpc::ServerUnaryReactor* Wait(grpc::CallbackServerContext* ctx, const v1::WaitRequest* req,
+                                 v1::WaitResponse* resp) override;
+  grpc::ServerUnaryReactor* NoOp(grpc::CallbackServerContext* ctx, const v1::NoOpRequest* req,
+                                 v1::NoOpResponse* resp) override;
+
+ private:
+  struct Attachment {
+    std::string job_id;
+    int64_t rank = 0;
+    int local = 0;
+  };
+  NodeDaemon(DaemonOptions options, std::shared_ptr<PlannerClient> planner,
+             std::unique_ptr<Pool> pool);
+  absl::StatusOr<std::shared_ptr<JobRuntime>> GetOrCreateJob(const std::string& job_id,
+                                                             int64_t rank, absl::Time deadline);
+  void ReleaseAttachment(const std::string& id);
+  void RunSideChannel();
+  void RunHeartbeats();
+
+  const DaemonOptions options_;
+  const std::shared_ptr<PlannerClient> planner_;
+  const std::unique_ptr<Pool> pool_;
+  std::unique_ptr<grpc::Server> server_;
+  ScopedFd fd_listener_;
+
+  absl::Mutex setup_mu_;  // serializes job setup (connecting to peers can take a while)
+  mutable absl::Mutex mu_;
+  std::map<std::string, std::shared_ptr<JobRuntime>> jobs_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, Attachment> attachments_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_attachment_ ABSL_GUARDED_BY(mu_) = 1;
+
+  absl::Notification stop_;
+  std::thread side_channel_;
+  std::thread heartbeats_;
+  bool shut_down_ = false;
+};
+
+}  // namespace ragshard::daemon

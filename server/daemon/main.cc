@@ -1,0 +1,66 @@
+// ragshardd: the node daemon. Flags are defined here only.
+#include <csignal>
+#include <cstdio>
+#include <iostream>
+#include <thread>
+
+#include "CLI/CLI.hpp"
+#include "client/planner_client.h"
+#include "glog/logging.h"
+#include "server/daemon/daemon.h"
+
+namespace {
+volatile std::sig_atomic_t g_stop = 0;
+void OnSignal(int) { g_stop = 1; }
+}  // namespace
+
+int main(int argc, char** argv) {
+  google::InitGoogleLogging(argv[0]);
+  FLAGS_logtostderr = true;
+  ragshard::daemon::DaemonOptions options;
+  ragshard::PlannerClientOptions planner;
+  std::string data_listen = "127.0.0.1:0";
+  int64_t heartbeat_ms = 1000;
+  CLI::App app{"ragshardd: the ragshard node daemon"};
+  app.add_option("--planner", planner.address, "planner address HOST:PORT")->required();
+  app.add_option("--node-id", options.node_id, "this node's id")->required();
+  app.add_option("--socket", options.socket_path, "Unix socket of the local service")->required();
+  app.add_option("--pool-bytes", options.pool_bytes, "size of the shared-memory pool")->required();
+  app.add_option("--data-listen", data_listen, "HOST:PORT for data-plane listeners");
+  app.add_option("--token-file", planner.security.token_file, "planner bearer token");
+  app.add_option("--tls-ca", planner.security.tls_ca_file, "planner CA (enables TLS)");
+  app.add_option("--tls-cert", planner.security.tls_cert_file, "client certificate (mutual TLS)");
+  app.add_option("--tls-key", planner.security.tls_key_file, "client key (mutual TLS)");
+  app.add_option("--heartbeat-ms", heartbeat_ms, "heartbeat interval")->capture_default_str();
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;
+  }
+  if (options.pool_bytes <= 0 || heartbeat_ms <= 0) {
+    std::cerr << "error: --pool-bytes and --heartbeat-ms must be positive\n";
+    return 2;
+  }
+  options.data_host = data_listen.substr(0, data_listen.rfind(':'));
+  options.heartbeat_interval = std::chrono::milliseconds(heartbeat_ms);
+  planner.rpc_timeout = std::chrono::seconds(10);
+  auto client = ragshard::GrpcPlannerClient::Create(planner);
+  if (!client.ok()) {
+    std::cerr << "error: " << client.status().message() << "\n";
+    return 2;
+  }
+  std::shared_ptr<ragshard::PlannerClient> shared(std::move(*client));
+  auto daemon = ragshard::daemon::NodeDaemon::Start(options, shared);
+  if (!daemon.ok()) {
+    std::cerr << "error: " << daemon.status().message() << "\n";
+    return 1;
+  }
+  std::printf("ragshardd %s ready on unix:%s\n", options.node_id.c_str(),
+              options.socket_path.c_str());
+  std::fflush(stdout);
+  std::signal(SIGINT, OnSignal);
+  std::signal(SIGTERM, OnSignal);
+  while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  (*daemon)->Shutdown();
+  return 0;
+}

@@ -1,0 +1,156 @@
+// A planner, 2 daemons and 4 ranks (2 per daemon), all separate processes on loopback: the
+// results of all-gather and reduce-scatter against an independent reference, views that point
+// into the daemon's memory, a daemon killed with -9, a client that dies, and bad input.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/stat.h>
+
+#include <cmath>
+
+#include "client/client.h"
+#include "common/planner.h"
+#include "tests/server/test_util.h"
+
+namespace ragshard {
+namespace {
+
+using namespace std::chrono_literals;
+using ::testing::HasSubstr;
+
+class DaemonE2E : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    planner_ = testing::PlannerProcess::Start(RAGSHARD_PLANNER_PATH, dir_.path(),
+                                              {"--node-timeout-ms", "1500"});
+    ASSERT_FALSE(planner_.address.empty());
+    PlannerClientOptions o;
+    o.address = planner_.address;
+    client_ = std::shared_ptr<PlannerClient>(std::move(*GrpcPlannerClient::Create(o)));
+    for (int n = 0; n < 2; ++n) StartDaemon(n);
+  }
+
+  void StartDaemon(int n) {
+    const std::string sock = Socket(n);
+    daemons_[n] = testing::Child(
+        {RAGSHARDD_PATH, "--planner", planner_.address, "--node-id", "node-" + std::to_string(n),
+         "--socket", sock, "--pool-bytes", std::to_string(64 << 20), "--heartbeat-ms", "200"},
+        dir_.path() + "/daemon" + std::to_string(n) + ".log");
+    struct stat st {};
+    for (int i = 0; i < 400 && stat((sock + ".fd").c_str(), &st) != 0; ++i) {
+      std::this_thread::sleep_for(10ms);
+    }
+    ASSERT_EQ(stat(sock.c_str(), &st), 0) << testing::ReadAll(dir_.path() + "/daemon0.log");
+    EXPECT_EQ(st.st_mode & 0777, 0600u);
+  }
+
+  std::string Socket(int n) const { return dir_.path() + "/d" + std::to_string(n) + ".sock"; }
+
+  void CreateJob(const std::string& id) {
+    v1::CreateJobRequest req;
+    req.set_job_id(id);
+    req.mutable_mesh()->set_shard_size(4);
+    req.mutable_mesh()->set_replicate_size(1);
+    ASSERT_TRUE(client_->CreateJob(req).ok());
+  }
+
+  std::vector<testing::Child> SpawnRanks(const std::string& job, const std::string& mode) {
+    std::vector<testing::Child> out;
+    for (int r = 0; r < 4; ++r) {
+      out.emplace_back(std::vector<std::string>{E2E_RANK_PATH, planner_.address, dir_.path(), job,
+                                                std::to_string(r), mode},
+                       dir_.path() + "/rank" + std::to_string(r) + ".log");
+    }
+    return out;
+  }
+
+  static int Exit(testing::Child& c) {
+    int status = c.Wait();
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  }
+
+  testing::TempDir dir_;
+  testing::PlannerProcess planner_;
+  std::shared_ptr<PlannerClient> client_;
+  testing::Child daemons_[2];
+};
+
+TEST_F(DaemonE2E, AllGatherAndReduceScatterMatchTheReference) {
+  CreateJob("train");
+  auto ranks = SpawnRanks("train", "check");
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_EQ(Exit(ranks[r]), 0) << "rank " << r << ": "
+                                 << testing::ReadAll(dir_.path() + "/rank" + std::to_string(r) +
+                                                     ".log");
+  }
+  // The daemons report their pools through heartbeats.
+  std::this_thread::sleep_for(500ms);
+  auto nodes = client_->ListNodes();
+  ASSERT_TRUE(nodes.ok());
+  ASSERT_EQ(nodes->size(), 2u);
+  for (const auto& n : *nodes) {
+    EXPECT_GT(n.figures().pool_used_bytes(), 0);
+    EXPECT_EQ(n.figures().attachments(), 0) << "clients exited, attachments must be released";
+  }
+  // Deleting the job releases its buffers.
+  ASSERT_TRUE(client_->DeleteJob("train").ok());
+  bool released = false;
+  for (int i = 0; i < 100 && !released; ++i) {
+    std::this_thread::sleep_for(50ms);
+    released = true;
+    for (const auto& n : *client_->ListNodes()) released &= n.figures().pool_used_bytes() == 0;
+  }
+  EXPECT_TRUE(released);
+}
+
+TEST_F(DaemonE2E, AKilledDaemonFailsThePeersOperationsAndDegradesTheJob) {
+  CreateJob("doomed");
+  auto ranks = SpawnRanks("doomed", "loop");
+  std::this_thread::sleep_for(1500ms);
+  daemons_[1].Kill(SIGKILL);
+  EXPECT_EQ(Exit(ranks[0]), 0) << testing::ReadAll(dir_.path() + "/rank0.log");
+  EXPECT_EQ(Exit(ranks[1]), 0) << testing::ReadAll(dir_.path() + "/rank1.log");
+  ranks[2].Kill(SIGKILL);
+  ranks[3].Kill(SIGKILL);
+  v1::JobStatus status = v1::JOB_READY;
+  for (int i = 0; i < 100 && status != v1::JOB_DEGRADED; ++i) {
+    status = client_->GetJob("doomed")->status();
+    std::this_thread::sleep_for(50ms);
+  }
+  EXPECT_EQ(status, v1::JOB_DEGRADED);
+}
+
+TEST_F(DaemonE2E, BadInputGetsClearErrorsAndTheDaemonStaysUp) {
+  CreateJob("j");
+  ClientOptions bad;
+  bad.planner = client_;
+  bad.daemon_socket = Socket(0);
+  bad.job_id = "nope";
+  bad.timeout = 2s;
+  auto c = std::move(*Client::Create(bad));
+  absl::Status s = c->Attach();
+  EXPECT_FALSE(s.ok());
+  EXPECT_THAT(std::string(s.message()), HasSubstr("nope"));
+  // A rank that is not on this node, once the job is planned.
+  auto ranks = SpawnRanks("j", "register");
+  for (auto& r : ranks) EXPECT_EQ(Exit(r), 0);
+  ClientOptions co;
+  co.planner = client_;
+  co.daemon_socket = Socket(0);
+  co.job_id = "j";
+  co.rank = 3;  // lives on node-1
+  co.timeout = 5s;
+  auto wrong = std::move(*Client::Create(co));
+  s = wrong->Attach();
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("not on node 'node-0'"));
+  EXPECT_TRUE(wrong->NoOp().ok());  // still serving
+  // A pool that is too small.
+  testing::Child small({RAGSHARDD_PATH, "--planner", planner_.address, "--node-id", "tiny",
+                        "--socket", dir_.path() + "/tiny.sock", "--pool-bytes", "abc"},
+                       dir_.path() + "/tiny.log");
+  EXPECT_EQ(small.Kill(0) >> 8, 2);
+}
+
+}  // namespace
+}  // namespace ragshard

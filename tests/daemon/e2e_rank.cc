@@ -1,0 +1,148 @@
+// A training rank for the daemon end-to-end test, run as its own process (gRPC state must not
+// be inherited across fork):
+//   e2e_rank PLANNER_ADDR SOCKET_DIR JOB RANK MODE
+// MODE "check" runs all-gather and reduce-scatter against the reference; "loop" runs
+// all-gathers until one fails and exits 0 when the error names a peer; "register" only
+// registers.
+#include <cmath>
+#include <cstdio>
+#include <string>
+
+#include "client/client.h"
+#include "server/daemon/collectives.h"
+
+namespace ragshard {
+namespace {
+
+using namespace std::chrono_literals;
+
+std::string g_planner, g_dir;
+
+std::string Socket(int n) { return g_dir + "/d" + std::to_string(n) + ".sock"; }
+
+Inventory TestInventory() {
+  auto inv = ParseInventoryJson(R"({"units": [
+      {"name": "layers.0", "tensors": [
+        {"name": "l0.w", "shape": [96, 40], "dtype": "fp32", "granule": "rows:8", "optimizer": "matrix"},
+        {"name": "l0.b", "shape": [40], "dtype": "fp32"},
+        {"name": "l0.h", "shape": [64, 24], "dtype": "bf16", "granule": "rows:16"}]},
+      {"name": "layers.1", "tensors": [
+        {"name": "l1.w", "shape": [130, 33], "dtype": "bf16", "granule": "rows:32"},
+        {"name": "l1.n", "shape": [33], "dtype": "bf16"}]}]})");
+  return *inv;
+}
+
+float PV(int64_t r, int64_t e) { return static_cast<float>((r * 13 + e * 7) % 41 - 20) / 4.0f; }
+float GV(int64_t r, int64_t x) { return static_cast<float>((r * 3 + x * 5) % 29 - 14) / 8.0f; }
+
+std::unique_ptr<Client> Connect(const std::string& job, int rank) {
+  PlannerClientOptions o;
+  o.address = g_planner;
+  ClientOptions co;
+  co.planner = std::shared_ptr<PlannerClient>(std::move(*GrpcPlannerClient::Create(o)));
+  co.daemon_socket = Socket(rank / 2);
+  co.job_id = job;
+  co.rank = rank;
+  co.node_id = "node-" + std::to_string(rank / 2);
+  co.timeout = 20s;
+  return std::move(*Client::Create(co));
+}
+
+// Runs in a forked rank process; returns its exit code.
+int Rank(const std::string& job, int rank) {
+  auto c = Connect(job, rank);
+  Inventory inv = TestInventory();
+  if (!c->Register(inv, rank == 0).ok()) return 60;
+  absl::Status a = c->Attach();
+  if (!a.ok()) {
+    fprintf(stderr, "attach: %s\n", std::string(a.message()).c_str());
+    return 61;
+  }
+  const int64_t w = c->plan().world_size();
+  for (int u = 0; u < c->units(); ++u) {
+    const auto& b = c->buffers(u);
+    const int64_t s = b.shard_elems();
+    const bool fp32 = b.dtype() == v1::DTYPE_FP32;
+    // Wrong-dtype views are errors, not reinterpretations.
+    if (fp32 ? c->ParamShard<uint16_t>(u).ok() : c->ParamShard<float>(u).ok()) return 62;
+    auto store = [&](char* base, int64_t i, float v) {
+      if (fp32) {
+        reinterpret_cast<float*>(base)[i] = v;
+      } else {
+        reinterpret_cast<uint16_t*>(base)[i] = daemon::FloatToBf16(v);
+      }
+    };
+    auto load = [&](const char* base, int64_t i) {
+      return fp32 ? reinterpret_cast<const float*>(base)[i]
+                  : daemon::Bf16ToFloat(reinterpret_cast<const uint16_t*>(base)[i]);
+    };
+    char* shard =
+        c->arena() == nullptr ? nullptr : const_cast<char*>(c->arena()) + b.param_shard_offset();
+    char* full = const_cast<char*>(c->arena()) + b.unsharded_offset();
+    char* grad = const_cast<char*>(c->arena()) + b.grad_offset();
+    // Zero copy: the typed views are these very addresses in the daemon's arena.
+    void* view = fp32 ? static_cast<void*>(c->ParamShard<float>(u)->data())
+                      : static_cast<void*>(c->ParamShard<uint16_t>(u)->data());
+    if (view != shard) return 63;
+    for (int64_t e = 0; e < s; ++e) store(shard, e, PV(rank, e));
+    for (int64_t x = 0; x < w * s; ++x) store(grad, x, GV(rank, x));
+    auto h = c->Unshard(u);
+    if (!h.ok() || !h->Wait(20s).ok()) return 64;
+    for (int64_t x = 0; x < w * s; ++x) {
+      if (load(full, x) != PV(x / s, x % s)) return 65;
+    }
+    // Every tensor of the unit is a contiguous view of the unsharded buffer.
+    for (const auto& t : c->plan().units(u).tensors()) {
+      for (int64_t i = 0; i < t.numel(); i += 17) {
+        const int64_t x = t.offset() + i;
+        if (load(full, x) != PV(x / s, x % s)) return 66;
+      }
+    }
+    for (v1::ReduceKind op : {v1::REDUCE_SUM, v1::REDUCE_AVG}) {
+      auto r = c->ReduceScatter(u, op);
+      if (!r.ok() || !r->Wait(20s).ok()) return 67;
+      auto gs = c->GradShard(u);
+      for (int64_t e = 0; e < s; ++e) {
+        double expect = 0;
+        for (int k = 0; k < w; ++k) expect += GV(k, rank * s + e);
+        if (op == v1::REDUCE_AVG) expect /= w;
+        if (std::abs((*gs)[e] - expect) > 1e-5) return 68;
+      }
+    }
+  }
+  // Bad input: a unit that does not exist.
+  if (c->Unshard(99).ok()) return 69;
+  return 0;
+}
+
+int Loop(const std::string& job, int r) {
+  auto c = Connect(job, r);
+  if (!c->Register(TestInventory(), r == 0).ok() || !c->Attach().ok()) return 70;
+  for (int i = 0; i < 100000; ++i) {
+    auto h = c->Unshard(0);
+    absl::Status s = h.ok() ? h->Wait(15s) : h.status();
+    if (!s.ok()) {
+      fprintf(stderr, "rank %d: %s\n", r, std::string(s.message()).c_str());
+      return std::string(s.message()).find("peer") != std::string::npos ? 0 : 71;
+    }
+  }
+  return 72;
+}
+
+}  // namespace
+}  // namespace ragshard
+
+int main(int argc, char** argv) {
+  if (argc != 6) return 2;
+  ragshard::g_planner = argv[1];
+  ragshard::g_dir = argv[2];
+  const std::string job = argv[3], mode = argv[5];
+  const int rank = std::atoi(argv[4]);
+  if (mode == "check") return ragshard::Rank(job, rank);
+  if (mode == "loop") return ragshard::Loop(job, rank);
+  if (mode == "register") {
+    auto c = ragshard::Connect(job, rank);
+    return c->Register(ragshard::TestInventory(), rank == 0).ok() ? 0 : 1;
+  }
+  return 2;
+}
