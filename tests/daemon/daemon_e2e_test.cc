@@ -98,7 +98,9 @@ TEST_F(DaemonE2E, AllGatherAndReduceScatterMatchTheReference) {
   for (int i = 0; i < 100 && !released; ++i) {
     std::this_thread::sleep_for(50ms);
     released = true;
-    for (const auto& n : *client_->ListNodes()) released &= n.figures().pool_used_bytes() == 0;
+    auto now = client_->ListNodes();
+    ASSERT_TRUE(now.ok());
+    for (const auto& n : *now) released &= n.figures().pool_used_bytes() == 0;
   }
   EXPECT_TRUE(released);
 }
@@ -118,6 +120,39 @@ TEST_F(DaemonE2E, AKilledDaemonFailsThePeersOperationsAndDegradesTheJob) {
     std::this_thread::sleep_for(50ms);
   }
   EXPECT_EQ(status, v1::JOB_DEGRADED);
+}
+
+TEST_F(DaemonE2E, OperationsKeepWorkingWhileThePlannerIsDown) {
+  CreateJob("steady");
+  // "pause" mode: attach, signal readiness by a file, wait for the go file, then check.
+  auto ranks = SpawnRanks("steady", "pause");
+  for (int r = 0; r < 4; ++r) {
+    const std::string ready = dir_.path() + "/ready" + std::to_string(r);
+    for (int i = 0; i < 2000 && testing::ReadAll(ready).empty(); ++i)
+      std::this_thread::sleep_for(10ms);
+    ASSERT_FALSE(testing::ReadAll(ready).empty()) << "rank " << r << " did not attach";
+  }
+  const std::string listen = planner_.address;
+  planner_.child.Kill(SIGKILL);
+  dir_.File("go", "1");
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_EQ(Exit(ranks[r]), 0) << "rank " << r << ": "
+                                 << testing::ReadAll(dir_.path() + "/rank" + std::to_string(r) +
+                                                     ".log");
+  }
+  // The planner comes back on the same address and the daemons' heartbeats resume.
+  planner_ = testing::PlannerProcess::Start(RAGSHARD_PLANNER_PATH, dir_.path(), {}, listen);
+  ASSERT_EQ(planner_.address, listen);
+  bool up = false;
+  for (int i = 0; i < 100 && !up; ++i) {
+    std::this_thread::sleep_for(50ms);
+    auto nodes = client_->ListNodes();
+    up = nodes.ok() && nodes->size() == 2;
+    for (const auto& n : nodes.ok() ? *nodes : std::vector<v1::Node>()) {
+      up &= n.status() == v1::NODE_UP && n.figures().pool_capacity_bytes() > 0;
+    }
+  }
+  EXPECT_TRUE(up);
 }
 
 TEST_F(DaemonE2E, BadInputGetsClearErrorsAndTheDaemonStaysUp) {

@@ -4,6 +4,8 @@
 // MODE "check" runs all-gather and reduce-scatter against the reference; "loop" runs
 // all-gathers until one fails and exits 0 when the error names a peer; "register" only
 // registers.
+#include <unistd.h>
+
 #include <cmath>
 #include <cstdio>
 #include <string>
@@ -49,6 +51,8 @@ std::unique_ptr<Client> Connect(const std::string& job, int rank) {
 }
 
 // Runs in a forked rank process; returns its exit code.
+int Check(Client& client, int rank);
+
 int Rank(const std::string& job, int rank) {
   auto c = Connect(job, rank);
   Inventory inv = TestInventory();
@@ -58,6 +62,11 @@ int Rank(const std::string& job, int rank) {
     fprintf(stderr, "attach: %s\n", std::string(a.message()).c_str());
     return 61;
   }
+  return Check(*c, rank);
+}
+
+int Check(Client& client, int rank) {
+  Client* c = &client;
   const int64_t w = c->plan().world_size();
   for (int u = 0; u < c->units(); ++u) {
     const auto& b = c->buffers(u);
@@ -140,6 +149,22 @@ int main(int argc, char** argv) {
   const int rank = std::atoi(argv[4]);
   if (mode == "check") return ragshard::Rank(job, rank);
   if (mode == "loop") return ragshard::Loop(job, rank);
+  if (mode == "pause") {
+    // Attach, then wait (the test stops the planner) before running the checks.
+    auto c = ragshard::Connect(job, rank);
+    if (!c->Register(ragshard::TestInventory(), rank == 0).ok() || !c->Attach().ok()) return 80;
+    FILE* f = std::fopen((ragshard::g_dir + "/ready" + std::to_string(rank)).c_str(), "w");
+    std::fputs("1", f);
+    std::fclose(f);
+    for (int i = 0; i < 3000; ++i) {
+      if (FILE* go = std::fopen((ragshard::g_dir + "/go").c_str(), "r")) {
+        std::fclose(go);
+        return ragshard::Check(*c, rank);
+      }
+      usleep(10000);
+    }
+    return 81;
+  }
   if (mode == "register") {
     auto c = ragshard::Connect(job, rank);
     return c->Register(ragshard::TestInventory(), rank == 0).ok() ? 0 : 1;
