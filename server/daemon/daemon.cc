@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <deque>
+#include <functional>
 #include <set>
 
 #include "absl/strings/str_cat.h"
@@ -82,21 +83,28 @@ class JobRuntime {
     return seq;
   }
 
-  // Waits until the operation is done (returns true and its status) or `timeout` passes.
-  std::pair<bool, absl::Status> WaitOp(uint64_t seq, absl::Duration timeout) {
-    if (seq == 0) return {true, absl::OkStatus()};  // no-op
-    absl::MutexLock lock(&mu_);
-    auto it = ops_.find(seq);
-    if (it == ops_.end()) {
-      return {true,
-              absl::NotFoundError(absl::StrCat("no operation ", seq, " in job '", job_id_, "'"))};
+  // Calls `done(true, status)` once the operation completes, or `done(false, OK)` at `deadline`.
+  // Never blocks; `done` runs on the job's thread or the caller's, never under the job's mutex.
+  using WaitCallback = std::function<void(bool, absl::Status)>;
+  void AddWaiter(uint64_t seq, absl::Time deadline, WaitCallback done) {
+    bool finished = true;
+    absl::Status status;
+    if (seq != 0) {  // 0 is a no-op, done at once
+      absl::MutexLock lock(&mu_);
+      auto it = ops_.find(seq);
+      if (it == ops_.end()) {
+        status = absl::NotFoundError(absl::StrCat("no operation ", seq, " in job '", job_id_, "'"));
+      } else if (it->second.done) {
+        status = it->second.status;
+        Waited(it);
+      } else if (deadline > absl::Now()) {
+        it->second.waiters.emplace_back(deadline, std::move(done));
+        return;
+      } else {
+        finished = false;  // a poll of an operation still running
+      }
     }
-    auto done = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return it->second.done; };
-    mu_.AwaitWithTimeout(absl::Condition(&done), timeout);
-    if (!it->second.done) return {false, absl::OkStatus()};
-    absl::Status s = it->second.status;
-    if (++it->second.waited >= static_cast<int>(local_ranks_.size())) ops_.erase(it);
-    return {true, s};
+    done(finished, status);
   }
 
  private:
@@ -109,7 +117,45 @@ class JobRuntime {
     int waited = 0;
     bool done = false;
     absl::Status status;
+    std::vector<std::pair<absl::Time, WaitCallback>> waiters;
   };
+
+  void Waited(std::map<uint64_t, Op>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (++it->second.waited >= static_cast<int>(local_ranks_.size())) ops_.erase(it);
+  }
+
+  // Resolves the waiters of finished operations and expires the others; the callbacks run after
+  // the mutex is released.
+  void ServeWaiters() {
+    std::vector<std::function<void()>> calls;
+    {
+      absl::MutexLock lock(&mu_);
+      const absl::Time now = absl::Now();
+      for (auto it = ops_.begin(); it != ops_.end();) {
+        auto next = std::next(it);
+        Op& op = it->second;
+        std::vector<std::pair<absl::Time, WaitCallback>> keep;
+        int resolved = 0;
+        for (auto& [deadline, cb] : op.waiters) {
+          if (op.done) {
+            calls.push_back([cb = std::move(cb), st = op.status] { cb(true, st); });
+            ++resolved;
+          } else if (deadline <= now) {
+            calls.push_back([cb = std::move(cb)] { cb(false, absl::OkStatus()); });
+          } else {
+            keep.emplace_back(deadline, std::move(cb));
+          }
+        }
+        op.waiters = std::move(keep);
+        if (resolved > 0) {
+          op.waited += resolved - 1;
+          Waited(it);
+        }
+        it = next;
+      }
+    }
+    for (auto& c : calls) c();
+  }
 
   void Run() {
     while (true) {
@@ -151,20 +197,33 @@ class JobRuntime {
         absl::Status r = planner_->ReportFailure(report);
         if (!r.ok()) LOG(WARNING) << "reporting the failure to the planner: " << r;
       }
-      absl::MutexLock lock(&mu_);
-      if (!s.ok() && (absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s))) failed_ = s;
-      Op& o = ops_[seq];
-      o.done = true;
-      o.status = s;
-      // Operations queued behind a failure fail the same way.
-      if (!failed_.ok()) {
-        for (uint64_t q : queue_) {
-          ops_[q].done = true;
-          ops_[q].status = failed_;
+      {
+        absl::MutexLock lock(&mu_);
+        if (!s.ok() && (absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s))) failed_ = s;
+        Op& o = ops_[seq];
+        o.done = true;
+        o.status = s;
+        // Operations queued behind a failure fail the same way.
+        if (!failed_.ok()) {
+          for (uint64_t q : queue_) {
+            ops_[q].done = true;
+            ops_[q].status = failed_;
+          }
+          queue_.clear();
         }
-        queue_.clear();
+      }
+      ServeWaiters();
+    }
+    // Stopping: nobody will complete the remaining operations; answer their waiters.
+    std::vector<WaitCallback> pending;
+    {
+      absl::MutexLock lock(&mu_);
+      for (auto& [seq, op] : ops_) {
+        for (auto& w : op.waiters) pending.push_back(std::move(w.second));
+        op.waiters.clear();
       }
     }
+    for (auto& cb : pending) cb(true, absl::AbortedError("the job was released"));
   }
 
   const std::string job_id_, node_id_;
@@ -239,8 +298,14 @@ NodeDaemon::NodeDaemon(DaemonOptions options, std::shared_ptr<PlannerClient> pla
 NodeDaemon::~NodeDaemon() { Shutdown(); }
 
 void NodeDaemon::Shutdown() {
-  if (shut_down_) return;
-  shut_down_ = true;
+  std::vector<std::thread> attaching;
+  {
+    absl::MutexLock lock(&mu_);
+    if (shut_down_) return;
+    shut_down_ = true;
+    attaching.swap(attach_threads_);
+  }
+  for (auto& t : attaching) t.join();
   stop_.Notify();
   if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   if (side_channel_.joinable()) side_channel_.join();
@@ -335,16 +400,31 @@ grpc::ServerUnaryReactor* NodeDaemon::Attach(grpc::CallbackServerContext* ctx,
   planner::ServiceLimits limits;
   if (auto s = planner::ValidateJobId(req->job_id(), limits); !s.ok()) return Reply(ctx, s);
   if (req->rank() < 0) return Reply(ctx, absl::InvalidArgumentError("rank: must not be negative"));
+  // Setting a job up waits for the plan and for the peers, so it runs on a thread of its own
+  // rather than blocking one of gRPC's callback threads.
+  auto* reactor = ctx->DefaultReactor();
+  absl::MutexLock lock(&mu_);
+  if (shut_down_) {
+    reactor->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "daemon shutting down"));
+    return reactor;
+  }
+  attach_threads_.emplace_back(
+      [this, req, resp, reactor] { reactor->Finish(ToGrpcStatus(DoAttach(*req, resp))); });
+  return reactor;
+}
+
+absl::Status NodeDaemon::DoAttach(const v1::AttachRequest& request, v1::AttachResponse* resp) {
+  const v1::AttachRequest* req = &request;
   const absl::Time deadline =
       absl::Now() + absl::Milliseconds(req->timeout_ms() > 0 ? req->timeout_ms() : 60000);
   auto job = GetOrCreateJob(req->job_id(), req->rank(), deadline);
-  if (!job.ok()) return Reply(ctx, job.status());
+  if (!job.ok()) return job.status();
   const auto& local = (*job)->local_ranks();
   auto it = std::find(local.begin(), local.end(), req->rank());
   if (it == local.end()) {
-    return Reply(ctx, absl::FailedPreconditionError(
-                          absl::StrCat("rank ", req->rank(), " of job '", req->job_id(),
-                                       "' is not on node '", options_.node_id, "'")));
+    return absl::FailedPreconditionError(absl::StrCat("rank ", req->rank(), " of job '",
+                                                      req->job_id(), "' is not on node '",
+                                                      options_.node_id, "'"));
   }
   const int li = static_cast<int>(it - local.begin());
   std::string id;
@@ -368,7 +448,7 @@ grpc::ServerUnaryReactor* NodeDaemon::Attach(grpc::CallbackServerContext* ctx,
     b->set_grad_offset(off.grad);
     b->set_grad_shard_offset(off.grad_shard);
   }
-  return Reply(ctx, absl::OkStatus());
+  return absl::OkStatus();
 }
 
 void NodeDaemon::ReleaseAttachment(const std::string& id) {
@@ -428,10 +508,14 @@ grpc::ServerUnaryReactor* NodeDaemon::Wait(grpc::CallbackServerContext* ctx,
     if (j == jobs_.end()) return Reply(ctx, absl::NotFoundError("the job was released"));
     job = j->second;
   }
-  auto [done, status] =
-      job->WaitOp(req->handle(), absl::Milliseconds(std::max<int64_t>(req->timeout_ms(), 0)));
-  resp->set_done(done);
-  return Reply(ctx, status);
+  auto* reactor = ctx->DefaultReactor();
+  job->AddWaiter(req->handle(),
+                 absl::Now() + absl::Milliseconds(std::max<int64_t>(req->timeout_ms(), 0)),
+                 [reactor, resp](bool done, absl::Status status) {
+                   resp->set_done(done);
+                   reactor->Finish(ToGrpcStatus(status));
+                 });
+  return reactor;
 }
 
 grpc::ServerUnaryReactor* NodeDaemon::NoOp(grpc::CallbackServerContext* ctx, const v1::NoOpRequest*,

@@ -69,6 +69,7 @@ class NodeDaemon final : public v1::Daemon::CallbackService {
              std::unique_ptr<Pool> pool);
   absl::StatusOr<std::shared_ptr<JobRuntime>> GetOrCreateJob(const std::string& job_id,
                                                              int64_t rank, absl::Time deadline);
+  absl::Status DoAttach(const v1::AttachRequest& request, v1::AttachResponse* resp);
   void ReleaseAttachment(const std::string& id);
   void RunSideChannel();
   void RunHeartbeats();
@@ -84,11 +85,12 @@ class NodeDaemon final : public v1::Daemon::CallbackService {
   std::map<std::string, std::shared_ptr<JobRuntime>> jobs_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Attachment> attachments_ ABSL_GUARDED_BY(mu_);
   uint64_t next_attachment_ ABSL_GUARDED_BY(mu_) = 1;
+  std::vector<std::thread> attach_threads_ ABSL_GUARDED_BY(mu_);
+  bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
 
   absl::Notification stop_;
   std::thread side_channel_;
   std::thread heartbeats_;
-  bool shut_down_ = false;
 };
 
 }  // namespace ragshard::daemon

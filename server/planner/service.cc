@@ -339,9 +339,9 @@ grpc::ServerUnaryReactor* PlannerService::CreateJob(grpc::CallbackServerContext*
   if (!s.ok()) return Reply(ctx, s);
   if (it != jobs_.end()) (void)store_->PurgeJobData(req->job_id());
   *resp->mutable_job() = job;
-  jobs_[req->job_id()] = std::move(js);
   LOG(INFO) << "job " << req->job_id() << " created: world " << job.world_size() << ", policy "
             << job.options().policy();
+  jobs_[req->job_id()] = std::move(js);
   return Reply(ctx, absl::OkStatus());
 }
 

@@ -1,0 +1,205 @@
+// Daemon-level collective benchmark: a real planner, D ragshardd daemons and D*K rank processes
+// on loopback run unshard (all-gather) and reduce_scatter through ragshard, as training would.
+// Also measures the latency of a no-op call from a client to its daemon.
+//   daemon_bench [--max-mib 256]    (prints CSV rows, bench_common.h)
+//   daemon_bench --rank PLANNER SOCKET JOB RANK NODE BYTES   (internal: one rank process)
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+#include <thread>
+
+#include "absl/strings/numbers.h"
+#include "bench/bench_common.h"
+#include "client/client.h"
+
+namespace ragshard::bench {
+namespace {
+
+using namespace std::chrono_literals;
+
+std::string Dir(const std::string& p) { return p.substr(0, p.rfind('/')); }
+
+Inventory OneTensor(int64_t elems) {
+  Inventory inv;
+  auto* u = inv.add_units();
+  u->set_name("unit");
+  auto* t = u->add_tensors();
+  t->set_name("w");
+  t->add_shape(elems);
+  t->set_dtype(v1::DTYPE_FP32);
+  return inv;
+}
+
+int RankMain(char** argv) {
+  const std::string planner = argv[0], socket = argv[1], job = argv[2], node = argv[4];
+  int64_t rank = 0, bytes = 0;
+  if (!absl::SimpleAtoi(argv[3], &rank) || !absl::SimpleAtoi(argv[5], &bytes)) return 2;
+  PlannerClientOptions po;
+  po.address = planner;
+  ClientOptions co;
+  co.planner = std::shared_ptr<PlannerClient>(std::move(*GrpcPlannerClient::Create(po)));
+  co.daemon_socket = socket;
+  co.job_id = job;
+  co.rank = rank;
+  co.node_id = node;
+  co.timeout = 120s;
+  auto c = std::move(*Client::Create(co));
+  if (!c->Register(OneTensor(bytes / 4), rank == 0).ok() || !c->Attach().ok()) return 3;
+  const int iters = Iterations(static_cast<size_t>(bytes));
+  auto run = [&](bool gather) -> double {
+    auto once = [&] {
+      auto h = gather ? c->Unshard(0) : c->ReduceScatter(0, v1::REDUCE_SUM);
+      return h.ok() && h->Wait(120s).ok();
+    };
+    if (!once()) return -1;
+    const double t0 = Now();
+    for (int i = 0; i < iters; ++i) {
+      if (!once()) return -1;
+    }
+    return (Now() - t0) / iters;
+  };
+  const double ag = run(true), rs = run(false);
+  if (ag < 0 || rs < 0) return 4;
+  // The full buffer is W * S elements (S may be padded up by the plan's alignment).
+  const int64_t full = c->plan().world_size() * c->plan().units(0).shard_elems() * 4;
+  std::printf("allgather,%ld,%.6f\nreducescatter,%ld,%.6f\n", static_cast<long>(full), ag,
+              static_cast<long>(full), rs);
+  if (rank == 0) {
+    std::vector<double> lat;
+    for (int i = 0; i < 20000; ++i) {
+      const double t0 = Now();
+      if (!c->NoOp().ok()) return 5;
+      lat.push_back(Now() - t0);
+    }
+    std::sort(lat.begin(), lat.end());
+    std::printf("noop,%.2f,%.2f\n", lat[lat.size() / 2] * 1e6, lat[lat.size() * 99 / 100] * 1e6);
+  }
+  std::fflush(stdout);
+  return 0;
+}
+
+struct Proc {
+  pid_t pid;
+  std::string out;
+};
+
+Proc Spawn(const std::vector<std::string>& argv, const std::string& out) {
+  pid_t pid = fork();
+  if (pid == 0) {
+    FILE* f = std::fopen(out.c_str(), "w");
+    dup2(fileno(f), 1);
+    FILE* e = std::fopen((out + ".err").c_str(), "w");
+    dup2(fileno(e), 2);
+    std::vector<char*> args;
+    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    execv(args[0], args.data());
+    _exit(127);
+  }
+  return {pid, out};
+}
+
+int Main(int argc, char** argv) {
+  if (argc == 8 && std::string(argv[1]) == "--rank") return RankMain(argv + 2);
+  int64_t max_mib = 256;
+  if (argc == 3 && std::string(argv[1]) == "--max-mib") absl::SimpleAtoi(argv[2], &max_mib);
+  char self[4096] = {0};
+  if (readlink("/proc/self/exe", self, sizeof(self) - 1) <= 0) return 1;
+  const std::string build = Dir(Dir(self));
+  char tmpl[] = "/tmp/ragshard_daemon_bench.XXXXXX";
+  const std::string dir = mkdtemp(tmpl);
+  Proc planner = Spawn({build + "/server/ragshard-planner", "--listen", "127.0.0.1:0", "--data-dir",
+                        dir, "--port-file", dir + "/port"},
+                       dir + "/planner.out");
+  std::string address;
+  for (int i = 0; i < 400 && address.empty(); ++i) {
+    std::ifstream f(dir + "/port");
+    std::getline(f, address);
+    if (address.empty()) std::this_thread::sleep_for(25ms);
+  }
+  PlannerClientOptions po;
+  po.address = address;
+  auto admin = std::move(*GrpcPlannerClient::Create(po));
+  std::vector<Proc> daemons;
+  for (int d = 0; d < 2; ++d) {
+    const std::string sock = dir + "/d" + std::to_string(d) + ".sock";
+    daemons.push_back(Spawn({build + "/server/ragshardd", "--planner", address, "--node-id",
+                             "node-" + std::to_string(d), "--socket", sock, "--pool-bytes",
+                             std::to_string(int64_t{3} << 30)},
+                            dir + "/daemon" + std::to_string(d) + ".out"));
+    struct stat st {};
+    for (int i = 0; i < 500 && stat((sock + ".fd").c_str(), &st) != 0; ++i)
+      std::this_thread::sleep_for(10ms);
+  }
+  int job_no = 0;
+  // (daemons, ranks per daemon): across daemons, and within one daemon.
+  for (auto [nd, k] : std::vector<std::pair<int, int>>{{2, 1}, {2, 2}, {1, 2}, {1, 4}}) {
+    const int w = nd * k;
+    for (size_t bytes : Sizes(size_t{1} << 20, static_cast<size_t>(max_mib) << 20)) {
+      const std::string job = "bench" + std::to_string(job_no++);
+      v1::CreateJobRequest req;
+      req.set_job_id(job);
+      req.mutable_mesh()->set_shard_size(w);
+      req.mutable_mesh()->set_replicate_size(1);
+      if (!admin->CreateJob(req).ok()) return 1;
+      std::vector<Proc> ranks;
+      for (int r = 0; r < w; ++r) {
+        const int d = r / k;
+        ranks.push_back(
+            Spawn({self, "--rank", address, dir + "/d" + std::to_string(d) + ".sock", job,
+                   std::to_string(r), "node-" + std::to_string(d), std::to_string(bytes)},
+                  dir + "/" + job + "." + std::to_string(r) + ".out"));
+      }
+      double ag = 0, rs = 0;
+      size_t full = bytes;
+      for (Proc& p : ranks) {
+        int status = 0;
+        waitpid(p.pid, &status, 0);
+        std::ifstream in(p.out);
+        std::string line;
+        while (std::getline(in, line)) {
+          std::vector<std::string> f;
+          std::stringstream ss(line);
+          std::string x;
+          while (std::getline(ss, x, ',')) f.push_back(x);
+          if (f.size() == 3 && f[0] == "allgather") {
+            ag = std::max(ag, std::stod(f[2]));
+            full = std::stoull(f[1]);
+          } else if (f.size() == 3 && f[0] == "reducescatter") {
+            rs = std::max(rs, std::stod(f[2]));
+          } else if (f.size() == 3 && f[0] == "noop" && bytes == (size_t{1} << 20)) {
+            std::printf("noop-latency-us,%dx%d,p50=%s,p99=%s\n", nd, k, f[1].c_str(), f[2].c_str());
+          }
+        }
+        if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+          std::cerr << "error: rank of " << job << " failed (see " << p.out << ")\n";
+          return 1;
+        }
+      }
+      const std::string impl =
+          nd > 1 ? "ragshard-daemons-" + std::to_string(nd) + "x" + std::to_string(k)
+                 : "ragshard-1daemon-" + std::to_string(k) + "ranks";
+      PrintRow(impl, "allgather", w, full, ag);
+      PrintRow(impl, "reducescatter", w, full, rs);
+      (void)admin->DeleteJob(job);
+    }
+  }
+  for (Proc& d : daemons) kill(d.pid, SIGTERM);
+  kill(planner.pid, SIGTERM);
+  for (Proc& d : daemons) waitpid(d.pid, nullptr, 0);
+  waitpid(planner.pid, nullptr, 0);
+  std::system(("rm -rf '" + dir + "'").c_str());
+  return 0;
+}
+
+}  // namespace
+}  // namespace ragshard::bench
+
+int main(int argc, char** argv) { return ragshard::bench::Main(argc, argv); }
