@@ -37,6 +37,17 @@ def main():
     b = os.path.join(args.build, "bench")
     mpirun = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none"]
     rows = []
+    noop = []
+    print("+", f"{b}/daemon_bench", file=sys.stderr, flush=True)
+    out = subprocess.run([f"{b}/daemon_bench", "--max-mib", args.max_mib], check=True,
+                         capture_output=True, text=True, timeout=3600).stdout
+    for line in out.splitlines():
+        parts = line.strip().split(",")
+        if len(parts) == 7:
+            impl, op, n, size, sec, alg, bus = parts
+            rows.append((impl, op, int(n), int(size), float(sec), float(alg), float(bus)))
+        elif parts[0] == "noop-latency-us":
+            noop.append(parts[1:])
     rows += run([f"{b}/collectives_bench", "--members", "1", "--max-mib", args.max_mib])
     for n in (2, 4):
         rows += run([f"{b}/collectives_bench", "--members", str(n), "--max-mib", args.max_mib])
@@ -45,9 +56,17 @@ def main():
         rows += run([f"{b}/gloo_collectives", "--members", str(n), "--max-mib", args.max_mib])
         rows += run(mpirun + ["-np", str(n), f"{b}/mpi_collectives", "openmpi-shm", args.max_mib])
 
+    def bucket(size):
+        # The daemon's buffer is W*S, S rounded up to the alignment: file it under the requested
+        # size (a power of 4 MiB) it came from.
+        mib = 1
+        while (mib * 4) << 20 <= size:
+            mib *= 4
+        return mib << 20
+
     table = collections.defaultdict(dict)
     for impl, op, n, size, sec, alg, bus in rows:
-        table[(op, n, size)][impl] = bus
+        table[(op, n, bucket(size))][impl] = bus
     md = []
     md.append("# Collectives benchmark\n")
     md.append(f"Run on {datetime.date.today()} on this repository's 2-core development machine by "
@@ -55,38 +74,80 @@ def main():
               "(GB/s) as nccl-tests defines it: the size is the full gathered (or to-be-reduced) "
               "buffer, busbw = size / time × (n − 1) / n. Reduce-scatter is fp32 sum. Each figure "
               "is the slowest member's mean over the iterations.\n")
-    md.append("## What is measured, and what is not yet\n")
+    md.append("## What is measured\n")
     md.append("* **ragshard-ucx** is the data plane's collectives (`server/daemon/collectives.cc`: "
               "ring, direct below 64 KiB per block) over its UCX communicator "
               "(`server/daemon/ucx_comm.cc`: ucp tag API, peer error handling, tcp) between "
               "separate processes on 127.0.0.1: the inter-node path, measured at the transport "
-              "level. The daemon that runs them for its local ranks (issue 4) is not built yet, so "
-              "the daemon-level comparisons of the issue (2 daemons × 2 ranks with in-memory "
-              "reduction inside a node; 1 daemon with 2 and 4 local ranks against OpenMPI's shared "
-              "memory) cannot be run yet; the OpenMPI shared-memory rows are recorded for that "
-              "comparison.\n"
+              "level, and the **daemon** rows (ragshard-daemons-DxK, ragshard-1daemon-Kranks) the "
+              "same collectives run by ragshardd for its local ranks, as training uses them.\n"
               "* **openmpi-tcp**: `mpirun --mca btl tcp,self`, MPI_Allgather and "
               "MPI_Reduce_scatter_block. **openmpi-shm**: OpenMPI's default (shared memory).\n"
               "* **gloo-tcp**: Gloo's allgather and ReduceScatterHalvingDoubling over its tcp "
               "transport.\n"
               "* **memcpy**: single-process copy bandwidth, the physical limit of any host "
               "collective here. **ucx-p2p**: one UCX tagged transfer from process 0 to process 1.\n")
+    targets = []
+
+    def section(title, op, n, ours_key, base_keys, target):
+        sizes = sorted(s for (o, m, s) in table if o == op and m == n and ours_key in table[(o, m, s)])
+        if not sizes:
+            return
+        md.append(f"\n### {title}\n")
+        md.append("| size | " + ours_key + " | " + " | ".join(base_keys) + " | ours ÷ best baseline |")
+        md.append("|---:|---:|" + "---:|" * len(base_keys) + "---:|")
+        worst = None
+        for s in sizes:
+            r = table[(op, n, s)]
+            ours = r.get(ours_key)
+            base = max([r.get(k, 0) for k in base_keys] or [0])
+            ratio = ours / base if ours and base else None
+            if ratio is not None:
+                worst = ratio if worst is None else min(worst, ratio)
+            cells = " | ".join(f"{r[k]:.3f}" if k in r else "–" for k in base_keys)
+            md.append(f"| {s >> 20} MiB | {ours:.3f} | {cells} | " + (f"{ratio:.2f}×" if ratio else "–") + " |")
+        if target and worst is not None:
+            targets.append((title, target, worst))
+
+    md.append("\n## Through the daemons (what training uses)\n")
+    md.append("`bench/daemon_bench`: a planner, ragshardd daemons and rank processes; each rank "
+              "calls `unshard` / `reduce_scatter` through the client library and waits. The "
+              "full buffer is W × S (fp32), S from the plan.\n")
+    section("all-gather across 2 daemons × 1 rank (UCX tcp)", "allgather", 2,
+            "ragshard-daemons-2x1", ["openmpi-tcp", "gloo-tcp"], 1.5)
+    section("all-gather across 2 daemons × 2 ranks", "allgather", 4,
+            "ragshard-daemons-2x2", ["openmpi-tcp", "gloo-tcp"], 1.5)
+    section("reduce-scatter across 2 daemons × 1 rank", "reducescatter", 2,
+            "ragshard-daemons-2x1", ["openmpi-tcp", "gloo-tcp"], 2.0)
+    section("reduce-scatter across 2 daemons × 2 ranks", "reducescatter", 4,
+            "ragshard-daemons-2x2", ["openmpi-tcp", "gloo-tcp"], 2.0)
+    section("all-gather within 1 daemon, 2 ranks (shared memory)", "allgather", 2,
+            "ragshard-1daemon-2ranks", ["openmpi-shm"], 2.0)
+    section("all-gather within 1 daemon, 4 ranks", "allgather", 4,
+            "ragshard-1daemon-4ranks", ["openmpi-shm"], 2.0)
+    section("reduce-scatter within 1 daemon, 2 ranks", "reducescatter", 2,
+            "ragshard-1daemon-2ranks", ["openmpi-shm"], 2.0)
+    section("reduce-scatter within 1 daemon, 4 ranks", "reducescatter", 4,
+            "ragshard-1daemon-4ranks", ["openmpi-shm"], 2.0)
+    md.append("\n## Transport level: the collectives over UCX between processes, no daemon\n")
     for op in ("allgather", "reducescatter"):
         for n in (2, 4):
-            sizes = sorted(s for (o, m, s) in table if o == op and m == n)
-            if not sizes:
-                continue
-            md.append(f"\n## {op}, {n} processes\n")
-            md.append("| size | ragshard-ucx | openmpi-tcp | gloo-tcp | ours ÷ best tcp baseline | openmpi-shm |")
-            md.append("|---:|---:|---:|---:|---:|---:|")
-            for s in sizes:
-                r = table[(op, n, s)]
-                ours = r.get("ragshard-ucx")
-                base = max(r.get("openmpi-tcp", 0), r.get("gloo-tcp", 0))
-                ratio = f"{ours / base:.2f}×" if ours and base else "–"
-                fmt = lambda k: f"{r[k]:.3f}" if k in r else "–"
-                md.append(f"| {s >> 20} MiB | {fmt('ragshard-ucx')} | {fmt('openmpi-tcp')} | "
-                          f"{fmt('gloo-tcp')} | {ratio} | {fmt('openmpi-shm')} |")
+            section(f"{op}, {n} processes", op, n, "ragshard-ucx", ["openmpi-tcp", "gloo-tcp"], None)
+    md.append("\n## No-op latency, client to daemon (gRPC over the Unix socket)\n")
+    md.append("| configuration | p50 µs | p99 µs |\n|---|---:|---:|")
+    p99s = []
+    for cfg, p50, p99 in noop:
+        md.append(f"| {cfg} | {p50.split('=')[1]} | {p99.split('=')[1]} |")
+        p99s.append(float(p99.split('=')[1]))
+    md.append("\n## Targets (the worst ratio over sizes)\n")
+    md.append("| target | worst measured | status |\n|---|---:|---|")
+    for title, target, worst in targets:
+        md.append(f"| {title} ≥ {target}× the better baseline | {worst:.2f}× | "
+                  + ("**met**" if worst >= target else "**missed**") + " |")
+    if p99s:
+        md.append(f"| no-op p99 < 100 µs | {max(p99s):.0f} µs | "
+                  + ("**met**" if max(p99s) < 100 else "**missed**") + " |")
+    md.append("| 0 bytes moved outside the collectives | see below | **not measured by a counter** |")
     md.append("\n## Physical limits\n")
     md.append("| size | memcpy GB/s | ucx-p2p GB/s |\n|---:|---:|---:|")
     for s in sorted(s for (o, m, s) in table if o == "copy"):

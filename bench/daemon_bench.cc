@@ -51,7 +51,13 @@ int RankMain(char** argv) {
   co.node_id = node;
   co.timeout = 120s;
   auto c = std::move(*Client::Create(co));
-  if (!c->Register(OneTensor(bytes / 4), rank == 0).ok() || !c->Attach().ok()) return 3;
+  absl::Status st = c->Register(OneTensor(bytes / 4), rank == 0);
+  if (st.ok()) st = c->Attach();
+  if (!st.ok()) {
+    std::fprintf(stderr, "rank %ld: %s\n", static_cast<long>(rank),
+                 std::string(st.message()).c_str());
+    return 3;
+  }
   const int iters = Iterations(static_cast<size_t>(bytes));
   auto run = [&](bool gather) -> double {
     auto once = [&] {
@@ -132,7 +138,7 @@ int Main(int argc, char** argv) {
     const std::string sock = dir + "/d" + std::to_string(d) + ".sock";
     daemons.push_back(Spawn({build + "/server/ragshardd", "--planner", address, "--node-id",
                              "node-" + std::to_string(d), "--socket", sock, "--pool-bytes",
-                             std::to_string(int64_t{3} << 30)},
+                             std::to_string(int64_t{4} << 30), "--heartbeat-ms", "200"},
                             dir + "/daemon" + std::to_string(d) + ".out"));
     struct stat st {};
     for (int i = 0; i < 500 && stat((sock + ".fd").c_str(), &st) != 0; ++i)
@@ -179,7 +185,10 @@ int Main(int argc, char** argv) {
           }
         }
         if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-          std::cerr << "error: rank of " << job << " failed (see " << p.out << ")\n";
+          std::cerr << "error: rank of " << job << " failed with "
+                    << (WIFEXITED(status) ? "exit code " + std::to_string(WEXITSTATUS(status))
+                                          : "signal " + std::to_string(WTERMSIG(status)))
+                    << " (see " << p.out << ")\n";
           return 1;
         }
       }
@@ -189,6 +198,16 @@ int Main(int argc, char** argv) {
       PrintRow(impl, "allgather", w, full, ag);
       PrintRow(impl, "reducescatter", w, full, rs);
       (void)admin->DeleteJob(job);
+      // Wait until the daemons have released the job's buffers (through their heartbeats).
+      for (int i = 0; i < 200; ++i) {
+        auto nodes = admin->ListNodes();
+        bool clean = nodes.ok();
+        for (const auto& n : nodes.ok() ? *nodes : std::vector<v1::Node>()) {
+          clean &= n.figures().pool_used_bytes() == 0;
+        }
+        if (clean) break;
+        std::this_thread::sleep_for(50ms);
+      }
     }
   }
   for (Proc& d : daemons) kill(d.pid, SIGTERM);

@@ -60,7 +60,7 @@ absl::StatusOr<std::unique_ptr<JobDataPlane>> JobDataPlane::Create(const v1::Pla
     u.unsharded = std::move(*un);
     // Node sum of the gradients in fp32, then the ring output (one node chunk) and its scratch
     // (two node chunks).
-    auto sc = alloc((w + 3 * k) * u.shard_elems * 4);
+    auto sc = alloc((w + (n > 1 ? 3 * k : 0)) * u.shard_elems * 4);
     if (!sc.ok()) return sc.status();
     u.scratch = std::move(*sc);
     dp->units_.push_back(std::move(u));
