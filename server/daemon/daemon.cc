@@ -472,23 +472,23 @@ grpc::ServerUnaryReactor* NodeDaemon::Detach(grpc::CallbackServerContext* ctx,
   return Reply(ctx, absl::OkStatus());
 }
 
+absl::StatusOr<std::pair<std::shared_ptr<JobRuntime>, int>> NodeDaemon::FindAttachment(
+    const std::string& id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = attachments_.find(id);
+  if (it == attachments_.end()) {
+    return absl::NotFoundError(absl::StrCat("unknown attachment '", id, "'"));
+  }
+  auto j = jobs_.find(it->second.job_id);
+  if (j == jobs_.end()) return absl::NotFoundError("the job was released");
+  return std::make_pair(j->second, it->second.local);
+}
+
 grpc::ServerUnaryReactor* NodeDaemon::Start(grpc::CallbackServerContext* ctx,
                                             const v1::StartRequest* req, v1::StartResponse* resp) {
-  std::shared_ptr<JobRuntime> job;
-  int local = 0;
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = attachments_.find(req->attachment_id());
-    if (it == attachments_.end()) {
-      return Reply(ctx, absl::NotFoundError(
-                            absl::StrCat("unknown attachment '", req->attachment_id(), "'")));
-    }
-    auto j = jobs_.find(it->second.job_id);
-    if (j == jobs_.end()) return Reply(ctx, absl::NotFoundError("the job was released"));
-    job = j->second;
-    local = it->second.local;
-  }
-  auto seq = job->StartOp(local, *req);
+  auto found = FindAttachment(req->attachment_id());
+  if (!found.ok()) return Reply(ctx, found.status());
+  auto seq = found->first->StartOp(found->second, *req);
   if (!seq.ok()) return Reply(ctx, seq.status());
   resp->set_handle(*seq);
   return Reply(ctx, absl::OkStatus());
@@ -496,25 +496,15 @@ grpc::ServerUnaryReactor* NodeDaemon::Start(grpc::CallbackServerContext* ctx,
 
 grpc::ServerUnaryReactor* NodeDaemon::Wait(grpc::CallbackServerContext* ctx,
                                            const v1::WaitRequest* req, v1::WaitResponse* resp) {
-  std::shared_ptr<JobRuntime> job;
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = attachments_.find(req->attachment_id());
-    if (it == attachments_.end()) {
-      return Reply(ctx, absl::NotFoundError(
-                            absl::StrCat("unknown attachment '", req->attachment_id(), "'")));
-    }
-    auto j = jobs_.find(it->second.job_id);
-    if (j == jobs_.end()) return Reply(ctx, absl::NotFoundError("the job was released"));
-    job = j->second;
-  }
+  auto found = FindAttachment(req->attachment_id());
+  if (!found.ok()) return Reply(ctx, found.status());
   auto* reactor = ctx->DefaultReactor();
-  job->AddWaiter(req->handle(),
-                 absl::Now() + absl::Milliseconds(std::max<int64_t>(req->timeout_ms(), 0)),
-                 [reactor, resp](bool done, absl::Status status) {
-                   resp->set_done(done);
-                   reactor->Finish(ToGrpcStatus(status));
-                 });
+  found->first->AddWaiter(req->handle(),
+                          absl::Now() + absl::Milliseconds(std::max<int64_t>(req->timeout_ms(), 0)),
+                          [reactor, resp](bool done, absl::Status status) {
+                            resp->set_done(done);
+                            reactor->Finish(ToGrpcStatus(status));
+                          });
   return reactor;
 }
 

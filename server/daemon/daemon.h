@@ -69,6 +69,9 @@ class NodeDaemon final : public v1::Daemon::CallbackService {
              std::unique_ptr<Pool> pool);
   absl::StatusOr<std::shared_ptr<JobRuntime>> GetOrCreateJob(const std::string& job_id,
                                                              int64_t rank, absl::Time deadline);
+  // The job and local index of an attachment; NOT_FOUND names an unknown one.
+  absl::StatusOr<std::pair<std::shared_ptr<JobRuntime>, int>> FindAttachment(
+      const std::string& id) const;
   absl::Status DoAttach(const v1::AttachRequest& request, v1::AttachResponse* resp);
   void ReleaseAttachment(const std::string& id);
   void RunSideChannel();
