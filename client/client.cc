@@ -66,6 +66,7 @@ absl::Status Client::Attach() {
   attachment_ = resp.attachment_id();
   plan_ = resp.plan();
   buffers_.assign(resp.units().begin(), resp.units().end());
+  replicas_ = std::max<int64_t>(resp.replicas(), 1);
   auto conn = ConnectUnix(options_.daemon_socket + ".fd");
   if (!conn.ok()) return conn.status();
   side_channel_ = std::move(*conn);
@@ -110,6 +111,21 @@ absl::StatusOr<absl::Span<float>> Client::GradShard(int unit) {
                            static_cast<size_t>(buffers_[unit].shard_elems()));
 }
 
+absl::StatusOr<absl::Span<float>> Client::OwnerBuffer(int unit) {
+  if (arena_ == nullptr) return absl::FailedPreconditionError("not attached");
+  if (unit < 0 || unit >= units()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unit ", unit, " does not exist (", units(), " units)"));
+  }
+  if (buffers_[unit].owner_offset() < 0) {
+    return absl::NotFoundError(absl::StrCat("rank ", options_.rank,
+                                            " owns no matrix tensor of unit '",
+                                            buffers_[unit].unit(), "'"));
+  }
+  return absl::Span<float>(reinterpret_cast<float*>(arena_ + buffers_[unit].owner_offset()),
+                           static_cast<size_t>(buffers_[unit].shard_elems() * plan_.world_size()));
+}
+
 absl::StatusOr<OpHandle> Client::StartOp(v1::OpKind kind, int unit, v1::ReduceKind op) {
   if (attachment_.empty()) return absl::FailedPreconditionError("not attached");
   v1::StartRequest req;
@@ -134,6 +150,26 @@ absl::StatusOr<OpHandle> Client::Reshard(int unit) {
 }
 absl::StatusOr<OpHandle> Client::ReduceScatter(int unit, v1::ReduceKind op) {
   return StartOp(v1::OP_REDUCE_SCATTER, unit, op);
+}
+
+absl::StatusOr<OpHandle> Client::AllReduce(int unit, v1::ReduceKind op) {
+  return StartOp(v1::OP_ALL_REDUCE, unit, op);
+}
+absl::StatusOr<OpHandle> Client::GatherToOwner(int unit) {
+  return StartOp(v1::OP_GATHER_TO_OWNER, unit, v1::REDUCE_SUM);
+}
+absl::StatusOr<OpHandle> Client::ScatterFromOwner(int unit) {
+  return StartOp(v1::OP_SCATTER_FROM_OWNER, unit, v1::REDUCE_SUM);
+}
+
+absl::StatusOr<v1::StatsResponse> Client::DaemonStats() {
+  if (daemon_ == nullptr) return absl::FailedPreconditionError("not connected");
+  v1::StatsRequest req;
+  v1::StatsResponse resp;
+  grpc::ClientContext ctx;
+  absl::Status s = FromGrpcStatus(daemon_->Stats(&ctx, req, &resp));
+  if (!s.ok()) return s;
+  return resp;
 }
 
 absl::Status Client::NoOp() {

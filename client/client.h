@@ -56,6 +56,11 @@ class Client {
   absl::Status Attach();
 
   const v1::Plan& plan() const { return plan_; }
+  const std::string& job_id() const { return options_.job_id; }
+  int64_t rank() const { return options_.rank; }
+  // HSDP replicas of the shard group (1 for plain FSDP); the job has plan().world_size() *
+  // replicas() ranks.
+  int64_t replicas() const { return replicas_; }
   int units() const { return static_cast<int>(buffers_.size()); }
   const v1::UnitBuffers& buffers(int unit) const { return buffers_[unit]; }
 
@@ -76,6 +81,9 @@ class Client {
   }
   // fp32, whatever the unit's dtype.
   absl::StatusOr<absl::Span<float>> GradShard(int unit);
+  // fp32, world * shard_elems, laid out like the unsharded unit: the matrices this rank owns
+  // after GatherToOwner. NOT_FOUND when this rank owns no matrix tensor of the unit.
+  absl::StatusOr<absl::Span<float>> OwnerBuffer(int unit);
 
   // The mapped arena, for checks that views point into the daemon's memory.
   const char* arena() const { return arena_; }
@@ -84,6 +92,13 @@ class Client {
   absl::StatusOr<OpHandle> Unshard(int unit);
   absl::StatusOr<OpHandle> Reshard(int unit);
   absl::StatusOr<OpHandle> ReduceScatter(int unit, v1::ReduceKind op = v1::REDUCE_AVG);
+  // The gradient shards over the replicate dimension (HSDP); done at once without replicas.
+  absl::StatusOr<OpHandle> AllReduce(int unit, v1::ReduceKind op = v1::REDUCE_AVG);
+  // The gradient-shard pieces of the unit's matrix tensors to their owners' buffers, and back.
+  absl::StatusOr<OpHandle> GatherToOwner(int unit);
+  absl::StatusOr<OpHandle> ScatterFromOwner(int unit);
+  // The daemon's pool and job counters.
+  absl::StatusOr<v1::StatsResponse> DaemonStats();
   // A round trip to the daemon that does nothing (control-path latency).
   absl::Status NoOp();
 
@@ -101,6 +116,7 @@ class Client {
   std::string attachment_;
   v1::Plan plan_;
   std::vector<v1::UnitBuffers> buffers_;
+  int64_t replicas_ = 1;
   ScopedFd side_channel_;
   char* arena_ = nullptr;
   size_t arena_bytes_ = 0;

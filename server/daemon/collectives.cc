@@ -165,21 +165,35 @@ absl::Status ReduceScatter(Comm& comm, const void* input, v1::DType dtype, size_
   return absl::OkStatus();
 }
 
+absl::Status AllReduceInPlace(Comm& comm, float* data, size_t count, ReduceOp op, float* scratch,
+                              absl::Time deadline, uint64_t tag_base) {
+  const int n = comm.size();
+  if (n == 1) return absl::OkStatus();
+  if (count % static_cast<size_t>(n) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("all_reduce: ", count, " elements do not split into ", n, " chunks"));
+  }
+  const size_t chunk = count / static_cast<size_t>(n);
+  // The reduce-scatter reads chunk rank() for the last time before it writes its output, so the
+  // output may be that chunk itself.
+  float* mine = data + chunk * static_cast<size_t>(comm.rank());
+  absl::Status st = ReduceScatter(comm, data, v1::DTYPE_FP32, chunk, mine, op, scratch, deadline,
+                                  tag_base);
+  if (!st.ok()) return st;
+  return AllGather(comm, reinterpret_cast<char*>(data), chunk * sizeof(float), deadline,
+                   tag_base + 1024);
+}
+
 absl::Status AllReduce(Comm& comm, float* data, size_t count, ReduceOp op, absl::Time deadline,
                        uint64_t tag_base) {
   const int n = comm.size();
   if (n == 1) return absl::OkStatus();
-  // Pad to a multiple of n so that every member owns an equal chunk.
   const size_t chunk = (count + static_cast<size_t>(n) - 1) / static_cast<size_t>(n);
   std::vector<float> padded(chunk * static_cast<size_t>(n), 0.0f);
   std::copy(data, data + count, padded.begin());
-  std::vector<float> mine(chunk), scratch(2 * chunk);
-  absl::Status st = ReduceScatter(comm, padded.data(), v1::DTYPE_FP32, chunk, mine.data(), op,
-                                  scratch.data(), deadline, tag_base);
-  if (!st.ok()) return st;
-  std::copy(mine.begin(), mine.end(), padded.begin() + static_cast<long>(chunk) * comm.rank());
-  st = AllGather(comm, reinterpret_cast<char*>(padded.data()), chunk * sizeof(float), deadline,
-                 tag_base + 1024);
+  std::vector<float> scratch(2 * chunk);
+  absl::Status st =
+      AllReduceInPlace(comm, padded.data(), padded.size(), op, scratch.data(), deadline, tag_base);
   if (!st.ok()) return st;
   std::copy(padded.begin(), padded.begin() + static_cast<long>(count), data);
   return absl::OkStatus();

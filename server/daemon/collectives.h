@@ -30,8 +30,13 @@ absl::Status ReduceScatter(Comm& comm, const void* input, v1::DType dtype, size_
                            uint64_t tag_base);
 
 // In-place sum (or mean) of `count` fp32 elements over the members (reduce-scatter + all-gather).
+// This form copies into a padded buffer; AllReduceInPlace needs `count` to be a multiple of
+// size() and `scratch` of 2 * count / size() floats, and copies nothing.
 absl::Status AllReduce(Comm& comm, float* data, size_t count, ReduceOp op, absl::Time deadline,
                        uint64_t tag_base);
+
+absl::Status AllReduceInPlace(Comm& comm, float* data, size_t count, ReduceOp op, float* scratch,
+                              absl::Time deadline, uint64_t tag_base);
 
 // Element conversions used by the reductions.
 float Bf16ToFloat(uint16_t v);

@@ -54,6 +54,14 @@ class JobRuntime {
   const v1::Plan& plan() const { return plan_; }
   const std::vector<int64_t>& local_ranks() const { return local_ranks_; }
   const JobDataPlane& dp() const { return *dp_; }
+  void FillStats(v1::JobStats* out) {
+    absl::MutexLock lock(&mu_);
+    out->set_job_id(job_id_);
+    out->set_local_ranks(static_cast<int64_t>(local_ranks_.size()));
+    out->set_replicas(dp_->replicas());
+    out->set_staging_bytes(staging_bytes_);
+    out->set_operations(operations_);
+  }
 
   absl::StatusOr<uint64_t> StartOp(int local, const v1::StartRequest& req) {
     absl::MutexLock lock(&mu_);
@@ -120,6 +128,10 @@ class JobRuntime {
     std::vector<std::pair<absl::Time, WaitCallback>> waiters;
   };
 
+  static ReduceOp ToReduceOp(v1::ReduceKind k) {
+    return k == v1::REDUCE_AVG ? ReduceOp::kAvg : ReduceOp::kSum;
+  }
+
   void Waited(std::map<uint64_t, Op>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (++it->second.waited >= static_cast<int>(local_ranks_.size())) ops_.erase(it);
   }
@@ -181,8 +193,16 @@ class JobRuntime {
         case v1::OP_RESHARD:
           break;  // the unsharded buffer stays allocated in this version (docs/daemon.md)
         case v1::OP_REDUCE_SCATTER:
-          s = dp_->ReduceScatter(
-              op.unit, op.reduce == v1::REDUCE_AVG ? ReduceOp::kAvg : ReduceOp::kSum, op.deadline);
+          s = dp_->ReduceScatter(op.unit, ToReduceOp(op.reduce), op.deadline);
+          break;
+        case v1::OP_ALL_REDUCE:
+          s = dp_->AllReduce(op.unit, ToReduceOp(op.reduce), op.deadline);
+          break;
+        case v1::OP_GATHER_TO_OWNER:
+          s = dp_->GatherToOwner(op.unit, op.deadline);
+          break;
+        case v1::OP_SCATTER_FROM_OWNER:
+          s = dp_->ScatterFromOwner(op.unit, op.deadline);
           break;
         default:
           s = absl::InvalidArgumentError("unknown operation kind");
@@ -199,6 +219,8 @@ class JobRuntime {
       }
       {
         absl::MutexLock lock(&mu_);
+        ++operations_;
+        staging_bytes_ = dp_->staging_bytes();
         if (!s.ok() && (absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s))) failed_ = s;
         Op& o = ops_[seq];
         o.done = true;
@@ -239,6 +261,8 @@ class JobRuntime {
   std::deque<uint64_t> queue_ ABSL_GUARDED_BY(mu_);
   absl::Status failed_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  int64_t operations_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t staging_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   std::thread thread_;
 };
 
@@ -339,9 +363,6 @@ absl::StatusOr<std::shared_ptr<JobRuntime>> NodeDaemon::GetOrCreateJob(const std
     return absl::FailedPreconditionError(absl::StrCat("rank ", rank, " of job '", job_id,
                                                       "' is not on node '", options_.node_id, "'"));
   }
-  if (job->mesh().replicate_size() != 1) {
-    return absl::UnimplementedError("the replicate dimension (HSDP) is not in the data plane yet");
-  }
   std::vector<int64_t> local;
   std::vector<std::string> nodes;
   for (const auto& r : job->ranks()) {
@@ -382,7 +403,8 @@ absl::StatusOr<std::shared_ptr<JobRuntime>> NodeDaemon::GetOrCreateJob(const std
     if (!c.ok()) return c.status();
     comm = std::move(*c);
   }
-  auto dp = JobDataPlane::Create(*plan, local, pool_.get(), comm.get());
+  auto dp = JobDataPlane::Create(*plan, local, pool_.get(), comm.get(),
+                                 std::max<int64_t>(job->mesh().replicate_size(), 1));
   if (!dp.ok()) return dp.status();
   auto runtime =
       std::make_shared<JobRuntime>(job_id, options_.node_id, std::move(*plan), local,
@@ -436,6 +458,7 @@ absl::Status NodeDaemon::DoAttach(const v1::AttachRequest& request, v1::AttachRe
   resp->set_attachment_id(id);
   resp->set_arena_bytes(static_cast<int64_t>(pool_->arena().size()));
   *resp->mutable_plan() = (*job)->plan();
+  resp->set_replicas((*job)->dp().replicas());
   const JobDataPlane& dp = (*job)->dp();
   for (int u = 0; u < dp.units(); ++u) {
     v1::UnitBuffers* b = resp->add_units();
@@ -447,6 +470,7 @@ absl::Status NodeDaemon::DoAttach(const v1::AttachRequest& request, v1::AttachRe
     b->set_unsharded_offset(off.unsharded);
     b->set_grad_offset(off.grad);
     b->set_grad_shard_offset(off.grad_shard);
+    b->set_owner_offset(off.owner);
   }
   return absl::OkStatus();
 }
@@ -510,6 +534,22 @@ grpc::ServerUnaryReactor* NodeDaemon::Wait(grpc::CallbackServerContext* ctx,
 
 grpc::ServerUnaryReactor* NodeDaemon::NoOp(grpc::CallbackServerContext* ctx, const v1::NoOpRequest*,
                                            v1::NoOpResponse*) {
+  return Reply(ctx, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* NodeDaemon::Stats(grpc::CallbackServerContext* ctx,
+                                            const v1::StatsRequest*, v1::StatsResponse* resp) {
+  const PoolStats ps = pool_->Stats();
+  resp->set_pool_capacity(ps.capacity);
+  resp->set_pool_used(ps.used);
+  resp->set_pool_peak(ps.peak);
+  resp->set_pool_fragmentation(ps.fragmentation);
+  std::vector<std::shared_ptr<JobRuntime>> jobs;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [id, job] : jobs_) jobs.push_back(job);
+  }
+  for (auto& job : jobs) job->FillStats(resp->add_jobs());
   return Reply(ctx, absl::OkStatus());
 }
 

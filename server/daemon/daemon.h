@@ -58,6 +58,8 @@ class NodeDaemon final : public v1::Daemon::CallbackService {
                                  v1::WaitResponse* resp) override;
   grpc::ServerUnaryReactor* NoOp(grpc::CallbackServerContext* ctx, const v1::NoOpRequest* req,
                                  v1::NoOpResponse* resp) override;
+  grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* ctx, const v1::StatsRequest* req,
+                                  v1::StatsResponse* resp) override;
 
  private:
   struct Attachment {

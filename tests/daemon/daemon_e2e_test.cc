@@ -46,11 +46,11 @@ class DaemonE2E : public ::testing::Test {
 
   std::string Socket(int n) const { return dir_.path() + "/d" + std::to_string(n) + ".sock"; }
 
-  void CreateJob(const std::string& id) {
+  void CreateJob(const std::string& id, int64_t replicas = 1) {
     v1::CreateJobRequest req;
     req.set_job_id(id);
-    req.mutable_mesh()->set_shard_size(4);
-    req.mutable_mesh()->set_replicate_size(1);
+    req.mutable_mesh()->set_shard_size(4 / replicas);
+    req.mutable_mesh()->set_replicate_size(replicas);
     ASSERT_TRUE(client_->CreateJob(req).ok());
   }
 
@@ -103,6 +103,17 @@ TEST_F(DaemonE2E, AllGatherAndReduceScatterMatchTheReference) {
     for (const auto& n : *now) released &= n.figures().pool_used_bytes() == 0;
   }
   EXPECT_TRUE(released);
+}
+
+TEST_F(DaemonE2E, HsdpShardGroupPerDaemonMatchesTheReference) {
+  // Mesh 2 x 2: each daemon's two ranks are a shard group, the replicas are across daemons.
+  CreateJob("hsdp", /*replicas=*/2);
+  auto ranks = SpawnRanks("hsdp", "check");
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_EQ(Exit(ranks[r]), 0) << "rank " << r << ": "
+                                 << testing::ReadAll(dir_.path() + "/rank" + std::to_string(r) +
+                                                     ".log");
+  }
 }
 
 TEST_F(DaemonE2E, AKilledDaemonFailsThePeersOperationsAndDegradesTheJob) {

@@ -67,7 +67,10 @@ int Rank(const std::string& job, int rank) {
 
 int Check(Client& client, int rank) {
   Client* c = &client;
+  // HSDP: the plan is for a shard group of F ranks; rank r is position r % F of replica r / F.
   const int64_t w = c->plan().world_size();
+  const int64_t first = rank / w * w, pos = rank % w;
+  const int64_t world = w * c->replicas();
   for (int u = 0; u < c->units(); ++u) {
     const auto& b = c->buffers(u);
     const int64_t s = b.shard_elems();
@@ -98,13 +101,13 @@ int Check(Client& client, int rank) {
     auto h = c->Unshard(u);
     if (!h.ok() || !h->Wait(20s).ok()) return 64;
     for (int64_t x = 0; x < w * s; ++x) {
-      if (load(full, x) != PV(x / s, x % s)) return 65;
+      if (load(full, x) != PV(first + x / s, x % s)) return 65;
     }
     // Every tensor of the unit is a contiguous view of the unsharded buffer.
     for (const auto& t : c->plan().units(u).tensors()) {
       for (int64_t i = 0; i < t.numel(); i += 17) {
         const int64_t x = t.offset() + i;
-        if (load(full, x) != PV(x / s, x % s)) return 66;
+        if (load(full, x) != PV(first + x / s, x % s)) return 66;
       }
     }
     for (v1::ReduceKind op : {v1::REDUCE_SUM, v1::REDUCE_AVG}) {
@@ -113,11 +116,55 @@ int Check(Client& client, int rank) {
       auto gs = c->GradShard(u);
       for (int64_t e = 0; e < s; ++e) {
         double expect = 0;
-        for (int k = 0; k < w; ++k) expect += GV(k, rank * s + e);
-        if (op == v1::REDUCE_AVG) expect /= w;
+        for (int64_t k = first; k < first + w; ++k) expect += GV(k, pos * s + e);
+        if (op == v1::REDUCE_AVG) expect /= static_cast<double>(w);
         if (std::abs((*gs)[e] - expect) > 1e-5) return 68;
       }
+      // Over the replicas.
+      auto ar = c->AllReduce(u, op);
+      if (!ar.ok() || !ar->Wait(20s).ok()) return 91;
+      for (int64_t e = 0; e < s; ++e) {
+        double expect = 0;
+        for (int64_t k = 0; k < world; ++k) expect += GV(k, pos * s + e);
+        if (op == v1::REDUCE_AVG) expect /= static_cast<double>(world);
+        if (std::abs((*gs)[e] - expect) > 1e-4) return 92;
+      }
     }
+    // Matrix tensors: gradient-shard pieces to the planner's owner, an update there, and back.
+    auto gs = c->GradShard(u);
+    for (int64_t e = 0; e < s; ++e) (*gs)[e] = static_cast<float>(rank * 1000 + e);
+    auto g2o = c->GatherToOwner(u);
+    if (!g2o.ok() || !g2o->Wait(20s).ok()) return 93;
+    auto owner = c->OwnerBuffer(u);
+    bool owns = false;
+    for (const auto& t : c->plan().units(u).tensors()) {
+      if (t.optimizer() != v1::OPTIMIZER_MATRIX || t.owner_rank() != pos) continue;
+      owns = true;
+      if (!owner.ok()) return 94;
+      for (int64_t x = t.offset(); x < t.offset() + t.numel(); ++x) {
+        if ((*owner)[x] != static_cast<float>((first + x / s) * 1000 + x % s)) return 95;
+        (*owner)[x] = -(*owner)[x];
+      }
+    }
+    if (!owns && owner.status().code() != absl::StatusCode::kNotFound) return 96;
+    auto s2o = c->ScatterFromOwner(u);
+    if (!s2o.ok() || !s2o->Wait(20s).ok()) return 97;
+    for (int64_t e = 0; e < s; ++e) {
+      const int64_t x = pos * s + e;
+      bool matrix = false;
+      for (const auto& t : c->plan().units(u).tensors()) {
+        matrix |= t.optimizer() == v1::OPTIMIZER_MATRIX && x >= t.offset() &&
+                  x < t.offset() + t.numel();
+      }
+      const float v = static_cast<float>(rank * 1000 + e);
+      if ((*gs)[e] != (matrix ? -v : v)) return 98;
+    }
+  }
+  // No parameter or gradient data was copied outside the collectives.
+  auto stats = c->DaemonStats();
+  if (!stats.ok() || stats->jobs_size() < 1) return 99;
+  for (const auto& j : stats->jobs()) {
+    if (j.staging_bytes() != 0 || j.operations() == 0) return 100;
   }
   // Bad input: a unit that does not exist.
   if (c->Unshard(99).ok()) return 69;

@@ -41,6 +41,7 @@ Inventory RandomInventory(uint32_t seed) {
           spec->set_granule_kind(v1::GRANULE_ROWS);
           spec->set_granule_rows(uni(1, 8));
         }
+        if (uni(0, 1)) spec->set_optimizer(v1::OPTIMIZER_MATRIX);
       }
       spec->set_dtype(dtypes[uni(0, 2)]);
     }
@@ -82,46 +83,112 @@ float Load(const char* base, v1::DType dt, int64_t i) {
   return dt == v1::DTYPE_BF16 ? Bf16ToFloat(h) : Fp16ToFloat(h);
 }
 
-// Runs the checks of one node; returns 0 when everything matched.
-int CheckNode(const v1::Plan& plan, int node, int ranks_per_node, Comm* comm) {
+// What rank r's (fp32) gradient shard holds at element e before the owner operations.
+float ShardValue(int64_t r, int64_t e) { return static_cast<float>(r * 1000 + e % 997) * 0.5f; }
+
+// Runs the checks of one node of a mesh of `replicas` shard groups of plan.world_size() ranks;
+// returns 0 when everything matched.
+int CheckNode(const v1::Plan& plan, int node, int ranks_per_node, Comm* comm,
+              int64_t replicas = 1) {
   auto pool = Pool::Create(64 << 20);
   if (!pool.ok()) return 40;
   std::vector<int64_t> local;
   for (int i = 0; i < ranks_per_node; ++i) local.push_back(node * ranks_per_node + i);
-  auto dp = JobDataPlane::Create(plan, local, pool->get(), comm);
+  auto dp = JobDataPlane::Create(plan, local, pool->get(), comm, replicas);
   if (!dp.ok()) {
     std::fprintf(stderr, "create: %s\n", std::string(dp.status().message()).c_str());
     return 41;
   }
-  const int64_t w = plan.world_size();
+  const int64_t f = plan.world_size(), w = f * replicas;
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
   for (int u = 0; u < plan.units_size(); ++u) {
     const v1::UnitPlan& up = plan.units(u);
     const int64_t s = up.shard_elems();
     for (int i = 0; i < ranks_per_node; ++i) {
       for (int64_t e = 0; e < s; ++e)
         Store((*dp)->param_shard(u, i), up.dtype(), e, ParamValue(local[i], e));
-      for (int64_t x = 0; x < w * s; ++x)
+      for (int64_t x = 0; x < f * s; ++x)
         Store((*dp)->grad(u, i), up.dtype(), x, GradValue(local[i], x));
     }
-    if (!(*dp)->Unshard(u, absl::Now() + absl::Seconds(20)).ok()) return 42;
+    if (!(*dp)->Unshard(u, deadline).ok()) return 42;
     // Every element of the unsharded buffer, hence every tensor view [offset, offset + numel),
-    // holds its owner's value.
-    for (int64_t x = 0; x < w * s; ++x) {
-      if (Load((*dp)->unsharded(u), up.dtype(), x) != ParamValue(x / s, x % s)) return 43;
+    // holds the value of the rank of this replica that holds it.
+    const int64_t first = local[0] / f * f;  // first rank of this node's replica
+    for (int64_t x = 0; x < f * s; ++x) {
+      if (Load((*dp)->unsharded(u), up.dtype(), x) != ParamValue(first + x / s, x % s)) return 43;
     }
     for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg}) {
-      if (!(*dp)->ReduceScatter(u, op, absl::Now() + absl::Seconds(20)).ok()) return 44;
+      if (!(*dp)->ReduceScatter(u, op, deadline).ok()) return 44;
       for (int i = 0; i < ranks_per_node; ++i) {
+        const int64_t pos = local[i] % f;
         for (int64_t e = 0; e < s; ++e) {
           double expect = 0;
-          for (int64_t k = 0; k < w; ++k) expect += GradValue(k, local[i] * s + e);
-          if (op == ReduceOp::kAvg) expect /= static_cast<double>(w);
+          for (int64_t q = first; q < first + f; ++q) expect += GradValue(q, pos * s + e);
+          if (op == ReduceOp::kAvg) expect /= static_cast<double>(f);
           if (std::abs((*dp)->grad_shard(u, i)[e] - expect) > 1e-5) return 45;
         }
       }
+      // Over the replicas: the sum (mean) over all W ranks.
+      if (!(*dp)->AllReduce(u, op, deadline).ok()) return 46;
+      for (int i = 0; i < ranks_per_node; ++i) {
+        const int64_t pos = local[i] % f;
+        for (int64_t e = 0; e < s; ++e) {
+          double expect = 0;
+          for (int64_t q = 0; q < w; ++q) expect += GradValue(q, pos * s + e);
+          if (op == ReduceOp::kAvg) expect /= static_cast<double>(w);
+          if (std::abs((*dp)->grad_shard(u, i)[e] - expect) > 1e-4) return 47;
+        }
+      }
+    }
+    // Matrix tensors to their owners and back.
+    for (int i = 0; i < ranks_per_node; ++i) {
+      for (int64_t e = 0; e < s; ++e) (*dp)->grad_shard(u, i)[e] = ShardValue(local[i], e);
+    }
+    if (!(*dp)->GatherToOwner(u, deadline).ok()) return 48;
+    for (const v1::TensorPlacement& t : up.tensors()) {
+      if (t.optimizer() != v1::OPTIMIZER_MATRIX) continue;
+      const int64_t owner_local = first + t.owner_rank() - local[0];
+      if (owner_local < 0 || owner_local >= ranks_per_node) continue;
+      float* whole = (*dp)->owner_buffer(u, static_cast<int>(owner_local));
+      if (whole == nullptr) return 49;
+      for (int64_t x = t.offset(); x < t.offset() + t.numel(); ++x) {
+        if (whole[x] != ShardValue(first + x / s, x % s)) return 50;
+        whole[x] = -whole[x];  // the owner's "update"
+      }
+    }
+    if (!(*dp)->ScatterFromOwner(u, deadline).ok()) return 51;
+    for (int i = 0; i < ranks_per_node; ++i) {
+      const int64_t pos = local[i] % f;
+      for (int64_t e = 0; e < s; ++e) {
+        const int64_t x = pos * s + e;
+        bool matrix = false;
+        for (const v1::TensorPlacement& t : up.tensors()) {
+          matrix |= t.optimizer() == v1::OPTIMIZER_MATRIX && x >= t.offset() &&
+                    x < t.offset() + t.numel();
+        }
+        const float expect = matrix ? -ShardValue(local[i], e) : ShardValue(local[i], e);
+        if ((*dp)->grad_shard(u, i)[e] != expect) return 52;
+      }
+    }
+    // Parameter shards are slices of the unsharded buffer: nothing is copied in or out.
+    for (int i = 0; i < ranks_per_node; ++i) {
+      const int64_t pos = local[i] % f;
+      if ((*dp)->param_shard(u, i) !=
+          (*dp)->unsharded(u) + pos * s * static_cast<int64_t>(DTypeSize(up.dtype()))) {
+        return 53;
+      }
     }
   }
+  if ((*dp)->staging_bytes() != 0) return 54;
   return 0;
+}
+
+int MatrixTensors(const v1::Plan& plan) {
+  int n = 0;
+  for (const auto& u : plan.units()) {
+    for (const auto& t : u.tensors()) n += t.optimizer() == v1::OPTIMIZER_MATRIX;
+  }
+  return n;
 }
 
 class JobDataPlaneTest : public ::testing::TestWithParam<uint32_t> {};
@@ -133,6 +200,7 @@ TEST_P(JobDataPlaneTest, TwoNodesOfTwoRanksMatchTheReference) {
   auto plan = BuildPlan(inv, o);
   ASSERT_TRUE(plan.ok()) << plan.status();
   ASSERT_TRUE(ValidatePlan(*plan, &inv).ok());
+  EXPECT_GT(MatrixTensors(*plan), 0);  // the owner operations have something to move
   UcxGroup g =
       UcxGroup::Spawn(2, [&](int node, Comm& comm) { return CheckNode(*plan, node, 2, &comm); });
   for (pid_t pid : g.pids) EXPECT_EQ(UcxGroup::ExitCode(pid), 0);
@@ -145,6 +213,28 @@ TEST_P(JobDataPlaneTest, OneNodeOfFourRanksMatchesTheReference) {
   auto plan = BuildPlan(inv, o);
   ASSERT_TRUE(plan.ok());
   EXPECT_EQ(CheckNode(*plan, 0, 4, nullptr), 0);
+}
+
+TEST_P(JobDataPlaneTest, HsdpTwoReplicasOfTwoNodesOfOneRankMatchTheReference) {
+  Inventory inv = RandomInventory(GetParam() + 2000);
+  PlanOptions o;
+  o.world = 2;  // shard group of 2 ranks; 2 replicas; 4 nodes of 1 rank
+  auto plan = BuildPlan(inv, o);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  UcxGroup g = UcxGroup::Spawn(
+      4, [&](int node, Comm& comm) { return CheckNode(*plan, node, 1, &comm, /*replicas=*/2); });
+  for (pid_t pid : g.pids) EXPECT_EQ(UcxGroup::ExitCode(pid), 0);
+}
+
+TEST_P(JobDataPlaneTest, HsdpOneShardGroupPerNodeMatchesTheReference) {
+  Inventory inv = RandomInventory(GetParam() + 3000);
+  PlanOptions o;
+  o.world = 2;  // each node of 2 ranks is a shard group; 2 replicas across the nodes
+  auto plan = BuildPlan(inv, o);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  UcxGroup g = UcxGroup::Spawn(
+      2, [&](int node, Comm& comm) { return CheckNode(*plan, node, 2, &comm, /*replicas=*/2); });
+  for (pid_t pid : g.pids) EXPECT_EQ(UcxGroup::ExitCode(pid), 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Seeds, JobDataPlaneTest, ::testing::Values(1u, 2u, 3u));
@@ -200,6 +290,11 @@ TEST(JobDataPlaneErrorsTest, UnsupportedPlacementsAndSmallPoolsAreClearErrors) {
   auto ok = JobDataPlane::Create(*plan, {0, 1}, big->get(), nullptr);
   ASSERT_TRUE(ok.ok());
   EXPECT_EQ((*ok)->Unshard(5, absl::Now()).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*ok)->GatherToOwner(-1, absl::Now()).code(), absl::StatusCode::kInvalidArgument);
+  // A shard group of 2 ranks cannot be split across nodes of 4.
+  auto split = JobDataPlane::Create(*plan, {0, 1, 2, 3}, big->get(), nullptr, /*replicas=*/2);
+  EXPECT_EQ(split.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(std::string(split.status().message()), ::testing::HasSubstr("whole nodes"));
 }
 
 }  // namespace
