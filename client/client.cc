@@ -118,9 +118,8 @@ absl::StatusOr<absl::Span<float>> Client::OwnerBuffer(int unit) {
         absl::StrCat("unit ", unit, " does not exist (", units(), " units)"));
   }
   if (buffers_[unit].owner_offset() < 0) {
-    return absl::NotFoundError(absl::StrCat("rank ", options_.rank,
-                                            " owns no matrix tensor of unit '",
-                                            buffers_[unit].unit(), "'"));
+    return absl::NotFoundError(absl::StrCat(
+        "rank ", options_.rank, " owns no matrix tensor of unit '", buffers_[unit].unit(), "'"));
   }
   return absl::Span<float>(reinterpret_cast<float*>(arena_ + buffers_[unit].owner_offset()),
                            static_cast<size_t>(buffers_[unit].shard_elems() * plan_.world_size()));

@@ -177,8 +177,8 @@ absl::Status AllReduceInPlace(Comm& comm, float* data, size_t count, ReduceOp op
   // The reduce-scatter reads chunk rank() for the last time before it writes its output, so the
   // output may be that chunk itself.
   float* mine = data + chunk * static_cast<size_t>(comm.rank());
-  absl::Status st = ReduceScatter(comm, data, v1::DTYPE_FP32, chunk, mine, op, scratch, deadline,
-                                  tag_base);
+  absl::Status st =
+      ReduceScatter(comm, data, v1::DTYPE_FP32, chunk, mine, op, scratch, deadline, tag_base);
   if (!st.ok()) return st;
   return AllGather(comm, reinterpret_cast<char*>(data), chunk * sizeof(float), deadline,
                    tag_base + 1024);

@@ -26,9 +26,9 @@ absl::StatusOr<std::unique_ptr<JobDataPlane>> JobDataPlane::Create(const v1::Pla
   if (k == 0) return absl::InvalidArgumentError("no local ranks");
   if (replicas < 1) return absl::InvalidArgumentError("replicas must be at least 1");
   if (k * n != f * replicas) {
-    return absl::UnimplementedError(
-        absl::StrCat("every node must hold the same number of ranks (", k, " here, ", n,
-                     " nodes, world ", f * replicas, ")"));
+    return absl::UnimplementedError(absl::StrCat("every node must hold the same number of ranks (",
+                                                 k, " here, ", n, " nodes, world ", f * replicas,
+                                                 ")"));
   }
   for (int64_t i = 0; i < k; ++i) {
     if (local_ranks[i] != me * k + i) {
@@ -37,9 +37,8 @@ absl::StatusOr<std::unique_ptr<JobDataPlane>> JobDataPlane::Create(const v1::Pla
     }
   }
   if (f % k != 0) {
-    return absl::UnimplementedError(absl::StrCat("a shard group (", f,
-                                                 " ranks) must be made of whole nodes of ", k,
-                                                 " ranks"));
+    return absl::UnimplementedError(
+        absl::StrCat("a shard group (", f, " ranks) must be made of whole nodes of ", k, " ranks"));
   }
   std::unique_ptr<JobDataPlane> dp(new JobDataPlane());
   dp->local_ranks_ = std::move(local_ranks);
@@ -117,8 +116,8 @@ absl::StatusOr<std::unique_ptr<JobDataPlane>> JobDataPlane::Create(const v1::Pla
     u.grad_shards = std::move(*gs);
     // Node sum of the gradients (F * S fp32), the ring's scratch (two node chunks) and the
     // replicate all-reduce's scratch (two of its chunks).
-    const int64_t scratch = f * s + (g > 1 ? 2 * k * s : 0) +
-                            (replicas > 1 ? 2 * gs_elems / replicas : 0);
+    const int64_t scratch =
+        f * s + (g > 1 ? 2 * k * s : 0) + (replicas > 1 ? 2 * gs_elems / replicas : 0);
     auto sc = alloc(scratch * 4);
     if (!sc.ok()) return sc.status();
     u.scratch = std::move(*sc);

@@ -92,10 +92,10 @@ class JobDataPlane {
     int64_t shard_elems = 0;
     int64_t item = 0;
     std::vector<Lease> grad;
-    std::vector<Lease> owner;  // per local rank; empty lease when it owns nothing here
-    Lease unsharded;           // F * S of dtype; local rank i's shard is its slice
-    Lease grad_shards;         // k * S fp32, local rank i at i * S
-    Lease scratch;             // fp32 node sum of the gradients (F * S) and ring scratch
+    std::vector<Lease> owner;   // per local rank; empty lease when it owns nothing here
+    Lease unsharded;            // F * S of dtype; local rank i's shard is its slice
+    Lease grad_shards;          // k * S fp32, local rank i at i * S
+    Lease scratch;              // fp32 node sum of the gradients (F * S) and ring scratch
     std::vector<Piece> pieces;  // of the matrix tensors, in plan order
   };
   JobDataPlane() = default;
@@ -109,7 +109,7 @@ class JobDataPlane {
   std::vector<Unit> units_;
   std::vector<int64_t> local_ranks_;
   int64_t shard_ = 0, replicas_ = 1;
-  int64_t first_position_ = 0;  // shard position of local rank 0
+  int64_t first_position_ = 0;                         // shard position of local rank 0
   std::unique_ptr<Comm> shard_comm_, replicate_comm_;  // nullptr when of size 1
   uint64_t op_seq_ = 0;
   int64_t staging_bytes_ = 0;

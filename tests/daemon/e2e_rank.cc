@@ -153,8 +153,8 @@ int Check(Client& client, int rank) {
       const int64_t x = pos * s + e;
       bool matrix = false;
       for (const auto& t : c->plan().units(u).tensors()) {
-        matrix |= t.optimizer() == v1::OPTIMIZER_MATRIX && x >= t.offset() &&
-                  x < t.offset() + t.numel();
+        matrix |=
+            t.optimizer() == v1::OPTIMIZER_MATRIX && x >= t.offset() && x < t.offset() + t.numel();
       }
       const float v = static_cast<float>(rank * 1000 + e);
       if ((*gs)[e] != (matrix ? -v : v)) return 98;
