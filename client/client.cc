@@ -67,6 +67,9 @@ absl::Status Client::Attach() {
   plan_ = resp.plan();
   buffers_.assign(resp.units().begin(), resp.units().end());
   replicas_ = std::max<int64_t>(resp.replicas(), 1);
+  backend_ = resp.backend().empty() ? "host" : resp.backend();
+  cuda_device_ = resp.cuda_device();
+  cuda_ipc_handle_ = resp.cuda_ipc_handle();
   auto conn = ConnectUnix(options_.daemon_socket + ".fd");
   if (!conn.ok()) return conn.status();
   side_channel_ = std::move(*conn);
@@ -86,8 +89,19 @@ absl::Status Client::Attach() {
   return absl::OkStatus();
 }
 
-absl::Status Client::CheckView(int unit, size_t item, bool (*matches)(v1::DType)) const {
+absl::Status Client::CheckHostBuffers() const {
   if (arena_ == nullptr) return absl::FailedPreconditionError("not attached");
+  if (backend_ != "host") {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the job's buffers are on CUDA device ", cuda_device_, " (backend '", backend_,
+                     "'): open cuda_ipc_handle() with cudaIpcOpenMemHandle and add "
+                     "the buffers' offsets; host views exist only for the host backend"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Client::CheckView(int unit, size_t item, bool (*matches)(v1::DType)) const {
+  if (absl::Status s = CheckHostBuffers(); !s.ok()) return s;
   if (unit < 0 || unit >= units()) {
     return absl::InvalidArgumentError(
         absl::StrCat("unit ", unit, " does not exist (", units(), " units)"));
@@ -102,7 +116,7 @@ absl::Status Client::CheckView(int unit, size_t item, bool (*matches)(v1::DType)
 }
 
 absl::StatusOr<absl::Span<float>> Client::GradShard(int unit) {
-  if (arena_ == nullptr) return absl::FailedPreconditionError("not attached");
+  if (absl::Status s = CheckHostBuffers(); !s.ok()) return s;
   if (unit < 0 || unit >= units()) {
     return absl::InvalidArgumentError(
         absl::StrCat("unit ", unit, " does not exist (", units(), " units)"));
@@ -112,7 +126,7 @@ absl::StatusOr<absl::Span<float>> Client::GradShard(int unit) {
 }
 
 absl::StatusOr<absl::Span<float>> Client::OwnerBuffer(int unit) {
-  if (arena_ == nullptr) return absl::FailedPreconditionError("not attached");
+  if (absl::Status s = CheckHostBuffers(); !s.ok()) return s;
   if (unit < 0 || unit >= units()) {
     return absl::InvalidArgumentError(
         absl::StrCat("unit ", unit, " does not exist (", units(), " units)"));

@@ -61,6 +61,11 @@ class Client {
   // HSDP replicas of the shard group (1 for plain FSDP); the job has plan().world_size() *
   // replicas() ranks.
   int64_t replicas() const { return replicas_; }
+  // "host" (views below map the daemon's memfd arena) or "cuda" (the buffers are offsets in the
+  // CUDA slab of cuda_device(), shared as cuda_ipc_handle(); host views are then errors).
+  const std::string& backend() const { return backend_; }
+  int cuda_device() const { return cuda_device_; }
+  const std::string& cuda_ipc_handle() const { return cuda_ipc_handle_; }
   int units() const { return static_cast<int>(buffers_.size()); }
   const v1::UnitBuffers& buffers(int unit) const { return buffers_[unit]; }
 
@@ -107,6 +112,7 @@ class Client {
   explicit Client(ClientOptions options) : options_(std::move(options)) {}
   int Check(int unit) const { return unit >= 0 && unit < units() ? unit : 0; }
   absl::StatusOr<OpHandle> StartOp(v1::OpKind kind, int unit, v1::ReduceKind op);
+  absl::Status CheckHostBuffers() const;
   absl::Status CheckView(int unit, size_t item, bool (*matches)(v1::DType)) const;
   template <typename T>
   absl::StatusOr<absl::Span<T>> View(int unit, int64_t offset, int64_t count_per_shard);
@@ -117,6 +123,9 @@ class Client {
   v1::Plan plan_;
   std::vector<v1::UnitBuffers> buffers_;
   int64_t replicas_ = 1;
+  std::string backend_ = "host";
+  int cuda_device_ = 0;
+  std::string cuda_ipc_handle_;
   ScopedFd side_channel_;
   char* arena_ = nullptr;
   size_t arena_bytes_ = 0;

@@ -14,7 +14,7 @@
 #include "common/fd_passing.h"
 #include "common/rpc.h"
 #include "glog/logging.h"
-#include "server/daemon/job_data_plane.h"
+#include "server/daemon/data_backend.h"
 #include "server/daemon/ucx_comm.h"
 #include "server/planner/validation.h"
 
@@ -25,7 +25,7 @@ class JobRuntime {
  public:
   JobRuntime(std::string job_id, std::string node_id, v1::Plan plan,
              std::vector<int64_t> local_ranks, std::unique_ptr<UcxWorker> worker,
-             std::unique_ptr<Comm> comm, std::unique_ptr<JobDataPlane> dp,
+             std::unique_ptr<Comm> comm, std::unique_ptr<DataBackend> dp,
              std::shared_ptr<PlannerClient> planner)
       : job_id_(std::move(job_id)),
         node_id_(std::move(node_id)),
@@ -53,7 +53,7 @@ class JobRuntime {
 
   const v1::Plan& plan() const { return plan_; }
   const std::vector<int64_t>& local_ranks() const { return local_ranks_; }
-  const JobDataPlane& dp() const { return *dp_; }
+  const DataBackend& dp() const { return *dp_; }
   void FillStats(v1::JobStats* out) {
     absl::MutexLock lock(&mu_);
     out->set_job_id(job_id_);
@@ -253,7 +253,7 @@ class JobRuntime {
   const std::vector<int64_t> local_ranks_;
   std::unique_ptr<UcxWorker> worker_;
   std::unique_ptr<Comm> comm_;
-  std::unique_ptr<JobDataPlane> dp_;
+  std::unique_ptr<DataBackend> dp_;
   std::shared_ptr<PlannerClient> planner_;
   absl::Mutex mu_;
   std::vector<uint64_t> next_seq_ ABSL_GUARDED_BY(mu_);
@@ -284,10 +284,15 @@ absl::StatusOr<std::unique_ptr<NodeDaemon>> NodeDaemon::Start(
   if (auto s = planner::ValidateId("--node-id", options.node_id, limits.max_id_length); !s.ok())
     return s;
   if (options.socket_path.empty()) return absl::InvalidArgumentError("--socket: required");
+  auto backend = ParseBackendKind(options.backend);
+  if (!backend.ok()) return backend.status();
+  if (options.gpu_pool_bytes <= 0)
+    return absl::InvalidArgumentError("--gpu-pool-bytes: must be positive");
   auto pool = Pool::Create(options.pool_bytes);
   if (!pool.ok()) return pool.status();
   std::unique_ptr<NodeDaemon> d(
       new NodeDaemon(std::move(options), std::move(planner), std::move(*pool)));
+  d->backend_ = ResolveBackendKind(*backend);
   ::unlink(d->options_.socket_path.c_str());
   grpc::ServerBuilder builder;
   builder.AddListeningPort("unix:" + d->options_.socket_path, grpc::InsecureServerCredentials());
@@ -403,8 +408,24 @@ absl::StatusOr<std::shared_ptr<JobRuntime>> NodeDaemon::GetOrCreateJob(const std
     if (!c.ok()) return c.status();
     comm = std::move(*c);
   }
-  auto dp = JobDataPlane::Create(*plan, local, pool_.get(), comm.get(),
-                                 std::max<int64_t>(job->mesh().replicate_size(), 1));
+  BackendContext context;
+  context.plan = &*plan;
+  context.local_ranks = local;
+  context.replicas = std::max<int64_t>(job->mesh().replicate_size(), 1);
+  context.host_pool = pool_.get();
+  context.nodes = comm.get();
+  context.node_count = static_cast<int>(nodes.size());
+  context.put = [this, &job_id](const std::string& key, const std::string& value) {
+    return planner_->Put(job_id, key, value);
+  };
+  context.get = [this, &job_id, deadline](const std::string& key) {
+    return planner_->Get(
+        job_id, key,
+        absl::ToChronoMilliseconds(std::max(deadline - absl::Now(), absl::Milliseconds(1))));
+  };
+  context.deadline = deadline;
+  context.gpu_pool_bytes = options_.gpu_pool_bytes;
+  auto dp = CreateDataBackend(backend_, context);
   if (!dp.ok()) return dp.status();
   auto runtime =
       std::make_shared<JobRuntime>(job_id, options_.node_id, std::move(*plan), local,
@@ -412,7 +433,7 @@ absl::StatusOr<std::shared_ptr<JobRuntime>> NodeDaemon::GetOrCreateJob(const std
   absl::MutexLock lock(&mu_);
   jobs_[job_id] = runtime;
   LOG(INFO) << "job " << job_id << ": " << local.size() << " local rank(s), " << nodes.size()
-            << " node(s), buffers allocated";
+            << " node(s), " << runtime->dp().name() << " backend, buffers allocated";
   return runtime;
 }
 
@@ -458,20 +479,7 @@ absl::Status NodeDaemon::DoAttach(const v1::AttachRequest& request, v1::AttachRe
   resp->set_attachment_id(id);
   resp->set_arena_bytes(static_cast<int64_t>(pool_->arena().size()));
   *resp->mutable_plan() = (*job)->plan();
-  resp->set_replicas((*job)->dp().replicas());
-  const JobDataPlane& dp = (*job)->dp();
-  for (int u = 0; u < dp.units(); ++u) {
-    v1::UnitBuffers* b = resp->add_units();
-    b->set_unit((*job)->plan().units(u).unit());
-    b->set_dtype(dp.dtype(u));
-    b->set_shard_elems(dp.shard_elems(u));
-    auto off = dp.offsets(u, li);
-    b->set_param_shard_offset(off.param_shard);
-    b->set_unsharded_offset(off.unsharded);
-    b->set_grad_offset(off.grad);
-    b->set_grad_shard_offset(off.grad_shard);
-    b->set_owner_offset(off.owner);
-  }
+  (*job)->dp().Describe(li, (*job)->plan(), resp);
   return absl::OkStatus();
 }
 

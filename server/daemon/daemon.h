@@ -20,6 +20,7 @@
 #include "client/planner_client.h"
 #include "common/fd.h"
 #include "ragshard/v1/daemon.grpc.pb.h"
+#include "server/daemon/data_backend.h"
 #include "server/daemon/pool.h"
 
 namespace ragshard::daemon {
@@ -34,6 +35,10 @@ struct DaemonOptions {
   // through the planner's rendezvous).
   std::string data_host = "127.0.0.1";
   std::chrono::milliseconds heartbeat_interval{1000};
+  // "host" or "cuda"; "cuda" without a device logs one line and runs the host backend.
+  std::string backend = "host";
+  // Bytes of the CUDA slab per local GPU (cuda backend).
+  int64_t gpu_pool_bytes = int64_t{1} << 30;
 };
 
 class JobRuntime;
@@ -82,6 +87,7 @@ class NodeDaemon final : public v1::Daemon::CallbackService {
   const DaemonOptions options_;
   const std::shared_ptr<PlannerClient> planner_;
   const std::unique_ptr<Pool> pool_;
+  BackendKind backend_ = BackendKind::kHost;
   std::unique_ptr<grpc::Server> server_;
   ScopedFd fd_listener_;
 

@@ -149,6 +149,23 @@ JobDataPlane::Offsets JobDataPlane::offsets(int unit, int local) const {
           u.owner[local].size() > 0 ? u.owner[local].offset() : -1};
 }
 
+void JobDataPlane::Describe(int local, const v1::Plan& plan, v1::AttachResponse* resp) const {
+  resp->set_replicas(replicas_);
+  resp->set_backend(name());
+  for (int u = 0; u < units(); ++u) {
+    v1::UnitBuffers* b = resp->add_units();
+    b->set_unit(plan.units(u).unit());
+    b->set_dtype(dtype(u));
+    b->set_shard_elems(shard_elems(u));
+    const Offsets off = offsets(u, local);
+    b->set_param_shard_offset(off.param_shard);
+    b->set_unsharded_offset(off.unsharded);
+    b->set_grad_offset(off.grad);
+    b->set_grad_shard_offset(off.grad_shard);
+    b->set_owner_offset(off.owner);
+  }
+}
+
 absl::Status JobDataPlane::CheckUnit(int unit) const {
   if (unit < 0 || unit >= units()) {
     return absl::InvalidArgumentError(

@@ -26,11 +26,12 @@
 #include "ragshard/v1/plan.pb.h"
 #include "server/daemon/collectives.h"
 #include "server/daemon/comm.h"
+#include "server/daemon/data_backend.h"
 #include "server/daemon/pool.h"
 
 namespace ragshard::daemon {
 
-class JobDataPlane {
+class JobDataPlane final : public DataBackend {
  public:
   // `local_ranks` are the ranks of the job on this node; `nodes` is the communicator among the
   // job's nodes (member i holds ranks [i*k, (i+1)*k)), or nullptr for a single node;
@@ -40,10 +41,11 @@ class JobDataPlane {
                                                               Pool* pool, Comm* nodes,
                                                               int64_t replicas = 1);
 
-  int units() const { return static_cast<int>(units_.size()); }
+  const char* name() const override { return "host"; }
+  int units() const override { return static_cast<int>(units_.size()); }
   int local_ranks() const { return static_cast<int>(local_ranks_.size()); }
   int64_t shard_group_size() const { return shard_; }
-  int64_t replicas() const { return replicas_; }
+  int64_t replicas() const override { return replicas_; }
 
   // Buffer views (into the pool's shared arena; the same bytes local clients map).
   // Parameter shard: shard_elems of the unit's dtype. Unsharded parameter: F * shard_elems.
@@ -62,23 +64,24 @@ class JobDataPlane {
   Offsets offsets(int unit, int local) const;
   v1::DType dtype(int unit) const { return units_[unit].dtype; }
   int64_t shard_elems(int unit) const { return units_[unit].shard_elems; }
-  int64_t staging_bytes() const { return staging_bytes_; }
+  int64_t staging_bytes() const override { return staging_bytes_; }
+  void Describe(int local, const v1::Plan& plan, v1::AttachResponse* resp) const override;
 
   // All-gather of the shard group's parameter shards into the node's unsharded buffer.
-  absl::Status Unshard(int unit, absl::Time deadline);
+  absl::Status Unshard(int unit, absl::Time deadline) override;
   // Sum (or mean) over the shard group's F ranks of the gradients into each local rank's
   // gradient shard, accumulated in fp32 (gradients may be fp32, bf16 or fp16).
-  absl::Status ReduceScatter(int unit, ReduceOp op, absl::Time deadline);
+  absl::Status ReduceScatter(int unit, ReduceOp op, absl::Time deadline) override;
   // Sum (or mean) of the gradient shards over the R replicas, in place (HSDP); nothing to do
   // when R = 1.
-  absl::Status AllReduce(int unit, ReduceOp op, absl::Time deadline);
+  absl::Status AllReduce(int unit, ReduceOp op, absl::Time deadline) override;
   // For every OPTIMIZER_MATRIX tensor of the unit: the pieces of the gradient shards (fp32) of
   // the shard group go to the tensor's owner (the planner's owner_rank), into its owner buffer
   // at the tensor's place in the unit. Point-to-point: only the owner receives each tensor.
-  absl::Status GatherToOwner(int unit, absl::Time deadline);
+  absl::Status GatherToOwner(int unit, absl::Time deadline) override;
   // The inverse: each owner's buffer, cut at the tensor's pieces, into the gradient shards of the
   // ranks that hold them (elements of other tensors are left as they are).
-  absl::Status ScatterFromOwner(int unit, absl::Time deadline);
+  absl::Status ScatterFromOwner(int unit, absl::Time deadline) override;
 
  private:
   struct Piece {

@@ -32,6 +32,13 @@ int main(int argc, char** argv) {
   app.add_option("--tls-cert", planner.security.tls_cert_file, "client certificate (mutual TLS)");
   app.add_option("--tls-key", planner.security.tls_key_file, "client key (mutual TLS)");
   app.add_option("--heartbeat-ms", heartbeat_ms, "heartbeat interval")->capture_default_str();
+  app.add_option("--backend", options.backend,
+                 "data plane: host (memfd pool + UCX) or cuda (CUDA slabs + NCCL; without a "
+                 "device it logs why and runs host)")
+      ->check(CLI::IsMember({"host", "cuda"}))
+      ->capture_default_str();
+  app.add_option("--gpu-pool-bytes", options.gpu_pool_bytes, "CUDA slab per local GPU (cuda)")
+      ->capture_default_str();
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

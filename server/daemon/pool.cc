@@ -51,7 +51,7 @@ void Lease::Release() {
   pool_ = nullptr;
 }
 
-char* Lease::data() const { return pool_ ? pool_->arena().data() + offset_ : nullptr; }
+char* Lease::data() const { return pool_ ? pool_->base_ + offset_ : nullptr; }
 
 absl::StatusOr<std::unique_ptr<Pool>> Pool::Create(int64_t capacity, int64_t alignment,
                                                    size_t max_free_blocks) {
@@ -61,20 +61,38 @@ absl::StatusOr<std::unique_ptr<Pool>> Pool::Create(int64_t capacity, int64_t ali
   }
   auto arena = MemfdArena::Create("ragshard-pool", static_cast<size_t>(capacity));
   if (!arena.ok()) return arena.status();
-  return std::unique_ptr<Pool>(new Pool(std::move(*arena), alignment, max_free_blocks));
+  char* base = (*arena)->data();
+  return std::unique_ptr<Pool>(
+      new Pool(std::move(*arena), base, capacity, alignment, max_free_blocks));
 }
 
-Pool::Pool(std::unique_ptr<MemfdArena> arena, int64_t alignment, size_t max_free_blocks)
-    : arena_(std::move(arena)), alignment_(alignment), max_free_blocks_(max_free_blocks) {
+absl::StatusOr<std::unique_ptr<Pool>> Pool::CreateOver(char* base, int64_t capacity,
+                                                       int64_t alignment, size_t max_free_blocks) {
+  if (base == nullptr || capacity <= 0) {
+    return absl::InvalidArgumentError("pool memory must be a non-empty region");
+  }
+  if (alignment <= 0 || (alignment & (alignment - 1)) != 0) {
+    return absl::InvalidArgumentError("pool alignment must be a power of two");
+  }
+  return std::unique_ptr<Pool>(new Pool(nullptr, base, capacity, alignment, max_free_blocks));
+}
+
+Pool::Pool(std::unique_ptr<MemfdArena> arena, char* base, int64_t capacity, int64_t alignment,
+           size_t max_free_blocks)
+    : arena_(std::move(arena)),
+      base_(base),
+      capacity_(capacity),
+      alignment_(alignment),
+      max_free_blocks_(max_free_blocks) {
   free_.reserve(max_free_blocks_ + 1);
-  free_.push_back({0, static_cast<int64_t>(arena_->size())});
+  free_.push_back({0, capacity_});
 }
 
 absl::StatusOr<Lease> Pool::Allocate(int64_t bytes) {
   if (bytes <= 0) return absl::InvalidArgumentError("allocation size must be positive");
-  if (bytes > static_cast<int64_t>(arena_->size())) {
+  if (bytes > capacity_) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "request of ", bytes, " bytes exceeds the pool capacity of ", arena_->size(), " bytes"));
+        "request of ", bytes, " bytes exceeds the pool capacity of ", capacity_, " bytes"));
   }
   const int64_t size = (bytes + alignment_ - 1) / alignment_ * alignment_;
   absl::MutexLock lock(&mu_);
@@ -94,9 +112,9 @@ absl::StatusOr<Lease> Pool::Allocate(int64_t bytes) {
     }
   }
   if (best == free_.size()) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "pool cannot fit ", size, " bytes: ", total_free, " bytes free, largest free block ",
-        largest, " bytes, capacity ", arena_->size()));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("pool cannot fit ", size, " bytes: ", total_free,
+                     " bytes free, largest free block ", largest, " bytes, capacity ", capacity_));
   }
   const int64_t offset = free_[best].first;
   if (free_[best].second == size) {
@@ -131,7 +149,7 @@ void Pool::Free(int64_t offset, int64_t size) {
 PoolStats Pool::Stats() const {
   absl::MutexLock lock(&mu_);
   PoolStats s;
-  s.capacity = static_cast<int64_t>(arena_->size());
+  s.capacity = capacity_;
   s.used = used_;
   s.peak = peak_;
   s.leases = leases_;

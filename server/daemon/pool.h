@@ -85,15 +85,25 @@ class Pool {
   // free bytes and the largest free block.
   absl::StatusOr<Lease> Allocate(int64_t bytes);
 
+  // The same sub-allocator over memory the caller owns (a CUDA slab of the GPU backend): leases
+  // are offsets into [base, base + capacity), which is never dereferenced here.
+  static absl::StatusOr<std::unique_ptr<Pool>> CreateOver(char* base, int64_t capacity,
+                                                          int64_t alignment = 256,
+                                                          size_t max_free_blocks = 1 << 16);
+
   PoolStats Stats() const;
+  // The memfd arena; only for pools made by Create().
   const MemfdArena& arena() const { return *arena_; }
 
  private:
   friend class Lease;
-  Pool(std::unique_ptr<MemfdArena> arena, int64_t alignment, size_t max_free_blocks);
+  Pool(std::unique_ptr<MemfdArena> arena, char* base, int64_t capacity, int64_t alignment,
+       size_t max_free_blocks);
   void Free(int64_t offset, int64_t size);
 
   const std::unique_ptr<MemfdArena> arena_;
+  char* const base_;
+  const int64_t capacity_;
   const int64_t alignment_;
   const size_t max_free_blocks_;
   mutable absl::Mutex mu_;

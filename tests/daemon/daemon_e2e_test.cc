@@ -30,11 +30,13 @@ class DaemonE2E : public ::testing::Test {
     for (int n = 0; n < 2; ++n) StartDaemon(n);
   }
 
-  void StartDaemon(int n) {
+  void StartDaemon(int n, const std::string& backend = "host") {
     const std::string sock = Socket(n);
+    ::unlink((sock + ".fd").c_str());
     daemons_[n] = testing::Child(
         {RAGSHARDD_PATH, "--planner", planner_.address, "--node-id", "node-" + std::to_string(n),
-         "--socket", sock, "--pool-bytes", std::to_string(64 << 20), "--heartbeat-ms", "200"},
+         "--socket", sock, "--pool-bytes", std::to_string(64 << 20), "--heartbeat-ms", "200",
+         "--backend", backend, "--gpu-pool-bytes", std::to_string(64 << 20)},
         dir_.path() + "/daemon" + std::to_string(n) + ".log");
     struct stat st {};
     for (int i = 0; i < 400 && stat((sock + ".fd").c_str(), &st) != 0; ++i) {
@@ -113,6 +115,22 @@ TEST_F(DaemonE2E, HsdpShardGroupPerDaemonMatchesTheReference) {
     EXPECT_EQ(Exit(ranks[r]), 0) << "rank " << r << ": "
                                  << testing::ReadAll(dir_.path() + "/rank" + std::to_string(r) +
                                                      ".log");
+  }
+}
+
+TEST_F(DaemonE2E, TheCudaBackendWithoutADeviceSaysSoOnceAndRunsOnTheHost) {
+  for (int n = 0; n < 2; ++n) {
+    daemons_[n].Kill(SIGTERM);
+    StartDaemon(n, "cuda");
+  }
+  CreateJob("gpu");
+  auto ranks = SpawnRanks("gpu", "check");
+  for (int r = 0; r < 4; ++r) EXPECT_EQ(Exit(ranks[r]), 0) << "rank " << r;
+  const std::string log = testing::ReadAll(dir_.path() + "/daemon0.log");
+  if (log.find("GPU backend skipped") != std::string::npos) {
+    EXPECT_THAT(log, HasSubstr("host backend, buffers allocated"));
+  } else {
+    EXPECT_THAT(log, HasSubstr("cuda backend, buffers allocated"));  // a machine with a GPU
   }
 }
 
@@ -196,6 +214,11 @@ TEST_F(DaemonE2E, BadInputGetsClearErrorsAndTheDaemonStaysUp) {
                         "--socket", dir_.path() + "/tiny.sock", "--pool-bytes", "abc"},
                        dir_.path() + "/tiny.log");
   EXPECT_EQ(small.Kill(0) >> 8, 2);
+  testing::Child tpu({RAGSHARDD_PATH, "--planner", planner_.address, "--node-id", "tpu", "--socket",
+                      dir_.path() + "/tpu.sock", "--pool-bytes", "1048576", "--backend", "tpu"},
+                     dir_.path() + "/tpu.log");
+  EXPECT_EQ(tpu.Kill(0) >> 8, 2);
+  EXPECT_THAT(testing::ReadAll(dir_.path() + "/tpu.log"), HasSubstr("--backend"));
 }
 
 }  // namespace

@@ -1,0 +1,69 @@
+// What a job's operations run on, behind one interface: the host data plane (memfd pool,
+// in-memory reduction on the node, UCX between daemons; job_data_plane.h) or the GPU one (CUDA
+// slabs exported as IPC handles, NCCL communicators per process group; gpu/gpu_data_plane.h).
+// CreateDataBackend picks one. The daemon's job thread calls one operation at a time.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "ragshard/v1/daemon.pb.h"
+#include "ragshard/v1/plan.pb.h"
+#include "server/daemon/collectives.h"
+#include "server/daemon/comm.h"
+#include "server/daemon/pool.h"
+
+namespace ragshard::daemon {
+
+class DataBackend {
+ public:
+  virtual ~DataBackend() = default;
+  virtual const char* name() const = 0;
+  virtual int units() const = 0;
+  virtual int64_t replicas() const = 0;
+  // Bytes written into pool buffers outside the collectives' own transfers and reductions.
+  virtual int64_t staging_bytes() const = 0;
+
+  virtual absl::Status Unshard(int unit, absl::Time deadline) = 0;
+  virtual absl::Status ReduceScatter(int unit, ReduceOp op, absl::Time deadline) = 0;
+  virtual absl::Status AllReduce(int unit, ReduceOp op, absl::Time deadline) = 0;
+  virtual absl::Status GatherToOwner(int unit, absl::Time deadline) = 0;
+  virtual absl::Status ScatterFromOwner(int unit, absl::Time deadline) = 0;
+
+  // The buffers of local rank `local` (and whatever a client needs to map them) for Attach.
+  virtual void Describe(int local, const v1::Plan& plan, v1::AttachResponse* resp) const = 0;
+};
+
+enum class BackendKind { kHost, kCuda };
+
+// Parses "host" or "cuda"; INVALID_ARGUMENT names anything else.
+absl::StatusOr<BackendKind> ParseBackendKind(const std::string& name);
+
+struct BackendContext {
+  const v1::Plan* plan = nullptr;
+  std::vector<int64_t> local_ranks;
+  int64_t replicas = 1;
+  Pool* host_pool = nullptr;  // the daemon's memfd pool (host backend)
+  Comm* nodes = nullptr;      // among the job's nodes, or nullptr for one node
+  int node_index = 0, node_count = 1;
+  // The job's rendezvous through the planner (GPU backend: NCCL unique ids).
+  std::function<absl::Status(const std::string& key, const std::string& value)> put;
+  std::function<absl::StatusOr<std::string>(const std::string& key)> get;
+  absl::Time deadline = absl::InfiniteFuture();
+  int64_t gpu_pool_bytes = 0;
+};
+
+// The backend jobs will use: kCuda without a usable device (or in a build without CUDA) logs one
+// line that says why and gives kHost. The daemon calls it once at start.
+BackendKind ResolveBackendKind(BackendKind requested);
+
+// Creates a job's backend; kCuda must have been resolved to a usable device first.
+absl::StatusOr<std::unique_ptr<DataBackend>> CreateDataBackend(BackendKind kind,
+                                                               const BackendContext& context);
+
+}  // namespace ragshard::daemon
