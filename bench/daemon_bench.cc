@@ -87,6 +87,15 @@ int RankMain(char** argv) {
     std::sort(lat.begin(), lat.end());
     std::printf("noop,%.2f,%.2f\n", lat[lat.size() / 2] * 1e6, lat[lat.size() * 99 / 100] * 1e6);
   }
+  // The daemon's counter of writes into pool buffers outside the collectives.
+  auto stats = c->DaemonStats();
+  if (!stats.ok()) return 6;
+  for (const auto& j : stats->jobs()) {
+    if (j.job_id() == c->job_id()) {
+      std::printf("staging,%ld,%ld\n", static_cast<long>(j.staging_bytes()),
+                  static_cast<long>(j.operations()));
+    }
+  }
   std::fflush(stdout);
   return 0;
 }
@@ -182,6 +191,9 @@ int Main(int argc, char** argv) {
             rs = std::max(rs, std::stod(f[2]));
           } else if (f.size() == 3 && f[0] == "noop" && bytes == (size_t{1} << 20)) {
             std::printf("noop-latency-us,%dx%d,p50=%s,p99=%s\n", nd, k, f[1].c_str(), f[2].c_str());
+          } else if (f.size() == 3 && f[0] == "staging" && p.pid == ranks[0].pid) {
+            std::printf("staging-bytes,%dx%d,%zu,%s,%s\n", nd, k, bytes, f[1].c_str(),
+                        f[2].c_str());
           }
         }
         if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
