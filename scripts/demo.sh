@@ -1,22 +1,36 @@
 #!/usr/bin/env bash
-# The README's run command.
-#
-# The full demo (planner + daemons + training ranks on loopback) arrives with the data plane.
-# Until then this builds ragshard and runs its offline planner on real model inventories,
-# comparing RaggedShard with the FSDP2, FSDP1, ZeRO-3 and Megatron layouts.
+# The README's run command: installs what is missing, builds, starts a planner (data directory
+# in a temporary folder) and 2 daemons on loopback, trains a small decoder-only transformer with
+# 4 ranks (2 per daemon) through ragshard, shows progress, prints `ragshardctl jobs` and
+# `plan metrics`, and shuts everything down.
+#   DEMO_STEPS (default 30), DEMO_OPTIMIZER (adamw or muon), BUILD_DIR (default build).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh >/dev/null
 BUILD_DIR=${BUILD_DIR:-build}
+echo "== building (first time: several minutes)"
 cmake -S . -B "$BUILD_DIR" -G Ninja -DPython3_EXECUTABLE=/usr/bin/python3 >/dev/null
-cmake --build "$BUILD_DIR" -j "$(nproc)" --target ragshardctl >/dev/null
-CTL="$BUILD_DIR/client/ragshardctl"
+cmake --build "$BUILD_DIR" -j "$(nproc)" --target ragshard-planner ragshardd ragshardctl \
+  ragshard_pycore >/dev/null
+export PYTHONPATH="$PWD/$BUILD_DIR/python${PYTHONPATH:+:$PYTHONPATH}"
+exec /usr/bin/python3 - "$BUILD_DIR" "${DEMO_STEPS:-30}" "${DEMO_OPTIMIZER:-adamw}" <<'PY'
+import subprocess, sys
+from ragshard.cluster import LocalCluster
 
-echo "== DeepSeek-V3, 1024 ranks, FP8 128x128 blocks (granule rows:128)"
-"$CTL" compare --model deepseek-v3 --world 1024 --granule rows:128
-echo
-echo "== LLaMA-3 70B, 256 ranks, 8-bit Adam 32x32 blocks (granule rows:32)"
-"$CTL" compare --model llama3-70b --world 256 --granule rows:32
-echo
-echo "== One plan in detail: Mixtral 8x7B, 64 ranks, rows:128"
-"$CTL" plan --model mixtral-8x7b --world 64 --granule rows:128 | tail -4
+build, steps, optimizer = sys.argv[1], sys.argv[2], sys.argv[3]
+ctl = [f"{build}/client/ragshardctl"]
+with LocalCluster(build, daemons=2, pool_bytes=512 << 20) as c:
+    print(f"== planner at {c.planner}; daemons node-0, node-1 on {c.dir}", flush=True)
+    print(f"== training examples/train_tiny.py: 4 ranks over 2 daemons, {steps} steps, "
+          f"{optimizer}", flush=True)
+    subprocess.run([sys.executable, "-m", "ragshard.launch", "--planner", c.planner,
+                    "--job", "demo", "--nproc", "4", "--sockets", ",".join(c.sockets),
+                    "--create-job", "examples/train_tiny.py", "--steps", steps,
+                    "--optimizer", optimizer], check=True)
+    print("\n== ragshardctl jobs", flush=True)
+    subprocess.run(ctl + ["--planner", c.planner, "jobs"], check=True)
+    print("\n== ragshardctl plan metrics demo", flush=True)
+    subprocess.run(ctl + ["--planner", c.planner, "plan", "metrics", "demo"], check=True)
+    print("\n== shutting down", flush=True)
+print("demo finished")
+PY

@@ -1,0 +1,225 @@
+"""A small decoder-only transformer trained through ragshard (or, with --reference, in one
+process with plain PyTorch on the same global batch, for comparison).
+
+Data: synthetic token sequences from a fixed random bigram Markov chain over --vocab tokens
+(seeded), so the loss has a known floor (the chain's entropy) and every run is reproducible.
+Step s uses a global batch of W x --batch sequences drawn from seed (--seed, s); rank r takes
+rows [r*batch, (r+1)*batch).
+
+    python3 -m ragshard.launch --planner ADDR --job J --nproc 4 --sockets S0,S1 --create-job \\
+        examples/train_tiny.py --steps 50
+    python3 examples/train_tiny.py --reference --world 4 --steps 50
+"""
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "build",
+                                "python"))
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.ln1 = torch.nn.LayerNorm(d)
+        # No bias (as LLaMA): a key bias has an exactly zero gradient (softmax ignores a constant
+        # per row), and Adam would turn its rounding noise into full-size steps.
+        self.qkv = torch.nn.Linear(d, 3 * d, bias=False)
+        self.proj = torch.nn.Linear(d, d)
+        self.ln2 = torch.nn.LayerNorm(d)
+        self.up = torch.nn.Linear(d, 4 * d)
+        self.down = torch.nn.Linear(4 * d, d)
+        self.heads = heads
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        shape = (b, t, self.heads, d // self.heads)
+        q, k, v = (z.view(shape).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
+        mask = torch.triu(torch.ones(t, t, dtype=torch.bool), diagonal=1)
+        att = att.masked_fill(mask, float("-inf")).softmax(-1)
+        y = (att @ v).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(y)
+        return x + self.down(torch.nn.functional.gelu(self.up(self.ln2(x))))
+
+
+class TinyLM(torch.nn.Module):
+    def __init__(self, vocab, d, layers, heads, seq):
+        super().__init__()
+        self.tok = torch.nn.Embedding(vocab, d)
+        self.pos = torch.nn.Embedding(seq, d)
+        self.layers = torch.nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln = torch.nn.LayerNorm(d)
+        self.head = torch.nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.ln(x))
+
+
+def bigram_chain(vocab, seed):
+    g = torch.Generator().manual_seed(seed + 7919)
+    logits = torch.randn(vocab, vocab, generator=g) * 3.0
+    return logits.softmax(-1)
+
+
+def batch(chain, seed, step, rows, seq):
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    x = torch.empty(rows, seq + 1, dtype=torch.long)
+    x[:, 0] = torch.randint(0, chain.shape[0], (rows,), generator=g)
+    for t in range(seq):
+        x[:, t + 1] = torch.multinomial(chain[x[:, t]], 1, generator=g).squeeze(1)
+    return x[:, :-1], x[:, 1:]
+
+
+def parse():
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=64)
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--batch", type=int, default=4, help="sequences per rank per micro-batch")
+    p.add_argument("--accum", type=int, default=1, help="micro-batches per step")
+    p.add_argument("--clip", type=float, default=0.0, help="max global grad norm (0: off)")
+    p.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--muon-lr", type=float, default=0.02)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--param-dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--granule", default="rows:128", help="granule of 2-D parameters")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--reference", action="store_true", help="one process, plain PyTorch")
+    p.add_argument("--world", type=int, default=0, help="W for --reference")
+    p.add_argument("--out", default="", help="write losses (JSON) and final parameters (.pt)")
+    p.add_argument("--quiet", action="store_true")
+    return p.parse_args()
+
+
+def is_matrix(name, p):
+    return p.dim() == 2 and "layers." in name  # Muon for the blocks' weight matrices
+
+
+def reference(args, model, chain):
+    w = args.world
+    matrices = [p for n, p in model.named_parameters() if args.optimizer == "muon" and
+                is_matrix(n, p)]
+    others = [p for n, p in model.named_parameters() if not any(p is m for m in matrices)]
+    wd = args.weight_decay if args.optimizer == "adamw" else 0.0
+    adamw = torch.optim.AdamW(others, lr=args.lr, weight_decay=wd)
+    from ragshard.torch import newton_schulz
+    bufs = [torch.zeros_like(p) for p in matrices]
+    losses = []
+    for step in range(args.steps):
+        total = 0.0
+        for micro in range(args.accum):
+            x, y = batch(chain, args.seed, step * args.accum + micro, w * args.batch, args.seq)
+            logits = model(x)
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, args.vocab),
+                                                     y.reshape(-1))
+            (loss / args.accum).backward()
+            total += float(loss) / args.accum
+        if args.clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        adamw.step()
+        for p, buf in zip(matrices, bufs):
+            buf.mul_(0.95).add_(p.grad)
+            g = p.grad + 0.95 * buf
+            u = newton_schulz(g) * max(1.0, p.shape[0] / p.shape[1]) ** 0.5
+            p.data.add_(u, alpha=-args.muon_lr)
+        model.zero_grad()
+        losses.append(total)
+        if not args.quiet:
+            print(f"reference step {step + 1}/{args.steps} loss {total:.6f}", flush=True)
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def sharded(args, model, chain):
+    import ragshard
+    import ragshard.torch as rt
+    env = ragshard.Env()
+    client = ragshard.connect(env)
+    w, r = env.world_size, env.rank
+    fsdp = rt.fully_shard(
+        model, client, units=lambda m: list(m.layers), param_dtype=args.param_dtype,
+        granule=lambda n, p: args.granule,
+        optimizer=lambda n, p: "matrix" if args.optimizer == "muon" and is_matrix(n, p)
+        else "elementwise")
+    if args.optimizer == "muon":
+        opt = rt.ShardedMuon(fsdp, lr=args.muon_lr, adamw_lr=args.lr)
+    else:
+        opt = rt.ShardedAdamW(fsdp, lr=args.lr, weight_decay=args.weight_decay)
+    losses = []
+    tokens = 0
+    t0 = time.time()
+    for step in range(args.steps):
+        total = 0.0
+        for micro in range(args.accum):
+            x, y = batch(chain, args.seed, step * args.accum + micro, w * args.batch, args.seq)
+            rows = slice(r * args.batch, (r + 1) * args.batch)
+            sync = micro == args.accum - 1
+            with (fsdp.no_sync() if not sync else _null()):
+                logits = fsdp(x[rows])
+                loss = torch.nn.functional.cross_entropy(
+                    logits.float().reshape(-1, args.vocab), y[rows].reshape(-1))
+                (loss / args.accum).backward()
+            total += float(loss) / args.accum
+            tokens += x[rows].numel() * w
+        if args.clip > 0:
+            fsdp.clip_grad_norm_(args.clip)
+        opt.step()
+        opt.zero_grad()
+        global_loss = fsdp.all_reduce_scalar(total) / w
+        losses.append(global_loss)
+        if r == 0 and not args.quiet:
+            rate = tokens / (time.time() - t0)
+            print(f"step {step + 1}/{args.steps} loss {global_loss:.6f} tokens/s {rate:,.0f}",
+                  flush=True)
+    state = fsdp.full_state()
+    stats = client.stats()
+    if r == 0 and not args.quiet:
+        print(f"daemon pool: used {stats['pool_used'] / 2**20:.1f} MiB, peak "
+              f"{stats['pool_peak'] / 2**20:.1f} MiB; bytes copied outside collectives: "
+              f"{stats.get('staging_bytes', 0)}", flush=True)
+    return losses, state
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def main():
+    args = parse()
+    torch.manual_seed(args.seed)
+    model = TinyLM(args.vocab, args.dim, args.layers, args.heads, args.seq)
+    chain = bigram_chain(args.vocab, args.seed)
+    if args.reference:
+        if args.world < 1:
+            sys.exit("--reference needs --world W")
+        losses, state = reference(args, model, chain)
+        rank = 0
+    else:
+        losses, state = sharded(args, model, chain)
+        rank = int(os.environ["RAGSHARD_RANK"])
+    if args.out and rank == 0:
+        with open(args.out + ".json", "w") as f:
+            json.dump({"losses": losses}, f)
+        torch.save(state, args.out + ".pt")
+
+
+if __name__ == "__main__":
+    main()

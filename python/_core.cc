@@ -1,0 +1,287 @@
+// ragshard._core: the client library for Python. numpy arrays view the daemon's buffers without
+// copying (their base object keeps the client, hence the mapping, alive); bf16 and fp16 buffers
+// are uint16 arrays, to be viewed with torch's .view(torch.bfloat16). Calls that wait release
+// the GIL. Errors raise ragshard.Error with the status code's name first.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "client/client.h"
+#include "common/dtype.h"
+#include "common/inventory.h"
+#include "google/protobuf/util/json_util.h"
+
+namespace py = pybind11;
+
+namespace ragshard {
+namespace {
+
+class Error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+void Check(const absl::Status& s) {
+  if (!s.ok()) throw Error(absl::StrCat(absl::StatusCodeToString(s.code()), ": ", s.message()));
+}
+template <typename T>
+T Check(absl::StatusOr<T> v) {
+  Check(v.status());
+  return std::move(*v);
+}
+
+std::shared_ptr<PlannerClient> Planner(const std::string& address, const std::string& token_file) {
+  PlannerClientOptions o;
+  o.address = address;
+  o.security.token_file = token_file;
+  return std::shared_ptr<PlannerClient>(Check(GrpcPlannerClient::Create(std::move(o))));
+}
+
+v1::ReduceKind ParseReduce(const std::string& op) {
+  if (op == "avg") return v1::REDUCE_AVG;
+  if (op == "sum") return v1::REDUCE_SUM;
+  throw py::value_error("op: '" + op + "' is not one of avg, sum");
+}
+
+class PyClient;
+
+class PyHandle {
+ public:
+  PyHandle(std::shared_ptr<PyClient> owner, OpHandle handle)
+      : owner_(std::move(owner)), handle_(handle) {}
+  void Wait(int64_t timeout_ms) {
+    absl::Status s;
+    {
+      py::gil_scoped_release release;
+      s = handle_.Wait(std::chrono::milliseconds(timeout_ms));
+    }
+    Check(s);
+  }
+  bool Poll() { return Check(handle_.Poll()); }
+
+ private:
+  std::shared_ptr<PyClient> owner_;  // keeps the client alive while the handle exists
+  OpHandle handle_;
+};
+
+class PyClient : public std::enable_shared_from_this<PyClient> {
+ public:
+  PyClient(const std::string& planner, const std::string& socket, const std::string& job,
+           int64_t rank, const std::string& node, int64_t timeout_ms,
+           const std::string& token_file) {
+    ClientOptions o;
+    o.planner = Planner(planner, token_file);
+    o.daemon_socket = socket;
+    o.job_id = job;
+    o.rank = rank;
+    o.node_id = node;
+    o.timeout = std::chrono::milliseconds(timeout_ms);
+    client_ = Check(Client::Create(std::move(o)));
+  }
+
+  void Register(const std::string& inventory_json, bool send_full) {
+    Inventory inv = Check(ParseInventoryJson(inventory_json));
+    absl::Status s;
+    {
+      py::gil_scoped_release release;
+      s = client_->Register(inv, send_full);
+    }
+    Check(s);
+  }
+  void Attach() {
+    absl::Status s;
+    {
+      py::gil_scoped_release release;
+      s = client_->Attach();
+    }
+    Check(s);
+  }
+  std::string PlanJson() const {
+    std::string out;
+    google::protobuf::util::JsonPrintOptions opt;
+    opt.preserve_proto_field_names = true;
+    opt.always_print_primitive_fields = true;
+    Check(absl::Status(
+        static_cast<absl::StatusCode>(
+            google::protobuf::util::MessageToJsonString(client_->plan(), &out, opt).code()),
+        "plan to JSON"));
+    return out;
+  }
+  int Units() const { return client_->units(); }
+  int64_t WorldSize() const { return client_->plan().world_size(); }
+  int64_t Replicas() const { return client_->replicas(); }
+  int64_t Rank() const { return client_->rank(); }
+  std::string UnitDType(int u) const {
+    CheckUnit(u);
+    return std::string(DTypeName(client_->buffers(u).dtype()));
+  }
+  int64_t ShardElems(int u) const {
+    CheckUnit(u);
+    return client_->buffers(u).shard_elems();
+  }
+
+  // Arrays over the mapped arena. kind: 0 param shard, 1 unsharded, 2 grad, 3 grad shard,
+  // 4 owner buffer.
+  py::object Buffer(int u, int kind) {
+    CheckUnit(u);
+    if (client_->backend() != "host") {
+      Check(
+          absl::FailedPreconditionError("buffers are on a GPU; numpy views need the host backend"));
+    }
+    const v1::UnitBuffers& b = client_->buffers(u);
+    const int64_t s = b.shard_elems(), w = client_->plan().world_size();
+    const bool fp32 = kind >= 3 || b.dtype() == v1::DTYPE_FP32;
+    int64_t offset = 0, count = 0;
+    switch (kind) {
+      case 0:
+        offset = b.param_shard_offset(), count = s;
+        break;
+      case 1:
+        offset = b.unsharded_offset(), count = w * s;
+        break;
+      case 2:
+        offset = b.grad_offset(), count = w * s;
+        break;
+      case 3:
+        offset = b.grad_shard_offset(), count = s;
+        break;
+      default:
+        if (b.owner_offset() < 0) return py::none();
+        offset = b.owner_offset(), count = w * s;
+    }
+    char* p = const_cast<char*>(client_->arena()) + offset;
+    py::object base = py::cast(shared_from_this());
+    if (fp32)
+      return py::array_t<float>({count}, {sizeof(float)}, reinterpret_cast<float*>(p), base);
+    if (b.dtype() == v1::DTYPE_BF16 || b.dtype() == v1::DTYPE_FP16) {
+      return py::array_t<uint16_t>({count}, {sizeof(uint16_t)}, reinterpret_cast<uint16_t*>(p),
+                                   base);
+    }
+    Check(absl::UnimplementedError(absl::StrCat("no numpy view for dtype ", DTypeName(b.dtype()))));
+    return py::none();
+  }
+
+  PyHandle Op(const std::string& kind, int u, const std::string& op) {
+    absl::StatusOr<OpHandle> h;
+    if (kind == "unshard") {
+      h = client_->Unshard(u);
+    } else if (kind == "reshard") {
+      h = client_->Reshard(u);
+    } else if (kind == "reduce_scatter") {
+      h = client_->ReduceScatter(u, ParseReduce(op));
+    } else if (kind == "all_reduce") {
+      h = client_->AllReduce(u, ParseReduce(op));
+    } else if (kind == "gather_to_owner") {
+      h = client_->GatherToOwner(u);
+    } else if (kind == "scatter_from_owner") {
+      h = client_->ScatterFromOwner(u);
+    } else {
+      throw py::value_error("unknown operation '" + kind + "'");
+    }
+    return PyHandle(shared_from_this(), Check(std::move(h)));
+  }
+
+  void NoOp() { Check(client_->NoOp()); }
+  py::dict Stats() {
+    v1::StatsResponse s = Check(client_->DaemonStats());
+    py::dict d;
+    d["pool_capacity"] = s.pool_capacity();
+    d["pool_used"] = s.pool_used();
+    d["pool_peak"] = s.pool_peak();
+    d["pool_fragmentation"] = s.pool_fragmentation();
+    for (const auto& j : s.jobs()) {
+      if (j.job_id() == client_->job_id()) {
+        d["staging_bytes"] = j.staging_bytes();
+        d["operations"] = j.operations();
+      }
+    }
+    return d;
+  }
+
+ private:
+  void CheckUnit(int u) const {
+    if (u < 0 || u >= client_->units()) {
+      throw py::index_error(
+          absl::StrCat("unit ", u, " does not exist (", client_->units(), " units)"));
+    }
+  }
+  std::unique_ptr<Client> client_;
+};
+
+// Creates a job (ALREADY_EXISTS is an error too: the caller decides).
+std::string CreateJob(const std::string& planner, const std::string& job, int64_t shard_size,
+                      int64_t replicate_size, const std::string& policy,
+                      const std::string& default_granule, const std::string& token_file) {
+  v1::CreateJobRequest req;
+  req.set_job_id(job);
+  req.mutable_mesh()->set_shard_size(shard_size);
+  req.mutable_mesh()->set_replicate_size(replicate_size);
+  req.mutable_options()->set_policy(policy);
+  req.mutable_options()->set_default_granule(default_granule);
+  auto p = Planner(planner, token_file);
+  absl::StatusOr<v1::Job> j;
+  {
+    py::gil_scoped_release release;
+    j = p->CreateJob(req);
+  }
+  return Check(std::move(j)).job_id();
+}
+
+void DeleteJob(const std::string& planner, const std::string& job, const std::string& token_file) {
+  Check(Planner(planner, token_file)->DeleteJob(job));
+}
+
+}  // namespace
+}  // namespace ragshard
+
+PYBIND11_MODULE(_core, m) {
+  using namespace ragshard;
+  m.doc() = "ragshard client library (C++ core)";
+  py::register_exception<Error>(m, "Error", PyExc_RuntimeError);
+  py::class_<PyHandle>(m, "Handle")
+      .def("wait", &PyHandle::Wait, py::arg("timeout_ms") = 60000)
+      .def("poll", &PyHandle::Poll);
+  py::class_<PyClient, std::shared_ptr<PyClient>>(m, "Client")
+      .def(py::init<const std::string&, const std::string&, const std::string&, int64_t,
+                    const std::string&, int64_t, const std::string&>(),
+           py::arg("planner"), py::arg("socket"), py::arg("job"), py::arg("rank"),
+           py::arg("node") = "", py::arg("timeout_ms") = 60000, py::arg("token_file") = "")
+      .def("register", &PyClient::Register, py::arg("inventory_json"), py::arg("send_full") = true)
+      .def("attach", &PyClient::Attach)
+      .def("plan_json", &PyClient::PlanJson)
+      .def_property_readonly("units", &PyClient::Units)
+      .def_property_readonly("world_size", &PyClient::WorldSize)
+      .def_property_readonly("replicas", &PyClient::Replicas)
+      .def_property_readonly("rank", &PyClient::Rank)
+      .def("unit_dtype", &PyClient::UnitDType)
+      .def("shard_elems", &PyClient::ShardElems)
+      .def("param_shard", [](PyClient& c, int u) { return c.Buffer(u, 0); })
+      .def("unsharded", [](PyClient& c, int u) { return c.Buffer(u, 1); })
+      .def("grad", [](PyClient& c, int u) { return c.Buffer(u, 2); })
+      .def("grad_shard", [](PyClient& c, int u) { return c.Buffer(u, 3); })
+      .def("owner_buffer", [](PyClient& c, int u) { return c.Buffer(u, 4); })
+      .def("unshard", [](PyClient& c, int u) { return c.Op("unshard", u, "sum"); })
+      .def("reshard", [](PyClient& c, int u) { return c.Op("reshard", u, "sum"); })
+      .def(
+          "reduce_scatter",
+          [](PyClient& c, int u, const std::string& op) { return c.Op("reduce_scatter", u, op); },
+          py::arg("unit"), py::arg("op") = "avg")
+      .def(
+          "all_reduce",
+          [](PyClient& c, int u, const std::string& op) { return c.Op("all_reduce", u, op); },
+          py::arg("unit"), py::arg("op") = "avg")
+      .def("gather_to_owner", [](PyClient& c, int u) { return c.Op("gather_to_owner", u, ""); })
+      .def("scatter_from_owner",
+           [](PyClient& c, int u) { return c.Op("scatter_from_owner", u, ""); })
+      .def("noop", &PyClient::NoOp)
+      .def("stats", &PyClient::Stats);
+  m.def("create_job", &CreateJob, py::arg("planner"), py::arg("job"), py::arg("shard_size"),
+        py::arg("replicate_size") = 1, py::arg("policy") = "ragged",
+        py::arg("default_granule") = "", py::arg("token_file") = "");
+  m.def("delete_job", &DeleteJob, py::arg("planner"), py::arg("job"), py::arg("token_file") = "");
+}

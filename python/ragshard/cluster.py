@@ -1,0 +1,107 @@
+"""A planner and N daemons on this machine, for the demo, the tests and experiments.
+
+    with LocalCluster("build", daemons=2) as c:
+        subprocess.run([... "--planner", c.planner, "--sockets", ",".join(c.sockets) ...])
+
+Everything listens on 127.0.0.1 (the planner on a port the kernel picks, learnt from its port
+file) or on Unix sockets in a temporary directory, and is stopped (SIGTERM, then SIGKILL) on
+exit.
+"""
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+
+
+class LocalCluster:
+    def __init__(self, build_dir, daemons=2, pool_bytes=256 << 20, workdir=None,
+                 node_timeout_ms=5000, log=None):
+        self.build = os.path.abspath(build_dir)
+        self.n = daemons
+        self.pool_bytes = pool_bytes
+        self.node_timeout_ms = node_timeout_ms
+        self._own_dir = workdir is None
+        self.dir = workdir or tempfile.mkdtemp(prefix="ragshard-")
+        self.procs = []
+        self.planner = None
+        self.sockets = [os.path.join(self.dir, f"d{i}.sock") for i in range(daemons)]
+        self.nodes = [f"node-{i}" for i in range(daemons)]
+        self.log = log
+
+    def _bin(self, rel):
+        path = os.path.join(self.build, rel)
+        if not os.access(path, os.X_OK):
+            raise FileNotFoundError(f"{path} is not built (run scripts/test.sh or cmake --build)")
+        return path
+
+    def _spawn(self, argv, name):
+        out = open(os.path.join(self.dir, name + ".log"), "w")
+        p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+        self.procs.append(p)
+        return p
+
+    def _log_tail(self, name):
+        try:
+            with open(os.path.join(self.dir, name + ".log")) as f:
+                return f.read()[-2000:]
+        except OSError:
+            return ""
+
+    def _wait_for(self, path, proc, what, name, timeout=30.0):
+        deadline = time.time() + timeout
+        while not os.path.exists(path):
+            if proc.poll() is not None:
+                raise RuntimeError(f"{what} exited with {proc.returncode}: "
+                                   f"{self._log_tail(name)}")
+            if time.time() > deadline:
+                raise TimeoutError(f"{what} not ready after {timeout} s; see {self.dir}")
+            time.sleep(0.02)
+
+    def start(self):
+        port_file = os.path.join(self.dir, "planner.port")
+        os.makedirs(os.path.join(self.dir, "planner-data"), exist_ok=True)
+        p = self._spawn([self._bin("server/ragshard-planner"), "--listen", "127.0.0.1:0",
+                         "--data-dir", os.path.join(self.dir, "planner-data"),
+                         "--port-file", port_file,
+                         "--node-timeout-ms", str(self.node_timeout_ms)], "planner")
+        self._wait_for(port_file, p, "ragshard-planner", "planner")
+        for _ in range(100):
+            with open(port_file) as f:
+                self.planner = f.read().strip()
+            if self.planner:
+                break
+            time.sleep(0.02)
+        for i in range(self.n):
+            d = self._spawn([self._bin("server/ragshardd"), "--planner", self.planner,
+                             "--node-id", self.nodes[i], "--socket", self.sockets[i],
+                             "--pool-bytes", str(self.pool_bytes)], f"daemon{i}")
+            self._wait_for(self.sockets[i] + ".fd", d, f"ragshardd {self.nodes[i]}", f"daemon{i}")
+        return self
+
+    def stop(self):
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.time() + 10
+        for p in reversed(self.procs):
+            try:
+                p.wait(timeout=max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.procs = []
+        if self._own_dir and os.environ.get("RAGSHARD_KEEP_LOGS") != "1":
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self):
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc):
+        self.stop()
+        return False

@@ -1,0 +1,87 @@
+"""Starts the ranks of a ragshard job on this machine.
+
+    python3 -m ragshard.launch --planner HOST:PORT --job JOB --nproc N \\
+        --sockets /run/d0.sock,/run/d1.sock [--nodes node-0,node-1] [--create-job] \\
+        script.py [script args...]
+
+Ranks are spread over the daemons in order: with N ranks and D sockets, daemon i gets ranks
+[i*N/D, (i+1)*N/D). Each rank runs `script.py` under the same interpreter with RAGSHARD_PLANNER,
+RAGSHARD_JOB, RAGSHARD_RANK, RAGSHARD_WORLD_SIZE, RAGSHARD_SOCKET and RAGSHARD_NODE set (read
+them with `ragshard.Env()`). `--create-job` creates the job first (mesh N x 1). When a rank fails
+the others are stopped, and the launcher exits with the first failing rank's code. (torch 1.13's
+torchrun does not work on Python 3.11, hence this launcher.)
+"""
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(prog="python3 -m ragshard.launch", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--planner", required=True, help="planner address HOST:PORT")
+    p.add_argument("--job", required=True, help="job id")
+    p.add_argument("--nproc", type=int, required=True, help="number of ranks")
+    p.add_argument("--sockets", required=True, help="comma-separated daemon sockets")
+    p.add_argument("--nodes", default="", help="comma-separated node ids (default node-<i>)")
+    p.add_argument("--create-job", action="store_true", help="create the job (mesh N x 1)")
+    p.add_argument("--policy", default="ragged", help="planning policy for --create-job")
+    p.add_argument("--token-file", default="", help="bearer token file for the planner")
+    p.add_argument("script", help="the training script")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
+    a = p.parse_args(argv)
+    a.sockets = [s for s in a.sockets.split(",") if s]
+    a.nodes = [n for n in a.nodes.split(",") if n] or [f"node-{i}" for i in range(len(a.sockets))]
+    if a.nproc < 1:
+        p.error("--nproc must be at least 1")
+    if not a.sockets:
+        p.error("--sockets: at least one daemon socket")
+    if len(a.nodes) != len(a.sockets):
+        p.error(f"--nodes names {len(a.nodes)} nodes for {len(a.sockets)} sockets")
+    if a.nproc % len(a.sockets):
+        p.error(f"--nproc {a.nproc} does not split evenly over {len(a.sockets)} daemons")
+    if not os.path.exists(a.script):
+        p.error(f"script not found: {a.script}")
+    return a
+
+
+def main(argv=None):
+    a = parse(sys.argv[1:] if argv is None else argv)
+    if a.create_job:
+        from ragshard import create_job
+        create_job(a.planner, a.job, a.nproc, 1, a.policy, "", a.token_file)
+    per_node = a.nproc // len(a.sockets)
+    procs = []
+    for r in range(a.nproc):
+        env = dict(os.environ)
+        env.update(RAGSHARD_PLANNER=a.planner, RAGSHARD_JOB=a.job, RAGSHARD_RANK=str(r),
+                   RAGSHARD_WORLD_SIZE=str(a.nproc), RAGSHARD_SOCKET=a.sockets[r // per_node],
+                   RAGSHARD_NODE=a.nodes[r // per_node], RAGSHARD_TOKEN_FILE=a.token_file)
+        procs.append(subprocess.Popen([sys.executable, a.script] + a.args, env=env))
+    code = 0
+    try:
+        while procs:
+            for p in list(procs):
+                rc = p.poll()
+                if rc is None:
+                    continue
+                procs.remove(p)
+                if rc != 0 and code == 0:
+                    code = rc if rc > 0 else 128 - rc
+                    print(f"ragshard.launch: a rank exited with {rc}; stopping the others",
+                          file=sys.stderr)
+                    for q in procs:
+                        q.send_signal(signal.SIGTERM)
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        for q in procs:
+            q.send_signal(signal.SIGTERM)
+        code = 130
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,381 @@
+"""fully_shard for PyTorch on ragshard.
+
+    import ragshard, ragshard.torch as rt
+    client = ragshard.connect()
+    model = rt.fully_shard(model, client, units=lambda m: list(m.layers))
+    opt = rt.ShardedAdamW(model, lr=1e-3, weight_decay=0.01)
+    for batch in data:
+        loss = model(batch).mean(); loss.backward()
+        model.clip_grad_norm_(1.0); opt.step(); opt.zero_grad()
+
+One FSDP unit per submodule chosen by the policy `units(module)`; parameters outside every unit
+form a last unit, "root" (as FSDP's root module). The module's parameters become views into the
+daemon's unsharded buffers, their .grad views into this rank's gradient buffers (AccumulateGrad
+adds into them in place), and the optimizers work on views of the shard and gradient-shard
+buffers. Nothing is copied in or out of the collectives.
+
+Hooks, as FSDP does them (torch 1.13 has no module backward pre-hook):
+* forward pre-hook: unshard the unit (and prefetch the next one);
+* forward post-hook: reshard when `reshard_after_forward`, and hook the unit's outputs so that
+  the backward pass unshards it again before its gradients are computed;
+* post-backward: when every parameter of a unit has accumulated its gradient (hooks on the
+  AccumulateGrad nodes) the unit's gradients are reduce-scattered (avg) into the gradient shard;
+  a callback queued at the end of the backward pass issues the rest in unit order and waits.
+
+Mixed precision: `param_dtype="bf16"` gathers and computes in bf16 with fp32 master shards in
+the optimizer, gradients reduced in fp32 (FSDP2's MixedPrecisionPolicy(bf16, fp32)); the
+default is fp32 throughout.
+"""
+import contextlib
+import json
+import math
+
+import numpy as np
+import torch
+
+from .. import plan_of
+
+__all__ = ["fully_shard", "ShardedModule", "ShardedAdamW", "ShardedMuon", "newton_schulz"]
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _tensor(array, dtype):
+    """A torch tensor over a numpy view of a daemon buffer, without copying."""
+    t = torch.from_numpy(array)
+    return t.view(torch.bfloat16) if dtype == "bf16" else t
+
+
+class ShardedModule(torch.nn.Module):
+    """`module` with its parameters in ragshard buffers; see the module docstring."""
+
+    def __init__(self, module, client, units, granule=None, optimizer=None, param_dtype="fp32",
+                 reshard_after_forward=True, prefetch=True, register=True):
+        super().__init__()
+        if param_dtype not in _DTYPES:
+            raise ValueError(f"param_dtype: '{param_dtype}' is not one of fp32, bf16")
+        self.module = module
+        self.client = client
+        self.param_dtype = param_dtype
+        self.reshard_after_forward = reshard_after_forward
+        self.prefetch = prefetch
+        self._no_sync = False
+        granule = granule or (lambda name, p: "rows:128" if p.dim() >= 2 else "element")
+        optimizer = optimizer or (lambda name, p: "elementwise")
+        names = {id(p): n for n, p in module.named_parameters()}
+        # Units: the policy's submodules, then "root" for the parameters left over.
+        seen = set()
+        self._units = []  # (name, module or None, [(fqn, param)])
+        for sub in units(module):
+            params = [(names[id(p)], p) for p in sub.parameters() if id(p) not in seen]
+            seen.update(id(p) for _, p in params)
+            sub_name = next(n for n, m in module.named_modules() if m is sub)
+            if params:
+                self._units.append((sub_name, sub, params))
+        rest = [(n, p) for n, p in module.named_parameters() if id(p) not in seen]
+        if rest:
+            self._units.append(("root", None, rest))
+        # A unit of W fp32 elements for scalar all-reductions (gradient clipping).
+        world = int(__import__("os").environ.get("RAGSHARD_WORLD_SIZE", "0")) or None
+        inventory = {"units": []}
+        for uname, _, params in self._units:
+            inventory["units"].append({"name": uname, "tensors": [
+                {"name": n, "shape": list(p.shape), "dtype": param_dtype,
+                 "granule": granule(n, p) if p.dim() >= 2 else "element",
+                 "optimizer": optimizer(n, p) if p.dim() == 2 else "elementwise"}
+                for n, p in params]})
+        inventory["units"].append({"name": "__ragshard_scalars__", "tensors": [
+            {"name": "__ragshard_scalars__.norm", "shape": [world or 1], "dtype": "fp32"}]})
+        if register:
+            client.register(json.dumps(inventory), True)
+        client.attach()
+        self.plan = plan_of(client)
+        self.world = client.world_size
+        self.rank = client.rank
+        by_name = {}
+        for ui, up in enumerate(self.plan["units"]):
+            for t in up["tensors"]:
+                by_name[t["name"]] = (ui, int(t["offset"]), int(t["numel"]), t)
+        self._scalar_unit = len(self.plan["units"]) - 1
+        self.shard_elems = [client.shard_elems(u) for u in range(len(self.plan["units"]))]
+        # Parameters become views of the unsharded buffers; this rank writes its own shard.
+        self.matrices = []  # (unit, offset, numel, shape, owner) of optimizer: matrix tensors
+        for ui, (uname, _, params) in enumerate(self._units):
+            if self.plan["units"][ui]["unit"] != uname:
+                raise RuntimeError(f"plan unit {ui} is {self.plan['units'][ui]['unit']}, "
+                                   f"expected {uname}")
+            full = _tensor(client.unsharded(ui), param_dtype)
+            grad = _tensor(client.grad(ui), param_dtype)
+            s = self.shard_elems[ui]
+            lo, hi = self.rank * s, (self.rank + 1) * s
+            for n, p in params:
+                _, off, numel, t = by_name[n]
+                view = full[off:off + numel].view(p.shape)
+                a, b = max(off, lo), min(off + numel, hi)
+                if a < b:
+                    full[a:b].copy_(p.detach().reshape(-1)[a - off:b - off].to(full.dtype))
+                p.data = view
+                p.grad = grad[off:off + numel].view(p.shape)
+                p.grad.zero_()
+                if t.get("optimizer") == "OPTIMIZER_MATRIX":
+                    self.matrices.append((ui, off, numel, tuple(p.shape),
+                                          int(t.get("owner_rank", -1))))
+        self._handles = {}
+        self._install_hooks()
+
+    # -- hooks -------------------------------------------------------------------------------
+
+    def _unshard(self, ui):
+        h = self._handles.pop(("unshard", ui), None) or self.client.unshard(ui)
+        h.wait()
+
+    def _prefetch(self, ui):
+        if self.prefetch and ui < len(self._units) and ("unshard", ui) not in self._handles:
+            self._handles[("unshard", ui)] = self.client.unshard(ui)
+
+    def _install_hooks(self):
+        root = len(self._units) - 1 if self._units and self._units[-1][1] is None else None
+        self._root = root
+        self.module.register_forward_pre_hook(self._root_pre_forward)
+        for ui, (_, sub, params) in enumerate(self._units):
+            if sub is None:
+                continue
+            sub.register_forward_pre_hook(lambda m, inp, ui=ui: self._pre_forward(ui))
+            sub.register_forward_hook(lambda m, inp, out, ui=ui: self._post_forward(ui, out))
+        for ui, (_, _, params) in enumerate(self._units):
+            for _, p in params:
+                if not p.requires_grad:
+                    continue
+                acc = p.expand_as(p).grad_fn.next_functions[0][0]
+                acc.register_hook(lambda *unused, ui=ui: self._grad_ready(ui))
+                # Keep the AccumulateGrad node alive (it is what the hook hangs on).
+                self._accs = getattr(self, "_accs", []) + [acc]
+        self._pending = [0] * len(self._units)
+        self._expected = [sum(p.requires_grad for _, p in params) for _, _, params in self._units]
+        self._reduced = set()
+
+    def _root_pre_forward(self, module, inputs):
+        self._backward_started = False
+        self._reduced = set()
+        self._pending = [0] * len(self._units)
+        if self._root is not None:
+            self._unshard(self._root)
+        self._prefetch(0)
+
+    def _pre_forward(self, ui):
+        self._unshard(ui)
+        self._prefetch(ui + 1 if ui + 1 != self._root else ui + 2)
+
+    def _post_forward(self, ui, out):
+        if not torch.is_grad_enabled():
+            return out
+        if self.reshard_after_forward:
+            self.client.reshard(ui).wait()
+        outs = out if isinstance(out, (tuple, list)) else [out]
+        state = {"done": False}
+
+        def pre_backward(grad, ui=ui, state=state):
+            if not state["done"]:
+                state["done"] = True
+                self._start_backward()
+                if self.reshard_after_forward:
+                    self._unshard(ui)
+            return grad
+
+        for o in outs:
+            if torch.is_tensor(o) and o.requires_grad:
+                o.register_hook(pre_backward)
+        return out
+
+    def _start_backward(self):
+        if not self._backward_started:
+            self._backward_started = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _grad_ready(self, ui):
+        self._start_backward()
+        self._pending[ui] += 1
+        if self._pending[ui] == self._expected[ui] and not self._no_sync:
+            self._reduce(ui)
+
+    def _reduce(self, ui):
+        if ui not in self._reduced:
+            self._reduced.add(ui)
+            self._handles[("reduce", ui)] = self.client.reduce_scatter(ui, "avg")
+
+    def _finish_backward(self):
+        if not self._no_sync:
+            for ui in range(len(self._units)):
+                self._reduce(ui)
+        for key in [k for k in self._handles if k[0] == "reduce"]:
+            self._handles.pop(key).wait()
+
+    # -- user API ----------------------------------------------------------------------------
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradient accumulation: backward passes inside add into the gradient buffers without
+        reduce-scattering; the first backward outside reduces the accumulated sum."""
+        self._no_sync = True
+        try:
+            yield
+        finally:
+            self._no_sync = False
+
+    def zero_grad(self):
+        for _, _, params in self._units:
+            for _, p in params:
+                p.grad.zero_()
+
+    def shard(self, ui):
+        """The fp32 (or bf16) parameter shard of unit `ui` and its fp32 gradient shard."""
+        return (_tensor(self.client.param_shard(ui), self.param_dtype),
+                torch.from_numpy(self.client.grad_shard(ui)))
+
+    def units(self):
+        return range(len(self._units))
+
+    def all_reduce_scalar(self, value):
+        """The sum over ranks of one float per rank (through the scalar unit's reduce-scatter:
+        every element of this rank's gradient holds `value`, so every element of the reduced
+        shard holds the sum)."""
+        u = self._scalar_unit
+        torch.from_numpy(self.client.grad(u)).fill_(float(value))
+        self.client.reduce_scatter(u, "sum").wait()
+        return float(self.client.grad_shard(u)[0])
+
+    def clip_grad_norm_(self, max_norm):
+        """Clips the gradient shards by the global norm over all shards; returns that norm."""
+        local = 0.0
+        for ui in self.units():
+            g = torch.from_numpy(self.client.grad_shard(ui))
+            local += float(g.double().pow(2).sum())
+        total = math.sqrt(self.all_reduce_scalar(local))
+        coef = max_norm / (total + 1e-6)
+        if coef < 1.0:
+            for ui in self.units():
+                torch.from_numpy(self.client.grad_shard(ui)).mul_(coef)
+        return total
+
+    def full_state(self):
+        """{name: tensor} of every parameter, unsharded (for checks; one all-gather per unit)."""
+        out = {}
+        for ui, (_, _, params) in enumerate(self._units):
+            self.client.unshard(ui).wait()
+            for n, p in params:
+                out[n] = p.detach().float().clone()
+        return out
+
+
+def fully_shard(module, client, units, **kwargs):
+    """Shards `module` over the job of `client`: see ShardedModule."""
+    return ShardedModule(module, client, units, **kwargs)
+
+
+class ShardedAdamW:
+    """torch.optim.AdamW on the shards: the parameter shard views (fp32 master copies with
+    param_dtype bf16) with the gradient shards as their gradients. Elements of matrix tensors
+    are skipped when `skip_matrices` (ShardedMuon updates them)."""
+
+    def __init__(self, model, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
+                 skip_matrices=False):
+        self.model = model
+        self.params, self.shards, self.masks = [], [], []
+        for ui in model.units():
+            shard, grad = model.shard(ui)
+            master = shard if model.param_dtype == "fp32" else shard.float()
+            p = torch.nn.Parameter(master, requires_grad=False)
+            p.grad = grad
+            self.params.append(p)
+            self.shards.append(shard)
+            self.masks.append(_matrix_mask(model, ui) if skip_matrices else None)
+        self.opt = torch.optim.AdamW(self.params, lr=lr, betas=betas, eps=eps,
+                                     weight_decay=weight_decay)
+
+    def step(self):
+        saved = [p.data[m].clone() if m is not None else None
+                 for p, m in zip(self.params, self.masks)]
+        self.opt.step()
+        for p, m, s, shard in zip(self.params, self.masks, saved, self.shards):
+            if m is not None:
+                p.data[m] = s
+            if shard.data_ptr() != p.data.data_ptr():
+                shard.copy_(p.data.to(shard.dtype))  # bf16 compute copy of the fp32 master
+
+    def zero_grad(self):
+        self.model.zero_grad()
+
+
+def _matrix_mask(model, ui):
+    """Boolean mask of the shard elements of unit `ui` that belong to matrix tensors."""
+    s = model.shard_elems[ui]
+    lo = model.rank * s
+    mask = torch.zeros(s, dtype=torch.bool)
+    for u, off, numel, _, _ in model.matrices:
+        if u == ui:
+            a, b = max(off, lo), min(off + numel, lo + s)
+            if a < b:
+                mask[a - lo:b - lo] = True
+    return mask
+
+
+def newton_schulz(g, steps=5, eps=1e-7):
+    """Muon's quintic Newton-Schulz orthogonalization, in fp32."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = g / (g.norm() + eps)
+    transposed = x.size(0) > x.size(1)
+    if transposed:
+        x = x.T
+    for _ in range(steps):
+        m = x @ x.T
+        x = a * x + (b * m + c * m @ m) @ x
+    return x.T if transposed else x
+
+
+class ShardedMuon:
+    """Muon for the `optimizer: matrix` tensors with the planner's owners: momentum on the
+    gradient shards, gather_to_owner, Newton-Schulz on the owner, scatter_from_owner, and the
+    update applied to the parameter shards. Other parameters go through AdamW."""
+
+    def __init__(self, model, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.0,
+                 adamw_lr=1e-3, adamw_betas=(0.9, 0.999), adamw_eps=1e-8, adamw_weight_decay=0.0,
+                 ns_steps=5):
+        if model.param_dtype != "fp32":
+            raise ValueError("ShardedMuon: param_dtype must be fp32")
+        self.model, self.lr, self.momentum, self.nesterov = model, lr, momentum, nesterov
+        self.weight_decay, self.ns_steps = weight_decay, ns_steps
+        self.adamw = ShardedAdamW(model, adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay,
+                                  skip_matrices=True)
+        self.units = sorted({u for u, *_ in model.matrices})
+        self.masks = {u: _matrix_mask(model, u) for u in self.units}
+        self.buf = {u: torch.zeros(model.shard_elems[u]) for u in self.units}
+
+    def step(self):
+        m = self.model
+        self.adamw.step()
+        for u in self.units:
+            shard, grad = m.shard(u)
+            mask = self.masks[u]
+            buf = self.buf[u]
+            buf[mask] = buf[mask] * self.momentum + grad[mask]
+            upd = grad[mask] + self.momentum * buf[mask] if self.nesterov else buf[mask]
+            grad[mask] = upd
+            m.client.gather_to_owner(u).wait()
+            whole = m.client.owner_buffer(u)
+            if whole is not None:
+                whole = torch.from_numpy(whole)
+                for uu, off, numel, shape, owner in m.matrices:
+                    if uu == u and owner == m.rank:
+                        x = newton_schulz(whole[off:off + numel].view(shape), self.ns_steps)
+                        x = x * max(1.0, shape[0] / shape[1]) ** 0.5
+                        whole[off:off + numel] = x.reshape(-1)
+            m.client.scatter_from_owner(u).wait()
+            if self.weight_decay:
+                shard[mask] = shard[mask] * (1 - self.lr * self.weight_decay)
+            shard[mask] = shard[mask] - self.lr * grad[mask]
+
+    def zero_grad(self):
+        self.model.zero_grad()

@@ -1,0 +1,161 @@
+"""Training through ragshard against single-process PyTorch, on a local planner and 2 daemons
+(loopback and Unix sockets in a temporary directory): AdamW in fp32, Muon, gradient
+accumulation and clipping; and the binding's zero-copy views and errors."""
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BUILD = os.environ.get("RAGSHARD_BUILD", os.path.join(ROOT, "build"))
+sys.path.insert(0, os.path.join(BUILD, "python"))
+
+import ragshard  # noqa: E402
+from ragshard.cluster import LocalCluster  # noqa: E402
+
+EXAMPLE = os.path.join(ROOT, "examples", "train_tiny.py")
+SMALL = ["--layers", "2", "--dim", "64", "--heads", "4", "--seq", "16", "--batch", "2",
+         "--vocab", "32", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with LocalCluster(BUILD, daemons=2, pool_bytes=128 << 20) as c:
+        yield c
+
+
+def env():
+    e = dict(os.environ)
+    e["PYTHONPATH"] = os.path.join(BUILD, "python") + os.pathsep + e.get("PYTHONPATH", "")
+    return e
+
+
+def run_sharded(cluster, tmp_path, job, extra, world=4):
+    out = str(tmp_path / job)
+    cmd = [sys.executable, "-m", "ragshard.launch", "--planner", cluster.planner, "--job", job,
+           "--nproc", str(world), "--sockets", ",".join(cluster.sockets), "--create-job",
+           EXAMPLE, "--out", out] + SMALL + extra
+    r = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return out
+
+
+def run_reference(tmp_path, name, extra, world=4):
+    out = str(tmp_path / (name + "-ref"))
+    cmd = [sys.executable, EXAMPLE, "--reference", "--world", str(world), "--out", out] + \
+        SMALL + extra
+    r = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return out
+
+
+def compare(sharded, reference, rtol=1e-5):
+    a = json.load(open(sharded + ".json"))["losses"]
+    b = json.load(open(reference + ".json"))["losses"]
+    assert len(a) == len(b)
+    for step, (x, y) in enumerate(zip(a, b)):
+        assert abs(x - y) <= rtol * abs(y), f"step {step + 1}: loss {x} vs reference {y}"
+    pa, pb = torch.load(sharded + ".pt"), torch.load(reference + ".pt")
+    assert pa.keys() == pb.keys()
+    for name in pa:
+        rel = float((pa[name] - pb[name]).norm() / pb[name].norm().clamp_min(1e-12))
+        assert rel <= rtol, f"{name}: |delta|/|p| = {rel:.3g}"
+    return a
+
+
+@pytest.mark.parametrize("name,extra", [
+    ("adamw", ["--steps", "20"]),
+    ("muon", ["--steps", "20", "--optimizer", "muon"]),
+    ("accum-clip", ["--steps", "20", "--accum", "2", "--clip", "0.5"]),
+])
+def test_training_matches_single_process(cluster, tmp_path, name, extra):
+    losses = compare(run_sharded(cluster, tmp_path, "train-" + name, extra),
+                     run_reference(tmp_path, name, extra))
+    assert losses[-1] < losses[0]  # it learns
+
+
+def attach_pair(cluster, job, inventory):
+    ragshard.create_job(cluster.planner, job, 2)
+    clients = [ragshard.Client(cluster.planner, cluster.sockets[0], job, r, cluster.nodes[0],
+                               30000) for r in range(2)]
+    errors = []
+
+    def go(c):
+        try:
+            c.register(json.dumps(inventory), True)
+            c.attach()
+        except Exception as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=go, args=(c,)) for c in clients]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    return clients
+
+
+INV = {"units": [{"name": "u", "tensors": [
+    {"name": "w", "shape": [64, 8], "dtype": "fp32", "granule": "rows:8"},
+    {"name": "h", "shape": [40], "dtype": "fp32"}]}]}
+
+
+def test_views_are_zero_copy_and_operations_work(cluster):
+    inv = {"units": [{"name": "u", "tensors": [
+        {"name": "w", "shape": [64, 8], "dtype": "fp32", "granule": "rows:8"}]}]}
+    a, b = attach_pair(cluster, "binding", inv)
+    s = a.shard_elems(0)
+    assert a.world_size == 2 and a.units == 2 - 1
+    # Both ranks of one daemon share the unsharded buffer; each shard is its slice: a write
+    # through rank 0's numpy shard view is visible in rank 1's unsharded view at once.
+    a.param_shard(0)[:] = 3.0
+    assert np.all(b.unsharded(0)[:s] == 3.0)
+    # torch.from_numpy shares the memory too.
+    t = torch.from_numpy(b.param_shard(0))
+    t.fill_(5.0)
+    assert np.all(a.unsharded(0)[s:2 * s] == 5.0)
+    assert t.data_ptr() == b.param_shard(0).__array_interface__["data"][0]
+    # Operations: reduce-scatter (avg) of the two ranks' gradients.
+    a.grad(0)[:] = 1.0
+    b.grad(0)[:] = 3.0
+    ha, hb = a.reduce_scatter(0, "avg"), b.reduce_scatter(0, "avg")
+    ha.wait()
+    hb.wait()
+    assert np.allclose(a.grad_shard(0), 2.0) and np.allclose(b.grad_shard(0), 2.0)
+    assert a.stats()["staging_bytes"] == 0
+
+
+def test_bad_input_raises_clear_errors(cluster):
+    a, b = attach_pair(cluster, "badinput", INV)
+    with pytest.raises(IndexError, match="unit 7 does not exist"):
+        a.param_shard(7)
+    with pytest.raises(ValueError, match="not one of avg, sum"):
+        a.reduce_scatter(0, "max")
+    assert a.unit_dtype(0) in ("fp32", "bf16")
+    c = ragshard.Client(cluster.planner, cluster.sockets[0], "no-such-job", 0, cluster.nodes[0],
+                        2000)
+    with pytest.raises(ragshard.Error, match="no-such-job"):
+        c.attach()
+    with pytest.raises(ragshard.Error, match="INVALID_ARGUMENT"):
+        c.register("{not json", True)
+
+
+def test_cpp_example_trains(cluster):
+    exe = os.path.join(BUILD, "examples", "train_mlp")
+    ragshard.create_job(cluster.planner, "mlp", 2)
+    procs = [subprocess.Popen([exe, "--planner", cluster.planner, "--socket", cluster.sockets[r],
+                               "--job", "mlp", "--rank", str(r), "--world", "2", "--node",
+                               cluster.nodes[r], "--steps", "100"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out
+    losses = [float(line.split()[3]) for line in outs[0].splitlines() if line.startswith("step")]
+    assert len(losses) >= 3 and losses[-1] < 0.5 * losses[0], outs[0]
