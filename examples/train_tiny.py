@@ -14,6 +14,7 @@ import argparse
 import json
 import math
 import os
+import resource
 import sys
 import time
 
@@ -100,6 +101,9 @@ def parse():
     p.add_argument("--granule", default="rows:128", help="granule of 2-D parameters")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reference", action="store_true", help="one process, plain PyTorch")
+    p.add_argument("--ddp", default="", metavar="STORE_FILE",
+                   help="torch.distributed DDP over gloo instead of ragshard (RANK, WORLD_SIZE "
+                        "from the environment; rendezvous through this file)")
     p.add_argument("--world", type=int, default=0, help="W for --reference")
     p.add_argument("--out", default="", help="write losses (JSON) and final parameters (.pt)")
     p.add_argument("--quiet", action="store_true")
@@ -159,10 +163,11 @@ def sharded(args, model, chain):
         opt = rt.ShardedMuon(fsdp, lr=args.muon_lr, adamw_lr=args.lr)
     else:
         opt = rt.ShardedAdamW(fsdp, lr=args.lr, weight_decay=args.weight_decay)
-    losses = []
+    losses, step_seconds = [], []
     tokens = 0
     t0 = time.time()
     for step in range(args.steps):
+        ts = time.time()
         total = 0.0
         for micro in range(args.accum):
             x, y = batch(chain, args.seed, step * args.accum + micro, w * args.batch, args.seq)
@@ -179,6 +184,7 @@ def sharded(args, model, chain):
             fsdp.clip_grad_norm_(args.clip)
         opt.step()
         opt.zero_grad()
+        step_seconds.append(time.time() - ts)
         global_loss = fsdp.all_reduce_scalar(total) / w
         losses.append(global_loss)
         if r == 0 and not args.quiet:
@@ -191,7 +197,36 @@ def sharded(args, model, chain):
         print(f"daemon pool: used {stats['pool_used'] / 2**20:.1f} MiB, peak "
               f"{stats['pool_peak'] / 2**20:.1f} MiB; bytes copied outside collectives: "
               f"{stats.get('staging_bytes', 0)}", flush=True)
-    return losses, state
+    extra = {"step_seconds": step_seconds, "pool_used_bytes": stats["pool_used"],
+             "staging_bytes": stats.get("staging_bytes", 0)}
+    return losses, state, extra
+
+
+def ddp(args, model, chain):
+    import torch.distributed as dist
+    r, w = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", init_method="file://" + args.ddp, rank=r, world_size=w)
+    net = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(net.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    losses, step_seconds = [], []
+    for step in range(args.steps):
+        ts = time.time()
+        x, y = batch(chain, args.seed, step, w * args.batch, args.seq)
+        rows = slice(r * args.batch, (r + 1) * args.batch)
+        loss = torch.nn.functional.cross_entropy(net(x[rows]).reshape(-1, args.vocab),
+                                                 y[rows].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        step_seconds.append(time.time() - ts)
+        t = torch.tensor([float(loss)])
+        dist.all_reduce(t)
+        losses.append(float(t) / w)
+        if r == 0 and not args.quiet:
+            print(f"ddp step {step + 1}/{args.steps} loss {losses[-1]:.6f}", flush=True)
+    state = {n: p.detach().clone() for n, p in model.named_parameters()}
+    dist.destroy_process_group()
+    return losses, state, {"step_seconds": step_seconds}
 
 
 class _null:
@@ -207,17 +242,25 @@ def main():
     torch.manual_seed(args.seed)
     model = TinyLM(args.vocab, args.dim, args.layers, args.heads, args.seq)
     chain = bigram_chain(args.vocab, args.seed)
+    extra = {}
     if args.reference:
         if args.world < 1:
             sys.exit("--reference needs --world W")
         losses, state = reference(args, model, chain)
         rank = 0
+    elif args.ddp:
+        losses, state, extra = ddp(args, model, chain)
+        rank = int(os.environ["RANK"])
     else:
-        losses, state = sharded(args, model, chain)
+        losses, state, extra = sharded(args, model, chain)
         rank = int(os.environ["RAGSHARD_RANK"])
+    extra["max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if args.out:
+        with open(f"{args.out}.rank{rank}.json", "w") as f:
+            json.dump(extra, f)
     if args.out and rank == 0:
         with open(args.out + ".json", "w") as f:
-            json.dump({"losses": losses}, f)
+            json.dump({"losses": losses, **extra}, f)
         torch.save(state, args.out + ".pt")
 
 

@@ -115,10 +115,7 @@ class GpuDataPlane final : public daemon::DataBackend {
   char* slab_base(int local) const { return slabs_[local]->base; }
 
  private:
-  struct Piece {
-    int owner, holder;  // shard positions
-    int64_t elem, count;
-  };
+  using Piece = daemon::MatrixPiece;
   struct Buffers {
     daemon::Lease unsharded, grad, grad_shard, scratch, owner;
   };
@@ -241,18 +238,9 @@ absl::StatusOr<std::unique_ptr<GpuDataPlane>> GpuDataPlane::Create(const Backend
     u.shard_elems = up.shard_elems();
     u.item = DTypeSize(up.dtype());
     const int64_t s = u.shard_elems;
-    for (const v1::TensorPlacement& t : up.tensors()) {
-      if (t.optimizer() != v1::OPTIMIZER_MATRIX || t.numel() == 0) continue;
-      if (t.owner_rank() < 0 || t.owner_rank() >= f) {
-        return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name(), "': owner_rank ",
-                                                       t.owner_rank(), " is not in [0, ", f, ")"));
-      }
-      for (int64_t p = t.offset() / s; p * s < t.offset() + t.numel(); ++p) {
-        const int64_t lo = std::max(t.offset(), p * s);
-        const int64_t hi = std::min(t.offset() + t.numel(), (p + 1) * s);
-        u.pieces.push_back({static_cast<int>(t.owner_rank()), static_cast<int>(p), lo, hi - lo});
-      }
-    }
+    auto pieces = daemon::MatrixPieces(up, f);
+    if (!pieces.ok()) return pieces.status();
+    u.pieces = std::move(*pieces);
     for (int i = 0; i < k; ++i) {
       daemon::Pool* pool = dp->slabs_[i]->pool.get();
       auto alloc = [&](int64_t bytes) -> absl::StatusOr<daemon::Lease> {

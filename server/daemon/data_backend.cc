@@ -1,5 +1,7 @@
 #include "server/daemon/data_backend.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "glog/logging.h"
 #include "server/daemon/job_data_plane.h"
@@ -9,6 +11,24 @@
 #endif
 
 namespace ragshard::daemon {
+
+absl::StatusOr<std::vector<MatrixPiece>> MatrixPieces(const v1::UnitPlan& unit, int64_t f) {
+  std::vector<MatrixPiece> out;
+  const int64_t s = std::max<int64_t>(unit.shard_elems(), 1);
+  for (const v1::TensorPlacement& t : unit.tensors()) {
+    if (t.optimizer() != v1::OPTIMIZER_MATRIX || t.numel() == 0) continue;
+    if (t.owner_rank() < 0 || t.owner_rank() >= f) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name(), "': owner_rank ",
+                                                     t.owner_rank(), " is not in [0, ", f, ")"));
+    }
+    for (int64_t p = t.offset() / s; p * s < t.offset() + t.numel(); ++p) {
+      const int64_t lo = std::max(t.offset(), p * s);
+      const int64_t hi = std::min(t.offset() + t.numel(), (p + 1) * s);
+      out.push_back({static_cast<int>(t.owner_rank()), static_cast<int>(p), lo, hi - lo});
+    }
+  }
+  return out;
+}
 
 absl::StatusOr<BackendKind> ParseBackendKind(const std::string& name) {
   if (name == "host") return BackendKind::kHost;

@@ -39,6 +39,18 @@ class DataBackend {
   virtual void Describe(int local, const v1::Plan& plan, v1::AttachResponse* resp) const = 0;
 };
 
+// One piece of an OPTIMIZER_MATRIX tensor: the part of it that one rank's shard holds.
+struct MatrixPiece {
+  int owner;     // shard position of the tensor's owner (the planner's owner_rank)
+  int holder;    // shard position of the rank holding the piece
+  int64_t elem;  // element offset of the piece in the unit's unsharded layout
+  int64_t count;
+};
+
+// The pieces of the unit's matrix tensors in plan order, for a shard group of `f` ranks;
+// INVALID_ARGUMENT names a tensor whose owner is not in [0, f).
+absl::StatusOr<std::vector<MatrixPiece>> MatrixPieces(const v1::UnitPlan& unit, int64_t f);
+
 enum class BackendKind { kHost, kCuda };
 
 // Parses "host" or "cuda"; INVALID_ARGUMENT names anything else.

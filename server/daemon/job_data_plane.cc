@@ -75,18 +75,9 @@ absl::StatusOr<std::unique_ptr<JobDataPlane>> JobDataPlane::Create(const v1::Pla
       std::memset(l->data(), 0, static_cast<size_t>(l->size()));
       return std::move(*l);
     };
-    for (const v1::TensorPlacement& t : up.tensors()) {
-      if (t.optimizer() != v1::OPTIMIZER_MATRIX || t.numel() == 0) continue;
-      if (t.owner_rank() < 0 || t.owner_rank() >= f) {
-        return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name(), "': owner_rank ",
-                                                       t.owner_rank(), " is not in [0, ", f, ")"));
-      }
-      for (int64_t p = t.offset() / s; p * s < t.offset() + t.numel(); ++p) {
-        const int64_t lo = std::max(t.offset(), p * s);
-        const int64_t hi = std::min(t.offset() + t.numel(), (p + 1) * s);
-        u.pieces.push_back({static_cast<int>(t.owner_rank()), static_cast<int>(p), lo, hi - lo});
-      }
-    }
+    auto pieces = MatrixPieces(up, f);
+    if (!pieces.ok()) return pieces.status();
+    u.pieces = std::move(*pieces);
     if (u.pieces.size() >= kPiecesPerOp) {
       return absl::UnimplementedError(absl::StrCat("unit '", up.unit(), "' has ", u.pieces.size(),
                                                    " matrix pieces; at most ", kPiecesPerOp - 1));

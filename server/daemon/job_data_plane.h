@@ -84,12 +84,7 @@ class JobDataPlane final : public DataBackend {
   absl::Status ScatterFromOwner(int unit, absl::Time deadline) override;
 
  private:
-  struct Piece {
-    int owner;     // shard position of the owner
-    int holder;    // shard position of the rank holding the piece
-    int64_t elem;  // element offset of the piece in the unit's unsharded layout
-    int64_t count;
-  };
+  using Piece = MatrixPiece;
   struct Unit {
     v1::DType dtype;
     int64_t shard_elems = 0;
