@@ -99,6 +99,8 @@ def parse():
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--param-dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--granule", default="rows:128", help="granule of 2-D parameters")
+    p.add_argument("--quantize", choices=["none", "int8", "fp8"], default="none",
+                   help="block-quantized all-gather (one fp32 scale per 128x128 block)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reference", action="store_true", help="one process, plain PyTorch")
     p.add_argument("--ddp", default="", metavar="STORE_FILE",
@@ -156,6 +158,7 @@ def sharded(args, model, chain):
     w, r = env.world_size, env.rank
     fsdp = rt.fully_shard(
         model, client, units=lambda m: list(m.layers), param_dtype=args.param_dtype,
+        quantize=None if args.quantize == "none" else args.quantize,
         granule=lambda n, p: args.granule,
         optimizer=lambda n, p: "matrix" if args.optimizer == "muon" and is_matrix(n, p)
         else "elementwise")
@@ -198,7 +201,8 @@ def sharded(args, model, chain):
               f"{stats['pool_peak'] / 2**20:.1f} MiB; bytes copied outside collectives: "
               f"{stats.get('staging_bytes', 0)}", flush=True)
     extra = {"step_seconds": step_seconds, "pool_used_bytes": stats["pool_used"],
-             "staging_bytes": stats.get("staging_bytes", 0)}
+             "staging_bytes": stats.get("staging_bytes", 0),
+             "gathered_bytes": fsdp.gathered_bytes}
     return losses, state, extra
 
 

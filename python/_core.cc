@@ -14,6 +14,7 @@
 #include "client/client.h"
 #include "common/dtype.h"
 #include "common/inventory.h"
+#include "common/planner.h"
 #include "google/protobuf/util/json_util.h"
 
 namespace py = pybind11;
@@ -162,6 +163,11 @@ class PyClient : public std::enable_shared_from_this<PyClient> {
       return py::array_t<uint16_t>({count}, {sizeof(uint16_t)}, reinterpret_cast<uint16_t*>(p),
                                    base);
     }
+    if (b.dtype() == v1::DTYPE_UINT8 || b.dtype() == v1::DTYPE_INT8 ||
+        b.dtype() == v1::DTYPE_FP8E4M3 || b.dtype() == v1::DTYPE_FP8E5M2) {
+      return py::array_t<uint8_t>({count}, {sizeof(uint8_t)}, reinterpret_cast<uint8_t*>(p),
+                                  base);
+    }
     Check(absl::UnimplementedError(absl::StrCat("no numpy view for dtype ", DTypeName(b.dtype()))));
     return py::none();
   }
@@ -232,6 +238,26 @@ std::string CreateJob(const std::string& planner, const std::string& job, int64_
   return Check(std::move(j)).job_id();
 }
 
+// The plan the planner would compute for `inventory_json` (the planners are deterministic), as
+// protobuf JSON: lets a client size buffers that depend on the shard sizes before registering.
+std::string PlanLocal(const std::string& inventory_json, int64_t world, const std::string& policy,
+                      int32_t align_bytes) {
+  Inventory inv = Check(ParseInventoryJson(inventory_json));
+  PlanOptions o;
+  auto p = ParsePolicy(policy);
+  if (!p.ok()) throw py::value_error(std::string(p.status().message()));
+  o.policy = *p;
+  o.world = world;
+  o.align_bytes = align_bytes;
+  v1::Plan plan = Check(BuildPlan(inv, o));
+  std::string out;
+  google::protobuf::util::JsonPrintOptions opt;
+  opt.preserve_proto_field_names = true;
+  opt.always_print_primitive_fields = true;
+  (void)google::protobuf::util::MessageToJsonString(plan, &out, opt);
+  return out;
+}
+
 void DeleteJob(const std::string& planner, const std::string& job, const std::string& token_file) {
   Check(Planner(planner, token_file)->DeleteJob(job));
 }
@@ -283,5 +309,7 @@ PYBIND11_MODULE(_core, m) {
   m.def("create_job", &CreateJob, py::arg("planner"), py::arg("job"), py::arg("shard_size"),
         py::arg("replicate_size") = 1, py::arg("policy") = "ragged",
         py::arg("default_granule") = "", py::arg("token_file") = "");
+  m.def("plan_local", &PlanLocal, py::arg("inventory_json"), py::arg("world"),
+        py::arg("policy") = "ragged", py::arg("align_bytes") = 16);
   m.def("delete_job", &DeleteJob, py::arg("planner"), py::arg("job"), py::arg("token_file") = "");
 }

@@ -79,6 +79,21 @@ def test_training_matches_single_process(cluster, tmp_path, name, extra):
     assert losses[-1] < losses[0]  # it learns
 
 
+def test_quantized_gathers_stay_within_two_percent(cluster, tmp_path):
+    final = {}
+    for q in ("none", "int8", "fp8"):
+        out = run_sharded(cluster, tmp_path, "quant-" + q, ["--steps", "50", "--quantize", q])
+        final[q] = json.load(open(out + ".json"))
+    base = final["none"]["losses"]
+    for q in ("int8", "fp8"):
+        losses = final[q]["losses"]
+        assert losses != base  # the gathers really were quantized
+        rel = abs(losses[-1] - base[-1]) / abs(base[-1])
+        assert rel <= 0.02, f"{q}: final loss {losses[-1]} vs {base[-1]} ({rel:.2%})"
+        moved = final[q]["gathered_bytes"]
+        assert 0 < moved["quantized"] < 0.3 * moved["full"], moved
+
+
 def attach_pair(cluster, job, inventory):
     ragshard.create_job(cluster.planner, job, 2)
     clients = [ragshard.Client(cluster.planner, cluster.sockets[0], job, r, cluster.nodes[0],

@@ -33,7 +33,8 @@ import math
 import numpy as np
 import torch
 
-from .. import plan_of
+from .. import plan_of, quant
+from .._core import plan_local
 
 __all__ = ["fully_shard", "ShardedModule", "ShardedAdamW", "ShardedMuon", "newton_schulz"]
 
@@ -50,10 +51,16 @@ class ShardedModule(torch.nn.Module):
     """`module` with its parameters in ragshard buffers; see the module docstring."""
 
     def __init__(self, module, client, units, granule=None, optimizer=None, param_dtype="fp32",
-                 reshard_after_forward=True, prefetch=True, register=True):
+                 reshard_after_forward=True, prefetch=True, register=True, quantize=None,
+                 world=None):
         super().__init__()
         if param_dtype not in _DTYPES:
             raise ValueError(f"param_dtype: '{param_dtype}' is not one of fp32, bf16")
+        if quantize not in (None, "int8", "fp8"):
+            raise ValueError(f"quantize: '{quantize}' is not one of None, int8, fp8")
+        if quantize and param_dtype != "fp32":
+            raise ValueError("quantize: needs param_dtype fp32 (fp32 masters, quantized gathers)")
+        self.quantize = quantize
         self.module = module
         self.client = client
         self.param_dtype = param_dtype
@@ -76,7 +83,9 @@ class ShardedModule(torch.nn.Module):
         if rest:
             self._units.append(("root", None, rest))
         # A unit of W fp32 elements for scalar all-reductions (gradient clipping).
-        world = int(__import__("os").environ.get("RAGSHARD_WORLD_SIZE", "0")) or None
+        world = world or int(__import__("os").environ.get("RAGSHARD_WORLD_SIZE", "0")) or None
+        if quantize and not world:
+            raise ValueError("quantize: the world size is needed before registering (world=)")
         inventory = {"units": []}
         for uname, _, params in self._units:
             inventory["units"].append({"name": uname, "tensors": [
@@ -86,6 +95,22 @@ class ShardedModule(torch.nn.Module):
                 for n, p in params]})
         inventory["units"].append({"name": "__ragshard_scalars__", "tensors": [
             {"name": "__ragshard_scalars__.norm", "shape": [world or 1], "dtype": "fp32"}]})
+        # Quantized gathers: one byte unit per unit, sized from the plan the planner will make
+        # (planning is deterministic): rank r's slice holds the codes of its shard (a byte per
+        # element) and then one fp32 scale per block of its shard.
+        self._q = {}
+        if quantize:
+            local = json.loads(plan_local(json.dumps(inventory), world))
+            for ui, up in enumerate(local["units"][:len(self._units)]):
+                s = int(up["shard_elems"])
+                blocks = max(quant.shard_block_ids(up, r, s)[1] for r in range(world))
+                s4 = (s + 3) // 4 * 4
+                sq = (s4 + 4 * blocks + 15) // 16 * 16
+                self._q[ui] = {"S": s, "S4": s4, "SQ": sq, "B": blocks,
+                               "index": len(inventory["units"])}
+                inventory["units"].append({"name": up["unit"] + ".__q", "tensors": [
+                    {"name": up["unit"] + ".__q.bytes", "shape": [world * sq],
+                     "dtype": "uint8"}]})
         if register:
             client.register(json.dumps(inventory), True)
         client.attach()
@@ -96,7 +121,7 @@ class ShardedModule(torch.nn.Module):
         for ui, up in enumerate(self.plan["units"]):
             for t in up["tensors"]:
                 by_name[t["name"]] = (ui, int(t["offset"]), int(t["numel"]), t)
-        self._scalar_unit = len(self.plan["units"]) - 1
+        self._scalar_unit = len(self._units)
         self.shard_elems = [client.shard_elems(u) for u in range(len(self.plan["units"]))]
         # Parameters become views of the unsharded buffers; this rank writes its own shard.
         self.matrices = []  # (unit, offset, numel, shape, owner) of optimizer: matrix tensors
@@ -120,16 +145,66 @@ class ShardedModule(torch.nn.Module):
                 if t.get("optimizer") == "OPTIMIZER_MATRIX":
                     self.matrices.append((ui, off, numel, tuple(p.shape),
                                           int(t.get("owner_rank", -1))))
+        self.masters = {}
+        for ui, q in self._q.items():
+            if self.shard_elems[ui] != q["S"] or \
+                    self.shard_elems[q["index"]] != q["SQ"]:
+                raise RuntimeError(
+                    f"quantize: the job's plan differs from the local plan for unit {ui} "
+                    f"(shard {self.shard_elems[ui]} vs {q['S']}); create the job with the "
+                    "default policy (ragged) and alignment")
+            ids = [quant.shard_block_ids(self.plan["units"][ui], r, q["S"])[0]
+                   for r in range(self.world)]
+            q["own_ids"] = ids[self.rank]
+            q["all_ids"] = torch.cat([torch.where(i >= 0, i + r * q["B"], i)
+                                      for r, i in enumerate(ids)])
+            # The exact fp32 master of this rank's shard: the unsharded buffer's slots hold
+            # dequantized values once a quantized gather has run.
+            self.masters[ui] = torch.from_numpy(client.param_shard(ui)).clone()
+        self.gathered_bytes = {"quantized": 0, "full": 0}
         self._handles = {}
         self._install_hooks()
 
     # -- hooks -------------------------------------------------------------------------------
 
     def _unshard(self, ui):
+        if ui in self._q:
+            self.unshard(ui, self.quantize)
+            return
         h = self._handles.pop(("unshard", ui), None) or self.client.unshard(ui)
         h.wait()
 
+    def unshard(self, ui, quantize=None):
+        """All-gathers unit `ui`; with quantize="int8" or "fp8" each rank sends its shard as
+        block-quantized codes and scales (about a quarter of the bytes) and every rank
+        dequantizes the whole unit into the unsharded buffer."""
+        q = self._q.get(ui)
+        if quantize is None or q is None:
+            if quantize is not None:
+                raise ValueError(f"unit {ui} was not set up for quantized gathers")
+            self.client.unshard(ui).wait()
+            return
+        if quantize != self.quantize:
+            raise ValueError(f"quantize: this module gathers {self.quantize}, not {quantize}")
+        codes, scales = quant.quantize(self.masters[ui], q["own_ids"], q["B"], quantize)
+        qi = q["index"]
+        mine = torch.from_numpy(self.client.param_shard(qi))
+        mine[:q["S"]] = codes
+        if q["B"]:
+            mine[q["S4"]:q["S4"] + 4 * q["B"]] = scales.contiguous().view(torch.uint8)
+        self.client.unshard(qi).wait()
+        allq = torch.from_numpy(self.client.unsharded(qi)).view(self.world, q["SQ"])
+        codes_all = allq[:, :q["S"]].reshape(-1)
+        scales_all = allq[:, q["S4"]:q["S4"] + 4 * q["B"]].contiguous().view(
+            torch.float32).reshape(-1)
+        full = torch.from_numpy(self.client.unsharded(ui))
+        full.copy_(quant.dequantize(codes_all, scales_all, q["all_ids"], quantize))
+        self.gathered_bytes["quantized"] += self.world * q["SQ"]
+        self.gathered_bytes["full"] += self.world * q["S"] * 4
+
     def _prefetch(self, ui):
+        if self._q:
+            return  # quantized gathers run when the unit needs them
         if self.prefetch and ui < len(self._units) and ("unshard", ui) not in self._handles:
             self._handles[("unshard", ui)] = self.client.unshard(ui)
 
@@ -264,6 +339,8 @@ class ShardedModule(torch.nn.Module):
         """{name: tensor} of every parameter, unsharded (for checks; one all-gather per unit)."""
         out = {}
         for ui, (_, _, params) in enumerate(self._units):
+            if ui in self.masters:  # exact values, not the last dequantized ones
+                torch.from_numpy(self.client.param_shard(ui)).copy_(self.masters[ui])
             self.client.unshard(ui).wait()
             for n, p in params:
                 out[n] = p.detach().float().clone()
@@ -286,7 +363,10 @@ class ShardedAdamW:
         self.params, self.shards, self.masks = [], [], []
         for ui in model.units():
             shard, grad = model.shard(ui)
-            master = shard if model.param_dtype == "fp32" else shard.float()
+            if ui in model.masters:
+                master = model.masters[ui]  # quantized gathers: the model keeps the master
+            else:
+                master = shard if model.param_dtype == "fp32" else shard.float()
             p = torch.nn.Parameter(master, requires_grad=False)
             p.grad = grad
             self.params.append(p)
@@ -343,8 +423,8 @@ class ShardedMuon:
     def __init__(self, model, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.0,
                  adamw_lr=1e-3, adamw_betas=(0.9, 0.999), adamw_eps=1e-8, adamw_weight_decay=0.0,
                  ns_steps=5):
-        if model.param_dtype != "fp32":
-            raise ValueError("ShardedMuon: param_dtype must be fp32")
+        if model.param_dtype != "fp32" or model.quantize:
+            raise ValueError("ShardedMuon: needs param_dtype fp32 without quantized gathers")
         self.model, self.lr, self.momentum, self.nesterov = model, lr, momentum, nesterov
         self.weight_decay, self.ns_steps = weight_decay, ns_steps
         self.adamw = ShardedAdamW(model, adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay,
