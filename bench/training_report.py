@@ -38,10 +38,11 @@ def main():
                  for r in range(world)]
         return main_json, ranks
 
-    with LocalCluster(build, daemons=2, pool_bytes=512 << 20) as c:
-        for name, extra in (("ragshard-adamw", []), ("ragshard-muon", ["--optimizer", "muon"]),
-                            ("ragshard-int8", ["--quantize", "int8"]),
-                            ("ragshard-fp8", ["--quantize", "fp8"])):
+    for name, extra in (("ragshard-adamw", []), ("ragshard-muon", ["--optimizer", "muon"]),
+                        ("ragshard-int8", ["--quantize", "int8"]),
+                        ("ragshard-fp8", ["--quantize", "fp8"])):
+        # A fresh planner and daemons per configuration: the pool figures are this job's alone.
+        with LocalCluster(build, daemons=2, pool_bytes=512 << 20) as c:
             print("+", name, file=sys.stderr, flush=True)
             subprocess.run([sys.executable, "-m", "ragshard.launch", "--planner", c.planner,
                             "--job", name, "--nproc", "4", "--sockets", ",".join(c.sockets),

@@ -7,7 +7,7 @@
 Ranks are spread over the daemons in order: with N ranks and D sockets, daemon i gets ranks
 [i*N/D, (i+1)*N/D). Each rank runs `script.py` under the same interpreter with RAGSHARD_PLANNER,
 RAGSHARD_JOB, RAGSHARD_RANK, RAGSHARD_WORLD_SIZE, RAGSHARD_SOCKET and RAGSHARD_NODE set (read
-them with `ragshard.Env()`). `--create-job` creates the job first (mesh N x 1). When a rank fails
+them with `ragshard.Env()`). `--create-job` creates the job first (mesh N/R x R with --replicate R). When a rank fails
 the others are stopped, and the launcher exits with the first failing rank's code. (torch 1.13's
 torchrun does not work on Python 3.11, hence this launcher.)
 """
@@ -27,7 +27,10 @@ def parse(argv):
     p.add_argument("--nproc", type=int, required=True, help="number of ranks")
     p.add_argument("--sockets", required=True, help="comma-separated daemon sockets")
     p.add_argument("--nodes", default="", help="comma-separated node ids (default node-<i>)")
-    p.add_argument("--create-job", action="store_true", help="create the job (mesh N x 1)")
+    p.add_argument("--create-job", action="store_true",
+                   help="create the job (mesh: N/R ranks per shard group x R replicas)")
+    p.add_argument("--replicate", type=int, default=1,
+                   help="HSDP replicas R for --create-job (default 1: plain FSDP)")
     p.add_argument("--policy", default="ragged", help="planning policy for --create-job")
     p.add_argument("--token-file", default="", help="bearer token file for the planner")
     p.add_argument("script", help="the training script")
@@ -41,6 +44,8 @@ def parse(argv):
         p.error("--sockets: at least one daemon socket")
     if len(a.nodes) != len(a.sockets):
         p.error(f"--nodes names {len(a.nodes)} nodes for {len(a.sockets)} sockets")
+    if a.replicate < 1 or a.nproc % a.replicate:
+        p.error(f"--replicate {a.replicate} does not divide --nproc {a.nproc}")
     if a.nproc % len(a.sockets):
         p.error(f"--nproc {a.nproc} does not split evenly over {len(a.sockets)} daemons")
     if not os.path.exists(a.script):
@@ -52,7 +57,8 @@ def main(argv=None):
     a = parse(sys.argv[1:] if argv is None else argv)
     if a.create_job:
         from ragshard import create_job
-        create_job(a.planner, a.job, a.nproc, 1, a.policy, "", a.token_file)
+        create_job(a.planner, a.job, a.nproc // a.replicate, a.replicate, a.policy, "",
+                   a.token_file)
     per_node = a.nproc // len(a.sockets)
     procs = []
     for r in range(a.nproc):

@@ -35,11 +35,11 @@ def env():
     return e
 
 
-def run_sharded(cluster, tmp_path, job, extra, world=4):
+def run_sharded(cluster, tmp_path, job, extra, world=4, launch=()):
     out = str(tmp_path / job)
     cmd = [sys.executable, "-m", "ragshard.launch", "--planner", cluster.planner, "--job", job,
            "--nproc", str(world), "--sockets", ",".join(cluster.sockets), "--create-job",
-           EXAMPLE, "--out", out] + SMALL + extra
+           *launch, EXAMPLE, "--out", out] + SMALL + extra
     r = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     return out
@@ -77,6 +77,23 @@ def test_training_matches_single_process(cluster, tmp_path, name, extra):
     losses = compare(run_sharded(cluster, tmp_path, "train-" + name, extra),
                      run_reference(tmp_path, name, extra))
     assert losses[-1] < losses[0]  # it learns
+
+
+def test_hsdp_matches_single_process(cluster, tmp_path):
+    # Mesh 2 x 2: each daemon's two ranks are a shard group; gradients are averaged over the
+    # replicas across the daemons.
+    extra = ["--steps", "20"]
+    compare(run_sharded(cluster, tmp_path, "hsdp", extra, launch=["--replicate", "2"]),
+            run_reference(tmp_path, "hsdp", extra))
+
+
+def test_bf16_mixed_precision_trains_close_to_fp32(cluster, tmp_path):
+    extra = ["--steps", "30"]
+    fp32 = json.load(open(run_sharded(cluster, tmp_path, "mp-fp32", extra) + ".json"))["losses"]
+    bf16 = json.load(open(run_sharded(cluster, tmp_path, "mp-bf16",
+                                      extra + ["--param-dtype", "bf16"]) + ".json"))["losses"]
+    assert bf16 != fp32 and bf16[-1] < 0.8 * bf16[0]
+    assert abs(bf16[-1] - fp32[-1]) <= 0.03 * fp32[-1], (bf16[-1], fp32[-1])
 
 
 def test_quantized_gathers_stay_within_two_percent(cluster, tmp_path):

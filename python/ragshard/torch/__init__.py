@@ -43,8 +43,9 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def _tensor(array, dtype):
     """A torch tensor over a numpy view of a daemon buffer, without copying."""
-    t = torch.from_numpy(array)
-    return t.view(torch.bfloat16) if dtype == "bf16" else t
+    if array.dtype == np.uint16:  # torch 1.13 has no uint16: reinterpret as int16 first
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
 
 
 class ShardedModule(torch.nn.Module):
@@ -117,6 +118,10 @@ class ShardedModule(torch.nn.Module):
         self.plan = plan_of(client)
         self.world = client.world_size
         self.rank = client.rank
+        # HSDP: the plan is for a shard group of `world` ranks, repeated `replicas` times; this
+        # rank holds shard position `pos` of its group.
+        self.replicas = client.replicas
+        self.pos = self.rank % self.world
         by_name = {}
         for ui, up in enumerate(self.plan["units"]):
             for t in up["tensors"]:
@@ -132,7 +137,7 @@ class ShardedModule(torch.nn.Module):
             full = _tensor(client.unsharded(ui), param_dtype)
             grad = _tensor(client.grad(ui), param_dtype)
             s = self.shard_elems[ui]
-            lo, hi = self.rank * s, (self.rank + 1) * s
+            lo, hi = self.pos * s, (self.pos + 1) * s
             for n, p in params:
                 _, off, numel, t = by_name[n]
                 view = full[off:off + numel].view(p.shape)
@@ -155,7 +160,7 @@ class ShardedModule(torch.nn.Module):
                     "default policy (ragged) and alignment")
             ids = [quant.shard_block_ids(self.plan["units"][ui], r, q["S"])[0]
                    for r in range(self.world)]
-            q["own_ids"] = ids[self.rank]
+            q["own_ids"] = ids[self.pos]
             q["all_ids"] = torch.cat([torch.where(i >= 0, i + r * q["B"], i)
                                       for r, i in enumerate(ids)])
             # The exact fp32 master of this rank's shard: the unsharded buffer's slots hold
@@ -284,6 +289,11 @@ class ShardedModule(torch.nn.Module):
                 self._reduce(ui)
         for key in [k for k in self._handles if k[0] == "reduce"]:
             self._handles.pop(key).wait()
+        if self.replicas > 1 and not self._no_sync:
+            # HSDP: average the gradient shards over the replicas of the shard group.
+            handles = [self.client.all_reduce(ui, "avg") for ui in range(len(self._units))]
+            for h in handles:
+                h.wait()
 
     # -- user API ----------------------------------------------------------------------------
 
@@ -320,6 +330,8 @@ class ShardedModule(torch.nn.Module):
         u = self._scalar_unit
         torch.from_numpy(self.client.grad(u)).fill_(float(value))
         self.client.reduce_scatter(u, "sum").wait()
+        if self.replicas > 1:
+            self.client.all_reduce(u, "sum").wait()
         return float(self.client.grad_shard(u)[0])
 
     def clip_grad_norm_(self, max_norm):
@@ -392,7 +404,7 @@ class ShardedAdamW:
 def _matrix_mask(model, ui):
     """Boolean mask of the shard elements of unit `ui` that belong to matrix tensors."""
     s = model.shard_elems[ui]
-    lo = model.rank * s
+    lo = model.pos * s
     mask = torch.zeros(s, dtype=torch.bool)
     for u, off, numel, _, _ in model.matrices:
         if u == ui:
@@ -448,7 +460,7 @@ class ShardedMuon:
             if whole is not None:
                 whole = torch.from_numpy(whole)
                 for uu, off, numel, shape, owner in m.matrices:
-                    if uu == u and owner == m.rank:
+                    if uu == u and owner == m.pos:
                         x = newton_schulz(whole[off:off + numel].view(shape), self.ns_steps)
                         x = x * max(1.0, shape[0] / shape[1]) ** 0.5
                         whole[off:off + numel] = x.reshape(-1)
