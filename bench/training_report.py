@@ -138,12 +138,7 @@ def main():
            "block (16,384-element runs for vectors); every rank dequantizes the whole unit. The "
            "compute is emulated on the CPU (the matmuls run in fp32 on dequantized weights).\n",
            "## Why the step time differs\n",
-           "Both run 4 training processes on 2 cores. DDP all-reduces gradient buckets while "
-           "backward runs. ragshard re-gathers each unit before its backward "
-           "(`reshard_after_forward`), reduce-scatters each unit as its gradients complete, and "
-           "goes through the daemon for every operation (a gRPC round trip per rank, "
-           "`docs/benchmarks/collectives.md`), and the optimizer works on shards. At this "
-           "model size the control path, not bandwidth, dominates. Muon adds, per unit and step, a gather to the owners, Newton-Schulz on each owner (the other ranks wait for the most loaded owner) and a scatter back, plus masked element updates in Python.\n",
+           "Both run 4 training processes on 2 cores, so run-to-run noise is several percent (an earlier run of this script measured ragshard-adamw at 1.12x DDP). What differs: DDP all-reduces gradient buckets while backward runs; ragshard re-gathers each unit before its backward (`reshard_after_forward`), reduce-scatters each unit as its gradients complete, goes through the daemon for every operation (a gRPC round trip per rank, `docs/benchmarks/collectives.md`), and steps the optimizer on shards (a quarter of the parameters per rank). Muon adds, per unit and step, a gather to the owners, Newton-Schulz on each owner (the other ranks wait for the most loaded owner) and a scatter back, plus masked element updates in Python. The quantized runs quantize and dequantize in Python on every gather; their ranks also keep an fp32 master copy of their shard and the dequantization temporaries, hence the larger RSS, and the daemon holds the byte units.\n",
            "## Reproduce\n", "```\nbash scripts/test.sh\n/usr/bin/python3 "
            "bench/training_report.py --build build\n```\n"]
     with open(args.out, "w") as f:
