@@ -165,8 +165,7 @@ class PyClient : public std::enable_shared_from_this<PyClient> {
     }
     if (b.dtype() == v1::DTYPE_UINT8 || b.dtype() == v1::DTYPE_INT8 ||
         b.dtype() == v1::DTYPE_FP8E4M3 || b.dtype() == v1::DTYPE_FP8E5M2) {
-      return py::array_t<uint8_t>({count}, {sizeof(uint8_t)}, reinterpret_cast<uint8_t*>(p),
-                                  base);
+      return py::array_t<uint8_t>({count}, {sizeof(uint8_t)}, reinterpret_cast<uint8_t*>(p), base);
     }
     Check(absl::UnimplementedError(absl::StrCat("no numpy view for dtype ", DTypeName(b.dtype()))));
     return py::none();
