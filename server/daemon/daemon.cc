@@ -67,6 +67,18 @@ class JobRuntime {
     absl::MutexLock lock(&mu_);
     if (!failed_.ok()) return failed_;
     if (req.kind() == v1::OP_NOOP) return uint64_t{0};
+    if (!departed_.empty()) {
+      absl::Status error = absl::UnavailableError(absl::StrCat(
+          "rank ", departed_.begin()->second, " of job '", job_id_, "' on node '", node_id_,
+          "' detached (its process exited); collective operations cannot run until it attaches "
+          "again"));
+      // The job thread tells the planner (a gRPC handler must not block on it).
+      if (!departure_reported_) {
+        departure_reported_ = true;
+        report_ = error;
+      }
+      return error;
+    }
     if (req.unit_index() < 0 || req.unit_index() >= dp_->units()) {
       return absl::InvalidArgumentError(absl::StrCat("unit_index: ", req.unit_index(),
                                                      " is not a unit of job '", job_id_,
@@ -87,8 +99,52 @@ class JobRuntime {
       op.done = true;
       return seq;
     }
-    if (++op.started == static_cast<int>(local_ranks_.size())) queue_.push_back(seq);
+    if (++op.started == static_cast<int>(local_ranks_.size()) && !op.done) queue_.push_back(seq);
     return seq;
+  }
+
+  // A local rank detached (its process exited or called Detach): the operations that wait for
+  // it to start can never run. They fail now, naming the rank, and the planner hears of it.
+  void LocalRankLeft(int local, int64_t rank) {
+    absl::Status error;
+    {
+      absl::MutexLock lock(&mu_);
+      departed_[local] = rank;
+      for (auto& [seq, op] : ops_) {
+        if (op.done || op.started == 0 || seq < next_seq_[local]) continue;
+        if (error.ok()) {
+          departure_reported_ = true;
+          error = absl::UnavailableError(
+              absl::StrCat("rank ", rank, " of job '", job_id_, "' on node '", node_id_,
+                           "' detached (its process exited) before starting operation ", seq));
+        }
+        op.done = true;
+        op.status = error;
+      }
+    }
+    if (error.ok()) return;
+    LOG(ERROR) << error;
+    Report(error);
+    ServeWaiters();
+  }
+
+  // Tells the planner that the job cannot proceed (it turns the job DEGRADED).
+  void Report(const absl::Status& error) {
+    v1::ReportFailureRequest report;
+    report.set_job_id(job_id_);
+    report.set_reporter_node_id(node_id_);
+    report.set_lost_peer(std::string(error.message()).substr(0, 256));
+    report.set_message(std::string(error.message()).substr(0, 1024));
+    if (absl::Status r = planner_->ReportFailure(report); !r.ok()) {
+      LOG(WARNING) << "reporting the failure to the planner: " << r;
+    }
+  }
+
+  // A new process attached for local rank `local`.
+  void Rejoined(int local) {
+    absl::MutexLock lock(&mu_);
+    departed_.erase(local);
+    if (departed_.empty()) departure_reported_ = false;
   }
 
   // Calls `done(true, status)` once the operation completes, or `done(false, OK)` at `deadline`.
@@ -180,6 +236,12 @@ class JobRuntime {
         };
         mu_.AwaitWithTimeout(absl::Condition(&ready), absl::Milliseconds(50));
         if (stopping_) return;
+        if (!report_.ok()) {
+          absl::Status r = std::exchange(report_, absl::OkStatus());
+          mu_.Unlock();
+          Report(r);
+          mu_.Lock();
+        }
         if (queue_.empty()) continue;
         seq = queue_.front();
         queue_.pop_front();
@@ -262,6 +324,9 @@ class JobRuntime {
   absl::Status failed_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   int64_t operations_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<int, int64_t> departed_ ABSL_GUARDED_BY(mu_);  // local index -> rank
+  bool departure_reported_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status report_ ABSL_GUARDED_BY(mu_);  // for the job thread to send to the planner
   int64_t staging_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   std::thread thread_;
 };
@@ -470,6 +535,7 @@ absl::Status NodeDaemon::DoAttach(const v1::AttachRequest& request, v1::AttachRe
                                                       options_.node_id, "'"));
   }
   const int li = static_cast<int>(it - local.begin());
+  (*job)->Rejoined(li);
   std::string id;
   {
     absl::MutexLock lock(&mu_);
@@ -484,11 +550,19 @@ absl::Status NodeDaemon::DoAttach(const v1::AttachRequest& request, v1::AttachRe
 }
 
 void NodeDaemon::ReleaseAttachment(const std::string& id) {
-  absl::MutexLock lock(&mu_);
-  auto it = attachments_.find(id);
-  if (it == attachments_.end()) return;
-  LOG(INFO) << "attachment " << id << " released";
-  attachments_.erase(it);
+  std::shared_ptr<JobRuntime> job;
+  Attachment a;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = attachments_.find(id);
+    if (it == attachments_.end()) return;
+    LOG(INFO) << "attachment " << id << " released";
+    a = it->second;
+    attachments_.erase(it);
+    auto j = jobs_.find(a.job_id);
+    if (j != jobs_.end()) job = j->second;
+  }
+  if (job != nullptr) job->LocalRankLeft(a.local, a.rank);
 }
 
 grpc::ServerUnaryReactor* NodeDaemon::Detach(grpc::CallbackServerContext* ctx,

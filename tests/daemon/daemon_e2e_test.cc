@@ -151,6 +151,27 @@ TEST_F(DaemonE2E, AKilledDaemonFailsThePeersOperationsAndDegradesTheJob) {
   EXPECT_EQ(status, v1::JOB_DEGRADED);
 }
 
+TEST_F(DaemonE2E, ATrainingProcessKilledMidRunFailsItsNodePeersAtOnceNamingIt) {
+  CreateJob("orphan");
+  auto ranks = SpawnRanks("orphan", "loop");
+  std::this_thread::sleep_for(1500ms);
+  const auto start = std::chrono::steady_clock::now();
+  ranks[1].Kill(SIGKILL);
+  // Rank 0 shares node-0 with rank 1: its pending operation fails as soon as the daemon sees
+  // rank 1's side channel close, with an error that names rank 1 (not at the 60 s deadline).
+  EXPECT_EQ(Exit(ranks[0]), 0) << testing::ReadAll(dir_.path() + "/rank0.log");
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 10s);
+  EXPECT_THAT(testing::ReadAll(dir_.path() + "/rank0.log"), HasSubstr("rank 1 of job 'orphan'"));
+  ranks[2].Kill(SIGKILL);
+  ranks[3].Kill(SIGKILL);
+  v1::JobStatus status = v1::JOB_READY;
+  for (int i = 0; i < 100 && status != v1::JOB_DEGRADED; ++i) {
+    status = client_->GetJob("orphan")->status();
+    std::this_thread::sleep_for(50ms);
+  }
+  EXPECT_EQ(status, v1::JOB_DEGRADED);
+}
+
 TEST_F(DaemonE2E, OperationsKeepWorkingWhileThePlannerIsDown) {
   CreateJob("steady");
   // "pause" mode: attach, signal readiness by a file, wait for the go file, then check.

@@ -2,8 +2,8 @@
 // be inherited across fork):
 //   e2e_rank PLANNER_ADDR SOCKET_DIR JOB RANK MODE
 // MODE "check" runs all-gather and reduce-scatter against the reference; "loop" runs
-// all-gathers until one fails and exits 0 when the error names a peer; "register" only
-// registers.
+// all-gathers until one fails and exits 0 when the error names a lost peer or a detached rank;
+// "register" only registers.
 #include <unistd.h>
 
 #include <cmath>
@@ -179,7 +179,9 @@ int Loop(const std::string& job, int r) {
     absl::Status s = h.ok() ? h->Wait(15s) : h.status();
     if (!s.ok()) {
       fprintf(stderr, "rank %d: %s\n", r, std::string(s.message()).c_str());
-      return std::string(s.message()).find("peer") != std::string::npos ? 0 : 71;
+      const std::string m(s.message());
+      return m.find("peer") != std::string::npos || m.find("detached") != std::string::npos ? 0
+                                                                                            : 71;
     }
   }
   return 72;
