@@ -352,11 +352,9 @@ grpc::ServerUnaryReactor* PlannerService::GetJob(grpc::CallbackServerContext* ct
   if (s.ok()) s = ValidateJobId(req->job_id(), options_.limits);
   if (!s.ok()) return Reply(ctx, s);
   absl::MutexLock lock(&mu_);
-  auto it = jobs_.find(req->job_id());
-  if (it == jobs_.end() || it->second.job.status() == v1::JOB_DELETED) {
-    return Reply(ctx, JobNotFound(req->job_id()));
-  }
-  *resp->mutable_job() = it->second.job;
+  JobState* job = LiveJob(req->job_id());
+  if (job == nullptr) return Reply(ctx, JobNotFound(req->job_id()));
+  *resp->mutable_job() = job->job;
   return Reply(ctx, absl::OkStatus());
 }
 
@@ -381,11 +379,9 @@ grpc::ServerUnaryReactor* PlannerService::DeleteJob(grpc::CallbackServerContext*
   Deferred deferred;
   {
     absl::MutexLock lock(&mu_);
-    auto it = jobs_.find(req->job_id());
-    if (it == jobs_.end() || it->second.job.status() == v1::JOB_DELETED) {
-      return Reply(ctx, JobNotFound(req->job_id()));
-    }
-    JobState& js = it->second;
+    JobState* job = LiveJob(req->job_id());
+    if (job == nullptr) return Reply(ctx, JobNotFound(req->job_id()));
+    JobState& js = *job;
     js.job.set_status(v1::JOB_DELETED);
     js.job.set_error("deleted");
     const grpc::Status aborted(grpc::StatusCode::ABORTED, "job deleted");
@@ -606,16 +602,14 @@ grpc::ServerUnaryReactor* PlannerService::GetPlan(grpc::CallbackServerContext* c
   if (s.ok()) s = ValidateJobId(req->job_id(), options_.limits);
   if (!s.ok()) return Reply(ctx, s);
   absl::MutexLock lock(&mu_);
-  auto it = jobs_.find(req->job_id());
-  if (it == jobs_.end() || it->second.job.status() == v1::JOB_DELETED) {
-    return Reply(ctx, JobNotFound(req->job_id()));
-  }
-  if (!it->second.plan) {
+  JobState* job = LiveJob(req->job_id());
+  if (job == nullptr) return Reply(ctx, JobNotFound(req->job_id()));
+  if (!job->plan) {
     return Reply(ctx, absl::FailedPreconditionError(
                           absl::StrCat("job '", req->job_id(), "' has no plan yet (status ",
-                                       v1::JobStatus_Name(it->second.job.status()), ")")));
+                                       v1::JobStatus_Name(job->job.status()), ")")));
   }
-  *resp->mutable_plan() = *it->second.plan;
+  *resp->mutable_plan() = *job->plan;
   return Reply(ctx, absl::OkStatus());
 }
 
@@ -742,13 +736,11 @@ grpc::ServerUnaryReactor* PlannerService::Put(grpc::CallbackServerContext* ctx,
   Deferred deferred;
   {
     absl::MutexLock lock(&mu_);
-    auto it = jobs_.find(req->job_id());
-    if (it == jobs_.end() || it->second.job.status() == v1::JOB_DELETED) {
-      return Reply(ctx, JobNotFound(req->job_id()));
-    }
+    JobState* job = LiveJob(req->job_id());
+    if (job == nullptr) return Reply(ctx, JobNotFound(req->job_id()));
     s = store_->PutKv(req->job_id(), req->key(), req->value());
     if (!s.ok()) return Reply(ctx, s);
-    it->second.kv[req->key()] = req->value();
+    job->kv[req->key()] = req->value();
     for (auto g = pending_gets_.begin(); g != pending_gets_.end();) {
       if (g->job_id == req->job_id() && g->key == req->key()) {
         g->resp->set_value(req->value());
@@ -769,12 +761,10 @@ grpc::ServerUnaryReactor* PlannerService::Get(grpc::CallbackServerContext* ctx,
   if (s.ok()) s = ValidateGet(*req, options_.limits);
   if (!s.ok()) return Reply(ctx, s);
   absl::MutexLock lock(&mu_);
-  auto it = jobs_.find(req->job_id());
-  if (it == jobs_.end() || it->second.job.status() == v1::JOB_DELETED) {
-    return Reply(ctx, JobNotFound(req->job_id()));
-  }
-  auto kv = it->second.kv.find(req->key());
-  if (kv != it->second.kv.end()) {
+  JobState* job = LiveJob(req->job_id());
+  if (job == nullptr) return Reply(ctx, JobNotFound(req->job_id()));
+  auto kv = job->kv.find(req->key());
+  if (kv != job->kv.end()) {
     resp->set_value(kv->second);
     return Reply(ctx, absl::OkStatus());
   }
@@ -802,11 +792,9 @@ grpc::ServerUnaryReactor* PlannerService::ReportFailure(grpc::CallbackServerCont
   Deferred deferred;
   {
     absl::MutexLock lock(&mu_);
-    auto it = jobs_.find(req->job_id());
-    if (it == jobs_.end() || it->second.job.status() == v1::JOB_DELETED) {
-      return Reply(ctx, JobNotFound(req->job_id()));
-    }
-    JobState& js = it->second;
+    JobState* job = LiveJob(req->job_id());
+    if (job == nullptr) return Reply(ctx, JobNotFound(req->job_id()));
+    JobState& js = *job;
     if (!Terminal(js.job.status())) {
       js.job.set_status(v1::JOB_DEGRADED);
       js.job.set_error(absl::StrCat("node '", req->reporter_node_id(), "' reports peer '",

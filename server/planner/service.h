@@ -125,6 +125,11 @@ class PlannerService final
     std::string notified_error;
     uint64_t notified_version = 0;
   };
+  // The job, unless it does not exist or was deleted (nullptr).
+  JobState* LiveJob(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto it = jobs_.find(id);
+    return it == jobs_.end() || it->second.job.status() == v1::JOB_DELETED ? nullptr : &it->second;
+  }
   struct PendingGet {
     std::string job_id, key;
     v1::GetResponse* resp = nullptr;
