@@ -79,7 +79,13 @@ TEST(PlannerRestartTest, PlansSurviveSigkillByteForByte) {
   p.child.Kill(SIGKILL);
   p = testing::PlannerProcess::Start(RAGSHARD_PLANNER_PATH, dir.path(), {}, listen);
   ASSERT_EQ(p.address, listen) << testing::ReadAll(dir.path() + "/planner.log");
+  // The planner listens again; the client's channel may still be in its reconnect backoff, in
+  // which case calls fail fast with UNAVAILABLE until it reconnects.
   auto job = client->GetJob("llama");
+  for (int i = 0; i < 100 && absl::IsUnavailable(job.status()); ++i) {
+    std::this_thread::sleep_for(50ms);
+    job = client->GetJob("llama");
+  }
   ASSERT_TRUE(job.ok()) << job.status();
   EXPECT_EQ(job->status(), v1::JOB_REGISTERING);
   int registered = 0;
@@ -101,6 +107,10 @@ TEST(PlannerRestartTest, PlansSurviveSigkillByteForByte) {
   p = testing::PlannerProcess::Start(RAGSHARD_PLANNER_PATH, dir.path(), {}, listen);
   ASSERT_EQ(p.address, listen);
   auto again = client->GetPlan("llama");
+  for (int i = 0; i < 100 && absl::IsUnavailable(again.status()); ++i) {
+    std::this_thread::sleep_for(50ms);
+    again = client->GetPlan("llama");
+  }
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_EQ(Bytes(*again), before);
   EXPECT_EQ(client->GetJob("llama")->status(), v1::JOB_READY);
