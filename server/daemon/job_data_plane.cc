@@ -105,6 +105,7 @@ absl::StatusOr<std::unique_ptr<JobDataPlane>> JobDataPlane::Create(const v1::Pla
     auto gs = alloc(gs_elems * 4);
     if (!gs.ok()) return gs.status();
     u.grad_shards = std::move(*gs);
+    u.grad_shard_elems = gs_elems;
     // Node sum of the gradients (F * S fp32), the ring's scratch (two node chunks) and the
     // replicate all-reduce's scratch (two of its chunks).
     const int64_t scratch =
@@ -221,12 +222,12 @@ absl::Status JobDataPlane::AllReduce(int unit, ReduceOp op, absl::Time deadline)
   const uint64_t tag = (++op_seq_) << 20;
   if (replicate_comm_ == nullptr) return absl::OkStatus();
   Unit& u = units_[unit];
-  const size_t count = static_cast<size_t>(u.grad_shards.size()) / sizeof(float);
+  // The padded block (a multiple of R elements), not the lease, whose size the pool rounds up:
+  // the scratch holds two chunks of exactly this block.
   float* scratch = reinterpret_cast<float*>(u.scratch.data()) + shard_ * u.shard_elems +
                    (shard_comm_ ? 2 * local_ranks() * u.shard_elems : 0);
   return AllReduceInPlace(*replicate_comm_, grad_shard(unit, 0),
-                          count - count % static_cast<size_t>(replicas_), op, scratch, deadline,
-                          tag);
+                          static_cast<size_t>(u.grad_shard_elems), op, scratch, deadline, tag);
 }
 
 absl::Status JobDataPlane::GatherToOwner(int unit, absl::Time deadline) {

@@ -90,11 +90,12 @@ class JobDataPlane final : public DataBackend {
     int64_t shard_elems = 0;
     int64_t item = 0;
     std::vector<Lease> grad;
-    std::vector<Lease> owner;   // per local rank; empty lease when it owns nothing here
-    Lease unsharded;            // F * S of dtype; local rank i's shard is its slice
-    Lease grad_shards;          // k * S fp32, local rank i at i * S
-    Lease scratch;              // fp32 node sum of the gradients (F * S) and ring scratch
-    std::vector<Piece> pieces;  // of the matrix tensors, in plan order
+    std::vector<Lease> owner;      // per local rank; empty lease when it owns nothing here
+    Lease unsharded;               // F * S of dtype; local rank i's shard is its slice
+    Lease grad_shards;             // k * S fp32, local rank i at i * S
+    int64_t grad_shard_elems = 0;  // k * S rounded up to a multiple of R (the lease may be larger)
+    Lease scratch;                 // fp32 node sum of the gradients (F * S) and ring scratch
+    std::vector<Piece> pieces;     // of the matrix tensors, in plan order
   };
   JobDataPlane() = default;
   absl::Status CheckUnit(int unit) const;

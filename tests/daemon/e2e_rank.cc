@@ -112,7 +112,11 @@ int Check(Client& client, int rank) {
     }
     for (v1::ReduceKind op : {v1::REDUCE_SUM, v1::REDUCE_AVG}) {
       auto r = c->ReduceScatter(u, op);
-      if (!r.ok() || !r->Wait(20s).ok()) return 67;
+      absl::Status rs = r.ok() ? r->Wait(20s) : r.status();
+      if (!rs.ok()) {
+        fprintf(stderr, "reduce_scatter: %s\n", rs.ToString().c_str());
+        return 67;
+      }
       auto gs = c->GradShard(u);
       for (int64_t e = 0; e < s; ++e) {
         double expect = 0;
@@ -122,7 +126,11 @@ int Check(Client& client, int rank) {
       }
       // Over the replicas.
       auto ar = c->AllReduce(u, op);
-      if (!ar.ok() || !ar->Wait(20s).ok()) return 91;
+      absl::Status as = ar.ok() ? ar->Wait(20s) : ar.status();
+      if (!as.ok()) {
+        fprintf(stderr, "all_reduce: %s\n", as.ToString().c_str());
+        return 91;
+      }
       for (int64_t e = 0; e < s; ++e) {
         double expect = 0;
         for (int64_t k = 0; k < world; ++k) expect += GV(k, pos * s + e);

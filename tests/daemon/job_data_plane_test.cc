@@ -8,6 +8,7 @@
 #include <signal.h>
 
 #include <cmath>
+#include <cstring>
 #include <random>
 
 #include "common/dtype.h"
@@ -101,6 +102,11 @@ int CheckNode(const v1::Plan& plan, int node, int ranks_per_node, Comm* comm,
   }
   const int64_t f = plan.world_size(), w = f * replicas;
   const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  // A canary right after the job's buffers: no operation may write past its own buffers (the
+  // pool rounds leases up, so an operation sized by a lease instead of its buffer would).
+  auto canary = (*pool)->Allocate(4096);
+  if (!canary.ok()) return 55;
+  std::memset(canary->data(), 0xA5, 4096);
   for (int u = 0; u < plan.units_size(); ++u) {
     const v1::UnitPlan& up = plan.units(u);
     const int64_t s = up.shard_elems();
@@ -180,6 +186,9 @@ int CheckNode(const v1::Plan& plan, int node, int ranks_per_node, Comm* comm,
     }
   }
   if ((*dp)->staging_bytes() != 0) return 54;
+  for (int64_t i = 0; i < 4096; ++i) {
+    if (static_cast<unsigned char>(canary->data()[i]) != 0xA5) return 56;
+  }
   return 0;
 }
 
