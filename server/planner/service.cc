@@ -62,9 +62,12 @@ class WatchChannel {
       queue_.pop_front();
       if (!ok) {
         closing_ = true;
+        abandoned_ = true;
         status_ = grpc::Status(grpc::StatusCode::UNAVAILABLE, "watch stream broken");
       }
-      if (!closing_ && !queue_.empty()) {
+      // A graceful Close still delivers what was queued before it (the final JOB_DELETED
+      // event); a broken or cancelled stream drops it.
+      if (!abandoned_ && !queue_.empty()) {
         next = queue_.front().get();
       } else {
         writing_ = false;
@@ -79,7 +82,13 @@ class WatchChannel {
     if (finish) reactor_->Finish(status);
   }
 
-  void OnCancel() { Close(grpc::Status(grpc::StatusCode::CANCELLED, "watch cancelled")); }
+  void OnCancel() {
+    {
+      absl::MutexLock lock(&mu_);
+      abandoned_ = true;
+    }
+    Close(grpc::Status(grpc::StatusCode::CANCELLED, "watch cancelled"));
+  }
 
   void OnDone() {
     absl::MutexLock lock(&mu_);
@@ -97,6 +106,7 @@ class WatchChannel {
   std::deque<Event> queue_ ABSL_GUARDED_BY(mu_);
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool closing_ ABSL_GUARDED_BY(mu_) = false;
+  bool abandoned_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
   bool done_ ABSL_GUARDED_BY(mu_) = false;
   grpc::Status status_ ABSL_GUARDED_BY(mu_);
