@@ -183,6 +183,12 @@ TEST_F(PlannerServiceTest, WatchStreamsStatusChangesAndThePlan) {
     absl::MutexLock lock(&mu);
     if (ev) events.push_back(*ev);
   });
+  {
+    // The watch is asynchronous: its first event is the state when the server took it.
+    absl::MutexLock lock(&mu);
+    auto first = [&] { return !events.empty(); };
+    ASSERT_TRUE(mu.AwaitWithTimeout(absl::Condition(&first), absl::Seconds(10)));
+  }
   Inventory inv = SmallInventory();
   ASSERT_TRUE(RegisterFull("j", 0, inv).ok());
   ASSERT_TRUE(RegisterFull("j", 1, inv).ok());
