@@ -12,6 +12,7 @@
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "client/ctl_strategy.h"
 #include "client/planner_client.h"
 #include "common/dtype.h"
 #include "common/inventory.h"
@@ -419,6 +420,14 @@ int RunCtl(int argc, const char* const* argv, std::ostream& out, std::ostream& e
   AddSourceFlags(cmp, &cmp_src);
   cmp->add_flag("--json", cmp_json, "print JSON");
 
+  StrategyFlags advise_flags, simulate_flags;
+  CLI::App* advise = app.add_subcommand(
+      "advise", "search sharding strategies (factors, unit grouping, HSDP) for a model");
+  AddAdviseFlags(advise, &advise_flags);
+  CLI::App* simulate =
+      app.add_subcommand("simulate", "cost one strategy: per-unit breakdown and a timeline");
+  AddSimulateFlags(simulate, &simulate_flags);
+
   // Commands that talk to a planner; their flags are global.
   Online online;
   AddOnlineFlags(&app, &online);
@@ -511,6 +520,8 @@ int RunCtl(int argc, const char* const* argv, std::ostream& out, std::ostream& e
   if (health->parsed()) return RunOnline("health", online, "", "", out, err);
   if (plan->parsed()) return RunPlan(plan_src, policy, plan_json, max_segments, out, err);
   if (cmp->parsed()) return RunCompare(cmp_src, cmp_json, out, err);
+  if (advise->parsed()) return RunAdvise(advise_flags, out, err);
+  if (simulate->parsed()) return RunSimulate(simulate_flags, out, err);
   err << "error: no command\n";
   return kExitBadInput;
 }

@@ -201,12 +201,12 @@ const std::vector<ZooEntry>& Zoo() {
       {{"llama3-70b", 70'553'706'496, 0}, Llama(8192, 80, 64, 8, 28672, 128256)},
       {{"llama3.1-405b", 405'853'388'800, 0}, Llama(16384, 126, 128, 8, 53248, 128256)},
       {{"gpt3-175b", 174'604'259'328, 0}, Gpt3},
-      {{"mixtral-8x7b", 46'702'792'704, 0}, Mixtral},
-      {{"qwen3-235b-a22b", 235'093'634'560, 0}, Qwen3Moe},
+      {{"mixtral-8x7b", 46'702'792'704, 0, 8, 2}, Mixtral},
+      {{"qwen3-235b-a22b", 235'093'634'560, 0, 128, 8}, Qwen3Moe},
       {{"llama-7b", 6'738'415'616, 0}, Llama(4096, 32, 32, 32, 11008, 32000)},
       {{"llama-13b", 13'015'864'320, 0}, Llama(5120, 40, 40, 40, 13824, 32000)},
       {{"llama-30b", 32'528'943'616, 0}, Llama(6656, 60, 52, 52, 17920, 32000)},
-      {{"deepseek-v3", 671'026'419'200, 0}, DeepSeekV3},
+      {{"deepseek-v3", 671'026'419'200, 0, 256, 8}, DeepSeekV3},
   };
   return zoo;
 }
@@ -220,6 +220,14 @@ const std::vector<ModelInfo>& ModelZoo() {
     return v;
   }();
   return infos;
+}
+
+const ModelInfo* FindModel(absl::string_view spec) {
+  const absl::string_view base = spec.substr(0, spec.find(':'));
+  for (const auto& e : Zoo()) {
+    if (e.info.name == base) return &e.info;
+  }
+  return nullptr;
 }
 
 absl::StatusOr<Inventory> GenerateModel(absl::string_view spec) {

@@ -17,7 +17,14 @@ struct ModelInfo {
   std::string name;
   int64_t total_params = 0;  // as published in models.md
   int64_t tensors = 0;       // 0 when models.md gives no count
+  // Mixture of experts: routed experts per layer and how many each token uses (the published
+  // configs' num_experts_per_tok); 0 for dense models. Tensors named "*.experts.*" are routed.
+  int64_t routed_experts = 0;
+  int64_t experts_per_token = 0;
 };
+
+// The zoo entry of NAME (variants ":grouped" and ":fused" allowed), or nullptr.
+const ModelInfo* FindModel(absl::string_view name);
 
 // The zoo, in models.md order.
 const std::vector<ModelInfo>& ModelZoo();

@@ -83,10 +83,26 @@ bool PlaceAppend(const std::vector<UnitItem>& items, const std::vector<int>& ord
 bool PlaceHoles(const std::vector<UnitItem>& items, const std::vector<int>& order, int64_t shard,
                 int64_t world, int64_t align, std::vector<int64_t>* offsets) {
   std::vector<std::pair<int64_t, int64_t>> free = {{0, shard * world}};
+  // Per kind of item (numel, granule): the free intervals before `start` are known not to fit
+  // it. Intervals only shrink or split, and a piece of an interval that did not fit does not fit
+  // either, so the scan for the next item of a kind resumes there. Same placements as a scan
+  // from the start, without its quadratic cost on units of thousands of equal tensors (MoE).
+  struct Kind {
+    int64_t numel, granule;
+    size_t start;
+  };
+  std::vector<Kind> kinds;
   for (int idx : order) {
     const UnitItem& it = items[idx];
+    auto kind = std::find_if(kinds.begin(), kinds.end(), [&](const Kind& k) {
+      return k.numel == it.numel && k.granule == it.granule;
+    });
+    if (kind == kinds.end()) {
+      kinds.push_back({it.numel, it.granule, 0});
+      kind = kinds.end() - 1;
+    }
     bool placed = false;
-    for (size_t f = 0; f < free.size(); ++f) {
+    for (size_t f = kind->start; f < free.size(); ++f) {
       auto [lo, hi] = free[f];
       if (hi - lo < it.numel) continue;
       int64_t p = EarliestPlacement(lo, hi, it.numel, it.granule, shard, align);
@@ -94,16 +110,28 @@ bool PlaceHoles(const std::vector<UnitItem>& items, const std::vector<int>& orde
       (*offsets)[idx] = p;
       std::pair<int64_t, int64_t> left{lo, p}, right{p + it.numel, hi};
       free.erase(free.begin() + static_cast<std::ptrdiff_t>(f));
+      std::ptrdiff_t delta = -1;
+      bool has_left = false;
       if (right.second > RoundUp(right.first, align)) {
         free.insert(free.begin() + static_cast<std::ptrdiff_t>(f), right);
+        ++delta;
       }
       if (left.second > RoundUp(left.first, align)) {
         free.insert(free.begin() + static_cast<std::ptrdiff_t>(f), left);
+        ++delta;
+        has_left = true;
       }
+      for (Kind& k : kinds) {
+        if (k.start > f)
+          k.start = static_cast<size_t>(static_cast<std::ptrdiff_t>(k.start) + delta);
+      }
+      // The left piece lies before the earliest valid offset: it cannot hold this kind either.
+      kind->start = f + (has_left ? 1 : 0);
       placed = true;
       break;
     }
     if (!placed) return false;
+    if (kind->start > free.size()) kind->start = free.size();
   }
   return true;
 }
