@@ -124,7 +124,13 @@ Proc Spawn(const std::vector<std::string>& argv, const std::string& out) {
 int Main(int argc, char** argv) {
   if (argc == 8 && std::string(argv[1]) == "--rank") return RankMain(argv + 2);
   int64_t max_mib = 256;
+  int64_t only_bytes = 0;  // --bytes N: one size only (calibration of the strategy cost model)
   if (argc == 3 && std::string(argv[1]) == "--max-mib") absl::SimpleAtoi(argv[2], &max_mib);
+  if (argc == 3 && std::string(argv[1]) == "--bytes" &&
+      (!absl::SimpleAtoi(argv[2], &only_bytes) || only_bytes < 4096)) {
+    std::cerr << "error: --bytes must be an integer of at least 4096\n";
+    return 2;
+  }
   char self[4096] = {0};
   if (readlink("/proc/self/exe", self, sizeof(self) - 1) <= 0) return 1;
   const std::string build = Dir(Dir(self));
@@ -157,7 +163,10 @@ int Main(int argc, char** argv) {
   // (daemons, ranks per daemon): across daemons, and within one daemon.
   for (auto [nd, k] : std::vector<std::pair<int, int>>{{2, 1}, {2, 2}, {1, 2}, {1, 4}}) {
     const int w = nd * k;
-    for (size_t bytes : Sizes(size_t{1} << 20, static_cast<size_t>(max_mib) << 20)) {
+    const std::vector<size_t> sizes =
+        only_bytes > 0 ? std::vector<size_t>{static_cast<size_t>(only_bytes)}
+                       : Sizes(size_t{1} << 20, static_cast<size_t>(max_mib) << 20);
+    for (size_t bytes : sizes) {
       const std::string job = "bench" + std::to_string(job_no++);
       v1::CreateJobRequest req;
       req.set_job_id(job);

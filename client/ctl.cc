@@ -19,6 +19,7 @@
 #include "common/models.h"
 #include "common/plan_json.h"
 #include "common/planner.h"
+#include "common/strategy.h"
 #include "google/protobuf/util/json_util.h"
 
 namespace ragshard {
@@ -362,6 +363,14 @@ int RunOnline(const std::string& command, const Online& o, const std::string& id
   r.metrics = plan->metrics();
   r.plan = *plan;
   out << "job " << id << ", plan v" << plan->version() << ", W=" << plan->world_size() << "\n";
+  if (plan->has_strategy()) {
+    const v1::PlanStrategy& st = plan->strategy();
+    out << absl::StrFormat(
+        "strategy %s (%s; recommended with separate factors: %s), predicted %.4f s/step, %s "
+        "per device, padding %.3f%%\n",
+        st.executed(), st.reason(), st.recommended(), st.predicted_step_seconds(),
+        FormatBytes(st.predicted_memory_bytes()), st.predicted_padding_pct());
+  }
   PrintPlanTable(r, out);
   return kExitOk;
 }
@@ -451,10 +460,17 @@ int RunCtl(int argc, const char* const* argv, std::ostream& out, std::ostream& e
   CLI::App* job_create = add_online(job, "create", "create a job", true);
   job_create->add_option("--shard", shard, "ranks per shard group")->required();
   job_create->add_option("--replicate", replicate, "replicas of the shard group (HSDP)");
-  job_create->add_option("--policy", job_policy, "ragged (default) or ragged-paper");
+  job_create->add_option("--policy", job_policy, "ragged (default), ragged-paper or auto");
   job_create->add_option("--granule", job_granule, "default granule of 2-D+ tensors");
   job_create->add_option("--align-bytes", align, "alignment in bytes (default 16)");
   job_create->add_option("--registration-timeout-ms", reg_timeout, "registration deadline");
+  std::string job_strategy, job_optimizer, job_budget;
+  int64_t job_tokens = 0;
+  job_create->add_option("--strategy", job_strategy,
+                         "policy auto: use k=K,shard=AxB instead of searching");
+  job_create->add_option("--memory-budget", job_budget, "policy auto: bytes per device (80GiB)");
+  job_create->add_option("--optimizer", job_optimizer, "policy auto: adam or muon");
+  job_create->add_option("--tokens-per-step", job_tokens, "policy auto: global batch in tokens");
   CLI::App* job_delete = add_online(job, "delete", "delete a job (admin token)", true);
   plan->require_subcommand(0, 1);
   plan->fallthrough();
@@ -509,6 +525,17 @@ int RunCtl(int argc, const char* const* argv, std::ostream& out, std::ostream& e
     create.mutable_options()->set_default_granule(job_granule);
     create.mutable_options()->set_align_bytes(static_cast<int32_t>(align));
     create.mutable_options()->set_registration_timeout_ms(reg_timeout);
+    create.mutable_options()->set_strategy(job_strategy);
+    create.mutable_options()->set_optimizer(job_optimizer);
+    create.mutable_options()->set_tokens_per_step(job_tokens);
+    if (!job_budget.empty()) {
+      int64_t b = 0;
+      if (!ParseByteSize(job_budget, &b)) {
+        err << "error: --memory-budget: '" << job_budget << "' is not a byte count\n";
+        return kExitBadInput;
+      }
+      create.mutable_options()->set_memory_budget_bytes(b);
+    }
     auto created = (*client)->CreateJob(create);
     if (!created.ok()) return Fail(err, created.status());
     out << (online.json ? ToJson(*created) : absl::StrCat("job ", job_id, " created")) << "\n";

@@ -36,6 +36,7 @@
 #include "absl/strings/string_view.h"
 #include "common/cluster.h"
 #include "common/inventory.h"
+#include "common/planner.h"
 
 namespace ragshard {
 
@@ -217,5 +218,20 @@ std::string AdviceTable(const Advice& advice, const StrategyModel& model, int ma
 std::string SimulationReport(const Evaluation& e, const StrategyModel& model, int width = 100);
 
 std::string FormatBytes(double bytes);
+
+// Policy auto: the plan of the best strategy the data plane executes (p = g = os, shard groups
+// of whole nodes) for a job of nodes x devices_per_node ranks, numbered node by node, or of
+// `pinned` when it is set. `plan_options` gives the job id, version and alignment; its world
+// and policy are set here. The plan records the strategy (PlanStrategy), and each UnitPlan the
+// client units it covers.
+struct AutoPlan {
+  v1::Plan plan;
+  int64_t shard = 0;
+  int64_t replicate = 0;
+};
+absl::StatusOr<AutoPlan> PlanAuto(const Inventory& inventory, absl::string_view model,
+                                  const ClusterProfile& profile, int64_t nodes,
+                                  int64_t devices_per_node, const CostOptions& options,
+                                  const std::string& pinned, PlanOptions plan_options);
 
 }  // namespace ragshard

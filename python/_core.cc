@@ -221,13 +221,19 @@ class PyClient : public std::enable_shared_from_this<PyClient> {
 // Creates a job (ALREADY_EXISTS is an error too: the caller decides).
 std::string CreateJob(const std::string& planner, const std::string& job, int64_t shard_size,
                       int64_t replicate_size, const std::string& policy,
-                      const std::string& default_granule, const std::string& token_file) {
+                      const std::string& default_granule, const std::string& token_file,
+                      const std::string& strategy, int64_t memory_budget_bytes,
+                      const std::string& optimizer, int64_t tokens_per_step) {
   v1::CreateJobRequest req;
   req.set_job_id(job);
   req.mutable_mesh()->set_shard_size(shard_size);
   req.mutable_mesh()->set_replicate_size(replicate_size);
   req.mutable_options()->set_policy(policy);
   req.mutable_options()->set_default_granule(default_granule);
+  req.mutable_options()->set_strategy(strategy);
+  req.mutable_options()->set_memory_budget_bytes(memory_budget_bytes);
+  req.mutable_options()->set_optimizer(optimizer);
+  req.mutable_options()->set_tokens_per_step(tokens_per_step);
   auto p = Planner(planner, token_file);
   absl::StatusOr<v1::Job> j;
   {
@@ -307,7 +313,9 @@ PYBIND11_MODULE(_core, m) {
       .def("stats", &PyClient::Stats);
   m.def("create_job", &CreateJob, py::arg("planner"), py::arg("job"), py::arg("shard_size"),
         py::arg("replicate_size") = 1, py::arg("policy") = "ragged",
-        py::arg("default_granule") = "", py::arg("token_file") = "");
+        py::arg("default_granule") = "", py::arg("token_file") = "", py::arg("strategy") = "",
+        py::arg("memory_budget_bytes") = 0, py::arg("optimizer") = "",
+        py::arg("tokens_per_step") = 0);
   m.def("plan_local", &PlanLocal, py::arg("inventory_json"), py::arg("world"),
         py::arg("policy") = "ragged", py::arg("align_bytes") = 16);
   m.def("delete_job", &DeleteJob, py::arg("planner"), py::arg("job"), py::arg("token_file") = "");

@@ -17,8 +17,9 @@ import time
 
 class LocalCluster:
     def __init__(self, build_dir, daemons=2, pool_bytes=256 << 20, workdir=None,
-                 node_timeout_ms=5000, log=None):
+                 node_timeout_ms=5000, log=None, cluster_profile=None):
         self.build = os.path.abspath(build_dir)
+        self.cluster_profile = cluster_profile
         self.n = daemons
         self.pool_bytes = pool_bytes
         self.node_timeout_ms = node_timeout_ms
@@ -65,7 +66,9 @@ class LocalCluster:
         p = self._spawn([self._bin("server/ragshard-planner"), "--listen", "127.0.0.1:0",
                          "--data-dir", os.path.join(self.dir, "planner-data"),
                          "--port-file", port_file,
-                         "--node-timeout-ms", str(self.node_timeout_ms)], "planner")
+                         "--node-timeout-ms", str(self.node_timeout_ms)] +
+                        (["--cluster-profile", self.cluster_profile] if self.cluster_profile
+                         else []), "planner")
         self._wait_for(port_file, p, "ragshard-planner", "planner")
         for _ in range(100):
             with open(port_file) as f:

@@ -31,7 +31,10 @@ def parse(argv):
                    help="create the job (mesh: N/R ranks per shard group x R replicas)")
     p.add_argument("--replicate", type=int, default=1,
                    help="HSDP replicas R for --create-job (default 1: plain FSDP)")
-    p.add_argument("--policy", default="ragged", help="planning policy for --create-job")
+    p.add_argument("--policy", default="ragged",
+                   help="planning policy for --create-job: ragged, ragged-paper or auto")
+    p.add_argument("--strategy", default="",
+                   help="policy auto: k=K,shard=AxB instead of the planner's search")
     p.add_argument("--token-file", default="", help="bearer token file for the planner")
     p.add_argument("script", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
@@ -58,7 +61,7 @@ def main(argv=None):
     if a.create_job:
         from ragshard import create_job
         create_job(a.planner, a.job, a.nproc // a.replicate, a.replicate, a.policy, "",
-                   a.token_file)
+                   a.token_file, strategy=a.strategy)
     per_node = a.nproc // len(a.sockets)
     procs = []
     for r in range(a.nproc):

@@ -43,6 +43,9 @@ int main(int argc, char** argv) {
   app.add_option("--registration-timeout-ms", registration_timeout_ms,
                  "default registration deadline of new jobs")
       ->capture_default_str();
+  std::string cluster_profile;
+  app.add_option("--cluster-profile", cluster_profile,
+                 "cluster profile (profiles/*.json) for jobs of policy auto");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -64,6 +67,15 @@ int main(int argc, char** argv) {
       return 2;
     }
     *out = *token;
+  }
+  if (!cluster_profile.empty()) {
+    auto profile = ragshard::LoadClusterProfile(cluster_profile);
+    if (!profile.ok()) {
+      std::cerr << "error: --cluster-profile: " << profile.status().message() << "\n";
+      return 2;
+    }
+    options.service.cluster_profile =
+        std::make_shared<const ragshard::ClusterProfile>(std::move(*profile));
   }
   auto server = ragshard::planner::PlannerServer::Start(options);
   if (!server.ok()) {

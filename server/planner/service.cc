@@ -2,11 +2,13 @@
 
 #include <algorithm>
 #include <deque>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/planner.h"
 #include "common/rpc.h"
+#include "common/strategy.h"
 #include "glog/logging.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
@@ -328,6 +330,10 @@ grpc::ServerUnaryReactor* PlannerService::CreateJob(grpc::CallbackServerContext*
   if (it != jobs_.end() && it->second.job.status() != v1::JOB_DELETED) {
     return Reply(ctx, absl::AlreadyExistsError(absl::StrCat("job '", req->job_id(), "' exists")));
   }
+  if (req->options().policy() == "auto" && options_.cluster_profile == nullptr) {
+    return Reply(ctx, absl::FailedPreconditionError(
+                          "policy auto needs the planner started with --cluster-profile FILE"));
+  }
   JobState js;
   v1::Job& job = js.job;
   job.set_job_id(req->job_id());
@@ -468,13 +474,17 @@ void PlannerService::MaybePlan(const std::string& job_id, JobState* js, Deferred
 void PlannerService::ComputePlan(std::string job_id) {
   Inventory inventory;
   PlanOptions options;
+  v1::JobOptions job_options;
+  std::vector<std::string> rank_nodes;
   {
     absl::MutexLock lock(&mu_);
     auto it = jobs_.find(job_id);
     if (it == jobs_.end() || !it->second.inventory) return;
     const v1::Job& job = it->second.job;
     inventory = *it->second.inventory;
-    options.policy = *ParsePolicy(job.options().policy());
+    job_options = job.options();
+    for (const auto& r : job.ranks()) rank_nodes.push_back(r.node_id());
+    if (job.options().policy() != "auto") options.policy = *ParsePolicy(job.options().policy());
     options.world = job.mesh().shard_size();
     options.align_bytes = job.options().align_bytes();
     options.job_id = job_id;
@@ -491,7 +501,20 @@ void PlannerService::ComputePlan(std::string job_id) {
       }
     }
   }
-  absl::StatusOr<v1::Plan> plan = BuildPlan(inventory, options);
+  absl::StatusOr<v1::Plan> plan;
+  int64_t shard = 0, replicate = 0;
+  if (job_options.policy() == "auto") {
+    auto a = PlanAutoForJob(inventory, job_options, rank_nodes, options);
+    if (a.ok()) {
+      shard = a->shard;
+      replicate = a->replicate;
+      plan = std::move(a->plan);
+    } else {
+      plan = a.status();
+    }
+  } else {
+    plan = BuildPlan(inventory, options);
+  }
   Deferred deferred;
   {
     absl::MutexLock lock(&mu_);
@@ -510,6 +533,14 @@ void PlannerService::ComputePlan(std::string job_id) {
         FailJob(&js, absl::StrCat("storing the plan failed: ", s.message()), &deferred);
       } else {
         js.plan = std::move(*plan);
+        if (shard > 0) {
+          // Policy auto chose the shard group: the mesh becomes replicate x shard.
+          js.job.mutable_mesh()->set_shard_size(shard);
+          js.job.mutable_mesh()->set_replicate_size(replicate);
+          LOG(INFO) << "job " << job_id << " strategy " << js.plan->strategy().executed()
+                    << " (recommended " << js.plan->strategy().recommended() << ", predicted "
+                    << js.plan->strategy().predicted_step_seconds() << " s/step)";
+        }
         js.job.set_plan_version(options.version);
         js.job.set_status(v1::JOB_READY);
         js.job.clear_error();
@@ -521,6 +552,42 @@ void PlannerService::ComputePlan(std::string job_id) {
     }
   }
   for (auto& f : deferred) f();
+}
+
+absl::StatusOr<AutoPlan> PlannerService::PlanAutoForJob(const Inventory& inventory,
+                                                        const v1::JobOptions& o,
+                                                        const std::vector<std::string>& rank_nodes,
+                                                        const PlanOptions& options) const {
+  // The data plane's shard groups are whole nodes of consecutive ranks: ranks must be numbered
+  // node by node, the same number on every node.
+  std::vector<std::string> nodes;
+  for (const std::string& n : rank_nodes) {
+    if (nodes.empty() || nodes.back() != n) nodes.push_back(n);
+  }
+  const int64_t world = static_cast<int64_t>(rank_nodes.size());
+  const int64_t count = static_cast<int64_t>(nodes.size());
+  std::set<std::string> distinct(nodes.begin(), nodes.end());
+  if (static_cast<int64_t>(distinct.size()) != count || world % count != 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "policy auto needs the same number of ranks on every node, numbered node by node; the "
+        "ranks' nodes are ",
+        absl::StrJoin(rank_nodes, ",")));
+  }
+  const int64_t per_node = world / count;
+  for (int64_t r = 0; r < world; ++r) {
+    if (rank_nodes[r] != nodes[r / per_node]) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("policy auto needs ranks numbered node by node: rank ", r, " is on node '",
+                       rank_nodes[r], "', expected '", nodes[r / per_node], "'"));
+    }
+  }
+  CostOptions cost;
+  if (!o.optimizer().empty()) cost.optimizer = *ParseOptimizerKind(o.optimizer());
+  cost.memory_budget_bytes = o.memory_budget_bytes();
+  if (o.tokens_per_step() > 0) cost.tokens_per_step = o.tokens_per_step();
+  cost.align_bytes = options.align_bytes;
+  return PlanAuto(inventory, "", *options_.cluster_profile, count, per_node, cost, o.strategy(),
+                  options);
 }
 
 grpc::ServerUnaryReactor* PlannerService::RegisterRank(grpc::CallbackServerContext* ctx,

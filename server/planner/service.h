@@ -21,6 +21,8 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "common/cluster.h"
+#include "common/strategy.h"
 #include "ragshard/v1/planner.grpc.pb.h"
 #include "server/planner/store.h"
 #include "server/planner/validation.h"
@@ -41,6 +43,8 @@ struct PlannerOptions {
   std::string admin_token;
   ServiceLimits limits;
   int64_t max_watchers = 1'000'000;
+  // The cluster jobs of policy auto are planned for; without one such jobs are refused.
+  std::shared_ptr<const ClusterProfile> cluster_profile;
 };
 
 class WatchChannel;
@@ -139,6 +143,9 @@ class PlannerService final
   using Deferred = std::vector<std::function<void()>>;
 
   PlannerService(std::unique_ptr<Store> store, PlannerOptions options);
+  absl::StatusOr<AutoPlan> PlanAutoForJob(const Inventory& inventory, const v1::JobOptions& o,
+                                          const std::vector<std::string>& rank_nodes,
+                                          const PlanOptions& options) const;
 
   absl::Status Authenticate(grpc::CallbackServerContext* ctx, bool admin) const;
   static int64_t NowMs();

@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/planner.h"
+#include "common/strategy.h"
 
 namespace ragshard::planner {
 namespace {
@@ -59,12 +60,30 @@ absl::Status ValidateCreateJob(const v1::CreateJobRequest& req, const ServiceLim
                                     limits.max_world));
   }
   const v1::JobOptions& o = req.options();
-  if (!o.policy().empty()) {
+  if (o.policy() == "auto") {
+    if (!o.strategy().empty()) {
+      auto st = ParseStrategy(o.strategy());
+      if (!st.ok()) return Bad("options.strategy", st.status().message());
+    }
+    if (!o.optimizer().empty()) {
+      auto opt = ParseOptimizerKind(o.optimizer());
+      if (!opt.ok()) return Bad("options.optimizer", opt.status().message());
+    }
+    if (o.memory_budget_bytes() < 0)
+      return Bad("options.memory_budget_bytes", "must not be negative");
+    if (o.tokens_per_step() < 0) return Bad("options.tokens_per_step", "must not be negative");
+  } else if (!o.strategy().empty() || !o.optimizer().empty() || o.memory_budget_bytes() != 0 ||
+             o.tokens_per_step() != 0) {
+    return Bad("options",
+               "strategy, optimizer, memory_budget_bytes and tokens_per_step are for "
+               "policy auto only");
+  } else if (!o.policy().empty()) {
     auto p = ParsePolicy(o.policy());
     if (!p.ok()) return Bad("options.policy", p.status().message());
     if (!IsRaggedPolicy(*p)) {
-      return Bad("options.policy",
-                 absl::StrCat("'", o.policy(), "' is a baseline; jobs use ragged or ragged-paper"));
+      return Bad(
+          "options.policy",
+          absl::StrCat("'", o.policy(), "' is a baseline; jobs use ragged, ragged-paper or auto"));
     }
   }
   if (!o.default_granule().empty()) {

@@ -120,14 +120,13 @@ TEST(ClusterProfileTest, CurvesInterpolateInLogSizeAndAcrossDevicesPerNode) {
   EXPECT_NEAR(p->CollectiveSeconds(Collective::kAllGather, {2, 1}, 10),
               p->CollectiveSeconds(Collective::kAllGather, {2, 1}, 1000), 1e-15);
   // 4 devices per node across nodes: linear between the curves of 1 and 8.
-  EXPECT_NEAR(p->BusBandwidth(Collective::kAllGather, {4, 2}, 1e6), (10 + 3.0 / 7 * 70) * 1e9,
-              1e3);
+  EXPECT_NEAR(p->BusBandwidth(Collective::kAllGather, {4, 2}, 1e6), (10 + 3.0 / 7 * 70) * 1e9, 1e3);
   EXPECT_EQ(p->CollectiveSeconds(Collective::kAllGather, {1, 1}, 1e9), 0);
 }
 
 TEST(StrategyTest, ParseAndNameRoundTrip) {
-  for (const char* spec : {"k=2,shard=8x4", "k=1,p=8x1,g=8x4,os=8x16",
-                           "k=3,p=2x1,g=4x1,os=8x2,prefetch=0"}) {
+  for (const char* spec :
+       {"k=2,shard=8x4", "k=1,p=8x1,g=8x4,os=8x16", "k=3,p=2x1,g=4x1,os=8x2,prefetch=0"}) {
     auto s = ParseStrategy(spec);
     ASSERT_TRUE(s.ok()) << spec << ": " << s.status();
     EXPECT_EQ(StrategyName(*s), spec);
@@ -159,8 +158,8 @@ TEST(StrategyTest, DependencyRulesAreNeverViolated) {
         std::set<std::string> names;
         for (const Strategy& s : candidates) {
           const GroupShape dp{sized->devices_per_node, sized->nodes};
-          for (auto [a, b] : {std::make_pair(s.p, s.g), std::make_pair(s.g, s.os),
-                              std::make_pair(s.os, dp)}) {
+          for (auto [a, b] :
+               {std::make_pair(s.p, s.g), std::make_pair(s.g, s.os), std::make_pair(s.os, dp)}) {
             EXPECT_EQ(b.intra % a.intra, 0) << StrategyName(s);
             EXPECT_EQ(b.inter % a.inter, 0) << StrategyName(s);
             EXPECT_LE(a.size(), b.size()) << StrategyName(s);
@@ -200,12 +199,12 @@ TEST(StrategyTest, CostModelMatchesHandComputedVolumesAndTimes) {
   // Each unit: 4096 bf16 elements. p = 2 devices: S = 2048; g = os = 4: S = 1024.
   ASSERT_EQ(e->units.size(), 2u);
   for (const UnitCost& c : e->units) {
-    EXPECT_DOUBLE_EQ(c.ag_bytes, 2 * 2048 * 2);   // bf16 over p
-    EXPECT_DOUBLE_EQ(c.rs_bytes, 4 * 1024 * 4);   // fp32 over g
-    EXPECT_DOUBLE_EQ(c.ar_bytes, 0);              // g covers every device: no replicas
-    EXPECT_DOUBLE_EQ(c.update_bytes, 2048 * 2);   // os/p = 1x2: the p shard is gathered
-    EXPECT_NEAR(c.ag_seconds, 8192 * 0.5 / 1e9, 1e-15);        // intra, 1 GB/s
-    EXPECT_NEAR(c.rs_seconds, 16384 * 0.75 / 0.5e9, 1e-15);    // across nodes, 0.5 GB/s
+    EXPECT_DOUBLE_EQ(c.ag_bytes, 2 * 2048 * 2);              // bf16 over p
+    EXPECT_DOUBLE_EQ(c.rs_bytes, 4 * 1024 * 4);              // fp32 over g
+    EXPECT_DOUBLE_EQ(c.ar_bytes, 0);                         // g covers every device: no replicas
+    EXPECT_DOUBLE_EQ(c.update_bytes, 2048 * 2);              // os/p = 1x2: the p shard is gathered
+    EXPECT_NEAR(c.ag_seconds, 8192 * 0.5 / 1e9, 1e-15);      // intra, 1 GB/s
+    EXPECT_NEAR(c.rs_seconds, 16384 * 0.75 / 0.5e9, 1e-15);  // across nodes, 0.5 GB/s
     EXPECT_NEAR(c.update_seconds, 4096 * 0.5 / 0.5e9, 1e-15);  // 1 device x 2 nodes
     // 6 x 8192 parameters x 1 token / 1e9 FLOP/s, half per unit, a third of it forward.
     EXPECT_NEAR(c.fwd_seconds, 49152e-9 / 2 / 3, 1e-15);
@@ -336,8 +335,7 @@ TEST(StrategyTest, AdviceOnAZooModelIsRankedFitsAndExplainsRejections) {
       EXPECT_GT(r.padding_pct, 1.0) << StrategyName(r.strategy) << ": " << r.rejected;
     }
   }
-  EXPECT_GE(advice->considered,
-            static_cast<int64_t>(advice->top.size() + advice->rejected.size()));
+  EXPECT_GE(advice->considered, static_cast<int64_t>(advice->top.size() + advice->rejected.size()));
   auto j = nlohmann::json::parse(AdviceJson(*advice, **m, 5));
   for (const char* key : {"padding_pct", "predicted_step_seconds", "memory_bytes", "strategy"}) {
     EXPECT_TRUE(j["recommendation"].contains(key)) << key;

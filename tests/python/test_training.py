@@ -19,13 +19,15 @@ import ragshard  # noqa: E402
 from ragshard.cluster import LocalCluster  # noqa: E402
 
 EXAMPLE = os.path.join(ROOT, "examples", "train_tiny.py")
+PROFILE = os.path.join(os.path.dirname(__file__), "..", "..", "profiles",
+                       "host-2x2-loopback.json")
 SMALL = ["--layers", "2", "--dim", "64", "--heads", "4", "--seq", "16", "--batch", "2",
          "--vocab", "32", "--quiet"]
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    with LocalCluster(BUILD, daemons=2, pool_bytes=128 << 20) as c:
+    with LocalCluster(BUILD, daemons=2, pool_bytes=128 << 20, cluster_profile=PROFILE) as c:
         yield c
 
 
@@ -85,6 +87,41 @@ def test_hsdp_matches_single_process(cluster, tmp_path):
     extra = ["--steps", "20"]
     compare(run_sharded(cluster, tmp_path, "hsdp", extra, launch=["--replicate", "2"]),
             run_reference(tmp_path, "hsdp", extra))
+
+
+def plan_show(cluster, job):
+    ctl = os.path.join(BUILD, "client", "ragshardctl")
+    r = subprocess.run([ctl, "plan", "show", job, "--planner", cluster.planner, "--json"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+@pytest.mark.parametrize("name,strategy,units", [
+    # Both layers in one plan unit, each daemon's two ranks a shard group, 2 replicas.
+    ("auto-k2", "k=2,shard=2x1", ["layers.0-1", "root", "__ragshard_scalars__"]),
+    # Whatever the planner's search picks for this machine's profile.
+    ("auto", "", None),
+])
+def test_policy_auto_plans_run_and_match_single_process(cluster, tmp_path, name, strategy, units):
+    extra = ["--steps", "20"]
+    launch = ["--policy", "auto"] + (["--strategy", strategy] if strategy else [])
+    compare(run_sharded(cluster, tmp_path, name, extra, launch=launch),
+            run_reference(tmp_path, name, extra))
+    plan = plan_show(cluster, name)
+    st = plan["strategy"]
+    assert st["executed"].startswith("k="), st
+    if strategy:
+        assert st["executed"] == strategy and st["reason"] == "pinned by the job"
+    else:
+        assert st["reason"].startswith("best of"), st
+    names = [u["unit"] for u in plan["units"]]
+    if units:
+        assert names == units
+        assert plan["units"][0]["members"] == ["layers.0", "layers.1"]
+    k = int(st["executed"].split(",")[0][2:])
+    grouped = [u for u in plan["units"] if u.get("members")]
+    assert (k > 1) == bool(grouped), (st, names)
 
 
 def test_bf16_mixed_precision_trains_close_to_fp32(cluster, tmp_path):

@@ -7,6 +7,7 @@
 
 #include "client/planner_client.h"
 #include "common/models.h"
+#include "common/strategy.h"
 #include "common/validator.h"
 #include "server/planner/server.h"
 #include "tests/server/test_util.h"
@@ -28,6 +29,7 @@ class PlannerServiceTest : public ::testing::Test {
     o.service.node_timeout = 300ms;
     o.service.tick = 20ms;
     o.service.default_registration_timeout = 30s;
+    o.service.cluster_profile = profile_;
     auto server = planner::PlannerServer::Start(o);
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = std::move(*server);
@@ -82,6 +84,7 @@ class PlannerServiceTest : public ::testing::Test {
   }
 
   testing::TempDir dir_;
+  std::shared_ptr<const ClusterProfile> profile_;
   std::unique_ptr<planner::PlannerServer> server_;
   std::unique_ptr<GrpcPlannerClient> client_;
 };
@@ -348,6 +351,94 @@ TEST_F(PlannerServiceTest, DeepSeekV3InventoryFitsTheMessageLimits) {
   ASSERT_TRUE(plan.ok()) << plan.status();
   EXPECT_EQ(plan->metrics().blocks128_split(), 0);
   EXPECT_TRUE(ValidatePlan(*plan, &*inv).ok());
+}
+
+TEST_F(PlannerServiceTest, PolicyAutoFollowsTheRecommendationAndRecordsIt) {
+  v1::CreateJobRequest req;
+  req.set_job_id("auto");
+  req.mutable_mesh()->set_shard_size(4);
+  req.mutable_mesh()->set_replicate_size(1);
+  req.mutable_options()->set_policy("auto");
+  // Without a cluster profile the planner cannot search.
+  auto refused = client_->CreateJob(req);
+  ASSERT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("--cluster-profile"));
+  server_.reset();
+  auto profile = LoadClusterProfile(RAGSHARD_SOURCE_DIR "/profiles/host-2x2-loopback.json");
+  ASSERT_TRUE(profile.ok()) << profile.status();
+  profile_ = std::make_shared<const ClusterProfile>(*profile);
+  Start();
+  // Bad strategy options are refused at creation, naming the field.
+  v1::CreateJobRequest bad = req;
+  bad.mutable_options()->set_strategy("k=1,shard=two");
+  auto b = client_->CreateJob(bad);
+  ASSERT_EQ(b.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(b.status().message()), HasSubstr("options.strategy"));
+  bad = req;
+  bad.mutable_options()->set_policy("ragged");
+  bad.mutable_options()->set_optimizer("muon");
+  EXPECT_EQ(client_->CreateJob(bad).status().code(), absl::StatusCode::kInvalidArgument);
+
+  Inventory inv;
+  for (int l = 0; l < 4; ++l) {
+    UnitSpec* u = inv.add_units();
+    u->set_name(absl::StrCat("layers.", l));
+    for (int t = 0; t < 3; ++t) {
+      TensorSpec* spec = u->add_tensors();
+      spec->set_name(absl::StrCat("layers.", l, ".w", t));
+      spec->add_shape(96 + 32 * t);
+      spec->add_shape(64);
+      spec->set_dtype(v1::DTYPE_BF16);
+      spec->set_granule_kind(v1::GRANULE_ROWS);
+      spec->set_granule_rows(32);
+    }
+  }
+  ASSERT_TRUE(client_->CreateJob(req).ok());
+  const std::vector<std::string> nodes = {"n0", "n0", "n1", "n1"};
+  for (int r = 0; r < 4; ++r) ASSERT_TRUE(RegisterFull("auto", r, inv, nodes[r]).ok());
+  auto plan = client_->WaitForPlan("auto", 10s);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  // The same search run here gives the same plan, byte for byte, and the mesh follows it.
+  PlanOptions po;
+  po.job_id = "auto";
+  po.version = 1;
+  po.align_bytes = 16;
+  auto expected = PlanAuto(inv, "", *profile, 2, 2, CostOptions{}, "", po);
+  ASSERT_TRUE(expected.ok()) << expected.status();
+  EXPECT_EQ(plan->SerializeAsString(), expected->plan.SerializeAsString());
+  EXPECT_THAT(plan->strategy().executed(),
+              HasSubstr(absl::StrCat(",shard=2x", expected->shard / 2)));
+  EXPECT_THAT(plan->strategy().reason(), HasSubstr("best of"));
+  EXPECT_EQ(plan->world_size(), expected->shard);
+  auto job = client_->GetJob("auto");
+  ASSERT_TRUE(job.ok());
+  EXPECT_EQ(job->mesh().shard_size(), expected->shard);
+  EXPECT_EQ(job->mesh().replicate_size(), expected->replicate);
+  EXPECT_EQ(job->mesh().shard_size() * job->mesh().replicate_size(), 4);
+
+  // A pinned strategy groups units; their plan units list the members.
+  v1::CreateJobRequest pinned = req;
+  pinned.set_job_id("pinned");
+  pinned.mutable_options()->set_strategy("k=2,shard=2x1");
+  ASSERT_TRUE(client_->CreateJob(pinned).ok());
+  for (int r = 0; r < 4; ++r) ASSERT_TRUE(RegisterFull("pinned", r, inv, nodes[r]).ok());
+  auto p2 = client_->WaitForPlan("pinned", 10s);
+  ASSERT_TRUE(p2.ok()) << p2.status();
+  ASSERT_EQ(p2->units_size(), 2);
+  EXPECT_EQ(p2->units(0).unit(), "layers.0-1");
+  EXPECT_THAT(p2->units(1).members(), ::testing::ElementsAre("layers.2", "layers.3"));
+  EXPECT_EQ(p2->strategy().executed(), "k=2,shard=2x1");
+  EXPECT_EQ(client_->GetJob("pinned")->mesh().replicate_size(), 2);
+
+  // Ranks not numbered node by node cannot form whole-node shard groups: the job fails, saying so.
+  v1::CreateJobRequest mixed = req;
+  mixed.set_job_id("mixed");
+  ASSERT_TRUE(client_->CreateJob(mixed).ok());
+  const std::vector<std::string> interleaved = {"n0", "n1", "n0", "n1"};
+  for (int r = 0; r < 4; ++r) ASSERT_TRUE(RegisterFull("mixed", r, inv, interleaved[r]).ok());
+  auto p3 = client_->WaitForPlan("mixed", 10s);
+  ASSERT_FALSE(p3.ok());
+  EXPECT_THAT(client_->GetJob("mixed")->error(), HasSubstr("numbered node by node"));
 }
 
 }  // namespace

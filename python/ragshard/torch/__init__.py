@@ -116,6 +116,7 @@ class ShardedModule(torch.nn.Module):
             client.register(json.dumps(inventory), True)
         client.attach()
         self.plan = plan_of(client)
+        self._group_units()
         self.world = client.world_size
         self.rank = client.rank
         # HSDP: the plan is for a shard group of `world` ranks, repeated `replicas` times; this
@@ -170,6 +171,31 @@ class ShardedModule(torch.nn.Module):
         self._handles = {}
         self._install_hooks()
 
+    def _group_units(self):
+        """Policy auto may cover several consecutive units with one plan unit (its "members"):
+        such a group is gathered before its first member's forward, resharded after its last
+        member's, and reduce-scattered once every parameter of the group has its gradient."""
+        groups, i = [], 0
+        plan_units = self.plan["units"]
+        for up in plan_units:
+            if i >= len(self._units):
+                break
+            members = list(up.get("members") or [up["unit"]])
+            here = [u[0] for u in self._units[i:i + len(members)]]
+            if here != members:
+                raise RuntimeError(f"plan unit {up['unit']} covers {members}; this module's units "
+                                   f"there are {here} (do all ranks wrap the same model?)")
+            if len(members) > 1 and self._q:
+                raise ValueError("quantize: needs one plan unit per module unit; create the job "
+                                 "with policy ragged")
+            subs = [u[1] for u in self._units[i:i + len(members)]]
+            params = [p for u in self._units[i:i + len(members)] for p in u[2]]
+            groups.append((up["unit"], None if subs[0] is None else subs, params))
+            i += len(members)
+        if i != len(self._units):
+            raise RuntimeError(f"the plan covers {i} of this module's {len(self._units)} units")
+        self._units = groups
+
     # -- hooks -------------------------------------------------------------------------------
 
     def _unshard(self, ui):
@@ -217,11 +243,12 @@ class ShardedModule(torch.nn.Module):
         root = len(self._units) - 1 if self._units and self._units[-1][1] is None else None
         self._root = root
         self.module.register_forward_pre_hook(self._root_pre_forward)
-        for ui, (_, sub, params) in enumerate(self._units):
-            if sub is None:
+        for ui, (_, subs, params) in enumerate(self._units):
+            if subs is None:
                 continue
-            sub.register_forward_pre_hook(lambda m, inp, ui=ui: self._pre_forward(ui))
-            sub.register_forward_hook(lambda m, inp, out, ui=ui: self._post_forward(ui, out))
+            # A group of units: gathered before the first runs, resharded after the last.
+            subs[0].register_forward_pre_hook(lambda m, inp, ui=ui: self._pre_forward(ui))
+            subs[-1].register_forward_hook(lambda m, inp, out, ui=ui: self._post_forward(ui, out))
         for ui, (_, _, params) in enumerate(self._units):
             for _, p in params:
                 if not p.requires_grad:
