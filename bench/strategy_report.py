@@ -21,6 +21,7 @@ ZOO = ["llama3-8b", "llama3-70b", "llama3.1-405b", "gpt3-175b", "mixtral-8x7b",
        "qwen3-235b-a22b", "llama-7b", "llama-13b", "llama-30b", "deepseek-v3"]
 WORLDS = [1024, 8192, 65536]
 GIB = float(1 << 30)
+REPEATS = 5
 
 
 def ctl(build, *args):
@@ -86,36 +87,93 @@ def zoo_section(build, lines, rows):
                 f"{base['predicted_step_seconds']:.3f} | {a['search_seconds']:.2f} "
                 f"({wall:.2f} wall) | {'met' if pad_ok else 'missed'} | "
                 f"{'met' if fits else 'missed'} | {'met' if wall < 2 else 'missed'} |")
-    lines.append("")
+    missed = sorted({m for m, w, a, b, _ in rows
+                     if not a or a["recommendation"]["padding_pct"] >= 1.0})
+    lines += ["", f"Padding target missed for: {', '.join(missed) or 'none'}.", "",
+              "* **llama3.1-405b** cannot pad under 1 % within 80 GiB at any W. Its down_proj "
+              "[16384, 53248] has a 128-row granule of 6,815,744 elements (2^19·13) and its other "
+              "matrices 2^21, so a shard that such a tensor contains whole must be a multiple of "
+              "2^21·13 = 27,262,976 elements; a layer holds 116.9 of them. k layers over n "
+              "devices pad ⌈116.9k/n⌉·n/(116.9k) − 1, under 1 % only when n ≤ 2k, and then a "
+              "device holds at least 810 GB / n of parameters plus (prefetch + 2) unsharded units "
+              "of k layers: far more than 80 GiB. The search returns the least padding that fits "
+              "(9.4 %) and says the target is missed. Per-unit shard groups, or a granule that "
+              "does not cut down_proj's 128-row bands, would be needed.",
+              "* **deepseek-v3** meets it through `lead=4`: the three dense layers and the first "
+              "MoE layer form one unit. Alone, each dense layer pads 1,349 % over 128 devices "
+              "(the lcm of its granules, 66 M elements, exceeds its 4.6 M share per device); "
+              "merged, the unit is large enough for that lcm. Without lead groupings the best "
+              "fitting candidate padded 3.54 % (an earlier run of this report).", ""]
 
 
 def amsp_section(build, lines):
     lines += ["## LLaMA-7B, 13B and 30B on 1024 GPUs (128 nodes × 8): ours and AMSP's", "",
               "Ours: `ragshardctl advise --model M --cluster profiles/h100-8x-nvlink-ib400.json "
-              "--world 1024 --granule rows:128 --tokens-per-step 4194304` over the whole AMSP "
-              "space (p ≤ g ≤ os, each a within-node × across-node shape), and with "
-              "`--executable` (p = g = os, what the data plane runs today). ZeRO-3 is "
-              "`k=1,shard=8x128`.", "",
-              "| model | ours (AMSP space) | step s | memory | ours (executable) | step s | "
-              "ZeRO-3 step s | ZeRO-3 memory |", "|---|---|---:|---:|---|---:|---:|---:|"]
+              "--world 1024 --granule element --tokens-per-step 1024×T` for T tokens per device "
+              "(AMSP shards flat parameters with no block granule, so neither do we here), over "
+              "the whole AMSP space (p ≤ g ≤ os, each a within-node × across-node shape); "
+              "`--executable` restricts it to p = g = os, what the data plane runs today. ZeRO-3 "
+              "is `simulate --strategy k=1,shard=8x128`.", "",
+              "| model | tokens/device | ours (AMSP space) | step s | exposed comm s | memory | "
+              "ours (executable) | step s | ZeRO-3 step s | ZeRO-3 exposed s |",
+              "|---|---:|---|---:|---:|---:|---|---:|---:|---:|"]
+    speedups, exposed_4096 = {}, []
     for model in ["llama-7b", "llama-13b", "llama-30b"]:
-        r, _ = ctl(build, "advise", "--model", model, "--cluster", H100, "--world", "1024",
-                   "--granule", "rows:128", "--tokens-per-step", "4194304", "--json",
-                   "--max-rejected", "0")
-        a = json.loads(r.stdout)["recommendation"]
-        r, _ = ctl(build, "advise", "--model", model, "--cluster", H100, "--world", "1024",
-                   "--granule", "rows:128", "--tokens-per-step", "4194304", "--json",
-                   "--max-rejected", "0", "--executable")
-        e = json.loads(r.stdout)["recommendation"]
-        r, _ = ctl(build, "simulate", "--model", model, "--cluster", H100, "--world", "1024",
-                   "--granule", "rows:128", "--tokens-per-step", "4194304", "--json",
-                   "--strategy", "k=1,shard=8x128")
-        z = json.loads(r.stdout)
-        lines.append(f"| {model} | `{a['strategy']['spec']}` | {a['predicted_step_seconds']:.3f} "
-                     f"| {a['memory_bytes'] / GIB:.1f} GiB | `{e['strategy']['spec']}` | "
-                     f"{e['predicted_step_seconds']:.3f} | {z['predicted_step_seconds']:.3f} | "
-                     f"{z['memory_bytes'] / GIB:.1f} GiB |")
-    lines.append("")
+        for tokens in [512, 4096]:
+            common = ["--model", model, "--cluster", H100, "--world", "1024", "--granule",
+                      "element", "--tokens-per-step", str(1024 * tokens), "--json"]
+            r, _ = ctl(build, "advise", *common, "--max-rejected", "0")
+            a = json.loads(r.stdout)["recommendation"]
+            r, _ = ctl(build, "advise", *common, "--max-rejected", "0", "--executable")
+            e = json.loads(r.stdout)["recommendation"]
+            r, _ = ctl(build, "simulate", *common, "--strategy", "k=1,shard=8x128")
+            z = json.loads(r.stdout)
+            zexp = z["predicted_step_seconds"] - sum(
+                u["forward_seconds"] + u["backward_seconds"] for u in z["units"])
+            lines.append(
+                f"| {model} | {tokens} | `{a['strategy']['spec']}` | "
+                f"{a['predicted_step_seconds']:.3f} | {a['exposed_comm_seconds']:.3f} | "
+                f"{a['memory_bytes'] / GIB:.1f} GiB | `{e['strategy']['spec']}` | "
+                f"{e['predicted_step_seconds']:.3f} | {z['predicted_step_seconds']:.3f} | "
+                f"{zexp:.3f} |")
+            if tokens == 512:
+                speedups[model] = (z["predicted_step_seconds"] / a["predicted_step_seconds"],
+                                   a["strategy"]["spec"])
+            else:
+                exposed_4096.append(zexp)
+    sp = ", ".join(f"{m} {v[0]:.2f}×" for m, v in speedups.items())
+    lines += ["", "**AMSP's side.** Through the workplace's search we found the AMSP paper's "
+              "abstract (arXiv 2311.00257: independent Full-Replica, Full-Sharding or "
+              "Partial-Sharding for parameters, gradients and optimizer states, each with its own "
+              "device mesh, chosen by a cost model under a memory constraint; up to 52 % MFU for "
+              "LLaMA models on 1024 GPUs; 1.4–12.7× the throughput of MiCS and ZeRO++) but not "
+              "its table of the strategies chosen per model, nor its hardware and batch settings "
+              "(searches for the table in the pages, docs and issues corpora returned only the "
+              "abstract). We do not quote figures we could not read, so the comparison is with "
+              "what the abstract states.", "",
+              "Point by point:", "",
+              f"* **Agree: separate factors beat uniform ZeRO-3 when communication is exposed.** "
+              f"With 512 tokens per device the search picks P replicated (`p=1x1`) and G/OS "
+              f"sharded, and predicts {sp} the step rate of ZeRO-3. AMSP reports 1.4× and more "
+              f"over MiCS and ZeRO++ (other baselines, measured, where ours is predicted).",
+              "* **Agree on the shape.** The winners keep the parameters replicated or inside a "
+              "node and shard the optimizer states widest (p ≤ g ≤ os, AMSP's dependency rule), "
+              "which is AMSP's Partial-Sharding / Full-Replica split.",
+              f"* **Differ: at 4096 tokens per device the choice barely matters on H100.** Our "
+              f"model hides ZeRO-3's traffic behind compute (exposed "
+              f"{min(exposed_4096):.3f}–{max(exposed_4096):.3f} s), so the search falls back "
+              "to the fewest bytes and the least memory. AMSP's gains come from a "
+              "communication-bound regime; whether theirs was one we cannot tell without its "
+              "settings.",
+              "* **Differ: gradients travel in fp32** (the data plane reduces in fp32), twice "
+              "the volume of a bf16 reduce-scatter and all-reduce, so gradient traffic weighs "
+              "twice what it would in a bf16 model.",
+              "* **Differ: we add unit grouping, prefetch depth, and padding from the real "
+              "planner** (zero here with element granules; decisive with rows:128, see the zoo "
+              "table). AMSP has no block granule.",
+              "* **Differ: what runs.** AMSP executes separate factors; ragshard's data plane runs "
+              "p = g = os (the `executable` column), so the separate-factor recommendation is "
+              "recorded in the plan and not executed yet.", ""]
 
 
 def calibration_section(build, lines):
@@ -140,13 +198,17 @@ def calibration_section(build, lines):
                "k=1,shard=2x2", "--json")
     sim = json.loads(r.stdout)
     u = next(x for x in sim["units"] if x["name"] == "layers.0")
-    bench = subprocess.run([os.path.join(build, "bench", "daemon_bench"), "--bytes", str(full)],
-                           capture_output=True, text=True, timeout=600)
-    measured = {}
-    for line in bench.stdout.splitlines():
-        f = line.split(",")
-        if len(f) == 7 and f[0] == "ragshard-daemons-2x2":
-            measured[f[1]] = float(f[4])
+    measured = {"allgather": [], "reducescatter": []}
+    errors = []
+    for _ in range(REPEATS):
+        bench = subprocess.run([os.path.join(build, "bench", "daemon_bench"), "--bytes",
+                                str(full)], capture_output=True, text=True, timeout=600)
+        if bench.returncode != 0:
+            errors.append(bench.stderr.strip()[:100])
+        for line in bench.stdout.splitlines():
+            f = line.split(",")
+            if len(f) == 7 and f[0] == "ragshard-daemons-2x2":
+                measured[f[1]].append(float(f[4]))
     lines += ["## Calibration on this machine", "",
               f"A real plan: two transformer layers of width {d} in fp32 (granule rows:8), "
               f"planned by `ragshardctl plan` for 4 ranks: S = {s} elements, so one unit's "
@@ -154,18 +216,20 @@ def calibration_section(build, lines):
               "... --cluster profiles/host-2x2-loopback.json --strategy k=1,shard=2x2` (2 daemons "
               "× 2 ranks). Measured: `bench/daemon_bench --bytes " + str(full) + "` (a planner, 2 "
               "ragshardd and 4 rank processes; each rank calls unshard / reduce_scatter through "
-              "the client library; the slowest rank's mean).", "",
-              "| operation | predicted s | measured s | measured ÷ predicted | within 25 % |",
-              "|---|---:|---:|---:|:-:|"]
+              "the client library; the slowest rank's mean), " + str(REPEATS) + " runs, each with "
+              "fresh daemons, as bench/host_profile.py measured the profile's points.", "",
+              "| operation | predicted s | measured s, median (min – max) | median ÷ predicted | "
+              "within 25 % |", "|---|---:|---:|---:|:-:|"]
     for op, key in [("all-gather", "allgather"), ("reduce-scatter", "reducescatter")]:
         pred = u["all_gather_seconds"] if key == "allgather" else u["reduce_scatter_seconds"]
-        meas = measured.get(key)
-        if meas is None:
-            lines.append(f"| {op} | {pred:.5f} | failed: {bench.stderr.strip()[:100]} | | missed |")
+        meas = sorted(measured[key])
+        if not meas:
+            lines.append(f"| {op} | {pred:.5f} | failed: {'; '.join(errors)} | | missed |")
             continue
-        ratio = meas / pred
-        lines.append(f"| {op} | {pred:.5f} | {meas:.5f} | {ratio:.2f} | "
-                     f"{'met' if abs(ratio - 1) <= 0.25 else 'missed'} |")
+        med = meas[len(meas) // 2]
+        ratio = med / pred
+        lines.append(f"| {op} | {pred:.5f} | {med:.5f} ({meas[0]:.5f} – {meas[-1]:.5f}) | "
+                     f"{ratio:.2f} | {'met' if abs(ratio - 1) <= 0.25 else 'missed'} |")
     lines.append("")
 
 

@@ -96,6 +96,7 @@ std::string StrategyName(const Strategy& s) {
                                 : absl::StrCat("k=", s.layers_per_unit, ",p=", ShapeName(s.p),
                                                ",g=", ShapeName(s.g), ",os=", ShapeName(s.os));
   if (s.prefetch != 1) absl::StrAppend(&out, ",prefetch=", s.prefetch);
+  if (s.lead > 0) absl::StrAppend(&out, ",lead=", s.lead);
   return out;
 }
 
@@ -115,6 +116,11 @@ absl::StatusOr<Strategy> ParseStrategy(absl::string_view text) {
             absl::StrCat("strategy: k='", kv[1], "' is not a layer count in [1, 4096]"));
       }
       have_k = true;
+    } else if (kv[0] == "lead") {
+      if (!absl::SimpleAtoi(kv[1], &s.lead) || s.lead < 0 || s.lead > 4096) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("strategy: lead='", kv[1], "' is not a layer count in [0, 4096]"));
+      }
     } else if (kv[0] == "prefetch") {
       if (!absl::SimpleAtoi(kv[1], &s.prefetch) || s.prefetch < 0 || s.prefetch > 8) {
         return absl::InvalidArgumentError(
@@ -134,8 +140,8 @@ absl::StatusOr<Strategy> ParseStrategy(absl::string_view text) {
       RAGSHARD_ASSIGN_OR_RETURN(s.os, ParseShape(kv[1], "os"));
       have_os = true;
     } else {
-      return absl::InvalidArgumentError(
-          absl::StrCat("strategy: unknown key '", kv[0], "' (keys: k, shard, p, g, os, prefetch)"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "strategy: unknown key '", kv[0], "' (keys: k, shard, p, g, os, prefetch, lead)"));
     }
   }
   if (!have_k) return absl::InvalidArgumentError("strategy: k (layers per unit) is missing");
@@ -193,8 +199,9 @@ ModelShape DeriveModelShape(const Inventory& inventory, absl::string_view model)
 }
 
 Inventory GroupUnits(const Inventory& inventory, int64_t k,
-                     std::vector<std::vector<std::string>>* members) {
+                     std::vector<std::vector<std::string>>* members, int64_t lead) {
   Inventory out;
+  int64_t layers_seen = 0;
   if (members != nullptr) members->clear();
   UnitSpec* open = nullptr;
   int64_t first = 0, last = 0, count = 0;
@@ -209,8 +216,16 @@ Inventory GroupUnits(const Inventory& inventory, int64_t k,
   };
   for (const UnitSpec& u : inventory.units()) {
     int64_t index = 0;
-    const bool layer = k > 1 && IsLayerUnit(u.name(), &index);
-    if (!layer || (open != nullptr && (count == k || index != last + 1))) close();
+    const bool is_layer = IsLayerUnit(u.name(), &index);
+    const bool in_lead = is_layer && layers_seen < lead;
+    if (is_layer) ++layers_seen;
+    const int64_t size = in_lead ? lead : k;
+    const bool layer = is_layer && (size > 1);
+    // The lead block closes when it is complete; groups of k do not mix with it.
+    const bool lead_done = is_layer && layers_seen == lead + 1 && lead > 0;
+    if (!layer || lead_done || (open != nullptr && (count == size || index != last + 1))) {
+      close();
+    }
     if (!layer) {
       *out.add_units() = u;
       if (members != nullptr) members->push_back({u.name()});
@@ -227,6 +242,27 @@ Inventory GroupUnits(const Inventory& inventory, int64_t k,
   }
   close();
   return out;
+}
+
+int64_t DistinctLeadingLayers(const Inventory& inventory) {
+  std::vector<const UnitSpec*> layers;
+  for (const UnitSpec& u : inventory.units()) {
+    int64_t i = 0;
+    if (IsLayerUnit(u.name(), &i)) layers.push_back(&u);
+  }
+  auto shapes = [](const UnitSpec& u) {
+    std::vector<int64_t> v;
+    for (const TensorSpec& t : u.tensors()) {
+      v.push_back(-1);
+      v.insert(v.end(), t.shape().begin(), t.shape().end());
+    }
+    return v;
+  };
+  if (layers.size() < 3) return 0;
+  const auto last = shapes(*layers.back());
+  int64_t n = 0;
+  while (n + 1 < static_cast<int64_t>(layers.size()) && shapes(*layers[n]) != last) ++n;
+  return n < static_cast<int64_t>(layers.size()) / 2 ? n : 0;
 }
 
 // Shard sizes of every grouped unit at one group size n, from the ragged planner.
@@ -297,10 +333,28 @@ absl::StatusOr<std::unique_ptr<StrategyModel>> StrategyModel::Create(const Inven
   m->tokens_per_device_ =
       static_cast<double>(options.tokens_per_step) / static_cast<double>(profile.world());
   m->options_.mfu = mfu;
-  for (int64_t k : options.layer_groupings) {
-    if (m->grouped_.count(k)) continue;
+  std::vector<int64_t> leads = {0};
+  if (options.try_lead) {
+    if (const int64_t d = DistinctLeadingLayers(inventory); d > 0) {
+      leads.push_back(d);
+      leads.push_back(d + 1);
+    }
+  }
+  std::vector<int64_t> keys;
+  if (!options.groupings_override.empty()) {
+    keys = options.groupings_override;
+  } else {
+    for (int64_t lead : leads) {
+      for (int64_t k : options.layer_groupings) keys.push_back(lead * 100000 + k);
+    }
+  }
+  for (const int64_t key : keys) {
+    if (m->grouped_.count(key)) continue;
+    const int64_t k = key % 100000, lead = key / 100000;
+    if (lead > 0 && shape.layers > 0 && lead >= shape.layers) continue;
+    m->groupings_.push_back(key);
     std::vector<std::vector<std::string>> members;
-    Inventory g = GroupUnits(inventory, k, &members);
+    Inventory g = GroupUnits(inventory, k, &members, lead);
     std::vector<double> share, frac;
     size_t next = 0;
     for (int u = 0; u < g.units_size(); ++u) {
@@ -313,8 +367,8 @@ absl::StatusOr<std::unique_ptr<StrategyModel>> StrategyModel::Create(const Inven
       share.push_back(active > 0 ? a / active : 0);
       frac.push_back(all > 0 ? mat / all : 0);
     }
-    m->compute_share_[k] = share;
-    m->matrix_fraction_[k] = frac;
+    m->compute_share_[key] = share;
+    m->matrix_fraction_[key] = frac;
     double total = 0, largest_unit = 0;
     for (const UnitSpec& u : g.units()) {
       double b = 0;
@@ -323,8 +377,8 @@ absl::StatusOr<std::unique_ptr<StrategyModel>> StrategyModel::Create(const Inven
       total += b;
       largest_unit = std::max(largest_unit, b);
     }
-    m->unpadded_[k] = {total, largest_unit};
-    m->grouped_[k] = std::move(g);
+    m->unpadded_[key] = {total, largest_unit};
+    m->grouped_[key] = std::move(g);
   }
   double largest = 0;
   for (const UnitSpec& u : inventory.units()) {
@@ -471,13 +525,13 @@ absl::StatusOr<const StrategyModel::GroupStats*> StrategyModel::Stats(int64_t k,
 absl::StatusOr<const std::vector<UnitCost>*> StrategyModel::Overlapped(
     const Strategy& s, double* step, std::vector<TimelineEvent>* timeline) {
   const std::string key =
-      absl::StrCat(s.layers_per_unit, "|", ShapeName(s.p), "|", ShapeName(s.g), "|", s.prefetch);
+      absl::StrCat(s.grouping(), "|", ShapeName(s.p), "|", ShapeName(s.g), "|", s.prefetch);
   auto it = overlapped_.find(key);
   if (it != overlapped_.end() && timeline == nullptr) {
     *step = it->second.first;
     return &it->second.second;
   }
-  const int64_t k = s.layers_per_unit;
+  const int64_t k = s.grouping();
   RAGSHARD_ASSIGN_OR_RETURN(const GroupStats* sp, Stats(k, s.p.size()));
   RAGSHARD_ASSIGN_OR_RETURN(const GroupStats* sg, Stats(k, s.g.size()));
   const Inventory& g = grouped_.at(k);
@@ -557,18 +611,24 @@ absl::StatusOr<Evaluation> StrategyModel::Evaluate(const Strategy& s, bool detai
   if (s.prefetch < 0 || s.prefetch > 8) {
     return absl::InvalidArgumentError("strategy: prefetch must be in [0, 8]");
   }
-  if (!grouped_.count(s.layers_per_unit)) {
+  if (s.lead > 0 && shape_.layers > 0 && s.lead >= shape_.layers) {
+    return absl::InvalidArgumentError(absl::StrCat("strategy: lead=", s.lead,
+                                                   " leaves no layer "
+                                                   "after it (the model has ",
+                                                   shape_.layers, ")"));
+  }
+  const int64_t k = s.grouping();
+  if (!grouped_.count(k)) {
     // A grouping the search did not list (simulate): prepare it.
     CostOptions o = options_;
-    o.layer_groupings = {s.layers_per_unit};
+    o.groupings_override = {k};
     RAGSHARD_ASSIGN_OR_RETURN(auto extra, Create(inventory_, shape_, profile_, o));
-    grouped_[s.layers_per_unit] = extra->grouped_.at(s.layers_per_unit);
-    compute_share_[s.layers_per_unit] = extra->compute_share_.at(s.layers_per_unit);
-    matrix_fraction_[s.layers_per_unit] = extra->matrix_fraction_.at(s.layers_per_unit);
-    largest_matrix_[s.layers_per_unit] = extra->largest_matrix_.at(s.layers_per_unit);
-    unpadded_[s.layers_per_unit] = extra->unpadded_.at(s.layers_per_unit);
+    grouped_[k] = extra->grouped_.at(k);
+    compute_share_[k] = extra->compute_share_.at(k);
+    matrix_fraction_[k] = extra->matrix_fraction_.at(k);
+    largest_matrix_[k] = extra->largest_matrix_.at(k);
+    unpadded_[k] = extra->unpadded_.at(k);
   }
-  const int64_t k = s.layers_per_unit;
   const bool muon = options_.optimizer == OptimizerKind::kMuon;
   Evaluation e;
   e.strategy = s;
@@ -625,6 +685,10 @@ absl::StatusOr<Evaluation> StrategyModel::Evaluate(const Strategy& s, bool detai
     }
     tail += owner_seconds + update_seconds;
     compute += b.fwd_seconds + b.bwd_seconds;
+    auto ring = [](int64_t n) { return n > 1 ? static_cast<double>(n - 1) / n : 0.0; };
+    e.wire_bytes += 2 * b.ag_bytes * ring(s.p.size()) + b.rs_bytes * ring(s.g.size()) +
+                    b.ar_bytes * 2 * ring(profile_.world() / s.g.size()) + owner_bytes +
+                    update_bytes * ring(update.size());
     e.ag_bytes += 2 * b.ag_bytes;
     e.rs_bytes += b.rs_bytes;
     e.ar_bytes += b.ar_bytes;
@@ -668,7 +732,7 @@ absl::StatusOr<Evaluation> StrategyModel::Evaluate(const Strategy& s, bool detai
 }
 
 MemoryBreakdown StrategyModel::UnpaddedMemory(const Strategy& s) const {
-  const int64_t k = s.layers_per_unit;
+  const int64_t k = s.grouping();
   const bool muon = options_.optimizer == OptimizerKind::kMuon;
   MemoryBreakdown m;
   // Activations with checkpointing at layer boundaries: a bf16 [tokens, H] per layer, plus one
@@ -692,11 +756,11 @@ MemoryBreakdown StrategyModel::UnpaddedMemory(const Strategy& s) const {
 absl::Status StrategyModel::PrecomputeFor(const std::vector<Strategy>& candidates) {
   std::set<std::pair<int64_t, int64_t>> pairs;
   for (const Strategy& s : candidates) {
-    if (!grouped_.count(s.layers_per_unit)) continue;
+    if (!grouped_.count(s.grouping())) continue;
     if (UnpaddedMemory(s).total() > static_cast<double>(budget_)) continue;
-    pairs.insert({s.layers_per_unit, s.p.size()});
-    pairs.insert({s.layers_per_unit, s.g.size()});
-    pairs.insert({s.layers_per_unit, s.os.size()});
+    pairs.insert({s.grouping(), s.p.size()});
+    pairs.insert({s.grouping(), s.g.size()});
+    pairs.insert({s.grouping(), s.os.size()});
   }
   return PrecomputeStats(pairs);
 }
@@ -706,13 +770,15 @@ std::vector<Strategy> StrategyModel::Candidates() const {
   const int64_t d = profile_.devices_per_node, nodes = profile_.nodes;
   const auto intra = Chains(d, options_.whole_nodes);
   const auto inter = Chains(nodes, false);
-  for (int64_t k : options_.layer_groupings) {
-    if (shape_.layers > 0 && k > 1 && k > shape_.layers) continue;
+  for (int64_t key : groupings_) {
+    const int64_t k = key % 100000, lead = key / 100000;
+    if (shape_.layers > 0 && k > 1 && k > shape_.layers - lead) continue;
     for (const auto& a : intra) {
       for (const auto& b : inter) {
         for (int d : options_.prefetch_depths) {
           Strategy s;
           s.layers_per_unit = k;
+          s.lead = lead;
           s.p = {a[0], b[0]};
           s.g = {a[1], b[1]};
           s.os = {a[2], b[2]};
@@ -789,6 +855,19 @@ absl::StatusOr<Advice> Advise(StrategyModel* model) {
     return StrategyName(a.strategy) < StrategyName(b.strategy);
   };
   std::sort(accepted.begin(), accepted.end(), better);
+  // Within 1 % of the fastest the model cannot tell candidates apart: prefer fewer bytes sent,
+  // then less memory.
+  if (!accepted.empty()) {
+    const double limit = accepted.front().step_seconds * 1.01;
+    auto band_end = std::find_if(accepted.begin(), accepted.end(),
+                                 [&](const Evaluation& e) { return e.step_seconds > limit; });
+    std::stable_sort(accepted.begin(), band_end, [&](const Evaluation& a, const Evaluation& b) {
+      if (!any_good && a.padding_pct != b.padding_pct) return a.padding_pct < b.padding_pct;
+      if (a.wire_bytes != b.wire_bytes) return a.wire_bytes < b.wire_bytes;
+      if (a.memory.total() != b.memory.total()) return a.memory.total() < b.memory.total();
+      return StrategyName(a.strategy) < StrategyName(b.strategy);
+    });
+  }
   const size_t top = std::min(accepted.size(), static_cast<size_t>(std::max(o.top_k, 1)));
   for (size_t i = 0; i < top; ++i) advice.top.push_back(accepted[i]);
   RAGSHARD_ASSIGN_OR_RETURN(advice.recommendation,
@@ -832,6 +911,7 @@ json EvalJson(const Evaluation& e, const ClusterProfile& p) {
          {"grad_padding_pct", e.grad_padding_pct},
          {"memory_bytes", e.memory.total()},
          {"memory", MemoryJson(e.memory)},
+         {"wire_bytes_per_step", e.wire_bytes},
          {"comm_bytes_per_step", json{{"all_gather", e.ag_bytes},
                                       {"reduce_scatter", e.rs_bytes},
                                       {"all_reduce", e.ar_bytes},
@@ -1045,7 +1125,8 @@ absl::StatusOr<AutoPlan> PlanAuto(const Inventory& inventory, absl::string_view 
   out.shard = chosen.strategy.p.size();
   out.replicate = sized.world() / out.shard;
   std::vector<std::vector<std::string>> members;
-  Inventory grouped = GroupUnits(inventory, chosen.strategy.layers_per_unit, &members);
+  Inventory grouped =
+      GroupUnits(inventory, chosen.strategy.layers_per_unit, &members, chosen.strategy.lead);
   plan_options.policy = Policy::kRagged;
   plan_options.world = out.shard;
   RAGSHARD_ASSIGN_OR_RETURN(out.plan, BuildPlan(grouped, plan_options));

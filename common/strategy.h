@@ -46,11 +46,18 @@ struct Strategy {
   // Units gathered ahead of the one computing: 1 overlaps each gather with the previous
   // unit's compute; 0 gathers on demand and holds one unsharded unit less.
   int prefetch = 1;
+  // When above 0, the first `lead` layers form one unit of their own before the groups of k:
+  // for models whose first layers differ from the rest (DeepSeek-V3's 3 dense layers), whose
+  // granules would otherwise pad their own small units heavily.
+  int64_t lead = 0;
+  // One number per unit grouping, for caches.
+  int64_t grouping() const { return lead * 100000 + layers_per_unit; }
   bool uniform() const { return p == g && g == os; }
 };
 
 std::string StrategyName(const Strategy& s);
-// Parses "k=2,p=8x4,g=8x4,os=8x16" or "k=2,shard=8x4", with an optional ",prefetch=0|1|2";
+// Parses "k=2,p=8x4,g=8x4,os=8x16" or "k=2,shard=8x4", with optional ",prefetch=D" and
+// ",lead=L";
 // errors name the part.
 absl::StatusOr<Strategy> ParseStrategy(absl::string_view text);
 // The divisibility and dependency rules against a cluster of nodes x devices_per_node.
@@ -73,8 +80,12 @@ struct CostOptions {
   double flops_per_token = 0;
   // 0: the profile's.
   double mfu = 0;
-  // Candidate unit groupings.
+  // Candidate unit groupings; lead groupings are tried when the first layers differ from the
+  // rest (DistinctLeadingLayers): the distinct block alone and with one more layer.
   std::vector<int64_t> layer_groupings = {1, 2, 3, 4, 5, 6, 7, 8};
+  bool try_lead = true;
+  // Internal: exactly these grouping keys (Strategy::grouping()).
+  std::vector<int64_t> groupings_override;
   // Only p = g = os (what the data plane executes), and shard groups of whole nodes (the host
   // data plane's rule) when set.
   bool uniform_only = false;
@@ -96,8 +107,13 @@ ModelShape DeriveModelShape(const Inventory& inventory, absl::string_view model)
 // Groups consecutive "layers.<i>" units k at a time ("layers.0-3" holding the tensors of
 // layers.0..3, in order); other units stay as they are. `members` gets, per grouped unit, the
 // names of the inventory units it covers.
+// With lead > 0 the first `lead` layer units form one unit first.
 Inventory GroupUnits(const Inventory& inventory, int64_t k,
-                     std::vector<std::vector<std::string>>* members = nullptr);
+                     std::vector<std::vector<std::string>>* members = nullptr, int64_t lead = 0);
+
+// The number of leading layer units whose tensors differ from the last layer's (0 when the
+// layers are alike): the lead groupings worth trying.
+int64_t DistinctLeadingLayers(const Inventory& inventory);
 
 struct MemoryBreakdown {
   double params = 0, grads = 0, optimizer = 0, transient = 0, activations = 0;
@@ -128,6 +144,9 @@ struct Evaluation {
   MemoryBreakdown memory;
   // Per device and step, bytes each collective moves in total (the nccl-tests "size").
   double ag_bytes = 0, rs_bytes = 0, ar_bytes = 0, owner_bytes = 0, update_bytes = 0;
+  // What one device sends per step over all of them (ring: (n-1)/n of a gather's or
+  // reduce-scatter's buffer, 2(n-1)/n of an all-reduce's).
+  double wire_bytes = 0;
   std::vector<UnitCost> units;
   std::vector<TimelineEvent> timeline;
   std::string rejected;  // why the search set it aside; empty when accepted
@@ -180,6 +199,7 @@ class StrategyModel {
   int64_t budget_ = 0;
   double flops_per_token_ = 0;
   double tokens_per_device_ = 0;
+  std::vector<int64_t> groupings_;                          // grouping keys the search tries
   std::map<int64_t, Inventory> grouped_;                    // by k
   std::map<int64_t, std::vector<double>> compute_share_;    // by k: per unit, of the total
   std::map<int64_t, std::vector<double>> matrix_fraction_;  // by k: per unit
@@ -204,8 +224,10 @@ struct Advice {
   int64_t planner_runs = 0;
 };
 
-// Exhaustive search over the candidates. FAILED_PRECONDITION when nothing fits the budget,
-// naming the smallest memory any candidate needs.
+// Exhaustive search over the candidates. The fastest predicted step wins; among candidates
+// within 1 % of it (the model's resolution), the one that sends the fewest bytes (AMSP's
+// objective), then the one with the least memory. FAILED_PRECONDITION when nothing fits the
+// budget, naming the smallest memory any candidate needs.
 absl::StatusOr<Advice> Advise(StrategyModel* model);
 
 // JSON of an advice ({"recommendation": {...}, "candidates": [...], "rejected": [...]}) and of

@@ -3,7 +3,10 @@
 # in a temporary folder) and 2 daemons on loopback, trains a small decoder-only transformer with
 # 4 ranks (2 per daemon) through ragshard, shows progress, prints `ragshardctl jobs` and
 # `plan metrics`, and shuts everything down.
-#   DEMO_STEPS (default 30), DEMO_OPTIMIZER (adamw or muon), BUILD_DIR (default build).
+# The job uses policy auto: the planner's strategy search picks the shard group and unit
+# grouping for this machine's profile (profiles/host-2x2-loopback.json), shown by `plan show`.
+#   DEMO_STEPS (default 30), DEMO_OPTIMIZER (adamw or muon), DEMO_POLICY (auto, ragged),
+#   BUILD_DIR (default build).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh >/dev/null
@@ -13,22 +16,26 @@ cmake -S . -B "$BUILD_DIR" -G Ninja -DPython3_EXECUTABLE=/usr/bin/python3 >/dev/
 cmake --build "$BUILD_DIR" -j "$(nproc)" --target ragshard-planner ragshardd ragshardctl \
   ragshard_pycore >/dev/null
 export PYTHONPATH="$PWD/$BUILD_DIR/python${PYTHONPATH:+:$PYTHONPATH}"
-exec /usr/bin/python3 - "$BUILD_DIR" "${DEMO_STEPS:-30}" "${DEMO_OPTIMIZER:-adamw}" <<'PY'
+exec /usr/bin/python3 - "$BUILD_DIR" "${DEMO_STEPS:-30}" "${DEMO_OPTIMIZER:-adamw}" \
+  "${DEMO_POLICY:-auto}" <<'PY'
 import subprocess, sys
 from ragshard.cluster import LocalCluster
 
-build, steps, optimizer = sys.argv[1], sys.argv[2], sys.argv[3]
+build, steps, optimizer, policy = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
 ctl = [f"{build}/client/ragshardctl"]
-with LocalCluster(build, daemons=2, pool_bytes=512 << 20) as c:
+with LocalCluster(build, daemons=2, pool_bytes=512 << 20,
+                  cluster_profile="profiles/host-2x2-loopback.json") as c:
     print(f"== planner at {c.planner}; daemons node-0, node-1 on {c.dir}", flush=True)
     print(f"== training examples/train_tiny.py: 4 ranks over 2 daemons, {steps} steps, "
-          f"{optimizer}", flush=True)
+          f"{optimizer}, policy {policy}", flush=True)
     subprocess.run([sys.executable, "-m", "ragshard.launch", "--planner", c.planner,
                     "--job", "demo", "--nproc", "4", "--sockets", ",".join(c.sockets),
-                    "--create-job", "examples/train_tiny.py", "--steps", steps,
+                    "--create-job", "--policy", policy, "examples/train_tiny.py", "--steps", steps,
                     "--optimizer", optimizer], check=True)
     print("\n== ragshardctl jobs", flush=True)
     subprocess.run(ctl + ["--planner", c.planner, "jobs"], check=True)
+    print("\n== ragshardctl plan show demo", flush=True)
+    subprocess.run(ctl + ["--planner", c.planner, "plan", "show", "demo"], check=True)
     print("\n== ragshardctl plan metrics demo", flush=True)
     subprocess.run(ctl + ["--planner", c.planner, "plan", "metrics", "demo"], check=True)
     print("\n== shutting down", flush=True)

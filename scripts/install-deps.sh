@@ -11,7 +11,7 @@ PACKAGES=(
   libucx-dev ucx-utils
   libabsl-dev libgoogle-glog-dev libgflags-dev
   libgtest-dev libgmock-dev libbenchmark-dev
-  libsqlite3-dev sqlite3 libssl-dev openssl nlohmann-json3-dev libcli11-dev
+  libsqlite3-dev sqlite3 libssl-dev openssl nlohmann-json3-dev libcli11-dev zlib1g-dev
   libopenmpi-dev openmpi-bin libgloo-dev
   python3-numpy python3-torch python3-matplotlib pybind11-dev python3-dev python3-pytest
 )

@@ -283,6 +283,32 @@ TEST(StrategyTest, GroupUnitsGroupsConsecutiveLayersOnly) {
   EXPECT_EQ(GroupUnits(*inv, 1).units_size(), inv->units_size());
 }
 
+TEST(StrategyTest, LeadGroupingMergesTheDistinctFirstLayers) {
+  auto ds = GenerateModel("deepseek-v3");
+  ASSERT_TRUE(ds.ok());
+  EXPECT_EQ(DistinctLeadingLayers(*ds), 3);  // three dense layers, then MoE
+  auto llama = GenerateModel("llama3-8b");
+  EXPECT_EQ(DistinctLeadingLayers(*llama), 0);
+  std::vector<std::vector<std::string>> members;
+  Inventory g = GroupUnits(*ds, 1, &members, 3);
+  ASSERT_EQ(g.units_size(), 1 + 1 + 58 + 1);
+  EXPECT_EQ(g.units(1).name(), "layers.0-2");
+  EXPECT_EQ(g.units(2).name(), "layers.3");
+  EXPECT_EQ(members[1], (std::vector<std::string>{"layers.0", "layers.1", "layers.2"}));
+  g = GroupUnits(*ds, 2, &members, 4);
+  EXPECT_EQ(g.units(1).name(), "layers.0-3");
+  EXPECT_EQ(g.units(2).name(), "layers.4-5");
+  EXPECT_EQ(g.units(g.units_size() - 2).name(), "layers.60");
+  int64_t tensors = 0, before = 0;
+  for (const auto& u : g.units()) tensors += u.tensors_size();
+  for (const auto& u : ds->units()) before += u.tensors_size();
+  EXPECT_EQ(tensors, before);
+  auto s = ParseStrategy("k=2,shard=8x4,lead=4");
+  ASSERT_TRUE(s.ok());
+  EXPECT_EQ(s->lead, 4);
+  EXPECT_EQ(StrategyName(*s), "k=2,shard=8x4,lead=4");
+}
+
 TEST(StrategyTest, ABudgetNothingFitsNamesTheSmallestMemoryThatWould) {
   auto profile = ParseClusterProfile(kTinyProfile);
   ASSERT_TRUE(profile.ok());
