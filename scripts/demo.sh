@@ -30,7 +30,10 @@ with LocalCluster(build, daemons=2, pool_bytes=512 << 20,
           f"{optimizer}, policy {policy}", flush=True)
     subprocess.run([sys.executable, "-m", "ragshard.launch", "--planner", c.planner,
                     "--job", "demo", "--nproc", "4", "--sockets", ",".join(c.sockets),
-                    "--create-job", "--policy", policy, "examples/train_tiny.py", "--steps", steps,
+                    "--create-job", "--policy", policy,
+                    # train_tiny's defaults: 4 sequences of 32 tokens per rank, 4 ranks
+                    "--tokens-per-step", str(4 * 32 * 4),
+                    "examples/train_tiny.py", "--steps", steps,
                     "--optimizer", optimizer], check=True)
     print("\n== ragshardctl jobs", flush=True)
     subprocess.run(ctl + ["--planner", c.planner, "jobs"], check=True)

@@ -35,6 +35,8 @@ def parse(argv):
                    help="planning policy for --create-job: ragged, ragged-paper or auto")
     p.add_argument("--strategy", default="",
                    help="policy auto: k=K,shard=AxB instead of the planner's search")
+    p.add_argument("--tokens-per-step", type=int, default=0,
+                   help="policy auto: the global batch in tokens, for the cost model")
     p.add_argument("--token-file", default="", help="bearer token file for the planner")
     p.add_argument("script", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
@@ -61,7 +63,7 @@ def main(argv=None):
     if a.create_job:
         from ragshard import create_job
         create_job(a.planner, a.job, a.nproc // a.replicate, a.replicate, a.policy, "",
-                   a.token_file, strategy=a.strategy)
+                   a.token_file, strategy=a.strategy, tokens_per_step=a.tokens_per_step)
     per_node = a.nproc // len(a.sockets)
     procs = []
     for r in range(a.nproc):
