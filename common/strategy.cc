@@ -820,6 +820,28 @@ absl::StatusOr<Advice> Advise(StrategyModel* model) {
     if (smallest == nullptr || e.memory.total() < smallest->memory.total()) smallest = &e;
   }
   if (smallest == nullptr) return absl::InvalidArgumentError("no candidate strategy to consider");
+  Evaluation exact_smallest;
+  bool found = false;
+  if (smallest->memory.total() > budget && smallest->memory_lower_bound) {
+    // Name the true smallest: cost exactly, in order of their lower bounds, the candidates whose
+    // bound is below the best exact figure found so far.
+    std::vector<const Evaluation*> order;
+    for (const Evaluation& e : evaluated) order.push_back(&e);
+    std::sort(order.begin(), order.end(), [](const Evaluation* a, const Evaluation* b) {
+      return a->memory.total() < b->memory.total();
+    });
+    for (const Evaluation* e : order) {
+      if (found && e->memory.total() >= exact_smallest.memory.total()) {
+        break;
+      }
+      RAGSHARD_ASSIGN_OR_RETURN(Evaluation x, model->Evaluate(e->strategy));
+      if (!found || x.memory.total() < exact_smallest.memory.total()) {
+        exact_smallest = std::move(x);
+        found = true;
+      }
+    }
+    smallest = &exact_smallest;
+  }
   if (smallest->memory.total() > budget) {
     return absl::FailedPreconditionError(absl::StrFormat(
         "no strategy fits the memory budget of %s (%.0f bytes) per device; the smallest needs "

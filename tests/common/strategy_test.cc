@@ -332,6 +332,29 @@ TEST(StrategyTest, ABudgetNothingFitsNamesTheSmallestMemoryThatWould) {
   o.memory_budget_bytes = smallest - 1;
   auto not_quite = StrategyModel::Create(TinyModel(4), {64, 4, 1}, *profile, o);
   EXPECT_FALSE(Advise(not_quite->get()).ok());
+
+  // A zoo model, where most candidates are set aside by a lower bound without planning: the
+  // figure named is still the exact smallest.
+  auto inv = GenerateModel("llama-7b");
+  ASSERT_TRUE(inv.ok());
+  ApplyGranule(&*inv, {v1::GRANULE_ROWS, 128});
+  auto h100 = LoadClusterProfile(ProfilePath("h100-8x-nvlink-ib400.json"));
+  ASSERT_TRUE(h100.ok());
+  const ModelShape shape = DeriveModelShape(*inv, "llama-7b");
+  auto advise_with = [&](int64_t budget) {
+    CostOptions c;
+    c.memory_budget_bytes = budget;
+    auto model = StrategyModel::Create(*inv, shape, *h100, c);
+    EXPECT_TRUE(model.ok());
+    return Advise(model->get());
+  };
+  auto none = advise_with(int64_t{1} << 30);
+  ASSERT_EQ(none.status().code(), absl::StatusCode::kFailedPrecondition);
+  const std::string m2(none.status().message());
+  const int64_t need = std::stoll(m2.substr(m2.find('(', m2.find("the smallest needs")) + 1));
+  EXPECT_GT(need, int64_t{1} << 30);
+  EXPECT_TRUE(advise_with(need).ok());
+  EXPECT_FALSE(advise_with(need - 1).ok());
 }
 
 TEST(StrategyTest, AdviceOnAZooModelIsRankedFitsAndExplainsRejections) {
