@@ -187,5 +187,60 @@ TEST_F(CtlTest, HelpExitsZero) {
   EXPECT_THAT(r.out, HasSubstr("plan"));
 }
 
+TEST_F(CtlTest, AdviseDeepSeekV3PrintsTheRecommendationAsJson) {
+  const std::string h100 = std::string(RAGSHARD_SOURCE_DIR) + "/profiles/h100-8x-nvlink-ib400.json";
+  Result r = Run("advise --model deepseek-v3 --cluster " + h100 + " --granule rows:128 --json");
+  ASSERT_EQ(r.code, 0) << r.err;
+  auto j = nlohmann::json::parse(r.out);
+  const auto& rec = j["recommendation"];
+  for (const char* key : {"padding_pct", "predicted_step_seconds", "memory_bytes", "strategy"}) {
+    EXPECT_TRUE(rec.contains(key)) << key;
+  }
+  EXPECT_LT(rec["padding_pct"].get<double>(), 1.0);
+  EXPECT_LE(rec["memory_bytes"].get<double>(), 80.0 * (int64_t{1} << 30));
+  EXPECT_GE(j["candidates"].size(), 1u);
+  EXPECT_EQ(j["cluster"]["world"], 1024);
+  // The human form names the recommendation too.
+  r = Run("advise --model llama-7b --cluster " + h100 + " --world 64");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("recommendation: k="));
+  EXPECT_THAT(r.out, HasSubstr("candidates considered"));
+}
+
+TEST_F(CtlTest, SimulatePrintsBreakdownTimelineAndPng) {
+  const std::string h100 = std::string(RAGSHARD_SOURCE_DIR) + "/profiles/h100-8x-nvlink-ib400.json";
+  const std::string png = dir_ + "/step.png";
+  Result r = Run("simulate --model llama-7b --cluster " + h100 +
+                 " --world 64 --strategy k=2,p=8x1,g=8x2,os=8x8 --png " + png);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("layers.0-1"));
+  EXPECT_THAT(r.out, HasSubstr("peak memory per device"));
+  EXPECT_THAT(r.out, HasSubstr("compute |"));
+  EXPECT_THAT(r.out, HasSubstr("comm    |"));
+  std::ifstream f(png, std::ios::binary);
+  std::string head(8, '\0');
+  f.read(&head[0], 8);
+  EXPECT_EQ(head, std::string("\x89PNG\r\n\x1a\n", 8));
+}
+
+TEST_F(CtlTest, StrategyCommandsRejectBadInput) {
+  const std::string h100 = std::string(RAGSHARD_SOURCE_DIR) + "/profiles/h100-8x-nvlink-ib400.json";
+  ExpectBadInput("advise --model llama-7b", "--cluster");
+  ExpectBadInput("advise --model llama-7b --cluster /nonexistent.json", "--cluster");
+  ExpectBadInput("advise --model llama-7b --cluster " + Write("p.json", "{\"name\": 1}"), "name");
+  ExpectBadInput("advise --model llama-7b --cluster " + h100 + " --optimizer sgd", "--optimizer");
+  ExpectBadInput("advise --model llama-7b --cluster " + h100 + " --memory-budget lots",
+                 "--memory-budget");
+  ExpectBadInput("advise --model llama-7b --cluster " + h100 + " --world 12", "--world");
+  ExpectBadInput("advise --model nope --cluster " + h100, "unknown model");
+  ExpectBadInput("simulate --model llama-7b --cluster " + h100 + " --strategy k=1,shard=3x1",
+                 "--strategy");
+  ExpectBadInput("simulate --model llama-7b --cluster " + h100 + " --strategy bogus", "--strategy");
+  // Nothing fits: exit code 1 and the smallest memory named.
+  Result r = Run("advise --model llama-7b --cluster " + h100 + " --memory-budget 1GiB");
+  EXPECT_EQ(r.code, 1);
+  EXPECT_THAT(r.err, HasSubstr("the smallest needs"));
+}
+
 }  // namespace
 }  // namespace ragshard

@@ -21,8 +21,10 @@ using ::testing::HasSubstr;
 class DaemonE2E : public ::testing::Test {
  protected:
   void SetUp() override {
-    planner_ = testing::PlannerProcess::Start(RAGSHARD_PLANNER_PATH, dir_.path(),
-                                              {"--node-timeout-ms", "1500"});
+    planner_ = testing::PlannerProcess::Start(
+        RAGSHARD_PLANNER_PATH, dir_.path(),
+        {"--node-timeout-ms", "1500", "--cluster-profile",
+         std::string(RAGSHARD_SOURCE_DIR) + "/profiles/host-2x2-loopback.json"});
     ASSERT_FALSE(planner_.address.empty());
     PlannerClientOptions o;
     o.address = planner_.address;
@@ -115,6 +117,43 @@ TEST_F(DaemonE2E, HsdpShardGroupPerDaemonMatchesTheReference) {
     EXPECT_EQ(Exit(ranks[r]), 0) << "rank " << r << ": "
                                  << testing::ReadAll(dir_.path() + "/rank" + std::to_string(r) +
                                                      ".log");
+  }
+}
+
+TEST_F(DaemonE2E, PolicyAutoPlansMatchTheReference) {
+  // The planner's search (and a pinned strategy that groups both layers into one unit with a
+  // shard group per daemon) on this machine's profile; the ranks check every operation against
+  // the reference on whatever plan and mesh the planner chose.
+  for (const std::string strategy : {"k=2,shard=2x1", ""}) {
+    const std::string job = strategy.empty() ? "auto" : "auto-pinned";
+    v1::CreateJobRequest req;
+    req.set_job_id(job);
+    req.mutable_mesh()->set_shard_size(4);
+    req.mutable_mesh()->set_replicate_size(1);
+    req.mutable_options()->set_policy("auto");
+    req.mutable_options()->set_strategy(strategy);
+    ASSERT_TRUE(client_->CreateJob(req).ok());
+    auto ranks = SpawnRanks(job, "check");
+    for (int r = 0; r < 4; ++r) {
+      EXPECT_EQ(Exit(ranks[r]), 0)
+          << job << " rank " << r << ": "
+          << testing::ReadAll(dir_.path() + "/rank" + std::to_string(r) + ".log");
+    }
+    auto plan = client_->WaitForPlan(job, 10s);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    auto got = client_->GetJob(job);
+    ASSERT_TRUE(got.ok());
+    EXPECT_EQ(got->mesh().shard_size(), plan->world_size());
+    EXPECT_EQ(got->mesh().shard_size() * got->mesh().replicate_size(), 4);
+    EXPECT_THAT(plan->strategy().executed(), ::testing::StartsWith("k="));
+    if (!strategy.empty()) {
+      EXPECT_EQ(plan->strategy().executed(), strategy);
+      EXPECT_EQ(got->mesh().replicate_size(), 2);
+      ASSERT_GE(plan->units_size(), 1);
+      EXPECT_EQ(plan->units(0).unit(), "layers.0-1");
+      EXPECT_THAT(plan->units(0).members(), ::testing::ElementsAre("layers.0", "layers.1"));
+    }
+    ASSERT_TRUE(client_->DeleteJob(job).ok());
   }
 }
 
