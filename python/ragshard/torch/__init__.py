@@ -52,7 +52,7 @@ class ShardedModule(torch.nn.Module):
     """`module` with its parameters in ragshard buffers; see the module docstring."""
 
     def __init__(self, module, client, units, granule=None, optimizer=None, param_dtype="fp32",
-                 reshard_after_forward=True, prefetch=True, register=True, quantize=None,
+                 reshard_after_forward=True, prefetch=None, register=True, quantize=None,
                  world=None):
         super().__init__()
         if param_dtype not in _DTYPES:
@@ -117,6 +117,10 @@ class ShardedModule(torch.nn.Module):
         client.attach()
         self.plan = plan_of(client)
         self._group_units()
+        if self.prefetch is None:
+            # Policy auto chose a prefetch depth with the rest of the strategy; else prefetch.
+            executed = self.plan.get("strategy", {}).get("executed", "")
+            self.prefetch = "prefetch=0" not in executed.split(",")
         self.world = client.world_size
         self.rank = client.rank
         # HSDP: the plan is for a shard group of `world` ranks, repeated `replicas` times; this
