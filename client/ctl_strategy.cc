@@ -45,6 +45,8 @@ void AddCommonFlags(CLI::App* cmd, StrategyFlags* f) {
   cmd->add_option("--micro-batch-tokens", f->micro_batch_tokens,
                   "tokens per device per micro-batch, for activation memory (4096)");
   cmd->add_option("--mfu", f->mfu, "model FLOPs utilisation; default: the profile's");
+  cmd->add_option("--flops-per-token", f->flops_per_token,
+                  "training FLOPs per token; default: 6 x active non-embedding parameters");
   cmd->add_flag("--json", f->json, "print JSON");
 }
 
@@ -89,7 +91,10 @@ std::optional<int> Load(const StrategyFlags& f, bool search, Loaded* out, std::o
   o.align_bytes = static_cast<int32_t>(f.align_bytes);
   o.tokens_per_step = f.tokens_per_step;
   o.micro_batch_tokens = f.micro_batch_tokens;
+  if (f.mfu < 0 || f.mfu > 1) return Bad(err, "--mfu: must be in (0, 1]");
+  if (f.flops_per_token < 0) return Bad(err, "--flops-per-token: must not be negative");
   o.mfu = f.mfu;
+  o.flops_per_token = f.flops_per_token;
   o.max_padding_pct = f.max_padding_pct;
   o.top_k = f.top;
   o.uniform_only = f.executable;

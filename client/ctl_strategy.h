@@ -23,6 +23,7 @@ struct StrategyFlags {
   int64_t tokens_per_step = int64_t{4} << 20;
   int64_t micro_batch_tokens = 4096;
   double mfu = 0;
+  double flops_per_token = 0;
   double max_padding_pct = 1.0;
   int top = 5;
   std::vector<int64_t> layers_per_unit;
