@@ -314,22 +314,29 @@ absl::StatusOr<std::unique_ptr<StrategyModel>> StrategyModel::Create(const Inven
   m->budget_ =
       options.memory_budget_bytes > 0 ? options.memory_budget_bytes : profile.device_memory_bytes;
   const double mfu = options.mfu > 0 ? options.mfu : profile.mfu;
-  // Compute per unit: 6 x active parameters (routed experts count by their active fraction);
-  // embedding lookups cost nothing.
-  double active = 0;
-  std::vector<double> unit_active;
+  // One pass over the tensors: compute per unit is 6 x active parameters (routed experts count
+  // by their active fraction; embedding lookups cost nothing), plus the figures that do not
+  // depend on the grouping.
   for (const UnitSpec& u : inventory.units()) {
     double a = 0;
-    if (u.name() != "embed") {
-      for (const TensorSpec& t : u.tensors()) {
-        const bool routed = absl::StrContains(t.name(), ".experts.");
-        a += Numel(t) * (routed ? shape.active_fraction_of_experts : 1.0);
+    for (const TensorSpec& t : u.tensors()) {
+      const double numel = Numel(t);
+      if (u.name() != "embed") {
+        a += numel *
+             (absl::StrContains(t.name(), ".experts.") ? shape.active_fraction_of_experts : 1.0);
+      }
+      m->inventory_elems_ += numel;
+      m->newton_schulz_flops_ += NewtonSchulzFlops(t);
+      if (t.optimizer() == v1::OPTIMIZER_MATRIX && t.shape_size() >= 2) {
+        const int r = t.shape_size();
+        m->largest_matrix_ = std::max(m->largest_matrix_, static_cast<double>(t.shape(r - 1)) *
+                                                              static_cast<double>(t.shape(r - 2)));
       }
     }
-    unit_active.push_back(a);
-    active += a;
+    m->unit_active_.push_back(a);
+    m->active_ += a;
   }
-  m->flops_per_token_ = options.flops_per_token > 0 ? options.flops_per_token : 6 * active;
+  m->flops_per_token_ = options.flops_per_token > 0 ? options.flops_per_token : 6 * m->active_;
   m->tokens_per_device_ =
       static_cast<double>(options.tokens_per_step) / static_cast<double>(profile.world());
   m->options_.mfu = mfu;
@@ -340,63 +347,44 @@ absl::StatusOr<std::unique_ptr<StrategyModel>> StrategyModel::Create(const Inven
       leads.push_back(d + 1);
     }
   }
-  std::vector<int64_t> keys;
-  if (!options.groupings_override.empty()) {
-    keys = options.groupings_override;
-  } else {
-    for (int64_t lead : leads) {
-      for (int64_t k : options.layer_groupings) keys.push_back(lead * 100000 + k);
-    }
-  }
-  for (const int64_t key : keys) {
-    if (m->grouped_.count(key)) continue;
-    const int64_t k = key % 100000, lead = key / 100000;
+  for (int64_t lead : leads) {
     if (lead > 0 && shape.layers > 0 && lead >= shape.layers) continue;
-    m->groupings_.push_back(key);
-    std::vector<std::vector<std::string>> members;
-    Inventory g = GroupUnits(inventory, k, &members, lead);
-    std::vector<double> share, frac;
-    size_t next = 0;
-    for (int u = 0; u < g.units_size(); ++u) {
-      double a = 0, mat = 0, all = 0;
-      for (size_t j = 0; j < members[u].size(); ++j) a += unit_active[next++];
-      for (const TensorSpec& t : g.units(u).tensors()) {
-        all += Numel(t);
-        if (t.optimizer() == v1::OPTIMIZER_MATRIX) mat += Numel(t);
-      }
-      share.push_back(active > 0 ? a / active : 0);
-      frac.push_back(all > 0 ? mat / all : 0);
+    for (int64_t k : options.layer_groupings) {
+      const int64_t key = lead * 100000 + k;
+      if (m->grouped_.count(key)) continue;
+      m->groupings_.push_back(key);
+      m->AddGrouping(key);
     }
-    m->compute_share_[key] = share;
-    m->matrix_fraction_[key] = frac;
-    double total = 0, largest_unit = 0;
-    for (const UnitSpec& u : g.units()) {
-      double b = 0;
-      for (const TensorSpec& t : u.tensors())
-        b += Numel(t) * static_cast<double>(DTypeSize(t.dtype()));
-      total += b;
-      largest_unit = std::max(largest_unit, b);
-    }
-    m->unpadded_[key] = {total, largest_unit};
-    m->grouped_[key] = std::move(g);
-  }
-  double largest = 0;
-  for (const UnitSpec& u : inventory.units()) {
-    for (const TensorSpec& t : u.tensors()) {
-      if (t.optimizer() == v1::OPTIMIZER_MATRIX && t.shape_size() >= 2) {
-        const int r = t.shape_size();
-        largest = std::max(largest, static_cast<double>(t.shape(r - 1) * t.shape(r - 2)));
-      }
-    }
-  }
-  for (const auto& [k, g] : m->grouped_) m->largest_matrix_[k] = largest;
-  for (const UnitSpec& u : inventory.units()) {
-    for (const TensorSpec& t : u.tensors()) m->newton_schulz_flops_ += NewtonSchulzFlops(t);
-  }
-  for (const UnitSpec& u : inventory.units()) {
-    for (const TensorSpec& t : u.tensors()) m->inventory_elems_ += Numel(t);
   }
   return m;
+}
+
+// Groups the inventory for one grouping key (Strategy::grouping()) and derives what the cost
+// model needs of it.
+void StrategyModel::AddGrouping(int64_t key) {
+  const int64_t k = key % 100000, lead = key / 100000;
+  std::vector<std::vector<std::string>> members;
+  Inventory g = GroupUnits(inventory_, k, &members, lead);
+  std::vector<double> share, frac;
+  double total = 0, largest_unit = 0;
+  size_t next = 0;
+  for (int u = 0; u < g.units_size(); ++u) {
+    double a = 0, mat = 0, all = 0, bytes = 0;
+    for (size_t j = 0; j < members[u].size(); ++j) a += unit_active_[next++];
+    for (const TensorSpec& t : g.units(u).tensors()) {
+      all += Numel(t);
+      if (t.optimizer() == v1::OPTIMIZER_MATRIX) mat += Numel(t);
+      bytes += Numel(t) * static_cast<double>(DTypeSize(t.dtype()));
+    }
+    share.push_back(active_ > 0 ? a / active_ : 0);
+    frac.push_back(all > 0 ? mat / all : 0);
+    total += bytes;
+    largest_unit = std::max(largest_unit, bytes);
+  }
+  compute_share_[key] = std::move(share);
+  matrix_fraction_[key] = std::move(frac);
+  unpadded_[key] = {total, largest_unit};
+  grouped_[key] = std::move(g);
 }
 
 // The distinct units of a grouping: units with the same (dtype, numel, granule) lists plan the
@@ -618,17 +606,7 @@ absl::StatusOr<Evaluation> StrategyModel::Evaluate(const Strategy& s, bool detai
                                                    shape_.layers, ")"));
   }
   const int64_t k = s.grouping();
-  if (!grouped_.count(k)) {
-    // A grouping the search did not list (simulate): prepare it.
-    CostOptions o = options_;
-    o.groupings_override = {k};
-    RAGSHARD_ASSIGN_OR_RETURN(auto extra, Create(inventory_, shape_, profile_, o));
-    grouped_[k] = extra->grouped_.at(k);
-    compute_share_[k] = extra->compute_share_.at(k);
-    matrix_fraction_[k] = extra->matrix_fraction_.at(k);
-    largest_matrix_[k] = extra->largest_matrix_.at(k);
-    unpadded_[k] = extra->unpadded_.at(k);
-  }
+  if (!grouped_.count(k)) AddGrouping(k);  // a grouping the search did not list (simulate)
   const bool muon = options_.optimizer == OptimizerKind::kMuon;
   Evaluation e;
   e.strategy = s;
@@ -642,7 +620,7 @@ absl::StatusOr<Evaluation> StrategyModel::Evaluate(const Strategy& s, bool detai
   }
   mem.activations = lower.activations;
   const double in_flight = s.prefetch + 2;
-  const double muon_transient = muon ? largest_matrix_.at(k) * 4 * 3 : 0;
+  const double muon_transient = muon ? muon_owner_bytes() : 0;
   RAGSHARD_ASSIGN_OR_RETURN(const GroupStats* sp, Stats(k, s.p.size()));
   RAGSHARD_ASSIGN_OR_RETURN(const GroupStats* sg, Stats(k, s.g.size()));
   RAGSHARD_ASSIGN_OR_RETURN(const GroupStats* so, Stats(k, s.os.size()));
@@ -749,7 +727,7 @@ MemoryBreakdown StrategyModel::UnpaddedMemory(const Strategy& s) const {
       elems * (muon ? kMuonStateBytes : kAdamStateBytes) / static_cast<double>(s.os.size());
   // The unsharded parameters of the units in flight (the one computing and those prefetched)
   // and one unsharded gradient; Muon's owner holds a whole fp32 matrix and its iterates.
-  m.transient = (s.prefetch + 2) * largest + (muon ? largest_matrix_.at(k) * 4 * 3 : 0);
+  m.transient = (s.prefetch + 2) * largest + (muon ? muon_owner_bytes() : 0);
   return m;
 }
 

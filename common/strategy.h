@@ -84,8 +84,6 @@ struct CostOptions {
   // rest (DistinctLeadingLayers): the distinct block alone and with one more layer.
   std::vector<int64_t> layer_groupings = {1, 2, 3, 4, 5, 6, 7, 8};
   bool try_lead = true;
-  // Internal: exactly these grouping keys (Strategy::grouping()).
-  std::vector<int64_t> groupings_override;
   // Only p = g = os (what the data plane executes), and shard groups of whole nodes (the host
   // data plane's rule) when set.
   bool uniform_only = false;
@@ -186,6 +184,7 @@ class StrategyModel {
   struct Signatures;  // per k: the distinct units
   StrategyModel() = default;
   void PrepareSignatures(int64_t k);
+  void AddGrouping(int64_t key);
   absl::Status PrecomputeStats(const std::set<std::pair<int64_t, int64_t>>& pairs);
   MemoryBreakdown UnpaddedMemory(const Strategy& s) const;
   absl::StatusOr<const GroupStats*> Stats(int64_t k, int64_t n);
@@ -203,15 +202,18 @@ class StrategyModel {
   std::map<int64_t, Inventory> grouped_;                    // by k
   std::map<int64_t, std::vector<double>> compute_share_;    // by k: per unit, of the total
   std::map<int64_t, std::vector<double>> matrix_fraction_;  // by k: per unit
-  std::map<int64_t, double> largest_matrix_;                // by k (constant, kept simple)
-  std::map<int64_t, std::pair<double, double>> unpadded_;   // by k: total and largest unit bytes
+  double largest_matrix_ = 0;                               // elements of the largest matrix
+  // Muon's owner holds the largest matrix's fp32 gradient and two Newton-Schulz iterates.
+  double muon_owner_bytes() const { return largest_matrix_ * 4 * 3; }
+  std::vector<double> unit_active_;  // active parameters per inventory unit
+  double active_ = 0;
+  std::map<int64_t, std::pair<double, double>> unpadded_;  // by k: total and largest unit bytes
   std::map<std::pair<int64_t, int64_t>, std::unique_ptr<GroupStats>> stats_;
   std::map<int64_t, std::unique_ptr<Signatures>> signatures_;
   std::map<std::string, std::pair<double, std::vector<UnitCost>>> overlapped_;
   int64_t planner_runs_ = 0;
   double newton_schulz_flops_ = 0;
   double inventory_elems_ = 0;
-  double inventory_elems() const { return inventory_elems_; }
 };
 
 struct Advice {

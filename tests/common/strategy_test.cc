@@ -164,8 +164,12 @@ TEST(StrategyTest, DependencyRulesAreNeverViolated) {
             EXPECT_EQ(b.inter % a.inter, 0) << StrategyName(s);
             EXPECT_LE(a.size(), b.size()) << StrategyName(s);
           }
-          if (uniform) EXPECT_TRUE(s.uniform()) << StrategyName(s);
-          if (whole) EXPECT_EQ(s.p.intra, sized->devices_per_node) << StrategyName(s);
+          if (uniform) {
+            EXPECT_TRUE(s.uniform()) << StrategyName(s);
+          }
+          if (whole) {
+            EXPECT_EQ(s.p.intra, sized->devices_per_node) << StrategyName(s);
+          }
           EXPECT_TRUE(names.insert(StrategyName(s)).second) << "duplicate " << StrategyName(s);
           EXPECT_TRUE((*m)->Evaluate(s).ok()) << StrategyName(s);
         }
