@@ -1,8 +1,7 @@
-#!/usr/bin/python3
 """Runs the collective benchmarks side by side in one run and writes
 docs/benchmarks/collectives.md.
 
-    /usr/bin/python3 bench/collectives_report.py [--build build] [--max-mib 256]
+    .venv/bin/python bench/collectives_report.py [--build build] [--max-mib 256]
 
 Rows come from bench/collectives_bench (ragshard over UCX), bench/mpi_collectives under
 mpirun (OpenMPI, tcp or its default shared memory) and bench/gloo_collectives (Gloo tcp),
@@ -193,7 +192,7 @@ def main():
     md.append("\n## Raw rows\n\n```\nimpl,op,members,bytes,seconds,algbw_GBps,busbw_GBps")
     for row in rows:
         md.append(",".join(str(x) for x in row))
-    md.append("```\n\n## Reproduce\n\n```\nbash scripts/test.sh\n/usr/bin/python3 "
+    md.append("```\n\n## Reproduce\n\n```\nbash scripts/test.sh\n.venv/bin/python "
               "bench/collectives_report.py --build build --max-mib 256\n```\n")
     with open(args.out, "w") as f:
         f.write("\n".join(md) + "\n")

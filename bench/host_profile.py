@@ -1,4 +1,3 @@
-#!/usr/bin/python3
 """Measures this machine as a cluster profile for the strategy search: profiles/host-2x2-loopback.json.
 
 Runs the project's collectives benchmark through the daemons (bench/daemon_bench: a planner, two
@@ -6,13 +5,14 @@ ragshardd 'nodes' on 127.0.0.1 and their rank processes, unshard / reduce_scatte
 client library) and a one-thread torch matmul for the compute rate, and writes every figure with
 its source (this run). The all-reduce and broadcast curves are derived, and marked so.
 
-    /usr/bin/python3 bench/host_profile.py --build build
+    .venv/bin/python bench/host_profile.py --build build
 """
 import argparse
 import datetime
 import json
 import os
 import subprocess
+import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -93,7 +93,7 @@ def main():
                                 "assumption": "a quarter of this machine's 24 GiB for each of "
                                               "the 4 training processes"},
         "peak_flops": {"value": round(flops, -6),
-                       "source": f"measured by bench/host_profile.py, {stamp}: /usr/bin/python3, "
+                       "source": f"measured by bench/host_profile.py, {stamp}: {sys.executable}, "
                                  "torch.set_num_threads(1), 512x512 fp32 matmul"},
         "mfu": {"value": 0.5, "assumption": "4 training processes share 2 cores, so each gets "
                                             "about half of one core's matmul rate"},

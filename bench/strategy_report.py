@@ -1,9 +1,8 @@
-#!/usr/bin/python3
 """Writes docs/benchmarks/strategy.md: the strategy search on the model zoo against sharding
 everything over all W, the LLaMA runs for the AMSP comparison, and the calibration of the cost
 model against the daemons on this machine. Every figure comes from running the tools here.
 
-    /usr/bin/python3 bench/strategy_report.py --build build
+    .venv/bin/python bench/strategy_report.py --build build
 """
 import argparse
 import datetime

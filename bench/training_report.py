@@ -3,7 +3,7 @@ and Muon) and through torch.distributed DDP over gloo (4 processes), plus the si
 reference, on this machine in one run. Writes docs/benchmarks/training.md and the loss plot
 docs/benchmarks/training_loss.png.
 
-    /usr/bin/python3 bench/training_report.py --build build [--steps 30]
+    .venv/bin/python bench/training_report.py --build build [--steps 30]
 """
 import argparse
 import datetime
@@ -139,7 +139,7 @@ def main():
            "compute is emulated on the CPU (the matmuls run in fp32 on dequantized weights).\n",
            "## Why the step time differs\n",
            "Both run 4 training processes on 2 cores, so run-to-run noise is several percent (an earlier run of this script measured ragshard-adamw at 1.12x DDP). What differs: DDP all-reduces gradient buckets while backward runs; ragshard re-gathers each unit before its backward (`reshard_after_forward`), reduce-scatters each unit as its gradients complete, goes through the daemon for every operation (a gRPC round trip per rank, `docs/benchmarks/collectives.md`), and steps the optimizer on shards (a quarter of the parameters per rank). Muon adds, per unit and step, a gather to the owners, Newton-Schulz on each owner (the other ranks wait for the most loaded owner) and a scatter back, plus masked element updates in Python. The quantized runs quantize and dequantize in Python on every gather; their ranks also keep an fp32 master copy of their shard and the dequantization temporaries, hence the larger RSS, and the daemon holds the byte units.\n",
-           "## Reproduce\n", "```\nbash scripts/test.sh\n/usr/bin/python3 "
+           "## Reproduce\n", "```\nbash scripts/test.sh\n.venv/bin/python "
            "bench/training_report.py --build build\n```\n"]
     with open(args.out, "w") as f:
         f.write("\n".join(md))

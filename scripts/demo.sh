@@ -12,11 +12,11 @@ cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh >/dev/null
 BUILD_DIR=${BUILD_DIR:-build}
 echo "== building (first time: several minutes)"
-cmake -S . -B "$BUILD_DIR" -G Ninja -DPython3_EXECUTABLE=/usr/bin/python3 >/dev/null
+cmake -S . -B "$BUILD_DIR" -G Ninja -DPython_EXECUTABLE="$PWD/.venv/bin/python" >/dev/null
 cmake --build "$BUILD_DIR" -j "$(nproc)" --target ragshard-planner ragshardd ragshardctl \
   ragshard_pycore >/dev/null
 export PYTHONPATH="$PWD/$BUILD_DIR/python${PYTHONPATH:+:$PYTHONPATH}"
-exec /usr/bin/python3 - "$BUILD_DIR" "${DEMO_STEPS:-30}" "${DEMO_OPTIMIZER:-adamw}" \
+exec .venv/bin/python - "$BUILD_DIR" "${DEMO_STEPS:-30}" "${DEMO_OPTIMIZER:-adamw}" \
   "${DEMO_POLICY:-auto}" <<'PY'
 import subprocess, sys
 from ragshard.cluster import LocalCluster

@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# Installs every build, test and benchmark dependency of ragshard from Debian's packages.
-# Idempotent: packages already installed are skipped, and apt-get runs only when something is
-# missing. Runs unattended as root (or through sudo when not root).
+# Installs every build, test and benchmark dependency of ragshard, idempotently:
+#   * the C++ side from Debian's packages (apt-get runs only when something is missing; as root,
+#     or through sudo when not root);
+#   * the Python side into the project's virtual environment `.venv` at the repository root,
+#     at the versions pinned in scripts/requirements.txt (pip runs only when one differs).
+# Debian's python3-torch is not used: torch comes from PyPI.
 set -euo pipefail
+cd "$(dirname "$0")/.."
 
 PACKAGES=(
   build-essential cmake ninja-build pkg-config git
@@ -13,7 +17,7 @@ PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev
   libsqlite3-dev sqlite3 libssl-dev openssl nlohmann-json3-dev libcli11-dev zlib1g-dev
   libopenmpi-dev openmpi-bin libgloo-dev
-  python3-numpy python3-torch python3-matplotlib pybind11-dev python3-dev python3-pytest
+  pybind11-dev python3-dev python3-venv
 )
 
 missing=()
@@ -24,14 +28,32 @@ for p in "${PACKAGES[@]}"; do
 done
 
 if [ ${#missing[@]} -eq 0 ]; then
-  echo "install-deps: all ${#PACKAGES[@]} packages present"
-  exit 0
+  echo "install-deps: all ${#PACKAGES[@]} Debian packages present"
+else
+  SUDO=""
+  if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+  echo "install-deps: installing ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
-SUDO=""
-if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
-echo "install-deps: installing ${missing[*]}"
-export DEBIAN_FRONTEND=noninteractive
-$SUDO apt-get update -qq
-$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
-echo "install-deps: done"
+# The Python environment. Made from Debian's interpreter, whose headers (python3-dev) the
+# extension module builds against.
+VENV=.venv
+REQ=scripts/requirements.txt
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "install-deps: creating $VENV"
+  /usr/bin/python3 -m venv "$VENV"
+fi
+stamp="$VENV/.requirements.sha256"
+want=$(sha256sum "$REQ" | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
+  echo "install-deps: $VENV matches $REQ"
+else
+  echo "install-deps: installing $REQ into $VENV (first time: torch is a large download)"
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -r "$REQ"
+  echo "$want" >"$stamp"
+fi
+"$VENV/bin/python" -c "import torch; print('install-deps: torch', torch.__version__, 'in $VENV')"

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs missing dependencies, configures, builds and runs every test through ctest.
+# Installs missing dependencies (Debian's packages, and .venv with the pinned torch), configures,
+# builds and runs every test through ctest.
 # Exits non-zero on any failure. Usage: scripts/test.sh [extra ctest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,7 +10,7 @@ BUILD_DIR=${BUILD_DIR:-build}
 JOBS=${JOBS:-$(nproc)}
 cmake -S . -B "$BUILD_DIR" -G Ninja \
   -DCMAKE_BUILD_TYPE=${CMAKE_BUILD_TYPE:-RelWithDebInfo} \
-  -DPython3_EXECUTABLE=/usr/bin/python3 \
+  -DPython_EXECUTABLE="$PWD/.venv/bin/python" \
   -DRAGSHARD_WITH_CUDA=${RAGSHARD_WITH_CUDA:-AUTO}
 cmake --build "$BUILD_DIR" -j "$JOBS"
 cd "$BUILD_DIR"

@@ -3,6 +3,9 @@
     with LocalCluster("build", daemons=2) as c:
         subprocess.run([... "--planner", c.planner, "--sockets", ",".join(c.sockets) ...])
 
+`build_dir` is a CMake build folder (its server/ragshard-planner and server/ragshardd), or None
+for the programs on PATH (as `pip install .` puts them there).
+
 Everything listens on 127.0.0.1 (the planner on a port the kernel picks, learnt from its port
 file) or on Unix sockets in a temporary directory, and is stopped (SIGTERM, then SIGKILL) on
 exit.
@@ -18,7 +21,7 @@ import time
 class LocalCluster:
     def __init__(self, build_dir, daemons=2, pool_bytes=256 << 20, workdir=None,
                  node_timeout_ms=5000, log=None, cluster_profile=None):
-        self.build = os.path.abspath(build_dir)
+        self.build = os.path.abspath(build_dir) if build_dir is not None else None
         self.cluster_profile = cluster_profile
         self.n = daemons
         self.pool_bytes = pool_bytes
@@ -32,6 +35,11 @@ class LocalCluster:
         self.log = log
 
     def _bin(self, rel):
+        if self.build is None:
+            path = shutil.which(os.path.basename(rel))
+            if path is None:
+                raise FileNotFoundError(f"{os.path.basename(rel)} is not on PATH (pip install .)")
+            return path
         path = os.path.join(self.build, rel)
         if not os.access(path, os.X_OK):
             raise FileNotFoundError(f"{path} is not built (run scripts/test.sh or cmake --build)")

@@ -1,15 +1,21 @@
 """Starts the ranks of a ragshard job on this machine.
 
-    python3 -m ragshard.launch --planner HOST:PORT --job JOB --nproc N \\
+    ragshard-launch --planner HOST:PORT --job JOB --nproc N \\
         --sockets /run/d0.sock,/run/d1.sock [--nodes node-0,node-1] [--create-job] \\
         script.py [script args...]
 
 Ranks are spread over the daemons in order: with N ranks and D sockets, daemon i gets ranks
 [i*N/D, (i+1)*N/D). Each rank runs `script.py` under the same interpreter with RAGSHARD_PLANNER,
 RAGSHARD_JOB, RAGSHARD_RANK, RAGSHARD_WORLD_SIZE, RAGSHARD_SOCKET and RAGSHARD_NODE set (read
-them with `ragshard.Env()`). `--create-job` creates the job first (mesh N/R x R with --replicate R). When a rank fails
-the others are stopped, and the launcher exits with the first failing rank's code. (torch 1.13's
-torchrun does not work on Python 3.11, hence this launcher.)
+them with `ragshard.Env()`). `--create-job` creates the job first (mesh N/R x R with --replicate R).
+When a rank fails the others are stopped, and the launcher exits with the first failing rank's
+code. (`python -m ragshard.launch` is the same program.)
+
+Ranks may also be started by torchrun, one torchrun per node, with RAGSHARD_PLANNER,
+RAGSHARD_JOB and RAGSHARD_SOCKET naming the planner, the job and that node's daemon socket:
+
+    RAGSHARD_PLANNER=HOST:PORT RAGSHARD_JOB=JOB RAGSHARD_SOCKET=/run/d0.sock \\
+        torchrun --nnodes 1 --nproc-per-node 4 script.py
 """
 import argparse
 import os
@@ -20,7 +26,7 @@ import time
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(prog="python3 -m ragshard.launch", description=__doc__,
+    p = argparse.ArgumentParser(prog="ragshard-launch", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--planner", required=True, help="planner address HOST:PORT")
     p.add_argument("--job", required=True, help="job id")

@@ -1,54 +1,37 @@
-"""Block quantization for the quantized all-gather: int8, and FP8 e4m3 emulated on the CPU
-(torch 1.13 has no float8 type: codes are the e4m3 bit patterns in uint8), with one fp32 scale
-per block.
+"""Block quantization for the quantized all-gather: int8, and FP8 e4m3 (`torch.float8_e4m3fn`),
+with one fp32 scale per block.
 
 Blocks, within one rank's shard (quantization is local to the shard): a piece of a 2-D tensor
 whose granule is a multiple of 128 rows is cut into 128 x 128 tiles (the granule keeps them
 whole); any other piece into runs of 16,384 consecutive elements.
-"""
-import warnings
 
+The codes travel as bytes: `quantize` returns int8 or float8_e4m3fn tensors, and
+`codes.view(torch.uint8)` is what goes into the byte unit of the gather.
+"""
 import torch
 
 
 BLOCK = 128
 FLAT_BLOCK = BLOCK * BLOCK
-QMAX = {"int8": 127.0, "fp8": 448.0}
-
-
-def _e4m3_table():
-    """The value of every e4m3fn code (S EEEE MMM, bias 7, no infinities; 0x7f/0xff NaN)."""
-    vals = torch.empty(256)
-    for code in range(256):
-        s, e, m = code >> 7, (code >> 3) & 0xF, code & 0x7
-        if e == 0xF and m == 0x7:
-            v = float("nan")
-        elif e == 0:
-            v = m / 8.0 * 2.0 ** -6
-        else:
-            v = (1 + m / 8.0) * 2.0 ** (e - 7)
-        vals[code] = -v if s else v
-    return vals
-
-
-E4M3 = _e4m3_table()
-_POS = E4M3[:127]                        # codes 0..126: the non-negative finite values, ascending
-_MID = (_POS[1:] + _POS[:-1]) / 2        # rounding boundaries
+CODE_DTYPE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+QMAX = {"int8": 127.0, "fp8": torch.finfo(torch.float8_e4m3fn).max}  # 448
 
 
 def encode(y, kind):
-    """Codes (uint8) of y (already divided by its block's scale, |y| <= QMAX)."""
+    """Codes of y (already divided by its block's scale, |y| <= QMAX): int8 rounded to nearest,
+    or float8_e4m3fn (torch's conversion rounds to nearest even). Values are clamped to the
+    format's range first: the conversion to e4m3fn does not saturate (out of range is NaN)."""
+    y = y.clamp(-QMAX[kind], QMAX[kind])
     if kind == "int8":
-        return y.round().clamp(-127, 127).to(torch.int8).view(torch.uint8)
-    code = torch.searchsorted(_MID, y.abs().contiguous()).to(torch.uint8)
-    return torch.where(y < 0, code | 0x80, code)
+        return y.round().to(torch.int8)
+    return y.to(torch.float8_e4m3fn)
 
 
 def decode(codes, kind):
-    """fp32 values of uint8 codes."""
-    if kind == "int8":
-        return codes.view(torch.int8).float()
-    return E4M3[codes.long()]
+    """fp32 values of codes, given as int8 / float8_e4m3fn tensors or as their bytes (uint8)."""
+    if codes.dtype == torch.uint8:
+        codes = codes.view(CODE_DTYPE[kind])
+    return codes.float()
 
 
 def shard_block_ids(unit, rank, shard_elems):
@@ -79,11 +62,10 @@ def shard_block_ids(unit, rank, shard_elems):
 
 
 def quantize(x, ids, blocks, kind):
-    """Codes (uint8, like x) and scales (fp32, `blocks`) of x by block ids (-1: padding)."""
+    """Codes (int8 or float8_e4m3fn, like x) and scales (fp32, `blocks`) of x by block ids
+    (-1: padding, coded as 0)."""
     valid = ids >= 0
-    with warnings.catch_warnings():  # torch 1.13 calls scatter_reduce beta
-        warnings.simplefilter("ignore", UserWarning)
-        amax = torch.zeros(max(blocks, 1)).scatter_reduce(0, ids[valid], x[valid].abs(), "amax")
+    amax = torch.zeros(max(blocks, 1)).scatter_reduce(0, ids[valid], x[valid].abs(), "amax")
     scale = amax / QMAX[kind]
     scale[scale == 0] = 1.0
     y = torch.where(valid, x / scale[ids.clamp_min(0)], torch.zeros_like(x))

@@ -12,16 +12,17 @@ sys.path.insert(0, os.path.join(os.environ.get("RAGSHARD_BUILD", os.path.join(RO
 from ragshard import quant  # noqa: E402
 
 
-def test_e4m3_codes_match_the_format():
-    assert quant.E4M3[0x7E] == 448.0  # the largest finite value
-    assert quant.E4M3[0x38] == 1.0
-    assert quant.E4M3[0x01] == 2.0 ** -9  # smallest subnormal
-    assert quant.E4M3[0xB8] == -1.0
-    assert torch.isnan(quant.E4M3[0x7F])
-    y = torch.tensor([448.0, 1.0, -1.0, 2.0 ** -9, 0.0, 1.07])
+def test_fp8_codes_are_e4m3fn_and_their_bytes_are_the_format():
+    y = torch.tensor([448.0, 1.0, -1.0, 2.0 ** -9, 0.0, 1.07, 460.0, -1e6])
     codes = quant.encode(y, "fp8")
-    assert codes.tolist()[:5] == [0x7E, 0x38, 0xB8, 0x01, 0x00]
-    assert float(quant.decode(codes, "fp8")[5]) == 1.125  # nearest of 1.0, 1.125
+    assert codes.dtype == torch.float8_e4m3fn
+    # S EEEE MMM, bias 7: 448 is the largest finite value, 2^-9 the smallest subnormal.
+    assert codes.view(torch.uint8).tolist()[:5] == [0x7E, 0x38, 0xB8, 0x01, 0x00]
+    back = quant.decode(codes.view(torch.uint8), "fp8")  # from the bytes that travel
+    assert float(back[5]) == 1.125  # the nearest of 1.0 and 1.125
+    assert back[6:].tolist() == [448.0, -448.0]  # clamped, never NaN
+    i8 = quant.encode(torch.tensor([126.6, -300.0]), "int8")
+    assert i8.dtype == torch.int8 and i8.tolist() == [127, -127]
 
 
 def test_blocks_of_a_banded_shard_are_128x128_tiles():

@@ -14,13 +14,15 @@ daemon's unsharded buffers, their .grad views into this rank's gradient buffers 
 adds into them in place), and the optimizers work on views of the shard and gradient-shard
 buffers. Nothing is copied in or out of the collectives.
 
-Hooks, as FSDP does them (torch 1.13 has no module backward pre-hook):
+Hooks, with the mechanisms FSDP2 uses:
 * forward pre-hook: unshard the unit (and prefetch the next one);
-* forward post-hook: reshard when `reshard_after_forward`, and hook the unit's outputs so that
+* forward post-hook: reshard when `reshard_after_forward`, and register a multi-grad hook
+  (`torch.autograd.graph.register_multi_grad_hook`, mode "any") on the unit's outputs so that
   the backward pass unshards it again before its gradients are computed;
-* post-backward: when every parameter of a unit has accumulated its gradient (hooks on the
-  AccumulateGrad nodes) the unit's gradients are reduce-scattered (avg) into the gradient shard;
-  a callback queued at the end of the backward pass issues the rest in unit order and waits.
+* post-backward: when every parameter of a unit has accumulated its gradient
+  (`Tensor.register_post_accumulate_grad_hook`) the unit's gradients are reduce-scattered (avg)
+  into the gradient shard; a callback queued at the end of the backward pass issues the rest in
+  unit order and waits.
 
 Mixed precision: `param_dtype="bf16"` gathers and computes in bf16 with fp32 master shards in
 the optimizer, gradients reduced in fp32 (FSDP2's MixedPrecisionPolicy(bf16, fp32)); the
@@ -30,7 +32,6 @@ import contextlib
 import json
 import math
 
-import numpy as np
 import torch
 
 from .. import plan_of, quant
@@ -42,10 +43,11 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _tensor(array, dtype):
-    """A torch tensor over a numpy view of a daemon buffer, without copying."""
-    if array.dtype == np.uint16:  # torch 1.13 has no uint16: reinterpret as int16 first
-        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(array)
+    """A torch tensor of `dtype` ("fp32" or "bf16") over a numpy view of a daemon buffer,
+    without copying. numpy has no bfloat16: bf16 buffers arrive as uint16 arrays and are
+    viewed as bfloat16."""
+    t = torch.from_numpy(array)
+    return t if t.dtype == _DTYPES[dtype] else t.view(_DTYPES[dtype])
 
 
 class ShardedModule(torch.nn.Module):
@@ -141,6 +143,9 @@ class ShardedModule(torch.nn.Module):
                                    f"expected {uname}")
             full = _tensor(client.unsharded(ui), param_dtype)
             grad = _tensor(client.grad(ui), param_dtype)
+            if full.dtype != _DTYPES[param_dtype] or grad.dtype != full.dtype:
+                raise RuntimeError(f"unit {uname}: the daemon's buffers are {full.dtype} / "
+                                   f"{grad.dtype}, not {param_dtype}")
             s = self.shard_elems[ui]
             lo, hi = self.pos * s, (self.pos + 1) * s
             for n, p in params:
@@ -224,7 +229,7 @@ class ShardedModule(torch.nn.Module):
         codes, scales = quant.quantize(self.masters[ui], q["own_ids"], q["B"], quantize)
         qi = q["index"]
         mine = torch.from_numpy(self.client.param_shard(qi))
-        mine[:q["S"]] = codes
+        mine[:q["S"]] = codes.view(torch.uint8)
         if q["B"]:
             mine[q["S4"]:q["S4"] + 4 * q["B"]] = scales.contiguous().view(torch.uint8)
         self.client.unshard(qi).wait()
@@ -255,12 +260,8 @@ class ShardedModule(torch.nn.Module):
             subs[-1].register_forward_hook(lambda m, inp, out, ui=ui: self._post_forward(ui, out))
         for ui, (_, _, params) in enumerate(self._units):
             for _, p in params:
-                if not p.requires_grad:
-                    continue
-                acc = p.expand_as(p).grad_fn.next_functions[0][0]
-                acc.register_hook(lambda *unused, ui=ui: self._grad_ready(ui))
-                # Keep the AccumulateGrad node alive (it is what the hook hangs on).
-                self._accs = getattr(self, "_accs", []) + [acc]
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(lambda p, ui=ui: self._grad_ready(ui))
         self._pending = [0] * len(self._units)
         self._expected = [sum(p.requires_grad for _, p in params) for _, _, params in self._units]
         self._reduced = set()
@@ -283,20 +284,17 @@ class ShardedModule(torch.nn.Module):
         if self.reshard_after_forward:
             self.client.reshard(ui).wait()
         outs = out if isinstance(out, (tuple, list)) else [out]
-        state = {"done": False}
-
-        def pre_backward(grad, ui=ui, state=state):
-            if not state["done"]:
-                state["done"] = True
-                self._start_backward()
-                if self.reshard_after_forward:
-                    self._unshard(ui)
-            return grad
-
-        for o in outs:
-            if torch.is_tensor(o) and o.requires_grad:
-                o.register_hook(pre_backward)
+        tensors = [o for o in outs if torch.is_tensor(o) and o.requires_grad]
+        if tensors:
+            # Once per backward through this forward's outputs, before the unit's gradients.
+            torch.autograd.graph.register_multi_grad_hook(
+                tensors, lambda grad, ui=ui: self._pre_backward(ui), mode="any")
         return out
+
+    def _pre_backward(self, ui):
+        self._start_backward()
+        if self.reshard_after_forward:
+            self._unshard(ui)
 
     def _start_backward(self):
         if not self._backward_started:
