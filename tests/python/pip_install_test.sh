@@ -11,9 +11,15 @@
 set -euo pipefail
 src=$(cd "$1" && pwd)
 build=$(cd "$2" && pwd)
-py=$3
+py=$(cd "$(dirname "$3")" && pwd)/$(basename "$3")
 tmp=$(mktemp -d -t ragshard-pip-XXXXXX)
-trap 'rm -rf "$tmp"' EXIT
+# Leave the build folder configured as before: its interpreter back, scikit-build-core's
+# variables (paths into a temporary wheel folder) gone.
+restore() {
+  cmake -DPython_EXECUTABLE="$py" -U 'SKBUILD*' "$build" >/dev/null || true
+  rm -rf "$tmp"
+}
+trap restore EXIT
 unset PYTHONPATH
 
 "$py" -m venv "$tmp/v"

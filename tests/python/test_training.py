@@ -152,6 +152,24 @@ def test_quantized_gathers_stay_within_two_percent(cluster, tmp_path):
         assert 0 < moved["quantized"] < 0.3 * moved["full"], moved
 
 
+def test_torchrun_ranks_match_single_process(cluster, tmp_path):
+    """Ranks started by torchrun (RANK, WORLD_SIZE, LOCAL_RANK, ... from torchrun; the planner,
+    job and daemon socket from RAGSHARD_*) train like ragshard.launch's."""
+    ragshard.create_job(cluster.planner, "torchrun", 2)
+    e = env()
+    for k in ("RAGSHARD_RANK", "RAGSHARD_WORLD_SIZE", "RAGSHARD_NODE"):
+        e.pop(k, None)
+    e.update(RAGSHARD_PLANNER=cluster.planner, RAGSHARD_JOB="torchrun",
+             RAGSHARD_SOCKET=cluster.sockets[0])
+    out = str(tmp_path / "torchrun")
+    extra = ["--steps", "5"]
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc-per-node", "2", EXAMPLE, "--out", out] + SMALL + extra,
+                       env=e, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    compare(out, run_reference(tmp_path, "torchrun", extra, world=2))
+
+
 def attach_pair(cluster, job, inventory):
     ragshard.create_job(cluster.planner, job, 2)
     clients = [ragshard.Client(cluster.planner, cluster.sockets[0], job, r, cluster.nodes[0],

@@ -47,7 +47,12 @@ def _tensor(array, dtype):
     without copying. numpy has no bfloat16: bf16 buffers arrive as uint16 arrays and are
     viewed as bfloat16."""
     t = torch.from_numpy(array)
-    return t if t.dtype == _DTYPES[dtype] else t.view(_DTYPES[dtype])
+    want = _DTYPES[dtype]
+    if t.dtype == want:
+        return t
+    if t.element_size() != want.itemsize:
+        raise RuntimeError(f"a daemon buffer of {t.dtype} cannot hold {dtype} elements")
+    return t.view(want)
 
 
 class ShardedModule(torch.nn.Module):
@@ -143,9 +148,6 @@ class ShardedModule(torch.nn.Module):
                                    f"expected {uname}")
             full = _tensor(client.unsharded(ui), param_dtype)
             grad = _tensor(client.grad(ui), param_dtype)
-            if full.dtype != _DTYPES[param_dtype] or grad.dtype != full.dtype:
-                raise RuntimeError(f"unit {uname}: the daemon's buffers are {full.dtype} / "
-                                   f"{grad.dtype}, not {param_dtype}")
             s = self.shard_elems[ui]
             lo, hi = self.pos * s, (self.pos + 1) * s
             for n, p in params:
