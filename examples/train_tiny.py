@@ -6,9 +6,14 @@ Data: synthetic token sequences from a fixed random bigram Markov chain over --v
 Step s uses a global batch of W x --batch sequences drawn from seed (--seed, s); rank r takes
 rows [r*batch, (r+1)*batch).
 
-    python3 -m ragshard.launch --planner ADDR --job J --nproc 4 --sockets S0,S1 --create-job \\
+    ragshard-launch --planner ADDR --job J --nproc 4 --sockets S0,S1 --create-job \\
         examples/train_tiny.py --steps 50
-    python3 examples/train_tiny.py --reference --world 4 --steps 50
+    python examples/train_tiny.py --reference --world 4 --steps 50
+    RANK=r WORLD_SIZE=4 python examples/train_tiny.py --ddp STORE_FILE --steps 50    # r = 0..3
+    RANK=r WORLD_SIZE=4 python examples/train_tiny.py --fsdp2 STORE_FILE --steps 50  # r = 0..3
+
+ragshard is imported from the installed package (`pip install .`) or from the build folder
+(PYTHONPATH=build/python).
 """
 import argparse
 import json
@@ -19,9 +24,6 @@ import sys
 import time
 
 import torch
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "build",
-                                "python"))
 
 
 class Block(torch.nn.Module):
@@ -106,10 +108,27 @@ def parse():
     p.add_argument("--ddp", default="", metavar="STORE_FILE",
                    help="torch.distributed DDP over gloo instead of ragshard (RANK, WORLD_SIZE "
                         "from the environment; rendezvous through this file)")
+    p.add_argument("--fsdp2", default="", metavar="STORE_FILE",
+                   help="torch FSDP2 (torch.distributed.fsdp.fully_shard on every layer, then "
+                        "the root) over gloo on a CPU device mesh instead of ragshard (RANK, "
+                        "WORLD_SIZE from the environment; rendezvous through this file)")
     p.add_argument("--world", type=int, default=0, help="W for --reference")
     p.add_argument("--out", default="", help="write losses (JSON) and final parameters (.pt)")
     p.add_argument("--quiet", action="store_true")
-    return p.parse_args()
+    a = p.parse_args()
+    for mode in ("ddp", "fsdp2"):
+        if getattr(a, mode):
+            unsupported = [flag for flag, on in (
+                ("--optimizer muon", a.optimizer != "adamw"), ("--accum", a.accum != 1),
+                ("--clip", a.clip > 0), ("--quantize", a.quantize != "none"),
+                ("--param-dtype bf16", mode == "ddp" and a.param_dtype != "fp32"),
+                ("--reference", a.reference), ("--ddp and --fsdp2", a.ddp and a.fsdp2))
+                if on]
+            if unsupported:
+                p.error(f"--{mode} does not support {', '.join(unsupported)} (AdamW, one "
+                        "micro-batch, no clipping" +
+                        (", fp32 only)" if mode == "ddp" else ")"))
+    return a
 
 
 def is_matrix(name, p):
@@ -134,7 +153,7 @@ def reference(args, model, chain):
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, args.vocab),
                                                      y.reshape(-1))
             (loss / args.accum).backward()
-            total += float(loss) / args.accum
+            total += float(loss.detach()) / args.accum
         if args.clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         adamw.step()
@@ -181,7 +200,7 @@ def sharded(args, model, chain):
                 loss = torch.nn.functional.cross_entropy(
                     logits.float().reshape(-1, args.vocab), y[rows].reshape(-1))
                 (loss / args.accum).backward()
-            total += float(loss) / args.accum
+            total += float(loss.detach()) / args.accum
             tokens += x[rows].numel() * w
         if args.clip > 0:
             fsdp.clip_grad_norm_(args.clip)
@@ -194,13 +213,16 @@ def sharded(args, model, chain):
             rate = tokens / (time.time() - t0)
             print(f"step {step + 1}/{args.steps} loss {global_loss:.6f} tokens/s {rate:,.0f}",
                   flush=True)
+    train_rss = max_rss()  # the peak through training, before gathering the full state
     state = fsdp.full_state()
     stats = client.stats()
     if r == 0 and not args.quiet:
         print(f"daemon pool: used {stats['pool_used'] / 2**20:.1f} MiB, peak "
               f"{stats['pool_peak'] / 2**20:.1f} MiB; bytes copied outside collectives: "
               f"{stats.get('staging_bytes', 0)}", flush=True)
-    extra = {"step_seconds": step_seconds, "pool_used_bytes": stats["pool_used"],
+    extra = {"step_seconds": step_seconds, "train_max_rss_bytes": train_rss,
+             "pool_used_bytes": stats["pool_used"],
+             "pool_peak_bytes": stats["pool_peak"], "node": env.node,
              "staging_bytes": stats.get("staging_bytes", 0),
              "gathered_bytes": fsdp.gathered_bytes}
     return losses, state, extra
@@ -223,14 +245,64 @@ def ddp(args, model, chain):
         opt.step()
         opt.zero_grad()
         step_seconds.append(time.time() - ts)
-        t = torch.tensor([float(loss)])
+        t = torch.tensor([float(loss.detach())])
         dist.all_reduce(t)
         losses.append(float(t) / w)
         if r == 0 and not args.quiet:
             print(f"ddp step {step + 1}/{args.steps} loss {losses[-1]:.6f}", flush=True)
+    train_rss = max_rss()
     state = {n: p.detach().clone() for n, p in model.named_parameters()}
     dist.destroy_process_group()
-    return losses, state, {"step_seconds": step_seconds}
+    return losses, state, {"step_seconds": step_seconds, "train_max_rss_bytes": train_rss}
+
+
+def fsdp2(args, model, chain):
+    """torch's FSDP2: fully_shard on every layer, then on the root, over a 1-D CPU mesh of W
+    ranks (gloo). The same seed, data, rank slices and AdamW as the other modes."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    r, w = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", init_method="file://" + args.fsdp2, rank=r, world_size=w)
+    mesh = init_device_mesh("cpu", (w,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if args.param_dtype == "bf16" else None,
+                              reduce_dtype=torch.float32)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    losses, step_seconds = [], []
+    for step in range(args.steps):
+        ts = time.time()
+        x, y = batch(chain, args.seed, step, w * args.batch, args.seq)
+        rows = slice(r * args.batch, (r + 1) * args.batch)
+        logits = model(x[rows])
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, args.vocab),
+                                                 y[rows].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        step_seconds.append(time.time() - ts)
+        t = torch.tensor([float(loss.detach())])
+        dist.all_reduce(t)
+        losses.append(float(t) / w)
+        if r == 0 and not args.quiet:
+            print(f"fsdp2 step {step + 1}/{args.steps} loss {losses[-1]:.6f}", flush=True)
+    train_rss = max_rss()
+    # Every rank takes part in each parameter's all-gather (DTensor.full_tensor()); the sharded
+    # parameters are the fp32 masters also under bf16 mixed precision.
+    state = {n: p.full_tensor().detach().float().clone() for n, p in model.named_parameters()}
+    # This rank's shard of the parameters (each DTensor is sharded on dim 0 over the mesh).
+    local = sum(p.to_local().numel() for p in model.parameters())
+    dist.destroy_process_group()
+    return losses, state, {"step_seconds": step_seconds, "train_max_rss_bytes": train_rss,
+                           "local_param_elems": local,
+                           "param_elems": sum(t.numel() for t in state.values())}
+
+
+def max_rss():
+    """This process's peak resident set so far (bytes)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 class _null:
@@ -243,6 +315,7 @@ class _null:
 
 def main():
     args = parse()
+    start_rss = max_rss()  # torch imported, no model yet
     torch.manual_seed(args.seed)
     model = TinyLM(args.vocab, args.dim, args.layers, args.heads, args.seq)
     chain = bigram_chain(args.vocab, args.seed)
@@ -255,10 +328,14 @@ def main():
     elif args.ddp:
         losses, state, extra = ddp(args, model, chain)
         rank = int(os.environ["RANK"])
+    elif args.fsdp2:
+        losses, state, extra = fsdp2(args, model, chain)
+        rank = int(os.environ["RANK"])
     else:
         losses, state, extra = sharded(args, model, chain)
-        rank = int(os.environ["RAGSHARD_RANK"])
-    extra["max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        rank = __import__("ragshard").Env().rank  # ragshard-launch or torchrun
+    extra["start_rss_bytes"] = start_rss
+    extra["max_rss_bytes"] = max_rss()
     if args.out:
         with open(f"{args.out}.rank{rank}.json", "w") as f:
             json.dump(extra, f)

@@ -142,6 +142,9 @@ class ShardedModule(torch.nn.Module):
         self.shard_elems = [client.shard_elems(u) for u in range(len(self.plan["units"]))]
         # Parameters become views of the unsharded buffers; this rank writes its own shard.
         self.matrices = []  # (unit, offset, numel, shape, owner) of optimizer: matrix tensors
+        # fp32 master shards kept by the module: bf16 parameters, or quantized gathers (whose
+        # unsharded buffer holds dequantized values). The optimizers step them.
+        masters = {}
         for ui, (uname, _, params) in enumerate(self._units):
             if self.plan["units"][ui]["unit"] != uname:
                 raise RuntimeError(f"plan unit {ui} is {self.plan['units'][ui]['unit']}, "
@@ -150,19 +153,27 @@ class ShardedModule(torch.nn.Module):
             grad = _tensor(client.grad(ui), param_dtype)
             s = self.shard_elems[ui]
             lo, hi = self.pos * s, (self.pos + 1) * s
+            # With a parameter dtype below fp32, the optimizer's fp32 master shard starts from
+            # the exact initial values (as FSDP2's sharded parameters), not from their rounding.
+            exact = torch.zeros(s) if param_dtype != "fp32" else None
             for n, p in params:
                 _, off, numel, t = by_name[n]
                 view = full[off:off + numel].view(p.shape)
                 a, b = max(off, lo), min(off + numel, hi)
                 if a < b:
-                    full[a:b].copy_(p.detach().reshape(-1)[a - off:b - off].to(full.dtype))
+                    mine = p.detach().reshape(-1)[a - off:b - off]
+                    full[a:b].copy_(mine.to(full.dtype))
+                    if exact is not None:
+                        exact[a - lo:b - lo] = mine.float()
                 p.data = view
                 p.grad = grad[off:off + numel].view(p.shape)
                 p.grad.zero_()
                 if t.get("optimizer") == "OPTIMIZER_MATRIX":
                     self.matrices.append((ui, off, numel, tuple(p.shape),
                                           int(t.get("owner_rank", -1))))
-        self.masters = {}
+            if exact is not None:
+                masters[ui] = exact
+        self.masters = masters
         for ui, q in self._q.items():
             if self.shard_elems[ui] != q["S"] or \
                     self.shard_elems[q["index"]] != q["SQ"]:
@@ -379,10 +390,12 @@ class ShardedModule(torch.nn.Module):
         return total
 
     def full_state(self):
-        """{name: tensor} of every parameter, unsharded (for checks; one all-gather per unit)."""
+        """{name: fp32 tensor} of every parameter, unsharded (for checks; one all-gather per
+        unit). The values are those the forward computes with: with param_dtype bf16, the bf16
+        rounding of the fp32 masters."""
         out = {}
         for ui, (_, _, params) in enumerate(self._units):
-            if ui in self.masters:  # exact values, not the last dequantized ones
+            if ui in self._q:  # the exact fp32 values, not the last dequantized ones
                 torch.from_numpy(self.client.param_shard(ui)).copy_(self.masters[ui])
             self.client.unshard(ui).wait()
             for n, p in params:
@@ -406,10 +419,8 @@ class ShardedAdamW:
         self.params, self.shards, self.masks = [], [], []
         for ui in model.units():
             shard, grad = model.shard(ui)
-            if ui in model.masters:
-                master = model.masters[ui]  # quantized gathers: the model keeps the master
-            else:
-                master = shard if model.param_dtype == "fp32" else shard.float()
+            # bf16 or quantized gathers: the module's fp32 master; else the shard itself.
+            master = model.masters.get(ui, shard)
             p = torch.nn.Parameter(master, requires_grad=False)
             p.grad = grad
             self.params.append(p)
