@@ -17,6 +17,11 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _torch_version():
+    import torch
+    return torch.__version__
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--build", default="build")
@@ -87,7 +92,8 @@ def main():
 
     md = ["# Training benchmark\n",
           f"Run on {datetime.date.today()} on this repository's 2-core development machine by "
-          "`bench/training_report.py`, every configuration in the same run. Model: "
+          f"`bench/training_report.py` with Python {sys.version.split()[0]} and torch "
+          f"{_torch_version()} (the project's .venv), every configuration in the same run. Model: "
           "`examples/train_tiny.py` defaults (decoder-only transformer, 4 layers, d = 256, 4 "
           "heads, vocabulary 64, 32 tokens per sequence, 4 sequences per rank, synthetic bigram "
           f"data), {args.steps} steps, W = 4 ranks: ragshard with 2 daemons × 2 ranks (planner "

@@ -8,8 +8,12 @@ FileStore in the test's temporary directory; every wait has a timeout and every 
 killed on the way out, whatever happened."""
 import json
 import os
+import queue
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -50,8 +54,16 @@ def run_ragshard(cluster, tmp_path, job, extra):
     cmd = [sys.executable, "-m", "ragshard.launch", "--planner", cluster.planner, "--job", job,
            "--nproc", str(WORLD), "--sockets", ",".join(cluster.sockets), "--create-job",
            EXAMPLE, "--out", out] + SMALL + extra
-    r = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=TIMEOUT)
-    assert r.returncode == 0, r.stdout + r.stderr
+    # A session of its own: on a timeout the launcher and the ranks it started go together.
+    p = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        text = p.communicate(timeout=TIMEOUT)[0]
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+    assert p.returncode == 0, text
     return out
 
 
@@ -70,7 +82,18 @@ def run_fsdp2(tmp_path, name, extra):
                                                         WORLD_SIZE=str(WORLD)),
                                           stdout=log, stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL))
-        codes = [p.wait(timeout=TIMEOUT) for p in procs]
+        # Wait for whichever rank ends first; when one fails, the others (which may be waiting
+        # for it in a collective) are killed at once instead of at the timeout.
+        ended = queue.Queue()
+        for p in procs:
+            threading.Thread(target=lambda p=p: ended.put(p.wait()), daemon=True).start()
+        deadline = time.monotonic() + TIMEOUT
+        try:
+            for _ in procs:
+                if ended.get(timeout=max(1.0, deadline - time.monotonic())) != 0:
+                    break
+        except queue.Empty:  # timed out: the ranks still running are killed below
+            pass
     finally:
         for p in procs:
             if p.poll() is None:
@@ -81,6 +104,7 @@ def run_fsdp2(tmp_path, name, extra):
         log.seek(0)
         texts.append(log.read())
         log.close()
+    codes = [p.returncode for p in procs]
     assert codes == [0] * WORLD, "\n".join(
         f"--- rank {r} exited with {c}:\n{t[-4000:]}" for r, (c, t) in
         enumerate(zip(codes, texts)))
