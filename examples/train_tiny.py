@@ -229,18 +229,18 @@ def sharded(args, model, chain):
     return losses, state, extra
 
 
-def ddp(args, model, chain):
+def _distributed_steps(args, net, chain, r, w, label):
+    """The training loop of the torch.distributed modes (--ddp, --fsdp2): AdamW on `net`'s
+    parameters, this rank's rows of each global batch, the loss in fp32 and its mean over the
+    ranks every step. Returns the losses and each step's seconds (forward to zero_grad)."""
     import torch.distributed as dist
-    r, w = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", init_method="file://" + args.ddp, rank=r, world_size=w)
-    net = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(net.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     losses, step_seconds = [], []
     for step in range(args.steps):
         ts = time.time()
         x, y = batch(chain, args.seed, step, w * args.batch, args.seq)
         rows = slice(r * args.batch, (r + 1) * args.batch)
-        loss = torch.nn.functional.cross_entropy(net(x[rows]).reshape(-1, args.vocab),
+        loss = torch.nn.functional.cross_entropy(net(x[rows]).float().reshape(-1, args.vocab),
                                                  y[rows].reshape(-1))
         loss.backward()
         opt.step()
@@ -250,7 +250,16 @@ def ddp(args, model, chain):
         dist.all_reduce(t)
         losses.append(float(t) / w)
         if r == 0 and not args.quiet:
-            print(f"ddp step {step + 1}/{args.steps} loss {losses[-1]:.6f}", flush=True)
+            print(f"{label} step {step + 1}/{args.steps} loss {losses[-1]:.6f}", flush=True)
+    return losses, step_seconds
+
+
+def ddp(args, model, chain):
+    import torch.distributed as dist
+    r, w = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", init_method="file://" + args.ddp, rank=r, world_size=w)
+    net = torch.nn.parallel.DistributedDataParallel(model)
+    losses, step_seconds = _distributed_steps(args, net, chain, r, w, "ddp")
     train_rss = max_rss()
     state = {n: p.detach().clone() for n, p in model.named_parameters()}
     dist.destroy_process_group()
@@ -271,24 +280,7 @@ def fsdp2(args, model, chain):
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    losses, step_seconds = [], []
-    for step in range(args.steps):
-        ts = time.time()
-        x, y = batch(chain, args.seed, step, w * args.batch, args.seq)
-        rows = slice(r * args.batch, (r + 1) * args.batch)
-        logits = model(x[rows])
-        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, args.vocab),
-                                                 y[rows].reshape(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        step_seconds.append(time.time() - ts)
-        t = torch.tensor([float(loss.detach())])
-        dist.all_reduce(t)
-        losses.append(float(t) / w)
-        if r == 0 and not args.quiet:
-            print(f"fsdp2 step {step + 1}/{args.steps} loss {losses[-1]:.6f}", flush=True)
+    losses, step_seconds = _distributed_steps(args, model, chain, r, w, "fsdp2")
     train_rss = max_rss()
     # Every rank takes part in each parameter's all-gather (DTensor.full_tensor()); the sharded
     # parameters are the fp32 masters also under bf16 mixed precision.
