@@ -60,9 +60,16 @@ int RankMain(char** argv) {
   }
   const int iters = Iterations(static_cast<size_t>(bytes));
   auto run = [&](bool gather) -> double {
+    // Each operation as training issues it: the unshard allocates the unsharded buffer where it
+    // was released; a reduce-scatter follows the allocation of the gradient buffer it releases.
     auto once = [&] {
-      auto h = gather ? c->Unshard(0) : c->ReduceScatter(0, v1::REDUCE_SUM);
-      return h.ok() && h->Wait(120s).ok();
+      if (gather) {
+        auto h = c->Unshard(0);
+        return h.ok() && h->Wait(120s).ok();
+      }
+      auto a = c->AllocateGrad(0);
+      auto h = c->ReduceScatter(0, v1::REDUCE_SUM);
+      return a.ok() && h.ok() && h->Wait(120s).ok() && a->Wait(120s).ok();
     };
     if (!once()) return -1;
     const double t0 = Now();

@@ -131,12 +131,34 @@ absl::StatusOr<absl::Span<float>> Client::OwnerBuffer(int unit) {
     return absl::InvalidArgumentError(
         absl::StrCat("unit ", unit, " does not exist (", units(), " units)"));
   }
-  if (buffers_[unit].owner_offset() < 0) {
+  if (buffers_[unit].owner_elems() == 0) {
     return absl::NotFoundError(absl::StrCat(
         "rank ", options_.rank, " owns no matrix tensor of unit '", buffers_[unit].unit(), "'"));
   }
+  if (absl::Status s = CheckAllocated(unit, buffers_[unit].owner_offset(), "owner buffer",
+                                      "gather_to_owner to scatter_from_owner");
+      !s.ok()) {
+    return s;
+  }
   return absl::Span<float>(reinterpret_cast<float*>(arena_ + buffers_[unit].owner_offset()),
-                           static_cast<size_t>(buffers_[unit].shard_elems() * plan_.world_size()));
+                           static_cast<size_t>(buffers_[unit].owner_elems()));
+}
+
+absl::Status Client::CheckAllocated(int unit, int64_t offset, const char* what,
+                                    const char* op) const {
+  if (offset >= 0) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat("unit '", buffers_[unit].unit(), "' has no ",
+                                                    what, " now: they exist from ", op,
+                                                    " (transient buffers, docs/daemon.md)"));
+}
+
+void Client::Place(int unit, const v1::UnitBuffers& placement) {
+  if (unit < 0 || unit >= units()) return;
+  v1::UnitBuffers& b = buffers_[unit];
+  b.set_unsharded_offset(placement.unsharded_offset());
+  b.set_grad_offset(placement.grad_offset());
+  b.set_owner_offset(placement.owner_offset());
+  b.set_owner_elems(placement.owner_elems());
 }
 
 absl::StatusOr<OpHandle> Client::StartOp(v1::OpKind kind, int unit, v1::ReduceKind op) {
@@ -152,7 +174,7 @@ absl::StatusOr<OpHandle> Client::StartOp(v1::OpKind kind, int unit, v1::ReduceKi
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
   grpc::Status st = daemon_->Start(&ctx, req, &resp);
   if (!st.ok()) return FromGrpcStatus(st);
-  return OpHandle(this, resp.handle());
+  return OpHandle(this, resp.handle(), unit);
 }
 
 absl::StatusOr<OpHandle> Client::Unshard(int unit) {
@@ -160,6 +182,12 @@ absl::StatusOr<OpHandle> Client::Unshard(int unit) {
 }
 absl::StatusOr<OpHandle> Client::Reshard(int unit) {
   return StartOp(v1::OP_RESHARD, unit, v1::REDUCE_SUM);
+}
+absl::StatusOr<OpHandle> Client::AllocateUnsharded(int unit) {
+  return StartOp(v1::OP_ALLOCATE_UNSHARDED, unit, v1::REDUCE_SUM);
+}
+absl::StatusOr<OpHandle> Client::AllocateGrad(int unit) {
+  return StartOp(v1::OP_ALLOCATE_GRAD, unit, v1::REDUCE_SUM);
 }
 absl::StatusOr<OpHandle> Client::ReduceScatter(int unit, v1::ReduceKind op) {
   return StartOp(v1::OP_REDUCE_SCATTER, unit, op);
@@ -206,6 +234,7 @@ absl::Status OpHandle::Wait(std::chrono::milliseconds timeout) {
     return absl::DeadlineExceededError(
         absl::StrCat("operation ", handle_, " not done after ", timeout.count(), " ms"));
   }
+  if (resp.has_placement()) client_->Place(unit_, resp.placement());
   return absl::OkStatus();
 }
 
@@ -217,6 +246,7 @@ absl::StatusOr<bool> OpHandle::Poll() {
   grpc::ClientContext ctx;
   grpc::Status st = client_->daemon_->Wait(&ctx, req, &resp);
   if (!st.ok()) return FromGrpcStatus(st);
+  if (resp.done() && resp.has_placement()) client_->Place(unit_, resp.placement());
   return resp.done();
 }
 

@@ -40,9 +40,11 @@ class OpHandle {
 
  private:
   friend class Client;
-  OpHandle(Client* client, uint64_t handle) : client_(client), handle_(handle) {}
+  OpHandle(Client* client, uint64_t handle, int unit)
+      : client_(client), handle_(handle), unit_(unit) {}
   Client* client_;
   uint64_t handle_;
+  int unit_;
 };
 
 class Client {
@@ -76,18 +78,32 @@ class Client {
   absl::StatusOr<absl::Span<T>> ParamShard(int unit) {
     return View<T>(unit, buffers_[Check(unit)].param_shard_offset(), 1);
   }
+  // The transient buffers move between allocations: a view is valid until the operation that
+  // releases it (reshard, the end of reduce_scatter), and FAILED_PRECONDITION says so outside.
   template <typename T>
   absl::StatusOr<absl::Span<T>> Unsharded(int unit) {
-    return View<T>(unit, buffers_[Check(unit)].unsharded_offset(), plan_.world_size());
+    const int64_t off = buffers_[Check(unit)].unsharded_offset();
+    if (absl::Status s =
+            CheckAllocated(Check(unit), off, "unsharded parameters", "unshard to reshard");
+        !s.ok()) {
+      return s;
+    }
+    return View<T>(unit, off, plan_.world_size());
   }
   template <typename T>
   absl::StatusOr<absl::Span<T>> Grad(int unit) {
-    return View<T>(unit, buffers_[Check(unit)].grad_offset(), plan_.world_size());
+    const int64_t off = buffers_[Check(unit)].grad_offset();
+    if (absl::Status s = CheckAllocated(Check(unit), off, "unsharded gradients",
+                                        "allocate_grad to the end of reduce_scatter");
+        !s.ok()) {
+      return s;
+    }
+    return View<T>(unit, off, plan_.world_size());
   }
   // fp32, whatever the unit's dtype.
   absl::StatusOr<absl::Span<float>> GradShard(int unit);
-  // fp32, world * shard_elems, laid out like the unsharded unit: the matrices this rank owns
-  // after GatherToOwner. NOT_FOUND when this rank owns no matrix tensor of the unit.
+  // fp32: the matrices this rank owns, packed in plan order, from GatherToOwner to
+  // ScatterFromOwner. NOT_FOUND when this rank owns no matrix tensor of the unit.
   absl::StatusOr<absl::Span<float>> OwnerBuffer(int unit);
 
   // The mapped arena, for checks that views point into the daemon's memory.
@@ -96,6 +112,10 @@ class Client {
 
   absl::StatusOr<OpHandle> Unshard(int unit);
   absl::StatusOr<OpHandle> Reshard(int unit);
+  // The unsharded parameter buffer without the all-gather (the caller fills it).
+  absl::StatusOr<OpHandle> AllocateUnsharded(int unit);
+  // The unit's gradient buffers, zero-filled unless they exist: the start of its backward.
+  absl::StatusOr<OpHandle> AllocateGrad(int unit);
   absl::StatusOr<OpHandle> ReduceScatter(int unit, v1::ReduceKind op = v1::REDUCE_AVG);
   // The gradient shards over the replicate dimension (HSDP); done at once without replicas.
   absl::StatusOr<OpHandle> AllReduce(int unit, v1::ReduceKind op = v1::REDUCE_AVG);
@@ -113,6 +133,9 @@ class Client {
   int Check(int unit) const { return unit >= 0 && unit < units() ? unit : 0; }
   absl::StatusOr<OpHandle> StartOp(v1::OpKind kind, int unit, v1::ReduceKind op);
   absl::Status CheckHostBuffers() const;
+  absl::Status CheckAllocated(int unit, int64_t offset, const char* what, const char* op) const;
+  // Applies the placement an operation on `unit` reported.
+  void Place(int unit, const v1::UnitBuffers& placement);
   absl::Status CheckView(int unit, size_t item, bool (*matches)(v1::DType)) const;
   template <typename T>
   absl::StatusOr<absl::Span<T>> View(int unit, int64_t offset, int64_t count_per_shard);

@@ -97,11 +97,12 @@ int main(int argc, char** argv) {
   const auto& unit = c.plan().units(0);
   int64_t off[3];
   for (int t = 0; t < 3; ++t) off[t] = unit.tensors(t).offset();
+  // The shards persist; the unsharded parameters and gradients are views taken after the
+  // operations that allocate them (unshard, allocate_grad), valid until reshard and the end of
+  // reduce_scatter.
   auto shard = c.ParamShard<float>(0);
-  auto full = c.Unsharded<float>(0);
-  auto grad = c.Grad<float>(0);
   auto gshard = c.GradShard(0);
-  if (!shard.ok() || !full.ok() || !grad.ok() || !gshard.ok()) {
+  if (!shard.ok() || !gshard.ok()) {
     return Fail(absl::InternalError("views"), "views");
   }
   const int64_t s = unit.shard_elems(), lo = rank * s;
@@ -119,13 +120,19 @@ int main(int argc, char** argv) {
     auto u = c.Unshard(0);
     if (!u.ok()) return Fail(u.status(), "unshard");
     if (absl::Status st = u->Wait(); !st.ok()) return Fail(st, "unshard");
+    auto ag = c.AllocateGrad(0);
+    if (!ag.ok()) return Fail(ag.status(), "allocate_grad");
+    if (absl::Status st = ag->Wait(); !st.ok()) return Fail(st, "allocate_grad");
+    auto full = c.Unsharded<float>(0);
+    auto grad = c.Grad<float>(0);
+    if (!full.ok()) return Fail(full.status(), "unsharded view");
+    if (!grad.ok()) return Fail(grad.status(), "gradient view");
     const float* w1 = full->data() + off[0];
     const float* b1 = full->data() + off[1];
     const float* w2 = full->data() + off[2];
     float* gw1 = grad->data() + off[0];
     float* gb1 = grad->data() + off[1];
     float* gw2 = grad->data() + off[2];
-    std::fill(grad->begin(), grad->end(), 0.0f);
     Batch(step, static_cast<int>(rank), rows, x, y);
     double loss = 0;
     for (int r = 0; r < rows; ++r) {
@@ -147,6 +154,9 @@ int main(int argc, char** argv) {
         for (int i = 0; i < kIn; ++i) gw1[j * kIn + i] += dh[j] * xr[i];
       }
     }
+    auto rh = c.Reshard(0);
+    if (!rh.ok()) return Fail(rh.status(), "reshard");
+    if (absl::Status st = rh->Wait(); !st.ok()) return Fail(st, "reshard");
     auto rs = c.ReduceScatter(0, ragshard::v1::REDUCE_AVG);
     if (!rs.ok()) return Fail(rs.status(), "reduce_scatter");
     if (absl::Status st = rs->Wait(); !st.ok()) return Fail(st, "reduce_scatter");

@@ -103,6 +103,11 @@ class GpuDataPlane final : public daemon::DataBackend {
   int64_t staging_bytes() const override { return staging_bytes_; }
 
   absl::Status Unshard(int unit, absl::Time deadline) override;
+  // This backend still keeps every buffer for the job's life (the host data plane's transient
+  // buffers are not yet its own: docs/gpu.md), so these only check the unit.
+  absl::Status AllocateUnsharded(int unit) override { return CheckUnit(unit); }
+  absl::Status Reshard(int unit) override { return CheckUnit(unit); }
+  absl::Status AllocateGrad(int unit) override { return CheckUnit(unit); }
   absl::Status ReduceScatter(int unit, ReduceOp op, absl::Time deadline) override;
   absl::Status AllReduce(int unit, ReduceOp op, absl::Time deadline) override;
   absl::Status GatherToOwner(int unit, absl::Time deadline) override {
@@ -111,6 +116,7 @@ class GpuDataPlane final : public daemon::DataBackend {
   absl::Status ScatterFromOwner(int unit, absl::Time deadline) override {
     return MovePieces(unit, false, deadline);
   }
+  void Placement(int unit, int local, v1::UnitBuffers* out) const override;
   void Describe(int local, const v1::Plan& plan, v1::AttachResponse* resp) const override;
   char* slab_base(int local) const { return slabs_[local]->base; }
 
@@ -442,6 +448,19 @@ absl::Status GpuDataPlane::MovePieces(int unit, bool to_owner, absl::Time deadli
   return Wait(shard_group_.get(), to_owner ? "gather_to_owner" : "scatter_from_owner", deadline);
 }
 
+void GpuDataPlane::Placement(int unit, int local, v1::UnitBuffers* out) const {
+  const Unit& un = units_[unit];
+  const Buffers& b = un.local[local];
+  out->set_dtype(un.dtype);
+  out->set_shard_elems(un.shard_elems);
+  out->set_param_shard_offset(b.unsharded.offset() + Position(local) * un.shard_elems * un.item);
+  out->set_unsharded_offset(b.unsharded.offset());
+  out->set_grad_offset(b.grad.offset());
+  out->set_grad_shard_offset(b.grad_shard.offset());
+  out->set_owner_offset(b.owner.size() > 0 ? b.owner.offset() : -1);
+  out->set_owner_elems(b.owner.size() > 0 ? shard_ * un.shard_elems : 0);
+}
+
 void GpuDataPlane::Describe(int local, const v1::Plan& plan, v1::AttachResponse* resp) const {
   resp->set_replicas(replicas_);
   resp->set_backend(name());
@@ -449,17 +468,9 @@ void GpuDataPlane::Describe(int local, const v1::Plan& plan, v1::AttachResponse*
   resp->set_cuda_ipc_handle(
       std::string(slabs_[local]->handle.reserved, sizeof(slabs_[local]->handle.reserved)));
   for (int u = 0; u < units(); ++u) {
-    const Unit& un = units_[u];
-    const Buffers& b = un.local[local];
     v1::UnitBuffers* out = resp->add_units();
     out->set_unit(plan.units(u).unit());
-    out->set_dtype(un.dtype);
-    out->set_shard_elems(un.shard_elems);
-    out->set_param_shard_offset(b.unsharded.offset() + Position(local) * un.shard_elems * un.item);
-    out->set_unsharded_offset(b.unsharded.offset());
-    out->set_grad_offset(b.grad.offset());
-    out->set_grad_shard_offset(b.grad_shard.offset());
-    out->set_owner_offset(b.owner.size() > 0 ? b.owner.offset() : -1);
+    Placement(u, local, out);
   }
 }
 

@@ -144,16 +144,25 @@ class PyClient : public std::enable_shared_from_this<PyClient> {
         break;
       case 1:
         offset = b.unsharded_offset(), count = w * s;
+        if (offset < 0)
+          Check(absl::FailedPreconditionError(
+              Transient(b, "unsharded parameters", "unshard to reshard")));
         break;
       case 2:
         offset = b.grad_offset(), count = w * s;
+        if (offset < 0)
+          Check(absl::FailedPreconditionError(
+              Transient(b, "unsharded gradients", "allocate_grad to the end of reduce_scatter")));
         break;
       case 3:
         offset = b.grad_shard_offset(), count = s;
         break;
       default:
-        if (b.owner_offset() < 0) return py::none();
-        offset = b.owner_offset(), count = w * s;
+        if (b.owner_elems() == 0) return py::none();
+        offset = b.owner_offset(), count = b.owner_elems();
+        if (offset < 0)
+          Check(absl::FailedPreconditionError(
+              Transient(b, "owner buffer", "gather_to_owner to scatter_from_owner")));
     }
     char* p = const_cast<char*>(client_->arena()) + offset;
     py::object base = py::cast(shared_from_this());
@@ -171,10 +180,19 @@ class PyClient : public std::enable_shared_from_this<PyClient> {
     return py::none();
   }
 
+  static std::string Transient(const v1::UnitBuffers& b, const char* what, const char* when) {
+    return absl::StrCat("unit '", b.unit(), "' has no ", what, " now: they exist from ", when,
+                        " (transient buffers, docs/daemon.md)");
+  }
+
   PyHandle Op(const std::string& kind, int u, const std::string& op) {
     absl::StatusOr<OpHandle> h;
     if (kind == "unshard") {
       h = client_->Unshard(u);
+    } else if (kind == "allocate_unsharded") {
+      h = client_->AllocateUnsharded(u);
+    } else if (kind == "allocate_grad") {
+      h = client_->AllocateGrad(u);
     } else if (kind == "reshard") {
       h = client_->Reshard(u);
     } else if (kind == "reduce_scatter") {
@@ -298,6 +316,9 @@ PYBIND11_MODULE(_core, m) {
       .def("owner_buffer", [](PyClient& c, int u) { return c.Buffer(u, 4); })
       .def("unshard", [](PyClient& c, int u) { return c.Op("unshard", u, "sum"); })
       .def("reshard", [](PyClient& c, int u) { return c.Op("reshard", u, "sum"); })
+      .def("allocate_unsharded",
+           [](PyClient& c, int u) { return c.Op("allocate_unsharded", u, "sum"); })
+      .def("allocate_grad", [](PyClient& c, int u) { return c.Op("allocate_grad", u, "sum"); })
       .def(
           "reduce_scatter",
           [](PyClient& c, int u, const std::string& op) { return c.Op("reduce_scatter", u, op); },

@@ -123,17 +123,30 @@ absl::Status AllGather(Comm& comm, char* buffer, size_t block_bytes, absl::Time 
 absl::Status ReduceScatter(Comm& comm, const void* input, v1::DType dtype, size_t count,
                            float* output, ReduceOp op, float* scratch, absl::Time deadline,
                            uint64_t tag_base) {
+  const void* inputs[] = {input};
+  return ReduceScatter(comm, absl::MakeConstSpan(inputs), dtype, count, output, op, scratch,
+                       deadline, tag_base);
+}
+
+absl::Status ReduceScatter(Comm& comm, absl::Span<const void* const> inputs, v1::DType dtype,
+                           size_t count, float* output, ReduceOp op, float* scratch,
+                           absl::Time deadline, uint64_t tag_base) {
   if (dtype != v1::DTYPE_FP32 && dtype != v1::DTYPE_BF16 && dtype != v1::DTYPE_FP16) {
     return absl::InvalidArgumentError("reduce_scatter: dtype must be fp32, bf16 or fp16");
   }
   const int n = comm.size(), r = comm.rank();
   const size_t item = ItemSize(dtype);
-  const char* in = static_cast<const char*>(input);
-  auto chunk = [&](int c) { return in + static_cast<size_t>(c) * count * item; };
+  // Adds chunk c of every input into `acc`.
+  auto add_chunk = [&](int c, float* acc) {
+    for (const void* input : inputs) {
+      Accumulate(static_cast<const char*>(input) + static_cast<size_t>(c) * count * item, dtype,
+                 count, acc);
+    }
+  };
   const float scale = op == ReduceOp::kAvg ? 1.0f / static_cast<float>(n) : 1.0f;
   if (n == 1) {
     std::fill(output, output + count, 0.0f);
-    Accumulate(chunk(0), dtype, count, output);
+    add_chunk(0, output);
     for (size_t i = 0; i < count; ++i) output[i] *= scale;
     return absl::OkStatus();
   }
@@ -143,7 +156,7 @@ absl::Status ReduceScatter(Comm& comm, const void* input, v1::DType dtype, size_
   float* send_buf = scratch;
   float* recv_buf = scratch + count;
   std::fill(send_buf, send_buf + count, 0.0f);
-  Accumulate(chunk(Mod(r - 1, n)), dtype, count, send_buf);
+  add_chunk(Mod(r - 1, n), send_buf);
   for (int s = 0; s < n - 1; ++s) {
     std::vector<uint64_t> reqs;
     auto recv =
@@ -156,8 +169,7 @@ absl::Status ReduceScatter(Comm& comm, const void* input, v1::DType dtype, size_
     reqs.push_back(*send);
     absl::Status st = comm.WaitAll(reqs, deadline);
     if (!st.ok()) return st;
-    const int c = Mod(r - s - 2, n);
-    Accumulate(chunk(c), dtype, count, recv_buf);
+    add_chunk(Mod(r - s - 2, n), recv_buf);
     std::swap(send_buf, recv_buf);
   }
   // After n - 1 steps the last received partial (now in send_buf) is chunk r, complete.

@@ -7,6 +7,7 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "ragshard/v1/plan.pb.h"
 #include "server/daemon/comm.h"
 
@@ -28,6 +29,11 @@ absl::Status AllGather(Comm& comm, char* buffer, size_t block_bytes, absl::Time 
 absl::Status ReduceScatter(Comm& comm, const void* input, v1::DType dtype, size_t count,
                            float* output, ReduceOp op, float* scratch, absl::Time deadline,
                            uint64_t tag_base);
+// The same over the sum of several inputs of that layout (a node's ranks' gradients), added
+// chunk by chunk as the ring goes: the inputs' sum is never formed in a buffer of its own.
+absl::Status ReduceScatter(Comm& comm, absl::Span<const void* const> inputs, v1::DType dtype,
+                           size_t count, float* output, ReduceOp op, float* scratch,
+                           absl::Time deadline, uint64_t tag_base);
 
 // In-place sum (or mean) of `count` fp32 elements over the members (reduce-scatter + all-gather).
 // This form copies into a padded buffer; AllReduceInPlace needs `count` to be a multiple of

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <deque>
 #include <functional>
+#include <optional>
 #include <set>
 
 #include "absl/strings/str_cat.h"
@@ -147,12 +148,16 @@ class JobRuntime {
     if (departed_.empty()) departure_reported_ = false;
   }
 
-  // Calls `done(true, status)` once the operation completes, or `done(false, OK)` at `deadline`.
-  // Never blocks; `done` runs on the job's thread or the caller's, never under the job's mutex.
-  using WaitCallback = std::function<void(bool, absl::Status)>;
-  void AddWaiter(uint64_t seq, absl::Time deadline, WaitCallback done) {
+  // Calls `done(true, status, placement)` once the operation completes (placement: where local
+  // rank `local`'s buffers of the operation's unit are then, or nullptr), or `done(false, OK,
+  // nullptr)` at `deadline`. Never blocks; `done` runs on the job's thread or the caller's,
+  // never under the job's mutex.
+  using WaitCallback = std::function<void(bool, absl::Status, const v1::UnitBuffers*)>;
+  void AddWaiter(uint64_t seq, int local, absl::Time deadline, WaitCallback done) {
     bool finished = true;
     absl::Status status;
+    v1::UnitBuffers placement;
+    bool placed = false;
     if (seq != 0) {  // 0 is a no-op, done at once
       absl::MutexLock lock(&mu_);
       auto it = ops_.find(seq);
@@ -160,15 +165,19 @@ class JobRuntime {
         status = absl::NotFoundError(absl::StrCat("no operation ", seq, " in job '", job_id_, "'"));
       } else if (it->second.done) {
         status = it->second.status;
+        if (static_cast<size_t>(local) < it->second.placements.size()) {
+          placement = it->second.placements[local];
+          placed = true;
+        }
         Waited(it);
       } else if (deadline > absl::Now()) {
-        it->second.waiters.emplace_back(deadline, std::move(done));
+        it->second.waiters.push_back({deadline, local, std::move(done)});
         return;
       } else {
         finished = false;  // a poll of an operation still running
       }
     }
-    done(finished, status);
+    done(finished, status, placed ? &placement : nullptr);
   }
 
  private:
@@ -181,7 +190,13 @@ class JobRuntime {
     int waited = 0;
     bool done = false;
     absl::Status status;
-    std::vector<std::pair<absl::Time, WaitCallback>> waiters;
+    std::vector<v1::UnitBuffers> placements;  // by local rank, once done without error
+    struct Waiter {
+      absl::Time deadline;
+      int local;
+      WaitCallback done;
+    };
+    std::vector<Waiter> waiters;
   };
 
   static ReduceOp ToReduceOp(v1::ReduceKind k) {
@@ -202,16 +217,22 @@ class JobRuntime {
       for (auto it = ops_.begin(); it != ops_.end();) {
         auto next = std::next(it);
         Op& op = it->second;
-        std::vector<std::pair<absl::Time, WaitCallback>> keep;
+        std::vector<Op::Waiter> keep;
         int resolved = 0;
-        for (auto& [deadline, cb] : op.waiters) {
+        for (Op::Waiter& w : op.waiters) {
           if (op.done) {
-            calls.push_back([cb = std::move(cb), st = op.status] { cb(true, st); });
+            std::optional<v1::UnitBuffers> placement;
+            if (static_cast<size_t>(w.local) < op.placements.size()) {
+              placement = op.placements[w.local];
+            }
+            calls.push_back([cb = std::move(w.done), st = op.status, placement] {
+              cb(true, st, placement ? &*placement : nullptr);
+            });
             ++resolved;
-          } else if (deadline <= now) {
-            calls.push_back([cb = std::move(cb)] { cb(false, absl::OkStatus()); });
+          } else if (w.deadline <= now) {
+            calls.push_back([cb = std::move(w.done)] { cb(false, absl::OkStatus(), nullptr); });
           } else {
-            keep.emplace_back(deadline, std::move(cb));
+            keep.push_back(std::move(w));
           }
         }
         op.waiters = std::move(keep);
@@ -252,8 +273,15 @@ class JobRuntime {
         case v1::OP_UNSHARD:
           s = dp_->Unshard(op.unit, op.deadline);
           break;
+        case v1::OP_ALLOCATE_UNSHARDED:
+          s = dp_->AllocateUnsharded(op.unit);
+          break;
         case v1::OP_RESHARD:
-          break;  // the unsharded buffer stays allocated in this version (docs/daemon.md)
+          s = dp_->Reshard(op.unit);
+          break;
+        case v1::OP_ALLOCATE_GRAD:
+          s = dp_->AllocateGrad(op.unit);
+          break;
         case v1::OP_REDUCE_SCATTER:
           s = dp_->ReduceScatter(op.unit, ToReduceOp(op.reduce), op.deadline);
           break;
@@ -268,6 +296,13 @@ class JobRuntime {
           break;
         default:
           s = absl::InvalidArgumentError("unknown operation kind");
+      }
+      std::vector<v1::UnitBuffers> placements;
+      if (s.ok()) {
+        placements.resize(local_ranks_.size());
+        for (size_t i = 0; i < placements.size(); ++i) {
+          dp_->Placement(op.unit, static_cast<int>(i), &placements[i]);
+        }
       }
       if (!s.ok() && (absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s))) {
         LOG(ERROR) << "job " << job_id_ << ": " << s;
@@ -287,6 +322,7 @@ class JobRuntime {
         Op& o = ops_[seq];
         o.done = true;
         o.status = s;
+        o.placements = std::move(placements);
         // Operations queued behind a failure fail the same way.
         if (!failed_.ok()) {
           for (uint64_t q : queue_) {
@@ -303,11 +339,11 @@ class JobRuntime {
     {
       absl::MutexLock lock(&mu_);
       for (auto& [seq, op] : ops_) {
-        for (auto& w : op.waiters) pending.push_back(std::move(w.second));
+        for (auto& w : op.waiters) pending.push_back(std::move(w.done));
         op.waiters.clear();
       }
     }
-    for (auto& cb : pending) cb(true, absl::AbortedError("the job was released"));
+    for (auto& cb : pending) cb(true, absl::AbortedError("the job was released"), nullptr);
   }
 
   const std::string job_id_, node_id_;
@@ -605,12 +641,14 @@ grpc::ServerUnaryReactor* NodeDaemon::Wait(grpc::CallbackServerContext* ctx,
   auto found = FindAttachment(req->attachment_id());
   if (!found.ok()) return Reply(ctx, found.status());
   auto* reactor = ctx->DefaultReactor();
-  found->first->AddWaiter(req->handle(),
-                          absl::Now() + absl::Milliseconds(std::max<int64_t>(req->timeout_ms(), 0)),
-                          [reactor, resp](bool done, absl::Status status) {
-                            resp->set_done(done);
-                            reactor->Finish(ToGrpcStatus(status));
-                          });
+  found->first->AddWaiter(
+      req->handle(), found->second,
+      absl::Now() + absl::Milliseconds(std::max<int64_t>(req->timeout_ms(), 0)),
+      [reactor, resp](bool done, absl::Status status, const v1::UnitBuffers* placement) {
+        resp->set_done(done);
+        if (placement != nullptr) *resp->mutable_placement() = *placement;
+        reactor->Finish(ToGrpcStatus(status));
+      });
   return reactor;
 }
 

@@ -1,7 +1,9 @@
 // What a job's operations run on, behind one interface: the host data plane (memfd pool,
-// in-memory reduction on the node, UCX between daemons; job_data_plane.h) or the GPU one (CUDA
-// slabs exported as IPC handles, NCCL communicators per process group; gpu/gpu_data_plane.h).
-// CreateDataBackend picks one. The daemon's job thread calls one operation at a time.
+// in-memory reduction on the node, UCX between daemons; job_data_plane.h) in its two shapes
+// (node-shared unsharded buffers, or the device shape: one private unsharded buffer per rank),
+// or the GPU one (CUDA slabs exported as IPC handles, NCCL communicators per process group;
+// gpu/gpu_data_plane.h). CreateDataBackend picks one. The daemon's job thread calls one
+// operation at a time.
 #pragma once
 
 #include <cstdint>
@@ -29,12 +31,22 @@ class DataBackend {
   // Bytes written into pool buffers outside the collectives' own transfers and reductions.
   virtual int64_t staging_bytes() const = 0;
 
+  // Allocates the unit's unsharded parameters (when released) and all-gathers into them.
   virtual absl::Status Unshard(int unit, absl::Time deadline) = 0;
+  // The same allocation without the all-gather (the client fills the buffer).
+  virtual absl::Status AllocateUnsharded(int unit) = 0;
+  // Releases the unsharded parameters.
+  virtual absl::Status Reshard(int unit) = 0;
+  // Allocates the unit's unsharded gradients, zero-filled, unless they exist.
+  virtual absl::Status AllocateGrad(int unit) = 0;
+  // Reduces the gradients into the gradient shards and releases them.
   virtual absl::Status ReduceScatter(int unit, ReduceOp op, absl::Time deadline) = 0;
   virtual absl::Status AllReduce(int unit, ReduceOp op, absl::Time deadline) = 0;
   virtual absl::Status GatherToOwner(int unit, absl::Time deadline) = 0;
   virtual absl::Status ScatterFromOwner(int unit, absl::Time deadline) = 0;
 
+  // Where local rank `local`'s buffers of `unit` are now (transient ones -1 while released).
+  virtual void Placement(int unit, int local, v1::UnitBuffers* out) const = 0;
   // The buffers of local rank `local` (and whatever a client needs to map them) for Attach.
   virtual void Describe(int local, const v1::Plan& plan, v1::AttachResponse* resp) const = 0;
 };
@@ -45,15 +57,22 @@ struct MatrixPiece {
   int holder;    // shard position of the rank holding the piece
   int64_t elem;  // element offset of the piece in the unit's unsharded layout
   int64_t count;
+  // Element offset of the piece in its owner's packed buffer: the owner's matrices of the unit
+  // one after another in plan order.
+  int64_t packed = 0;
 };
 
 // The pieces of the unit's matrix tensors in plan order, for a shard group of `f` ranks;
-// INVALID_ARGUMENT names a tensor whose owner is not in [0, f).
-absl::StatusOr<std::vector<MatrixPiece>> MatrixPieces(const v1::UnitPlan& unit, int64_t f);
+// INVALID_ARGUMENT names a tensor whose owner is not in [0, f). `packed_elems`, when given,
+// receives each shard position's packed owner-buffer size.
+absl::StatusOr<std::vector<MatrixPiece>> MatrixPieces(const v1::UnitPlan& unit, int64_t f,
+                                                      std::vector<int64_t>* packed_elems = nullptr);
 
-enum class BackendKind { kHost, kCuda };
+// kDeviceShaped is the host data plane in the shape of a GPU: each rank has private unsharded
+// buffers and nothing is shared by a node's ranks, so the GPU path's logic runs without a GPU.
+enum class BackendKind { kHost, kDeviceShaped, kCuda };
 
-// Parses "host" or "cuda"; INVALID_ARGUMENT names anything else.
+// Parses "host", "device-shaped" or "cuda"; INVALID_ARGUMENT names anything else.
 absl::StatusOr<BackendKind> ParseBackendKind(const std::string& name);
 
 struct BackendContext {

@@ -18,7 +18,7 @@ int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 absl::StatusOr<std::unique_ptr<JobDataPlane>> JobDataPlane::Create(const v1::Plan& plan,
                                                                    std::vector<int64_t> local_ranks,
                                                                    Pool* pool, Comm* nodes,
-                                                                   int64_t replicas) {
+                                                                   int64_t replicas, Shape shape) {
   const int64_t f = plan.world_size();
   const int64_t k = static_cast<int64_t>(local_ranks.size());
   const int n = nodes ? nodes->size() : 1;
@@ -41,6 +41,8 @@ absl::StatusOr<std::unique_ptr<JobDataPlane>> JobDataPlane::Create(const v1::Pla
         absl::StrCat("a shard group (", f, " ranks) must be made of whole nodes of ", k, " ranks"));
   }
   std::unique_ptr<JobDataPlane> dp(new JobDataPlane());
+  dp->pool_ = pool;
+  dp->shape_ = shape;
   dp->local_ranks_ = std::move(local_ranks);
   dp->shard_ = f;
   dp->replicas_ = replicas;
@@ -60,85 +62,91 @@ absl::StatusOr<std::unique_ptr<JobDataPlane>> JobDataPlane::Create(const v1::Pla
   }
   for (const v1::UnitPlan& up : plan.units()) {
     Unit u;
+    u.name = up.unit();
     u.dtype = up.dtype();
     u.shard_elems = up.shard_elems();
     u.item = DTypeSize(up.dtype());
     const int64_t s = u.shard_elems;
-    const int64_t shard_bytes = s * u.item;
-    // Zero-filled at allocation (not on the hot path).
-    auto alloc = [&](int64_t bytes) -> absl::StatusOr<Lease> {
-      auto l = pool->Allocate(std::max<int64_t>(bytes, 1));
-      if (!l.ok()) {
-        return absl::Status(l.status().code(),
-                            absl::StrCat("unit '", up.unit(), "': ", l.status().message()));
-      }
-      std::memset(l->data(), 0, static_cast<size_t>(l->size()));
-      return std::move(*l);
-    };
-    auto pieces = MatrixPieces(up, f);
+    std::vector<int64_t> packed;
+    auto pieces = MatrixPieces(up, f, &packed);
     if (!pieces.ok()) return pieces.status();
     u.pieces = std::move(*pieces);
     if (u.pieces.size() >= kPiecesPerOp) {
       return absl::UnimplementedError(absl::StrCat("unit '", up.unit(), "' has ", u.pieces.size(),
                                                    " matrix pieces; at most ", kPiecesPerOp - 1));
     }
-    for (int64_t i = 0; i < k; ++i) {
-      auto gr = alloc(f * shard_bytes);
-      if (!gr.ok()) return gr.status();
-      u.grad.push_back(std::move(*gr));
-      const int64_t pos = dp->first_position_ + i;
-      const bool owns = std::any_of(u.pieces.begin(), u.pieces.end(),
-                                    [&](const Piece& p) { return p.owner == pos; });
-      Lease owner;
-      if (owns) {
-        auto o = alloc(f * s * 4);
-        if (!o.ok()) return o.status();
-        owner = std::move(*o);
-      }
-      u.owner.push_back(std::move(owner));
-    }
-    auto un = alloc(f * shard_bytes);
-    if (!un.ok()) return un.status();
-    u.unsharded = std::move(*un);
+    for (int64_t i = 0; i < k; ++i) u.owner_elems.push_back(packed[dp->first_position_ + i]);
+    // The persistent shards, zero-filled at allocation (not on the hot path).
+    auto shards = dp->AllocateFor(u, "parameter shards", 1, k * s * u.item, /*zero=*/true);
+    if (!shards.ok()) return shards.status();
+    u.shards = std::move(shards->front());
     // Padded so that the replicate all-reduce splits it into equal chunks in place.
     const int64_t gs_elems = RoundUp(std::max<int64_t>(k * s, 1), replicas);
-    auto gs = alloc(gs_elems * 4);
+    auto gs = dp->AllocateFor(u, "gradient shards", 1, gs_elems * 4, /*zero=*/true);
     if (!gs.ok()) return gs.status();
-    u.grad_shards = std::move(*gs);
+    u.grad_shards = std::move(gs->front());
     u.grad_shard_elems = gs_elems;
-    // Node sum of the gradients (F * S fp32), the ring's scratch (two node chunks) and the
-    // replicate all-reduce's scratch (two of its chunks).
-    const int64_t scratch =
-        f * s + (g > 1 ? 2 * k * s : 0) + (replicas > 1 ? 2 * gs_elems / replicas : 0);
-    auto sc = alloc(scratch * 4);
-    if (!sc.ok()) return sc.status();
-    u.scratch = std::move(*sc);
     dp->units_.push_back(std::move(u));
   }
   return dp;
 }
 
+absl::StatusOr<std::vector<Lease>> JobDataPlane::AllocateFor(const Unit& u, const char* what,
+                                                             int count, int64_t bytes, bool zero) {
+  std::vector<Lease> out;
+  for (int i = 0; i < count; ++i) {
+    auto l = pool_->Allocate(std::max<int64_t>(bytes, 1));
+    if (!l.ok()) {
+      // The leases taken so far go back with `out`.
+      return absl::Status(
+          l.status().code(),
+          absl::StrCat("unit '", u.name, "': ", what, " need ", count, " x ", bytes, " bytes (",
+                       count * bytes, " in all): ", l.status().message()));
+    }
+    if (zero) std::memset(l->data(), 0, static_cast<size_t>(l->size()));
+    out.push_back(std::move(*l));
+  }
+  return out;
+}
+
 char* JobDataPlane::param_shard(int unit, int local) const {
   const Unit& u = units_[unit];
-  return u.unsharded.data() + (first_position_ + local) * u.shard_elems * u.item;
+  return u.shards.data() + local * u.shard_elems * u.item;
 }
-char* JobDataPlane::unsharded(int unit) const { return units_[unit].unsharded.data(); }
-char* JobDataPlane::grad(int unit, int local) const { return units_[unit].grad[local].data(); }
+char* JobDataPlane::unsharded(int unit, int local) const {
+  const Unit& u = units_[unit];
+  if (u.unsharded.empty()) return nullptr;
+  return u.unsharded[shape_ == Shape::kNode ? 0 : local].data();
+}
+char* JobDataPlane::grad(int unit, int local) const {
+  const Unit& u = units_[unit];
+  return u.grad.empty() ? nullptr : u.grad[local].data();
+}
 float* JobDataPlane::grad_shard(int unit, int local) const {
   return reinterpret_cast<float*>(units_[unit].grad_shards.data()) +
          local * units_[unit].shard_elems;
 }
 float* JobDataPlane::owner_buffer(int unit, int local) const {
-  const Lease& l = units_[unit].owner[local];
-  return l.size() > 0 ? reinterpret_cast<float*>(l.data()) : nullptr;
+  const Unit& u = units_[unit];
+  if (u.owner.empty() || u.owner[local].size() == 0) return nullptr;
+  return reinterpret_cast<float*>(u.owner[local].data());
+}
+int64_t JobDataPlane::owner_elems(int unit, int local) const {
+  return units_[unit].owner_elems[local];
 }
 
-JobDataPlane::Offsets JobDataPlane::offsets(int unit, int local) const {
+void JobDataPlane::Placement(int unit, int local, v1::UnitBuffers* out) const {
   const Unit& u = units_[unit];
-  const char* base = u.unsharded.data() - u.unsharded.offset();
-  return {param_shard(unit, local) - base, u.unsharded.offset(), u.grad[local].offset(),
-          reinterpret_cast<const char*>(grad_shard(unit, local)) - base,
-          u.owner[local].size() > 0 ? u.owner[local].offset() : -1};
+  const char* base = u.shards.data() - u.shards.offset();  // arena offset 0
+  auto offset = [&](const char* p) -> int64_t { return p == nullptr ? -1 : p - base; };
+  out->set_dtype(u.dtype);
+  out->set_shard_elems(u.shard_elems);
+  out->set_param_shard_offset(offset(param_shard(unit, local)));
+  out->set_unsharded_offset(offset(unsharded(unit, local)));
+  out->set_grad_offset(offset(grad(unit, local)));
+  out->set_grad_shard_offset(offset(reinterpret_cast<const char*>(grad_shard(unit, local))));
+  out->set_owner_offset(offset(reinterpret_cast<const char*>(owner_buffer(unit, local))));
+  out->set_owner_elems(u.owner_elems[local]);
 }
 
 void JobDataPlane::Describe(int local, const v1::Plan& plan, v1::AttachResponse* resp) const {
@@ -147,14 +155,7 @@ void JobDataPlane::Describe(int local, const v1::Plan& plan, v1::AttachResponse*
   for (int u = 0; u < units(); ++u) {
     v1::UnitBuffers* b = resp->add_units();
     b->set_unit(plan.units(u).unit());
-    b->set_dtype(dtype(u));
-    b->set_shard_elems(shard_elems(u));
-    const Offsets off = offsets(u, local);
-    b->set_param_shard_offset(off.param_shard);
-    b->set_unsharded_offset(off.unsharded);
-    b->set_grad_offset(off.grad);
-    b->set_grad_shard_offset(off.grad_shard);
-    b->set_owner_offset(off.owner);
+    Placement(u, local, b);
   }
 }
 
@@ -166,15 +167,59 @@ absl::Status JobDataPlane::CheckUnit(int unit) const {
   return absl::OkStatus();
 }
 
-absl::Status JobDataPlane::Unshard(int unit, absl::Time deadline) {
+absl::Status JobDataPlane::AllocateUnsharded(int unit) {
   if (auto s = CheckUnit(unit); !s.ok()) return s;
+  Unit& u = units_[unit];
+  if (!u.unsharded.empty()) return absl::OkStatus();
+  auto leases = AllocateFor(u, "unsharded parameters", shape_ == Shape::kNode ? 1 : local_ranks(),
+                            shard_ * u.shard_elems * u.item, /*zero=*/false);
+  if (!leases.ok()) return leases.status();
+  u.unsharded = std::move(*leases);
+  return absl::OkStatus();
+}
+
+absl::Status JobDataPlane::Unshard(int unit, absl::Time deadline) {
+  if (auto s = AllocateUnsharded(unit); !s.ok()) return s;
   const uint64_t tag = (++op_seq_) << 20;
   Unit& u = units_[unit];
-  // The local ranks' shards are already in place: they are slices of the unsharded buffer.
-  if (shard_comm_ == nullptr) return absl::OkStatus();
-  const size_t node_bytes =
-      static_cast<size_t>(u.shard_elems * u.item) * static_cast<size_t>(local_ranks());
-  return AllGather(*shard_comm_, u.unsharded.data(), node_bytes, deadline, tag);
+  const size_t shard_bytes = static_cast<size_t>(u.shard_elems * u.item);
+  // The all-gather's own placement of the local shards (the send buffers) into the receive
+  // buffer, then the other nodes' shards over the ring.
+  char* full = u.unsharded[0].data();
+  for (int i = 0; i < local_ranks(); ++i) {
+    std::memcpy(full + static_cast<size_t>(first_position_ + i) * shard_bytes, param_shard(unit, i),
+                shard_bytes);
+  }
+  if (shard_comm_ != nullptr) {
+    absl::Status st = AllGather(*shard_comm_, full,
+                                shard_bytes * static_cast<size_t>(local_ranks()), deadline, tag);
+    if (!st.ok()) {
+      u.unsharded.clear();
+      return st;
+    }
+  }
+  // Device shape: every rank's own copy, as the intra-node part of a device all-gather.
+  for (size_t i = 1; i < u.unsharded.size(); ++i) {
+    std::memcpy(u.unsharded[i].data(), full, static_cast<size_t>(shard_) * shard_bytes);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status JobDataPlane::Reshard(int unit) {
+  if (auto s = CheckUnit(unit); !s.ok()) return s;
+  units_[unit].unsharded.clear();
+  return absl::OkStatus();
+}
+
+absl::Status JobDataPlane::AllocateGrad(int unit) {
+  if (auto s = CheckUnit(unit); !s.ok()) return s;
+  Unit& u = units_[unit];
+  if (!u.grad.empty()) return absl::OkStatus();  // accumulating without reduction
+  auto leases = AllocateFor(u, "unsharded gradients", local_ranks(),
+                            shard_ * u.shard_elems * u.item, /*zero=*/true);
+  if (!leases.ok()) return leases.status();
+  u.grad = std::move(*leases);
+  return absl::OkStatus();
 }
 
 absl::Status JobDataPlane::ReduceScatter(int unit, ReduceOp op, absl::Time deadline) {
@@ -184,37 +229,36 @@ absl::Status JobDataPlane::ReduceScatter(int unit, ReduceOp op, absl::Time deadl
   if (u.dtype != v1::DTYPE_FP32 && u.dtype != v1::DTYPE_BF16 && u.dtype != v1::DTYPE_FP16) {
     return absl::InvalidArgumentError("reduce_scatter: gradients must be fp32, bf16 or fp16");
   }
+  if (u.grad.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("reduce_scatter of unit '", u.name,
+                     "': its gradients are not allocated (allocate_grad starts a backward)"));
+  }
   const int64_t k = local_ranks(), s = u.shard_elems;
   const float scale = op == ReduceOp::kAvg ? 1.0f / static_cast<float>(shard_) : 1.0f;
   float* out = grad_shard(unit, 0);  // k * S
+  std::vector<const void*> inputs;
+  for (const Lease& g : u.grad) inputs.push_back(g.data());
+  absl::Status st;
   if (shard_comm_ == nullptr) {
-    // One node holds the whole shard group: each local rank's shard is the in-memory sum of the
-    // local gradients' chunk, written straight into its gradient shard.
+    // One node holds the whole shard group (first_position_ is 0): each local rank's shard is
+    // the in-memory sum of the local gradients' chunk, written straight into its gradient shard.
     std::fill(out, out + k * s, 0.0f);
-    for (int64_t j = 0; j < k; ++j) {
-      Accumulate(u.grad[j].data() + first_position_ * s * u.item, u.dtype,
-                 static_cast<size_t>(k * s), out);
-    }
-    if (scale != 1.0f) {
-      for (int64_t e = 0; e < k * s; ++e) out[e] *= scale;
-    }
-    return absl::OkStatus();
+    for (const void* in : inputs) Accumulate(in, u.dtype, static_cast<size_t>(k * s), out);
+  } else {
+    // The ring between the group's nodes, one chunk per node (its ranks' k shards), adding the
+    // node's ranks' gradients as it goes.
+    auto scratch = AllocateFor(u, "reduce-scatter scratch", 1, 2 * k * s * 4, /*zero=*/false);
+    if (!scratch.ok()) return scratch.status();
+    st = daemon::ReduceScatter(*shard_comm_, inputs, u.dtype, static_cast<size_t>(k * s), out,
+                               ReduceOp::kSum, reinterpret_cast<float*>(scratch->front().data()),
+                               deadline, tag);
   }
-  float* sum = reinterpret_cast<float*>(u.scratch.data());  // F * S
-  float* ring = sum + shard_ * s;                           // 2 * k * S
-  // In-memory reduction of the node's ranks, in fp32; then across the group's nodes, whose ring
-  // writes the node's chunk (its ranks' k shards) into the gradient shards.
-  std::fill(sum, sum + shard_ * s, 0.0f);
-  for (int64_t j = 0; j < k; ++j)
-    Accumulate(u.grad[j].data(), u.dtype, static_cast<size_t>(shard_ * s), sum);
-  absl::Status st =
-      daemon::ReduceScatter(*shard_comm_, sum, v1::DTYPE_FP32, static_cast<size_t>(k * s), out,
-                            ReduceOp::kSum, ring, deadline, tag);
-  if (!st.ok()) return st;
-  if (scale != 1.0f) {
+  if (st.ok() && scale != 1.0f) {
     for (int64_t e = 0; e < k * s; ++e) out[e] *= scale;
   }
-  return absl::OkStatus();
+  u.grad.clear();
+  return st;
 }
 
 absl::Status JobDataPlane::AllReduce(int unit, ReduceOp op, absl::Time deadline) {
@@ -224,10 +268,12 @@ absl::Status JobDataPlane::AllReduce(int unit, ReduceOp op, absl::Time deadline)
   Unit& u = units_[unit];
   // The padded block (a multiple of R elements), not the lease, whose size the pool rounds up:
   // the scratch holds two chunks of exactly this block.
-  float* scratch = reinterpret_cast<float*>(u.scratch.data()) + shard_ * u.shard_elems +
-                   (shard_comm_ ? 2 * local_ranks() * u.shard_elems : 0);
+  auto scratch =
+      AllocateFor(u, "all-reduce scratch", 1, 2 * u.grad_shard_elems / replicas_ * 4, false);
+  if (!scratch.ok()) return scratch.status();
   return AllReduceInPlace(*replicate_comm_, grad_shard(unit, 0),
-                          static_cast<size_t>(u.grad_shard_elems), op, scratch, deadline, tag);
+                          static_cast<size_t>(u.grad_shard_elems), op,
+                          reinterpret_cast<float*>(scratch->front().data()), deadline, tag);
 }
 
 absl::Status JobDataPlane::GatherToOwner(int unit, absl::Time deadline) {
@@ -240,9 +286,27 @@ absl::Status JobDataPlane::ScatterFromOwner(int unit, absl::Time deadline) {
 absl::Status JobDataPlane::MovePieces(int unit, bool to_owner, absl::Time deadline) {
   if (auto s = CheckUnit(unit); !s.ok()) return s;
   const uint64_t tag = (++op_seq_) << 20;
-  const Unit& u = units_[unit];
+  Unit& u = units_[unit];
   const int64_t s = u.shard_elems, k = local_ranks();
   const int me = NodeOf(first_position_);
+  if (to_owner && u.owner.empty()) {
+    // Every element of an owner buffer is a piece of an owned matrix: no zero-fill needed.
+    for (int64_t i = 0; i < k; ++i) {
+      if (u.owner_elems[i] == 0) {
+        u.owner.emplace_back();
+        continue;
+      }
+      auto l = AllocateFor(u, "owner buffer", 1, u.owner_elems[i] * 4, /*zero=*/false);
+      if (!l.ok()) {
+        u.owner.clear();
+        return l.status();
+      }
+      u.owner.push_back(std::move(l->front()));
+    }
+  } else if (!to_owner && u.owner.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "scatter_from_owner of unit '", u.name, "': gather_to_owner has not run since the last"));
+  }
   std::vector<uint64_t> requests;
   for (size_t i = 0; i < u.pieces.size(); ++i) {
     const Piece& p = u.pieces[i];
@@ -252,7 +316,7 @@ absl::Status JobDataPlane::MovePieces(int unit, bool to_owner, absl::Time deadli
                                            (p.elem - p.holder * s)
                                      : nullptr;
     float* whole = owner_node == me
-                       ? owner_buffer(unit, static_cast<int>(p.owner - me * k)) + p.elem
+                       ? owner_buffer(unit, static_cast<int>(p.owner - me * k)) + p.packed
                        : nullptr;
     const size_t bytes = static_cast<size_t>(p.count) * sizeof(float);
     if (owner_node == me && holder_node == me) {
@@ -273,8 +337,9 @@ absl::Status JobDataPlane::MovePieces(int unit, bool to_owner, absl::Time deadli
     if (!r.ok()) return r.status();
     requests.push_back(*r);
   }
-  if (requests.empty()) return absl::OkStatus();
-  return shard_comm_->WaitAll(requests, deadline);
+  absl::Status st = requests.empty() ? absl::OkStatus() : shard_comm_->WaitAll(requests, deadline);
+  if (!to_owner || !st.ok()) u.owner.clear();
+  return st;
 }
 
 }  // namespace ragshard::daemon

@@ -33,9 +33,10 @@ int main(int argc, char** argv) {
   app.add_option("--tls-key", planner.security.tls_key_file, "client key (mutual TLS)");
   app.add_option("--heartbeat-ms", heartbeat_ms, "heartbeat interval")->capture_default_str();
   app.add_option("--backend", options.backend,
-                 "data plane: host (memfd pool + UCX) or cuda (CUDA slabs + NCCL; without a "
-                 "device it logs why and runs host)")
-      ->check(CLI::IsMember({"host", "cuda"}))
+                 "data plane: host (memfd pool + UCX, unsharded buffers shared by the node's "
+                 "ranks), device-shaped (the same with private per-rank buffers: the shape of "
+                 "a GPU) or cuda (CUDA slabs + NCCL; without a device it logs why and runs host)")
+      ->check(CLI::IsMember({"host", "device-shaped", "cuda"}))
       ->capture_default_str();
   app.add_option("--gpu-pool-bytes", options.gpu_pool_bytes, "CUDA slab per local GPU (cuda)")
       ->capture_default_str();

@@ -90,16 +90,19 @@ int Check(Client& client, int rank) {
     };
     char* shard =
         c->arena() == nullptr ? nullptr : const_cast<char*>(c->arena()) + b.param_shard_offset();
-    char* full = const_cast<char*>(c->arena()) + b.unsharded_offset();
-    char* grad = const_cast<char*>(c->arena()) + b.grad_offset();
+    // Transient buffers exist only between the operations that allocate and release them.
+    if (b.unsharded_offset() >= 0 || c->Unsharded<float>(u).ok() || c->Grad<float>(u).ok()) {
+      return 70;
+    }
     // Zero copy: the typed views are these very addresses in the daemon's arena.
     void* view = fp32 ? static_cast<void*>(c->ParamShard<float>(u)->data())
                       : static_cast<void*>(c->ParamShard<uint16_t>(u)->data());
     if (view != shard) return 63;
     for (int64_t e = 0; e < s; ++e) store(shard, e, PV(rank, e));
-    for (int64_t x = 0; x < w * s; ++x) store(grad, x, GV(rank, x));
     auto h = c->Unshard(u);
     if (!h.ok() || !h->Wait(20s).ok()) return 64;
+    char* full = const_cast<char*>(c->arena()) + c->buffers(u).unsharded_offset();
+    if (c->buffers(u).unsharded_offset() < 0) return 71;
     for (int64_t x = 0; x < w * s; ++x) {
       if (load(full, x) != PV(first + x / s, x % s)) return 65;
     }
@@ -110,13 +113,20 @@ int Check(Client& client, int rank) {
         if (load(full, x) != PV(first + x / s, x % s)) return 66;
       }
     }
+    auto rh = c->Reshard(u);
+    if (!rh.ok() || !rh->Wait(20s).ok() || c->buffers(u).unsharded_offset() >= 0) return 72;
     for (v1::ReduceKind op : {v1::REDUCE_SUM, v1::REDUCE_AVG}) {
+      auto ag = c->AllocateGrad(u);
+      if (!ag.ok() || !ag->Wait(20s).ok() || c->buffers(u).grad_offset() < 0) return 73;
+      char* grad = const_cast<char*>(c->arena()) + c->buffers(u).grad_offset();
+      for (int64_t x = 0; x < w * s; ++x) store(grad, x, GV(rank, x));
       auto r = c->ReduceScatter(u, op);
       absl::Status rs = r.ok() ? r->Wait(20s) : r.status();
       if (!rs.ok()) {
         fprintf(stderr, "reduce_scatter: %s\n", rs.ToString().c_str());
         return 67;
       }
+      if (c->buffers(u).grad_offset() >= 0) return 74;  // released after the reduce-scatter
       auto gs = c->GradShard(u);
       for (int64_t e = 0; e < s; ++e) {
         double expect = 0;
@@ -145,15 +155,19 @@ int Check(Client& client, int rank) {
     if (!g2o.ok() || !g2o->Wait(20s).ok()) return 93;
     auto owner = c->OwnerBuffer(u);
     bool owns = false;
+    int64_t packed = 0;  // the owned matrices one after another, in plan order
     for (const auto& t : c->plan().units(u).tensors()) {
       if (t.optimizer() != v1::OPTIMIZER_MATRIX || t.owner_rank() != pos) continue;
       owns = true;
       if (!owner.ok()) return 94;
       for (int64_t x = t.offset(); x < t.offset() + t.numel(); ++x) {
-        if ((*owner)[x] != static_cast<float>((first + x / s) * 1000 + x % s)) return 95;
-        (*owner)[x] = -(*owner)[x];
+        float& v = (*owner)[packed + x - t.offset()];
+        if (v != static_cast<float>((first + x / s) * 1000 + x % s)) return 95;
+        v = -v;
       }
+      packed += t.numel();
     }
+    if (owns && static_cast<int64_t>(owner->size()) != packed) return 99;
     if (!owns && owner.status().code() != absl::StatusCode::kNotFound) return 96;
     auto s2o = c->ScatterFromOwner(u);
     if (!s2o.ok() || !s2o->Wait(20s).ok()) return 97;

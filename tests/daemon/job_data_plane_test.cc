@@ -90,12 +90,12 @@ float ShardValue(int64_t r, int64_t e) { return static_cast<float>(r * 1000 + e 
 // Runs the checks of one node of a mesh of `replicas` shard groups of plan.world_size() ranks;
 // returns 0 when everything matched.
 int CheckNode(const v1::Plan& plan, int node, int ranks_per_node, Comm* comm,
-              int64_t replicas = 1) {
+              int64_t replicas = 1, JobDataPlane::Shape shape = JobDataPlane::Shape::kNode) {
   auto pool = Pool::Create(64 << 20);
   if (!pool.ok()) return 40;
   std::vector<int64_t> local;
   for (int i = 0; i < ranks_per_node; ++i) local.push_back(node * ranks_per_node + i);
-  auto dp = JobDataPlane::Create(plan, local, pool->get(), comm, replicas);
+  auto dp = JobDataPlane::Create(plan, local, pool->get(), comm, replicas, shape);
   if (!dp.ok()) {
     std::fprintf(stderr, "create: %s\n", std::string(dp.status().message()).c_str());
     return 41;
@@ -107,24 +107,43 @@ int CheckNode(const v1::Plan& plan, int node, int ranks_per_node, Comm* comm,
   auto canary = (*pool)->Allocate(4096);
   if (!canary.ok()) return 55;
   std::memset(canary->data(), 0xA5, 4096);
+  // What persists: the shards. Every transient buffer is back in the pool after each unit.
+  const int64_t persistent = (*pool)->Stats().used;
   for (int u = 0; u < plan.units_size(); ++u) {
     const v1::UnitPlan& up = plan.units(u);
     const int64_t s = up.shard_elems();
     for (int i = 0; i < ranks_per_node; ++i) {
+      if ((*dp)->unsharded(u, i) != nullptr || (*dp)->grad(u, i) != nullptr) return 57;
       for (int64_t e = 0; e < s; ++e)
         Store((*dp)->param_shard(u, i), up.dtype(), e, ParamValue(local[i], e));
-      for (int64_t x = 0; x < f * s; ++x)
-        Store((*dp)->grad(u, i), up.dtype(), x, GradValue(local[i], x));
     }
     if (!(*dp)->Unshard(u, deadline).ok()) return 42;
-    // Every element of the unsharded buffer, hence every tensor view [offset, offset + numel),
-    // holds the value of the rank of this replica that holds it.
+    // Every element of each rank's unsharded buffer, hence every tensor view [offset, offset +
+    // numel), holds the value of the rank of this replica that holds it.
     const int64_t first = local[0] / f * f;  // first rank of this node's replica
-    for (int64_t x = 0; x < f * s; ++x) {
-      if (Load((*dp)->unsharded(u), up.dtype(), x) != ParamValue(first + x / s, x % s)) return 43;
+    for (int i = 0; i < ranks_per_node; ++i) {
+      for (int64_t x = 0; x < f * s; ++x) {
+        if (Load((*dp)->unsharded(u, i), up.dtype(), x) != ParamValue(first + x / s, x % s)) {
+          return 43;
+        }
+      }
     }
+    // One buffer per node, or one per rank in the device shape.
+    if (((*dp)->unsharded(u, 0) == (*dp)->unsharded(u, ranks_per_node - 1)) !=
+        (shape == JobDataPlane::Shape::kNode || ranks_per_node == 1)) {
+      return 58;
+    }
+    if (!(*dp)->Reshard(u).ok() || (*dp)->unsharded(u, 0) != nullptr) return 59;
     for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg}) {
+      if (!(*dp)->AllocateGrad(u).ok()) return 60;
+      for (int i = 0; i < ranks_per_node; ++i) {
+        for (int64_t x = 0; x < f * s; ++x) {
+          if (Load((*dp)->grad(u, i), up.dtype(), x) != 0.0f) return 61;  // zero-filled
+          Store((*dp)->grad(u, i), up.dtype(), x, GradValue(local[i], x));
+        }
+      }
       if (!(*dp)->ReduceScatter(u, op, deadline).ok()) return 44;
+      if ((*dp)->grad(u, 0) != nullptr) return 62;  // released
       for (int i = 0; i < ranks_per_node; ++i) {
         const int64_t pos = local[i] % f;
         for (int64_t e = 0; e < s; ++e) {
@@ -157,12 +176,24 @@ int CheckNode(const v1::Plan& plan, int node, int ranks_per_node, Comm* comm,
       if (owner_local < 0 || owner_local >= ranks_per_node) continue;
       float* whole = (*dp)->owner_buffer(u, static_cast<int>(owner_local));
       if (whole == nullptr) return 49;
+      // The owner's matrices, packed in plan order.
+      int64_t packed = 0;
+      for (const v1::TensorPlacement& o : up.tensors()) {
+        if (&o == &t) break;
+        if (o.optimizer() == v1::OPTIMIZER_MATRIX && o.owner_rank() == t.owner_rank()) {
+          packed += o.numel();
+        }
+      }
       for (int64_t x = t.offset(); x < t.offset() + t.numel(); ++x) {
-        if (whole[x] != ShardValue(first + x / s, x % s)) return 50;
-        whole[x] = -whole[x];  // the owner's "update"
+        float& v = whole[packed + x - t.offset()];
+        if (v != ShardValue(first + x / s, x % s)) return 50;
+        v = -v;  // the owner's "update"
       }
     }
     if (!(*dp)->ScatterFromOwner(u, deadline).ok()) return 51;
+    for (int i = 0; i < ranks_per_node; ++i) {
+      if ((*dp)->owner_buffer(u, i) != nullptr) return 63;  // released
+    }
     for (int i = 0; i < ranks_per_node; ++i) {
       const int64_t pos = local[i] % f;
       for (int64_t e = 0; e < s; ++e) {
@@ -176,14 +207,7 @@ int CheckNode(const v1::Plan& plan, int node, int ranks_per_node, Comm* comm,
         if ((*dp)->grad_shard(u, i)[e] != expect) return 52;
       }
     }
-    // Parameter shards are slices of the unsharded buffer: nothing is copied in or out.
-    for (int i = 0; i < ranks_per_node; ++i) {
-      const int64_t pos = local[i] % f;
-      if ((*dp)->param_shard(u, i) !=
-          (*dp)->unsharded(u) + pos * s * static_cast<int64_t>(DTypeSize(up.dtype()))) {
-        return 53;
-      }
-    }
+    if ((*pool)->Stats().used != persistent) return 53;
   }
   if ((*dp)->staging_bytes() != 0) return 54;
   for (int64_t i = 0; i < 4096; ++i) {
@@ -213,6 +237,27 @@ TEST_P(JobDataPlaneTest, TwoNodesOfTwoRanksMatchTheReference) {
   UcxGroup g =
       UcxGroup::Spawn(2, [&](int node, Comm& comm) { return CheckNode(*plan, node, 2, &comm); });
   for (pid_t pid : g.pids) EXPECT_EQ(UcxGroup::ExitCode(pid), 0);
+}
+
+TEST_P(JobDataPlaneTest, DeviceShapedTwoNodesOfTwoRanksMatchTheReference) {
+  Inventory inv = RandomInventory(GetParam() + 4000);
+  PlanOptions o;
+  o.world = 4;
+  auto plan = BuildPlan(inv, o);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  UcxGroup g = UcxGroup::Spawn(2, [&](int node, Comm& comm) {
+    return CheckNode(*plan, node, 2, &comm, 1, JobDataPlane::Shape::kDevice);
+  });
+  for (pid_t pid : g.pids) EXPECT_EQ(UcxGroup::ExitCode(pid), 0);
+}
+
+TEST_P(JobDataPlaneTest, DeviceShapedOneNodeOfFourRanksMatchesTheReference) {
+  Inventory inv = RandomInventory(GetParam() + 5000);
+  PlanOptions o;
+  o.world = 4;
+  auto plan = BuildPlan(inv, o);
+  ASSERT_TRUE(plan.ok());
+  EXPECT_EQ(CheckNode(*plan, 0, 4, nullptr, 1, JobDataPlane::Shape::kDevice), 0);
 }
 
 TEST_P(JobDataPlaneTest, OneNodeOfFourRanksMatchesTheReference) {
@@ -300,10 +345,43 @@ TEST(JobDataPlaneErrorsTest, UnsupportedPlacementsAndSmallPoolsAreClearErrors) {
   ASSERT_TRUE(ok.ok());
   EXPECT_EQ((*ok)->Unshard(5, absl::Now()).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ((*ok)->GatherToOwner(-1, absl::Now()).code(), absl::StatusCode::kInvalidArgument);
+  // Transient buffers must exist before the operations that use them.
+  EXPECT_EQ((*ok)->ReduceScatter(0, ReduceOp::kSum, absl::Now()).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ((*ok)->ScatterFromOwner(0, absl::Now()).code(), absl::StatusCode::kFailedPrecondition);
   // A shard group of 2 ranks cannot be split across nodes of 4.
   auto split = JobDataPlane::Create(*plan, {0, 1, 2, 3}, big->get(), nullptr, /*replicas=*/2);
   EXPECT_EQ(split.status().code(), absl::StatusCode::kUnimplemented);
   EXPECT_THAT(std::string(split.status().message()), ::testing::HasSubstr("whole nodes"));
+}
+
+TEST(JobDataPlaneErrorsTest, APoolTooSmallForTwoUnitsFailsTheSecondUnshardNamingItsBytes) {
+  Inventory inv;
+  for (const char* name : {"layers.0", "layers.1"}) {
+    UnitSpec* unit = inv.add_units();
+    unit->set_name(name);
+    TensorSpec* t = unit->add_tensors();
+    t->set_name(std::string(name) + ".w");
+    t->add_shape(1 << 20);  // 4 MiB unsharded, 2 MiB per shard
+    t->set_dtype(v1::DTYPE_FP32);
+  }
+  PlanOptions o;
+  o.world = 2;
+  auto plan = BuildPlan(inv, o);
+  ASSERT_TRUE(plan.ok());
+  // Both ranks' shards (4 MiB) and gradient shards (4 MiB) of both units, and one unit's
+  // unsharded buffer (4 MiB).
+  auto pool = Pool::Create((20 << 20) + (1 << 16));
+  auto dp = JobDataPlane::Create(*plan, {0, 1}, pool->get(), nullptr);
+  ASSERT_TRUE(dp.ok()) << dp.status();
+  ASSERT_TRUE((*dp)->Unshard(0, absl::Now() + absl::Seconds(5)).ok());
+  absl::Status s = (*dp)->Unshard(1, absl::Now() + absl::Seconds(5));
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr("unit 'layers.1'"));
+  EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr("4194304 bytes"));
+  // Released memory is reused: after the first unit's reshard the second fits.
+  ASSERT_TRUE((*dp)->Reshard(0).ok());
+  EXPECT_TRUE((*dp)->Unshard(1, absl::Now() + absl::Seconds(5)).ok());
 }
 
 }  // namespace
