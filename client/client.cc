@@ -91,7 +91,7 @@ absl::Status Client::Attach() {
 
 absl::Status Client::CheckHostBuffers() const {
   if (arena_ == nullptr) return absl::FailedPreconditionError("not attached");
-  if (backend_ != "host") {
+  if (backend_ == "cuda") {
     return absl::FailedPreconditionError(
         absl::StrCat("the job's buffers are on CUDA device ", cuda_device_, " (backend '", backend_,
                      "'): open cuda_ipc_handle() with cudaIpcOpenMemHandle and add "
@@ -161,13 +161,15 @@ void Client::Place(int unit, const v1::UnitBuffers& placement) {
   b.set_owner_elems(placement.owner_elems());
 }
 
-absl::StatusOr<OpHandle> Client::StartOp(v1::OpKind kind, int unit, v1::ReduceKind op) {
+absl::StatusOr<OpHandle> Client::StartOp(v1::OpKind kind, int unit, v1::ReduceKind op,
+                                         int keep_ranks) {
   if (attachment_.empty()) return absl::FailedPreconditionError("not attached");
   v1::StartRequest req;
   req.set_attachment_id(attachment_);
   req.set_kind(kind);
   req.set_unit_index(unit);
   req.set_reduce(op);
+  req.set_keep_ranks(keep_ranks);
   req.set_timeout_ms(options_.timeout.count());
   v1::StartResponse resp;
   grpc::ClientContext ctx;
@@ -180,8 +182,8 @@ absl::StatusOr<OpHandle> Client::StartOp(v1::OpKind kind, int unit, v1::ReduceKi
 absl::StatusOr<OpHandle> Client::Unshard(int unit) {
   return StartOp(v1::OP_UNSHARD, unit, v1::REDUCE_SUM);
 }
-absl::StatusOr<OpHandle> Client::Reshard(int unit) {
-  return StartOp(v1::OP_RESHARD, unit, v1::REDUCE_SUM);
+absl::StatusOr<OpHandle> Client::Reshard(int unit, int keep_ranks) {
+  return StartOp(v1::OP_RESHARD, unit, v1::REDUCE_SUM, keep_ranks);
 }
 absl::StatusOr<OpHandle> Client::AllocateUnsharded(int unit) {
   return StartOp(v1::OP_ALLOCATE_UNSHARDED, unit, v1::REDUCE_SUM);

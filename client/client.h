@@ -63,8 +63,9 @@ class Client {
   // HSDP replicas of the shard group (1 for plain FSDP); the job has plan().world_size() *
   // replicas() ranks.
   int64_t replicas() const { return replicas_; }
-  // "host" (views below map the daemon's memfd arena) or "cuda" (the buffers are offsets in the
-  // CUDA slab of cuda_device(), shared as cuda_ipc_handle(); host views are then errors).
+  // "host" or "device-shaped" (views below map the daemon's memfd arena) or "cuda" (the buffers
+  // are offsets in the CUDA slab of cuda_device(), shared as cuda_ipc_handle(); host views are
+  // then errors).
   const std::string& backend() const { return backend_; }
   int cuda_device() const { return cuda_device_; }
   const std::string& cuda_ipc_handle() const { return cuda_ipc_handle_; }
@@ -111,7 +112,9 @@ class Client {
   size_t arena_bytes() const { return arena_bytes_; }
 
   absl::StatusOr<OpHandle> Unshard(int unit);
-  absl::StatusOr<OpHandle> Reshard(int unit);
+  // keep_ranks > 1: reshard to groups of that many local ranks (FSDP2's
+  // reshard_after_forward=n); the next Unshard then moves nothing between nodes.
+  absl::StatusOr<OpHandle> Reshard(int unit, int keep_ranks = 0);
   // The unsharded parameter buffer without the all-gather (the caller fills it).
   absl::StatusOr<OpHandle> AllocateUnsharded(int unit);
   // The unit's gradient buffers, zero-filled unless they exist: the start of its backward.
@@ -131,7 +134,8 @@ class Client {
   friend class OpHandle;
   explicit Client(ClientOptions options) : options_(std::move(options)) {}
   int Check(int unit) const { return unit >= 0 && unit < units() ? unit : 0; }
-  absl::StatusOr<OpHandle> StartOp(v1::OpKind kind, int unit, v1::ReduceKind op);
+  absl::StatusOr<OpHandle> StartOp(v1::OpKind kind, int unit, v1::ReduceKind op,
+                                   int keep_ranks = 0);
   absl::Status CheckHostBuffers() const;
   absl::Status CheckAllocated(int unit, int64_t offset, const char* what, const char* op) const;
   // Applies the placement an operation on `unit` reported.

@@ -13,6 +13,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "common/data_plane_memory.h"
 #include "common/dtype.h"
 #include "common/models.h"
 #include "common/planner.h"
@@ -619,7 +620,6 @@ absl::StatusOr<Evaluation> StrategyModel::Evaluate(const Strategy& s, bool detai
     return e;
   }
   mem.activations = lower.activations;
-  const double in_flight = s.prefetch + 2;
   const double muon_transient = muon ? muon_owner_bytes() : 0;
   RAGSHARD_ASSIGN_OR_RETURN(const GroupStats* sp, Stats(k, s.p.size()));
   RAGSHARD_ASSIGN_OR_RETURN(const GroupStats* sg, Stats(k, s.g.size()));
@@ -632,7 +632,15 @@ absl::StatusOr<Evaluation> StrategyModel::Evaluate(const Strategy& s, bool detai
         muon ? frac[u] * kMuonStateBytes + (1 - frac[u]) * kAdamStateBytes : kAdamStateBytes;
     mem.optimizer += so->shard_elems[u] * per_elem;
   }
-  mem.transient = in_flight * sp->max_unsharded_bytes + muon_transient;
+  // The unsharded buffers in flight and one unit's unsharded gradients, per device, as the data
+  // plane allocates them (common/data_plane_memory.h).
+  std::vector<DataPlaneUnit> dp_units;
+  for (size_t u = 0; u < sp->shard_bytes.size(); ++u) {
+    dp_units.push_back({static_cast<int64_t>(sp->shard_elems[u]), static_cast<int64_t>(s.p.size()),
+                        sp->shard_elems[u] > 0 ? sp->shard_bytes[u] / sp->shard_elems[u] : 0.0});
+  }
+  const DataPlaneMemory dp = DataPlanePeak(dp_units, /*ranks=*/1, /*shared=*/false, s.prefetch);
+  mem.transient = dp.unsharded + dp.grads + muon_transient;
   e.padding_pct = sp->total_elems > 0 ? 100.0 * sp->padding_elems / sp->total_elems : 0;
   e.grad_padding_pct = sg->total_elems > 0 ? 100.0 * sg->padding_elems / sg->total_elems : 0;
 

@@ -101,6 +101,17 @@ def parse():
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--param-dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--granule", default="rows:128", help="granule of 2-D parameters")
+    p.add_argument("--no-reshard-after-forward", dest="reshard_after_forward",
+                   action="store_false",
+                   help="keep each layer unsharded from its forward to its backward (FSDP2's "
+                        "reshard_after_forward=False)")
+    p.add_argument("--reshard-after-forward", dest="reshard_groups", type=int, default=None,
+                   metavar="N",
+                   help="reshard each layer after its forward to groups of N local ranks "
+                        "(FSDP2's reshard_after_forward=N; N = ranks per node)")
+    p.add_argument("--prefetch", type=int, choices=[0, 1, 2], default=None,
+                   help="layers unsharded ahead of the one in use (0: on demand); default: "
+                        "the plan's choice, else 1")
     p.add_argument("--quantize", choices=["none", "int8", "fp8"], default="none",
                    help="block-quantized all-gather (one fp32 scale per 128x128 block)")
     p.add_argument("--seed", type=int, default=0)
@@ -181,12 +192,15 @@ def sharded(args, model, chain):
         quantize=None if args.quantize == "none" else args.quantize,
         granule=lambda n, p: args.granule,
         optimizer=lambda n, p: "matrix" if args.optimizer == "muon" and is_matrix(n, p)
-        else "elementwise")
+        else "elementwise",
+        reshard_after_forward=args.reshard_after_forward if args.reshard_groups is None
+        else args.reshard_groups,
+        prefetch=args.prefetch)
     if args.optimizer == "muon":
         opt = rt.ShardedMuon(fsdp, lr=args.muon_lr, adamw_lr=args.lr)
     else:
         opt = rt.ShardedAdamW(fsdp, lr=args.lr, weight_decay=args.weight_decay)
-    losses, step_seconds = [], []
+    losses, step_seconds, pool_trace = [], [], []
     tokens = 0
     t0 = time.time()
     for step in range(args.steps):
@@ -208,8 +222,16 @@ def sharded(args, model, chain):
         opt.step()
         opt.zero_grad()
         step_seconds.append(time.time() - ts)
+        # Between steps only the shards exist: every parameter is without storage and every
+        # gradient None (the unsharded buffers went back to the daemon's pool).
+        held = [n for n, p in model.named_parameters()
+                if p.grad is not None or p.untyped_storage().nbytes() != 0]
+        if held:
+            raise RuntimeError(f"step {step + 1}: still unsharded after the step: {held[:4]}")
         global_loss = fsdp.all_reduce_scalar(total) / w
         losses.append(global_loss)
+        st = client.stats()  # this node's daemon: the pool between steps
+        pool_trace.append({k: st[k] for k in ("pool_peak", "pool_used", "pool_fragmentation")})
         if r == 0 and not args.quiet:
             rate = tokens / (time.time() - t0)
             print(f"step {step + 1}/{args.steps} loss {global_loss:.6f} tokens/s {rate:,.0f}",
@@ -225,7 +247,7 @@ def sharded(args, model, chain):
              "pool_used_bytes": stats["pool_used"],
              "pool_peak_bytes": stats["pool_peak"], "node": env.node,
              "staging_bytes": stats.get("staging_bytes", 0),
-             "gathered_bytes": fsdp.gathered_bytes}
+             "gathered_bytes": fsdp.gathered_bytes, "pool_trace": pool_trace}
     return losses, state, extra
 
 

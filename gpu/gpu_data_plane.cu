@@ -106,7 +106,7 @@ class GpuDataPlane final : public daemon::DataBackend {
   // This backend still keeps every buffer for the job's life (the host data plane's transient
   // buffers are not yet its own: docs/gpu.md), so these only check the unit.
   absl::Status AllocateUnsharded(int unit) override { return CheckUnit(unit); }
-  absl::Status Reshard(int unit) override { return CheckUnit(unit); }
+  absl::Status Reshard(int unit, int64_t) override { return CheckUnit(unit); }
   absl::Status AllocateGrad(int unit) override { return CheckUnit(unit); }
   absl::Status ReduceScatter(int unit, ReduceOp op, absl::Time deadline) override;
   absl::Status AllReduce(int unit, ReduceOp op, absl::Time deadline) override;

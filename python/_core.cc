@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
+#include "common/data_plane_memory.h"
 #include "common/dtype.h"
 #include "common/inventory.h"
 #include "common/planner.h"
@@ -130,7 +131,7 @@ class PyClient : public std::enable_shared_from_this<PyClient> {
   // 4 owner buffer.
   py::object Buffer(int u, int kind) {
     CheckUnit(u);
-    if (client_->backend() != "host") {
+    if (client_->backend() == "cuda") {
       Check(
           absl::FailedPreconditionError("buffers are on a GPU; numpy views need the host backend"));
     }
@@ -185,7 +186,7 @@ class PyClient : public std::enable_shared_from_this<PyClient> {
                         " (transient buffers, docs/daemon.md)");
   }
 
-  PyHandle Op(const std::string& kind, int u, const std::string& op) {
+  PyHandle Op(const std::string& kind, int u, const std::string& op, int keep = 0) {
     absl::StatusOr<OpHandle> h;
     if (kind == "unshard") {
       h = client_->Unshard(u);
@@ -194,7 +195,7 @@ class PyClient : public std::enable_shared_from_this<PyClient> {
     } else if (kind == "allocate_grad") {
       h = client_->AllocateGrad(u);
     } else if (kind == "reshard") {
-      h = client_->Reshard(u);
+      h = client_->Reshard(u, keep);
     } else if (kind == "reduce_scatter") {
       h = client_->ReduceScatter(u, ParseReduce(op));
     } else if (kind == "all_reduce") {
@@ -315,7 +316,9 @@ PYBIND11_MODULE(_core, m) {
       .def("grad_shard", [](PyClient& c, int u) { return c.Buffer(u, 3); })
       .def("owner_buffer", [](PyClient& c, int u) { return c.Buffer(u, 4); })
       .def("unshard", [](PyClient& c, int u) { return c.Op("unshard", u, "sum"); })
-      .def("reshard", [](PyClient& c, int u) { return c.Op("reshard", u, "sum"); })
+      .def(
+          "reshard", [](PyClient& c, int u, int keep) { return c.Op("reshard", u, "sum", keep); },
+          py::arg("unit"), py::arg("keep") = 0)
       .def("allocate_unsharded",
            [](PyClient& c, int u) { return c.Op("allocate_unsharded", u, "sum"); })
       .def("allocate_grad", [](PyClient& c, int u) { return c.Op("allocate_grad", u, "sum"); })
@@ -339,5 +342,23 @@ PYBIND11_MODULE(_core, m) {
         py::arg("tokens_per_step") = 0);
   m.def("plan_local", &PlanLocal, py::arg("inventory_json"), py::arg("world"),
         py::arg("policy") = "ragged", py::arg("align_bytes") = 16);
+  m.def(
+      "data_plane_peak",
+      [](const std::vector<std::tuple<int64_t, int64_t, double>>& units, int64_t ranks, bool shared,
+         int64_t prefetch) {
+        std::vector<DataPlaneUnit> in;
+        for (const auto& [s, f, bytes] : units) in.push_back({s, f, bytes});
+        const DataPlaneMemory m = DataPlanePeak(in, ranks, shared, prefetch);
+        py::dict d;
+        d["shards"] = m.shards;
+        d["grad_shards"] = m.grad_shards;
+        d["unsharded"] = m.unsharded;
+        d["grads"] = m.grads;
+        d["total"] = m.total();
+        return d;
+      },
+      "The data plane's peak bytes (common/data_plane_memory.h), as the strategy model counts "
+      "it: units as (shard_elems, shard group size, parameter bytes per element).",
+      py::arg("units"), py::arg("ranks"), py::arg("shared"), py::arg("prefetch"));
   m.def("delete_job", &DeleteJob, py::arg("planner"), py::arg("job"), py::arg("token_file") = "");
 }

@@ -20,11 +20,14 @@ import time
 
 class LocalCluster:
     def __init__(self, build_dir, daemons=2, pool_bytes=256 << 20, workdir=None,
-                 node_timeout_ms=5000, log=None, cluster_profile=None):
+                 node_timeout_ms=5000, log=None, cluster_profile=None, backend="host"):
         self.build = os.path.abspath(build_dir) if build_dir is not None else None
         self.cluster_profile = cluster_profile
         self.n = daemons
         self.pool_bytes = pool_bytes
+        # The daemons' data plane: "host" (unsharded buffers shared by a node's ranks) or
+        # "device-shaped" (private per-rank buffers, the shape of a GPU).
+        self.backend = backend
         self.node_timeout_ms = node_timeout_ms
         self._own_dir = workdir is None
         self.dir = workdir or tempfile.mkdtemp(prefix="ragshard-")
@@ -87,7 +90,8 @@ class LocalCluster:
         for i in range(self.n):
             d = self._spawn([self._bin("server/ragshardd"), "--planner", self.planner,
                              "--node-id", self.nodes[i], "--socket", self.sockets[i],
-                             "--pool-bytes", str(self.pool_bytes)], f"daemon{i}")
+                             "--pool-bytes", str(self.pool_bytes), "--backend", self.backend],
+                            f"daemon{i}")
             self._wait_for(self.sockets[i] + ".fd", d, f"ragshardd {self.nodes[i]}", f"daemon{i}")
         return self
 

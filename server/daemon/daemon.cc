@@ -91,9 +91,11 @@ class JobRuntime {
       op.kind = req.kind();
       op.unit = req.unit_index();
       op.reduce = req.reduce();
+      op.keep = req.keep_ranks();
       op.deadline =
           absl::Now() + absl::Milliseconds(req.timeout_ms() > 0 ? req.timeout_ms() : 60000);
-    } else if (op.kind != req.kind() || op.unit != req.unit_index() || op.reduce != req.reduce()) {
+    } else if (op.kind != req.kind() || op.unit != req.unit_index() || op.reduce != req.reduce() ||
+               op.keep != req.keep_ranks()) {
       op.status = absl::FailedPreconditionError(absl::StrCat(
           "local ranks disagree on operation ", seq, ": ", v1::OpKind_Name(op.kind), " of unit ",
           op.unit, " against ", v1::OpKind_Name(req.kind()), " of unit ", req.unit_index()));
@@ -185,6 +187,7 @@ class JobRuntime {
     v1::OpKind kind = v1::OP_KIND_UNSPECIFIED;
     int unit = 0;
     v1::ReduceKind reduce = v1::REDUCE_SUM;
+    int64_t keep = 0;
     absl::Time deadline;
     int started = 0;
     int waited = 0;
@@ -277,7 +280,7 @@ class JobRuntime {
           s = dp_->AllocateUnsharded(op.unit);
           break;
         case v1::OP_RESHARD:
-          s = dp_->Reshard(op.unit);
+          s = dp_->Reshard(op.unit, op.keep);
           break;
         case v1::OP_ALLOCATE_GRAD:
           s = dp_->AllocateGrad(op.unit);

@@ -35,8 +35,9 @@ class DataBackend {
   virtual absl::Status Unshard(int unit, absl::Time deadline) = 0;
   // The same allocation without the all-gather (the client fills the buffer).
   virtual absl::Status AllocateUnsharded(int unit) = 0;
-  // Releases the unsharded parameters.
-  virtual absl::Status Reshard(int unit) = 0;
+  // Releases the unsharded parameters, or with keep > 1 keeps them over groups of `keep` local
+  // ranks until the next Unshard (FSDP2's reshard_after_forward=keep).
+  virtual absl::Status Reshard(int unit, int64_t keep) = 0;
   // Allocates the unit's unsharded gradients, zero-filled, unless they exist.
   virtual absl::Status AllocateGrad(int unit) = 0;
   // Reduces the gradients into the gradient shards and releases them.

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
@@ -179,6 +180,8 @@ absl::Status JobDataPlane::AllocateUnsharded(int unit) {
 }
 
 absl::Status JobDataPlane::Unshard(int unit, absl::Time deadline) {
+  if (auto s = CheckUnit(unit); !s.ok()) return s;
+  if (units_[unit].kept > 1) return Rebuild(unit);
   if (auto s = AllocateUnsharded(unit); !s.ok()) return s;
   const uint64_t tag = (++op_seq_) << 20;
   Unit& u = units_[unit];
@@ -205,9 +208,58 @@ absl::Status JobDataPlane::Unshard(int unit, absl::Time deadline) {
   return absl::OkStatus();
 }
 
-absl::Status JobDataPlane::Reshard(int unit) {
+absl::Status JobDataPlane::Reshard(int unit, int64_t keep) {
   if (auto s = CheckUnit(unit); !s.ok()) return s;
-  units_[unit].unsharded.clear();
+  Unit& u = units_[unit];
+  if (keep <= 1 || u.unsharded.empty()) {
+    u.unsharded.clear();
+    u.parts.clear();
+    u.kept = 0;
+    return absl::OkStatus();
+  }
+  if (local_ranks() % keep != 0) {
+    return absl::UnimplementedError(absl::StrCat("reshard of unit '", u.name, "' to groups of ",
+                                                 keep, " ranks: it must divide the ", local_ranks(),
+                                                 " ranks of a node"));
+  }
+  u.kept = keep;
+  if (shape_ == Shape::kNode) return absl::OkStatus();  // the node's buffer serves its groups
+  // Each rank keeps its 1/keep of the unit; the full copies go back to the pool.
+  const int64_t part = shard_ * u.shard_elems * u.item / keep;
+  auto parts = AllocateFor(u, "kept parameters", local_ranks(), part, /*zero=*/false);
+  if (!parts.ok()) {
+    u.kept = 0;
+    return parts.status();
+  }
+  for (int i = 0; i < local_ranks(); ++i) {
+    std::memcpy((*parts)[i].data(), u.unsharded[i].data() + (i % keep) * part,
+                static_cast<size_t>(part));
+  }
+  u.parts = std::move(*parts);
+  u.unsharded.clear();
+  return absl::OkStatus();
+}
+
+absl::Status JobDataPlane::Rebuild(int unit) {
+  Unit& u = units_[unit];
+  const int64_t keep = std::exchange(u.kept, 0);
+  if (shape_ == Shape::kNode) return absl::OkStatus();  // the node's buffer stayed
+  // The all-gather within each group of `keep` ranks, from their parts.
+  const int64_t part = shard_ * u.shard_elems * u.item / keep;
+  auto full = AllocateFor(u, "unsharded parameters", local_ranks(), keep * part, false);
+  if (!full.ok()) {
+    u.kept = keep;
+    return full.status();
+  }
+  for (int i = 0; i < local_ranks(); ++i) {
+    const int first = i - static_cast<int>(i % keep);
+    for (int64_t j = 0; j < keep; ++j) {
+      std::memcpy((*full)[i].data() + j * part, u.parts[first + j].data(),
+                  static_cast<size_t>(part));
+    }
+  }
+  u.unsharded = std::move(*full);
+  u.parts.clear();
   return absl::OkStatus();
 }
 

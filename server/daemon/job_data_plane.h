@@ -84,7 +84,9 @@ class JobDataPlane final : public DataBackend {
   // All-gather of the shard group's parameter shards into the unsharded buffer(s).
   absl::Status Unshard(int unit, absl::Time deadline) override;
   absl::Status AllocateUnsharded(int unit) override;
-  absl::Status Reshard(int unit) override;
+  // keep > 1 (a divisor of the local ranks): the node buffer stays (kNode), or each rank keeps
+  // its 1/keep of the unit (kDevice); the next Unshard rebuilds the unit within the node.
+  absl::Status Reshard(int unit, int64_t keep) override;
   absl::Status AllocateGrad(int unit) override;
   // Sum (or mean) over the shard group's F ranks of the gradients into each local rank's
   // gradient shard, accumulated in fp32 (gradients may be fp32, bf16 or fp16); then the
@@ -114,6 +116,8 @@ class JobDataPlane final : public DataBackend {
     Lease grad_shards;             // k * S fp32, local rank i at i * S (persistent)
     int64_t grad_shard_elems = 0;  // k * S rounded up to a multiple of R (the lease may be larger)
     std::vector<Lease> unsharded;  // none, or 1 (kNode) or k (kDevice) of F * S of dtype
+    int64_t kept = 0;              // > 1: resharded to groups of `kept` local ranks
+    std::vector<Lease> parts;      // kDevice while kept: local rank i's 1/kept of the unit
     std::vector<Lease> grad;       // none, or k of F * S of dtype
     std::vector<Lease> owner;      // none, or k (empty leases where a rank owns nothing)
     std::vector<int64_t> owner_elems;  // per local rank
@@ -126,6 +130,8 @@ class JobDataPlane final : public DataBackend {
                                                  int64_t bytes, bool zero);
   // Moves the unit's matrix pieces between gradient shards and owner buffers.
   absl::Status MovePieces(int unit, bool to_owner, absl::Time deadline);
+  // Unshards a unit kept over groups of local ranks: within the node only.
+  absl::Status Rebuild(int unit);
   int NodeOf(int64_t shard_position) const {
     return static_cast<int>(shard_position / static_cast<int64_t>(local_ranks_.size()));
   }

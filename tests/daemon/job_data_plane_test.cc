@@ -89,8 +89,8 @@ float ShardValue(int64_t r, int64_t e) { return static_cast<float>(r * 1000 + e 
 
 // Runs the checks of one node of a mesh of `replicas` shard groups of plan.world_size() ranks;
 // returns 0 when everything matched.
-int CheckNode(const v1::Plan& plan, int node, int ranks_per_node, Comm* comm,
-              int64_t replicas = 1, JobDataPlane::Shape shape = JobDataPlane::Shape::kNode) {
+int CheckNode(const v1::Plan& plan, int node, int ranks_per_node, Comm* comm, int64_t replicas = 1,
+              JobDataPlane::Shape shape = JobDataPlane::Shape::kNode) {
   auto pool = Pool::Create(64 << 20);
   if (!pool.ok()) return 40;
   std::vector<int64_t> local;
@@ -133,7 +133,21 @@ int CheckNode(const v1::Plan& plan, int node, int ranks_per_node, Comm* comm,
         (shape == JobDataPlane::Shape::kNode || ranks_per_node == 1)) {
       return 58;
     }
-    if (!(*dp)->Reshard(u).ok() || (*dp)->unsharded(u, 0) != nullptr) return 59;
+    // Resharded to groups of the node's ranks, the unit is rebuilt within the node.
+    if (!(*dp)->Reshard(u, ranks_per_node).ok()) return 64;
+    if ((*dp)->unsharded(u, 0) != nullptr && shape == JobDataPlane::Shape::kDevice &&
+        ranks_per_node > 1) {
+      return 65;  // each rank keeps only its part
+    }
+    if (!(*dp)->Unshard(u, deadline).ok()) return 66;
+    for (int i = 0; i < ranks_per_node; ++i) {
+      for (int64_t x = 0; x < f * s; ++x) {
+        if (Load((*dp)->unsharded(u, i), up.dtype(), x) != ParamValue(first + x / s, x % s)) {
+          return 67;
+        }
+      }
+    }
+    if (!(*dp)->Reshard(u, 0).ok() || (*dp)->unsharded(u, 0) != nullptr) return 59;
     for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg}) {
       if (!(*dp)->AllocateGrad(u).ok()) return 60;
       for (int i = 0; i < ranks_per_node; ++i) {
@@ -380,7 +394,7 @@ TEST(JobDataPlaneErrorsTest, APoolTooSmallForTwoUnitsFailsTheSecondUnshardNaming
   EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr("unit 'layers.1'"));
   EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr("4194304 bytes"));
   // Released memory is reused: after the first unit's reshard the second fits.
-  ASSERT_TRUE((*dp)->Reshard(0).ok());
+  ASSERT_TRUE((*dp)->Reshard(0, 0).ok());
   EXPECT_TRUE((*dp)->Unshard(1, absl::Now() + absl::Seconds(5)).ok());
 }
 

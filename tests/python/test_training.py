@@ -1,6 +1,8 @@
 """Training through ragshard against single-process PyTorch, on a local planner and 2 daemons
-(loopback and Unix sockets in a temporary directory): AdamW in fp32, Muon, gradient
-accumulation and clipping; and the binding's zero-copy views and errors."""
+(loopback and Unix sockets in a temporary directory), on both host data planes (unsharded
+buffers shared by a node's ranks, and the device shape: private per-rank buffers): AdamW in
+fp32, Muon, gradient accumulation and clipping, HSDP, the reshard and prefetch knobs, bf16 and
+quantized gathers; and the binding's zero-copy views, transient buffers and errors."""
 import json
 import os
 import subprocess
@@ -29,6 +31,19 @@ SMALL = ["--layers", "2", "--dim", "64", "--heads", "4", "--seq", "16", "--batch
 def cluster():
     with LocalCluster(BUILD, daemons=2, pool_bytes=128 << 20, cluster_profile=PROFILE) as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def device_cluster():
+    with LocalCluster(BUILD, daemons=2, pool_bytes=128 << 20, cluster_profile=PROFILE,
+                      backend="device-shaped") as c:
+        yield c
+
+
+@pytest.fixture(params=["host", "device-shaped"])
+def backend_cluster(request):
+    """The training tests run on both host data planes."""
+    return request.getfixturevalue("cluster" if request.param == "host" else "device_cluster")
 
 
 def env():
@@ -74,18 +89,25 @@ def compare(sharded, reference, rtol=1e-5):
     ("adamw", ["--steps", "20"]),
     ("muon", ["--steps", "20", "--optimizer", "muon"]),
     ("accum-clip", ["--steps", "20", "--accum", "2", "--clip", "0.5"]),
+    # FSDP2's knobs: units stay unsharded from forward to backward; no prefetch.
+    ("no-reshard", ["--steps", "10", "--no-reshard-after-forward"]),
+    ("no-prefetch", ["--steps", "10", "--prefetch", "0"]),
+    # Resharded to the 2 ranks of each daemon after forward: the backward unshards in the node.
+    ("reshard-node", ["--steps", "10", "--reshard-after-forward", "2"]),
 ])
-def test_training_matches_single_process(cluster, tmp_path, name, extra):
-    losses = compare(run_sharded(cluster, tmp_path, "train-" + name, extra),
+def test_training_matches_single_process(backend_cluster, tmp_path, name, extra):
+    job = f"train-{name}-{backend_cluster.backend}"
+    losses = compare(run_sharded(backend_cluster, tmp_path, job, extra),
                      run_reference(tmp_path, name, extra))
     assert losses[-1] < losses[0]  # it learns
 
 
-def test_hsdp_matches_single_process(cluster, tmp_path):
+def test_hsdp_matches_single_process(backend_cluster, tmp_path):
     # Mesh 2 x 2: each daemon's two ranks are a shard group; gradients are averaged over the
     # replicas across the daemons.
     extra = ["--steps", "20"]
-    compare(run_sharded(cluster, tmp_path, "hsdp", extra, launch=["--replicate", "2"]),
+    job = "hsdp-" + backend_cluster.backend
+    compare(run_sharded(backend_cluster, tmp_path, job, extra, launch=["--replicate", "2"]),
             run_reference(tmp_path, "hsdp", extra))
 
 
@@ -128,19 +150,22 @@ def test_policy_auto_plans_run_and_match_single_process(cluster, tmp_path, name,
     assert (k > 1) == bool(grouped), (st, names)
 
 
-def test_bf16_mixed_precision_trains_close_to_fp32(cluster, tmp_path):
+def test_bf16_mixed_precision_trains_close_to_fp32(backend_cluster, tmp_path):
     extra = ["--steps", "30"]
-    fp32 = json.load(open(run_sharded(cluster, tmp_path, "mp-fp32", extra) + ".json"))["losses"]
-    bf16 = json.load(open(run_sharded(cluster, tmp_path, "mp-bf16",
+    b = backend_cluster.backend
+    fp32 = json.load(open(run_sharded(backend_cluster, tmp_path, "mp-fp32-" + b, extra) +
+                          ".json"))["losses"]
+    bf16 = json.load(open(run_sharded(backend_cluster, tmp_path, "mp-bf16-" + b,
                                       extra + ["--param-dtype", "bf16"]) + ".json"))["losses"]
     assert bf16 != fp32 and bf16[-1] < 0.8 * bf16[0]
     assert abs(bf16[-1] - fp32[-1]) <= 0.03 * fp32[-1], (bf16[-1], fp32[-1])
 
 
-def test_quantized_gathers_stay_within_two_percent(cluster, tmp_path):
+def test_quantized_gathers_stay_within_two_percent(backend_cluster, tmp_path):
     final = {}
     for q in ("none", "int8", "fp8"):
-        out = run_sharded(cluster, tmp_path, "quant-" + q, ["--steps", "50", "--quantize", q])
+        out = run_sharded(backend_cluster, tmp_path, f"quant-{q}-{backend_cluster.backend}",
+                          ["--steps", "50", "--quantize", q])
         final[q] = json.load(open(out + ".json"))
     base = final["none"]["losses"]
     for q in ("int8", "fp8"):
@@ -203,22 +228,46 @@ def test_views_are_zero_copy_and_operations_work(cluster):
     a, b = attach_pair(cluster, "binding", inv)
     s = a.shard_elems(0)
     assert a.world_size == 2 and a.units == 2 - 1
-    # Both ranks of one daemon share the unsharded buffer; each shard is its slice: a write
-    # through rank 0's numpy shard view is visible in rank 1's unsharded view at once.
+
+    def both(op):
+        ha, hb = getattr(a, op)(0), getattr(b, op)(0)
+        ha.wait()
+        hb.wait()
+
+    def address(array):
+        return array.__array_interface__["data"][0]
+
+    # The shards persist; the unsharded buffer exists from unshard to reshard.
     a.param_shard(0)[:] = 3.0
-    assert np.all(b.unsharded(0)[:s] == 3.0)
-    # torch.from_numpy shares the memory too.
+    # torch.from_numpy shares the shard's memory.
     t = torch.from_numpy(b.param_shard(0))
     t.fill_(5.0)
-    assert np.all(a.unsharded(0)[s:2 * s] == 5.0)
-    assert t.data_ptr() == b.param_shard(0).__array_interface__["data"][0]
-    # Operations: reduce-scatter (avg) of the two ranks' gradients.
+    assert t.data_ptr() == address(b.param_shard(0))
+    with pytest.raises(ragshard.Error, match="'u' has no unsharded parameters now"):
+        a.unsharded(0)
+    both("unshard")
+    # Both ranks of one daemon share the unsharded buffer, which holds both shards: a write
+    # through one rank's view is visible in the other's at once.
+    assert np.all(a.unsharded(0)[:s] == 3.0) and np.all(a.unsharded(0)[s:2 * s] == 5.0)
+    a.unsharded(0)[0] = 7.0
+    assert b.unsharded(0)[0] == 7.0
+    used = a.stats()["pool_used"]
+    both("reshard")
+    assert a.stats()["pool_used"] < used  # released to the pool
+    with pytest.raises(ragshard.Error, match="no unsharded parameters now"):
+        b.unsharded(0)
+    # Gradients: allocated zero-filled, reduce-scattered (avg), then released.
+    both("allocate_grad")
+    assert np.all(a.grad(0) == 0)
     a.grad(0)[:] = 1.0
     b.grad(0)[:] = 3.0
+    assert np.all(a.grad(0) == 1.0)  # each rank's own gradient buffer
     ha, hb = a.reduce_scatter(0, "avg"), b.reduce_scatter(0, "avg")
     ha.wait()
     hb.wait()
     assert np.allclose(a.grad_shard(0), 2.0) and np.allclose(b.grad_shard(0), 2.0)
+    with pytest.raises(ragshard.Error, match="no unsharded gradients now"):
+        a.grad(0)
     assert a.stats()["staging_bytes"] == 0
 
 

@@ -9,20 +9,26 @@
         model.clip_grad_norm_(1.0); opt.step(); opt.zero_grad()
 
 One FSDP unit per submodule chosen by the policy `units(module)`; parameters outside every unit
-form a last unit, "root" (as FSDP's root module). The module's parameters become views into the
-daemon's unsharded buffers, their .grad views into this rank's gradient buffers (AccumulateGrad
-adds into them in place), and the optimizers work on views of the shard and gradient-shard
-buffers. Nothing is copied in or out of the collectives.
+form a last unit, "root" (as FSDP's root module). What persists is the daemon's shards: each
+rank's parameter shard and gradient shard, on which the optimizers work. A unit's parameters are
+views into its unsharded buffer only while it is unsharded (from `unshard` to `reshard`); in
+between they hold no storage, as FSDP1's do, so a use outside the unit's forward is an error,
+never a read of released memory. Its `.grad` are views into this rank's unsharded gradient
+buffer from the start of its backward (AccumulateGrad adds into them in place) to its
+reduce-scatter, and None otherwise. Nothing is copied in or out of the collectives.
 
 Hooks, with the mechanisms FSDP2 uses:
 * forward pre-hook: unshard the unit (and prefetch the next one);
 * forward post-hook: reshard when `reshard_after_forward`, and register a multi-grad hook
   (`torch.autograd.graph.register_multi_grad_hook`, mode "any") on the unit's outputs so that
-  the backward pass unshards it again before its gradients are computed;
+  the backward pass unshards it again (prefetching the unit before it), and allocates its
+  gradient buffer, before its gradients are computed; tensors that autograd saves from a unit's
+  parameters are packed as (unit, offset) by `torch.autograd.graph.saved_tensors_hooks` and
+  unpacked from the unit's buffer of the moment, since a re-unshard may place it elsewhere;
 * post-backward: when every parameter of a unit has accumulated its gradient
-  (`Tensor.register_post_accumulate_grad_hook`) the unit's gradients are reduce-scattered (avg)
-  into the gradient shard; a callback queued at the end of the backward pass issues the rest in
-  unit order and waits.
+  (`Tensor.register_post_accumulate_grad_hook`) the unit is resharded and its gradients are
+  reduce-scattered (avg) into the gradient shard, which releases them; a callback queued at the
+  end of the backward pass issues the rest in unit order and waits.
 
 Mixed precision: `param_dtype="bf16"` gathers and computes in bf16 with fp32 master shards in
 the optimizer, gradients reduced in fp32 (FSDP2's MixedPrecisionPolicy(bf16, fp32)); the
@@ -72,6 +78,13 @@ class ShardedModule(torch.nn.Module):
         self.module = module
         self.client = client
         self.param_dtype = param_dtype
+        # FSDP2's meanings: True reshards after forward, False keeps the unit unsharded until
+        # its backward, an int n > 1 reshards to groups of n local ranks (the ranks per node:
+        # the backward's unshard then stays within the node).
+        if reshard_after_forward is not True and reshard_after_forward is not False and (
+                not isinstance(reshard_after_forward, int) or reshard_after_forward < 1):
+            raise ValueError(f"reshard_after_forward: {reshard_after_forward!r} is not True, "
+                             "False or a positive int")
         self.reshard_after_forward = reshard_after_forward
         self.prefetch = prefetch
         self._no_sync = False
@@ -125,23 +138,39 @@ class ShardedModule(torch.nn.Module):
         self.plan = plan_of(client)
         self._group_units()
         if self.prefetch is None:
-            # Policy auto chose a prefetch depth with the rest of the strategy; else prefetch.
+            # Policy auto chose a prefetch depth with the rest of the strategy; else 1.
             executed = self.plan.get("strategy", {}).get("executed", "")
-            self.prefetch = "prefetch=0" not in executed.split(",")
+            self.prefetch = 0 if "prefetch=0" in executed.split(",") else 1
+        # The number of units unsharded ahead of the one in use (True is 1): with the unit in
+        # use, the bound on units in flight.
+        self.prefetch = int(self.prefetch)
+        if self.prefetch < 0:
+            raise ValueError(f"prefetch: {self.prefetch} is negative")
         self.world = client.world_size
         self.rank = client.rank
         # HSDP: the plan is for a shard group of `world` ranks, repeated `replicas` times; this
         # rank holds shard position `pos` of its group.
         self.replicas = client.replicas
         self.pos = self.rank % self.world
-        by_name = {}
+        by_name, packed = {}, {}
         for ui, up in enumerate(self.plan["units"]):
+            owned = {}  # an owner's matrices, packed in plan order in its owner buffer
             for t in up["tensors"]:
                 by_name[t["name"]] = (ui, int(t["offset"]), int(t["numel"]), t)
+                if t.get("optimizer") == "OPTIMIZER_MATRIX":
+                    owner = int(t.get("owner_rank", -1))
+                    packed[t["name"]] = owned.get(owner, 0)
+                    owned[owner] = packed[t["name"]] + int(t["numel"])
         self._scalar_unit = len(self._units)
         self.shard_elems = [client.shard_elems(u) for u in range(len(self.plan["units"]))]
-        # Parameters become views of the unsharded buffers; this rank writes its own shard.
-        self.matrices = []  # (unit, offset, numel, shape, owner) of optimizer: matrix tensors
+        # This rank writes its own shard; the parameters become views of the unsharded buffers
+        # while their unit is unsharded.
+        self.matrices = []  # (unit, offset, numel, shape, owner, packed offset): matrix tensors
+        self._views = {}  # unit -> [(param, offset, numel)]
+        self._full = {}  # unit -> its unsharded buffer, while unsharded
+        self._by_storage = {}  # the data address of an unsharded buffer -> its unit
+        self._grads = set()  # units whose gradient buffers are allocated
+        self._empty = {}  # unit -> its parameters' shapes as tensors with no storage
         # fp32 master shards kept by the module: bf16 parameters, or quantized gathers (whose
         # unsharded buffer holds dequantized values). The optimizers step them.
         masters = {}
@@ -149,30 +178,31 @@ class ShardedModule(torch.nn.Module):
             if self.plan["units"][ui]["unit"] != uname:
                 raise RuntimeError(f"plan unit {ui} is {self.plan['units'][ui]['unit']}, "
                                    f"expected {uname}")
-            full = _tensor(client.unsharded(ui), param_dtype)
-            grad = _tensor(client.grad(ui), param_dtype)
+            shard = _tensor(client.param_shard(ui), param_dtype)
             s = self.shard_elems[ui]
             lo, hi = self.pos * s, (self.pos + 1) * s
             # With a parameter dtype below fp32, the optimizer's fp32 master shard starts from
             # the exact initial values (as FSDP2's sharded parameters), not from their rounding.
             exact = torch.zeros(s) if param_dtype != "fp32" else None
+            self._views[ui] = []
             for n, p in params:
                 _, off, numel, t = by_name[n]
-                view = full[off:off + numel].view(p.shape)
                 a, b = max(off, lo), min(off + numel, hi)
                 if a < b:
                     mine = p.detach().reshape(-1)[a - off:b - off]
-                    full[a:b].copy_(mine.to(full.dtype))
+                    shard[a - lo:b - lo].copy_(mine.to(shard.dtype))
                     if exact is not None:
                         exact[a - lo:b - lo] = mine.float()
-                p.data = view
-                p.grad = grad[off:off + numel].view(p.shape)
-                p.grad.zero_()
+                self._views[ui].append((p, off, numel))
+                p.grad = None
                 if t.get("optimizer") == "OPTIMIZER_MATRIX":
                     self.matrices.append((ui, off, numel, tuple(p.shape),
-                                          int(t.get("owner_rank", -1))))
+                                          int(t.get("owner_rank", -1)), packed[n]))
             if exact is not None:
                 masters[ui] = exact
+            self._empty[ui] = [_storageless(p.shape, _DTYPES[param_dtype]) for p, _, _ in
+                               self._views[ui]]
+            self._free(ui)
         self.masters = masters
         for ui, q in self._q.items():
             if self.shard_elems[ui] != q["S"] or \
@@ -218,14 +248,79 @@ class ShardedModule(torch.nn.Module):
             raise RuntimeError(f"the plan covers {i} of this module's {len(self._units)} units")
         self._units = groups
 
+    # -- buffers -----------------------------------------------------------------------------
+
+    def _bind(self, ui):
+        """Points unit `ui`'s parameters into its unsharded buffer (once it is unsharded)."""
+        full = _tensor(self.client.unsharded(ui), self.param_dtype)
+        self._full[ui] = full
+        self._by_storage[full.untyped_storage().data_ptr()] = ui
+        for p, off, numel in self._views[ui]:
+            p.data = full[off:off + numel].view(p.shape)
+
+    def _free(self, ui):
+        """Leaves unit `ui`'s parameters without storage (once it is resharded)."""
+        full = self._full.pop(ui, None)
+        if full is not None:
+            self._by_storage.pop(full.untyped_storage().data_ptr(), None)
+        for (p, _, _), empty in zip(self._views[ui], self._empty[ui]):
+            p.data = empty
+
+    def _bind_grads(self, ui):
+        """Points unit `ui`'s .grad into this rank's gradient buffer (once allocated)."""
+        grad = _tensor(self.client.grad(ui), self.param_dtype)
+        self._grads.add(ui)
+        for p, off, numel in self._views[ui]:
+            if p.requires_grad:
+                p.grad = grad[off:off + numel].view(p.shape)
+
+    def _drop_grads(self, ui):
+        self._grads.discard(ui)
+        for p, _, _ in self._views[ui]:
+            p.grad = None
+
+    def _allocate_grads(self, ui):
+        if ui not in self._grads:
+            self.client.allocate_grad(ui).wait()
+            self._bind_grads(ui)
+
+    def _reshard(self, ui, keep=0):
+        if ui in self._full:
+            self.client.reshard(ui, 0 if ui in self._q else keep).wait()
+            self._free(ui)
+
+    def _pack(self, t):
+        """saved_tensors_hooks: a tensor that lies in a unit's unsharded buffer is saved as its
+        place in the unit, since backward may find the unit unsharded at another address."""
+        try:
+            ui = self._by_storage.get(t.untyped_storage().data_ptr())
+        except RuntimeError:
+            return t
+        if ui is None:
+            return t
+        return _Saved(ui, t.storage_offset(), tuple(t.size()), tuple(t.stride()))
+
+    def _unpack(self, x):
+        if not isinstance(x, _Saved):
+            return x
+        full = self._full.get(x.unit)
+        if full is None:
+            raise RuntimeError(f"ragshard: backward needs the parameters of unit "
+                               f"'{self._units[x.unit][0]}' while it is resharded (was its "
+                               "backward reached without its forward's outputs?)")
+        return full.as_strided(x.size, x.stride, x.offset)
+
     # -- hooks -------------------------------------------------------------------------------
 
     def _unshard(self, ui):
+        if ui in self._full:
+            return
         if ui in self._q:
             self.unshard(ui, self.quantize)
             return
         h = self._handles.pop(("unshard", ui), None) or self.client.unshard(ui)
         h.wait()
+        self._bind(ui)
 
     def unshard(self, ui, quantize=None):
         """All-gathers unit `ui`; with quantize="int8" or "fp8" each rank sends its shard as
@@ -236,6 +331,7 @@ class ShardedModule(torch.nn.Module):
             if quantize is not None:
                 raise ValueError(f"unit {ui} was not set up for quantized gathers")
             self.client.unshard(ui).wait()
+            self._bind(ui)
             return
         if quantize != self.quantize:
             raise ValueError(f"quantize: this module gathers {self.quantize}, not {quantize}")
@@ -250,15 +346,19 @@ class ShardedModule(torch.nn.Module):
         codes_all = allq[:, :q["S"]].reshape(-1)
         scales_all = allq[:, q["S4"]:q["S4"] + 4 * q["B"]].contiguous().view(
             torch.float32).reshape(-1)
+        self.client.allocate_unsharded(ui).wait()
         full = torch.from_numpy(self.client.unsharded(ui))
         full.copy_(quant.dequantize(codes_all, scales_all, q["all_ids"], quantize))
+        self.client.reshard(qi).wait()
+        self._bind(ui)
         self.gathered_bytes["quantized"] += self.world * q["SQ"]
         self.gathered_bytes["full"] += self.world * q["S"] * 4
 
     def _prefetch(self, ui):
-        if self._q:
+        if self._q or not self.prefetch:
             return  # quantized gathers run when the unit needs them
-        if self.prefetch and ui < len(self._units) and ("unshard", ui) not in self._handles:
+        if 0 <= ui < len(self._units) and ui != self._root and ui not in self._full and \
+                ("unshard", ui) not in self._handles:
             self._handles[("unshard", ui)] = self.client.unshard(ui)
 
     def _install_hooks(self):
@@ -285,29 +385,44 @@ class ShardedModule(torch.nn.Module):
         self._pending = [0] * len(self._units)
         if self._root is not None:
             self._unshard(self._root)
-        self._prefetch(0)
+        for j in range(self.prefetch):
+            self._prefetch(j)
 
     def _pre_forward(self, ui):
         self._unshard(ui)
-        self._prefetch(ui + 1 if ui + 1 != self._root else ui + 2)
+        for j in range(1, self.prefetch + 1):
+            self._prefetch(ui + j)
 
     def _post_forward(self, ui, out):
         if not torch.is_grad_enabled():
+            self._reshard(ui)  # no backward follows
             return out
-        if self.reshard_after_forward:
-            self.client.reshard(ui).wait()
+        raf = self.reshard_after_forward
+        if raf is True:
+            self._reshard(ui)
+        elif raf is not False:
+            self._reshard(ui, keep=raf)  # the parameters' storage goes; the group keeps the unit
+        self._hook_backward(ui, out)
+        return out
+
+    def _hook_backward(self, ui, out):
+        if isinstance(out, dict):
+            out = list(out.values())
         outs = out if isinstance(out, (tuple, list)) else [out]
         tensors = [o for o in outs if torch.is_tensor(o) and o.requires_grad]
         if tensors:
             # Once per backward through this forward's outputs, before the unit's gradients.
             torch.autograd.graph.register_multi_grad_hook(
                 tensors, lambda grad, ui=ui: self._pre_backward(ui), mode="any")
-        return out
 
     def _pre_backward(self, ui):
         self._start_backward()
-        if self.reshard_after_forward:
-            self._unshard(ui)
+        self._unshard(ui)
+        for j in range(1, self.prefetch + 1):
+            self._prefetch(ui - j)  # the units whose backward comes next
+        if not any(p.requires_grad for p, _, _ in self._views[ui]):
+            return
+        self._allocate_grads(ui)
 
     def _start_backward(self):
         if not self._backward_started:
@@ -316,19 +431,35 @@ class ShardedModule(torch.nn.Module):
 
     def _grad_ready(self, ui):
         self._start_backward()
+        if ui in self._reduced and not self._no_sync:
+            raise RuntimeError(
+                f"ragshard: unit '{self._units[ui][0]}' received a gradient after its "
+                "reduce-scatter in this backward pass; its gradients would be lost")
         self._pending[ui] += 1
-        if self._pending[ui] == self._expected[ui] and not self._no_sync:
-            self._reduce(ui)
+        if self._pending[ui] == self._expected[ui]:
+            self._post_backward(ui)
 
-    def _reduce(self, ui):
-        if ui not in self._reduced:
-            self._reduced.add(ui)
-            self._handles[("reduce", ui)] = self.client.reduce_scatter(ui, "avg")
+    def _post_backward(self, ui):
+        """Reshards unit `ui` and reduce-scatters its gradients, which releases them (under
+        no_sync they stay, accumulating)."""
+        if ui in self._reduced:
+            return
+        self._reduced.add(ui)
+        self._reshard(ui)
+        if self._no_sync:
+            return
+        self._allocate_grads(ui)  # a unit that got no gradient reduces zeros
+        self._handles[("reduce", ui)] = self.client.reduce_scatter(ui, "avg")
+        self._drop_grads(ui)
 
     def _finish_backward(self):
-        if not self._no_sync:
-            for ui in range(len(self._units)):
-                self._reduce(ui)
+        for ui in range(len(self._units)):
+            self._post_backward(ui)
+        # Backward prefetches that no backward used.
+        for key in [k for k in self._handles if k[0] == "unshard"]:
+            self._handles.pop(key).wait()
+            self._bind(key[1])
+            self._reshard(key[1])
         for key in [k for k in self._handles if k[0] == "reduce"]:
             self._handles.pop(key).wait()
         if self.replicas > 1 and not self._no_sync:
@@ -340,7 +471,12 @@ class ShardedModule(torch.nn.Module):
     # -- user API ----------------------------------------------------------------------------
 
     def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            out = self.module(*args, **kwargs)
+        if torch.is_grad_enabled() and self._root is not None:
+            # The root's gradients are allocated before the first of them is computed.
+            self._hook_backward(self._root, out)
+        return out
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -353,9 +489,14 @@ class ShardedModule(torch.nn.Module):
             self._no_sync = False
 
     def zero_grad(self):
-        for _, _, params in self._units:
-            for _, p in params:
-                p.grad.zero_()
+        """Zeroes gradients accumulated under no_sync (outside a backward, the unsharded
+        gradients are released and .grad is None) and the gradient shards."""
+        for ui in self._grads:
+            for p, _, _ in self._views[ui]:
+                if p.grad is not None:
+                    p.grad.zero_()
+        for ui in self.units():
+            torch.from_numpy(self.client.grad_shard(ui)).zero_()
 
     def shard(self, ui):
         """The fp32 (or bf16) parameter shard of unit `ui` and its fp32 gradient shard."""
@@ -370,6 +511,7 @@ class ShardedModule(torch.nn.Module):
         every element of this rank's gradient holds `value`, so every element of the reduced
         shard holds the sum)."""
         u = self._scalar_unit
+        self.client.allocate_grad(u).wait()
         torch.from_numpy(self.client.grad(u)).fill_(float(value))
         self.client.reduce_scatter(u, "sum").wait()
         if self.replicas > 1:
@@ -397,10 +539,30 @@ class ShardedModule(torch.nn.Module):
         for ui, (_, _, params) in enumerate(self._units):
             if ui in self._q:  # the exact fp32 values, not the last dequantized ones
                 torch.from_numpy(self.client.param_shard(ui)).copy_(self.masters[ui])
+            was = ui in self._full
             self.client.unshard(ui).wait()
+            self._bind(ui)
             for n, p in params:
                 out[n] = p.detach().float().clone()
+            if not was:
+                self._reshard(ui)
         return out
+
+
+def _storageless(shape, dtype):
+    """A tensor of `shape` whose storage holds nothing (as FSDP1 frees a flat parameter): any
+    computation on it raises instead of reading memory."""
+    t = torch.empty(shape, dtype=dtype)
+    t.untyped_storage().resize_(0)
+    return t
+
+
+class _Saved:
+    """A tensor saved for backward as its place in a unit's unsharded buffer."""
+    __slots__ = ("unit", "offset", "size", "stride")
+
+    def __init__(self, unit, offset, size, stride):
+        self.unit, self.offset, self.size, self.stride = unit, offset, size, stride
 
 
 def fully_shard(module, client, units, **kwargs):
@@ -448,7 +610,7 @@ def _matrix_mask(model, ui):
     s = model.shard_elems[ui]
     lo = model.pos * s
     mask = torch.zeros(s, dtype=torch.bool)
-    for u, off, numel, _, _ in model.matrices:
+    for u, off, numel, *_ in model.matrices:
         if u == ui:
             a, b = max(off, lo), min(off + numel, lo + s)
             if a < b:
@@ -501,11 +663,12 @@ class ShardedMuon:
             whole = m.client.owner_buffer(u)
             if whole is not None:
                 whole = torch.from_numpy(whole)
-                for uu, off, numel, shape, owner in m.matrices:
+                for uu, off, numel, shape, owner, packed in m.matrices:
                     if uu == u and owner == m.pos:
-                        x = newton_schulz(whole[off:off + numel].view(shape), self.ns_steps)
+                        x = newton_schulz(whole[packed:packed + numel].view(shape),
+                                          self.ns_steps)
                         x = x * max(1.0, shape[0] / shape[1]) ** 0.5
-                        whole[off:off + numel] = x.reshape(-1)
+                        whole[packed:packed + numel] = x.reshape(-1)
             m.client.scatter_from_owner(u).wait()
             if self.weight_decay:
                 shard[mask] = shard[mask] * (1 - self.lr * self.weight_decay)

@@ -1,0 +1,345 @@
+"""Memory per node: ragshard's pool peak and the node's summed PSS beside the FSDP ideal, the
+strategy model's data-plane figure, and torch's FSDP2 and DDP on the same model in the same run.
+
+examples/train_tiny.py with 8 layers, d = 512 (about 25 M parameters), fp32, AdamW, policy
+ragged, 2 steps, on 1x1, 1x2, 1x4, 2x2 and 2x4 (daemons x ranks per daemon), on the host backend
+(unsharded buffers shared by a node's ranks) and the device-shaped one (private per-rank
+buffers); prefetch 0 and 2 at 1x4 and 2x4; FSDP2 (fully_shard per layer and root) and DDP over
+gloo with the same world sizes, their ranks grouped into nodes of k as ragshard's are. With
+--long, a 200-step run at 2x4 whose pool peak and fragmentation at step 200 are compared with
+step 10.
+
+Figures per node:
+* pool peak: the daemon's `pool_peak` (`ragshardctl nodes --json` poolPeakBytes);
+* summed PSS: the peak over the run of the sum of /proc/PID/smaps_rollup Pss over the node's
+  ranks and its daemon, sampled every 20 ms (shared pages count once across the node);
+* each rank's maximum RSS (the same samples), and the process's own peak (VmHWM) from its JSON.
+Ideal per node for k local ranks, prefetch P, shard size S per unit, U the largest unit's F*S,
+p = 4 parameter bytes, g = 4 gradient bytes:
+* host: k*sum(S)*(p + 4) + (P + 1)*U*(p + k*g)   (the prefetch-1 form is the issue's 2*U*...)
+* device-shaped: k*sum(S)*(p + 4) + (P + 1)*U*k*(p + g)
+Target: pool peak <= 1.10 * ideal + 16 MiB. The model figure is common/data_plane_memory.h's
+DataPlanePeak (what the strategy model counts), for the node (host) or k devices.
+
+    .venv/bin/python bench/memory_report.py --build build [--long]
+"""
+import argparse
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "examples", "train_tiny.py")
+MODEL = ["--layers", "8", "--dim", "512"]
+CONFIGS = [(1, 1), (1, 2), (1, 4), (2, 2), (2, 4)]
+BACKENDS = ["host", "device-shaped"]
+TIMEOUT = 1800
+MIB = float(1 << 20)
+
+
+def proc_figures(pid):
+    """(Pss, Rss) bytes of a live process, or None."""
+    pss = rss = None
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    pss = int(line.split()[1]) * 1024
+                elif line.startswith("Rss:"):
+                    rss = int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None if pss is None else (pss, rss)
+
+
+def descendants(pid):
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    kids = [int(x) for x in f.read().split()]
+                out += kids
+                todo += kids
+        except OSError:
+            pass
+    return out
+
+
+def environ(pid):
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            items = f.read().split(b"\0")
+    except OSError:
+        return {}
+    return dict(i.decode(errors="replace").split("=", 1) for i in items if b"=" in i)
+
+
+class Sampler(threading.Thread):
+    """Every 20 ms: the processes under `roots`, each assigned a node by `node_of(pid, env)`
+    (None: not counted), and the per-node sum of their Pss; keeps each node's peak sum and each
+    process's peak Rss."""
+
+    def __init__(self, roots, node_of):
+        super().__init__(daemon=True)
+        self.roots, self.node_of = roots, node_of
+        self.node = {}  # pid -> node or None
+        self.peak_pss = {}
+        self.max_rss = {}
+        self.stop = threading.Event()
+
+    def run(self):
+        while not self.stop.is_set():
+            pids = set()
+            for r in self.roots:
+                pids.add(r)
+                pids.update(descendants(r))
+            sums = {}
+            for pid in pids:
+                if pid not in self.node:
+                    self.node[pid] = self.node_of(pid, environ(pid))
+                n = self.node[pid]
+                if n is None:
+                    continue
+                fig = proc_figures(pid)
+                if fig is None:
+                    continue
+                sums[n] = sums.get(n, 0) + fig[0]
+                self.max_rss[pid] = max(self.max_rss.get(pid, 0), fig[1])
+            for n, v in sums.items():
+                self.peak_pss[n] = max(self.peak_pss.get(n, 0), v)
+            self.stop.wait(0.02)
+
+
+def run_command(cmd, env, sampler):
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+    sampler.roots.append(p.pid)
+    sampler.start()
+    try:
+        text = p.communicate(timeout=TIMEOUT)[0]
+    except subprocess.TimeoutExpired:
+        text = f"timed out after {TIMEOUT} s"
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+        sampler.stop.set()
+        sampler.join()
+    return p.returncode, text
+
+
+class Runner:
+    def __init__(self, build, work, steps):
+        self.build, self.work, self.steps = build, work, steps
+        self.env = dict(os.environ, PYTHONPATH=os.path.join(build, "python"))
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            self.env.pop(k, None)
+
+    def ragshard(self, name, daemons, k, backend, extra=(), steps=None):
+        from ragshard import _core
+        from ragshard.cluster import LocalCluster
+        print("+", name, file=sys.stderr, flush=True)
+        common = MODEL + ["--steps", str(steps or self.steps), "--quiet"] + list(extra)
+        out = os.path.join(self.work, name)
+        with LocalCluster(self.build, daemons=daemons, pool_bytes=3 << 30,
+                          backend=backend) as c:
+            daemon_pids = {p.pid: i for i, p in enumerate(c.procs[1:])}
+
+            def node_of(pid, env):
+                if pid in daemon_pids:
+                    return daemon_pids[pid]
+                if "RAGSHARD_RANK" in env and "RAGSHARD_NODE" in env:
+                    return int(env["RAGSHARD_NODE"].rsplit("-", 1)[1])
+                return None
+
+            sampler = Sampler(list(daemon_pids), node_of)
+            cmd = [sys.executable, "-m", "ragshard.launch", "--planner", c.planner, "--job", name,
+                   "--nproc", str(daemons * k), "--sockets", ",".join(c.sockets),
+                   "--create-job", EXAMPLE, "--out", out] + common
+            code, text = run_command(cmd, self.env, sampler)
+            if code != 0:
+                return {"error": text[-3000:]}
+            ctl = os.path.join(self.build, "client", "ragshardctl")
+            nodes = json.loads(subprocess.run([ctl, "--planner", c.planner, "nodes", "--json"],
+                                              capture_output=True, text=True, check=True,
+                                              timeout=60).stdout)["nodes"]
+            plan = json.loads(subprocess.run([ctl, "plan", "show", name, "--planner", c.planner,
+                                              "--json"], capture_output=True, text=True,
+                                             check=True, timeout=60).stdout)
+        peaks = [int(n["figures"]["poolPeakBytes"]) for n in nodes]
+        f = int(plan.get("worldSize", plan.get("world_size", daemons * k)))
+        units = [(int(u.get("shardElems", u.get("shard_elems", 0))), f, 4.0)
+                 for u in plan["units"]]
+        layer_units = [u for u, pu in zip(units, plan["units"]) if pu["unit"] != "__ragshard_scalars__"]
+        prefetch = next((int(x) for x in [extra[i + 1] for i in range(len(extra) - 1)
+                                           if extra[i] == "--prefetch"]), 1)
+        shared = backend == "host"
+        sum_s = sum(s for s, _, _ in units)
+        big_u = max(f * s for s, _, _ in layer_units)
+        p = g = 4
+        if shared:
+            ideal = k * sum_s * (p + 4) + (prefetch + 1) * big_u * (p + k * g)
+        else:
+            ideal = k * sum_s * (p + 4) + (prefetch + 1) * big_u * k * (p + g)
+        model = _core.data_plane_peak(units, k, shared, prefetch)["total"]
+        ranks = [json.load(open(f"{out}.rank{r}.json")) for r in range(daemons * k)]
+        rank_rss = [v for pid, v in sampler.max_rss.items() if sampler.node.get(pid) is not None
+                    and pid not in daemon_pids]
+        return {"pool_peak": max(peaks), "pool_peaks": peaks, "ideal": ideal, "model": model,
+                "pss": max(sampler.peak_pss.values()), "rank_rss": max(rank_rss or [0]),
+                "rank_hwm": max(r.get("max_rss_bytes", 0) for r in ranks),
+                "trace": ranks[0].get("pool_trace", []), "prefetch": prefetch}
+
+    def torch_dist(self, name, mode, world, k):
+        print("+", name, file=sys.stderr, flush=True)
+        out = os.path.join(self.work, name)
+        cmd = [sys.executable, EXAMPLE, "--" + mode, out + ".store", "--out", out] + MODEL + \
+            ["--steps", str(self.steps), "--quiet"]
+        launcher = [sys.executable, "-c", (
+            "import os, subprocess, sys\n"
+            f"cmd = {cmd!r}\n"
+            f"ps = [subprocess.Popen(cmd, env=dict(os.environ, RANK=str(r), WORLD_SIZE='{world}'))"
+            f" for r in range({world})]\n"
+            "sys.exit(max(p.wait() for p in ps))\n")]
+
+        def node_of(pid, env):
+            return int(env["RANK"]) // k if "RANK" in env and "WORLD_SIZE" in env else None
+
+        sampler = Sampler([], node_of)
+        code, text = run_command(launcher, self.env, sampler)
+        if code != 0:
+            return {"error": text[-3000:]}
+        return {"pss": max(sampler.peak_pss.values()),
+                "rank_rss": max(sampler.max_rss.values())}
+
+
+def mib(b):
+    return f"{b / MIB:.0f}"
+
+
+def plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for ax, backend in zip(axes, BACKENDS):
+        labels = [f"{d}x{k}" for d, k in CONFIGS]
+        xs = range(len(labels))
+        series = [("pool peak", "pool_peak"), ("ideal", "ideal"), ("summed PSS", "pss")]
+        for j, (label, key) in enumerate(series):
+            ys = [rows.get((backend, d, k, 1), {}).get(key, 0) / MIB for d, k in CONFIGS]
+            ax.bar([x + (j - 1.5) * 0.2 for x in xs], ys, 0.2, label=label)
+        ys = [rows.get(("fsdp2", d, k), {}).get("pss", 0) / MIB for d, k in CONFIGS]
+        ax.bar([x + 1.5 * 0.2 for x in xs], ys, 0.2, label="FSDP2 summed PSS")
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels(labels)
+        ax.set_title(f"ragshard {backend}: per node (daemons x ranks)")
+        ax.set_ylabel("MiB")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--build", default=os.path.join(ROOT, "build"))
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--long", action="store_true", help="also the 200-step run at 2x4")
+    ap.add_argument("--out", default=os.path.join(ROOT, "docs", "benchmarks", "memory.md"))
+    a = ap.parse_args()
+    sys.path.insert(0, os.path.join(a.build, "python"))
+    work = tempfile.mkdtemp(prefix="ragshard-memory-")
+    r = Runner(a.build, work, a.steps)
+    rows = {}
+    for backend in BACKENDS:
+        for d, k in CONFIGS:
+            rows[(backend, d, k, 1)] = r.ragshard(f"{backend}-{d}x{k}", d, k, backend)
+        for d, k in [(1, 4), (2, 4)]:
+            for pf in (0, 2):
+                rows[(backend, d, k, pf)] = r.ragshard(f"{backend}-{d}x{k}-p{pf}", d, k,
+                                                       backend, ["--prefetch", str(pf)])
+    for d, k in CONFIGS:
+        rows[("fsdp2", d, k)] = r.torch_dist(f"fsdp2-{d}x{k}", "fsdp2", d * k, k)
+        rows[("ddp", d, k)] = r.torch_dist(f"ddp-{d}x{k}", "ddp", d * k, k)
+    long_run = r.ragshard("host-2x4-long", 2, 4, "host", steps=200) if a.long else None
+    write(a, rows, long_run)
+
+
+def write(a, rows, long_run):
+    lines = ["# Memory per node: sharded buffers against the FSDP ideal, FSDP2 and DDP", "",
+             f"Generated by `bench/memory_report.py` on {datetime.date.today()} "
+             f"({os.cpu_count()} CPUs). Model: `examples/train_tiny.py --layers 8 --dim 512` "
+             "(about 25 M parameters), fp32, AdamW, policy ragged, "
+             f"{a.steps} steps. Every figure in one table comes from one run of the script.", "",
+             "Columns: the pool peak of the node (the larger of the nodes), the ideal (formulas "
+             "below) and the target (1.10 x ideal + 16 MiB), the strategy model's data-plane "
+             "figure (`DataPlanePeak`, common/data_plane_memory.h) and its distance to the pool "
+             "peak, the node's peak summed PSS (ranks and daemon, /proc/PID/smaps_rollup), the "
+             "largest rank RSS; then FSDP2's and DDP's summed PSS per node (their ranks grouped "
+             "k to a node) in the same run. MiB throughout.", ""]
+    ok_all = True
+    for backend in BACKENDS:
+        lines += [f"## {backend}", "",
+                  "| daemons x ranks | prefetch | pool peak | ideal | target | met | model | "
+                  "model vs peak | summed PSS | max rank RSS | FSDP2 PSS | DDP PSS |",
+                  "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+        for (b, d, k, pf), x in sorted((key, v) for key, v in rows.items()
+                                       if len(key) == 4 and key[0] == backend):
+            if "error" in x:
+                lines.append(f"| {d}x{k} | {pf} | failed: {x['error'][-200:]!r} |")
+                ok_all = False
+                continue
+            target = 1.10 * x["ideal"] + 16 * MIB
+            met = x["pool_peak"] <= target
+            ok_all &= met
+            dist = (x["model"] - x["pool_peak"]) / x["pool_peak"] * 100
+            f2 = rows.get(("fsdp2", d, k), {}) if pf == 1 else {}
+            dd = rows.get(("ddp", d, k), {}) if pf == 1 else {}
+            lines.append(
+                f"| {d}x{k} | {pf} | {mib(x['pool_peak'])} | {mib(x['ideal'])} | "
+                f"{mib(target)} | {'yes' if met else '**no**'} | {mib(x['model'])} | "
+                f"{dist:+.1f} % | {mib(x['pss'])} | {mib(x['rank_rss'])} | "
+                f"{mib(f2['pss']) if 'pss' in f2 else '-'} | "
+                f"{mib(dd['pss']) if 'pss' in dd else '-'} |")
+        lines.append("")
+    if long_run is not None:
+        lines += ["## 200 steps at 2x4 (host)", ""]
+        if "error" in long_run:
+            lines.append(f"failed: {long_run['error'][-300:]}")
+        else:
+            t = long_run["trace"]
+            s10, s200 = t[9], t[-1]
+            lines += ["| step | pool peak | pool used between steps | fragmentation |",
+                      "|---:|---:|---:|---:|",
+                      f"| 10 | {s10['pool_peak']} | {s10['pool_used']} | "
+                      f"{s10['pool_fragmentation']:.4f} |",
+                      f"| {len(t)} | {s200['pool_peak']} | {s200['pool_used']} | "
+                      f"{s200['pool_fragmentation']:.4f} |", "",
+                      "Bytes, from the daemon of rank 0's node (`Client.stats()` after each "
+                      "step)."]
+        lines.append("")
+    lines += ["## Ideal", "",
+              "For k local ranks, prefetch P, S a unit's shard size (from the job's plan), U "
+              "the largest unit's F x S, p = g = 4 bytes (fp32 parameters and gradients):", "",
+              "* host: k x sum(S) x (p + 4) + (P + 1) x U x (p + k x g): the node's ranks share "
+              "the unsharded parameters;",
+              "* device-shaped: k x sum(S) x (p + 4) + (P + 1) x U x k x (p + g).", "",
+              "Optimizer state (AdamW's two fp32 moments) and activations live in the training "
+              "processes: they are in the summed PSS and the rank RSS, not in the pool.", "",
+              "![memory per node](memory.png)", ""]
+    with open(a.out, "w") as f:
+        f.write("\n".join(lines))
+    plot(rows, os.path.join(os.path.dirname(a.out), "memory.png"))
+    print("targets met" if ok_all else "some targets NOT met", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

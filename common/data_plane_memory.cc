@@ -1,0 +1,26 @@
+#include "common/data_plane_memory.h"
+
+#include <algorithm>
+
+namespace ragshard {
+
+DataPlaneMemory DataPlanePeak(const std::vector<DataPlaneUnit>& units, int64_t ranks, bool shared,
+                              int64_t prefetch) {
+  DataPlaneMemory m;
+  double largest_params = 0, largest_grads = 0;
+  const double k = static_cast<double>(std::max<int64_t>(ranks, 1));
+  for (const DataPlaneUnit& u : units) {
+    const double s = static_cast<double>(u.shard_elems);
+    m.shards += k * s * u.param_bytes;
+    m.grad_shards += k * s * 4;
+    const double unsharded = static_cast<double>(u.group) * s * u.param_bytes;
+    largest_params = std::max(largest_params, unsharded);
+    largest_grads = std::max(largest_grads, unsharded);  // gradients in the parameter dtype
+  }
+  const double in_flight = static_cast<double>(std::max<int64_t>(prefetch, 0) + 1);
+  m.unsharded = in_flight * largest_params * (shared ? 1 : k);
+  m.grads = largest_grads * k;
+  return m;
+}
+
+}  // namespace ragshard
