@@ -20,7 +20,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
-#include "client/planner_client.h"
+#include "common/planner_client.h"
 #include "common/models.h"
 
 namespace ragshard {

@@ -13,7 +13,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "client/planner_client.h"
+#include "common/planner_client.h"
 #include "common/fd.h"
 #include "common/inventory.h"
 #include "ragshard/v1/daemon.grpc.pb.h"

@@ -13,7 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "client/ctl_strategy.h"
-#include "client/planner_client.h"
+#include "common/planner_client.h"
 #include "common/dtype.h"
 #include "common/inventory.h"
 #include "common/models.h"

@@ -9,7 +9,7 @@
 #include <set>
 
 #include "absl/synchronization/mutex.h"
-#include "client/planner_client.h"
+#include "common/planner_client.h"
 #include "common/inventory.h"
 
 namespace ragshard {

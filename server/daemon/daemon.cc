@@ -13,11 +13,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/fd_passing.h"
+#include "common/ids.h"
 #include "common/rpc.h"
 #include "glog/logging.h"
 #include "server/daemon/data_backend.h"
 #include "server/daemon/ucx_comm.h"
-#include "server/planner/validation.h"
 
 namespace ragshard::daemon {
 
@@ -384,8 +384,7 @@ std::string HostOf(const std::string& address) { return address.substr(0, addres
 
 absl::StatusOr<std::unique_ptr<NodeDaemon>> NodeDaemon::Start(
     DaemonOptions options, std::shared_ptr<PlannerClient> planner) {
-  planner::ServiceLimits limits;
-  if (auto s = planner::ValidateId("--node-id", options.node_id, limits.max_id_length); !s.ok())
+  if (auto s = ValidateId("--node-id", options.node_id); !s.ok())
     return s;
   if (options.socket_path.empty()) return absl::InvalidArgumentError("--socket: required");
   auto backend = ParseBackendKind(options.backend);
@@ -544,8 +543,7 @@ absl::StatusOr<std::shared_ptr<JobRuntime>> NodeDaemon::GetOrCreateJob(const std
 grpc::ServerUnaryReactor* NodeDaemon::Attach(grpc::CallbackServerContext* ctx,
                                              const v1::AttachRequest* req,
                                              v1::AttachResponse* resp) {
-  planner::ServiceLimits limits;
-  if (auto s = planner::ValidateJobId(req->job_id(), limits); !s.ok()) return Reply(ctx, s);
+  if (auto s = ValidateId("job_id", req->job_id()); !s.ok()) return Reply(ctx, s);
   if (req->rank() < 0) return Reply(ctx, absl::InvalidArgumentError("rank: must not be negative"));
   // Setting a job up waits for the plan and for the peers, so it runs on a thread of its own
   // rather than blocking one of gRPC's callback threads.

@@ -17,7 +17,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
-#include "client/planner_client.h"
+#include "common/planner_client.h"
 #include "common/fd.h"
 #include "ragshard/v1/daemon.grpc.pb.h"
 #include "server/daemon/data_backend.h"

@@ -5,7 +5,7 @@
 #include <thread>
 
 #include "CLI/CLI.hpp"
-#include "client/planner_client.h"
+#include "common/planner_client.h"
 #include "glog/logging.h"
 #include "server/daemon/daemon.h"
 

@@ -11,11 +11,6 @@ absl::Status Bad(absl::string_view field, absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
 }
 
-bool IdChar(char c) {
-  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' ||
-         c == '.' || c == ':' || c == '/' || c == '-';
-}
-
 absl::Status CheckText(absl::string_view field, const std::string& value, int64_t max_len) {
   if (static_cast<int64_t>(value.size()) > max_len) {
     return Bad(field, absl::StrCat("longer than ", max_len, " bytes"));
@@ -24,20 +19,6 @@ absl::Status CheckText(absl::string_view field, const std::string& value, int64_
 }
 
 }  // namespace
-
-absl::Status ValidateId(absl::string_view field, const std::string& value, int64_t max_len) {
-  if (value.empty()) return Bad(field, "empty");
-  if (static_cast<int64_t>(value.size()) > max_len) {
-    return Bad(field, absl::StrCat("longer than ", max_len, " characters"));
-  }
-  for (char c : value) {
-    if (!IdChar(c)) {
-      return Bad(field, absl::StrCat("character 0x", absl::Hex(static_cast<unsigned char>(c)),
-                                     " not allowed (allowed: letters, digits and _ . : / -)"));
-    }
-  }
-  return absl::OkStatus();
-}
 
 absl::Status ValidateJobId(const std::string& job_id, const ServiceLimits& limits) {
   return ValidateId("job_id", job_id, limits.max_id_length);

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "common/ids.h"
 #include "common/inventory.h"
 #include "ragshard/v1/planner.pb.h"
 
@@ -13,7 +14,7 @@ namespace ragshard::planner {
 
 struct ServiceLimits {
   int64_t max_world = int64_t{1} << 20;
-  int64_t max_id_length = 128;
+  int64_t max_id_length = kMaxIdLength;
   int64_t max_key_length = 256;
   int64_t max_value_bytes = 1 << 20;
   int64_t max_address_length = 512;
@@ -24,9 +25,8 @@ struct ServiceLimits {
   InventoryLimits inventory;
 };
 
-// Ids (job ids, node ids, rendezvous keys): non-empty, at most `max_len` characters of
-// [A-Za-z0-9_.:/-].
-absl::Status ValidateId(absl::string_view field, const std::string& value, int64_t max_len);
+// Ids: common/ids.h, shared with the daemon.
+using ragshard::ValidateId;
 
 absl::Status ValidateCreateJob(const v1::CreateJobRequest& req, const ServiceLimits& limits);
 absl::Status ValidateJobId(const std::string& job_id, const ServiceLimits& limits);

@@ -2,7 +2,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "client/planner_client.h"
+#include "common/planner_client.h"
 #include "common/inventory.h"
 #include "nlohmann/json.hpp"
 #include "tests/server/test_util.h"

@@ -3,7 +3,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "client/planner_client.h"
+#include "common/planner_client.h"
 #include "common/models.h"
 #include "common/planner.h"
 #include "common/validator.h"

@@ -5,7 +5,7 @@
 #include <future>
 #include <thread>
 
-#include "client/planner_client.h"
+#include "common/planner_client.h"
 #include "common/models.h"
 #include "common/strategy.h"
 #include "common/validator.h"

@@ -4,8 +4,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "gpu/cuda_device.h"
-#include "gpu/cuda_status.h"
+#include "server/daemon/cuda/cuda_device.h"
+#include "server/daemon/cuda/cuda_status.h"
 
 namespace ragshard::gpu {
 

@@ -3,7 +3,7 @@
 
 #include <string>
 
-#include "gpu/cuda_device.h"
+#include "server/daemon/cuda/cuda_device.h"
 
 namespace ragshard::gpu {
 namespace {

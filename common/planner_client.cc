@@ -1,4 +1,4 @@
-#include "client/planner_client.h"
+#include "common/planner_client.h"
 
 #include <thread>
 

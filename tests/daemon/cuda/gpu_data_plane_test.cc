@@ -2,7 +2,7 @@
 // communicators from unique ids passed through an in-memory rendezvous, all-gather and
 // reduce-scatter (fp32 and bf16, sum and avg) against a reference computed on the host. Skips,
 // with the reason, when no CUDA device is present.
-#include "gpu/gpu_data_plane.h"
+#include "server/daemon/cuda/gpu_data_plane.h"
 
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -11,7 +11,7 @@
 #include <string>
 
 #include "common/planner.h"
-#include "gpu/cuda_device.h"
+#include "server/daemon/cuda/cuda_device.h"
 
 namespace ragshard::gpu {
 namespace {

@@ -11,9 +11,9 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
-#include "gpu/cuda_device.h"
-#include "gpu/cuda_status.h"
-#include "gpu/gpu_data_plane.h"
+#include "server/daemon/cuda/cuda_device.h"
+#include "server/daemon/cuda/cuda_status.h"
+#include "server/daemon/cuda/gpu_data_plane.h"
 
 namespace ragshard::gpu {
 namespace {
