@@ -299,3 +299,14 @@ def test_cpp_example_trains(cluster):
         assert p.returncode == 0, out
     losses = [float(line.split()[3]) for line in outs[0].splitlines() if line.startswith("step")]
     assert len(losses) >= 3 and losses[-1] < 0.5 * losses[0], outs[0]
+
+
+def test_a_container_unit_is_rejected_naming_it():
+    """A ModuleList's forward is never called (its children are), so its hooks could never
+    gather it: fully_shard refuses it before touching the job, as FSDP2 fails loudly."""
+    import ragshard.torch as rt
+    model = torch.nn.Sequential()
+    model.add_module("blocks", torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(2)]))
+    with pytest.raises(ValueError, match="unit 'blocks' is a ModuleList, whose forward is never"
+                                         " called"):
+        rt.fully_shard(model, None, units=lambda m: [m.blocks])

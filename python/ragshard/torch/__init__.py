@@ -95,9 +95,19 @@ class ShardedModule(torch.nn.Module):
         seen = set()
         self._units = []  # (name, module or None, [(fqn, param)])
         for sub in units(module):
+            sub_name = next((n for n, m in module.named_modules() if m is sub), None)
+            if sub_name is None:
+                raise ValueError(f"fully_shard: unit {type(sub).__name__} is not a submodule of "
+                                 "the module")
+            if type(sub).forward is torch.nn.Module.forward:
+                # A container (ModuleList, ModuleDict): its forward is never called, so its
+                # hooks would never gather it.
+                raise ValueError(
+                    f"fully_shard: unit '{sub_name}' is a {type(sub).__name__}, whose forward is "
+                    f"never called (its children are called one by one); pass its children as "
+                    f"units instead, e.g. units=lambda m: list(m.{sub_name or 'layers'})")
             params = [(names[id(p)], p) for p in sub.parameters() if id(p) not in seen]
             seen.update(id(p) for _, p in params)
-            sub_name = next(n for n, m in module.named_modules() if m is sub)
             if params:
                 self._units.append((sub_name, sub, params))
         rest = [(n, p) for n, p in module.named_parameters() if id(p) not in seen]
