@@ -20,8 +20,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
-#include "common/planner_client.h"
 #include "common/models.h"
+#include "common/planner_client.h"
 
 namespace ragshard {
 namespace {

@@ -18,12 +18,13 @@ import json
 import os
 import platform
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+from session import run_in_session
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "train_tiny.py")
@@ -98,18 +99,8 @@ class Runner:
                 f"<{daemons} daemon socket{'s' if daemons > 1 else ''}> --create-job " + \
                 sh(["examples/train_tiny.py"] + common + extra)
             # A session of its own: on a timeout the launcher and its ranks are killed together.
-            p = subprocess.Popen(cmd, env=self.env, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
-                                 start_new_session=True)
-            try:
-                text = p.communicate(timeout=TIMEOUT)[0]
-            except subprocess.TimeoutExpired:
-                text = f"timed out after {TIMEOUT} s"
-            finally:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.communicate()
-            if p.returncode != 0:
+            code, text = run_in_session(cmd, self.env, TIMEOUT)
+            if code != 0:
                 self.runs[name] = {"error": text[-3000:]}
                 print(self.runs[name]["error"], file=sys.stderr)
                 return

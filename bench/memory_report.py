@@ -27,12 +27,12 @@ import argparse
 import datetime
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 import threading
-import time
+
+from session import run_in_session
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "train_tiny.py")
@@ -119,21 +119,15 @@ class Sampler(threading.Thread):
 
 
 def run_command(cmd, env, sampler):
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         stdin=subprocess.DEVNULL, text=True, start_new_session=True)
-    sampler.roots.append(p.pid)
-    sampler.start()
+    def start(pid):
+        sampler.roots.append(pid)
+        sampler.start()
+
     try:
-        text = p.communicate(timeout=TIMEOUT)[0]
-    except subprocess.TimeoutExpired:
-        text = f"timed out after {TIMEOUT} s"
+        return run_in_session(cmd, env, TIMEOUT, on_start=start)
     finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.communicate()
         sampler.stop.set()
         sampler.join()
-    return p.returncode, text
 
 
 class Runner:

@@ -13,9 +13,9 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "common/planner_client.h"
 #include "common/fd.h"
 #include "common/inventory.h"
+#include "common/planner_client.h"
 #include "ragshard/v1/daemon.grpc.pb.h"
 
 namespace ragshard {

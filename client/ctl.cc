@@ -13,12 +13,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "client/ctl_strategy.h"
-#include "common/planner_client.h"
 #include "common/dtype.h"
 #include "common/inventory.h"
 #include "common/models.h"
 #include "common/plan_json.h"
 #include "common/planner.h"
+#include "common/planner_client.h"
 #include "common/strategy.h"
 #include "google/protobuf/util/json_util.h"
 

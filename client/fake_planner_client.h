@@ -9,8 +9,8 @@
 #include <set>
 
 #include "absl/synchronization/mutex.h"
-#include "common/planner_client.h"
 #include "common/inventory.h"
+#include "common/planner_client.h"
 
 namespace ragshard {
 

@@ -384,8 +384,7 @@ std::string HostOf(const std::string& address) { return address.substr(0, addres
 
 absl::StatusOr<std::unique_ptr<NodeDaemon>> NodeDaemon::Start(
     DaemonOptions options, std::shared_ptr<PlannerClient> planner) {
-  if (auto s = ValidateId("--node-id", options.node_id); !s.ok())
-    return s;
+  if (auto s = ValidateId("--node-id", options.node_id); !s.ok()) return s;
   if (options.socket_path.empty()) return absl::InvalidArgumentError("--socket: required");
   auto backend = ParseBackendKind(options.backend);
   if (!backend.ok()) return backend.status();

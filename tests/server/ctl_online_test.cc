@@ -2,8 +2,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "common/planner_client.h"
 #include "common/inventory.h"
+#include "common/planner_client.h"
 #include "nlohmann/json.hpp"
 #include "tests/server/test_util.h"
 

@@ -3,9 +3,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "common/planner_client.h"
 #include "common/models.h"
 #include "common/planner.h"
+#include "common/planner_client.h"
 #include "common/validator.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"

@@ -5,8 +5,8 @@
 #include <future>
 #include <thread>
 
-#include "common/planner_client.h"
 #include "common/models.h"
+#include "common/planner_client.h"
 #include "common/strategy.h"
 #include "common/validator.h"
 #include "server/planner/server.h"
