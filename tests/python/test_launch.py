@@ -12,8 +12,10 @@ ENV = dict(os.environ, PYTHONPATH=os.path.join(BUILD, "python"))
 SCRIPT = """
 import os, sys, time
 r = int(os.environ["RAGSHARD_RANK"])
-print("rank", r, "of", os.environ["RAGSHARD_WORLD_SIZE"], os.environ["RAGSHARD_SOCKET"],
-      os.environ["RAGSHARD_NODE"], flush=True)
+# One write per line: the ranks share the launcher's stdout, and print() writes its pieces one
+# by one when Python's output is unbuffered.
+os.write(1, f"rank {r} of {os.environ['RAGSHARD_WORLD_SIZE']} {os.environ['RAGSHARD_SOCKET']} "
+            f"{os.environ['RAGSHARD_NODE']}\\n".encode())
 if r == int(sys.argv[1]):
     sys.exit(3)
 time.sleep(float(sys.argv[2]))

@@ -121,10 +121,12 @@ def plan_show(cluster, job):
 
 @pytest.mark.parametrize("name,strategy,units", [
     # Both layers in one plan unit, each daemon's two ranks a shard group, 2 replicas.
-    ("auto-k2", "k=2,shard=2x1", ["layers.0-1", "root", "__ragshard_scalars__"]),
+    ("auto-k2", "k=2,shard=2x1", ["layers.0-1", "root", "__ragshard_scalars__",
+      "__ragshard_used__"]),
     # One shard group over both daemons, gathers on demand (fully_shard follows prefetch=0).
     ("auto-noprefetch", "k=1,shard=2x2,prefetch=0",
-     ["layers.0", "layers.1", "root", "__ragshard_scalars__"]),
+     ["layers.0", "layers.1", "root", "__ragshard_scalars__",
+      "__ragshard_used__"]),
     # Whatever the planner's search picks for this machine's profile.
     ("auto", "", None),
 ])

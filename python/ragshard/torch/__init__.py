@@ -18,30 +18,48 @@ buffer from the start of its backward (AccumulateGrad adds into them in place) t
 reduce-scatter, and None otherwise. Nothing is copied in or out of the collectives.
 
 Hooks, with the mechanisms FSDP2 uses:
-* forward pre-hook: unshard the unit (and prefetch the next one);
+* forward pre-hook: unshard the unit (and prefetch the next ones), and pass the unit's inputs
+  that require gradients through an identity autograd function whose backward is the unit's
+  post-backward (FSDP2's RegisterPostBackwardFunction);
 * forward post-hook: reshard when `reshard_after_forward`, and register a multi-grad hook
   (`torch.autograd.graph.register_multi_grad_hook`, mode "any") on the unit's outputs so that
   the backward pass unshards it again (prefetching the unit before it), and allocates its
   gradient buffer, before its gradients are computed; tensors that autograd saves from a unit's
   parameters are packed as (unit, offset) by `torch.autograd.graph.saved_tensors_hooks` and
   unpacked from the unit's buffer of the moment, since a re-unshard may place it elsewhere;
-* post-backward: when every parameter of a unit has accumulated its gradient
-  (`Tensor.register_post_accumulate_grad_hook`) the unit is resharded and its gradients are
-  reduce-scattered (avg) into the gradient shard, which releases them; a callback queued at the
-  end of the backward pass issues the rest in unit order and waits.
+* post-backward: once the gradients of the unit's inputs are computed (for each forward of
+  the unit since the last backward), the unit is resharded and its gradients reduce-scattered
+  (avg) into the gradient shard, which releases them. Which parameters got a gradient does not
+  matter: those that got none contribute zeros. A callback queued at the end of the backward
+  pass does the same, in unit order, for the units whose inputs needed no gradient (or that
+  did not run), then reduces the used-parameter flags and waits. Every rank therefore issues
+  the same operations in the same order, whatever its data reached.
+
+Gradients with PyTorch's meaning: `zero_grad(set_to_none=True)` (the default, on the module
+and on the optimizers) forgets which parameters have a gradient; after a backward, a parameter
+has one if any rank's backward reached it (the ranks OR their flags through a small
+reduce-scatter, DDP's rule for unused parameters). The optimizers step only parameters that
+have a gradient; with `set_to_none=False` a parameter keeps its (zeroed) gradient and is
+stepped with zero, as torch.optim does.
 
 Mixed precision: `param_dtype="bf16"` gathers and computes in bf16 with fp32 master shards in
 the optimizer, gradients reduced in fp32 (FSDP2's MixedPrecisionPolicy(bf16, fp32)); the
 default is fp32 throughout.
 """
+import collections
 import contextlib
 import json
 import math
+import os
 
 import torch
 
+from torch.utils import _pytree as pytree
+
 from .. import plan_of, quant
 from .._core import plan_local
+from .optim import ShardedAdamW, ShardedMuon, newton_schulz
+from .params import Saved, adopt, set_live, storageless
 
 __all__ = ["fully_shard", "ShardedModule", "ShardedAdamW", "ShardedMuon", "newton_schulz"]
 
@@ -113,8 +131,12 @@ class ShardedModule(torch.nn.Module):
         rest = [(n, p) for n, p in module.named_parameters() if id(p) not in seen]
         if rest:
             self._units.append(("root", None, rest))
-        # A unit of W fp32 elements for scalar all-reductions (gradient clipping).
-        world = world or int(__import__("os").environ.get("RAGSHARD_WORLD_SIZE", "0")) or None
+        # A unit of W fp32 elements for scalar all-reductions (gradient clipping), and one of
+        # W x P for the used-parameter flags of P parameters (each rank's shard of the sum is
+        # the count of ranks that used each parameter).
+        world = world or int(os.environ.get("RAGSHARD_WORLD_SIZE") or
+                             os.environ.get("WORLD_SIZE") or 0) or None
+        self._nparams = sum(len(params) for _, _, params in self._units)
         if quantize and not world:
             raise ValueError("quantize: the world size is needed before registering (world=)")
         inventory = {"units": []}
@@ -126,6 +148,9 @@ class ShardedModule(torch.nn.Module):
                 for n, p in params]})
         inventory["units"].append({"name": "__ragshard_scalars__", "tensors": [
             {"name": "__ragshard_scalars__.norm", "shape": [world or 1], "dtype": "fp32"}]})
+        inventory["units"].append({"name": "__ragshard_used__", "tensors": [
+            {"name": "__ragshard_used__.flags", "shape": [(world or 1) * max(self._nparams, 1)],
+             "dtype": "fp32"}]})
         # Quantized gathers: one byte unit per unit, sized from the plan the planner will make
         # (planning is deterministic): rank r's slice holds the codes of its shard (a byte per
         # element) and then one fp32 scale per block of its shard.
@@ -172,10 +197,17 @@ class ShardedModule(torch.nn.Module):
                     packed[t["name"]] = owned.get(owner, 0)
                     owned[owner] = packed[t["name"]] + int(t["numel"])
         self._scalar_unit = len(self._units)
+        self._flags_unit = len(self._units) + 1
         self.shard_elems = [client.shard_elems(u) for u in range(len(self.plan["units"]))]
         # This rank writes its own shard; the parameters become views of the unsharded buffers
         # while their unit is unsharded.
-        self.matrices = []  # (unit, offset, numel, shape, owner, packed offset): matrix tensors
+        self.matrices = []  # _Matrix of each matrix tensor
+        self._pieces = {}  # unit -> [_Piece]: the parameters' pieces in this rank's shard
+        # Which parameters have a gradient, by index in unit order (PyTorch's grad not None),
+        # the same on every rank; and those this rank's backward reached since the last
+        # reduction of the flags.
+        self.has_grad = [False] * self._nparams
+        self._used = set()
         self._views = {}  # unit -> [(param, offset, numel)]
         self._full = {}  # unit -> its unsharded buffer, while unsharded
         self._by_storage = {}  # the data address of an unsharded buffer -> its unit
@@ -184,6 +216,7 @@ class ShardedModule(torch.nn.Module):
         # fp32 master shards kept by the module: bf16 parameters, or quantized gathers (whose
         # unsharded buffer holds dequantized values). The optimizers step them.
         masters = {}
+        self._index = {}  # id(parameter) -> its index in unit order
         for ui, (uname, _, params) in enumerate(self._units):
             if self.plan["units"][ui]["unit"] != uname:
                 raise RuntimeError(f"plan unit {ui} is {self.plan['units'][ui]['unit']}, "
@@ -195,25 +228,34 @@ class ShardedModule(torch.nn.Module):
             # the exact initial values (as FSDP2's sharded parameters), not from their rounding.
             exact = torch.zeros(s) if param_dtype != "fp32" else None
             self._views[ui] = []
+            self._pieces[ui] = []
             for n, p in params:
                 _, off, numel, t = by_name[n]
+                index = len(self._index)
+                self._index[id(p)] = index
+                matrix = t.get("optimizer") == "OPTIMIZER_MATRIX"
                 a, b = max(off, lo), min(off + numel, hi)
                 if a < b:
                     mine = p.detach().reshape(-1)[a - off:b - off]
                     shard[a - lo:b - lo].copy_(mine.to(shard.dtype))
                     if exact is not None:
                         exact[a - lo:b - lo] = mine.float()
+                    self._pieces[ui].append(_Piece(index, a - lo, b - lo, matrix))
                 self._views[ui].append((p, off, numel))
                 p.grad = None
-                if t.get("optimizer") == "OPTIMIZER_MATRIX":
-                    self.matrices.append((ui, off, numel, tuple(p.shape),
-                                          int(t.get("owner_rank", -1)), packed[n]))
+                adopt(p, n, uname)
+                if matrix:
+                    self.matrices.append(_Matrix(ui, off, numel, tuple(p.shape),
+                                                 int(t.get("owner_rank", -1)), packed[n], index))
             if exact is not None:
                 masters[ui] = exact
-            self._empty[ui] = [_storageless(p.shape, _DTYPES[param_dtype]) for p, _, _ in
+            self._empty[ui] = [storageless(p.shape, _DTYPES[param_dtype]) for p, _, _ in
                                self._views[ui]]
             self._free(ui)
         self.masters = masters
+        if self.shard_elems[self._flags_unit] < self._nparams:
+            raise ValueError("fully_shard: the world size is needed before registering (pass "
+                             "world=, or set RAGSHARD_WORLD_SIZE)")
         for ui, q in self._q.items():
             if self.shard_elems[ui] != q["S"] or \
                     self.shard_elems[q["index"]] != q["SQ"]:
@@ -231,6 +273,7 @@ class ShardedModule(torch.nn.Module):
             self.masters[ui] = torch.from_numpy(client.param_shard(ui)).clone()
         self.gathered_bytes = {"quantized": 0, "full": 0}
         self._handles = {}
+        self._backward_started = False
         self._install_hooks()
 
     def _group_units(self):
@@ -267,6 +310,7 @@ class ShardedModule(torch.nn.Module):
         self._by_storage[full.untyped_storage().data_ptr()] = ui
         for p, off, numel in self._views[ui]:
             p.data = full[off:off + numel].view(p.shape)
+            set_live(p, True)
 
     def _free(self, ui):
         """Leaves unit `ui`'s parameters without storage (once it is resharded)."""
@@ -274,6 +318,7 @@ class ShardedModule(torch.nn.Module):
         if full is not None:
             self._by_storage.pop(full.untyped_storage().data_ptr(), None)
         for (p, _, _), empty in zip(self._views[ui], self._empty[ui]):
+            set_live(p, False)
             p.data = empty
 
     def _bind_grads(self, ui):
@@ -292,7 +337,7 @@ class ShardedModule(torch.nn.Module):
     def _allocate_grads(self, ui):
         if ui not in self._grads:
             self.client.allocate_grad(ui).wait()
-            self._bind_grads(ui)
+        self._bind_grads(ui)  # again after zero_grad(set_to_none=True) under no_sync
 
     def _reshard(self, ui, keep=0):
         if ui in self._full:
@@ -308,10 +353,10 @@ class ShardedModule(torch.nn.Module):
             return t
         if ui is None:
             return t
-        return _Saved(ui, t.storage_offset(), tuple(t.size()), tuple(t.stride()))
+        return Saved(ui, t.storage_offset(), tuple(t.size()), tuple(t.stride()))
 
     def _unpack(self, x):
-        if not isinstance(x, _Saved):
+        if not isinstance(x, Saved):
             return x
         full = self._full.get(x.unit)
         if full is None:
@@ -379,29 +424,42 @@ class ShardedModule(torch.nn.Module):
             if subs is None:
                 continue
             # A group of units: gathered before the first runs, resharded after the last.
-            subs[0].register_forward_pre_hook(lambda m, inp, ui=ui: self._pre_forward(ui))
+            subs[0].register_forward_pre_hook(
+                lambda m, args, kwargs, ui=ui: self._pre_forward(ui, args, kwargs),
+                with_kwargs=True)
             subs[-1].register_forward_hook(lambda m, inp, out, ui=ui: self._post_forward(ui, out))
         for ui, (_, _, params) in enumerate(self._units):
             for _, p in params:
                 if p.requires_grad:
-                    p.register_post_accumulate_grad_hook(lambda p, ui=ui: self._grad_ready(ui))
-        self._pending = [0] * len(self._units)
-        self._expected = [sum(p.requires_grad for _, p in params) for _, _, params in self._units]
+                    p.register_post_accumulate_grad_hook(
+                        lambda p, ui=ui: self._grad_ready(ui, p))
+        self._forwards = [0] * len(self._units)  # forwards with autograd since the backward
+        self._inputs_done = [0] * len(self._units)  # of them, those whose inputs' grads came
         self._reduced = set()
 
     def _root_pre_forward(self, module, inputs):
-        self._backward_started = False
-        self._reduced = set()
-        self._pending = [0] * len(self._units)
         if self._root is not None:
             self._unshard(self._root)
         for j in range(self.prefetch):
             self._prefetch(j)
 
-    def _pre_forward(self, ui):
+    def _pre_forward(self, ui, args, kwargs):
         self._unshard(ui)
         for j in range(1, self.prefetch + 1):
             self._prefetch(ui + j)
+        if not torch.is_grad_enabled():
+            return None
+        self._forwards[ui] += 1
+        # The unit's post-backward runs once the gradients of these inputs are computed: after
+        # every gradient of the unit's parameters, whichever of them this rank's data reached.
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        where = [i for i, x in enumerate(flat) if torch.is_tensor(x) and x.requires_grad]
+        if not where:
+            return None  # the callback at the end of the backward pass runs it
+        outs = _PostBackward.apply(self, ui, *(flat[i] for i in where))
+        for i, x in zip(where, outs):
+            flat[i] = x
+        return pytree.tree_unflatten(flat, spec)
 
     def _post_forward(self, ui, out):
         if not torch.is_grad_enabled():
@@ -416,10 +474,7 @@ class ShardedModule(torch.nn.Module):
         return out
 
     def _hook_backward(self, ui, out):
-        if isinstance(out, dict):
-            out = list(out.values())
-        outs = out if isinstance(out, (tuple, list)) else [out]
-        tensors = [o for o in outs if torch.is_tensor(o) and o.requires_grad]
+        tensors = [o for o in pytree.tree_leaves(out) if torch.is_tensor(o) and o.requires_grad]
         if tensors:
             # Once per backward through this forward's outputs, before the unit's gradients.
             torch.autograd.graph.register_multi_grad_hook(
@@ -439,14 +494,18 @@ class ShardedModule(torch.nn.Module):
             self._backward_started = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
-    def _grad_ready(self, ui):
+    def _grad_ready(self, ui, p):
         self._start_backward()
         if ui in self._reduced and not self._no_sync:
             raise RuntimeError(
                 f"ragshard: unit '{self._units[ui][0]}' received a gradient after its "
                 "reduce-scatter in this backward pass; its gradients would be lost")
-        self._pending[ui] += 1
-        if self._pending[ui] == self._expected[ui]:
+        self._used.add(self._index[id(p)])
+
+    def _inputs_grad_ready(self, ui):
+        """The backward of one forward of unit `ui` reached its inputs."""
+        self._inputs_done[ui] += 1
+        if self._inputs_done[ui] == self._forwards[ui]:
             self._post_backward(ui)
 
     def _post_backward(self, ui):
@@ -465,11 +524,17 @@ class ShardedModule(torch.nn.Module):
     def _finish_backward(self):
         for ui in range(len(self._units)):
             self._post_backward(ui)
+        self._backward_started = False
+        self._reduced = set()
+        self._forwards = [0] * len(self._units)
+        self._inputs_done = [0] * len(self._units)
         # Backward prefetches that no backward used.
         for key in [k for k in self._handles if k[0] == "unshard"]:
             self._handles.pop(key).wait()
             self._bind(key[1])
             self._reshard(key[1])
+        if not self._no_sync:
+            self._reduce_used_flags()
         for key in [k for k in self._handles if k[0] == "reduce"]:
             self._handles.pop(key).wait()
         if self.replicas > 1 and not self._no_sync:
@@ -477,6 +542,23 @@ class ShardedModule(torch.nn.Module):
             handles = [self.client.all_reduce(ui, "avg") for ui in range(len(self._units))]
             for h in handles:
                 h.wait()
+
+    def _reduce_used_flags(self):
+        """Every rank learns which parameters any rank's backward reached since the last
+        reduction: each writes its flags (1.0 for used) into every rank's slot of the flags
+        unit's gradient, so the reduced shard counts the ranks that used each parameter."""
+        u, n = self._flags_unit, self._nparams
+        self.client.allocate_grad(u).wait()
+        slots = torch.from_numpy(self.client.grad(u)).view(-1, self.shard_elems[u])
+        if self._used:
+            slots[:, list(self._used)] = 1.0
+        self.client.reduce_scatter(u, "sum").wait()
+        if self.replicas > 1:
+            self.client.all_reduce(u, "sum").wait()
+        counts = torch.from_numpy(self.client.grad_shard(u))[:n]
+        for i in torch.nonzero(counts > 0).flatten().tolist():
+            self.has_grad[i] = True
+        self._used = set()
 
     # -- user API ----------------------------------------------------------------------------
 
@@ -498,15 +580,28 @@ class ShardedModule(torch.nn.Module):
         finally:
             self._no_sync = False
 
-    def zero_grad(self):
-        """Zeroes gradients accumulated under no_sync (outside a backward, the unsharded
-        gradients are released and .grad is None) and the gradient shards."""
+    def zero_grad(self, set_to_none=True):
+        """PyTorch's zero_grad: zeroes the gradient shards and the gradients accumulated under
+        no_sync (outside a backward the unsharded gradients are released and .grad is None).
+        With set_to_none (the default), parameters also stop having a gradient until a backward
+        reaches them (`has_grad`), so the optimizers leave them alone; without, they keep a zero
+        gradient and are stepped with it."""
         for ui in self._grads:
             for p, _, _ in self._views[ui]:
                 if p.grad is not None:
                     p.grad.zero_()
+                    if set_to_none:
+                        p.grad = None  # bound again when the next backward reaches the unit
         for ui in self.units():
             torch.from_numpy(self.client.grad_shard(ui)).zero_()
+        if set_to_none:
+            self.has_grad = [False] * self._nparams
+            self._used = set()
+
+    def pieces(self, ui):
+        """The parameters' pieces in this rank's shard of unit `ui` (_Piece: parameter index,
+        shard elements [lo, hi), whether a matrix)."""
+        return self._pieces[ui]
 
     def shard(self, ui):
         """The fp32 (or bf16) parameter shard of unit `ui` and its fp32 gradient shard."""
@@ -541,6 +636,14 @@ class ShardedModule(torch.nn.Module):
                 torch.from_numpy(self.client.grad_shard(ui)).mul_(coef)
         return total
 
+    def state_dict(self, *args, **kwargs):
+        """FSDP's full state dict: every parameter unsharded, as fp32 (a collective: every rank
+        calls it, as full_state), and the module's buffers, under the module's own names."""
+        out = self.full_state()
+        for n, b in self.module.named_buffers():
+            out[n] = b.detach().clone()
+        return out
+
     def full_state(self):
         """{name: fp32 tensor} of every parameter, unsharded (for checks; one all-gather per
         unit). The values are those the forward computes with: with param_dtype bf16, the bf16
@@ -559,130 +662,28 @@ class ShardedModule(torch.nn.Module):
         return out
 
 
-def _storageless(shape, dtype):
-    """A tensor of `shape` whose storage holds nothing (as FSDP1 frees a flat parameter): any
-    computation on it raises instead of reading memory."""
-    t = torch.empty(shape, dtype=dtype)
-    t.untyped_storage().resize_(0)
-    return t
+_Piece = collections.namedtuple("_Piece", "index lo hi matrix")
+_Piece.__doc__ = "The part of parameter `index` in this rank's shard: elements [lo, hi)."
+_Matrix = collections.namedtuple("_Matrix", "unit offset numel shape owner packed index")
+_Matrix.__doc__ = ("A matrix tensor for Muon: its place in the unit, its owner rank and its "
+                   "offset in the owner's packed buffer.")
 
 
-class _Saved:
-    """A tensor saved for backward as its place in a unit's unsharded buffer."""
-    __slots__ = ("unit", "offset", "size", "stride")
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward, reached once the inputs' gradients are
+    computed, is the unit's post-backward (FSDP2's RegisterPostBackwardFunction)."""
 
-    def __init__(self, unit, offset, size, stride):
-        self.unit, self.offset, self.size, self.stride = unit, offset, size, stride
+    @staticmethod
+    def forward(ctx, module, ui, *inputs):
+        ctx.module, ctx.ui = module, ui
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.module._inputs_grad_ready(ctx.ui)
+        return (None, None) + grads
 
 
 def fully_shard(module, client, units, **kwargs):
     """Shards `module` over the job of `client`: see ShardedModule."""
     return ShardedModule(module, client, units, **kwargs)
-
-
-class ShardedAdamW:
-    """torch.optim.AdamW on the shards: the parameter shard views (fp32 master copies with
-    param_dtype bf16) with the gradient shards as their gradients. Elements of matrix tensors
-    are skipped when `skip_matrices` (ShardedMuon updates them)."""
-
-    def __init__(self, model, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
-                 skip_matrices=False):
-        self.model = model
-        self.params, self.shards, self.masks = [], [], []
-        for ui in model.units():
-            shard, grad = model.shard(ui)
-            # bf16 or quantized gathers: the module's fp32 master; else the shard itself.
-            master = model.masters.get(ui, shard)
-            p = torch.nn.Parameter(master, requires_grad=False)
-            p.grad = grad
-            self.params.append(p)
-            self.shards.append(shard)
-            self.masks.append(_matrix_mask(model, ui) if skip_matrices else None)
-        self.opt = torch.optim.AdamW(self.params, lr=lr, betas=betas, eps=eps,
-                                     weight_decay=weight_decay)
-
-    def step(self):
-        saved = [p.data[m].clone() if m is not None else None
-                 for p, m in zip(self.params, self.masks)]
-        self.opt.step()
-        for p, m, s, shard in zip(self.params, self.masks, saved, self.shards):
-            if m is not None:
-                p.data[m] = s
-            if shard.data_ptr() != p.data.data_ptr():
-                shard.copy_(p.data.to(shard.dtype))  # bf16 compute copy of the fp32 master
-
-    def zero_grad(self):
-        self.model.zero_grad()
-
-
-def _matrix_mask(model, ui):
-    """Boolean mask of the shard elements of unit `ui` that belong to matrix tensors."""
-    s = model.shard_elems[ui]
-    lo = model.pos * s
-    mask = torch.zeros(s, dtype=torch.bool)
-    for u, off, numel, *_ in model.matrices:
-        if u == ui:
-            a, b = max(off, lo), min(off + numel, lo + s)
-            if a < b:
-                mask[a - lo:b - lo] = True
-    return mask
-
-
-def newton_schulz(g, steps=5, eps=1e-7):
-    """Muon's quintic Newton-Schulz orthogonalization, in fp32."""
-    a, b, c = 3.4445, -4.7750, 2.0315
-    x = g / (g.norm() + eps)
-    transposed = x.size(0) > x.size(1)
-    if transposed:
-        x = x.T
-    for _ in range(steps):
-        m = x @ x.T
-        x = a * x + (b * m + c * m @ m) @ x
-    return x.T if transposed else x
-
-
-class ShardedMuon:
-    """Muon for the `optimizer: matrix` tensors with the planner's owners: momentum on the
-    gradient shards, gather_to_owner, Newton-Schulz on the owner, scatter_from_owner, and the
-    update applied to the parameter shards. Other parameters go through AdamW."""
-
-    def __init__(self, model, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.0,
-                 adamw_lr=1e-3, adamw_betas=(0.9, 0.999), adamw_eps=1e-8, adamw_weight_decay=0.0,
-                 ns_steps=5):
-        if model.param_dtype != "fp32" or model.quantize:
-            raise ValueError("ShardedMuon: needs param_dtype fp32 without quantized gathers")
-        self.model, self.lr, self.momentum, self.nesterov = model, lr, momentum, nesterov
-        self.weight_decay, self.ns_steps = weight_decay, ns_steps
-        self.adamw = ShardedAdamW(model, adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay,
-                                  skip_matrices=True)
-        self.units = sorted({u for u, *_ in model.matrices})
-        self.masks = {u: _matrix_mask(model, u) for u in self.units}
-        self.buf = {u: torch.zeros(model.shard_elems[u]) for u in self.units}
-
-    def step(self):
-        m = self.model
-        self.adamw.step()
-        for u in self.units:
-            shard, grad = m.shard(u)
-            mask = self.masks[u]
-            buf = self.buf[u]
-            buf[mask] = buf[mask] * self.momentum + grad[mask]
-            upd = grad[mask] + self.momentum * buf[mask] if self.nesterov else buf[mask]
-            grad[mask] = upd
-            m.client.gather_to_owner(u).wait()
-            whole = m.client.owner_buffer(u)
-            if whole is not None:
-                whole = torch.from_numpy(whole)
-                for uu, off, numel, shape, owner, packed in m.matrices:
-                    if uu == u and owner == m.pos:
-                        x = newton_schulz(whole[packed:packed + numel].view(shape),
-                                          self.ns_steps)
-                        x = x * max(1.0, shape[0] / shape[1]) ** 0.5
-                        whole[packed:packed + numel] = x.reshape(-1)
-            m.client.scatter_from_owner(u).wait()
-            if self.weight_decay:
-                shard[mask] = shard[mask] * (1 - self.lr * self.weight_decay)
-            shard[mask] = shard[mask] - self.lr * grad[mask]
-
-    def zero_grad(self):
-        self.model.zero_grad()

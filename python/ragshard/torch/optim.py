@@ -1,0 +1,120 @@
+"""Optimizers on the shards of a ShardedModule.
+
+Each works on this rank's parameter shards (or their fp32 masters) with the gradient shards as
+gradients, and keeps PyTorch's rule for parameters without a gradient: a parameter whose `.grad`
+would be None (zero_grad(set_to_none=True) and no rank's backward reached it since, or frozen)
+is not stepped at all: no moment update, no weight decay, no step count. The module decides
+which parameters have a gradient with the same rule on every rank (`ShardedModule.has_grad`).
+"""
+import torch
+
+__all__ = ["ShardedAdamW", "ShardedMuon", "newton_schulz"]
+
+
+class ShardedAdamW:
+    """torch.optim.AdamW on this rank's shards: one tensor per piece of a parameter that lies in
+    the shard (a view of the parameter shard, or of the fp32 master with param_dtype bf16 or
+    quantized gathers), whose gradient is the same piece of the gradient shard. A piece is
+    stepped only while its parameter has a gradient, with that parameter's own step count, as
+    torch.optim.AdamW steps each parameter. Matrix parameters are left out with
+    `skip_matrices` (ShardedMuon updates them)."""
+
+    def __init__(self, model, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
+                 skip_matrices=False):
+        self.model = model
+        self.pieces = []  # (parameter index, piece of the master, piece of the gradient shard)
+        self.copies = []  # (compute shard, fp32 master) where they differ
+        for ui in model.units():
+            shard, grad = model.shard(ui)
+            master = model.masters.get(ui, shard)
+            if master.data_ptr() != shard.data_ptr():
+                self.copies.append((shard, master))
+            for piece in model.pieces(ui):
+                if skip_matrices and piece.matrix:
+                    continue
+                p = torch.nn.Parameter(master[piece.lo:piece.hi], requires_grad=False)
+                self.pieces.append((piece.index, p, grad[piece.lo:piece.hi]))
+        # A rank whose shard holds no piece (a small model over many ranks) has nothing to step.
+        self.opt = torch.optim.AdamW([p for _, p, _ in self.pieces], lr=lr, betas=betas,
+                                     eps=eps, weight_decay=weight_decay) if self.pieces else None
+
+    def step(self):
+        has = self.model.has_grad
+        for index, p, grad in self.pieces:
+            p.grad = grad if has[index] else None
+        if self.opt is not None:
+            self.opt.step()
+        for shard, master in self.copies:
+            shard.copy_(master.to(shard.dtype))  # bf16 compute copy of the fp32 master
+
+    def zero_grad(self, set_to_none=True):
+        self.model.zero_grad(set_to_none=set_to_none)
+
+
+def newton_schulz(g, steps=5, eps=1e-7):
+    """Muon's quintic Newton-Schulz orthogonalization, in fp32."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = g / (g.norm() + eps)
+    transposed = x.size(0) > x.size(1)
+    if transposed:
+        x = x.T
+    for _ in range(steps):
+        m = x @ x.T
+        x = a * x + (b * m + c * m @ m) @ x
+    return x.T if transposed else x
+
+
+class ShardedMuon:
+    """Muon for the `optimizer: matrix` tensors with the planner's owners: momentum on the
+    gradient shards, gather_to_owner, Newton-Schulz on the owner, scatter_from_owner, and the
+    update applied to the parameter shards. Other parameters go through AdamW. A matrix without
+    a gradient is skipped (its momentum kept), as the reference skips a grad of None; the
+    gather and scatter still run on every rank, so the ranks issue the same operations."""
+
+    def __init__(self, model, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.0,
+                 adamw_lr=1e-3, adamw_betas=(0.9, 0.999), adamw_eps=1e-8, adamw_weight_decay=0.0,
+                 ns_steps=5):
+        if model.param_dtype != "fp32" or model.quantize:
+            raise ValueError("ShardedMuon: needs param_dtype fp32 without quantized gathers")
+        self.model, self.lr, self.momentum, self.nesterov = model, lr, momentum, nesterov
+        self.weight_decay, self.ns_steps = weight_decay, ns_steps
+        self.adamw = ShardedAdamW(model, adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay,
+                                  skip_matrices=True)
+        self.units = sorted({mx.unit for mx in model.matrices})
+        self.buf = {u: torch.zeros(model.shard_elems[u]) for u in self.units}
+
+    def _mask(self, u, has):
+        """This rank's shard elements of unit `u` in matrices that have a gradient."""
+        mask = torch.zeros(self.model.shard_elems[u], dtype=torch.bool)
+        for piece in self.model.pieces(u):
+            if piece.matrix and has[piece.index]:
+                mask[piece.lo:piece.hi] = True
+        return mask
+
+    def step(self):
+        m = self.model
+        has = m.has_grad
+        self.adamw.step()
+        for u in self.units:
+            shard, grad = m.shard(u)
+            mask = self._mask(u, has)
+            buf = self.buf[u]
+            buf[mask] = buf[mask] * self.momentum + grad[mask]
+            upd = grad[mask] + self.momentum * buf[mask] if self.nesterov else buf[mask]
+            grad[mask] = upd
+            m.client.gather_to_owner(u).wait()
+            whole = m.client.owner_buffer(u)
+            if whole is not None:
+                whole = torch.from_numpy(whole)
+                for mx in m.matrices:
+                    if mx.unit == u and mx.owner == m.pos and has[mx.index]:
+                        piece = whole[mx.packed:mx.packed + mx.numel]
+                        x = newton_schulz(piece.view(mx.shape), self.ns_steps)
+                        piece.copy_((x * max(1.0, mx.shape[0] / mx.shape[1]) ** 0.5).reshape(-1))
+            m.client.scatter_from_owner(u).wait()
+            if self.weight_decay:
+                shard[mask] = shard[mask] * (1 - self.lr * self.weight_decay)
+            shard[mask] = shard[mask] - self.lr * grad[mask]
+
+    def zero_grad(self, set_to_none=True):
+        self.model.zero_grad(set_to_none=set_to_none)

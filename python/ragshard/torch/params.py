@@ -1,0 +1,70 @@
+"""The parameters of a fully_shard unit, with and without storage.
+
+While its unit is resharded a parameter holds no storage (as FSDP1 frees a flat parameter), and
+its class is ShardedParameter, an nn.Parameter whose `__torch_function__` refuses every
+computation on it then with an error that names the parameter and its unit, instead of reading
+stale or released memory. What reads no element keeps working: its shape, dtype and
+requires_grad, `.grad`, `named_parameters()`, printing the module.
+"""
+import torch
+
+__all__ = ["ShardedParameter", "storageless"]
+
+# Tensor methods that read no element: attribute access, metadata, hooks, and what the binding
+# itself does to a resharded parameter (re-pointing `.data`, packing saved tensors).
+_METADATA = frozenset({
+    "__get__", "__set__", "__delete__", "size", "dim", "numel", "nelement", "stride",
+    "storage_offset", "is_contiguous", "untyped_storage", "element_size", "is_floating_point",
+    "is_complex", "requires_grad_", "register_hook", "register_post_accumulate_grad_hook",
+    "_is_view", "__hash__", "get_device", "type",
+})
+
+
+def _released(x):
+    return type(x) is ShardedParameter and not x.__dict__.get("_ragshard_live", True)
+
+
+class ShardedParameter(torch.nn.Parameter):
+    """A parameter of a fully_shard unit (set by fully_shard on the module's own parameters, so
+    their identity is kept)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") not in _METADATA:
+            for a in (*args, *kwargs.values()):
+                for x in (a if isinstance(a, (list, tuple)) else (a,)):
+                    if _released(x):
+                        raise RuntimeError(
+                            f"ragshard: parameter '{x._ragshard_name}' is used while its unit "
+                            f"'{x._ragshard_unit}' is resharded: it holds no storage outside "
+                            "the unit's forward and backward (call the unit itself, or "
+                            "ShardedModule.full_state() for the values)")
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+def adopt(p, name, unit):
+    """Makes `p` a ShardedParameter in place (same object), named for errors."""
+    p.__class__ = ShardedParameter
+    p._ragshard_name, p._ragshard_unit, p._ragshard_live = name, unit, True
+
+
+def set_live(p, live):
+    p._ragshard_live = live
+
+
+def storageless(shape, dtype):
+    """A tensor of `shape` whose storage holds nothing: any computation on it raises instead of
+    reading memory."""
+    t = torch.empty(shape, dtype=dtype)
+    t.untyped_storage().resize_(0)
+    return t
+
+
+class Saved:
+    """A tensor saved for backward as its place in a unit's unsharded buffer."""
+    __slots__ = ("unit", "offset", "size", "stride")
+
+    def __init__(self, unit, offset, size, stride):
+        self.unit, self.offset, self.size, self.stride = unit, offset, size, stride
