@@ -15,6 +15,9 @@ Cases (--case):
   eval-no-grad            a validation forward under eval() and no_grad() before each step
   two-forwards            two forwards (the halves of the rank's rows) before one backward
   frozen                  enc0 and the router frozen (requires_grad False)
+  swapped-on-one-node     an error case: in step 1 the ranks of the first node run enc1 where
+                          the others run enc0 (equal units), and the other way round; the job
+                          must fail on every rank naming both units, not hang or go on
 
     ragshard-launch --planner ADDR --job J --nproc 4 --sockets S0,S1 --create-job \\
         examples/train_semantics.py --case skip-odd --set-to-none 0
@@ -33,6 +36,7 @@ from train_tiny import batch, bigram_chain  # noqa: E402
 
 CASES = ["plain", "skip-odd", "expert-unused", "expert-unused-one-rank", "eval-no-grad",
          "two-forwards", "frozen"]
+ERROR_CASES = ["swapped-on-one-node"]
 
 
 class Expert(torch.nn.Module):
@@ -77,18 +81,21 @@ class Net(torch.nn.Module):
         self.ln = torch.nn.LayerNorm(d)
         self.head = torch.nn.Linear(d, vocab, bias=False)
 
-    def forward(self, idx, route, skip=False):
+    def forward(self, idx, route, skip=False, swap=False):
+        first, last = (self.enc1, self.enc0) if swap else (self.enc0, self.enc1)
         x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
-        x = self.moe(self.enc0(x), route)
+        x = self.moe(first(x), route)
         if not skip:
-            x = self.enc1(x)
+            x = last(x)
         return self.head(self.ln(x))
 
 
 def parse():
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--case", choices=CASES, default="plain")
+    p.add_argument("--case", choices=CASES + ERROR_CASES, default="plain")
+    p.add_argument("--ranks-per-node", type=int, default=2,
+                   help="swapped-on-one-node: the ranks of the first node")
     p.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw")
     p.add_argument("--set-to-none", type=int, choices=[0, 1], default=1,
                    help="zero_grad(set_to_none=...) after each step")
@@ -133,7 +140,9 @@ def step_inputs(args, chain, step, w):
 
 
 def loss_of(model, args, x, y, route, step):
-    logits = model(x, route, skip=args.case == "skip-odd" and step % 2 == 1)
+    swap = (args.case == "swapped-on-one-node" and step == 1 and
+            getattr(args, "rank", 0) < args.ranks_per_node)
+    logits = model(x, route, skip=args.case == "skip-odd" and step % 2 == 1, swap=swap)
     return torch.nn.functional.cross_entropy(logits.float().reshape(-1, args.vocab),
                                              y.reshape(-1))
 
@@ -218,10 +227,14 @@ def sharded(args, model, chain):
     env = ragshard.Env()
     client = ragshard.connect(env)
     w, r = env.world_size, env.rank
+    args.rank = r
     fsdp = rt.fully_shard(
         model, client, units=lambda m: [m.enc0, m.moe, m.enc1],
         optimizer=lambda n, p: "matrix" if args.optimizer == "muon" and is_matrix(n, p)
-        else "elementwise")
+        else "elementwise",
+        # Without prefetch the swapped case's first differing operation is the all-gather of
+        # enc1 on one node against enc0's on the other: units of equal size.
+        prefetch=0 if args.case == "swapped-on-one-node" else None)
     if args.optimizer == "muon":
         opt = rt.ShardedMuon(fsdp, lr=args.muon_lr, adamw_lr=args.lr)
     else:

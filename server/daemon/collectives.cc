@@ -76,6 +76,10 @@ size_t ItemSize(v1::DType dtype) { return dtype == v1::DTYPE_FP32 ? 4 : 2; }
 
 int Mod(int a, int n) { return ((a % n) + n) % n; }
 
+// The all-reduce's all-gather half numbers its messages from here (MessageStamp's index; ring
+// steps stay below it, as a comm has at most 2^14 members).
+constexpr uint64_t kAllGatherHalfIndex = uint64_t{1} << 15;
+
 }  // namespace
 
 absl::Status AllGather(Comm& comm, char* buffer, size_t block_bytes, absl::Time deadline,
@@ -193,7 +197,7 @@ absl::Status AllReduceInPlace(Comm& comm, float* data, size_t count, ReduceOp op
       ReduceScatter(comm, data, v1::DTYPE_FP32, chunk, mine, op, scratch, deadline, tag_base);
   if (!st.ok()) return st;
   return AllGather(comm, reinterpret_cast<char*>(data), chunk * sizeof(float), deadline,
-                   tag_base + 1024);
+                   tag_base + kAllGatherHalfIndex);
 }
 
 absl::Status AllReduce(Comm& comm, float* data, size_t count, ReduceOp op, absl::Time deadline,

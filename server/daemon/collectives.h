@@ -1,5 +1,7 @@
 // Collectives over a Comm: ring algorithms for large messages, direct exchange for small ones
 // (docs/collectives.md explains the choice). Every call has a deadline; an error names the peer.
+// `tag_base` is the operation's MessageStamp tag with index 0 (comm.h); the collectives number
+// their messages from it.
 #pragma once
 
 #include <cstddef>

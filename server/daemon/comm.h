@@ -2,11 +2,21 @@
 // the collectives need from a transport. The UCX implementation is ucx_comm.h; tests also use an
 // in-memory one.
 //
+// Every message is checked. Its 48-bit tag is a MessageStamp: the operation's sequence number,
+// unit and kind, and the message's index within the operation. A receive matches the next
+// message from its peer with the same index, whatever its stamp; on completion the sender's
+// stamp and size are compared with the receiver's, and a difference fails the operation with
+// ABORTED naming both sides (through the describer the data plane installs). The job is implied
+// by the connection: a job's daemons connect through a worker of their own and check the job in
+// their hello (ucx_comm.h).
+//
 // Thread-compatible: one collective at a time per communicator.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -15,20 +25,81 @@
 
 namespace ragshard::daemon {
 
+// What a message says about the operation it belongs to, packed into a 48-bit tag:
+// bits 0-15 the index (a ring step, a piece), 16-18 the kind, 19-34 the unit (modulo 2^16),
+// 35-47 the operation's sequence number (modulo 2^13).
+struct MessageStamp {
+  enum Kind : uint32_t {
+    kNone = 0,  // collectives called directly (tests, benchmarks)
+    kAllGather = 1,
+    kReduceScatter = 2,
+    kAllReduce = 3,
+    kGatherToOwner = 4,
+    kScatterFromOwner = 5,
+    kControl = 7,  // the transport's own messages (hello, abort notices)
+  };
+  static constexpr int kIndexBits = 16, kKindBits = 3, kUnitBits = 16, kSeqBits = 13;
+  static constexpr uint64_t kIndexMask = (uint64_t{1} << kIndexBits) - 1;
+  // Indices the collectives may use; the rest are the transport's.
+  static constexpr uint64_t kMaxDataIndex = kIndexMask - 16;
+
+  uint64_t seq = 0;
+  uint64_t unit = 0;
+  uint32_t kind = kNone;
+  uint64_t index = 0;
+
+  // The tag (bits beyond each field's width are dropped).
+  uint64_t Tag() const {
+    auto field = [](uint64_t v, int bits) { return v & ((uint64_t{1} << bits) - 1); };
+    return field(index, kIndexBits) | field(kind, kKindBits) << kIndexBits |
+           field(unit, kUnitBits) << (kIndexBits + kKindBits) |
+           field(seq, kSeqBits) << (kIndexBits + kKindBits + kUnitBits);
+  }
+  static MessageStamp FromTag(uint64_t tag) {
+    auto field = [tag](int shift, int bits) {
+      return (tag >> shift) & ((uint64_t{1} << bits) - 1);
+    };
+    MessageStamp s;
+    s.index = field(0, kIndexBits);
+    s.kind = static_cast<uint32_t>(field(kIndexBits, kKindBits));
+    s.unit = field(kIndexBits + kKindBits, kUnitBits);
+    s.seq = field(kIndexBits + kKindBits + kUnitBits, kSeqBits);
+    return s;
+  }
+};
+
+// Names the operation a tag belongs to, for errors: "all-gather of unit 3 'layers.1'
+// (operation 12)". The default names the fields.
+using TagDescriber = std::function<std::string(uint64_t tag)>;
+std::string DescribeTag(uint64_t tag);
+
 class Comm {
  public:
   virtual ~Comm() = default;
   virtual int rank() const = 0;
   virtual int size() const = 0;
-  // Posts a send or a receive of exactly `bytes` bytes matched by (peer, tag); tags must fit in
-  // 48 bits. The buffer must stay valid until the request completes or WaitAll returns.
+  // Posts a send or a receive of exactly `bytes` bytes. A receive matches the next message from
+  // `peer` whose tag has the same index (MessageStamp); on completion its whole tag and size
+  // must equal `tag` and `bytes`, or WaitAll fails with ABORTED naming both. Tags fit in 48 bits.
+  // The buffer must stay valid until the request completes or WaitAll returns.
   virtual absl::StatusOr<uint64_t> PostSend(int peer, uint64_t tag, const void* data,
                                             size_t bytes) = 0;
   virtual absl::StatusOr<uint64_t> PostRecv(int peer, uint64_t tag, void* data, size_t bytes) = 0;
   // Waits for every request. On a lost peer or at the deadline it cancels the requests that are
-  // still pending and returns UNAVAILABLE or DEADLINE_EXCEEDED naming the peer.
+  // still pending and returns UNAVAILABLE or DEADLINE_EXCEEDED naming the peer; on a message
+  // that does not match, or an abort notice from a peer, ABORTED (after telling every peer).
   virtual absl::Status WaitAll(const std::vector<uint64_t>& requests, absl::Time deadline) = 0;
+  // Tells every peer that this member stopped the job (`why` is the error); their pending and
+  // later WaitAll fail with ABORTED quoting it. Best effort, bounded by a short wait.
+  virtual void Abort(const std::string& why) = 0;
+  // How errors name a tag's operation (the data plane's unit names); nullptr restores the default.
+  virtual void SetDescriber(TagDescriber describe) = 0;
 };
+
+// The error member `self` gives for a message from `peer` whose stamp or size differs from its
+// own, naming both operations.
+absl::Status MismatchError(int self, int peer, uint64_t sent_tag, size_t sent_bytes,
+                           uint64_t want_tag, size_t want_bytes, const TagDescriber& describe);
 
 // The members `members` (ranks of `base`, in group order) of a larger communicator, as a
 // communicator of their own: a shard group or a replicate group of an HSDP mesh. `base` must
@@ -52,6 +123,8 @@ class SubComm final : public Comm {
   absl::Status WaitAll(const std::vector<uint64_t>& requests, absl::Time deadline) override {
     return base_->WaitAll(requests, deadline);
   }
+  void Abort(const std::string& why) override { base_->Abort(why); }
+  void SetDescriber(TagDescriber describe) override { base_->SetDescriber(std::move(describe)); }
 
  private:
   Comm* base_;

@@ -100,6 +100,8 @@ class JobRuntime {
           "local ranks disagree on operation ", seq, ": ", v1::OpKind_Name(op.kind), " of unit ",
           op.unit, " against ", v1::OpKind_Name(req.kind()), " of unit ", req.unit_index()));
       op.done = true;
+      // The job cannot go on: the job thread tells the other nodes and the planner.
+      if (abort_.ok()) abort_ = op.status;
       return seq;
     }
     if (++op.started == static_cast<int>(local_ranks_.size()) && !op.done) queue_.push_back(seq);
@@ -256,7 +258,7 @@ class JobRuntime {
       {
         absl::MutexLock lock(&mu_);
         auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-          return stopping_ || !queue_.empty();
+          return stopping_ || !queue_.empty() || (!abort_.ok() && failed_.ok());
         };
         mu_.AwaitWithTimeout(absl::Condition(&ready), absl::Milliseconds(50));
         if (stopping_) return;
@@ -264,6 +266,21 @@ class JobRuntime {
           absl::Status r = std::exchange(report_, absl::OkStatus());
           mu_.Unlock();
           Report(r);
+          mu_.Lock();
+        }
+        if (!abort_.ok() && failed_.ok()) {
+          failed_ = abort_;
+          for (uint64_t q : queue_) {
+            ops_[q].done = true;
+            ops_[q].status = failed_;
+          }
+          queue_.clear();
+          const absl::Status a = abort_;
+          mu_.Unlock();
+          LOG(ERROR) << "job " << job_id_ << ": " << a;
+          if (comm_ != nullptr) comm_->Abort(std::string(a.message()));
+          Report(a);
+          ServeWaiters();
           mu_.Lock();
         }
         if (queue_.empty()) continue;
@@ -307,7 +324,10 @@ class JobRuntime {
           dp_->Placement(op.unit, static_cast<int>(i), &placements[i]);
         }
       }
-      if (!s.ok() && (absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s))) {
+      // A lost peer, the deadline, or ranks that disagree (ABORTED) end the job.
+      const bool fatal =
+          !s.ok() && (absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s) || absl::IsAborted(s));
+      if (fatal) {
         LOG(ERROR) << "job " << job_id_ << ": " << s;
         v1::ReportFailureRequest report;
         report.set_job_id(job_id_);
@@ -321,7 +341,7 @@ class JobRuntime {
         absl::MutexLock lock(&mu_);
         ++operations_;
         staging_bytes_ = dp_->staging_bytes();
-        if (!s.ok() && (absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s))) failed_ = s;
+        if (fatal) failed_ = s;
         Op& o = ops_[seq];
         o.done = true;
         o.status = s;
@@ -366,6 +386,7 @@ class JobRuntime {
   std::map<int, int64_t> departed_ ABSL_GUARDED_BY(mu_);  // local index -> rank
   bool departure_reported_ ABSL_GUARDED_BY(mu_) = false;
   absl::Status report_ ABSL_GUARDED_BY(mu_);  // for the job thread to send to the planner
+  absl::Status abort_ ABSL_GUARDED_BY(mu_);   // for the job thread to tell the other nodes
   int64_t staging_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   std::thread thread_;
 };
@@ -506,7 +527,7 @@ absl::StatusOr<std::shared_ptr<JobRuntime>> NodeDaemon::GetOrCreateJob(const std
       hosts.insert(HostOf(*a));
     }
     worker->AllowPeerHosts(hosts);  // only the job's peers may connect
-    auto c = worker->Connect(me, addresses, deadline);
+    auto c = worker->Connect(me, addresses, deadline, job_id);
     if (!c.ok()) return c.status();
     comm = std::move(*c);
   }

@@ -10,8 +10,6 @@
 namespace ragshard::daemon {
 namespace {
 
-constexpr uint64_t kPiecesPerOp = uint64_t{1} << 20;  // tags of one operation
-
 int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 }  // namespace
@@ -72,9 +70,11 @@ absl::StatusOr<std::unique_ptr<JobDataPlane>> JobDataPlane::Create(const v1::Pla
     auto pieces = MatrixPieces(up, f, &packed);
     if (!pieces.ok()) return pieces.status();
     u.pieces = std::move(*pieces);
-    if (u.pieces.size() >= kPiecesPerOp) {
+    if (u.pieces.size() > MessageStamp::kMaxDataIndex) {
+      // Each piece between two nodes is one message of the operation, numbered in 16 bits.
       return absl::UnimplementedError(absl::StrCat("unit '", up.unit(), "' has ", u.pieces.size(),
-                                                   " matrix pieces; at most ", kPiecesPerOp - 1));
+                                                   " matrix pieces; at most ",
+                                                   MessageStamp::kMaxDataIndex));
     }
     for (int64_t i = 0; i < k; ++i) u.owner_elems.push_back(packed[dp->first_position_ + i]);
     // The persistent shards, zero-filled at allocation (not on the hot path).
@@ -89,7 +89,50 @@ absl::StatusOr<std::unique_ptr<JobDataPlane>> JobDataPlane::Create(const v1::Pla
     u.grad_shard_elems = gs_elems;
     dp->units_.push_back(std::move(u));
   }
+  if (nodes != nullptr) {
+    dp->nodes_ = nodes;
+    nodes->SetDescriber([self = dp.get()](uint64_t tag) { return self->DescribeTag(tag); });
+  }
   return dp;
+}
+
+JobDataPlane::~JobDataPlane() {
+  if (nodes_ != nullptr) nodes_->SetDescriber(nullptr);
+}
+
+uint64_t JobDataPlane::NextTag(int unit, uint32_t kind) {
+  return MessageStamp{++op_seq_, static_cast<uint64_t>(unit), kind, 0}.Tag();
+}
+
+std::string JobDataPlane::DescribeTag(uint64_t tag) const {
+  const MessageStamp s = MessageStamp::FromTag(tag);
+  const char* kind = "an unknown operation";
+  switch (s.kind) {
+    case MessageStamp::kAllGather:
+      kind = "OP_UNSHARD";
+      break;
+    case MessageStamp::kReduceScatter:
+      kind = "OP_REDUCE_SCATTER";
+      break;
+    case MessageStamp::kAllReduce:
+      kind = "OP_ALL_REDUCE";
+      break;
+    case MessageStamp::kGatherToOwner:
+      kind = "OP_GATHER_TO_OWNER";
+      break;
+    case MessageStamp::kScatterFromOwner:
+      kind = "OP_SCATTER_FROM_OWNER";
+      break;
+    default:
+      return daemon::DescribeTag(tag);
+  }
+  // The stamp keeps the unit modulo 2^16: name it when that is unambiguous.
+  std::string unit = absl::StrCat("unit ", s.unit);
+  if (units_.size() <= (size_t{1} << MessageStamp::kUnitBits) && s.unit < units_.size()) {
+    absl::StrAppend(&unit, " '", units_[s.unit].name, "'");
+  }
+  return absl::StrCat(kind, " of ", unit, " (operation ", s.seq, " modulo ",
+                      uint64_t{1} << MessageStamp::kSeqBits, ")");
 }
 
 absl::StatusOr<std::vector<Lease>> JobDataPlane::AllocateFor(const Unit& u, const char* what,
@@ -183,7 +226,7 @@ absl::Status JobDataPlane::Unshard(int unit, absl::Time deadline) {
   if (auto s = CheckUnit(unit); !s.ok()) return s;
   if (units_[unit].kept > 1) return Rebuild(unit);
   if (auto s = AllocateUnsharded(unit); !s.ok()) return s;
-  const uint64_t tag = (++op_seq_) << 20;
+  const uint64_t tag = NextTag(unit, MessageStamp::kAllGather);
   Unit& u = units_[unit];
   const size_t shard_bytes = static_cast<size_t>(u.shard_elems * u.item);
   // The all-gather's own placement of the local shards (the send buffers) into the receive
@@ -276,7 +319,7 @@ absl::Status JobDataPlane::AllocateGrad(int unit) {
 
 absl::Status JobDataPlane::ReduceScatter(int unit, ReduceOp op, absl::Time deadline) {
   if (auto s = CheckUnit(unit); !s.ok()) return s;
-  const uint64_t tag = (++op_seq_) << 20;
+  const uint64_t tag = NextTag(unit, MessageStamp::kReduceScatter);
   Unit& u = units_[unit];
   if (u.dtype != v1::DTYPE_FP32 && u.dtype != v1::DTYPE_BF16 && u.dtype != v1::DTYPE_FP16) {
     return absl::InvalidArgumentError("reduce_scatter: gradients must be fp32, bf16 or fp16");
@@ -315,7 +358,7 @@ absl::Status JobDataPlane::ReduceScatter(int unit, ReduceOp op, absl::Time deadl
 
 absl::Status JobDataPlane::AllReduce(int unit, ReduceOp op, absl::Time deadline) {
   if (auto s = CheckUnit(unit); !s.ok()) return s;
-  const uint64_t tag = (++op_seq_) << 20;
+  const uint64_t tag = NextTag(unit, MessageStamp::kAllReduce);
   if (replicate_comm_ == nullptr) return absl::OkStatus();
   Unit& u = units_[unit];
   // The padded block (a multiple of R elements), not the lease, whose size the pool rounds up:
@@ -337,7 +380,8 @@ absl::Status JobDataPlane::ScatterFromOwner(int unit, absl::Time deadline) {
 
 absl::Status JobDataPlane::MovePieces(int unit, bool to_owner, absl::Time deadline) {
   if (auto s = CheckUnit(unit); !s.ok()) return s;
-  const uint64_t tag = (++op_seq_) << 20;
+  const uint64_t tag =
+      NextTag(unit, to_owner ? MessageStamp::kGatherToOwner : MessageStamp::kScatterFromOwner);
   Unit& u = units_[unit];
   const int64_t s = u.shard_elems, k = local_ranks();
   const int me = NodeOf(first_position_);
@@ -360,6 +404,8 @@ absl::Status JobDataPlane::MovePieces(int unit, bool to_owner, absl::Time deadli
         "scatter_from_owner of unit '", u.name, "': gather_to_owner has not run since the last"));
   }
   std::vector<uint64_t> requests;
+  // Messages are numbered per peer: both ends walk the pieces in the same order.
+  std::vector<uint64_t> sent_to(shard_comm_ ? shard_comm_->size() : 0, 0);
   for (size_t i = 0; i < u.pieces.size(); ++i) {
     const Piece& p = u.pieces[i];
     const int owner_node = NodeOf(p.owner), holder_node = NodeOf(p.holder);
@@ -384,8 +430,9 @@ absl::Status JobDataPlane::MovePieces(int unit, bool to_owner, absl::Time deadli
     const int peer = owner_node == me ? holder_node : owner_node;
     float* local = owner_node == me ? whole : shard;
     const bool send = (owner_node == me) != to_owner;
-    r = send ? shard_comm_->PostSend(peer, tag + i, local, bytes)
-             : shard_comm_->PostRecv(peer, tag + i, local, bytes);
+    const uint64_t index = sent_to[peer]++;
+    r = send ? shard_comm_->PostSend(peer, tag + index, local, bytes)
+             : shard_comm_->PostRecv(peer, tag + index, local, bytes);
     if (!r.ok()) return r.status();
     requests.push_back(*r);
   }

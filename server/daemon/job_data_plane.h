@@ -58,6 +58,7 @@ class JobDataPlane final : public DataBackend {
                                                               int64_t replicas = 1,
                                                               Shape shape = Shape::kNode);
 
+  ~JobDataPlane() override;
   const char* name() const override { return shape_ == Shape::kNode ? "host" : "device-shaped"; }
   int units() const override { return static_cast<int>(units_.size()); }
   int local_ranks() const { return static_cast<int>(local_ranks_.size()); }
@@ -132,6 +133,10 @@ class JobDataPlane final : public DataBackend {
   absl::Status MovePieces(int unit, bool to_owner, absl::Time deadline);
   // Unshards a unit kept over groups of local ranks: within the node only.
   absl::Status Rebuild(int unit);
+  // The next operation's message tag (MessageStamp with index 0).
+  uint64_t NextTag(int unit, uint32_t kind);
+  // "OP_UNSHARD of unit 3 'layers.1' (operation 12 modulo 8192)", for mismatch errors.
+  std::string DescribeTag(uint64_t tag) const;
   int NodeOf(int64_t shard_position) const {
     return static_cast<int>(shard_position / static_cast<int64_t>(local_ranks_.size()));
   }
@@ -143,6 +148,7 @@ class JobDataPlane final : public DataBackend {
   int64_t shard_ = 0, replicas_ = 1;
   int64_t first_position_ = 0;                         // shard position of local rank 0
   std::unique_ptr<Comm> shard_comm_, replicate_comm_;  // nullptr when of size 1
+  Comm* nodes_ = nullptr;                              // their base, or nullptr
   uint64_t op_seq_ = 0;
   int64_t staging_bytes_ = 0;
 };

@@ -35,11 +35,40 @@ namespace {
 
 constexpr int kRankBits = 16;
 constexpr uint64_t kTagMask = (uint64_t{1} << (64 - kRankBits)) - 1;
-constexpr uint64_t kHelloTag = kTagMask;  // reserved
+constexpr uint64_t kRankMask = ~kTagMask;
+// A data receive matches its peer and the message's index; the rest of the stamp is checked.
+constexpr uint64_t kDataMask = kRankMask | MessageStamp::kIndexMask;
+// The transport's own messages.
+const uint64_t kHelloTag =
+    MessageStamp{0, 0, MessageStamp::kControl, MessageStamp::kIndexMask - 1}.Tag();
+const uint64_t kNoticeTag =
+    MessageStamp{0, 0, MessageStamp::kControl, MessageStamp::kIndexMask}.Tag();
+// A notice receive takes any peer's abort notice.
+constexpr uint64_t kNoticeMask =
+    MessageStamp::kIndexMask |
+    (((uint64_t{1} << MessageStamp::kKindBits) - 1) << MessageStamp::kIndexBits);
+constexpr size_t kNoticeBytes = 1024;
 
 uint64_t Tag(int src, uint64_t tag) {
   return (static_cast<uint64_t>(src) << (64 - kRankBits)) | (tag & kTagMask);
 }
+int SourceOf(uint64_t tag) { return static_cast<int>(tag >> (64 - kRankBits)); }
+
+// FNV-1a: the same job id gives the same key in every daemon.
+uint64_t JobKey(absl::string_view job) {
+  uint64_t h = 1469598103934665603ull;
+  for (char c : job) {
+    h ^= static_cast<unsigned char>(c);
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+struct Hello {
+  int32_t rank = -1;
+  int32_t reserved = 0;
+  uint64_t job = 0;
+};
 
 absl::StatusOr<sockaddr_in> ParseAddress(const std::string& address) {
   const size_t colon = address.rfind(':');
@@ -65,6 +94,12 @@ struct Pending {
   void* request = nullptr;  // the UCX request while in flight
   int peer = -1;
   bool recv = false;
+  // Receives: what this side expects and what arrived.
+  uint64_t want_tag = 0;
+  size_t want_bytes = 0;
+  uint64_t sent_tag = 0;  // without the source bits
+  uint64_t sent_full = 0;
+  size_t sent_bytes = 0;
 };
 
 struct UcxWorker::Impl {
@@ -148,6 +183,14 @@ class UcxComm final : public Comm {
   UcxComm(UcxWorker::Impl* w, int rank, int size) : w_(w), rank_(rank), size_(size) {}
   ~UcxComm() override {
     CancelAll();
+    // Sends that completed locally reach their peers before the endpoints close.
+    Flush(absl::Now() + absl::Seconds(2));
+    if (notice_.request != nullptr) {
+      if (!notice_.done) ucp_request_cancel(w_->worker, notice_.request);
+      const absl::Time until = absl::Now() + absl::Seconds(1);
+      while (!notice_.done && absl::Now() < until) ucp_worker_progress(w_->worker);
+      ucp_request_free(notice_.request);
+    }
     for (ucp_ep_h ep : w_->eps) {
       if (ep != nullptr) w_->CloseEp(ep);
     }
@@ -178,36 +221,89 @@ class UcxComm final : public Comm {
     if (peer < 0 || peer >= size_ || peer == rank_) return absl::InvalidArgumentError("bad peer");
     if (w_->failed.count(peer)) return Lost(peer);
     const uint64_t id = NewPending(peer, true);
-    ucp_request_param_t param{};
-    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-    param.cb.recv = [](void* req, ucs_status_t st, const ucp_tag_recv_info_t*, void* user) {
-      auto* p = static_cast<Pending*>(user);
-      p->done = true;
-      p->status = st;
-    };
-    param.user_data = &pending_[id];
-    void* req = ucp_tag_recv_nbx(w_->worker, data, bytes, Tag(peer, tag), ~uint64_t{0}, &param);
+    Pending& p = pending_[id];
+    p.want_tag = tag & kTagMask;
+    p.want_bytes = bytes;
+    void* req =
+        PostTagRecv(&p, data, bytes, Tag(peer, tag), tag == kHelloTag ? ~uint64_t{0} : kDataMask);
     return Track(id, req);
   }
 
+  // The standing receive of peers' abort notices, posted once connected.
+  absl::Status ListenForNotices() {
+    notice_.recv = true;
+    void* req = PostTagRecv(&notice_, notice_text_, kNoticeBytes, kNoticeTag, kNoticeMask);
+    if (UCS_PTR_IS_ERR(req)) return UcsStatus(UCS_PTR_STATUS(req), "posting the notice receive");
+    notice_.request = req;
+    notice_.done = req == nullptr;
+    return absl::OkStatus();
+  }
+
+  void Abort(const std::string& why) override {
+    if (aborted_) return;
+    aborted_ = true;
+    CancelAll();  // nothing of the failed operation stays queued ahead of the notices
+    Reap();
+    const std::string text = why.substr(0, kNoticeBytes);
+    std::vector<uint64_t> sends;
+    for (int peer = 0; peer < size_; ++peer) {
+      if (peer == rank_ || w_->failed.count(peer)) continue;
+      auto id = PostSend(peer, kNoticeTag, text.data(), text.size());
+      if (id.ok()) sends.push_back(*id);
+    }
+    // Until the notices have reached the peers (a flush completes remotely), within a bound; a
+    // peer that is gone is not waited for.
+    const absl::Time until = absl::Now() + absl::Milliseconds(500);
+    while (absl::Now() < until) {
+      bool all = true;
+      for (uint64_t id : sends) all &= pending_[id].done || w_->failed.count(pending_[id].peer);
+      if (all) break;
+      w_->Progress(absl::Milliseconds(1));
+    }
+    Flush(until);
+    CancelAll();
+    Reap();
+  }
+
+  void SetDescriber(TagDescriber describe) override { describe_ = std::move(describe); }
+
   absl::Status WaitAll(const std::vector<uint64_t>& ids, absl::Time deadline) override {
     absl::Status result;
+    bool mismatch = false;
     while (true) {
       bool all = true;
+      if (notice_.done) {
+        result = Notice();
+        break;
+      }
       for (uint64_t id : ids) {
         Pending& p = pending_[id];
         if (!p.done) {
           all = false;
           if (w_->failed.count(p.peer)) {
-            result = Lost(p.peer);
+            // A peer that stopped the job leaves after its notice: prefer the notice.
+            const absl::Time grace = absl::Now() + absl::Milliseconds(200);
+            while (!notice_.done && absl::Now() < grace) w_->Progress(absl::Milliseconds(1));
+            result = notice_.done ? Notice() : Lost(p.peer);
             break;
           }
+        } else if (p.recv && (p.status == UCS_OK || p.status == UCS_ERR_MESSAGE_TRUNCATED) &&
+                   (p.sent_tag != p.want_tag || p.sent_bytes != p.want_bytes)) {
+          result = MismatchError(rank_, p.peer, p.sent_tag, p.sent_bytes, p.want_tag, p.want_bytes,
+                                 describe_);
+          mismatch = true;
+          break;
         } else if (p.status != UCS_OK) {
           result = w_->failed.count(p.peer)
                        ? Lost(p.peer)
                        : UcsStatus(p.status, absl::StrCat("transfer with peer ", p.peer));
           break;
         }
+      }
+      if (mismatch) {
+        // Every peer stops too, with this error, instead of waiting for its deadline.
+        Abort(std::string(result.message()));
+        return result;
       }
       if (!result.ok() || all) break;
       if (absl::Now() >= deadline) {
@@ -229,6 +325,48 @@ class UcxComm final : public Comm {
  private:
   absl::Status Lost(int peer) const {
     return absl::UnavailableError(absl::StrCat("peer ", peer, " lost (connection closed)"));
+  }
+
+  // Waits, up to `until`, for every send this worker has made to complete at its peer.
+  void Flush(absl::Time until) {
+    ucp_request_param_t param{};
+    void* flush = ucp_worker_flush_nbx(w_->worker, &param);
+    if (!UCS_PTR_IS_PTR(flush)) return;
+    while (ucp_request_check_status(flush) == UCS_INPROGRESS && absl::Now() < until) {
+      w_->Progress(absl::Milliseconds(1));
+    }
+    ucp_request_free(flush);  // released by UCX when it ends, if it has not (a lost peer)
+  }
+
+  // A peer's abort notice, as this member's error.
+  absl::Status Notice() const {
+    if (notice_.status != UCS_OK && notice_.status != UCS_ERR_MESSAGE_TRUNCATED) {
+      return UcsStatus(notice_.status, "receiving abort notices");
+    }
+    return absl::AbortedError(
+        absl::StrCat("node ", SourceOf(notice_.sent_full), " stopped the job: ",
+                     absl::string_view(notice_text_, std::min(notice_.sent_bytes, kNoticeBytes))));
+  }
+
+  // Posts a tagged receive whose completion fills `p` (sender's tag and size included).
+  void* PostTagRecv(Pending* p, void* data, size_t bytes, uint64_t tag, uint64_t mask) {
+    ucp_request_param_t param{};
+    // Always through the callback, which reports the sender's tag and size (UCX 1.13 does not
+    // fill recv_info on immediate completion).
+    param.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+    param.cb.recv = [](void* req, ucs_status_t st, const ucp_tag_recv_info_t* info, void* user) {
+      auto* q = static_cast<Pending*>(user);
+      q->done = true;
+      q->status = st;
+      if (info != nullptr) {
+        q->sent_full = info->sender_tag;
+        q->sent_tag = info->sender_tag & kTagMask;
+        q->sent_bytes = info->length;
+      }
+    };
+    param.user_data = p;
+    return ucp_tag_recv_nbx(w_->worker, data, bytes, tag, mask, &param);
   }
 
   uint64_t NewPending(int peer, bool recv) {
@@ -280,6 +418,10 @@ class UcxComm final : public Comm {
   const int size_;
   uint64_t base_ = 0;
   std::deque<Pending> pending_;  // stable addresses for the callbacks
+  Pending notice_;
+  char notice_text_[kNoticeBytes] = {};
+  bool aborted_ = false;
+  TagDescriber describe_;
 };
 
 absl::StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(const std::string& ip, int port) {
@@ -340,10 +482,16 @@ void UcxWorker::AllowPeerHosts(std::set<std::string> hosts) { allowed_hosts_ = s
 
 absl::StatusOr<std::unique_ptr<Comm>> UcxWorker::Connect(int rank,
                                                          const std::vector<std::string>& addresses,
-                                                         absl::Time deadline) {
+                                                         absl::Time deadline,
+                                                         absl::string_view job) {
   const int n = static_cast<int>(addresses.size());
   if (rank < 0 || rank >= n) return absl::InvalidArgumentError("rank outside the group");
-  if (n > (1 << kRankBits)) return absl::InvalidArgumentError("group too large");
+  // Ring steps and the all-reduce's second half share a message's 16 index bits.
+  if (n > (1 << (MessageStamp::kIndexBits - 2))) {
+    return absl::InvalidArgumentError(absl::StrCat("a group of ", n,
+                                                   " daemons is too large (at most ",
+                                                   1 << (MessageStamp::kIndexBits - 2), ")"));
+  }
   if (!impl_->eps.empty()) return absl::FailedPreconditionError("worker already has a comm");
   impl_->eps.assign(n, nullptr);
   impl_->failed.clear();
@@ -365,25 +513,37 @@ absl::StatusOr<std::unique_ptr<Comm>> UcxWorker::Connect(int rank,
                                absl::StrCat("connect to peer ", p, " at ", addresses[p]));
     if (!s.ok()) return s;
   }
-  // Hello round: proves every connection works in both directions.
+  // Hello round: proves every connection works in both directions, and that the peer is the
+  // member it should be, of the same job.
   std::vector<uint64_t> reqs;
-  std::vector<int32_t> in(n, -1);
-  int32_t me = rank;
+  std::vector<Hello> in(n);
+  Hello me;
+  me.rank = rank;
+  me.job = JobKey(job);
   for (int p = 0; p < n; ++p) {
     if (p == rank) continue;
-    auto r = comm->PostRecv(p, kHelloTag, &in[p], sizeof(int32_t));
+    auto r = comm->PostRecv(p, kHelloTag, &in[p], sizeof(Hello));
     if (!r.ok()) return r.status();
     reqs.push_back(*r);
-    auto s = comm->PostSend(p, kHelloTag, &me, sizeof(int32_t));
+    auto s = comm->PostSend(p, kHelloTag, &me, sizeof(Hello));
     if (!s.ok()) return s.status();
     reqs.push_back(*s);
   }
   absl::Status st = comm->WaitAll(reqs, deadline);
   if (!st.ok()) return st;
   for (int p = 0; p < n; ++p) {
-    if (p != rank && in[p] != p)
-      return absl::DataLossError(absl::StrCat("bad hello from peer ", p));
+    if (p == rank) continue;
+    if (in[p].rank != p) {
+      return absl::DataLossError(absl::StrCat("bad hello from peer ", p, " at ", addresses[p],
+                                              ": it says it is member ", in[p].rank));
+    }
+    if (in[p].job != me.job) {
+      return absl::FailedPreconditionError(absl::StrCat("peer ", p, " at ", addresses[p],
+                                                        " is not a member of job '", job,
+                                                        "' (its hello names another job)"));
+    }
   }
+  if (absl::Status s = comm->ListenForNotices(); !s.ok()) return s;
   return std::unique_ptr<Comm>(std::move(comm));
 }
 

@@ -40,10 +40,12 @@ class UcxWorker {
   void AllowAnyPeer() { allow_any_ = true; }
   int64_t rejected_connections() const { return rejected_; }
 
-  // A communicator in which this worker is member `rank` and member i listens at addresses[i].
-  // Connects to every peer and exchanges a hello with each before `deadline`.
+  // A communicator of job `job` in which this worker is member `rank` and member i listens at
+  // addresses[i]. Connects to every peer and exchanges a hello with each before `deadline`; a
+  // peer that is another member, or of another job, is an error naming it. At most 16384
+  // members.
   absl::StatusOr<std::unique_ptr<Comm>> Connect(int rank, const std::vector<std::string>& addresses,
-                                                absl::Time deadline);
+                                                absl::Time deadline, absl::string_view job = "");
 
   // Drives progress (incoming connections, pending transfers) for up to `max_wait` when idle.
   void Progress(absl::Duration max_wait);

@@ -169,5 +169,61 @@ TEST(CollectiveFailureTest, ALostPeerIsAnErrorNamingIt) {
   EXPECT_EQ(st.code(), absl::StatusCode::kDeadlineExceeded);
 }
 
+// Two members run different operations of equal size: both fail at once (no deadline), each
+// naming its own operation and the peer's.
+TEST(CollectiveMismatchTest, DifferentUnitsOfEqualSizeFailOnEveryMemberNamingBoth) {
+  const absl::Time start = absl::Now();
+  auto out = RunGroup(2, [](Comm& c) {
+    std::vector<char> buf(2 * 4096);
+    const MessageStamp stamp{7, c.rank() == 0 ? 3u : 4u, MessageStamp::kAllGather, 0};
+    return AllGather(c, buf.data(), 4096, absl::Now() + absl::Seconds(30), stamp.Tag());
+  });
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(out[r].code(), absl::StatusCode::kAborted) << out[r];
+    EXPECT_THAT(std::string(out[r].message()), ::testing::HasSubstr("unit 3"));
+    EXPECT_THAT(std::string(out[r].message()), ::testing::HasSubstr("unit 4"));
+  }
+}
+
+TEST(CollectiveMismatchTest, DifferentSizesAndKindsAreNamed) {
+  auto out = RunGroup(2, [](Comm& c) {
+    std::vector<char> buf(2 * 8192);
+    // Member 1 all-gathers blocks twice the size: same stamp, different sizes.
+    const size_t block = c.rank() == 0 ? 4096 : 8192;
+    return AllGather(c, buf.data(), block, absl::Now() + absl::Seconds(30),
+                     MessageStamp{1, 2, MessageStamp::kAllGather, 0}.Tag());
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(out[r].code(), absl::StatusCode::kAborted) << out[r];
+    EXPECT_THAT(std::string(out[r].message()), ::testing::HasSubstr("4096"));
+    EXPECT_THAT(std::string(out[r].message()), ::testing::HasSubstr("8192"));
+  }
+  out = RunGroup(2, [](Comm& c) {
+    std::vector<float> data(64, 1.0f), scratch(64);
+    const MessageStamp stamp{
+        1, 5, c.rank() == 0 ? MessageStamp::kAllReduce : MessageStamp::kAllGather, 0};
+    return AllReduceInPlace(c, data.data(), 64, ReduceOp::kSum, scratch.data(),
+                            absl::Now() + absl::Seconds(30), stamp.Tag());
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(out[r].code(), absl::StatusCode::kAborted) << out[r];
+    EXPECT_THAT(std::string(out[r].message()), ::testing::HasSubstr("all-reduce of unit 5"));
+    EXPECT_THAT(std::string(out[r].message()), ::testing::HasSubstr("all-gather of unit 5"));
+  }
+}
+
+TEST(MessageStampTest, RoundTripsAndWraps) {
+  const MessageStamp s{(uint64_t{1} << 13) + 5, (uint64_t{1} << 16) + 9,
+                       MessageStamp::kGatherToOwner, 77};
+  const MessageStamp t = MessageStamp::FromTag(s.Tag());
+  EXPECT_EQ(t.seq, 5u);
+  EXPECT_EQ(t.unit, 9u);
+  EXPECT_EQ(t.kind, MessageStamp::kGatherToOwner);
+  EXPECT_EQ(t.index, 77u);
+  EXPECT_LT(s.Tag(), uint64_t{1} << 48);
+  EXPECT_EQ(DescribeTag(s.Tag()), "gather-to-owner of unit 9 (operation 5, message 77)");
+}
+
 }  // namespace
 }  // namespace ragshard::daemon

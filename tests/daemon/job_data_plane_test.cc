@@ -156,7 +156,10 @@ int CheckNode(const v1::Plan& plan, int node, int ranks_per_node, Comm* comm, in
           Store((*dp)->grad(u, i), up.dtype(), x, GradValue(local[i], x));
         }
       }
-      if (!(*dp)->ReduceScatter(u, op, deadline).ok()) return 44;
+      if (auto st = (*dp)->ReduceScatter(u, op, deadline); !st.ok()) {
+        std::fprintf(stderr, "reduce_scatter: %s\n", st.ToString().c_str());
+        return 44;
+      }
       if ((*dp)->grad(u, 0) != nullptr) return 62;  // released
       for (int i = 0; i < ranks_per_node; ++i) {
         const int64_t pos = local[i] % f;
@@ -335,6 +338,49 @@ TEST(JobDataPlaneFailureTest, AKilledNodeIsAnErrorWithinTheDeadline) {
   kill(g.pids[1], SIGKILL);
   EXPECT_EQ(UcxGroup::ExitCode(g.pids[1]), 128 + SIGKILL);
   EXPECT_EQ(UcxGroup::ExitCode(g.pids[0]), 0);
+}
+
+// Nodes running different units of equal size (a layer skipped by one node's ranks): the
+// all-gather fails on both nodes, long before the deadline, naming both operations by unit name;
+// so does a reduce-scatter that meets another unit's.
+TEST(JobDataPlaneMismatchTest, NodesRunningDifferentUnitsOfEqualSizeFailNamingBoth) {
+  Inventory inv;
+  for (int u = 0; u < 2; ++u) {
+    UnitSpec* unit = inv.add_units();
+    unit->set_name("layers." + std::to_string(u));
+    TensorSpec* t = unit->add_tensors();
+    t->set_name(unit->name() + ".weight");
+    t->add_shape(256);
+    t->add_shape(64);
+    t->set_dtype(v1::DTYPE_FP32);
+  }
+  PlanOptions o;
+  o.world = 4;
+  auto plan = BuildPlan(inv, o);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_EQ(plan->units(0).shard_elems(), plan->units(1).shard_elems());
+  const absl::Time start = absl::Now();
+  UcxGroup g = UcxGroup::Spawn(2, [&](int node, Comm& comm) {
+    auto pool = Pool::Create(64 << 20);
+    if (!pool.ok()) return 50;
+    auto dp = JobDataPlane::Create(*plan, {node * 2, node * 2 + 1}, pool->get(), &comm);
+    if (!dp.ok()) return 51;
+    const absl::Time deadline = absl::Now() + absl::Seconds(60);
+    // Both nodes agree on unit 0, then node 1 skips to unit 1.
+    if (!(*dp)->Unshard(0, deadline).ok()) return 52;
+    absl::Status s = (*dp)->Unshard(node == 0 ? 0 : 1, deadline);
+    std::fprintf(stderr, "node %d: %s\n", node, s.ToString().c_str());
+    const std::string m(s.message());
+    if (s.code() != absl::StatusCode::kAborted) return 53;
+    if (m.find("OP_UNSHARD of unit 0 'layers.0'") == std::string::npos ||
+        m.find("OP_UNSHARD of unit 1 'layers.1'") == std::string::npos) {
+      return 54;
+    }
+    if ((*dp)->unsharded(1, 0) != nullptr) return 55;  // nothing left allocated by the failure
+    return 0;
+  });
+  for (pid_t pid : g.pids) EXPECT_EQ(UcxGroup::ExitCode(pid), 0);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(30));
 }
 
 TEST(JobDataPlaneErrorsTest, UnsupportedPlacementsAndSmallPoolsAreClearErrors) {

@@ -1,5 +1,7 @@
 // An in-memory Comm for testing collectives: members are threads of one process; sends are
-// buffered in a shared fabric. A member can be marked lost.
+// buffered in a shared fabric. A member can be marked lost. Matching and checking follow
+// comm.h: a receive takes the next message from its peer with the same index, then compares the
+// whole tag and the size.
 #pragma once
 
 #include <cstring>
@@ -28,11 +30,16 @@ class MemFabric {
 
  private:
   friend class MemComm;
-  using Key = std::tuple<int, int, uint64_t>;  // src, dst, tag
+  using Key = std::tuple<int, int, uint64_t>;  // src, dst, index
+  struct Message {
+    uint64_t tag;
+    std::string bytes;
+  };
   const int size_;
   absl::Mutex mu_;
-  std::map<Key, std::deque<std::string>> mail_ ABSL_GUARDED_BY(mu_);
+  std::map<Key, std::deque<Message>> mail_ ABSL_GUARDED_BY(mu_);
   std::set<int> lost_ ABSL_GUARDED_BY(mu_);
+  std::map<int, std::string> notices_ ABSL_GUARDED_BY(mu_);  // by receiver
 };
 
 class MemComm final : public Comm {
@@ -44,7 +51,8 @@ class MemComm final : public Comm {
   absl::StatusOr<uint64_t> PostSend(int peer, uint64_t tag, const void* data,
                                     size_t bytes) override {
     absl::MutexLock lock(&fabric_->mu_);
-    fabric_->mail_[{rank_, peer, tag}].emplace_back(static_cast<const char*>(data), bytes);
+    fabric_->mail_[{rank_, peer, tag & MessageStamp::kIndexMask}].push_back(
+        {tag, std::string(static_cast<const char*>(data), bytes)});
     reqs_.push_back({false, peer, tag, nullptr, 0});
     return reqs_.size() - 1;
   }
@@ -56,23 +64,46 @@ class MemComm final : public Comm {
     for (uint64_t id : ids) {
       Req& r = reqs_[id];
       if (!r.recv) continue;
-      absl::MutexLock lock(&fabric_->mu_);
-      auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(fabric_->mu_) {
-        auto it = fabric_->mail_.find({r.peer, rank_, r.tag});
-        return (it != fabric_->mail_.end() && !it->second.empty()) ||
-               fabric_->lost_.count(r.peer) > 0;
-      };
-      if (!fabric_->mu_.AwaitWithDeadline(absl::Condition(&ready), deadline)) {
-        return absl::DeadlineExceededError(absl::StrCat("peer ", r.peer, " did not answer"));
+      absl::Status st;
+      {
+        absl::MutexLock lock(&fabric_->mu_);
+        const MemFabric::Key key{r.peer, rank_, r.tag & MessageStamp::kIndexMask};
+        auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(fabric_->mu_) {
+          auto it = fabric_->mail_.find(key);
+          return (it != fabric_->mail_.end() && !it->second.empty()) ||
+                 fabric_->lost_.count(r.peer) > 0 || fabric_->notices_.count(rank_) > 0;
+        };
+        if (!fabric_->mu_.AwaitWithDeadline(absl::Condition(&ready), deadline)) {
+          return absl::DeadlineExceededError(absl::StrCat("peer ", r.peer, " did not answer"));
+        }
+        if (auto n = fabric_->notices_.find(rank_); n != fabric_->notices_.end()) {
+          return absl::AbortedError(n->second);
+        }
+        auto& q = fabric_->mail_[key];
+        if (q.empty()) return absl::UnavailableError(absl::StrCat("peer ", r.peer, " lost"));
+        const MemFabric::Message m = std::move(q.front());
+        q.pop_front();
+        if (m.tag != r.tag || m.bytes.size() != r.bytes) {
+          st = MismatchError(rank_, r.peer, m.tag, m.bytes.size(), r.tag, r.bytes, describe_);
+        } else {
+          std::memcpy(r.data, m.bytes.data(), r.bytes);
+        }
       }
-      auto& q = fabric_->mail_[{r.peer, rank_, r.tag}];
-      if (q.empty()) return absl::UnavailableError(absl::StrCat("peer ", r.peer, " lost"));
-      if (q.front().size() != r.bytes) return absl::DataLossError("size mismatch");
-      std::memcpy(r.data, q.front().data(), r.bytes);
-      q.pop_front();
+      if (!st.ok()) {
+        Abort(std::string(st.message()));
+        return st;
+      }
     }
     return absl::OkStatus();
   }
+  void Abort(const std::string& why) override {
+    absl::MutexLock lock(&fabric_->mu_);
+    for (int p = 0; p < fabric_->size(); ++p) {
+      if (p != rank_)
+        fabric_->notices_.emplace(p, absl::StrCat("node ", rank_, " stopped the job: ", why));
+    }
+  }
+  void SetDescriber(TagDescriber describe) override { describe_ = std::move(describe); }
 
  private:
   struct Req {
@@ -85,6 +116,7 @@ class MemComm final : public Comm {
   MemFabric* fabric_;
   const int rank_;
   std::vector<Req> reqs_;
+  TagDescriber describe_;
 };
 
 }  // namespace ragshard::daemon::testing

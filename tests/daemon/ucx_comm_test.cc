@@ -33,8 +33,12 @@ TEST(UcxCommTest, RingAllGatherAndReduceScatterAcrossProcesses) {
     for (size_t block : {size_t{1} << 20, size_t{1024}}) {
       std::vector<char> buf(block * n);
       for (size_t i = 0; i < block; ++i) buf[r * block + i] = Pattern(r, i);
-      if (!AllGather(comm, buf.data(), block, absl::Now() + absl::Seconds(20), 1 << 20).ok())
+      if (absl::Status s =
+              AllGather(comm, buf.data(), block, absl::Now() + absl::Seconds(20), 1 << 20);
+          !s.ok()) {
+        fprintf(stderr, "rank %d: %s\n", r, s.ToString().c_str());
         return 20;
+      }
       for (int b = 0; b < n; ++b) {
         for (size_t i = 0; i < block; i += 61) {
           if (buf[b * block + i] != Pattern(b, i)) return 21;
@@ -47,9 +51,11 @@ TEST(UcxCommTest, RingAllGatherAndReduceScatterAcrossProcesses) {
     for (size_t i = 0; i < grad.size(); ++i)
       grad[i] = FloatToBf16(static_cast<float>((i % 97) * (r + 1)) / 64.0f);
     std::vector<float> out(count), scratch(2 * count);
-    if (!ReduceScatter(comm, grad.data(), v1::DTYPE_BF16, count, out.data(), ReduceOp::kAvg,
-                       scratch.data(), absl::Now() + absl::Seconds(20), 1 << 21)
-             .ok()) {
+    if (absl::Status s =
+            ReduceScatter(comm, grad.data(), v1::DTYPE_BF16, count, out.data(), ReduceOp::kAvg,
+                          scratch.data(), absl::Now() + absl::Seconds(20), 1 << 21);
+        !s.ok()) {
+      fprintf(stderr, "rank %d: %s\n", r, s.ToString().c_str());
       return 22;
     }
     for (size_t i = 0; i < count; ++i) {
@@ -92,6 +98,70 @@ TEST(UcxCommTest, AKilledPeerIsAnErrorNamingItWithinTheDeadline) {
   EXPECT_EQ(ExitCode(g.pids[2]), 128 + SIGKILL);
   EXPECT_EQ(ExitCode(g.pids[0]), 0);
   EXPECT_EQ(ExitCode(g.pids[1]), 0);
+}
+
+// Exit code 0 when `s` is ABORTED and names every one of `words`.
+int AbortedNaming(int r, const absl::Status& s, std::vector<std::string> words) {
+  fprintf(stderr, "rank %d: %s\n", r, s.ToString().c_str());
+  if (s.code() != absl::StatusCode::kAborted) return 40;
+  for (const std::string& w : words) {
+    if (std::string(s.message()).find(w) == std::string::npos) return 41;
+  }
+  return 0;
+}
+
+TEST(UcxCommTest, MembersRunningDifferentUnitsOfEqualSizeAllFailNamingBoth) {
+  // Ring (1 MiB blocks) and direct (1 KiB) all-gathers over 3 processes in which member 0 runs
+  // unit 3 and the others unit 4: every member fails long before the 60 s deadline (the one that
+  // sees no mismatch itself hears the others' abort notice).
+  for (size_t block : {size_t{1} << 20, size_t{1024}}) {
+    const absl::Time start = absl::Now();
+    UcxGroup g = UcxGroup::Spawn(3, [block](int r, Comm& comm) {
+      std::vector<char> buf(block * 3);
+      const MessageStamp stamp{12, r == 0 ? 3u : 4u, MessageStamp::kAllGather, 0};
+      absl::Status s =
+          AllGather(comm, buf.data(), block, absl::Now() + absl::Seconds(60), stamp.Tag());
+      return AbortedNaming(r, s, {"unit 3", "unit 4"});
+    });
+    for (pid_t pid : g.pids) EXPECT_EQ(ExitCode(pid), 0) << "block " << block;
+    EXPECT_LT(absl::Now() - start, absl::Seconds(30));
+  }
+}
+
+TEST(UcxCommTest, AReduceScatterAgainstAnAllGatherIsNamedBothWays) {
+  UcxGroup g = UcxGroup::Spawn(2, [](int r, Comm& comm) {
+    const size_t count = 1 << 16;
+    std::vector<float> in(2 * count, 1.0f), out(count), scratch(2 * count);
+    absl::Status s;
+    if (r == 0) {
+      s = ReduceScatter(comm, in.data(), v1::DTYPE_FP32, count, out.data(), ReduceOp::kSum,
+                        scratch.data(), absl::Now() + absl::Seconds(60),
+                        MessageStamp{5, 1, MessageStamp::kReduceScatter, 0}.Tag());
+    } else {
+      s = AllGather(comm, reinterpret_cast<char*>(in.data()), count * 4,
+                    absl::Now() + absl::Seconds(60),
+                    MessageStamp{5, 1, MessageStamp::kAllGather, 0}.Tag());
+    }
+    return AbortedNaming(r, s, {"reduce-scatter of unit 1", "all-gather of unit 1"});
+  });
+  for (pid_t pid : g.pids) EXPECT_EQ(ExitCode(pid), 0);
+}
+
+TEST(UcxCommTest, DaemonsOfAnotherJobAreRefusedAtConnect) {
+  UcxGroup g = UcxGroup::Spawn(
+      2, [](int, Comm&) { return 30; },  // must not connect
+      [](int r) { return r == 0 ? std::string("job-a") : std::string("job-b"); },
+      [](int r, const absl::Status& s) {
+        const std::string m(s.message());
+        const bool named = m.find(r == 0 ? "job 'job-a'" : "job 'job-b'") != std::string::npos &&
+                           m.find("another job") != std::string::npos;
+        if (s.code() == absl::StatusCode::kFailedPrecondition && named) return 0;
+        // The side that reads the other's hello second may find it gone already.
+        return s.code() == absl::StatusCode::kUnavailable ? 2 : 31;
+      });
+  const int a = ExitCode(g.pids[0]), b = ExitCode(g.pids[1]);
+  EXPECT_TRUE((a == 0 || a == 2) && (b == 0 || b == 2)) << a << " " << b;
+  EXPECT_TRUE(a == 0 || b == 0) << "neither side named the job";
 }
 
 TEST(UcxCommTest, TheDataPortRefusesHostsThatAreNotPeers) {

@@ -2,12 +2,14 @@
 // created only in the children (it must not be inherited across fork).
 #pragma once
 
+#include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdio>
 #include <functional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "server/daemon/ucx_comm.h"
@@ -18,13 +20,23 @@ struct UcxGroup {
   std::vector<pid_t> pids;
   std::vector<int> ready_fds;  // each child writes one byte once connected
 
-  // body(rank, comm) runs in child `rank`; its return value is the exit code.
-  static UcxGroup Spawn(int n, std::function<int(int, Comm&)> body) {
+  // body(rank, comm) runs in child `rank`; its return value is the exit code. Child `rank`
+  // connects for job job_of(rank) ("" when not given); a failed connect exits with
+  // connect_failed(rank, status), or 12 when not given. Bodies start once every child has
+  // connected (or failed to), and a child closes its comm only once every body has returned (or
+  // its child died), as a daemon keeps a failed job's comm: no member leaves while another is
+  // still saying hello or reading a notice.
+  static UcxGroup Spawn(int n, std::function<int(int, Comm&)> body,
+                        std::function<std::string(int)> job_of = nullptr,
+                        std::function<int(int, const absl::Status&)> connect_failed = nullptr) {
     UcxGroup g;
-    std::vector<int> to_parent(n), from_parent(n);
+    std::vector<int> to_parent(n), from_parent(n), go_fds(n), fin_fds(n), release_fds(n);
     for (int r = 0; r < n; ++r) {
-      int up[2], down[2], ready[2];
-      if (pipe(up) != 0 || pipe(down) != 0 || pipe(ready) != 0) return g;
+      int up[2], down[2], ready[2], go[2], fin[2], release[2];
+      if (pipe(up) != 0 || pipe(down) != 0 || pipe(ready) != 0 || pipe(go) != 0 || pipe(fin) != 0 ||
+          pipe(release) != 0) {
+        return g;
+      }
       pid_t pid = fork();
       if (pid == 0) {
         auto w = UcxWorker::Create("127.0.0.1", 0);
@@ -43,19 +55,34 @@ struct UcxGroup {
             cur.push_back(c);
           }
         }
-        auto comm = (*w)->Connect(r, addrs, absl::Now() + absl::Seconds(20));
+        auto comm =
+            (*w)->Connect(r, addrs, absl::Now() + absl::Seconds(20), job_of ? job_of(r) : "");
         if (!comm.ok()) {
           std::fprintf(stderr, "rank %d connect: %s\n", r,
                        std::string(comm.status().message()).c_str());
-          _exit(12);
+          _exit(connect_failed ? connect_failed(r, comm.status()) : 12);
         }
         char one = 1;
         if (write(ready[1], &one, 1) != 1) _exit(13);
-        _exit(body(r, **comm));
+        if (read(go[0], &one, 1) != 1) _exit(14);
+        const int code = body(r, **comm);
+        if (write(fin[1], &one, 1) != 1) _exit(15);
+        // Released by the end of file, once the parent's end closes (and those of the children
+        // forked later, which inherited it, have exited).
+        close(release[1]);
+        if (read(release[0], &one, 1) < 0) _exit(16);
+        comm->reset();  // what it sent reaches the peers before the process ends
+        _exit(code);
       }
       close(up[1]);
       close(down[0]);
       close(ready[1]);
+      close(go[0]);
+      close(fin[1]);
+      close(release[0]);
+      go_fds[r] = go[1];
+      fin_fds[r] = fin[0];
+      release_fds[r] = release[1];
       to_parent[r] = up[0];
       from_parent[r] = down[1];
       g.pids.push_back(pid);
@@ -74,13 +101,40 @@ struct UcxGroup {
       close(from_parent[r]);
       close(to_parent[r]);
     }
+    g.WaitConnected();
+    signal(SIGPIPE, SIG_IGN);  // a child that exited early must not take the test with it
+    for (int r = 0; r < n; ++r) {
+      const char go = 1;
+      if (write(go_fds[r], &go, 1) != 1) {
+        // The child is gone already; its exit code tells.
+      }
+      close(go_fds[r]);
+    }
+    // Releases the children once every one has finished its body or died.
+    std::thread([fin_fds, release_fds] {
+      for (int fd : fin_fds) {
+        char c;
+        if (read(fd, &c, 1) != 1) {
+          // died
+        }
+        close(fd);
+      }
+      for (int fd : release_fds) close(fd);  // end of file releases every child
+    }).detach();
     return g;
   }
 
-  void WaitConnected() const {
-    for (int fd : ready_fds) {
+  // Reads each child's "connected" byte (or its end, when it exited); Spawn does it before it
+  // lets the bodies start, so later calls return at once.
+  void WaitConnected() {
+    for (int& fd : ready_fds) {
+      if (fd < 0) continue;
       char c;
-      if (read(fd, &c, 1) != 1) break;
+      if (read(fd, &c, 1) != 1) {
+        // exited without connecting
+      }
+      close(fd);
+      fd = -1;
     }
   }
 

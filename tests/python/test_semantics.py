@@ -1,12 +1,14 @@
 """fully_shard keeps PyTorch's semantics: examples/train_semantics.py (nn.TransformerEncoderLayer
 units and a two-expert MoE unit) on 2 daemons x 2 ranks against the same model in one plain
 PyTorch process, case by case, with AdamW and Muon and both zero_grad(set_to_none=...)
-settings; and a parameter used while its unit is resharded is an error naming it."""
+settings; a parameter used while its unit is resharded is an error naming it; and nodes whose
+ranks run different units of equal size fail at once, naming both."""
 import importlib.util
 import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -86,6 +88,25 @@ def test_case_matches_single_process(cluster, tmp_path, case, set_to_none, optim
         delta = max(float((po[n] - reference[1][n]).norm() / reference[1][n].norm())
                     for n in po if n.startswith("enc1."))
         assert delta > 1e-3
+
+
+def test_nodes_running_different_units_of_equal_size_fail_naming_both(cluster):
+    """In step 1 the first node's ranks run enc1 where the other node's run enc0 (equal sizes,
+    so nothing but the message checks tells them apart): every rank's operation fails with
+    ABORTED naming both units, long before the operations' 120 s deadline."""
+    start = time.monotonic()
+    r = subprocess.run(
+        [sys.executable, "-m", "ragshard.launch", "--planner", cluster.planner, "--job",
+         "sem-swapped", "--nproc", "4", "--sockets", ",".join(cluster.sockets), "--create-job",
+         EXAMPLE, "--case", "swapped-on-one-node"],
+        env=env(), capture_output=True, text=True, timeout=600)
+    elapsed = time.monotonic() - start
+    assert r.returncode != 0, r.stdout + r.stderr
+    errors = [line for line in (r.stdout + r.stderr).splitlines()
+              if "ABORTED" in line and "OP_UNSHARD of unit 0 'enc0'" in line
+              and "OP_UNSHARD of unit 2 'enc1'" in line]
+    assert errors, r.stdout + r.stderr
+    assert elapsed < 55, f"took {elapsed:.0f} s: the failure waited for a deadline"
 
 
 def load_example():

@@ -1,0 +1,52 @@
+#include "server/daemon/comm.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace ragshard::daemon {
+namespace {
+
+const char* KindName(uint32_t kind) {
+  switch (kind) {
+    case MessageStamp::kNone:
+      return "a collective";
+    case MessageStamp::kAllGather:
+      return "all-gather";
+    case MessageStamp::kReduceScatter:
+      return "reduce-scatter";
+    case MessageStamp::kAllReduce:
+      return "all-reduce";
+    case MessageStamp::kGatherToOwner:
+      return "gather-to-owner";
+    case MessageStamp::kScatterFromOwner:
+      return "scatter-from-owner";
+    case MessageStamp::kControl:
+      return "a control message";
+    default:
+      return "an unknown operation";
+  }
+}
+
+}  // namespace
+
+std::string DescribeTag(uint64_t tag) {
+  const MessageStamp s = MessageStamp::FromTag(tag);
+  return absl::StrCat(KindName(s.kind), " of unit ", s.unit, " (operation ", s.seq, ", message ",
+                      s.index, ")");
+}
+
+absl::Status MismatchError(int self, int peer, uint64_t sent_tag, size_t sent_bytes,
+                           uint64_t want_tag, size_t want_bytes, const TagDescriber& describe) {
+  const std::string mine = describe ? describe(want_tag) : DescribeTag(want_tag);
+  if (sent_tag != want_tag) {
+    const std::string theirs = describe ? describe(sent_tag) : DescribeTag(sent_tag);
+    return absl::AbortedError(absl::StrCat("the ranks disagree on an operation: node ", peer,
+                                           " sent a message of ", theirs, " (", sent_bytes,
+                                           " bytes) where node ", self, " runs ", mine, " (",
+                                           want_bytes, " bytes)"));
+  }
+  return absl::AbortedError(absl::StrCat("the ranks disagree on a size: node ", peer, " sent ",
+                                         sent_bytes, " bytes for ", mine, " where node ", self,
+                                         " expects ", want_bytes));
+}
+
+}  // namespace ragshard::daemon
