@@ -1,6 +1,8 @@
 // ragshard's collectives over UCX (tcp, peer error handling) between N processes on loopback,
 // plus the physical limits: single-process memcpy and UCX point-to-point bandwidth.
-//   collectives_bench --members N [--max-mib 256]
+//   collectives_bench --members N [--max-mib 256] [--unchecked 1]
+// --unchecked 1 turns the message checks off (UcxWorker::set_message_checks) and labels the rows
+// ragshard-ucx-unchecked, so that a report can measure the checks' cost side by side.
 // Prints CSV rows (bench_common.h). Members are forked processes that exchange addresses
 // through pipes; rank 0 reports the slowest member's time of each size.
 #include <sys/wait.h>
@@ -32,7 +34,7 @@ double MaxOver(Comm& comm, double v) {
   return m;
 }
 
-int Member(int rank, int n, Comm& comm, size_t max_bytes) {
+int Member(int rank, int n, Comm& comm, size_t max_bytes, const char* impl) {
   uint64_t tag = 0;
   for (size_t bytes : Sizes(size_t{1} << 20, max_bytes)) {
     const size_t block = bytes / n;
@@ -49,7 +51,7 @@ int Member(int rank, int n, Comm& comm, size_t max_bytes) {
         return 1;
     }
     double t = MaxOver(comm, (Now() - t0) / iters);
-    if (rank == 0) PrintRow("ragshard-ucx", "allgather", n, bytes, t);
+    if (rank == 0) PrintRow(impl, "allgather", n, bytes, t);
 
     // Reduce-scatter of fp32 (the reduce dtype of ragshard).
     const size_t count = block / sizeof(float);
@@ -70,7 +72,7 @@ int Member(int rank, int n, Comm& comm, size_t max_bytes) {
       }
     }
     t = MaxOver(comm, (Now() - t0) / iters);
-    if (rank == 0) PrintRow("ragshard-ucx", "reducescatter", n, count * n * sizeof(float), t);
+    if (rank == 0) PrintRow(impl, "reducescatter", n, count * n * sizeof(float), t);
     if (out[0] != static_cast<float>(n)) return 2;
   }
   // Point-to-point: rank 0 sends to rank 1.
@@ -113,11 +115,16 @@ void Memcpy(size_t max_bytes) {
 int Main(int argc, char** argv) {
   int n = 2;
   int64_t max_mib = 256;
+  int unchecked = 0;
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string f = argv[i];
     if (f == "--members" && absl::SimpleAtoi(argv[i + 1], &n) && n >= 1 && n <= 64) continue;
     if (f == "--max-mib" && absl::SimpleAtoi(argv[i + 1], &max_mib) && max_mib >= 1) continue;
-    std::cerr << "error: bad flag " << f << " (use --members N --max-mib M)\n";
+    if (f == "--unchecked" && absl::SimpleAtoi(argv[i + 1], &unchecked) &&
+        (unchecked == 0 || unchecked == 1)) {
+      continue;
+    }
+    std::cerr << "error: bad flag " << f << " (use --members N --max-mib M --unchecked 0|1)\n";
     return 2;
   }
   const size_t max_bytes = static_cast<size_t>(max_mib) << 20;
@@ -135,6 +142,7 @@ int Main(int argc, char** argv) {
       auto w = daemon::UcxWorker::Create("127.0.0.1", 0);
       if (!w.ok()) _exit(10);
       (*w)->AllowPeerHosts({"127.0.0.1"});
+      (*w)->set_message_checks(unchecked == 0);
       std::string addr = (*w)->address() + "\n";
       if (write(u[1], addr.data(), addr.size()) < 0) _exit(11);
       std::vector<std::string> addrs;
@@ -150,7 +158,7 @@ int Main(int argc, char** argv) {
       }
       auto comm = (*w)->Connect(r, addrs, absl::Now() + absl::Seconds(30));
       if (!comm.ok()) _exit(12);
-      _exit(Member(r, n, **comm, max_bytes));
+      _exit(Member(r, n, **comm, max_bytes, unchecked ? "ragshard-ucx-unchecked" : "ragshard-ucx"));
     }
     close(u[1]);
     close(d[0]);

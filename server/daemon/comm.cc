@@ -39,10 +39,9 @@ absl::Status MismatchError(int self, int peer, uint64_t sent_tag, size_t sent_by
   const std::string mine = describe ? describe(want_tag) : DescribeTag(want_tag);
   if (sent_tag != want_tag) {
     const std::string theirs = describe ? describe(sent_tag) : DescribeTag(sent_tag);
-    return absl::AbortedError(absl::StrCat("the ranks disagree on an operation: node ", peer,
-                                           " sent a message of ", theirs, " (", sent_bytes,
-                                           " bytes) where node ", self, " runs ", mine, " (",
-                                           want_bytes, " bytes)"));
+    return absl::AbortedError(absl::StrCat(
+        "the ranks disagree on an operation: node ", peer, " sent a message of ", theirs, " (",
+        sent_bytes, " bytes) where node ", self, " runs ", mine, " (", want_bytes, " bytes)"));
   }
   return absl::AbortedError(absl::StrCat("the ranks disagree on a size: node ", peer, " sent ",
                                          sent_bytes, " bytes for ", mine, " where node ", self,

@@ -97,6 +97,7 @@ struct Pending {
   // Receives: what this side expects and what arrived.
   uint64_t want_tag = 0;
   size_t want_bytes = 0;
+  bool checked = true;    // compare the sender's stamp and size with these
   uint64_t sent_tag = 0;  // without the source bits
   uint64_t sent_full = 0;
   size_t sent_bytes = 0;
@@ -224,8 +225,9 @@ class UcxComm final : public Comm {
     Pending& p = pending_[id];
     p.want_tag = tag & kTagMask;
     p.want_bytes = bytes;
-    void* req =
-        PostTagRecv(&p, data, bytes, Tag(peer, tag), tag == kHelloTag ? ~uint64_t{0} : kDataMask);
+    p.checked = w_->owner->message_checks() || tag == kHelloTag;
+    void* req = PostTagRecv(&p, data, bytes, Tag(peer, tag),
+                            tag == kHelloTag || !p.checked ? ~uint64_t{0} : kDataMask);
     return Track(id, req);
   }
 
@@ -287,7 +289,8 @@ class UcxComm final : public Comm {
             result = notice_.done ? Notice() : Lost(p.peer);
             break;
           }
-        } else if (p.recv && (p.status == UCS_OK || p.status == UCS_ERR_MESSAGE_TRUNCATED) &&
+        } else if (p.recv && p.checked &&
+                   (p.status == UCS_OK || p.status == UCS_ERR_MESSAGE_TRUNCATED) &&
                    (p.sent_tag != p.want_tag || p.sent_bytes != p.want_bytes)) {
           result = MismatchError(rank_, p.peer, p.sent_tag, p.sent_bytes, p.want_tag, p.want_bytes,
                                  describe_);
@@ -351,10 +354,10 @@ class UcxComm final : public Comm {
   // Posts a tagged receive whose completion fills `p` (sender's tag and size included).
   void* PostTagRecv(Pending* p, void* data, size_t bytes, uint64_t tag, uint64_t mask) {
     ucp_request_param_t param{};
-    // Always through the callback, which reports the sender's tag and size (UCX 1.13 does not
-    // fill recv_info on immediate completion).
-    param.op_attr_mask =
-        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    // Checked receives always complete through the callback, which reports the sender's tag
+    // and size (UCX 1.13 does not fill recv_info on immediate completion).
+    if (p->checked) param.op_attr_mask |= UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
     param.cb.recv = [](void* req, ucs_status_t st, const ucp_tag_recv_info_t* info, void* user) {
       auto* q = static_cast<Pending*>(user);
       q->done = true;

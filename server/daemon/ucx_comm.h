@@ -47,6 +47,12 @@ class UcxWorker {
   absl::StatusOr<std::unique_ptr<Comm>> Connect(int rank, const std::vector<std::string>& addresses,
                                                 absl::Time deadline, absl::string_view job = "");
 
+  // Message checks (comm.h) are on unless a benchmark turns them off to measure their cost
+  // side by side: receives then match the whole tag and nothing is compared, so a mismatch
+  // waits for the deadline. The daemon never turns them off. Set before Connect.
+  void set_message_checks(bool on) { message_checks_ = on; }
+  bool message_checks() const { return message_checks_; }
+
   // Drives progress (incoming connections, pending transfers) for up to `max_wait` when idle.
   void Progress(absl::Duration max_wait);
 
@@ -58,6 +64,7 @@ class UcxWorker {
   std::unique_ptr<Impl> impl_;
   std::string address_;
   bool allow_any_ = false;
+  bool message_checks_ = true;
   int64_t rejected_ = 0;
   std::set<std::string> allowed_hosts_;
   friend struct Impl;
