@@ -6,24 +6,11 @@ namespace ragshard::daemon {
 namespace {
 
 const char* KindName(uint32_t kind) {
-  switch (kind) {
-    case MessageStamp::kNone:
-      return "a collective";
-    case MessageStamp::kAllGather:
-      return "all-gather";
-    case MessageStamp::kReduceScatter:
-      return "reduce-scatter";
-    case MessageStamp::kAllReduce:
-      return "all-reduce";
-    case MessageStamp::kGatherToOwner:
-      return "gather-to-owner";
-    case MessageStamp::kScatterFromOwner:
-      return "scatter-from-owner";
-    case MessageStamp::kControl:
-      return "a control message";
-    default:
-      return "an unknown operation";
-  }
+  // By MessageStamp::Kind.
+  static const char* const kNames[] = {
+      "a collective",    "all-gather",         "reduce-scatter",       "all-reduce",
+      "gather-to-owner", "scatter-from-owner", "an unknown operation", "a control message"};
+  return kNames[kind & 7];
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <iterator>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -106,26 +107,12 @@ uint64_t JobDataPlane::NextTag(int unit, uint32_t kind) {
 
 std::string JobDataPlane::DescribeTag(uint64_t tag) const {
   const MessageStamp s = MessageStamp::FromTag(tag);
-  const char* kind = "an unknown operation";
-  switch (s.kind) {
-    case MessageStamp::kAllGather:
-      kind = "OP_UNSHARD";
-      break;
-    case MessageStamp::kReduceScatter:
-      kind = "OP_REDUCE_SCATTER";
-      break;
-    case MessageStamp::kAllReduce:
-      kind = "OP_ALL_REDUCE";
-      break;
-    case MessageStamp::kGatherToOwner:
-      kind = "OP_GATHER_TO_OWNER";
-      break;
-    case MessageStamp::kScatterFromOwner:
-      kind = "OP_SCATTER_FROM_OWNER";
-      break;
-    default:
-      return daemon::DescribeTag(tag);
-  }
+  // The daemon's names for the operations, by MessageStamp::Kind.
+  static const v1::OpKind kOps[] = {v1::OP_KIND_UNSPECIFIED, v1::OP_UNSHARD,
+                                    v1::OP_REDUCE_SCATTER,   v1::OP_ALL_REDUCE,
+                                    v1::OP_GATHER_TO_OWNER,  v1::OP_SCATTER_FROM_OWNER};
+  if (s.kind == MessageStamp::kNone || s.kind >= std::size(kOps)) return daemon::DescribeTag(tag);
+  const std::string kind = v1::OpKind_Name(kOps[s.kind]);
   // The stamp keeps the unit modulo 2^16: name it when that is unambiguous.
   std::string unit = absl::StrCat("unit ", s.unit);
   if (units_.size() <= (size_t{1} << MessageStamp::kUnitBits) && s.unit < units_.size()) {
