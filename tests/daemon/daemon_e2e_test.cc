@@ -211,6 +211,23 @@ TEST_F(DaemonE2E, ATrainingProcessKilledMidRunFailsItsNodePeersAtOnceNamingIt) {
   EXPECT_EQ(status, v1::JOB_DEGRADED);
 }
 
+TEST_F(DaemonE2E, LocalRanksThatDisagreeStopTheJobOnEveryNodeNamingIt) {
+  // Rank 0 unshards unit 1 where rank 1 (same node) and node 1's ranks unshard unit 0: node 0
+  // refuses it, and node 1's all-gather, which waits for node 0, fails at once quoting it.
+  CreateJob("split");
+  auto ranks = SpawnRanks("split", "disagree");
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_EQ(Exit(ranks[r]), 0) << testing::ReadAll(dir_.path() + "/rank" + std::to_string(r) +
+                                                     ".log");
+  }
+  v1::JobStatus status = v1::JOB_READY;
+  for (int i = 0; i < 100 && status != v1::JOB_DEGRADED; ++i) {
+    status = client_->GetJob("split")->status();
+    std::this_thread::sleep_for(50ms);
+  }
+  EXPECT_EQ(status, v1::JOB_DEGRADED);
+}
+
 TEST_F(DaemonE2E, OperationsKeepWorkingWhileThePlannerIsDown) {
   CreateJob("steady");
   // "pause" mode: attach, signal readiness by a file, wait for the go file, then check.

@@ -3,7 +3,9 @@
 //   e2e_rank PLANNER_ADDR SOCKET_DIR JOB RANK MODE
 // MODE "check" runs all-gather and reduce-scatter against the reference; "loop" runs
 // all-gathers until one fails and exits 0 when the error names a lost peer or a detached rank;
-// "register" only registers.
+// "register" only registers; "disagree": rank 0 unshards unit 1 where the others unshard unit 0,
+// and each rank exits 0 when its error says so (node 0's ranks: FAILED_PRECONDITION naming the
+// disagreement; node 1's: ABORTED quoting node 0's notice), within 10 s.
 #include <unistd.h>
 
 #include <cmath>
@@ -209,6 +211,25 @@ int Loop(const std::string& job, int r) {
   return 72;
 }
 
+int Disagree(const std::string& job, int r) {
+  auto c = Connect(job, r);
+  if (!c->Register(TestInventory(), r == 0).ok() || !c->Attach().ok()) return 75;
+  const auto start = std::chrono::steady_clock::now();
+  auto h = c->Unshard(r == 0 ? 1 : 0);
+  absl::Status s = h.ok() ? h->Wait(20s) : h.status();
+  fprintf(stderr, "rank %d: %s\n", r, s.ToString().c_str());
+  const std::string m(s.message());
+  if (m.find("local ranks disagree on operation 1: OP_UNSHARD of unit") == std::string::npos) {
+    return 76;
+  }
+  if (std::chrono::steady_clock::now() - start > 10s) return 77;
+  if (r < 2) return s.code() == absl::StatusCode::kFailedPrecondition ? 0 : 78;
+  return s.code() == absl::StatusCode::kAborted &&
+                 m.find("node 0 stopped the job") != std::string::npos
+             ? 0
+             : 79;
+}
+
 }  // namespace
 }  // namespace ragshard
 
@@ -220,6 +241,7 @@ int main(int argc, char** argv) {
   const int rank = std::atoi(argv[4]);
   if (mode == "check") return ragshard::Rank(job, rank);
   if (mode == "loop") return ragshard::Loop(job, rank);
+  if (mode == "disagree") return ragshard::Disagree(job, rank);
   if (mode == "pause") {
     // Attach, then wait (the test stops the planner) before running the checks.
     auto c = ragshard::Connect(job, rank);
