@@ -83,13 +83,13 @@ def environ(pid):
 
 
 class Sampler(threading.Thread):
-    """Every 20 ms: the processes under `roots`, each assigned a node by `node_of(pid, env)`
+    """Every `interval` seconds (20 ms by default): the processes under `roots`, each assigned a node by `node_of(pid, env)`
     (None: not counted), and the per-node sum of their Pss; keeps each node's peak sum and each
     process's peak Rss."""
 
-    def __init__(self, roots, node_of):
+    def __init__(self, roots, node_of, interval=0.02):
         super().__init__(daemon=True)
-        self.roots, self.node_of = roots, node_of
+        self.roots, self.node_of, self.interval = roots, node_of, interval
         self.node = {}  # pid -> node or None
         self.peak_pss = {}
         self.max_rss = {}
@@ -115,16 +115,16 @@ class Sampler(threading.Thread):
                 self.max_rss[pid] = max(self.max_rss.get(pid, 0), fig[1])
             for n, v in sums.items():
                 self.peak_pss[n] = max(self.peak_pss.get(n, 0), v)
-            self.stop.wait(0.02)
+            self.stop.wait(self.interval)
 
 
-def run_command(cmd, env, sampler):
+def run_command(cmd, env, sampler, timeout=TIMEOUT):
     def start(pid):
         sampler.roots.append(pid)
         sampler.start()
 
     try:
-        return run_in_session(cmd, env, TIMEOUT, on_start=start)
+        return run_in_session(cmd, env, timeout, on_start=start)
     finally:
         sampler.stop.set()
         sampler.join()
@@ -137,7 +137,8 @@ class Runner:
         for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
             self.env.pop(k, None)
 
-    def ragshard(self, name, daemons, k, backend, extra=(), steps=None):
+    def ragshard(self, name, daemons, k, backend, extra=(), steps=None, interval=0.02,
+                 timeout=TIMEOUT):
         from ragshard import _core
         from ragshard.cluster import LocalCluster
         print("+", name, file=sys.stderr, flush=True)
@@ -154,11 +155,11 @@ class Runner:
                     return int(env["RAGSHARD_NODE"].rsplit("-", 1)[1])
                 return None
 
-            sampler = Sampler(list(daemon_pids), node_of)
+            sampler = Sampler(list(daemon_pids), node_of, interval)
             cmd = [sys.executable, "-m", "ragshard.launch", "--planner", c.planner, "--job", name,
                    "--nproc", str(daemons * k), "--sockets", ",".join(c.sockets),
                    "--create-job", EXAMPLE, "--out", out] + common
-            code, text = run_command(cmd, self.env, sampler)
+            code, text = run_command(cmd, self.env, sampler, timeout)
             if code != 0:
                 return {"error": text[-3000:]}
             ctl = os.path.join(self.build, "client", "ragshardctl")
@@ -247,6 +248,8 @@ def main():
     ap.add_argument("--build", default=os.path.join(ROOT, "build"))
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--long", action="store_true", help="also the 200-step run at 2x4")
+    ap.add_argument("--long-only", action="store_true",
+                    help="only the 200-step run, written into the existing report's section")
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "benchmarks", "memory.md"))
     ap.add_argument("--configs", default=",".join(f"{d}x{k}" for d, k in CONFIGS),
                     help="daemons x ranks, comma-separated (a smoke run takes one)")
@@ -257,6 +260,15 @@ def main():
     sys.path.insert(0, os.path.join(a.build, "python"))
     work = tempfile.mkdtemp(prefix="ragshard-memory-")
     r = Runner(a.build, work, a.steps)
+    if a.long_only:
+        with open(a.out) as f:
+            text = f.read()
+        head, rest = text.split(LONG_HEADING, 1)
+        tail = rest[rest.index("\n## "):]
+        section = long_section(long_run_of(r), separate=True)
+        with open(a.out, "w") as f:
+            f.write(head + "\n".join(section) + tail)
+        return
     rows = {}
     for backend in BACKENDS:
         for d, k in CONFIGS:
@@ -270,12 +282,50 @@ def main():
         rows[("ddp", d, k)] = r.torch_dist(f"ddp-{d}x{k}", "ddp", d * k, k)
     # 200 steps of a smaller model (the same units: embedding and head in the root, 4 layers)
     # at 2x4: the pool's peak and fragmentation after step 10 and after step 200.
-    long_model = ["--layers", "4", "--dim", "128"]
-    saved = MODEL[:]
-    MODEL[:] = long_model
-    long_run = r.ragshard("host-2x4-long", 2, 4, "host", steps=200) if a.long else None
-    MODEL[:] = saved
+    long_run = long_run_of(r) if a.long else None
     write(a, rows, long_run)
+
+
+LONG_HEADING = "## 200 steps at 2x4 (host)"
+
+
+def long_run_of(r):
+    """200 steps of a smaller model at 2x4; PSS sampled once a second (the pool's trace is what
+    counts here, and 20 ms sampling of 10 processes slows 2 cores down)."""
+    saved = MODEL[:]
+    MODEL[:] = ["--layers", "4", "--dim", "128"]
+    try:
+        return r.ragshard("host-2x4-long", 2, 4, "host", steps=200, interval=1.0, timeout=3600)
+    finally:
+        MODEL[:] = saved
+
+
+def long_section(long_run, separate=False):
+    lines = [LONG_HEADING, "",
+             "`examples/train_tiny.py --layers 4 --dim 128 --steps 200`, 2 daemons x 4 ranks"
+             + (f" (a separate run of `bench/memory_report.py --long-only` on "
+                f"{datetime.date.today()})" if separate else "") + ".", ""]
+    if "error" in long_run:
+        lines.append(f"failed: {long_run['error'][-300:]}")
+    else:
+        t = long_run["trace"]
+        s10, s200 = t[9], t[-1]
+        dp = (s200["pool_peak"] - s10["pool_peak"]) / s10["pool_peak"] * 100
+        f10, f200 = s10["pool_fragmentation"], s200["pool_fragmentation"]
+        df = (f200 - f10) / f10 * 100 if f10 > 0 else (0.0 if f200 == f10 else float("inf"))
+        lines += ["| step | pool peak | pool used between steps | fragmentation |",
+                  "|---:|---:|---:|---:|",
+                  f"| 10 | {s10['pool_peak']} | {s10['pool_used']} | "
+                  f"{s10['pool_fragmentation']:.4f} |",
+                  f"| {len(t)} | {s200['pool_peak']} | {s200['pool_used']} | "
+                  f"{s200['pool_fragmentation']:.4f} |", "",
+                  f"Peak at step {len(t)} against step 10: {dp:+.2f} %; fragmentation: "
+                  f"{df:+.2f} % (target: both within 1 %: "
+                  f"{'met' if abs(dp) <= 1 and abs(df) <= 1 else '**missed**'}).", "",
+                  "Bytes, from the daemon of rank 0's node (`Client.stats()` after each "
+                  "step)."]
+    lines.append("")
+    return lines
 
 
 def write(a, rows, long_run):
@@ -316,23 +366,7 @@ def write(a, rows, long_run):
                 f"{mib(dd['pss']) if 'pss' in dd else '-'} |")
         lines.append("")
     if long_run is not None:
-        lines += ["## 200 steps at 2x4 (host)", "",
-                  "`examples/train_tiny.py --layers 4 --dim 128 --steps 200`, 2 daemons x 4 "
-                  "ranks.", ""]
-        if "error" in long_run:
-            lines.append(f"failed: {long_run['error'][-300:]}")
-        else:
-            t = long_run["trace"]
-            s10, s200 = t[9], t[-1]
-            lines += ["| step | pool peak | pool used between steps | fragmentation |",
-                      "|---:|---:|---:|---:|",
-                      f"| 10 | {s10['pool_peak']} | {s10['pool_used']} | "
-                      f"{s10['pool_fragmentation']:.4f} |",
-                      f"| {len(t)} | {s200['pool_peak']} | {s200['pool_used']} | "
-                      f"{s200['pool_fragmentation']:.4f} |", "",
-                      "Bytes, from the daemon of rank 0's node (`Client.stats()` after each "
-                      "step)."]
-        lines.append("")
+        lines += long_section(long_run)
     lines += ["## Ideal", "",
               "For k local ranks, prefetch P, S a unit's shard size (from the job's plan), U "
               "the largest unit's F x S, p = g = 4 bytes (fp32 parameters and gradients):", "",

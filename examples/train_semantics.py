@@ -254,6 +254,7 @@ def fsdp2(args, model, chain):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     r, w = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    args.rank = r
     dist.init_process_group("gloo", init_method="file://" + args.fsdp2, rank=r, world_size=w)
     mesh = init_device_mesh("cpu", (w,))
     for unit in (model.enc0, model.moe, model.enc1, model):
