@@ -257,8 +257,8 @@ def main():
         "one memcpy of the buffer; the control path (a gRPC Start and Wait per rank and the "
         "daemon's hand-off) is included, which is why small sizes fall short.\n"
         "* **Small messages (1–4 MiB)** everywhere are dominated by the control path: each "
-        "operation is a gRPC `Start` and a `Wait` over the Unix socket per rank (p50 ≈ 0.1 ms, "
-        "p99 0.2–0.35 ms here, see the no-op table) plus the job thread's hand-off, against one "
+        "operation is a gRPC `Start` and a `Wait` over the Unix socket per rank (see the no-op "
+        "table: its p50 and p99 are this run's) plus the job thread's hand-off, against one "
         "MPI call. A shared-memory command queue between client and daemon, which would remove "
         "these round trips and bring the no-op p99 under 100 µs, is not built.\n"
         "* **Reduce-scatter** sends fp32 partial sums (twice the bytes of a bf16 ring, by "
@@ -267,12 +267,13 @@ def main():
         "2 cores with the kernel's TCP copies, so CPU time bounds it; within a node the daemon's "
         "single-threaded fp32 summation of k gradients is the bound.\n"
         "* **2 daemons × 1 rank** is one rank per node: nothing is shared in memory, so the "
-        "daemon path is the plain ring plus the control path; at large sizes it is at par with "
-        "the TCP baselines, at small sizes the control path makes it slower.\n"
+        "daemon path is the plain ring plus the control path; it approaches the TCP baselines "
+        "only at the largest sizes; below that the control path and the transient unsharded "
+        "buffer's allocation make it slower (see its tables).\n"
         "* **Where the design wins** it is for its structural reason: ranks of a node share one "
         "unsharded buffer and one gradient sum, so across 2 × 2 each node's data crosses the "
-        "network once (all-gather 2.5–3.0× the better TCP baseline from 16 MiB up in this "
-        "run's tables above), and within a node the all-gather copies nothing.\n")
+        "network once (see the 2 daemons × 2 ranks tables above), and within a node the "
+        "all-gather is one copy of each shard.\n")
     md.append("\n## Physical limits\n")
     md.append("| size | memcpy GB/s | ucx-p2p GB/s |\n|---:|---:|---:|")
     for s in sorted(s for (o, m, s) in table if o == "copy"):
