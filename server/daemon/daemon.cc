@@ -208,6 +208,15 @@ class JobRuntime {
     return k == v1::REDUCE_AVG ? ReduceOp::kAvg : ReduceOp::kSum;
   }
 
+  // Operations queued behind a failure fail the same way.
+  void FailQueued() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    for (uint64_t q : queue_) {
+      ops_[q].done = true;
+      ops_[q].status = failed_;
+    }
+    queue_.clear();
+  }
+
   void Waited(std::map<uint64_t, Op>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (++it->second.waited >= static_cast<int>(local_ranks_.size())) ops_.erase(it);
   }
@@ -270,11 +279,7 @@ class JobRuntime {
         }
         if (!abort_.ok() && failed_.ok()) {
           failed_ = abort_;
-          for (uint64_t q : queue_) {
-            ops_[q].done = true;
-            ops_[q].status = failed_;
-          }
-          queue_.clear();
+          FailQueued();
           const absl::Status a = abort_;
           mu_.Unlock();
           LOG(ERROR) << "job " << job_id_ << ": " << a;
@@ -346,14 +351,7 @@ class JobRuntime {
         o.done = true;
         o.status = s;
         o.placements = std::move(placements);
-        // Operations queued behind a failure fail the same way.
-        if (!failed_.ok()) {
-          for (uint64_t q : queue_) {
-            ops_[q].done = true;
-            ops_[q].status = failed_;
-          }
-          queue_.clear();
-        }
+        if (!failed_.ok()) FailQueued();
       }
       ServeWaiters();
     }

@@ -392,7 +392,7 @@ absl::Status JobDataPlane::MovePieces(int unit, bool to_owner, absl::Time deadli
   }
   std::vector<uint64_t> requests;
   // Messages are numbered per peer: both ends walk the pieces in the same order.
-  std::vector<uint64_t> sent_to(shard_comm_ ? shard_comm_->size() : 0, 0);
+  std::vector<uint64_t> messages_with(shard_comm_ ? shard_comm_->size() : 0, 0);
   for (size_t i = 0; i < u.pieces.size(); ++i) {
     const Piece& p = u.pieces[i];
     const int owner_node = NodeOf(p.owner), holder_node = NodeOf(p.holder);
@@ -417,7 +417,7 @@ absl::Status JobDataPlane::MovePieces(int unit, bool to_owner, absl::Time deadli
     const int peer = owner_node == me ? holder_node : owner_node;
     float* local = owner_node == me ? whole : shard;
     const bool send = (owner_node == me) != to_owner;
-    const uint64_t index = sent_to[peer]++;
+    const uint64_t index = messages_with[peer]++;
     r = send ? shard_comm_->PostSend(peer, tag + index, local, bytes)
              : shard_comm_->PostRecv(peer, tag + index, local, bytes);
     if (!r.ok()) return r.status();

@@ -97,10 +97,10 @@ struct Pending {
   // Receives: what this side expects and what arrived.
   uint64_t want_tag = 0;
   size_t want_bytes = 0;
-  bool checked = true;    // compare the sender's stamp and size with these
-  uint64_t sent_tag = 0;  // without the source bits
-  uint64_t sent_full = 0;
+  bool checked = true;      // compare the sender's stamp and size with these
+  uint64_t sender_tag = 0;  // as UCX reports it: the source bits and the stamp
   size_t sent_bytes = 0;
+  uint64_t stamp() const { return sender_tag & kTagMask; }
 };
 
 struct UcxWorker::Impl {
@@ -226,8 +226,9 @@ class UcxComm final : public Comm {
     p.want_tag = tag & kTagMask;
     p.want_bytes = bytes;
     p.checked = w_->owner->message_checks() || tag == kHelloTag;
+    // The hello and unchecked receives match the whole tag.
     void* req = PostTagRecv(&p, data, bytes, Tag(peer, tag),
-                            tag == kHelloTag || !p.checked ? ~uint64_t{0} : kDataMask);
+                            p.checked && tag != kHelloTag ? kDataMask : ~uint64_t{0});
     return Track(id, req);
   }
 
@@ -291,8 +292,8 @@ class UcxComm final : public Comm {
           }
         } else if (p.recv && p.checked &&
                    (p.status == UCS_OK || p.status == UCS_ERR_MESSAGE_TRUNCATED) &&
-                   (p.sent_tag != p.want_tag || p.sent_bytes != p.want_bytes)) {
-          result = MismatchError(rank_, p.peer, p.sent_tag, p.sent_bytes, p.want_tag, p.want_bytes,
+                   (p.stamp() != p.want_tag || p.sent_bytes != p.want_bytes)) {
+          result = MismatchError(rank_, p.peer, p.stamp(), p.sent_bytes, p.want_tag, p.want_bytes,
                                  describe_);
           mismatch = true;
           break;
@@ -347,7 +348,7 @@ class UcxComm final : public Comm {
       return UcsStatus(notice_.status, "receiving abort notices");
     }
     return absl::AbortedError(
-        absl::StrCat("node ", SourceOf(notice_.sent_full), " stopped the job: ",
+        absl::StrCat("node ", SourceOf(notice_.sender_tag), " stopped the job: ",
                      absl::string_view(notice_text_, std::min(notice_.sent_bytes, kNoticeBytes))));
   }
 
@@ -363,8 +364,7 @@ class UcxComm final : public Comm {
       q->done = true;
       q->status = st;
       if (info != nullptr) {
-        q->sent_full = info->sender_tag;
-        q->sent_tag = info->sender_tag & kTagMask;
+        q->sender_tag = info->sender_tag;
         q->sent_bytes = info->length;
       }
     };
