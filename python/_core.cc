@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
+#include "client/device_memory.h"
 #include "common/data_plane_memory.h"
 #include "common/dtype.h"
 #include "common/inventory.h"
@@ -52,6 +53,27 @@ v1::ReduceKind ParseReduce(const std::string& op) {
 
 class PyClient;
 
+// A daemon buffer in device memory: `__cuda_array_interface__` (version 3) lets torch build a
+// CUDA tensor on it without a copy (torch.as_tensor(buffer, device="cuda")). It keeps its
+// client, and so the mapping of the slab, alive.
+struct DeviceBuffer {
+  std::shared_ptr<PyClient> owner;
+  uintptr_t ptr = 0;
+  int64_t count = 0;
+  std::string typestr;
+  int device = 0;
+
+  py::dict Interface() const {
+    py::dict d;
+    d["shape"] = py::make_tuple(count);
+    d["typestr"] = typestr;
+    d["data"] = py::make_tuple(ptr, false);
+    d["strides"] = py::none();
+    d["version"] = 3;
+    return d;
+  }
+};
+
 class PyHandle {
  public:
   PyHandle(std::shared_ptr<PyClient> owner, OpHandle handle)
@@ -74,8 +96,12 @@ class PyHandle {
 class PyClient : public std::enable_shared_from_this<PyClient> {
  public:
   PyClient(const std::string& planner, const std::string& socket, const std::string& job,
-           int64_t rank, const std::string& node, int64_t timeout_ms,
-           const std::string& token_file) {
+           int64_t rank, const std::string& node, int64_t timeout_ms, const std::string& token_file,
+           const std::string& device_memory)
+      : device_memory_(device_memory) {
+    if (device_memory_ != "auto" && device_memory_ != "fake") {
+      throw py::value_error("device_memory: '" + device_memory + "' is not one of auto, fake");
+    }
     ClientOptions o;
     o.planner = Planner(planner, token_file);
     o.daemon_socket = socket;
@@ -127,17 +153,14 @@ class PyClient : public std::enable_shared_from_this<PyClient> {
     return client_->buffers(u).shard_elems();
   }
 
-  // Arrays over the mapped arena. kind: 0 param shard, 1 unsharded, 2 grad, 3 grad shard,
-  // 4 owner buffer.
+  // Views of a unit's buffer. kind: 0 param shard, 1 unsharded, 2 grad, 3 grad shard, 4 owner
+  // buffer. numpy arrays over the mapped arena (host backends), or DeviceBuffers over the GPU
+  // slab (the cuda backend; with device_memory "fake", over the host arena, so that the device
+  // path's pointers, shapes and types are checked where there is no GPU).
   py::object Buffer(int u, int kind) {
     CheckUnit(u);
-    if (client_->backend() == "cuda") {
-      Check(
-          absl::FailedPreconditionError("buffers are on a GPU; numpy views need the host backend"));
-    }
     const v1::UnitBuffers& b = client_->buffers(u);
     const int64_t s = b.shard_elems(), w = client_->plan().world_size();
-    const bool fp32 = kind >= 3 || b.dtype() == v1::DTYPE_FP32;
     int64_t offset = 0, count = 0;
     switch (kind) {
       case 0:
@@ -165,20 +188,47 @@ class PyClient : public std::enable_shared_from_this<PyClient> {
           Check(absl::FailedPreconditionError(
               Transient(b, "owner buffer", "gather_to_owner to scatter_from_owner")));
     }
+    // Element type as numpy names it (bf16/fp16 as uint16, 8-bit types as uint8).
+    const v1::DType d = kind >= 3 ? v1::DTYPE_FP32 : b.dtype();
+    std::string typestr;
+    if (d == v1::DTYPE_FP32) {
+      typestr = "<f4";
+    } else if (d == v1::DTYPE_BF16 || d == v1::DTYPE_FP16) {
+      typestr = "<u2";
+    } else if (d == v1::DTYPE_UINT8 || d == v1::DTYPE_INT8 || d == v1::DTYPE_FP8E4M3 ||
+               d == v1::DTYPE_FP8E5M2) {
+      typestr = "|u1";
+    } else {
+      Check(absl::UnimplementedError(absl::StrCat("no array view for dtype ", DTypeName(d))));
+    }
+    if (client_->backend() == "cuda" || device_memory_ == "fake") {
+      DeviceBuffer out;
+      out.owner = shared_from_this();
+      out.ptr = DeviceBase() + static_cast<uintptr_t>(offset);
+      out.count = count;
+      out.typestr = typestr;
+      out.device = client_->cuda_device();
+      return py::cast(out);
+    }
     char* p = const_cast<char*>(client_->arena()) + offset;
     py::object base = py::cast(shared_from_this());
-    if (fp32)
+    if (typestr == "<f4")
       return py::array_t<float>({count}, {sizeof(float)}, reinterpret_cast<float*>(p), base);
-    if (b.dtype() == v1::DTYPE_BF16 || b.dtype() == v1::DTYPE_FP16) {
+    if (typestr == "<u2") {
       return py::array_t<uint16_t>({count}, {sizeof(uint16_t)}, reinterpret_cast<uint16_t*>(p),
                                    base);
     }
-    if (b.dtype() == v1::DTYPE_UINT8 || b.dtype() == v1::DTYPE_INT8 ||
-        b.dtype() == v1::DTYPE_FP8E4M3 || b.dtype() == v1::DTYPE_FP8E5M2) {
-      return py::array_t<uint8_t>({count}, {sizeof(uint8_t)}, reinterpret_cast<uint8_t*>(p), base);
+    return py::array_t<uint8_t>({count}, {sizeof(uint8_t)}, reinterpret_cast<uint8_t*>(p), base);
+  }
+
+  // Offset 0 of the buffers' memory as a device address: the daemon's GPU slab opened from its
+  // IPC handle (once), or the host arena with device_memory "fake".
+  uintptr_t DeviceBase() {
+    if (device_memory_ == "fake") return reinterpret_cast<uintptr_t>(client_->arena());
+    if (mapping_ == nullptr) {
+      mapping_ = Check(OpenCudaIpc(client_->cuda_device(), client_->cuda_ipc_handle()));
     }
-    Check(absl::UnimplementedError(absl::StrCat("no numpy view for dtype ", DTypeName(b.dtype()))));
-    return py::none();
+    return mapping_->base();
   }
 
   static std::string Transient(const v1::UnitBuffers& b, const char* what, const char* when) {
@@ -234,7 +284,9 @@ class PyClient : public std::enable_shared_from_this<PyClient> {
           absl::StrCat("unit ", u, " does not exist (", client_->units(), " units)"));
     }
   }
+  std::string device_memory_;  // "auto" or "fake"
   std::unique_ptr<Client> client_;
+  std::unique_ptr<DeviceMapping> mapping_;  // the GPU slab, once opened
 };
 
 // Creates a job (ALREADY_EXISTS is an error too: the caller decides).
@@ -296,11 +348,19 @@ PYBIND11_MODULE(_core, m) {
   py::class_<PyHandle>(m, "Handle")
       .def("wait", &PyHandle::Wait, py::arg("timeout_ms") = 60000)
       .def("poll", &PyHandle::Poll);
+  py::class_<DeviceBuffer>(m, "DeviceBuffer",
+                           "A daemon buffer in device memory; torch.as_tensor(b, device='cuda') "
+                           "builds a tensor on it without a copy.")
+      .def_property_readonly("__cuda_array_interface__", &DeviceBuffer::Interface)
+      .def_readonly("device", &DeviceBuffer::device)
+      .def_readonly("ptr", &DeviceBuffer::ptr)
+      .def("__len__", [](const DeviceBuffer& b) { return b.count; });
   py::class_<PyClient, std::shared_ptr<PyClient>>(m, "Client")
       .def(py::init<const std::string&, const std::string&, const std::string&, int64_t,
-                    const std::string&, int64_t, const std::string&>(),
+                    const std::string&, int64_t, const std::string&, const std::string&>(),
            py::arg("planner"), py::arg("socket"), py::arg("job"), py::arg("rank"),
-           py::arg("node") = "", py::arg("timeout_ms") = 60000, py::arg("token_file") = "")
+           py::arg("node") = "", py::arg("timeout_ms") = 60000, py::arg("token_file") = "",
+           py::arg("device_memory") = "auto")
       .def("register", &PyClient::Register, py::arg("inventory_json"), py::arg("send_full") = true)
       .def("attach", &PyClient::Attach)
       .def("plan_json", &PyClient::PlanJson)

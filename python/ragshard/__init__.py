@@ -7,9 +7,9 @@ shards a `torch.nn.Module` over it (`fully_shard`), `ragshard.launch` starts ran
 import json
 import os
 
-from ._core import Client, Error, Handle, create_job, delete_job  # noqa: F401
+from ._core import Client, DeviceBuffer, Error, Handle, create_job, delete_job  # noqa: F401
 
-__all__ = ["Client", "Error", "Handle", "create_job", "delete_job", "Env", "connect"]
+__all__ = ["Client", "DeviceBuffer", "Error", "Handle", "create_job", "delete_job", "Env", "connect"]
 
 
 class Env:

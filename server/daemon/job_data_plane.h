@@ -1,31 +1,28 @@
-// The data plane of one job on one node: the RaggedShard buffers of the node's ranks in the pool,
-// and the collectives over them. Ranks on the node share memory, so the node reduces their
-// gradients in memory and only the node's sum crosses the network; across nodes it runs the
-// ring collectives over a Comm whose members are the job's nodes.
+// The data plane of one job on one node, for every backend: the units, the lifetimes of their
+// buffers, the routes of the matrix pieces and the sequence of operations. A Transport
+// (transport.h) supplies the memory of each local rank and the collectives over it: the host
+// one (host_transport.h: the memfd pool, node-level reduction, UCX between nodes, in the node
+// shape or the device shape) or the CUDA one (cuda/cuda_transport.h: a slab per GPU, NCCL).
 //
-// Mesh: W = F * R ranks, R replicas (HSDP) of a shard group of F ranks; the plan is computed for
-// F. Rank r is shard position r % F of replica r / F. A node holds k consecutive ranks (node i
-// holds [i*k, (i+1)*k)) and a shard group is made of whole nodes (F % k == 0); Create() returns
-// UNIMPLEMENTED otherwise.
+// Mesh: NodeMesh (transport.h). Create() returns UNIMPLEMENTED for a mesh it does not support.
 //
 // Buffers (DESIGN.md, "Data plane"). Persistent, per local rank: the parameter shard (S of the
-// unit's dtype) and the gradient shard (S fp32). Transient, per unit:
+// unit's dtype) and the gradient shard (S fp32), one block for the node's ranks where the
+// transport works on node blocks. Transient, per unit:
 // * the unsharded parameters (F * S of dtype), from Unshard (or AllocateUnsharded) to Reshard:
-//   one per node, shared by its ranks (Shape::kNode), or one per rank (Shape::kDevice, the
-//   shape of a GPU: nothing is shared by a node's ranks);
+//   one per node where the transport shares it, else one per rank (a GPU's shape);
 // * the unsharded gradients (F * S of dtype per local rank), from AllocateGrad to the end of
 //   ReduceScatter;
 // * the owner buffers of matrix optimizers (the owned matrices, packed), from GatherToOwner to
 //   the end of ScatterFromOwner;
-// * the collectives' scratch, for the duration of one operation: 2 * k * S fp32 for the ring
-//   reduce-scatter between nodes (the node's ranks are summed as the ring goes, never into an
-//   F * S buffer) and two chunks of the replicate all-reduce.
+// * the transport's scratch, for the duration of one operation (bounded by the transport: never
+//   F * S for every unit).
 // Unsharding places the local shards into the unsharded buffer as part of the all-gather (as
 // ncclAllGather with separate send and receive buffers). `staging_bytes()` counts every write
 // into pool buffers outside the collectives' own transfers and reductions (DESIGN.md's
-// copy-in/copy-out); none exist and the counter proves it.
+// copy-in/copy-out); on the host none exist and the counter proves it.
 //
-// An allocation the pool cannot serve fails the operation with RESOURCE_EXHAUSTED naming the
+// An allocation the memory cannot serve fails the operation with RESOURCE_EXHAUSTED naming the
 // unit, the buffer and the bytes; nothing waits for memory.
 //
 // Thread-compatible: the daemon runs one operation at a time per job.
@@ -41,33 +38,42 @@
 #include "server/daemon/collectives.h"
 #include "server/daemon/comm.h"
 #include "server/daemon/data_backend.h"
+#include "server/daemon/host_transport.h"
 #include "server/daemon/pool.h"
+#include "server/daemon/transport.h"
 
 namespace ragshard::daemon {
 
 class JobDataPlane final : public DataBackend {
  public:
-  enum class Shape { kNode, kDevice };
+  using Shape = HostShape;
 
-  // `local_ranks` are the ranks of the job on this node; `nodes` is the communicator among the
-  // job's nodes (member i holds ranks [i*k, (i+1)*k)), or nullptr for a single node;
-  // `replicas` is R.
+  // The host backend: `local_ranks` are the ranks of the job on this node; `nodes` is the
+  // communicator among the job's nodes (member i holds ranks [i*k, (i+1)*k)), or nullptr for a
+  // single node; `replicas` is R.
   static absl::StatusOr<std::unique_ptr<JobDataPlane>> Create(const v1::Plan& plan,
                                                               std::vector<int64_t> local_ranks,
                                                               Pool* pool, Comm* nodes,
                                                               int64_t replicas = 1,
                                                               Shape shape = Shape::kNode);
+  // Any backend: `mesh` from NodeMesh::Of; `nodes`, when given, names the units in its message
+  // errors.
+  static absl::StatusOr<std::unique_ptr<JobDataPlane>> Create(const v1::Plan& plan,
+                                                              const NodeMesh& mesh,
+                                                              std::unique_ptr<Transport> transport,
+                                                              Comm* nodes);
 
   ~JobDataPlane() override;
-  const char* name() const override { return shape_ == Shape::kNode ? "host" : "device-shaped"; }
+  const char* name() const override { return transport_->name(); }
   int units() const override { return static_cast<int>(units_.size()); }
-  int local_ranks() const { return static_cast<int>(local_ranks_.size()); }
-  int64_t shard_group_size() const { return shard_; }
-  int64_t replicas() const override { return replicas_; }
+  int local_ranks() const { return static_cast<int>(mesh_.local); }
+  int64_t shard_group_size() const { return mesh_.shard; }
+  int64_t replicas() const override { return mesh_.replicas; }
+  const Transport& transport() const { return *transport_; }
 
-  // Buffer views (into the pool's shared arena; the same bytes local clients map); nullptr for a
+  // Buffer views (into local rank `local`'s arena; the same bytes its client maps); nullptr for a
   // transient buffer that is not allocated. Parameter shard: shard_elems of the unit's dtype.
-  // Unsharded parameter: F * shard_elems (local rank `local`'s own with Shape::kDevice).
+  // Unsharded parameter: F * shard_elems (local rank `local`'s own unless the node shares it).
   // Gradient: F * shard_elems of the unit's dtype (per local rank). Gradient shard: shard_elems
   // fp32 (per local rank). Owner buffer: owner_elems(unit, local) fp32.
   char* param_shard(int unit, int local) const;
@@ -78,15 +84,15 @@ class JobDataPlane final : public DataBackend {
   int64_t owner_elems(int unit, int local) const;
   v1::DType dtype(int unit) const { return units_[unit].dtype; }
   int64_t shard_elems(int unit) const { return units_[unit].shard_elems; }
-  int64_t staging_bytes() const override { return staging_bytes_; }
+  int64_t staging_bytes() const override { return transport_->staging_bytes(); }
   void Placement(int unit, int local, v1::UnitBuffers* out) const override;
   void Describe(int local, const v1::Plan& plan, v1::AttachResponse* resp) const override;
 
   // All-gather of the shard group's parameter shards into the unsharded buffer(s).
   absl::Status Unshard(int unit, absl::Time deadline) override;
   absl::Status AllocateUnsharded(int unit) override;
-  // keep > 1 (a divisor of the local ranks): the node buffer stays (kNode), or each rank keeps
-  // its 1/keep of the unit (kDevice); the next Unshard rebuilds the unit within the node.
+  // keep > 1 (a divisor of the local ranks): the node's shared buffer stays, or each rank keeps
+  // its 1/keep of the unit; the next Unshard rebuilds the unit within the node.
   absl::Status Reshard(int unit, int64_t keep) override;
   absl::Status AllocateGrad(int unit) override;
   // Sum (or mean) over the shard group's F ranks of the gradients into each local rank's
@@ -113,44 +119,40 @@ class JobDataPlane final : public DataBackend {
     v1::DType dtype;
     int64_t shard_elems = 0;
     int64_t item = 0;
-    Lease shards;                  // k * S of dtype, local rank i at i * S (persistent)
-    Lease grad_shards;             // k * S fp32, local rank i at i * S (persistent)
-    int64_t grad_shard_elems = 0;  // k * S rounded up to a multiple of R (the lease may be larger)
-    std::vector<Lease> unsharded;  // none, or 1 (kNode) or k (kDevice) of F * S of dtype
-    int64_t kept = 0;              // > 1: resharded to groups of `kept` local ranks
-    std::vector<Lease> parts;      // kDevice while kept: local rank i's 1/kept of the unit
-    std::vector<Lease> grad;       // none, or k of F * S of dtype
-    std::vector<Lease> owner;      // none, or k (empty leases where a rank owns nothing)
+    std::vector<Lease> shards;         // persistent: 1 block of k * S, or k of S, of dtype
+    std::vector<Lease> grad_shards;    // persistent: 1 block (GradShardBlockElems), or k of S, fp32
+    std::vector<Lease> unsharded;      // none, or 1 (shared) or k of F * S of dtype
+    int64_t kept = 0;                  // > 1: resharded to groups of `kept` local ranks
+    std::vector<Lease> parts;          // unshared while kept: local rank i's 1/kept of the unit
+    std::vector<Lease> grad;           // none, or k of F * S of dtype
+    std::vector<Lease> owner;          // none, or k (empty leases where a rank owns nothing)
     std::vector<int64_t> owner_elems;  // per local rank
     std::vector<Piece> pieces;         // of the matrix tensors, in plan order
   };
   JobDataPlane() = default;
   absl::Status CheckUnit(int unit) const;
-  // `count` leases of `bytes` each for `what` of the unit; RESOURCE_EXHAUSTED names all three.
-  absl::StatusOr<std::vector<Lease>> AllocateFor(const Unit& u, const char* what, int count,
-                                                 int64_t bytes, bool zero);
+  // One lease of `bytes` in local rank `local`'s memory for `what` of the unit; RESOURCE_EXHAUSTED
+  // names all three.
+  absl::StatusOr<Lease> AllocateFor(const Unit& u, const char* what, int local, int64_t bytes,
+                                    bool zero);
+  // A lease per local rank (or one for the node, `per_rank` false).
+  absl::StatusOr<std::vector<Lease>> AllocateEach(const Unit& u, const char* what, bool per_rank,
+                                                  int64_t bytes, bool zero);
+  ScratchFn ScratchFor(const Unit& u);
   // Moves the unit's matrix pieces between gradient shards and owner buffers.
   absl::Status MovePieces(int unit, bool to_owner, absl::Time deadline);
   // Unshards a unit kept over groups of local ranks: within the node only.
-  absl::Status Rebuild(int unit);
+  absl::Status Rebuild(int unit, absl::Time deadline);
   // The next operation's message tag (MessageStamp with index 0).
   uint64_t NextTag(int unit, uint32_t kind);
   // "OP_UNSHARD of unit 3 'layers.1' (operation 12 modulo 8192)", for mismatch errors.
   std::string DescribeTag(uint64_t tag) const;
-  int NodeOf(int64_t shard_position) const {
-    return static_cast<int>(shard_position / static_cast<int64_t>(local_ranks_.size()));
-  }
 
-  Pool* pool_ = nullptr;
-  Shape shape_ = Shape::kNode;
+  NodeMesh mesh_;
+  std::unique_ptr<Transport> transport_;
   std::vector<Unit> units_;
-  std::vector<int64_t> local_ranks_;
-  int64_t shard_ = 0, replicas_ = 1;
-  int64_t first_position_ = 0;                         // shard position of local rank 0
-  std::unique_ptr<Comm> shard_comm_, replicate_comm_;  // nullptr when of size 1
-  Comm* nodes_ = nullptr;                              // their base, or nullptr
+  Comm* nodes_ = nullptr;  // whose describer names this plane's units, or nullptr
   uint64_t op_seq_ = 0;
-  int64_t staging_bytes_ = 0;
 };
 
 }  // namespace ragshard::daemon

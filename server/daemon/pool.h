@@ -92,6 +92,8 @@ class Pool {
                                                           size_t max_free_blocks = 1 << 16);
 
   PoolStats Stats() const;
+  // Offset 0 of the arena (leases' data() are base() + offset()).
+  char* base() const { return base_; }
   // The memfd arena; only for pools made by Create().
   const MemfdArena& arena() const { return *arena_; }
 

@@ -60,6 +60,7 @@ from .. import plan_of, quant
 from .._core import plan_local
 from .optim import ShardedAdamW, ShardedMuon, newton_schulz
 from .params import Saved, adopt, set_live, storageless
+from .views import as_tensor
 
 __all__ = ["fully_shard", "ShardedModule", "ShardedAdamW", "ShardedMuon", "newton_schulz"]
 
@@ -70,7 +71,7 @@ def _tensor(array, dtype):
     """A torch tensor of `dtype` ("fp32" or "bf16") over a numpy view of a daemon buffer,
     without copying. numpy has no bfloat16: bf16 buffers arrive as uint16 arrays and are
     viewed as bfloat16."""
-    t = torch.from_numpy(array)
+    t = as_tensor(array)
     want = _DTYPES[dtype]
     if t.dtype == want:
         return t
@@ -270,7 +271,7 @@ class ShardedModule(torch.nn.Module):
                                       for r, i in enumerate(ids)])
             # The exact fp32 master of this rank's shard: the unsharded buffer's slots hold
             # dequantized values once a quantized gather has run.
-            self.masters[ui] = torch.from_numpy(client.param_shard(ui)).clone()
+            self.masters[ui] = as_tensor(client.param_shard(ui)).clone()
         self.gathered_bytes = {"quantized": 0, "full": 0}
         self._handles = {}
         self._backward_started = False
@@ -392,17 +393,17 @@ class ShardedModule(torch.nn.Module):
             raise ValueError(f"quantize: this module gathers {self.quantize}, not {quantize}")
         codes, scales = quant.quantize(self.masters[ui], q["own_ids"], q["B"], quantize)
         qi = q["index"]
-        mine = torch.from_numpy(self.client.param_shard(qi))
+        mine = as_tensor(self.client.param_shard(qi))
         mine[:q["S"]] = codes.view(torch.uint8)
         if q["B"]:
             mine[q["S4"]:q["S4"] + 4 * q["B"]] = scales.contiguous().view(torch.uint8)
         self.client.unshard(qi).wait()
-        allq = torch.from_numpy(self.client.unsharded(qi)).view(self.world, q["SQ"])
+        allq = as_tensor(self.client.unsharded(qi)).view(self.world, q["SQ"])
         codes_all = allq[:, :q["S"]].reshape(-1)
         scales_all = allq[:, q["S4"]:q["S4"] + 4 * q["B"]].contiguous().view(
             torch.float32).reshape(-1)
         self.client.allocate_unsharded(ui).wait()
-        full = torch.from_numpy(self.client.unsharded(ui))
+        full = as_tensor(self.client.unsharded(ui))
         full.copy_(quant.dequantize(codes_all, scales_all, q["all_ids"], quantize))
         self.client.reshard(qi).wait()
         self._bind(ui)
@@ -549,13 +550,13 @@ class ShardedModule(torch.nn.Module):
         unit's gradient, so the reduced shard counts the ranks that used each parameter."""
         u, n = self._flags_unit, self._nparams
         self.client.allocate_grad(u).wait()
-        slots = torch.from_numpy(self.client.grad(u)).view(-1, self.shard_elems[u])
+        slots = as_tensor(self.client.grad(u)).view(-1, self.shard_elems[u])
         if self._used:
             slots[:, list(self._used)] = 1.0
         self.client.reduce_scatter(u, "sum").wait()
         if self.replicas > 1:
             self.client.all_reduce(u, "sum").wait()
-        counts = torch.from_numpy(self.client.grad_shard(u))[:n]
+        counts = as_tensor(self.client.grad_shard(u))[:n]
         for i in torch.nonzero(counts > 0).flatten().tolist():
             self.has_grad[i] = True
         self._used = set()
@@ -593,7 +594,7 @@ class ShardedModule(torch.nn.Module):
                     if set_to_none:
                         p.grad = None  # bound again when the next backward reaches the unit
         for ui in self.units():
-            torch.from_numpy(self.client.grad_shard(ui)).zero_()
+            as_tensor(self.client.grad_shard(ui)).zero_()
         if set_to_none:
             self.has_grad = [False] * self._nparams
             self._used = set()
@@ -606,7 +607,7 @@ class ShardedModule(torch.nn.Module):
     def shard(self, ui):
         """The fp32 (or bf16) parameter shard of unit `ui` and its fp32 gradient shard."""
         return (_tensor(self.client.param_shard(ui), self.param_dtype),
-                torch.from_numpy(self.client.grad_shard(ui)))
+                as_tensor(self.client.grad_shard(ui)))
 
     def units(self):
         return range(len(self._units))
@@ -617,23 +618,23 @@ class ShardedModule(torch.nn.Module):
         shard holds the sum)."""
         u = self._scalar_unit
         self.client.allocate_grad(u).wait()
-        torch.from_numpy(self.client.grad(u)).fill_(float(value))
+        as_tensor(self.client.grad(u)).fill_(float(value))
         self.client.reduce_scatter(u, "sum").wait()
         if self.replicas > 1:
             self.client.all_reduce(u, "sum").wait()
-        return float(self.client.grad_shard(u)[0])
+        return float(as_tensor(self.client.grad_shard(u))[0])
 
     def clip_grad_norm_(self, max_norm):
         """Clips the gradient shards by the global norm over all shards; returns that norm."""
         local = 0.0
         for ui in self.units():
-            g = torch.from_numpy(self.client.grad_shard(ui))
+            g = as_tensor(self.client.grad_shard(ui))
             local += float(g.double().pow(2).sum())
         total = math.sqrt(self.all_reduce_scalar(local))
         coef = max_norm / (total + 1e-6)
         if coef < 1.0:
             for ui in self.units():
-                torch.from_numpy(self.client.grad_shard(ui)).mul_(coef)
+                as_tensor(self.client.grad_shard(ui)).mul_(coef)
         return total
 
     def state_dict(self, *args, **kwargs):
@@ -651,7 +652,7 @@ class ShardedModule(torch.nn.Module):
         out = {}
         for ui, (_, _, params) in enumerate(self._units):
             if ui in self._q:  # the exact fp32 values, not the last dequantized ones
-                torch.from_numpy(self.client.param_shard(ui)).copy_(self.masters[ui])
+                as_tensor(self.client.param_shard(ui)).copy_(self.masters[ui])
             was = ui in self._full
             self.client.unshard(ui).wait()
             self._bind(ui)

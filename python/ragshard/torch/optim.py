@@ -8,6 +8,8 @@ which parameters have a gradient with the same rule on every rank (`ShardedModul
 """
 import torch
 
+from .views import as_tensor
+
 __all__ = ["ShardedAdamW", "ShardedMuon", "newton_schulz"]
 
 
@@ -105,7 +107,7 @@ class ShardedMuon:
             m.client.gather_to_owner(u).wait()
             whole = m.client.owner_buffer(u)
             if whole is not None:
-                whole = torch.from_numpy(whole)
+                whole = as_tensor(whole)
                 for mx in m.matrices:
                     if mx.unit == u and mx.owner == m.pos and has[mx.index]:
                         piece = whole[mx.packed:mx.packed + mx.numel]

@@ -1,19 +1,11 @@
-// The GPU backend of the data plane: each local rank is one GPU (local rank i on device
-// i % device count). Its buffers live in a CUDA slab of that device (cudaMalloc once, shared
+// The GPU backend of the data plane: the one data plane (server/daemon/job_data_plane.h) over
+// the CUDA transport (cuda_transport.cu): each local rank is one GPU (local rank i on device
+// i % device count) whose buffers live in a CUDA slab of that device (cudaMalloc once, shared
 // with the training process as a CUDA IPC handle, sub-allocated by the daemon's best-fit Pool);
-// its collectives run on NCCL communicators, one per process group on each GPU (the shard group
-// and, with HSDP, the replicate group), each created from its own unique id passed through the
-// planner's rendezvous. Calls for several local GPUs go inside ncclGroupStart/ncclGroupEnd.
-//
-// Buffers per unit and local rank: the unsharded parameter (F * S of the unit's dtype; the
-// rank's shard is its slice, so the all-gather runs in place), the gradient (F * S), the
-// gradient shard (S fp32), an fp32 scratch of F * S for bf16/fp16 gradients (NCCL would
-// otherwise accumulate in the gradient's dtype; the conversion is counted as staging), and the
-// owner buffer (F * S fp32) on owners of matrix tensors.
-//
-// Waiting polls the streams and ncclCommGetAsyncError; at the deadline, or on an asynchronous
-// NCCL error, the job's communicators are aborted and the operation fails with an error that
-// says so (NCCL does not name the lost peer).
+// its collectives run on NCCL communicators, one per process group on each GPU, each created
+// from its own unique id passed through the planner's rendezvous. Buffer lifetimes are the host
+// backend's: persistent shards, transient unsharded parameters, gradients, owner buffers and
+// scratch (the bf16/fp16 conversion scratch is bounded by a fixed chunk per GPU).
 #pragma once
 
 #include <memory>

@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <map>
 #include <string>
 
@@ -72,38 +73,40 @@ TEST_P(GpuDataPlaneTest, AllGatherAndReduceScatterMatchTheReference) {
   v1::AttachResponse desc[4];
   const bool fp32 = GetParam() == v1::DTYPE_FP32;
   const int64_t s = plan->units(0).shard_elems(), item = fp32 ? 4 : 2;
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  auto encode = [&](float v, char* out) {
+    if (fp32) {
+      std::memcpy(out, &v, 4);
+    } else {
+      const uint16_t h = ToBf16(v);
+      std::memcpy(out, &h, 2);
+    }
+  };
+  auto placement = [&](int r) {
+    v1::UnitBuffers b;
+    (*dp)->Placement(0, r, &b);
+    return b;
+  };
   for (int r = 0; r < w; ++r) {
     (*dp)->Describe(r, *plan, &desc[r]);
     EXPECT_EQ(desc[r].backend(), "cuda");
-    auto base = SlabBase(**dp, r);
-    ASSERT_TRUE(base.ok());
-    std::vector<char> shard(s * item), grad(w * s * item);
-    for (int64_t e = 0; e < s; ++e) {
-      if (fp32) {
-        reinterpret_cast<float*>(shard.data())[e] = PV(r, e);
-      } else {
-        reinterpret_cast<uint16_t*>(shard.data())[e] = ToBf16(PV(r, e));
-      }
-    }
-    for (int64_t x = 0; x < w * s; ++x) {
-      if (fp32) {
-        reinterpret_cast<float*>(grad.data())[x] = GV(r, x);
-      } else {
-        reinterpret_cast<uint16_t*>(grad.data())[x] = ToBf16(GV(r, x));
-      }
-    }
-    const auto& b = desc[r].units(0);
-    ASSERT_EQ(cudaMemcpy(*base + b.param_shard_offset(), shard.data(), shard.size(),
-                         cudaMemcpyHostToDevice),
-              cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(*base + b.grad_offset(), grad.data(), grad.size(), cudaMemcpyHostToDevice),
+    // Persistent: the shards; transient: nothing is allocated before it is used.
+    EXPECT_GE(desc[r].units(0).param_shard_offset(), 0);
+    EXPECT_GE(desc[r].units(0).grad_shard_offset(), 0);
+    EXPECT_EQ(desc[r].units(0).unsharded_offset(), -1);
+    EXPECT_EQ(desc[r].units(0).grad_offset(), -1);
+    std::vector<char> shard(s * item);
+    for (int64_t e = 0; e < s; ++e) encode(PV(r, e), shard.data() + e * item);
+    ASSERT_EQ(cudaMemcpy(*SlabBase(**dp, r) + desc[r].units(0).param_shard_offset(), shard.data(),
+                         shard.size(), cudaMemcpyHostToDevice),
               cudaSuccess);
   }
-  ASSERT_TRUE((*dp)->Unshard(0, absl::Now() + absl::Seconds(30)).ok());
+  ASSERT_TRUE((*dp)->Unshard(0, deadline).ok());
   for (int r = 0; r < w; ++r) {
+    const int64_t at = placement(r).unsharded_offset();
+    ASSERT_GE(at, 0);
     std::vector<char> full(w * s * item);
-    ASSERT_EQ(cudaMemcpy(full.data(), *SlabBase(**dp, r) + desc[r].units(0).unsharded_offset(),
-                         full.size(), cudaMemcpyDeviceToHost),
+    ASSERT_EQ(cudaMemcpy(full.data(), *SlabBase(**dp, r) + at, full.size(), cudaMemcpyDeviceToHost),
               cudaSuccess);
     for (int64_t x = 0; x < w * s; ++x) {
       const float v = fp32 ? reinterpret_cast<float*>(full.data())[x]
@@ -111,9 +114,21 @@ TEST_P(GpuDataPlaneTest, AllGatherAndReduceScatterMatchTheReference) {
       ASSERT_EQ(v, PV(x / s, x % s)) << "rank " << r << " element " << x;
     }
   }
+  ASSERT_TRUE((*dp)->Reshard(0, 1).ok());
+  EXPECT_EQ(placement(0).unsharded_offset(), -1);
   for (auto op : {daemon::ReduceOp::kSum, daemon::ReduceOp::kAvg}) {
-    ASSERT_TRUE((*dp)->ReduceScatter(0, op, absl::Now() + absl::Seconds(30)).ok());
+    ASSERT_TRUE((*dp)->AllocateGrad(0).ok());
     for (int r = 0; r < w; ++r) {
+      std::vector<char> grad(w * s * item);
+      for (int64_t x = 0; x < w * s; ++x) encode(GV(r, x), grad.data() + x * item);
+      ASSERT_GE(placement(r).grad_offset(), 0);
+      ASSERT_EQ(cudaMemcpy(*SlabBase(**dp, r) + placement(r).grad_offset(), grad.data(),
+                           grad.size(), cudaMemcpyHostToDevice),
+                cudaSuccess);
+    }
+    ASSERT_TRUE((*dp)->ReduceScatter(0, op, deadline).ok());
+    for (int r = 0; r < w; ++r) {
+      EXPECT_EQ(placement(r).grad_offset(), -1) << "the gradients are released";
       std::vector<float> out(s);
       ASSERT_EQ(cudaMemcpy(out.data(), *SlabBase(**dp, r) + desc[r].units(0).grad_shard_offset(),
                            s * 4, cudaMemcpyDeviceToHost),

@@ -1,0 +1,46 @@
+#include "server/daemon/transport.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+
+namespace ragshard::daemon {
+
+absl::StatusOr<NodeMesh> NodeMesh::Of(const v1::Plan& plan, const std::vector<int64_t>& local_ranks,
+                                      int node, int nodes, int64_t replicas) {
+  const int64_t f = plan.world_size();
+  const int64_t k = static_cast<int64_t>(local_ranks.size());
+  if (k == 0) return absl::InvalidArgumentError("no local ranks");
+  if (replicas < 1) return absl::InvalidArgumentError("replicas must be at least 1");
+  if (k * nodes != f * replicas) {
+    return absl::UnimplementedError(absl::StrCat("every node must hold the same number of ranks (",
+                                                 k, " here, ", nodes, " nodes, world ",
+                                                 f * replicas, ")"));
+  }
+  for (int64_t i = 0; i < k; ++i) {
+    if (local_ranks[i] != node * k + i) {
+      return absl::UnimplementedError(absl::StrCat("node ", node, " must hold ranks [", node * k,
+                                                   ", ", (node + 1) * k, "); got rank ",
+                                                   local_ranks[i]));
+    }
+  }
+  if (f % k != 0) {
+    return absl::UnimplementedError(
+        absl::StrCat("a shard group (", f, " ranks) must be made of whole nodes of ", k, " ranks"));
+  }
+  NodeMesh m;
+  m.shard = f;
+  m.replicas = replicas;
+  m.local = k;
+  m.node = node;
+  m.nodes = nodes;
+  m.first_position = (node * k) % f;
+  return m;
+}
+
+int64_t GradShardBlockElems(const NodeMesh& mesh, int64_t shard_elems) {
+  const int64_t n = std::max<int64_t>(mesh.local * shard_elems, 1);
+  return (n + mesh.replicas - 1) / mesh.replicas * mesh.replicas;
+}
+
+}  // namespace ragshard::daemon

@@ -1,0 +1,113 @@
+// What a data-plane backend supplies to the one data plane (job_data_plane.h): memory for each
+// local rank and the collectives over it. The data plane owns everything else (units, buffer
+// lifetimes, the matrix pieces' routes, operation sequencing and message stamps), so the host
+// backend (memfd pool, node-level reduction, UCX between daemons: host_transport.h) and the CUDA
+// backend (a slab per device, NCCL: cuda/cuda_transport.h) run the same code above this line.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "ragshard/v1/daemon.pb.h"
+#include "ragshard/v1/plan.pb.h"
+#include "server/daemon/collectives.h"
+#include "server/daemon/pool.h"
+
+namespace ragshard::daemon {
+
+// The job's mesh as one node sees it. W = F * R ranks, R replicas (HSDP) of a shard group of F
+// ranks; rank r is shard position r % F of replica r / F. Node i holds the k consecutive ranks
+// [i*k, (i+1)*k), and a shard group is made of whole nodes (F % k == 0).
+struct NodeMesh {
+  int64_t shard = 0;     // F
+  int64_t replicas = 1;  // R
+  int64_t local = 0;     // k
+  int node = 0, nodes = 1;
+  int64_t first_position = 0;  // shard position of local rank 0
+
+  // UNIMPLEMENTED names the rule a mesh breaks; INVALID_ARGUMENT for no ranks or R < 1.
+  static absl::StatusOr<NodeMesh> Of(const v1::Plan& plan, const std::vector<int64_t>& local_ranks,
+                                     int node, int nodes, int64_t replicas);
+  int64_t nodes_per_group() const { return shard / local; }
+  // The node holding shard position `position` within this node's shard group, relative to it.
+  int NodeOf(int64_t position) const { return static_cast<int>(position / local); }
+  // This node's local index of shard position `position`, or -1 when another node holds it.
+  int LocalOf(int64_t position) const {
+    const int64_t i = position - first_position;
+    return i >= 0 && i < local ? static_cast<int>(i) : -1;
+  }
+};
+
+// Elements of a node's block of gradient shards (k * S), padded to a multiple of R so that the
+// host's replicate all-reduce splits it into equal chunks in place.
+int64_t GradShardBlockElems(const NodeMesh& mesh, int64_t shard_elems);
+
+// Transient memory for one operation of a unit, named in RESOURCE_EXHAUSTED (the data plane's).
+using ScratchFn = std::function<absl::StatusOr<Lease>(int local, const char* what, int64_t bytes)>;
+
+// One matrix piece's move between a gradient shard and an owner buffer (fp32). A local end has
+// its local rank and pointer; a remote end has local -1 and only its shard position.
+struct PieceMove {
+  int src_local = -1, dst_local = -1;
+  int64_t src_position = 0, dst_position = 0;
+  const float* src = nullptr;
+  float* dst = nullptr;
+  int64_t count = 0;
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual const char* name() const = 0;
+  // True: the node's ranks share one unsharded buffer of a unit (host memory). False: each rank
+  // has its own (the shape of a GPU).
+  virtual bool shares_unsharded() const = 0;
+  // True: the node's ranks' parameter shards and gradient shards of a unit are one block each
+  // (local rank i at i * S), the node's collectives working on the block. False: one per rank.
+  virtual bool node_blocks() const = 0;
+
+  // Memory of local rank `local` (the node's pool, or the rank's device). The data plane names
+  // the unit in a RESOURCE_EXHAUSTED.
+  virtual absl::StatusOr<Lease> Allocate(int local, int64_t bytes) = 0;
+  // Zero-fills, complete on return.
+  virtual absl::Status Zero(int local, char* data, int64_t bytes) = 0;
+  // Copies between local ranks' memory (within a node: the intra-node part of a collective);
+  // complete on return.
+  virtual absl::Status Copy(int dst_local, char* dst, int src_local, const char* src, int64_t bytes,
+                            absl::Time deadline) = 0;
+  // Offset 0 of local rank `local`'s arena: Placement's offsets are from it.
+  virtual const char* base(int local) const = 0;
+  // What a client needs to map local rank `local`'s memory besides offsets (a CUDA IPC handle).
+  virtual void DescribeMemory(int local, v1::AttachResponse* resp) const = 0;
+  // Bytes the transport wrote outside the collectives' transfers and reductions.
+  virtual int64_t staging_bytes() const = 0;
+
+  // Unshard: `shards[i]` is local rank i's parameter shard (`shard_elems` of `dtype`); `out`
+  // holds one buffer (shares_unsharded) or one per local rank, each F * shard_elems. Placing
+  // the local shards is part of the collective.
+  virtual absl::Status AllGather(const std::vector<const char*>& shards,
+                                 const std::vector<char*>& out, int64_t shard_elems,
+                                 v1::DType dtype, absl::Time deadline, uint64_t tag) = 0;
+  // `grads[i]` is local rank i's unsharded gradient (F * shard_elems of `dtype`: fp32, bf16 or
+  // fp16); `out[i]` its gradient shard, which receives the sum (or mean) over the shard group,
+  // accumulated in fp32.
+  virtual absl::Status ReduceScatter(const std::vector<const void*>& grads, v1::DType dtype,
+                                     int64_t shard_elems, const std::vector<float*>& out,
+                                     ReduceOp op, const ScratchFn& scratch, absl::Time deadline,
+                                     uint64_t tag) = 0;
+  // In-place sum (or mean) of the gradient shards over the R replicas; `shards` as in
+  // ReduceScatter's `out`. Called only when R > 1.
+  virtual absl::Status AllReduce(const std::vector<float*>& shards, int64_t shard_elems,
+                                 ReduceOp op, const ScratchFn& scratch, absl::Time deadline,
+                                 uint64_t tag) = 0;
+  // The matrix pieces this node takes part in, in plan order (both ends of the job walk the same
+  // order): local copies, and transfers with the shard group's other ranks.
+  virtual absl::Status MovePieces(const std::vector<PieceMove>& moves, absl::Time deadline,
+                                  uint64_t tag) = 0;
+};
+
+}  // namespace ragshard::daemon
