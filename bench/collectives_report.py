@@ -2,6 +2,11 @@
 docs/benchmarks/collectives.md.
 
     .venv/bin/python bench/collectives_report.py [--build build] [--max-mib 256]
+        [--before-build DIR [--before-only]]
+
+--before-build names a build of the commit before sharded memory (its daemon, planner and
+daemon_bench); the report then compares one rank per daemon before and after, and
+--before-only reruns just that section of an existing report.
 
 Rows come from bench/collectives_bench (ragshard over UCX), bench/mpi_collectives under
 mpirun (OpenMPI, tcp or its default shared memory) and bench/gloo_collectives (Gloo tcp),
@@ -30,24 +35,21 @@ def run(cmd, env=None):
     return rows
 
 
-def check_section(checks, outdir):
-    """Markdown for the message checks' cost and its plot: per operation, size and member count,
-    the median bus bandwidth of REPS checked and REPS unchecked runs (alternated in this run),
-    their spreads, and whether the median moved by less than the larger of 5 % and the
-    spread (max - min, relative to the unchecked median; the larger of the two variants')."""
-    md = ["\n## The message checks' cost (side by side, this run)\n",
-          f"`bench/collectives_bench` over UCX with the message checks (the default) and with "
-          f"them off (`--unchecked 1`: receives match the whole tag, nothing is compared), "
-          f"{REPS} runs of each, alternated. Bus bandwidth GB/s: median (min–max). *Within "
-          "noise* means the median moved by less than the larger of 5 % and the spread "
-          "(max − min) of either variant, relative to the unchecked median.\n",
-          "| op | processes | size | checked | unchecked | change | noise bound | within noise |",
+def noise_section(samples, names, heading, intro, outdir, png, title):
+    """Markdown and a plot comparing two variants measured alternately in this run: per
+    (op, members, size), the median bus bandwidth of each variant's REPS runs, their spreads,
+    and whether the first (`names[0]`) lost against the second by less than the larger of 5 %
+    and the spread (max - min, relative to the second's median; the larger of the two
+    variants'). `samples` maps (variant, op, members, size) to bus bandwidths."""
+    new, old = names
+    md = [f"\n## {heading}\n", intro,
+          f"| op | processes | size | {new} | {old} | change | noise bound | within noise |",
           "|---|---:|---:|---:|---:|---:|---:|---|"]
-    keys = sorted({(op, n, size) for (impl, op, n, size) in checks})
+    keys = sorted({(op, n, size) for (_, op, n, size) in samples})
     outcome = []
     for op, n, size in keys:
-        on = checks.get(("ragshard-ucx", op, n, size), [])
-        off = checks.get(("ragshard-ucx-unchecked", op, n, size), [])
+        on = samples.get((new, op, n, size), [])
+        off = samples.get((old, op, n, size), [])
         if not on or not off:
             continue
         mon, moff = statistics.median(on), statistics.median(off)
@@ -71,17 +73,75 @@ def check_section(checks, outdir):
         fig, ax = plt.subplots(figsize=(9, 4))
         labels = [f"{op[:2]} {n}p {size >> 20}M" for op, n, size, *_ in outcome]
         x = range(len(outcome))
-        ax.bar([i - 0.2 for i in x], [o[4] for o in outcome], 0.4, label="unchecked")
-        ax.bar([i + 0.2 for i in x], [o[3] for o in outcome], 0.4, label="checked")
+        ax.bar([i - 0.2 for i in x], [o[4] for o in outcome], 0.4, label=old)
+        ax.bar([i + 0.2 for i in x], [o[3] for o in outcome], 0.4, label=new)
         ax.set_xticks(list(x))
         ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
         ax.set_ylabel("bus bandwidth GB/s (median)")
-        ax.set_title("UCX collectives with and without the message checks")
+        ax.set_title(title)
         ax.legend()
         fig.tight_layout()
-        fig.savefig(os.path.join(outdir, "collectives_checks.png"), dpi=100)
-        md.append("\n![checked and unchecked medians](collectives_checks.png)\n")
+        fig.savefig(os.path.join(outdir, png), dpi=100)
+        md.append(f"\n![{new} and {old} medians]({png})\n")
     return md
+
+
+def check_section(checks, outdir):
+    """The message checks' cost: REPS checked and REPS unchecked runs, alternated."""
+    return noise_section(
+        checks, ("ragshard-ucx", "ragshard-ucx-unchecked"),
+        "The message checks' cost (side by side, this run)",
+        f"`bench/collectives_bench` over UCX with the message checks (the default, "
+        f"ragshard-ucx) and with them off (`--unchecked 1`: receives match the whole tag, "
+        f"nothing is compared), {REPS} runs of each, alternated. Bus bandwidth GB/s: median "
+        "(min–max). *Within noise* means the median moved by less than the larger of 5 % and "
+        "the spread (max − min) of either variant, relative to the unchecked median.\n",
+        outdir, "collectives_checks.png", "UCX collectives with and without the message checks")
+
+
+BEFORE = "before-sharded-memory"
+AFTER = "sharded-memory"
+BEGIN_MARK = "<!-- before/after sharded memory: begin -->"
+END_MARK = "<!-- before/after sharded memory: end -->"
+
+
+def before_after(build, before_build, max_mib, outdir):
+    """Sharded memory's cost where nothing is shared in a node (2 daemons x 1 rank): this
+    build's daemons against a build of the commit before sharded memory (its own daemon,
+    planner and daemon_bench), REPS runs of each, alternated in this run."""
+    commit = subprocess.run(["git", "-C", before_build, "log", "-1", "--format=%h"],
+                            capture_output=True, text=True).stdout.strip() or "?"
+    try:
+        with open(os.path.join(before_build, "CMakeCache.txt")) as f:
+            src = next((line.split("=", 1)[1].strip() for line in f
+                        if line.startswith("CMAKE_HOME_DIRECTORY")), None)
+        if src:
+            commit = subprocess.run(["git", "-C", src, "log", "-1", "--format=%h"],
+                                    capture_output=True, text=True).stdout.strip() or commit
+    except OSError:
+        pass
+    samples = collections.defaultdict(list)
+    for rep in range(REPS):
+        for variant, b in ((BEFORE, before_build), (AFTER, build)):
+            for impl, op, n, size, sec, alg, bus in run(
+                    [os.path.join(b, "bench", "daemon_bench"), "--config", "2x1", "--max-mib",
+                     str(max_mib)]):
+                if impl == "ragshard-daemons-2x1":
+                    samples[(variant, op, n, size)].append(bus)
+    md = noise_section(
+        samples, (AFTER, BEFORE),
+        "Sharded memory's cost, one rank per daemon (side by side, this run)",
+        f"`bench/daemon_bench --config 2x1` with this build's daemons ({AFTER}: persistent "
+        f"shards, the unsharded buffer allocated at each unshard and released at reshard, the "
+        f"gradients allocated and released around each reduce-scatter) and with a build of "
+        f"commit {commit}, the last before sharded memory ({BEFORE}: every buffer allocated "
+        f"for the job's life), each with its own planner and harness (the older harness given "
+        f"the `--config` flag by bench/daemon_bench_config_flag.patch, argument parsing "
+        f"only), {REPS} runs of each, "
+        "alternated. Bus bandwidth GB/s: median (min–max); *within noise* as above, relative "
+        f"to the {BEFORE} median.\n", outdir, "collectives_sharded_memory.png",
+        "2 daemons x 1 rank, before and after sharded memory")
+    return [BEGIN_MARK] + md + [END_MARK]
 
 
 def main():
@@ -89,7 +149,28 @@ def main():
     ap.add_argument("--build", default="build")
     ap.add_argument("--max-mib", default="256")
     ap.add_argument("--out", default="docs/benchmarks/collectives.md")
+    ap.add_argument("--before-build", help="a build of the commit before sharded memory: adds "
+                    "the one-rank-per-daemon comparison against it")
+    ap.add_argument("--before-only", action="store_true",
+                    help="run only that comparison and replace its section in --out")
     args = ap.parse_args()
+    outdir = os.path.dirname(args.out)
+    if args.before_only:
+        if not args.before_build:
+            ap.error("--before-only needs --before-build")
+        with open(args.out) as f:
+            text = f.read()
+        section = "\n".join(before_after(args.build, args.before_build, args.max_mib, outdir))
+        if BEGIN_MARK in text and END_MARK in text:
+            text = (text[:text.index(BEGIN_MARK)] + section
+                    + text[text.index(END_MARK) + len(END_MARK):])
+        else:
+            at = text.index("\n## No-op latency")
+            text = text[:at] + "\n" + section + "\n" + text[at:]
+        with open(args.out, "w") as f:
+            f.write(text)
+        print("wrote", args.out, file=sys.stderr)
+        return
     b = os.path.join(args.build, "bench")
     mpirun = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none"]
     rows = []
@@ -226,7 +307,9 @@ def main():
     for op in ("allgather", "reducescatter"):
         for n in (2, 4):
             section(f"{op}, {n} processes", op, n, "ragshard-ucx", ["openmpi-tcp", "gloo-tcp"], None)
-    md += check_section(checks, os.path.dirname(args.out))
+    md += check_section(checks, outdir)
+    if args.before_build:
+        md += before_after(args.build, args.before_build, args.max_mib, outdir)
     md.append("\n## No-op latency, client to daemon (gRPC over the Unix socket)\n")
     md.append("| configuration | p50 µs | p99 µs |\n|---|---:|---:|")
     p99s = []
@@ -284,7 +367,15 @@ def main():
     for row in rows:
         md.append(",".join(str(x) for x in row))
     md.append("```\n\n## Reproduce\n\n```\nbash scripts/test.sh\n.venv/bin/python "
-              "bench/collectives_report.py --build build --max-mib 256\n```\n")
+              "bench/collectives_report.py --build build --max-mib 256\n"
+              "# the before/after section: a build of the commit before sharded memory\n"
+              "git worktree add /tmp/before 1566902^ && git -C /tmp/before apply "
+              "$PWD/bench/daemon_bench_config_flag.patch\ncmake -S /tmp/before -B /tmp/before-build "
+              "-G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DRAGSHARD_WITH_CUDA=OFF "
+              "-DRAGSHARD_BUILD_TESTS=OFF\nninja -C /tmp/before-build server/ragshardd "
+              "server/ragshard-planner bench/daemon_bench\n.venv/bin/python "
+              "bench/collectives_report.py --before-build /tmp/before-build --before-only\n"
+              "```\n")
     with open(args.out, "w") as f:
         f.write("\n".join(md) + "\n")
     print("wrote", args.out, file=sys.stderr)

@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "bench/bench_common.h"
 #include "client/client.h"
 
@@ -132,10 +133,22 @@ int Main(int argc, char** argv) {
   if (argc == 8 && std::string(argv[1]) == "--rank") return RankMain(argv + 2);
   int64_t max_mib = 256;
   int64_t only_bytes = 0;  // --bytes N: one size only (calibration of the strategy cost model)
-  if (argc == 3 && std::string(argv[1]) == "--max-mib") absl::SimpleAtoi(argv[2], &max_mib);
-  if (argc == 3 && std::string(argv[1]) == "--bytes" &&
-      (!absl::SimpleAtoi(argv[2], &only_bytes) || only_bytes < 4096)) {
-    std::cerr << "error: --bytes must be an integer of at least 4096\n";
+  std::string only_config;  // --config DxK: one (daemons, ranks per daemon) pair only
+  for (int i = 1; i < argc; i += 2) {
+    const std::string flag = argv[i];
+    if (i + 1 >= argc) {
+      std::cerr << "error: " << flag << " needs a value\n";
+      return 2;
+    }
+    if (flag == "--max-mib" && absl::SimpleAtoi(argv[i + 1], &max_mib) && max_mib >= 1) continue;
+    if (flag == "--bytes" && absl::SimpleAtoi(argv[i + 1], &only_bytes) && only_bytes >= 4096)
+      continue;
+    if (flag == "--config") {
+      only_config = argv[i + 1];
+      continue;
+    }
+    std::cerr << "error: " << flag << " " << argv[i + 1]
+              << ": flags are --max-mib N (>= 1), --bytes N (>= 4096), --config DxK\n";
     return 2;
   }
   char self[4096] = {0};
@@ -169,6 +182,7 @@ int Main(int argc, char** argv) {
   int job_no = 0;
   // (daemons, ranks per daemon): across daemons, and within one daemon.
   for (auto [nd, k] : std::vector<std::pair<int, int>>{{2, 1}, {2, 2}, {1, 2}, {1, 4}}) {
+    if (!only_config.empty() && only_config != absl::StrCat(nd, "x", k)) continue;
     const int w = nd * k;
     const std::vector<size_t> sizes =
         only_bytes > 0 ? std::vector<size_t>{static_cast<size_t>(only_bytes)}

@@ -10,11 +10,13 @@ Everything listens on 127.0.0.1 (the planner on a port the kernel picks, learnt 
 file) or on Unix sockets in a temporary directory, and is stopped (SIGTERM, then SIGKILL) on
 exit.
 """
+import json
 import os
 import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 
 
@@ -109,6 +111,33 @@ class LocalCluster:
         self.procs = []
         if self._own_dir and os.environ.get("RAGSHARD_KEEP_LOGS") != "1":
             shutil.rmtree(self.dir, ignore_errors=True)
+
+    def attach(self, job, inventory, ranks=2, daemon=0, timeout_ms=30000, **client_options):
+        """Creates job `job` of `ranks` ranks, all on daemon `daemon`, and returns a registered
+        and attached Client per rank (`inventory` a dict; `client_options` go to Client). The
+        ranks attach in threads, since each attach waits for the others; the first error is
+        raised."""
+        from . import Client, create_job  # the package imports this module's users, not it
+        create_job(self.planner, job, ranks)
+        clients = [Client(self.planner, self.sockets[daemon], job, r, self.nodes[daemon],
+                          timeout_ms, **client_options) for r in range(ranks)]
+        errors = []
+
+        def go(client):
+            try:
+                client.register(json.dumps(inventory), True)
+                client.attach()
+            except Exception as e:  # raised below, in the caller's thread
+                errors.append(e)
+
+        threads = [threading.Thread(target=go, args=(c,)) for c in clients]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return clients
 
     def __enter__(self):
         try:

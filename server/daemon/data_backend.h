@@ -2,8 +2,8 @@
 // in-memory reduction on the node, UCX between daemons; job_data_plane.h) in its two shapes
 // (node-shared unsharded buffers, or the device shape: one private unsharded buffer per rank),
 // or the GPU one (CUDA slabs exported as IPC handles, NCCL communicators per process group;
-// gpu/gpu_data_plane.h). CreateDataBackend picks one. The daemon's job thread calls one
-// operation at a time.
+// cuda/gpu_data_plane.h), all one JobDataPlane over a Transport (transport.h). CreateDataBackend
+// picks one. The daemon's job thread calls one operation at a time.
 #pragma once
 
 #include <cstdint>

@@ -3,12 +3,10 @@ __cuda_array_interface__ torch turns into CUDA tensors without a copy. There is 
 the client runs with device_memory="fake": the device path (pointers from the slab's base plus
 the daemon's placements, shapes, typestrs) over the host arena of a device-shaped daemon, where
 the pointers can be read and written through ctypes. The real slab (cuIpcOpenMemHandle) is
-exercised by the GPU bundle (docs/gpu.md)."""
+exercised on a GPU by tests/daemon/cuda and the GPU bundle (docs/daemon.md, "GPU backend")."""
 import ctypes
-import json
 import os
 import sys
-import threading
 
 import numpy as np
 import pytest
@@ -30,24 +28,7 @@ INV = {"units": [
 @pytest.fixture(scope="module")
 def clients():
     with LocalCluster(BUILD, daemons=1, pool_bytes=64 << 20, backend="device-shaped") as c:
-        ragshard.create_job(c.planner, "device-buffers", 2)
-        pair = [ragshard.Client(c.planner, c.sockets[0], "device-buffers", r, c.nodes[0], 30000,
-                                device_memory="fake") for r in range(2)]
-        errors = []
-
-        def go(client):
-            try:
-                client.register(json.dumps(INV), True)
-                client.attach()
-            except Exception as e:  # surfaced below
-                errors.append(e)
-
-        threads = [threading.Thread(target=go, args=(x,)) for x in pair]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert not errors, errors
+        pair = c.attach("device-buffers", INV, device_memory="fake")
         yield pair
 
 

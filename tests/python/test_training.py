@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 
 import numpy as np
 import pytest
@@ -198,25 +197,7 @@ def test_torchrun_ranks_match_single_process(cluster, tmp_path):
 
 
 def attach_pair(cluster, job, inventory):
-    ragshard.create_job(cluster.planner, job, 2)
-    clients = [ragshard.Client(cluster.planner, cluster.sockets[0], job, r, cluster.nodes[0],
-                               30000) for r in range(2)]
-    errors = []
-
-    def go(c):
-        try:
-            c.register(json.dumps(inventory), True)
-            c.attach()
-        except Exception as e:  # surfaced below
-            errors.append(e)
-
-    threads = [threading.Thread(target=go, args=(c,)) for c in clients]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
-    return clients
+    return cluster.attach(job, inventory)
 
 
 INV = {"units": [{"name": "u", "tensors": [
