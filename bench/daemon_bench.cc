@@ -132,7 +132,7 @@ Proc Spawn(const std::vector<std::string>& argv, const std::string& out) {
 int Main(int argc, char** argv) {
   if (argc == 8 && std::string(argv[1]) == "--rank") return RankMain(argv + 2);
   int64_t max_mib = 256;
-  int64_t only_bytes = 0;  // --bytes N: one size only (calibration of the strategy cost model)
+  int64_t only_bytes = 0;   // --bytes N: one size only (calibration of the strategy cost model)
   std::string only_config;  // --config DxK: one (daemons, ranks per daemon) pair only
   for (int i = 1; i < argc; i += 2) {
     const std::string flag = argv[i];

@@ -52,13 +52,13 @@ absl::StatusOr<ncclDataType_t> NcclType(v1::DType d) {
 
 // out[j * width + i] = in[j * stride + first + i] as fp32, for j < groups and i < width: chunk
 // [first, first + width) of each of the gradient's F blocks, side by side for ncclReduceScatter.
-__global__ void ToFloat(const uint16_t* in, bool bf16, int64_t stride, int64_t first,
-                        int64_t width, int64_t groups, float* out) {
+__global__ void ToFloat(const uint16_t* in, bool bf16, int64_t stride, int64_t first, int64_t width,
+                        int64_t groups, float* out) {
   const int64_t x = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (x >= width * groups) return;
   const uint16_t v = in[(x / width) * stride + first + x % width];
-  out[x] = bf16 ? __uint_as_float(static_cast<uint32_t>(v) << 16)
-                : __half2float(__ushort_as_half(v));
+  out[x] =
+      bf16 ? __uint_as_float(static_cast<uint32_t>(v) << 16) : __half2float(__ushort_as_half(v));
 }
 
 // A CUDA slab on one device, exported as an IPC handle, sub-allocated by a Pool.
@@ -136,10 +136,10 @@ class CudaTransport final : public daemon::Transport {
                     absl::Time deadline) override {
     absl::Status s = CudaStatus(cudaSetDevice(slabs_[dst_local]->device), "cudaSetDevice");
     if (s.ok()) {
-      s = CudaStatus(cudaMemcpyPeerAsync(dst, slabs_[dst_local]->device, src,
-                                         slabs_[src_local]->device, static_cast<size_t>(bytes),
-                                         streams_[dst_local]),
-                     "cudaMemcpyPeerAsync");
+      s = CudaStatus(
+          cudaMemcpyPeerAsync(dst, slabs_[dst_local]->device, src, slabs_[src_local]->device,
+                              static_cast<size_t>(bytes), streams_[dst_local]),
+          "cudaMemcpyPeerAsync");
     }
     return s.ok() ? Wait(nullptr, "copy within the node", deadline) : s;
   }
@@ -235,8 +235,8 @@ absl::StatusOr<std::unique_ptr<NcclGroup>> CreateGroups(const BackendContext& c,
   return group;
 }
 
-absl::StatusOr<std::unique_ptr<CudaTransport>> CudaTransport::Create(
-    const BackendContext& c, const daemon::NodeMesh& mesh) {
+absl::StatusOr<std::unique_ptr<CudaTransport>> CudaTransport::Create(const BackendContext& c,
+                                                                     const daemon::NodeMesh& mesh) {
   const int count = DeviceCount();
   if (count == 0) return absl::FailedPreconditionError("GPU backend: no CUDA device");
   std::unique_ptr<CudaTransport> t(new CudaTransport());
@@ -328,10 +328,10 @@ absl::Status CudaTransport::AllGather(const std::vector<const char*>& shards,
   absl::Status s = Grouped([&] {
     for (size_t i = 0; i < out.size(); ++i) {
       // The persistent shard is the send buffer; NCCL places it in its slice of the output.
-      absl::Status st = NcclStatus(ncclAllGather(shards[i], out[i],
-                                                 static_cast<size_t>(shard_elems), *type,
-                                                 shard_group_->comms[i], streams_[i]),
-                                   "ncclAllGather");
+      absl::Status st =
+          NcclStatus(ncclAllGather(shards[i], out[i], static_cast<size_t>(shard_elems), *type,
+                                   shard_group_->comms[i], streams_[i]),
+                     "ncclAllGather");
       if (!st.ok()) return st;
     }
     return absl::OkStatus();
@@ -349,10 +349,10 @@ absl::Status CudaTransport::ReduceScatter(const std::vector<const void*>& grads,
   if (dtype == v1::DTYPE_FP32) {
     absl::Status s = Grouped([&] {
       for (size_t i = 0; i < k; ++i) {
-        absl::Status st = NcclStatus(
-            ncclReduceScatter(grads[i], out[i], static_cast<size_t>(shard_elems), ncclFloat32, red,
-                              shard_group_->comms[i], streams_[i]),
-            "ncclReduceScatter");
+        absl::Status st =
+            NcclStatus(ncclReduceScatter(grads[i], out[i], static_cast<size_t>(shard_elems),
+                                         ncclFloat32, red, shard_group_->comms[i], streams_[i]),
+                       "ncclReduceScatter");
         if (!st.ok()) return st;
       }
       return absl::OkStatus();
@@ -365,8 +365,7 @@ absl::Status CudaTransport::ReduceScatter(const std::vector<const void*>& grads,
       std::max<int64_t>(1, std::min(shard_elems, kConvertChunkBytes / (4 * shard_)));
   std::vector<daemon::Lease> bufs;
   for (size_t i = 0; i < k; ++i) {
-    auto l = scratch(static_cast<int>(i), "reduce-scatter conversion scratch",
-                     shard_ * width * 4);
+    auto l = scratch(static_cast<int>(i), "reduce-scatter conversion scratch", shard_ * width * 4);
     if (!l.ok()) return l.status();
     bufs.push_back(std::move(*l));
   }
@@ -383,10 +382,10 @@ absl::Status CudaTransport::ReduceScatter(const std::vector<const void*>& grads,
     }
     absl::Status s = Grouped([&] {
       for (size_t i = 0; i < k; ++i) {
-        absl::Status st = NcclStatus(
-            ncclReduceScatter(bufs[i].data(), out[i] + first, static_cast<size_t>(w), ncclFloat32,
-                              red, shard_group_->comms[i], streams_[i]),
-            "ncclReduceScatter");
+        absl::Status st =
+            NcclStatus(ncclReduceScatter(bufs[i].data(), out[i] + first, static_cast<size_t>(w),
+                                         ncclFloat32, red, shard_group_->comms[i], streams_[i]),
+                       "ncclReduceScatter");
         if (!st.ok()) return st;
       }
       return absl::OkStatus();
@@ -403,11 +402,11 @@ absl::Status CudaTransport::AllReduce(const std::vector<float*>& shards, int64_t
   if (absl::Status s = Usable(replicate_group_.get()); !s.ok()) return s;
   absl::Status s = Grouped([&] {
     for (size_t i = 0; i < shards.size(); ++i) {
-      absl::Status st = NcclStatus(
-          ncclAllReduce(shards[i], shards[i], static_cast<size_t>(shard_elems), ncclFloat32,
-                        op == ReduceOp::kAvg ? ncclAvg : ncclSum, replicate_group_->comms[i],
-                        streams_[i]),
-          "ncclAllReduce");
+      absl::Status st =
+          NcclStatus(ncclAllReduce(shards[i], shards[i], static_cast<size_t>(shard_elems),
+                                   ncclFloat32, op == ReduceOp::kAvg ? ncclAvg : ncclSum,
+                                   replicate_group_->comms[i], streams_[i]),
+                     "ncclAllReduce");
       if (!st.ok()) return st;
     }
     return absl::OkStatus();
