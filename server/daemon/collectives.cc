@@ -84,6 +84,12 @@ constexpr uint64_t kAllGatherHalfIndex = uint64_t{1} << 15;
 
 absl::Status AllGather(Comm& comm, char* buffer, size_t block_bytes, absl::Time deadline,
                        uint64_t tag_base) {
+  return AllGather(comm, buffer + static_cast<size_t>(comm.rank()) * block_bytes, buffer,
+                   block_bytes, deadline, tag_base);
+}
+
+absl::Status AllGather(Comm& comm, const char* own, char* buffer, size_t block_bytes,
+                       absl::Time deadline, uint64_t tag_base) {
   const int n = comm.size(), r = comm.rank();
   if (n == 1 || block_bytes == 0) return absl::OkStatus();
   std::vector<uint64_t> reqs;
@@ -98,8 +104,7 @@ absl::Status AllGather(Comm& comm, char* buffer, size_t block_bytes, absl::Time 
     }
     for (int p = 0; p < n; ++p) {
       if (p == r) continue;
-      auto send =
-          comm.PostSend(p, tag_base, buffer + static_cast<size_t>(r) * block_bytes, block_bytes);
+      auto send = comm.PostSend(p, tag_base, own, block_bytes);
       if (!send.ok()) return send.status();
       reqs.push_back(*send);
     }
@@ -114,8 +119,9 @@ absl::Status AllGather(Comm& comm, char* buffer, size_t block_bytes, absl::Time 
                               buffer + static_cast<size_t>(recv_block) * block_bytes, block_bytes);
     if (!recv.ok()) return recv.status();
     reqs.push_back(*recv);
-    auto send = comm.PostSend(next, tag_base + static_cast<uint64_t>(s),
-                              buffer + static_cast<size_t>(send_block) * block_bytes, block_bytes);
+    const char* from =
+        send_block == r ? own : buffer + static_cast<size_t>(send_block) * block_bytes;
+    auto send = comm.PostSend(next, tag_base + static_cast<uint64_t>(s), from, block_bytes);
     if (!send.ok()) return send.status();
     reqs.push_back(*send);
     absl::Status st = comm.WaitAll(reqs, deadline);

@@ -61,6 +61,30 @@ TEST_P(AllGatherTest, EveryMemberGetsEveryBlock) {
   }
 }
 
+TEST_P(AllGatherTest, FromASeparateSendBufferLeavesTheOwnBlockToTheCaller) {
+  const auto [n, block] = GetParam();
+  // Each member's block lives apart (its persistent shard); the receive buffer's own block holds
+  // a marker the collective must neither read nor overwrite.
+  std::vector<std::vector<char>> own(n, std::vector<char>(block)), bufs(n);
+  for (int r = 0; r < n; ++r) {
+    for (size_t i = 0; i < block; ++i) own[r][i] = static_cast<char>(r * 31 + i * 7);
+    bufs[r].assign(block * n, static_cast<char>(0x5a));
+  }
+  auto st = RunGroup(n, [&](Comm& c) {
+    return AllGather(c, own[c.rank()].data(), bufs[c.rank()].data(), block,
+                     absl::Now() + absl::Seconds(10), 0);
+  });
+  for (int r = 0; r < n; ++r) {
+    ASSERT_TRUE(st[r].ok()) << st[r];
+    for (int b = 0; b < n; ++b) {
+      for (size_t i = 0; i < block; i += 97) {
+        const char want = b == r ? static_cast<char>(0x5a) : static_cast<char>(b * 31 + i * 7);
+        ASSERT_EQ(bufs[r][b * block + i], want) << "member " << r << " block " << b;
+      }
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Sizes, AllGatherTest,
                          ::testing::Combine(::testing::Values(1, 2, 3, 5),
                                             ::testing::Values(size_t{8}, kDirectMaxBlockBytes,
