@@ -27,6 +27,7 @@ struct Driver {
   CUresult (*primary_release)(CUdevice);
   CUresult (*push)(CUcontext);
   CUresult (*pop)(CUcontext*);
+  CUresult (*synchronize)();
   CUresult (*open)(CUdeviceptr*, CUipcMemHandle, unsigned);
   CUresult (*close)(CUdeviceptr);
   CUresult (*error_string)(CUresult, const char**);
@@ -55,6 +56,7 @@ absl::StatusOr<const Driver*> LoadDriver() {
                    {reinterpret_cast<void**>(&d.primary_release), "cuDevicePrimaryCtxRelease_v2"},
                    {reinterpret_cast<void**>(&d.push), "cuCtxPushCurrent_v2"},
                    {reinterpret_cast<void**>(&d.pop), "cuCtxPopCurrent_v2"},
+                   {reinterpret_cast<void**>(&d.synchronize), "cuCtxSynchronize"},
                    {reinterpret_cast<void**>(&d.open), "cuIpcOpenMemHandle_v2"},
                    {reinterpret_cast<void**>(&d.close), "cuIpcCloseMemHandle"},
                    {reinterpret_cast<void**>(&d.error_string), "cuGetErrorString"}};
@@ -88,6 +90,16 @@ class CudaIpcMapping final : public DeviceMapping {
   }
   uintptr_t base() const override { return static_cast<uintptr_t>(base_); }
   int device() const override { return device_; }
+  absl::Status Synchronize() const override {
+    CUresult r = driver_->push(ctx_);
+    if (r == 0) {
+      r = driver_->synchronize();
+      CUcontext popped = nullptr;
+      driver_->pop(&popped);
+    }
+    if (r != 0) return absl::InternalError(driver_->Error(r, "cuCtxSynchronize"));
+    return absl::OkStatus();
+  }
 
  private:
   const Driver* driver_;

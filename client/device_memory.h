@@ -22,6 +22,9 @@ class DeviceMapping {
   // The device address of offset 0 of the slab.
   virtual uintptr_t base() const = 0;
   virtual int device() const = 0;
+  // Waits for all work queued in the device's primary context (torch's kernels that write the
+  // mapped buffers), so that the daemon's next operation reads what they wrote.
+  virtual absl::Status Synchronize() const = 0;
 };
 
 // Opens `handle` (a cudaIpcMemHandle_t's 64 bytes) on device ordinal `device`. UNAVAILABLE when

@@ -237,6 +237,9 @@ class PyClient : public std::enable_shared_from_this<PyClient> {
   }
 
   PyHandle Op(const std::string& kind, int u, const std::string& op, int keep = 0) {
+    // GPU buffers: torch's kernels that write them are queued on torch's streams; the daemon's
+    // operation must see what they wrote.
+    if (mapping_ != nullptr) Check(mapping_->Synchronize());
     absl::StatusOr<OpHandle> h;
     if (kind == "unshard") {
       h = client_->Unshard(u);

@@ -1,4 +1,6 @@
 // The CUDA backend's transport (transport.h) under the one data plane (job_data_plane.h).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <nccl.h>
 
@@ -92,7 +94,7 @@ struct NcclGroup {
   }
 };
 
-// Each local rank is one GPU (local rank i on device i % device count): its memory is a CUDA
+// Each local rank is one GPU (local rank i on device i): its memory is a CUDA
 // slab of that device, its collectives run on NCCL communicators, one per process group on each
 // GPU (the shard group and, with HSDP, the replicate group), each created from its own unique
 // id passed through the planner's rendezvous. Calls for several local GPUs go inside
@@ -168,6 +170,10 @@ class CudaTransport final : public daemon::Transport {
   CudaTransport() = default;
   // Waits for every local stream; aborts `group` at the deadline or on an NCCL error.
   absl::Status Wait(NcclGroup* group, const char* what, absl::Time deadline);
+  // After a failure with work of `group` queued: aborts its communicators (their kernels exit)
+  // and drains every stream, so that no queued kernel outlives the buffers the data plane then
+  // releases; later operations fail at once (Usable). Returns `why`.
+  absl::Status Fail(NcclGroup* group, absl::Status why);
   static absl::Status Usable(const NcclGroup* group) {
     if (group == nullptr || group->comms.empty()) {
       return absl::FailedPreconditionError(
@@ -239,12 +245,18 @@ absl::StatusOr<std::unique_ptr<CudaTransport>> CudaTransport::Create(const Backe
                                                                      const daemon::NodeMesh& mesh) {
   const int count = DeviceCount();
   if (count == 0) return absl::FailedPreconditionError("GPU backend: no CUDA device");
+  const int k = static_cast<int>(c.local_ranks.size());
+  if (k > count) {
+    // NCCL refuses two ranks of one communicator on one device.
+    return absl::FailedPreconditionError(
+        absl::StrCat("GPU backend: the job has ", k, " ranks on this node and it has ", count,
+                     " visible GPU(s); each local rank needs a GPU of its own"));
+  }
   std::unique_ptr<CudaTransport> t(new CudaTransport());
   t->shard_ = mesh.shard;
-  const int k = static_cast<int>(c.local_ranks.size());
   std::vector<int> devices;
   for (int i = 0; i < k; ++i) {
-    devices.push_back(i % count);
+    devices.push_back(i);
     auto slab = std::make_unique<Slab>();
     slab->device = devices[i];
     absl::Status s = CudaStatus(cudaSetDevice(slab->device), "cudaSetDevice");
@@ -297,26 +309,33 @@ absl::Status CudaTransport::Wait(NcclGroup* group, const char* what, absl::Time 
         ncclResult_t async = ncclSuccess;
         ncclCommGetAsyncError(comm, &async);
         if (async != ncclSuccess && async != ncclInProgress) {
-          group->aborted = true;
-          return absl::UnavailableError(
-              absl::StrCat(what, ": NCCL reported ", ncclGetErrorString(async),
-                           " (a peer is lost or failed); the job's communicators are aborted"));
+          return Fail(group, absl::UnavailableError(absl::StrCat(
+                                 what, ": NCCL reported ", ncclGetErrorString(async),
+                                 " (a peer is lost or failed); the job's communicators are "
+                                 "aborted")));
         }
       }
     }
     if (absl::Now() >= deadline) {
-      if (group != nullptr) {
-        group->aborted = true;
-        for (ncclComm_t comm : group->comms) ncclCommAbort(comm);
-        group->comms.clear();
-      }
-      return absl::DeadlineExceededError(absl::StrCat(
-          what,
-          " did not complete before the deadline (a peer is lost or stalled); the job's "
-          "NCCL communicators are aborted"));
+      return Fail(group, absl::DeadlineExceededError(absl::StrCat(
+                             what,
+                             " did not complete before the deadline (a peer is lost or "
+                             "stalled); the job's NCCL communicators are aborted")));
     }
     std::this_thread::sleep_for(std::chrono::microseconds(50));
   }
+}
+
+absl::Status CudaTransport::Fail(NcclGroup* group, absl::Status why) {
+  if (group != nullptr) {
+    group->aborted = true;
+    for (ncclComm_t comm : group->comms) ncclCommAbort(comm);
+    group->comms.clear();
+  }
+  for (size_t i = 0; i < streams_.size(); ++i) {
+    if (cudaSetDevice(slabs_[i]->device) == cudaSuccess) (void)cudaStreamSynchronize(streams_[i]);
+  }
+  return why;
 }
 
 absl::Status CudaTransport::AllGather(const std::vector<const char*>& shards,
@@ -336,7 +355,7 @@ absl::Status CudaTransport::AllGather(const std::vector<const char*>& shards,
     }
     return absl::OkStatus();
   });
-  return s.ok() ? Wait(shard_group_.get(), "unshard", deadline) : s;
+  return s.ok() ? Wait(shard_group_.get(), "unshard", deadline) : Fail(shard_group_.get(), s);
 }
 
 absl::Status CudaTransport::ReduceScatter(const std::vector<const void*>& grads, v1::DType dtype,
@@ -357,7 +376,8 @@ absl::Status CudaTransport::ReduceScatter(const std::vector<const void*>& grads,
       }
       return absl::OkStatus();
     });
-    return s.ok() ? Wait(shard_group_.get(), "reduce_scatter", deadline) : s;
+    return s.ok() ? Wait(shard_group_.get(), "reduce_scatter", deadline)
+                  : Fail(shard_group_.get(), s);
   }
   // Accumulate in fp32: each chunk of the F blocks converted side by side, then reduced; the
   // stream orders the next chunk's conversion after this chunk's reduction.
@@ -372,12 +392,13 @@ absl::Status CudaTransport::ReduceScatter(const std::vector<const void*>& grads,
   for (int64_t first = 0; first < shard_elems; first += width) {
     const int64_t w = std::min(width, shard_elems - first);
     for (size_t i = 0; i < k; ++i) {
-      cudaSetDevice(slabs_[i]->device);
+      absl::Status s = CudaStatus(cudaSetDevice(slabs_[i]->device), "cudaSetDevice");
+      if (!s.ok()) return Fail(shard_group_.get(), s);
       ToFloat<<<static_cast<unsigned>((w * shard_ + 255) / 256), 256, 0, streams_[i]>>>(
           static_cast<const uint16_t*>(grads[i]), dtype == v1::DTYPE_BF16, shard_elems, first, w,
           shard_, reinterpret_cast<float*>(bufs[i].data()));
-      absl::Status s = CudaStatus(cudaGetLastError(), "ToFloat launch");
-      if (!s.ok()) return s;
+      s = CudaStatus(cudaGetLastError(), "ToFloat launch");
+      if (!s.ok()) return Fail(shard_group_.get(), s);
       staging_bytes_ += w * shard_ * 4;
     }
     absl::Status s = Grouped([&] {
@@ -390,7 +411,7 @@ absl::Status CudaTransport::ReduceScatter(const std::vector<const void*>& grads,
       }
       return absl::OkStatus();
     });
-    if (!s.ok()) return s;
+    if (!s.ok()) return Fail(shard_group_.get(), s);
   }
   // The scratch goes back to the pool only once the streams are done with it.
   return Wait(shard_group_.get(), "reduce_scatter", deadline);
@@ -411,7 +432,8 @@ absl::Status CudaTransport::AllReduce(const std::vector<float*>& shards, int64_t
     }
     return absl::OkStatus();
   });
-  return s.ok() ? Wait(replicate_group_.get(), "all_reduce", deadline) : s;
+  return s.ok() ? Wait(replicate_group_.get(), "all_reduce", deadline)
+                : Fail(replicate_group_.get(), s);
 }
 
 absl::Status CudaTransport::MovePieces(const std::vector<daemon::PieceMove>& moves,
@@ -422,7 +444,8 @@ absl::Status CudaTransport::MovePieces(const std::vector<daemon::PieceMove>& mov
       const size_t count = static_cast<size_t>(m.count);
       absl::Status st;
       if (m.src_local >= 0 && m.src_local == m.dst_local) {
-        cudaSetDevice(slabs_[m.src_local]->device);
+        st = CudaStatus(cudaSetDevice(slabs_[m.src_local]->device), "cudaSetDevice");
+        if (!st.ok()) return st;
         st = CudaStatus(cudaMemcpyAsync(m.dst, m.src, count * sizeof(float),
                                         cudaMemcpyDeviceToDevice, streams_[m.src_local]),
                         "cudaMemcpyAsync");
@@ -445,7 +468,7 @@ absl::Status CudaTransport::MovePieces(const std::vector<daemon::PieceMove>& mov
     }
     return absl::OkStatus();
   });
-  return s.ok() ? Wait(shard_group_.get(), "matrix pieces", deadline) : s;
+  return s.ok() ? Wait(shard_group_.get(), "matrix pieces", deadline) : Fail(shard_group_.get(), s);
 }
 
 }  // namespace
