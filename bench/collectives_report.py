@@ -156,9 +156,10 @@ def before_after(build, before_build, max_mib, outdir):
         "copy of the node's block, the send buffer of ncclAllGather's separate-buffer form); "
         "before, the shard was a slice of a persistent unsharded buffer and nothing moved "
         "locally. The ring sends the node's block from the persistent shard and the placement "
-        "runs on a helper thread beside the transfers, but on this 2-core machine the two "
-        "daemons' progress loops already hold both cores, so the copy is not hidden here; it "
-        "is the price of not keeping every unit unsharded. The reduce-scatter's gain comes from "
+        "runs on a helper thread beside the transfers, but it was not hidden on this 2-core "
+        "machine, where the same two cores run both daemons, both ranks and the kernel's "
+        "copies of every loopback transfer (CPU use not measured). It is the price of "
+        "not keeping every unit unsharded where the network is no faster than memory. The reduce-scatter's gain comes from "
         "changes between the two commits other than memory (the before commit also predates "
         "the message checks).\n")
     return [BEGIN_MARK] + md + [END_MARK]
