@@ -109,17 +109,17 @@ def before_after(build, before_build, max_mib, outdir):
     """Sharded memory's cost where nothing is shared in a node (2 daemons x 1 rank): this
     build's daemons against a build of the commit before sharded memory (its own daemon,
     planner and daemon_bench), REPS runs of each, alternated in this run."""
-    commit = subprocess.run(["git", "-C", before_build, "log", "-1", "--format=%h"],
-                            capture_output=True, text=True).stdout.strip() or "?"
+    # The commit is the one the build was configured from (its CMake source folder).
+    commit, src = "?", None
     try:
         with open(os.path.join(before_build, "CMakeCache.txt")) as f:
             src = next((line.split("=", 1)[1].strip() for line in f
                         if line.startswith("CMAKE_HOME_DIRECTORY")), None)
-        if src:
-            commit = subprocess.run(["git", "-C", src, "log", "-1", "--format=%h"],
-                                    capture_output=True, text=True).stdout.strip() or commit
     except OSError:
         pass
+    if src:
+        commit = subprocess.run(["git", "-C", src, "log", "-1", "--format=%h"],
+                                capture_output=True, text=True).stdout.strip() or commit
     samples = collections.defaultdict(list)
     for rep in range(REPS):
         for variant, b in ((BEFORE, before_build), (AFTER, build)):

@@ -16,7 +16,7 @@ constexpr size_t kPlaceBesideBytes = size_t{1} << 20;
 }  // namespace
 
 HostTransport::HostTransport(const NodeMesh& mesh, Pool* pool, Comm* nodes, HostShape shape)
-    : mesh_(mesh), pool_(pool), base_(pool->base()), shape_(shape) {
+    : mesh_(mesh), pool_(pool), shape_(shape) {
   // Nodes per shard group; this node's replica and its position in the shard group.
   const int g = static_cast<int>(mesh.nodes_per_group());
   const int replica = mesh.node / g, position = mesh.node % g;

@@ -38,7 +38,7 @@ class HostTransport final : public Transport {
   absl::Status Zero(int local, char* data, int64_t bytes) override;
   absl::Status Copy(int dst_local, char* dst, int src_local, const char* src, int64_t bytes,
                     absl::Time deadline) override;
-  const char* base(int local) const override { return base_; }
+  const char* base(int local) const override { return pool_->base(); }
   void DescribeMemory(int, v1::AttachResponse*) const override {}  // the daemon sends the memfd
   int64_t staging_bytes() const override { return 0; }
 
@@ -56,7 +56,6 @@ class HostTransport final : public Transport {
  private:
   NodeMesh mesh_;
   Pool* pool_;
-  const char* base_;  // arena offset 0
   HostShape shape_;
   std::unique_ptr<Comm> shard_comm_, replicate_comm_;  // nullptr when of size 1
 };
