@@ -1,9 +1,11 @@
 #include "server/daemon/collectives.h"
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "server/daemon/stream_copy.h"
 
 namespace ragshard::daemon {
 
@@ -91,7 +93,25 @@ absl::Status AllGather(Comm& comm, char* buffer, size_t block_bytes, absl::Time 
 absl::Status AllGather(Comm& comm, const char* own, char* buffer, size_t block_bytes,
                        absl::Time deadline, uint64_t tag_base) {
   const int n = comm.size(), r = comm.rank();
-  if (n == 1 || block_bytes == 0) return absl::OkStatus();
+  // The own block's placement, in steps the waits below run while the transfers leave this
+  // thread idle; what they leave is copied at the end.
+  char* const slot = buffer + static_cast<size_t>(r) * block_bytes;
+  size_t placed = own == slot ? block_bytes : 0;
+  const IdleWork place = [&] {
+    const size_t step = std::min(kPlacementStepBytes, block_bytes - placed);
+    StreamCopy(slot + placed, own + placed, step);
+    placed += step;
+    return placed < block_bytes;
+  };
+  auto finish = [&](absl::Status st) {
+    if (st.ok() && placed < block_bytes) {
+      StreamCopy(slot + placed, own + placed, block_bytes - placed);
+      placed = block_bytes;
+    }
+    return st;
+  };
+  const IdleWork idle = placed < block_bytes ? place : IdleWork();
+  if (n == 1 || block_bytes == 0) return finish(absl::OkStatus());
   std::vector<uint64_t> reqs;
   if (block_bytes <= kDirectMaxBlockBytes) {
     // Direct: one round, every peer sends its block to every other peer.
@@ -108,7 +128,7 @@ absl::Status AllGather(Comm& comm, const char* own, char* buffer, size_t block_b
       if (!send.ok()) return send.status();
       reqs.push_back(*send);
     }
-    return comm.WaitAll(reqs, deadline);
+    return finish(comm.WaitAll(reqs, deadline, idle));
   }
   // Ring: n - 1 steps; at step s, forward block (r - s) and receive block (r - s - 1).
   const int next = Mod(r + 1, n), prev = Mod(r - 1, n);
@@ -124,10 +144,10 @@ absl::Status AllGather(Comm& comm, const char* own, char* buffer, size_t block_b
     auto send = comm.PostSend(next, tag_base + static_cast<uint64_t>(s), from, block_bytes);
     if (!send.ok()) return send.status();
     reqs.push_back(*send);
-    absl::Status st = comm.WaitAll(reqs, deadline);
+    absl::Status st = comm.WaitAll(reqs, deadline, placed < block_bytes ? idle : IdleWork());
     if (!st.ok()) return st;
   }
-  return absl::OkStatus();
+  return finish(absl::OkStatus());
 }
 
 absl::Status ReduceScatter(Comm& comm, const void* input, v1::DType dtype, size_t count,

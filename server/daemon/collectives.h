@@ -24,11 +24,14 @@ inline constexpr size_t kDirectMaxBlockBytes = 64 * 1024;
 // return. Nothing is copied outside the transfers themselves.
 absl::Status AllGather(Comm& comm, char* buffer, size_t block_bytes, absl::Time deadline,
                        uint64_t tag_base);
-// The same with this member's block read from `own` (its persistent shard) rather than from
-// `buffer`: the own block of `buffer` is neither read nor written, so the caller may fill it
-// meanwhile (as ncclAllGather with separate send and receive buffers).
+// The same with this member's block read from `own` (its persistent shard), as ncclAllGather
+// with separate send and receive buffers: the collective places it into block rank() of
+// `buffer` itself, in steps of kPlacementStepBytes while it waits for its peers (Comm's idle
+// work), so that the copy takes the time the transfers leave this thread, not time of its own.
+// `own` must not overlap the other blocks of `buffer`.
 absl::Status AllGather(Comm& comm, const char* own, char* buffer, size_t block_bytes,
                        absl::Time deadline, uint64_t tag_base);
+inline constexpr size_t kPlacementStepBytes = size_t{1} << 20;
 
 // `input` holds size() chunks of `count` elements of `dtype` (fp32, bf16 or fp16); on return
 // `output` (count fp32 elements) holds the sum (or mean) over members of chunk rank(),

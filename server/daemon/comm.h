@@ -73,6 +73,10 @@ struct MessageStamp {
 using TagDescriber = std::function<std::string(uint64_t tag)>;
 std::string DescribeTag(uint64_t tag);
 
+// Work a collective's own thread does while it waits for its peers, such as placing its own
+// block: each call runs one short step and returns whether any is left.
+using IdleWork = std::function<bool()>;
+
 class Comm {
  public:
   virtual ~Comm() = default;
@@ -88,7 +92,13 @@ class Comm {
   // Waits for every request. On a lost peer or at the deadline it cancels the requests that are
   // still pending and returns UNAVAILABLE or DEADLINE_EXCEEDED naming the peer; on a message
   // that does not match, or an abort notice from a peer, ABORTED (after telling every peer).
-  virtual absl::Status WaitAll(const std::vector<uint64_t>& requests, absl::Time deadline) = 0;
+  // While it has nothing else to do it may run steps of `idle` (until one returns false) in the
+  // calling thread, instead of sleeping; it need not run them all.
+  virtual absl::Status WaitAll(const std::vector<uint64_t>& requests, absl::Time deadline,
+                               const IdleWork& idle) = 0;
+  absl::Status WaitAll(const std::vector<uint64_t>& requests, absl::Time deadline) {
+    return WaitAll(requests, deadline, IdleWork());
+  }
   // Tells every peer that this member stopped the job (`why` is the error); their pending and
   // later WaitAll fail with ABORTED quoting it. Best effort, bounded by a short wait.
   virtual void Abort(const std::string& why) = 0;
@@ -120,8 +130,10 @@ class SubComm final : public Comm {
   absl::StatusOr<uint64_t> PostRecv(int peer, uint64_t tag, void* data, size_t bytes) override {
     return base_->PostRecv(members_[peer], tag, data, bytes);
   }
-  absl::Status WaitAll(const std::vector<uint64_t>& requests, absl::Time deadline) override {
-    return base_->WaitAll(requests, deadline);
+  using Comm::WaitAll;
+  absl::Status WaitAll(const std::vector<uint64_t>& requests, absl::Time deadline,
+                       const IdleWork& idle) override {
+    return base_->WaitAll(requests, deadline, idle);
   }
   void Abort(const std::string& why) override { base_->Abort(why); }
   void SetDescriber(TagDescriber describe) override { base_->SetDescriber(std::move(describe)); }

@@ -2,19 +2,11 @@
 
 #include <algorithm>
 #include <cstring>
-#include <thread>
 
 #include "common/dtype.h"
+#include "server/daemon/stream_copy.h"
 
 namespace ragshard::daemon {
-namespace {
-
-// From this many bytes of local shards, their placement runs on a thread of its own beside the
-// all-gather's transfers.
-constexpr size_t kPlaceBesideBytes = size_t{1} << 20;
-
-}  // namespace
-
 HostTransport::HostTransport(const NodeMesh& mesh, Pool* pool, Comm* nodes, HostShape shape)
     : mesh_(mesh), pool_(pool), shape_(shape) {
   // Nodes per shard group; this node's replica and its position in the shard group.
@@ -52,33 +44,22 @@ absl::Status HostTransport::AllGather(const std::vector<const char*>& shards,
   const size_t shard_bytes = static_cast<size_t>(shard_elems * DTypeSize(dtype));
   const size_t node_bytes = shard_bytes * shards.size();
   char* full = out[0];
-  // The all-gather's own placement of the local shards (the send buffers) into the receive
-  // buffer.
-  auto place = [&] {
-    for (size_t i = 0; i < shards.size(); ++i) {
-      std::memcpy(full + (static_cast<size_t>(mesh_.first_position) + i) * shard_bytes, shards[i],
-                  shard_bytes);
-    }
-  };
   if (shard_comm_ == nullptr) {
-    place();
-  } else {
-    // The other nodes' shards over the ring, which sends this node's from the persistent block
-    // (the node's shards are one block: node_blocks()), so that their placement runs beside
-    // the transfers, on a helper thread, where it is large enough to pay for one.
-    std::thread placer;
-    if (node_bytes >= kPlaceBesideBytes) {
-      placer = std::thread(place);
-    } else {
-      place();
+    // The node holds the whole shard group: the all-gather is the placement of its ranks'
+    // shards (the send buffers) into the receive buffer.
+    for (size_t i = 0; i < shards.size(); ++i) {
+      StreamCopy(full + (static_cast<size_t>(mesh_.first_position) + i) * shard_bytes, shards[i],
+                 shard_bytes);
     }
+  } else {
+    // The ring between the group's nodes, each sending its block from the persistent shards
+    // (the node's shards are one block: node_blocks()) and placing it while it waits.
     absl::Status st = daemon::AllGather(*shard_comm_, shards[0], full, node_bytes, deadline, tag);
-    if (placer.joinable()) placer.join();
     if (!st.ok()) return st;
   }
   // Device shape: every rank's own copy, as the intra-node part of a device all-gather.
   for (size_t i = 1; i < out.size(); ++i) {
-    std::memcpy(out[i], full, static_cast<size_t>(mesh_.shard) * shard_bytes);
+    StreamCopy(out[i], full, static_cast<size_t>(mesh_.shard) * shard_bytes);
   }
   return absl::OkStatus();
 }

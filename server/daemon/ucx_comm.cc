@@ -270,9 +270,12 @@ class UcxComm final : public Comm {
 
   void SetDescriber(TagDescriber describe) override { describe_ = std::move(describe); }
 
-  absl::Status WaitAll(const std::vector<uint64_t>& ids, absl::Time deadline) override {
+  using Comm::WaitAll;
+  absl::Status WaitAll(const std::vector<uint64_t>& ids, absl::Time deadline,
+                       const IdleWork& idle) override {
     absl::Status result;
     bool mismatch = false;
+    bool idle_left = static_cast<bool>(idle);
     while (true) {
       bool all = true;
       if (notice_.done) {
@@ -319,7 +322,13 @@ class UcxComm final : public Comm {
             absl::StrCat("transfer with peer ", peer, " did not complete before the deadline"));
         break;
       }
-      w_->Progress(std::min(absl::Milliseconds(1), deadline - absl::Now()));
+      // Where the transfers have nothing for this thread to do, a step of the idle work takes
+      // the place of the sleep.
+      if (!idle_left) {
+        w_->Progress(std::min(absl::Milliseconds(1), deadline - absl::Now()));
+      } else if (ucp_worker_progress(w_->worker) == 0) {
+        idle_left = idle();
+      }
     }
     if (!result.ok()) CancelAll();
     Reap();

@@ -61,34 +61,90 @@ TEST_P(AllGatherTest, EveryMemberGetsEveryBlock) {
   }
 }
 
-TEST_P(AllGatherTest, FromASeparateSendBufferLeavesTheOwnBlockToTheCaller) {
+// Counts the idle steps the wrapped comm runs for the collective.
+class IdleCounting final : public Comm {
+ public:
+  explicit IdleCounting(Comm* base) : base_(base) {}
+  int rank() const override { return base_->rank(); }
+  int size() const override { return base_->size(); }
+  absl::StatusOr<uint64_t> PostSend(int peer, uint64_t tag, const void* data,
+                                    size_t bytes) override {
+    return base_->PostSend(peer, tag, data, bytes);
+  }
+  absl::StatusOr<uint64_t> PostRecv(int peer, uint64_t tag, void* data, size_t bytes) override {
+    return base_->PostRecv(peer, tag, data, bytes);
+  }
+  using Comm::WaitAll;
+  absl::Status WaitAll(const std::vector<uint64_t>& requests, absl::Time deadline,
+                       const IdleWork& idle) override {
+    if (!idle) return base_->WaitAll(requests, deadline, idle);
+    return base_->WaitAll(requests, deadline, [&] {
+      ++steps;
+      return idle();
+    });
+  }
+  void Abort(const std::string& why) override { base_->Abort(why); }
+  void SetDescriber(TagDescriber describe) override { base_->SetDescriber(std::move(describe)); }
+  int steps = 0;
+
+ private:
+  Comm* base_;
+};
+
+TEST_P(AllGatherTest, FromASeparateSendBufferPlacesTheOwnBlockWhileWaiting) {
   const auto [n, block] = GetParam();
-  // Each member's block lives apart (its persistent shard); the receive buffer's own block holds
-  // a marker the collective must neither read nor overwrite.
+  // Each member's block lives apart (its persistent shard); the receive buffer starts as a
+  // marker that every block must replace, its own one included.
   std::vector<std::vector<char>> own(n, std::vector<char>(block)), bufs(n);
   for (int r = 0; r < n; ++r) {
     for (size_t i = 0; i < block; ++i) own[r][i] = static_cast<char>(r * 31 + i * 7);
     bufs[r].assign(block * n, static_cast<char>(0x5a));
   }
+  std::vector<int> steps(n, 0);
   auto st = RunGroup(n, [&](Comm& c) {
-    return AllGather(c, own[c.rank()].data(), bufs[c.rank()].data(), block,
-                     absl::Now() + absl::Seconds(10), 0);
+    IdleCounting counting(&c);
+    absl::Status s = AllGather(counting, own[c.rank()].data(), bufs[c.rank()].data(), block,
+                               absl::Now() + absl::Seconds(10), 0);
+    steps[c.rank()] = counting.steps;
+    return s;
   });
   for (int r = 0; r < n; ++r) {
     ASSERT_TRUE(st[r].ok()) << st[r];
     for (int b = 0; b < n; ++b) {
-      for (size_t i = 0; i < block; i += 97) {
-        const char want = b == r ? static_cast<char>(0x5a) : static_cast<char>(b * 31 + i * 7);
-        ASSERT_EQ(bufs[r][b * block + i], want) << "member " << r << " block " << b;
+      for (size_t i = 0; i < block; ++i) {
+        ASSERT_EQ(bufs[r][b * block + i], static_cast<char>(b * 31 + i * 7))
+            << "member " << r << " block " << b << " byte " << i;
       }
     }
+    // With peers to wait for, the placement (or its first step) ran during the waits.
+    if (n > 1) EXPECT_GE(steps[r], 1) << "member " << r;
+  }
+}
+
+TEST(AllGatherPlacementTest, InPlaceHasNothingToPlace) {
+  const size_t block = 3 * kPlacementStepBytes + 5;
+  std::vector<std::vector<char>> bufs(2, std::vector<char>(2 * block));
+  for (int r = 0; r < 2; ++r) std::fill_n(bufs[r].begin() + r * block, block, char(r + 1));
+  std::vector<int> steps(2, -1);
+  auto st = RunGroup(2, [&](Comm& c) {
+    IdleCounting counting(&c);
+    absl::Status s =
+        AllGather(counting, bufs[c.rank()].data(), block, absl::Now() + absl::Seconds(10), 0);
+    steps[c.rank()] = counting.steps;
+    return s;
+  });
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(st[r].ok()) << st[r];
+    EXPECT_EQ(steps[r], 0);
+    for (int b = 0; b < 2; ++b) EXPECT_EQ(bufs[r][b * block + block / 2], char(b + 1));
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(Sizes, AllGatherTest,
                          ::testing::Combine(::testing::Values(1, 2, 3, 5),
                                             ::testing::Values(size_t{8}, kDirectMaxBlockBytes,
-                                                              kDirectMaxBlockBytes + 24)));
+                                                              kDirectMaxBlockBytes + 24,
+                                                              3 * kPlacementStepBytes + 5)));
 
 struct RsCase {
   int n;

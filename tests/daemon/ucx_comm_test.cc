@@ -100,6 +100,31 @@ TEST(UcxCommTest, AKilledPeerIsAnErrorNamingItWithinTheDeadline) {
   EXPECT_EQ(ExitCode(g.pids[1]), 0);
 }
 
+TEST(UcxCommTest, AllGatherFromAPersistentShardPlacesItWhileTheRingRuns) {
+  // The send buffer apart from the receive buffer (the data plane's persistent shard): the own
+  // block is placed in steps while UCX waits, and in full by the time the collective returns.
+  const int n = 3;
+  UcxGroup g = UcxGroup::Spawn(n, [](int r, Comm& comm) {
+    for (size_t block : {size_t{4} << 20, size_t{1024}}) {
+      std::vector<char> own(block), buf(block * n, 0);
+      for (size_t i = 0; i < block; ++i) own[i] = Pattern(r, i);
+      if (absl::Status s = AllGather(comm, own.data(), buf.data(), block,
+                                     absl::Now() + absl::Seconds(20), 1 << 20);
+          !s.ok()) {
+        fprintf(stderr, "rank %d: %s\n", r, s.ToString().c_str());
+        return 20;
+      }
+      for (int b = 0; b < n; ++b) {
+        for (size_t i = 0; i < block; ++i) {
+          if (buf[b * block + i] != Pattern(b, i)) return 21;
+        }
+      }
+    }
+    return 0;
+  });
+  for (pid_t pid : g.pids) EXPECT_EQ(ExitCode(pid), 0);
+}
+
 // Exit code 0 when `s` is ABORTED and names every one of `words`.
 int AbortedNaming(int r, const absl::Status& s, std::vector<std::string> words) {
   fprintf(stderr, "rank %d: %s\n", r, s.ToString().c_str());
