@@ -1,11 +1,11 @@
 #include <cuda_runtime.h>
-#include <nccl.h>
 
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "server/daemon/cuda/cuda_device.h"
 #include "server/daemon/cuda/cuda_status.h"
+#include "server/daemon/cuda/nccl_api.h"
 
 namespace ragshard::gpu {
 
@@ -18,8 +18,11 @@ absl::Status CudaStatus(int code, absl::string_view what) {
 
 absl::Status NcclStatus(int code, absl::string_view what) {
   if (code == ncclSuccess) return absl::OkStatus();
+  auto nccl = Nccl();
   return absl::InternalError(
-      absl::StrCat(what, ": ", ncclGetErrorString(static_cast<ncclResult_t>(code))));
+      absl::StrCat(what, ": ",
+                   nccl.ok() ? (*nccl)->GetErrorString(static_cast<ncclResult_t>(code))
+                             : absl::StrCat("NCCL error ", code)));
 }
 
 int DeviceCount() {
@@ -47,8 +50,10 @@ bool IsViable(std::string* reason) {
 }
 
 absl::StatusOr<int> NcclVersion() {
+  auto nccl = Nccl();
+  if (!nccl.ok()) return nccl.status();
   int v = 0;
-  absl::Status s = NcclStatus(ncclGetVersion(&v), "ncclGetVersion");
+  absl::Status s = NcclStatus((*nccl)->GetVersion(&v), "ncclGetVersion");
   if (!s.ok()) return s;
   return v;
 }

@@ -2,7 +2,6 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
-#include <nccl.h>
 
 #include <algorithm>
 #include <chrono>
@@ -17,6 +16,7 @@
 #include "server/daemon/cuda/cuda_device.h"
 #include "server/daemon/cuda/cuda_status.h"
 #include "server/daemon/cuda/gpu_data_plane.h"
+#include "server/daemon/cuda/nccl_api.h"
 #include "server/daemon/job_data_plane.h"
 
 namespace ragshard::gpu {
@@ -24,6 +24,10 @@ namespace {
 
 using daemon::BackendContext;
 using daemon::ReduceOp;
+
+// NCCL's table. A transport exists only once NCCL has opened (CudaTransport::Create), so every
+// use below finds it.
+const NcclApi& N() { return **Nccl(); }
 
 // fp32 scratch per GPU for one chunk of a bf16/fp16 reduce-scatter (F chunks of `width`).
 constexpr int64_t kConvertChunkBytes = int64_t{64} << 20;
@@ -86,9 +90,9 @@ struct NcclGroup {
     for (ncclComm_t c : comms) {
       if (c == nullptr) continue;
       if (aborted) {
-        ncclCommAbort(c);
+        N().CommAbort(c);
       } else {
-        ncclCommDestroy(c);
+        N().CommDestroy(c);
       }
     }
   }
@@ -191,9 +195,9 @@ class CudaTransport final : public daemon::Transport {
 
 // Runs `body` between ncclGroupStart and ncclGroupEnd; the first error wins.
 absl::Status Grouped(const std::function<absl::Status()>& body) {
-  absl::Status s = NcclStatus(ncclGroupStart(), "ncclGroupStart");
+  absl::Status s = NcclStatus(N().GroupStart(), "ncclGroupStart");
   if (s.ok()) s = body();
-  absl::Status end = NcclStatus(ncclGroupEnd(), "ncclGroupEnd");
+  absl::Status end = NcclStatus(N().GroupEnd(), "ncclGroupEnd");
   return s.ok() ? end : s;
 }
 
@@ -207,7 +211,7 @@ absl::StatusOr<std::unique_ptr<NcclGroup>> CreateGroups(const BackendContext& c,
   std::vector<ncclUniqueId> ids(k);
   for (int i = 0; i < k; ++i) {
     if (rank(i) == 0) {
-      absl::Status s = NcclStatus(ncclGetUniqueId(&ids[i]), "ncclGetUniqueId");
+      absl::Status s = NcclStatus(N().GetUniqueId(&ids[i]), "ncclGetUniqueId");
       if (!s.ok()) return s;
       s = c.put(key(i),
                 absl::BytesToHexString(absl::string_view(ids[i].internal, NCCL_UNIQUE_ID_BYTES)));
@@ -230,7 +234,7 @@ absl::StatusOr<std::unique_ptr<NcclGroup>> CreateGroups(const BackendContext& c,
     for (int i = 0; i < k; ++i) {
       absl::Status st = CudaStatus(cudaSetDevice(devices[i]), "cudaSetDevice");
       if (st.ok()) {
-        st = NcclStatus(ncclCommInitRank(&group->comms[i], size, ids[i], rank(i)),
+        st = NcclStatus(N().CommInitRank(&group->comms[i], size, ids[i], rank(i)),
                         "ncclCommInitRank");
       }
       if (!st.ok()) return st;
@@ -245,6 +249,9 @@ absl::StatusOr<std::unique_ptr<CudaTransport>> CudaTransport::Create(const Backe
                                                                      const daemon::NodeMesh& mesh) {
   const int count = DeviceCount();
   if (count == 0) return absl::FailedPreconditionError("GPU backend: no CUDA device");
+  if (auto nccl = Nccl(); !nccl.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat("GPU backend: ", nccl.status().message()));
+  }
   const int k = static_cast<int>(c.local_ranks.size());
   if (k > count) {
     // NCCL refuses two ranks of one communicator on one device.
@@ -307,10 +314,10 @@ absl::Status CudaTransport::Wait(NcclGroup* group, const char* what, absl::Time 
     if (group != nullptr) {
       for (ncclComm_t comm : group->comms) {
         ncclResult_t async = ncclSuccess;
-        ncclCommGetAsyncError(comm, &async);
+        N().CommGetAsyncError(comm, &async);
         if (async != ncclSuccess && async != ncclInProgress) {
           return Fail(group, absl::UnavailableError(absl::StrCat(
-                                 what, ": NCCL reported ", ncclGetErrorString(async),
+                                 what, ": NCCL reported ", N().GetErrorString(async),
                                  " (a peer is lost or failed); the job's communicators are "
                                  "aborted")));
         }
@@ -329,7 +336,7 @@ absl::Status CudaTransport::Wait(NcclGroup* group, const char* what, absl::Time 
 absl::Status CudaTransport::Fail(NcclGroup* group, absl::Status why) {
   if (group != nullptr) {
     group->aborted = true;
-    for (ncclComm_t comm : group->comms) ncclCommAbort(comm);
+    for (ncclComm_t comm : group->comms) N().CommAbort(comm);
     group->comms.clear();
   }
   for (size_t i = 0; i < streams_.size(); ++i) {
@@ -348,7 +355,7 @@ absl::Status CudaTransport::AllGather(const std::vector<const char*>& shards,
     for (size_t i = 0; i < out.size(); ++i) {
       // The persistent shard is the send buffer; NCCL places it in its slice of the output.
       absl::Status st =
-          NcclStatus(ncclAllGather(shards[i], out[i], static_cast<size_t>(shard_elems), *type,
+          NcclStatus(N().AllGather(shards[i], out[i], static_cast<size_t>(shard_elems), *type,
                                    shard_group_->comms[i], streams_[i]),
                      "ncclAllGather");
       if (!st.ok()) return st;
@@ -369,7 +376,7 @@ absl::Status CudaTransport::ReduceScatter(const std::vector<const void*>& grads,
     absl::Status s = Grouped([&] {
       for (size_t i = 0; i < k; ++i) {
         absl::Status st =
-            NcclStatus(ncclReduceScatter(grads[i], out[i], static_cast<size_t>(shard_elems),
+            NcclStatus(N().ReduceScatter(grads[i], out[i], static_cast<size_t>(shard_elems),
                                          ncclFloat32, red, shard_group_->comms[i], streams_[i]),
                        "ncclReduceScatter");
         if (!st.ok()) return st;
@@ -404,7 +411,7 @@ absl::Status CudaTransport::ReduceScatter(const std::vector<const void*>& grads,
     absl::Status s = Grouped([&] {
       for (size_t i = 0; i < k; ++i) {
         absl::Status st =
-            NcclStatus(ncclReduceScatter(bufs[i].data(), out[i] + first, static_cast<size_t>(w),
+            NcclStatus(N().ReduceScatter(bufs[i].data(), out[i] + first, static_cast<size_t>(w),
                                          ncclFloat32, red, shard_group_->comms[i], streams_[i]),
                        "ncclReduceScatter");
         if (!st.ok()) return st;
@@ -424,7 +431,7 @@ absl::Status CudaTransport::AllReduce(const std::vector<float*>& shards, int64_t
   absl::Status s = Grouped([&] {
     for (size_t i = 0; i < shards.size(); ++i) {
       absl::Status st =
-          NcclStatus(ncclAllReduce(shards[i], shards[i], static_cast<size_t>(shard_elems),
+          NcclStatus(N().AllReduce(shards[i], shards[i], static_cast<size_t>(shard_elems),
                                    ncclFloat32, op == ReduceOp::kAvg ? ncclAvg : ncclSum,
                                    replicate_group_->comms[i], streams_[i]),
                      "ncclAllReduce");
@@ -455,12 +462,12 @@ absl::Status CudaTransport::MovePieces(const std::vector<daemon::PieceMove>& mov
       // Between GPUs, local or not: a send on the source's communicator, a receive on the
       // destination's, in one group.
       if (m.src_local >= 0) {
-        st = NcclStatus(ncclSend(m.src, count, ncclFloat32, static_cast<int>(m.dst_position),
+        st = NcclStatus(N().Send(m.src, count, ncclFloat32, static_cast<int>(m.dst_position),
                                  shard_group_->comms[m.src_local], streams_[m.src_local]),
                         "ncclSend");
       }
       if (st.ok() && m.dst_local >= 0) {
-        st = NcclStatus(ncclRecv(m.dst, count, ncclFloat32, static_cast<int>(m.src_position),
+        st = NcclStatus(N().Recv(m.dst, count, ncclFloat32, static_cast<int>(m.src_position),
                                  shard_group_->comms[m.dst_local], streams_[m.dst_local]),
                         "ncclRecv");
       }
