@@ -15,7 +15,8 @@ int DeviceCount();
 // True when at least one device is usable. `reason` receives a one-line explanation otherwise.
 bool IsViable(std::string* reason);
 
-// NCCL version as an integer (e.g. 22703), from ncclGetVersion.
+// NCCL version as an integer (e.g. 22703), from ncclGetVersion of the NCCL that Nccl() opens
+// (nccl_api.h); FAILED_PRECONDITION where there is none.
 absl::StatusOr<int> NcclVersion();
 
 // Fills `n` floats on device `device` with `value` through a kernel, copies them back and

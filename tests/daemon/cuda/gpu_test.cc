@@ -22,7 +22,7 @@ TEST_F(GpuTest, KernelLaunchAndCopyWork) {
   EXPECT_DOUBLE_EQ(*sum, 0.5 * (1 << 20));
 }
 
-TEST_F(GpuTest, NcclIsLinked) {
+TEST_F(GpuTest, NcclOpensAndReportsItsVersion) {
   auto v = NcclVersion();
   ASSERT_TRUE(v.ok()) << v.status();
   EXPECT_GT(*v, 20000);
