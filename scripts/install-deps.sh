@@ -18,6 +18,7 @@ PACKAGES=(
   libsqlite3-dev sqlite3 libssl-dev openssl nlohmann-json3-dev libcli11-dev zlib1g-dev
   libopenmpi-dev openmpi-bin libgloo-dev
   pybind11-dev python3-dev python3-venv
+  patchelf
 )
 
 missing=()

@@ -1,9 +1,11 @@
-// NCCL opened at run time: no GPU needed, only the library's file (the toolkit's, found at
-// configure time; the test skips, saying so, where there is none).
+// NCCL opened at run time: no GPU needed, only the library's file (RAGSHARD_NCCL_LIBRARY's, or
+// the toolkit's found at configure time; the test skips, saying so, where there is none).
 #include "server/daemon/cuda/nccl_api.h"
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
+#include <cstdlib>
 #include <string>
 
 namespace ragshard::gpu {
@@ -26,8 +28,12 @@ TEST(NcclApiTest, ALibraryThatIsNotNcclIsNamedByItsMissingSymbol) {
 }
 
 TEST(NcclApiTest, TheToolkitsNcclOpensAndReportsItsVersion) {
-  const std::string file = RAGSHARD_TEST_NCCL_LIBRARY;
-  if (file.empty()) GTEST_SKIP() << "no libnccl.so.2 found at configure time";
+  // The file the environment names (a GPU machine's), else the toolkit's found at configure time.
+  const char* env = std::getenv(kNcclLibraryEnv);
+  const std::string file = env != nullptr && *env != '\0' ? env : RAGSHARD_TEST_NCCL_LIBRARY;
+  if (file.empty() || access(file.c_str(), R_OK) != 0) {
+    GTEST_SKIP() << "no libnccl.so.2 to open ('" << file << "'; set " << kNcclLibraryEnv << ")";
+  }
   auto api = OpenNccl(file);
   ASSERT_TRUE(api.ok()) << api.status();
   int version = 0;

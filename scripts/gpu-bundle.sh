@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Collects the GPU build's programs into a self-contained folder for a GPU machine that has no
+# package access (issue 23; docs/daemon.md, "GPU backend"):
+#   BUNDLE/bin  the daemons, the CLI, the GPU tests and the benchmark programs, stripped, with an
+#               rpath of $ORIGIN/../lib;
+#   BUNDLE/lib  every shared library they load that is not part of the base system (libc,
+#               libstdc++, libm, libgcc_s, libdl, libpthread, librt, libz, the loader), found
+#               with ldd, with an rpath of $ORIGIN.
+# Neither the driver (libcuda) nor NCCL is bundled: the programs link the CUDA runtime statically
+# and open NCCL at run time (server/daemon/cuda/nccl_api.h).
+#
+#   bash scripts/gpu-bundle.sh [BUILD] [BUNDLE]     (defaults: build, BUILD/gpu-bundle)
+#
+# BUILD must be configured with the GPU targets (RAGSHARD_WITH_CUDA=AUTO or ON, CUDA found); the
+# programs are built there if they are not yet. Fails, naming it, if a library cannot be found or
+# the bundle passes 48 MiB.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build=${1:-build}
+bundle=${2:-$build/gpu-bundle}
+max_mib=48
+
+programs=(server/ragshardd server/ragshard-planner client/ragshardctl
+  tests/gpu_test tests/gpu_data_plane_test tests/nccl_api_test
+  bench/daemon_bench bench/collectives_bench)
+base='^(libc|libstdc\+\+|libm|libgcc_s|libdl|libpthread|librt|libz|ld-linux-x86-64|linux-vdso)\.so'
+
+if [[ ! -f $build/CMakeCache.txt ]]; then
+  echo "gpu-bundle: $build is not a configured build folder (cmake -S . -B $build -G Ninja)" >&2
+  exit 2
+fi
+for tool in patchelf strip ldd; do
+  command -v "$tool" >/dev/null || { echo "gpu-bundle: $tool is missing (scripts/install-deps.sh)" >&2; exit 2; }
+done
+targets=()
+for p in "${programs[@]}"; do targets+=("$(basename "$p")"); done
+cmake --build "$build" --target "${targets[@]}"
+
+rm -rf "$bundle"
+mkdir -p "$bundle/bin" "$bundle/lib"
+for p in "${programs[@]}"; do
+  install -m 755 "$build/$p" "$bundle/bin/"
+  strip --strip-unneeded "$bundle/bin/$(basename "$p")"
+done
+
+# The libraries every program loads, directly or through another library.
+for p in "${programs[@]}"; do
+  while read -r name _ path _; do
+    [[ $name =~ $base ]] && continue
+    if [[ $path == "not" ]]; then
+      echo "gpu-bundle: $p needs $name, which the loader cannot find here" >&2
+      exit 1
+    fi
+    [[ -f $bundle/lib/$name ]] && continue
+    install -m 644 "$(readlink -f "$path")" "$bundle/lib/$name"
+    strip --strip-unneeded "$bundle/lib/$name"
+  done < <(ldd "$build/$p" | awk '/=>/ {print $1, $2, $3, $4}')
+done
+for f in "$bundle"/bin/*; do patchelf --set-rpath '$ORIGIN/../lib' "$f"; done
+for f in "$bundle"/lib/*; do patchelf --set-rpath '$ORIGIN' "$f"; done
+
+size_kib=$(du -sk "$bundle" | cut -f1)
+echo "gpu-bundle: $bundle, $((size_kib / 1024)) MiB: $(ls "$bundle/bin" | wc -l) programs," \
+  "$(ls "$bundle/lib" | wc -l) libraries"
+if ((size_kib > max_mib * 1024)); then
+  echo "gpu-bundle: the bundle is over $max_mib MiB" >&2
+  exit 1
+fi
