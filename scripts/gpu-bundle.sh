@@ -23,7 +23,8 @@ max_mib=48
 programs=(server/ragshardd server/ragshard-planner client/ragshardctl
   tests/gpu_test tests/gpu_data_plane_test tests/nccl_api_test
   bench/daemon_bench bench/collectives_bench)
-base='^(libc|libstdc\+\+|libm|libgcc_s|libdl|libpthread|librt|libz|ld-linux-x86-64|linux-vdso)\.so'
+source scripts/gpu-base-libs.sh
+base=$GPU_BASE_LIBS
 
 if [[ ! -f $build/CMakeCache.txt ]]; then
   echo "gpu-bundle: $build is not a configured build folder (cmake -S . -B $build -G Ninja)" >&2

@@ -13,7 +13,8 @@ bash scripts/gpu-bundle.sh "$build" "$tmp/made"
 mv "$tmp/made" "$tmp/moved"
 lib=$(readlink -f "$tmp/moved/lib")
 bare=(env -i PATH=/usr/bin:/bin)
-base='^(libc|libstdc\+\+|libm|libgcc_s|libdl|libpthread|librt|libz|ld-linux-x86-64|linux-vdso)\.so'
+source scripts/gpu-base-libs.sh
+base=$GPU_BASE_LIBS
 fail=0
 for f in "$tmp"/moved/bin/*; do
   while read -r name _ path _; do

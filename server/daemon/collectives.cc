@@ -104,9 +104,8 @@ absl::Status AllGather(Comm& comm, const char* own, char* buffer, size_t block_b
     return placed < block_bytes;
   };
   auto finish = [&](absl::Status st) {
-    if (st.ok() && placed < block_bytes) {
-      StreamCopy(slot + placed, own + placed, block_bytes - placed);
-      placed = block_bytes;
+    if (st.ok()) {
+      while (placed < block_bytes) place();
     }
     return st;
   };

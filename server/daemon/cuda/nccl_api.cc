@@ -4,6 +4,7 @@
 #include <link.h>
 
 #include <cstdlib>
+#include <type_traits>
 
 #include "absl/strings/str_cat.h"
 
