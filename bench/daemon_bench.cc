@@ -153,10 +153,13 @@ int Main(int argc, char** argv) {
   }
   char self[4096] = {0};
   if (readlink("/proc/self/exe", self, sizeof(self) - 1) <= 0) return 1;
-  const std::string build = Dir(Dir(self));
+  // The servers: beside this program (the GPU bundle's bin/), or in the build folder's server/.
+  const std::string here = Dir(self);
+  const std::string servers =
+      access((here + "/ragshardd").c_str(), X_OK) == 0 ? here : Dir(here) + "/server";
   char tmpl[] = "/tmp/ragshard_daemon_bench.XXXXXX";
   const std::string dir = mkdtemp(tmpl);
-  Proc planner = Spawn({build + "/server/ragshard-planner", "--listen", "127.0.0.1:0", "--data-dir",
+  Proc planner = Spawn({servers + "/ragshard-planner", "--listen", "127.0.0.1:0", "--data-dir",
                         dir, "--port-file", dir + "/port"},
                        dir + "/planner.out");
   std::string address;
@@ -171,7 +174,7 @@ int Main(int argc, char** argv) {
   std::vector<Proc> daemons;
   for (int d = 0; d < 2; ++d) {
     const std::string sock = dir + "/d" + std::to_string(d) + ".sock";
-    daemons.push_back(Spawn({build + "/server/ragshardd", "--planner", address, "--node-id",
+    daemons.push_back(Spawn({servers + "/ragshardd", "--planner", address, "--node-id",
                              "node-" + std::to_string(d), "--socket", sock, "--pool-bytes",
                              std::to_string(int64_t{4} << 30), "--heartbeat-ms", "200"},
                             dir + "/daemon" + std::to_string(d) + ".out"));

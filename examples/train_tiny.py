@@ -45,7 +45,7 @@ class Block(torch.nn.Module):
         shape = (b, t, self.heads, d // self.heads)
         q, k, v = (z.view(shape).transpose(1, 2) for z in (q, k, v))
         att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
-        mask = torch.triu(torch.ones(t, t, dtype=torch.bool), diagonal=1)
+        mask = torch.triu(torch.ones(t, t, dtype=torch.bool, device=x.device), diagonal=1)
         att = att.masked_fill(mask, float("-inf")).softmax(-1)
         y = (att @ v).transpose(1, 2).reshape(b, t, d)
         x = x + self.proj(y)
@@ -62,7 +62,7 @@ class TinyLM(torch.nn.Module):
         self.head = torch.nn.Linear(d, vocab, bias=False)
 
     def forward(self, idx):
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
         for layer in self.layers:
             x = layer(x)
         return self.head(self.ln(x))
@@ -115,6 +115,9 @@ def parse():
     p.add_argument("--quantize", choices=["none", "int8", "fp8"], default="none",
                    help="block-quantized all-gather (one fp32 scale per 128x128 block)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu",
+                   help="where the model computes: cpu, or cuda with --reference or with the "
+                   "daemons' cuda backend (their buffers are CUDA tensors)")
     p.add_argument("--reference", action="store_true", help="one process, plain PyTorch")
     p.add_argument("--ddp", default="", metavar="STORE_FILE",
                    help="torch.distributed DDP over gloo instead of ragshard (RANK, WORLD_SIZE "
@@ -161,6 +164,7 @@ def reference(args, model, chain):
         total = 0.0
         for micro in range(args.accum):
             x, y = batch(chain, args.seed, step * args.accum + micro, w * args.batch, args.seq)
+            x, y = x.to(args.device), y.to(args.device)
             logits = model(x)
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, args.vocab),
                                                      y.reshape(-1))
@@ -178,7 +182,7 @@ def reference(args, model, chain):
         losses.append(total)
         if not args.quiet:
             print(f"reference step {step + 1}/{args.steps} loss {total:.6f}", flush=True)
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses, {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
 
 
 def sharded(args, model, chain):
@@ -208,6 +212,7 @@ def sharded(args, model, chain):
         total = 0.0
         for micro in range(args.accum):
             x, y = batch(chain, args.seed, step * args.accum + micro, w * args.batch, args.seq)
+            x, y = x.to(args.device), y.to(args.device)
             rows = slice(r * args.batch, (r + 1) * args.batch)
             sync = micro == args.accum - 1
             with (fsdp.no_sync() if not sync else _null()):
@@ -332,7 +337,7 @@ def main():
     args = parse()
     start_rss = max_rss()  # torch imported, no model yet
     torch.manual_seed(args.seed)
-    model = TinyLM(args.vocab, args.dim, args.layers, args.heads, args.seq)
+    model = TinyLM(args.vocab, args.dim, args.layers, args.heads, args.seq).to(args.device)
     chain = bigram_chain(args.vocab, args.seed)
     extra = {}
     if args.reference:

@@ -5,7 +5,11 @@
 #               rpath of $ORIGIN/../lib;
 #   BUNDLE/lib  every shared library they load that is not part of the base system (libc,
 #               libstdc++, libm, libgcc_s, libdl, libpthread, librt, libz, the loader), found
-#               with ldd, with an rpath of $ORIGIN.
+#               with ldd, with an rpath of $ORIGIN;
+#   BUNDLE/python/ragshard  the Python package, its client library (libragshard_c.so, a C ABI
+#               loaded with ctypes: any CPython 3.10 to 3.13) with an rpath of $ORIGIN/../../lib;
+#   BUNDLE/run.sh, BUNDLE/tools/checks.py  the one command (scripts/gpu/run.sh) and its Python
+#               checks; BUNDLE/examples/train_tiny.py  the training they run.
 # Neither the driver (libcuda) nor NCCL is bundled: the programs link the CUDA runtime statically
 # and open NCCL at run time (server/daemon/cuda/nccl_api.h).
 #
@@ -22,7 +26,8 @@ max_mib=48
 
 programs=(server/ragshardd server/ragshard-planner client/ragshardctl
   tests/gpu_test tests/gpu_data_plane_test tests/nccl_api_test
-  bench/daemon_bench bench/collectives_bench)
+  bench/daemon_bench bench/collectives_bench bench/gpu_data_plane_bench)
+pylib=python/ragshard/libragshard_c.so
 source scripts/gpu-base-libs.sh
 base=$GPU_BASE_LIBS
 
@@ -35,17 +40,23 @@ for tool in patchelf strip ldd; do
 done
 targets=()
 for p in "${programs[@]}"; do targets+=("$(basename "$p")"); done
-cmake --build "$build" --target "${targets[@]}"
+cmake --build "$build" --target "${targets[@]}" ragshard_c ragshard_python
 
 rm -rf "$bundle"
-mkdir -p "$bundle/bin" "$bundle/lib"
+mkdir -p "$bundle/bin" "$bundle/lib" "$bundle/python" "$bundle/tools" "$bundle/examples"
 for p in "${programs[@]}"; do
   install -m 755 "$build/$p" "$bundle/bin/"
   strip --strip-unneeded "$bundle/bin/$(basename "$p")"
 done
+cp -r "$build/python/ragshard" "$bundle/python/"
+find "$bundle/python" -name __pycache__ -prune -exec rm -rf {} +
+strip --strip-unneeded "$bundle/$pylib"
+install -m 755 scripts/gpu/run.sh "$bundle/run.sh"
+install -m 644 scripts/gpu/checks.py "$bundle/tools/checks.py"
+install -m 644 examples/train_tiny.py "$bundle/examples/"
 
 # The libraries every program loads, directly or through another library.
-for p in "${programs[@]}"; do
+for p in "${programs[@]}" "$pylib"; do
   while read -r name _ path _; do
     [[ $name =~ $base ]] && continue
     if [[ $path == "not" ]]; then
@@ -59,6 +70,7 @@ for p in "${programs[@]}"; do
 done
 for f in "$bundle"/bin/*; do patchelf --set-rpath '$ORIGIN/../lib' "$f"; done
 for f in "$bundle"/lib/*; do patchelf --set-rpath '$ORIGIN' "$f"; done
+patchelf --set-rpath '$ORIGIN/../../lib' "$bundle/$pylib"
 
 size_kib=$(du -sk "$bundle" | cut -f1)
 echo "gpu-bundle: $bundle, $((size_kib / 1024)) MiB: $(ls "$bundle/bin" | wc -l) programs," \

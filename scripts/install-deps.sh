@@ -17,7 +17,7 @@ PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev
   libsqlite3-dev sqlite3 libssl-dev openssl nlohmann-json3-dev libcli11-dev zlib1g-dev
   libopenmpi-dev openmpi-bin libgloo-dev
-  pybind11-dev python3-dev python3-venv
+  python3-venv
   patchelf
 )
 

@@ -1,8 +1,8 @@
 """ragshard: RaggedShard FSDP for PyTorch training loops.
 
-`ragshard._core` is the C++ client library (pybind11): a `Client` attaches to the node's
-`ragshardd`, and its numpy arrays view the daemon's buffers without copying. `ragshard.torch`
-shards a `torch.nn.Module` over it (`fully_shard`), `ragshard.launch` starts ranks.
+`ragshard._core` is the C++ client library (a C ABI through ctypes): a `Client` attaches to
+the node's `ragshardd`, and its numpy arrays view the daemon's buffers without copying.
+`ragshard.torch` shards a `torch.nn.Module` over it (`fully_shard`), `ragshard.launch` starts ranks.
 """
 import json
 import os

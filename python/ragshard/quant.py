@@ -65,7 +65,7 @@ def quantize(x, ids, blocks, kind):
     """Codes (int8 or float8_e4m3fn, like x) and scales (fp32, `blocks`) of x by block ids
     (-1: padding, coded as 0)."""
     valid = ids >= 0
-    amax = torch.zeros(max(blocks, 1)).scatter_reduce(0, ids[valid], x[valid].abs(), "amax")
+    amax = torch.zeros(max(blocks, 1), device=x.device).scatter_reduce(0, ids[valid], x[valid].abs(), "amax")
     scale = amax / QMAX[kind]
     scale[scale == 0] = 1.0
     y = torch.where(valid, x / scale[ids.clamp_min(0)], torch.zeros_like(x))

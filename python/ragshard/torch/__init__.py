@@ -657,7 +657,7 @@ class ShardedModule(torch.nn.Module):
             self.client.unshard(ui).wait()
             self._bind(ui)
             for n, p in params:
-                out[n] = p.detach().float().clone()
+                out[n] = p.detach().float().cpu().clone()
             if not was:
                 self._reshard(ui)
         return out

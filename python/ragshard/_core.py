@@ -1,0 +1,284 @@
+"""ragshard._core: the C++ client library (libragshard_c.so, python/ragshard_c.h) through ctypes.
+
+Loaded with ctypes over a C ABI, the library depends on no CPython version: one build imports
+under any CPython 3.10 to 3.13 (docs/gpu.md). ctypes releases the GIL around every call.
+
+numpy arrays view the daemon's buffers without copying (their base object keeps the client, hence
+the mapping, alive); bf16 and fp16 buffers are uint16 arrays, to be viewed with torch's
+.view(torch.bfloat16). Buffers in device memory are DeviceBuffers, whose
+__cuda_array_interface__ torch turns into CUDA tensors without a copy. Errors raise Error
+(a RuntimeError) with the status code's name first; a unit out of range raises IndexError and a
+bad argument ValueError.
+"""
+import ctypes
+import json
+import os
+
+ABI_VERSION = 1
+_BAD_ARGUMENT, _OUT_OF_RANGE = -1, -2
+_BUFFER_KINDS = {"param_shard": 0, "unsharded": 1, "grad": 2, "grad_shard": 3, "owner_buffer": 4}
+
+
+class Error(RuntimeError):
+    """A failed call of the client library: "CODE: message" (absl's status code names)."""
+
+
+def _load():
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "libragshard_c.so")
+    try:
+        lib = ctypes.CDLL(path)
+    except OSError as e:
+        raise ImportError(f"ragshard: cannot load the client library {path}: {e}") from None
+    c_p, i64, i32, cstr = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_char_p
+    out_str = ctypes.POINTER(cstr)
+    sigs = {
+        "rs_abi_version": (i32, []),
+        "rs_last_error": (cstr, []),
+        "rs_client_create": (i32, [cstr, cstr, cstr, i64, cstr, i64, cstr, i32,
+                                   ctypes.POINTER(c_p)]),
+        "rs_client_destroy": (None, [c_p]),
+        "rs_client_register": (i32, [c_p, cstr, i32]),
+        "rs_client_attach": (i32, [c_p]),
+        "rs_client_plan_json": (i32, [c_p, out_str]),
+        "rs_client_shape": (None, [c_p, ctypes.POINTER(i64), ctypes.POINTER(i32)]),
+        "rs_client_unit_dtype": (i32, [c_p, i32, out_str]),
+        "rs_client_shard_elems": (i32, [c_p, i32, ctypes.POINTER(i64)]),
+        "rs_client_buffer": (i32, [c_p, i32, i32, ctypes.POINTER(ctypes.c_size_t),
+                                   ctypes.POINTER(i64), out_str]),
+        "rs_client_op": (i32, [c_p, cstr, i32, cstr, i32, ctypes.POINTER(c_p)]),
+        "rs_client_noop": (i32, [c_p]),
+        "rs_client_stats": (i32, [c_p, out_str]),
+        "rs_handle_wait": (i32, [c_p, i64]),
+        "rs_handle_poll": (i32, [c_p, ctypes.POINTER(i32)]),
+        "rs_handle_destroy": (None, [c_p]),
+        "rs_create_job": (i32, [cstr, cstr, i64, i64, cstr, cstr, cstr, cstr, i64, cstr, i64,
+                                out_str]),
+        "rs_delete_job": (i32, [cstr, cstr, cstr]),
+        "rs_plan_local": (i32, [cstr, i64, cstr, ctypes.c_int32, out_str]),
+        "rs_data_plane_peak": (None, [ctypes.POINTER(i64), ctypes.POINTER(i64),
+                                      ctypes.POINTER(ctypes.c_double), i64, i64, i32, i64,
+                                      ctypes.POINTER(ctypes.c_double)]),
+    }
+    for name, (res, args) in sigs.items():
+        f = getattr(lib, name)
+        f.restype, f.argtypes = res, args
+    if lib.rs_abi_version() != ABI_VERSION:
+        raise ImportError(f"ragshard: {path} has ABI version {lib.rs_abi_version()}, this "
+                          f"package needs {ABI_VERSION}: rebuild the package")
+    return lib
+
+
+_lib = _load()
+
+
+def _b(s):
+    return s.encode() if isinstance(s, str) else s
+
+
+def _check(code):
+    if code == 0:
+        return
+    message = _lib.rs_last_error().decode(errors="replace")
+    if code == _BAD_ARGUMENT:
+        raise ValueError(message)
+    if code == _OUT_OF_RANGE:
+        raise IndexError(message)
+    raise Error(message)
+
+
+def _string(call, *args):
+    out = ctypes.c_char_p()
+    _check(call(*args, ctypes.byref(out)))
+    return out.value.decode()
+
+
+class _HostView:
+    """A host buffer as numpy's array interface; the array's base, it keeps the client alive."""
+
+    def __init__(self, owner, ptr, count, typestr):
+        self.owner = owner
+        self.__array_interface__ = {"shape": (count,), "typestr": typestr,
+                                    "data": (ptr, False), "version": 3}
+
+
+class DeviceBuffer:
+    """A daemon buffer in device memory; torch.as_tensor(b, device='cuda') builds a tensor on it
+    without a copy. It keeps its client, and so the mapping of the slab, alive."""
+
+    def __init__(self, owner, ptr, count, typestr, device):
+        self.owner, self.ptr, self.device = owner, ptr, device
+        self._count, self._typestr = count, typestr
+
+    @property
+    def __cuda_array_interface__(self):
+        return {"shape": (self._count,), "typestr": self._typestr, "data": (self.ptr, False),
+                "strides": None, "version": 3}
+
+    def __len__(self):
+        return self._count
+
+
+class Handle:
+    """An operation in flight: wait() until it is done (an Error if it failed), or poll()."""
+
+    def __init__(self, owner, handle):
+        self._owner = owner  # keeps the client alive while the handle exists
+        self._h = handle
+
+    def wait(self, timeout_ms=60000):
+        _check(_lib.rs_handle_wait(self._h, int(timeout_ms)))
+
+    def poll(self):
+        done = ctypes.c_int()
+        _check(_lib.rs_handle_poll(self._h, ctypes.byref(done)))
+        return bool(done.value)
+
+    def __del__(self):
+        if getattr(self, "_h", None):
+            _lib.rs_handle_destroy(self._h)
+            self._h = None
+
+
+class Client:
+    """One rank's connection to its planner and its node's daemon."""
+
+    def __init__(self, planner, socket, job, rank, node="", timeout_ms=60000, token_file="",
+                 device_memory="auto"):
+        self._c = None
+        if device_memory not in ("auto", "fake"):
+            raise ValueError(f"device_memory: '{device_memory}' is not one of auto, fake")
+        c = ctypes.c_void_p()
+        _check(_lib.rs_client_create(_b(planner), _b(socket), _b(job), int(rank), _b(node),
+                                     int(timeout_ms), _b(token_file),
+                                     int(device_memory == "fake"), ctypes.byref(c)))
+        self._c = c
+
+    def __del__(self):
+        if getattr(self, "_c", None):
+            _lib.rs_client_destroy(self._c)
+            self._c = None
+
+    def register(self, inventory_json, send_full=True):
+        _check(_lib.rs_client_register(self._c, _b(inventory_json), int(bool(send_full))))
+
+    def attach(self):
+        _check(_lib.rs_client_attach(self._c))
+
+    def plan_json(self):
+        return _string(_lib.rs_client_plan_json, self._c)
+
+    def _shape(self):
+        out, on_device = (ctypes.c_int64 * 5)(), ctypes.c_int()
+        _lib.rs_client_shape(self._c, out, ctypes.byref(on_device))
+        return list(out), bool(on_device.value)
+
+    units = property(lambda self: self._shape()[0][0])
+    world_size = property(lambda self: self._shape()[0][1])
+    replicas = property(lambda self: self._shape()[0][2])
+    rank = property(lambda self: self._shape()[0][3])
+
+    def unit_dtype(self, unit):
+        return _string(_lib.rs_client_unit_dtype, self._c, int(unit))
+
+    def shard_elems(self, unit):
+        out = ctypes.c_int64()
+        _check(_lib.rs_client_shard_elems(self._c, int(unit), ctypes.byref(out)))
+        return out.value
+
+    def _buffer(self, unit, kind):
+        ptr, count, typestr = ctypes.c_size_t(), ctypes.c_int64(), ctypes.c_char_p()
+        _check(_lib.rs_client_buffer(self._c, int(unit), _BUFFER_KINDS[kind], ctypes.byref(ptr),
+                                     ctypes.byref(count), ctypes.byref(typestr)))
+        if count.value < 0:
+            return None
+        shape, on_device = self._shape()
+        if on_device:
+            return DeviceBuffer(self, ptr.value, count.value, typestr.value.decode(), shape[4])
+        import numpy as np
+        return np.asarray(_HostView(self, ptr.value, count.value, typestr.value.decode()))
+
+    def param_shard(self, unit):
+        return self._buffer(unit, "param_shard")
+
+    def unsharded(self, unit):
+        return self._buffer(unit, "unsharded")
+
+    def grad(self, unit):
+        return self._buffer(unit, "grad")
+
+    def grad_shard(self, unit):
+        return self._buffer(unit, "grad_shard")
+
+    def owner_buffer(self, unit):
+        return self._buffer(unit, "owner_buffer")
+
+    def _op(self, kind, unit, op="sum", keep=0):
+        h = ctypes.c_void_p()
+        _check(_lib.rs_client_op(self._c, kind.encode(), int(unit), _b(op), int(keep),
+                                 ctypes.byref(h)))
+        return Handle(self, h)
+
+    def unshard(self, unit):
+        return self._op("unshard", unit)
+
+    def reshard(self, unit, keep=0):
+        return self._op("reshard", unit, keep=keep)
+
+    def allocate_unsharded(self, unit):
+        return self._op("allocate_unsharded", unit)
+
+    def allocate_grad(self, unit):
+        return self._op("allocate_grad", unit)
+
+    def reduce_scatter(self, unit, op="avg"):
+        return self._op("reduce_scatter", unit, op)
+
+    def all_reduce(self, unit, op="avg"):
+        return self._op("all_reduce", unit, op)
+
+    def gather_to_owner(self, unit):
+        return self._op("gather_to_owner", unit)
+
+    def scatter_from_owner(self, unit):
+        return self._op("scatter_from_owner", unit)
+
+    def noop(self):
+        _check(_lib.rs_client_noop(self._c))
+
+    def stats(self):
+        return json.loads(_string(_lib.rs_client_stats, self._c))
+
+
+def create_job(planner, job, shard_size, replicate_size=1, policy="ragged", default_granule="",
+               token_file="", strategy="", memory_budget_bytes=0, optimizer="",
+               tokens_per_step=0):
+    """Creates a job (ALREADY_EXISTS is an error too: the caller decides); returns its id."""
+    return _string(_lib.rs_create_job, _b(planner), _b(job), int(shard_size),
+                   int(replicate_size), _b(policy), _b(default_granule), _b(token_file),
+                   _b(strategy), int(memory_budget_bytes), _b(optimizer), int(tokens_per_step))
+
+
+def delete_job(planner, job, token_file=""):
+    _check(_lib.rs_delete_job(_b(planner), _b(job), _b(token_file)))
+
+
+def plan_local(inventory_json, world, policy="ragged", align_bytes=16):
+    """The plan the planner would compute for `inventory_json` (the planners are deterministic),
+    as protobuf JSON: lets a client size buffers that depend on the shard sizes before
+    registering."""
+    return _string(_lib.rs_plan_local, _b(inventory_json), int(world), _b(policy),
+                   int(align_bytes))
+
+
+def data_plane_peak(units, ranks, shared, prefetch):
+    """The data plane's peak bytes (common/data_plane_memory.h), as the strategy model counts it:
+    units as (shard_elems, shard group size, parameter bytes per element)."""
+    n = len(units)
+    s = (ctypes.c_int64 * n)(*[u[0] for u in units])
+    f = (ctypes.c_int64 * n)(*[u[1] for u in units])
+    b = (ctypes.c_double * n)(*[u[2] for u in units])
+    out = (ctypes.c_double * 4)()
+    _lib.rs_data_plane_peak(s, f, b, n, int(ranks), int(bool(shared)), int(prefetch), out)
+    d = dict(zip(("shards", "grad_shards", "unsharded", "grads"), out))
+    d["total"] = sum(out)
+    return d

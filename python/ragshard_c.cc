@@ -1,0 +1,355 @@
+// libragshard_c: the client library behind the C ABI of ragshard_c.h (ragshard._core loads it
+// with ctypes). Buffers are returned as addresses: the host arena's (host backends) or the GPU
+// slab's, opened from the daemon's CUDA IPC handle (the cuda backend; with fake_device, the host
+// arena, so that the device path's pointers, shapes and types are checked where there is no GPU).
+#include "ragshard_c.h"
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "client/client.h"
+#include "client/device_memory.h"
+#include "common/data_plane_memory.h"
+#include "common/dtype.h"
+#include "common/inventory.h"
+#include "common/planner.h"
+#include "google/protobuf/util/json_util.h"
+
+struct rs_client {
+  std::unique_ptr<ragshard::Client> client;
+  bool fake_device = false;
+  std::unique_ptr<ragshard::DeviceMapping> mapping;  // the GPU slab, once opened
+};
+
+struct rs_handle {
+  ragshard::OpHandle handle;
+};
+
+namespace ragshard {
+namespace {
+
+constexpr int kAbiVersion = 1;
+
+thread_local std::string last_error;
+thread_local std::string last_string;
+
+int Fail(int code, std::string message) {
+  last_error = std::move(message);
+  return code;
+}
+int Fail(const absl::Status& s) {
+  return Fail(static_cast<int>(s.code()),
+              absl::StrCat(absl::StatusCodeToString(s.code()), ": ", s.message()));
+}
+int Out(std::string value, const char** out) {
+  last_string = std::move(value);
+  *out = last_string.c_str();
+  return 0;
+}
+std::string Str(const char* s) { return s == nullptr ? std::string() : std::string(s); }
+
+absl::StatusOr<std::shared_ptr<PlannerClient>> Planner(const char* address,
+                                                       const char* token_file) {
+  PlannerClientOptions o;
+  o.address = Str(address);
+  o.security.token_file = Str(token_file);
+  auto p = GrpcPlannerClient::Create(std::move(o));
+  if (!p.ok()) return p.status();
+  return std::shared_ptr<PlannerClient>(std::move(*p));
+}
+
+std::string ToJson(const google::protobuf::Message& m) {
+  std::string out;
+  google::protobuf::util::JsonPrintOptions opt;
+  opt.preserve_proto_field_names = true;
+  opt.always_print_primitive_fields = true;
+  (void)google::protobuf::util::MessageToJsonString(m, &out, opt);
+  return out;
+}
+
+int CheckUnit(const rs_client* c, int unit) {
+  if (unit >= 0 && unit < c->client->units()) return 0;
+  return Fail(RS_OUT_OF_RANGE,
+              absl::StrCat("unit ", unit, " does not exist (", c->client->units(), " units)"));
+}
+
+std::string Transient(const v1::UnitBuffers& b, const char* what, const char* when) {
+  return absl::StrCat("unit '", b.unit(), "' has no ", what, " now: they exist from ", when,
+                      " (transient buffers, docs/daemon.md)");
+}
+
+// Offset 0 of the buffers' memory: the host arena, or the GPU slab (opened once).
+absl::StatusOr<uintptr_t> Base(rs_client* c) {
+  const bool device = c->client->backend() == "cuda";
+  if (!device || c->fake_device) return reinterpret_cast<uintptr_t>(c->client->arena());
+  if (c->mapping == nullptr) {
+    auto m = OpenCudaIpc(c->client->cuda_device(), c->client->cuda_ipc_handle());
+    if (!m.ok()) return m.status();
+    c->mapping = std::move(*m);
+  }
+  return c->mapping->base();
+}
+
+}  // namespace
+}  // namespace ragshard
+
+using namespace ragshard;  // NOLINT(google-build-using-namespace): the C ABI's definitions
+
+extern "C" {
+
+int rs_abi_version(void) { return kAbiVersion; }
+const char* rs_last_error(void) { return last_error.c_str(); }
+
+int rs_client_create(const char* planner, const char* socket, const char* job, int64_t rank,
+                     const char* node, int64_t timeout_ms, const char* token_file, int fake_device,
+                     rs_client** out) {
+  auto p = Planner(planner, token_file);
+  if (!p.ok()) return Fail(p.status());
+  ClientOptions o;
+  o.planner = std::move(*p);
+  o.daemon_socket = Str(socket);
+  o.job_id = Str(job);
+  o.rank = rank;
+  o.node_id = Str(node);
+  o.timeout = std::chrono::milliseconds(timeout_ms);
+  auto c = Client::Create(std::move(o));
+  if (!c.ok()) return Fail(c.status());
+  *out = new rs_client{std::move(*c), fake_device != 0, nullptr};
+  return 0;
+}
+
+void rs_client_destroy(rs_client* c) { delete c; }
+
+int rs_client_register(rs_client* c, const char* inventory_json, int send_full) {
+  auto inv = ParseInventoryJson(Str(inventory_json));
+  if (!inv.ok()) return Fail(inv.status());
+  const absl::Status s = c->client->Register(*inv, send_full != 0);
+  return s.ok() ? 0 : Fail(s);
+}
+
+int rs_client_attach(rs_client* c) {
+  const absl::Status s = c->client->Attach();
+  return s.ok() ? 0 : Fail(s);
+}
+
+int rs_client_plan_json(rs_client* c, const char** out) {
+  return Out(ToJson(c->client->plan()), out);
+}
+
+void rs_client_shape(rs_client* c, int64_t out[5], int* on_device) {
+  const Client& k = *c->client;
+  out[0] = k.units();
+  out[1] = k.plan().world_size();
+  out[2] = k.replicas();
+  out[3] = k.rank();
+  out[4] = k.cuda_device();
+  *on_device = k.backend() == "cuda" || c->fake_device ? 1 : 0;
+}
+
+int rs_client_unit_dtype(rs_client* c, int unit, const char** out) {
+  if (int e = CheckUnit(c, unit)) return e;
+  return Out(std::string(DTypeName(c->client->buffers(unit).dtype())), out);
+}
+
+int rs_client_shard_elems(rs_client* c, int unit, int64_t* out) {
+  if (int e = CheckUnit(c, unit)) return e;
+  *out = c->client->buffers(unit).shard_elems();
+  return 0;
+}
+
+int rs_client_buffer(rs_client* c, int unit, int kind, uintptr_t* ptr, int64_t* count,
+                     const char** typestr) {
+  if (int e = CheckUnit(c, unit)) return e;
+  const v1::UnitBuffers& b = c->client->buffers(unit);
+  const int64_t s = b.shard_elems(), w = c->client->plan().world_size();
+  int64_t offset = 0;
+  const char* missing = nullptr;  // a transient buffer that does not exist now, and when it does
+  const char* when = nullptr;
+  switch (kind) {
+    case 0:
+      offset = b.param_shard_offset(), *count = s;
+      break;
+    case 1:
+      offset = b.unsharded_offset(), *count = w * s;
+      if (offset < 0) {
+        missing = "unsharded parameters", when = "unshard to reshard";
+      }
+      break;
+    case 2:
+      offset = b.grad_offset(), *count = w * s;
+      if (offset < 0) {
+        missing = "unsharded gradients", when = "allocate_grad to the end of reduce_scatter";
+      }
+      break;
+    case 3:
+      offset = b.grad_shard_offset(), *count = s;
+      break;
+    case 4:
+      if (b.owner_elems() == 0) {
+        *count = -1;
+        return 0;
+      }
+      offset = b.owner_offset(), *count = b.owner_elems();
+      if (offset < 0) {
+        missing = "owner buffer", when = "gather_to_owner to scatter_from_owner";
+      }
+      break;
+    default:
+      return Fail(RS_BAD_ARGUMENT, absl::StrCat("buffer kind ", kind, " is not one of 0 to 4"));
+  }
+  if (missing != nullptr) {
+    return Fail(absl::FailedPreconditionError(Transient(b, missing, when)));
+  }
+  // Element type as numpy names it (bf16/fp16 as uint16, 8-bit types as uint8).
+  const v1::DType d = kind >= 3 ? v1::DTYPE_FP32 : b.dtype();
+  if (d == v1::DTYPE_FP32) {
+    *typestr = "<f4";
+  } else if (d == v1::DTYPE_BF16 || d == v1::DTYPE_FP16) {
+    *typestr = "<u2";
+  } else if (d == v1::DTYPE_UINT8 || d == v1::DTYPE_INT8 || d == v1::DTYPE_FP8E4M3 ||
+             d == v1::DTYPE_FP8E5M2) {
+    *typestr = "|u1";
+  } else {
+    return Fail(absl::UnimplementedError(absl::StrCat("no array view for dtype ", DTypeName(d))));
+  }
+  auto base = Base(c);
+  if (!base.ok()) return Fail(base.status());
+  *ptr = *base + static_cast<uintptr_t>(offset);
+  return 0;
+}
+
+int rs_client_op(rs_client* c, const char* kind, int unit, const char* op, int keep,
+                 rs_handle** out) {
+  const std::string k = Str(kind), o = Str(op);
+  v1::ReduceKind reduce = v1::REDUCE_SUM;
+  if (k == "reduce_scatter" || k == "all_reduce") {
+    if (o == "avg") {
+      reduce = v1::REDUCE_AVG;
+    } else if (o != "sum") {
+      return Fail(RS_BAD_ARGUMENT, absl::StrCat("op: '", o, "' is not one of avg, sum"));
+    }
+  }
+  // GPU buffers: torch's kernels that write them are queued on torch's streams; the daemon's
+  // operation must see what they wrote.
+  if (c->mapping != nullptr) {
+    const absl::Status s = c->mapping->Synchronize();
+    if (!s.ok()) return Fail(s);
+  }
+  Client& cl = *c->client;
+  absl::StatusOr<OpHandle> h;
+  if (k == "unshard") {
+    h = cl.Unshard(unit);
+  } else if (k == "allocate_unsharded") {
+    h = cl.AllocateUnsharded(unit);
+  } else if (k == "allocate_grad") {
+    h = cl.AllocateGrad(unit);
+  } else if (k == "reshard") {
+    h = cl.Reshard(unit, keep);
+  } else if (k == "reduce_scatter") {
+    h = cl.ReduceScatter(unit, reduce);
+  } else if (k == "all_reduce") {
+    h = cl.AllReduce(unit, reduce);
+  } else if (k == "gather_to_owner") {
+    h = cl.GatherToOwner(unit);
+  } else if (k == "scatter_from_owner") {
+    h = cl.ScatterFromOwner(unit);
+  } else {
+    return Fail(RS_BAD_ARGUMENT, absl::StrCat("unknown operation '", k, "'"));
+  }
+  if (!h.ok()) return Fail(h.status());
+  *out = new rs_handle{*h};
+  return 0;
+}
+
+int rs_client_noop(rs_client* c) {
+  const absl::Status s = c->client->NoOp();
+  return s.ok() ? 0 : Fail(s);
+}
+
+int rs_client_stats(rs_client* c, const char** out) {
+  auto s = c->client->DaemonStats();
+  if (!s.ok()) return Fail(s.status());
+  std::string json = absl::StrCat(
+      "{\"pool_capacity\": ", s->pool_capacity(), ", \"pool_used\": ", s->pool_used(),
+      ", \"pool_peak\": ", s->pool_peak(), ", \"pool_fragmentation\": ", s->pool_fragmentation());
+  for (const auto& j : s->jobs()) {
+    if (j.job_id() == c->client->job_id()) {
+      absl::StrAppend(&json, ", \"staging_bytes\": ", j.staging_bytes(),
+                      ", \"operations\": ", j.operations());
+    }
+  }
+  return Out(json + "}", out);
+}
+
+int rs_handle_wait(rs_handle* h, int64_t timeout_ms) {
+  const absl::Status s = h->handle.Wait(std::chrono::milliseconds(timeout_ms));
+  return s.ok() ? 0 : Fail(s);
+}
+
+int rs_handle_poll(rs_handle* h, int* done) {
+  auto d = h->handle.Poll();
+  if (!d.ok()) return Fail(d.status());
+  *done = *d ? 1 : 0;
+  return 0;
+}
+
+void rs_handle_destroy(rs_handle* h) { delete h; }
+
+int rs_create_job(const char* planner, const char* job, int64_t shard_size, int64_t replicate_size,
+                  const char* policy, const char* default_granule, const char* token_file,
+                  const char* strategy, int64_t memory_budget_bytes, const char* optimizer,
+                  int64_t tokens_per_step, const char** job_id) {
+  v1::CreateJobRequest req;
+  req.set_job_id(Str(job));
+  req.mutable_mesh()->set_shard_size(shard_size);
+  req.mutable_mesh()->set_replicate_size(replicate_size);
+  req.mutable_options()->set_policy(Str(policy));
+  req.mutable_options()->set_default_granule(Str(default_granule));
+  req.mutable_options()->set_strategy(Str(strategy));
+  req.mutable_options()->set_memory_budget_bytes(memory_budget_bytes);
+  req.mutable_options()->set_optimizer(Str(optimizer));
+  req.mutable_options()->set_tokens_per_step(tokens_per_step);
+  auto p = Planner(planner, token_file);
+  if (!p.ok()) return Fail(p.status());
+  auto j = (*p)->CreateJob(req);  // ALREADY_EXISTS is an error too: the caller decides
+  if (!j.ok()) return Fail(j.status());
+  return Out(j->job_id(), job_id);
+}
+
+int rs_delete_job(const char* planner, const char* job, const char* token_file) {
+  auto p = Planner(planner, token_file);
+  if (!p.ok()) return Fail(p.status());
+  const absl::Status s = (*p)->DeleteJob(Str(job));
+  return s.ok() ? 0 : Fail(s);
+}
+
+int rs_plan_local(const char* inventory_json, int64_t world, const char* policy,
+                  int32_t align_bytes, const char** out) {
+  auto inv = ParseInventoryJson(Str(inventory_json));
+  if (!inv.ok()) return Fail(inv.status());
+  auto p = ParsePolicy(Str(policy));
+  if (!p.ok()) return Fail(RS_BAD_ARGUMENT, std::string(p.status().message()));
+  PlanOptions o;
+  o.policy = *p;
+  o.world = world;
+  o.align_bytes = align_bytes;
+  auto plan = BuildPlan(*inv, o);
+  if (!plan.ok()) return Fail(plan.status());
+  return Out(ToJson(*plan), out);
+}
+
+void rs_data_plane_peak(const int64_t* shard_elems, const int64_t* group, const double* bytes,
+                        int64_t n, int64_t ranks, int shared, int64_t prefetch, double out[4]) {
+  std::vector<DataPlaneUnit> in;
+  for (int64_t i = 0; i < n; ++i) in.push_back({shard_elems[i], group[i], bytes[i]});
+  const DataPlaneMemory m = DataPlanePeak(in, ranks, shared != 0, prefetch);
+  out[0] = m.shards;
+  out[1] = m.grad_shards;
+  out[2] = m.unsharded;
+  out[3] = m.grads;
+}
+
+}  // extern "C"

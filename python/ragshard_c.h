@@ -1,0 +1,71 @@
+/* libragshard_c: the client library behind a C ABI, which ragshard._core loads with ctypes.
+ *
+ * A C ABI ties the Python package to no CPython version (no Python header, no module init, no
+ * reference counting in C++): one build imports under any CPython 3.10 to 3.13 (docs/gpu.md).
+ *
+ * Every function that can fail returns 0 or an absl::StatusCode, and keeps the message for
+ * rs_last_error() on the calling thread. Strings a function hands out (const char** out) stay
+ * valid until the next call on the same thread; the caller copies them. No function calls back
+ * into Python, so the caller may release the GIL around each call (ctypes does).
+ */
+#pragma once
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+#pragma GCC visibility push(default)
+
+enum { RS_BAD_ARGUMENT = -1, RS_OUT_OF_RANGE = -2 };
+
+typedef struct rs_client rs_client;
+typedef struct rs_handle rs_handle;
+
+/* The ABI's version: ragshard._core refuses a library whose version differs. */
+int rs_abi_version(void);
+const char* rs_last_error(void);
+
+/* fake_device: 1 puts the device path's buffers over the host arena (tests without a GPU). */
+int rs_client_create(const char* planner, const char* socket, const char* job, int64_t rank,
+                     const char* node, int64_t timeout_ms, const char* token_file, int fake_device,
+                     rs_client** out);
+void rs_client_destroy(rs_client* c);
+int rs_client_register(rs_client* c, const char* inventory_json, int send_full);
+int rs_client_attach(rs_client* c);
+int rs_client_plan_json(rs_client* c, const char** out);
+/* units, world_size, replicas, rank, cuda_device; *on_device: 1 when buffers are device memory. */
+void rs_client_shape(rs_client* c, int64_t out[5], int* on_device);
+int rs_client_unit_dtype(rs_client* c, int unit, const char** out);
+int rs_client_shard_elems(rs_client* c, int unit, int64_t* out);
+/* kind: 0 param shard, 1 unsharded, 2 grad, 3 grad shard, 4 owner buffer. *count is -1 when the
+ * unit has no owner buffer. *typestr is numpy's ("<f4", "<u2", "|u1"). */
+int rs_client_buffer(rs_client* c, int unit, int kind, uintptr_t* ptr, int64_t* count,
+                     const char** typestr);
+/* kind: unshard, reshard, allocate_unsharded, allocate_grad, reduce_scatter, all_reduce,
+ * gather_to_owner, scatter_from_owner; op: avg or sum (the reductions). */
+int rs_client_op(rs_client* c, const char* kind, int unit, const char* op, int keep,
+                 rs_handle** out);
+int rs_client_noop(rs_client* c);
+/* The daemon's pool and this job's figures, as a JSON object. */
+int rs_client_stats(rs_client* c, const char** out);
+
+int rs_handle_wait(rs_handle* h, int64_t timeout_ms);
+int rs_handle_poll(rs_handle* h, int* done);
+void rs_handle_destroy(rs_handle* h);
+
+int rs_create_job(const char* planner, const char* job, int64_t shard_size, int64_t replicate_size,
+                  const char* policy, const char* default_granule, const char* token_file,
+                  const char* strategy, int64_t memory_budget_bytes, const char* optimizer,
+                  int64_t tokens_per_step, const char** job_id);
+int rs_delete_job(const char* planner, const char* job, const char* token_file);
+int rs_plan_local(const char* inventory_json, int64_t world, const char* policy,
+                  int32_t align_bytes, const char** out);
+/* common/data_plane_memory.h for n units; out: shards, grad_shards, unsharded, grads. */
+void rs_data_plane_peak(const int64_t* shard_elems, const int64_t* group, const double* bytes,
+                        int64_t n, int64_t ranks, int shared, int64_t prefetch, double out[4]);
+
+#pragma GCC visibility pop
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,225 @@
+"""The GPU bundle's Python checks, run by run.sh (scripts/gpu/run.sh) with the machine's python3.
+
+    python3 checks.py BUNDLE OUTDIR nccl|package|training|fp8
+
+Each check writes OUTDIR/checks/<name>.json: {"name", "status": passed|failed|skipped,
+"reason", "figures"}; `nccl` prints the NCCL library it finds instead. The package comes from
+BUNDLE/python (the client library through ctypes: no numpy or torch needed to import it), the
+programs from BUNDLE/bin (on PATH), the training script from BUNDLE/examples.
+"""
+import glob
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import traceback
+
+BUNDLE, OUT, WHAT = sys.argv[1], sys.argv[2], sys.argv[3]
+sys.path.insert(0, os.path.join(BUNDLE, "python"))
+EXAMPLE = os.path.join(BUNDLE, "examples", "train_tiny.py")
+SMALL = ["--layers", "2", "--dim", "64", "--heads", "4", "--seq", "16", "--batch", "2",
+         "--vocab", "32", "--steps", "5", "--quiet"]
+ENV = dict(os.environ, PYTHONPATH=os.path.join(BUNDLE, "python"))
+# run.sh found a GPU (nvidia-smi): the CUDA checks are this script's; otherwise run.sh reports
+# them as skipped.
+GPU = os.environ.get("RAGSHARD_BUNDLE_GPU") == "1"
+INV = {"units": [{"name": "a", "tensors": [{"name": "w", "shape": [64, 8], "dtype": "fp32"}]},
+                 {"name": "b", "tensors": [{"name": "v", "shape": [96], "dtype": "bf16"}]}]}
+
+
+def record(name, status, reason="", **figures):
+    os.makedirs(os.path.join(OUT, "checks"), exist_ok=True)
+    with open(os.path.join(OUT, "checks", name + ".json"), "w") as f:
+        json.dump({"name": name, "status": status, "reason": reason, "figures": figures}, f)
+    print(f"{name}: {status}" + (f" ({reason})" if reason else ""), flush=True)
+
+
+def guarded(name, body):
+    """Runs body(); an exception fails the check with its last line."""
+    try:
+        body()
+    except Exception as e:  # every failure is the check's result, not a crash of run.sh
+        traceback.print_exc()
+        lines = str(e).strip().splitlines() or [""]
+        record(name, "failed", f"{type(e).__name__}: {lines[-1]}")
+
+
+def find_nccl():
+    """RAGSHARD_NCCL_LIBRARY, the nvidia-nccl wheel of this python's torch, or the system's."""
+    if os.environ.get("RAGSHARD_NCCL_LIBRARY"):
+        return os.environ["RAGSHARD_NCCL_LIBRARY"]
+    try:
+        import nvidia
+        for root in nvidia.__path__:
+            hits = sorted(glob.glob(os.path.join(root, "**", "libnccl.so*"), recursive=True))
+            if hits:
+                return hits[0]
+    except ImportError:
+        pass
+    r = subprocess.run(["sh", "-c", "ldconfig -p 2>/dev/null | grep -m1 'libnccl.so.2 '"],
+                       capture_output=True, text=True)
+    return r.stdout.rsplit("=> ", 1)[-1].strip() if "=>" in r.stdout else ""
+
+
+def package():
+    """The package imports under this CPython and a client talks to a bundled planner and a host
+    daemon: create a job, register, attach, unshard, reshard, read the pool figures."""
+    import ragshard
+    from ragshard.cluster import LocalCluster
+    with LocalCluster(None, daemons=1, pool_bytes=64 << 20) as c:
+        ragshard.create_job(c.planner, "bundle-package", 1)
+        client = ragshard.Client(c.planner, c.sockets[0], "bundle-package", 0, c.nodes[0], 30000)
+        client.register(json.dumps(INV), True)
+        client.attach()
+        for u in range(client.units):
+            client.unshard(u).wait()
+            client.reshard(u).wait()
+        st = client.stats()
+        if st["pool_peak"] <= 0 or client.units != 2:
+            raise RuntimeError(f"unexpected figures: units {client.units}, stats {st}")
+        record("python_package", "passed", python=sys.version.split()[0],
+               units=client.units, pool_peak_bytes=st["pool_peak"])
+
+
+def launch(cluster, tmp, job, world, extra):
+    out = os.path.join(tmp, job)
+    cmd = [sys.executable, "-m", "ragshard.launch", "--planner", cluster.planner, "--job", job,
+           "--nproc", str(world), "--sockets", ",".join(cluster.sockets), "--create-job",
+           EXAMPLE, "--out", out] + SMALL + extra
+    r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+    if r.returncode != 0:
+        raise RuntimeError(f"{job}: exit {r.returncode}: {(r.stdout + r.stderr)[-1500:]}")
+    with open(out + ".json") as f:
+        return json.load(f)
+
+
+def reference(tmp, world, device):
+    out = os.path.join(tmp, f"ref-{device}")
+    r = subprocess.run([sys.executable, EXAMPLE, "--reference", "--world", str(world),
+                        "--device", device, "--out", out] + SMALL, env=ENV,
+                       capture_output=True, text=True, timeout=300)
+    if r.returncode != 0:
+        raise RuntimeError(f"reference: exit {r.returncode}: {r.stderr[-1500:]}")
+    with open(out + ".json") as f:
+        return json.load(f)
+
+
+def worst(a, b):
+    """The largest |a - b| / max(1, |b|) over the steps' losses."""
+    if len(a) != len(b):
+        raise RuntimeError(f"{len(a)} losses against {len(b)}")
+    return max(abs(x - y) / max(1.0, abs(y)) for x, y in zip(a, b))
+
+
+def training():
+    cuda_checks = ("training_cuda", "memory_cuda") if GPU else ()
+    try:
+        import torch
+    except ImportError:
+        for name in ("training_host",) + cuda_checks:
+            record(name, "skipped", f"{sys.executable} has no torch")
+        return
+    from ragshard.cluster import LocalCluster
+    tmp = tempfile.mkdtemp(prefix="ragshard-bundle-")
+    host = {}
+
+    def on_host():
+        with LocalCluster(None, daemons=1, pool_bytes=128 << 20) as c:
+            host["w2"] = launch(c, tmp, "host-w2", 2, [])
+            host["w1"] = launch(c, tmp, "host-w1", 1, [])
+        diff = worst(host["w2"]["losses"], reference(tmp, 2, "cpu")["losses"])
+        status = "passed" if diff <= 1e-5 else "failed"
+        record("training_host", status, "" if status == "passed" else
+               f"losses differ from one-process PyTorch by {diff:.3g} (> 1e-5)",
+               ranks=2, steps=len(host["w2"]["losses"]), max_relative_loss_difference=diff)
+    guarded("training_host", on_host)
+    if not GPU:
+        return
+    if not torch.cuda.is_available():
+        for name in cuda_checks:
+            record(name, "failed", f"nvidia-smi lists a GPU but torch.cuda.is_available() is "
+                   f"False in {sys.executable}")
+        return
+    if "w1" not in host:
+        for name in cuda_checks:
+            record(name, "skipped", "the host run to compare with failed (training_host)")
+        return
+
+    def on_cuda():
+        torch.cuda.init()
+        free0, total = torch.cuda.mem_get_info()
+        with LocalCluster(None, daemons=1, pool_bytes=128 << 20, backend="cuda") as c:
+            run = launch(c, tmp, "cuda-w1", 1, ["--device", "cuda"])
+            free1, _ = torch.cuda.mem_get_info()  # the daemon's slab is still allocated
+        diff = worst(run["losses"], host["w1"]["losses"])
+        status = "passed" if diff <= 1e-4 else "failed"
+        record("training_cuda", status, "" if status == "passed" else
+               f"losses differ from the host backend's by {diff:.3g} (> 1e-4)",
+               ranks=1, steps=len(run["losses"]), max_relative_loss_difference=diff,
+               cuda_losses=run["losses"], host_losses=host["w1"]["losses"])
+        record("memory_cuda", "passed", "", pool_peak_bytes=run["pool_peak_bytes"],
+               pool_used_bytes=run["pool_used_bytes"], device_total_bytes=total,
+               device_bytes_held_by_the_daemon_and_rank=free0 - free1,
+               note="cudaMemGetInfo (torch.cuda.mem_get_info) before the daemon started and "
+               "after training, with the daemon still up")
+    guarded("training_cuda", on_cuda)
+
+
+def fp8():
+    """ragshard.quant's FP8 quantize and dequantize on the GPU against the device's copy
+    bandwidth (bytes read + written per second, torch.cuda events, median of 5)."""
+    try:
+        import torch
+    except ImportError:
+        record("fp8_bandwidth", "skipped", f"{sys.executable} has no torch")
+        return
+    if not torch.cuda.is_available():
+        record("fp8_bandwidth", "failed", "nvidia-smi lists a GPU but torch.cuda.is_available() "
+               f"is False in {sys.executable}")
+        return
+    from ragshard import quant
+    n = 64 << 20
+    x = torch.randn(n, device="cuda")
+    ids = torch.arange(n, device="cuda") // quant.FLAT_BLOCK
+    blocks = n // quant.FLAT_BLOCK
+
+    def median_seconds(fn):
+        times = []
+        for i in range(6):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            if i:
+                times.append(a.elapsed_time(b) / 1e3)
+        return sorted(times)[len(times) // 2]
+
+    codes, scales = quant.quantize(x, ids, blocks, "fp8")
+    back = quant.dequantize(codes, scales, ids, "fp8")
+    rel = float((back - x).norm() / x.norm())
+    copy = median_seconds(lambda: x.clone())
+    q = median_seconds(lambda: quant.quantize(x, ids, blocks, "fp8"))
+    d = median_seconds(lambda: quant.dequantize(codes, scales, ids, "fp8"))
+    gbps = lambda moved, s: moved / s / 1e9  # noqa: E731
+    status = "passed" if rel < 0.05 else "failed"
+    record("fp8_bandwidth", status, "" if status == "passed" else
+           f"the FP8 round trip's relative error is {rel:.3g}", elements=n,
+           copy_gbps=gbps(8 * n, copy), quantize_gbps=gbps(5 * n, q),
+           dequantize_gbps=gbps(5 * n, d), quantize_vs_copy=copy / q * 5 / 8,
+           dequantize_vs_copy=copy / d * 5 / 8, round_trip_relative_error=rel,
+           note="bytes counted: fp32 in and out for the copy (8 per element), fp32 and one "
+           "code byte for quantize and dequantize (5 per element); ids and scales not counted")
+
+
+if WHAT == "nccl":
+    print(find_nccl())
+elif WHAT == "package":
+    guarded("python_package", package)
+elif WHAT == "training":
+    training()
+elif WHAT == "fp8":
+    guarded("fp8_bandwidth", fp8)
+else:
+    sys.exit(f"checks.py: unknown check '{WHAT}'")
