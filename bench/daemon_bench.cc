@@ -159,8 +159,8 @@ int Main(int argc, char** argv) {
       access((here + "/ragshardd").c_str(), X_OK) == 0 ? here : Dir(here) + "/server";
   char tmpl[] = "/tmp/ragshard_daemon_bench.XXXXXX";
   const std::string dir = mkdtemp(tmpl);
-  Proc planner = Spawn({servers + "/ragshard-planner", "--listen", "127.0.0.1:0", "--data-dir",
-                        dir, "--port-file", dir + "/port"},
+  Proc planner = Spawn({servers + "/ragshard-planner", "--listen", "127.0.0.1:0", "--data-dir", dir,
+                        "--port-file", dir + "/port"},
                        dir + "/planner.out");
   std::string address;
   for (int i = 0; i < 400 && address.empty(); ++i) {

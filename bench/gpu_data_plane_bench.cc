@@ -93,21 +93,19 @@ int Run(int64_t bytes, int reps, int64_t pool) {
     if (!s.ok()) error = s.ToString();
     return s.ok();
   };
-  const double unshard = TimeIt(reps, [&] {
-    return ok((*dp)->Unshard(0, deadline())) && ok((*dp)->Reshard(0, 1));
-  });
+  const double unshard =
+      TimeIt(reps, [&] { return ok((*dp)->Unshard(0, deadline())) && ok((*dp)->Reshard(0, 1)); });
   const double reduce = TimeIt(reps, [&] {
-    return ok((*dp)->AllocateGrad(0)) && ok((*dp)->ReduceScatter(0, daemon::ReduceOp::kSum,
-                                                                 deadline()));
+    return ok((*dp)->AllocateGrad(0)) &&
+           ok((*dp)->ReduceScatter(0, daemon::ReduceOp::kSum, deadline()));
   });
   if (!error.empty()) return Fail(error);
   void *a = nullptr, *b = nullptr;
   if (cudaMalloc(&a, bytes) != cudaSuccess || cudaMalloc(&b, bytes) != cudaSuccess) {
     return Fail("cudaMalloc of the copy's buffers");
   }
-  const double copy = TimeIt(reps, [&] {
-    return cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice) == cudaSuccess;
-  });
+  const double copy = TimeIt(
+      reps, [&] { return cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice) == cudaSuccess; });
   cudaFree(a);
   cudaFree(b);
   const double gb = static_cast<double>(bytes) / 1e9;
@@ -124,8 +122,9 @@ int Run(int64_t bytes, int reps, int64_t pool) {
 }  // namespace ragshard::gpu
 
 int main(int argc, char** argv) {
-  CLI::App app{"The GPU data plane's intra-device unshard and reduce-scatter against "
-               "cudaMemcpy, on one GPU (one JSON line per size)"};
+  CLI::App app{
+      "The GPU data plane's intra-device unshard and reduce-scatter against "
+      "cudaMemcpy, on one GPU (one JSON line per size)"};
   int64_t max_mib = 256;
   int reps = 5;
   app.add_option("--max-mib", max_mib, "largest unit, MiB (from 1 MiB, x4)")
