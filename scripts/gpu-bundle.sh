@@ -15,8 +15,8 @@
 #
 #   bash scripts/gpu-bundle.sh [BUILD] [BUNDLE]     (defaults: build, BUILD/gpu-bundle)
 #
-# BUILD must be configured with the GPU targets (RAGSHARD_WITH_CUDA=AUTO or ON, CUDA found); the
-# programs are built there if they are not yet. Fails, naming it, if a library cannot be found or
+# BUILD is configured (with RAGSHARD_WITH_CUDA=ON) if it is not yet, and must have the GPU targets
+# (CUDA found); the programs are built there if they are not yet. Fails, naming it, if a library cannot be found or
 # the bundle passes 48 MiB.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,7 +32,17 @@ source scripts/gpu-base-libs.sh
 base=$GPU_BASE_LIBS
 
 if [[ ! -f $build/CMakeCache.txt ]]; then
-  echo "gpu-bundle: $build is not a configured build folder (cmake -S . -B $build -G Ninja)" >&2
+  # A fresh clone: configure BUILD with the GPU targets required (the dependencies come from
+  # scripts/install-deps.sh).
+  python=()
+  [[ -x .venv/bin/python ]] && python=(-DPython_EXECUTABLE="$PWD/.venv/bin/python")
+  cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DRAGSHARD_WITH_CUDA=ON \
+    "${python[@]}" || { echo "gpu-bundle: configuring $build with CUDA failed" >&2; exit 2; }
+fi
+if ! grep -q '^RAGSHARD_WITH_CUDA:STRING=\(AUTO\|ON\)' "$build/CMakeCache.txt" ||
+  ! cmake --build "$build" --target help | grep -q '^gpu_test:'; then
+  echo "gpu-bundle: $build has no GPU targets (CUDA Toolkit 13 and NCCL's header not found;" \
+    "configure it with -DRAGSHARD_WITH_CUDA=ON to see why)" >&2
   exit 2
 fi
 for tool in patchelf strip ldd; do
