@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -18,14 +19,19 @@
 #include "common/planner.h"
 #include "google/protobuf/util/json_util.h"
 
+// The C++ Client is thread-compatible, and ctypes releases the GIL around every call: `mu`
+// serialises the calls that do not wait (what the GIL serialised under the pybind11 module),
+// while register, attach and waits run as before, concurrently with them.
 struct rs_client {
   std::unique_ptr<ragshard::Client> client;
   bool fake_device = false;
   std::unique_ptr<ragshard::DeviceMapping> mapping;  // the GPU slab, once opened
+  std::mutex mu;
 };
 
 struct rs_handle {
   ragshard::OpHandle handle;
+  rs_client* client;
 };
 
 namespace ragshard {
@@ -117,7 +123,9 @@ int rs_client_create(const char* planner, const char* socket, const char* job, i
   o.timeout = std::chrono::milliseconds(timeout_ms);
   auto c = Client::Create(std::move(o));
   if (!c.ok()) return Fail(c.status());
-  *out = new rs_client{std::move(*c), fake_device != 0, nullptr};
+  *out = new rs_client;
+  (*out)->client = std::move(*c);
+  (*out)->fake_device = fake_device != 0;
   return 0;
 }
 
@@ -136,10 +144,12 @@ int rs_client_attach(rs_client* c) {
 }
 
 int rs_client_plan_json(rs_client* c, const char** out) {
+  const std::lock_guard<std::mutex> lock(c->mu);
   return Out(ToJson(c->client->plan()), out);
 }
 
 void rs_client_shape(rs_client* c, int64_t out[5], int* on_device) {
+  const std::lock_guard<std::mutex> lock(c->mu);
   const Client& k = *c->client;
   out[0] = k.units();
   out[1] = k.plan().world_size();
@@ -150,11 +160,13 @@ void rs_client_shape(rs_client* c, int64_t out[5], int* on_device) {
 }
 
 int rs_client_unit_dtype(rs_client* c, int unit, const char** out) {
+  const std::lock_guard<std::mutex> lock(c->mu);
   if (int e = CheckUnit(c, unit)) return e;
   return Out(std::string(DTypeName(c->client->buffers(unit).dtype())), out);
 }
 
 int rs_client_shard_elems(rs_client* c, int unit, int64_t* out) {
+  const std::lock_guard<std::mutex> lock(c->mu);
   if (int e = CheckUnit(c, unit)) return e;
   *out = c->client->buffers(unit).shard_elems();
   return 0;
@@ -162,6 +174,7 @@ int rs_client_shard_elems(rs_client* c, int unit, int64_t* out) {
 
 int rs_client_buffer(rs_client* c, int unit, int kind, uintptr_t* ptr, int64_t* count,
                      const char** typestr) {
+  const std::lock_guard<std::mutex> lock(c->mu);
   if (int e = CheckUnit(c, unit)) return e;
   const v1::UnitBuffers& b = c->client->buffers(unit);
   const int64_t s = b.shard_elems(), w = c->client->plan().world_size();
@@ -223,6 +236,7 @@ int rs_client_buffer(rs_client* c, int unit, int kind, uintptr_t* ptr, int64_t* 
 
 int rs_client_op(rs_client* c, const char* kind, int unit, const char* op, int keep,
                  rs_handle** out) {
+  const std::lock_guard<std::mutex> lock(c->mu);
   const std::string k = Str(kind), o = Str(op);
   v1::ReduceKind reduce = v1::REDUCE_SUM;
   if (k == "reduce_scatter" || k == "all_reduce") {
@@ -260,16 +274,18 @@ int rs_client_op(rs_client* c, const char* kind, int unit, const char* op, int k
     return Fail(RS_BAD_ARGUMENT, absl::StrCat("unknown operation '", k, "'"));
   }
   if (!h.ok()) return Fail(h.status());
-  *out = new rs_handle{*h};
+  *out = new rs_handle{*h, c};
   return 0;
 }
 
 int rs_client_noop(rs_client* c) {
+  const std::lock_guard<std::mutex> lock(c->mu);
   const absl::Status s = c->client->NoOp();
   return s.ok() ? 0 : Fail(s);
 }
 
 int rs_client_stats(rs_client* c, const char** out) {
+  const std::lock_guard<std::mutex> lock(c->mu);
   auto s = c->client->DaemonStats();
   if (!s.ok()) return Fail(s.status());
   std::string json = absl::StrCat(
@@ -290,6 +306,7 @@ int rs_handle_wait(rs_handle* h, int64_t timeout_ms) {
 }
 
 int rs_handle_poll(rs_handle* h, int* done) {
+  const std::lock_guard<std::mutex> lock(h->client->mu);
   auto d = h->handle.Poll();
   if (!d.ok()) return Fail(d.status());
   *done = *d ? 1 : 0;

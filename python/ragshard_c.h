@@ -6,7 +6,9 @@
  * Every function that can fail returns 0 or an absl::StatusCode, and keeps the message for
  * rs_last_error() on the calling thread. Strings a function hands out (const char** out) stay
  * valid until the next call on the same thread; the caller copies them. No function calls back
- * into Python, so the caller may release the GIL around each call (ctypes does).
+ * into Python, so the caller may release the GIL around each call (ctypes does). The calls on a
+ * client that do not wait are serialised by its mutex, as the GIL serialised them under the
+ * former pybind11 module; register, attach and waits are not.
  */
 #pragma once
 
