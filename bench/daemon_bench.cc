@@ -136,6 +136,15 @@ int Main(int argc, char** argv) {
   std::string only_config;  // --config DxK: one (daemons, ranks per daemon) pair only
   for (int i = 1; i < argc; i += 2) {
     const std::string flag = argv[i];
+    if (flag == "--help" || flag == "-h") {
+      std::cout << "usage: daemon_bench [--max-mib N] [--bytes N] [--config DxK]\n"
+                   "  A planner, D ragshardd daemons and D*K rank processes on loopback: unshard\n"
+                   "  and reduce_scatter through ragshard (CSV rows), and the no-op latency.\n"
+                   "  --max-mib N   largest size, MiB (default 256)\n"
+                   "  --bytes N     one size only (>= 4096)\n"
+                   "  --config DxK  one (daemons x ranks per daemon) pair only\n";
+      return 0;
+    }
     if (i + 1 >= argc) {
       std::cerr << "error: " << flag << " needs a value\n";
       return 2;

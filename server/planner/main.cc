@@ -43,6 +43,10 @@ int main(int argc, char** argv) {
   app.add_option("--registration-timeout-ms", registration_timeout_ms,
                  "default registration deadline of new jobs")
       ->capture_default_str();
+  app.add_option("--plan-threads", options.service.plan_threads,
+                 "threads that compute plans; further jobs wait their turn")
+      ->check(CLI::Range(1, 256))
+      ->capture_default_str();
   std::string cluster_profile;
   app.add_option("--cluster-profile", cluster_profile,
                  "cluster profile (profiles/*.json) for jobs of policy auto");

@@ -225,12 +225,7 @@ PlannerService::PlannerService(std::unique_ptr<Store> store, PlannerOptions opti
 
 PlannerService::~PlannerService() {
   Shutdown();
-  std::vector<std::thread> planners;
-  {
-    absl::MutexLock lock(&mu_);
-    planners.swap(planners_);
-  }
-  for (auto& t : planners) t.join();
+  executor_.Stop();  // queued plans are dropped: their jobs are planned again at the next start
 }
 
 void PlannerService::Shutdown() {
@@ -468,7 +463,7 @@ void PlannerService::MaybePlan(const std::string& job_id, JobState* js, Deferred
     if (!r.registered()) return;
   }
   js->planning = true;
-  planners_.emplace_back([this, job_id] { ComputePlan(job_id); });
+  executor_.Submit([this, job_id] { ComputePlan(job_id); });
 }
 
 void PlannerService::ComputePlan(std::string job_id) {

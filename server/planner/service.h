@@ -24,6 +24,7 @@
 #include "common/cluster.h"
 #include "common/strategy.h"
 #include "ragshard/v1/planner.grpc.pb.h"
+#include "server/planner/plan_executor.h"
 #include "server/planner/store.h"
 #include "server/planner/validation.h"
 
@@ -43,6 +44,8 @@ struct PlannerOptions {
   std::string admin_token;
   ServiceLimits limits;
   int64_t max_watchers = 1'000'000;
+  // Threads that compute plans (server/planner/plan_executor.h); more jobs wait in order.
+  int plan_threads = 2;
   // The cluster jobs of policy auto are planned for; without one such jobs are refused.
   std::shared_ptr<const ClusterProfile> cluster_profile;
 };
@@ -175,10 +178,11 @@ class PlannerService final
   std::vector<PendingGet> pending_gets_ ABSL_GUARDED_BY(mu_);
   int64_t watchers_ ABSL_GUARDED_BY(mu_) = 0;
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
-  std::vector<std::thread> planners_ ABSL_GUARDED_BY(mu_);
 
   absl::Notification stop_;
   std::thread ticker_;
+  // Last: stopped and destroyed before the state its plans use.
+  PlanExecutor executor_{options_.plan_threads};
 };
 
 }  // namespace ragshard::planner

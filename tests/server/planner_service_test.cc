@@ -2,6 +2,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <filesystem>
+#include <fstream>
 #include <future>
 #include <thread>
 
@@ -334,6 +336,37 @@ TEST_F(PlannerServiceTest, BadRequestsAreInvalidArgumentNamingTheField) {
   n.set_node_id("n\n1");
   expect(client_->RegisterNode(n).status(), "node_id");
   EXPECT_EQ(client_->GetPlan("j").status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+// Issue 26: a thread per planned job, joined only at shutdown, kept a stack mapping per job
+// until the planner ran out of maps. Plans now run on the bounded executor: planning many jobs
+// leaves the process's mappings and threads where they were.
+int CountLines(const char* path) {
+  std::ifstream f(path);
+  int n = 0;
+  for (std::string line; std::getline(f, line);) ++n;
+  return n;
+}
+int CountThreads() {
+  int n = 0;
+  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator("/proc/self/task")) ++n;
+  return n;
+}
+
+TEST_F(PlannerServiceTest, PlanningManyJobsKeepsThreadsAndMappingsBounded) {
+  const Inventory inv = SmallInventory();
+  auto plan_one = [&](const std::string& id) {
+    Create(id, 1);
+    ASSERT_TRUE(RegisterFull(id, 0, inv).ok());
+    ASSERT_TRUE(client_->WaitForPlan(id, 30s).ok());
+    ASSERT_TRUE(client_->DeleteJob(id).ok());
+  };
+  for (int i = 0; i < 20; ++i) plan_one("warm-" + std::to_string(i));  // gRPC's own threads
+  const int maps = CountLines("/proc/self/maps"), threads = CountThreads();
+  for (int i = 0; i < 300; ++i) plan_one("job-" + std::to_string(i));
+  // A leaked thread costs at least one mapping (its stack); 300 jobs leaked 300 or more.
+  EXPECT_LT(CountLines("/proc/self/maps") - maps, 60);
+  EXPECT_LE(CountThreads() - threads, 4);
 }
 
 TEST_F(PlannerServiceTest, HealthIsServing) { EXPECT_TRUE(client_->Health().ok()); }
