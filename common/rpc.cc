@@ -1,10 +1,13 @@
 #include "common/rpc.h"
 
+#include <sys/stat.h>
+
 #include <fstream>
 #include <sstream>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 
 namespace ragshard {
 
@@ -29,6 +32,17 @@ absl::StatusOr<std::string> ReadFileToString(const std::string& path) {
 absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {
   auto text = ReadFileToString(path);
   if (!text.ok()) return text.status();
+  // A bearer token others can read is no secret (issue 26): refused, as ssh refuses such keys.
+  struct stat st {};
+  if (stat(path.c_str(), &st) != 0) {
+    return absl::NotFoundError(absl::StrCat("cannot stat token file '", path, "'"));
+  }
+  if ((st.st_mode & (S_IRWXG | S_IRWXO)) != 0) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "token file '%s' is open to other users (mode %04o): a bearer token must be readable "
+        "by its owner only (chmod 600 '%s')",
+        path, st.st_mode & 07777, path));
+  }
   std::string token(absl::StripAsciiWhitespace(text->substr(0, text->find('\n'))));
   if (token.empty())
     return absl::InvalidArgumentError(absl::StrCat("token file '", path, "' is empty"));

@@ -23,7 +23,7 @@ absl::Status FromGrpcStatus(const grpc::Status& status);
 absl::StatusOr<std::string> ReadFileToString(const std::string& path);
 
 // Reads a bearer token file: the first line, surrounding whitespace removed. An empty token is
-// an error.
+// an error, and so is a file that group or others may read or write (FAILED_PRECONDITION).
 absl::StatusOr<std::string> ReadTokenFile(const std::string& path);
 
 // Client-side security, the same flags for every client of the planner (ragshardctl, the

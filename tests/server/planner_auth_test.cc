@@ -90,6 +90,24 @@ TEST(PlannerAuthTest, TokensAreRequiredAndDeleteNeedsTheAdminToken) {
   EXPECT_THAT(missing.err, HasSubstr("nope"));
 }
 
+TEST(PlannerAuthTest, TokenFilesOthersCanReadAreRefusedNamingTheFileAndTheMode) {
+  testing::TempDir dir;
+  const std::string open_token = dir.File("token", "s3cret\n", 0644);
+  const std::string log = dir.path() + "/planner.out";
+  const int rc =
+      std::system((std::string(RAGSHARD_PLANNER_PATH) + " --listen 127.0.0.1:0" + " --data-dir " +
+                   dir.path() + " --token-file " + open_token + " >" + log + " 2>&1")
+                      .c_str());
+  EXPECT_EQ(WEXITSTATUS(rc), 2);
+  const std::string err = testing::ReadAll(log);
+  EXPECT_THAT(err, HasSubstr("token file '" + open_token + "' is open to other users (mode 0644)"));
+  EXPECT_THAT(err, HasSubstr("chmod 600"));
+  // The clients read tokens through the same function: ragshardctl refuses it too.
+  Ctl ctl = RunCtl(dir, "jobs --planner 127.0.0.1:1 --token-file " + open_token);
+  EXPECT_NE(ctl.code, 0);
+  EXPECT_THAT(ctl.err, HasSubstr("is open to other users (mode 0644)"));
+}
+
 class TlsTest : public ::testing::Test {
  protected:
   void SetUp() override {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -24,9 +25,11 @@ class TempDir {
   }
   ~TempDir() { std::system(("rm -rf '" + path_ + "'").c_str()); }
   const std::string& path() const { return path_; }
-  std::string File(const std::string& name, const std::string& body) const {
+  // A file holding `body`, with permissions `mode` (token files must be 0600).
+  std::string File(const std::string& name, const std::string& body, int mode = 0600) const {
     std::string p = path_ + "/" + name;
     std::ofstream(p) << body;
+    chmod(p.c_str(), static_cast<mode_t>(mode));
     return p;
   }
 
