@@ -26,6 +26,8 @@ int main(int argc, char** argv) {
   CLI::App app{"ragshard-planner: jobs, plans, nodes and rendezvous for ragshard"};
   app.add_option("--listen", options.listen, "HOST:PORT to listen on (port 0 picks one)")
       ->capture_default_str();
+  app.add_flag("--insecure", options.insecure,
+               "allow listening beyond loopback without TLS (tokens in clear text)");
   app.add_option("--data-dir", options.data_dir,
                  "directory for the SQLite state (WAL mode: must be on local disk, not NFS)")
       ->required();

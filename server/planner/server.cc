@@ -1,13 +1,34 @@
 #include "server/planner/server.h"
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "glog/logging.h"
 #include "grpcpp/health_check_service_interface.h"
 
 namespace ragshard::planner {
 
+bool IsLoopbackListen(const std::string& listen) {
+  if (absl::StartsWith(listen, "unix:")) return true;
+  std::string host = listen.substr(0, listen.rfind(':'));
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  return host == "localhost" || host == "::1" || absl::StartsWith(host, "127.");
+}
+
 absl::StatusOr<std::unique_ptr<PlannerServer>> PlannerServer::Start(PlannerServerOptions options) {
   if (options.data_dir.empty()) return absl::InvalidArgumentError("--data-dir: required");
+  if (!IsLoopbackListen(options.listen) && options.security.tls_cert_file.empty() &&
+      !options.insecure) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--listen ", options.listen, " reaches beyond this machine without TLS: bearer tokens ",
+        "and plans would cross the network in clear text. Give --tls-cert and --tls-key, or ",
+        "--insecure to accept that"));
+  }
+  if (!IsLoopbackListen(options.listen) && options.security.tls_cert_file.empty()) {
+    LOG(WARNING) << "--insecure: listening on " << options.listen
+                 << " without TLS; tokens and plans cross the network in clear text";
+  }
   auto creds = LoadServerCredentials(options.security);
   if (!creds.ok()) return creds.status();
   auto store = Store::Open(options.data_dir);

@@ -17,7 +17,13 @@ struct PlannerServerOptions {
   std::string data_dir;
   ServerSecurityOptions security;
   PlannerOptions service;
+  // Listening beyond loopback without TLS is refused unless this is set (--insecure): a bearer
+  // token must not cross a network in clear text.
+  bool insecure = false;
 };
+
+// True for a listen address only this machine reaches: 127.0.0.0/8, ::1, localhost, unix:.
+bool IsLoopbackListen(const std::string& listen);
 
 class PlannerServer {
  public:

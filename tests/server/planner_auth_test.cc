@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include "common/planner_client.h"
+#include "server/planner/server.h"
 #include "tests/server/test_util.h"
 
 namespace ragshard {
@@ -106,6 +107,26 @@ TEST(PlannerAuthTest, TokenFilesOthersCanReadAreRefusedNamingTheFileAndTheMode) 
   Ctl ctl = RunCtl(dir, "jobs --planner 127.0.0.1:1 --token-file " + open_token);
   EXPECT_NE(ctl.code, 0);
   EXPECT_THAT(ctl.err, HasSubstr("is open to other users (mode 0644)"));
+}
+
+TEST(PlannerAuthTest, ListeningBeyondLoopbackWithoutTlsIsRefusedUnlessInsecure) {
+  for (const char* local :
+       {"127.0.0.1:0", "127.0.0.53:7070", "localhost:0", "[::1]:0", "unix:/tmp/planner.sock"}) {
+    EXPECT_TRUE(planner::IsLoopbackListen(local)) << local;
+  }
+  for (const char* remote : {"0.0.0.0:7070", "[::]:7070", "10.1.2.3:7070", "planner:7070"}) {
+    EXPECT_FALSE(planner::IsLoopbackListen(remote)) << remote;
+  }
+  testing::TempDir dir;
+  planner::PlannerServerOptions o;
+  o.listen = "0.0.0.0:0";
+  o.data_dir = dir.path();
+  auto server = planner::PlannerServer::Start(o);
+  ASSERT_FALSE(server.ok());
+  EXPECT_EQ(server.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(server.status().message(), HasSubstr("--listen 0.0.0.0:0 reaches beyond"));
+  EXPECT_THAT(server.status().message(), HasSubstr("--insecure"));
+  // (Not started with --insecure here: that would open a port beyond this machine.)
 }
 
 class TlsTest : public ::testing::Test {
