@@ -45,6 +45,10 @@ int main(int argc, char** argv) {
   app.add_option("--registration-timeout-ms", registration_timeout_ms,
                  "default registration deadline of new jobs")
       ->capture_default_str();
+  app.add_option("--max-world", options.service.limits.max_world,
+                 "most ranks a job may have (shard_size x replicate_size)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 24))
+      ->capture_default_str();
   app.add_option("--plan-threads", options.service.plan_threads,
                  "threads that compute plans; further jobs wait their turn")
       ->check(CLI::Range(1, 256))

@@ -13,7 +13,7 @@
 namespace ragshard::planner {
 
 struct ServiceLimits {
-  int64_t max_world = int64_t{1} << 20;
+  int64_t max_world = 131072;  // --max-world: ranks per job (shard_size x replicate_size)
   int64_t max_id_length = kMaxIdLength;
   int64_t max_key_length = 256;
   int64_t max_value_bytes = 1 << 20;

@@ -309,6 +309,10 @@ TEST_F(PlannerServiceTest, BadRequestsAreInvalidArgumentNamingTheField) {
   c.mutable_mesh()->set_shard_size(1 << 20);
   c.mutable_mesh()->set_replicate_size(2);
   expect(client_->CreateJob(c).status(), "mesh");
+  // A world past --max-world (131,072 by default) is refused before anything is stored.
+  c.mutable_mesh()->set_shard_size(65536);
+  c.mutable_mesh()->set_replicate_size(3);
+  expect(client_->CreateJob(c).status(), "shard_size * replicate_size = 196608 exceeds 131072");
   c.mutable_mesh()->set_replicate_size(1);
   c.mutable_options()->set_policy("fsdp2");
   expect(client_->CreateJob(c).status(), "options.policy");
