@@ -4,6 +4,7 @@
 //   daemon_bench [--max-mib 256]    (prints CSV rows, bench_common.h)
 //   daemon_bench --rank PLANNER SOCKET JOB RANK NODE BYTES   (internal: one rank process)
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -116,6 +117,7 @@ struct Proc {
 Proc Spawn(const std::vector<std::string>& argv, const std::string& out) {
   pid_t pid = fork();
   if (pid == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGTERM);  // no server outlives the benchmark, even when it is killed
     FILE* f = std::fopen(out.c_str(), "w");
     dup2(fileno(f), 1);
     FILE* e = std::fopen((out + ".err").c_str(), "w");
@@ -128,6 +130,18 @@ Proc Spawn(const std::vector<std::string>& argv, const std::string& out) {
   }
   return {pid, out};
 }
+
+// The planner and the daemons, stopped (SIGTERM, then waited for) and their folder removed on
+// every way out of Main.
+struct Servers {
+  std::string dir;
+  std::vector<Proc> procs;
+  ~Servers() {
+    for (Proc& p : procs) kill(p.pid, SIGTERM);
+    for (Proc& p : procs) waitpid(p.pid, nullptr, 0);
+    if (!dir.empty()) std::system(("rm -rf '" + dir + "'").c_str());
+  }
+};
 
 int Main(int argc, char** argv) {
   if (argc == 8 && std::string(argv[1]) == "--rank") return RankMain(argv + 2);
@@ -168,9 +182,10 @@ int Main(int argc, char** argv) {
       access((here + "/ragshardd").c_str(), X_OK) == 0 ? here : Dir(here) + "/server";
   char tmpl[] = "/tmp/ragshard_daemon_bench.XXXXXX";
   const std::string dir = mkdtemp(tmpl);
-  Proc planner = Spawn({servers + "/ragshard-planner", "--listen", "127.0.0.1:0", "--data-dir", dir,
-                        "--port-file", dir + "/port"},
-                       dir + "/planner.out");
+  Servers running{dir, {}};
+  running.procs.push_back(Spawn({servers + "/ragshard-planner", "--listen", "127.0.0.1:0",
+                                 "--data-dir", dir, "--port-file", dir + "/port"},
+                                dir + "/planner.out"));
   std::string address;
   for (int i = 0; i < 400 && address.empty(); ++i) {
     std::ifstream f(dir + "/port");
@@ -179,14 +194,20 @@ int Main(int argc, char** argv) {
   }
   PlannerClientOptions po;
   po.address = address;
-  auto admin = std::move(*GrpcPlannerClient::Create(po));
-  std::vector<Proc> daemons;
+  auto created = GrpcPlannerClient::Create(po);
+  if (address.empty() || !created.ok()) {
+    std::cerr << "error: the planner did not start (" << servers << "/ragshard-planner; see " << dir
+              << "/planner.out.err)\n";
+    running.dir.clear();  // keep its log
+    return 1;
+  }
+  auto admin = std::move(*created);
   for (int d = 0; d < 2; ++d) {
     const std::string sock = dir + "/d" + std::to_string(d) + ".sock";
-    daemons.push_back(Spawn({servers + "/ragshardd", "--planner", address, "--node-id",
-                             "node-" + std::to_string(d), "--socket", sock, "--pool-bytes",
-                             std::to_string(int64_t{4} << 30), "--heartbeat-ms", "200"},
-                            dir + "/daemon" + std::to_string(d) + ".out"));
+    running.procs.push_back(Spawn({servers + "/ragshardd", "--planner", address, "--node-id",
+                                   "node-" + std::to_string(d), "--socket", sock, "--pool-bytes",
+                                   std::to_string(int64_t{4} << 30), "--heartbeat-ms", "200"},
+                                  dir + "/daemon" + std::to_string(d) + ".out"));
     struct stat st {};
     for (int i = 0; i < 500 && stat((sock + ".fd").c_str(), &st) != 0; ++i)
       std::this_thread::sleep_for(10ms);
@@ -205,7 +226,10 @@ int Main(int argc, char** argv) {
       req.set_job_id(job);
       req.mutable_mesh()->set_shard_size(w);
       req.mutable_mesh()->set_replicate_size(1);
-      if (!admin->CreateJob(req).ok()) return 1;
+      if (auto j = admin->CreateJob(req); !j.ok()) {
+        std::cerr << "error: CreateJob " << job << ": " << j.status() << "\n";
+        return 1;
+      }
       std::vector<Proc> ranks;
       for (int r = 0; r < w; ++r) {
         const int d = r / k;
@@ -264,11 +288,6 @@ int Main(int argc, char** argv) {
       }
     }
   }
-  for (Proc& d : daemons) kill(d.pid, SIGTERM);
-  kill(planner.pid, SIGTERM);
-  for (Proc& d : daemons) waitpid(d.pid, nullptr, 0);
-  waitpid(planner.pid, nullptr, 0);
-  std::system(("rm -rf '" + dir + "'").c_str());
   return 0;
 }
 
