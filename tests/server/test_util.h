@@ -64,10 +64,11 @@ class Child {
       _exit(127);
     }
   }
-  Child(Child&& o) noexcept : pid_(o.pid_) { o.pid_ = -1; }
+  Child(Child&& o) noexcept : pid_(o.pid_), status_(o.status_) { o.pid_ = -1; }
   Child& operator=(Child&& o) noexcept {
     Kill(SIGKILL);
     pid_ = o.pid_;
+    status_ = o.status_;
     o.pid_ = -1;
     return *this;
   }
@@ -75,29 +76,28 @@ class Child {
   pid_t pid() const { return pid_; }
   // Sends `sig` and waits; returns the wait status.
   int Kill(int sig) {
-    if (pid_ <= 0) return 0;
+    if (pid_ <= 0) return status_;
     ::kill(pid_, sig);
-    int status = 0;
-    waitpid(pid_, &status, 0);
-    pid_ = -1;
-    return status;
+    return Wait();
   }
   // Waits for the child to exit; returns the wait status.
   int Wait() {
-    if (pid_ <= 0) return 0;
-    int status = 0;
-    waitpid(pid_, &status, 0);
+    if (pid_ <= 0) return status_;
+    waitpid(pid_, &status_, 0);
     pid_ = -1;
-    return status;
+    return status_;
   }
+  // False once the child has exited (it is reaped then, and Wait() returns its status).
   bool Running() {
     if (pid_ <= 0) return false;
-    int status = 0;
-    return waitpid(pid_, &status, WNOHANG) == 0;
+    if (waitpid(pid_, &status_, WNOHANG) == 0) return true;
+    pid_ = -1;
+    return false;
   }
 
  private:
   pid_t pid_ = -1;
+  int status_ = 0;
 };
 
 // Starts ragshard-planner and waits for its port file. `extra` are additional flags.
@@ -115,7 +115,8 @@ struct PlannerProcess {
                                      data_dir, "--port-file", port_file};
     argv.insert(argv.end(), extra.begin(), extra.end());
     p.child = Child(argv, data_dir + "/planner.log");
-    for (int i = 0; i < 400 && p.address.empty(); ++i) {
+    // Up to a minute (a loaded machine, a large store to load); done at the port file.
+    for (int i = 0; i < 2400 && p.address.empty() && p.child.Running(); ++i) {
       std::string text = ReadAll(port_file);
       if (!text.empty() && text.back() == '\n') p.address = text.substr(0, text.size() - 1);
       if (p.address.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(25));
