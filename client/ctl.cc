@@ -202,7 +202,17 @@ struct Online {
   std::string planner;
   ClientSecurityOptions security;
   bool json = false;
+  double retry_s = 5;  // a planner restart is ridden through for this long
 };
+
+PlannerClientOptions ClientOptions(const Online& o) {
+  PlannerClientOptions opts;
+  opts.address = o.planner;
+  opts.security = o.security;
+  opts.rpc_timeout = std::chrono::milliseconds(10000);
+  opts.retry_window = std::chrono::milliseconds(static_cast<int64_t>(o.retry_s * 1000));
+  return opts;
+}
 
 void AddOnlineFlags(CLI::App* app, Online* o) {
   const char* env = std::getenv("RAGSHARD_PLANNER");
@@ -215,6 +225,10 @@ void AddOnlineFlags(CLI::App* app, Online* o) {
   app->add_option("--tls-key", o->security.tls_key_file, "client key (mutual TLS)");
   app->add_option("--tls-server-name", o->security.tls_server_name,
                   "name to check in the planner's certificate");
+  app->add_option("--retry-s", o->retry_s,
+                  "seconds to keep retrying a planner that is unavailable (restarting)")
+      ->check(CLI::Range(0.0, 3600.0))
+      ->capture_default_str();
 }
 
 std::string OneLine(absl::string_view msg) {
@@ -252,10 +266,7 @@ int Registered(const v1::Job& job) {
 
 int RunOnline(const std::string& command, const Online& o, const std::string& id,
               const std::string& unit, std::ostream& out, std::ostream& err) {
-  PlannerClientOptions opts;
-  opts.address = o.planner;
-  opts.security = o.security;
-  opts.rpc_timeout = std::chrono::milliseconds(10000);
+  const PlannerClientOptions opts = ClientOptions(o);
   auto client_or = GrpcPlannerClient::Create(opts);
   if (!client_or.ok()) return Fail(err, client_or.status());
   PlannerClient& client = **client_or;
@@ -376,10 +387,7 @@ int RunOnline(const std::string& command, const Online& o, const std::string& id
 }
 
 int RunNodes(const Online& o, std::ostream& out, std::ostream& err) {
-  PlannerClientOptions opts;
-  opts.address = o.planner;
-  opts.security = o.security;
-  opts.rpc_timeout = std::chrono::milliseconds(10000);
+  const PlannerClientOptions opts = ClientOptions(o);
   auto client = GrpcPlannerClient::Create(opts);
   if (!client.ok()) return Fail(err, client.status());
   auto nodes = (*client)->ListNodes();
@@ -506,10 +514,7 @@ int RunCtl(int argc, const char* const* argv, std::ostream& out, std::ostream& e
   if (jobs->parsed()) return RunOnline("jobs", online, "", "", out, err);
   if (job_show->parsed()) return RunOnline("job show", online, job_id, "", out, err);
   if (job_create->parsed() || job_delete->parsed()) {
-    PlannerClientOptions opts;
-    opts.address = online.planner;
-    opts.security = online.security;
-    opts.rpc_timeout = std::chrono::milliseconds(10000);
+    const PlannerClientOptions opts = ClientOptions(online);
     auto client = GrpcPlannerClient::Create(opts);
     if (!client.ok()) return Fail(err, client.status());
     if (job_delete->parsed()) {

@@ -1,8 +1,13 @@
 #include "common/planner_client.h"
 
+#include <algorithm>
+#include <cstdlib>
 #include <thread>
 
+#include "absl/random/random.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "glog/logging.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -161,15 +166,66 @@ absl::Status GrpcPlannerClient::Wrap(const grpc::Status& status) const {
   return FromGrpcStatus(status);
 }
 
-#define RAGSHARD_UNARY(method, req, resp)            \
-  grpc::ClientContext ctx;                           \
-  Prepare(&ctx);                                     \
-  grpc::Status st = stub_->method(&ctx, req, &resp); \
+absl::StatusOr<std::chrono::milliseconds> RetryWindowFromEnv(std::chrono::milliseconds fallback) {
+  const char* v = std::getenv("RAGSHARD_PLANNER_RETRY_S");
+  if (v == nullptr || *v == '\0') return fallback;
+  double seconds = 0;
+  if (!absl::SimpleAtod(v, &seconds) || !(seconds >= 0) || seconds > 86400) {
+    return absl::InvalidArgumentError(absl::StrCat("RAGSHARD_PLANNER_RETRY_S='", v,
+                                                   "' is not a number of seconds in [0, 86400]"));
+  }
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+}
+
+grpc::Status GrpcPlannerClient::Retry(const std::function<grpc::Status(grpc::ClientContext*)>& call,
+                                      int* attempts, std::chrono::milliseconds extra) const {
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  std::chrono::milliseconds backoff{100};
+  thread_local absl::BitGen jitter;
+  for (*attempts = 1;; ++*attempts) {
+    grpc::ClientContext ctx;
+    Prepare(&ctx, extra);
+    grpc::Status st = call(&ctx);
+    if (st.error_code() != grpc::StatusCode::UNAVAILABLE) return st;
+    const auto sleep = std::chrono::milliseconds(
+        static_cast<int64_t>(backoff.count() * absl::Uniform(jitter, 0.5, 1.5)));
+    const auto spent = Clock::now() - start;
+    if (spent + sleep > options_.retry_window) {
+      if (*attempts == 1) return st;
+      const double s = std::chrono::duration<double>(spent).count();
+      return grpc::Status(
+          grpc::StatusCode::UNAVAILABLE,
+          absl::StrCat(st.error_message(), " (tried for ", absl::StrFormat("%.1f", s), " s, ",
+                       *attempts, " attempts)"));
+    }
+    std::this_thread::sleep_for(sleep);
+    backoff = std::min(backoff * 2, std::chrono::milliseconds(2000));
+  }
+}
+
+#define RAGSHARD_UNARY(method, req, resp)                                                         \
+  int attempts = 0;                                                                               \
+  grpc::Status st =                                                                               \
+      Retry([&](grpc::ClientContext* ctx) { return stub_->method(ctx, req, &resp); }, &attempts); \
+  (void)attempts;                                                                                 \
   if (!st.ok()) return Wrap(st)
 
 absl::StatusOr<v1::Job> GrpcPlannerClient::CreateJob(const v1::CreateJobRequest& request) {
   v1::CreateJobResponse resp;
-  RAGSHARD_UNARY(CreateJob, request, resp);
+  int attempts = 0;
+  grpc::Status st = Retry(
+      [&](grpc::ClientContext* ctx) { return stub_->CreateJob(ctx, request, &resp); }, &attempts);
+  if (st.error_code() == grpc::StatusCode::ALREADY_EXISTS && attempts > 1) {
+    // An earlier attempt may have been committed before the planner went away: that job, if it
+    // is the one asked for, is the answer.
+    auto job = GetJob(request.job_id());
+    if (job.ok() && job->mesh().shard_size() == request.mesh().shard_size() &&
+        job->mesh().replicate_size() == request.mesh().replicate_size()) {
+      return job;
+    }
+  }
+  if (!st.ok()) return Wrap(st);
   return resp.job();
 }
 
@@ -191,7 +247,12 @@ absl::Status GrpcPlannerClient::DeleteJob(const std::string& job_id) {
   v1::DeleteJobRequest req;
   req.set_job_id(job_id);
   v1::DeleteJobResponse resp;
-  RAGSHARD_UNARY(DeleteJob, req, resp);
+  int attempts = 0;
+  grpc::Status st =
+      Retry([&](grpc::ClientContext* ctx) { return stub_->DeleteJob(ctx, req, &resp); }, &attempts);
+  // NOT_FOUND after a retry: an earlier attempt deleted it.
+  if (st.error_code() == grpc::StatusCode::NOT_FOUND && attempts > 1) return absl::OkStatus();
+  if (!st.ok()) return Wrap(st);
   return absl::OkStatus();
 }
 
@@ -254,9 +315,9 @@ absl::StatusOr<std::string> GrpcPlannerClient::Get(const std::string& job_id,
   req.set_key(key);
   req.set_wait_ms(wait.count());
   v1::GetResponse resp;
-  grpc::ClientContext ctx;
-  Prepare(&ctx, wait);
-  grpc::Status st = stub_->Get(&ctx, req, &resp);
+  int attempts = 0;
+  grpc::Status st =
+      Retry([&](grpc::ClientContext* ctx) { return stub_->Get(ctx, req, &resp); }, &attempts, wait);
   if (!st.ok()) return Wrap(st);
   return resp.value();
 }

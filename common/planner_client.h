@@ -69,7 +69,16 @@ struct PlannerClientOptions {
   // Watch reconnection backoff.
   std::chrono::milliseconds watch_initial_backoff{100};
   std::chrono::milliseconds watch_max_backoff{5'000};
+  // Unary calls that find the planner UNAVAILABLE (a restart) are retried with exponential
+  // backoff and jitter for this long, then fail saying for how long they tried. Retries are
+  // idempotent: a CreateJob or DeleteJob whose earlier attempt was committed returns as if it
+  // had answered (RegisterRank and Put are idempotent on the planner). 0: one attempt.
+  std::chrono::milliseconds retry_window{60'000};
 };
+
+// The retry window a client library takes from RAGSHARD_PLANNER_RETRY_S (seconds, >= 0), or
+// `fallback`. INVALID_ARGUMENT naming the variable when it is not a number.
+absl::StatusOr<std::chrono::milliseconds> RetryWindowFromEnv(std::chrono::milliseconds fallback);
 
 class GrpcPlannerClient final : public PlannerClient {
  public:
@@ -99,6 +108,10 @@ class GrpcPlannerClient final : public PlannerClient {
   void Prepare(grpc::ClientContext* ctx, std::chrono::milliseconds extra = {}) const;
   // Prefixes errors with the planner address, so "unreachable" says where.
   absl::Status Wrap(const grpc::Status& status) const;
+  // Runs `call` (one attempt on a fresh context) until it is not UNAVAILABLE or the retry
+  // window is spent; *attempts counts the attempts. `extra` lengthens each attempt's deadline.
+  grpc::Status Retry(const std::function<grpc::Status(grpc::ClientContext*)>& call, int* attempts,
+                     std::chrono::milliseconds extra = {}) const;
 
   const PlannerClientOptions options_;
   const ClientSecurity security_;

@@ -62,6 +62,9 @@ absl::StatusOr<std::shared_ptr<PlannerClient>> Planner(const char* address,
   PlannerClientOptions o;
   o.address = Str(address);
   o.security.token_file = Str(token_file);
+  auto window = RetryWindowFromEnv(o.retry_window);  // RAGSHARD_PLANNER_RETRY_S, else 60 s
+  if (!window.ok()) return window.status();
+  o.retry_window = *window;
   auto p = GrpcPlannerClient::Create(std::move(o));
   if (!p.ok()) return p.status();
   return std::shared_ptr<PlannerClient>(std::move(*p));

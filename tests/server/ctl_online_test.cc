@@ -99,12 +99,13 @@ TEST_F(CtlOnlineTest, ShowsJobsPlansAndNodes) {
 
 TEST_F(CtlOnlineTest, UnreachablePlannerIsOneLineAndExitCodeOne) {
   const std::string out = dir_.path() + "/o", err = dir_.path() + "/e";
-  int status = std::system(
-      (std::string(RAGSHARDCTL_PATH) + " jobs --planner 127.0.0.1:1 >" + out + " 2>" + err)
-          .c_str());
+  int status = std::system((std::string(RAGSHARDCTL_PATH) +
+                            " jobs --planner 127.0.0.1:1 --retry-s 1 >" + out + " 2>" + err)
+                               .c_str());
   EXPECT_EQ(WEXITSTATUS(status), 1);
   std::string e = testing::ReadAll(err);
   EXPECT_THAT(e, HasSubstr("unreachable"));
+  EXPECT_THAT(e, HasSubstr("(tried for "));  // --retry-s 1: retried for about a second
   EXPECT_EQ(std::count(e.begin(), e.end(), '\n'), 1);
 }
 

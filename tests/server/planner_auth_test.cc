@@ -25,6 +25,9 @@ std::unique_ptr<GrpcPlannerClient> Connect(const std::string& address,
   o.address = address;
   o.security = std::move(security);
   o.rpc_timeout = 5s;
+  // A refused TLS handshake is UNAVAILABLE, as a restarting planner is: one attempt, so that
+  // the refusals are seen at once rather than after the retry window.
+  o.retry_window = 0s;
   auto c = GrpcPlannerClient::Create(o);
   EXPECT_TRUE(c.ok()) << c.status();
   return c.ok() ? std::move(*c) : nullptr;

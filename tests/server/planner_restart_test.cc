@@ -3,6 +3,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <future>
+
 #include "common/models.h"
 #include "common/planner.h"
 #include "common/planner_client.h"
@@ -138,6 +140,47 @@ TEST(PlannerRestartTest, PlansSurviveSigkillByteForByte) {
     }
   }
   EXPECT_EQ(plans, 1);
+}
+
+// Issue 26: a call made while the planner restarts rides through it (retried with backoff for
+// PlannerClientOptions::retry_window), and one that outlasts the window says for how long it
+// tried.
+TEST(PlannerRestartTest, CallsRideThroughARestartAndSayHowLongTheyTried) {
+  testing::TempDir dir;
+  auto p = testing::PlannerProcess::Start(RAGSHARD_PLANNER_PATH, dir.path());
+  ASSERT_FALSE(p.address.empty()) << testing::ReadAll(dir.path() + "/planner.log");
+  const std::string listen = p.address;
+  PlannerClientOptions o;
+  o.address = listen;
+  o.retry_window = 120s;
+  auto client = std::move(*GrpcPlannerClient::Create(o));
+  v1::CreateJobRequest create;
+  create.set_job_id("during-restart");
+  create.mutable_mesh()->set_shard_size(2);
+  create.mutable_mesh()->set_replicate_size(1);
+
+  p.child.Kill(SIGKILL);
+  auto created = std::async(std::launch::async, [&] { return client->CreateJob(create); });
+  // Nothing answers while the planner is down (the call cannot have succeeded).
+  EXPECT_EQ(created.wait_for(300ms), std::future_status::timeout);
+  p = testing::PlannerProcess::Start(RAGSHARD_PLANNER_PATH, dir.path(), {}, listen);
+  ASSERT_EQ(p.address, listen) << testing::ReadAll(dir.path() + "/planner.log");
+  auto job = created.get();
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->job_id(), "during-restart");
+  // Deleting twice: the second is NOT_FOUND (no retry happened, so it is not forgiven).
+  EXPECT_TRUE(client->DeleteJob("during-restart").ok());
+  EXPECT_EQ(client->DeleteJob("during-restart").code(), absl::StatusCode::kNotFound);
+
+  p.child.Kill(SIGKILL);
+  o.retry_window = 1s;
+  auto brief = std::move(*GrpcPlannerClient::Create(o));
+  const auto t0 = std::chrono::steady_clock::now();
+  auto jobs = brief->ListJobs();
+  EXPECT_EQ(jobs.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(jobs.status().message()), ::testing::HasSubstr("(tried for "));
+  EXPECT_THAT(std::string(jobs.status().message()), ::testing::HasSubstr("attempts"));
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, 500ms);  // it did retry
 }
 
 TEST(PlannerRestartTest, RefusesANewerSchema) {
