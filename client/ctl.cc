@@ -218,7 +218,9 @@ void AddOnlineFlags(CLI::App* app, Online* o) {
   const char* env = std::getenv("RAGSHARD_PLANNER");
   o->planner = env != nullptr ? env : "127.0.0.1:7070";
   app->add_option("--planner", o->planner, "planner address HOST:PORT (env RAGSHARD_PLANNER)");
-  app->add_option("--token-file", o->security.token_file, "bearer token file");
+  if (const char* t = std::getenv("RAGSHARD_TOKEN_FILE"); t != nullptr) o->security.token_file = t;
+  app->add_option("--token-file", o->security.token_file,
+                  "bearer token file (env RAGSHARD_TOKEN_FILE)");
   app->add_option("--tls-ca", o->security.tls_ca_file,
                   "CA of the planner's certificate (enables TLS)");
   app->add_option("--tls-cert", o->security.tls_cert_file, "client certificate (mutual TLS)");

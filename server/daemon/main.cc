@@ -1,6 +1,7 @@
 // ragshardd: the node daemon. Flags are defined here only.
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
 #include <thread>
 
@@ -30,7 +31,11 @@ int main(int argc, char** argv) {
   app.add_option("--socket", options.socket_path, "Unix socket of the local service")->required();
   app.add_option("--pool-bytes", options.pool_bytes, "size of the shared-memory pool")->required();
   app.add_option("--data-listen", data_listen, "HOST:PORT for data-plane listeners");
-  app.add_option("--token-file", planner.security.token_file, "planner bearer token");
+  if (const char* t = std::getenv("RAGSHARD_TOKEN_FILE"); t != nullptr) {
+    planner.security.token_file = t;
+  }
+  app.add_option("--token-file", planner.security.token_file,
+                 "planner bearer token file (env RAGSHARD_TOKEN_FILE)");
   app.add_option("--tls-ca", planner.security.tls_ca_file, "planner CA (enables TLS)");
   app.add_option("--tls-cert", planner.security.tls_cert_file, "client certificate (mutual TLS)");
   app.add_option("--tls-key", planner.security.tls_key_file, "client key (mutual TLS)");

@@ -84,6 +84,12 @@ TEST(PlannerAuthTest, TokensAreRequiredAndDeleteNeedsTheAdminToken) {
   Ctl ok = RunCtl(dir, "jobs --planner " + p.address + " --token-file " + token);
   EXPECT_EQ(ok.code, 0) << ok.err;
   EXPECT_THAT(ok.out, HasSubstr("b"));
+  // RAGSHARD_TOKEN_FILE stands for --token-file.
+  ::setenv("RAGSHARD_TOKEN_FILE", token.c_str(), 1);
+  Ctl from_env = RunCtl(dir, "jobs --planner " + p.address);
+  ::unsetenv("RAGSHARD_TOKEN_FILE");
+  EXPECT_EQ(from_env.code, 0) << from_env.err;
+  EXPECT_THAT(from_env.out, HasSubstr("b"));
   Ctl refused = RunCtl(dir, "jobs --planner " + p.address + " --token-file " + wrong);
   EXPECT_EQ(refused.code, 1);
   EXPECT_THAT(refused.err, HasSubstr("invalid bearer token"));
