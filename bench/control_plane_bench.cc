@@ -113,6 +113,7 @@ int Main(int argc, char** argv) {
   for (int i = 0; i < kClients; ++i) {
     PlannerClientOptions o;
     o.address = address;
+    o.retry_window = std::chrono::milliseconds(0);  // measure; never retry
     o.rpc_timeout = std::chrono::seconds(300);
     clients.push_back(std::move(*GrpcPlannerClient::Create(o)));
   }

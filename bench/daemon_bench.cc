@@ -45,6 +45,7 @@ int RankMain(char** argv) {
   if (!absl::SimpleAtoi(argv[3], &rank) || !absl::SimpleAtoi(argv[5], &bytes)) return 2;
   PlannerClientOptions po;
   po.address = planner;
+  po.retry_window = std::chrono::milliseconds(0);  // measure; never retry
   ClientOptions co;
   co.planner = std::shared_ptr<PlannerClient>(std::move(*GrpcPlannerClient::Create(po)));
   co.daemon_socket = socket;
@@ -194,6 +195,7 @@ int Main(int argc, char** argv) {
   }
   PlannerClientOptions po;
   po.address = address;
+  po.retry_window = std::chrono::milliseconds(0);  // measure; never retry
   auto created = GrpcPlannerClient::Create(po);
   if (address.empty() || !created.ok()) {
     std::cerr << "error: the planner did not start (" << servers << "/ragshard-planner; see " << dir

@@ -5,8 +5,9 @@
 //   reduce_scatter  AllocateGrad + ReduceScatter (the gradients reduced into the fp32 shard),
 // each against cudaMemcpy device to device of the same B bytes. One JSON line per size:
 //   {"bytes": B, "copy_gbps": ..., "unshard_gbps": ..., "reduce_scatter_gbps": ..., ...}
-// where a path's GB/s is B over its median time of --reps repetitions (after a warm-up) and the
-// copy's counts B read and B written as cudaMemcpy's. With no usable device it prints
+// where every GB/s is the unit's B bytes over the median time of --reps repetitions (after a
+// warm-up): the copy's too (it reads B and writes B, as the unshard does). With no usable device it
+// prints
 // {"skipped": "<reason>"} and exits 0 (scripts/gpu/run.sh reports it as skipped).
 //
 //   gpu_data_plane_bench [--max-mib 256] [--reps 5]
@@ -101,13 +102,17 @@ int Run(int64_t bytes, int reps, int64_t pool) {
   });
   if (!error.empty()) return Fail(error);
   void *a = nullptr, *b = nullptr;
-  if (cudaMalloc(&a, bytes) != cudaSuccess || cudaMalloc(&b, bytes) != cudaSuccess) {
-    return Fail("cudaMalloc of the copy's buffers");
+  const bool allocated =
+      cudaMalloc(&a, bytes) == cudaSuccess && cudaMalloc(&b, bytes) == cudaSuccess;
+  double copy = -1;
+  if (allocated) {
+    copy = TimeIt(reps,
+                  [&] { return cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice) == cudaSuccess; });
   }
-  const double copy = TimeIt(
-      reps, [&] { return cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice) == cudaSuccess; });
-  cudaFree(a);
+  cudaFree(a);  // cudaFree(nullptr) is a no-op
   cudaFree(b);
+  if (!allocated) return Fail("cudaMalloc of the copy's buffers");
+  if (copy < 0) return Fail("cudaMemcpy device to device failed");
   const double gb = static_cast<double>(bytes) / 1e9;
   std::printf(
       "{\"bytes\": %lld, \"copy_seconds\": %.6g, \"unshard_seconds\": %.6g, "

@@ -218,10 +218,16 @@ absl::StatusOr<v1::Job> GrpcPlannerClient::CreateJob(const v1::CreateJobRequest&
       [&](grpc::ClientContext* ctx) { return stub_->CreateJob(ctx, request, &resp); }, &attempts);
   if (st.error_code() == grpc::StatusCode::ALREADY_EXISTS && attempts > 1) {
     // An earlier attempt may have been committed before the planner went away: that job, if it
-    // is the one asked for, is the answer.
+    // is the one asked for (the same mesh and options, still registering), is the answer.
     auto job = GetJob(request.job_id());
-    if (job.ok() && job->mesh().shard_size() == request.mesh().shard_size() &&
-        job->mesh().replicate_size() == request.mesh().replicate_size()) {
+    const auto& o = request.options();
+    if (job.ok() && job->status() == v1::JOB_REGISTERING &&
+        job->mesh().shard_size() == request.mesh().shard_size() &&
+        job->mesh().replicate_size() == request.mesh().replicate_size() &&
+        (o.policy().empty() || o.policy() == job->options().policy()) &&
+        o.strategy() == job->options().strategy() && o.optimizer() == job->options().optimizer() &&
+        o.memory_budget_bytes() == job->options().memory_budget_bytes() &&
+        o.default_granule() == job->options().default_granule()) {
       return job;
     }
   }
@@ -247,12 +253,7 @@ absl::Status GrpcPlannerClient::DeleteJob(const std::string& job_id) {
   v1::DeleteJobRequest req;
   req.set_job_id(job_id);
   v1::DeleteJobResponse resp;
-  int attempts = 0;
-  grpc::Status st =
-      Retry([&](grpc::ClientContext* ctx) { return stub_->DeleteJob(ctx, req, &resp); }, &attempts);
-  // NOT_FOUND after a retry: an earlier attempt deleted it.
-  if (st.error_code() == grpc::StatusCode::NOT_FOUND && attempts > 1) return absl::OkStatus();
-  if (!st.ok()) return Wrap(st);
+  RAGSHARD_UNARY(DeleteJob, req, resp);
   return absl::OkStatus();
 }
 

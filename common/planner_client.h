@@ -71,8 +71,9 @@ struct PlannerClientOptions {
   std::chrono::milliseconds watch_max_backoff{5'000};
   // Unary calls that find the planner UNAVAILABLE (a restart) are retried with exponential
   // backoff and jitter for this long, then fail saying for how long they tried. Retries are
-  // idempotent: a CreateJob or DeleteJob whose earlier attempt was committed returns as if it
-  // had answered (RegisterRank and Put are idempotent on the planner). 0: one attempt.
+  // idempotent: a CreateJob whose earlier attempt was committed returns that job (the same mesh
+  // and options, still registering); RegisterRank and Put are idempotent on the planner; a
+  // DeleteJob retried after its first attempt was committed answers NOT_FOUND. 0: one attempt.
   std::chrono::milliseconds retry_window{60'000};
 };
 

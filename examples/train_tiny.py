@@ -115,9 +115,9 @@ def parse():
     p.add_argument("--quantize", choices=["none", "int8", "fp8"], default="none",
                    help="block-quantized all-gather (one fp32 scale per 128x128 block)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu",
-                   help="where the model computes: cpu, or cuda with --reference or with the "
-                   "daemons' cuda backend (their buffers are CUDA tensors)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where the model computes: cuda with --reference, or with the daemons' "
+                   "cuda backend (their buffers are CUDA tensors); fp32 AdamW only")
     p.add_argument("--reference", action="store_true", help="one process, plain PyTorch")
     p.add_argument("--ddp", default="", metavar="STORE_FILE",
                    help="torch.distributed DDP over gloo instead of ragshard (RANK, WORLD_SIZE "
@@ -335,6 +335,10 @@ class _null:
 
 def main():
     args = parse()
+    if args.device == "cuda" and (args.ddp or args.fsdp2 or args.param_dtype != "fp32" or
+                                  args.optimizer != "adamw" or args.quantize != "none"):
+        sys.exit("--device cuda: only fp32 AdamW without quantized gathers, through ragshard or "
+                 "--reference (the other paths keep state on the CPU)")
     start_rss = max_rss()  # torch imported, no model yet
     torch.manual_seed(args.seed)
     model = TinyLM(args.vocab, args.dim, args.layers, args.heads, args.seq).to(args.device)

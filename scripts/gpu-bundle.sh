@@ -39,8 +39,9 @@ if [[ ! -f $build/CMakeCache.txt ]]; then
   cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DRAGSHARD_WITH_CUDA=ON \
     "${python[@]}" || { echo "gpu-bundle: configuring $build with CUDA failed" >&2; exit 2; }
 fi
+known_targets=$(cmake --build "$build" --target help)
 if ! grep -q '^RAGSHARD_WITH_CUDA:STRING=\(AUTO\|ON\)' "$build/CMakeCache.txt" ||
-  ! cmake --build "$build" --target help | grep -q '^gpu_test:'; then
+  ! grep -q '^gpu_test:' <<<"$known_targets"; then
   echo "gpu-bundle: $build has no GPU targets (CUDA Toolkit 13 and NCCL's header not found;" \
     "configure it with -DRAGSHARD_WITH_CUDA=ON to see why)" >&2
   exit 2
@@ -50,7 +51,9 @@ for tool in patchelf strip ldd; do
 done
 targets=()
 for p in "${programs[@]}"; do targets+=("$(basename "$p")"); done
-cmake --build "$build" --target "${targets[@]}" ragshard_c ragshard_python
+# Not the target that assembles build/python (tests may be importing from it meanwhile): the
+# package's Python files come from the source tree, its library from the build.
+cmake --build "$build" --target "${targets[@]}" ragshard_c
 
 rm -rf "$bundle"
 mkdir -p "$bundle/bin" "$bundle/lib" "$bundle/python" "$bundle/tools" "$bundle/examples"
@@ -58,8 +61,9 @@ for p in "${programs[@]}"; do
   install -m 755 "$build/$p" "$bundle/bin/"
   strip --strip-unneeded "$bundle/bin/$(basename "$p")"
 done
-cp -r "$build/python/ragshard" "$bundle/python/"
+cp -r python/ragshard "$bundle/python/"
 find "$bundle/python" -name __pycache__ -prune -exec rm -rf {} +
+install -m 755 "$build/$pylib" "$bundle/$pylib"
 strip --strip-unneeded "$bundle/$pylib"
 install -m 755 scripts/gpu/run.sh "$bundle/run.sh"
 install -m 644 scripts/gpu/checks.py "$bundle/tools/checks.py"

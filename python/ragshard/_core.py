@@ -86,6 +86,27 @@ def _check(code):
     raise Error(message)
 
 
+def _unit(unit):
+    """A unit index as the C ABI's int (ctypes would wrap larger ones silently)."""
+    u = int(unit)
+    if not -2**31 <= u < 2**31:
+        raise IndexError(f"unit {u} does not exist")
+    return u
+
+
+class _NoCopy:
+    """The object owns a C pointer that it frees once: it cannot be copied or pickled."""
+
+    def __copy__(self):
+        raise TypeError(f"a ragshard {type(self).__name__} cannot be copied")
+
+    def __deepcopy__(self, memo):
+        raise TypeError(f"a ragshard {type(self).__name__} cannot be copied")
+
+    def __reduce__(self):
+        raise TypeError(f"a ragshard {type(self).__name__} cannot be pickled")
+
+
 def _string(call, *args):
     out = ctypes.c_char_p()
     _check(call(*args, ctypes.byref(out)))
@@ -118,7 +139,7 @@ class DeviceBuffer:
         return self._count
 
 
-class Handle:
+class Handle(_NoCopy):
     """An operation in flight: wait() until it is done (an Error if it failed), or poll()."""
 
     def __init__(self, owner, handle):
@@ -139,7 +160,7 @@ class Handle:
             self._h = None
 
 
-class Client:
+class Client(_NoCopy):
     """One rank's connection to its planner and its node's daemon."""
 
     def __init__(self, planner, socket, job, rank, node="", timeout_ms=60000, token_file="",
@@ -178,16 +199,16 @@ class Client:
     rank = property(lambda self: self._shape()[0][3])
 
     def unit_dtype(self, unit):
-        return _string(_lib.rs_client_unit_dtype, self._c, int(unit))
+        return _string(_lib.rs_client_unit_dtype, self._c, _unit(unit))
 
     def shard_elems(self, unit):
         out = ctypes.c_int64()
-        _check(_lib.rs_client_shard_elems(self._c, int(unit), ctypes.byref(out)))
+        _check(_lib.rs_client_shard_elems(self._c, _unit(unit), ctypes.byref(out)))
         return out.value
 
     def _buffer(self, unit, kind):
         ptr, count, typestr = ctypes.c_size_t(), ctypes.c_int64(), ctypes.c_char_p()
-        _check(_lib.rs_client_buffer(self._c, int(unit), _BUFFER_KINDS[kind], ctypes.byref(ptr),
+        _check(_lib.rs_client_buffer(self._c, _unit(unit), _BUFFER_KINDS[kind], ctypes.byref(ptr),
                                      ctypes.byref(count), ctypes.byref(typestr)))
         if count.value < 0:
             return None
@@ -214,7 +235,7 @@ class Client:
 
     def _op(self, kind, unit, op="sum", keep=0):
         h = ctypes.c_void_p()
-        _check(_lib.rs_client_op(self._c, kind.encode(), int(unit), _b(op), int(keep),
+        _check(_lib.rs_client_op(self._c, kind.encode(), _unit(unit), _b(op), int(keep),
                                  ctypes.byref(h)))
         return Handle(self, h)
 

@@ -64,6 +64,7 @@ def shard_block_ids(unit, rank, shard_elems):
 def quantize(x, ids, blocks, kind):
     """Codes (int8 or float8_e4m3fn, like x) and scales (fp32, `blocks`) of x by block ids
     (-1: padding, coded as 0)."""
+    ids = ids.to(x.device)
     valid = ids >= 0
     amax = torch.zeros(max(blocks, 1), device=x.device).scatter_reduce(0, ids[valid], x[valid].abs(), "amax")
     scale = amax / QMAX[kind]
@@ -74,5 +75,6 @@ def quantize(x, ids, blocks, kind):
 
 def dequantize(codes, scales, ids, kind):
     """fp32 values: decode(codes) * scales[ids], 0 where ids < 0."""
+    ids = ids.to(codes.device)
     v = decode(codes, kind) * scales[ids.clamp_min(0)]
     return torch.where(ids >= 0, v, torch.zeros_like(v))

@@ -9,6 +9,7 @@ programs from BUNDLE/bin (on PATH), the training script from BUNDLE/examples.
 """
 import glob
 import json
+import math
 import os
 import subprocess
 import sys
@@ -28,10 +29,22 @@ INV = {"units": [{"name": "a", "tensors": [{"name": "w", "shape": [64, 8], "dtyp
                  {"name": "b", "tensors": [{"name": "v", "shape": [96], "dtype": "bf16"}]}]}
 
 
+def finite(v):
+    """v with every non-finite float written as a string (JSON has no NaN)."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    if isinstance(v, dict):
+        return {k: finite(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [finite(x) for x in v]
+    return v
+
+
 def record(name, status, reason="", **figures):
     os.makedirs(os.path.join(OUT, "checks"), exist_ok=True)
     with open(os.path.join(OUT, "checks", name + ".json"), "w") as f:
-        json.dump({"name": name, "status": status, "reason": reason, "figures": figures}, f)
+        json.dump({"name": name, "status": status, "reason": reason,
+                   "figures": finite(figures)}, f, allow_nan=False)
     print(f"{name}: {status}" + (f" ({reason})" if reason else ""), flush=True)
 
 
@@ -57,8 +70,8 @@ def find_nccl():
                 return hits[0]
     except ImportError:
         pass
-    r = subprocess.run(["sh", "-c", "ldconfig -p 2>/dev/null | grep -m1 'libnccl.so.2 '"],
-                       capture_output=True, text=True)
+    r = subprocess.run(["sh", "-c", "PATH=$PATH:/sbin:/usr/sbin ldconfig -p 2>/dev/null | "
+                        "grep -m1 'libnccl.so.2 '"], capture_output=True, text=True)
     return r.stdout.rsplit("=> ", 1)[-1].strip() if "=>" in r.stdout else ""
 
 
@@ -106,9 +119,12 @@ def reference(tmp, world, device):
 
 
 def worst(a, b):
-    """The largest |a - b| / max(1, |b|) over the steps' losses."""
-    if len(a) != len(b):
+    """The largest |a - b| / max(1, |b|) over the steps' losses (inf if a loss is not finite,
+    which max() alone would skip past)."""
+    if len(a) != len(b) or not a:
         raise RuntimeError(f"{len(a)} losses against {len(b)}")
+    if not all(math.isfinite(x) for x in a + b):
+        return math.inf
     return max(abs(x - y) / max(1.0, abs(y)) for x, y in zip(a, b))
 
 
@@ -160,9 +176,9 @@ def training():
                cuda_losses=run["losses"], host_losses=host["w1"]["losses"])
         record("memory_cuda", "passed", "", pool_peak_bytes=run["pool_peak_bytes"],
                pool_used_bytes=run["pool_used_bytes"], device_total_bytes=total,
-               device_bytes_held_by_the_daemon_and_rank=free0 - free1,
+               device_bytes_held_by_the_daemon=free0 - free1,
                note="cudaMemGetInfo (torch.cuda.mem_get_info) before the daemon started and "
-               "after training, with the daemon still up")
+               "after training, the rank gone and the daemon still up: its slab and context")
     guarded("training_cuda", on_cuda)
 
 

@@ -23,14 +23,22 @@ export PATH="$here/bin:$PATH"
 py=${PYTHON:-python3}
 started=$(date +%s)
 
-# JSON string contents: backslashes, quotes and control characters escaped.
+# JSON string contents: backslashes and quotes escaped, newlines as \n, tabs as spaces, other
+# control characters and bytes that are not UTF-8 dropped.
 esc() {
-  local s=${1//\\/\\\\}
+  local s
+  if command -v iconv >/dev/null; then
+    s=$(printf '%s' "$1" | iconv -c -f UTF-8 -t UTF-8 | tr -d '\000-\010\013-\037')
+  else
+    s=$(printf '%s' "$1" | LC_ALL=C tr -d '\000-\010\013-\037\200-\377')
+  fi
+  s=${s//\\/\\\\}
   s=${s//\"/\\\"}
   s=${s//$'\n'/\\n}
-  s=${s//$'\t'/ }
-  printf '%s' "${s//$'\r'/}"
+  printf '%s' "${s//$'\t'/ }"
 }
+# Each program gets at most this long (a hang in NCCL or a stuck peer is a failure, not a hang).
+limit=300
 # record NAME passed|failed|skipped REASON [FIGURES (a JSON object)]
 record() {
   local figures=${4:-}
@@ -40,7 +48,7 @@ record() {
 }
 
 # -- the GPU, the driver, NCCL ------------------------------------------------------------------
-gpu=0
+gpu=0 no_gpu=""
 if ! command -v nvidia-smi >/dev/null; then
   no_gpu="no GPU: nvidia-smi is not on PATH"
 elif ! info=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1); then
@@ -62,7 +70,7 @@ if [[ $gpu == 1 ]]; then
   nccl=""
   [[ $have_py == 1 ]] && nccl=$("$py" "$here/tools/checks.py" "$here" "$out" nccl 2>/dev/null)
   if [[ -z $nccl ]]; then
-    nccl=$(ldconfig -p 2>/dev/null | awk '/libnccl.so.2 / {print $NF; exit}')
+    nccl=$(PATH=$PATH:/sbin:/usr/sbin ldconfig -p 2>/dev/null | awk '/libnccl.so.2 / {print $NF; exit}')
   fi
   if [[ -n $nccl && -f $nccl ]]; then
     export RAGSHARD_NCCL_LIBRARY=$nccl
@@ -79,9 +87,9 @@ if [[ $gpu == 1 ]]; then
   failed=() skipped=() ran=0
   for t in gpu_test gpu_data_plane_test nccl_api_test; do
     log=$out/logs/$t.log
-    if ! "$here/bin/$t" >"$log" 2>&1; then failed+=("$t"); fi
+    if ! timeout "$limit" "$here/bin/$t" >"$log" 2>&1; then failed+=("$t"); fi
     grep -q '\[  SKIPPED \]' "$log" && skipped+=("$t")
-    ran=$((ran + $(grep -c '^\[       OK \]\|^\[  FAILED  \]' "$log")))
+    ran=$((ran + $(grep -c '^\[       OK \] \|^\[  FAILED  \] .* ([0-9]* ms)$' "$log")))
   done
   if ((${#failed[@]})); then
     record cuda_tests failed "failing: ${failed[*]} (logs/)" "{\"tests\": $ran}"
@@ -90,11 +98,12 @@ if [[ $gpu == 1 ]]; then
   else
     record cuda_tests passed "" "{\"tests\": $ran}"
   fi
-  if lines=$("$here/bin/gpu_data_plane_bench" --max-mib 256 --reps 5 2>"$out/logs/gpu_data_plane_bench.log") &&
-    ! grep -q '"error"\|"skipped"' <<<"$lines"; then
+  lines=$(timeout "$limit" "$here/bin/gpu_data_plane_bench" --max-mib 256 --reps 5 2>"$out/logs/gpu_data_plane_bench.log")
+  rc=$?
+  if [[ $rc == 0 ]] && ! grep -q '"error"\|"skipped"' <<<"$lines"; then
     record data_plane_bandwidth passed "" "{\"sizes\": [$(paste -sd, <<<"$lines")]}"
   else
-    record data_plane_bandwidth failed "gpu_data_plane_bench: $(tail -1 <<<"$lines")"
+    record data_plane_bandwidth failed "gpu_data_plane_bench exit $rc: $(tail -1 <<<"$lines") $(tail -1 "$out/logs/gpu_data_plane_bench.log")"
   fi
 else
   for c in cuda_tests data_plane_bandwidth; do record "$c" skipped "$no_gpu"; done
@@ -119,7 +128,7 @@ for p in ragshardd ragshard-planner ragshardctl; do
   "$here/bin/$p" --help >"$out/logs/$p-help.log" 2>&1 && grep -qi usage "$out/logs/$p-help.log" || bad+=("$p")
 done
 if ((${#bad[@]})); then record programs failed "--help fails: ${bad[*]}"; else record programs passed; fi
-if rows=$("$here/bin/daemon_bench" --config 2x1 --bytes 4194304 2>"$out/logs/daemon_bench.log"); then
+if rows=$(timeout "$limit" "$here/bin/daemon_bench" --config 2x1 --bytes 4194304 2>"$out/logs/daemon_bench.log"); then
   record host_data_plane passed "" "{\"daemon_bench_2x1_4MiB\": \"$(esc "$rows")\"}"
 else
   record host_data_plane failed "daemon_bench: $(tail -1 "$out/logs/daemon_bench.log")"
@@ -128,7 +137,7 @@ fi
 # -- Python: the package, training on both backends, the device's memory, FP8 --------------------
 if [[ $have_py == 1 ]]; then
   for c in package training; do
-    RAGSHARD_BUNDLE_GPU=$gpu "$py" "$here/tools/checks.py" "$here" "$out" "$c" >>"$out/logs/python-$c.log" 2>&1
+    RAGSHARD_BUNDLE_GPU=$gpu timeout "$limit" "$py" "$here/tools/checks.py" "$here" "$out" "$c" >>"$out/logs/python-$c.log" 2>&1
   done
   [[ -f $out/checks/python_package.json ]] || record python_package failed "checks.py package wrote nothing (logs/python-package.log)"
   [[ -f $out/checks/training_host.json ]] || record training_host failed "checks.py training wrote nothing (logs/python-training.log)"
@@ -137,7 +146,7 @@ else
   record training_host skipped "no CPython 3.10 or later at '$py'"
 fi
 if [[ $gpu == 1 && $have_py == 1 ]]; then
-  "$py" "$here/tools/checks.py" "$here" "$out" fp8 >>"$out/logs/python-fp8.log" 2>&1
+  timeout "$limit" "$py" "$here/tools/checks.py" "$here" "$out" fp8 >>"$out/logs/python-fp8.log" 2>&1
   for c in training_cuda memory_cuda fp8_bandwidth; do
     [[ -f $out/checks/$c.json ]] || record "$c" failed "checks.py wrote nothing (logs/python-*.log)"
   done
