@@ -448,14 +448,14 @@ NodeDaemon::NodeDaemon(DaemonOptions options, std::shared_ptr<PlannerClient> pla
 NodeDaemon::~NodeDaemon() { Shutdown(); }
 
 void NodeDaemon::Shutdown() {
-  std::vector<std::thread> attaching;
+  std::list<AttachThread> attaching;
   {
     absl::MutexLock lock(&mu_);
     if (shut_down_) return;
     shut_down_ = true;
     attaching.swap(attach_threads_);
   }
-  for (auto& t : attaching) t.join();
+  for (auto& t : attaching) t.thread.join();
   stop_.Notify();
   if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   if (side_channel_.joinable()) side_channel_.join();
@@ -571,8 +571,28 @@ grpc::ServerUnaryReactor* NodeDaemon::Attach(grpc::CallbackServerContext* ctx,
     reactor->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "daemon shutting down"));
     return reactor;
   }
-  attach_threads_.emplace_back(
-      [this, req, resp, reactor] { reactor->Finish(ToGrpcStatus(DoAttach(*req, resp))); });
+  // Join the setups that have finished (their threads only return after setting `done`).
+  for (auto it = attach_threads_.begin(); it != attach_threads_.end();) {
+    if (it->done->load()) {
+      it->thread.join();
+      it = attach_threads_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  if (attach_threads_.size() >= kMaxAttaching) {
+    reactor->Finish(
+        grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                     absl::StrCat(attach_threads_.size(), " attaches are in progress on node '",
+                                  options_.node_id, "', the most it sets up at once; retry")));
+    return reactor;
+  }
+  auto done = std::make_shared<std::atomic<bool>>(false);
+  attach_threads_.push_back({std::thread([this, req, resp, reactor, done] {
+                               reactor->Finish(ToGrpcStatus(DoAttach(*req, resp)));
+                               done->store(true);
+                             }),
+                             done});
   return reactor;
 }
 

@@ -8,7 +8,9 @@
 // serves the descriptor side channel and notices clients that die; one thread heartbeats.
 #pragma once
 
+#include <atomic>
 #include <chrono>
+#include <list>
 #include <map>
 #include <memory>
 #include <string>
@@ -96,7 +98,15 @@ class NodeDaemon final : public v1::Daemon::CallbackService {
   std::map<std::string, std::shared_ptr<JobRuntime>> jobs_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Attachment> attachments_ ABSL_GUARDED_BY(mu_);
   uint64_t next_attachment_ ABSL_GUARDED_BY(mu_) = 1;
-  std::vector<std::thread> attach_threads_ ABSL_GUARDED_BY(mu_);
+  // Job setups in flight, one thread each (a setup waits for the plan and the node's other
+  // ranks, which attach concurrently, so a fixed pool could deadlock). A finished one is joined
+  // at the next Attach; at most kMaxAttaching at once.
+  struct AttachThread {
+    std::thread thread;
+    std::shared_ptr<std::atomic<bool>> done;
+  };
+  static constexpr size_t kMaxAttaching = 1024;
+  std::list<AttachThread> attach_threads_ ABSL_GUARDED_BY(mu_);
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
 
   absl::Notification stop_;
