@@ -19,8 +19,8 @@
 #include "common/plan_json.h"
 #include "common/planner.h"
 #include "common/planner_client.h"
+#include "common/proto_text.h"
 #include "common/strategy.h"
-#include "google/protobuf/util/json_util.h"
 
 namespace ragshard {
 namespace {
@@ -246,14 +246,7 @@ int Fail(std::ostream& err, const absl::Status& s) {
   return absl::IsInvalidArgument(s) ? kExitBadInput : kExitFailure;
 }
 
-std::string ToJson(const google::protobuf::Message& m) {
-  std::string out;
-  google::protobuf::util::JsonPrintOptions opts;
-  opts.add_whitespace = true;
-  opts.always_print_primitive_fields = true;
-  (void)google::protobuf::util::MessageToJsonString(m, &out, opts);
-  return out;
-}
+std::string ToJson(const google::protobuf::Message& m) { return ProtoJson(m, false, true); }
 
 std::string StatusName(v1::JobStatus s) {
   std::string n = v1::JobStatus_Name(s);

@@ -356,19 +356,12 @@ void ApplyGranule(Inventory* inventory, const Granule& granule) {
 #include <openssl/sha.h>
 
 #include "absl/strings/str_join.h"
-#include "google/protobuf/io/coded_stream.h"
-#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
+#include "common/proto_text.h"
 
 namespace ragshard {
 
 std::string InventorySha256(const Inventory& inventory) {
-  std::string bytes;
-  {
-    google::protobuf::io::StringOutputStream sos(&bytes);
-    google::protobuf::io::CodedOutputStream cos(&sos);
-    cos.SetSerializationDeterministic(true);
-    inventory.SerializeToCodedStream(&cos);
-  }
+  const std::string bytes = DeterministicBytes(inventory);
   unsigned char digest[SHA256_DIGEST_LENGTH];
   SHA256(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size(), digest);
   return std::string(reinterpret_cast<const char*>(digest), SHA256_DIGEST_LENGTH);

@@ -17,7 +17,7 @@
 #include "common/dtype.h"
 #include "common/inventory.h"
 #include "common/planner.h"
-#include "google/protobuf/util/json_util.h"
+#include "common/proto_text.h"
 
 // The C++ Client is thread-compatible, and ctypes releases the GIL around every call: `mu`
 // serialises the calls that do not wait (what the GIL serialised under the pybind11 module),
@@ -70,14 +70,7 @@ absl::StatusOr<std::shared_ptr<PlannerClient>> Planner(const char* address,
   return std::shared_ptr<PlannerClient>(std::move(*p));
 }
 
-std::string ToJson(const google::protobuf::Message& m) {
-  std::string out;
-  google::protobuf::util::JsonPrintOptions opt;
-  opt.preserve_proto_field_names = true;
-  opt.always_print_primitive_fields = true;
-  (void)google::protobuf::util::MessageToJsonString(m, &out, opt);
-  return out;
-}
+std::string ToJson(const google::protobuf::Message& m) { return ProtoJson(m, true, false); }
 
 int CheckUnit(const rs_client* c, int unit) {
   if (unit >= 0 && unit < c->client->units()) return 0;

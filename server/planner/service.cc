@@ -7,11 +7,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/planner.h"
+#include "common/proto_text.h"
 #include "common/rpc.h"
 #include "common/strategy.h"
 #include "glog/logging.h"
-#include "google/protobuf/io/coded_stream.h"
-#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 
 namespace ragshard::planner {
 
@@ -136,15 +135,6 @@ bool ConstantTimeEqual(const std::string& a, const std::string& b) {
   unsigned char diff = 0;
   for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
   return diff == 0;
-}
-
-std::string Deterministic(const google::protobuf::Message& m) {
-  std::string out;
-  google::protobuf::io::StringOutputStream sos(&out);
-  google::protobuf::io::CodedOutputStream cos(&sos);
-  cos.SetSerializationDeterministic(true);
-  m.SerializeToCodedStream(&cos);
-  return out;
 }
 
 // Serializes once; copies of the buffer share its slices.
@@ -522,7 +512,7 @@ void PlannerService::ComputePlan(std::string job_id) {
     } else if (!plan.ok()) {
       FailJob(&js, absl::StrCat("planning failed: ", plan.status().message()), &deferred);
     } else {
-      const std::string bytes = Deterministic(*plan);
+      const std::string bytes = DeterministicBytes(*plan);
       absl::Status s = store_->PutPlan(job_id, options.version, bytes);
       if (!s.ok()) {
         FailJob(&js, absl::StrCat("storing the plan failed: ", s.message()), &deferred);
@@ -651,7 +641,7 @@ grpc::ServerUnaryReactor* PlannerService::RegisterRank(grpc::CallbackServerConte
           // The first full inventory becomes the reference.
           js.inventory = req->inventory();
           job.set_inventory_sha256(sha);
-          s = store_->PutInventory(job.job_id(), Deterministic(req->inventory()));
+          s = store_->PutInventory(job.job_id(), DeterministicBytes(req->inventory()));
           if (!s.ok()) LOG(ERROR) << "store inventory: " << s;
           ResolvePendingHashes(&js, &deferred);
         }
