@@ -8,9 +8,8 @@
 #include "common/models.h"
 #include "common/planner.h"
 #include "common/planner_client.h"
+#include "common/proto_text.h"
 #include "common/validator.h"
-#include "google/protobuf/io/coded_stream.h"
-#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 #include "tests/server/test_util.h"
 
 namespace ragshard {
@@ -18,14 +17,7 @@ namespace {
 
 using namespace std::chrono_literals;
 
-std::string Bytes(const v1::Plan& plan) {
-  std::string out;
-  google::protobuf::io::StringOutputStream sos(&out);
-  google::protobuf::io::CodedOutputStream cos(&sos);
-  cos.SetSerializationDeterministic(true);
-  plan.SerializeToCodedStream(&cos);
-  return out;
-}
+std::string Bytes(const v1::Plan& plan) { return DeterministicBytes(plan); }
 
 std::unique_ptr<GrpcPlannerClient> Connect(const std::string& address) {
   PlannerClientOptions o;
