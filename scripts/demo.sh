@@ -14,7 +14,7 @@ BUILD_DIR=${BUILD_DIR:-build}
 echo "== building (first time: several minutes)"
 cmake -S . -B "$BUILD_DIR" -G Ninja -DPython_EXECUTABLE="$PWD/.venv/bin/python" >/dev/null
 cmake --build "$BUILD_DIR" -j "$(nproc)" --target ragshard-planner ragshardd ragshardctl \
-  ragshard_pycore >/dev/null
+  ragshard_c ragshard_python >/dev/null
 export PYTHONPATH="$PWD/$BUILD_DIR/python${PYTHONPATH:+:$PYTHONPATH}"
 exec .venv/bin/python - "$BUILD_DIR" "${DEMO_STEPS:-30}" "${DEMO_OPTIMIZER:-adamw}" \
   "${DEMO_POLICY:-auto}" <<'PY'
