@@ -12,6 +12,7 @@
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "client/ctl_checkpoint.h"
 #include "client/ctl_strategy.h"
 #include "common/dtype.h"
 #include "common/inventory.h"
@@ -481,6 +482,15 @@ int RunCtl(int argc, const char* const* argv, std::ostream& out, std::ostream& e
   plan_show->add_option("--unit", unit, "show the tensors of one unit");
   CLI::App* plan_metrics = add_online(plan, "metrics", "show a job's plan metrics", true);
   CLI::App* nodes = add_online(&app, "nodes", "list nodes with their pool figures", false);
+  CLI::App* ckpt = app.add_subcommand("checkpoint", "inspect a checkpoint (offline)");
+  ckpt->require_subcommand(1);
+  std::string ckpt_dir;
+  bool ckpt_json = false;
+  CLI::App* ckpt_inspect = ckpt->add_subcommand(
+      "inspect", "a checkpoint's tensors, the plan it came from, and its integrity");
+  ckpt_inspect->add_option("DIR", ckpt_dir, "checkpoint root (its latest) or one checkpoint")
+      ->required();
+  ckpt_inspect->add_flag("--json", ckpt_json, "print JSON");
   CLI::App* health = add_online(&app, "health", "check the planner's health service", false);
 
   if (argc > 1 && argv[1][0] != '-') {
@@ -544,6 +554,7 @@ int RunCtl(int argc, const char* const* argv, std::ostream& out, std::ostream& e
   if (plan_show->parsed()) return RunOnline("plan show", online, job_id, unit, out, err);
   if (plan_metrics->parsed()) return RunOnline("plan metrics", online, job_id, "", out, err);
   if (nodes->parsed()) return RunNodes(online, out, err);
+  if (ckpt_inspect->parsed()) return RunCheckpointInspect(ckpt_dir, ckpt_json, out, err);
   if (health->parsed()) return RunOnline("health", online, "", "", out, err);
   if (plan->parsed()) return RunPlan(plan_src, policy, plan_json, max_segments, out, err);
   if (cmp->parsed()) return RunCompare(cmp_src, cmp_json, out, err);

@@ -3,12 +3,15 @@ process with plain PyTorch on the same global batch, for comparison).
 
 Data: synthetic token sequences from a fixed random bigram Markov chain over --vocab tokens
 (seeded), so the loss has a known floor (the chain's entropy) and every run is reproducible.
-Step s uses a global batch of W x --batch sequences drawn from seed (--seed, s); rank r takes
-rows [r*batch, (r+1)*batch).
+Step s uses a global batch of G sequences drawn from seed (--seed, s), G = --global-batch
+(default W x --batch); rank r takes rows [r*G/W, (r+1)*G/W), so runs at different W with the
+same --global-batch see the same data.
 
     ragshard-launch --planner ADDR --job J --nproc 4 --sockets S0,S1 --create-job \\
         examples/train_tiny.py --steps 50
     python examples/train_tiny.py --reference --world 4 --steps 50
+    ragshard-launch ... examples/train_tiny.py --global-batch 8 --steps 3 --save CKPT --save-step 3
+    ragshard-launch ... examples/train_tiny.py --global-batch 8 --steps 6 --resume CKPT
     RANK=r WORLD_SIZE=4 python examples/train_tiny.py --ddp STORE_FILE --steps 50    # r = 0..3
     RANK=r WORLD_SIZE=4 python examples/train_tiny.py --fsdp2 STORE_FILE --steps 50  # r = 0..3
 
@@ -93,6 +96,21 @@ def parse():
     p.add_argument("--vocab", type=int, default=64)
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--batch", type=int, default=4, help="sequences per rank per micro-batch")
+    p.add_argument("--global-batch", type=int, default=0, metavar="G",
+                   help="sequences per micro-batch over all ranks, split evenly among them "
+                        "(default: W x --batch)")
+    p.add_argument("--save", default="", metavar="DIR",
+                   help="checkpoint root (a directory every node sees) for --save-step")
+    p.add_argument("--save-step", default="", metavar="N[,M...]",
+                   help="save a checkpoint after these steps (counted from 1)")
+    p.add_argument("--async-save", action="store_true",
+                   help="save asynchronously: training goes on while the shards are written")
+    p.add_argument("--resume", default="", metavar="DIR",
+                   help="load the newest checkpoint under DIR and continue from its step to "
+                        "--steps")
+    p.add_argument("--load-state", default="", metavar="FILE",
+                   help="start from a plain state_dict (torch.save of the unsharded model's "
+                        "parameters), with a fresh optimizer")
     p.add_argument("--accum", type=int, default=1, help="micro-batches per step")
     p.add_argument("--clip", type=float, default=0.0, help="max global grad norm (0: off)")
     p.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw")
@@ -131,6 +149,16 @@ def parse():
     p.add_argument("--out", default="", help="write losses (JSON) and final parameters (.pt)")
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args()
+    try:
+        a.save_steps = sorted({int(x) for x in a.save_step.split(",") if x})
+    except ValueError:
+        p.error(f"--save-step: '{a.save_step}' is not a list of step numbers")
+    if a.save_steps and not a.save:
+        p.error("--save-step needs --save DIR")
+    if (a.save or a.resume) and (a.reference or a.ddp or a.fsdp2):
+        p.error("--save and --resume are for runs through ragshard")
+    if a.load_state and (a.ddp or a.fsdp2):
+        p.error("--load-state is for runs through ragshard and --reference")
     for mode in ("ddp", "fsdp2"):
         if getattr(a, mode):
             unsupported = [flag for flag, on in (
@@ -144,6 +172,19 @@ def parse():
                         "micro-batch, no clipping" +
                         (", fp32 only)" if mode == "ddp" else ")"))
     return a
+
+
+def global_rows(args, w):
+    """Sequences per micro-batch over all ranks."""
+    g = args.global_batch or w * args.batch
+    if g % w:
+        sys.exit(f"--global-batch {g} does not split evenly over {w} ranks")
+    return g
+
+
+def rank_rows(args, w, r):
+    n = global_rows(args, w) // w
+    return slice(r * n, (r + 1) * n)
 
 
 def is_matrix(name, p):
@@ -163,7 +204,8 @@ def reference(args, model, chain):
     for step in range(args.steps):
         total = 0.0
         for micro in range(args.accum):
-            x, y = batch(chain, args.seed, step * args.accum + micro, w * args.batch, args.seq)
+            x, y = batch(chain, args.seed, step * args.accum + micro, global_rows(args, w),
+                         args.seq)
             x, y = x.to(args.device), y.to(args.device)
             logits = model(x)
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, args.vocab),
@@ -204,16 +246,28 @@ def sharded(args, model, chain):
         opt = rt.ShardedMuon(fsdp, lr=args.muon_lr, adamw_lr=args.lr)
     else:
         opt = rt.ShardedAdamW(fsdp, lr=args.lr, weight_decay=args.weight_decay)
+    from ragshard import checkpoint
+    first = 0
+    ckpt = {"save_seconds": [], "load_seconds": 0.0}
+    if args.load_state:
+        fsdp.load_state_dict(torch.load(args.load_state))
+    if args.resume:
+        ts = time.time()
+        first = checkpoint.load(fsdp, opt, args.resume)
+        ckpt["load_seconds"] = time.time() - ts
+        ckpt["load_bytes_read"] = fsdp.checkpoint_bytes_read
+    pending = []
     losses, step_seconds, pool_trace = [], [], []
     tokens = 0
     t0 = time.time()
-    for step in range(args.steps):
+    for step in range(first, args.steps):
         ts = time.time()
         total = 0.0
         for micro in range(args.accum):
-            x, y = batch(chain, args.seed, step * args.accum + micro, w * args.batch, args.seq)
+            x, y = batch(chain, args.seed, step * args.accum + micro, global_rows(args, w),
+                         args.seq)
             x, y = x.to(args.device), y.to(args.device)
-            rows = slice(r * args.batch, (r + 1) * args.batch)
+            rows = rank_rows(args, w, r)
             sync = micro == args.accum - 1
             with (fsdp.no_sync() if not sync else _null()):
                 logits = fsdp(x[rows])
@@ -235,12 +289,22 @@ def sharded(args, model, chain):
             raise RuntimeError(f"step {step + 1}: still unsharded after the step: {held[:4]}")
         global_loss = fsdp.all_reduce_scalar(total) / w
         losses.append(global_loss)
+        if step + 1 in args.save_steps:
+            ts = time.time()
+            saved = checkpoint.save(fsdp, opt, args.save, step + 1, async_save=args.async_save)
+            if args.async_save:
+                pending.append(saved)
+            ckpt["save_seconds"].append(time.time() - ts)
         st = client.stats()  # this node's daemon: the pool between steps
         pool_trace.append({k: st[k] for k in ("pool_peak", "pool_used", "pool_fragmentation")})
         if r == 0 and not args.quiet:
             rate = tokens / (time.time() - t0)
             print(f"step {step + 1}/{args.steps} loss {global_loss:.6f} tokens/s {rate:,.0f}",
                   flush=True)
+    for handle in pending:
+        ts = time.time()
+        handle.result()
+        ckpt["save_seconds"].append(time.time() - ts)  # what the asynchronous saves left
     train_rss = max_rss()  # the peak through training, before gathering the full state
     state = fsdp.full_state()
     stats = client.stats()
@@ -252,7 +316,8 @@ def sharded(args, model, chain):
              "pool_used_bytes": stats["pool_used"],
              "pool_peak_bytes": stats["pool_peak"], "node": env.node,
              "staging_bytes": stats.get("staging_bytes", 0),
-             "gathered_bytes": fsdp.gathered_bytes, "pool_trace": pool_trace}
+             "gathered_bytes": fsdp.gathered_bytes, "pool_trace": pool_trace,
+             "first_step": first + 1, "checkpoint": ckpt}
     return losses, state, extra
 
 
@@ -265,8 +330,8 @@ def _distributed_steps(args, net, chain, r, w, label):
     losses, step_seconds = [], []
     for step in range(args.steps):
         ts = time.time()
-        x, y = batch(chain, args.seed, step, w * args.batch, args.seq)
-        rows = slice(r * args.batch, (r + 1) * args.batch)
+        x, y = batch(chain, args.seed, step, global_rows(args, w), args.seq)
+        rows = rank_rows(args, w, r)
         loss = torch.nn.functional.cross_entropy(net(x[rows]).float().reshape(-1, args.vocab),
                                                  y[rows].reshape(-1))
         loss.backward()
@@ -347,6 +412,8 @@ def main():
     if args.reference:
         if args.world < 1:
             sys.exit("--reference needs --world W")
+        if args.load_state:
+            model.load_state_dict(torch.load(args.load_state))
         losses, state = reference(args, model, chain)
         rank = 0
     elif args.ddp:
@@ -365,7 +432,7 @@ def main():
             json.dump(extra, f)
     if args.out and rank == 0:
         with open(args.out + ".json", "w") as f:
-            json.dump({"losses": losses, **extra}, f)
+            json.dump({"losses": losses, "first_step": 1, **extra}, f)
         torch.save(state, args.out + ".pt")
     if args.ddp or args.fsdp2:
         # Leave without the interpreter's teardown. A gloo worker thread drops its reference to

@@ -612,6 +612,18 @@ class ShardedModule(torch.nn.Module):
     def units(self):
         return range(len(self._units))
 
+    def unit_params(self, ui):
+        """[(name, parameter)] of unit `ui`, in plan order."""
+        return self._units[ui][2]
+
+    def unit_views(self, ui):
+        """[(parameter, offset, numel)] of unit `ui`: where each lies in the unit."""
+        return self._views[ui]
+
+    def param_index(self, p):
+        """The index of parameter `p` in unit order (that of `has_grad` and of the pieces)."""
+        return self._index[id(p)]
+
     def all_reduce_scalar(self, value):
         """The sum over ranks of one float per rank (through the scalar unit's reduce-scatter:
         every element of this rank's gradient holds `value`, so every element of the reduced
@@ -644,6 +656,38 @@ class ShardedModule(torch.nn.Module):
         for n, b in self.module.named_buffers():
             out[n] = b.detach().clone()
         return out
+
+    def load_state_dict(self, state_dict, strict=True, assign=False):
+        """Loads a plain (unsharded) state_dict, as `state_dict()` returns or torch.save of the
+        plain model holds: each rank copies its pieces of every parameter into its shards (and
+        fp32 masters), and the buffers whole. Every rank calls it; no collective runs. Returns
+        (missing_keys, unexpected_keys), as torch's."""
+        if assign:
+            raise ValueError("load_state_dict: assign=True is not supported (the parameters "
+                             "live in the daemon's buffers)")
+        from ..checkpoint import _state
+        names = {pc.name for pc in _state.pieces(self)} | \
+            {n for ui in self.units() for n, _ in self.unit_params(ui)}
+        buffers = dict(self.module.named_buffers())
+        missing = sorted((names | set(buffers)) - set(state_dict))
+        unexpected = sorted(set(state_dict) - names - set(buffers))
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"load_state_dict: missing keys {missing[:8]}, unexpected keys "
+                               f"{unexpected[:8]}")
+        for ui in self.units():
+            for n, p in self.unit_params(ui):
+                if n in state_dict and tuple(state_dict[n].shape) != tuple(p.shape):
+                    raise RuntimeError(f"load_state_dict: '{n}' has shape "
+                                       f"{list(state_dict[n].shape)}, the model's is "
+                                       f"{list(p.shape)}")
+        for pc in _state.pieces(self):
+            if pc.name in state_dict:
+                flat = state_dict[pc.name].detach().reshape(-1)
+                _state.set_param_values(self, pc, flat[pc.start:pc.start + pc.hi - pc.lo].cpu())
+        for n, b in buffers.items():
+            if n in state_dict and b is not None:
+                b.data.copy_(state_dict[n])
+        return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     def full_state(self):
         """{name: fp32 tensor} of every parameter, unsharded (for checks; one all-gather per

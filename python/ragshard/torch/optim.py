@@ -25,6 +25,7 @@ class ShardedAdamW:
                  skip_matrices=False):
         self.model = model
         self.pieces = []  # (parameter index, piece of the master, piece of the gradient shard)
+        self.where = []  # (unit, lo, hi): each piece's shard elements
         self.copies = []  # (compute shard, fp32 master) where they differ
         for ui in model.units():
             shard, grad = model.shard(ui)
@@ -36,6 +37,7 @@ class ShardedAdamW:
                     continue
                 p = torch.nn.Parameter(master[piece.lo:piece.hi], requires_grad=False)
                 self.pieces.append((piece.index, p, grad[piece.lo:piece.hi]))
+                self.where.append((ui, piece.lo, piece.hi))
         # A rank whose shard holds no piece (a small model over many ranks) has nothing to step.
         self.opt = torch.optim.AdamW([p for _, p, _ in self.pieces], lr=lr, betas=betas,
                                      eps=eps, weight_decay=weight_decay) if self.pieces else None

@@ -1,0 +1,226 @@
+"""The checkpoint's files: one data file and one index per writing rank, and the metadata.
+
+A checkpoint is a directory `step_NNNNNNNN` under the checkpoint root:
+
+    metadata.json        every stored tensor in tensor coordinates (written last, at commit)
+    rank00000.bin        the bytes of the pieces rank 0 holds, one after the other
+    rank00000.json       rank 0's index of them (written after its data file is on disk)
+    ...
+
+A piece is a flat element range [start, start + count) of one tensor (row-major), stored at a
+byte offset of one rank's data file; it carries a CRC-32 of every CHUNK_BYTES bytes from its
+start, so that a load checks exactly the chunks it reads. A save writes into a hidden
+`.step_NNNNNNNN.partial` directory and renames it once every rank's index is there and the
+metadata is written; `latest` names the newest complete checkpoint. A crash leaves the partial
+directory, which a load refuses, and `latest` unchanged.
+"""
+import json
+import os
+import zlib
+
+FORMAT = "ragshard-checkpoint/1"
+CHUNK_BYTES = 1 << 20
+METADATA = "metadata.json"
+LATEST = "latest"
+
+# Stored dtypes: name -> (torch dtype name, bytes per element).
+DTYPES = {"fp32": ("float32", 4), "bf16": ("bfloat16", 2), "fp16": ("float16", 2),
+          "int64": ("int64", 8), "uint8": ("uint8", 1)}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used: missing, incomplete, corrupted, or not matching."""
+
+
+def step_dir_name(step):
+    return f"step_{int(step):08d}"
+
+
+def partial_dir_name(step):
+    return f".{step_dir_name(step)}.partial"
+
+
+def data_file(pos):
+    return f"rank{pos:05d}.bin"
+
+
+def index_file(pos):
+    return f"rank{pos:05d}.json"
+
+
+def fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path, obj):
+    """Writes `obj` to `path` through a temporary file, fsynced, then renamed over it."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def kill_point(pos, step):
+    """The fault hook for tests: RAGSHARD_CHECKPOINT_FAULT="pos=P,step=N,bytes=B" makes the
+    rank at shard position P kill itself with SIGKILL once it has written B bytes of its part
+    of the save of step N. -1 when unset or not this rank's."""
+    spec = os.environ.get("RAGSHARD_CHECKPOINT_FAULT", "")
+    if not spec:
+        return -1
+    try:
+        f = dict(kv.split("=") for kv in spec.split(","))
+        match = int(f["pos"]) == pos and int(f["step"]) == step
+        return int(f["bytes"]) if match else -1
+    except (KeyError, ValueError):
+        raise CheckpointError(f"RAGSHARD_CHECKPOINT_FAULT: '{spec}' is not "
+                              "pos=P,step=N,bytes=B") from None
+
+
+def write_pieces(path, pieces, kill_after=-1):
+    """Writes the pieces' bytes to `path` one after another and fsyncs it. `pieces` is a list of
+    (name, start, count, dtype, memoryview of the bytes). Returns the index entries
+    {name, start, count, dtype, offset, crc32: [one per chunk]}. With kill_after >= 0 (the
+    tests' fault hook, kill_point) the process kills itself with SIGKILL once that many bytes
+    are written."""
+    entries, offset = [], 0
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        for name, start, count, dtype, data in pieces:
+            crcs = []
+            for lo in range(0, len(data), CHUNK_BYTES):
+                chunk = data[lo:lo + CHUNK_BYTES]
+                crcs.append(zlib.crc32(chunk))
+                written = 0
+                while written < len(chunk):
+                    written += os.write(fd, chunk[written:])
+                if 0 <= kill_after <= offset + lo + len(chunk):
+                    os.fsync(fd)
+                    os.kill(os.getpid(), 9)
+            entries.append({"name": name, "start": int(start), "count": int(count),
+                            "dtype": dtype, "offset": offset, "crc32": crcs})
+            offset += len(data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return entries
+
+
+def resolve(root, step=None):
+    """The directory of the checkpoint to load: `root` itself when it is one (it has
+    metadata.json), else the step `step` under it, else the one `latest` names."""
+    if os.path.isfile(os.path.join(root, METADATA)):
+        return root
+    base = os.path.basename(os.path.normpath(root))
+    if base.startswith(".") and base.endswith(".partial"):
+        raise CheckpointError(f"{root}: an incomplete checkpoint (its save did not finish: no "
+                              f"{METADATA}); load the previous one")
+    if step is not None:
+        path = os.path.join(root, step_dir_name(step))
+    else:
+        latest = os.path.join(root, LATEST)
+        if not os.path.isfile(latest):
+            if not os.path.isdir(root):
+                raise CheckpointError(f"{root}: no such checkpoint directory")
+            raise CheckpointError(f"{root}: no complete checkpoint (no '{LATEST}' file and no "
+                                  f"{METADATA})")
+        with open(latest) as f:
+            path = os.path.join(root, f.read().strip())
+    if not os.path.isfile(os.path.join(path, METADATA)):
+        raise CheckpointError(f"{path}: not a complete checkpoint (no {METADATA})")
+    return path
+
+
+def read_metadata(path):
+    meta_path = os.path.join(path, METADATA)
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{meta_path}: unreadable metadata: {e}") from None
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{meta_path}: format {meta.get('format')!r}, expected {FORMAT!r}")
+    return meta
+
+
+class Reader:
+    """Reads element ranges of stored tensors, checking the CRC of every chunk it reads."""
+
+    def __init__(self, path, meta):
+        self.path, self.meta = path, meta
+        self.chunk = int(meta.get("chunk_bytes", CHUNK_BYTES))
+        self._fds = {}
+        self.bytes_read = 0
+
+    def close(self):
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def _fd(self, name):
+        if name not in self._fds:
+            try:
+                self._fds[name] = os.open(os.path.join(self.path, name), os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as e:
+                raise CheckpointError(f"{os.path.join(self.path, name)}: {e.strerror}") from None
+        return self._fds[name]
+
+    def read(self, tensor, kind, lo, hi):
+        """The bytes of elements [lo, hi) of stored tensor `tensor`, record `kind` ("param",
+        "exp_avg", ...), from the pieces that hold them; raises CheckpointError if a piece is
+        missing, short or corrupted (naming the file and the tensor)."""
+        rec = self.meta["tensors"].get(tensor, {}).get(kind)
+        if rec is None:
+            raise CheckpointError(f"{self.path}: no '{kind}' stored for tensor '{tensor}'")
+        item = DTYPES[rec["dtype"]][1]
+        out = bytearray((hi - lo) * item)
+        covered = 0
+        for p in rec["pieces"]:
+            a, b = max(lo, p["start"]), min(hi, p["start"] + p["count"])
+            if a >= b:
+                continue
+            data = self._read_piece(tensor, kind, p, p["count"] * item,
+                                    (a - p["start"]) * item, (b - p["start"]) * item)
+            out[(a - lo) * item:(b - lo) * item] = data
+            covered += b - a
+        if covered != hi - lo:
+            raise CheckpointError(f"{self.path}: tensor '{tensor}' ({kind}): elements "
+                                  f"[{lo}, {hi}) are not all stored ({covered} found)")
+        return out, rec["dtype"]
+
+    def _read_piece(self, tensor, kind, p, size, lo, hi):
+        """Bytes [lo, hi) of piece `p` (of `size` bytes), reading and checking the chunks that
+        cover them."""
+        fname = p["file"]
+        first, last = lo // self.chunk, (hi - 1) // self.chunk
+        start = first * self.chunk
+        end = min((last + 1) * self.chunk, size)
+        fd = self._fd(fname)
+        data = os.pread(fd, end - start, p["offset"] + start)
+        self.bytes_read += len(data)
+        where = os.path.join(self.path, fname)
+        if len(data) != end - start:
+            raise CheckpointError(f"{where}: truncated: tensor '{tensor}' ({kind}) needs bytes "
+                                  f"[{p['offset'] + start}, {p['offset'] + end}), the file ends "
+                                  f"at {p['offset'] + start + len(data)}")
+        view = memoryview(data)
+        for c in range(first, last + 1):
+            chunk = view[(c - first) * self.chunk:(c - first + 1) * self.chunk]
+            if zlib.crc32(chunk) != p["crc32"][c]:
+                raise CheckpointError(
+                    f"{where}: corrupted: tensor '{tensor}' ({kind}), chunk {c} at byte "
+                    f"{p['offset'] + c * self.chunk} fails its CRC-32")
+        return view[lo - start:hi - start]
