@@ -252,6 +252,7 @@ def sharded(args, model, chain):
     if args.load_state:
         fsdp.load_state_dict(torch.load(args.load_state))
     if args.resume:
+        fsdp.all_reduce_scalar(0.0)  # every rank starts loading at once (for the timing)
         ts = time.time()
         first = checkpoint.load(fsdp, opt, args.resume)
         ckpt["load_seconds"] = time.time() - ts
@@ -295,6 +296,7 @@ def sharded(args, model, chain):
             if args.async_save:
                 pending.append(saved)
             ckpt["save_seconds"].append(time.time() - ts)
+            ckpt.setdefault("save_phases", []).append(fsdp.checkpoint_save_phases)
         st = client.stats()  # this node's daemon: the pool between steps
         pool_trace.append({k: st[k] for k in ("pool_peak", "pool_used", "pool_fragmentation")})
         if r == 0 and not args.quiet:

@@ -57,7 +57,9 @@ def _snapshot(model, optimizer, copy):
     out = []
     for name, rec_kind, start, t in records:
         t = t.detach().contiguous()
-        if copy:
+        if t.device.type != "cpu":
+            t = t.cpu()  # a CUDA backend's buffers: the copy is the snapshot
+        elif copy:
             t = t.clone()
         out.append((name, rec_kind, start, t.numel(), _state.dtype_name(t.dtype), t))
     shapes = {pc.name: list(pc.shape) for pc in _state.pieces(model)}
@@ -198,14 +200,20 @@ def save(model, optimizer, root, step, async_save=False, timeout=600.0):
     waits for the other ranks' parts before giving up on the commit."""
     root = os.path.abspath(root)
     partial = os.path.join(root, _format.partial_dir_name(step))
+    t0 = time.perf_counter()
     if model.rank == 0:
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)  # what a crashed save of this step left
         os.makedirs(partial)
     _barrier(model)  # the partial directory exists, and is empty, for every rank
+    t1 = time.perf_counter()
     writer = _writer(model)
     snapshot = _snapshot(model, optimizer, copy=async_save) if writer else None
     plan = _plan_summary(model)
+    # Where the save's time went on this rank (seconds): the barrier that starts it, and the
+    # collection of the state (with its copy, for an asynchronous save).
+    model.checkpoint_save_phases = {"start_barrier": t1 - t0,
+                                    "snapshot": time.perf_counter() - t1}
 
     def finish():
         if writer:

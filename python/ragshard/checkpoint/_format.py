@@ -180,25 +180,29 @@ class Reader:
 
     def read(self, tensor, kind, lo, hi):
         """The bytes of elements [lo, hi) of stored tensor `tensor`, record `kind` ("param",
-        "exp_avg", ...), from the pieces that hold them; raises CheckpointError if a piece is
-        missing, short or corrupted (naming the file and the tensor)."""
+        "exp_avg", ...), from the pieces that hold them, as a writable memoryview; raises
+        CheckpointError if a piece is missing, short or corrupted (naming the file and the
+        tensor)."""
         rec = self.meta["tensors"].get(tensor, {}).get(kind)
         if rec is None:
             raise CheckpointError(f"{self.path}: no '{kind}' stored for tensor '{tensor}'")
         item = DTYPES[rec["dtype"]][1]
-        out = bytearray((hi - lo) * item)
-        covered = 0
+        parts, covered = [], 0
         for p in rec["pieces"]:
             a, b = max(lo, p["start"]), min(hi, p["start"] + p["count"])
             if a >= b:
                 continue
-            data = self._read_piece(tensor, kind, p, p["count"] * item,
-                                    (a - p["start"]) * item, (b - p["start"]) * item)
-            out[(a - lo) * item:(b - lo) * item] = data
+            parts.append((a, self._read_piece(tensor, kind, p, p["count"] * item,
+                                              (a - p["start"]) * item, (b - p["start"]) * item)))
             covered += b - a
         if covered != hi - lo:
             raise CheckpointError(f"{self.path}: tensor '{tensor}' ({kind}): elements "
                                   f"[{lo}, {hi}) are not all stored ({covered} found)")
+        if len(parts) == 1:
+            return parts[0][1], rec["dtype"]  # one piece holds the range: no copy
+        out = memoryview(_buffer((hi - lo) * item))
+        for a, data in parts:
+            out[(a - lo) * item:(a - lo) * item + len(data)] = data
         return out, rec["dtype"]
 
     def _read_piece(self, tensor, kind, p, size, lo, hi):
@@ -209,14 +213,19 @@ class Reader:
         start = first * self.chunk
         end = min((last + 1) * self.chunk, size)
         fd = self._fd(fname)
-        data = os.pread(fd, end - start, p["offset"] + start)
-        self.bytes_read += len(data)
+        view = memoryview(_buffer(end - start))
+        got = 0
+        while got < len(view):
+            n = os.preadv(fd, [view[got:]], p["offset"] + start + got)
+            if n == 0:
+                break
+            got += n
+        self.bytes_read += got
         where = os.path.join(self.path, fname)
-        if len(data) != end - start:
+        if got != end - start:
             raise CheckpointError(f"{where}: truncated: tensor '{tensor}' ({kind}) needs bytes "
                                   f"[{p['offset'] + start}, {p['offset'] + end}), the file ends "
-                                  f"at {p['offset'] + start + len(data)}")
-        view = memoryview(data)
+                                  f"at {p['offset'] + start + got}")
         for c in range(first, last + 1):
             chunk = view[(c - first) * self.chunk:(c - first + 1) * self.chunk]
             if zlib.crc32(chunk) != p["crc32"][c]:
@@ -224,3 +233,9 @@ class Reader:
                     f"{where}: corrupted: tensor '{tensor}' ({kind}), chunk {c} at byte "
                     f"{p['offset'] + c * self.chunk} fails its CRC-32")
         return view[lo - start:hi - start]
+
+
+def _buffer(n):
+    """A writable buffer of n bytes, not zero-filled (numpy's empty)."""
+    import numpy
+    return numpy.empty(n, dtype=numpy.uint8)

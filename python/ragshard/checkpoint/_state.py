@@ -32,8 +32,7 @@ def from_bytes(data, dtype):
     """A tensor over `data` (bytes-like) of stored dtype `dtype`."""
     if len(data) == 0:
         return torch.empty(0, dtype=_TORCH[dtype])
-    return torch.frombuffer(bytearray(data) if isinstance(data, memoryview) else data,
-                            dtype=_TORCH[dtype])
+    return torch.frombuffer(data, dtype=_TORCH[dtype])
 
 
 def pieces(model):
@@ -140,6 +139,9 @@ def place(model, optimizer, reader, meta):
             if pc.name in steps:
                 adamw.opt.state[p] = {
                     "step": torch.tensor(steps[pc.name], dtype=torch.float32),
-                    **{key: read(key).to(p.dtype).clone() for key in ADAM_KEYS}}
+                    # The buffers just read are private to this load: no copy is needed.
+                    **{key: read(key).to(device=p.device, dtype=p.dtype)
+                       for key in ADAM_KEYS}}
         if kind == "muon" and pc.matrix and pc.unit in optimizer.buf:
-            optimizer.buf[pc.unit][pc.lo:pc.hi] = read("muon_momentum")
+            optimizer.buf[pc.unit][pc.lo:pc.hi] = read("muon_momentum").to(
+                optimizer.buf[pc.unit].device)

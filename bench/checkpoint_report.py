@@ -1,0 +1,297 @@
+"""Checkpoint throughput: ragshard.checkpoint's save and load per rank, against this disk's own
+write and read bandwidth and against torch.save / torch.load of the full state, all measured in
+one run, alternated, `--reps` times each. Writes docs/benchmarks/checkpoint.md and a plot.
+
+    .venv/bin/python bench/checkpoint_report.py --build build
+
+The model is examples/train_tiny.py at --layers 8 --dim 512 (about 25 M parameters, fp32,
+AdamW: parameters and two moments, about 300 MB), on 2 daemons x 2 ranks. Saves are fsynced
+(data files, indexes, metadata and directories). Reads are measured twice: right after the
+save (the files are in the page cache) and after dropping the page cache
+(/proc/sys/vm/drop_caches, which needs root; without it the cold rows are left out and the
+report says so).
+"""
+import argparse
+import datetime
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "examples", "train_tiny.py")
+PROFILE = os.path.join(ROOT, "profiles", "host-2x2-loopback.json")
+MODEL = ["--layers", "8", "--dim", "512", "--heads", "8", "--seq", "32", "--vocab", "64",
+         "--global-batch", "8", "--quiet"]
+MB = 1e6
+
+
+def drop_caches():
+    """Drops the page cache; False where this process may not."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def rank_files(step_dir):
+    return {f: os.path.getsize(os.path.join(step_dir, f)) for f in os.listdir(step_dir)
+            if f.endswith(".bin")}
+
+
+def launch(build, cluster, job, out, args):
+    env = dict(os.environ, PYTHONPATH=os.path.join(build, "python"))
+    cmd = [sys.executable, "-m", "ragshard.launch", "--planner", cluster.planner, "--job", job,
+           "--nproc", "4", "--sockets", ",".join(cluster.sockets), "--create-job", EXAMPLE,
+           "--out", os.path.join(out, job)] + MODEL + args
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
+    if r.returncode != 0:
+        sys.exit(f"{job} failed:\n{r.stdout}{r.stderr}")
+    return [json.load(open(os.path.join(out, f"{job}.rank{i}.json")))["checkpoint"]
+            for i in range(4)]
+
+
+def together(ck):
+    """MB/s of a load by every rank at once: all bytes read over the slowest rank's time."""
+    return sum(s["load_bytes_read"] for s in ck) / max(s["load_seconds"] for s in ck) / MB
+
+
+def disk_write(path, nbytes):
+    """Seconds to write `nbytes` in 1 MiB blocks and fsync them."""
+    block = os.urandom(1 << 20)
+    t = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    left = nbytes
+    while left > 0:
+        left -= os.write(fd, block[:min(left, len(block))])
+    os.fsync(fd)
+    os.close(fd)
+    return time.perf_counter() - t
+
+
+def disk_read(path):
+    t = time.perf_counter()
+    fd = os.open(path, os.O_RDONLY)
+    while os.read(fd, 1 << 20):
+        pass
+    os.close(fd)
+    return time.perf_counter() - t
+
+
+def torch_full_state():
+    """The example's model and AdamW state after one step, as one process holds them."""
+    import torch
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import train_tiny
+    torch.manual_seed(0)
+    model = train_tiny.TinyLM(64, 512, 8, 8, 32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    return {"model": model.state_dict(), "optim": opt.state_dict()}
+
+
+def torch_save(state, path):
+    import torch
+    t = time.perf_counter()
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    return time.perf_counter() - t
+
+
+def torch_load(path):
+    import torch
+    t = time.perf_counter()
+    torch.load(path)
+    return time.perf_counter() - t
+
+
+def summary(values):
+    return statistics.median(values), min(values), max(values)
+
+
+def fmt(values):
+    m, lo, hi = summary(values)
+    return f"{m:.0f} ({lo:.0f}–{hi:.0f})"
+
+
+def plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    labels = [r[0] for r in rows]
+    med = [summary(r[1])[0] for r in rows]
+    err = [[m - summary(r[1])[1] for m, r in zip(med, rows)],
+           [summary(r[1])[2] - m for m, r in zip(med, rows)]]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    ax.barh(labels, med, xerr=err, color=["C0" if "ragshard" in label else "C7"
+                                           for label in labels])
+    ax.invert_yaxis()
+    ax.set_xlabel("MB/s (median, min–max whiskers)")
+    ax.set_title("Checkpoint throughput, 2 daemons x 2 ranks, ~25 M parameters + AdamW")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--build", default=os.path.join(ROOT, "build"))
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--out", default=os.path.join(ROOT, "docs", "benchmarks", "checkpoint.md"))
+    ap.add_argument("--work", default="", help="scratch directory (default: a new one in /tmp)")
+    a = ap.parse_args()
+    build = os.path.abspath(a.build)
+    sys.path.insert(0, os.path.join(build, "python"))
+    from ragshard.cluster import LocalCluster
+    work = a.work or tempfile.mkdtemp(prefix="ragshard-ckpt-bench-")
+    os.makedirs(work, exist_ok=True)
+    can_drop = drop_caches()
+    m = {k: [] for k in ("save_rank", "save_all", "sync_ms", "async_stall", "load_warm_rank",
+                         "load_warm_all", "load_cold_rank", "load_cold_all", "disk_write", "disk_read_warm", "disk_read_cold",
+                         "torch_save", "torch_load_warm", "torch_load_cold")}
+    state = torch_full_state()
+    sizes = {}
+    for rep in range(a.reps):
+        # A fresh planner and daemons per repetition: a finished job's shards stay in the
+        # daemons' pools until the job is deleted.
+        with LocalCluster(build, daemons=2, pool_bytes=1 << 30, cluster_profile=PROFILE) as c:
+            root = os.path.join(work, f"ckpt{rep}")
+            shutil.rmtree(root, ignore_errors=True)
+            ck = launch(build, c, f"save{rep}", work, ["--steps", "1", "--save", root,
+                                                       "--save-step", "1"])
+            files = rank_files(os.path.join(root, "step_00000001"))
+            per_rank = [files[f"rank{i:05d}.bin"] for i in range(4)]
+            total = sum(per_rank)
+            sizes = {"per_rank": per_rank, "total": total}
+            m["save_rank"] += [b / s["save_seconds"][0] / MB for b, s in zip(per_rank, ck)]
+            m["save_all"].append(total / max(s["save_seconds"][0] for s in ck) / MB)
+            m["sync_ms"] += [s["save_seconds"][0] * 1e3 for s in ck]
+            ck = launch(build, c, f"async{rep}", work, ["--steps", "1", "--save", root + "a",
+                                                        "--save-step", "1", "--async-save"])
+            m["async_stall"] += [s["save_seconds"][0] * 1e3 for s in ck]
+            ck = launch(build, c, f"warm{rep}", work, ["--steps", "1", "--resume", root])
+            m["load_warm_rank"] += [s["load_bytes_read"] / s["load_seconds"] / MB for s in ck]
+            m["load_warm_all"].append(together(ck))
+            if can_drop:
+                drop_caches()
+                ck = launch(build, c, f"cold{rep}", work, ["--steps", "1", "--resume", root])
+                m["load_cold_rank"] += [s["load_bytes_read"] / s["load_seconds"] / MB
+                                        for s in ck]
+                m["load_cold_all"].append(together(ck))
+            f = os.path.join(work, "disk.bin")
+            m["disk_write"].append(total / disk_write(f, total) / MB)
+            m["disk_read_warm"].append(total / disk_read(f) / MB)
+            if can_drop:
+                drop_caches()
+                m["disk_read_cold"].append(total / disk_read(f) / MB)
+            t = os.path.join(work, "torch.pt")
+            seconds = torch_save(state, t)
+            m["torch_save"].append(os.path.getsize(t) / seconds / MB)
+            m["torch_load_warm"].append(os.path.getsize(t) / torch_load(t) / MB)
+            if can_drop:
+                drop_caches()
+                m["torch_load_cold"].append(os.path.getsize(t) / torch_load(t) / MB)
+            shutil.rmtree(root + "a", ignore_errors=True)
+            print(f"rep {rep + 1}/{a.reps} done", flush=True)
+    torch_bytes = os.path.getsize(os.path.join(work, "torch.pt"))
+    rows = [("ragshard save, per rank", m["save_rank"]),
+            ("ragshard save, 4 ranks together", m["save_all"]),
+            ("disk write + fsync (1 process)", m["disk_write"]),
+            ("torch.save of the full state + fsync", m["torch_save"]),
+            ("ragshard load, per rank (page cache)", m["load_warm_rank"]),
+            ("ragshard load, 4 ranks together (page cache)", m["load_warm_all"]),
+            ("disk read (page cache)", m["disk_read_warm"]),
+            ("torch.load (page cache)", m["torch_load_warm"])]
+    if can_drop:
+        rows += [("ragshard load, per rank (cold)", m["load_cold_rank"]),
+                 ("ragshard load, 4 ranks together (cold)", m["load_cold_all"]),
+                 ("disk read (cold)", m["disk_read_cold"]),
+                 ("torch.load (cold)", m["torch_load_cold"])]
+    png = os.path.splitext(a.out)[0] + ".png"
+    plot(rows, png)
+    write(a, rows, m, sizes, torch_bytes, can_drop, os.path.basename(png))
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def write(a, rows, m, sizes, torch_bytes, can_drop, png):
+    today = datetime.date.today().isoformat()
+    ratio = lambda x, y: summary(x)[0] / summary(y)[0]  # noqa: E731
+    lines = [
+        "# Checkpoint throughput", "",
+        f"Run on {today} on this repository's 2-core development machine by "
+        f"`.venv/bin/python bench/checkpoint_report.py --build build` ({a.reps} repetitions, "
+        "every row alternated in the same run). The model: examples/train_tiny.py "
+        "`--layers 8 --dim 512` (about 25 M parameters, fp32) with AdamW's two moments, on "
+        "2 daemons × 2 ranks; a checkpoint holds "
+        f"{sizes['total'] / MB:.0f} MB in 4 rank files of "
+        f"{', '.join(f'{b / MB:.0f}' for b in sizes['per_rank'])} MB "
+        "(the ragged plan's shards differ in size); torch.save of the same state (model and "
+        f"AdamW state_dict) is {torch_bytes / MB:.0f} MB.", "",
+        "* **Save** is `ragshard.checkpoint.save` as the example calls it after a step: copy "
+        "nothing (synchronous), write the rank's pieces with a CRC-32 per 1 MiB chunk, fsync, "
+        "write and fsync the rank's index, two barriers through the daemons, and on rank 0 the "
+        "commit (metadata, renames, `latest`, directory fsyncs). Per rank: the rank's bytes over "
+        "its own save time. Together: all bytes over the slowest rank's time.",
+        "* **Load** is `ragshard.checkpoint.load` in a new job of the same shape: every rank "
+        "reads the chunks its pieces need and checks their CRC-32, and copies them into its "
+        "shards and AdamW state. Per rank: the bytes it read over its load time.",
+        "* **Disk** is one process writing (1 MiB blocks, then fsync) and reading back a file "
+        "of the checkpoint's total size, in the same run.",
+        "* **(page cache)** rows read files written moments before, which the kernel still "
+        "holds: they measure memory, not the disk. " +
+        ("**(cold)** rows ran after `echo 3 > /proc/sys/vm/drop_caches`." if can_drop else
+         "The cold rows are missing: this run could not drop the page cache (not root)."), "",
+        "| what | MB/s, median (min–max) |", "|---|---:|"]
+    lines += [f"| {label} | {fmt(v)} |" for label, v in rows]
+    lines += ["", f"![checkpoint throughput]({png})", "",
+              "## Ratios (medians, this run)", "",
+              f"* ragshard save, 4 ranks together ÷ disk write: "
+              f"{ratio(m['save_all'], m['disk_write']):.2f}×; per rank ÷ disk write: "
+              f"{ratio(m['save_rank'], m['disk_write']):.2f}×.",
+              f"* ragshard save, 4 ranks together ÷ torch.save of the full state: "
+              f"{ratio(m['save_all'], m['torch_save']):.2f}×.",
+              f"* ragshard load, 4 ranks together ÷ disk read, page cache: "
+              f"{ratio(m['load_warm_all'], m['disk_read_warm']):.2f}×" +
+              (f"; cold: {ratio(m['load_cold_all'], m['disk_read_cold']):.2f}×." if can_drop
+               else ".") + " ÷ torch.load of the full state, page cache: "
+              f"{ratio(m['load_warm_all'], m['torch_load_warm']):.2f}×" +
+              (f"; cold: {ratio(m['load_cold_all'], m['torch_load_cold']):.2f}×." if can_drop
+               else "."),
+              f"* A synchronous save blocks each rank for {fmt(m['sync_ms'])} ms (median, "
+              f"min–max); an asynchronous one for {fmt(m['async_stall'])} ms: the copy of the "
+              "rank's state into fresh memory (its page faults included), after which the "
+              "writing runs in a thread during the next step. On this machine the disk writes "
+              "into the page cache and the fsync is quick, so the copy costs about what the "
+              "whole save does; the asynchronous save pays off where the disk (or a shared "
+              "filesystem) is slower than memory.", "",
+              "## Reading these figures", "",
+              "* All four ranks and both daemons share one disk and two cores, so the ranks' "
+              "writes compete: the per-rank figure is below the disk's, and 4 ranks together "
+              "is what a node's disk sees. On a cluster each node writes its ranks' files to a "
+              "shared filesystem, whose bandwidth then bounds the save.",
+              "* A save moves each byte once from the shards to the file (no gather, no "
+              "serialization); the cost beyond the disk is the CRC-32 (zlib) and the barriers.",
+              "* A load reads only the ranges of its pieces, rounded out to whole 1 MiB chunks "
+              "for the CRC check; under the same plan each rank reads its own file. Each byte "
+              "is then read by the CRC-32 and copied into the shard (or the optimizer's state): "
+              "with 4 ranks on 2 cores these passes, not the disk, bound the load, which is why "
+              "it stays far below the page cache's read bandwidth; torch.load is one process "
+              "with the machine to itself and no checksum.", ""]
+    with open(a.out, "w") as f:
+        f.write("\n".join(lines))
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
