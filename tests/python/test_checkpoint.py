@@ -268,3 +268,31 @@ def test_load_errors_name_what_is_wrong(cluster, saved, tmp_path):
     assert r.returncode != 0 and "holds muon optimizer state" in r.stderr, r.stderr
     with pytest.raises(checkpoint.CheckpointError, match="no such checkpoint directory"):
         _format.resolve(str(tmp_path / "none"))
+
+
+def test_the_optimizer_step_waits_for_an_asynchronous_write():
+    """The fence of an asynchronous save: the optimizer's step (which changes the shards that
+    the save's thread is writing) waits until this rank's part is written."""
+    import threading
+    import types
+    from ragshard.torch import ShardedAdamW, ShardedModule
+    release = threading.Event()
+    handle = checkpoint.SaveHandle(write=release.wait, commit=lambda: "committed")
+    model = types.SimpleNamespace(units=lambda: [], masters={}, has_grad=[],
+                                  checkpoint_writing=handle)
+    model.wait_for_checkpoint_write = lambda: ShardedModule.wait_for_checkpoint_write(model)
+    opt = ShardedAdamW(model)
+    stepped = threading.Thread(target=opt.step)
+    stepped.start()
+    stepped.join(0.5)
+    assert stepped.is_alive(), "the step ran while the save was writing"
+    release.set()
+    stepped.join(60)
+    assert not stepped.is_alive()
+    assert handle.result(60) == "committed" and model.checkpoint_writing is None
+    # A failed write is raised at the next step, not lost.
+    failing = checkpoint.SaveHandle(write=lambda: (_ for _ in ()).throw(OSError("disk full")),
+                                    commit=lambda: None)
+    model.checkpoint_writing = failing
+    with pytest.raises(OSError, match="disk full"):
+        opt.step()

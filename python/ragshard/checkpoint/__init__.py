@@ -48,9 +48,11 @@ def _buffers(model):
     return [(n, b) for n, b in model.module.named_buffers() if b is not None]
 
 
-def _snapshot(model, optimizer, copy):
-    """This rank's records as (name, kind, start, count, dtype, tensor), copied when `copy`
-    (an asynchronous save: training changes the shards while they are written)."""
+def _snapshot(model, optimizer):
+    """This rank's records as (name, kind, start, count, dtype, tensor): views of the shards,
+    the masters and the optimizer's state in host memory (an asynchronous save writes them while
+    the next forward and backward run: the optimizer's step, which changes them, waits for the
+    write), or copies of them in host memory where they are on a GPU."""
     kind, records, steps = _state.collect(model, optimizer)
     if model.rank == 0:
         records += [(n, "buffer", 0, b.detach().reshape(-1).cpu()) for n, b in _buffers(model)]
@@ -59,8 +61,6 @@ def _snapshot(model, optimizer, copy):
         t = t.detach().contiguous()
         if t.device.type != "cpu":
             t = t.cpu()  # a CUDA backend's buffers: the copy is the snapshot
-        elif copy:
-            t = t.clone()
         out.append((name, rec_kind, start, t.numel(), _state.dtype_name(t.dtype), t))
     shapes = {pc.name: list(pc.shape) for pc in _state.pieces(model)}
     if model.rank == 0:
@@ -166,14 +166,23 @@ def _commit(root, partial, step, world, plan, deadline):
 class SaveHandle:
     """An asynchronous save in progress: `result(timeout)` waits for it (on rank 0, for the
     commit of every rank's part) and returns the checkpoint's directory, or raises its
-    error."""
+    error. `written` is set once this rank's part is on disk (or the save failed): until then
+    the module's state must not change (`ShardedModule.wait_for_checkpoint_write`)."""
 
-    def __init__(self, target):
-        self._result, self._error = None, None
+    def __init__(self, write, commit):
+        self._result, self._error, self._write_error = None, None, None
+        self.written = threading.Event()
 
         def run():
             try:
-                self._result = target()
+                write()
+            except BaseException as e:  # noqa: BLE001 - re-raised by result() and wait_written()
+                self._error = self._write_error = e
+                return
+            finally:
+                self.written.set()
+            try:
+                self._result = commit()
             except BaseException as e:  # noqa: BLE001 - re-raised by result()
                 self._error = e
         self._thread = threading.Thread(target=run, name="ragshard-checkpoint", daemon=True)
@@ -181,6 +190,12 @@ class SaveHandle:
 
     def done(self):
         return not self._thread.is_alive()
+
+    def wait_written(self):
+        """Waits until this rank's part is written; raises the save's error if it failed."""
+        self.written.wait()
+        if self._write_error is not None:
+            raise self._write_error
 
     def result(self, timeout=None):
         self._thread.join(timeout)
@@ -195,9 +210,12 @@ def save(model, optimizer, root, step, async_save=False, timeout=600.0):
     """Saves `model` (a ShardedModule) and `optimizer` under `root` as step `step`; every rank
     calls it at the same point. Synchronous by default: it returns the checkpoint's directory
     once every rank's part is fsynced and the checkpoint committed. With `async_save`, it
-    returns a SaveHandle once this rank's state is copied aside; the writing (and, on rank 0,
-    the commit) goes on in a thread while training continues. `timeout`: seconds that rank 0
+    returns a SaveHandle at once: a thread writes this rank's part (and, on rank 0, commits)
+    while the next forward and backward run; the optimizer's next step (and anything else that
+    changes the shards: a load, load_state_dict, another save) waits until this rank's part is
+    written. On a GPU backend the state is first copied to host memory. `timeout`: seconds that rank 0
     waits for the other ranks' parts before giving up on the commit."""
+    model.wait_for_checkpoint_write()  # a previous asynchronous save's part is on disk
     root = os.path.abspath(root)
     partial = os.path.join(root, _format.partial_dir_name(step))
     t0 = time.perf_counter()
@@ -208,23 +226,27 @@ def save(model, optimizer, root, step, async_save=False, timeout=600.0):
     _barrier(model)  # the partial directory exists, and is empty, for every rank
     t1 = time.perf_counter()
     writer = _writer(model)
-    snapshot = _snapshot(model, optimizer, copy=async_save) if writer else None
+    snapshot = _snapshot(model, optimizer) if writer else None
     plan = _plan_summary(model)
     # Where the save's time went on this rank (seconds): the barrier that starts it, and the
-    # collection of the state (with its copy, for an asynchronous save).
+    # collection of the state.
     model.checkpoint_save_phases = {"start_barrier": t1 - t0,
                                     "snapshot": time.perf_counter() - t1}
 
-    def finish():
+    def write():
         if writer:
             _write_rank(model, partial, step, snapshot)
+
+    def commit():
         if model.rank == 0:
             return _commit(root, partial, step, model.world, plan,
                            time.monotonic() + timeout)
         return os.path.join(root, _format.step_dir_name(step))
 
     if async_save:
-        return SaveHandle(finish)
+        handle = SaveHandle(write, commit)
+        model.checkpoint_writing = handle  # the optimizer's step waits for the write
+        return handle
     if writer:
         _write_rank(model, partial, step, snapshot)
     _barrier(model)  # every part is on disk
@@ -242,6 +264,7 @@ def load(model, optimizer, root, step=None):
     the checkpoint's step."""
     path = _format.resolve(root, step)
     meta = _format.read_metadata(path)
+    model.wait_for_checkpoint_write()
     with _format.Reader(path, meta) as reader:
         _state.place(model, optimizer, reader, meta)
         for name, b in _buffers(model):

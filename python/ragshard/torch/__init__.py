@@ -273,6 +273,7 @@ class ShardedModule(torch.nn.Module):
             # dequantized values once a quantized gather has run.
             self.masters[ui] = as_tensor(client.param_shard(ui)).clone()
         self.gathered_bytes = {"quantized": 0, "full": 0}
+        self.checkpoint_writing = None  # an asynchronous checkpoint save writing the state
         self._handles = {}
         self._backward_started = False
         self._install_hooks()
@@ -657,6 +658,15 @@ class ShardedModule(torch.nn.Module):
             out[n] = b.detach().clone()
         return out
 
+    def wait_for_checkpoint_write(self):
+        """Waits until an asynchronous checkpoint save has written this rank's part: the
+        shards, masters and optimizer state must not change before (the optimizers' step calls
+        it). Raises the save's error if it failed."""
+        handle = self.checkpoint_writing
+        if handle is not None:
+            self.checkpoint_writing = None
+            handle.wait_written()
+
     def load_state_dict(self, state_dict, strict=True, assign=False):
         """Loads a plain (unsharded) state_dict, as `state_dict()` returns or torch.save of the
         plain model holds: each rank copies its pieces of every parameter into its shards (and
@@ -666,6 +676,7 @@ class ShardedModule(torch.nn.Module):
             raise ValueError("load_state_dict: assign=True is not supported (the parameters "
                              "live in the daemon's buffers)")
         from ..checkpoint import _state
+        self.wait_for_checkpoint_write()
         names = {pc.name for pc in _state.pieces(self)} | \
             {n for ui in self.units() for n, _ in self.unit_params(ui)}
         buffers = dict(self.module.named_buffers())

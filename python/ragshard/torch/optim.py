@@ -43,6 +43,7 @@ class ShardedAdamW:
                                      eps=eps, weight_decay=weight_decay) if self.pieces else None
 
     def step(self):
+        self.model.wait_for_checkpoint_write()  # an asynchronous save may be reading the state
         has = self.model.has_grad
         for index, p, grad in self.pieces:
             p.grad = grad if has[index] else None
@@ -97,6 +98,7 @@ class ShardedMuon:
 
     def step(self):
         m = self.model
+        m.wait_for_checkpoint_write()  # an asynchronous save may be reading the state
         has = m.has_grad
         self.adamw.step()
         for u in self.units:
