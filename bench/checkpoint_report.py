@@ -127,6 +127,11 @@ def fmt(values):
     return f"{m:.0f} ({lo:.0f}–{hi:.0f})"
 
 
+def fmt2(values):
+    m, lo, hi = summary(values)
+    return f"{m:.2f}× ({lo:.2f}–{hi:.2f})"
+
+
 def plot(rows, path):
     import matplotlib
     matplotlib.use("Agg")
@@ -160,7 +165,7 @@ def main():
     os.makedirs(work, exist_ok=True)
     can_drop = drop_caches()
     m = {k: [] for k in ("save_rank", "save_all", "sync_ms", "async_stall", "sync_next_step",
-                         "async_next_step", "load_warm_rank",
+                         "async_next_step", "sync_step_ratio", "async_step_ratio", "load_warm_rank",
                          "load_warm_all", "load_cold_rank", "load_cold_all", "disk_write", "disk_read_warm", "disk_read_cold",
                          "torch_save", "torch_load_warm", "torch_load_cold")}
     state = torch_full_state()
@@ -174,6 +179,7 @@ def main():
             ck = launch(build, c, f"save{rep}", work, ["--steps", "2", "--save", root,
                                                        "--save-step", "1"])
             m["sync_next_step"] += [s["step_seconds"][1] for s in ck]
+            m["sync_step_ratio"] += [s["step_seconds"][1] / s["step_seconds"][0] for s in ck]
             files = rank_files(os.path.join(root, "step_00000001"))
             per_rank = [files[f"rank{i:05d}.bin"] for i in range(4)]
             total = sum(per_rank)
@@ -185,6 +191,7 @@ def main():
                                                         "--save-step", "1", "--async-save"])
             m["async_stall"] += [s["save_seconds"][0] * 1e3 for s in ck]
             m["async_next_step"] += [s["step_seconds"][1] for s in ck]
+            m["async_step_ratio"] += [s["step_seconds"][1] / s["step_seconds"][0] for s in ck]
             ck = launch(build, c, f"warm{rep}", work, ["--steps", "2", "--resume", root])
             m["load_warm_rank"] += [s["load_bytes_read"] / s["load_seconds"] / MB for s in ck]
             m["load_warm_all"].append(together(ck))
@@ -282,8 +289,12 @@ def write(a, rows, m, sizes, torch_bytes, can_drop, png):
               f"ranges {summary(m['sync_next_step'])[1]:.2f}–"
               f"{summary(m['sync_next_step'])[2]:.2f} and "
               f"{summary(m['async_next_step'])[1]:.2f}–{summary(m['async_next_step'])[2]:.2f} "
-              "s): on 2 cores the writing thread competes with the step's compute, so the "
-              "overlap hides less than it would on a machine with idle cores.", "",
+              "s); the step after the save over the step before it, in the same process: "
+              f"{fmt2(m['sync_step_ratio'])} after a synchronous save, "
+              f"{fmt2(m['async_step_ratio'])} after an asynchronous one. Step times on this "
+              "shared 2-core machine vary by tens of percent from run to run; on 2 cores the "
+              "writing thread also competes with the step's compute, so the overlap hides less "
+              "than it would on a machine with idle cores.", "",
               "## Reading these figures", "",
               "* All four ranks and both daemons share one disk and two cores, so the ranks' "
               "writes compete: the per-rank figure is below the disk's, and 4 ranks together "

@@ -175,12 +175,6 @@ class SaveHandle:
 
         def run():
             try:
-                # Below the training threads' priority (Linux: nice is per thread): the write
-                # takes the CPU time the step leaves idle, and the step's compute goes first.
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-            except (AttributeError, OSError):
-                pass
-            try:
                 write()
             except BaseException as e:  # noqa: BLE001 - re-raised by result() and wait_written()
                 self._error = self._write_error = e
