@@ -127,6 +127,18 @@ def fmt(values):
     return f"{m:.0f} ({lo:.0f}–{hi:.0f})"
 
 
+def verdict(m):
+    """Whether the asynchronous save paid off in this run, from the medians."""
+    grew = summary(m["async_next_step"])[0] - summary(m["sync_next_step"])[0]
+    blocked = summary(m["sync_ms"])[0] / 1e3
+    if grew <= blocked:
+        return (f" Here it paid off: the next step grew by {grew:.2f} s against the "
+                f"{blocked:.2f} s a synchronous save blocks.")
+    return (f" Here it did not pay off: the next step grew by {grew:.2f} s (medians), more than "
+            f"the {blocked:.2f} s a synchronous save blocks; use synchronous saves where the "
+            "disk is as fast as this one and the cores are busy.")
+
+
 def fmt2(values):
     m, lo, hi = summary(values)
     return f"{m:.2f}× ({lo:.2f}–{hi:.2f})"
@@ -294,7 +306,7 @@ def write(a, rows, m, sizes, torch_bytes, can_drop, png):
               f"{fmt2(m['async_step_ratio'])} after an asynchronous one. Step times on this "
               "shared 2-core machine vary by tens of percent from run to run; on 2 cores the "
               "writing thread also competes with the step's compute, so the overlap hides less "
-              "than it would on a machine with idle cores.", "",
+              "than it would on a machine with idle cores." + verdict(m), "",
               "## Reading these figures", "",
               "* All four ranks and both daemons share one disk and two cores, so the ranks' "
               "writes compete: the per-rank figure is below the disk's, and 4 ranks together "
