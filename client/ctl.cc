@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "client/ctl_checkpoint.h"
+#include "client/ctl_format.h"
 #include "client/ctl_strategy.h"
 #include "common/dtype.h"
 #include "common/inventory.h"
@@ -82,17 +83,6 @@ std::optional<int> Prepare(const Source& src, Inventory* inventory, PlanOptions*
   options->world = src.world;
   options->align_bytes = static_cast<int32_t>(src.align_bytes);
   return std::nullopt;
-}
-
-std::string Human(int64_t n) {
-  const char* units[] = {"", "K", "M", "G", "T", "P"};
-  double v = static_cast<double>(n);
-  int u = 0;
-  while (v >= 1000.0 && u < 5) {
-    v /= 1000.0;
-    ++u;
-  }
-  return u == 0 ? absl::StrCat(n) : absl::StrFormat("%.2f%s", v, units[u]);
 }
 
 double Pct(int64_t part, int64_t whole) {

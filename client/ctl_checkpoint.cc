@@ -7,7 +7,6 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -16,7 +15,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "client/ctl_format.h"
 #include "common/proto_text.h"
+#include "common/rpc.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
 
@@ -30,13 +31,11 @@ using google::protobuf::Value;
 constexpr char kFormat[] = "ragshard-checkpoint/1";
 constexpr int kExitOk = 0, kExitDamaged = 1, kExitBadInput = 2;
 
-absl::StatusOr<std::string> ReadFile(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  if (!f) return absl::NotFoundError(absl::StrCat(p.string(), ": cannot be read"));
-  std::ostringstream s;
-  s << f.rdbuf();
-  return s.str();
-}
+// Bounds on what a metadata file may ask of the reader (Python writes 1 MiB chunks).
+constexpr int64_t kMinChunk = 4096, kMaxChunk = int64_t{1} << 30;
+constexpr uintmax_t kMaxMetadataBytes = uintmax_t{1} << 30;
+// Element counts beyond this would overflow a byte size (and no file is that large).
+constexpr double kMaxCount = 9.0e15;
 
 // The checkpoint's directory: DIR itself, or the one DIR/latest names.
 absl::StatusOr<fs::path> Resolve(const fs::path& dir) {
@@ -51,7 +50,7 @@ absl::StatusOr<fs::path> Resolve(const fs::path& dir) {
     return absl::InvalidArgumentError(absl::StrCat(
         dir.string(), ": an incomplete checkpoint (its save did not finish: no metadata.json)"));
   }
-  auto latest = ReadFile(dir / "latest");
+  auto latest = ReadFileToString((dir / "latest").string());
   if (!latest.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(
         dir.string(), ": no complete checkpoint (no 'latest' file and no metadata.json)"));
@@ -105,13 +104,27 @@ class Checker {
   void Piece(const std::string& tensor, const std::string& kind, int64_t item,
              const Struct& piece) {
     const std::string file = Text(piece, "file");
-    const auto offset = static_cast<int64_t>(Number(piece, "offset"));
-    const int64_t size = static_cast<int64_t>(Number(piece, "count")) * item;
+    const double count = Number(piece, "count"), off = Number(piece, "offset");
     const fs::path path = dir_ / file;
     const std::string where = absl::StrCat(path.string(), ": ");
     const std::string what = absl::StrCat("tensor '", tensor, "' (", kind, ")");
     if (file.empty() || file.find('/') != std::string::npos) {
       errors_.push_back(absl::StrCat(dir_.string(), ": ", what, " names no valid file"));
+      return;
+    }
+    if (!(count >= 0 && count <= kMaxCount / static_cast<double>(item)) ||
+        !(off >= 0 && off <= kMaxCount)) {
+      errors_.push_back(absl::StrCat(where, what, ": a piece with offset ", off, " and count ",
+                                     count, " is out of range"));
+      return;
+    }
+    const auto offset = static_cast<int64_t>(off);
+    const int64_t size = static_cast<int64_t>(count) * item;
+    std::error_code ec;
+    const uintmax_t file_size = fs::file_size(path, ec);
+    if (!ec && static_cast<uintmax_t>(offset + size) > file_size) {
+      errors_.push_back(absl::StrCat(where, "truncated: ", what, " needs bytes [", offset, ", ",
+                                     offset + size, "), the file ends at ", file_size));
       return;
     }
     std::ifstream& f = Open(path);
@@ -170,17 +183,6 @@ class Checker {
   int64_t checked_ = 0, bytes_ = 0;
 };
 
-std::string Human(int64_t b) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double v = static_cast<double>(b);
-  int u = 0;
-  while (v >= 1024 && u < 4) {
-    v /= 1024;
-    ++u;
-  }
-  return u == 0 ? absl::StrCat(b, " B") : absl::StrFormat("%.1f %s", v, units[u]);
-}
-
 }  // namespace
 
 int RunCheckpointInspect(const std::string& dir, bool json, std::ostream& out, std::ostream& err) {
@@ -190,7 +192,14 @@ int RunCheckpointInspect(const std::string& dir, bool json, std::ostream& out, s
     return kExitBadInput;
   }
   const fs::path meta_path = *path / "metadata.json";
-  auto text = ReadFile(meta_path);
+  std::error_code ec;
+  const uintmax_t meta_size = fs::file_size(meta_path, ec);
+  if (ec || meta_size > kMaxMetadataBytes) {
+    err << "error: " << meta_path.string() << ": "
+        << (ec ? ec.message() : absl::StrCat("larger than ", kMaxMetadataBytes, " bytes")) << "\n";
+    return kExitBadInput;
+  }
+  auto text = ReadFileToString(meta_path.string());
   Struct meta;
   if (!text.ok() || !google::protobuf::util::JsonStringToMessage(*text, &meta).ok() ||
       Text(meta, "format") != kFormat) {
@@ -201,9 +210,10 @@ int RunCheckpointInspect(const std::string& dir, bool json, std::ostream& out, s
   const Value* tensors = Field(meta, "tensors");
   const Value* plan = Field(meta, "plan");
   const Value* optimizer = Field(meta, "optimizer");
-  if (chunk <= 0 || tensors == nullptr || !tensors->has_struct_value() || plan == nullptr ||
-      !plan->has_struct_value()) {
-    err << "error: " << meta_path.string() << ": no chunk_bytes, tensors or plan\n";
+  if (chunk < kMinChunk || chunk > kMaxChunk || tensors == nullptr ||
+      !tensors->has_struct_value() || plan == nullptr || !plan->has_struct_value()) {
+    err << "error: " << meta_path.string() << ": no chunk_bytes (" << kMinChunk << " to "
+        << kMaxChunk << "), tensors or plan\n";
     return kExitBadInput;
   }
   Checker check(*path, chunk);
@@ -282,7 +292,7 @@ int RunCheckpointInspect(const std::string& dir, bool json, std::ostream& out, s
     out << ProtoJson(o, true, true) << "\n";
   } else {
     out << "checkpoint " << path->string() << ": step " << step << ", " << rows.size()
-        << " tensors, " << Human(total) << "\n";
+        << " tensors, " << Human(total) << "B\n";
     out << absl::StrFormat(
         "saved under: world %d x replicas %d, policy %s%s, param dtype %s, "
         "optimizer %s\n",
@@ -295,10 +305,10 @@ int RunCheckpointInspect(const std::string& dir, bool json, std::ostream& out, s
     for (const TensorRow& r : rows) {
       out << absl::StrFormat("%-40s %-16s %-6s %12d %12s %7d %s\n", r.name,
                              "[" + absl::StrJoin(r.shape, ",") + "]", r.dtype, r.numel,
-                             Human(r.bytes), r.pieces, r.kinds);
+                             Human(r.bytes) + "B", r.pieces, r.kinds);
     }
     if (ok) {
-      out << "integrity: OK (" << check.checked() << " chunks, " << Human(check.bytes())
+      out << "integrity: OK (" << check.checked() << " chunks, " << Human(check.bytes()) << "B"
           << " checked)\n";
     } else {
       out << "integrity: FAILED\n";

@@ -296,3 +296,26 @@ def test_the_optimizer_step_waits_for_an_asynchronous_write():
     model.checkpoint_writing = failing
     with pytest.raises(OSError, match="disk full"):
         opt.step()
+
+
+@pytest.mark.parametrize("edit,what", [
+    (lambda m: m.update(chunk_bytes=1 << 62), "chunk_bytes"),
+    (lambda m: next(iter(m["tensors"].values()))["param"]["pieces"][0].update(count=1 << 60),
+     "out of range|truncated"),
+    (lambda m: next(iter(m["tensors"].values()))["param"]["pieces"][0].update(offset=-5),
+     "out of range"),
+])
+def test_hostile_metadata_gets_a_clear_error(saved, tmp_path, edit, what):
+    """Sizes in a metadata file are checked before anything is allocated or read."""
+    root = tmp_path / "hostile"
+    shutil.copytree(saved["adamw"]["root"], root)
+    path = root / "step_00000003" / "metadata.json"
+    meta = json.loads(path.read_text())
+    edit(meta)
+    path.write_text(json.dumps(meta))
+    with pytest.raises(checkpoint.CheckpointError, match=what):
+        checkpoint.export_state_dict(str(root))
+    r = subprocess.run([CTL, "checkpoint", "inspect", str(root)], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode in (1, 2), r.stdout + r.stderr
+    assert re.search(what, r.stderr), r.stderr

@@ -144,8 +144,14 @@ def read_metadata(path):
             meta = json.load(f)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{meta_path}: unreadable metadata: {e}") from None
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{meta_path}: format {meta.get('format')!r}, expected {FORMAT!r}")
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise CheckpointError(f"{meta_path}: format {got!r}, expected {FORMAT!r}")
+    chunk = meta.get("chunk_bytes")
+    if not isinstance(chunk, int) or not 4096 <= chunk <= 1 << 30:
+        raise CheckpointError(f"{meta_path}: chunk_bytes {chunk!r} is not 4096 to 2^30")
+    if not isinstance(meta.get("tensors"), dict):
+        raise CheckpointError(f"{meta_path}: no tensors")
     return meta
 
 
@@ -213,6 +219,15 @@ class Reader:
         start = first * self.chunk
         end = min((last + 1) * self.chunk, size)
         fd = self._fd(fname)
+        where = os.path.join(self.path, fname)
+        if not (isinstance(p["offset"], int) and p["offset"] >= 0 and 0 <= size):
+            raise CheckpointError(f"{where}: tensor '{tensor}' ({kind}): a piece with offset "
+                                  f"{p['offset']!r} and {size} bytes is out of range")
+        file_size = os.fstat(fd).st_size
+        if p["offset"] + end > file_size:  # before allocating what a bad index asks for
+            raise CheckpointError(f"{where}: truncated: tensor '{tensor}' ({kind}) needs bytes "
+                                  f"[{p['offset'] + start}, {p['offset'] + end}), the file ends "
+                                  f"at {file_size}")
         view = memoryview(_buffer(end - start))
         got = 0
         while got < len(view):
@@ -221,7 +236,6 @@ class Reader:
                 break
             got += n
         self.bytes_read += got
-        where = os.path.join(self.path, fname)
         if got != end - start:
             raise CheckpointError(f"{where}: truncated: tensor '{tensor}' ({kind}) needs bytes "
                                   f"[{p['offset'] + start}, {p['offset'] + end}), the file ends "
