@@ -53,8 +53,24 @@ if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
   echo "install-deps: $VENV matches $REQ"
 else
   echo "install-deps: installing $REQ into $VENV (first time: torch is a large download)"
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -r "$REQ"
+  # torch's CUDA wheel and its nvidia-* wheels take about 5 GiB installed; pip's wheel cache
+  # would keep another copy of the download, so it is not used. Say plainly when the disk is
+  # too small instead of leaving pip's "No space left on device" as the only hint.
+  need_kib=$((7 * 1024 * 1024))
+  free_kib=$(df -Pk "$VENV" | awk 'NR==2 {print $4}')
+  tmp_free_kib=$(df -Pk "${TMPDIR:-/tmp}" | awk 'NR==2 {print $4}')
+  echo "install-deps: free space: $((free_kib / 1024)) MiB at $VENV, $((tmp_free_kib / 1024)) MiB at ${TMPDIR:-/tmp}"
+  if [ "$free_kib" -lt "$need_kib" ]; then
+    echo "install-deps: warning: $VENV needs about 7 GiB free for torch; $((free_kib / 1024)) MiB is free" >&2
+  fi
+  pip_install() {
+    if ! "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir "$@"; then
+      echo "install-deps: pip install $* failed; free space now: $(df -Ph "$VENV" | awk 'NR==2 {print $4}') at $VENV, $(df -Ph "${TMPDIR:-/tmp}" | awk 'NR==2 {print $4}') at ${TMPDIR:-/tmp}" >&2
+      exit 1
+    fi
+  }
+  pip_install --upgrade pip
+  pip_install -r "$REQ"
   echo "$want" >"$stamp"
 fi
 "$VENV/bin/python" -c "import torch; print('install-deps: torch', torch.__version__, 'in $VENV')"
