@@ -132,7 +132,8 @@ def before_after(build, before_build, max_mib, outdir):
         samples, (AFTER, BEFORE),
         "Sharded memory's cost, one rank per daemon (side by side, this run)",
         f"`bench/daemon_bench --config 2x1` with this build's daemons ({AFTER}: persistent "
-        f"shards, the unsharded buffer allocated at each unshard and released at reshard, the "
+        f"shards, the unsharded buffer allocated at each unshard (a view over the shard and a "
+        f"transient lease for the rest) and released at reshard, the "
         f"gradients allocated and released around each reduce-scatter) and with a build of "
         f"commit {commit}, the last before sharded memory ({BEFORE}: every buffer allocated "
         f"for the job's life), each with its own planner and harness (the older harness given "
@@ -152,18 +153,17 @@ def before_after(build, before_build, max_mib, outdir):
             md.append(f"* {name} medians from 16 MiB up moved by {lo * 100:+.0f} % to "
                       f"{hi * 100:+.0f} %.")
     md.append(
-        "* The all-gather now places the node's shard into the transient unsharded buffer (a "
-        "copy of the node's block, the send buffer of ncclAllGather's separate-buffer form); "
-        "before, the shard was a slice of a persistent unsharded buffer and nothing moved "
-        "locally. The ring sends the node's block from the persistent shard; the collective "
-        "places it itself, in 1 MiB steps whenever UCX has nothing for its thread to do, with "
-        "non-temporal stores (server/daemon/stream_copy.h), so that the copy neither reads the "
-        "destination first nor evicts the transfers' data. On this machine the loopback "
-        "transfers keep both cores busy in the kernel, which copies every byte twice (vmstat "
-        "shows 90-99 % system time while they run), so the placement's copy costs time that a "
-        "network-bound ring would leave idle. The "
-        "reduce-scatter's gain comes from changes between the two commits other than memory "
-        "(the before commit also predates the message checks).\n")
+        "* Before, the shard was a slice of a persistent unsharded buffer and nothing moved "
+        "locally. Now the unsharded buffer is transient, and where the node's shard block is a "
+        "whole number of pages (every size here) it is a view (docs/daemon.md, "
+        "common/unsharded_view.h): a transient lease for the other node's shard and the "
+        "persistent shard block mapped side by side, so again nothing moves locally and the "
+        "ring sends from the shard and receives into the lease. An earlier form of this build "
+        "copied the shard into the buffer during the ring instead; on this machine, whose "
+        "loopback transfers keep both cores busy in the kernel, that copy cost about a quarter "
+        "of the all-gather's bandwidth from 64 MiB up. The reduce-scatter's gain comes from "
+        "changes between the two commits other than memory (the before commit also predates "
+        "the message checks).\n")
     return [BEGIN_MARK] + md + [END_MARK]
 
 
@@ -211,6 +211,20 @@ def main():
             noop.append(parts[1:])
         elif parts[0] == "staging-bytes":
             staging.append(parts[1:])
+    # Within one daemon with --unsharded-views false: the all-gather places the shards by
+    # copying (what shards that are not whole pages, and the device shape, do), for the memcpy
+    # tables; the run above is the default (views: nothing is placed).
+    for k in (2, 4):
+        print("+", f"{b}/daemon_bench --views false --config 1x{k}", file=sys.stderr, flush=True)
+        placing = subprocess.run([f"{b}/daemon_bench", "--views", "false", "--config", f"1x{k}",
+                                  "--max-mib", args.max_mib], check=True, capture_output=True,
+                                 text=True, timeout=3600).stdout
+        for line in placing.splitlines():
+            parts = line.strip().split(",")
+            if len(parts) == 7 and parts[0].startswith("ragshard-1daemon"):
+                impl, op, n, size, sec, alg, bus = parts
+                rows.append((impl + "-placing", op, int(n), int(size), float(sec), float(alg),
+                             float(bus)))
     rows += run([f"{b}/collectives_bench", "--members", "1", "--max-mib", args.max_mib])
     # The message checks' cost: checked and unchecked runs alternated, REPS of each.
     checks = collections.defaultdict(list)  # (impl, op, n, size) -> bus bandwidths
@@ -284,27 +298,35 @@ def main():
 
     def memcpy_section(title, op, n, ours_key):
         """The node's all-gather copies each local shard into the transient unsharded buffer,
-        every byte of it once: its time against one memcpy of the whole buffer, the least any
-        host all-gather into a fresh buffer can take."""
-        sizes = sorted(s for (o, m, s) in table if o == op and m == n and ours_key in table[(o, m, s)])
+        every byte of it once (the placing run): its time against one memcpy of the whole
+        buffer, the least any host all-gather into a fresh buffer can take; beside it the
+        default run, where the buffer is a view over the shards and nothing is placed."""
+        placing = ours_key + "-placing"
+        sizes = sorted(s for (o, m, s) in table if o == op and m == n and placing in table[(o, m, s)])
         if not sizes:
             return
         md.append(f"\n### {title}\n")
-        md.append("The all-gather places each local rank's shard into the unit's transient "
-                  "unsharded buffer (every byte once, no network). Here its algorithm bandwidth "
-                  "(buffer bytes ÷ time, control path included) beside memcpy's at that size. "
-                  "The placement's stores are non-temporal (server/daemon/stream_copy.h): they "
-                  "do not read the destination first, which glibc's memcpy does below its "
-                  "non-temporal threshold (240 MiB on this machine), so above about 64 MiB the "
-                  "placement can pass memcpy.\n")
-        md.append("| size | " + ours_key + " algbw GB/s | memcpy GB/s | ours ÷ memcpy |")
-        md.append("|---:|---:|---:|---:|")
+        md.append("With `--unsharded-views false` the all-gather places each local rank's shard "
+                  "into the unit's transient unsharded buffer (every byte once, no network), as "
+                  "it does for shards that are not whole pages and on the device-shaped backend. "
+                  "Here its algorithm bandwidth (buffer bytes ÷ time, control path included) "
+                  "beside memcpy's at that size. The placement's stores are non-temporal "
+                  "(server/daemon/stream_copy.h): they do not read the destination first, which "
+                  "glibc's memcpy does below its non-temporal threshold (240 MiB on this "
+                  "machine), so above about 64 MiB the placement can pass memcpy. The last "
+                  "column is the default (views, docs/daemon.md): the node holds the whole "
+                  "shard group, its shards are the buffer, and the operation is the control "
+                  "path alone.\n")
+        md.append("| size | placing algbw GB/s | memcpy GB/s | placing ÷ memcpy | "
+                  "views algbw GB/s |")
+        md.append("|---:|---:|---:|---:|---:|")
         for sz in sizes:
-            bus = table[(op, n, sz)][ours_key]
-            alg = bus * n / (n - 1)
+            alg = table[(op, n, sz)][placing] * n / (n - 1)
+            views = table[(op, n, sz)].get(ours_key)
             mc = table.get(("copy", 1, sz), {}).get("memcpy")
             md.append(f"| {sz >> 20} MiB | {alg:.3f} | " + (f"{mc:.2f} | {alg / mc:.2f}× |"
-                                                          if mc else "– | – |"))
+                                                          if mc else "– | – |")
+                      + (f" {views * n / (n - 1):.3f} |" if views else " – |"))
 
     md.append("\n## Through the daemons (what training uses)\n")
     md.append("`bench/daemon_bench`: a planner, ragshardd daemons and rank processes; each rank "
@@ -367,13 +389,16 @@ def main():
 
     md.append("\n## Reading these figures, and why targets are missed\n")
     md.append(
-        "* **Within one daemon the all-gather is one copy per byte.** Parameter shards are "
-        "persistent and the unsharded buffer is transient (allocated at unshard, released at "
-        "reshard), so the all-gather places each local rank's contiguous shard into the "
-        "unsharded buffer, as ncclAllGather does with separate send and receive buffers: no "
-        "network, no copy-in or copy-out beyond that. The memcpy tables above show it against "
-        "one memcpy of the buffer; the control path (a gRPC Start and Wait per rank and the "
-        "daemon's hand-off) is included, which is why small sizes fall short.\n"
+        "* **Within one daemon the all-gather moves nothing, or one copy per byte.** Parameter "
+        "shards are persistent and the unsharded buffer is transient (allocated at unshard, "
+        "released at reshard). Where the node's shards are whole pages (every size in these "
+        "tables) the buffer is a view that maps them (docs/daemon.md), so the daemon rows "
+        "measure the control path; otherwise the all-gather places each local rank's "
+        "contiguous shard into the buffer, as ncclAllGather does with separate send and "
+        "receive buffers: no network, no copy-in or copy-out beyond that. The memcpy tables "
+        "show that placing path (`--unsharded-views false`) against one memcpy of the buffer; "
+        "the control path (a gRPC Start and Wait per rank and the daemon's hand-off) is "
+        "included, which is why small sizes fall short.\n"
         "* **Small messages (1–4 MiB)** everywhere are dominated by the control path: each "
         "operation is a gRPC `Start` and a `Wait` over the Unix socket per rank (see the no-op "
         "table: its p50 and p99 are this run's) plus the job thread's hand-off, against one "
@@ -385,13 +410,13 @@ def main():
         "2 cores with the kernel's TCP copies, so CPU time bounds it; within a node the daemon's "
         "single-threaded fp32 summation of k gradients is the bound.\n"
         "* **2 daemons × 1 rank** is one rank per node: nothing is shared in memory, so the "
-        "daemon path is the plain ring plus the control path and the placement of the rank's "
-        "shard (the before/after section). In this run it is behind the better TCP baseline "
+        "daemon path is the plain ring plus the control path (the shard is mapped into the "
+        "unsharded buffer, not copied: the before/after section). In this run it is behind the better TCP baseline "
         f"at: all-gather {behind('allgather')}; reduce-scatter {behind('reducescatter')}.\n"
         "* **Where the design wins** it is for its structural reason: ranks of a node share one "
         "unsharded buffer and one gradient sum, so across 2 × 2 each node's data crosses the "
         "network once (see the 2 daemons × 2 ranks tables above), and within a node the "
-        "all-gather is one copy of each shard.\n")
+        "all-gather maps the shards instead of copying them.\n")
     md.append("\n## Physical limits\n")
     md.append("| size | memcpy GB/s | ucx-p2p GB/s |\n|---:|---:|---:|")
     for s in sorted(s for (o, m, s) in table if o == "copy"):

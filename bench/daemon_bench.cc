@@ -147,17 +147,19 @@ struct Servers {
 int Main(int argc, char** argv) {
   if (argc == 8 && std::string(argv[1]) == "--rank") return RankMain(argv + 2);
   int64_t max_mib = 256;
-  int64_t only_bytes = 0;   // --bytes N: one size only (calibration of the strategy cost model)
-  std::string only_config;  // --config DxK: one (daemons, ranks per daemon) pair only
+  int64_t only_bytes = 0;      // --bytes N: one size only (calibration of the strategy cost model)
+  std::string only_config;     // --config DxK: one (daemons, ranks per daemon) pair only
+  std::string views = "true";  // --views false: the daemons place shards by copying
   for (int i = 1; i < argc; i += 2) {
     const std::string flag = argv[i];
     if (flag == "--help" || flag == "-h") {
-      std::cout << "usage: daemon_bench [--max-mib N] [--bytes N] [--config DxK]\n"
+      std::cout << "usage: daemon_bench [--max-mib N] [--bytes N] [--config DxK] [--views B]\n"
                    "  A planner, D ragshardd daemons and D*K rank processes on loopback: unshard\n"
                    "  and reduce_scatter through ragshard (CSV rows), and the no-op latency.\n"
                    "  --max-mib N   largest size, MiB (default 256)\n"
                    "  --bytes N     one size only (>= 4096)\n"
-                   "  --config DxK  one (daemons x ranks per daemon) pair only\n";
+                   "  --config DxK  one (daemons x ranks per daemon) pair only\n"
+                   "  --views B     the daemons' --unsharded-views (default true)\n";
       return 0;
     }
     if (i + 1 >= argc) {
@@ -171,8 +173,14 @@ int Main(int argc, char** argv) {
       only_config = argv[i + 1];
       continue;
     }
+    if (flag == "--views" &&
+        (std::string(argv[i + 1]) == "true" || std::string(argv[i + 1]) == "false")) {
+      views = argv[i + 1];
+      continue;
+    }
     std::cerr << "error: " << flag << " " << argv[i + 1]
-              << ": flags are --max-mib N (>= 1), --bytes N (>= 4096), --config DxK\n";
+              << ": flags are --max-mib N (>= 1), --bytes N (>= 4096), --config DxK, "
+                 "--views true|false\n";
     return 2;
   }
   char self[4096] = {0};
@@ -206,10 +214,11 @@ int Main(int argc, char** argv) {
   auto admin = std::move(*created);
   for (int d = 0; d < 2; ++d) {
     const std::string sock = dir + "/d" + std::to_string(d) + ".sock";
-    running.procs.push_back(Spawn({servers + "/ragshardd", "--planner", address, "--node-id",
-                                   "node-" + std::to_string(d), "--socket", sock, "--pool-bytes",
-                                   std::to_string(int64_t{4} << 30), "--heartbeat-ms", "200"},
-                                  dir + "/daemon" + std::to_string(d) + ".out"));
+    running.procs.push_back(Spawn(
+        {servers + "/ragshardd", "--planner", address, "--node-id", "node-" + std::to_string(d),
+         "--socket", sock, "--pool-bytes", std::to_string(int64_t{4} << 30), "--heartbeat-ms",
+         "200", "--unsharded-views", views},
+        dir + "/daemon" + std::to_string(d) + ".out"));
     struct stat st {};
     for (int i = 0; i < 500 && stat((sock + ".fd").c_str(), &st) != 0; ++i)
       std::this_thread::sleep_for(10ms);

@@ -25,6 +25,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Create(ClientOptions options) {
 }
 
 Client::~Client() {
+  views_.clear();
   if (arena_ != nullptr) ::munmap(arena_, arena_bytes_);
   if (!attachment_.empty()) {
     grpc::ClientContext ctx;
@@ -86,6 +87,10 @@ absl::Status Client::Attach() {
   if (p == MAP_FAILED)
     return absl::InternalError(absl::StrCat("mmap arena: ", std::strerror(errno)));
   arena_ = static_cast<char*>(p);
+  arena_fd_ = std::move(got->fds[0]);  // unsharded views map parts of it
+  for (int u = 0; u < units(); ++u) {
+    if (absl::Status s = MapUnshardedView(u); !s.ok()) return s;
+  }
   return absl::OkStatus();
 }
 
@@ -152,13 +157,60 @@ absl::Status Client::CheckAllocated(int unit, int64_t offset, const char* what,
                                                     " (transient buffers, docs/daemon.md)"));
 }
 
-void Client::Place(int unit, const v1::UnitBuffers& placement) {
-  if (unit < 0 || unit >= units()) return;
+absl::Status Client::Place(int unit, const v1::UnitBuffers& placement) {
+  if (unit < 0 || unit >= units()) return absl::OkStatus();
   v1::UnitBuffers& b = buffers_[unit];
   b.set_unsharded_offset(placement.unsharded_offset());
   b.set_grad_offset(placement.grad_offset());
   b.set_owner_offset(placement.owner_offset());
   b.set_owner_elems(placement.owner_elems());
+  if (placement.has_unsharded_view()) {
+    *b.mutable_unsharded_view() = placement.unsharded_view();
+  } else {
+    b.clear_unsharded_view();
+  }
+  return MapUnshardedView(unit);
+}
+
+absl::Status Client::MapUnshardedView(int unit) {
+  const v1::UnitBuffers& b = buffers_[unit];
+  if (views_.size() != buffers_.size()) views_.resize(buffers_.size());
+  std::unique_ptr<UnshardedView>& view = views_[unit];
+  if (b.unsharded_offset() < 0 || !b.has_unsharded_view()) {
+    // Resharded (or unsharded by copying): what this rank wrote over the shards is discarded,
+    // as a separate all-gather buffer would be.
+    if (view != nullptr && view->mapped()) return view->DropPrivateCopies();
+    return absl::OkStatus();
+  }
+  const v1::UnshardedViewLayout& v = b.unsharded_view();
+  ViewLayout l;
+  l.bytes = plan_.world_size() * b.shard_elems() * DTypeSize(b.dtype());
+  l.own_at = v.own_at();
+  l.own_bytes = v.own_bytes();
+  l.own_offset = v.own_offset();
+  l.rest_offset = b.unsharded_offset();
+  const auto in_arena = [&](int64_t offset, int64_t bytes) {
+    return offset >= 0 && bytes >= 0 && offset <= static_cast<int64_t>(arena_bytes_) - bytes;
+  };
+  if (!in_arena(l.own_offset, l.own_bytes) || !in_arena(l.rest_offset, l.bytes - l.own_bytes)) {
+    return absl::InternalError(absl::StrCat("the daemon's unsharded view of unit '", b.unit(),
+                                            "' lies outside its ", arena_bytes_, "-byte arena"));
+  }
+  if (view == nullptr) view = std::make_unique<UnshardedView>();
+  if (absl::Status s = view->Map(arena_fd_.get(), l, /*private_own=*/true); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("unit '", b.unit(), "': ", s.message()));
+  }
+  return absl::OkStatus();
+}
+
+const char* Client::UnshardedData(int unit) const {
+  const int u = Check(unit);
+  if (buffers_[u].unsharded_offset() < 0) return nullptr;
+  if (buffers_[u].has_unsharded_view() && u < static_cast<int>(views_.size()) && views_[u] &&
+      views_[u]->mapped()) {
+    return views_[u]->data();
+  }
+  return arena_ + buffers_[u].unsharded_offset();
 }
 
 absl::StatusOr<OpHandle> Client::StartOp(v1::OpKind kind, int unit, v1::ReduceKind op,
@@ -236,7 +288,7 @@ absl::Status OpHandle::Wait(std::chrono::milliseconds timeout) {
     return absl::DeadlineExceededError(
         absl::StrCat("operation ", handle_, " not done after ", timeout.count(), " ms"));
   }
-  if (resp.has_placement()) client_->Place(unit_, resp.placement());
+  if (resp.has_placement()) return client_->Place(unit_, resp.placement());
   return absl::OkStatus();
 }
 
@@ -248,7 +300,9 @@ absl::StatusOr<bool> OpHandle::Poll() {
   grpc::ClientContext ctx;
   grpc::Status st = client_->daemon_->Wait(&ctx, req, &resp);
   if (!st.ok()) return FromGrpcStatus(st);
-  if (resp.done() && resp.has_placement()) client_->Place(unit_, resp.placement());
+  if (resp.done() && resp.has_placement()) {
+    if (absl::Status s = client_->Place(unit_, resp.placement()); !s.ok()) return s;
+  }
   return resp.done();
 }
 

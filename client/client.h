@@ -16,6 +16,7 @@
 #include "common/fd.h"
 #include "common/inventory.h"
 #include "common/planner_client.h"
+#include "common/unsharded_view.h"
 #include "ragshard/v1/daemon.grpc.pb.h"
 
 namespace ragshard {
@@ -77,10 +78,13 @@ class Client {
   // INVALID_ARGUMENT names both.
   template <typename T>
   absl::StatusOr<absl::Span<T>> ParamShard(int unit) {
-    return View<T>(unit, buffers_[Check(unit)].param_shard_offset(), 1);
+    return View<T>(unit, arena_ + buffers_[Check(unit)].param_shard_offset(), 1);
   }
   // The transient buffers move between allocations: a view is valid until the operation that
   // releases it (reshard, the end of reduce_scatter), and FAILED_PRECONDITION says so outside.
+  // On the host backend the unsharded buffer may be a view that maps the node's shards
+  // (common/unsharded_view.h): its pointer then lies outside arena(), is the same for the unit
+  // at every unshard, and this rank's writes over its own shards are discarded at reshard.
   template <typename T>
   absl::StatusOr<absl::Span<T>> Unsharded(int unit) {
     const int64_t off = buffers_[Check(unit)].unsharded_offset();
@@ -89,8 +93,10 @@ class Client {
         !s.ok()) {
       return s;
     }
-    return View<T>(unit, off, plan_.world_size());
+    return View<T>(unit, UnshardedData(unit), plan_.world_size());
   }
+  // The unsharded buffer's first byte, or nullptr while the unit is resharded.
+  const char* UnshardedData(int unit) const;
   template <typename T>
   absl::StatusOr<absl::Span<T>> Grad(int unit) {
     const int64_t off = buffers_[Check(unit)].grad_offset();
@@ -99,7 +105,7 @@ class Client {
         !s.ok()) {
       return s;
     }
-    return View<T>(unit, off, plan_.world_size());
+    return View<T>(unit, arena_ + off, plan_.world_size());
   }
   // fp32, whatever the unit's dtype.
   absl::StatusOr<absl::Span<float>> GradShard(int unit);
@@ -138,11 +144,12 @@ class Client {
                                    int keep_ranks = 0);
   absl::Status CheckHostBuffers() const;
   absl::Status CheckAllocated(int unit, int64_t offset, const char* what, const char* op) const;
-  // Applies the placement an operation on `unit` reported.
-  void Place(int unit, const v1::UnitBuffers& placement);
+  // Applies the placement an operation on `unit` reported, mapping its unsharded view.
+  absl::Status Place(int unit, const v1::UnitBuffers& placement);
+  absl::Status MapUnshardedView(int unit);
   absl::Status CheckView(int unit, size_t item, bool (*matches)(v1::DType)) const;
   template <typename T>
-  absl::StatusOr<absl::Span<T>> View(int unit, int64_t offset, int64_t count_per_shard);
+  absl::StatusOr<absl::Span<T>> View(int unit, const char* data, int64_t count_per_shard);
 
   ClientOptions options_;
   std::unique_ptr<v1::Daemon::Stub> daemon_;
@@ -156,6 +163,8 @@ class Client {
   ScopedFd side_channel_;
   char* arena_ = nullptr;
   size_t arena_bytes_ = 0;
+  ScopedFd arena_fd_;
+  std::vector<std::unique_ptr<UnshardedView>> views_;  // per unit, once it has had one
 };
 
 template <typename T>
@@ -172,10 +181,10 @@ bool DTypeMatches(v1::DType d) {
 }
 
 template <typename T>
-absl::StatusOr<absl::Span<T>> Client::View(int unit, int64_t offset, int64_t count_per_shard) {
+absl::StatusOr<absl::Span<T>> Client::View(int unit, const char* data, int64_t count_per_shard) {
   absl::Status s = CheckView(unit, sizeof(T), &DTypeMatches<T>);
   if (!s.ok()) return s;
-  T* base = reinterpret_cast<T*>(arena_ + offset);
+  T* base = reinterpret_cast<T*>(const_cast<char*>(data));
   return absl::Span<T>(base, static_cast<size_t>(buffers_[unit].shard_elems() * count_per_shard));
 }
 

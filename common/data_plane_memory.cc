@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "common/unsharded_view.h"
+
 namespace ragshard {
 
 DataPlaneMemory DataPlanePeak(const std::vector<DataPlaneUnit>& units, int64_t ranks, bool shared,
@@ -14,7 +16,11 @@ DataPlaneMemory DataPlanePeak(const std::vector<DataPlaneUnit>& units, int64_t r
     m.shards += k * s * u.param_bytes;
     m.grad_shards += k * s * 4;
     const double unsharded = static_cast<double>(u.group) * s * u.param_bytes;
-    largest_params = std::max(largest_params, unsharded);
+    // Shared by the node's ranks, the buffer maps their shards where they are whole pages
+    // (common/unsharded_view.h): only the other nodes' shards are allocated.
+    const bool view =
+        shared && AliasesShards(ranks, u.shard_elems, static_cast<int64_t>(u.param_bytes));
+    largest_params = std::max(largest_params, view ? unsharded - k * s * u.param_bytes : unsharded);
     largest_grads = std::max(largest_grads, unsharded);  // gradients in the parameter dtype
   }
   const double in_flight = static_cast<double>(std::max<int64_t>(prefetch, 0) + 1);

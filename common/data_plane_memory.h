@@ -7,10 +7,11 @@
 // shard (S). Transient: the unsharded parameters of the units in flight (the one in use and
 // `prefetch` ahead: U of the parameter dtype each, one per node when the node's ranks share it,
 // else one per rank) and one unit's unsharded gradients (U of the parameter dtype per rank),
-// where U is the largest unit's F * S. Optimizer state (fp32 masters, moments) and activations
-// live in the training process and are modelled apart. The reduce-scatter's ring scratch
-// between nodes (2 * k * S fp32 of the largest unit, for one operation) is left out: it is
-// under 1 / F of U per rank.
+// where U is the largest unit's F * S. A shared buffer whose node's shards are whole pages is a
+// view over them (common/unsharded_view.h) and allocates only F * S - k * S. Optimizer state
+// (fp32 masters, moments) and activations live in the training process and are modelled apart.
+// The reduce-scatter's ring scratch between nodes (2 * k * S fp32 of the largest unit, for one
+// operation) is left out: it is under 1 / F of U per rank.
 #pragma once
 
 #include <cstdint>

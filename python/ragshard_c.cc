@@ -224,6 +224,11 @@ int rs_client_buffer(rs_client* c, int unit, int kind, uintptr_t* ptr, int64_t* 
   } else {
     return Fail(absl::UnimplementedError(absl::StrCat("no array view for dtype ", DTypeName(d))));
   }
+  if (kind == 1 && b.has_unsharded_view()) {
+    // The host backend's view over the node's shards (common/unsharded_view.h).
+    *ptr = reinterpret_cast<uintptr_t>(c->client->UnshardedData(unit));
+    return 0;
+  }
   auto base = Base(c);
   if (!base.ok()) return Fail(base.status());
   *ptr = *base + static_cast<uintptr_t>(offset);

@@ -15,6 +15,7 @@
 #include "common/fd_passing.h"
 #include "common/ids.h"
 #include "common/rpc.h"
+#include "common/unsharded_view.h"
 #include "glog/logging.h"
 #include "server/daemon/data_backend.h"
 #include "server/daemon/ucx_comm.h"
@@ -409,7 +410,9 @@ absl::StatusOr<std::unique_ptr<NodeDaemon>> NodeDaemon::Start(
   if (!backend.ok()) return backend.status();
   if (options.gpu_pool_bytes <= 0)
     return absl::InvalidArgumentError("--gpu-pool-bytes: must be positive");
-  auto pool = Pool::Create(options.pool_bytes);
+  // Page-aligned leases let the host backend map shard blocks into unsharded views
+  // (HostTransport::view_fd); 256-byte ones make it place them by copying.
+  auto pool = Pool::Create(options.pool_bytes, options.unsharded_views ? kViewPageBytes : 256);
   if (!pool.ok()) return pool.status();
   std::unique_ptr<NodeDaemon> d(
       new NodeDaemon(std::move(options), std::move(planner), std::move(*pool)));

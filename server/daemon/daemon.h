@@ -41,6 +41,9 @@ struct DaemonOptions {
   std::string backend = "host";
   // Bytes of the CUDA slab per local GPU (cuda backend).
   int64_t gpu_pool_bytes = int64_t{1} << 30;
+  // Host backend: unsharded buffers as views over the node's shards (common/unsharded_view.h),
+  // which needs page-aligned pool leases; false: every lease 256-aligned and shards copied.
+  bool unsharded_views = true;
 };
 
 class JobRuntime;

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "common/dtype.h"
+#include "common/unsharded_view.h"
 #include "server/daemon/stream_copy.h"
 
 namespace ragshard::daemon {
@@ -22,6 +23,13 @@ HostTransport::HostTransport(const NodeMesh& mesh, Pool* pool, Comm* nodes, Host
     for (int j = 0; j < mesh.replicas; ++j) members.push_back(j * g + position);
     replicate_comm_ = std::make_unique<SubComm>(nodes, std::move(members));
   }
+}
+
+int HostTransport::view_fd() const {
+  // Views need the pool's memfd and page-aligned leases.
+  const bool can =
+      shape_ == HostShape::kNode && pool_->has_arena() && pool_->alignment() % kViewPageBytes == 0;
+  return can ? pool_->arena().fd() : -1;
 }
 
 absl::StatusOr<Lease> HostTransport::Allocate(int, int64_t bytes) {
@@ -48,8 +56,8 @@ absl::Status HostTransport::AllGather(const std::vector<const char*>& shards,
     // The node holds the whole shard group: the all-gather is the placement of its ranks'
     // shards (the send buffers) into the receive buffer.
     for (size_t i = 0; i < shards.size(); ++i) {
-      StreamCopy(full + (static_cast<size_t>(mesh_.first_position) + i) * shard_bytes, shards[i],
-                 shard_bytes);
+      char* slot = full + (static_cast<size_t>(mesh_.first_position) + i) * shard_bytes;
+      if (slot != shards[i]) StreamCopy(slot, shards[i], shard_bytes);  // else a view's own part
     }
   } else {
     // The ring between the group's nodes, each sending its block from the persistent shards

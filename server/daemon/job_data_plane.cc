@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
+#include "glog/logging.h"
 
 namespace ragshard::daemon {
 
@@ -133,6 +134,7 @@ char* JobDataPlane::param_shard(int unit, int local) const {
 }
 char* JobDataPlane::unsharded(int unit, int local) const {
   const Unit& u = units_[unit];
+  if (u.composed) return u.view->data();
   if (u.unsharded.empty()) return nullptr;
   return u.unsharded[u.unsharded.size() == 1 ? 0 : local].data();
 }
@@ -165,7 +167,18 @@ void JobDataPlane::Placement(int unit, int local, v1::UnitBuffers* out) const {
   out->set_dtype(u.dtype);
   out->set_shard_elems(u.shard_elems);
   out->set_param_shard_offset(offset(param_shard(unit, local)));
-  out->set_unsharded_offset(offset(unsharded(unit, local)));
+  if (u.composed) {
+    // The view's parts: the rest (or, with no rest, the shard block) and the shard block.
+    const ViewLayout& l = u.view->layout();
+    out->set_unsharded_offset(l.rest_offset);
+    v1::UnshardedViewLayout* v = out->mutable_unsharded_view();
+    v->set_own_at(l.own_at);
+    v->set_own_bytes(l.own_bytes);
+    v->set_own_offset(l.own_offset);
+  } else {
+    out->set_unsharded_offset(offset(unsharded(unit, local)));
+    out->clear_unsharded_view();
+  }
   out->set_grad_offset(offset(grad(unit, local)));
   out->set_grad_shard_offset(offset(grad_shard(unit, local)));
   out->set_owner_offset(offset(owner_buffer(unit, local)));
@@ -194,7 +207,7 @@ absl::Status JobDataPlane::CheckUnit(int unit) const {
 absl::Status JobDataPlane::AllocateUnsharded(int unit) {
   if (auto s = CheckUnit(unit); !s.ok()) return s;
   Unit& u = units_[unit];
-  if (!u.unsharded.empty()) return absl::OkStatus();
+  if (IsUnsharded(u)) return absl::OkStatus();
   auto leases = AllocateEach(u, "unsharded parameters", !transport_->shares_unsharded(),
                              mesh_.shard * u.shard_elems * u.item, /*zero=*/false);
   if (!leases.ok()) return leases.status();
@@ -202,26 +215,76 @@ absl::Status JobDataPlane::AllocateUnsharded(int unit) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<bool> JobDataPlane::Compose(Unit& u) {
+  const int fd = transport_->view_fd();
+  if (fd < 0 || u.shards.size() != 1 || !AliasesShards(mesh_.local, u.shard_elems, u.item)) {
+    return false;
+  }
+  const int64_t rank_bytes = u.shard_elems * u.item;
+  ViewLayout l;
+  l.bytes = mesh_.shard * rank_bytes;
+  l.own_at = mesh_.first_position * rank_bytes;
+  l.own_bytes = mesh_.local * rank_bytes;
+  l.own_offset = u.shards[0].offset();
+  l.rest_offset = l.own_offset;
+  std::vector<Lease> rest;
+  if (l.bytes > l.own_bytes) {
+    auto r = AllocateFor(u, "unsharded parameters", 0, l.bytes - l.own_bytes, /*zero=*/false);
+    if (!r.ok()) return r.status();
+    l.rest_offset = r->offset();
+    rest.push_back(std::move(*r));
+  }
+  if (!u.view) u.view = std::make_unique<UnshardedView>();
+  if (absl::Status st = u.view->Map(fd, l, /*private_own=*/false); !st.ok()) {
+    // Address space or mappings ran out: the copy path still works.
+    LOG(WARNING) << "unit '" << u.name << "': " << st.message() << "; placing shards by copying";
+    u.view.reset();
+    return false;
+  }
+  u.unsharded = std::move(rest);
+  u.composed = true;
+  return true;
+}
+
 absl::Status JobDataPlane::Unshard(int unit, absl::Time deadline) {
   if (auto s = CheckUnit(unit); !s.ok()) return s;
   if (units_[unit].kept > 1) return Rebuild(unit, deadline);
-  if (auto s = AllocateUnsharded(unit); !s.ok()) return s;
-  const uint64_t tag = NextTag(unit, MessageStamp::kAllGather);
   Unit& u = units_[unit];
+  if (!IsUnsharded(u)) {
+    auto composed = Compose(u);
+    if (!composed.ok()) return composed.status();
+    if (!*composed) {
+      if (auto s = AllocateUnsharded(unit); !s.ok()) return s;
+    }
+  }
+  const uint64_t tag = NextTag(unit, MessageStamp::kAllGather);
   std::vector<const char*> shards;
   std::vector<char*> out;
-  for (int i = 0; i < local_ranks(); ++i) shards.push_back(param_shard(unit, i));
-  for (Lease& l : u.unsharded) out.push_back(l.data());
+  const int64_t rank_bytes = u.shard_elems * u.item;
+  for (int i = 0; i < local_ranks(); ++i) {
+    // A view's own part is the shard block itself: the all-gather finds it in place.
+    shards.push_back(u.composed ? u.view->data() + (mesh_.first_position + i) * rank_bytes
+                                : param_shard(unit, i));
+  }
+  if (u.composed) {
+    out.push_back(u.view->data());
+  } else {
+    for (Lease& l : u.unsharded) out.push_back(l.data());
+  }
   absl::Status st = transport_->AllGather(shards, out, u.shard_elems, u.dtype, deadline, tag);
-  if (!st.ok()) u.unsharded.clear();
+  if (!st.ok()) {
+    u.unsharded.clear();
+    u.composed = false;
+  }
   return st;
 }
 
 absl::Status JobDataPlane::Reshard(int unit, int64_t keep) {
   if (auto s = CheckUnit(unit); !s.ok()) return s;
   Unit& u = units_[unit];
-  if (keep <= 1 || u.unsharded.empty()) {
+  if (keep <= 1 || !IsUnsharded(u)) {
     u.unsharded.clear();
+    u.composed = false;
     u.parts.clear();
     u.kept = 0;
     return absl::OkStatus();

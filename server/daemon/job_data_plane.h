@@ -18,9 +18,12 @@
 // * the transport's scratch, for the duration of one operation (bounded by the transport: never
 //   F * S for every unit).
 // Unsharding places the local shards into the unsharded buffer as part of the all-gather (as
-// ncclAllGather with separate send and receive buffers). `staging_bytes()` counts every write
-// into pool buffers outside the collectives' own transfers and reductions (DESIGN.md's
-// copy-in/copy-out); on the host none exist and the counter proves it.
+// ncclAllGather with separate send and receive buffers). Where the node shares the buffer
+// (the host backend) and its shard block is a whole number of pages, nothing is placed: the
+// buffer is a view that maps the shard block beside a transient (F - k) * S rest
+// (common/unsharded_view.h), and the all-gather only receives the other nodes' shards.
+// `staging_bytes()` counts every write into pool buffers outside the collectives' own transfers and
+// reductions (DESIGN.md's copy-in/copy-out); on the host none exist and the counter proves it.
 //
 // An allocation the memory cannot serve fails the operation with RESOURCE_EXHAUSTED naming the
 // unit, the buffer and the bytes; nothing waits for memory.
@@ -34,6 +37,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/unsharded_view.h"
 #include "ragshard/v1/plan.pb.h"
 #include "server/daemon/collectives.h"
 #include "server/daemon/comm.h"
@@ -119,18 +123,25 @@ class JobDataPlane final : public DataBackend {
     v1::DType dtype;
     int64_t shard_elems = 0;
     int64_t item = 0;
-    std::vector<Lease> shards;         // persistent: 1 block of k * S, or k of S, of dtype
-    std::vector<Lease> grad_shards;    // persistent: 1 block (GradShardBlockElems), or k of S, fp32
-    std::vector<Lease> unsharded;      // none, or 1 (shared) or k of F * S of dtype
-    int64_t kept = 0;                  // > 1: resharded to groups of `kept` local ranks
-    std::vector<Lease> parts;          // unshared while kept: local rank i's 1/kept of the unit
-    std::vector<Lease> grad;           // none, or k of F * S of dtype
-    std::vector<Lease> owner;          // none, or k (empty leases where a rank owns nothing)
-    std::vector<int64_t> owner_elems;  // per local rank
-    std::vector<Piece> pieces;         // of the matrix tensors, in plan order
+    std::vector<Lease> shards;       // persistent: 1 block of k * S, or k of S, of dtype
+    std::vector<Lease> grad_shards;  // persistent: 1 block (GradShardBlockElems), or k of S, fp32
+    std::vector<Lease> unsharded;    // none, or 1 (shared) or k of F * S of dtype; composed:
+                                     // the transient rest, (F - k) * S (none when F = k)
+    bool composed = false;           // unsharded through `view`: the node's shards mapped in
+    std::unique_ptr<UnshardedView> view;  // kept between unshards (remapped when the rest moves)
+    int64_t kept = 0;                     // > 1: resharded to groups of `kept` local ranks
+    std::vector<Lease> parts;             // unshared while kept: local rank i's 1/kept of the unit
+    std::vector<Lease> grad;              // none, or k of F * S of dtype
+    std::vector<Lease> owner;             // none, or k (empty leases where a rank owns nothing)
+    std::vector<int64_t> owner_elems;     // per local rank
+    std::vector<Piece> pieces;            // of the matrix tensors, in plan order
   };
   JobDataPlane() = default;
   absl::Status CheckUnit(int unit) const;
+  static bool IsUnsharded(const Unit& u) { return u.composed || !u.unsharded.empty(); }
+  // Maps the unit's unsharded view over its shard block and a transient rest; false (and
+  // nothing allocated) where the transport or the sizes do not allow it (the copy path then).
+  absl::StatusOr<bool> Compose(Unit& u);
   // One lease of `bytes` in local rank `local`'s memory for `what` of the unit; RESOURCE_EXHAUSTED
   // names all three.
   absl::StatusOr<Lease> AllocateFor(const Unit& u, const char* what, int local, int64_t bytes,

@@ -48,6 +48,10 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--gpu-pool-bytes", options.gpu_pool_bytes, "CUDA slab per local GPU (cuda)")
       ->capture_default_str();
+  app.add_option("--unsharded-views", options.unsharded_views,
+                 "host backend: map a node's shards into unsharded buffers where they are whole "
+                 "pages (docs/daemon.md); false places them by copying")
+      ->capture_default_str();
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -96,6 +96,8 @@ class Pool {
   char* base() const { return base_; }
   // The memfd arena; only for pools made by Create().
   const MemfdArena& arena() const { return *arena_; }
+  bool has_arena() const { return arena_ != nullptr; }
+  int64_t alignment() const { return alignment_; }
 
  private:
   friend class Lease;

@@ -79,6 +79,9 @@ class Transport {
   // complete on return.
   virtual absl::Status Copy(int dst_local, char* dst, int src_local, const char* src, int64_t bytes,
                             absl::Time deadline) = 0;
+  // The memfd of the node's shared memory, into which the data plane may map unsharded views
+  // (common/unsharded_view.h), or -1 where buffers cannot be composed so.
+  virtual int view_fd() const { return -1; }
   // Offset 0 of local rank `local`'s arena: Placement's offsets are from it.
   virtual const char* base(int local) const = 0;
   // What a client needs to map local rank `local`'s memory besides offsets (a CUDA IPC handle).

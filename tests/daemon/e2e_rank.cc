@@ -103,8 +103,8 @@ int Check(Client& client, int rank) {
     for (int64_t e = 0; e < s; ++e) store(shard, e, PV(rank, e));
     auto h = c->Unshard(u);
     if (!h.ok() || !h->Wait(20s).ok()) return 64;
-    char* full = const_cast<char*>(c->arena()) + c->buffers(u).unsharded_offset();
-    if (c->buffers(u).unsharded_offset() < 0) return 71;
+    char* full = const_cast<char*>(c->UnshardedData(u));
+    if (c->buffers(u).unsharded_offset() < 0 || full == nullptr) return 71;
     for (int64_t x = 0; x < w * s; ++x) {
       if (load(full, x) != PV(first + x / s, x % s)) return 65;
     }

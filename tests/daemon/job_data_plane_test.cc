@@ -13,6 +13,7 @@
 
 #include "common/dtype.h"
 #include "common/planner.h"
+#include "common/unsharded_view.h"
 #include "common/validator.h"
 #include "tests/daemon/ucx_group.h"
 
@@ -89,9 +90,12 @@ float ShardValue(int64_t r, int64_t e) { return static_cast<float>(r * 1000 + e 
 
 // Runs the checks of one node of a mesh of `replicas` shard groups of plan.world_size() ranks;
 // returns 0 when everything matched.
+// `pool_alignment` a multiple of the page: the host shape maps the shards into unsharded views
+// where the sizes allow (common/unsharded_view.h), which is checked too.
 int CheckNode(const v1::Plan& plan, int node, int ranks_per_node, Comm* comm, int64_t replicas = 1,
-              JobDataPlane::Shape shape = JobDataPlane::Shape::kNode) {
-  auto pool = Pool::Create(64 << 20);
+              JobDataPlane::Shape shape = JobDataPlane::Shape::kNode,
+              int64_t pool_alignment = 256) {
+  auto pool = Pool::Create(64 << 20, pool_alignment);
   if (!pool.ok()) return 40;
   std::vector<int64_t> local;
   for (int i = 0; i < ranks_per_node; ++i) local.push_back(node * ranks_per_node + i);
@@ -118,6 +122,16 @@ int CheckNode(const v1::Plan& plan, int node, int ranks_per_node, Comm* comm, in
         Store((*dp)->param_shard(u, i), up.dtype(), e, ParamValue(local[i], e));
     }
     if (!(*dp)->Unshard(u, deadline).ok()) return 42;
+    const int64_t item = DTypeSize(up.dtype());
+    if (shape == JobDataPlane::Shape::kNode && pool_alignment % kViewPageBytes == 0 &&
+        AliasesShards(ranks_per_node, s, item)) {
+      // A view: only the other nodes' shards take pool memory, and the buffer is not a lease.
+      if ((*pool)->Stats().used - persistent != (f - ranks_per_node) * s * item) return 68;
+      const char* at = (*dp)->unsharded(u, 0);
+      if (at >= (*pool)->base() && at < (*pool)->base() + (*pool)->Stats().capacity) return 69;
+    } else if ((*pool)->Stats().used - persistent < f * s * item) {
+      return 70;  // copied into a buffer of F * S
+    }
     // Every element of each rank's unsharded buffer, hence every tensor view [offset, offset +
     // numel), holds the value of the rank of this replica that holds it.
     const int64_t first = local[0] / f * f;  // first rank of this node's replica
@@ -306,6 +320,42 @@ TEST_P(JobDataPlaneTest, HsdpOneShardGroupPerNodeMatchesTheReference) {
   UcxGroup g = UcxGroup::Spawn(
       2, [&](int node, Comm& comm) { return CheckNode(*plan, node, 2, &comm, /*replicas=*/2); });
   for (pid_t pid : g.pids) EXPECT_EQ(UcxGroup::ExitCode(pid), 0);
+}
+
+// Shards of whole pages (the planner's alignment) in a pool of page-aligned leases, as ragshardd
+// makes it: unsharded buffers are views over the node's shards.
+PlanOptions PageAligned(int world) {
+  PlanOptions o;
+  o.world = world;
+  o.align_bytes = static_cast<int32_t>(kViewPageBytes);
+  return o;
+}
+
+TEST_P(JobDataPlaneTest, ViewsTwoNodesOfTwoRanksMatchTheReference) {
+  Inventory inv = RandomInventory(GetParam() + 6000);
+  auto plan = BuildPlan(inv, PageAligned(4));
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  UcxGroup g = UcxGroup::Spawn(2, [&](int node, Comm& comm) {
+    return CheckNode(*plan, node, 2, &comm, 1, JobDataPlane::Shape::kNode, kViewPageBytes);
+  });
+  for (pid_t pid : g.pids) EXPECT_EQ(UcxGroup::ExitCode(pid), 0);
+}
+
+TEST_P(JobDataPlaneTest, ViewsHsdpTwoReplicasOfTwoNodesOfOneRankMatchTheReference) {
+  Inventory inv = RandomInventory(GetParam() + 7000);
+  auto plan = BuildPlan(inv, PageAligned(2));
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  UcxGroup g = UcxGroup::Spawn(4, [&](int node, Comm& comm) {
+    return CheckNode(*plan, node, 1, &comm, 2, JobDataPlane::Shape::kNode, kViewPageBytes);
+  });
+  for (pid_t pid : g.pids) EXPECT_EQ(UcxGroup::ExitCode(pid), 0);
+}
+
+TEST_P(JobDataPlaneTest, ViewsOneNodeOfFourRanksMatchesTheReference) {
+  Inventory inv = RandomInventory(GetParam() + 8000);
+  auto plan = BuildPlan(inv, PageAligned(4));
+  ASSERT_TRUE(plan.ok());
+  EXPECT_EQ(CheckNode(*plan, 0, 4, nullptr, 1, JobDataPlane::Shape::kNode, kViewPageBytes), 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Seeds, JobDataPlaneTest, ::testing::Values(1u, 2u, 3u));

@@ -254,6 +254,42 @@ def test_views_are_zero_copy_and_operations_work(cluster):
     assert a.stats()["staging_bytes"] == 0
 
 
+def test_a_view_over_the_shards_keeps_them_from_writes_to_unsharded_parameters(cluster):
+    """Shards of whole pages: the unsharded buffer maps them instead of a copy
+    (common/unsharded_view.h). A rank's write to its unsharded parameters stays its own and is
+    gone at reshard, as with FSDP2's separate all-gather output; the shard never sees it."""
+    inv = {"units": [{"name": "u", "tensors": [
+        {"name": "w", "shape": [1024, 4], "dtype": "fp32", "granule": "rows:8"}]}]}
+    a, b = attach_pair(cluster, "view", inv)
+    s = a.shard_elems(0)
+    assert (s * 4) % 4096 == 0, s
+
+    def both(op):
+        ha, hb = getattr(a, op)(0), getattr(b, op)(0)
+        ha.wait()
+        hb.wait()
+
+    a.param_shard(0)[:] = 3.0
+    b.param_shard(0)[:] = 5.0
+    used = a.stats()["pool_used"]
+    both("unshard")
+    # The node holds the whole shard group: its shards are the whole buffer, nothing allocated.
+    assert a.stats()["pool_used"] == used
+    assert np.all(a.unsharded(0)[:s] == 3.0) and np.all(a.unsharded(0)[s:] == 5.0)
+    a.unsharded(0)[0] = 7.0
+    a.unsharded(0)[s] = 9.0
+    assert a.unsharded(0)[0] == 7.0 and a.unsharded(0)[s] == 9.0
+    assert a.param_shard(0)[0] == 3.0 and b.param_shard(0)[0] == 5.0  # shards untouched
+    assert b.unsharded(0)[0] == 3.0 and b.unsharded(0)[s] == 5.0  # the write is a's own
+    both("reshard")
+    # An optimizer step writes the shards; the next unshard shows them, not the old writes.
+    a.param_shard(0)[0] = 4.0
+    both("unshard")
+    assert a.unsharded(0)[0] == 4.0 and a.unsharded(0)[s] == 5.0
+    assert np.all(b.unsharded(0)[1:s] == 3.0)
+    both("reshard")
+
+
 def test_bad_input_raises_clear_errors(cluster):
     a, b = attach_pair(cluster, "badinput", INV)
     with pytest.raises(IndexError, match="unit 7 does not exist"):
