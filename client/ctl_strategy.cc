@@ -10,10 +10,11 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "client/strategy_render.h"
 #include "common/cluster.h"
 #include "common/inventory.h"
 #include "common/models.h"
-#include "common/strategy.h"
+#include "common/strategy_search.h"
 
 namespace ragshard {
 namespace {

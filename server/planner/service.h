@@ -22,7 +22,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "common/cluster.h"
-#include "common/strategy.h"
+#include "common/strategy_search.h"
 #include "ragshard/v1/planner.grpc.pb.h"
 #include "server/planner/plan_executor.h"
 #include "server/planner/store.h"

@@ -1,7 +1,5 @@
 // The strategy search: cluster profiles, the cost model against hand-computed figures, the
 // dependency rules, the budget error, and the search on real models.
-#include "common/strategy.h"
-
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -11,6 +9,8 @@
 #include "absl/strings/str_cat.h"
 #include "common/models.h"
 #include "common/planner.h"
+#include "common/strategy_search.h"
+#include "common/unit_grouping.h"
 #include "nlohmann/json.hpp"
 
 namespace ragshard {
@@ -389,12 +389,6 @@ TEST(StrategyTest, AdviceOnAZooModelIsRankedFitsAndExplainsRejections) {
     }
   }
   EXPECT_GE(advice->considered, static_cast<int64_t>(advice->top.size() + advice->rejected.size()));
-  auto j = nlohmann::json::parse(AdviceJson(*advice, **m, 5));
-  for (const char* key : {"padding_pct", "predicted_step_seconds", "memory_bytes", "strategy"}) {
-    EXPECT_TRUE(j["recommendation"].contains(key)) << key;
-  }
-  EXPECT_TRUE(j["candidates"].is_array());
-  EXPECT_LE(j["rejected"].size(), 5u);
 }
 
 TEST(StrategyTest, MuonStateIsSmallerAndAddsOwnerTraffic) {

@@ -9,7 +9,7 @@
 
 #include "common/models.h"
 #include "common/planner_client.h"
-#include "common/strategy.h"
+#include "common/strategy_search.h"
 #include "common/validator.h"
 #include "server/planner/server.h"
 #include "tests/server/test_util.h"

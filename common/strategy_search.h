@@ -1,0 +1,51 @@
+// The strategy search: every candidate the rules allow, costed by the model
+// (common/strategy_model.h), and policy auto's plan from the best one.
+//
+// Thread-safe: the functions are pure apart from the StrategyModel they are given.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "common/cluster.h"
+#include "common/inventory.h"
+#include "common/planner.h"
+#include "common/strategy_model.h"
+
+namespace ragshard {
+
+struct Advice {
+  Evaluation recommendation;
+  std::vector<Evaluation> top;       // the best accepted candidates, best first
+  std::vector<Evaluation> rejected;  // every candidate set aside, with its reason
+  int64_t considered = 0;
+  bool padding_target_met = true;
+  double search_seconds = 0;
+  int64_t planner_runs = 0;
+};
+
+// Exhaustive search over the candidates. The fastest predicted step wins; among candidates
+// within 1 % of it (the model's resolution), the one that sends the fewest bytes (AMSP's
+// objective), then the one with the least memory. FAILED_PRECONDITION when nothing fits the
+// budget, naming the smallest memory any candidate needs.
+absl::StatusOr<Advice> Advise(StrategyModel* model);
+
+// Policy auto: the plan of the best strategy the data plane executes (p = g = os, shard groups
+// of whole nodes) for a job of nodes x devices_per_node ranks, numbered node by node, or of
+// `pinned` when it is set. `plan_options` gives the job id, version and alignment; its world
+// and policy are set here. The plan records the strategy (PlanStrategy), and each UnitPlan the
+// client units it covers.
+struct AutoPlan {
+  v1::Plan plan;
+  int64_t shard = 0;
+  int64_t replicate = 0;
+};
+absl::StatusOr<AutoPlan> PlanAuto(const Inventory& inventory, absl::string_view model,
+                                  const ClusterProfile& profile, int64_t nodes,
+                                  int64_t devices_per_node, const CostOptions& options,
+                                  const std::string& pinned, PlanOptions plan_options);
+
+}  // namespace ragshard
