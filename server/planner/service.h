@@ -1,4 +1,8 @@
-// The ragshard-planner gRPC service (callback API).
+// The ragshard-planner gRPC service (callback API). Its handlers are defined by responsibility:
+// service.cc (state, the handler prologue, job changes, the ticker), service_jobs.cc (the job
+// lifecycle and plan reads), service_registration.cc (rank registration and planning),
+// service_nodes.cc (the node registry and failure reports), service_rendezvous.cc (Put/Get);
+// WatchPlan's streams are watch_channel.h, the token check auth.h.
 //
 // Threading (docs/threading.md): handlers run on gRPC's callback threads, validate the request,
 // then take `mu_`, which guards all state. Store writes happen under `mu_`, so the database and
@@ -27,6 +31,7 @@
 #include "server/planner/plan_executor.h"
 #include "server/planner/store.h"
 #include "server/planner/validation.h"
+#include "server/planner/watch_channel.h"
 
 namespace ragshard::planner {
 
@@ -49,8 +54,6 @@ struct PlannerOptions {
   // The cluster jobs of policy auto are planned for; without one such jobs are refused.
   std::shared_ptr<const ClusterProfile> cluster_profile;
 };
-
-class WatchChannel;
 
 // WatchPlan is a raw (ByteBuffer) method: an event is serialized once and its slices are shared
 // by every watcher's stream, so fanning a multi-MB plan out to 1024 watchers costs one
@@ -132,11 +135,6 @@ class PlannerService final
     std::string notified_error;
     uint64_t notified_version = 0;
   };
-  // The job, unless it does not exist or was deleted (nullptr).
-  JobState* LiveJob(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    auto it = jobs_.find(id);
-    return it == jobs_.end() || it->second.job.status() == v1::JOB_DELETED ? nullptr : &it->second;
-  }
   struct PendingGet {
     std::string job_id, key;
     v1::GetResponse* resp = nullptr;
@@ -150,7 +148,22 @@ class PlannerService final
                                           const std::vector<std::string>& rank_nodes,
                                           const PlanOptions& options) const;
 
-  absl::Status Authenticate(grpc::CallbackServerContext* ctx, bool admin) const;
+  // Who may make a call: any holder of the token, or (DeleteJob) of the admin token.
+  enum class Access { kUser, kAdmin };
+  // The prologue of every handler: authenticates, then (for an authenticated caller only)
+  // validates the request. A non-OK status is the call's answer.
+  absl::Status Admit(grpc::CallbackServerContext* ctx, Access access,
+                     const std::function<absl::Status()>& validate) const;
+  // A unary call on one job: Admit, then under mu_ find the live job (NOT_FOUND naming it) and
+  // run `body`; the work body defers runs once mu_ is released, and body's status answers.
+  grpc::ServerUnaryReactor* OnJob(grpc::CallbackServerContext* ctx, Access access,
+                                  const std::string& job_id,
+                                  const std::function<absl::Status()>& validate,
+                                  const std::function<absl::Status(JobState&, Deferred*)>& body);
+  // The live job (not deleted), or NOT_FOUND naming it.
+  absl::StatusOr<JobState*> FindJob(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  static grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* ctx, const absl::Status& s);
+  static bool Terminal(v1::JobStatus s) { return s == v1::JOB_FAILED || s == v1::JOB_DELETED; }
   static int64_t NowMs();
   v1::WatchPlanEvent EventFor(const JobState& js, uint64_t after_version) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -166,7 +179,11 @@ class PlannerService final
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ResolvePendingHashes(JobState* js, Deferred* deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static void Finish(Deferred* deferred, grpc::ServerUnaryReactor* reactor, grpc::Status status);
+  // The ticker's checks, each in the file of its responsibility.
   void Tick();
+  void ExpireGets(Clock::time_point now, Deferred* deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ExpireRegistrations(int64_t now_ms, Deferred* deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ExpireNodes(int64_t now_ms, Deferred* deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RunTicker();
 
   const PlannerOptions options_;

@@ -1,0 +1,278 @@
+#include <set>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/planner.h"
+#include "common/proto_text.h"
+#include "common/rpc.h"
+#include "glog/logging.h"
+#include "server/planner/service.h"
+
+namespace ragshard::planner {
+
+grpc::ServerUnaryReactor* PlannerService::RegisterRank(grpc::CallbackServerContext* ctx,
+                                                       const v1::RegisterRankRequest* req,
+                                                       v1::RegisterRankResponse* resp) {
+  absl::Status s =
+      Admit(ctx, Access::kUser, [&] { return ValidateRegisterRank(*req, options_.limits); });
+  if (!s.ok()) return Reply(ctx, s);
+  // Hash outside the lock: a DeepSeek-V3 inventory is several MB.
+  const bool full = req->has_inventory();
+  const std::string sha = full ? InventorySha256(req->inventory()) : req->inventory_sha256();
+  Deferred deferred;
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  grpc::Status result = grpc::Status::OK;
+  bool parked = false;
+  {
+    absl::MutexLock lock(&mu_);
+    auto found = FindJob(req->job_id());
+    if (shutdown_) {
+      result = grpc::Status(grpc::StatusCode::UNAVAILABLE, "planner shutting down");
+    } else if (!found.ok()) {
+      result = ToGrpcStatus(found.status());
+    } else {
+      JobState& js = **found;
+      v1::Job& job = js.job;
+      if (req->rank() >= job.world_size()) {
+        result = ToGrpcStatus(absl::InvalidArgumentError(
+            absl::StrCat("rank: ", req->rank(), " is outside [0, ", job.world_size(), ") of job '",
+                         job.job_id(), "'")));
+      } else if (job.status() != v1::JOB_REGISTERING || js.planning) {
+        // Registration is closed; an identical re-registration (a restarted rank) is fine.
+        const v1::RankState& r = job.ranks(static_cast<int>(req->rank()));
+        if (r.registered() && r.inventory_sha256() == sha && !Terminal(job.status())) {
+          result = grpc::Status::OK;
+        } else {
+          result = grpc::Status(
+              grpc::StatusCode::FAILED_PRECONDITION,
+              absl::StrCat("job '", job.job_id(), "' is ", v1::JobStatus_Name(job.status()),
+                           job.error().empty() ? "" : absl::StrCat(" (", job.error(), ")"),
+                           "; registration is closed"));
+        }
+      } else if (!job.inventory_sha256().empty() && sha != job.inventory_sha256()) {
+        std::string error;
+        if (full && js.inventory) {
+          error = absl::StrCat("rank ", req->rank(), ": inventory differs from the reference: ",
+                               FirstInventoryDifference(*js.inventory, req->inventory()));
+        } else {
+          error = absl::StrCat("rank ", req->rank(), ": inventory hash ", HexString(sha),
+                               " differs from the reference ", HexString(job.inventory_sha256()));
+        }
+        job.set_error(error);
+        (void)JobChanged(&js, &deferred);
+        result = grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, error);
+      } else if (job.inventory_sha256().empty() && !full) {
+        // Wait for the first full inventory (or the registration deadline).
+        PendingHash p;
+        p.rank = req->rank();
+        p.node_id = req->node_id();
+        p.sha256 = sha;
+        p.job_out = resp->mutable_job();
+        p.parked.reactor = reactor;
+        js.pending_hash.push_back(std::move(p));
+        parked = true;
+      } else {
+        if (job.inventory_sha256().empty()) {
+          // The first full inventory becomes the reference.
+          js.inventory = req->inventory();
+          job.set_inventory_sha256(sha);
+          s = store_->PutInventory(job.job_id(), DeterministicBytes(req->inventory()));
+          if (!s.ok()) LOG(ERROR) << "store inventory: " << s;
+          ResolvePendingHashes(&js, &deferred);
+        }
+        RegisterRankLocked(&js, req->rank(), req->node_id(), sha);
+        (void)JobChanged(&js, &deferred);
+        MaybePlan(job.job_id(), &js, &deferred);
+      }
+      *resp->mutable_job() = job;
+    }
+  }
+  for (auto& f : deferred) f();
+  if (!parked) reactor->Finish(result);
+  return reactor;
+}
+
+void PlannerService::RegisterRankLocked(JobState* js, int64_t rank, const std::string& node,
+                                        const std::string& sha) {
+  v1::RankState* r = js->job.mutable_ranks(static_cast<int>(rank));
+  r->set_registered(true);
+  r->set_node_id(node);
+  r->set_inventory_sha256(sha);
+}
+
+void PlannerService::ResolvePendingHashes(JobState* js, Deferred* deferred) {
+  for (PendingHash& p : js->pending_hash) {
+    grpc::Status status;
+    if (p.sha256 == js->job.inventory_sha256()) {
+      RegisterRankLocked(js, p.rank, p.node_id, p.sha256);
+      status = grpc::Status::OK;
+    } else {
+      std::string error =
+          absl::StrCat("rank ", p.rank, ": inventory hash ", HexString(p.sha256),
+                       " differs from the reference ", HexString(js->job.inventory_sha256()));
+      js->job.set_error(error);
+      status = grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, error);
+    }
+    *p.job_out = js->job;
+    Finish(deferred, p.parked.reactor, status);
+  }
+  js->pending_hash.clear();
+}
+
+void PlannerService::MaybePlan(const std::string& job_id, JobState* js, Deferred* deferred) {
+  if (js->planning || js->plan || js->job.status() != v1::JOB_REGISTERING || !js->inventory) return;
+  for (const auto& r : js->job.ranks()) {
+    if (!r.registered()) return;
+  }
+  js->planning = true;
+  executor_.Submit([this, job_id] { ComputePlan(job_id); });
+}
+
+void PlannerService::ComputePlan(std::string job_id) {
+  Inventory inventory;
+  PlanOptions options;
+  v1::JobOptions job_options;
+  std::vector<std::string> rank_nodes;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = jobs_.find(job_id);
+    if (it == jobs_.end() || !it->second.inventory) return;
+    const v1::Job& job = it->second.job;
+    inventory = *it->second.inventory;
+    job_options = job.options();
+    for (const auto& r : job.ranks()) rank_nodes.push_back(r.node_id());
+    if (job.options().policy() != "auto") options.policy = *ParsePolicy(job.options().policy());
+    options.world = job.mesh().shard_size();
+    options.align_bytes = job.options().align_bytes();
+    options.job_id = job_id;
+    options.version = job.plan_version() + 1;
+    if (!job.options().default_granule().empty()) {
+      auto g = *ParseGranule(job.options().default_granule());
+      for (UnitSpec& unit : *inventory.mutable_units()) {
+        for (TensorSpec& t : *unit.mutable_tensors()) {
+          if (t.shape_size() >= 2 && t.granule_kind() == v1::GRANULE_ELEMENT) {
+            t.set_granule_kind(g.kind);
+            t.set_granule_rows(g.rows);
+          }
+        }
+      }
+    }
+  }
+  absl::StatusOr<v1::Plan> plan;
+  int64_t shard = 0, replicate = 0;
+  if (job_options.policy() == "auto") {
+    auto a = PlanAutoForJob(inventory, job_options, rank_nodes, options);
+    if (a.ok()) {
+      shard = a->shard;
+      replicate = a->replicate;
+      plan = std::move(a->plan);
+    } else {
+      plan = a.status();
+    }
+  } else {
+    plan = BuildPlan(inventory, options);
+  }
+  Deferred deferred;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = jobs_.find(job_id);
+    if (it == jobs_.end()) return;
+    JobState& js = it->second;
+    js.planning = false;
+    if (js.job.status() != v1::JOB_REGISTERING) {
+      // Deleted or failed while planning.
+    } else if (!plan.ok()) {
+      FailJob(&js, absl::StrCat("planning failed: ", plan.status().message()), &deferred);
+    } else {
+      const std::string bytes = DeterministicBytes(*plan);
+      absl::Status s = store_->PutPlan(job_id, options.version, bytes);
+      if (!s.ok()) {
+        FailJob(&js, absl::StrCat("storing the plan failed: ", s.message()), &deferred);
+      } else {
+        js.plan = std::move(*plan);
+        if (shard > 0) {
+          // Policy auto chose the shard group: the mesh becomes replicate x shard.
+          js.job.mutable_mesh()->set_shard_size(shard);
+          js.job.mutable_mesh()->set_replicate_size(replicate);
+          LOG(INFO) << "job " << job_id << " strategy " << js.plan->strategy().executed()
+                    << " (recommended " << js.plan->strategy().recommended() << ", predicted "
+                    << js.plan->strategy().predicted_step_seconds() << " s/step)";
+        }
+        js.job.set_plan_version(options.version);
+        js.job.set_status(v1::JOB_READY);
+        js.job.clear_error();
+        (void)JobChanged(&js, &deferred);
+        LOG(INFO) << "job " << job_id << " READY: plan v" << options.version << ", "
+                  << js.plan->units_size() << " unit plans, padding "
+                  << js.plan->metrics().padding_pct() << " %";
+      }
+    }
+  }
+  for (auto& f : deferred) f();
+}
+
+absl::StatusOr<AutoPlan> PlannerService::PlanAutoForJob(const Inventory& inventory,
+                                                        const v1::JobOptions& o,
+                                                        const std::vector<std::string>& rank_nodes,
+                                                        const PlanOptions& options) const {
+  // The data plane's shard groups are whole nodes of consecutive ranks: ranks must be numbered
+  // node by node, the same number on every node.
+  std::vector<std::string> nodes;
+  for (const std::string& n : rank_nodes) {
+    if (nodes.empty() || nodes.back() != n) nodes.push_back(n);
+  }
+  const int64_t world = static_cast<int64_t>(rank_nodes.size());
+  const int64_t count = static_cast<int64_t>(nodes.size());
+  std::set<std::string> distinct(nodes.begin(), nodes.end());
+  if (static_cast<int64_t>(distinct.size()) != count || world % count != 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "policy auto needs the same number of ranks on every node, numbered node by node; the "
+        "ranks' nodes are ",
+        absl::StrJoin(rank_nodes, ",")));
+  }
+  const int64_t per_node = world / count;
+  for (int64_t r = 0; r < world; ++r) {
+    if (rank_nodes[r] != nodes[r / per_node]) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("policy auto needs ranks numbered node by node: rank ", r, " is on node '",
+                       rank_nodes[r], "', expected '", nodes[r / per_node], "'"));
+    }
+  }
+  CostOptions cost;
+  if (!o.optimizer().empty()) cost.optimizer = *ParseOptimizerKind(o.optimizer());
+  cost.memory_budget_bytes = o.memory_budget_bytes();
+  if (o.tokens_per_step() > 0) cost.tokens_per_step = o.tokens_per_step();
+  cost.align_bytes = options.align_bytes;
+  return PlanAuto(inventory, "", *options_.cluster_profile, count, per_node, cost, o.strategy(),
+                  options);
+}
+
+void PlannerService::ExpireRegistrations(int64_t now_ms, Deferred* deferred) {
+  for (auto& [id, js] : jobs_) {
+    if (js.job.status() != v1::JOB_REGISTERING || js.planning ||
+        js.job.registration_deadline_unix_ms() > now_ms) {
+      continue;
+    }
+    if (js.job.inventory_sha256().empty()) {
+      FailJob(&js,
+              absl::StrCat("no rank sent a full inventory within the registration deadline (",
+                           js.job.options().registration_timeout_ms(), " ms)"),
+              deferred);
+    } else {
+      std::vector<int64_t> missing;
+      for (const auto& r : js.job.ranks()) {
+        if (!r.registered()) missing.push_back(r.rank());
+      }
+      if (missing.size() > 8) missing.resize(8);
+      FailJob(
+          &js,
+          absl::StrCat("ranks [", absl::StrJoin(missing, ", "), missing.size() == 8 ? ", ..." : "",
+                       "] did not register within the registration deadline (",
+                       js.job.options().registration_timeout_ms(), " ms)"),
+          deferred);
+    }
+  }
+}
+
+}  // namespace ragshard::planner
