@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <fstream>
+#include <functional>
 
 #include "client/client.h"
 #include "common/planner.h"
@@ -18,6 +19,17 @@ namespace {
 
 using namespace std::chrono_literals;
 using ::testing::HasSubstr;
+
+// Polls `done` until it holds or a minute has passed: waits end at the first answer, and the
+// bound is for a hang, not for a slow machine.
+bool Eventually(const std::function<bool()>& done) {
+  const auto give_up = std::chrono::steady_clock::now() + 60s;
+  while (!done()) {
+    if (std::chrono::steady_clock::now() > give_up) return false;
+    std::this_thread::sleep_for(20ms);
+  }
+  return true;
+}
 
 class DaemonE2E : public ::testing::Test {
  protected:
@@ -42,11 +54,26 @@ class DaemonE2E : public ::testing::Test {
          "--backend", backend, "--gpu-pool-bytes", std::to_string(64 << 20)},
         dir_.path() + "/daemon" + std::to_string(n) + ".log");
     struct stat st {};
-    for (int i = 0; i < 400 && stat((sock + ".fd").c_str(), &st) != 0; ++i) {
-      std::this_thread::sleep_for(10ms);
-    }
+    Eventually([&] { return stat((sock + ".fd").c_str(), &st) == 0; });
     ASSERT_EQ(stat(sock.c_str(), &st), 0) << testing::ReadAll(dir_.path() + "/daemon0.log");
     EXPECT_EQ(st.st_mode & 0777, 0600u);
+  }
+
+  void ExpectDegraded(const std::string& job) {
+    EXPECT_TRUE(Eventually([&] {
+      auto j = client_->GetJob(job);
+      return j.ok() && j->status() == v1::JOB_DEGRADED;
+    })) << "job '"
+        << job << "' did not become DEGRADED";
+  }
+
+  // Waits until every rank of a "loop" run has completed an operation.
+  void WaitLooping() {
+    for (int r = 0; r < 4; ++r) {
+      const std::string file = dir_.path() + "/looping" + std::to_string(r);
+      ASSERT_TRUE(Eventually([&] { return !testing::ReadAll(file).empty(); }))
+          << "rank " << r << " never completed an operation";
+    }
   }
 
   std::string Socket(int n) const { return dir_.path() + "/d" + std::to_string(n) + ".sock"; }
@@ -88,8 +115,15 @@ TEST_F(DaemonE2E, AllGatherAndReduceScatterMatchTheReference) {
                                  << testing::ReadAll(dir_.path() + "/rank" + std::to_string(r) +
                                                      ".log");
   }
-  // The daemons report their pools through heartbeats.
-  std::this_thread::sleep_for(500ms);
+  // The daemons report their pools through heartbeats: wait for the report after the ranks left.
+  Eventually([&] {
+    auto listed = client_->ListNodes();
+    bool reported = listed.ok() && listed->size() == 2;
+    for (const auto& n : listed.ok() ? *listed : std::vector<v1::Node>()) {
+      reported &= n.figures().attachments() == 0;
+    }
+    return reported;
+  });
   auto nodes = client_->ListNodes();
   ASSERT_TRUE(nodes.ok());
   ASSERT_EQ(nodes->size(), 2u);
@@ -99,15 +133,14 @@ TEST_F(DaemonE2E, AllGatherAndReduceScatterMatchTheReference) {
   }
   // Deleting the job releases its buffers.
   ASSERT_TRUE(client_->DeleteJob("train").ok());
-  bool released = false;
-  for (int i = 0; i < 100 && !released; ++i) {
-    std::this_thread::sleep_for(50ms);
-    released = true;
+  EXPECT_TRUE(Eventually([&] {
     auto now = client_->ListNodes();
-    ASSERT_TRUE(now.ok());
-    for (const auto& n : *now) released &= n.figures().pool_used_bytes() == 0;
-  }
-  EXPECT_TRUE(released);
+    bool released = now.ok();
+    for (const auto& n : now.ok() ? *now : std::vector<v1::Node>()) {
+      released &= n.figures().pool_used_bytes() == 0;
+    }
+    return released;
+  }));
 }
 
 // A job setup runs on a thread of its own; a finished one is joined at the next attach rather
@@ -201,24 +234,19 @@ TEST_F(DaemonE2E, TheCudaBackendWithoutADeviceSaysSoOnceAndRunsOnTheHost) {
 TEST_F(DaemonE2E, AKilledDaemonFailsThePeersOperationsAndDegradesTheJob) {
   CreateJob("doomed");
   auto ranks = SpawnRanks("doomed", "loop");
-  std::this_thread::sleep_for(1500ms);
+  WaitLooping();
   daemons_[1].Kill(SIGKILL);
   EXPECT_EQ(Exit(ranks[0]), 0) << testing::ReadAll(dir_.path() + "/rank0.log");
   EXPECT_EQ(Exit(ranks[1]), 0) << testing::ReadAll(dir_.path() + "/rank1.log");
   ranks[2].Kill(SIGKILL);
   ranks[3].Kill(SIGKILL);
-  v1::JobStatus status = v1::JOB_READY;
-  for (int i = 0; i < 100 && status != v1::JOB_DEGRADED; ++i) {
-    status = client_->GetJob("doomed")->status();
-    std::this_thread::sleep_for(50ms);
-  }
-  EXPECT_EQ(status, v1::JOB_DEGRADED);
+  ExpectDegraded("doomed");
 }
 
 TEST_F(DaemonE2E, ATrainingProcessKilledMidRunFailsItsNodePeersAtOnceNamingIt) {
   CreateJob("orphan");
   auto ranks = SpawnRanks("orphan", "loop");
-  std::this_thread::sleep_for(1500ms);
+  WaitLooping();
   const auto start = std::chrono::steady_clock::now();
   ranks[1].Kill(SIGKILL);
   // Rank 0 shares node-0 with rank 1: its pending operation fails as soon as the daemon sees
@@ -228,12 +256,7 @@ TEST_F(DaemonE2E, ATrainingProcessKilledMidRunFailsItsNodePeersAtOnceNamingIt) {
   EXPECT_THAT(testing::ReadAll(dir_.path() + "/rank0.log"), HasSubstr("rank 1 of job 'orphan'"));
   ranks[2].Kill(SIGKILL);
   ranks[3].Kill(SIGKILL);
-  v1::JobStatus status = v1::JOB_READY;
-  for (int i = 0; i < 100 && status != v1::JOB_DEGRADED; ++i) {
-    status = client_->GetJob("orphan")->status();
-    std::this_thread::sleep_for(50ms);
-  }
-  EXPECT_EQ(status, v1::JOB_DEGRADED);
+  ExpectDegraded("orphan");
 }
 
 TEST_F(DaemonE2E, LocalRanksThatDisagreeStopTheJobOnEveryNodeNamingIt) {
@@ -245,12 +268,7 @@ TEST_F(DaemonE2E, LocalRanksThatDisagreeStopTheJobOnEveryNodeNamingIt) {
     EXPECT_EQ(Exit(ranks[r]), 0) << testing::ReadAll(dir_.path() + "/rank" + std::to_string(r) +
                                                      ".log");
   }
-  v1::JobStatus status = v1::JOB_READY;
-  for (int i = 0; i < 100 && status != v1::JOB_DEGRADED; ++i) {
-    status = client_->GetJob("split")->status();
-    std::this_thread::sleep_for(50ms);
-  }
-  EXPECT_EQ(status, v1::JOB_DEGRADED);
+  ExpectDegraded("split");
 }
 
 TEST_F(DaemonE2E, OperationsKeepWorkingWhileThePlannerIsDown) {
@@ -259,8 +277,7 @@ TEST_F(DaemonE2E, OperationsKeepWorkingWhileThePlannerIsDown) {
   auto ranks = SpawnRanks("steady", "pause");
   for (int r = 0; r < 4; ++r) {
     const std::string ready = dir_.path() + "/ready" + std::to_string(r);
-    for (int i = 0; i < 2000 && testing::ReadAll(ready).empty(); ++i)
-      std::this_thread::sleep_for(10ms);
+    Eventually([&] { return !testing::ReadAll(ready).empty(); });
     ASSERT_FALSE(testing::ReadAll(ready).empty()) << "rank " << r << " did not attach";
   }
   const std::string listen = planner_.address;
@@ -274,15 +291,14 @@ TEST_F(DaemonE2E, OperationsKeepWorkingWhileThePlannerIsDown) {
   // The planner comes back on the same address and the daemons' heartbeats resume.
   planner_ = testing::PlannerProcess::Start(RAGSHARD_PLANNER_PATH, dir_.path(), {}, listen);
   ASSERT_EQ(planner_.address, listen);
-  bool up = false;
-  for (int i = 0; i < 100 && !up; ++i) {
-    std::this_thread::sleep_for(50ms);
+  bool up = Eventually([&] {
     auto nodes = client_->ListNodes();
-    up = nodes.ok() && nodes->size() == 2;
+    bool all_up = nodes.ok() && nodes->size() == 2;
     for (const auto& n : nodes.ok() ? *nodes : std::vector<v1::Node>()) {
-      up &= n.status() == v1::NODE_UP && n.figures().pool_capacity_bytes() > 0;
+      all_up &= n.status() == v1::NODE_UP && n.figures().pool_capacity_bytes() > 0;
     }
-  }
+    return all_up;
+  });
   EXPECT_TRUE(up);
 }
 
