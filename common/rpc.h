@@ -19,6 +19,9 @@ inline constexpr int kMaxMessageBytes = 256 << 20;
 grpc::Status ToGrpcStatus(const absl::Status& status);
 absl::Status FromGrpcStatus(const grpc::Status& status);
 
+// Finishes a unary callback call with `status` and returns its reactor, for a handler to return.
+grpc::ServerUnaryReactor* ReplyUnary(grpc::CallbackServerContext* ctx, const absl::Status& status);
+
 // Reads a whole file; NOT_FOUND names the path.
 absl::StatusOr<std::string> ReadFileToString(const std::string& path);
 

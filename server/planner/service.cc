@@ -100,13 +100,6 @@ void PlannerService::Finish(Deferred* deferred, grpc::ServerUnaryReactor* reacto
   deferred->push_back([reactor, status] { reactor->Finish(status); });
 }
 
-grpc::ServerUnaryReactor* PlannerService::Reply(grpc::CallbackServerContext* ctx,
-                                                const absl::Status& s) {
-  auto* reactor = ctx->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(s));
-  return reactor;
-}
-
 absl::Status PlannerService::Admit(grpc::CallbackServerContext* ctx, Access access,
                                    const std::function<absl::Status()>& validate) const {
   absl::Status s =
@@ -128,7 +121,7 @@ grpc::ServerUnaryReactor* PlannerService::OnJob(
     const std::function<absl::Status()>& validate,
     const std::function<absl::Status(JobState&, Deferred*)>& body) {
   absl::Status s = Admit(ctx, access, validate);
-  if (!s.ok()) return Reply(ctx, s);
+  if (!s.ok()) return ReplyUnary(ctx, s);
   Deferred deferred;
   {
     absl::MutexLock lock(&mu_);
@@ -136,7 +129,7 @@ grpc::ServerUnaryReactor* PlannerService::OnJob(
     s = job.ok() ? body(**job, &deferred) : job.status();
   }
   for (auto& f : deferred) f();
-  return Reply(ctx, s);
+  return ReplyUnary(ctx, s);
 }
 
 v1::WatchPlanEvent PlannerService::EventFor(const JobState& js, uint64_t after_version) const {

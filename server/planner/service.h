@@ -162,7 +162,6 @@ class PlannerService final
                                   const std::function<absl::Status(JobState&, Deferred*)>& body);
   // The live job (not deleted), or NOT_FOUND naming it.
   absl::StatusOr<JobState*> FindJob(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  static grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* ctx, const absl::Status& s);
   static bool Terminal(v1::JobStatus s) { return s == v1::JOB_FAILED || s == v1::JOB_DELETED; }
   static int64_t NowMs();
   v1::WatchPlanEvent EventFor(const JobState& js, uint64_t after_version) const

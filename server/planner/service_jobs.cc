@@ -13,14 +13,16 @@ grpc::ServerUnaryReactor* PlannerService::CreateJob(grpc::CallbackServerContext*
                                                     v1::CreateJobResponse* resp) {
   absl::Status s =
       Admit(ctx, Access::kUser, [&] { return ValidateCreateJob(*req, options_.limits); });
-  if (!s.ok()) return Reply(ctx, s);
+  if (!s.ok()) return ReplyUnary(ctx, s);
   absl::MutexLock lock(&mu_);
   auto it = jobs_.find(req->job_id());
   if (it != jobs_.end() && it->second.job.status() != v1::JOB_DELETED) {
-    return Reply(ctx, absl::AlreadyExistsError(absl::StrCat("job '", req->job_id(), "' exists")));
+    return ReplyUnary(ctx,
+                      absl::AlreadyExistsError(absl::StrCat("job '", req->job_id(), "' exists")));
   }
   if (req->options().policy() == "auto" && options_.cluster_profile == nullptr) {
-    return Reply(ctx, absl::FailedPreconditionError(
+    return ReplyUnary(ctx,
+                      absl::FailedPreconditionError(
                           "policy auto needs the planner started with --cluster-profile FILE"));
   }
   JobState js;
@@ -41,13 +43,13 @@ grpc::ServerUnaryReactor* PlannerService::CreateJob(grpc::CallbackServerContext*
                                         job.options().registration_timeout_ms());
   for (int64_t r = 0; r < job.world_size(); ++r) job.add_ranks()->set_rank(r);
   s = store_->PutJob(job);
-  if (!s.ok()) return Reply(ctx, s);
+  if (!s.ok()) return ReplyUnary(ctx, s);
   if (it != jobs_.end()) (void)store_->PurgeJobData(req->job_id());
   *resp->mutable_job() = job;
   LOG(INFO) << "job " << req->job_id() << " created: world " << job.world_size() << ", policy "
             << job.options().policy();
   jobs_[req->job_id()] = std::move(js);
-  return Reply(ctx, absl::OkStatus());
+  return ReplyUnary(ctx, absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* PlannerService::GetJob(grpc::CallbackServerContext* ctx,
@@ -66,12 +68,12 @@ grpc::ServerUnaryReactor* PlannerService::ListJobs(grpc::CallbackServerContext* 
                                                    const v1::ListJobsRequest*,
                                                    v1::ListJobsResponse* resp) {
   absl::Status s = Admit(ctx, Access::kUser, nullptr);
-  if (!s.ok()) return Reply(ctx, s);
+  if (!s.ok()) return ReplyUnary(ctx, s);
   absl::MutexLock lock(&mu_);
   for (const auto& [id, js] : jobs_) {
     if (js.job.status() != v1::JOB_DELETED) *resp->add_jobs() = js.job;
   }
-  return Reply(ctx, absl::OkStatus());
+  return ReplyUnary(ctx, absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* PlannerService::DeleteJob(grpc::CallbackServerContext* ctx,

@@ -1,4 +1,5 @@
 #include "absl/strings/str_cat.h"
+#include "common/rpc.h"
 #include "glog/logging.h"
 #include "server/planner/service.h"
 
@@ -9,7 +10,7 @@ grpc::ServerUnaryReactor* PlannerService::RegisterNode(grpc::CallbackServerConte
                                                        v1::RegisterNodeResponse* resp) {
   absl::Status s =
       Admit(ctx, Access::kUser, [&] { return ValidateRegisterNode(*req, options_.limits); });
-  if (!s.ok()) return Reply(ctx, s);
+  if (!s.ok()) return ReplyUnary(ctx, s);
   absl::MutexLock lock(&mu_);
   v1::Node& node = nodes_[req->node_id()];
   node.set_node_id(req->node_id());
@@ -20,7 +21,7 @@ grpc::ServerUnaryReactor* PlannerService::RegisterNode(grpc::CallbackServerConte
   s = store_->PutNode(node);
   resp->set_heartbeat_interval_ms(options_.heartbeat_interval.count());
   LOG(INFO) << "node " << req->node_id() << " registered at '" << req->data_address() << "'";
-  return Reply(ctx, s);
+  return ReplyUnary(ctx, s);
 }
 
 grpc::ServerUnaryReactor* PlannerService::Heartbeat(grpc::CallbackServerContext* ctx,
@@ -28,12 +29,13 @@ grpc::ServerUnaryReactor* PlannerService::Heartbeat(grpc::CallbackServerContext*
                                                     v1::HeartbeatResponse* resp) {
   absl::Status s =
       Admit(ctx, Access::kUser, [&] { return ValidateHeartbeat(*req, options_.limits); });
-  if (!s.ok()) return Reply(ctx, s);
+  if (!s.ok()) return ReplyUnary(ctx, s);
   absl::MutexLock lock(&mu_);
   auto it = nodes_.find(req->node_id());
   if (it == nodes_.end()) {
-    return Reply(ctx, absl::NotFoundError(absl::StrCat("node '", req->node_id(),
-                                                       "' is not registered; call RegisterNode")));
+    return ReplyUnary(
+        ctx, absl::NotFoundError(
+                 absl::StrCat("node '", req->node_id(), "' is not registered; call RegisterNode")));
   }
   v1::Node& node = it->second;
   *node.mutable_figures() = req->figures();
@@ -47,17 +49,17 @@ grpc::ServerUnaryReactor* PlannerService::Heartbeat(grpc::CallbackServerContext*
     auto j = jobs_.find(job);
     if (j == jobs_.end() || j->second.job.status() == v1::JOB_DELETED) resp->add_release_jobs(job);
   }
-  return Reply(ctx, absl::OkStatus());
+  return ReplyUnary(ctx, absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* PlannerService::ListNodes(grpc::CallbackServerContext* ctx,
                                                     const v1::ListNodesRequest*,
                                                     v1::ListNodesResponse* resp) {
   absl::Status s = Admit(ctx, Access::kUser, nullptr);
-  if (!s.ok()) return Reply(ctx, s);
+  if (!s.ok()) return ReplyUnary(ctx, s);
   absl::MutexLock lock(&mu_);
   for (const auto& [id, node] : nodes_) *resp->add_nodes() = node;
-  return Reply(ctx, absl::OkStatus());
+  return ReplyUnary(ctx, absl::OkStatus());
 }
 
 void PlannerService::ExpireNodes(int64_t now_ms, Deferred* deferred) {

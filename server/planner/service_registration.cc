@@ -16,7 +16,7 @@ grpc::ServerUnaryReactor* PlannerService::RegisterRank(grpc::CallbackServerConte
                                                        v1::RegisterRankResponse* resp) {
   absl::Status s =
       Admit(ctx, Access::kUser, [&] { return ValidateRegisterRank(*req, options_.limits); });
-  if (!s.ok()) return Reply(ctx, s);
+  if (!s.ok()) return ReplyUnary(ctx, s);
   // Hash outside the lock: a DeepSeek-V3 inventory is several MB.
   const bool full = req->has_inventory();
   const std::string sha = full ? InventorySha256(req->inventory()) : req->inventory_sha256();

@@ -1,6 +1,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/rpc.h"
 #include "server/planner/service.h"
 
 namespace ragshard::planner {
@@ -29,18 +30,18 @@ grpc::ServerUnaryReactor* PlannerService::Put(grpc::CallbackServerContext* ctx,
 grpc::ServerUnaryReactor* PlannerService::Get(grpc::CallbackServerContext* ctx,
                                               const v1::GetRequest* req, v1::GetResponse* resp) {
   absl::Status s = Admit(ctx, Access::kUser, [&] { return ValidateGet(*req, options_.limits); });
-  if (!s.ok()) return Reply(ctx, s);
+  if (!s.ok()) return ReplyUnary(ctx, s);
   absl::MutexLock lock(&mu_);
   auto job = FindJob(req->job_id());
-  if (!job.ok()) return Reply(ctx, job.status());
+  if (!job.ok()) return ReplyUnary(ctx, job.status());
   auto kv = (*job)->kv.find(req->key());
   if (kv != (*job)->kv.end()) {
     resp->set_value(kv->second);
-    return Reply(ctx, absl::OkStatus());
+    return ReplyUnary(ctx, absl::OkStatus());
   }
   if (req->wait_ms() == 0) {
-    return Reply(ctx, absl::NotFoundError(absl::StrCat("key '", req->key(), "' of job '",
-                                                       req->job_id(), "' not found")));
+    return ReplyUnary(ctx, absl::NotFoundError(absl::StrCat("key '", req->key(), "' of job '",
+                                                            req->job_id(), "' not found")));
   }
   PendingGet g;
   g.job_id = req->job_id();

@@ -1,0 +1,103 @@
+// NodeDaemon's background threads: the descriptor side channel (it passes the pool's memfd to
+// attached processes and notices those that die) and the heartbeats to the planner.
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <vector>
+
+#include "common/fd_passing.h"
+#include "glog/logging.h"
+#include "server/daemon/daemon.h"
+#include "server/daemon/job_runtime.h"
+
+namespace ragshard::daemon {
+
+void NodeDaemon::RunSideChannel() {
+  // Clients connect, send their attachment id and receive the arena's memfd. The connection
+  // stays open while the client lives; its end releases the attachment.
+  std::map<int, std::pair<ScopedFd, std::string>> clients;
+  while (!stop_.HasBeenNotified()) {
+    std::vector<pollfd> fds = {{fd_listener_.get(), POLLIN, 0}};
+    for (auto& [fd, c] : clients) fds.push_back({fd, POLLIN, 0});
+    if (::poll(fds.data(), fds.size(), 100) <= 0) continue;
+    if (fds[0].revents & POLLIN) {
+      ScopedFd conn(::accept4(fd_listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+      if (conn.valid()) {
+        timeval tv{2, 0};
+        ::setsockopt(conn.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+        auto msg = ReceiveWithFds(conn.get(), 0);
+        bool known = false;
+        if (msg.ok()) {
+          absl::MutexLock lock(&mu_);
+          known = attachments_.count(msg->payload) > 0;
+        }
+        if (known && SendWithFds(conn.get(), "ok", {pool_->arena().fd()}).ok()) {
+          const int fd = conn.get();
+          clients[fd] = {std::move(conn), msg->payload};
+        } else {
+          (void)SendWithFds(conn.get(), "error: unknown attachment", {});
+        }
+      }
+    }
+    for (size_t i = 1; i < fds.size(); ++i) {
+      if (fds[i].revents & (POLLIN | POLLHUP | POLLERR)) {
+        char buf[64];
+        if (::recv(fds[i].fd, buf, sizeof(buf), MSG_DONTWAIT) <= 0) {
+          auto it = clients.find(fds[i].fd);
+          ReleaseAttachment(it->second.second);
+          clients.erase(it);
+        }
+      }
+    }
+  }
+}
+
+void NodeDaemon::RunHeartbeats() {
+  while (!stop_.WaitForNotificationWithTimeout(absl::FromChrono(options_.heartbeat_interval))) {
+    v1::HeartbeatRequest hb;
+    hb.set_node_id(options_.node_id);
+    PoolStats s = pool_->Stats();
+    auto* f = hb.mutable_figures();
+    f->set_pool_capacity_bytes(s.capacity);
+    f->set_pool_used_bytes(s.used);
+    f->set_pool_peak_bytes(s.peak);
+    f->set_pool_fragmentation(s.fragmentation);
+    f->set_buffers(s.leases);
+    {
+      absl::MutexLock lock(&mu_);
+      for (const auto& [id, job] : jobs_) hb.add_jobs(id);
+      f->set_attachments(static_cast<int64_t>(attachments_.size()));
+    }
+    auto resp = planner_->Heartbeat(hb);
+    if (!resp.ok()) {
+      if (absl::IsNotFound(resp.status())) {
+        v1::RegisterNodeRequest reg;
+        reg.set_node_id(options_.node_id);
+        reg.set_data_address(options_.data_host);
+        reg.set_capacity_bytes(options_.pool_bytes);
+        (void)planner_->RegisterNode(reg);
+      } else {
+        LOG_EVERY_N(WARNING, 10) << "heartbeat: " << resp.status();
+      }
+      continue;
+    }
+    for (const std::string& job : resp->release_jobs()) {
+      std::shared_ptr<JobRuntime> gone;
+      {
+        absl::MutexLock lock(&mu_);
+        auto it = jobs_.find(job);
+        if (it == jobs_.end()) continue;
+        gone = std::move(it->second);
+        jobs_.erase(it);
+        for (auto a = attachments_.begin(); a != attachments_.end();) {
+          a = a->second.job_id == job ? attachments_.erase(a) : std::next(a);
+        }
+      }
+      gone.reset();  // joins the job thread and returns its buffers to the pool
+      LOG(INFO) << "job " << job << " deleted by the planner: buffers released";
+    }
+  }
+}
+
+}  // namespace ragshard::daemon

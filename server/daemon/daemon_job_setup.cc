@@ -1,0 +1,107 @@
+// NodeDaemon's job setup: the first rank of a job on this node to attach sets the job up (its
+// plan, its UCX worker and peers, its data plane); the node's other ranks wait for it.
+#include <set>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "glog/logging.h"
+#include "server/daemon/daemon.h"
+#include "server/daemon/job_runtime.h"
+#include "server/daemon/ucx_comm.h"
+
+namespace ragshard::daemon {
+
+namespace {
+
+std::string HostOf(const std::string& address) { return address.substr(0, address.rfind(':')); }
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<JobRuntime>> NodeDaemon::GetOrCreateJob(const std::string& job_id,
+                                                                       int64_t rank,
+                                                                       absl::Time deadline) {
+  absl::MutexLock setup(&setup_mu_);
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = jobs_.find(job_id);
+    if (it != jobs_.end()) return it->second;
+  }
+  auto plan = planner_->WaitForPlan(job_id, absl::ToChronoMilliseconds(deadline - absl::Now()));
+  if (!plan.ok()) return plan.status();
+  auto job = planner_->GetJob(job_id);
+  if (!job.ok()) return job.status();
+  if (rank >= job->world_size() ||
+      job->ranks(static_cast<int>(rank)).node_id() != options_.node_id) {
+    return absl::FailedPreconditionError(absl::StrCat("rank ", rank, " of job '", job_id,
+                                                      "' is not on node '", options_.node_id, "'"));
+  }
+  std::vector<int64_t> local;
+  std::vector<std::string> nodes;
+  for (const auto& r : job->ranks()) {
+    if (r.node_id() == options_.node_id) local.push_back(r.rank());
+    if (std::find(nodes.begin(), nodes.end(), r.node_id()) == nodes.end())
+      nodes.push_back(r.node_id());
+  }
+  if (local.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("job '", job_id, "' has no ranks on node '", options_.node_id, "'"));
+  }
+  std::unique_ptr<UcxWorker> worker;
+  std::unique_ptr<Comm> comm;
+  if (nodes.size() > 1) {
+    auto w = UcxWorker::Create(options_.data_host, 0);
+    if (!w.ok()) return w.status();
+    worker = std::move(*w);
+    absl::Status s = planner_->Put(job_id, "data/" + options_.node_id, worker->address());
+    if (!s.ok()) return s;
+    std::vector<std::string> addresses;
+    std::set<std::string> hosts;
+    int me = 0;
+    for (size_t i = 0; i < nodes.size(); ++i) {
+      if (nodes[i] == options_.node_id) me = static_cast<int>(i);
+      auto a = planner_->Get(
+          job_id, "data/" + nodes[i],
+          absl::ToChronoMilliseconds(std::max(deadline - absl::Now(), absl::Milliseconds(1))));
+      if (!a.ok()) {
+        return absl::Status(a.status().code(),
+                            absl::StrCat("waiting for node '", nodes[i],
+                                         "' to publish its data address: ", a.status().message()));
+      }
+      addresses.push_back(*a);
+      hosts.insert(HostOf(*a));
+    }
+    worker->AllowPeerHosts(hosts);  // only the job's peers may connect
+    auto c = worker->Connect(me, addresses, deadline, job_id);
+    if (!c.ok()) return c.status();
+    comm = std::move(*c);
+  }
+  BackendContext context;
+  context.plan = &*plan;
+  context.local_ranks = local;
+  context.replicas = std::max<int64_t>(job->mesh().replicate_size(), 1);
+  context.host_pool = pool_.get();
+  context.nodes = comm.get();
+  context.node_count = static_cast<int>(nodes.size());
+  context.put = [this, &job_id](const std::string& key, const std::string& value) {
+    return planner_->Put(job_id, key, value);
+  };
+  context.get = [this, &job_id, deadline](const std::string& key) {
+    return planner_->Get(
+        job_id, key,
+        absl::ToChronoMilliseconds(std::max(deadline - absl::Now(), absl::Milliseconds(1))));
+  };
+  context.deadline = deadline;
+  context.gpu_pool_bytes = options_.gpu_pool_bytes;
+  auto dp = CreateDataBackend(backend_, context);
+  if (!dp.ok()) return dp.status();
+  auto runtime =
+      std::make_shared<JobRuntime>(job_id, options_.node_id, std::move(*plan), local,
+                                   std::move(worker), std::move(comm), std::move(*dp), planner_);
+  absl::MutexLock lock(&mu_);
+  jobs_[job_id] = runtime;
+  LOG(INFO) << "job " << job_id << ": " << local.size() << " local rank(s), " << nodes.size()
+            << " node(s), " << runtime->dp().name() << " backend, buffers allocated";
+  return runtime;
+}
+
+}  // namespace ragshard::daemon

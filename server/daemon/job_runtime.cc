@@ -1,0 +1,298 @@
+#include "server/daemon/job_runtime.h"
+
+#include <optional>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "glog/logging.h"
+
+namespace ragshard::daemon {
+
+JobRuntime::JobRuntime(std::string job_id, std::string node_id, v1::Plan plan,
+                       std::vector<int64_t> local_ranks, std::unique_ptr<UcxWorker> worker,
+                       std::unique_ptr<Comm> comm, std::unique_ptr<DataBackend> dp,
+                       std::shared_ptr<PlannerClient> planner)
+    : job_id_(std::move(job_id)),
+      node_id_(std::move(node_id)),
+      plan_(std::move(plan)),
+      local_ranks_(std::move(local_ranks)),
+      worker_(std::move(worker)),
+      comm_(std::move(comm)),
+      dp_(std::move(dp)),
+      planner_(std::move(planner)),
+      next_seq_(local_ranks_.size(), 1) {
+  thread_ = std::thread([this] { Run(); });
+}
+
+JobRuntime::~JobRuntime() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  thread_.join();
+  // The data plane's leases go back to the pool before the comm and worker close.
+  dp_.reset();
+  comm_.reset();
+  worker_.reset();
+}
+
+void JobRuntime::FillStats(v1::JobStats* out) {
+  absl::MutexLock lock(&mu_);
+  out->set_job_id(job_id_);
+  out->set_local_ranks(static_cast<int64_t>(local_ranks_.size()));
+  out->set_replicas(dp_->replicas());
+  out->set_staging_bytes(staging_bytes_);
+  out->set_operations(operations_);
+}
+
+absl::StatusOr<uint64_t> JobRuntime::StartOp(int local, const v1::StartRequest& req) {
+  absl::MutexLock lock(&mu_);
+  if (!failed_.ok()) return failed_;
+  if (req.kind() == v1::OP_NOOP) return uint64_t{0};
+  if (!departed_.empty()) {
+    absl::Status error = absl::UnavailableError(absl::StrCat(
+        "rank ", departed_.begin()->second, " of job '", job_id_, "' on node '", node_id_,
+        "' detached (its process exited); collective operations cannot run until it attaches "
+        "again"));
+    // The job thread tells the planner (a gRPC handler must not block on it).
+    if (!departure_reported_) {
+      departure_reported_ = true;
+      report_ = error;
+    }
+    return error;
+  }
+  if (req.unit_index() < 0 || req.unit_index() >= dp_->units()) {
+    return absl::InvalidArgumentError(absl::StrCat("unit_index: ", req.unit_index(),
+                                                   " is not a unit of job '", job_id_, "' (it has ",
+                                                   dp_->units(), ")"));
+  }
+  const uint64_t seq = next_seq_[local]++;
+  Op& op = ops_[seq];
+  if (op.started == 0) {
+    op.kind = req.kind();
+    op.unit = req.unit_index();
+    op.reduce = req.reduce();
+    op.keep = req.keep_ranks();
+    op.deadline = absl::Now() + absl::Milliseconds(req.timeout_ms() > 0 ? req.timeout_ms() : 60000);
+  } else if (op.kind != req.kind() || op.unit != req.unit_index() || op.reduce != req.reduce() ||
+             op.keep != req.keep_ranks()) {
+    op.status = absl::FailedPreconditionError(absl::StrCat(
+        "local ranks disagree on operation ", seq, ": ", v1::OpKind_Name(op.kind), " of unit ",
+        op.unit, " against ", v1::OpKind_Name(req.kind()), " of unit ", req.unit_index()));
+    op.done = true;
+    // The job cannot go on: the job thread tells the other nodes and the planner.
+    if (abort_.ok()) abort_ = op.status;
+    return seq;
+  }
+  if (++op.started == static_cast<int>(local_ranks_.size()) && !op.done) queue_.push_back(seq);
+  return seq;
+}
+
+void JobRuntime::LocalRankLeft(int local, int64_t rank) {
+  absl::Status error;
+  {
+    absl::MutexLock lock(&mu_);
+    departed_[local] = rank;
+    for (auto& [seq, op] : ops_) {
+      if (op.done || op.started == 0 || seq < next_seq_[local]) continue;
+      if (error.ok()) {
+        departure_reported_ = true;
+        error = absl::UnavailableError(
+            absl::StrCat("rank ", rank, " of job '", job_id_, "' on node '", node_id_,
+                         "' detached (its process exited) before starting operation ", seq));
+      }
+      op.done = true;
+      op.status = error;
+    }
+  }
+  if (error.ok()) return;
+  LOG(ERROR) << error;
+  Report(error);
+  ServeWaiters();
+}
+
+void JobRuntime::Report(const absl::Status& error) {
+  v1::ReportFailureRequest report;
+  report.set_job_id(job_id_);
+  report.set_reporter_node_id(node_id_);
+  report.set_lost_peer(std::string(error.message()).substr(0, 256));
+  report.set_message(std::string(error.message()).substr(0, 1024));
+  if (absl::Status r = planner_->ReportFailure(report); !r.ok()) {
+    LOG(WARNING) << "reporting the failure to the planner: " << r;
+  }
+}
+
+void JobRuntime::AddWaiter(uint64_t seq, int local, absl::Time deadline, WaitCallback done) {
+  bool finished = true;
+  absl::Status status;
+  v1::UnitBuffers placement;
+  bool placed = false;
+  if (seq != 0) {  // 0 is a no-op, done at once
+    absl::MutexLock lock(&mu_);
+    auto it = ops_.find(seq);
+    if (it == ops_.end()) {
+      status = absl::NotFoundError(absl::StrCat("no operation ", seq, " in job '", job_id_, "'"));
+    } else if (it->second.done) {
+      status = it->second.status;
+      if (static_cast<size_t>(local) < it->second.placements.size()) {
+        placement = it->second.placements[local];
+        placed = true;
+      }
+      Waited(it);
+    } else if (deadline > absl::Now()) {
+      it->second.waiters.push_back({deadline, local, std::move(done)});
+      return;
+    } else {
+      finished = false;  // a poll of an operation still running
+    }
+  }
+  done(finished, status, placed ? &placement : nullptr);
+}
+
+void JobRuntime::FailQueued() {
+  for (uint64_t q : queue_) {
+    ops_[q].done = true;
+    ops_[q].status = failed_;
+  }
+  queue_.clear();
+}
+
+void JobRuntime::ServeWaiters() {
+  std::vector<std::function<void()>> calls;
+  {
+    absl::MutexLock lock(&mu_);
+    const absl::Time now = absl::Now();
+    for (auto it = ops_.begin(); it != ops_.end();) {
+      auto next = std::next(it);
+      Op& op = it->second;
+      std::vector<Op::Waiter> keep;
+      int resolved = 0;
+      for (Op::Waiter& w : op.waiters) {
+        if (op.done) {
+          std::optional<v1::UnitBuffers> placement;
+          if (static_cast<size_t>(w.local) < op.placements.size()) {
+            placement = op.placements[w.local];
+          }
+          calls.push_back([cb = std::move(w.done), st = op.status, placement] {
+            cb(true, st, placement ? &*placement : nullptr);
+          });
+          ++resolved;
+        } else if (w.deadline <= now) {
+          calls.push_back([cb = std::move(w.done)] { cb(false, absl::OkStatus(), nullptr); });
+        } else {
+          keep.push_back(std::move(w));
+        }
+      }
+      op.waiters = std::move(keep);
+      if (resolved > 0) {
+        op.waited += resolved - 1;
+        Waited(it);
+      }
+      it = next;
+    }
+  }
+  for (auto& c : calls) c();
+}
+
+void JobRuntime::Run() {
+  while (true) {
+    uint64_t seq = 0;
+    Op op;
+    {
+      absl::MutexLock lock(&mu_);
+      auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stopping_ || !queue_.empty() || (!abort_.ok() && failed_.ok());
+      };
+      mu_.AwaitWithTimeout(absl::Condition(&ready), absl::Milliseconds(50));
+      if (stopping_) return;
+      if (!report_.ok()) {
+        absl::Status r = std::exchange(report_, absl::OkStatus());
+        mu_.Unlock();
+        Report(r);
+        mu_.Lock();
+      }
+      if (!abort_.ok() && failed_.ok()) {
+        failed_ = abort_;
+        FailQueued();
+        const absl::Status a = abort_;
+        mu_.Unlock();
+        LOG(ERROR) << "job " << job_id_ << ": " << a;
+        if (comm_ != nullptr) comm_->Abort(std::string(a.message()));
+        Report(a);
+        ServeWaiters();
+        mu_.Lock();
+      }
+      if (queue_.empty()) continue;
+      seq = queue_.front();
+      queue_.pop_front();
+      op = ops_[seq];
+    }
+    absl::Status s;
+    switch (op.kind) {
+      case v1::OP_UNSHARD:
+        s = dp_->Unshard(op.unit, op.deadline);
+        break;
+      case v1::OP_ALLOCATE_UNSHARDED:
+        s = dp_->AllocateUnsharded(op.unit);
+        break;
+      case v1::OP_RESHARD:
+        s = dp_->Reshard(op.unit, op.keep);
+        break;
+      case v1::OP_ALLOCATE_GRAD:
+        s = dp_->AllocateGrad(op.unit);
+        break;
+      case v1::OP_REDUCE_SCATTER:
+        s = dp_->ReduceScatter(op.unit, ToReduceOp(op.reduce), op.deadline);
+        break;
+      case v1::OP_ALL_REDUCE:
+        s = dp_->AllReduce(op.unit, ToReduceOp(op.reduce), op.deadline);
+        break;
+      case v1::OP_GATHER_TO_OWNER:
+        s = dp_->GatherToOwner(op.unit, op.deadline);
+        break;
+      case v1::OP_SCATTER_FROM_OWNER:
+        s = dp_->ScatterFromOwner(op.unit, op.deadline);
+        break;
+      default:
+        s = absl::InvalidArgumentError("unknown operation kind");
+    }
+    std::vector<v1::UnitBuffers> placements;
+    if (s.ok()) {
+      placements.resize(local_ranks_.size());
+      for (size_t i = 0; i < placements.size(); ++i) {
+        dp_->Placement(op.unit, static_cast<int>(i), &placements[i]);
+      }
+    }
+    // A lost peer, the deadline, or ranks that disagree (ABORTED) end the job.
+    const bool fatal =
+        !s.ok() && (absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s) || absl::IsAborted(s));
+    if (fatal) {
+      LOG(ERROR) << "job " << job_id_ << ": " << s;
+      Report(s);
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      ++operations_;
+      staging_bytes_ = dp_->staging_bytes();
+      if (fatal) failed_ = s;
+      Op& o = ops_[seq];
+      o.done = true;
+      o.status = s;
+      o.placements = std::move(placements);
+      if (!failed_.ok()) FailQueued();
+    }
+    ServeWaiters();
+  }
+  // Stopping: nobody will complete the remaining operations; answer their waiters.
+  std::vector<WaitCallback> pending;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [seq, op] : ops_) {
+      for (auto& w : op.waiters) pending.push_back(std::move(w.done));
+      op.waiters.clear();
+    }
+  }
+  for (auto& cb : pending) cb(true, absl::AbortedError("the job was released"), nullptr);
+}
+
+}  // namespace ragshard::daemon

@@ -1,0 +1,132 @@
+// One job on a node: its data plane, its UCX worker, and the thread that runs its operations.
+// The node's local ranks each start every operation (StartOp); the job thread runs it once all
+// have, in order, and answers the waiters (AddWaiter). A lost peer, a missed deadline or ranks
+// that disagree stop the job: later operations fail the same way and the planner is told.
+//
+// Thread-safe: StartOp, AddWaiter, LocalRankLeft, Rejoined and FillStats may be called from any
+// thread (gRPC handlers, the side channel); waiter callbacks never run under the job's mutex.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/planner_client.h"
+#include "ragshard/v1/daemon.pb.h"
+#include "server/daemon/comm.h"
+#include "server/daemon/data_backend.h"
+#include "server/daemon/ucx_comm.h"
+
+namespace ragshard::daemon {
+
+class JobRuntime {
+ public:
+  // Starts the job's thread, which runs the operations in order.
+  JobRuntime(std::string job_id, std::string node_id, v1::Plan plan,
+             std::vector<int64_t> local_ranks, std::unique_ptr<UcxWorker> worker,
+             std::unique_ptr<Comm> comm, std::unique_ptr<DataBackend> dp,
+             std::shared_ptr<PlannerClient> planner);
+
+  // Stops the thread; the data plane returns its leases before the communicator closes.
+  ~JobRuntime();
+
+  const v1::Plan& plan() const { return plan_; }
+  const std::vector<int64_t>& local_ranks() const { return local_ranks_; }
+  const DataBackend& dp() const { return *dp_; }
+  void FillStats(v1::JobStats* out);
+
+  // Local rank `local` starts the operation `req` names: its sequence number, shared by the
+  // node's local ranks, which must agree on it (else the job stops, naming both). The job thread
+  // runs it once every local rank has started it.
+  absl::StatusOr<uint64_t> StartOp(int local, const v1::StartRequest& req);
+
+  // A local rank detached (its process exited or called Detach): the operations that wait for
+  // it to start can never run. They fail now, naming the rank, and the planner hears of it.
+  void LocalRankLeft(int local, int64_t rank);
+
+  // Tells the planner that the job cannot proceed (it turns the job DEGRADED).
+  void Report(const absl::Status& error);
+
+  // A new process attached for local rank `local`.
+  void Rejoined(int local) {
+    absl::MutexLock lock(&mu_);
+    departed_.erase(local);
+    if (departed_.empty()) departure_reported_ = false;
+  }
+
+  // Calls `done(true, status, placement)` once the operation completes (placement: where local
+  // rank `local`'s buffers of the operation's unit are then, or nullptr), or `done(false, OK,
+  // nullptr)` at `deadline`. Never blocks; `done` runs on the job's thread or the caller's,
+  // never under the job's mutex.
+  using WaitCallback = std::function<void(bool, absl::Status, const v1::UnitBuffers*)>;
+  void AddWaiter(uint64_t seq, int local, absl::Time deadline, WaitCallback done);
+
+ private:
+  struct Op {
+    v1::OpKind kind = v1::OP_KIND_UNSPECIFIED;
+    int unit = 0;
+    v1::ReduceKind reduce = v1::REDUCE_SUM;
+    int64_t keep = 0;
+    absl::Time deadline;
+    int started = 0;
+    int waited = 0;
+    bool done = false;
+    absl::Status status;
+    std::vector<v1::UnitBuffers> placements;  // by local rank, once done without error
+    struct Waiter {
+      absl::Time deadline;
+      int local;
+      WaitCallback done;
+    };
+    std::vector<Waiter> waiters;
+  };
+
+  static ReduceOp ToReduceOp(v1::ReduceKind k) {
+    return k == v1::REDUCE_AVG ? ReduceOp::kAvg : ReduceOp::kSum;
+  }
+
+  // Operations queued behind a failure fail the same way.
+  void FailQueued() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  void Waited(std::map<uint64_t, Op>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (++it->second.waited >= static_cast<int>(local_ranks_.size())) ops_.erase(it);
+  }
+
+  // Resolves the waiters of finished operations and expires the others; the callbacks run after
+  // the mutex is released.
+  void ServeWaiters();
+
+  void Run();
+
+  const std::string job_id_, node_id_;
+  const v1::Plan plan_;
+  const std::vector<int64_t> local_ranks_;
+  std::unique_ptr<UcxWorker> worker_;
+  std::unique_ptr<Comm> comm_;
+  std::unique_ptr<DataBackend> dp_;
+  std::shared_ptr<PlannerClient> planner_;
+  absl::Mutex mu_;
+  std::vector<uint64_t> next_seq_ ABSL_GUARDED_BY(mu_);
+  std::map<uint64_t, Op> ops_ ABSL_GUARDED_BY(mu_);
+  std::deque<uint64_t> queue_ ABSL_GUARDED_BY(mu_);
+  absl::Status failed_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  int64_t operations_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<int, int64_t> departed_ ABSL_GUARDED_BY(mu_);  // local index -> rank
+  bool departure_reported_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status report_ ABSL_GUARDED_BY(mu_);  // for the job thread to send to the planner
+  absl::Status abort_ ABSL_GUARDED_BY(mu_);   // for the job thread to tell the other nodes
+  int64_t staging_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  std::thread thread_;
+};
+
+}  // namespace ragshard::daemon
