@@ -29,7 +29,7 @@ using google::protobuf::Struct;
 using google::protobuf::Value;
 
 constexpr char kFormat[] = "ragshard-checkpoint/1";
-constexpr int kExitOk = 0, kExitDamaged = 1, kExitBadInput = 2;
+constexpr int kExitDamaged = 1;  // the checkpoint is damaged (else client/ctl_format.h)
 
 // Bounds on what a metadata file may ask of the reader (Python writes 1 MiB chunks).
 constexpr int64_t kMinChunk = 4096, kMaxChunk = int64_t{1} << 30;

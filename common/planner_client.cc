@@ -345,4 +345,21 @@ absl::Status GrpcPlannerClient::Health() {
 
 #undef RAGSHARD_UNARY
 
+v1::CreateJobRequest MakeCreateJobRequest(const JobSpec& spec) {
+  v1::CreateJobRequest req;
+  req.set_job_id(spec.job_id);
+  req.mutable_mesh()->set_shard_size(spec.shard_size);
+  req.mutable_mesh()->set_replicate_size(spec.replicate_size);
+  v1::JobOptions* o = req.mutable_options();
+  o->set_policy(spec.policy);
+  o->set_default_granule(spec.default_granule);
+  o->set_align_bytes(spec.align_bytes);
+  o->set_registration_timeout_ms(spec.registration_timeout_ms);
+  o->set_strategy(spec.strategy);
+  o->set_optimizer(spec.optimizer);
+  o->set_memory_budget_bytes(spec.memory_budget_bytes);
+  o->set_tokens_per_step(spec.tokens_per_step);
+  return req;
+}
+
 }  // namespace ragshard

@@ -27,6 +27,25 @@ class PlanWatch {
 using PlanWatchCallback =
     std::function<void(const absl::Status& status, const v1::WatchPlanEvent* event)>;
 
+// What a job is created with: the one place a CreateJobRequest is built (ragshardctl's
+// `job create` and the Python binding's create_job). Zero and empty fields take the planner's
+// defaults.
+struct JobSpec {
+  std::string job_id;
+  int64_t shard_size = 0;
+  int64_t replicate_size = 1;
+  std::string policy;           // ragged (default), ragged-paper or auto
+  std::string default_granule;  // of 2-D+ tensors
+  int32_t align_bytes = 0;
+  int64_t registration_timeout_ms = 0;
+  // Policy auto only.
+  std::string strategy;
+  std::string optimizer;
+  int64_t memory_budget_bytes = 0;
+  int64_t tokens_per_step = 0;
+};
+v1::CreateJobRequest MakeCreateJobRequest(const JobSpec& spec);
+
 // Thread-safe: every method may be called from any thread.
 class PlannerClient {
  public:

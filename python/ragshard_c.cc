@@ -320,19 +320,20 @@ int rs_create_job(const char* planner, const char* job, int64_t shard_size, int6
                   const char* policy, const char* default_granule, const char* token_file,
                   const char* strategy, int64_t memory_budget_bytes, const char* optimizer,
                   int64_t tokens_per_step, const char** job_id) {
-  v1::CreateJobRequest req;
-  req.set_job_id(Str(job));
-  req.mutable_mesh()->set_shard_size(shard_size);
-  req.mutable_mesh()->set_replicate_size(replicate_size);
-  req.mutable_options()->set_policy(Str(policy));
-  req.mutable_options()->set_default_granule(Str(default_granule));
-  req.mutable_options()->set_strategy(Str(strategy));
-  req.mutable_options()->set_memory_budget_bytes(memory_budget_bytes);
-  req.mutable_options()->set_optimizer(Str(optimizer));
-  req.mutable_options()->set_tokens_per_step(tokens_per_step);
+  JobSpec spec;
+  spec.job_id = Str(job);
+  spec.shard_size = shard_size;
+  spec.replicate_size = replicate_size;
+  spec.policy = Str(policy);
+  spec.default_granule = Str(default_granule);
+  spec.strategy = Str(strategy);
+  spec.memory_budget_bytes = memory_budget_bytes;
+  spec.optimizer = Str(optimizer);
+  spec.tokens_per_step = tokens_per_step;
   auto p = Planner(planner, token_file);
   if (!p.ok()) return Fail(p.status());
-  auto j = (*p)->CreateJob(req);  // ALREADY_EXISTS is an error too: the caller decides
+  auto j = (*p)->CreateJob(
+      MakeCreateJobRequest(spec));  // ALREADY_EXISTS is an error too: the caller decides
   if (!j.ok()) return Fail(j.status());
   return Out(j->job_id(), job_id);
 }

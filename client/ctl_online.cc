@@ -1,0 +1,260 @@
+#include "client/ctl_online.h"
+
+#include <chrono>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "client/ctl_format.h"
+#include "client/ctl_strategy.h"
+#include "common/dtype.h"
+#include "common/models.h"
+#include "common/plan_json.h"
+#include "common/planner.h"
+#include "common/proto_text.h"
+#include "common/strategy.h"
+
+namespace ragshard {
+namespace {
+
+absl::StatusOr<std::unique_ptr<PlannerClient>> Connect(const Online& o) {
+  PlannerClientOptions opts;
+  opts.address = o.planner;
+  opts.security = o.security;
+  opts.rpc_timeout = std::chrono::milliseconds(10000);
+  opts.retry_window = std::chrono::milliseconds(static_cast<int64_t>(o.retry_s * 1000));
+  return GrpcPlannerClient::Create(opts);
+}
+
+int Fail(std::ostream& err, const absl::Status& s) {
+  err << "error: " << OneLine(s.message()) << "\n";
+  return absl::IsInvalidArgument(s) ? kExitBadInput : kExitFailure;
+}
+
+std::string ToJson(const google::protobuf::Message& m) { return ProtoJson(m, false, true); }
+
+std::string StatusName(v1::JobStatus s) {
+  std::string n = v1::JobStatus_Name(s);
+  return n.rfind("JOB_", 0) == 0 ? n.substr(4) : n;
+}
+
+int Registered(const v1::Job& job) {
+  int n = 0;
+  for (const auto& r : job.ranks()) n += r.registered() ? 1 : 0;
+  return n;
+}
+
+}  // namespace
+
+void AddOnlineFlags(CLI::App* app, Online* o) {
+  const char* env = std::getenv("RAGSHARD_PLANNER");
+  o->planner = env != nullptr ? env : "127.0.0.1:7070";
+  app->add_option("--planner", o->planner, "planner address HOST:PORT (env RAGSHARD_PLANNER)");
+  if (const char* t = std::getenv("RAGSHARD_TOKEN_FILE"); t != nullptr) o->security.token_file = t;
+  app->add_option("--token-file", o->security.token_file,
+                  "bearer token file (env RAGSHARD_TOKEN_FILE)");
+  app->add_option("--tls-ca", o->security.tls_ca_file,
+                  "CA of the planner's certificate (enables TLS)");
+  app->add_option("--tls-cert", o->security.tls_cert_file, "client certificate (mutual TLS)");
+  app->add_option("--tls-key", o->security.tls_key_file, "client key (mutual TLS)");
+  app->add_option("--tls-server-name", o->security.tls_server_name,
+                  "name to check in the planner's certificate");
+  app->add_option("--retry-s", o->retry_s,
+                  "seconds to keep retrying a planner that is unavailable (restarting)")
+      ->check(CLI::Range(0.0, 3600.0))
+      ->capture_default_str();
+}
+
+int RunHealth(const Online& o, std::ostream& out, std::ostream& err) {
+  auto client = Connect(o);
+  if (!client.ok()) return Fail(err, client.status());
+  absl::Status s = (*client)->Health();
+  if (!s.ok()) return Fail(err, s);
+  out << (o.json ? "{\"status\": \"SERVING\"}" : "SERVING") << "\n";
+  return kExitOk;
+}
+
+int RunJobs(const Online& o, std::ostream& out, std::ostream& err) {
+  auto client = Connect(o);
+  if (!client.ok()) return Fail(err, client.status());
+  auto jobs = (*client)->ListJobs();
+  if (!jobs.ok()) return Fail(err, jobs.status());
+  if (o.json) {
+    v1::ListJobsResponse resp;
+    for (auto& j : *jobs) *resp.add_jobs() = j;
+    out << ToJson(resp) << "\n";
+    return kExitOk;
+  }
+  out << absl::StrFormat("%-24s %-12s %12s %-13s %11s %5s  %s\n", "JOB", "STATUS", "WORLD",
+                         "POLICY", "REGISTERED", "PLAN", "ERROR");
+  for (const auto& j : *jobs) {
+    out << absl::StrFormat(
+        "%-24s %-12s %12s %-13s %11s %5s  %s\n", j.job_id(), StatusName(j.status()),
+        absl::StrCat(j.mesh().replicate_size(), "x", j.mesh().shard_size()), j.options().policy(),
+        absl::StrCat(Registered(j), "/", j.world_size()),
+        j.plan_version() ? absl::StrCat("v", j.plan_version()) : "-", OneLine(j.error()));
+  }
+  return kExitOk;
+}
+
+int RunJobShow(const Online& o, const std::string& id, std::ostream& out, std::ostream& err) {
+  auto client = Connect(o);
+  if (!client.ok()) return Fail(err, client.status());
+  auto job = (*client)->GetJob(id);
+  if (!job.ok()) return Fail(err, job.status());
+  if (o.json) {
+    out << ToJson(*job) << "\n";
+    return kExitOk;
+  }
+  const v1::Job& j = *job;
+  out << "job:          " << j.job_id() << "\n"
+      << "status:       " << StatusName(j.status()) << "\n"
+      << "mesh:         " << j.mesh().replicate_size() << " replica(s) x " << j.mesh().shard_size()
+      << " ranks (world " << j.world_size() << ")\n"
+      << "policy:       " << j.options().policy() << ", align " << j.options().align_bytes() << " B"
+      << (j.options().default_granule().empty() ? "" : ", granule ")
+      << j.options().default_granule() << "\n"
+      << "registered:   " << Registered(j) << "/" << j.world_size() << "\n"
+      << "inventory:    " << (j.inventory_sha256().empty() ? "-" : HexString(j.inventory_sha256()))
+      << "\n"
+      << "plan version: " << j.plan_version() << "\n"
+      << "error:        " << (j.error().empty() ? "-" : OneLine(j.error())) << "\n";
+  std::map<std::string, int> per_node;
+  for (const auto& r : j.ranks()) {
+    if (r.registered()) ++per_node[r.node_id()];
+  }
+  for (const auto& [node, n] : per_node) out << "node " << node << ": " << n << " rank(s)\n";
+  return kExitOk;
+}
+
+int RunPlanMetrics(const Online& o, const std::string& id, std::ostream& out, std::ostream& err) {
+  auto client = Connect(o);
+  if (!client.ok()) return Fail(err, client.status());
+  auto plan = (*client)->GetPlan(id);
+  if (!plan.ok()) return Fail(err, plan.status());
+  if (o.json) {
+    out << MetricsToJson(plan->metrics()).dump(1) << "\n";
+    return kExitOk;
+  }
+  PolicyResult r;
+  r.policy = *ParsePolicy(plan->policy());
+  r.metrics = plan->metrics();
+  r.plan = *plan;
+  std::ostringstream table;
+  PrintPlanTable(r, table);
+  std::string text = table.str();
+  out << text.substr(text.find("total:"));
+  return kExitOk;
+}
+
+int RunPlanShow(const Online& o, const std::string& id, const std::string& unit, std::ostream& out,
+                std::ostream& err) {
+  auto client = Connect(o);
+  if (!client.ok()) return Fail(err, client.status());
+  auto plan = (*client)->GetPlan(id);
+  if (!plan.ok()) return Fail(err, plan.status());
+  if (!unit.empty()) {
+    const v1::UnitPlan* up = nullptr;
+    for (const auto& u : plan->units()) {
+      if (u.unit() == unit) up = &u;
+    }
+    if (up == nullptr) {
+      return Fail(err, absl::NotFoundError(
+                           absl::StrCat("--unit: job '", id, "' has no unit '", unit, "'")));
+    }
+    if (o.json) {
+      out << ToJson(*up) << "\n";
+      return kExitOk;
+    }
+    out << absl::StrFormat("unit %s (%s), shard_elems %d\n", up->unit(), DTypeName(up->dtype()),
+                           up->shard_elems());
+    out << absl::StrFormat("%-50s %14s %12s %10s %6s %6s %6s\n", "tensor", "offset", "numel",
+                           "granule", "first", "ranks", "owner");
+    for (const auto& t : up->tensors()) {
+      out << absl::StrFormat("%-50s %14d %12d %10d %6d %6d %6s\n", t.name(), t.offset(), t.numel(),
+                             t.granule_elems(), t.first_rank(), t.rank_elems_size(),
+                             t.owner_rank() >= 0 ? absl::StrCat(t.owner_rank()) : "-");
+    }
+    return kExitOk;
+  }
+  if (o.json) {
+    out << ToJson(*plan) << "\n";
+    return kExitOk;
+  }
+  PolicyResult r;
+  r.policy = *ParsePolicy(plan->policy());
+  r.metrics = plan->metrics();
+  r.plan = *plan;
+  out << "job " << id << ", plan v" << plan->version() << ", W=" << plan->world_size() << "\n";
+  if (plan->has_strategy()) {
+    const v1::PlanStrategy& st = plan->strategy();
+    out << absl::StrFormat(
+        "strategy %s (%s; recommended with separate factors: %s), predicted %.4f s/step, %s "
+        "per device, padding %.3f%%\n",
+        st.executed(), st.reason(), st.recommended(), st.predicted_step_seconds(),
+        FormatBytes(st.predicted_memory_bytes()), st.predicted_padding_pct());
+  }
+  PrintPlanTable(r, out);
+  return kExitOk;
+}
+
+int RunJobCreate(const Online& o, const JobSpec& spec, const std::string& memory_budget,
+                 std::ostream& out, std::ostream& err) {
+  v1::CreateJobRequest create = MakeCreateJobRequest(spec);
+  if (!memory_budget.empty()) {
+    int64_t b = 0;
+    if (!ParseByteSize(memory_budget, &b)) {
+      err << "error: --memory-budget: '" << memory_budget << "' is not a byte count\n";
+      return kExitBadInput;
+    }
+    create.mutable_options()->set_memory_budget_bytes(b);
+  }
+  auto client = Connect(o);
+  if (!client.ok()) return Fail(err, client.status());
+  auto created = (*client)->CreateJob(create);
+  if (!created.ok()) return Fail(err, created.status());
+  out << (o.json ? ToJson(*created) : absl::StrCat("job ", spec.job_id, " created")) << "\n";
+  return kExitOk;
+}
+
+int RunJobDelete(const Online& o, const std::string& id, std::ostream& out, std::ostream& err) {
+  auto client = Connect(o);
+  if (!client.ok()) return Fail(err, client.status());
+  absl::Status s = (*client)->DeleteJob(id);
+  if (!s.ok()) return Fail(err, s);
+  out << "job " << id << " deleted\n";
+  return kExitOk;
+}
+
+int RunNodes(const Online& o, std::ostream& out, std::ostream& err) {
+  auto client = Connect(o);
+  if (!client.ok()) return Fail(err, client.status());
+  auto nodes = (*client)->ListNodes();
+  if (!nodes.ok()) return Fail(err, nodes.status());
+  if (o.json) {
+    v1::ListNodesResponse resp;
+    for (auto& n : *nodes) *resp.add_nodes() = n;
+    out << ToJson(resp) << "\n";
+    return kExitOk;
+  }
+  const int64_t now = std::chrono::duration_cast<std::chrono::milliseconds>(
+                          std::chrono::system_clock::now().time_since_epoch())
+                          .count();
+  out << absl::StrFormat("%-20s %-6s %-24s %12s %12s %12s %7s %8s %10s\n", "NODE", "STATUS",
+                         "DATA ADDRESS", "POOL CAP", "POOL USED", "POOL PEAK", "FRAG", "BUFFERS",
+                         "HEARTBEAT");
+  for (const auto& n : *nodes) {
+    const auto& f = n.figures();
+    out << absl::StrFormat("%-20s %-6s %-24s %12s %12s %12s %6.1f%% %8d %9.1fs\n", n.node_id(),
+                           n.status() == v1::NODE_UP ? "UP" : "LOST", n.data_address(),
+                           Human(f.pool_capacity_bytes()), Human(f.pool_used_bytes()),
+                           Human(f.pool_peak_bytes()), 100.0 * f.pool_fragmentation(), f.buffers(),
+                           (now - n.last_heartbeat_unix_ms()) / 1000.0);
+  }
+  return kExitOk;
+}
+
+}  // namespace ragshard
