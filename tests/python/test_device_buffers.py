@@ -3,7 +3,7 @@ __cuda_array_interface__ torch turns into CUDA tensors without a copy. There is 
 the client runs with device_memory="fake": the device path (pointers from the slab's base plus
 the daemon's placements, shapes, typestrs) over the host arena of a device-shaped daemon, where
 the pointers can be read and written through ctypes. The real slab (cuIpcOpenMemHandle) is
-exercised on a GPU by tests/daemon/cuda and the GPU bundle (docs/daemon.md, "GPU backend")."""
+exercised on a GPU by tests/server/daemon/cuda and the GPU bundle (docs/daemon.md, "GPU backend")."""
 import ctypes
 import os
 import sys

@@ -1,6 +1,6 @@
 """The client library rides through planner restarts for RAGSHARD_PLANNER_RETRY_S seconds (60 by
 default), then fails saying for how long it tried; a bad value is refused, naming the variable.
-(The ride through a real restart is tests/server/planner_restart_test.cc.)"""
+(The ride through a real restart is tests/server/planner/planner_restart_test.cc.)"""
 import os
 import subprocess
 import sys

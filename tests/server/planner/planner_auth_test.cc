@@ -5,7 +5,7 @@
 
 #include "common/planner_client.h"
 #include "server/planner/server.h"
-#include "tests/server/test_util.h"
+#include "tests/testing/test_util.h"
 
 namespace ragshard {
 namespace {

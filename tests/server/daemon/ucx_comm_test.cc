@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "server/daemon/collectives.h"
-#include "tests/daemon/ucx_group.h"
+#include "tests/server/daemon/ucx_group.h"
 
 namespace ragshard::daemon {
 namespace {

@@ -12,7 +12,7 @@
 
 #include "client/client.h"
 #include "common/planner.h"
-#include "tests/server/test_util.h"
+#include "tests/testing/test_util.h"
 
 namespace ragshard {
 namespace {

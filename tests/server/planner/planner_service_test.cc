@@ -12,7 +12,7 @@
 #include "common/strategy_search.h"
 #include "common/validator.h"
 #include "server/planner/server.h"
-#include "tests/server/test_util.h"
+#include "tests/testing/test_util.h"
 
 namespace ragshard {
 namespace {

@@ -10,7 +10,7 @@
 #include "common/planner_client.h"
 #include "common/proto_text.h"
 #include "common/validator.h"
-#include "tests/server/test_util.h"
+#include "tests/testing/test_util.h"
 
 namespace ragshard {
 namespace {

@@ -15,7 +15,7 @@
 #include "common/planner.h"
 #include "common/unsharded_view.h"
 #include "common/validator.h"
-#include "tests/daemon/ucx_group.h"
+#include "tests/server/daemon/ucx_group.h"
 
 namespace ragshard::daemon {
 namespace {

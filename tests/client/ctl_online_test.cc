@@ -5,7 +5,7 @@
 #include "common/inventory.h"
 #include "common/planner_client.h"
 #include "nlohmann/json.hpp"
-#include "tests/server/test_util.h"
+#include "tests/testing/test_util.h"
 
 namespace ragshard {
 namespace {

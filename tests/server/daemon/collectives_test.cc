@@ -7,7 +7,7 @@
 #include <random>
 #include <thread>
 
-#include "tests/daemon/mem_comm.h"
+#include "tests/server/daemon/mem_comm.h"
 
 namespace ragshard::daemon {
 namespace {
