@@ -1,5 +1,4 @@
 // ragshardd: the node daemon. Flags are defined here only.
-#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
@@ -7,13 +6,9 @@
 
 #include "CLI/CLI.hpp"
 #include "common/planner_client.h"
+#include "common/termination.h"
 #include "glog/logging.h"
 #include "server/daemon/daemon.h"
-
-namespace {
-volatile std::sig_atomic_t g_stop = 0;
-void OnSignal(int) { g_stop = 1; }
-}  // namespace
 
 int main(int argc, char** argv) {
   google::InitGoogleLogging(argv[0]);
@@ -78,9 +73,7 @@ int main(int argc, char** argv) {
   std::printf("ragshardd %s ready on unix:%s\n", options.node_id.c_str(),
               options.socket_path.c_str());
   std::fflush(stdout);
-  std::signal(SIGINT, OnSignal);
-  std::signal(SIGTERM, OnSignal);
-  while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  ragshard::WaitForTerminationSignal();
   (*daemon)->Shutdown();
   return 0;
 }

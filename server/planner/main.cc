@@ -1,5 +1,4 @@
 // ragshard-planner: the central plan service. Flags are defined here only.
-#include <csignal>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -7,15 +6,9 @@
 
 #include "CLI/CLI.hpp"
 #include "common/rpc.h"
+#include "common/termination.h"
 #include "glog/logging.h"
 #include "server/planner/server.h"
-
-namespace {
-
-volatile std::sig_atomic_t g_stop = 0;
-void OnSignal(int) { g_stop = 1; }
-
-}  // namespace
 
 int main(int argc, char** argv) {
   google::InitGoogleLogging(argv[0]);
@@ -100,10 +93,8 @@ int main(int argc, char** argv) {
   }
   std::printf("ragshard-planner listening on %s\n", addr.c_str());
   std::fflush(stdout);
-  std::signal(SIGINT, OnSignal);
-  std::signal(SIGTERM, OnSignal);
   std::thread waiter([&] { (*server)->Wait(); });
-  while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  ragshard::WaitForTerminationSignal();
   LOG(INFO) << "planner stopping";
   (*server)->Shutdown();
   waiter.join();

@@ -6,6 +6,8 @@ computation on it then with an error that names the parameter and its unit, inst
 stale or released memory. What reads no element keeps working: its shape, dtype and
 requires_grad, `.grad`, `named_parameters()`, printing the module.
 """
+import collections
+
 import torch
 
 __all__ = ["ShardedParameter", "storageless"]
@@ -68,3 +70,10 @@ class Saved:
 
     def __init__(self, unit, offset, size, stride):
         self.unit, self.offset, self.size, self.stride = unit, offset, size, stride
+
+
+Piece = collections.namedtuple("Piece", "index lo hi matrix")
+Piece.__doc__ = "The part of parameter `index` in this rank's shard: elements [lo, hi)."
+Matrix = collections.namedtuple("Matrix", "unit offset numel shape owner packed index")
+Matrix.__doc__ = ("A matrix tensor for Muon: its place in the unit, its owner rank and its "
+                   "offset in the owner's packed buffer.")

@@ -1,0 +1,170 @@
+"""fully_shard's hooks, with the mechanisms FSDP2 uses (see the package docstring): unshard and
+prefetch before a unit's forward and backward, reshard after, and the post-backward that
+reduce-scatters a unit's gradients once the gradients of its inputs are computed."""
+import torch
+from torch.utils import _pytree as pytree
+
+from .views import as_tensor
+
+
+class HooksMixin:
+    """ShardedModule's forward and backward hooks."""
+
+    def _install_hooks(self):
+        root = len(self._units) - 1 if self._units and self._units[-1][1] is None else None
+        self._root = root
+        self.module.register_forward_pre_hook(self._root_pre_forward)
+        for ui, (_, subs, params) in enumerate(self._units):
+            if subs is None:
+                continue
+            # A group of units: gathered before the first runs, resharded after the last.
+            subs[0].register_forward_pre_hook(
+                lambda m, args, kwargs, ui=ui: self._pre_forward(ui, args, kwargs),
+                with_kwargs=True)
+            subs[-1].register_forward_hook(lambda m, inp, out, ui=ui: self._post_forward(ui, out))
+        for ui, (_, _, params) in enumerate(self._units):
+            for _, p in params:
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(
+                        lambda p, ui=ui: self._grad_ready(ui, p))
+        self._forwards = [0] * len(self._units)  # forwards with autograd since the backward
+        self._inputs_done = [0] * len(self._units)  # of them, those whose inputs' grads came
+        self._reduced = set()
+
+    def _root_pre_forward(self, module, inputs):
+        if self._root is not None:
+            self._unshard(self._root)
+        for j in range(self.prefetch):
+            self._prefetch(j)
+
+    def _pre_forward(self, ui, args, kwargs):
+        self._unshard(ui)
+        for j in range(1, self.prefetch + 1):
+            self._prefetch(ui + j)
+        if not torch.is_grad_enabled():
+            return None
+        self._forwards[ui] += 1
+        # The unit's post-backward runs once the gradients of these inputs are computed: after
+        # every gradient of the unit's parameters, whichever of them this rank's data reached.
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        where = [i for i, x in enumerate(flat) if torch.is_tensor(x) and x.requires_grad]
+        if not where:
+            return None  # the callback at the end of the backward pass runs it
+        outs = _PostBackward.apply(self, ui, *(flat[i] for i in where))
+        for i, x in zip(where, outs):
+            flat[i] = x
+        return pytree.tree_unflatten(flat, spec)
+
+    def _post_forward(self, ui, out):
+        if not torch.is_grad_enabled():
+            self._reshard(ui)  # no backward follows
+            return out
+        raf = self.reshard_after_forward
+        if raf is True:
+            self._reshard(ui)
+        elif raf is not False:
+            self._reshard(ui, keep=raf)  # the parameters' storage goes; the group keeps the unit
+        self._hook_backward(ui, out)
+        return out
+
+    def _hook_backward(self, ui, out):
+        tensors = [o for o in pytree.tree_leaves(out) if torch.is_tensor(o) and o.requires_grad]
+        if tensors:
+            # Once per backward through this forward's outputs, before the unit's gradients.
+            torch.autograd.graph.register_multi_grad_hook(
+                tensors, lambda grad, ui=ui: self._pre_backward(ui), mode="any")
+
+    def _pre_backward(self, ui):
+        self._start_backward()
+        self._unshard(ui)
+        for j in range(1, self.prefetch + 1):
+            self._prefetch(ui - j)  # the units whose backward comes next
+        if not any(p.requires_grad for p, _, _ in self._views[ui]):
+            return
+        self._allocate_grads(ui)
+
+    def _start_backward(self):
+        if not self._backward_started:
+            self._backward_started = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _grad_ready(self, ui, p):
+        self._start_backward()
+        if ui in self._reduced and not self._no_sync:
+            raise RuntimeError(
+                f"ragshard: unit '{self._units[ui][0]}' received a gradient after its "
+                "reduce-scatter in this backward pass; its gradients would be lost")
+        self._used.add(self._index[id(p)])
+
+    def _inputs_grad_ready(self, ui):
+        """The backward of one forward of unit `ui` reached its inputs."""
+        self._inputs_done[ui] += 1
+        if self._inputs_done[ui] == self._forwards[ui]:
+            self._post_backward(ui)
+
+    def _post_backward(self, ui):
+        """Reshards unit `ui` and reduce-scatters its gradients, which releases them (under
+        no_sync they stay, accumulating)."""
+        if ui in self._reduced:
+            return
+        self._reduced.add(ui)
+        self._reshard(ui)
+        if self._no_sync:
+            return
+        self._allocate_grads(ui)  # a unit that got no gradient reduces zeros
+        self._handles[("reduce", ui)] = self.client.reduce_scatter(ui, "avg")
+        self._drop_grads(ui)
+
+    def _finish_backward(self):
+        for ui in range(len(self._units)):
+            self._post_backward(ui)
+        self._backward_started = False
+        self._reduced = set()
+        self._forwards = [0] * len(self._units)
+        self._inputs_done = [0] * len(self._units)
+        # Backward prefetches that no backward used.
+        for key in [k for k in self._handles if k[0] == "unshard"]:
+            self._handles.pop(key).wait()
+            self._bind(key[1])
+            self._reshard(key[1])
+        if not self._no_sync:
+            self._reduce_used_flags()
+        for key in [k for k in self._handles if k[0] == "reduce"]:
+            self._handles.pop(key).wait()
+        if self.replicas > 1 and not self._no_sync:
+            # HSDP: average the gradient shards over the replicas of the shard group.
+            handles = [self.client.all_reduce(ui, "avg") for ui in range(len(self._units))]
+            for h in handles:
+                h.wait()
+
+    def _reduce_used_flags(self):
+        """Every rank learns which parameters any rank's backward reached since the last
+        reduction: each writes its flags (1.0 for used) into every rank's slot of the flags
+        unit's gradient, so the reduced shard counts the ranks that used each parameter."""
+        u, n = self._flags_unit, self._nparams
+        self.client.allocate_grad(u).wait()
+        slots = as_tensor(self.client.grad(u)).view(-1, self.shard_elems[u])
+        if self._used:
+            slots[:, list(self._used)] = 1.0
+        self.client.reduce_scatter(u, "sum").wait()
+        if self.replicas > 1:
+            self.client.all_reduce(u, "sum").wait()
+        counts = as_tensor(self.client.grad_shard(u))[:n]
+        for i in torch.nonzero(counts > 0).flatten().tolist():
+            self.has_grad[i] = True
+        self._used = set()
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward, reached once the inputs' gradients are
+    computed, is the unit's post-backward (FSDP2's RegisterPostBackwardFunction)."""
+
+    @staticmethod
+    def forward(ctx, module, ui, *inputs):
+        ctx.module, ctx.ui = module, ui
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.module._inputs_grad_ready(ctx.ui)
+        return (None, None) + grads

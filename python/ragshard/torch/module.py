@@ -1,0 +1,280 @@
+"""ShardedModule: a module whose parameters live in ragshard's buffers (see the package
+docstring). Its parts: buffers.py (binding), hooks.py (FSDP2's hooks), quantized.py (quantized
+gathers), state.py (clipping and state dicts)."""
+import contextlib
+import json
+import os
+
+import torch
+
+from .. import plan_of
+from .buffers import BuffersMixin
+from .hooks import HooksMixin
+from .params import Matrix, Piece, adopt, storageless
+from .quantized import QuantizedGatherMixin, plan_quantized_units
+from .state import StateMixin
+from .views import DTYPES, as_tensor, tensor_of
+
+
+class ShardedModule(BuffersMixin, HooksMixin, QuantizedGatherMixin, StateMixin, torch.nn.Module):
+    """`module` with its parameters in ragshard buffers; see the package docstring."""
+
+    def __init__(self, module, client, units, granule=None, optimizer=None, param_dtype="fp32",
+                 reshard_after_forward=True, prefetch=None, register=True, quantize=None,
+                 world=None):
+        super().__init__()
+        if param_dtype not in DTYPES:
+            raise ValueError(f"param_dtype: '{param_dtype}' is not one of fp32, bf16")
+        if quantize not in (None, "int8", "fp8"):
+            raise ValueError(f"quantize: '{quantize}' is not one of None, int8, fp8")
+        if quantize and param_dtype != "fp32":
+            raise ValueError("quantize: needs param_dtype fp32 (fp32 masters, quantized gathers)")
+        self.quantize = quantize
+        self.module = module
+        self.client = client
+        self.param_dtype = param_dtype
+        # FSDP2's meanings: True reshards after forward, False keeps the unit unsharded until
+        # its backward, an int n > 1 reshards to groups of n local ranks (the ranks per node:
+        # the backward's unshard then stays within the node).
+        if reshard_after_forward is not True and reshard_after_forward is not False and (
+                not isinstance(reshard_after_forward, int) or reshard_after_forward < 1):
+            raise ValueError(f"reshard_after_forward: {reshard_after_forward!r} is not True, "
+                             "False or a positive int")
+        self.reshard_after_forward = reshard_after_forward
+        self.prefetch = prefetch
+        self._no_sync = False
+        granule = granule or (lambda name, p: "rows:128" if p.dim() >= 2 else "element")
+        optimizer = optimizer or (lambda name, p: "elementwise")
+        names = {id(p): n for n, p in module.named_parameters()}
+        # Units: the policy's submodules, then "root" for the parameters left over.
+        seen = set()
+        self._units = []  # (name, module or None, [(fqn, param)])
+        for sub in units(module):
+            sub_name = next((n for n, m in module.named_modules() if m is sub), None)
+            if sub_name is None:
+                raise ValueError(f"fully_shard: unit {type(sub).__name__} is not a submodule of "
+                                 "the module")
+            if type(sub).forward is torch.nn.Module.forward:
+                # A container (ModuleList, ModuleDict): its forward is never called, so its
+                # hooks would never gather it.
+                raise ValueError(
+                    f"fully_shard: unit '{sub_name}' is a {type(sub).__name__}, whose forward is "
+                    f"never called (its children are called one by one); pass its children as "
+                    f"units instead, e.g. units=lambda m: list(m.{sub_name or 'layers'})")
+            params = [(names[id(p)], p) for p in sub.parameters() if id(p) not in seen]
+            seen.update(id(p) for _, p in params)
+            if params:
+                self._units.append((sub_name, sub, params))
+        rest = [(n, p) for n, p in module.named_parameters() if id(p) not in seen]
+        if rest:
+            self._units.append(("root", None, rest))
+        # A unit of W fp32 elements for scalar all-reductions (gradient clipping), and one of
+        # W x P for the used-parameter flags of P parameters (each rank's shard of the sum is
+        # the count of ranks that used each parameter).
+        world = world or int(os.environ.get("RAGSHARD_WORLD_SIZE") or
+                             os.environ.get("WORLD_SIZE") or 0) or None
+        self._nparams = sum(len(params) for _, _, params in self._units)
+        if quantize and not world:
+            raise ValueError("quantize: the world size is needed before registering (world=)")
+        inventory = {"units": []}
+        for uname, _, params in self._units:
+            inventory["units"].append({"name": uname, "tensors": [
+                {"name": n, "shape": list(p.shape), "dtype": param_dtype,
+                 "granule": granule(n, p) if p.dim() >= 2 else "element",
+                 "optimizer": optimizer(n, p) if p.dim() == 2 else "elementwise"}
+                for n, p in params]})
+        inventory["units"].append({"name": "__ragshard_scalars__", "tensors": [
+            {"name": "__ragshard_scalars__.norm", "shape": [world or 1], "dtype": "fp32"}]})
+        inventory["units"].append({"name": "__ragshard_used__", "tensors": [
+            {"name": "__ragshard_used__.flags", "shape": [(world or 1) * max(self._nparams, 1)],
+             "dtype": "fp32"}]})
+        # Quantized gathers: one byte unit per module unit (quantized.py).
+        self._q = plan_quantized_units(inventory, len(self._units), world) if quantize else {}
+        if register:
+            client.register(json.dumps(inventory), True)
+        client.attach()
+        self.plan = plan_of(client)
+        self._group_units()
+        if self.prefetch is None:
+            # Policy auto chose a prefetch depth with the rest of the strategy; else 1.
+            executed = self.plan.get("strategy", {}).get("executed", "")
+            self.prefetch = 0 if "prefetch=0" in executed.split(",") else 1
+        # The number of units unsharded ahead of the one in use (True is 1): with the unit in
+        # use, the bound on units in flight.
+        self.prefetch = int(self.prefetch)
+        if self.prefetch < 0:
+            raise ValueError(f"prefetch: {self.prefetch} is negative")
+        self.world = client.world_size
+        self.rank = client.rank
+        # HSDP: the plan is for a shard group of `world` ranks, repeated `replicas` times; this
+        # rank holds shard position `pos` of its group.
+        self.replicas = client.replicas
+        self.pos = self.rank % self.world
+        by_name, packed = {}, {}
+        for ui, up in enumerate(self.plan["units"]):
+            owned = {}  # an owner's matrices, packed in plan order in its owner buffer
+            for t in up["tensors"]:
+                by_name[t["name"]] = (ui, int(t["offset"]), int(t["numel"]), t)
+                if t.get("optimizer") == "OPTIMIZER_MATRIX":
+                    owner = int(t.get("owner_rank", -1))
+                    packed[t["name"]] = owned.get(owner, 0)
+                    owned[owner] = packed[t["name"]] + int(t["numel"])
+        self._scalar_unit = len(self._units)
+        self._flags_unit = len(self._units) + 1
+        self.shard_elems = [client.shard_elems(u) for u in range(len(self.plan["units"]))]
+        # This rank writes its own shard; the parameters become views of the unsharded buffers
+        # while their unit is unsharded.
+        self.matrices = []  # _Matrix of each matrix tensor
+        self._pieces = {}  # unit -> [_Piece]: the parameters' pieces in this rank's shard
+        # Which parameters have a gradient, by index in unit order (PyTorch's grad not None),
+        # the same on every rank; and those this rank's backward reached since the last
+        # reduction of the flags.
+        self.has_grad = [False] * self._nparams
+        self._used = set()
+        self._views = {}  # unit -> [(param, offset, numel)]
+        self._full = {}  # unit -> its unsharded buffer, while unsharded
+        self._by_storage = {}  # the data address of an unsharded buffer -> its unit
+        self._grads = set()  # units whose gradient buffers are allocated
+        self._empty = {}  # unit -> its parameters' shapes as tensors with no storage
+        # fp32 master shards kept by the module: bf16 parameters, or quantized gathers (whose
+        # unsharded buffer holds dequantized values). The optimizers step them.
+        masters = {}
+        self._index = {}  # id(parameter) -> its index in unit order
+        for ui, (uname, _, params) in enumerate(self._units):
+            if self.plan["units"][ui]["unit"] != uname:
+                raise RuntimeError(f"plan unit {ui} is {self.plan['units'][ui]['unit']}, "
+                                   f"expected {uname}")
+            shard = tensor_of(client.param_shard(ui), param_dtype)
+            s = self.shard_elems[ui]
+            lo, hi = self.pos * s, (self.pos + 1) * s
+            # With a parameter dtype below fp32, the optimizer's fp32 master shard starts from
+            # the exact initial values (as FSDP2's sharded parameters), not from their rounding.
+            exact = torch.zeros(s) if param_dtype != "fp32" else None
+            self._views[ui] = []
+            self._pieces[ui] = []
+            for n, p in params:
+                _, off, numel, t = by_name[n]
+                index = len(self._index)
+                self._index[id(p)] = index
+                matrix = t.get("optimizer") == "OPTIMIZER_MATRIX"
+                a, b = max(off, lo), min(off + numel, hi)
+                if a < b:
+                    mine = p.detach().reshape(-1)[a - off:b - off]
+                    shard[a - lo:b - lo].copy_(mine.to(shard.dtype))
+                    if exact is not None:
+                        exact[a - lo:b - lo] = mine.float()
+                    self._pieces[ui].append(Piece(index, a - lo, b - lo, matrix))
+                self._views[ui].append((p, off, numel))
+                p.grad = None
+                adopt(p, n, uname)
+                if matrix:
+                    self.matrices.append(Matrix(ui, off, numel, tuple(p.shape),
+                                                 int(t.get("owner_rank", -1)), packed[n], index))
+            if exact is not None:
+                masters[ui] = exact
+            self._empty[ui] = [storageless(p.shape, DTYPES[param_dtype]) for p, _, _ in
+                               self._views[ui]]
+            self._free(ui)
+        self.masters = masters
+        if self.shard_elems[self._flags_unit] < self._nparams:
+            raise ValueError("fully_shard: the world size is needed before registering (pass "
+                             "world=, or set RAGSHARD_WORLD_SIZE)")
+        self._check_quantized_units()
+        self.gathered_bytes = {"quantized": 0, "full": 0}
+        self.checkpoint_writing = None  # an asynchronous checkpoint save writing the state
+        self._handles = {}
+        self._backward_started = False
+        self._install_hooks()
+
+    def _group_units(self):
+        """Policy auto may cover several consecutive units with one plan unit (its "members"):
+        such a group is gathered before its first member's forward, resharded after its last
+        member's, and reduce-scattered once every parameter of the group has its gradient."""
+        groups, i = [], 0
+        plan_units = self.plan["units"]
+        for up in plan_units:
+            if i >= len(self._units):
+                break
+            members = list(up.get("members") or [up["unit"]])
+            here = [u[0] for u in self._units[i:i + len(members)]]
+            if here != members:
+                raise RuntimeError(f"plan unit {up['unit']} covers {members}; this module's units "
+                                   f"there are {here} (do all ranks wrap the same model?)")
+            if len(members) > 1 and self._q:
+                raise ValueError("quantize: needs one plan unit per module unit; create the job "
+                                 "with policy ragged")
+            subs = [u[1] for u in self._units[i:i + len(members)]]
+            params = [p for u in self._units[i:i + len(members)] for p in u[2]]
+            groups.append((up["unit"], None if subs[0] is None else subs, params))
+            i += len(members)
+        if i != len(self._units):
+            raise RuntimeError(f"the plan covers {i} of this module's {len(self._units)} units")
+        self._units = groups
+
+    # -- user API ----------------------------------------------------------------------------
+
+    def forward(self, *args, **kwargs):
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            out = self.module(*args, **kwargs)
+        if torch.is_grad_enabled() and self._root is not None:
+            # The root's gradients are allocated before the first of them is computed.
+            self._hook_backward(self._root, out)
+        return out
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradient accumulation: backward passes inside add into the gradient buffers without
+        reduce-scattering; the first backward outside reduces the accumulated sum."""
+        self._no_sync = True
+        try:
+            yield
+        finally:
+            self._no_sync = False
+
+    def zero_grad(self, set_to_none=True):
+        """PyTorch's zero_grad: zeroes the gradient shards and the gradients accumulated under
+        no_sync (outside a backward the unsharded gradients are released and .grad is None).
+        With set_to_none (the default), parameters also stop having a gradient until a backward
+        reaches them (`has_grad`), so the optimizers leave them alone; without, they keep a zero
+        gradient and are stepped with it."""
+        for ui in self._grads:
+            for p, _, _ in self._views[ui]:
+                if p.grad is not None:
+                    p.grad.zero_()
+                    if set_to_none:
+                        p.grad = None  # bound again when the next backward reaches the unit
+        for ui in self.units():
+            as_tensor(self.client.grad_shard(ui)).zero_()
+        if set_to_none:
+            self.has_grad = [False] * self._nparams
+            self._used = set()
+
+    def pieces(self, ui):
+        """The parameters' pieces in this rank's shard of unit `ui` (_Piece: parameter index,
+        shard elements [lo, hi), whether a matrix)."""
+        return self._pieces[ui]
+
+    def shard(self, ui):
+        """The fp32 (or bf16) parameter shard of unit `ui` and its fp32 gradient shard."""
+        return (tensor_of(self.client.param_shard(ui), self.param_dtype),
+                as_tensor(self.client.grad_shard(ui)))
+
+    def units(self):
+        return range(len(self._units))
+
+    def unit_params(self, ui):
+        """[(name, parameter)] of unit `ui`, in plan order."""
+        return self._units[ui][2]
+
+    def unit_views(self, ui):
+        """[(parameter, offset, numel)] of unit `ui`: where each lies in the unit."""
+        return self._views[ui]
+
+    def param_index(self, p):
+        """The index of parameter `p` in unit order (that of `has_grad` and of the pieces)."""
+        return self._index[id(p)]
+
+
+def fully_shard(module, client, units, **kwargs):
+    """Shards `module` over the job of `client`: see ShardedModule."""
+    return ShardedModule(module, client, units, **kwargs)

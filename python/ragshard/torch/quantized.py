@@ -1,0 +1,82 @@
+"""fully_shard's quantized gathers (quantize="int8" or "fp8"): each rank sends its shard as
+block-quantized codes and scales through a byte unit of its own, and every rank dequantizes the
+whole unit into the unsharded buffer."""
+import json
+
+import torch
+
+from .. import quant
+from .._core import plan_local
+from .views import as_tensor
+
+
+def plan_quantized_units(inventory, n_units, world):
+    """Adds one byte unit per module unit to `inventory`, sized from the plan the planner will
+    make (planning is deterministic): rank r's slice holds the codes of its shard (a byte per
+    element) and then one fp32 scale per block of its shard. Returns {unit: sizes}."""
+    q = {}
+    local = json.loads(plan_local(json.dumps(inventory), world))
+    for ui, up in enumerate(local["units"][:n_units]):
+        s = int(up["shard_elems"])
+        blocks = max(quant.shard_block_ids(up, r, s)[1] for r in range(world))
+        s4 = (s + 3) // 4 * 4
+        sq = (s4 + 4 * blocks + 15) // 16 * 16
+        q[ui] = {"S": s, "S4": s4, "SQ": sq, "B": blocks, "index": len(inventory["units"])}
+        inventory["units"].append({"name": up["unit"] + ".__q", "tensors": [
+            {"name": up["unit"] + ".__q.bytes", "shape": [world * sq], "dtype": "uint8"}]})
+    return q
+
+
+class QuantizedGatherMixin:
+    """ShardedModule's quantized all-gather."""
+
+    def _check_quantized_units(self):
+        """Checks the job's plan against the local one and sets up the block ids and the fp32
+        masters of the quantized units."""
+        for ui, q in self._q.items():
+            if self.shard_elems[ui] != q["S"] or \
+                    self.shard_elems[q["index"]] != q["SQ"]:
+                raise RuntimeError(
+                    f"quantize: the job's plan differs from the local plan for unit {ui} "
+                    f"(shard {self.shard_elems[ui]} vs {q['S']}); create the job with the "
+                    "default policy (ragged) and alignment")
+            ids = [quant.shard_block_ids(self.plan["units"][ui], r, q["S"])[0]
+                   for r in range(self.world)]
+            q["own_ids"] = ids[self.pos]
+            q["all_ids"] = torch.cat([torch.where(i >= 0, i + r * q["B"], i)
+                                      for r, i in enumerate(ids)])
+            # The exact fp32 master of this rank's shard: the unsharded buffer's slots hold
+            # dequantized values once a quantized gather has run.
+            self.masters[ui] = as_tensor(self.client.param_shard(ui)).clone()
+
+    def unshard(self, ui, quantize=None):
+        """All-gathers unit `ui`; with quantize="int8" or "fp8" each rank sends its shard as
+        block-quantized codes and scales (about a quarter of the bytes) and every rank
+        dequantizes the whole unit into the unsharded buffer."""
+        q = self._q.get(ui)
+        if quantize is None or q is None:
+            if quantize is not None:
+                raise ValueError(f"unit {ui} was not set up for quantized gathers")
+            self.client.unshard(ui).wait()
+            self._bind(ui)
+            return
+        if quantize != self.quantize:
+            raise ValueError(f"quantize: this module gathers {self.quantize}, not {quantize}")
+        codes, scales = quant.quantize(self.masters[ui], q["own_ids"], q["B"], quantize)
+        qi = q["index"]
+        mine = as_tensor(self.client.param_shard(qi))
+        mine[:q["S"]] = codes.view(torch.uint8)
+        if q["B"]:
+            mine[q["S4"]:q["S4"] + 4 * q["B"]] = scales.contiguous().view(torch.uint8)
+        self.client.unshard(qi).wait()
+        allq = as_tensor(self.client.unsharded(qi)).view(self.world, q["SQ"])
+        codes_all = allq[:, :q["S"]].reshape(-1)
+        scales_all = allq[:, q["S4"]:q["S4"] + 4 * q["B"]].contiguous().view(
+            torch.float32).reshape(-1)
+        self.client.allocate_unsharded(ui).wait()
+        full = as_tensor(self.client.unsharded(ui))
+        full.copy_(quant.dequantize(codes_all, scales_all, q["all_ids"], quantize))
+        self.client.reshard(qi).wait()
+        self._bind(ui)
+        self.gathered_bytes["quantized"] += self.world * q["SQ"]
+        self.gathered_bytes["full"] += self.world * q["S"] * 4

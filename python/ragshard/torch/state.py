@@ -1,0 +1,103 @@
+"""fully_shard's whole-model operations: gradient clipping by the global norm, and PyTorch's
+state_dict / load_state_dict with unsharded tensors."""
+import math
+
+import torch
+
+from .views import as_tensor
+
+
+class StateMixin:
+    """ShardedModule's clipping and state dicts."""
+
+    def all_reduce_scalar(self, value):
+        """The sum over ranks of one float per rank (through the scalar unit's reduce-scatter:
+        every element of this rank's gradient holds `value`, so every element of the reduced
+        shard holds the sum)."""
+        u = self._scalar_unit
+        self.client.allocate_grad(u).wait()
+        as_tensor(self.client.grad(u)).fill_(float(value))
+        self.client.reduce_scatter(u, "sum").wait()
+        if self.replicas > 1:
+            self.client.all_reduce(u, "sum").wait()
+        return float(as_tensor(self.client.grad_shard(u))[0])
+
+    def clip_grad_norm_(self, max_norm):
+        """Clips the gradient shards by the global norm over all shards; returns that norm."""
+        local = 0.0
+        for ui in self.units():
+            g = as_tensor(self.client.grad_shard(ui))
+            local += float(g.double().pow(2).sum())
+        total = math.sqrt(self.all_reduce_scalar(local))
+        coef = max_norm / (total + 1e-6)
+        if coef < 1.0:
+            for ui in self.units():
+                as_tensor(self.client.grad_shard(ui)).mul_(coef)
+        return total
+
+    def state_dict(self, *args, **kwargs):
+        """FSDP's full state dict: every parameter unsharded, as fp32 (a collective: every rank
+        calls it, as full_state), and the module's buffers, under the module's own names."""
+        out = self.full_state()
+        for n, b in self.module.named_buffers():
+            out[n] = b.detach().clone()
+        return out
+
+    def wait_for_checkpoint_write(self):
+        """Waits until an asynchronous checkpoint save has written this rank's part: the
+        shards, masters and optimizer state must not change before (the optimizers' step calls
+        it). Raises the save's error if it failed."""
+        handle = self.checkpoint_writing
+        if handle is not None:
+            self.checkpoint_writing = None
+            handle.wait_written()
+
+    def load_state_dict(self, state_dict, strict=True, assign=False):
+        """Loads a plain (unsharded) state_dict, as `state_dict()` returns or torch.save of the
+        plain model holds: each rank copies its pieces of every parameter into its shards (and
+        fp32 masters), and the buffers whole. Every rank calls it; no collective runs. Returns
+        (missing_keys, unexpected_keys), as torch's."""
+        if assign:
+            raise ValueError("load_state_dict: assign=True is not supported (the parameters "
+                             "live in the daemon's buffers)")
+        from ..checkpoint import _state
+        self.wait_for_checkpoint_write()
+        names = {pc.name for pc in _state.pieces(self)} | \
+            {n for ui in self.units() for n, _ in self.unit_params(ui)}
+        buffers = dict(self.module.named_buffers())
+        missing = sorted((names | set(buffers)) - set(state_dict))
+        unexpected = sorted(set(state_dict) - names - set(buffers))
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"load_state_dict: missing keys {missing[:8]}, unexpected keys "
+                               f"{unexpected[:8]}")
+        for ui in self.units():
+            for n, p in self.unit_params(ui):
+                if n in state_dict and tuple(state_dict[n].shape) != tuple(p.shape):
+                    raise RuntimeError(f"load_state_dict: '{n}' has shape "
+                                       f"{list(state_dict[n].shape)}, the model's is "
+                                       f"{list(p.shape)}")
+        for pc in _state.pieces(self):
+            if pc.name in state_dict:
+                flat = state_dict[pc.name].detach().reshape(-1)
+                _state.set_param_values(self, pc, flat[pc.start:pc.start + pc.hi - pc.lo].cpu())
+        for n, b in buffers.items():
+            if n in state_dict and b is not None:
+                b.data.copy_(state_dict[n])
+        return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    def full_state(self):
+        """{name: fp32 tensor} of every parameter, unsharded (for checks; one all-gather per
+        unit). The values are those the forward computes with: with param_dtype bf16, the bf16
+        rounding of the fp32 masters."""
+        out = {}
+        for ui, (_, _, params) in enumerate(self._units):
+            if ui in self._q:  # the exact fp32 values, not the last dequantized ones
+                as_tensor(self.client.param_shard(ui)).copy_(self.masters[ui])
+            was = ui in self._full
+            self.client.unshard(ui).wait()
+            self._bind(ui)
+            for n, p in params:
+                out[n] = p.detach().float().cpu().clone()
+            if not was:
+                self._reshard(ui)
+        return out
