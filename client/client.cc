@@ -216,6 +216,14 @@ const char* Client::UnshardedData(int unit) const {
 absl::StatusOr<OpHandle> Client::StartOp(v1::OpKind kind, int unit, v1::ReduceKind op,
                                          int keep_ranks) {
   if (attachment_.empty()) return absl::FailedPreconditionError("not attached");
+  if (!v1::OpKind_IsValid(kind) || kind == v1::OP_KIND_UNSPECIFIED || kind == v1::OP_NOOP) {
+    return absl::InvalidArgumentError(absl::StrCat("kind: ", static_cast<int>(kind),
+                                                   " is not an operation (ragshard.v1.OpKind)"));
+  }
+  if (!v1::ReduceKind_IsValid(op)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("reduce: ", static_cast<int>(op), " is not a ragshard.v1.ReduceKind"));
+  }
   v1::StartRequest req;
   req.set_attachment_id(attachment_);
   req.set_kind(kind);

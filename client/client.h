@@ -136,12 +136,16 @@ class Client {
   // A round trip to the daemon that does nothing (control-path latency).
   absl::Status NoOp();
 
+  // Starts an operation of any kind (the named methods above are this with their kind): what
+  // the Python binding passes down as the enum itself. `op` is for the reductions, `keep_ranks`
+  // for OP_RESHARD. INVALID_ARGUMENT for OP_NOOP and unknown kinds.
+  absl::StatusOr<OpHandle> StartOp(v1::OpKind kind, int unit, v1::ReduceKind op = v1::REDUCE_SUM,
+                                   int keep_ranks = 0);
+
  private:
   friend class OpHandle;
   explicit Client(ClientOptions options) : options_(std::move(options)) {}
   int Check(int unit) const { return unit >= 0 && unit < units() ? unit : 0; }
-  absl::StatusOr<OpHandle> StartOp(v1::OpKind kind, int unit, v1::ReduceKind op,
-                                   int keep_ranks = 0);
   absl::Status CheckHostBuffers() const;
   absl::Status CheckAllocated(int unit, int64_t offset, const char* what, const char* op) const;
   // Applies the placement an operation on `unit` reported, mapping its unsharded view.

@@ -235,45 +235,16 @@ int rs_client_buffer(rs_client* c, int unit, int kind, uintptr_t* ptr, int64_t* 
   return 0;
 }
 
-int rs_client_op(rs_client* c, const char* kind, int unit, const char* op, int keep,
-                 rs_handle** out) {
+int rs_client_op(rs_client* c, int kind, int unit, int reduce, int keep, rs_handle** out) {
   const std::lock_guard<std::mutex> lock(c->mu);
-  const std::string k = Str(kind), o = Str(op);
-  v1::ReduceKind reduce = v1::REDUCE_SUM;
-  if (k == "reduce_scatter" || k == "all_reduce") {
-    if (o == "avg") {
-      reduce = v1::REDUCE_AVG;
-    } else if (o != "sum") {
-      return Fail(RS_BAD_ARGUMENT, absl::StrCat("op: '", o, "' is not one of avg, sum"));
-    }
-  }
   // GPU buffers: torch's kernels that write them are queued on torch's streams; the daemon's
   // operation must see what they wrote.
   if (c->mapping != nullptr) {
     const absl::Status s = c->mapping->Synchronize();
     if (!s.ok()) return Fail(s);
   }
-  Client& cl = *c->client;
-  absl::StatusOr<OpHandle> h;
-  if (k == "unshard") {
-    h = cl.Unshard(unit);
-  } else if (k == "allocate_unsharded") {
-    h = cl.AllocateUnsharded(unit);
-  } else if (k == "allocate_grad") {
-    h = cl.AllocateGrad(unit);
-  } else if (k == "reshard") {
-    h = cl.Reshard(unit, keep);
-  } else if (k == "reduce_scatter") {
-    h = cl.ReduceScatter(unit, reduce);
-  } else if (k == "all_reduce") {
-    h = cl.AllReduce(unit, reduce);
-  } else if (k == "gather_to_owner") {
-    h = cl.GatherToOwner(unit);
-  } else if (k == "scatter_from_owner") {
-    h = cl.ScatterFromOwner(unit);
-  } else {
-    return Fail(RS_BAD_ARGUMENT, absl::StrCat("unknown operation '", k, "'"));
-  }
+  auto h = c->client->StartOp(static_cast<v1::OpKind>(kind), unit,
+                              static_cast<v1::ReduceKind>(reduce), keep);
   if (!h.ok()) return Fail(h.status());
   *out = new rs_handle{*h, c};
   return 0;

@@ -44,10 +44,9 @@ int rs_client_shard_elems(rs_client* c, int unit, int64_t* out);
  * unit has no owner buffer. *typestr is numpy's ("<f4", "<u2", "|u1"). */
 int rs_client_buffer(rs_client* c, int unit, int kind, uintptr_t* ptr, int64_t* count,
                      const char** typestr);
-/* kind: unshard, reshard, allocate_unsharded, allocate_grad, reduce_scatter, all_reduce,
- * gather_to_owner, scatter_from_owner; op: avg or sum (the reductions). */
-int rs_client_op(rs_client* c, const char* kind, int unit, const char* op, int keep,
-                 rs_handle** out);
+/* kind: a ragshard.v1.OpKind number (proto/ragshard/v1/daemon.proto; not OP_NOOP), reduce a
+ * ragshard.v1.ReduceKind (0 sum, 1 avg; for the reductions), keep the group of OP_RESHARD. */
+int rs_client_op(rs_client* c, int kind, int unit, int reduce, int keep, rs_handle** out);
 int rs_client_noop(rs_client* c);
 /* The daemon's pool and this job's figures, as a JSON object. */
 int rs_client_stats(rs_client* c, const char** out);

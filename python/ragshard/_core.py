@@ -11,11 +11,41 @@ __cuda_array_interface__ torch turns into CUDA tensors without a copy. Errors ra
 bad argument ValueError.
 """
 import ctypes
+import enum
 import json
 import os
 
 ABI_VERSION = 1
 _BAD_ARGUMENT, _OUT_OF_RANGE = -1, -2
+
+
+class OpKind(enum.IntEnum):
+    """The daemon's operations: ragshard.v1.OpKind (proto/ragshard/v1/daemon.proto), passed
+    down to the daemon as these numbers."""
+    UNSHARD = 1
+    RESHARD = 2
+    REDUCE_SCATTER = 3
+    ALL_REDUCE = 5
+    GATHER_TO_OWNER = 6
+    SCATTER_FROM_OWNER = 7
+    ALLOCATE_GRAD = 8
+    ALLOCATE_UNSHARDED = 9
+
+
+class ReduceKind(enum.IntEnum):
+    """ragshard.v1.ReduceKind."""
+    SUM = 0
+    AVG = 1
+
+
+def _reduce(op):
+    if op == "avg":
+        return ReduceKind.AVG
+    if op == "sum":
+        return ReduceKind.SUM
+    raise ValueError(f"op: {op!r} is not one of avg, sum")
+
+
 _BUFFER_KINDS = {"param_shard": 0, "unsharded": 1, "grad": 2, "grad_shard": 3, "owner_buffer": 4}
 
 
@@ -45,7 +75,7 @@ def _load():
         "rs_client_shard_elems": (i32, [c_p, i32, ctypes.POINTER(i64)]),
         "rs_client_buffer": (i32, [c_p, i32, i32, ctypes.POINTER(ctypes.c_size_t),
                                    ctypes.POINTER(i64), out_str]),
-        "rs_client_op": (i32, [c_p, cstr, i32, cstr, i32, ctypes.POINTER(c_p)]),
+        "rs_client_op": (i32, [c_p, i32, i32, i32, i32, ctypes.POINTER(c_p)]),
         "rs_client_noop": (i32, [c_p]),
         "rs_client_stats": (i32, [c_p, out_str]),
         "rs_handle_wait": (i32, [c_p, i64]),
@@ -233,35 +263,35 @@ class Client(_NoCopy):
     def owner_buffer(self, unit):
         return self._buffer(unit, "owner_buffer")
 
-    def _op(self, kind, unit, op="sum", keep=0):
+    def _op(self, kind, unit, reduce=ReduceKind.SUM, keep=0):
         h = ctypes.c_void_p()
-        _check(_lib.rs_client_op(self._c, kind.encode(), _unit(unit), _b(op), int(keep),
+        _check(_lib.rs_client_op(self._c, int(kind), _unit(unit), int(reduce), int(keep),
                                  ctypes.byref(h)))
         return Handle(self, h)
 
     def unshard(self, unit):
-        return self._op("unshard", unit)
+        return self._op(OpKind.UNSHARD, unit)
 
     def reshard(self, unit, keep=0):
-        return self._op("reshard", unit, keep=keep)
+        return self._op(OpKind.RESHARD, unit, keep=keep)
 
     def allocate_unsharded(self, unit):
-        return self._op("allocate_unsharded", unit)
+        return self._op(OpKind.ALLOCATE_UNSHARDED, unit)
 
     def allocate_grad(self, unit):
-        return self._op("allocate_grad", unit)
+        return self._op(OpKind.ALLOCATE_GRAD, unit)
 
     def reduce_scatter(self, unit, op="avg"):
-        return self._op("reduce_scatter", unit, op)
+        return self._op(OpKind.REDUCE_SCATTER, unit, _reduce(op))
 
     def all_reduce(self, unit, op="avg"):
-        return self._op("all_reduce", unit, op)
+        return self._op(OpKind.ALL_REDUCE, unit, _reduce(op))
 
     def gather_to_owner(self, unit):
-        return self._op("gather_to_owner", unit)
+        return self._op(OpKind.GATHER_TO_OWNER, unit)
 
     def scatter_from_owner(self, unit):
-        return self._op("scatter_from_owner", unit)
+        return self._op(OpKind.SCATTER_FROM_OWNER, unit)
 
     def noop(self):
         _check(_lib.rs_client_noop(self._c))

@@ -296,6 +296,11 @@ def test_bad_input_raises_clear_errors(cluster):
         a.param_shard(7)
     with pytest.raises(ValueError, match="not one of avg, sum"):
         a.reduce_scatter(0, "max")
+    # Operation kinds travel as ragshard.v1.OpKind numbers; a number that is none is refused.
+    with pytest.raises(ragshard.Error, match="INVALID_ARGUMENT: kind: 4 is not an operation"):
+        a._op(4, 0)  # OP_NOOP
+    with pytest.raises(ragshard.Error, match="INVALID_ARGUMENT: kind: 77 is not an operation"):
+        a._op(77, 0)
     assert a.unit_dtype(0) in ("fp32", "bf16")
     c = ragshard.Client(cluster.planner, cluster.sockets[0], "no-such-job", 0, cluster.nodes[0],
                         2000)
