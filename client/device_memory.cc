@@ -14,7 +14,7 @@ namespace {
 using CUresult = int;
 using CUdevice = int;
 using CUcontext = void*;
-using CUdeviceptr = unsigned long long;  // NOLINT(runtime/int): the driver's type
+using CUdeviceptr = unsigned long long;  // NOLINT(google-runtime-int): the driver's type
 struct CUipcMemHandle {
   char reserved[64];
 };

@@ -16,7 +16,7 @@ namespace {
 
 class FakeWatch final : public PlanWatch {
  public:
-  FakeWatch(std::function<void()> stop) : stop_(std::move(stop)) {}
+  explicit FakeWatch(std::function<void()> stop) : stop_(std::move(stop)) {}
   ~FakeWatch() override { stop_(); }
 
  private:

@@ -22,7 +22,7 @@ class Builder {
     unit_ = inv_.add_units();
     unit_->set_name(name);
   }
-  void Add(const std::string& name, std::vector<int64_t> shape, bool matrix = false) {
+  void Add(const std::string& name, const std::vector<int64_t>& shape, bool matrix = false) {
     TensorSpec* t = unit_->add_tensors();
     t->set_name(name);
     for (int64_t d : shape) t->add_shape(d);

@@ -163,6 +163,7 @@ absl::string_view PolicyName(Policy policy) {
 const std::vector<Policy>& AllPolicies() {
   static const std::vector<Policy> all = [] {
     std::vector<Policy> v;
+    v.reserve(std::size(kPolicies));
     for (const auto& [p, n] : kPolicies) v.push_back(p);
     return v;
   }();

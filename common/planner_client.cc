@@ -204,12 +204,15 @@ grpc::Status GrpcPlannerClient::Retry(const std::function<grpc::Status(grpc::Cli
   }
 }
 
+// `method` names a stub method, which parentheses would break.
+// NOLINTBEGIN(bugprone-macro-parentheses)
 #define RAGSHARD_UNARY(method, req, resp)                                                         \
   int attempts = 0;                                                                               \
   grpc::Status st =                                                                               \
       Retry([&](grpc::ClientContext* ctx) { return stub_->method(ctx, req, &resp); }, &attempts); \
   (void)attempts;                                                                                 \
   if (!st.ok()) return Wrap(st)
+// NOLINTEND(bugprone-macro-parentheses)
 
 absl::StatusOr<v1::Job> GrpcPlannerClient::CreateJob(const v1::CreateJobRequest& request) {
   v1::CreateJobResponse resp;

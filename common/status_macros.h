@@ -18,7 +18,10 @@
 #define RAGSHARD_ASSIGN_OR_RETURN(lhs, rexpr) \
   RAGSHARD_ASSIGN_OR_RETURN_IMPL(RAGSHARD_CONCAT(_rs_statusor_, __LINE__), lhs, rexpr)
 
+// `tmp` and `lhs` name variables (lhs may be a declaration), which parentheses would break.
+// NOLINTBEGIN(bugprone-macro-parentheses)
 #define RAGSHARD_ASSIGN_OR_RETURN_IMPL(tmp, lhs, rexpr) \
   auto tmp = (rexpr);                                   \
   if (!tmp.ok()) return tmp.status();                   \
   lhs = std::move(tmp).value()
+// NOLINTEND(bugprone-macro-parentheses)

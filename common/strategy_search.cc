@@ -38,6 +38,7 @@ absl::StatusOr<Advice> Advise(StrategyModel* model) {
     // Name the true smallest: cost exactly, in order of their lower bounds, the candidates whose
     // bound is below the best exact figure found so far.
     std::vector<const Evaluation*> order;
+    order.reserve(evaluated.size());
     for (const Evaluation& e : evaluated) order.push_back(&e);
     std::sort(order.begin(), order.end(), [](const Evaluation* a, const Evaluation* b) {
       return a->memory.total() < b->memory.total();

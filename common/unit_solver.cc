@@ -181,6 +181,7 @@ class ExactChecker {
  public:
   explicit ExactChecker(const std::vector<UnitItem>& items) : items_(items) {
     std::vector<std::pair<int64_t, int64_t>> kinds;
+    kinds.reserve(items.size());
     for (const auto& it : items) kinds.push_back({it.numel, it.granule});
     std::vector<std::pair<int64_t, int64_t>> distinct = kinds;
     std::sort(distinct.begin(), distinct.end());
@@ -321,7 +322,7 @@ absl::StatusOr<UnitSolution> SolveUnit(const std::vector<UnitItem>& items, int64
   // L = lcm(granules of the tensors that contain a whole shard). Which tensors contain a whole
   // shard depends on S (numel >= 2S), so the candidates are those S that are multiples of the L
   // of their own; feasibility is the greedy earliest placement in model order, assumed monotone.
-  int64_t paper_s = upper;
+  int64_t paper_s = 0;
   {
     int64_t lo = sol.lb2;  // the first candidate
     int64_t hi = lo;

@@ -236,7 +236,7 @@ absl::Status AllReduce(Comm& comm, float* data, size_t count, ReduceOp op, absl:
   absl::Status st =
       AllReduceInPlace(comm, padded.data(), padded.size(), op, scratch.data(), deadline, tag_base);
   if (!st.ok()) return st;
-  std::copy(padded.begin(), padded.begin() + static_cast<long>(count), data);
+  std::copy(padded.begin(), padded.begin() + static_cast<std::ptrdiff_t>(count), data);
   return absl::OkStatus();
 }
 

@@ -104,7 +104,7 @@ grpc::ServerUnaryReactor* NodeDaemon::Wait(grpc::CallbackServerContext* ctx,
   found->first->AddWaiter(
       req->handle(), found->second,
       absl::Now() + absl::Milliseconds(std::max<int64_t>(req->timeout_ms(), 0)),
-      [reactor, resp](bool done, absl::Status status, const v1::UnitBuffers* placement) {
+      [reactor, resp](bool done, const absl::Status& status, const v1::UnitBuffers* placement) {
         resp->set_done(done);
         if (placement != nullptr) *resp->mutable_placement() = *placement;
         reactor->Finish(ToGrpcStatus(status));

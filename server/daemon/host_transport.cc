@@ -15,11 +15,13 @@ HostTransport::HostTransport(const NodeMesh& mesh, Pool* pool, Comm* nodes, Host
   const int replica = mesh.node / g, position = mesh.node % g;
   if (g > 1) {
     std::vector<int> members;
+    members.reserve(g);
     for (int j = 0; j < g; ++j) members.push_back(replica * g + j);
     shard_comm_ = std::make_unique<SubComm>(nodes, std::move(members));
   }
   if (mesh.replicas > 1) {
     std::vector<int> members;
+    members.reserve(mesh.replicas);
     for (int j = 0; j < mesh.replicas; ++j) members.push_back(j * g + position);
     replicate_comm_ = std::make_unique<SubComm>(nodes, std::move(members));
   }

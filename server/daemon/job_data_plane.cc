@@ -10,10 +10,9 @@
 
 namespace ragshard::daemon {
 
-absl::StatusOr<std::unique_ptr<JobDataPlane>> JobDataPlane::Create(const v1::Plan& plan,
-                                                                   std::vector<int64_t> local_ranks,
-                                                                   Pool* pool, Comm* nodes,
-                                                                   int64_t replicas, Shape shape) {
+absl::StatusOr<std::unique_ptr<JobDataPlane>> JobDataPlane::Create(
+    const v1::Plan& plan, const std::vector<int64_t>& local_ranks, Pool* pool, Comm* nodes,
+    int64_t replicas, Shape shape) {
   auto mesh = NodeMesh::Of(plan, local_ranks, nodes ? nodes->rank() : 0, nodes ? nodes->size() : 1,
                            replicas);
   if (!mesh.ok()) return mesh.status();
@@ -261,6 +260,7 @@ absl::Status JobDataPlane::Unshard(int unit, absl::Time deadline) {
   std::vector<const char*> shards;
   std::vector<char*> out;
   const int64_t rank_bytes = u.shard_elems * u.item;
+  shards.reserve(local_ranks());
   for (int i = 0; i < local_ranks(); ++i) {
     // A view's own part is the shard block itself: the all-gather finds it in place.
     shards.push_back(u.composed ? u.view->data() + (mesh_.first_position + i) * rank_bytes
@@ -363,6 +363,8 @@ absl::Status JobDataPlane::ReduceScatter(int unit, ReduceOp op, absl::Time deadl
   }
   std::vector<const void*> inputs;
   std::vector<float*> out;
+  inputs.reserve(u.grad.size());
+  out.reserve(local_ranks());
   for (const Lease& g : u.grad) inputs.push_back(g.data());
   for (int i = 0; i < local_ranks(); ++i) out.push_back(grad_shard(unit, i));
   absl::Status st = transport_->ReduceScatter(inputs, u.dtype, u.shard_elems, out, op,
@@ -377,6 +379,7 @@ absl::Status JobDataPlane::AllReduce(int unit, ReduceOp op, absl::Time deadline)
   if (mesh_.replicas == 1) return absl::OkStatus();
   const Unit& u = units_[unit];
   std::vector<float*> shards;
+  shards.reserve(local_ranks());
   for (int i = 0; i < local_ranks(); ++i) shards.push_back(grad_shard(unit, i));
   return transport_->AllReduce(shards, u.shard_elems, op, ScratchFor(u), deadline, tag);
 }

@@ -55,11 +55,9 @@ class JobDataPlane final : public DataBackend {
   // The host backend: `local_ranks` are the ranks of the job on this node; `nodes` is the
   // communicator among the job's nodes (member i holds ranks [i*k, (i+1)*k)), or nullptr for a
   // single node; `replicas` is R.
-  static absl::StatusOr<std::unique_ptr<JobDataPlane>> Create(const v1::Plan& plan,
-                                                              std::vector<int64_t> local_ranks,
-                                                              Pool* pool, Comm* nodes,
-                                                              int64_t replicas = 1,
-                                                              Shape shape = Shape::kNode);
+  static absl::StatusOr<std::unique_ptr<JobDataPlane>> Create(
+      const v1::Plan& plan, const std::vector<int64_t>& local_ranks, Pool* pool, Comm* nodes,
+      int64_t replicas = 1, Shape shape = Shape::kNode);
   // Any backend: `mesh` from NodeMesh::Of; `nodes`, when given, names the units in its message
   // errors.
   static absl::StatusOr<std::unique_ptr<JobDataPlane>> Create(const v1::Plan& plan,

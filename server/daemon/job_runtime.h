@@ -67,7 +67,7 @@ class JobRuntime {
   // rank `local`'s buffers of the operation's unit are then, or nullptr), or `done(false, OK,
   // nullptr)` at `deadline`. Never blocks; `done` runs on the job's thread or the caller's,
   // never under the job's mutex.
-  using WaitCallback = std::function<void(bool, absl::Status, const v1::UnitBuffers*)>;
+  using WaitCallback = std::function<void(bool, const absl::Status&, const v1::UnitBuffers*)>;
   void AddWaiter(uint64_t seq, int local, absl::Time deadline, WaitCallback done);
 
  private:

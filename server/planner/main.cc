@@ -10,7 +10,9 @@
 #include "glog/logging.h"
 #include "server/planner/server.h"
 
-int main(int argc, char** argv) {
+// Nothing below throws by design; a library exception (CLI11, the standard library) ends the
+// process with its message instead of std::terminate.
+int main(int argc, char** argv) try {
   google::InitGoogleLogging(argv[0]);
   FLAGS_logtostderr = true;
   ragshard::planner::PlannerServerOptions options;
@@ -99,4 +101,7 @@ int main(int argc, char** argv) {
   (*server)->Shutdown();
   waiter.join();
   return 0;
+} catch (const std::exception& e) {
+  std::fprintf(stderr, "fatal: %s\n", e.what());
+  return 1;
 }

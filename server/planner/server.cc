@@ -16,7 +16,8 @@ bool IsLoopbackListen(const std::string& listen) {
   return host == "localhost" || host == "::1" || absl::StartsWith(host, "127.");
 }
 
-absl::StatusOr<std::unique_ptr<PlannerServer>> PlannerServer::Start(PlannerServerOptions options) {
+absl::StatusOr<std::unique_ptr<PlannerServer>> PlannerServer::Start(
+    const PlannerServerOptions& options) {
   if (options.data_dir.empty()) return absl::InvalidArgumentError("--data-dir: required");
   if (!IsLoopbackListen(options.listen) && options.security.tls_cert_file.empty() &&
       !options.insecure) {

@@ -27,7 +27,7 @@ bool IsLoopbackListen(const std::string& listen);
 
 class PlannerServer {
  public:
-  static absl::StatusOr<std::unique_ptr<PlannerServer>> Start(PlannerServerOptions options);
+  static absl::StatusOr<std::unique_ptr<PlannerServer>> Start(const PlannerServerOptions& options);
   ~PlannerServer();
   PlannerServer(const PlannerServer&) = delete;
   PlannerServer& operator=(const PlannerServer&) = delete;

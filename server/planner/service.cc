@@ -96,7 +96,7 @@ int64_t PlannerService::NowMs() {
 }
 
 void PlannerService::Finish(Deferred* deferred, grpc::ServerUnaryReactor* reactor,
-                            grpc::Status status) {
+                            const grpc::Status& status) {
   deferred->push_back([reactor, status] { reactor->Finish(status); });
 }
 

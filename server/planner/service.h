@@ -173,11 +173,12 @@ class PlannerService final
   // Starts planning when every rank is registered.
   void MaybePlan(const std::string& job_id, JobState* js, Deferred* deferred)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void ComputePlan(std::string job_id);
+  void ComputePlan(const std::string& job_id);
   void FailJob(JobState* js, const std::string& error, Deferred* deferred)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ResolvePendingHashes(JobState* js, Deferred* deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  static void Finish(Deferred* deferred, grpc::ServerUnaryReactor* reactor, grpc::Status status);
+  static void Finish(Deferred* deferred, grpc::ServerUnaryReactor* reactor,
+                     const grpc::Status& status);
   // The ticker's checks, each in the file of its responsibility.
   void Tick();
   void ExpireGets(Clock::time_point now, Deferred* deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -129,7 +129,7 @@ void PlannerService::MaybePlan(const std::string& job_id, JobState* js, Deferred
   executor_.Submit([this, job_id] { ComputePlan(job_id); });
 }
 
-void PlannerService::ComputePlan(std::string job_id) {
+void PlannerService::ComputePlan(const std::string& job_id) {
   Inventory inventory;
   PlanOptions options;
   v1::JobOptions job_options;

@@ -82,7 +82,7 @@ bool WatchChannel::done() const {
 WatchChannel::Event ToBuffer(const v1::WatchPlanEvent& event) {
   std::string bytes;
   event.SerializeToString(&bytes);
-  grpc::Slice slice(std::move(bytes));
+  grpc::Slice slice(bytes);
   return std::make_shared<const grpc::ByteBuffer>(&slice, 1);
 }
 
