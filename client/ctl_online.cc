@@ -5,6 +5,8 @@
 #include <map>
 #include <memory>
 #include <sstream>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -29,12 +31,30 @@ absl::StatusOr<std::unique_ptr<PlannerClient>> Connect(const Online& o) {
   return GrpcPlannerClient::Create(opts);
 }
 
+// Connects to the planner and makes one call on it: `call(client)`'s answer, or the connection's
+// error.
+template <typename Call>
+auto Ask(const Online& o, Call call) -> decltype(call(std::declval<PlannerClient&>())) {
+  auto client = Connect(o);
+  if (!client.ok()) return client.status();
+  return call(**client);
+}
+
 int Fail(std::ostream& err, const absl::Status& s) {
   err << "error: " << OneLine(s.message()) << "\n";
   return absl::IsInvalidArgument(s) ? kExitBadInput : kExitFailure;
 }
 
 std::string ToJson(const google::protobuf::Message& m) { return ProtoJson(m, false, true); }
+
+// Prints `items` as the JSON of the list response whose repeated field `field` returns.
+template <typename T, typename Response, typename Field>
+int PrintList(const std::vector<T>& items, Field* (Response::*field)(), std::ostream& out) {
+  Response response;
+  (response.*field)()->Add(items.begin(), items.end());
+  out << ToJson(response) << "\n";
+  return kExitOk;
+}
 
 std::string StatusName(v1::JobStatus s) {
   std::string n = v1::JobStatus_Name(s);
@@ -69,25 +89,16 @@ void AddOnlineFlags(CLI::App* app, Online* o) {
 }
 
 int RunHealth(const Online& o, std::ostream& out, std::ostream& err) {
-  auto client = Connect(o);
-  if (!client.ok()) return Fail(err, client.status());
-  absl::Status s = (*client)->Health();
+  absl::Status s = Ask(o, [&](PlannerClient& c) { return c.Health(); });
   if (!s.ok()) return Fail(err, s);
   out << (o.json ? "{\"status\": \"SERVING\"}" : "SERVING") << "\n";
   return kExitOk;
 }
 
 int RunJobs(const Online& o, std::ostream& out, std::ostream& err) {
-  auto client = Connect(o);
-  if (!client.ok()) return Fail(err, client.status());
-  auto jobs = (*client)->ListJobs();
+  auto jobs = Ask(o, [&](PlannerClient& c) { return c.ListJobs(); });
   if (!jobs.ok()) return Fail(err, jobs.status());
-  if (o.json) {
-    v1::ListJobsResponse resp;
-    for (auto& j : *jobs) *resp.add_jobs() = j;
-    out << ToJson(resp) << "\n";
-    return kExitOk;
-  }
+  if (o.json) return PrintList(*jobs, &v1::ListJobsResponse::mutable_jobs, out);
   out << absl::StrFormat("%-24s %-12s %12s %-13s %11s %5s  %s\n", "JOB", "STATUS", "WORLD",
                          "POLICY", "REGISTERED", "PLAN", "ERROR");
   for (const auto& j : *jobs) {
@@ -101,9 +112,7 @@ int RunJobs(const Online& o, std::ostream& out, std::ostream& err) {
 }
 
 int RunJobShow(const Online& o, const std::string& id, std::ostream& out, std::ostream& err) {
-  auto client = Connect(o);
-  if (!client.ok()) return Fail(err, client.status());
-  auto job = (*client)->GetJob(id);
+  auto job = Ask(o, [&](PlannerClient& c) { return c.GetJob(id); });
   if (!job.ok()) return Fail(err, job.status());
   if (o.json) {
     out << ToJson(*job) << "\n";
@@ -131,9 +140,7 @@ int RunJobShow(const Online& o, const std::string& id, std::ostream& out, std::o
 }
 
 int RunPlanMetrics(const Online& o, const std::string& id, std::ostream& out, std::ostream& err) {
-  auto client = Connect(o);
-  if (!client.ok()) return Fail(err, client.status());
-  auto plan = (*client)->GetPlan(id);
+  auto plan = Ask(o, [&](PlannerClient& c) { return c.GetPlan(id); });
   if (!plan.ok()) return Fail(err, plan.status());
   if (o.json) {
     out << MetricsToJson(plan->metrics()).dump(1) << "\n";
@@ -152,9 +159,7 @@ int RunPlanMetrics(const Online& o, const std::string& id, std::ostream& out, st
 
 int RunPlanShow(const Online& o, const std::string& id, const std::string& unit, std::ostream& out,
                 std::ostream& err) {
-  auto client = Connect(o);
-  if (!client.ok()) return Fail(err, client.status());
-  auto plan = (*client)->GetPlan(id);
+  auto plan = Ask(o, [&](PlannerClient& c) { return c.GetPlan(id); });
   if (!plan.ok()) return Fail(err, plan.status());
   if (!unit.empty()) {
     const v1::UnitPlan* up = nullptr;
@@ -212,34 +217,23 @@ int RunJobCreate(const Online& o, const JobSpec& spec, const std::string& memory
     }
     create.mutable_options()->set_memory_budget_bytes(b);
   }
-  auto client = Connect(o);
-  if (!client.ok()) return Fail(err, client.status());
-  auto created = (*client)->CreateJob(create);
+  auto created = Ask(o, [&](PlannerClient& c) { return c.CreateJob(create); });
   if (!created.ok()) return Fail(err, created.status());
   out << (o.json ? ToJson(*created) : absl::StrCat("job ", spec.job_id, " created")) << "\n";
   return kExitOk;
 }
 
 int RunJobDelete(const Online& o, const std::string& id, std::ostream& out, std::ostream& err) {
-  auto client = Connect(o);
-  if (!client.ok()) return Fail(err, client.status());
-  absl::Status s = (*client)->DeleteJob(id);
+  absl::Status s = Ask(o, [&](PlannerClient& c) { return c.DeleteJob(id); });
   if (!s.ok()) return Fail(err, s);
   out << "job " << id << " deleted\n";
   return kExitOk;
 }
 
 int RunNodes(const Online& o, std::ostream& out, std::ostream& err) {
-  auto client = Connect(o);
-  if (!client.ok()) return Fail(err, client.status());
-  auto nodes = (*client)->ListNodes();
+  auto nodes = Ask(o, [&](PlannerClient& c) { return c.ListNodes(); });
   if (!nodes.ok()) return Fail(err, nodes.status());
-  if (o.json) {
-    v1::ListNodesResponse resp;
-    for (auto& n : *nodes) *resp.add_nodes() = n;
-    out << ToJson(resp) << "\n";
-    return kExitOk;
-  }
+  if (o.json) return PrintList(*nodes, &v1::ListNodesResponse::mutable_nodes, out);
   const int64_t now = std::chrono::duration_cast<std::chrono::milliseconds>(
                           std::chrono::system_clock::now().time_since_epoch())
                           .count();

@@ -58,6 +58,24 @@ TensorLayout Flat(const Tensor& t, int64_t offset, int64_t shard) {
   return {&t.spec->name(), &t.spec->shape(), t.numel, offset, shard, 0};
 }
 
+// Each tensor of a group on its own, cut into W chunks of `chunk(t)` elements (the last ones
+// padded); a step copies `copy(shard_bytes)` bytes per rank.
+template <typename Chunk, typename Copy>
+Layout EqualChunks(const std::vector<UnitGroup>& groups, int64_t w, Chunk chunk, Copy copy) {
+  Layout layout{w, {}};
+  for (const UnitGroup& g : groups) {
+    GroupLayout gl{g.name, g.dtype, 0, {}, 0};
+    for (const Tensor& t : g.tensors) {
+      const int64_t c = chunk(t);
+      gl.tensors.push_back(Flat(t, 0, c));
+      gl.per_rank_elems += c;
+    }
+    gl.copy_bytes_per_step = copy(gl.per_rank_elems * DTypeSize(g.dtype));
+    layout.groups.push_back(std::move(gl));
+  }
+  return layout;
+}
+
 // FSDP2 (torch.distributed._composable.fsdp): each parameter is chunked on dim 0 with
 // torch.chunk, so rank r holds rows [r*c, min((r+1)*c, d0)) with c = ceil(d0 / W), padded to c
 // rows. Copies per step and rank: all-gather copy-in (the padded shards into the all-gather
@@ -66,20 +84,13 @@ TensorLayout Flat(const Tensor& t, int64_t offset, int64_t shard) {
 // unsharded gradients into the reduce-scatter input). The reduce-scatter output is viewed as
 // the sharded gradients (as_strided), so there is no copy-out there.
 Layout Fsdp2(const std::vector<UnitGroup>& groups, int64_t w) {
-  Layout layout{w, {}};
-  for (const UnitGroup& g : groups) {
-    GroupLayout gl{g.name, g.dtype, 0, {}, 0};
-    for (const Tensor& t : g.tensors) {
-      int64_t d0 = t.spec->shape(0);
-      int64_t chunk = CeilDiv(d0, w) * (t.numel / d0);
-      gl.tensors.push_back({&t.spec->name(), &t.spec->shape(), t.numel, 0, chunk, 0});
-      gl.per_rank_elems += chunk;
-    }
-    const int64_t shard_bytes = gl.per_rank_elems * DTypeSize(g.dtype);
-    gl.copy_bytes_per_step = 2 * (shard_bytes + w * shard_bytes) + w * shard_bytes;
-    layout.groups.push_back(std::move(gl));
-  }
-  return layout;
+  return EqualChunks(
+      groups, w,
+      [w](const Tensor& t) {
+        const int64_t d0 = t.spec->shape(0);
+        return CeilDiv(d0, w) * (t.numel / d0);
+      },
+      [w](int64_t shard_bytes) { return 2 * (shard_bytes + w * shard_bytes) + w * shard_bytes; });
 }
 
 // DeepSpeed ZeRO-3 (runtime/zero/partition_parameters.py): every parameter is flattened and
@@ -88,19 +99,11 @@ Layout Fsdp2(const std::vector<UnitGroup>& groups, int64_t w) {
 // (forward and backward), and the reduce-scatter copies the gradients into the padded
 // partitioned buffer and the reduced partition out.
 Layout Zero3(const std::vector<UnitGroup>& groups, int64_t w) {
-  Layout layout{w, {}};
-  for (const UnitGroup& g : groups) {
-    GroupLayout gl{g.name, g.dtype, 0, {}, 0};
-    for (const Tensor& t : g.tensors) {
-      int64_t chunk = CeilDiv(t.numel, w);
-      gl.tensors.push_back({&t.spec->name(), &t.spec->shape(), t.numel, 0, chunk, 0});
-      gl.per_rank_elems += chunk;
-    }
-    const int64_t shard_bytes = gl.per_rank_elems * DTypeSize(g.dtype);
-    gl.copy_bytes_per_step = 2 * (shard_bytes + w * shard_bytes) + (w * shard_bytes + shard_bytes);
-    layout.groups.push_back(std::move(gl));
-  }
-  return layout;
+  return EqualChunks(
+      groups, w, [w](const Tensor& t) { return CeilDiv(t.numel, w); },
+      [w](int64_t shard_bytes) {
+        return 2 * (shard_bytes + w * shard_bytes) + (w * shard_bytes + shard_bytes);
+      });
 }
 
 // FSDP1 FlatParameter (use_orig_params=True): the unit's parameters are concatenated with each

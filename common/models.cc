@@ -124,40 +124,45 @@ void Gpt3(Builder& b) {
   b.Add("transformer.ln_f.bias", {h});
 }
 
-void Mixtral(Builder& b) {
-  const int64_t h = 4096;
+// A decoder of mixture-of-experts layers with grouped-query attention (Mixtral, Qwen3-MoE).
+struct MoeDecoder {
+  int64_t vocab, hidden, layers, heads, kv_heads, head_dim, experts, expert_ffn;
+  const char* moe;     // the layer's mixture-of-experts module, with its dot
+  bool qk_norm;        // per-head RMSNorm of queries and keys
+  bool mixtral_names;  // experts named w1/w2/w3 instead of gate/up/down_proj
+};
+
+void AddMoeDecoder(Builder& b, const MoeDecoder& m) {
+  const int64_t h = m.hidden;
   b.Unit("embed");
-  b.Add("model.embed_tokens.weight", {32000, h});
-  for (int64_t l = 0; l < 32; ++l) {
+  b.Add("model.embed_tokens.weight", {m.vocab, h});
+  for (int64_t l = 0; l < m.layers; ++l) {
     std::string p = absl::StrCat("model.layers.", l, ".");
     b.Unit(absl::StrCat("layers.", l));
     b.Norms(p, h);
-    b.AttnGqa(p + "self_attn.", h, 32, 8, 128);
-    b.Add(p + "block_sparse_moe.gate.weight", {8, h}, true);
-    b.Experts(p + "block_sparse_moe.", 8, h, 14336, /*mixtral_names=*/true);
+    b.AttnGqa(p + "self_attn.", h, m.heads, m.kv_heads, m.head_dim);
+    if (m.qk_norm) {
+      b.Add(p + "self_attn.q_norm.weight", {m.head_dim});
+      b.Add(p + "self_attn.k_norm.weight", {m.head_dim});
+    }
+    b.Add(p + m.moe + "gate.weight", {m.experts, h}, true);
+    b.Experts(p + m.moe, m.experts, h, m.expert_ffn, m.mixtral_names);
   }
   b.Unit("head");
   b.Add("model.norm.weight", {h});
-  b.Add("lm_head.weight", {32000, h});
+  b.Add("lm_head.weight", {m.vocab, h});
+}
+
+void Mixtral(Builder& b) {
+  AddMoeDecoder(b, {/*vocab=*/32000, /*hidden=*/4096, /*layers=*/32, /*heads=*/32,
+                    /*kv_heads=*/8, /*head_dim=*/128, /*experts=*/8, /*expert_ffn=*/14336,
+                    "block_sparse_moe.", /*qk_norm=*/false, /*mixtral_names=*/true});
 }
 
 void Qwen3Moe(Builder& b) {
-  const int64_t h = 4096;
-  b.Unit("embed");
-  b.Add("model.embed_tokens.weight", {151936, h});
-  for (int64_t l = 0; l < 94; ++l) {
-    std::string p = absl::StrCat("model.layers.", l, ".");
-    b.Unit(absl::StrCat("layers.", l));
-    b.Norms(p, h);
-    b.AttnGqa(p + "self_attn.", h, 64, 4, 128);
-    b.Add(p + "self_attn.q_norm.weight", {128});
-    b.Add(p + "self_attn.k_norm.weight", {128});
-    b.Add(p + "mlp.gate.weight", {128, h}, true);
-    b.Experts(p + "mlp.", 128, h, 1536, false);
-  }
-  b.Unit("head");
-  b.Add("model.norm.weight", {h});
-  b.Add("lm_head.weight", {151936, h});
+  AddMoeDecoder(b, {/*vocab=*/151936, /*hidden=*/4096, /*layers=*/94, /*heads=*/64,
+                    /*kv_heads=*/4, /*head_dim=*/128, /*experts=*/128, /*expert_ffn=*/1536, "mlp.",
+                    /*qk_norm=*/true, /*mixtral_names=*/false});
 }
 
 void DeepSeekV3(Builder& b) {

@@ -10,27 +10,25 @@ json MetricsToJson(const v1::LayoutMetrics& m) {
   auto pct = [](int64_t part, int64_t whole) {
     return whole > 0 ? 100.0 * static_cast<double>(part) / static_cast<double>(whole) : 0.0;
   };
-  json j;
-  j["total_elems"] = m.total_elems();
-  j["padding_elems"] = m.padding_elems();
-  j["padding_pct"] = m.padding_pct();
-  j["imbalance"] = m.imbalance();
-  j["blocks128_split"] = m.blocks128_split();
-  j["blocks128_total"] = m.blocks128_total();
-  j["blocks128_split_pct"] = pct(m.blocks128_split(), m.blocks128_total());
-  j["blocks32_split"] = m.blocks32_split();
-  j["blocks32_total"] = m.blocks32_total();
-  j["blocks32_split_pct"] = pct(m.blocks32_split(), m.blocks32_total());
-  j["matrices_split"] = m.matrices_split();
-  j["matrices_total"] = m.matrices_total();
-  j["copy_bytes_per_step"] = m.copy_bytes_per_step();
-  j["lb1_elems"] = m.lb1_elems();
-  j["lb2_elems"] = m.lb2_elems();
-  j["lower_bound1_gap_pct"] = m.lb1_gap_pct();
-  j["lower_bound_gap_pct"] = m.lb2_gap_pct();
-  j["owner_load_max_over_mean"] = m.owner_load_max_over_mean();
-  j["owner_locality"] = m.owner_locality();
-  return j;
+  return json{{"total_elems", m.total_elems()},
+              {"padding_elems", m.padding_elems()},
+              {"padding_pct", m.padding_pct()},
+              {"imbalance", m.imbalance()},
+              {"blocks128_split", m.blocks128_split()},
+              {"blocks128_total", m.blocks128_total()},
+              {"blocks128_split_pct", pct(m.blocks128_split(), m.blocks128_total())},
+              {"blocks32_split", m.blocks32_split()},
+              {"blocks32_total", m.blocks32_total()},
+              {"blocks32_split_pct", pct(m.blocks32_split(), m.blocks32_total())},
+              {"matrices_split", m.matrices_split()},
+              {"matrices_total", m.matrices_total()},
+              {"copy_bytes_per_step", m.copy_bytes_per_step()},
+              {"lb1_elems", m.lb1_elems()},
+              {"lb2_elems", m.lb2_elems()},
+              {"lower_bound1_gap_pct", m.lb1_gap_pct()},
+              {"lower_bound_gap_pct", m.lb2_gap_pct()},
+              {"owner_load_max_over_mean", m.owner_load_max_over_mean()},
+              {"owner_locality", m.owner_locality()}};
 }
 
 json PolicyResultToJson(const PolicyResult& result, int64_t max_segments) {
@@ -43,19 +41,18 @@ json PolicyResultToJson(const PolicyResult& result, int64_t max_segments) {
     j["planner_version"] = plan.planner_version();
     j["units"] = json::array();
     for (const v1::UnitPlan& up : plan.units()) {
-      json ju;
-      ju["name"] = up.unit();
-      ju["dtype"] = std::string(DTypeName(up.dtype()));
-      ju["shard_elems"] = up.shard_elems();
-      ju["tensors"] = json::array();
+      json ju = {{"name", up.unit()},
+                 {"dtype", std::string(DTypeName(up.dtype()))},
+                 {"shard_elems", up.shard_elems()},
+                 {"tensors", json::array()}};
       for (const v1::TensorPlacement& tp : up.tensors()) {
-        json jt;
-        jt["name"] = tp.name();
-        jt["offset"] = tp.offset();
-        jt["numel"] = tp.numel();
-        jt["granule_elems"] = tp.granule_elems();
-        jt["first_rank"] = tp.first_rank();
-        jt["rank_elems"] = std::vector<int64_t>(tp.rank_elems().begin(), tp.rank_elems().end());
+        json jt = {
+            {"name", tp.name()},
+            {"offset", tp.offset()},
+            {"numel", tp.numel()},
+            {"granule_elems", tp.granule_elems()},
+            {"first_rank", tp.first_rank()},
+            {"rank_elems", std::vector<int64_t>(tp.rank_elems().begin(), tp.rank_elems().end())}};
         if (tp.owner_rank() >= 0) jt["owner_rank"] = tp.owner_rank();
         ju["tensors"].push_back(std::move(jt));
       }

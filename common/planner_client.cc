@@ -135,6 +135,14 @@ class GrpcPlanWatch final : public PlanWatch {
   std::thread thread_;
 };
 
+// A request that names only its job.
+template <typename Request>
+Request ForJob(const std::string& job_id) {
+  Request request;
+  request.set_job_id(job_id);
+  return request;
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<GrpcPlannerClient>> GrpcPlannerClient::Create(
@@ -239,10 +247,8 @@ absl::StatusOr<v1::Job> GrpcPlannerClient::CreateJob(const v1::CreateJobRequest&
 }
 
 absl::StatusOr<v1::Job> GrpcPlannerClient::GetJob(const std::string& job_id) {
-  v1::GetJobRequest req;
-  req.set_job_id(job_id);
   v1::GetJobResponse resp;
-  RAGSHARD_UNARY(GetJob, req, resp);
+  RAGSHARD_UNARY(GetJob, ForJob<v1::GetJobRequest>(job_id), resp);
   return resp.job();
 }
 
@@ -253,10 +259,8 @@ absl::StatusOr<std::vector<v1::Job>> GrpcPlannerClient::ListJobs() {
 }
 
 absl::Status GrpcPlannerClient::DeleteJob(const std::string& job_id) {
-  v1::DeleteJobRequest req;
-  req.set_job_id(job_id);
   v1::DeleteJobResponse resp;
-  RAGSHARD_UNARY(DeleteJob, req, resp);
+  RAGSHARD_UNARY(DeleteJob, ForJob<v1::DeleteJobRequest>(job_id), resp);
   return absl::OkStatus();
 }
 
@@ -267,10 +271,8 @@ absl::StatusOr<v1::Job> GrpcPlannerClient::RegisterRank(const v1::RegisterRankRe
 }
 
 absl::StatusOr<v1::Plan> GrpcPlannerClient::GetPlan(const std::string& job_id) {
-  v1::GetPlanRequest req;
-  req.set_job_id(job_id);
   v1::GetPlanResponse resp;
-  RAGSHARD_UNARY(GetPlan, req, resp);
+  RAGSHARD_UNARY(GetPlan, ForJob<v1::GetPlanRequest>(job_id), resp);
   return std::move(*resp.mutable_plan());
 }
 

@@ -1,5 +1,4 @@
-// The client side of ragshard-planner: an interface, the gRPC implementation and (in
-// fake_planner_client.h) an in-memory fake for tests.
+// The client side of ragshard-planner: an interface and its gRPC implementation.
 #pragma once
 
 #include <chrono>

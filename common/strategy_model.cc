@@ -348,23 +348,26 @@ absl::StatusOr<const std::vector<UnitCost>*> StrategyModel::Overlapped(
   // One compute stream, one communication stream (FIFO in issue order). A gather is issued
   // `depth` units ahead: when the compute of unit u - depth starts.
   const size_t depth = static_cast<size_t>(s.prefetch);
+  // The time each stream is next free.
   double comm = 0, clock = 0;
-  // Labels are built only for a timeline: the search runs this thousands of times.
-  auto run_comm = [&](double issue, double seconds, const char* kind, const std::string& unit) {
-    const double start = std::max(issue, comm);
-    comm = start + seconds;
+  // Runs `seconds` of work on a stream once it is free and the work is `ready`; returns when the
+  // work starts. Labels are built only for a timeline: the search runs this thousands of times.
+  auto run = [&](const char* stream, double* free, double ready, double seconds, const char* kind,
+                 const std::string& unit) {
+    const double start = std::max(ready, *free);
+    *free = start + seconds;
     if (timeline != nullptr && seconds > 0) {
-      timeline->push_back({"comm", absl::StrCat(kind, " ", unit), start, comm});
+      timeline->push_back({stream, absl::StrCat(kind, " ", unit), start, *free});
     }
+    return start;
+  };
+  // A collective issued at `issue`; returns when it ends.
+  auto run_comm = [&](double issue, double seconds, const char* kind, const std::string& unit) {
+    run("comm", &comm, issue, seconds, kind, unit);
     return comm;
   };
   auto run_compute = [&](double ready, double seconds, const char* kind, const std::string& unit) {
-    const double start = std::max(ready, clock);
-    clock = start + seconds;
-    if (timeline != nullptr && seconds > 0) {
-      timeline->push_back({"compute", absl::StrCat(kind, " ", unit), start, clock});
-    }
-    return start;
+    return run("compute", &clock, ready, seconds, kind, unit);
   };
   std::vector<double> gathered(n, 0), started(n, 0);
   for (size_t u = 0; u < n; ++u) {

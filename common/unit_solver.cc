@@ -316,6 +316,19 @@ absl::StatusOr<UnitSolution> SolveUnit(const std::vector<UnitItem>& items, int64
     ++sol.feasibility_tests;
     return feasible(s);
   };
+  // The smallest feasible candidate in (lo, hi], by bisection, given that `hi` is feasible and
+  // `lo` is not (feasibility assumed monotone).
+  auto bisect = [&](int64_t lo, int64_t hi, auto&& feasible) {
+    while (true) {
+      const int64_t mid = candidates.Next(lo + (hi - lo) / 2 + 1);
+      if (mid >= hi) return hi;
+      if (test(mid, feasible)) {
+        hi = mid;
+      } else {
+        lo = mid;
+      }
+    }
+  };
   auto paper = [&](int64_t s) { return FeasiblePaper(items, orders, s, world, align, &offsets); };
 
   // The paper's search: binary search over the shard sizes that are multiples of
@@ -333,16 +346,7 @@ absl::StatusOr<UnitSolution> SolveUnit(const std::vector<UnitItem>& items, int64
       delta *= 2;
     }
     if (hi >= upper) hi = upper;  // `upper` is always feasible
-    while (true) {
-      const int64_t mid = candidates.Next(lo + (hi - lo) / 2 + 1);
-      if (mid >= hi) break;
-      if (test(mid, paper)) {
-        hi = mid;
-      } else {
-        lo = mid;
-      }
-    }
-    paper_s = hi;
+    paper_s = bisect(lo, hi, paper);
   }
   if (mode == SolverMode::kPaper) {
     sol.shard_elems = paper_s;
@@ -426,16 +430,7 @@ absl::StatusOr<UnitSolution> SolveUnit(const std::vector<UnitItem>& items, int64
       lo = c;
       delta *= 2;
     }
-    while (true) {
-      int64_t c = candidates.Next(lo + (hi - lo) / 2 + 1);
-      if (c >= hi) break;
-      if (test(c, feasible)) {
-        hi = c;
-      } else {
-        lo = c;
-      }
-    }
-    best = hi;
+    best = bisect(lo, hi, feasible);
   }
   sol.shard_elems = best;
   sol.exact = (exact && exhausted) || best == sol.lb2;

@@ -86,8 +86,8 @@ void NodeDaemon::Wait() {
   if (server_) server_->Wait();
 }
 
-grpc::ServerUnaryReactor* NodeDaemon::Start(grpc::CallbackServerContext* ctx,
-                                            const v1::StartRequest* req, v1::StartResponse* resp) {
+grpc::ServerUnaryReactor* NodeDaemon::Start(Ctx* ctx, const v1::StartRequest* req,
+                                            v1::StartResponse* resp) {
   auto found = FindAttachment(req->attachment_id());
   if (!found.ok()) return ReplyUnary(ctx, found.status());
   auto seq = found->first->StartOp(found->second, *req);
@@ -96,8 +96,8 @@ grpc::ServerUnaryReactor* NodeDaemon::Start(grpc::CallbackServerContext* ctx,
   return ReplyUnary(ctx, absl::OkStatus());
 }
 
-grpc::ServerUnaryReactor* NodeDaemon::Wait(grpc::CallbackServerContext* ctx,
-                                           const v1::WaitRequest* req, v1::WaitResponse* resp) {
+grpc::ServerUnaryReactor* NodeDaemon::Wait(Ctx* ctx, const v1::WaitRequest* req,
+                                           v1::WaitResponse* resp) {
   auto found = FindAttachment(req->attachment_id());
   if (!found.ok()) return ReplyUnary(ctx, found.status());
   auto* reactor = ctx->DefaultReactor();
@@ -112,13 +112,12 @@ grpc::ServerUnaryReactor* NodeDaemon::Wait(grpc::CallbackServerContext* ctx,
   return reactor;
 }
 
-grpc::ServerUnaryReactor* NodeDaemon::NoOp(grpc::CallbackServerContext* ctx, const v1::NoOpRequest*,
-                                           v1::NoOpResponse*) {
+grpc::ServerUnaryReactor* NodeDaemon::NoOp(Ctx* ctx, const v1::NoOpRequest*, v1::NoOpResponse*) {
   return ReplyUnary(ctx, absl::OkStatus());
 }
 
-grpc::ServerUnaryReactor* NodeDaemon::Stats(grpc::CallbackServerContext* ctx,
-                                            const v1::StatsRequest*, v1::StatsResponse* resp) {
+grpc::ServerUnaryReactor* NodeDaemon::Stats(Ctx* ctx, const v1::StatsRequest*,
+                                            v1::StatsResponse* resp) {
   const PoolStats ps = pool_->Stats();
   resp->set_pool_capacity(ps.capacity);
   resp->set_pool_used(ps.used);

@@ -58,18 +58,22 @@ class NodeDaemon final : public v1::Daemon::CallbackService {
 
   PoolStats pool_stats() const { return pool_->Stats(); }
 
-  grpc::ServerUnaryReactor* Attach(grpc::CallbackServerContext* ctx, const v1::AttachRequest* req,
-                                   v1::AttachResponse* resp) override;
-  grpc::ServerUnaryReactor* Detach(grpc::CallbackServerContext* ctx, const v1::DetachRequest* req,
-                                   v1::DetachResponse* resp) override;
-  grpc::ServerUnaryReactor* Start(grpc::CallbackServerContext* ctx, const v1::StartRequest* req,
-                                  v1::StartResponse* resp) override;
-  grpc::ServerUnaryReactor* Wait(grpc::CallbackServerContext* ctx, const v1::WaitRequest* req,
-                                 v1::WaitResponse* resp) override;
-  grpc::ServerUnaryReactor* NoOp(grpc::CallbackServerContext* ctx, const v1::NoOpRequest* req,
-                                 v1::NoOpResponse* resp) override;
-  grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* ctx, const v1::StatsRequest* req,
-                                  v1::StatsResponse* resp) override;
+  // The handlers. A call naming an attachment this daemon does not hold answers NOT_FOUND.
+  using Ctx = grpc::CallbackServerContext;
+  using Unary = grpc::ServerUnaryReactor;
+
+  // A rank joins its job on this node. The job is set up (plan, peers, shards) on one of at most
+  // kMaxAttaching setup threads; RESOURCE_EXHAUSTED beyond that.
+  Unary* Attach(Ctx* ctx, const v1::AttachRequest* req, v1::AttachResponse* resp) override;
+  // The rank leaves its job on this node.
+  Unary* Detach(Ctx* ctx, const v1::DetachRequest* req, v1::DetachResponse* resp) override;
+  // Queues an operation and answers its sequence number; Wait answers when it has run.
+  Unary* Start(Ctx* ctx, const v1::StartRequest* req, v1::StartResponse* resp) override;
+  Unary* Wait(Ctx* ctx, const v1::WaitRequest* req, v1::WaitResponse* resp) override;
+  // Answers at once: the control path's round trip.
+  Unary* NoOp(Ctx* ctx, const v1::NoOpRequest* req, v1::NoOpResponse* resp) override;
+  // The pool's and the jobs' figures.
+  Unary* Stats(Ctx* ctx, const v1::StatsRequest* req, v1::StatsResponse* resp) override;
 
  private:
   struct Attachment {

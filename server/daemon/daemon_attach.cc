@@ -11,8 +11,7 @@
 
 namespace ragshard::daemon {
 
-grpc::ServerUnaryReactor* NodeDaemon::Attach(grpc::CallbackServerContext* ctx,
-                                             const v1::AttachRequest* req,
+grpc::ServerUnaryReactor* NodeDaemon::Attach(Ctx* ctx, const v1::AttachRequest* req,
                                              v1::AttachResponse* resp) {
   if (auto s = ValidateId("job_id", req->job_id()); !s.ok()) return ReplyUnary(ctx, s);
   if (req->rank() < 0)
@@ -94,8 +93,8 @@ void NodeDaemon::ReleaseAttachment(const std::string& id) {
   if (job != nullptr) job->LocalRankLeft(a.local, a.rank);
 }
 
-grpc::ServerUnaryReactor* NodeDaemon::Detach(grpc::CallbackServerContext* ctx,
-                                             const v1::DetachRequest* req, v1::DetachResponse*) {
+grpc::ServerUnaryReactor* NodeDaemon::Detach(Ctx* ctx, const v1::DetachRequest* req,
+                                             v1::DetachResponse*) {
   {
     absl::MutexLock lock(&mu_);
     if (attachments_.count(req->attachment_id()) == 0) {

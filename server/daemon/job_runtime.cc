@@ -227,35 +227,7 @@ void JobRuntime::Run() {
       queue_.pop_front();
       op = ops_[seq];
     }
-    absl::Status s;
-    switch (op.kind) {
-      case v1::OP_UNSHARD:
-        s = dp_->Unshard(op.unit, op.deadline);
-        break;
-      case v1::OP_ALLOCATE_UNSHARDED:
-        s = dp_->AllocateUnsharded(op.unit);
-        break;
-      case v1::OP_RESHARD:
-        s = dp_->Reshard(op.unit, op.keep);
-        break;
-      case v1::OP_ALLOCATE_GRAD:
-        s = dp_->AllocateGrad(op.unit);
-        break;
-      case v1::OP_REDUCE_SCATTER:
-        s = dp_->ReduceScatter(op.unit, ToReduceOp(op.reduce), op.deadline);
-        break;
-      case v1::OP_ALL_REDUCE:
-        s = dp_->AllReduce(op.unit, ToReduceOp(op.reduce), op.deadline);
-        break;
-      case v1::OP_GATHER_TO_OWNER:
-        s = dp_->GatherToOwner(op.unit, op.deadline);
-        break;
-      case v1::OP_SCATTER_FROM_OWNER:
-        s = dp_->ScatterFromOwner(op.unit, op.deadline);
-        break;
-      default:
-        s = absl::InvalidArgumentError("unknown operation kind");
-    }
+    const absl::Status s = Execute(op);
     std::vector<v1::UnitBuffers> placements;
     if (s.ok()) {
       placements.resize(local_ranks_.size());
@@ -293,6 +265,30 @@ void JobRuntime::Run() {
     }
   }
   for (auto& cb : pending) cb(true, absl::AbortedError("the job was released"), nullptr);
+}
+
+absl::Status JobRuntime::Execute(const Op& op) {
+  switch (op.kind) {
+    case v1::OP_UNSHARD:
+      return dp_->Unshard(op.unit, op.deadline);
+    case v1::OP_ALLOCATE_UNSHARDED:
+      return dp_->AllocateUnsharded(op.unit);
+    case v1::OP_RESHARD:
+      return dp_->Reshard(op.unit, op.keep);
+    case v1::OP_ALLOCATE_GRAD:
+      return dp_->AllocateGrad(op.unit);
+    case v1::OP_REDUCE_SCATTER:
+      return dp_->ReduceScatter(op.unit, ToReduceOp(op.reduce), op.deadline);
+    case v1::OP_ALL_REDUCE:
+      return dp_->AllReduce(op.unit, ToReduceOp(op.reduce), op.deadline);
+    case v1::OP_GATHER_TO_OWNER:
+      return dp_->GatherToOwner(op.unit, op.deadline);
+    case v1::OP_SCATTER_FROM_OWNER:
+      return dp_->ScatterFromOwner(op.unit, op.deadline);
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown operation kind ", static_cast<int>(op.kind)));
+  }
 }
 
 }  // namespace ragshard::daemon

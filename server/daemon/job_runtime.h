@@ -106,6 +106,8 @@ class JobRuntime {
   void ServeWaiters();
 
   void Run();
+  // Runs one operation on the data plane (the job thread, without mu_).
+  absl::Status Execute(const Op& op);
 
   const std::string job_id_, node_id_;
   const v1::Plan plan_;

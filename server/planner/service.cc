@@ -109,6 +109,7 @@ absl::Status PlannerService::Admit(grpc::CallbackServerContext* ctx, Access acce
 }
 
 absl::StatusOr<PlannerService::JobState*> PlannerService::FindJob(const std::string& id) {
+  if (shutdown_) return absl::UnavailableError("planner shutting down");
   auto it = jobs_.find(id);
   if (it == jobs_.end() || it->second.job.status() == v1::JOB_DELETED) {
     return absl::NotFoundError(absl::StrCat("job '", id, "' not found"));
@@ -116,20 +117,30 @@ absl::StatusOr<PlannerService::JobState*> PlannerService::FindJob(const std::str
   return &it->second;
 }
 
-grpc::ServerUnaryReactor* PlannerService::OnJob(
-    grpc::CallbackServerContext* ctx, Access access, const std::string& job_id,
-    const std::function<absl::Status()>& validate,
-    const std::function<absl::Status(JobState&, Deferred*)>& body) {
+grpc::ServerUnaryReactor* PlannerService::Locked(
+    Ctx* ctx, Access access, const std::function<absl::Status()>& validate,
+    const std::function<absl::Status(Deferred*)>& body) {
   absl::Status s = Admit(ctx, access, validate);
   if (!s.ok()) return ReplyUnary(ctx, s);
   Deferred deferred;
   {
     absl::MutexLock lock(&mu_);
-    auto job = FindJob(job_id);
-    s = job.ok() ? body(**job, &deferred) : job.status();
+    s = body(&deferred);
   }
   for (auto& f : deferred) f();
   return ReplyUnary(ctx, s);
+}
+
+grpc::ServerUnaryReactor* PlannerService::OnJob(
+    Ctx* ctx, Access access, const std::string& job_id,
+    const std::function<absl::Status()>& validate,
+    const std::function<absl::Status(JobState&, Deferred*)>& body) {
+  auto check = [&] { return validate ? validate() : ValidateJobId(job_id, options_.limits); };
+  return Locked(ctx, access, check, [&](Deferred* deferred) {
+    mu_.AssertHeld();
+    auto job = FindJob(job_id);
+    return job.ok() ? body(**job, deferred) : job.status();
+  });
 }
 
 v1::WatchPlanEvent PlannerService::EventFor(const JobState& js, uint64_t after_version) const {

@@ -70,40 +70,43 @@ class PlannerService final
   // before shutting the grpc::Server down. Idempotent.
   void Shutdown();
 
-  grpc::ServerUnaryReactor* CreateJob(grpc::CallbackServerContext* ctx,
-                                      const v1::CreateJobRequest* req,
-                                      v1::CreateJobResponse* resp) override;
-  grpc::ServerUnaryReactor* GetJob(grpc::CallbackServerContext* ctx, const v1::GetJobRequest* req,
-                                   v1::GetJobResponse* resp) override;
-  grpc::ServerUnaryReactor* ListJobs(grpc::CallbackServerContext* ctx,
-                                     const v1::ListJobsRequest* req,
-                                     v1::ListJobsResponse* resp) override;
-  grpc::ServerUnaryReactor* DeleteJob(grpc::CallbackServerContext* ctx,
-                                      const v1::DeleteJobRequest* req,
-                                      v1::DeleteJobResponse* resp) override;
-  grpc::ServerUnaryReactor* RegisterRank(grpc::CallbackServerContext* ctx,
-                                         const v1::RegisterRankRequest* req,
-                                         v1::RegisterRankResponse* resp) override;
-  grpc::ServerUnaryReactor* GetPlan(grpc::CallbackServerContext* ctx, const v1::GetPlanRequest* req,
-                                    v1::GetPlanResponse* resp) override;
-  grpc::ServerWriteReactor<grpc::ByteBuffer>* WatchPlan(grpc::CallbackServerContext* ctx,
+  // The handlers. Each authenticates, then validates its request (INVALID_ARGUMENT naming the
+  // field), before anything else; a call on a job that does not exist or was deleted answers
+  // NOT_FOUND naming it.
+  using Ctx = grpc::CallbackServerContext;
+  using Unary = grpc::ServerUnaryReactor;
+
+  // A new job, REGISTERING; ALREADY_EXISTS while a job of that id lives, FAILED_PRECONDITION for
+  // policy auto on a planner without a cluster profile.
+  Unary* CreateJob(Ctx* ctx, const v1::CreateJobRequest* req, v1::CreateJobResponse* resp) override;
+  Unary* GetJob(Ctx* ctx, const v1::GetJobRequest* req, v1::GetJobResponse* resp) override;
+  // Every job that is not deleted.
+  Unary* ListJobs(Ctx* ctx, const v1::ListJobsRequest* req, v1::ListJobsResponse* resp) override;
+  // Admin token only. Aborts the job's parked calls, closes its watch streams and purges its
+  // plan and keys from the store.
+  Unary* DeleteJob(Ctx* ctx, const v1::DeleteJobRequest* req, v1::DeleteJobResponse* resp) override;
+  // Records a rank's node and inventory (or the inventory's hash, parked until some rank has sent
+  // the inventory itself); the last rank to register makes the job plan.
+  Unary* RegisterRank(Ctx* ctx, const v1::RegisterRankRequest* req,
+                      v1::RegisterRankResponse* resp) override;
+  // FAILED_PRECONDITION until the job is planned.
+  Unary* GetPlan(Ctx* ctx, const v1::GetPlanRequest* req, v1::GetPlanResponse* resp) override;
+  // The job's plan events, from after the version the request names.
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* WatchPlan(Ctx* ctx,
                                                         const grpc::ByteBuffer* request) override;
-  grpc::ServerUnaryReactor* RegisterNode(grpc::CallbackServerContext* ctx,
-                                         const v1::RegisterNodeRequest* req,
-                                         v1::RegisterNodeResponse* resp) override;
-  grpc::ServerUnaryReactor* Heartbeat(grpc::CallbackServerContext* ctx,
-                                      const v1::HeartbeatRequest* req,
-                                      v1::HeartbeatResponse* resp) override;
-  grpc::ServerUnaryReactor* ListNodes(grpc::CallbackServerContext* ctx,
-                                      const v1::ListNodesRequest* req,
-                                      v1::ListNodesResponse* resp) override;
-  grpc::ServerUnaryReactor* Put(grpc::CallbackServerContext* ctx, const v1::PutRequest* req,
-                                v1::PutResponse* resp) override;
-  grpc::ServerUnaryReactor* Get(grpc::CallbackServerContext* ctx, const v1::GetRequest* req,
-                                v1::GetResponse* resp) override;
-  grpc::ServerUnaryReactor* ReportFailure(grpc::CallbackServerContext* ctx,
-                                          const v1::ReportFailureRequest* req,
-                                          v1::ReportFailureResponse* resp) override;
+  // Records (again) a node and its data address; answers the heartbeat interval.
+  Unary* RegisterNode(Ctx* ctx, const v1::RegisterNodeRequest* req,
+                      v1::RegisterNodeResponse* resp) override;
+  // Refreshes a registered node's figures and names the jobs it holds that are gone.
+  Unary* Heartbeat(Ctx* ctx, const v1::HeartbeatRequest* req, v1::HeartbeatResponse* resp) override;
+  Unary* ListNodes(Ctx* ctx, const v1::ListNodesRequest* req, v1::ListNodesResponse* resp) override;
+  // The rendezvous: Put stores a job's key and answers the Gets waiting for it; Get answers a
+  // stored key at once, else waits up to wait_ms (DEADLINE_EXCEEDED naming the key).
+  Unary* Put(Ctx* ctx, const v1::PutRequest* req, v1::PutResponse* resp) override;
+  Unary* Get(Ctx* ctx, const v1::GetRequest* req, v1::GetResponse* resp) override;
+  // A daemon's report of a lost peer marks a live job DEGRADED with the message.
+  Unary* ReportFailure(Ctx* ctx, const v1::ReportFailureRequest* req,
+                       v1::ReportFailureResponse* resp) override;
 
  private:
   using Clock = std::chrono::system_clock;
@@ -144,6 +147,8 @@ class PlannerService final
   using Deferred = std::vector<std::function<void()>>;
 
   PlannerService(std::unique_ptr<Store> store, PlannerOptions options);
+  // The job a valid CreateJobRequest describes, with the defaults filled in, registering.
+  v1::Job NewJob(const v1::CreateJobRequest& req) const;
   absl::StatusOr<AutoPlan> PlanAutoForJob(const Inventory& inventory, const v1::JobOptions& o,
                                           const std::vector<std::string>& rank_nodes,
                                           const PlanOptions& options) const;
@@ -154,17 +159,27 @@ class PlannerService final
   // validates the request. A non-OK status is the call's answer.
   absl::Status Admit(grpc::CallbackServerContext* ctx, Access access,
                      const std::function<absl::Status()>& validate) const;
-  // A unary call on one job: Admit, then under mu_ find the live job (NOT_FOUND naming it) and
-  // run `body`; the work body defers runs once mu_ is released, and body's status answers.
+  // A unary call on the service's state: Admit, then run `body` under mu_; the work body defers
+  // runs once mu_ is released, and body's status answers.
+  grpc::ServerUnaryReactor* Locked(grpc::CallbackServerContext* ctx, Access access,
+                                   const std::function<absl::Status()>& validate,
+                                   const std::function<absl::Status(Deferred*)>& body);
+  // Locked, on one job: under mu_ find the live job (FindJob) and run `body` on it. A null
+  // `validate` validates `job_id` alone.
   grpc::ServerUnaryReactor* OnJob(grpc::CallbackServerContext* ctx, Access access,
                                   const std::string& job_id,
                                   const std::function<absl::Status()>& validate,
                                   const std::function<absl::Status(JobState&, Deferred*)>& body);
-  // The live job (not deleted), or NOT_FOUND naming it.
+  // The live job (not deleted), or NOT_FOUND naming it; UNAVAILABLE once shutting down.
   absl::StatusOr<JobState*> FindJob(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static bool Terminal(v1::JobStatus s) { return s == v1::JOB_FAILED || s == v1::JOB_DELETED; }
   static int64_t NowMs();
   v1::WatchPlanEvent EventFor(const JobState& js, uint64_t after_version) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Adds `channel` to the watchers of the job `req` names, with `first` the event it starts
+  // with; not OK (NOT_FOUND, RESOURCE_EXHAUSTED past max_watchers): why it closes at once.
+  grpc::Status AddWatcher(const v1::WatchPlanRequest& req,
+                          const std::shared_ptr<WatchChannel>& channel, WatchChannel::Event* first)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Persists the job and tells its watchers.
   absl::Status JobChanged(JobState* js, Deferred* deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

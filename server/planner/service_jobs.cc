@@ -8,29 +8,12 @@
 
 namespace ragshard::planner {
 
-grpc::ServerUnaryReactor* PlannerService::CreateJob(grpc::CallbackServerContext* ctx,
-                                                    const v1::CreateJobRequest* req,
-                                                    v1::CreateJobResponse* resp) {
-  absl::Status s =
-      Admit(ctx, Access::kUser, [&] { return ValidateCreateJob(*req, options_.limits); });
-  if (!s.ok()) return ReplyUnary(ctx, s);
-  absl::MutexLock lock(&mu_);
-  auto it = jobs_.find(req->job_id());
-  if (it != jobs_.end() && it->second.job.status() != v1::JOB_DELETED) {
-    return ReplyUnary(ctx,
-                      absl::AlreadyExistsError(absl::StrCat("job '", req->job_id(), "' exists")));
-  }
-  if (req->options().policy() == "auto" && options_.cluster_profile == nullptr) {
-    return ReplyUnary(ctx,
-                      absl::FailedPreconditionError(
-                          "policy auto needs the planner started with --cluster-profile FILE"));
-  }
-  JobState js;
-  v1::Job& job = js.job;
-  job.set_job_id(req->job_id());
-  *job.mutable_mesh() = req->mesh();
-  job.set_world_size(req->mesh().shard_size() * req->mesh().replicate_size());
-  *job.mutable_options() = req->options();
+v1::Job PlannerService::NewJob(const v1::CreateJobRequest& req) const {
+  v1::Job job;
+  job.set_job_id(req.job_id());
+  *job.mutable_mesh() = req.mesh();
+  job.set_world_size(req.mesh().shard_size() * req.mesh().replicate_size());
+  *job.mutable_options() = req.options();
   if (job.options().policy().empty()) job.mutable_options()->set_policy("ragged");
   if (job.options().align_bytes() == 0) job.mutable_options()->set_align_bytes(16);
   if (job.options().registration_timeout_ms() == 0) {
@@ -42,91 +25,116 @@ grpc::ServerUnaryReactor* PlannerService::CreateJob(grpc::CallbackServerContext*
   job.set_registration_deadline_unix_ms(job.created_unix_ms() +
                                         job.options().registration_timeout_ms());
   for (int64_t r = 0; r < job.world_size(); ++r) job.add_ranks()->set_rank(r);
-  s = store_->PutJob(job);
-  if (!s.ok()) return ReplyUnary(ctx, s);
-  if (it != jobs_.end()) (void)store_->PurgeJobData(req->job_id());
-  *resp->mutable_job() = job;
-  LOG(INFO) << "job " << req->job_id() << " created: world " << job.world_size() << ", policy "
-            << job.options().policy();
-  jobs_[req->job_id()] = std::move(js);
-  return ReplyUnary(ctx, absl::OkStatus());
+  return job;
 }
 
-grpc::ServerUnaryReactor* PlannerService::GetJob(grpc::CallbackServerContext* ctx,
-                                                 const v1::GetJobRequest* req,
-                                                 v1::GetJobResponse* resp) {
-  return OnJob(
-      ctx, Access::kUser, req->job_id(),
-      [&] { return ValidateJobId(req->job_id(), options_.limits); },
-      [&](JobState& js, Deferred*) {
-        *resp->mutable_job() = js.job;
-        return absl::OkStatus();
-      });
-}
-
-grpc::ServerUnaryReactor* PlannerService::ListJobs(grpc::CallbackServerContext* ctx,
-                                                   const v1::ListJobsRequest*,
-                                                   v1::ListJobsResponse* resp) {
-  absl::Status s = Admit(ctx, Access::kUser, nullptr);
-  if (!s.ok()) return ReplyUnary(ctx, s);
-  absl::MutexLock lock(&mu_);
-  for (const auto& [id, js] : jobs_) {
-    if (js.job.status() != v1::JOB_DELETED) *resp->add_jobs() = js.job;
-  }
-  return ReplyUnary(ctx, absl::OkStatus());
-}
-
-grpc::ServerUnaryReactor* PlannerService::DeleteJob(grpc::CallbackServerContext* ctx,
-                                                    const v1::DeleteJobRequest* req,
-                                                    v1::DeleteJobResponse*) {
-  return OnJob(
-      ctx, Access::kAdmin, req->job_id(),
-      [&] { return ValidateJobId(req->job_id(), options_.limits); },
-      [&](JobState& js, Deferred* deferred) {
-        js.job.set_status(v1::JOB_DELETED);
-        js.job.set_error("deleted");
-        const grpc::Status aborted(grpc::StatusCode::ABORTED, "job deleted");
-        for (PendingHash& p : js.pending_hash) Finish(deferred, p.parked.reactor, aborted);
-        js.pending_hash.clear();
-        for (auto g = pending_gets_.begin(); g != pending_gets_.end();) {
-          if (g->job_id == req->job_id()) {
-            Finish(deferred, g->parked.reactor, aborted);
-            g = pending_gets_.erase(g);
-          } else {
-            ++g;
-          }
+grpc::ServerUnaryReactor* PlannerService::CreateJob(Ctx* ctx, const v1::CreateJobRequest* req,
+                                                    v1::CreateJobResponse* resp) {
+  return Locked(
+      ctx, Access::kUser, [&] { return ValidateCreateJob(*req, options_.limits); },
+      [&](Deferred*) {
+        const auto it = jobs_.find(req->job_id());
+        const bool existed = it != jobs_.end();
+        if (existed && it->second.job.status() != v1::JOB_DELETED) {
+          return absl::AlreadyExistsError(absl::StrCat("job '", req->job_id(), "' exists"));
         }
-        absl::Status s = JobChanged(&js, deferred);
-        for (auto& w : js.watchers) deferred->push_back([w] { w->Close(grpc::Status::OK); });
-        js.watchers.clear();
-        js.inventory.reset();
-        js.plan.reset();
-        js.kv.clear();
-        absl::Status purge = store_->PurgeJobData(req->job_id());
-        LOG(INFO) << "job " << req->job_id() << " deleted";
-        return s.ok() ? purge : s;
-      });
-}
-
-grpc::ServerUnaryReactor* PlannerService::GetPlan(grpc::CallbackServerContext* ctx,
-                                                  const v1::GetPlanRequest* req,
-                                                  v1::GetPlanResponse* resp) {
-  return OnJob(
-      ctx, Access::kUser, req->job_id(),
-      [&] { return ValidateJobId(req->job_id(), options_.limits); },
-      [&](JobState& js, Deferred*) {
-        if (!js.plan) {
+        if (req->options().policy() == "auto" && options_.cluster_profile == nullptr) {
           return absl::FailedPreconditionError(
-              absl::StrCat("job '", req->job_id(), "' has no plan yet (status ",
-                           v1::JobStatus_Name(js.job.status()), ")"));
+              "policy auto needs the planner started with --cluster-profile FILE");
         }
-        *resp->mutable_plan() = *js.plan;
+        JobState js;
+        js.job = NewJob(*req);
+        absl::Status s = store_->PutJob(js.job);
+        if (!s.ok()) return s;
+        if (existed) (void)store_->PurgeJobData(req->job_id());
+        *resp->mutable_job() = js.job;
+        LOG(INFO) << "job " << req->job_id() << " created: world " << js.job.world_size()
+                  << ", policy " << js.job.options().policy();
+        jobs_[req->job_id()] = std::move(js);
         return absl::OkStatus();
       });
+}
+
+grpc::ServerUnaryReactor* PlannerService::GetJob(Ctx* ctx, const v1::GetJobRequest* req,
+                                                 v1::GetJobResponse* resp) {
+  return OnJob(ctx, Access::kUser, req->job_id(), nullptr, [&](JobState& js, Deferred*) {
+    *resp->mutable_job() = js.job;
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* PlannerService::ListJobs(Ctx* ctx, const v1::ListJobsRequest*,
+                                                   v1::ListJobsResponse* resp) {
+  return Locked(ctx, Access::kUser, nullptr, [&](Deferred*) {
+    for (const auto& [id, js] : jobs_) {
+      if (js.job.status() != v1::JOB_DELETED) *resp->add_jobs() = js.job;
+    }
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* PlannerService::DeleteJob(Ctx* ctx, const v1::DeleteJobRequest* req,
+                                                    v1::DeleteJobResponse*) {
+  return OnJob(ctx, Access::kAdmin, req->job_id(), nullptr, [&](JobState& js, Deferred* deferred) {
+    js.job.set_status(v1::JOB_DELETED);
+    js.job.set_error("deleted");
+    const grpc::Status aborted(grpc::StatusCode::ABORTED, "job deleted");
+    for (PendingHash& p : js.pending_hash) Finish(deferred, p.parked.reactor, aborted);
+    js.pending_hash.clear();
+    for (auto g = pending_gets_.begin(); g != pending_gets_.end();) {
+      if (g->job_id == req->job_id()) {
+        Finish(deferred, g->parked.reactor, aborted);
+        g = pending_gets_.erase(g);
+      } else {
+        ++g;
+      }
+    }
+    absl::Status s = JobChanged(&js, deferred);
+    for (auto& w : js.watchers) deferred->push_back([w] { w->Close(grpc::Status::OK); });
+    js.watchers.clear();
+    js.inventory.reset();
+    js.plan.reset();
+    js.kv.clear();
+    absl::Status purge = store_->PurgeJobData(req->job_id());
+    LOG(INFO) << "job " << req->job_id() << " deleted";
+    return s.ok() ? purge : s;
+  });
+}
+
+grpc::ServerUnaryReactor* PlannerService::GetPlan(Ctx* ctx, const v1::GetPlanRequest* req,
+                                                  v1::GetPlanResponse* resp) {
+  return OnJob(ctx, Access::kUser, req->job_id(), nullptr, [&](JobState& js, Deferred*) {
+    if (!js.plan) {
+      return absl::FailedPreconditionError(absl::StrCat("job '", req->job_id(),
+                                                        "' has no plan yet (status ",
+                                                        v1::JobStatus_Name(js.job.status()), ")"));
+    }
+    *resp->mutable_plan() = *js.plan;
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status PlannerService::AddWatcher(const v1::WatchPlanRequest& req,
+                                        const std::shared_ptr<WatchChannel>& channel,
+                                        WatchChannel::Event* first) {
+  auto job = FindJob(req.job_id());
+  if (!job.ok()) return ToGrpcStatus(job.status());
+  JobState& js = **job;
+  auto& w = js.watchers;
+  w.erase(std::remove_if(w.begin(), w.end(), [](const auto& c) { return c->done(); }), w.end());
+  watchers_ = 0;
+  for (const auto& [id, other] : jobs_) watchers_ += static_cast<int64_t>(other.watchers.size());
+  if (watchers_ >= options_.max_watchers) {
+    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "too many watchers");
+  }
+  *first = ToBuffer(EventFor(js, req.after_plan_version()));
+  channel->sent_version = std::max(req.after_plan_version(), js.job.plan_version());
+  w.push_back(channel);
+  return grpc::Status::OK;
 }
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* PlannerService::WatchPlan(
-    grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request) {
+    Ctx* ctx, const grpc::ByteBuffer* request) {
   auto* reactor = new WatchReactor();
   std::shared_ptr<WatchChannel> channel = reactor->channel();
   v1::WatchPlanRequest parsed;
@@ -148,35 +156,12 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* PlannerService::WatchPlan(
     return reactor;
   }
   WatchChannel::Event first;
-  grpc::Status close = grpc::Status::OK;
-  bool closing = false;
+  grpc::Status close;
   {
     absl::MutexLock lock(&mu_);
-    auto job = FindJob(req->job_id());
-    if (shutdown_) {
-      close = grpc::Status(grpc::StatusCode::UNAVAILABLE, "planner shutting down");
-      closing = true;
-    } else if (!job.ok()) {
-      close = ToGrpcStatus(job.status());
-      closing = true;
-    } else {
-      JobState& js = **job;
-      auto& w = js.watchers;
-      w.erase(std::remove_if(w.begin(), w.end(), [](const auto& c) { return c->done(); }), w.end());
-      watchers_ = 0;
-      for (const auto& [id, other] : jobs_)
-        watchers_ += static_cast<int64_t>(other.watchers.size());
-      if (watchers_ >= options_.max_watchers) {
-        close = grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "too many watchers");
-        closing = true;
-      } else {
-        first = ToBuffer(EventFor(js, req->after_plan_version()));
-        channel->sent_version = std::max(req->after_plan_version(), js.job.plan_version());
-        w.push_back(channel);
-      }
-    }
+    close = AddWatcher(*req, channel, &first);
   }
-  if (closing) {
+  if (!close.ok()) {
     channel->Close(close);
   } else {
     channel->Push(std::move(first));

@@ -5,61 +5,57 @@
 
 namespace ragshard::planner {
 
-grpc::ServerUnaryReactor* PlannerService::RegisterNode(grpc::CallbackServerContext* ctx,
-                                                       const v1::RegisterNodeRequest* req,
+grpc::ServerUnaryReactor* PlannerService::RegisterNode(Ctx* ctx, const v1::RegisterNodeRequest* req,
                                                        v1::RegisterNodeResponse* resp) {
-  absl::Status s =
-      Admit(ctx, Access::kUser, [&] { return ValidateRegisterNode(*req, options_.limits); });
-  if (!s.ok()) return ReplyUnary(ctx, s);
-  absl::MutexLock lock(&mu_);
-  v1::Node& node = nodes_[req->node_id()];
-  node.set_node_id(req->node_id());
-  node.set_data_address(req->data_address());
-  node.set_capacity_bytes(req->capacity_bytes());
-  node.set_status(v1::NODE_UP);
-  node.set_last_heartbeat_unix_ms(NowMs());
-  s = store_->PutNode(node);
-  resp->set_heartbeat_interval_ms(options_.heartbeat_interval.count());
-  LOG(INFO) << "node " << req->node_id() << " registered at '" << req->data_address() << "'";
-  return ReplyUnary(ctx, s);
+  return Locked(
+      ctx, Access::kUser, [&] { return ValidateRegisterNode(*req, options_.limits); },
+      [&](Deferred*) {
+        v1::Node& node = nodes_[req->node_id()];
+        node.set_node_id(req->node_id());
+        node.set_data_address(req->data_address());
+        node.set_capacity_bytes(req->capacity_bytes());
+        node.set_status(v1::NODE_UP);
+        node.set_last_heartbeat_unix_ms(NowMs());
+        resp->set_heartbeat_interval_ms(options_.heartbeat_interval.count());
+        LOG(INFO) << "node " << req->node_id() << " registered at '" << req->data_address() << "'";
+        return store_->PutNode(node);
+      });
 }
 
-grpc::ServerUnaryReactor* PlannerService::Heartbeat(grpc::CallbackServerContext* ctx,
-                                                    const v1::HeartbeatRequest* req,
+grpc::ServerUnaryReactor* PlannerService::Heartbeat(Ctx* ctx, const v1::HeartbeatRequest* req,
                                                     v1::HeartbeatResponse* resp) {
-  absl::Status s =
-      Admit(ctx, Access::kUser, [&] { return ValidateHeartbeat(*req, options_.limits); });
-  if (!s.ok()) return ReplyUnary(ctx, s);
-  absl::MutexLock lock(&mu_);
-  auto it = nodes_.find(req->node_id());
-  if (it == nodes_.end()) {
-    return ReplyUnary(
-        ctx, absl::NotFoundError(
-                 absl::StrCat("node '", req->node_id(), "' is not registered; call RegisterNode")));
-  }
-  v1::Node& node = it->second;
-  *node.mutable_figures() = req->figures();
-  node.set_last_heartbeat_unix_ms(NowMs());
-  if (node.status() != v1::NODE_UP) {
-    node.set_status(v1::NODE_UP);
-    (void)store_->PutNode(node);
-    LOG(INFO) << "node " << node.node_id() << " is back";
-  }
-  for (const std::string& job : req->jobs()) {
-    auto j = jobs_.find(job);
-    if (j == jobs_.end() || j->second.job.status() == v1::JOB_DELETED) resp->add_release_jobs(job);
-  }
-  return ReplyUnary(ctx, absl::OkStatus());
+  return Locked(
+      ctx, Access::kUser, [&] { return ValidateHeartbeat(*req, options_.limits); },
+      [&](Deferred*) {
+        auto it = nodes_.find(req->node_id());
+        if (it == nodes_.end()) {
+          return absl::NotFoundError(
+              absl::StrCat("node '", req->node_id(), "' is not registered; call RegisterNode"));
+        }
+        v1::Node& node = it->second;
+        *node.mutable_figures() = req->figures();
+        node.set_last_heartbeat_unix_ms(NowMs());
+        if (node.status() != v1::NODE_UP) {
+          node.set_status(v1::NODE_UP);
+          (void)store_->PutNode(node);
+          LOG(INFO) << "node " << node.node_id() << " is back";
+        }
+        for (const std::string& job : req->jobs()) {
+          auto j = jobs_.find(job);
+          if (j == jobs_.end() || j->second.job.status() == v1::JOB_DELETED) {
+            resp->add_release_jobs(job);
+          }
+        }
+        return absl::OkStatus();
+      });
 }
 
-grpc::ServerUnaryReactor* PlannerService::ListNodes(grpc::CallbackServerContext* ctx,
-                                                    const v1::ListNodesRequest*,
+grpc::ServerUnaryReactor* PlannerService::ListNodes(Ctx* ctx, const v1::ListNodesRequest*,
                                                     v1::ListNodesResponse* resp) {
-  absl::Status s = Admit(ctx, Access::kUser, nullptr);
-  if (!s.ok()) return ReplyUnary(ctx, s);
-  absl::MutexLock lock(&mu_);
-  for (const auto& [id, node] : nodes_) *resp->add_nodes() = node;
-  return ReplyUnary(ctx, absl::OkStatus());
+  return Locked(ctx, Access::kUser, nullptr, [&](Deferred*) {
+    for (const auto& [id, node] : nodes_) *resp->add_nodes() = node;
+    return absl::OkStatus();
+  });
 }
 
 void PlannerService::ExpireNodes(int64_t now_ms, Deferred* deferred) {
@@ -85,7 +81,7 @@ void PlannerService::ExpireNodes(int64_t now_ms, Deferred* deferred) {
   }
 }
 
-grpc::ServerUnaryReactor* PlannerService::ReportFailure(grpc::CallbackServerContext* ctx,
+grpc::ServerUnaryReactor* PlannerService::ReportFailure(Ctx* ctx,
                                                         const v1::ReportFailureRequest* req,
                                                         v1::ReportFailureResponse*) {
   return OnJob(

@@ -11,8 +11,7 @@
 
 namespace ragshard::planner {
 
-grpc::ServerUnaryReactor* PlannerService::RegisterRank(grpc::CallbackServerContext* ctx,
-                                                       const v1::RegisterRankRequest* req,
+grpc::ServerUnaryReactor* PlannerService::RegisterRank(Ctx* ctx, const v1::RegisterRankRequest* req,
                                                        v1::RegisterRankResponse* resp) {
   absl::Status s =
       Admit(ctx, Access::kUser, [&] { return ValidateRegisterRank(*req, options_.limits); });
@@ -27,9 +26,7 @@ grpc::ServerUnaryReactor* PlannerService::RegisterRank(grpc::CallbackServerConte
   {
     absl::MutexLock lock(&mu_);
     auto found = FindJob(req->job_id());
-    if (shutdown_) {
-      result = grpc::Status(grpc::StatusCode::UNAVAILABLE, "planner shutting down");
-    } else if (!found.ok()) {
+    if (!found.ok()) {
       result = ToGrpcStatus(found.status());
     } else {
       JobState& js = **found;

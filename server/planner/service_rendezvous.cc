@@ -6,8 +6,8 @@
 
 namespace ragshard::planner {
 
-grpc::ServerUnaryReactor* PlannerService::Put(grpc::CallbackServerContext* ctx,
-                                              const v1::PutRequest* req, v1::PutResponse*) {
+grpc::ServerUnaryReactor* PlannerService::Put(Ctx* ctx, const v1::PutRequest* req,
+                                              v1::PutResponse*) {
   return OnJob(
       ctx, Access::kUser, req->job_id(), [&] { return ValidatePut(*req, options_.limits); },
       [&](JobState& js, Deferred* deferred) {
@@ -27,8 +27,8 @@ grpc::ServerUnaryReactor* PlannerService::Put(grpc::CallbackServerContext* ctx,
       });
 }
 
-grpc::ServerUnaryReactor* PlannerService::Get(grpc::CallbackServerContext* ctx,
-                                              const v1::GetRequest* req, v1::GetResponse* resp) {
+grpc::ServerUnaryReactor* PlannerService::Get(Ctx* ctx, const v1::GetRequest* req,
+                                              v1::GetResponse* resp) {
   absl::Status s = Admit(ctx, Access::kUser, [&] { return ValidateGet(*req, options_.limits); });
   if (!s.ok()) return ReplyUnary(ctx, s);
   absl::MutexLock lock(&mu_);

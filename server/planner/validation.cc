@@ -137,10 +137,19 @@ absl::Status ValidateHeartbeat(const v1::HeartbeatRequest& req, const ServiceLim
   return absl::OkStatus();
 }
 
+namespace {
+
+// The job and key a rendezvous call names.
+absl::Status ValidateJobKey(const std::string& job_id, const std::string& key,
+                            const ServiceLimits& limits) {
+  absl::Status s = ValidateJobId(job_id, limits);
+  return s.ok() ? ValidateId("key", key, limits.max_key_length) : s;
+}
+
+}  // namespace
+
 absl::Status ValidatePut(const v1::PutRequest& req, const ServiceLimits& limits) {
-  absl::Status s = ValidateJobId(req.job_id(), limits);
-  if (!s.ok()) return s;
-  s = ValidateId("key", req.key(), limits.max_key_length);
+  absl::Status s = ValidateJobKey(req.job_id(), req.key(), limits);
   if (!s.ok()) return s;
   if (static_cast<int64_t>(req.value().size()) > limits.max_value_bytes) {
     return Bad("value", absl::StrCat("larger than ", limits.max_value_bytes, " bytes"));
@@ -149,9 +158,7 @@ absl::Status ValidatePut(const v1::PutRequest& req, const ServiceLimits& limits)
 }
 
 absl::Status ValidateGet(const v1::GetRequest& req, const ServiceLimits& limits) {
-  absl::Status s = ValidateJobId(req.job_id(), limits);
-  if (!s.ok()) return s;
-  s = ValidateId("key", req.key(), limits.max_key_length);
+  absl::Status s = ValidateJobKey(req.job_id(), req.key(), limits);
   if (!s.ok()) return s;
   if (req.wait_ms() < 0 || req.wait_ms() > limits.max_wait_ms) {
     return Bad("wait_ms",
