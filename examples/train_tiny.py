@@ -257,6 +257,12 @@ def sharded(args, model, chain):
         first = checkpoint.load(fsdp, opt, args.resume)
         ckpt["load_seconds"] = time.time() - ts
         ckpt["load_bytes_read"] = fsdp.checkpoint_bytes_read
+        # What this rank holds under its plan (its shard position; each unit's shard size and
+        # its tensors' offsets there), from which the tests derive the bytes it must read.
+        ckpt["layout"] = {"pos": fsdp.pos, "units": [
+            {"shard_elems": int(fsdp.shard_elems[ui]),
+             "tensors": [[t["name"], int(t["offset"]), int(t["numel"])]
+                         for t in fsdp.plan["units"][ui]["tensors"]]} for ui in fsdp.units()]}
     pending = []
     losses, step_seconds, pool_trace = [], [], []
     tokens = 0

@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -113,40 +114,114 @@ def test_resume_under_another_plan_equals_the_reference(cluster, saved, tmp_path
     job = f"resume-{opt}-{where}"
     launch(cluster, tmp_path, job, args, **spec)
     assert_matches(str(tmp_path / job), saved[opt]["ref"], first_step=4)
+    # Each rank reads exactly the chunks of the stored pieces that overlap its own pieces under
+    # the new plan (for every record: parameters, moments, momentum), no more.
     nproc = spec.get("nproc", 4)
-    if nproc > 1:
-        # No rank reads the whole model: each reads the chunks its own pieces need.
-        stored = sum(os.path.getsize(os.path.join(saved[opt]["root"], "step_00000003", f))
-                     for f in os.listdir(os.path.join(saved[opt]["root"], "step_00000003"))
-                     if f.endswith(".bin"))
-        reads = [json.load(open(f"{tmp_path / job}.rank{r}.json"))["checkpoint"]
-                 ["load_bytes_read"] for r in range(nproc)]
+    path = os.path.join(saved[opt]["root"], "step_00000003")
+    meta = _format.read_metadata(path)
+    stored = sum(os.path.getsize(os.path.join(path, f)) for f in meta["files"])
+    ranks = [json.load(open(f"{tmp_path / job}.rank{r}.json"))["checkpoint"]
+             for r in range(nproc)]
+    reads = [c["load_bytes_read"] for c in ranks]
+    want = [bytes_to_read(meta, c["layout"]) for c in ranks]
+    assert reads == want, (reads, want, stored)
+    # The shard group: 2 ranks at 1 x 2 and under HSDP (2 replicas of 2), 4 at 2 x 2, 1 at
+    # 1 x 1; policy auto chooses its own.
+    group = len({c["layout"]["pos"] for c in ranks})
+    assert {c["layout"]["pos"] for c in ranks} == set(range(group))
+    assert group == {"1x2": 2, "1x1": 1, "2x2-rows1": 4, "2x2-hsdp": 2}.get(where, group)
+    if group > 1:  # no rank reads the whole model
         assert max(reads) < stored, (reads, stored)
+    else:
+        assert reads == [stored]
 
 
-def test_the_saving_run_equals_the_reference_to_its_step(saved):
-    run, ref = result(saved["adamw"]["run"]), result(saved["adamw"]["ref"])
-    assert run[0]["first_step"] == 1
-    for x, y in zip(run[0]["losses"], ref[0]["losses"][:3]):
-        assert abs(x - y) <= 1e-5 * abs(y)
+def bytes_to_read(meta, layout):
+    """The bytes a load reads on a rank that holds `layout` (train_tiny's: its shard position,
+    and each unit's shard size and tensor offsets): for each tensor, the rank's flat elements
+    [max(off, pos*S) - off, min(off + numel, (pos+1)*S) - off), and for each stored record of
+    it, the whole chunks of every stored piece that overlap them; buffers are read whole."""
+    chunk = meta["chunk_bytes"]
+    mine = {}
+    pos = layout["pos"]
+    for u in layout["units"]:
+        lo, hi = pos * u["shard_elems"], (pos + 1) * u["shard_elems"]
+        for name, off, numel in u["tensors"]:
+            if max(off, lo) < min(off + numel, hi):
+                mine[name] = (max(off, lo) - off, min(off + numel, hi) - off)
+    for name, t in meta["tensors"].items():
+        if "buffer" in t:
+            mine[name] = (0, int(torch.Size(t["shape"]).numel()))
+    total = 0
+    for name, (lo, hi) in mine.items():
+        for kind, rec in meta["tensors"][name].items():
+            if kind == "shape":
+                continue
+            item = _format.DTYPES[rec["dtype"]][1]
+            for p in rec["pieces"]:
+                a, b = max(lo, p["start"]), min(hi, p["start"] + p["count"])
+                if a < b:
+                    first = (a - p["start"]) * item // chunk
+                    last = ((b - p["start"]) * item - 1) // chunk
+                    total += min((last + 1) * chunk, p["count"] * item) - first * chunk
+    return total
 
 
-def test_async_save_overlapping_the_next_step_holds_that_step(cluster, saved, tmp_path):
-    root = tmp_path / "async"
-    launch(cluster, tmp_path, "async", ["--steps", "6", "--save", str(root), "--save-step", "3",
-                                        "--async-save"])
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+def test_the_saving_run_equals_the_reference_to_its_step(saved, opt):
+    run, ref = result(saved[opt]["run"]), result(saved[opt]["ref"])
+    assert run[0]["first_step"] == 1 and len(run[0]["losses"]) == 3
+    for i, (x, y) in enumerate(zip(run[0]["losses"], ref[0]["losses"][:3])):
+        assert abs(x - y) <= 1e-5 * abs(y), f"step {i + 1}: loss {x} vs {y}"
+
+
+def assert_same_checkpoint(got_root, want_root):
+    """The checkpoints hold the same step, optimizer kind and step counts, tensors and records,
+    and every record the same bytes. Returns the kinds of record compared."""
+    gp, wp = _format.resolve(got_root), _format.resolve(want_root)
+    got, want = _format.read_metadata(gp), _format.read_metadata(wp)
+    assert got["step"] == want["step"]
+    assert got["optimizer"] == want["optimizer"]  # the kind, and every parameter's step count
+    kinds = lambda m: {n: sorted(t) for n, t in m["tensors"].items()}  # noqa: E731
+    assert kinds(got) == kinds(want)
+    compared = set()
+    with _format.Reader(gp, got) as rg, _format.Reader(wp, want) as rw:
+        for name, t in want["tensors"].items():
+            numel = int(torch.Size(t["shape"]).numel())
+            for kind in t:
+                if kind == "shape":
+                    continue
+                (a, da), (b, db) = rg.read(name, kind, 0, numel), rw.read(name, kind, 0, numel)
+                same = da == db and bytes(a) == bytes(b)  # no dump of the bytes on failure
+                assert same, f"tensor '{name}' ({kind}) differs"
+                compared.add(kind)
+    return compared
+
+
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+def test_async_save_overlapping_the_next_step_holds_that_step(cluster, saved, tmp_path, opt):
+    root, job = tmp_path / "async", f"async-{opt}"
+    # The hook holds each rank's write after its first piece until the optimizer's step 4
+    # waits for it: the write spans step 4's forward and backward.
+    launch(cluster, tmp_path, job, ["--steps", "6", "--save", str(root), "--save-step", "3",
+                                    "--async-save"] + OPTIMIZERS[opt],
+           RAGSHARD_CHECKPOINT_WRITE_HOLD="1")
+    for r in range(4):
+        phases = json.load(open(f"{tmp_path / job}.rank{r}.json"))["checkpoint"][
+            "save_phases"]
+        assert phases[0].get("write_held") is True, (r, phases)
     # Training was not disturbed: all 6 steps equal the reference.
-    assert_matches(str(tmp_path / "async"), saved["adamw"]["ref"], first_step=1)
-    # The checkpoint holds the state after step 3 (that of the synchronous save), not later.
-    got = checkpoint.export_state_dict(str(root))
-    want = checkpoint.export_state_dict(saved["adamw"]["root"])
-    assert got.keys() == want.keys()
-    for name in want:
-        assert torch.equal(got[name], want[name]), name
+    assert_matches(str(tmp_path / job), saved[opt]["ref"], first_step=1)
+    # The checkpoint holds the state after step 3, not later: every record equals that of the
+    # synchronous save at step 3 (the same plan), byte for byte.
+    compared = assert_same_checkpoint(str(root), saved[opt]["root"])
+    assert {"param", "exp_avg", "exp_avg_sq"} <= compared, compared
+    assert ("muon_momentum" in compared) == (opt == "muon"), compared
     meta = _format.read_metadata(_format.resolve(str(root)))
-    assert meta["step"] == 3
-    launch(cluster, tmp_path, "async-resume", ["--steps", "6", "--resume", str(root)])
-    assert_matches(str(tmp_path / "async-resume"), saved["adamw"]["ref"], first_step=4)
+    assert meta["step"] == 3 and set(meta["optimizer"]["steps"].values()) == {3.0}
+    if opt == "adamw":
+        launch(cluster, tmp_path, "async-resume", ["--steps", "6", "--resume", str(root)])
+        assert_matches(str(tmp_path / "async-resume"), saved[opt]["ref"], first_step=4)
 
 
 def test_a_plain_state_dict_loads_into_a_sharded_run(cluster, saved, tmp_path):
@@ -298,15 +373,116 @@ def test_the_optimizer_step_waits_for_an_asynchronous_write():
         opt.step()
 
 
+def stage(saved, root, step):
+    """What the 4 ranks of a save of step `step` leave under `root` for rank 0's commit: their
+    data files and indexes (those of the saved checkpoint) in the partial directory."""
+    src = os.path.join(saved["adamw"]["root"], "step_00000003")
+    partial = os.path.join(root, _format.partial_dir_name(step))
+    os.makedirs(partial)
+    for f in os.listdir(src):
+        if f.startswith("rank"):
+            shutil.copy(os.path.join(src, f), partial)
+    return partial
+
+
+def commit(saved, root, step, partial=None):
+    """Rank 0's commit of a save of step `step` (staged unless `partial` is given)."""
+    partial = partial or stage(saved, root, step)
+    return checkpoint._commit(root, partial, step, 4, {}, time.monotonic() + 60,
+                              _format.new_dir_name(root, step))
+
+
+def latest(root):
+    return open(os.path.join(root, "latest")).read().strip()
+
+
+def test_a_second_save_of_a_step_keeps_latest_loadable_at_every_instant(saved, tmp_path,
+                                                                         monkeypatch):
+    root = str(tmp_path / "ckpt")
+    assert commit(saved, root, 3) == os.path.join(root, "step_00000003")
+    partial = stage(saved, root, 3)
+    # After every rename, replace and removal of the second commit, `latest` names a complete
+    # checkpoint of step 3 (a crash between any two of them leaves one that loads).
+    seen = []
+
+    def checked(fn):
+        def run(*a, **k):
+            out = fn(*a, **k)
+            path = _format.resolve(root)
+            assert _format.read_metadata(path)["step"] == 3, (fn.__name__, a)
+            checkpoint.export_state_dict(path)  # every record reads and checks
+            seen.append((fn.__name__, os.path.basename(path)))
+            return out
+        return run
+    with monkeypatch.context() as m:
+        for mod, fn in ((os, "rename"), (os, "replace"), (shutil, "rmtree")):
+            m.setattr(mod, fn, checked(getattr(mod, fn)))
+        second = commit(saved, root, 3, partial)
+    assert second == os.path.join(root, "step_00000003.1")
+    assert {n for _, n in seen} == {"step_00000003", "step_00000003.1"}, seen
+    assert ("rmtree", "step_00000003.1") in seen  # the old copy went after latest moved
+    assert latest(root) == "step_00000003.1" and not os.path.exists(
+        os.path.join(root, "step_00000003"))
+    assert _format.resolve(root, 3) == second
+    # A crash before the older copy went leaves both: a load of the step takes the newer.
+    shutil.copytree(second, os.path.join(root, "step_00000003"))
+    assert _format.resolve(root, 3) == second
+    assert commit(saved, root, 3) == os.path.join(root, "step_00000003.2")
+    assert sorted(n for n in os.listdir(root) if n.startswith("step_")) == ["step_00000003.2"]
+
+
+def test_a_late_commit_of_an_earlier_step_leaves_latest_at_the_later_one(saved, tmp_path):
+    root = str(tmp_path / "ckpt")
+    commit(saved, root, 4)
+    assert commit(saved, root, 3) == os.path.join(root, "step_00000003")  # finished last
+    assert latest(root) == "step_00000004"
+    assert _format.read_metadata(_format.resolve(root))["step"] == 4
+    assert _format.read_metadata(_format.resolve(root, 3))["step"] == 3
+    commit(saved, root, 4)  # a second save of the newest step moves latest
+    assert latest(root) == "step_00000004.1"
+
+
+def test_a_commit_refuses_pieces_with_a_gap_and_an_overlap(saved, tmp_path):
+    """A piece split in two halves that both hold the first half: the element count is right,
+    but the second half is missing and the first stored twice."""
+    root = str(tmp_path / "ckpt")
+    partial = stage(saved, root, 3)
+    path = os.path.join(partial, _format.index_file(1))
+    idx = json.load(open(path))
+    i, e = next((i, e) for i, e in enumerate(idx["pieces"])
+                if e["kind"] == "param" and e["count"] % 2 == 0)
+    half = dict(e, count=e["count"] // 2)
+    idx["pieces"][i:i + 1] = [half, dict(half)]
+    with open(path, "w") as f:
+        json.dump(idx, f)
+    with pytest.raises(checkpoint.CheckpointError,
+                       match=re.escape(f"tensor '{e['name']}' (param): an overlap at element")):
+        commit(saved, root, 3, partial)
+    assert not os.path.exists(os.path.join(root, "latest"))
+    assert not os.path.exists(os.path.join(root, "step_00000003"))
+
+
+def first_piece(meta):
+    """The first piece of the first tensor's parameter in a metadata file."""
+    return next(iter(meta["tensors"].values()))["param"]["pieces"][0]
+
+
 @pytest.mark.parametrize("edit,what", [
     (lambda m: m.update(chunk_bytes=1 << 62), "chunk_bytes"),
-    (lambda m: next(iter(m["tensors"].values()))["param"]["pieces"][0].update(count=1 << 60),
-     "out of range|truncated"),
-    (lambda m: next(iter(m["tensors"].values()))["param"]["pieces"][0].update(offset=-5),
-     "out of range"),
-])
+    (lambda m: first_piece(m).update(count=1 << 60), "out of range|truncated"),
+    (lambda m: first_piece(m).update(offset=-5), "out of range"),
+    (lambda m: first_piece(m).update(crc32=first_piece(m)["crc32"][:-1]),
+     r"tensor '[\w.]+' \(param\): the metadata lists no CRC for every chunk"),
+    (lambda m: first_piece(m).pop("crc32"),
+     r"tensor '[\w.]+' \(param\): the metadata lists no CRC for every chunk"),
+    (lambda m: first_piece(m).update(file="../rank00001.bin"),
+     r"tensor '[\w.]+' \(param\) names no valid file"),
+    (lambda m: first_piece(m).update(file="rank09999.bin"),
+     r"rank09999\.bin: missing: tensor '[\w.]+' \(param\) is stored there"),
+], ids=["chunk", "count", "offset", "short-crc", "no-crc", "path", "missing-file"])
 def test_hostile_metadata_gets_a_clear_error(saved, tmp_path, edit, what):
-    """Sizes in a metadata file are checked before anything is allocated or read."""
+    """Sizes, names and checksum lists in a metadata file are checked before anything is
+    allocated or read; the error names the tensor."""
     root = tmp_path / "hostile"
     shutil.copytree(saved["adamw"]["root"], root)
     path = root / "step_00000003" / "metadata.json"

@@ -68,8 +68,9 @@ def _snapshot(model, optimizer):
     return kind, out, steps, shapes
 
 
-def _write_rank(model, partial, step, snapshot):
-    """Writes this rank's data file, then its index (the sign that its part is on disk)."""
+def _write_rank(model, partial, step, snapshot, after_first=None):
+    """Writes this rank's data file, then its index (the sign that its part is on disk).
+    `after_first`: the tests' hook of an asynchronous save (_format.hold_write)."""
     kind, records, steps, shapes = snapshot
     pos = model.pos
     entries = _format.write_pieces(
@@ -77,7 +78,7 @@ def _write_rank(model, partial, step, snapshot):
         [(f"{name}\0{rec_kind}", start, count, dtype,
           memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b""))
          for name, rec_kind, start, count, dtype, t in records],
-        kill_after=_format.kill_point(pos, step))
+        kill_after=_format.kill_point(pos, step), after_first=after_first)
     for e in entries:
         e["name"], e["kind"] = e["name"].split("\0")
         e["file"] = _format.data_file(pos)
@@ -101,9 +102,49 @@ def _plan_summary(model):
             "policy": model.plan.get("policy", ""), "units": units}
 
 
-def _commit(root, partial, step, world, plan, deadline):
+# Rank 0's commits, one at a time (an asynchronous save commits from its own thread, so the
+# commits of two saves may run at once), and the commit threads still running by their partial
+# directory.
+_COMMIT_LOCK = threading.Lock()
+_COMMITTING = {}
+
+
+def _check_coverage(partial, name, kind, pieces, numel):
+    """The pieces of one record of a tensor, sorted by start, cover its elements [0, numel)
+    one after another: no gap, no overlap, nothing beyond."""
+    at = 0
+    for p in pieces:
+        if p["start"] != at:
+            what = "a gap" if p["start"] > at else "an overlap"
+            raise CheckpointError(
+                f"{partial}: tensor '{name}' ({kind}): {what} at element {min(at, p['start'])}: "
+                f"a piece starts at {p['start']} where the pieces before it end at {at}; not "
+                "committed")
+        at += p["count"]
+    if at != numel:
+        raise CheckpointError(f"{partial}: tensor '{name}' ({kind}) has elements [0, {at}) of "
+                              f"its {numel} stored; not committed")
+
+
+def _latest_step(root):
+    """The step of the checkpoint `latest` names, or None where it names none that loads."""
+    try:
+        with open(os.path.join(root, _format.LATEST)) as f:
+            name = f.read().strip()
+    except OSError:
+        return None
+    key = _format.parse_dir_name(name)
+    if key is None or not os.path.isfile(os.path.join(root, name, _format.METADATA)):
+        return None
+    return key[0]
+
+
+def _commit(root, partial, step, world, plan, deadline, name):
     """Rank 0: waits (up to `deadline`) for every rank's index, merges them into the metadata,
-    and renames the partial directory into place; `latest` then names it."""
+    and renames the partial directory to `name` under `root`; `latest` then names it, unless it
+    names a later step (an asynchronous save of a later step committed first). Older copies of
+    the same step are removed last, so that `latest` names a complete checkpoint at every
+    instant."""
     indexes = []
     for pos in range(world):
         path = os.path.join(partial, _format.index_file(pos))
@@ -118,13 +159,13 @@ def _commit(root, partial, step, world, plan, deadline):
     for idx in indexes:
         kinds.add(idx["optimizer"])
         steps.update(idx["steps"])
-        for name, shape in idx["shapes"].items():
-            tensors.setdefault(name, {"shape": shape})
+        for tname, shape in idx["shapes"].items():
+            tensors.setdefault(tname, {"shape": shape})
         for e in idx["pieces"]:
             rec = tensors[e["name"]].setdefault(e["kind"], {"dtype": e["dtype"], "pieces": []})
             rec["pieces"].append({k: e[k] for k in ("file", "offset", "start", "count",
                                                     "crc32")})
-    for name, t in tensors.items():
+    for tname, t in tensors.items():
         numel = 1
         for d in t["shape"]:
             numel *= d
@@ -132,10 +173,7 @@ def _commit(root, partial, step, world, plan, deadline):
             if kind == "shape":
                 continue
             rec["pieces"].sort(key=lambda p: p["start"])
-            have = sum(p["count"] for p in rec["pieces"])
-            if kind in ("param", "buffer") and have != numel:
-                raise CheckpointError(f"{partial}: tensor '{name}' ({kind}) has {have} of its "
-                                      f"{numel} elements stored; not committed")
+            _check_coverage(partial, tname, kind, rec["pieces"], numel)
     if len(kinds) != 1:
         raise CheckpointError(f"{partial}: the ranks saved different optimizers: {sorted(kinds)}")
     meta = {"format": _format.FORMAT, "step": int(step), "saved_unix_s": time.time(),
@@ -143,23 +181,26 @@ def _commit(root, partial, step, world, plan, deadline):
             "optimizer": {"kind": kinds.pop(), "steps": steps}, "plan": plan,
             "files": [_format.data_file(p) for p in range(world)], "tensors": tensors}
     _format.write_json_atomic(os.path.join(partial, _format.METADATA), meta)
-    final = os.path.join(root, _format.step_dir_name(step))
-    if os.path.exists(final):  # a second save of the same step replaces the first
-        old = final + ".old"
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(final, old)
+    final = os.path.join(root, name)
+    with _COMMIT_LOCK:
+        if os.path.exists(final):
+            raise CheckpointError(f"{final}: exists already; the save of step {step} is not "
+                                  "committed")
         os.rename(partial, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(partial, final)
-    _format.fsync_dir(root)
-    tmp = os.path.join(root, _format.LATEST + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(_format.step_dir_name(step) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(root, _format.LATEST))
-    _format.fsync_dir(root)
+        _format.fsync_dir(root)
+        named = _latest_step(root)
+        if named is None or named <= int(step):
+            tmp = os.path.join(root, _format.LATEST + ".tmp")
+            with open(tmp, "w") as f:
+                f.write(name + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, os.path.join(root, _format.LATEST))
+            _format.fsync_dir(root)
+        # Only now the older copies of this step go: `latest` names none of them.
+        for old in _format.step_copies(root, int(step)):
+            if old != name:
+                shutil.rmtree(os.path.join(root, old), ignore_errors=True)
     return final
 
 
@@ -169,9 +210,12 @@ class SaveHandle:
     error. `written` is set once this rank's part is on disk (or the save failed): until then
     the module's state must not change (`ShardedModule.wait_for_checkpoint_write`)."""
 
-    def __init__(self, write, commit):
+    def __init__(self, write, commit, waited=None):
         self._result, self._error, self._write_error = None, None, None
         self.written = threading.Event()
+        # Set once the training thread waits for the write (wait_written, result): the tests'
+        # hook _format.hold_write holds the write until then.
+        self.waited = waited if waited is not None else threading.Event()
 
         def run():
             try:
@@ -193,11 +237,13 @@ class SaveHandle:
 
     def wait_written(self):
         """Waits until this rank's part is written; raises the save's error if it failed."""
+        self.waited.set()
         self.written.wait()
         if self._write_error is not None:
             raise self._write_error
 
     def result(self, timeout=None):
+        self.waited.set()
         self._thread.join(timeout)
         if self._thread.is_alive():
             raise TimeoutError("ragshard checkpoint: the save is still running")
@@ -220,10 +266,22 @@ def save(model, optimizer, root, step, async_save=False, timeout=600.0):
     partial = os.path.join(root, _format.partial_dir_name(step))
     t0 = time.perf_counter()
     if model.rank == 0:
+        # An asynchronous save of the same step, still committing from this directory, ends
+        # first (every rank's part of it is on disk: each rank waited for its write above).
+        running = _COMMITTING.pop(partial, None)
+        if running is not None:
+            running.join()
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)  # what a crashed save of this step left
         os.makedirs(partial)
+        # The directory this save commits to (a new one where the step is on disk already),
+        # for the other ranks.
+        name = _format.new_dir_name(root, step)
+        _format.write_json_atomic(os.path.join(partial, _format.TARGET), name)
     _barrier(model)  # the partial directory exists, and is empty, for every rank
+    if model.rank != 0:
+        with open(os.path.join(partial, _format.TARGET)) as f:
+            name = json.load(f)
     t1 = time.perf_counter()
     writer = _writer(model)
     snapshot = _snapshot(model, optimizer) if writer else None
@@ -233,26 +291,41 @@ def save(model, optimizer, root, step, async_save=False, timeout=600.0):
     model.checkpoint_save_phases = {"start_barrier": t1 - t0,
                                     "snapshot": time.perf_counter() - t1}
 
-    def write():
-        if writer:
-            _write_rank(model, partial, step, snapshot)
-
     def commit():
         if model.rank == 0:
             return _commit(root, partial, step, model.world, plan,
-                           time.monotonic() + timeout)
-        return os.path.join(root, _format.step_dir_name(step))
+                           time.monotonic() + timeout, name)
+        return os.path.join(root, name)
 
     if async_save:
-        handle = SaveHandle(write, commit)
+        waited = threading.Event()  # the training thread waits for the write
+        phases = model.checkpoint_save_phases
+        held = _format.hold_write()
+
+        def hold():  # the tests' hook (_format.hold_write): the write spans the next step
+            waited.wait()
+            phases["write_held"] = True
+
+        def write():
+            if writer:
+                t = time.perf_counter()
+                _write_rank(model, partial, step, snapshot,
+                            after_first=hold if held else None)
+                # Filled in by the thread once this rank's part is written (after save
+                # returned the dict).
+                phases["write"] = time.perf_counter() - t
+
+        handle = SaveHandle(write, commit, waited)
+        if model.rank == 0:
+            for done in [k for k, t in _COMMITTING.items() if not t.is_alive()]:
+                del _COMMITTING[done]
+            _COMMITTING[partial] = handle._thread
         model.checkpoint_writing = handle  # the optimizer's step waits for the write
         return handle
     if writer:
         _write_rank(model, partial, step, snapshot)
     _barrier(model)  # every part is on disk
-    path = os.path.join(root, _format.step_dir_name(step))
-    if model.rank == 0:
-        path = _commit(root, partial, step, model.world, plan, time.monotonic() + timeout)
+    path = commit()
     _barrier(model)  # committed: every rank may load it now
     return path
 
