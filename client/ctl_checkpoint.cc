@@ -37,6 +37,11 @@ constexpr uintmax_t kMaxMetadataBytes = uintmax_t{1} << 30;
 // Element counts beyond this would overflow a byte size (and no file is that large).
 constexpr double kMaxCount = 9.0e15;
 
+// True for a name that stays inside its directory: not empty, no '/', not "." or "..".
+bool PlainName(const std::string& name) {
+  return !name.empty() && name != "." && name != ".." && name.find('/') == std::string::npos;
+}
+
 // The checkpoint's directory: DIR itself, or the one DIR/latest names.
 absl::StatusOr<fs::path> Resolve(const fs::path& dir) {
   std::error_code ec;
@@ -60,8 +65,7 @@ absl::StatusOr<fs::path> Resolve(const fs::path& dir) {
       std::find_if(name.rbegin(), name.rend(), [](char c) { return !std::isspace(c); }).base(),
       name.end());
   const fs::path path = dir / name;
-  if (name.empty() || name.find('/') != std::string::npos ||
-      !fs::is_regular_file(path / "metadata.json", ec)) {
+  if (!PlainName(name) || !fs::is_regular_file(path / "metadata.json", ec)) {
     return absl::InvalidArgumentError(
         absl::StrCat(path.string(), ": not a complete checkpoint (no metadata.json)"));
   }
@@ -108,7 +112,7 @@ class Checker {
     const fs::path path = dir_ / file;
     const std::string where = absl::StrCat(path.string(), ": ");
     const std::string what = absl::StrCat("tensor '", tensor, "' (", kind, ")");
-    if (file.empty() || file.find('/') != std::string::npos) {
+    if (!PlainName(file)) {
       errors_.push_back(absl::StrCat(dir_.string(), ": ", what, " names no valid file"));
       return;
     }

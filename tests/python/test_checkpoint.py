@@ -477,9 +477,12 @@ def first_piece(meta):
      r"tensor '[\w.]+' \(param\): the metadata lists no CRC for every chunk"),
     (lambda m: first_piece(m).update(file="../rank00001.bin"),
      r"tensor '[\w.]+' \(param\) names no valid file"),
+    (lambda m: first_piece(m).update(file=".."),
+     r"tensor '[\w.]+' \(param\) names no valid file"),
     (lambda m: first_piece(m).update(file="rank09999.bin"),
      r"rank09999\.bin: missing: tensor '[\w.]+' \(param\) is stored there"),
-], ids=["chunk", "count", "offset", "short-crc", "no-crc", "path", "missing-file"])
+], ids=["chunk", "count", "offset", "short-crc", "no-crc", "path", "dotdot",
+                              "missing-file"])
 def test_hostile_metadata_gets_a_clear_error(saved, tmp_path, edit, what):
     """Sizes, names and checksum lists in a metadata file are checked before anything is
     allocated or read; the error names the tensor."""
