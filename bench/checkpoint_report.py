@@ -197,7 +197,7 @@ def plot(rows, path):
                                            for label in labels])
     ax.invert_yaxis()
     ax.set_xlabel("MB/s (median, min–max whiskers)")
-    ax.set_title("Checkpoint throughput, 2 daemons x 2 ranks, ~25 M parameters + AdamW")
+    fig.suptitle("Checkpoint throughput, 2 daemons x 2 ranks, ~25 M parameters + AdamW")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
