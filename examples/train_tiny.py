@@ -27,6 +27,7 @@ import sys
 import time
 
 import torch
+import torch.utils.checkpoint
 
 
 class Block(torch.nn.Module):
@@ -56,8 +57,9 @@ class Block(torch.nn.Module):
 
 
 class TinyLM(torch.nn.Module):
-    def __init__(self, vocab, d, layers, heads, seq):
+    def __init__(self, vocab, d, layers, heads, seq, checkpoint_activations=""):
         super().__init__()
+        self.checkpoint_activations = checkpoint_activations  # "", "reentrant", "non-reentrant"
         self.tok = torch.nn.Embedding(vocab, d)
         self.pos = torch.nn.Embedding(seq, d)
         self.layers = torch.nn.ModuleList(Block(d, heads) for _ in range(layers))
@@ -67,7 +69,12 @@ class TinyLM(torch.nn.Module):
     def forward(self, idx):
         x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
         for layer in self.layers:
-            x = layer(x)
+            if self.checkpoint_activations:
+                # The block's activations are recomputed in backward, its unit gathered.
+                x = torch.utils.checkpoint.checkpoint(
+                    layer, x, use_reentrant=self.checkpoint_activations == "reentrant")
+            else:
+                x = layer(x)
         return self.head(self.ln(x))
 
 
@@ -113,7 +120,13 @@ def parse():
                         "parameters), with a fresh optimizer")
     p.add_argument("--accum", type=int, default=1, help="micro-batches per step")
     p.add_argument("--clip", type=float, default=0.0, help="max global grad norm (0: off)")
-    p.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw")
+    p.add_argument("--optimizer", choices=["adamw", "muon", "adam8bit"], default="adamw",
+                   help="adam8bit: AdamW with block-quantized moments (128x128 blocks of "
+                        "matrices, 256 of vectors; vectors are then not cut: granule whole)")
+    p.add_argument("--checkpoint-activations", nargs="?", const="non-reentrant", default="",
+                   choices=["non-reentrant", "reentrant"],
+                   help="recompute each layer's activations in backward "
+                        "(torch.utils.checkpoint; non-reentrant unless told)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--muon-lr", type=float, default=0.02)
     p.add_argument("--weight-decay", type=float, default=0.01)
@@ -157,12 +170,14 @@ def parse():
         p.error("--save-step needs --save DIR")
     if (a.save or a.resume) and (a.reference or a.ddp or a.fsdp2):
         p.error("--save and --resume are for runs through ragshard")
+    if (a.save or a.resume) and a.optimizer == "adam8bit":
+        p.error("--save and --resume: checkpoints hold AdamW and Muon state, not adam8bit's")
     if a.load_state and (a.ddp or a.fsdp2):
         p.error("--load-state is for runs through ragshard and --reference")
     for mode in ("ddp", "fsdp2"):
         if getattr(a, mode):
             unsupported = [flag for flag, on in (
-                ("--optimizer muon", a.optimizer != "adamw"), ("--accum", a.accum != 1),
+                (f"--optimizer {a.optimizer}", a.optimizer != "adamw"), ("--accum", a.accum != 1),
                 ("--clip", a.clip > 0), ("--quantize", a.quantize != "none"),
                 ("--param-dtype bf16", mode == "ddp" and a.param_dtype != "fp32"),
                 ("--reference", a.reference), ("--ddp and --fsdp2", a.ddp and a.fsdp2))
@@ -196,8 +211,12 @@ def reference(args, model, chain):
     matrices = [p for n, p in model.named_parameters() if args.optimizer == "muon" and
                 is_matrix(n, p)]
     others = [p for n, p in model.named_parameters() if not any(p is m for m in matrices)]
-    wd = args.weight_decay if args.optimizer == "adamw" else 0.0
-    adamw = torch.optim.AdamW(others, lr=args.lr, weight_decay=wd)
+    wd = args.weight_decay if args.optimizer != "muon" else 0.0
+    if args.optimizer == "adam8bit":
+        from reference_optim import Adam8bit  # beside this script
+        adamw = Adam8bit(others, lr=args.lr, weight_decay=wd)
+    else:
+        adamw = torch.optim.AdamW(others, lr=args.lr, weight_decay=wd)
     from ragshard.torch import newton_schulz
     bufs = [torch.zeros_like(p) for p in matrices]
     losses = []
@@ -236,7 +255,10 @@ def sharded(args, model, chain):
     fsdp = rt.fully_shard(
         model, client, units=lambda m: list(m.layers), param_dtype=args.param_dtype,
         quantize=None if args.quantize == "none" else args.quantize,
-        granule=lambda n, p: args.granule,
+        # Vectors are cut anywhere, except under adam8bit, whose 256-element blocks must not
+        # straddle ranks (rows:K is whole for a vector).
+        granule=lambda n, p: args.granule if p.dim() >= 2 or args.optimizer == "adam8bit"
+        else "element",
         optimizer=lambda n, p: "matrix" if args.optimizer == "muon" and is_matrix(n, p)
         else "elementwise",
         reshard_after_forward=args.reshard_after_forward if args.reshard_groups is None
@@ -244,6 +266,8 @@ def sharded(args, model, chain):
         prefetch=args.prefetch)
     if args.optimizer == "muon":
         opt = rt.ShardedMuon(fsdp, lr=args.muon_lr, adamw_lr=args.lr)
+    elif args.optimizer == "adam8bit":
+        opt = rt.ShardedAdam8bit(fsdp, lr=args.lr, weight_decay=args.weight_decay)
     else:
         opt = rt.ShardedAdamW(fsdp, lr=args.lr, weight_decay=args.weight_decay)
     from ragshard import checkpoint
@@ -325,6 +349,7 @@ def sharded(args, model, chain):
              "pool_peak_bytes": stats["pool_peak"], "node": env.node,
              "staging_bytes": stats.get("staging_bytes", 0),
              "gathered_bytes": fsdp.gathered_bytes, "pool_trace": pool_trace,
+             "peak_units_unsharded": fsdp.peak_unsharded,
              "first_step": first + 1, "checkpoint": ckpt}
     return losses, state, extra
 
@@ -414,7 +439,8 @@ def main():
                  "--reference (the other paths keep state on the CPU)")
     start_rss = max_rss()  # torch imported, no model yet
     torch.manual_seed(args.seed)
-    model = TinyLM(args.vocab, args.dim, args.layers, args.heads, args.seq).to(args.device)
+    model = TinyLM(args.vocab, args.dim, args.layers, args.heads, args.seq,
+                   args.checkpoint_activations).to(args.device)
     chain = bigram_chain(args.vocab, args.seed)
     extra = {}
     if args.reference:

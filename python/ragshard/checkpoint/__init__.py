@@ -62,7 +62,7 @@ def _snapshot(model, optimizer):
         if t.device.type != "cpu":
             t = t.cpu()  # a CUDA backend's buffers: the copy is the snapshot
         out.append((name, rec_kind, start, t.numel(), _state.dtype_name(t.dtype), t))
-    shapes = {pc.name: list(pc.shape) for pc in _state.pieces(model)}
+    shapes = {pc.name: list(pc.shape) for pc in _state.tensor_pieces(model)}
     if model.rank == 0:
         shapes.update({n: list(b.shape) for n, b in _buffers(model)})
     return kind, out, steps, shapes

@@ -1,20 +1,11 @@
-"""What a rank of a ShardedModule holds, in tensor coordinates, and where loaded values go.
-
-A rank at shard position `pos` of a unit with shard size S holds the unit's flat elements
-[pos*S, (pos+1)*S); a parameter at [off, off + numel) of the unit therefore has its flat
-elements [max(off, pos*S) - off, min(off + numel, (pos+1)*S) - off) there. These ranges come
-from the plan (the module's pieces), so the layout on disk is that of the tensors, not of the
-plan: a load under any other plan reads the ranges its own pieces need.
+"""What a rank of a ShardedModule holds, in tensor coordinates (ragshard.torch.pieces), and
+where loaded values go. The layout on disk is that of the tensors, not of the plan: a load under
+any other plan reads the ranges its own pieces need.
 """
-import collections
-
 import torch
 
+from ..torch.pieces import tensor_pieces
 from ._format import CheckpointError
-
-# A piece of one parameter in this rank's shard: the parameter's name, shape and index, its
-# unit, the shard elements [lo, hi) and the parameter's flat elements [start, start + hi - lo).
-Piece = collections.namedtuple("Piece", "name shape index unit lo hi start matrix")
 
 _TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "int64": torch.int64, "uint8": torch.uint8}
@@ -33,22 +24,6 @@ def from_bytes(data, dtype):
     if len(data) == 0:
         return torch.empty(0, dtype=_TORCH[dtype])
     return torch.frombuffer(data, dtype=_TORCH[dtype])
-
-
-def pieces(model):
-    """This rank's pieces of every parameter of `model` (a ShardedModule), in unit order."""
-    out = []
-    for ui in model.units():
-        s = model.shard_elems[ui]
-        base = model.pos * s
-        by_index = {}
-        for (name, p), (_, off, _) in zip(model.unit_params(ui), model.unit_views(ui)):
-            by_index[model.param_index(p)] = (name, tuple(p.shape), off)
-        for pc in model.pieces(ui):
-            name, shape, off = by_index[pc.index]
-            out.append(Piece(name, shape, pc.index, ui, pc.lo, pc.hi, base + pc.lo - off,
-                             pc.matrix))
-    return out
 
 
 def param_values(model, pc):
@@ -95,7 +70,7 @@ def collect(model, optimizer):
     kind, adamw = adamw_of(optimizer)
     slots = adamw_slots(adamw) if adamw is not None else {}
     records, steps = [], {}
-    for pc in pieces(model):
+    for pc in tensor_pieces(model):
         records.append((pc.name, "param", pc.start, param_values(model, pc)))
         p = slots.get((pc.unit, pc.lo))
         state = adamw.opt.state.get(p) if p is not None else None
@@ -120,7 +95,7 @@ def place(model, optimizer, reader, meta):
     steps = meta.get("optimizer", {}).get("steps", {})
     slots = adamw_slots(adamw) if adamw is not None else {}
     shapes = {n: tuple(t["shape"]) for n, t in meta["tensors"].items()}
-    for pc in pieces(model):
+    for pc in tensor_pieces(model):
         if pc.name not in shapes:
             raise CheckpointError(f"{reader.path}: no tensor '{pc.name}' (the checkpoint holds "
                                   f"{len(shapes)} tensors of another model?)")

@@ -48,5 +48,7 @@ default is fp32 throughout.
 """
 from .module import ShardedModule, fully_shard
 from .optim import ShardedAdamW, ShardedMuon, newton_schulz
+from .optim8bit import ShardedAdam8bit
 
-__all__ = ["fully_shard", "ShardedModule", "ShardedAdamW", "ShardedMuon", "newton_schulz"]
+__all__ = ["fully_shard", "ShardedModule", "ShardedAdamW", "ShardedMuon", "ShardedAdam8bit",
+           "newton_schulz"]

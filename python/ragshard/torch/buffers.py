@@ -11,6 +11,7 @@ class BuffersMixin:
         """Points unit `ui`'s parameters into its unsharded buffer (once it is unsharded)."""
         full = tensor_of(self.client.unsharded(ui), self.param_dtype)
         self._full[ui] = full
+        self.peak_unsharded = max(self.peak_unsharded, len(self._full))
         self._by_storage[full.untyped_storage().data_ptr()] = ui
         for p, off, numel in self._views[ui]:
             p.data = full[off:off + numel].view(p.shape)

@@ -38,11 +38,24 @@ class HooksMixin:
             self._prefetch(j)
 
     def _pre_forward(self, ui, args, kwargs):
-        self._unshard(ui)
-        for j in range(1, self.prefetch + 1):
-            self._prefetch(ui + j)
-        if not torch.is_grad_enabled():
-            return None
+        if _recomputing():
+            # Activation checkpointing recomputes the unit's forward inside the backward: the
+            # unit is unsharded for it, with its gradient buffer (the hook on its outputs has
+            # usually done both already), and stays so until its post-backward. After a
+            # non-reentrant checkpoint's first forward, the backward runs through that
+            # forward's graph, whose post-backward node is in place: the recompute is not
+            # another forward (FSDP2 skips its hooks the same way). A reentrant checkpoint
+            # ran the first forward without autograd, and the backward runs through the
+            # recompute's graph: the recompute is the forward whose backward follows.
+            self._pre_backward(ui)
+            if self._forwards[ui]:
+                return None
+        else:
+            self._unshard(ui)
+            for j in range(1, self.prefetch + 1):
+                self._prefetch(ui + j)
+            if not torch.is_grad_enabled():
+                return None
         self._forwards[ui] += 1
         # The unit's post-backward runs once the gradients of these inputs are computed: after
         # every gradient of the unit's parameters, whichever of them this rank's data reached.
@@ -56,6 +69,8 @@ class HooksMixin:
         return pytree.tree_unflatten(flat, spec)
 
     def _post_forward(self, ui, out):
+        if _recomputing():
+            return out  # the backward about to run needs the unit
         if not torch.is_grad_enabled():
             self._reshard(ui)  # no backward follows
             return out
@@ -153,6 +168,12 @@ class HooksMixin:
         for i in torch.nonzero(counts > 0).flatten().tolist():
             self.has_grad[i] = True
         self._used = set()
+
+
+def _recomputing():
+    """True inside a backward pass with gradients enabled: a forward run there is activation
+    checkpointing's recompute (torch.utils.checkpoint)."""
+    return torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1
 
 
 class _PostBackward(torch.autograd.Function):

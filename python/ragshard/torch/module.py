@@ -80,7 +80,7 @@ class ShardedModule(BuffersMixin, HooksMixin, QuantizedGatherMixin, StateMixin, 
         for uname, _, params in self._units:
             inventory["units"].append({"name": uname, "tensors": [
                 {"name": n, "shape": list(p.shape), "dtype": param_dtype,
-                 "granule": granule(n, p) if p.dim() >= 2 else "element",
+                 "granule": granule(n, p),
                  "optimizer": optimizer(n, p) if p.dim() == 2 else "elementwise"}
                 for n, p in params]})
         inventory["units"].append({"name": "__ragshard_scalars__", "tensors": [
@@ -133,6 +133,7 @@ class ShardedModule(BuffersMixin, HooksMixin, QuantizedGatherMixin, StateMixin, 
         self._used = set()
         self._views = {}  # unit -> [(param, offset, numel)]
         self._full = {}  # unit -> its unsharded buffer, while unsharded
+        self.peak_unsharded = 0  # the most units unsharded at once on this rank so far
         self._by_storage = {}  # the data address of an unsharded buffer -> its unit
         self._grads = set()  # units whose gradient buffers are allocated
         self._empty = {}  # unit -> its parameters' shapes as tensors with no storage

@@ -1,0 +1,149 @@
+"""8-bit AdamW on the shards of a ShardedModule: both moments stored block-quantized.
+
+Blocks are in tensor coordinates, one fp32 scale each: 128 x 128 tiles of a matrix (a tensor
+of two or more dimensions, seen as numel / shape[-1] rows of shape[-1] columns; the last tiles
+of a row or column may be partial) and runs of 256 elements of a vector. A block never
+straddles two ranks: the optimizer checks that every piece of this rank's shards starts on a
+block boundary and ends on one (or at the tensor's end), which the granule rows:128 (or a
+multiple) gives matrices and "whole" (or rows:K, which is whole for a vector) gives vectors,
+and refuses a plan that cuts a block, naming the parameter.
+
+Each step, for a parameter with a gradient (the same rule as ShardedAdamW), in fp32:
+
+    m = deq(Qm) * b1 + (1 - b1) * g          v = deq(Qv) * b2 + (1 - b2) * g * g
+    p = p * (1 - lr * wd) - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+    Qm = round(m / s * 127) (int8, s = max |m| of the block)
+    Qv = round(sqrt(v) / s * 255) (uint8, s = max sqrt(v) of the block)
+
+with deq(Qm) = Qm * s / 127 and deq(Qv) = (Qv * s / 255)^2 (a block of zeros has s = 0 and
+stores zeros). The update uses the moments before they are quantized, as bitsandbytes' 8-bit
+Adam does; storing sqrt(v) rather than v keeps small second moments from rounding to zero
+where the block also holds large ones.
+"""
+import math
+
+import torch
+
+from .pieces import tensor_pieces
+
+__all__ = ["ShardedAdam8bit", "MATRIX_BLOCK", "VECTOR_BLOCK"]
+
+MATRIX_BLOCK = 128  # a matrix's blocks are MATRIX_BLOCK x MATRIX_BLOCK
+VECTOR_BLOCK = 256  # a vector's blocks are VECTOR_BLOCK elements
+
+
+class _Blocks:
+    """The blocks of one piece: `rows` x `cols` elements of a matrix (whole rows from a row
+    that is a multiple of MATRIX_BLOCK), or `cols` elements of a vector (rows = 0) from a
+    multiple of VECTOR_BLOCK."""
+
+    def __init__(self, rows, cols):
+        self.rows, self.cols = rows, cols
+
+    def scales(self, x):
+        """Each block's max |x| (fp32)."""
+        if self.rows == 0:
+            n = -(-self.cols // VECTOR_BLOCK) * VECTOR_BLOCK
+            return torch.nn.functional.pad(x.abs(), (0, n - self.cols)).view(
+                -1, VECTOR_BLOCK).amax(1)
+        b = MATRIX_BLOCK
+        r, c = -(-self.rows // b) * b, -(-self.cols // b) * b
+        tiles = torch.nn.functional.pad(x.abs().view(self.rows, self.cols),
+                                        (0, c - self.cols, 0, r - self.rows))
+        return tiles.view(r // b, b, c // b, b).amax(dim=(1, 3))
+
+    def expand(self, s):
+        """A block's scale on each of its elements (flat)."""
+        if self.rows == 0:
+            return s.repeat_interleave(VECTOR_BLOCK)[:self.cols]
+        b = MATRIX_BLOCK
+        full = s.repeat_interleave(b, 0).repeat_interleave(b, 1)
+        return full[:self.rows, :self.cols].reshape(-1)
+
+
+def _blocks_of(pc):
+    """The blocks of piece `pc` (ragshard.torch.pieces.Piece); ValueError where the plan cuts
+    a block."""
+    numel, count = math.prod(pc.shape), pc.hi - pc.lo
+    ends = pc.start + count == numel
+    if len(pc.shape) >= 2:
+        cols = pc.shape[-1]
+        band = MATRIX_BLOCK * cols
+        if pc.start % band or (count % band and not ends):
+            raise ValueError(
+                f"ShardedAdam8bit: parameter '{pc.name}' {list(pc.shape)} is cut at rows "
+                f"{pc.start // cols}..{(pc.start + count) // cols} on this rank, inside its "
+                f"{MATRIX_BLOCK}x{MATRIX_BLOCK} blocks; give matrices the granule "
+                f"rows:{MATRIX_BLOCK} (or a multiple)")
+        return _Blocks(count // cols, cols)
+    if pc.start % VECTOR_BLOCK or (count % VECTOR_BLOCK and not ends):
+        raise ValueError(
+            f"ShardedAdam8bit: parameter '{pc.name}' {list(pc.shape)} is cut at elements "
+            f"{pc.start}..{pc.start + count} on this rank, inside its {VECTOR_BLOCK}-element "
+            "blocks; give vectors the granule 'whole' (fully_shard's granule= applies to them "
+            "too)")
+    return _Blocks(0, count)
+
+
+def _quantize(x, blocks, levels, dtype):
+    """(codes, scales) of x >= -max (levels 127, int8) or x >= 0 (levels 255, uint8)."""
+    s = blocks.scales(x)
+    se = blocks.expand(s)
+    q = torch.where(se > 0, torch.round(x / torch.where(se > 0, se, 1.0) * levels), 0.0)
+    return q.to(dtype), s
+
+
+def _dequantize(q, s, blocks, levels):
+    return q.float() * blocks.expand(s) / levels
+
+
+class ShardedAdam8bit:
+    """AdamW with block-quantized moments on this rank's shards (see the module docstring):
+    one state per piece of a parameter in the shard, stepped only while its parameter has a
+    gradient, with that parameter's step count. Works on the fp32 masters where the module
+    keeps them (bf16 parameters, quantized gathers) and copies them into the shard."""
+
+    def __init__(self, model, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
+        self.model, self.lr, self.betas, self.eps = model, lr, betas, eps
+        self.weight_decay = weight_decay
+        self.copies = []  # (compute shard, fp32 master) where they differ
+        for ui in model.units():
+            shard, _ = model.shard(ui)
+            master = model.masters.get(ui, shard)
+            if master.data_ptr() != shard.data_ptr():
+                self.copies.append((shard, master))
+        self.pieces = []  # (Piece, _Blocks, state dict)
+        for pc in tensor_pieces(model):
+            blocks = _blocks_of(pc)
+            n = pc.hi - pc.lo
+            zeros = blocks.scales(torch.zeros(n))
+            self.pieces.append((pc, blocks, {
+                "step": 0, "m": torch.zeros(n, dtype=torch.int8), "m_scale": zeros.clone(),
+                "v": torch.zeros(n, dtype=torch.uint8), "v_scale": zeros.clone()}))
+
+    def step(self):
+        m_ = self.model
+        m_.wait_for_checkpoint_write()  # an asynchronous save may be reading the state
+        has = m_.has_grad
+        b1, b2 = self.betas
+        for pc, blocks, st in self.pieces:
+            if not has[pc.index]:
+                continue
+            shard, grad = m_.shard(pc.unit)
+            p = m_.masters.get(pc.unit, shard)[pc.lo:pc.hi]
+            g = grad[pc.lo:pc.hi]
+            st["step"] += 1
+            t = st["step"]
+            m = _dequantize(st["m"], st["m_scale"], blocks, 127) * b1 + (1 - b1) * g
+            u = _dequantize(st["v"], st["v_scale"], blocks, 255)
+            v = u * u * b2 + (1 - b2) * g * g
+            p.mul_(1 - self.lr * self.weight_decay)
+            denom = v.sqrt() / math.sqrt(1 - b2 ** t) + self.eps
+            p.sub_(self.lr / (1 - b1 ** t) * m / denom)
+            st["m"], st["m_scale"] = _quantize(m, blocks, 127, torch.int8)
+            st["v"], st["v_scale"] = _quantize(v.sqrt(), blocks, 255, torch.uint8)
+        for shard, master in self.copies:
+            shard.copy_(master.to(shard.dtype))  # bf16 compute copy of the fp32 master
+
+    def zero_grad(self, set_to_none=True):
+        self.model.zero_grad(set_to_none=set_to_none)
