@@ -4,6 +4,7 @@ import math
 
 import torch
 
+from .pieces import tensor_pieces
 from .views import as_tensor
 
 
@@ -62,7 +63,7 @@ class StateMixin:
                              "live in the daemon's buffers)")
         from ..checkpoint import _state
         self.wait_for_checkpoint_write()
-        names = {pc.name for pc in _state.pieces(self)} | \
+        names = {pc.name for pc in tensor_pieces(self)} | \
             {n for ui in self.units() for n, _ in self.unit_params(ui)}
         buffers = dict(self.module.named_buffers())
         missing = sorted((names | set(buffers)) - set(state_dict))
@@ -76,7 +77,7 @@ class StateMixin:
                     raise RuntimeError(f"load_state_dict: '{n}' has shape "
                                        f"{list(state_dict[n].shape)}, the model's is "
                                        f"{list(p.shape)}")
-        for pc in _state.pieces(self):
+        for pc in tensor_pieces(self):
             if pc.name in state_dict:
                 flat = state_dict[pc.name].detach().reshape(-1)
                 _state.set_param_values(self, pc, flat[pc.start:pc.start + pc.hi - pc.lo].cpu())
