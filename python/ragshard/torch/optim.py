@@ -10,7 +10,7 @@ import torch
 
 from .views import as_tensor
 
-__all__ = ["ShardedAdamW", "ShardedMuon", "newton_schulz"]
+__all__ = ["ShardedAdamW", "ShardedMuon", "newton_schulz", "master_copies", "copy_masters"]
 
 
 class ShardedAdamW:
@@ -26,12 +26,10 @@ class ShardedAdamW:
         self.model = model
         self.pieces = []  # (parameter index, piece of the master, piece of the gradient shard)
         self.where = []  # (unit, lo, hi): each piece's shard elements
-        self.copies = []  # (compute shard, fp32 master) where they differ
+        self.copies = master_copies(model)
         for ui in model.units():
             shard, grad = model.shard(ui)
             master = model.masters.get(ui, shard)
-            if master.data_ptr() != shard.data_ptr():
-                self.copies.append((shard, master))
             for piece in model.pieces(ui):
                 if skip_matrices and piece.matrix:
                     continue
@@ -49,11 +47,28 @@ class ShardedAdamW:
             p.grad = grad if has[index] else None
         if self.opt is not None:
             self.opt.step()
-        for shard, master in self.copies:
-            shard.copy_(master.to(shard.dtype))  # bf16 compute copy of the fp32 master
+        copy_masters(self.copies)
 
     def zero_grad(self, set_to_none=True):
         self.model.zero_grad(set_to_none=set_to_none)
+
+
+def master_copies(model):
+    """(compute shard, fp32 master) of every unit whose optimizer state is an fp32 master
+    apart from the shard (bf16 parameters, quantized gathers)."""
+    copies = []
+    for ui in model.units():
+        shard, _ = model.shard(ui)
+        master = model.masters.get(ui, shard)
+        if master.data_ptr() != shard.data_ptr():
+            copies.append((shard, master))
+    return copies
+
+
+def copy_masters(copies):
+    """After a step: the compute shards take their masters' new values (rounded to bf16)."""
+    for shard, master in copies:
+        shard.copy_(master.to(shard.dtype))
 
 
 def newton_schulz(g, steps=5, eps=1e-7):

@@ -24,6 +24,7 @@ import math
 
 import torch
 
+from .optim import copy_masters, master_copies
 from .pieces import tensor_pieces
 
 __all__ = ["ShardedAdam8bit", "MATRIX_BLOCK", "VECTOR_BLOCK"]
@@ -106,12 +107,7 @@ class ShardedAdam8bit:
     def __init__(self, model, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
         self.model, self.lr, self.betas, self.eps = model, lr, betas, eps
         self.weight_decay = weight_decay
-        self.copies = []  # (compute shard, fp32 master) where they differ
-        for ui in model.units():
-            shard, _ = model.shard(ui)
-            master = model.masters.get(ui, shard)
-            if master.data_ptr() != shard.data_ptr():
-                self.copies.append((shard, master))
+        self.copies = master_copies(model)
         self.pieces = []  # (Piece, _Blocks, state dict)
         for pc in tensor_pieces(model):
             blocks = _blocks_of(pc)
@@ -142,8 +138,7 @@ class ShardedAdam8bit:
             p.sub_(self.lr / (1 - b1 ** t) * m / denom)
             st["m"], st["m_scale"] = _quantize(m, blocks, 127, torch.int8)
             st["v"], st["v_scale"] = _quantize(v.sqrt(), blocks, 255, torch.uint8)
-        for shard, master in self.copies:
-            shard.copy_(master.to(shard.dtype))  # bf16 compute copy of the fp32 master
+        copy_masters(self.copies)
 
     def zero_grad(self, set_to_none=True):
         self.model.zero_grad(set_to_none=set_to_none)
