@@ -57,7 +57,7 @@ class Block(torch.nn.Module):
 
 
 class TinyLM(torch.nn.Module):
-    def __init__(self, vocab, d, layers, heads, seq, checkpoint_activations=""):
+    def __init__(self, vocab, d, layers, heads, seq, checkpoint_activations="", tie=False):
         super().__init__()
         self.checkpoint_activations = checkpoint_activations  # "", "reentrant", "non-reentrant"
         self.tok = torch.nn.Embedding(vocab, d)
@@ -65,6 +65,8 @@ class TinyLM(torch.nn.Module):
         self.layers = torch.nn.ModuleList(Block(d, heads) for _ in range(layers))
         self.ln = torch.nn.LayerNorm(d)
         self.head = torch.nn.Linear(d, vocab, bias=False)
+        if tie:
+            self.head.weight = self.tok.weight  # one parameter, used by both
 
     def forward(self, idx):
         x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
@@ -123,6 +125,9 @@ def parse():
     p.add_argument("--optimizer", choices=["adamw", "muon", "adam8bit"], default="adamw",
                    help="adam8bit: AdamW with block-quantized moments (128x128 blocks of "
                         "matrices, 256 of vectors; vectors are then not cut: granule whole)")
+    p.add_argument("--tie-embeddings", action="store_true",
+                   help="the output head uses the token embedding's weight; the embedding is "
+                        "then a unit of its own, the head in the root: the tie crosses units")
     p.add_argument("--checkpoint-activations", nargs="?", const="non-reentrant", default="",
                    choices=["non-reentrant", "reentrant"],
                    help="recompute each layer's activations in backward "
@@ -253,7 +258,10 @@ def sharded(args, model, chain):
     client = ragshard.connect(env)
     w, r = env.world_size, env.rank
     fsdp = rt.fully_shard(
-        model, client, units=lambda m: list(m.layers), param_dtype=args.param_dtype,
+        # With tied embeddings the embedding is a unit of its own and the head, in the root,
+        # uses its weight: the tie crosses units.
+        model, client, units=lambda m: [m.tok, *m.layers] if args.tie_embeddings
+        else list(m.layers), param_dtype=args.param_dtype,
         quantize=None if args.quantize == "none" else args.quantize,
         # Vectors are cut anywhere, except under adam8bit, whose 256-element blocks must not
         # straddle ranks (rows:K is whole for a vector).
@@ -288,6 +296,7 @@ def sharded(args, model, chain):
              "tensors": [[t["name"], int(t["offset"]), int(t["numel"])]
                          for t in fsdp.plan["units"][ui]["tensors"]]} for ui in fsdp.units()]}
     pending = []
+    ops_before = unit_operations(client, fsdp)
     losses, step_seconds, pool_trace = [], [], []
     tokens = 0
     t0 = time.time()
@@ -338,6 +347,11 @@ def sharded(args, model, chain):
         handle.result()
         ckpt["save_seconds"].append(time.time() - ts)  # what the asynchronous saves left
     train_rss = max_rss()  # the peak through training, before gathering the full state
+    op_counts = {k: dict(v) for k, v in fsdp.op_counts.items()}  # the training steps'
+    # This node's daemon: the operations the training steps ran, by unit and kind.
+    ops_after = unit_operations(client, fsdp)
+    daemon_ops = {u: {k: n - ops_before.get(u, {}).get(k, 0) for k, n in kinds.items()}
+                  for u, kinds in ops_after.items()}
     state = fsdp.full_state()
     stats = client.stats()
     if r == 0 and not args.quiet:
@@ -350,8 +364,18 @@ def sharded(args, model, chain):
              "staging_bytes": stats.get("staging_bytes", 0),
              "gathered_bytes": fsdp.gathered_bytes, "pool_trace": pool_trace,
              "peak_units_unsharded": fsdp.peak_unsharded,
+             "op_counts": op_counts, "daemon_unit_operations": daemon_ops,
              "first_step": first + 1, "checkpoint": ckpt}
     return losses, state, extra
+
+
+def unit_operations(client, fsdp):
+    """The operations this node's daemon has run for the job: {unit name: {kind: count}}."""
+    out = {}
+    for u in client.stats().get("unit_operations", []):
+        name = fsdp.plan["units"][u["unit"]]["unit"]
+        out.setdefault(name, {})[u["kind"]] = u["count"]
+    return out
 
 
 def _distributed_steps(args, net, chain, r, w, label):
@@ -440,7 +464,7 @@ def main():
     start_rss = max_rss()  # torch imported, no model yet
     torch.manual_seed(args.seed)
     model = TinyLM(args.vocab, args.dim, args.layers, args.heads, args.seq,
-                   args.checkpoint_activations).to(args.device)
+                   args.checkpoint_activations, args.tie_embeddings).to(args.device)
     chain = bigram_chain(args.vocab, args.seed)
     extra = {}
     if args.reference:

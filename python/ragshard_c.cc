@@ -266,7 +266,13 @@ int rs_client_stats(rs_client* c, const char** out) {
   for (const auto& j : s->jobs()) {
     if (j.job_id() == c->client->job_id()) {
       absl::StrAppend(&json, ", \"staging_bytes\": ", j.staging_bytes(),
-                      ", \"operations\": ", j.operations());
+                      ", \"operations\": ", j.operations(), ", \"unit_operations\": [");
+      for (int i = 0; i < j.unit_operations_size(); ++i) {
+        const auto& u = j.unit_operations(i);
+        absl::StrAppend(&json, i ? ", " : "", "{\"unit\": ", u.unit_index(), ", \"kind\": \"",
+                        v1::OpKind_Name(u.kind()), "\", \"count\": ", u.count(), "}");
+      }
+      absl::StrAppend(&json, "]");
     }
   }
   return Out(json + "}", out);

@@ -43,6 +43,12 @@ void JobRuntime::FillStats(v1::JobStats* out) {
   out->set_replicas(dp_->replicas());
   out->set_staging_bytes(staging_bytes_);
   out->set_operations(operations_);
+  for (const auto& [key, count] : unit_operations_) {
+    v1::UnitOperations* u = out->add_unit_operations();
+    u->set_unit_index(key.first);
+    u->set_kind(key.second);
+    u->set_count(count);
+  }
 }
 
 absl::StatusOr<uint64_t> JobRuntime::StartOp(int local, const v1::StartRequest& req) {
@@ -245,6 +251,7 @@ void JobRuntime::Run() {
     {
       absl::MutexLock lock(&mu_);
       ++operations_;
+      ++unit_operations_[{op.unit, op.kind}];
       staging_bytes_ = dp_->staging_bytes();
       if (fatal) failed_ = s;
       Op& o = ops_[seq];

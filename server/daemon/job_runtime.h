@@ -14,6 +14,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -123,6 +124,8 @@ class JobRuntime {
   absl::Status failed_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   int64_t operations_ ABSL_GUARDED_BY(mu_) = 0;
+  // Operations run, by (unit, kind): the job's stats report them.
+  std::map<std::pair<int, v1::OpKind>, int64_t> unit_operations_ ABSL_GUARDED_BY(mu_);
   std::map<int, int64_t> departed_ ABSL_GUARDED_BY(mu_);  // local index -> rank
   bool departure_reported_ ABSL_GUARDED_BY(mu_) = false;
   absl::Status report_ ABSL_GUARDED_BY(mu_);  // for the job thread to send to the planner

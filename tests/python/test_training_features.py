@@ -1,6 +1,7 @@
 """The example's training features through ragshard against their one-process references: 2
 daemons x 2 ranks through the launcher, policy ragged, 5 steps, against `--reference --world 4`
-with the same flags (8-bit Adam, activation checkpointing), within a relative 1e-5."""
+with the same flags (8-bit Adam, tied embeddings, activation checkpointing), within a relative
+1e-5."""
 import json
 import os
 import subprocess
@@ -41,6 +42,8 @@ def test_adam8bit_matches_its_reference(cluster, tmp_path):
 
 
 @pytest.mark.parametrize("name,flags", [
+    ("tie", ["--tie-embeddings"]),
+    ("tie-muon", ["--tie-embeddings", "--optimizer", "muon"]),
     ("ckpt-act", ["--checkpoint-activations"]),
     ("ckpt-act-reentrant", ["--checkpoint-activations", "reentrant"]),
     # The gradients the recomputed layers produce are reduced like any others: with
@@ -69,6 +72,26 @@ def test_checkpoint_activations_keep_units_sharded(cluster, tmp_path, mode):
                       for r in range(4)])
     assert peaks[0] == peaks[1], peaks
     assert max(peaks[1]) <= 3, peaks  # the root, the layer in use and the one prefetched
+
+
+def test_a_tie_across_units_is_gathered_per_use_and_reduced_once(cluster, tmp_path):
+    """--tie-embeddings: the embedding is a unit of its own and the head, in the root, uses
+    its weight. Per step that unit is gathered twice (the embedding's forward, the head's
+    forward, kept for the head's backward and the embedding's) and reduce-scattered once,
+    after both uses' gradients; every layer is gathered twice and reduced once too."""
+    steps = 3
+    out = run_sharded(cluster, tmp_path, "feature-tie-counts",
+                      ["--steps", str(steps), "--tie-embeddings"])
+    for r in range(4):
+        rank = json.load(open(f"{out}.rank{r}.json"))
+        # The module's count of this rank's gathers and reduce-scatters, and the daemon's
+        # count of the operations its node ran (the node's ranks issue each one together).
+        counts, daemon = rank["op_counts"], rank["daemon_unit_operations"]
+        for unit in ("tok", "layers.0", "layers.1"):
+            assert counts["gather"][unit] == 2 * steps, counts
+            assert counts["reduce_scatter"][unit] == steps, counts
+            assert daemon[unit]["OP_UNSHARD"] == 2 * steps, daemon
+            assert daemon[unit]["OP_REDUCE_SCATTER"] == steps, daemon
 
 
 def test_adam8bit_quantizes_its_moments(tmp_path):

@@ -10,6 +10,7 @@ class BuffersMixin:
     def _bind(self, ui):
         """Points unit `ui`'s parameters into its unsharded buffer (once it is unsharded)."""
         full = tensor_of(self.client.unsharded(ui), self.param_dtype)
+        self.op_counts["gather"][self._units[ui][0]] += 1
         self._full[ui] = full
         self.peak_unsharded = max(self.peak_unsharded, len(self._full))
         self._by_storage[full.untyped_storage().data_ptr()] = ui

@@ -19,9 +19,23 @@ class HooksMixin:
                 continue
             # A group of units: gathered before the first runs, resharded after the last.
             subs[0].register_forward_pre_hook(
-                lambda m, args, kwargs, ui=ui: self._pre_forward(ui, args, kwargs),
+                lambda m, args, kwargs, ui=ui: self._pre_forward((ui,), args, kwargs),
                 with_kwargs=True)
-            subs[-1].register_forward_hook(lambda m, inp, out, ui=ui: self._post_forward(ui, out))
+            subs[-1].register_forward_hook(
+                lambda m, inp, out, ui=ui: self._post_forward((ui,), out))
+        # Tied weights (ShardedModule._find_ties): a module that uses parameters of other units
+        # gathers those units for its forward and its backward, and counts as one more forward
+        # of each, so that their post-backward (one reduce-scatter) waits for this use's
+        # gradients too.
+        unit_of = {id(p): ui for ui, (_, _, params) in enumerate(self._units) for _, p in params}
+        for sub, tied, inside in self._borrowers:
+            owners = tuple(sorted({unit_of[id(p)] for p in tied}))
+            sub.register_forward_pre_hook(
+                lambda m, args, kwargs, o=owners: self._pre_forward(o, args, kwargs,
+                                                                    prefetch=False),
+                with_kwargs=True)
+            sub.register_forward_hook(
+                lambda m, inp, out, o=owners, r=inside: self._post_forward(o, out, reshard=r))
         for ui, (_, _, params) in enumerate(self._units):
             for _, p in params:
                 if p.requires_grad:
@@ -37,7 +51,8 @@ class HooksMixin:
         for j in range(self.prefetch):
             self._prefetch(j)
 
-    def _pre_forward(self, ui, args, kwargs):
+    def _pre_forward(self, units, args, kwargs, prefetch=True):
+        """Before the forward of a unit (or of a module using tied `units`)."""
         if _recomputing():
             # Activation checkpointing recomputes the unit's forward inside the backward: the
             # unit is unsharded for it, with its gradient buffer (the hook on its outputs has
@@ -47,39 +62,45 @@ class HooksMixin:
             # another forward (FSDP2 skips its hooks the same way). A reentrant checkpoint
             # ran the first forward without autograd, and the backward runs through the
             # recompute's graph: the recompute is the forward whose backward follows.
-            self._pre_backward(ui)
-            if self._forwards[ui]:
+            for ui in units:
+                self._pre_backward(ui)
+            if all(self._forwards[ui] for ui in units):
                 return None
         else:
-            self._unshard(ui)
-            for j in range(1, self.prefetch + 1):
-                self._prefetch(ui + j)
+            for ui in units:
+                self._unshard(ui)
+            for j in range(1, self.prefetch + 1 if prefetch else 1):
+                self._prefetch(units[0] + j)
             if not torch.is_grad_enabled():
                 return None
-        self._forwards[ui] += 1
+        for ui in units:
+            self._forwards[ui] += 1
         # The unit's post-backward runs once the gradients of these inputs are computed: after
         # every gradient of the unit's parameters, whichever of them this rank's data reached.
         flat, spec = pytree.tree_flatten((args, kwargs))
         where = [i for i, x in enumerate(flat) if torch.is_tensor(x) and x.requires_grad]
         if not where:
             return None  # the callback at the end of the backward pass runs it
-        outs = _PostBackward.apply(self, ui, *(flat[i] for i in where))
+        outs = _PostBackward.apply(self, units, *(flat[i] for i in where))
         for i, x in zip(where, outs):
             flat[i] = x
         return pytree.tree_unflatten(flat, spec)
 
-    def _post_forward(self, ui, out):
+    def _post_forward(self, units, out, reshard=True):
+        """After the forward of a unit (or of a module using tied `units`; `reshard` False
+        keeps them unsharded for the backward)."""
         if _recomputing():
-            return out  # the backward about to run needs the unit
-        if not torch.is_grad_enabled():
-            self._reshard(ui)  # no backward follows
-            return out
-        raf = self.reshard_after_forward
-        if raf is True:
-            self._reshard(ui)
-        elif raf is not False:
-            self._reshard(ui, keep=raf)  # the parameters' storage goes; the group keeps the unit
-        self._hook_backward(ui, out)
+            return out  # the backward about to run needs the units
+        for ui in units:
+            if not torch.is_grad_enabled():
+                self._reshard(ui)  # no backward follows
+                continue
+            raf = self.reshard_after_forward if reshard else False
+            if raf is True:
+                self._reshard(ui)
+            elif raf is not False:
+                self._reshard(ui, keep=raf)  # the storage goes; the group keeps the unit
+            self._hook_backward(ui, out)
         return out
 
     def _hook_backward(self, ui, out):
@@ -128,6 +149,7 @@ class HooksMixin:
             return
         self._allocate_grads(ui)  # a unit that got no gradient reduces zeros
         self._handles[("reduce", ui)] = self.client.reduce_scatter(ui, "avg")
+        self.op_counts["reduce_scatter"][self._units[ui][0]] += 1
         self._drop_grads(ui)
 
     def _finish_backward(self):
@@ -181,11 +203,12 @@ class _PostBackward(torch.autograd.Function):
     computed, is the unit's post-backward (FSDP2's RegisterPostBackwardFunction)."""
 
     @staticmethod
-    def forward(ctx, module, ui, *inputs):
-        ctx.module, ctx.ui = module, ui
+    def forward(ctx, module, units, *inputs):
+        ctx.module, ctx.units = module, units
         return inputs
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.module._inputs_grad_ready(ctx.ui)
+        for ui in ctx.units:
+            ctx.module._inputs_grad_ready(ui)
         return (None, None) + grads

@@ -1,6 +1,7 @@
 """ShardedModule: a module whose parameters live in ragshard's buffers (see the package
 docstring). Its parts: buffers.py (binding), hooks.py (FSDP2's hooks), quantized.py (quantized
 gathers), state.py (clipping and state dicts)."""
+import collections
 import contextlib
 import json
 import os
@@ -49,6 +50,7 @@ class ShardedModule(BuffersMixin, HooksMixin, QuantizedGatherMixin, StateMixin, 
         # Units: the policy's submodules, then "root" for the parameters left over.
         seen = set()
         self._units = []  # (name, module or None, [(fqn, param)])
+        self._borrowers = []  # tied weights: (module, [other units' parameters], in a unit)
         for sub in units(module):
             sub_name = next((n for n, m in module.named_modules() if m is sub), None)
             if sub_name is None:
@@ -68,6 +70,7 @@ class ShardedModule(BuffersMixin, HooksMixin, QuantizedGatherMixin, StateMixin, 
         rest = [(n, p) for n, p in module.named_parameters() if id(p) not in seen]
         if rest:
             self._units.append(("root", None, rest))
+        self._find_ties(module)
         # A unit of W fp32 elements for scalar all-reductions (gradient clipping), and one of
         # W x P for the used-parameter flags of P parameters (each rank's shard of the sum is
         # the count of ranks that used each parameter).
@@ -134,6 +137,8 @@ class ShardedModule(BuffersMixin, HooksMixin, QuantizedGatherMixin, StateMixin, 
         self._views = {}  # unit -> [(param, offset, numel)]
         self._full = {}  # unit -> its unsharded buffer, while unsharded
         self.peak_unsharded = 0  # the most units unsharded at once on this rank so far
+        # Gathers (unshards bound to the parameters) and gradient reduce-scatters by unit name.
+        self.op_counts = {"gather": collections.Counter(), "reduce_scatter": collections.Counter()}
         self._by_storage = {}  # the data address of an unsharded buffer -> its unit
         self._grads = set()  # units whose gradient buffers are allocated
         self._empty = {}  # unit -> its parameters' shapes as tensors with no storage
@@ -186,6 +191,23 @@ class ShardedModule(BuffersMixin, HooksMixin, QuantizedGatherMixin, StateMixin, 
         self._handles = {}
         self._backward_started = False
         self._install_hooks()
+
+    def _find_ties(self, module):
+        """Tied weights: every module that holds, as its own parameter, one that a unit outside
+        it owns (an output head holding the embedding's weight). Such a module gathers that
+        unit for its forward and its backward. Inside a unit it reshards it after its forward
+        as the unit does; outside every unit (in the root) it keeps it until the unit's
+        post-backward, since its backward comes next (FSDP2 keeps its root unsharded after
+        forward for the same reason)."""
+        owner = {id(p): sub for _, sub, params in self._units if sub is not None
+                 for _, p in params}
+        subs = [sub for _, sub, _ in self._units if sub is not None]
+        for m in module.modules():
+            tied = [p for p in m.parameters(recurse=False)
+                    if id(p) in owner and not _nested(m, owner[id(p)])]
+            if tied:
+                inside = any(any(x is m for x in sub.modules()) for sub in subs)
+                self._borrowers.append((m, tied, inside))
 
     def _group_units(self):
         """Policy auto may cover several consecutive units with one plan unit (its "members"):
@@ -274,6 +296,11 @@ class ShardedModule(BuffersMixin, HooksMixin, QuantizedGatherMixin, StateMixin, 
     def param_index(self, p):
         """The index of parameter `p` in unit order (that of `has_grad` and of the pieces)."""
         return self._index[id(p)]
+
+
+def _nested(a, b):
+    """True when module a contains module b or b contains a."""
+    return any(m is b for m in a.modules()) or any(m is a for m in b.modules())
 
 
 def fully_shard(module, client, units, **kwargs):
