@@ -25,6 +25,7 @@ import os
 import resource
 import sys
 import time
+import zlib
 
 import torch
 import torch.utils.checkpoint
@@ -80,6 +81,44 @@ class TinyLM(torch.nn.Module):
         return self.head(self.ln(x))
 
 
+def seeded_init(model, seed):
+    """init(name, tensor) for --meta-init: each tensor from its own generator (seeded by the run's
+    seed and the tensor's name), with the distribution torch gives its module (Linear weights
+    and biases U(±1/sqrt(fan_in)), embeddings N(0, 1), LayerNorm ones and zeros). A rank can
+    build one tensor at a time, and the reference builds the same values."""
+    kinds = {}
+    for mname, m in model.named_modules():
+        for pname, _ in m.named_parameters(recurse=False):
+            fqn = f"{mname}.{pname}" if mname else pname
+            if isinstance(m, torch.nn.Linear):
+                kinds.setdefault(fqn, ("uniform", 1.0 / math.sqrt(m.in_features)))
+            elif isinstance(m, torch.nn.Embedding):
+                kinds.setdefault(fqn, ("normal", 1.0))
+            elif isinstance(m, torch.nn.LayerNorm):
+                kinds.setdefault(fqn, ("ones" if pname == "weight" else "zeros", 0.0))
+
+    def init(name, tensor):
+        kind, bound = kinds[name]
+        g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        if kind == "uniform":
+            return torch.rand(tensor.shape, generator=g) * (2 * bound) - bound
+        if kind == "normal":
+            return torch.randn(tensor.shape, generator=g)
+        return torch.ones(tensor.shape) if kind == "ones" else torch.zeros(tensor.shape)
+    return init
+
+
+def private_bytes():
+    """This process's private memory now: Private_Clean + Private_Dirty of
+    /proc/self/smaps_rollup (0 where the kernel has no such file)."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            return sum(int(line.split()[1]) * 1024 for line in f
+                       if line.startswith(("Private_Clean:", "Private_Dirty:")))
+    except OSError:
+        return 0
+
+
 def bigram_chain(vocab, seed):
     g = torch.Generator().manual_seed(seed + 7919)
     logits = torch.randn(vocab, vocab, generator=g) * 3.0
@@ -125,6 +164,10 @@ def parse():
     p.add_argument("--optimizer", choices=["adamw", "muon", "adam8bit"], default="adamw",
                    help="adam8bit: AdamW with block-quantized moments (128x128 blocks of "
                         "matrices, 256 of vectors; vectors are then not cut: granule whole)")
+    p.add_argument("--meta-init", action="store_true",
+                   help="build the model on the meta device and materialize only each rank's "
+                        "shards, each tensor from its own seeded generator (--reference: the "
+                        "same values in one process)")
     p.add_argument("--tie-embeddings", action="store_true",
                    help="the output head uses the token embedding's weight; the embedding is "
                         "then a unit of its own, the head in the root: the tie crosses units")
@@ -177,6 +220,8 @@ def parse():
         p.error("--save and --resume are for runs through ragshard")
     if (a.save or a.resume) and a.optimizer == "adam8bit":
         p.error("--save and --resume: checkpoints hold AdamW and Muon state, not adam8bit's")
+    if a.meta_init and (a.ddp or a.fsdp2):
+        p.error("--meta-init is for runs through ragshard and --reference")
     if a.load_state and (a.ddp or a.fsdp2):
         p.error("--load-state is for runs through ragshard and --reference")
     for mode in ("ddp", "fsdp2"):
@@ -257,10 +302,21 @@ def sharded(args, model, chain):
     env = ragshard.Env()
     client = ragshard.connect(env)
     w, r = env.world_size, env.rank
+    seeded, peak = seeded_init(model, args.seed), [args.private_after_model]
+
+    def sampled(name, tensor):
+        # Each tensor is built whole only while this rank copies its pieces; the peak of
+        # private memory through the sharding is sampled after each.
+        v = seeded(name, tensor)
+        peak[0] = max(peak[0], private_bytes())
+        return v
+    # --meta-init: the values come from the seeded init, or from the checkpoint on a resume.
+    init = None if not args.meta_init else "empty" if args.resume else sampled
     fsdp = rt.fully_shard(
         # With tied embeddings the embedding is a unit of its own and the head, in the root,
         # uses its weight: the tie crosses units.
-        model, client, units=lambda m: [m.tok, *m.layers] if args.tie_embeddings
+        model, client, init=init,
+        units=lambda m: [m.tok, *m.layers] if args.tie_embeddings
         else list(m.layers), param_dtype=args.param_dtype,
         quantize=None if args.quantize == "none" else args.quantize,
         # Vectors are cut anywhere, except under adam8bit, whose 256-element blocks must not
@@ -296,6 +352,12 @@ def sharded(args, model, chain):
              "tensors": [[t["name"], int(t["offset"]), int(t["numel"])]
                          for t in fsdp.plan["units"][ui]["tensors"]]} for ui in fsdp.units()]}
     pending = []
+    # Private memory (smaps_rollup) from the model's construction to the end of the sharding:
+    # the full model where it was built, else the largest tensor while its pieces are copied.
+    sharding = {"private_bytes_after": private_bytes(),
+                "model_bytes": sum(p.numel() * 4 for p in model.parameters()),
+                "largest_tensor_bytes": max(p.numel() * 4 for p in model.parameters())}
+    sharding["private_peak_bytes"] = max(peak[0], sharding["private_bytes_after"])
     ops_before = unit_operations(client, fsdp)
     losses, step_seconds, pool_trace = [], [], []
     tokens = 0
@@ -365,6 +427,7 @@ def sharded(args, model, chain):
              "gathered_bytes": fsdp.gathered_bytes, "pool_trace": pool_trace,
              "peak_units_unsharded": fsdp.peak_unsharded,
              "op_counts": op_counts, "daemon_unit_operations": daemon_ops,
+             "sharding": sharding,
              "first_step": first + 1, "checkpoint": ckpt}
     return losses, state, extra
 
@@ -462,9 +525,20 @@ def main():
         sys.exit("--device cuda: only fp32 AdamW without quantized gathers, through ragshard or "
                  "--reference (the other paths keep state on the CPU)")
     start_rss = max_rss()  # torch imported, no model yet
+    start_private = private_bytes()
     torch.manual_seed(args.seed)
-    model = TinyLM(args.vocab, args.dim, args.layers, args.heads, args.seq,
-                   args.checkpoint_activations, args.tie_embeddings).to(args.device)
+    meta = args.meta_init and not args.reference
+    with torch.device("meta") if meta else _null():
+        model = TinyLM(args.vocab, args.dim, args.layers, args.heads, args.seq,
+                       args.checkpoint_activations, args.tie_embeddings)
+    if not meta:
+        model = model.to(args.device)
+    args.private_after_model = private_bytes()
+    if args.meta_init and args.reference:
+        init = seeded_init(model, args.seed)  # the values the sharded run materializes
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(init(name, p))
     chain = bigram_chain(args.vocab, args.seed)
     extra = {}
     if args.reference:
@@ -484,6 +558,7 @@ def main():
         losses, state, extra = sharded(args, model, chain)
         rank = __import__("ragshard").Env().rank  # ragshard-launch or torchrun
     extra["start_rss_bytes"] = start_rss
+    extra["start_private_bytes"] = start_private
     extra["max_rss_bytes"] = max_rss()
     if args.out:
         with open(f"{args.out}.rank{rank}.json", "w") as f:

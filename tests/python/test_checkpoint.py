@@ -102,6 +102,8 @@ RESUMES = {
     "2x2-rows1": dict(args=["--granule", "rows:1"]),
     "2x2-hsdp": dict(launch_args=["--replicate", "2"]),
     "2x2-auto": dict(launch_args=["--policy", "auto"]),
+    # Built on the meta device: the shards' values come only from the checkpoint.
+    "2x2-meta": dict(args=["--meta-init"]),
 }
 
 

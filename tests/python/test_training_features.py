@@ -4,6 +4,7 @@ with the same flags (8-bit Adam, tied embeddings, activation checkpointing), wit
 1e-5."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -42,6 +43,7 @@ def test_adam8bit_matches_its_reference(cluster, tmp_path):
 
 
 @pytest.mark.parametrize("name,flags", [
+    ("meta-init", ["--meta-init"]),
     ("tie", ["--tie-embeddings"]),
     ("tie-muon", ["--tie-embeddings", "--optimizer", "muon"]),
     ("ckpt-act", ["--checkpoint-activations"]),
@@ -92,6 +94,61 @@ def test_a_tie_across_units_is_gathered_per_use_and_reduced_once(cluster, tmp_pa
             assert counts["reduce_scatter"][unit] == steps, counts
             assert daemon[unit]["OP_UNSHARD"] == 2 * steps, daemon
             assert daemon[unit]["OP_REDUCE_SCATTER"] == steps, daemon
+
+
+def test_meta_init_values_come_from_the_init(tmp_path):
+    """--meta-init's values are the seeded per-tensor init's, not torch's default init."""
+    a = run_reference(tmp_path, "meta", ["--steps", "1", "--meta-init"])
+    b = run_reference(tmp_path, "default", ["--steps", "1"])
+    pa, pb = torch.load(a + ".pt"), torch.load(b + ".pt")
+    assert all(not torch.equal(pa[n], pb[n]) for n in pa if "ln" not in n)
+
+
+META_SCRIPT = """
+import sys
+import torch
+import ragshard, ragshard.torch as rt
+with torch.device("meta"):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+client = ragshard.connect(ragshard.Env())
+fsdp = rt.fully_shard(model, client, units=lambda m: [m[0]], init="empty")
+try:
+    fsdp(torch.ones(1, 8))
+    sys.exit("a forward before any load ran")
+except RuntimeError as e:
+    assert "the shards hold no values yet" in str(e), e
+fsdp.load_state_dict({n: torch.full(p.shape, 0.5) for n, p in model.named_parameters()})
+out = fsdp(torch.ones(1, 8))
+assert torch.allclose(out, torch.full((1, 2), 0.5 * 8 * (0.5 * 8 + 0.5) + 0.5)), out
+print("ok")
+"""
+
+
+def test_meta_init_empty_runs_only_after_a_load(cluster, tmp_path):
+    """fully_shard on a meta model with init="empty": the module refuses a forward until a
+    state_dict (or a checkpoint) is loaded, then computes with the loaded values."""
+    script = tmp_path / "meta_script.py"
+    script.write_text(META_SCRIPT)
+    r = subprocess.run([sys.executable, "-m", "ragshard.launch", "--planner", cluster.planner,
+                        "--job", "feature-meta-empty", "--nproc", "2", "--sockets",
+                        cluster.sockets[0], "--create-job", str(script)],
+                       env=env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("ok") == 2, r.stdout
+
+
+def test_meta_init_without_init_or_with_bad_values_is_refused():
+    import ragshard.torch as rt
+    from ragshard.torch import meta
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="'0.weight' is on the meta device; pass init=fn"):
+        rt.fully_shard(model, None, units=lambda m: [m[0]])
+    with pytest.raises(ValueError, match=re.escape(
+            "init('w') returned (3,), not a CPU tensor of shape (8, 8)")):
+        meta.values(lambda n, t: torch.zeros(3), "w", torch.empty(8, 8, device="meta"))
+    with pytest.raises(ValueError, match="init=7 is neither a function nor 'empty'"):
+        rt.fully_shard(model, None, units=lambda m: [m[0]], init=7)
 
 
 def test_adam8bit_quantizes_its_moments(tmp_path):

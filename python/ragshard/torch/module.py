@@ -10,6 +10,7 @@ import torch
 
 from .. import plan_of
 from .buffers import BuffersMixin
+from .meta import adopt_meta, values
 from .hooks import HooksMixin
 from .params import Matrix, Piece, adopt, storageless
 from .quantized import QuantizedGatherMixin, plan_quantized_units
@@ -22,7 +23,7 @@ class ShardedModule(BuffersMixin, HooksMixin, QuantizedGatherMixin, StateMixin, 
 
     def __init__(self, module, client, units, granule=None, optimizer=None, param_dtype="fp32",
                  reshard_after_forward=True, prefetch=None, register=True, quantize=None,
-                 world=None):
+                 world=None, init=None):
         super().__init__()
         if param_dtype not in DTYPES:
             raise ValueError(f"param_dtype: '{param_dtype}' is not one of fp32, bf16")
@@ -46,6 +47,9 @@ class ShardedModule(BuffersMixin, HooksMixin, QuantizedGatherMixin, StateMixin, 
         self._no_sync = False
         granule = granule or (lambda name, p: "rows:128" if p.dim() >= 2 else "element")
         optimizer = optimizer or (lambda name, p: "elementwise")
+        # A model built on the meta device: its values come from `init`, one tensor at a time.
+        meta = adopt_meta(module, init)
+        self._needs_load = bool(meta) and init == "empty"
         names = {id(p): n for n, p in module.named_parameters()}
         # Units: the policy's submodules, then "root" for the parameters left over.
         seen = set()
@@ -165,7 +169,12 @@ class ShardedModule(BuffersMixin, HooksMixin, QuantizedGatherMixin, StateMixin, 
                 matrix = t.get("optimizer") == "OPTIMIZER_MATRIX"
                 a, b = max(off, lo), min(off + numel, hi)
                 if a < b:
-                    mine = p.detach().reshape(-1)[a - off:b - off]
+                    if id(p) not in meta:
+                        mine = p.detach().reshape(-1)[a - off:b - off]
+                    elif callable(init):  # the whole tensor, only while its pieces are copied
+                        mine = values(init, n, p).reshape(-1)[a - off:b - off]
+                    else:
+                        mine = torch.zeros(b - a)  # init="empty": a load follows
                     shard[a - lo:b - lo].copy_(mine.to(shard.dtype))
                     if exact is not None:
                         exact[a - lo:b - lo] = mine.float()
@@ -237,6 +246,9 @@ class ShardedModule(BuffersMixin, HooksMixin, QuantizedGatherMixin, StateMixin, 
     # -- user API ----------------------------------------------------------------------------
 
     def forward(self, *args, **kwargs):
+        if self._needs_load:
+            raise RuntimeError("fully_shard(init='empty'): the shards hold no values yet; load a "
+                               "checkpoint (ragshard.checkpoint.load) or a state_dict first")
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             out = self.module(*args, **kwargs)
         if torch.is_grad_enabled() and self._root is not None:

@@ -84,6 +84,8 @@ class StateMixin:
         for n, b in buffers.items():
             if n in state_dict and b is not None:
                 b.data.copy_(state_dict[n])
+        if not names & set(missing):
+            self._needs_load = False  # every parameter has its values (init="empty")
         return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     def full_state(self):
