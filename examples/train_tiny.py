@@ -19,6 +19,7 @@ ragshard is imported from the installed package (`pip install .`) or from the bu
 (PYTHONPATH=build/python).
 """
 import argparse
+import importlib
 import json
 import math
 import os
@@ -301,6 +302,7 @@ def sharded(args, model, chain):
     import ragshard.torch as rt
     env = ragshard.Env()
     client = ragshard.connect(env)
+    args.private_stages["connected"] = private_bytes()
     w, r = env.world_size, env.rank
     seeded, peak = seeded_init(model, args.seed), [args.private_after_model]
 
@@ -328,6 +330,7 @@ def sharded(args, model, chain):
         reshard_after_forward=args.reshard_after_forward if args.reshard_groups is None
         else args.reshard_groups,
         prefetch=args.prefetch)
+    args.private_stages["fully_shard"] = private_bytes()
     if args.optimizer == "muon":
         opt = rt.ShardedMuon(fsdp, lr=args.muon_lr, adamw_lr=args.lr)
     elif args.optimizer == "adam8bit":
@@ -358,6 +361,9 @@ def sharded(args, model, chain):
                 "model_bytes": sum(p.numel() * 4 for p in model.parameters()),
                 "largest_tensor_bytes": max(p.numel() * 4 for p in model.parameters())}
     sharding["private_peak_bytes"] = max(peak[0], sharding["private_bytes_after"])
+    # Private memory at each stage: imports done (with the meta kernels for --meta-init), the
+    # model built, connected to the daemon, sharded.
+    sharding["stages"] = dict(args.private_stages, sharded=sharding["private_bytes_after"])
     ops_before = unit_operations(client, fsdp)
     losses, step_seconds, pool_trace = [], [], []
     tokens = 0
@@ -526,6 +532,15 @@ def main():
                  "--reference (the other paths keep state on the CPU)")
     start_rss = max_rss()  # torch imported, no model yet
     start_private = private_bytes()
+    through_ragshard = not (args.reference or args.ddp or args.fsdp2)
+    if through_ragshard:
+        importlib.import_module("ragshard.torch")  # here, so the figure below holds it
+        if args.meta_init:
+            # torch loads its meta-device kernels (about 900 modules, ~115 MB) at the first
+            # meta initialization: part of what such a process imports, before any model.
+            with torch.device("meta"):
+                torch.nn.Embedding(1, 1)
+    args.private_stages = {"imports": private_bytes()}
     torch.manual_seed(args.seed)
     meta = args.meta_init and not args.reference
     with torch.device("meta") if meta else _null():
@@ -534,6 +549,7 @@ def main():
     if not meta:
         model = model.to(args.device)
     args.private_after_model = private_bytes()
+    args.private_stages["model"] = args.private_after_model
     if args.meta_init and args.reference:
         init = seeded_init(model, args.seed)  # the values the sharded run materializes
         with torch.no_grad():

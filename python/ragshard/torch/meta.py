@@ -7,9 +7,18 @@ drops the rest, so a rank's peak is its shards plus the largest tensor, never th
 With `init="empty"` the shards start at zero and the module refuses to run until a checkpoint
 (`ragshard.checkpoint.load`) or a plain state_dict (`load_state_dict`) has been loaded.
 """
+import ctypes
+import ctypes.util
+
 import torch
 
 from .params import storageless
+
+try:
+    _LIBC = ctypes.CDLL(ctypes.util.find_library("c"))
+    _TRIM = _LIBC.malloc_trim  # glibc
+except (OSError, AttributeError, TypeError):
+    _TRIM = None
 
 
 def adopt_meta(module, init):
@@ -59,3 +68,12 @@ def values(init, name, tensor):
         raise ValueError(f"fully_shard: init('{name}') returned {got}, not a CPU tensor of "
                          f"shape {tuple(tensor.shape)}")
     return v.detach().to(device="cpu", dtype=tensor.dtype)
+
+
+def release_freed_memory():
+    """Returns the heap's free pages to the system (glibc's malloc_trim; nothing elsewhere).
+    After a whole tensor is freed, glibc keeps its pages for reuse once its mmap threshold has
+    grown past the tensor's size, so without this a rank's private memory would grow by the
+    heap's holes as init builds tensor after tensor."""
+    if _TRIM is not None:
+        _TRIM(0)

@@ -10,7 +10,7 @@ import torch
 
 from .. import plan_of
 from .buffers import BuffersMixin
-from .meta import adopt_meta, values
+from .meta import adopt_meta, release_freed_memory, values
 from .hooks import HooksMixin
 from .params import Matrix, Piece, adopt, storageless
 from .quantized import QuantizedGatherMixin, plan_quantized_units
@@ -179,6 +179,9 @@ class ShardedModule(BuffersMixin, HooksMixin, QuantizedGatherMixin, StateMixin, 
                     if exact is not None:
                         exact[a - lo:b - lo] = mine.float()
                     self._pieces[ui].append(Piece(index, a - lo, b - lo, matrix))
+                    if id(p) in meta:
+                        del mine
+                        release_freed_memory()  # the whole tensor's pages, back to the system
                 self._views[ui].append((p, off, numel))
                 p.grad = None
                 adopt(p, n, uname)
