@@ -5,6 +5,7 @@
 #include <set>
 #include <sstream>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
@@ -71,6 +72,42 @@ std::string GranuleName(const TensorSpec& spec) {
       return "whole";
     default:
       return "element";
+  }
+}
+
+absl::Status ParseOptimizer(absl::string_view text, TensorSpec* spec) {
+  spec->set_shampoo_block(0);
+  if (text == "elementwise") {
+    spec->set_optimizer(v1::OPTIMIZER_ELEMENTWISE);
+  } else if (text == "matrix") {
+    spec->set_optimizer(v1::OPTIMIZER_MATRIX);
+  } else if (text == "shampoo") {
+    spec->set_optimizer(v1::OPTIMIZER_SHAMPOO);
+  } else if (absl::StartsWith(text, "shampoo:")) {
+    int64_t block = 0;
+    if (!absl::SimpleAtoi(text.substr(8), &block) || block < 1 || block > kMaxShampooBlock) {
+      return absl::InvalidArgumentError(absl::StrCat("'", text,
+                                                     "': the block side after 'shampoo:' must be "
+                                                     "an integer in [1, ",
+                                                     kMaxShampooBlock, "]"));
+    }
+    spec->set_optimizer(v1::OPTIMIZER_SHAMPOO);
+    spec->set_shampoo_block(block);
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "'", text, "': expected \"elementwise\", \"matrix\", \"shampoo\" or \"shampoo:B\""));
+  }
+  return absl::OkStatus();
+}
+
+std::string OptimizerName(const TensorSpec& spec) {
+  switch (spec.optimizer()) {
+    case v1::OPTIMIZER_MATRIX:
+      return "matrix";
+    case v1::OPTIMIZER_SHAMPOO:
+      return spec.shampoo_block() > 0 ? absl::StrCat("shampoo:", spec.shampoo_block()) : "shampoo";
+    default:
+      return "elementwise";
   }
 }
 
@@ -176,6 +213,12 @@ absl::Status ValidateInventory(const Inventory& inventory, const InventoryLimits
       if (!v1::OptimizerKind_IsValid(spec.optimizer())) {
         return absl::InvalidArgumentError(absl::StrCat(twhere, " optimizer: unknown kind"));
       }
+      if (spec.shampoo_block() < 0 ||
+          (spec.shampoo_block() != 0 && spec.optimizer() != v1::OPTIMIZER_SHAMPOO)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(twhere, " optimizer: shampoo_block ", spec.shampoo_block(),
+                         " is invalid (a positive block side, for OPTIMIZER_SHAMPOO only)"));
+      }
     }
   }
   return absl::OkStatus();
@@ -230,14 +273,11 @@ absl::StatusOr<TensorSpec> ParseTensor(const json& j, const std::string& where) 
       spec.set_granule_kind(g->kind);
       spec.set_granule_rows(g->rows);
     } else if (key == "optimizer") {
-      std::string opt = value.is_string() ? value.get<std::string>() : std::string();
-      if (opt == "elementwise") {
-        spec.set_optimizer(v1::OPTIMIZER_ELEMENTWISE);
-      } else if (opt == "matrix") {
-        spec.set_optimizer(v1::OPTIMIZER_MATRIX);
-      } else {
-        return absl::InvalidArgumentError(absl::StrCat(
-            where, ".optimizer: expected \"elementwise\" or \"matrix\", got ", value.dump()));
+      absl::Status st = value.is_string() ? ParseOptimizer(value.get<std::string>(), &spec)
+                                          : absl::InvalidArgumentError("not a string");
+      if (!st.ok()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(where, ".optimizer: ", st.message(), " (got ", value.dump(), ")"));
       }
     } else {
       return absl::InvalidArgumentError(absl::StrCat(where, ": unknown key '", key, "'"));
@@ -329,7 +369,7 @@ std::string InventoryToJson(const Inventory& inventory) {
       jt["shape"] = std::vector<int64_t>(spec.shape().begin(), spec.shape().end());
       jt["dtype"] = std::string(DTypeName(spec.dtype()));
       jt["granule"] = GranuleName(spec);
-      jt["optimizer"] = spec.optimizer() == v1::OPTIMIZER_MATRIX ? "matrix" : "elementwise";
+      jt["optimizer"] = OptimizerName(spec);
       ju["tensors"].push_back(std::move(jt));
     }
     root["units"].push_back(std::move(ju));
@@ -398,7 +438,10 @@ std::string TensorDifference(const TensorSpec& ref, const TensorSpec& got) {
     return absl::StrCat("granule ", GranuleName(got), " differs from the reference's ",
                         GranuleName(ref));
   }
-  if (ref.optimizer() != got.optimizer()) return "optimizer kind differs from the reference's";
+  if (ref.optimizer() != got.optimizer() || ref.shampoo_block() != got.shampoo_block()) {
+    return absl::StrCat("optimizer ", OptimizerName(got), " differs from the reference's ",
+                        OptimizerName(ref));
+  }
   return "";
 }
 

@@ -4,8 +4,9 @@
 // JSON format:
 //   {"units": [{"name": "layers.0", "tensors": [{"name": "layers.0.q_proj.weight",
 //     "shape": [4096, 4096], "dtype": "bf16", "granule": "rows:128", "optimizer": "matrix"}]}]}
-// `granule` is "element" (default), "rows:K" or "whole"; `optimizer` is "elementwise" (default)
-// or "matrix". Unknown keys are rejected so that a misspelt key is not silently ignored.
+// `granule` is "element" (default), "rows:K" or "whole"; `optimizer` is "elementwise" (default),
+// "matrix" (Muon) or "shampoo" ("shampoo:B": preconditioned in blocks of at most B x B). Unknown
+// keys are rejected so that a misspelt key is not silently ignored.
 #pragma once
 
 #include <cstdint>
@@ -29,6 +30,19 @@ struct Granule {
 // Parses "element", "rows:K" (K >= 1) or "whole". The error names the value.
 absl::StatusOr<Granule> ParseGranule(absl::string_view text);
 std::string GranuleName(const TensorSpec& spec);
+
+// The largest block side "shampoo:B" accepts.
+inline constexpr int64_t kMaxShampooBlock = int64_t{1} << 20;
+
+// Parses "elementwise", "matrix", "shampoo" or "shampoo:B" (1 <= B <= kMaxShampooBlock) into
+// spec's optimizer and shampoo_block. The error names the value.
+absl::Status ParseOptimizer(absl::string_view text, TensorSpec* spec);
+std::string OptimizerName(const TensorSpec& spec);
+
+// Muon's and Shampoo's tensors: an owner rank takes the whole matrix at step time.
+inline bool WholeMatrix(v1::OptimizerKind kind) {
+  return kind == v1::OPTIMIZER_MATRIX || kind == v1::OPTIMIZER_SHAMPOO;
+}
 
 // Limits on what an inventory may hold. The defaults fit DeepSeek-V3 (about 45k tensors) with
 // room to spare.

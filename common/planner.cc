@@ -71,6 +71,30 @@ double NewtonSchulzCost(const v1::TensorPlacement& t) {
   return count * m * m * k;
 }
 
+// Shampoo's cost of a matrix tensor (seen as numel / shape[-1] rows of shape[-1] columns),
+// summed over its blocks of at most B x B (B = shampoo_block; 0: one block), r x c each: per
+// step the statistics G G^T and G^T G and the preconditioned P_L G P_R, 4 r c (r + c)
+// multiply-adds, and the inverse fourth roots of the two factors, modelled as r^3 + c^3 (an
+// eigendecomposition's ~10 n^3 every 10 steps, Shampoo's usual precondition frequency).
+double ShampooCost(const v1::TensorPlacement& t) {
+  int n = t.shape_size();
+  if (n < 2) return static_cast<double>(t.numel());
+  const int64_t cols = t.shape(n - 1), rows = t.numel() / std::max<int64_t>(cols, 1);
+  const int64_t b = t.shampoo_block() > 0 ? t.shampoo_block() : std::max(rows, cols);
+  auto block = [](double r, double c) { return 4 * r * c * (r + c) + r * r * r + c * c * c; };
+  // Full blocks and the partial last ones along each side.
+  const double fr = static_cast<double>(rows / b), fc = static_cast<double>(cols / b);
+  const double er = static_cast<double>(rows % b), ec = static_cast<double>(cols % b);
+  const double bb = static_cast<double>(b);
+  return fr * fc * block(bb, bb) + (er > 0 ? fc * block(er, bb) : 0) +
+         (ec > 0 ? fr * block(bb, ec) : 0) + (er > 0 && ec > 0 ? block(er, ec) : 0);
+}
+
+// A whole-matrix tensor's cost on its owner: Newton-Schulz's (Muon) or Shampoo's.
+double OwnerCost(const v1::TensorPlacement& t) {
+  return t.optimizer() == v1::OPTIMIZER_SHAMPOO ? ShampooCost(t) : NewtonSchulzCost(t);
+}
+
 // Greedy longest-processing-time assignment of matrix tensors to owner ranks, preferring a rank
 // that already holds a piece of the matrix when that does not raise the makespan beyond what
 // the plain LPT choice gives.
@@ -85,7 +109,7 @@ void AssignOwners(v1::Plan* plan) {
     for (int t = 0; t < plan->units(u).tensors_size(); ++t) {
       auto* tp = plan->mutable_units(u)->mutable_tensors(t);
       tp->set_owner_rank(-1);
-      if (tp->optimizer() == v1::OPTIMIZER_MATRIX) jobs.push_back({NewtonSchulzCost(*tp), u, t});
+      if (WholeMatrix(tp->optimizer())) jobs.push_back({OwnerCost(*tp), u, t});
     }
   }
   v1::LayoutMetrics* m = plan->mutable_metrics();
@@ -251,6 +275,7 @@ absl::StatusOr<v1::Plan> BuildPlan(const Inventory& inventory, const PlanOptions
       }
       tp->set_owner_rank(-1);
       tp->set_optimizer(spec.optimizer());
+      tp->set_shampoo_block(spec.shampoo_block());
       *tp->mutable_shape() = spec.shape();
     }
     lb.lb1 += sol->lb1 * options.world;

@@ -130,7 +130,7 @@ absl::StatusOr<std::unique_ptr<StrategyModel>> StrategyModel::Create(const Inven
       }
       m->inventory_elems_ += numel;
       m->newton_schulz_flops_ += NewtonSchulzFlops(t);
-      if (t.optimizer() == v1::OPTIMIZER_MATRIX && t.shape_size() >= 2) {
+      if (WholeMatrix(t.optimizer()) && t.shape_size() >= 2) {
         const int r = t.shape_size();
         m->largest_matrix_ = std::max(m->largest_matrix_, static_cast<double>(t.shape(r - 1)) *
                                                               static_cast<double>(t.shape(r - 2)));
@@ -176,7 +176,7 @@ void StrategyModel::AddGrouping(int64_t key) {
     for (size_t j = 0; j < members[u].size(); ++j) a += unit_active_[next++];
     for (const TensorSpec& t : g.units(u).tensors()) {
       all += Numel(t);
-      if (t.optimizer() == v1::OPTIMIZER_MATRIX) mat += Numel(t);
+      if (WholeMatrix(t.optimizer())) mat += Numel(t);
       bytes += Numel(t) * static_cast<double>(DTypeSize(t.dtype()));
     }
     share.push_back(active_ > 0 ? a / active_ : 0);

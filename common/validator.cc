@@ -103,7 +103,7 @@ absl::Status ValidatePlan(const v1::Plan& plan, const Inventory* inventory) {
         }
       }
       if (tp->owner_rank() < -1 || tp->owner_rank() >= w ||
-          (tp->optimizer() == v1::OPTIMIZER_MATRIX) != (tp->owner_rank() >= 0)) {
+          WholeMatrix(tp->optimizer()) != (tp->owner_rank() >= 0)) {
         return absl::FailedPreconditionError(
             absl::StrCat("unit '", up.unit(), "' tensor '", tp->name(), "': owner rank ",
                          tp->owner_rank(), " is invalid for its optimizer kind"));

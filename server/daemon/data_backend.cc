@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "common/inventory.h"
 
 namespace ragshard::daemon {
 
@@ -12,7 +13,7 @@ absl::StatusOr<std::vector<MatrixPiece>> MatrixPieces(const v1::UnitPlan& unit, 
   std::vector<int64_t> packed(static_cast<size_t>(std::max<int64_t>(f, 0)), 0);
   const int64_t s = std::max<int64_t>(unit.shard_elems(), 1);
   for (const v1::TensorPlacement& t : unit.tensors()) {
-    if (t.optimizer() != v1::OPTIMIZER_MATRIX || t.numel() == 0) continue;
+    if (!WholeMatrix(t.optimizer()) || t.numel() == 0) continue;
     if (t.owner_rank() < 0 || t.owner_rank() >= f) {
       return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name(), "': owner_rank ",
                                                      t.owner_rank(), " is not in [0, ", f, ")"));

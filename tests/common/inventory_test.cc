@@ -50,6 +50,29 @@ TEST(InventoryTest, RoundTripsThroughJson) {
   EXPECT_EQ(again->SerializeAsString(), inv->SerializeAsString());
 }
 
+TEST(InventoryTest, ShampooAndItsBlockSideRoundTrip) {
+  auto inv = ParseInventoryJson(R"({"units": [{"name": "u", "tensors": [
+      {"name": "a", "shape": [300, 200], "dtype": "fp32", "optimizer": "shampoo"},
+      {"name": "b", "shape": [300, 200], "dtype": "fp32", "optimizer": "shampoo:128"}
+  ]}]})");
+  ASSERT_TRUE(inv.ok()) << inv.status();
+  const auto& t = inv->units(0).tensors();
+  EXPECT_EQ(t[0].optimizer(), v1::OPTIMIZER_SHAMPOO);
+  EXPECT_EQ(t[0].shampoo_block(), 0);
+  EXPECT_EQ(t[1].shampoo_block(), 128);
+  EXPECT_TRUE(WholeMatrix(t[1].optimizer()));
+  EXPECT_EQ(OptimizerName(t[1]), "shampoo:128");
+  auto again = ParseInventoryJson(InventoryToJson(*inv));
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->SerializeAsString(), inv->SerializeAsString());
+  // A block side on another optimizer kind is refused.
+  Inventory bad = *inv;
+  bad.mutable_units(0)->mutable_tensors(0)->set_optimizer(v1::OPTIMIZER_MATRIX);
+  bad.mutable_units(0)->mutable_tensors(0)->set_shampoo_block(64);
+  absl::Status st = ValidateInventory(bad);
+  EXPECT_THAT(std::string(st.message()), HasSubstr("'a' optimizer: shampoo_block 64"));
+}
+
 struct BadCase {
   const char* json;
   const char* expect;  // a substring the error must contain
@@ -92,6 +115,17 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{
             T("{\"name\": \"a\", \"shape\": [4], \"dtype\": \"bf16\", \"optimizer\": \"lion\"}"),
             "optimizer"},
+        BadCase{T("{\"name\": \"a\", \"shape\": [4], \"dtype\": \"bf16\", \"optimizer\": "
+                  "\"shampoo:0\"}"),
+                "'shampoo:0': the block side after 'shampoo:' must be an integer in [1, 1048576]"},
+        BadCase{T("{\"name\": \"a\", \"shape\": [4], \"dtype\": \"bf16\", \"optimizer\": "
+                  "\"shampoo:x\"}"),
+                "'shampoo:x'"},
+        BadCase{T("{\"name\": \"a\", \"shape\": [4], \"dtype\": \"bf16\", \"optimizer\": "
+                  "\"shampoo:99999999999999999999\"}"),
+                "integer in [1, 1048576]"},
+        BadCase{T("{\"name\": \"a\", \"shape\": [4], \"dtype\": \"bf16\", \"optimizer\": 3}"),
+                "optimizer: not a string"},
         BadCase{T("{\"name\": \"a\", \"shape\": [4], \"dtype\": \"bf16\"},"
                   "{\"name\": \"a\", \"shape\": [4], \"dtype\": \"bf16\"}"),
                 "duplicate tensor name"},

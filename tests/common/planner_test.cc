@@ -3,6 +3,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "absl/strings/str_cat.h"
 #include "common/models.h"
 #include "common/unit_solver.h"
 #include "common/validator.h"
@@ -155,6 +156,53 @@ TEST(PlannerTest, OwnersAreBalancedAndPreferHolders) {
   EXPECT_EQ(matrices, 32 * 7);
   EXPECT_LT(plan.metrics().owner_load_max_over_mean(), 1.1);
   EXPECT_GT(plan.metrics().owner_locality(), 0.5);
+}
+
+// Owners are balanced by each optimizer's own cost. A tall 4096 x 64 matrix is cheap for
+// Newton-Schulz (m^2 n with m = 64) and dear for Shampoo (its 4096 x 4096 left factor), next to
+// four 1024 x 1024 matrices; Shampoo's blocked variant makes every 64 x 64 block cost the same.
+TEST(PlannerTest, OwnersAreBalancedByTheOptimizersCost) {
+  auto plan_for = [](const std::string& opt) {
+    std::string tensors = R"({"name": "tall", "shape": [4096, 64], "dtype": "fp32",
+                              "optimizer": ")" +
+                          opt + R"("})";
+    for (int i = 0; i < 4; ++i) {
+      tensors += absl::StrCat(R"(, {"name": "sq)", i,
+                              R"(", "shape": [1024, 1024], "dtype": "fp32", "optimizer": ")", opt,
+                              R"("})");
+    }
+    auto inv = ParseInventoryJson(R"({"units": [{"name": "u", "tensors": [)" + tensors + "]}]}");
+    EXPECT_TRUE(inv.ok()) << inv.status();
+    v1::Plan plan = MustPlan(*inv, Policy::kRagged, 2);
+    EXPECT_TRUE(ValidatePlan(plan, &*inv).ok());
+    return plan;
+  };
+  // The squares the tall matrix's owner also owns.
+  auto with_tall = [](const v1::Plan& plan) {
+    const auto& t = plan.units(0).tensors();
+    int64_t tall = -1, n = 0;
+    for (const auto& tp : t) {
+      if (tp.name() == "tall") tall = tp.owner_rank();
+    }
+    for (const auto& tp : t) n += tp.name() != "tall" && tp.owner_rank() == tall;
+    return n;
+  };
+  v1::Plan muon = plan_for("matrix");
+  EXPECT_EQ(with_tall(muon), 2);  // the squares split 2 + 2; the tall one hardly counts
+  v1::Plan shampoo = plan_for("shampoo");
+  // 4096^3 for the tall one's root outweighs the four squares together (7.3e10 vs 4.3e10).
+  EXPECT_EQ(with_tall(shampoo), 0);
+  EXPECT_GT(shampoo.metrics().owner_load_max_over_mean(), 1.2);
+  for (const auto& tp : shampoo.units(0).tensors()) {
+    EXPECT_EQ(tp.optimizer(), v1::OPTIMIZER_SHAMPOO);
+    EXPECT_EQ(tp.shampoo_block(), 0);
+  }
+  v1::Plan blocked = plan_for("shampoo:64");
+  EXPECT_EQ(blocked.units(0).tensors(0).shampoo_block(), 64);
+  // 64 x 64 blocks: 64 of the tall one, 256 of each square; 2 squares per owner, and the tall
+  // one on top of one of them: 576 / 544 blocks.
+  EXPECT_EQ(with_tall(blocked), 2);
+  EXPECT_NEAR(blocked.metrics().owner_load_max_over_mean(), 576.0 / 544.0, 1e-9);
 }
 
 TEST(PlannerTest, PaddingMatchesTheLowerBoundFiguresOfTheDesign) {
