@@ -2,6 +2,13 @@
 tensors and independently of ragshard's sharded ones (which work on pieces of shards), so that
 a sharded run that equals its reference checks the sharded code.
 
+Shampoo: for each matrix (rows = numel / shape[-1], cols = shape[-1]) cut into tiles of at most
+block x block (block 0: one tile), each tile G keeps L = sum G G^T and R = sum G^T G; at steps
+1, 1 + every, 1 + 2 every, ... of the matrix its roots become (L + eps I)^(-1/4) and
+(R + eps I)^(-1/4) (through fp64 eigenvalues, clamped at zero); the tile's direction is
+root_L G root_R rescaled to the Frobenius norm of G; then buf = momentum * buf + direction and
+p = p * (1 - lr * wd) - lr * buf.
+
 Adam8bit: AdamW whose moments are stored block-quantized, one fp32 scale per block: 128 x 128
 tiles of a matrix (numel / shape[-1] rows of shape[-1] columns; edge tiles partial) and runs of
 256 elements of a vector. The first moment is stored as int8 round(127 m / max|m|), the second
@@ -80,3 +87,70 @@ class Adam8bit(torch.optim.Optimizer):
                 p.sub_(lr / (1 - b1 ** t) * m / (v.sqrt() / math.sqrt(1 - b2 ** t) + eps))
                 st["m"], st["m_scale"] = quantize(m, 127, torch.int8)
                 st["v"], st["v_scale"] = quantize(v.sqrt(), 255, torch.uint8)
+
+
+def fourth_root_inverse(m, eps):
+    """(m + eps I)^(-1/4) for a symmetric positive semi-definite m, from its fp64 eigenvalues."""
+    w, v = torch.linalg.eigh(m.to(torch.float64))
+    d = torch.diag((torch.clamp(w, min=0.0) + eps) ** -0.25)
+    return (v @ d @ v.T).to(m.dtype)
+
+
+class Shampoo(torch.optim.Optimizer):
+    """Blocked Shampoo with SGD grafting and momentum on whole tensors (see the module
+    docstring). `stats(p)` gives a parameter's roots, for the tests."""
+
+    def __init__(self, params, lr=0.1, momentum=0.9, eps=1e-6, every=10, block=0,
+                 weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, momentum=momentum, eps=eps, every=every,
+                                      block=block, weight_decay=weight_decay))
+
+    @staticmethod
+    def tiles(rows, cols, block):
+        tr = block if block else rows
+        tc = block if block else cols
+        out = []
+        r = 0
+        while r < rows:
+            c = 0
+            while c < cols:
+                out.append((r, min(r + tr, rows), c, min(c + tc, cols)))
+                c += tc
+            r += tr
+        return out
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g2 = p.grad.reshape(-1, p.shape[-1])
+                st = self.state[p]
+                if not st:
+                    st["step"] = 0
+                    st["buf"] = torch.zeros_like(p)
+                    st["tiles"] = []
+                    for r0, r1, c0, c1 in self.tiles(g2.shape[0], g2.shape[1], group["block"]):
+                        st["tiles"].append({"at": (r0, r1, c0, c1),
+                                            "L": torch.zeros(r1 - r0, r1 - r0, dtype=p.dtype),
+                                            "R": torch.zeros(c1 - c0, c1 - c0, dtype=p.dtype)})
+                st["step"] += 1
+                direction = torch.zeros_like(g2)
+                for tile in st["tiles"]:
+                    r0, r1, c0, c1 = tile["at"]
+                    g = g2[r0:r1, c0:c1]
+                    tile["L"] += g @ g.T
+                    tile["R"] += g.T @ g
+                    if (st["step"] - 1) % group["every"] == 0:
+                        if not st.setdefault("refreshed", []) or st["refreshed"][-1] != st["step"]:
+                            st["refreshed"].append(st["step"])
+                        tile["root_L"] = fourth_root_inverse(tile["L"], group["eps"])
+                        tile["root_R"] = fourth_root_inverse(tile["R"], group["eps"])
+                    d = tile["root_L"] @ g @ tile["root_R"]
+                    if float(d.norm()) > 0:
+                        d = d * (g.norm() / d.norm())
+                    direction[r0:r1, c0:c1] = d
+                st["buf"].mul_(group["momentum"]).add_(direction.view(p.shape))
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.sub_(group["lr"] * st["buf"])

@@ -31,6 +31,8 @@ import zlib
 import torch
 import torch.utils.checkpoint
 
+import tiny_optim  # beside this script
+
 
 class Block(torch.nn.Module):
     def __init__(self, d, heads):
@@ -162,9 +164,7 @@ def parse():
                         "parameters), with a fresh optimizer")
     p.add_argument("--accum", type=int, default=1, help="micro-batches per step")
     p.add_argument("--clip", type=float, default=0.0, help="max global grad norm (0: off)")
-    p.add_argument("--optimizer", choices=["adamw", "muon", "adam8bit"], default="adamw",
-                   help="adam8bit: AdamW with block-quantized moments (128x128 blocks of "
-                        "matrices, 256 of vectors; vectors are then not cut: granule whole)")
+    tiny_optim.add_arguments(p)
     p.add_argument("--meta-init", action="store_true",
                    help="build the model on the meta device and materialize only each rank's "
                         "shards, each tensor from its own seeded generator (--reference: the "
@@ -176,9 +176,6 @@ def parse():
                    choices=["non-reentrant", "reentrant"],
                    help="recompute each layer's activations in backward "
                         "(torch.utils.checkpoint; non-reentrant unless told)")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--muon-lr", type=float, default=0.02)
-    p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--param-dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--granule", default="rows:128", help="granule of 2-D parameters")
     p.add_argument("--no-reshard-after-forward", dest="reshard_after_forward",
@@ -211,6 +208,7 @@ def parse():
     p.add_argument("--out", default="", help="write losses (JSON) and final parameters (.pt)")
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args()
+    tiny_optim.check_arguments(p, a)
     try:
         a.save_steps = sorted({int(x) for x in a.save_step.split(",") if x})
     except ValueError:
@@ -253,23 +251,9 @@ def rank_rows(args, w, r):
     return slice(r * n, (r + 1) * n)
 
 
-def is_matrix(name, p):
-    return p.dim() == 2 and "layers." in name  # Muon for the blocks' weight matrices
-
-
 def reference(args, model, chain):
     w = args.world
-    matrices = [p for n, p in model.named_parameters() if args.optimizer == "muon" and
-                is_matrix(n, p)]
-    others = [p for n, p in model.named_parameters() if not any(p is m for m in matrices)]
-    wd = args.weight_decay if args.optimizer != "muon" else 0.0
-    if args.optimizer == "adam8bit":
-        from reference_optim import Adam8bit  # beside this script
-        adamw = Adam8bit(others, lr=args.lr, weight_decay=wd)
-    else:
-        adamw = torch.optim.AdamW(others, lr=args.lr, weight_decay=wd)
-    from ragshard.torch import newton_schulz
-    bufs = [torch.zeros_like(p) for p in matrices]
+    opts = tiny_optim.reference_optimizers(args, model)
     losses = []
     for step in range(args.steps):
         total = 0.0
@@ -284,17 +268,14 @@ def reference(args, model, chain):
             total += float(loss.detach()) / args.accum
         if args.clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-        adamw.step()
-        for p, buf in zip(matrices, bufs):
-            buf.mul_(0.95).add_(p.grad)
-            g = p.grad + 0.95 * buf
-            u = newton_schulz(g) * max(1.0, p.shape[0] / p.shape[1]) ** 0.5
-            p.data.add_(u, alpha=-args.muon_lr)
+        for opt in opts:
+            opt.step()
         model.zero_grad()
         losses.append(total)
         if not args.quiet:
             print(f"reference step {step + 1}/{args.steps} loss {total:.6f}", flush=True)
-    return losses, {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+    return losses, {n: p.detach().cpu().clone() for n, p in model.named_parameters()}, {
+        "shampoo": tiny_optim.shampoo_report(opts, model)}
 
 
 def sharded(args, model, chain):
@@ -325,18 +306,12 @@ def sharded(args, model, chain):
         # straddle ranks (rows:K is whole for a vector).
         granule=lambda n, p: args.granule if p.dim() >= 2 or args.optimizer == "adam8bit"
         else "element",
-        optimizer=lambda n, p: "matrix" if args.optimizer == "muon" and is_matrix(n, p)
-        else "elementwise",
+        optimizer=tiny_optim.matrix_optimizer(args),
         reshard_after_forward=args.reshard_after_forward if args.reshard_groups is None
         else args.reshard_groups,
         prefetch=args.prefetch)
     args.private_stages["fully_shard"] = private_bytes()
-    if args.optimizer == "muon":
-        opt = rt.ShardedMuon(fsdp, lr=args.muon_lr, adamw_lr=args.lr)
-    elif args.optimizer == "adam8bit":
-        opt = rt.ShardedAdam8bit(fsdp, lr=args.lr, weight_decay=args.weight_decay)
-    else:
-        opt = rt.ShardedAdamW(fsdp, lr=args.lr, weight_decay=args.weight_decay)
+    opt = tiny_optim.sharded_optimizer(args, fsdp)
     from ragshard import checkpoint
     first = 0
     ckpt = {"save_seconds": [], "load_seconds": 0.0}
@@ -353,7 +328,9 @@ def sharded(args, model, chain):
         ckpt["layout"] = {"pos": fsdp.pos, "units": [
             {"shard_elems": int(fsdp.shard_elems[ui]),
              "tensors": [[t["name"], int(t["offset"]), int(t["numel"])]
-                         for t in fsdp.plan["units"][ui]["tensors"]]} for ui in fsdp.units()]}
+                         for t in fsdp.plan["units"][ui]["tensors"]]} for ui in fsdp.units()],
+            # Shampoo: the matrices whose preconditioners this rank owns (and reads whole).
+            "owned": sorted(getattr(opt, "owned", {}))}
     pending = []
     # Private memory (smaps_rollup) from the model's construction to the end of the sharding:
     # the full model where it was built, else the largest tensor while its pieces are copied.
@@ -433,7 +410,8 @@ def sharded(args, model, chain):
              "gathered_bytes": fsdp.gathered_bytes, "pool_trace": pool_trace,
              "peak_units_unsharded": fsdp.peak_unsharded,
              "op_counts": op_counts, "daemon_unit_operations": daemon_ops,
-             "sharding": sharding,
+             "sharding": sharding, "shampoo": tiny_optim.shampoo_report(opt)
+             if args.optimizer == "shampoo" else {},
              "first_step": first + 1, "checkpoint": ckpt}
     return losses, state, extra
 
@@ -562,7 +540,7 @@ def main():
             sys.exit("--reference needs --world W")
         if args.load_state:
             model.load_state_dict(torch.load(args.load_state))
-        losses, state = reference(args, model, chain)
+        losses, state, extra = reference(args, model, chain)
         rank = 0
     elif args.ddp:
         losses, state, extra = ddp(args, model, chain)

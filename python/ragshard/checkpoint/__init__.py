@@ -7,10 +7,11 @@
     handle.result()
     step = checkpoint.load(model, optimizer, "/shared/ckpt")           # the newest complete one
 
-`model` is a ShardedModule, `optimizer` its ShardedAdamW or ShardedMuon (or None: parameters
-only). Each rank of the first replica writes only what it holds: its pieces of every parameter
-(the fp32 masters where the module keeps them), of the optimizer's moments and of Muon's
-momentum; rank 0 adds the module's buffers and, once every rank's index is on disk, the
+`model` is a ShardedModule, `optimizer` its ShardedAdamW, ShardedMuon or ShardedShampoo (or
+None: parameters only). Each rank of the first replica writes only what it holds: its pieces of
+every parameter (the fp32 masters where the module keeps them), of the optimizer's moments and
+of Muon's or Shampoo's momentum, and the preconditioners of the matrices Shampoo has it own;
+rank 0 adds the module's buffers and, once every rank's index is on disk, the
 metadata, which describes every tensor in tensor coordinates. A load under any plan (another
 world size, granule, unit grouping, HSDP mesh or strategy) reads, on each rank, the ranges that
 its own pieces need, and checks the CRC-32 of every chunk it reads.
@@ -53,7 +54,7 @@ def _snapshot(model, optimizer):
     the masters and the optimizer's state in host memory (an asynchronous save writes them while
     the next forward and backward run: the optimizer's step, which changes them, waits for the
     write), or copies of them in host memory where they are on a GPU."""
-    kind, records, steps = _state.collect(model, optimizer)
+    kind, records, steps, shapes = _state.collect(model, optimizer)
     if model.rank == 0:
         records += [(n, "buffer", 0, b.detach().reshape(-1).cpu()) for n, b in _buffers(model)]
     out = []
@@ -62,7 +63,7 @@ def _snapshot(model, optimizer):
         if t.device.type != "cpu":
             t = t.cpu()  # a CUDA backend's buffers: the copy is the snapshot
         out.append((name, rec_kind, start, t.numel(), _state.dtype_name(t.dtype), t))
-    shapes = {pc.name: list(pc.shape) for pc in _state.tensor_pieces(model)}
+    shapes.update({pc.name: list(pc.shape) for pc in _state.tensor_pieces(model)})
     if model.rank == 0:
         shapes.update({n: list(b.shape) for n, b in _buffers(model)})
     return kind, out, steps, shapes
@@ -359,6 +360,8 @@ def export_state_dict(root, step=None):
     out = {}
     with _format.Reader(path, meta) as reader:
         for name, t in meta["tensors"].items():
+            if "param" not in t and "buffer" not in t:
+                continue  # optimizer state of its own (Shampoo's preconditioners)
             kind = "param" if "param" in t else "buffer"
             numel = 1
             for d in t["shape"]:

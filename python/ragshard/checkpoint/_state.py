@@ -44,16 +44,27 @@ def set_param_values(model, pc, values):
 
 
 def adamw_of(optimizer):
-    """The ShardedAdamW inside `optimizer` (itself, or ShardedMuon's for non-matrices)."""
+    """The optimizer's kind and the ShardedAdamW inside it (itself, or ShardedMuon's or
+    ShardedShampoo's for the parameters that are not their matrices)."""
     from ..torch.optim import ShardedAdamW, ShardedMuon
+    from ..torch.shampoo import ShardedShampoo
     if optimizer is None:
         return None, None
     if isinstance(optimizer, ShardedMuon):
         return "muon", optimizer.adamw
+    if isinstance(optimizer, ShardedShampoo):
+        return "shampoo", optimizer.adamw
     if isinstance(optimizer, ShardedAdamW):
         return "adamw", optimizer
-    raise CheckpointError(f"optimizer: {type(optimizer).__name__} is not ShardedAdamW or "
-                          "ShardedMuon")
+    raise CheckpointError(f"optimizer: {type(optimizer).__name__} is not ShardedAdamW, "
+                          "ShardedMuon or ShardedShampoo")
+
+
+# Shampoo's preconditioner state of matrix NAME is the checkpoint tensor NAME + SHAMPOO_STATE
+# (kind "shampoo"): a vector of every block's L, R, root of L and root of R, row-major, block
+# after block; its owner writes it whole, and the owner under the loading plan reads it whole.
+# Its step count is the optimizer step count of the same name.
+SHAMPOO_STATE = "#shampoo"
 
 
 def adamw_slots(adamw):
@@ -65,8 +76,9 @@ ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 def collect(model, optimizer):
-    """This rank's records: a list of (tensor, kind, start, tensor to store) and the optimizer's
-    per-parameter step counts {name: step}."""
+    """This rank's records: a list of (tensor, kind, start, tensor to store), the optimizer's
+    per-parameter step counts {name: step}, and the shapes of the optimizer's own tensors
+    (Shampoo's state) {name: shape}."""
     kind, adamw = adamw_of(optimizer)
     slots = adamw_slots(adamw) if adamw is not None else {}
     records, steps = [], {}
@@ -78,10 +90,42 @@ def collect(model, optimizer):
             for key in ADAM_KEYS:
                 records.append((pc.name, key, pc.start, state[key].reshape(-1)))
             steps[pc.name] = float(state["step"])
-        if kind == "muon" and pc.matrix and pc.unit in optimizer.buf:
-            records.append((pc.name, "muon_momentum", pc.start,
+        if kind in ("muon", "shampoo") and pc.matrix and pc.unit in optimizer.buf:
+            records.append((pc.name, optimizer.momentum_kind, pc.start,
                             optimizer.buf[pc.unit][pc.lo:pc.hi]))
-    return kind, records, steps
+    shapes = {}
+    if kind == "shampoo":
+        for name, st in optimizer.state.items():
+            flat = torch.cat([t.reshape(-1) for t in st.tensors()])
+            records.append((name + SHAMPOO_STATE, "shampoo", 0, flat))
+            shapes[name + SHAMPOO_STATE] = [flat.numel()]
+            steps[name + SHAMPOO_STATE] = float(st.step)
+    return kind, records, steps, shapes
+
+
+def _place_shampoo(optimizer, reader, meta, steps):
+    """Shampoo's preconditioners of the matrices this rank owns under the loading plan."""
+    optimizer.state.clear()
+    for name in optimizer.owned:
+        key = name + SHAMPOO_STATE
+        rec = meta["tensors"].get(key)
+        if rec is None:
+            continue  # the matrix had no step yet
+        st = optimizer.preconditioner(name)
+        parts = st.tensors()
+        numel = sum(t.numel() for t in parts)
+        if rec["shape"] != [numel]:
+            raise CheckpointError(
+                f"{reader.path}: Shampoo's state of '{name}' has {rec['shape'][0]} elements "
+                f"there, {numel} here (saved with another block side? this plan's is "
+                f"{optimizer.owned[name].block or 'none'})")
+        data, dt = reader.read(key, "shampoo", 0, numel)
+        flat = from_bytes(data, dt)
+        at = 0
+        for t in parts:
+            t.copy_(flat[at:at + t.numel()].view(t.shape))
+            at += t.numel()
+        st.step = int(steps[key])
 
 
 def place(model, optimizer, reader, meta):
@@ -117,6 +161,8 @@ def place(model, optimizer, reader, meta):
                     # The buffers just read are private to this load: no copy is needed.
                     **{key: read(key).to(device=p.device, dtype=p.dtype)
                        for key in ADAM_KEYS}}
-        if kind == "muon" and pc.matrix and pc.unit in optimizer.buf:
-            optimizer.buf[pc.unit][pc.lo:pc.hi] = read("muon_momentum").to(
+        if kind in ("muon", "shampoo") and pc.matrix and pc.unit in optimizer.buf:
+            optimizer.buf[pc.unit][pc.lo:pc.hi] = read(optimizer.momentum_kind).to(
                 optimizer.buf[pc.unit].device)
+    if kind == "shampoo":
+        _place_shampoo(optimizer, reader, meta, steps)

@@ -49,6 +49,7 @@ default is fp32 throughout.
 from .module import ShardedModule, fully_shard
 from .optim import ShardedAdamW, ShardedMuon, newton_schulz
 from .optim8bit import ShardedAdam8bit
+from .shampoo import ShardedShampoo
 
 __all__ = ["fully_shard", "ShardedModule", "ShardedAdamW", "ShardedMuon", "ShardedAdam8bit",
-           "newton_schulz"]
+           "ShardedShampoo", "newton_schulz"]

@@ -12,7 +12,7 @@ from .. import plan_of
 from .buffers import BuffersMixin
 from .meta import adopt_meta, release_freed_memory, values
 from .hooks import HooksMixin
-from .params import Matrix, Piece, adopt, storageless
+from .params import WHOLE_MATRIX, Matrix, Piece, adopt, storageless
 from .quantized import QuantizedGatherMixin, plan_quantized_units
 from .state import StateMixin
 from .views import DTYPES, as_tensor, tensor_of
@@ -122,7 +122,7 @@ class ShardedModule(BuffersMixin, HooksMixin, QuantizedGatherMixin, StateMixin, 
             owned = {}  # an owner's matrices, packed in plan order in its owner buffer
             for t in up["tensors"]:
                 by_name[t["name"]] = (ui, int(t["offset"]), int(t["numel"]), t)
-                if t.get("optimizer") == "OPTIMIZER_MATRIX":
+                if t.get("optimizer") in WHOLE_MATRIX:
                     owner = int(t.get("owner_rank", -1))
                     packed[t["name"]] = owned.get(owner, 0)
                     owned[owner] = packed[t["name"]] + int(t["numel"])
@@ -131,7 +131,7 @@ class ShardedModule(BuffersMixin, HooksMixin, QuantizedGatherMixin, StateMixin, 
         self.shard_elems = [client.shard_elems(u) for u in range(len(self.plan["units"]))]
         # This rank writes its own shard; the parameters become views of the unsharded buffers
         # while their unit is unsharded.
-        self.matrices = []  # _Matrix of each matrix tensor
+        self.matrices = []  # Matrix of each whole-matrix tensor (Muon's and Shampoo's)
         self._pieces = {}  # unit -> [_Piece]: the parameters' pieces in this rank's shard
         # Which parameters have a gradient, by index in unit order (PyTorch's grad not None),
         # the same on every rank; and those this rank's backward reached since the last
@@ -166,7 +166,7 @@ class ShardedModule(BuffersMixin, HooksMixin, QuantizedGatherMixin, StateMixin, 
                 _, off, numel, t = by_name[n]
                 index = len(self._index)
                 self._index[id(p)] = index
-                matrix = t.get("optimizer") == "OPTIMIZER_MATRIX"
+                matrix = t.get("optimizer") in WHOLE_MATRIX
                 a, b = max(off, lo), min(off + numel, hi)
                 if a < b:
                     if id(p) not in meta:
@@ -186,8 +186,9 @@ class ShardedModule(BuffersMixin, HooksMixin, QuantizedGatherMixin, StateMixin, 
                 p.grad = None
                 adopt(p, n, uname)
                 if matrix:
-                    self.matrices.append(Matrix(ui, off, numel, tuple(p.shape),
-                                                 int(t.get("owner_rank", -1)), packed[n], index))
+                    self.matrices.append(Matrix(
+                        ui, off, numel, tuple(p.shape), int(t.get("owner_rank", -1)), packed[n],
+                        index, n, WHOLE_MATRIX[t["optimizer"]], int(t.get("shampoo_block", 0))))
             if exact is not None:
                 masters[ui] = exact
             self._empty[ui] = [storageless(p.shape, DTYPES[param_dtype]) for p, _, _ in

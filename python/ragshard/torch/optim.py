@@ -10,7 +10,8 @@ import torch
 
 from .views import as_tensor
 
-__all__ = ["ShardedAdamW", "ShardedMuon", "newton_schulz", "master_copies", "copy_masters"]
+__all__ = ["ShardedAdamW", "ShardedMuon", "newton_schulz", "master_copies", "copy_masters",
+           "matrix_units", "matrix_mask"]
 
 
 class ShardedAdamW:
@@ -71,6 +72,28 @@ def copy_masters(copies):
         shard.copy_(master.to(shard.dtype))
 
 
+def matrix_units(model, kind, name):
+    """The units that hold whole-matrix tensors, after checking that every one of them is of
+    `kind` ('matrix' for Muon, 'shampoo' for Shampoo) and that the parameters are fp32 without
+    quantized gathers. `name`: the optimizer, for the errors."""
+    if model.param_dtype != "fp32" or model.quantize:
+        raise ValueError(f"{name}: needs param_dtype fp32 without quantized gathers")
+    other = [mx.name for mx in model.matrices if mx.kind != kind]
+    if other:
+        raise ValueError(f"{name}: parameter '{other[0]}' was registered with another whole-matrix "
+                         f"optimizer than '{kind}' (fully_shard's optimizer=)")
+    return sorted({mx.unit for mx in model.matrices})
+
+
+def matrix_mask(model, u, has):
+    """This rank's shard elements of unit `u` in whole-matrix tensors that have a gradient."""
+    mask = torch.zeros(model.shard_elems[u], dtype=torch.bool)
+    for piece in model.pieces(u):
+        if piece.matrix and has[piece.index]:
+            mask[piece.lo:piece.hi] = True
+    return mask
+
+
 def newton_schulz(g, steps=5, eps=1e-7):
     """Muon's quintic Newton-Schulz orthogonalization, in fp32."""
     a, b, c = 3.4445, -4.7750, 2.0315
@@ -94,22 +117,13 @@ class ShardedMuon:
     def __init__(self, model, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.0,
                  adamw_lr=1e-3, adamw_betas=(0.9, 0.999), adamw_eps=1e-8, adamw_weight_decay=0.0,
                  ns_steps=5):
-        if model.param_dtype != "fp32" or model.quantize:
-            raise ValueError("ShardedMuon: needs param_dtype fp32 without quantized gathers")
+        self.units = matrix_units(model, "matrix", "ShardedMuon")
         self.model, self.lr, self.momentum, self.nesterov = model, lr, momentum, nesterov
         self.weight_decay, self.ns_steps = weight_decay, ns_steps
         self.adamw = ShardedAdamW(model, adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay,
                                   skip_matrices=True)
-        self.units = sorted({mx.unit for mx in model.matrices})
         self.buf = {u: torch.zeros(model.shard_elems[u]) for u in self.units}
-
-    def _mask(self, u, has):
-        """This rank's shard elements of unit `u` in matrices that have a gradient."""
-        mask = torch.zeros(self.model.shard_elems[u], dtype=torch.bool)
-        for piece in self.model.pieces(u):
-            if piece.matrix and has[piece.index]:
-                mask[piece.lo:piece.hi] = True
-        return mask
+        self.momentum_kind = "muon_momentum"  # the momentum's records in checkpoints
 
     def step(self):
         m = self.model
@@ -118,7 +132,7 @@ class ShardedMuon:
         self.adamw.step()
         for u in self.units:
             shard, grad = m.shard(u)
-            mask = self._mask(u, has)
+            mask = matrix_mask(m, u, has)
             buf = self.buf[u]
             buf[mask] = buf[mask] * self.momentum + grad[mask]
             upd = grad[mask] + self.momentum * buf[mask] if self.nesterov else buf[mask]

@@ -74,6 +74,10 @@ class Saved:
 
 Piece = collections.namedtuple("Piece", "index lo hi matrix")
 Piece.__doc__ = "The part of parameter `index` in this rank's shard: elements [lo, hi)."
-Matrix = collections.namedtuple("Matrix", "unit offset numel shape owner packed index")
-Matrix.__doc__ = ("A matrix tensor for Muon: its place in the unit, its owner rank and its "
-                   "offset in the owner's packed buffer.")
+Matrix = collections.namedtuple("Matrix",
+                                "unit offset numel shape owner packed index name kind block")
+Matrix.__doc__ = ("A whole-matrix tensor (Muon's or Shampoo's): its place in the unit, its owner "
+                  "rank, its offset in the owner's packed buffer, its name, its optimizer kind "
+                  "('matrix' or 'shampoo') and Shampoo's block side (0: one block).")
+
+WHOLE_MATRIX = {"OPTIMIZER_MATRIX": "matrix", "OPTIMIZER_SHAMPOO": "shampoo"}  # plan -> kind

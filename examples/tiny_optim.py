@@ -1,0 +1,118 @@
+"""train_tiny.py's optimizers: which parameters each takes, built for a run through ragshard and
+for its one-process reference (whose optimizers, in reference_optim.py beside this file, are
+written independently of ragshard's sharded ones), and what Shampoo's preconditioners became.
+
+--optimizer adamw | adam8bit: every parameter. muon | shampoo: the blocks' weight matrices
+(`is_matrix`), the other parameters through AdamW with --lr and no weight decay.
+"""
+import torch
+
+import reference_optim  # beside this script
+
+
+def is_matrix(name, p):
+    return p.dim() == 2 and "layers." in name  # the blocks' weight matrices
+
+
+def add_arguments(p):
+    p.add_argument("--optimizer", choices=["adamw", "muon", "adam8bit", "shampoo"],
+                   default="adamw",
+                   help="adam8bit: AdamW with block-quantized moments (128x128 blocks of "
+                        "matrices, 256 of vectors; vectors are then not cut: granule whole); "
+                        "muon and shampoo: for the blocks' weight matrices, on their owners")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--muon-lr", type=float, default=0.02)
+    p.add_argument("--shampoo-lr", type=float, default=1.0,
+                   help="shampoo's step size: its directions have the gradient's norm (SGD "
+                        "grafting), and this model's gradients are small")
+    p.add_argument("--precondition-every", type=int, default=10, metavar="N",
+                   help="shampoo: recompute the inverse roots every N steps, from the first")
+    p.add_argument("--shampoo-block", type=int, default=0, metavar="B",
+                   help="shampoo: precondition in blocks of at most B x B (0: whole matrices)")
+    p.add_argument("--weight-decay", type=float, default=0.01)
+
+
+def check_arguments(p, a):
+    if a.precondition_every < 1:
+        p.error(f"--precondition-every {a.precondition_every}: must be at least 1")
+    if a.shampoo_block < 0:
+        p.error(f"--shampoo-block {a.shampoo_block}: must be 0 (whole matrices) or positive")
+
+
+def matrix_optimizer(args):
+    """fully_shard's optimizer= for the run's optimizer."""
+    kind = {"muon": "matrix", "shampoo": "shampoo" + (
+        f":{args.shampoo_block}" if args.shampoo_block else "")}.get(args.optimizer)
+    return lambda n, p: kind if kind and is_matrix(n, p) else "elementwise"
+
+
+def sharded_optimizer(args, fsdp):
+    import ragshard.torch as rt
+    if args.optimizer == "muon":
+        return rt.ShardedMuon(fsdp, lr=args.muon_lr, adamw_lr=args.lr)
+    if args.optimizer == "shampoo":
+        return rt.ShardedShampoo(fsdp, lr=args.shampoo_lr,
+                                 precondition_every=args.precondition_every, adamw_lr=args.lr)
+    if args.optimizer == "adam8bit":
+        return rt.ShardedAdam8bit(fsdp, lr=args.lr, weight_decay=args.weight_decay)
+    return rt.ShardedAdamW(fsdp, lr=args.lr, weight_decay=args.weight_decay)
+
+
+class _ReferenceMuon:
+    """Muon on whole matrices: Nesterov momentum 0.95, Newton-Schulz, the shape scale."""
+
+    def __init__(self, params, lr):
+        from ragshard.torch import newton_schulz
+        self.params, self.lr, self.ns = params, lr, newton_schulz
+        self.bufs = [torch.zeros_like(p) for p in params]
+
+    @torch.no_grad()
+    def step(self):
+        for p, buf in zip(self.params, self.bufs):
+            buf.mul_(0.95).add_(p.grad)
+            g = p.grad + 0.95 * buf
+            p.add_(self.ns(g) * max(1.0, p.shape[0] / p.shape[1]) ** 0.5, alpha=-self.lr)
+
+
+def reference_optimizers(args, model):
+    """The optimizers of a --reference run, each stepped once per step."""
+    whole = args.optimizer in ("muon", "shampoo")
+    matrices = [p for n, p in model.named_parameters() if whole and is_matrix(n, p)]
+    others = [p for n, p in model.named_parameters() if not any(p is m for m in matrices)]
+    wd = 0.0 if whole else args.weight_decay
+    if args.optimizer == "adam8bit":
+        return [reference_optim.Adam8bit(others, lr=args.lr, weight_decay=wd)]
+    opts = [torch.optim.AdamW(others, lr=args.lr, weight_decay=wd)]
+    if args.optimizer == "muon":
+        opts.append(_ReferenceMuon(matrices, args.muon_lr))
+    elif args.optimizer == "shampoo":
+        opts.append(reference_optim.Shampoo(matrices, lr=args.shampoo_lr,
+                                            every=args.precondition_every,
+                                            block=args.shampoo_block))
+    return opts
+
+
+def off_identity(root):
+    """How far a root is from a multiple of the identity (which preconditions nothing once the
+    update is grafted): |P - (tr P / n) I| / |P| (Frobenius)."""
+    n = root.shape[0]
+    return float((root - torch.trace(root) / n * torch.eye(n)).norm() / root.norm())
+
+
+def shampoo_report(opt, model=None):
+    """{matrix name: {"refreshed": the steps whose roots were computed, "off_identity": the
+    least off_identity of its roots}}: a sharded ShardedShampoo's owned matrices, or, with
+    `model`, every matrix of a reference run's optimizers `opt` (a list)."""
+    out = {}
+    if model is None:
+        for name, st in opt.state.items():
+            out[name] = {"refreshed": list(st.refreshed), "off_identity": min(
+                off_identity(r) for r in st.left_root + st.right_root)}
+        return out
+    shampoo = [o for o in opt if isinstance(o, reference_optim.Shampoo)]
+    for name, p in model.named_parameters():
+        st = shampoo[0].state.get(p) if shampoo else None
+        if st:
+            out[name] = {"refreshed": list(st["refreshed"]), "off_identity": min(
+                off_identity(t[k]) for t in st["tiles"] for k in ("root_L", "root_R"))}
+    return out

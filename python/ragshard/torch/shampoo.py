@@ -1,0 +1,141 @@
+"""Shampoo on the owners of a ShardedModule's `optimizer: shampoo` matrices.
+
+Each matrix has one owner rank (the planner's, balanced by the preconditioner's cost). Each step
+the gradient shards go to the owners (gather_to_owner), and an owner, for each of its matrices
+with a gradient, seen as G (numel / shape[-1] rows of shape[-1] columns) and cut into blocks of
+at most B x B (B: the plan's shampoo_block; 0: one block), updates each block's preconditioner
+and computes its direction, in fp32:
+
+    L += G_b G_b^T          R += G_b^T G_b                      (the statistics, from zero)
+    every `precondition_every` steps from the first (steps 1, 1 + N, ...):
+        P_L = (L + eps I)^(-1/4)    P_R = (R + eps I)^(-1/4)    (eigh in fp64, eigenvalues
+                                                                 clamped at zero first)
+    U_b = P_L G_b P_R,  scaled to G_b's Frobenius norm           (SGD grafting)
+
+The directions go back to the gradient shards (scatter_from_owner) and every rank steps its own
+pieces: m = momentum * m + U;  p = p * (1 - lr * wd) - lr * m. The momentum is sharded like the
+parameters; the statistics and roots live only on the owners. Other parameters go through AdamW.
+A matrix without a gradient is skipped (its statistics, roots, momentum and step count kept).
+"""
+import torch
+
+from .optim import ShardedAdamW, matrix_mask, matrix_units
+from .views import as_tensor
+
+__all__ = ["ShardedShampoo", "inverse_root", "shampoo_blocks"]
+
+
+def inverse_root(a, eps, p=4):
+    """(a + eps I)^(-1/p) of a symmetric positive semi-definite matrix, through an fp64
+    eigendecomposition; negative round-off eigenvalues count as zero."""
+    lam, q = torch.linalg.eigh(a.double())
+    lam = (lam.clamp(min=0) + eps) ** (-1.0 / p)
+    return ((q * lam) @ q.T).to(a.dtype)
+
+
+def shampoo_blocks(rows, cols, block):
+    """(row slice, column slice) of each block of a rows x cols matrix: tiles of at most
+    block x block, row by row (block 0: the whole matrix)."""
+    br, bc = (block, block) if block > 0 else (rows, cols)
+    return [(slice(r, min(r + br, rows)), slice(c, min(c + bc, cols)))
+            for r in range(0, rows, br) for c in range(0, cols, bc)]
+
+
+class _Preconditioner:
+    """One owned matrix's state: its step count and, per block, the statistics L and R and
+    their inverse fourth roots."""
+
+    def __init__(self, rows, cols, block):
+        self.step = 0
+        self.blocks = shampoo_blocks(rows, cols, block)
+        sizes = [(rs.stop - rs.start, cs.stop - cs.start) for rs, cs in self.blocks]
+        self.left = [torch.zeros(r, r) for r, _ in sizes]
+        self.right = [torch.zeros(c, c) for _, c in sizes]
+        self.left_root = [torch.eye(r) for r, _ in sizes]
+        self.right_root = [torch.eye(c) for _, c in sizes]
+        self.refreshed = []  # the steps whose roots were computed
+
+    def tensors(self):
+        """Every state tensor, in a fixed order (for checkpoints)."""
+        return [t for i in range(len(self.blocks)) for t in (
+            self.left[i], self.right[i], self.left_root[i], self.right_root[i])]
+
+
+class ShardedShampoo:
+    """Shampoo for the `optimizer: shampoo` matrices (see the module docstring); AdamW for the
+    rest. `precondition_every`: the inverse roots are recomputed every N steps of a matrix,
+    from its first."""
+
+    def __init__(self, model, lr=0.1, momentum=0.9, eps=1e-6, precondition_every=10,
+                 weight_decay=0.0, adamw_lr=1e-3, adamw_betas=(0.9, 0.999), adamw_eps=1e-8,
+                 adamw_weight_decay=0.0):
+        if precondition_every < 1:
+            raise ValueError(f"ShardedShampoo: precondition_every {precondition_every} must be "
+                             "at least 1")
+        self.units = matrix_units(model, "shampoo", "ShardedShampoo")
+        self.model, self.lr, self.momentum, self.eps = model, lr, momentum, eps
+        self.precondition_every, self.weight_decay = precondition_every, weight_decay
+        self.adamw = ShardedAdamW(model, adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay,
+                                  skip_matrices=True)
+        self.buf = {u: torch.zeros(model.shard_elems[u]) for u in self.units}
+        self.momentum_kind = "shampoo_momentum"  # the momentum's records in checkpoints
+        # This rank's matrices (it is their owner), by name; their state is built at their
+        # first step, or by a checkpoint load.
+        self.owned = {mx.name: mx for mx in model.matrices if mx.owner == model.pos}
+        self.state = {}  # name -> _Preconditioner
+
+    def preconditioner(self, name):
+        """The state of an owned matrix (created empty where it has none yet)."""
+        st = self.state.get(name)
+        if st is None:
+            mx = self.owned[name]
+            st = self.state[name] = _Preconditioner(mx.numel // mx.shape[-1], mx.shape[-1],
+                                                    mx.block)
+        return st
+
+    def _direction(self, mx, g):
+        """Updates matrix `mx`'s preconditioner with its gradient g (2-D) and returns the
+        grafted direction."""
+        st = self.preconditioner(mx.name)
+        st.step += 1
+        refresh = (st.step - 1) % self.precondition_every == 0
+        if refresh:
+            st.refreshed.append(st.step)
+        out = torch.empty_like(g)
+        for i, (rs, cs) in enumerate(st.blocks):
+            gb = g[rs, cs]
+            st.left[i].add_(gb @ gb.T)
+            st.right[i].add_(gb.T @ gb)
+            if refresh:
+                st.left_root[i] = inverse_root(st.left[i], self.eps)
+                st.right_root[i] = inverse_root(st.right[i], self.eps)
+            u = st.left_root[i] @ gb @ st.right_root[i]
+            norm = u.norm()
+            out[rs, cs] = u * (gb.norm() / norm) if norm > 0 else u
+        return out
+
+    def step(self):
+        m = self.model
+        m.wait_for_checkpoint_write()  # an asynchronous save may be reading the state
+        has = m.has_grad
+        self.adamw.step()
+        for u in self.units:
+            shard, grad = m.shard(u)
+            m.client.gather_to_owner(u).wait()
+            whole = m.client.owner_buffer(u)
+            if whole is not None:
+                whole = as_tensor(whole)
+                for mx in m.matrices:
+                    if mx.unit == u and mx.owner == m.pos and has[mx.index]:
+                        g = whole[mx.packed:mx.packed + mx.numel].view(-1, mx.shape[-1])
+                        g.copy_(self._direction(mx, g))
+            m.client.scatter_from_owner(u).wait()
+            mask = matrix_mask(m, u, has)
+            buf = self.buf[u]
+            buf[mask] = buf[mask] * self.momentum + grad[mask]
+            if self.weight_decay:
+                shard[mask] = shard[mask] * (1 - self.lr * self.weight_decay)
+            shard[mask] = shard[mask] - self.lr * buf[mask]
+
+    def zero_grad(self, set_to_none=True):
+        self.model.zero_grad(set_to_none=set_to_none)
