@@ -88,8 +88,8 @@ std::string Text(const Struct& s, const std::string& key) {
 }
 
 int64_t ItemBytes(const std::string& dtype) {
-  static const std::map<std::string, int64_t> kBytes = {
-      {"fp32", 4}, {"bf16", 2}, {"fp16", 2}, {"int64", 8}, {"uint8", 1}};
+  static const std::map<std::string, int64_t> kBytes = {{"fp32", 4},  {"bf16", 2},  {"fp16", 2},
+                                                        {"int64", 8}, {"uint8", 1}, {"int8", 1}};
   auto it = kBytes.find(dtype);
   return it == kBytes.end() ? 0 : it->second;
 }

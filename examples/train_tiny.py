@@ -217,8 +217,6 @@ def parse():
         p.error("--save-step needs --save DIR")
     if (a.save or a.resume) and (a.reference or a.ddp or a.fsdp2):
         p.error("--save and --resume are for runs through ragshard")
-    if (a.save or a.resume) and a.optimizer == "adam8bit":
-        p.error("--save and --resume: checkpoints hold AdamW and Muon state, not adam8bit's")
     if a.meta_init and (a.ddp or a.fsdp2):
         p.error("--meta-init is for runs through ragshard and --reference")
     if a.load_state and (a.ddp or a.fsdp2):

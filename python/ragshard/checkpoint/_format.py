@@ -35,7 +35,7 @@ LATEST = "latest"
 
 # Stored dtypes: name -> (torch dtype name, bytes per element).
 DTYPES = {"fp32": ("float32", 4), "bf16": ("bfloat16", 2), "fp16": ("float16", 2),
-          "int64": ("int64", 8), "uint8": ("uint8", 1)}
+          "int64": ("int64", 8), "uint8": ("uint8", 1), "int8": ("int8", 1)}
 
 
 class CheckpointError(RuntimeError):

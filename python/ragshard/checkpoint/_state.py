@@ -8,7 +8,7 @@ from ..torch.pieces import tensor_pieces
 from ._format import CheckpointError
 
 _TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
-          "int64": torch.int64, "uint8": torch.uint8}
+          "int64": torch.int64, "uint8": torch.uint8, "int8": torch.int8}
 _NAMES = {v: k for k, v in _TORCH.items()}
 
 
@@ -45,11 +45,15 @@ def set_param_values(model, pc, values):
 
 def adamw_of(optimizer):
     """The optimizer's kind and the ShardedAdamW inside it (itself, or ShardedMuon's or
-    ShardedShampoo's for the parameters that are not their matrices)."""
+    ShardedShampoo's for the parameters that are not their matrices; none for
+    ShardedAdam8bit)."""
     from ..torch.optim import ShardedAdamW, ShardedMuon
+    from ..torch.optim8bit import ShardedAdam8bit
     from ..torch.shampoo import ShardedShampoo
     if optimizer is None:
         return None, None
+    if isinstance(optimizer, ShardedAdam8bit):
+        return "adam8bit", None
     if isinstance(optimizer, ShardedMuon):
         return "muon", optimizer.adamw
     if isinstance(optimizer, ShardedShampoo):
@@ -57,7 +61,7 @@ def adamw_of(optimizer):
     if isinstance(optimizer, ShardedAdamW):
         return "adamw", optimizer
     raise CheckpointError(f"optimizer: {type(optimizer).__name__} is not ShardedAdamW, "
-                          "ShardedMuon or ShardedShampoo")
+                          "ShardedMuon, ShardedShampoo or ShardedAdam8bit")
 
 
 # Shampoo's preconditioner state of matrix NAME is the checkpoint tensor NAME + SHAMPOO_STATE
@@ -65,6 +69,62 @@ def adamw_of(optimizer):
 # after block; its owner writes it whole, and the owner under the loading plan reads it whole.
 # Its step count is the optimizer step count of the same name.
 SHAMPOO_STATE = "#shampoo"
+
+# 8-bit Adam's moments are stored as they are held: the codes as records `adam8bit_m` (int8)
+# and `adam8bit_v` (uint8) of the parameter, element for element, and the fp32 block scales as
+# records `m_scale` and `v_scale` of the tensor NAME + ADAM8BIT_SCALES, one element per block
+# (a matrix's 128 x 128 tiles row-major, a vector's 256-element runs). A piece never cuts a
+# block, so each rank's blocks are one range of them: a resume is exact.
+ADAM8BIT_SCALES = "#adam8bit_scales"
+
+
+def _adam8bit_blocks(pc, blocks):
+    """The tensor-wide block range [first, first + count) of piece `pc` (tensor coordinates),
+    and the tensor's block count."""
+    from ..torch.optim8bit import MATRIX_BLOCK, VECTOR_BLOCK
+    numel = 1
+    for d in pc.shape:
+        numel *= d
+    if blocks.rows == 0:
+        return pc.start // VECTOR_BLOCK, -(-blocks.cols // VECTOR_BLOCK), \
+            -(-numel // VECTOR_BLOCK)
+    cols = pc.shape[-1]
+    per_row = -(-cols // MATRIX_BLOCK)
+    return (pc.start // cols // MATRIX_BLOCK * per_row,
+            -(-blocks.rows // MATRIX_BLOCK) * per_row,
+            -(-(numel // cols) // MATRIX_BLOCK) * per_row)
+
+
+def _collect_adam8bit(optimizer, records, steps, shapes):
+    for pc, blocks, st in optimizer.pieces:
+        if st["step"] == 0:
+            continue  # no step yet: nothing but zeros
+        first, _, total = _adam8bit_blocks(pc, blocks)
+        records += [(pc.name, "adam8bit_m", pc.start, st["m"]),
+                    (pc.name, "adam8bit_v", pc.start, st["v"]),
+                    (pc.name + ADAM8BIT_SCALES, "m_scale", first, st["m_scale"].reshape(-1)),
+                    (pc.name + ADAM8BIT_SCALES, "v_scale", first, st["v_scale"].reshape(-1))]
+        shapes[pc.name + ADAM8BIT_SCALES] = [total]
+        steps[pc.name] = float(st["step"])
+
+
+def _place_adam8bit(optimizer, reader, steps):
+    for pc, blocks, st in optimizer.pieces:
+        n = pc.hi - pc.lo
+        st["step"] = int(steps.get(pc.name, 0))
+        if st["step"] == 0:
+            st["m"].zero_(), st["v"].zero_(), st["m_scale"].zero_(), st["v_scale"].zero_()
+            continue
+        first, count, _ = _adam8bit_blocks(pc, blocks)
+
+        def read(name, kind, lo, hi):
+            data, dt = reader.read(name, kind, lo, hi)
+            return from_bytes(data, dt)
+        st["m"].copy_(read(pc.name, "adam8bit_m", pc.start, pc.start + n))
+        st["v"].copy_(read(pc.name, "adam8bit_v", pc.start, pc.start + n))
+        for kind in ("m_scale", "v_scale"):
+            st[kind].copy_(read(pc.name + ADAM8BIT_SCALES, kind, first, first + count).view(
+                st[kind].shape))
 
 
 def adamw_slots(adamw):
@@ -94,6 +154,8 @@ def collect(model, optimizer):
             records.append((pc.name, optimizer.momentum_kind, pc.start,
                             optimizer.buf[pc.unit][pc.lo:pc.hi]))
     shapes = {}
+    if kind == "adam8bit":
+        _collect_adam8bit(optimizer, records, steps, shapes)
     if kind == "shampoo":
         for name, st in optimizer.state.items():
             flat = torch.cat([t.reshape(-1) for t in st.tensors()])
@@ -166,3 +228,5 @@ def place(model, optimizer, reader, meta):
                 optimizer.buf[pc.unit].device)
     if kind == "shampoo":
         _place_shampoo(optimizer, reader, meta, steps)
+    if kind == "adam8bit":
+        _place_adam8bit(optimizer, reader, steps)
