@@ -7,10 +7,11 @@
     handle.result()
     step = checkpoint.load(model, optimizer, "/shared/ckpt")           # the newest complete one
 
-`model` is a ShardedModule, `optimizer` its ShardedAdamW, ShardedMuon or ShardedShampoo (or
-None: parameters only). Each rank of the first replica writes only what it holds: its pieces of
-every parameter (the fp32 masters where the module keeps them), of the optimizer's moments and
-of Muon's or Shampoo's momentum, and the preconditioners of the matrices Shampoo has it own;
+`model` is a ShardedModule, `optimizer` its ShardedAdamW, ShardedMuon, ShardedShampoo or
+ShardedAdam8bit (or None: parameters only). Each rank of the first replica writes only what it
+holds: its pieces of every parameter (the fp32 masters where the module keeps them), of the
+optimizer's moments (8-bit Adam's codes and block scales) and of Muon's or Shampoo's momentum,
+and the preconditioners of the matrices Shampoo has it own;
 rank 0 adds the module's buffers and, once every rank's index is on disk, the
 metadata, which describes every tensor in tensor coordinates. A load under any plan (another
 world size, granule, unit grouping, HSDP mesh or strategy) reads, on each rank, the ranges that
