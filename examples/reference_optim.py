@@ -2,6 +2,11 @@
 tensors and independently of ragshard's sharded ones (which work on pieces of shards), so that
 a sharded run that equals its reference checks the sharded code.
 
+Muon: buf = 0.95 buf + G, then the matrix steps by -lr * sqrt(max(1, rows / cols)) times the
+quintic Newton-Schulz orthogonalization (5 iterations of X <- a X + b (X X^T) X + c (X X^T)^2 X
+with (a, b, c) = (3.4445, -4.7750, 2.0315), from X = N / (|N|_F + 1e-7) in the orientation with
+no more rows than columns) of the Nesterov direction N = G + 0.95 buf.
+
 Shampoo: for each matrix (rows = numel / shape[-1], cols = shape[-1]) cut into tiles of at most
 block x block (block 0: one tile), each tile G keeps L = sum G G^T and R = sum G^T G; at steps
 1, 1 + every, 1 + 2 every, ... of the matrix its roots become (L + eps I)^(-1/4) and
@@ -154,3 +159,33 @@ class Shampoo(torch.optim.Optimizer):
                 st["buf"].mul_(group["momentum"]).add_(direction.view(p.shape))
                 p.mul_(1 - group["lr"] * group["weight_decay"])
                 p.sub_(group["lr"] * st["buf"])
+
+
+def orthogonalize(g, steps=5):
+    """Muon's quintic Newton-Schulz iteration on g (see the module docstring)."""
+    wide = g.shape[0] <= g.shape[1]
+    x = (g if wide else g.T) / (g.norm() + 1e-7)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = 3.4445 * x + (-4.7750 * gram + 2.0315 * gram @ gram) @ x
+    return x if wide else x.T
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon on whole matrices (see the module docstring); a matrix without a gradient is not
+    stepped (its momentum kept)."""
+
+    def __init__(self, params, lr=0.02, momentum=0.95):
+        super().__init__(params, dict(lr=lr, momentum=momentum))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            mu = group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                buf = self.state[p].setdefault("buf", torch.zeros_like(p))
+                buf.mul_(mu).add_(p.grad)
+                scale = max(1.0, p.shape[0] / p.shape[1]) ** 0.5
+                p.add_(orthogonalize(p.grad + mu * buf) * scale, alpha=-group["lr"])

@@ -58,22 +58,6 @@ def sharded_optimizer(args, fsdp):
     return rt.ShardedAdamW(fsdp, lr=args.lr, weight_decay=args.weight_decay)
 
 
-class _ReferenceMuon:
-    """Muon on whole matrices: Nesterov momentum 0.95, Newton-Schulz, the shape scale."""
-
-    def __init__(self, params, lr):
-        from ragshard.torch import newton_schulz
-        self.params, self.lr, self.ns = params, lr, newton_schulz
-        self.bufs = [torch.zeros_like(p) for p in params]
-
-    @torch.no_grad()
-    def step(self):
-        for p, buf in zip(self.params, self.bufs):
-            buf.mul_(0.95).add_(p.grad)
-            g = p.grad + 0.95 * buf
-            p.add_(self.ns(g) * max(1.0, p.shape[0] / p.shape[1]) ** 0.5, alpha=-self.lr)
-
-
 def reference_optimizers(args, model):
     """The optimizers of a --reference run, each stepped once per step."""
     whole = args.optimizer in ("muon", "shampoo")
@@ -84,7 +68,7 @@ def reference_optimizers(args, model):
         return [reference_optim.Adam8bit(others, lr=args.lr, weight_decay=wd)]
     opts = [torch.optim.AdamW(others, lr=args.lr, weight_decay=wd)]
     if args.optimizer == "muon":
-        opts.append(_ReferenceMuon(matrices, args.muon_lr))
+        opts.append(reference_optim.Muon(matrices, lr=args.muon_lr))
     elif args.optimizer == "shampoo":
         opts.append(reference_optim.Shampoo(matrices, lr=args.shampoo_lr,
                                             every=args.precondition_every,

@@ -33,6 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_tiny import batch, bigram_chain  # noqa: E402
+import reference_optim  # noqa: E402  (beside this script)
 
 CASES = ["plain", "skip-odd", "expert-unused", "expert-unused-one-rank", "eval-no-grad",
          "two-forwards", "frozen"]
@@ -167,17 +168,6 @@ def validate(model, args, chain, step, rows, w):
     return val
 
 
-def muon_reference_step(args, matrices, bufs):
-    from ragshard.torch import newton_schulz
-    for p, buf in zip(matrices, bufs):
-        if p.grad is None:
-            continue  # as ShardedMuon: no gradient, no update
-        buf.mul_(0.95).add_(p.grad)
-        g = p.grad + 0.95 * buf
-        p.data.add_(newton_schulz(g) * max(1.0, p.shape[0] / p.shape[1]) ** 0.5,
-                    alpha=-args.muon_lr)
-
-
 def reference(args, model, chain):
     w = args.world
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -185,7 +175,8 @@ def reference(args, model, chain):
     others = [p for n, p in named if not any(p is m for m in matrices)]
     wd = args.weight_decay if args.optimizer == "adamw" else 0.0
     adamw = torch.optim.AdamW(others, lr=args.lr, weight_decay=wd)
-    bufs = [torch.zeros_like(p) for p in matrices]
+    # Muon written independently of ShardedMuon; as it, a matrix without a gradient is skipped.
+    muon = reference_optim.Muon(matrices, lr=args.muon_lr) if matrices else None
     losses, vals = [], []
     for step in range(args.steps):
         if args.case == "eval-no-grad":
@@ -194,7 +185,8 @@ def reference(args, model, chain):
         loss = loss_of(model, args, x, y, route, step)
         loss.backward()
         adamw.step()
-        muon_reference_step(args, matrices, bufs)
+        if muon is not None:
+            muon.step()
         model.zero_grad(set_to_none=bool(args.set_to_none))
         losses.append(float(loss))
     return losses, vals, {n: p.detach().clone() for n, p in model.named_parameters()}
