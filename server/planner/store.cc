@@ -1,5 +1,10 @@
 #include "server/planner/store.h"
 
+#include <sys/stat.h>
+
+#include <cerrno>
+#include <cstring>
+
 #include "absl/strings/str_cat.h"
 #include "glog/logging.h"
 
@@ -27,6 +32,31 @@ class Statement {
   sqlite3_stmt* stmt_ = nullptr;
 };
 
+// Creates `dir` and its missing parents with mode 0700 (the state holds tokens and plans: the
+// planner's user alone reads it); an existing directory is left as it is.
+absl::Status MakeDataDir(const std::string& dir) {
+  struct stat st {};
+  if (stat(dir.c_str(), &st) == 0) {
+    if (S_ISDIR(st.st_mode)) return absl::OkStatus();
+    return absl::FailedPreconditionError(
+        absl::StrCat("--data-dir '", dir, "': exists and is not a directory"));
+  }
+  for (size_t at = 1; at <= dir.size(); ++at) {
+    if (at != dir.size() && dir[at] != '/') continue;
+    const std::string prefix = dir.substr(0, at);
+    if (mkdir(prefix.c_str(), 0700) != 0 && errno != EEXIST) {
+      return absl::FailedPreconditionError(absl::StrCat("--data-dir '", dir, "': cannot create '",
+                                                        prefix, "': ", std::strerror(errno)));
+    }
+  }
+  if (stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--data-dir '", dir, "': cannot create it: a part of the path is not a directory"));
+  }
+  LOG(INFO) << "created the data directory " << dir << " (mode 0700)";
+  return absl::OkStatus();
+}
+
 std::string Column(sqlite3_stmt* s, int i) {
   const void* p = sqlite3_column_blob(s, i);
   int n = sqlite3_column_bytes(s, i);
@@ -36,6 +66,7 @@ std::string Column(sqlite3_stmt* s, int i) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& data_dir) {
+  if (absl::Status s = MakeDataDir(data_dir); !s.ok()) return s;
   const std::string path = data_dir + "/planner.db";
   sqlite3* db = nullptr;
   if (sqlite3_open_v2(path.c_str(), &db,

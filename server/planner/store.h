@@ -31,8 +31,9 @@ struct StoredState {
 
 class Store {
  public:
-  // Opens (creating if needed) <data_dir>/planner.db. Fails with FAILED_PRECONDITION when the
-  // file's schema version is newer than this binary's.
+  // Opens (creating if needed) <data_dir>/planner.db; a missing data_dir is created first, with
+  // its missing parents, mode 0700. Fails with FAILED_PRECONDITION, saying why, when data_dir
+  // cannot be created or the file's schema version is newer than this binary's.
   static absl::StatusOr<std::unique_ptr<Store>> Open(const std::string& data_dir);
   ~Store();
   Store(const Store&) = delete;

@@ -2,7 +2,9 @@
 // on the same data directory, and checks that the plan it serves is byte-identical.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
+#include <fstream>
 #include <future>
 
 #include "common/models.h"
@@ -192,6 +194,37 @@ TEST(PlannerRestartTest, RefusesANewerSchema) {
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0) << status;
   EXPECT_THAT(testing::ReadAll(dir.path() + "/second.log"),
               ::testing::HasSubstr("schema version 99"));
+}
+
+// A missing data directory is created (with its parents, mode 0700), as the README's
+// `--data-dir /var/lib/ragshard` needs on a fresh machine; one that cannot be created is
+// refused saying why.
+TEST(PlannerDataDirTest, AMissingDirectoryIsCreatedPrivateAndABadOneNamed) {
+  testing::TempDir dir;
+  const std::string nested = dir.path() + "/new/nested/state";
+  {
+    auto p = testing::PlannerProcess::Start(RAGSHARD_PLANNER_PATH, nested);
+    ASSERT_FALSE(p.address.empty());
+    p.child.Kill(SIGTERM);
+  }
+  for (const std::string& d : {dir.path() + "/new", nested}) {
+    struct stat st {};
+    ASSERT_EQ(stat(d.c_str(), &st), 0) << d;
+    EXPECT_TRUE(S_ISDIR(st.st_mode)) << d;
+    EXPECT_EQ(st.st_mode & 0777, 0700u) << d;
+  }
+  struct stat db {};
+  EXPECT_EQ(stat((nested + "/planner.db").c_str(), &db), 0);
+  // Under a regular file: ENOTDIR, named with the path.
+  { std::ofstream(dir.path() + "/file") << "x"; }
+  const std::string bad = dir.path() + "/file/state";
+  testing::Child c({RAGSHARD_PLANNER_PATH, "--listen", "127.0.0.1:0", "--data-dir", bad},
+                   dir.path() + "/bad.log");
+  const int status = c.Wait();
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0) << status;
+  EXPECT_THAT(testing::ReadAll(dir.path() + "/bad.log"),
+              ::testing::HasSubstr("--data-dir '" + bad + "': cannot create '" + bad +
+                                   "': Not a directory"));
 }
 
 }  // namespace
