@@ -6,6 +6,7 @@ the node's `ragshardd`, and its numpy arrays view the daemon's buffers without c
 """
 import json
 import os
+import re
 
 from ._core import Client, DeviceBuffer, Error, Handle, create_job, delete_job  # noqa: F401
 
@@ -18,39 +19,68 @@ class Env:
     Started by `ragshard.launch` (or `ragshard-launch`): RAGSHARD_RANK, RAGSHARD_WORLD_SIZE and
     RAGSHARD_NODE. Started by `torchrun`: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and
     GROUP_RANK (the node's index; the node is called node-<GROUP_RANK> unless RAGSHARD_NODE
-    names it). Either way RAGSHARD_PLANNER, RAGSHARD_JOB and RAGSHARD_SOCKET name the planner,
-    the job and the node's daemon socket, and RAGSHARD_TOKEN_FILE the planner's token.
+    names it). Started by Slurm's `srun` (one task per rank): SLURM_PROCID, SLURM_NTASKS,
+    SLURM_LOCALID, SLURM_STEP_TASKS_PER_NODE with SLURM_NODEID (this node's task count), and
+    SLURMD_NODENAME (the node, unless RAGSHARD_NODE names it). Either way RAGSHARD_PLANNER,
+    RAGSHARD_JOB and RAGSHARD_SOCKET name the planner, the job and the node's daemon socket, and
+    RAGSHARD_TOKEN_FILE the planner's token.
     """
 
     def __init__(self, environ=None):
         e = os.environ if environ is None else environ
         torchrun = "RAGSHARD_RANK" not in e and "RANK" in e
+        slurm = "RAGSHARD_RANK" not in e and not torchrun and "SLURM_PROCID" in e
         rank_var, world_var = (("RANK", "WORLD_SIZE") if torchrun
+                               else ("SLURM_PROCID", "SLURM_NTASKS") if slurm
                                else ("RAGSHARD_RANK", "RAGSHARD_WORLD_SIZE"))
         missing = [k for k in ("RAGSHARD_PLANNER", "RAGSHARD_JOB", rank_var, world_var,
                                "RAGSHARD_SOCKET") if k not in e]
         if missing:
             raise Error("INVALID_ARGUMENT: this rank does not know its job: missing "
                         + ", ".join(missing) + " (start ranks with ragshard-launch, or with "
-                        "torchrun and RAGSHARD_PLANNER, RAGSHARD_JOB, RAGSHARD_SOCKET set)")
+                        "torchrun or srun and RAGSHARD_PLANNER, RAGSHARD_JOB, RAGSHARD_SOCKET "
+                        "set)")
         self.planner = e["RAGSHARD_PLANNER"]
         self.job = e["RAGSHARD_JOB"]
         self.rank = _int(e, rank_var)
         self.world_size = _int(e, world_var)
         self.socket = e["RAGSHARD_SOCKET"]
         self.token_file = e.get("RAGSHARD_TOKEN_FILE", "")
-        self.local_rank = _int(e, "LOCAL_RANK") if "LOCAL_RANK" in e else None
-        self.local_world_size = (_int(e, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in e
+        local_var = "SLURM_LOCALID" if slurm else "LOCAL_RANK"
+        self.local_rank = _int(e, local_var) if local_var in e else None
+        self.local_world_size = (_slurm_tasks_here(e) if slurm else
+                                 _int(e, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in e
                                  else None)
-        default_node = f"node-{_int(e, 'GROUP_RANK')}" if torchrun and "GROUP_RANK" in e else ""
+        default_node = (f"node-{_int(e, 'GROUP_RANK')}" if torchrun and "GROUP_RANK" in e
+                        else e.get("SLURMD_NODENAME", "") if slurm else "")
         self.node = e.get("RAGSHARD_NODE", default_node)
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
             raise Error(f"INVALID_ARGUMENT: {rank_var}={self.rank} is not a rank of "
                         f"{world_var}={self.world_size}")
         if self.local_rank is not None and self.local_world_size is not None and \
                 not 0 <= self.local_rank < self.local_world_size:
-            raise Error(f"INVALID_ARGUMENT: LOCAL_RANK={self.local_rank} is not below "
-                        f"LOCAL_WORLD_SIZE={self.local_world_size}")
+            raise Error(f"INVALID_ARGUMENT: {local_var}={self.local_rank} is not below "
+                        f"this node's {self.local_world_size} ranks")
+
+
+def _slurm_tasks_here(environ):
+    """This node's task count under srun: SLURM_STEP_TASKS_PER_NODE ("2(x3),1": 2 tasks on each
+    of 3 nodes, then 1) at SLURM_NODEID; None where either is missing."""
+    spec, node = environ.get("SLURM_STEP_TASKS_PER_NODE"), environ.get("SLURM_NODEID")
+    if spec is None or node is None:
+        return None
+    counts = []
+    for part in spec.split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part)
+        if not m:
+            raise Error(f"INVALID_ARGUMENT: SLURM_STEP_TASKS_PER_NODE='{spec}' is not a list "
+                        "of N or N(xK)")
+        counts += [int(m[1])] * int(m[2] or 1)
+    i = _int(environ, "SLURM_NODEID")
+    if not 0 <= i < len(counts):
+        raise Error(f"INVALID_ARGUMENT: SLURM_NODEID={i} is not a node of "
+                    f"SLURM_STEP_TASKS_PER_NODE='{spec}'")
+    return counts[i]
 
 
 def _int(environ, name):

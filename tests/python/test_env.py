@@ -1,4 +1,4 @@
-"""ragshard.Env: who a rank is, from ragshard.launch's variables or from torchrun's."""
+"""ragshard.Env: who a rank is, from ragshard.launch's variables, torchrun's or srun's."""
 import os
 import sys
 
@@ -29,13 +29,33 @@ def test_torchrun_variables():
                          "RAGSHARD_NODE": "gpu-17"}).node == "gpu-17"
 
 
+SLURM = {"SLURM_PROCID": "4", "SLURM_NTASKS": "5", "SLURM_LOCALID": "0", "SLURM_NODEID": "2",
+         "SLURM_STEP_TASKS_PER_NODE": "2(x2),1", "SLURMD_NODENAME": "gpu-3"}
+
+
+def test_slurm_variables():
+    e = ragshard.Env({**JOB, **SLURM})
+    assert (e.rank, e.world_size, e.local_rank, e.local_world_size, e.node) == \
+        (4, 5, 0, 1, "gpu-3")
+    e = ragshard.Env({**JOB, **SLURM, "SLURM_PROCID": "1", "SLURM_LOCALID": "1",
+                      "SLURM_NODEID": "0", "RAGSHARD_NODE": "n0"})
+    assert (e.rank, e.local_rank, e.local_world_size, e.node) == (1, 1, 2, "n0")
+    # ragshard.launch's and torchrun's variables come first.
+    assert ragshard.Env({**JOB, **SLURM, "RANK": "0", "WORLD_SIZE": "1"}).rank == 0
+
+
 @pytest.mark.parametrize("env,message", [
+    ({**JOB, **SLURM, "SLURM_PROCID": "5"}, "SLURM_PROCID=5 is not a rank of SLURM_NTASKS=5"),
+    ({**JOB, **SLURM, "SLURM_LOCALID": "1"}, "SLURM_LOCALID=1 is not below this node's 1 ranks"),
+    ({**JOB, **SLURM, "SLURM_STEP_TASKS_PER_NODE": "2(x"},
+     r"SLURM_STEP_TASKS_PER_NODE='2\(x' is not a list of N or N\(xK\)"),
+    ({**JOB, **SLURM, "SLURM_NODEID": "3"}, "SLURM_NODEID=3 is not a node of"),
     ({"RANK": "0", "WORLD_SIZE": "2"}, "missing RAGSHARD_PLANNER, RAGSHARD_JOB, RAGSHARD_SOCKET"),
     ({**JOB}, "missing RAGSHARD_RANK, RAGSHARD_WORLD_SIZE"),
     ({**JOB, "RANK": "two", "WORLD_SIZE": "4"}, "RANK='two' is not an integer"),
     ({**JOB, "RANK": "4", "WORLD_SIZE": "4"}, "RANK=4 is not a rank of WORLD_SIZE=4"),
     ({**JOB, "RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"},
-     "LOCAL_RANK=2 is not below LOCAL_WORLD_SIZE=2"),
+     "LOCAL_RANK=2 is not below this node's 2 ranks"),
 ])
 def test_bad_environments_are_named(env, message):
     with pytest.raises(ragshard.Error, match=message):
