@@ -1,10 +1,15 @@
 #include "server/daemon/daemon.h"
 
+#include <grp.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <cstring>
 #include <utility>
+#include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/fd_passing.h"
 #include "common/ids.h"
 #include "common/rpc.h"
@@ -13,11 +18,43 @@
 #include "server/daemon/job_runtime.h"
 
 namespace ragshard::daemon {
+namespace {
+
+absl::StatusOr<gid_t> GroupId(const std::string& name) {
+  group entry{};
+  group* found = nullptr;
+  std::vector<char> buf(16384);
+  const int err = ::getgrnam_r(name.c_str(), &entry, buf.data(), buf.size(), &found);
+  if (err != 0 || found == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--socket-group '", name, "': ", err != 0 ? std::strerror(err) : "no such group"));
+  }
+  return found->gr_gid;
+}
+
+// Gives socket `path` to `group` (nothing to do for -1).
+absl::Status GiveToGroup(const std::string& path, gid_t group) {
+  if (group == static_cast<gid_t>(-1)) return absl::OkStatus();
+  if (::chown(path.c_str(), static_cast<uid_t>(-1), group) != 0) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("--socket-group: chown '", path, "': ", std::strerror(errno)));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<NodeDaemon>> NodeDaemon::Start(
     DaemonOptions options, std::shared_ptr<PlannerClient> planner) {
   if (auto s = ValidateId("--node-id", options.node_id); !s.ok()) return s;
   if (options.socket_path.empty()) return absl::InvalidArgumentError("--socket: required");
+  gid_t group = static_cast<gid_t>(-1);
+  if (!options.socket_group.empty()) {
+    auto gid = GroupId(options.socket_group);
+    if (!gid.ok()) return gid.status();
+    group = *gid;
+    options.socket_mode = 0660;
+  }
   auto backend = ParseBackendKind(options.backend);
   if (!backend.ok()) return backend.status();
   if (options.gpu_pool_bytes <= 0)
@@ -39,9 +76,17 @@ absl::StatusOr<std::unique_ptr<NodeDaemon>> NodeDaemon::Start(
   if (::chmod(d->options_.socket_path.c_str(), static_cast<mode_t>(d->options_.socket_mode)) != 0) {
     return absl::PermissionDeniedError("chmod " + d->options_.socket_path);
   }
-  // The side channel last: its socket appearing means the daemon is ready.
-  auto fds = ListenUnix(d->options_.socket_path + ".fd", d->options_.socket_mode);
+  if (absl::Status s = GiveToGroup(d->options_.socket_path, group); !s.ok()) return s;
+  // The side channel last: its socket appearing means the daemon is ready (given to the group
+  // under a temporary name first, so that it appears ready only once the group may attach).
+  const std::string side = d->options_.socket_path + ".fd";
+  auto fds = ListenUnix(side + ".new", d->options_.socket_mode);
   if (!fds.ok()) return fds.status();
+  if (absl::Status s = GiveToGroup(side + ".new", group); !s.ok()) return s;
+  if (::rename((side + ".new").c_str(), side.c_str()) != 0) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("rename to '", side, "': ", std::strerror(errno)));
+  }
   d->fd_listener_ = std::move(*fds);
   v1::RegisterNodeRequest reg;
   reg.set_node_id(d->options_.node_id);

@@ -32,6 +32,10 @@ struct DaemonOptions {
   // The Unix socket of the local service; the descriptor side channel is "<socket_path>.fd".
   std::string socket_path;
   int socket_mode = 0600;
+  // Where set, both sockets belong to this group with mode 0660, so that the group's members
+  // (the training users) may attach to a daemon that runs as its own user; the kernel checks a
+  // connecting process against the socket file's mode. Empty: the daemon's user alone (0600).
+  std::string socket_group;
   int64_t pool_bytes = int64_t{1} << 30;
   // Host the data-plane listeners bind (each job's UCX worker gets a port of its own, published
   // through the planner's rendezvous).

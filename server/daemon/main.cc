@@ -26,6 +26,9 @@ int main(int argc, char** argv) try {
   app.add_option("--planner", planner.address, "planner address HOST:PORT")->required();
   app.add_option("--node-id", options.node_id, "this node's id")->required();
   app.add_option("--socket", options.socket_path, "Unix socket of the local service")->required();
+  app.add_option("--socket-group", options.socket_group,
+                 "give the sockets to this group, mode 0660, so that its members may attach "
+                 "(default: the daemon's user alone, 0600)");
   app.add_option("--pool-bytes", options.pool_bytes, "size of the shared-memory pool")->required();
   app.add_option("--data-listen", data_listen, "HOST:PORT for data-plane listeners");
   if (const char* t = std::getenv("RAGSHARD_TOKEN_FILE"); t != nullptr) {

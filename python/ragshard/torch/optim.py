@@ -10,8 +10,8 @@ import torch
 
 from .views import as_tensor
 
-__all__ = ["ShardedAdamW", "ShardedMuon", "newton_schulz", "master_copies", "copy_masters",
-           "matrix_units", "matrix_mask"]
+__all__ = ["ShardedAdamW", "ShardedMuon", "OwnerOptimizer", "newton_schulz", "master_copies",
+           "copy_masters", "matrix_units", "matrix_mask"]
 
 
 class ShardedAdamW:
@@ -107,23 +107,18 @@ def newton_schulz(g, steps=5, eps=1e-7):
     return x.T if transposed else x
 
 
-class ShardedMuon:
-    """Muon for the `optimizer: matrix` tensors with the planner's owners: momentum on the
-    gradient shards, gather_to_owner, Newton-Schulz on the owner, scatter_from_owner, and the
-    update applied to the parameter shards. Other parameters go through AdamW. A matrix without
-    a gradient is skipped (its momentum kept), as the reference skips a grad of None; the
-    gather and scatter still run on every rank, so the ranks issue the same operations."""
+class OwnerOptimizer:
+    """What the whole-matrix optimizers (Muon, Shampoo) share: the matrices of one `kind`, AdamW
+    (`adamw`: lr, betas, eps, weight decay) for the other parameters, a momentum buffer per
+    unit shard (`momentum_kind`: its records in checkpoints), the round trip of a unit's
+    matrices through their owners, and the step on the shards."""
 
-    def __init__(self, model, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.0,
-                 adamw_lr=1e-3, adamw_betas=(0.9, 0.999), adamw_eps=1e-8, adamw_weight_decay=0.0,
-                 ns_steps=5):
-        self.units = matrix_units(model, "matrix", "ShardedMuon")
-        self.model, self.lr, self.momentum, self.nesterov = model, lr, momentum, nesterov
-        self.weight_decay, self.ns_steps = weight_decay, ns_steps
-        self.adamw = ShardedAdamW(model, adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay,
-                                  skip_matrices=True)
+    def __init__(self, model, kind, lr, momentum, weight_decay, adamw, momentum_kind):
+        self.units = matrix_units(model, kind, type(self).__name__)
+        self.model, self.lr, self.momentum, self.weight_decay = model, lr, momentum, weight_decay
+        self.adamw = ShardedAdamW(model, *adamw, skip_matrices=True)
         self.buf = {u: torch.zeros(model.shard_elems[u]) for u in self.units}
-        self.momentum_kind = "muon_momentum"  # the momentum's records in checkpoints
+        self.momentum_kind = momentum_kind
 
     def step(self):
         m = self.model
@@ -132,24 +127,59 @@ class ShardedMuon:
         self.adamw.step()
         for u in self.units:
             shard, grad = m.shard(u)
-            mask = matrix_mask(m, u, has)
-            buf = self.buf[u]
-            buf[mask] = buf[mask] * self.momentum + grad[mask]
-            upd = grad[mask] + self.momentum * buf[mask] if self.nesterov else buf[mask]
-            grad[mask] = upd
-            m.client.gather_to_owner(u).wait()
-            whole = m.client.owner_buffer(u)
-            if whole is not None:
-                whole = as_tensor(whole)
-                for mx in m.matrices:
-                    if mx.unit == u and mx.owner == m.pos and has[mx.index]:
-                        piece = whole[mx.packed:mx.packed + mx.numel]
-                        x = newton_schulz(piece.view(mx.shape), self.ns_steps)
-                        piece.copy_((x * max(1.0, mx.shape[0] / mx.shape[1]) ** 0.5).reshape(-1))
-            m.client.scatter_from_owner(u).wait()
-            if self.weight_decay:
-                shard[mask] = shard[mask] * (1 - self.lr * self.weight_decay)
-            shard[mask] = shard[mask] - self.lr * grad[mask]
+            self.step_unit(u, has, shard, grad, matrix_mask(m, u, has))
+
+    def step_unit(self, u, has, shard, grad, mask):
+        """Steps unit `u`'s matrices; `mask`: this rank's shard elements of those with a
+        gradient (`has`)."""
+        raise NotImplementedError
+
+    def through_owners(self, u, has, transform):
+        """gather_to_owner of unit `u`'s gradient shards; on the owner, each of its matrices
+        with a gradient becomes transform(matrix, its flat gradient); scatter_from_owner. The
+        gather and scatter run on every rank, so the ranks issue the same operations."""
+        m = self.model
+        m.client.gather_to_owner(u).wait()
+        whole = m.client.owner_buffer(u)
+        if whole is not None:
+            whole = as_tensor(whole)
+            for mx in m.matrices:
+                if mx.unit == u and mx.owner == m.pos and has[mx.index]:
+                    piece = whole[mx.packed:mx.packed + mx.numel]
+                    piece.copy_(transform(mx, piece).reshape(-1))
+        m.client.scatter_from_owner(u).wait()
+
+    def apply(self, shard, mask, update):
+        """The step on this rank's matrix elements `mask` of a unit shard: decoupled weight
+        decay, then -lr * update."""
+        if self.weight_decay:
+            shard[mask] = shard[mask] * (1 - self.lr * self.weight_decay)
+        shard[mask] = shard[mask] - self.lr * update
 
     def zero_grad(self, set_to_none=True):
         self.model.zero_grad(set_to_none=set_to_none)
+
+
+class ShardedMuon(OwnerOptimizer):
+    """Muon for the `optimizer: matrix` tensors with the planner's owners: momentum on the
+    gradient shards, gather_to_owner, Newton-Schulz on the owner, scatter_from_owner, and the
+    update applied to the parameter shards. Other parameters go through AdamW. A matrix without
+    a gradient is skipped (its momentum kept), as the reference skips a grad of None."""
+
+    def __init__(self, model, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.0,
+                 adamw_lr=1e-3, adamw_betas=(0.9, 0.999), adamw_eps=1e-8, adamw_weight_decay=0.0,
+                 ns_steps=5):
+        super().__init__(model, "matrix", lr, momentum, weight_decay,
+                         (adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay), "muon_momentum")
+        self.nesterov, self.ns_steps = nesterov, ns_steps
+
+    def _orthogonalized(self, mx, g):
+        x = newton_schulz(g.view(mx.shape), self.ns_steps)
+        return x * max(1.0, mx.shape[0] / mx.shape[1]) ** 0.5
+
+    def step_unit(self, u, has, shard, grad, mask):
+        buf = self.buf[u]
+        buf[mask] = buf[mask] * self.momentum + grad[mask]
+        grad[mask] = grad[mask] + self.momentum * buf[mask] if self.nesterov else buf[mask]
+        self.through_owners(u, has, self._orthogonalized)
+        self.apply(shard, mask, grad[mask])

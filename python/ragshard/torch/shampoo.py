@@ -19,8 +19,7 @@ A matrix without a gradient is skipped (its statistics, roots, momentum and step
 """
 import torch
 
-from .optim import ShardedAdamW, matrix_mask, matrix_units
-from .views import as_tensor
+from .optim import OwnerOptimizer
 
 __all__ = ["ShardedShampoo", "inverse_root", "shampoo_blocks"]
 
@@ -61,7 +60,7 @@ class _Preconditioner:
             self.left[i], self.right[i], self.left_root[i], self.right_root[i])]
 
 
-class ShardedShampoo:
+class ShardedShampoo(OwnerOptimizer):
     """Shampoo for the `optimizer: shampoo` matrices (see the module docstring); AdamW for the
     rest. `precondition_every`: the inverse roots are recomputed every N steps of a matrix,
     from its first."""
@@ -72,13 +71,10 @@ class ShardedShampoo:
         if precondition_every < 1:
             raise ValueError(f"ShardedShampoo: precondition_every {precondition_every} must be "
                              "at least 1")
-        self.units = matrix_units(model, "shampoo", "ShardedShampoo")
-        self.model, self.lr, self.momentum, self.eps = model, lr, momentum, eps
-        self.precondition_every, self.weight_decay = precondition_every, weight_decay
-        self.adamw = ShardedAdamW(model, adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay,
-                                  skip_matrices=True)
-        self.buf = {u: torch.zeros(model.shard_elems[u]) for u in self.units}
-        self.momentum_kind = "shampoo_momentum"  # the momentum's records in checkpoints
+        super().__init__(model, "shampoo", lr, momentum, weight_decay,
+                         (adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay),
+                         "shampoo_momentum")
+        self.eps, self.precondition_every = eps, precondition_every
         # This rank's matrices (it is their owner), by name; their state is built at their
         # first step, or by a checkpoint load.
         self.owned = {mx.name: mx for mx in model.matrices if mx.owner == model.pos}
@@ -94,8 +90,9 @@ class ShardedShampoo:
         return st
 
     def _direction(self, mx, g):
-        """Updates matrix `mx`'s preconditioner with its gradient g (2-D) and returns the
-        grafted direction."""
+        """Updates matrix `mx`'s preconditioner with its gradient g and returns the grafted
+        direction."""
+        g = g.view(-1, mx.shape[-1])
         st = self.preconditioner(mx.name)
         st.step += 1
         refresh = (st.step - 1) % self.precondition_every == 0
@@ -114,28 +111,8 @@ class ShardedShampoo:
             out[rs, cs] = u * (gb.norm() / norm) if norm > 0 else u
         return out
 
-    def step(self):
-        m = self.model
-        m.wait_for_checkpoint_write()  # an asynchronous save may be reading the state
-        has = m.has_grad
-        self.adamw.step()
-        for u in self.units:
-            shard, grad = m.shard(u)
-            m.client.gather_to_owner(u).wait()
-            whole = m.client.owner_buffer(u)
-            if whole is not None:
-                whole = as_tensor(whole)
-                for mx in m.matrices:
-                    if mx.unit == u and mx.owner == m.pos and has[mx.index]:
-                        g = whole[mx.packed:mx.packed + mx.numel].view(-1, mx.shape[-1])
-                        g.copy_(self._direction(mx, g))
-            m.client.scatter_from_owner(u).wait()
-            mask = matrix_mask(m, u, has)
-            buf = self.buf[u]
-            buf[mask] = buf[mask] * self.momentum + grad[mask]
-            if self.weight_decay:
-                shard[mask] = shard[mask] * (1 - self.lr * self.weight_decay)
-            shard[mask] = shard[mask] - self.lr * buf[mask]
-
-    def zero_grad(self, set_to_none=True):
-        self.model.zero_grad(set_to_none=set_to_none)
+    def step_unit(self, u, has, shard, grad, mask):
+        self.through_owners(u, has, self._direction)
+        buf = self.buf[u]
+        buf[mask] = buf[mask] * self.momentum + grad[mask]
+        self.apply(shard, mask, buf[mask])

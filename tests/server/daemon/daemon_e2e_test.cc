@@ -2,6 +2,7 @@
 // results of all-gather and reduce-scatter against an independent reference, views that point
 // into the daemon's memory, a daemon killed with -9, a client that dies, and bad input.
 #include <gmock/gmock.h>
+#include <grp.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/stat.h>
@@ -337,6 +338,34 @@ TEST_F(DaemonE2E, BadInputGetsClearErrorsAndTheDaemonStaysUp) {
                      dir_.path() + "/tpu.log");
   EXPECT_EQ(tpu.Kill(0) >> 8, 2);
   EXPECT_THAT(testing::ReadAll(dir_.path() + "/tpu.log"), HasSubstr("--backend"));
+}
+
+// --socket-group: both sockets belong to the group with mode 0660 (its members may attach to a
+// daemon that runs as another user); an unknown group is refused, named.
+TEST_F(DaemonE2E, ASocketGroupOpensTheSocketsToItsMembers) {
+  const group* g = ::getgrgid(::getegid());
+  ASSERT_NE(g, nullptr);
+  const std::string sock = dir_.path() + "/grouped.sock";
+  testing::Child d(
+      {RAGSHARDD_PATH, "--planner", planner_.address, "--node-id", "grouped", "--socket", sock,
+       "--socket-group", g->gr_name, "--pool-bytes", std::to_string(16 << 20)},
+      dir_.path() + "/grouped.log");
+  struct stat st {};
+  ASSERT_TRUE(Eventually([&] { return stat((sock + ".fd").c_str(), &st) == 0; }))
+      << testing::ReadAll(dir_.path() + "/grouped.log");
+  for (const std::string& path : {sock, sock + ".fd"}) {
+    ASSERT_EQ(stat(path.c_str(), &st), 0) << path;
+    EXPECT_EQ(st.st_mode & 0777, 0660u) << path;
+    EXPECT_EQ(st.st_gid, ::getegid()) << path;
+  }
+  d.Kill(SIGTERM);
+  testing::Child bad({RAGSHARDD_PATH, "--planner", planner_.address, "--node-id", "nogroup",
+                      "--socket", dir_.path() + "/nogroup.sock", "--socket-group",
+                      "no-such-group-xyz", "--pool-bytes", std::to_string(16 << 20)},
+                     dir_.path() + "/nogroup.log");
+  EXPECT_NE(bad.Wait(), 0);
+  EXPECT_THAT(testing::ReadAll(dir_.path() + "/nogroup.log"),
+              HasSubstr("--socket-group 'no-such-group-xyz': no such group"));
 }
 
 }  // namespace
