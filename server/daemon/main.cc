@@ -80,6 +80,8 @@ int main(int argc, char** argv) try {
   std::fflush(stdout);
   ragshard::WaitForTerminationSignal();
   (*daemon)->Shutdown();
+  std::printf("ragshardd %s stopped\n", options.node_id.c_str());
+  std::fflush(stdout);
   return 0;
 } catch (const std::exception& e) {
   std::fprintf(stderr, "fatal: %s\n", e.what());

@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from .. import plan_of
+from .. import Env, Error, plan_of
 from .buffers import BuffersMixin
 from .meta import adopt_meta, release_freed_memory, values
 from .hooks import HooksMixin
@@ -16,6 +16,16 @@ from .params import WHOLE_MATRIX, Matrix, Piece, adopt, storageless
 from .quantized import QuantizedGatherMixin, plan_quantized_units
 from .state import StateMixin
 from .views import DTYPES, as_tensor, tensor_of
+
+
+def _world_from_environment():
+    """The world size ragshard.Env finds (ragshard.launch's, torchrun's or srun's variables),
+    else RAGSHARD_WORLD_SIZE or WORLD_SIZE alone; None where there is none."""
+    try:
+        return Env().world_size
+    except Error:
+        return int(os.environ.get("RAGSHARD_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or
+                   0) or None
 
 
 class ShardedModule(BuffersMixin, HooksMixin, QuantizedGatherMixin, StateMixin, torch.nn.Module):
@@ -78,8 +88,7 @@ class ShardedModule(BuffersMixin, HooksMixin, QuantizedGatherMixin, StateMixin, 
         # A unit of W fp32 elements for scalar all-reductions (gradient clipping), and one of
         # W x P for the used-parameter flags of P parameters (each rank's shard of the sum is
         # the count of ranks that used each parameter).
-        world = world or int(os.environ.get("RAGSHARD_WORLD_SIZE") or
-                             os.environ.get("WORLD_SIZE") or 0) or None
+        world = world or _world_from_environment()
         self._nparams = sum(len(params) for _, _, params in self._units)
         if quantize and not world:
             raise ValueError("quantize: the world size is needed before registering (world=)")
