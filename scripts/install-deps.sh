@@ -19,7 +19,7 @@ PACKAGES=(
   libopenmpi-dev openmpi-bin libgloo-dev
   python3-venv
   patchelf
-  slurmctld slurmd slurm-client munge
+  slurmctld slurmd slurm-client munge systemd
 )
 
 missing=()
