@@ -79,6 +79,13 @@ int RunCtl(int argc, const char* const* argv, std::ostream& out, std::ostream& e
   plan_show->add_option("--unit", unit, "show the tensors of one unit");
   CLI::App* plan_metrics = add_online(plan, "metrics", "show a job's plan metrics", true);
   CLI::App* nodes = add_online(&app, "nodes", "list nodes with their pool figures", false);
+  CLI::App* node = app.add_subcommand("node", "one node");
+  node->require_subcommand(1);
+  node->fallthrough();
+  std::string node_id;
+  CLI::App* node_stats = add_online(
+      node, "stats", "a node daemon's figures, from its latest heartbeat to the planner", false);
+  node_stats->add_option("NODE", node_id, "node id")->required();
   CLI::App* ckpt = app.add_subcommand("checkpoint", "inspect a checkpoint (offline)");
   ckpt->require_subcommand(1);
   std::string ckpt_dir;
@@ -123,6 +130,7 @@ int RunCtl(int argc, const char* const* argv, std::ostream& out, std::ostream& e
   if (plan_show->parsed()) return RunPlanShow(online, job_id, unit, out, err);
   if (plan_metrics->parsed()) return RunPlanMetrics(online, job_id, out, err);
   if (nodes->parsed()) return RunNodes(online, out, err);
+  if (node_stats->parsed()) return RunNodeStats(online, node_id, out, err);
   if (ckpt_inspect->parsed()) return RunCheckpointInspect(ckpt_dir, ckpt_json, out, err);
   if (health->parsed()) return RunHealth(online, out, err);
   if (plan->parsed()) return RunPlan(plan_src, policy, plan_json, max_segments, out, err);

@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "client/ctl_format.h"
 #include "client/ctl_strategy.h"
 #include "common/dtype.h"
@@ -247,6 +248,45 @@ int RunNodes(const Online& o, std::ostream& out, std::ostream& err) {
                            Human(f.pool_capacity_bytes()), Human(f.pool_used_bytes()),
                            Human(f.pool_peak_bytes()), 100.0 * f.pool_fragmentation(), f.buffers(),
                            (now - n.last_heartbeat_unix_ms()) / 1000.0);
+  }
+  return kExitOk;
+}
+
+int RunNodeStats(const Online& o, const std::string& node_id, std::ostream& out,
+                 std::ostream& err) {
+  auto nodes = Ask(o, [&](PlannerClient& c) { return c.ListNodes(); });
+  if (!nodes.ok()) return Fail(err, nodes.status());
+  const v1::Node* node = nullptr;
+  std::vector<std::string> known;
+  for (const auto& n : *nodes) {
+    if (n.node_id() == node_id) node = &n;
+    known.push_back(n.node_id());
+  }
+  if (node == nullptr) {
+    err << "error: no node '" << node_id << "' at the planner (it knows "
+        << (known.empty() ? "none" : absl::StrJoin(known, ", ")) << ")\n";
+    return kExitFailure;
+  }
+  if (o.json) {
+    out << ToJson(*node) << "\n";
+    return kExitOk;
+  }
+  const int64_t now = std::chrono::duration_cast<std::chrono::milliseconds>(
+                          std::chrono::system_clock::now().time_since_epoch())
+                          .count();
+  const auto& f = node->figures();
+  out << absl::StrFormat("node %s: %s, data address %s, last heartbeat %.1fs ago\n",
+                         node->node_id(), node->status() == v1::NODE_UP ? "UP" : "LOST",
+                         node->data_address(), (now - node->last_heartbeat_unix_ms()) / 1000.0);
+  out << absl::StrFormat("pool: capacity %sB, used %sB, peak %sB, fragmentation %.1f%%\n",
+                         Human(f.pool_capacity_bytes()), Human(f.pool_used_bytes()),
+                         Human(f.pool_peak_bytes()), 100.0 * f.pool_fragmentation());
+  out << absl::StrFormat("buffers %d, attachments %d, jobs %d, operations in flight %d\n",
+                         f.buffers(), f.attachments(), f.jobs(), f.operations_in_flight());
+  out << absl::StrFormat("operations run %d, staging bytes %sB\n", f.operations(),
+                         Human(f.staging_bytes()));
+  for (const auto& k : f.operations_by_kind()) {
+    out << absl::StrFormat("  %-24s %d\n", k.kind(), k.count());
   }
   return kExitOk;
 }

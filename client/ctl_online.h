@@ -33,5 +33,7 @@ int RunPlanShow(const Online& o, const std::string& id, const std::string& unit,
                 std::ostream& err);
 int RunPlanMetrics(const Online& o, const std::string& id, std::ostream& out, std::ostream& err);
 int RunNodes(const Online& o, std::ostream& out, std::ostream& err);
+// One node's figures, from its daemon's latest heartbeat to the planner.
+int RunNodeStats(const Online& o, const std::string& node_id, std::ostream& out, std::ostream& err);
 
 }  // namespace ragshard

@@ -4,6 +4,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <map>
 #include <vector>
 
 #include "common/fd_passing.h"
@@ -64,10 +65,29 @@ void NodeDaemon::RunHeartbeats() {
     f->set_pool_peak_bytes(s.peak);
     f->set_pool_fragmentation(s.fragmentation);
     f->set_buffers(s.leases);
+    std::vector<std::shared_ptr<JobRuntime>> jobs;
     {
       absl::MutexLock lock(&mu_);
-      for (const auto& [id, job] : jobs_) hb.add_jobs(id);
+      for (const auto& [id, job] : jobs_) {
+        hb.add_jobs(id);
+        jobs.push_back(job);
+      }
       f->set_attachments(static_cast<int64_t>(attachments_.size()));
+    }
+    // The jobs' operation and staging figures, outside the daemon's lock.
+    std::map<std::string, int64_t> by_kind;
+    f->set_jobs(static_cast<int64_t>(jobs.size()));
+    for (const auto& job : jobs) {
+      v1::JobStats js;
+      job->FillStats(&js);
+      f->set_operations(f->operations() + js.operations());
+      f->set_staging_bytes(f->staging_bytes() + js.staging_bytes());
+      for (const auto& u : js.unit_operations()) by_kind[v1::OpKind_Name(u.kind())] += u.count();
+    }
+    for (const auto& [kind, count] : by_kind) {
+      v1::KindCount* k = f->add_operations_by_kind();
+      k->set_kind(kind);
+      k->set_count(count);
     }
     auto resp = planner_->Heartbeat(hb);
     if (!resp.ok()) {

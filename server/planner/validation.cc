@@ -131,8 +131,22 @@ absl::Status ValidateHeartbeat(const v1::HeartbeatRequest& req, const ServiceLim
   }
   const auto& f = req.figures();
   if (f.pool_capacity_bytes() < 0 || f.pool_used_bytes() < 0 || f.pool_peak_bytes() < 0 ||
-      f.buffers() < 0 || f.operations_in_flight() < 0) {
+      f.buffers() < 0 || f.operations_in_flight() < 0 || f.jobs() < 0 || f.operations() < 0 ||
+      f.staging_bytes() < 0) {
     return Bad("figures", "counts must not be negative");
+  }
+  constexpr int kMaxKinds = 64;
+  if (f.operations_by_kind_size() > kMaxKinds) {
+    return Bad("figures.operations_by_kind", absl::StrCat("more than ", kMaxKinds, " kinds"));
+  }
+  for (int i = 0; i < f.operations_by_kind_size(); ++i) {
+    const v1::KindCount& k = f.operations_by_kind(i);
+    s = ValidateId(absl::StrCat("figures.operations_by_kind[", i, "].kind"), k.kind(),
+                   limits.max_id_length);
+    if (!s.ok()) return s;
+    if (k.count() < 0) {
+      return Bad(absl::StrCat("figures.operations_by_kind[", i, "].count"), "must not be negative");
+    }
   }
   return absl::OkStatus();
 }

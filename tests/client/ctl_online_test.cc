@@ -83,6 +83,30 @@ TEST_F(CtlOnlineTest, ShowsJobsPlansAndNodes) {
   Result nodes = Ctl("nodes");
   EXPECT_THAT(nodes.out, HasSubstr("node-a"));
   EXPECT_THAT(nodes.out, HasSubstr("127.0.0.1:9"));
+  // node stats: the figures of the node's latest heartbeat.
+  v1::HeartbeatRequest hb;
+  hb.set_node_id("node-a");
+  auto* f = hb.mutable_figures();
+  f->set_pool_capacity_bytes(int64_t{1} << 30);
+  f->set_pool_used_bytes(int64_t{3} << 20);
+  f->set_jobs(1);
+  f->set_operations(42);
+  f->set_staging_bytes(4096);
+  auto* k = f->add_operations_by_kind();
+  k->set_kind("OP_UNSHARD");
+  k->set_count(30);
+  ASSERT_TRUE(client->Heartbeat(hb).ok());
+  Result stats = Ctl("node stats node-a");
+  ASSERT_EQ(stats.code, 0) << stats.err;
+  EXPECT_THAT(stats.out, HasSubstr("node node-a: UP, data address 127.0.0.1:9"));
+  EXPECT_THAT(stats.out, HasSubstr("pool: capacity 1.07GB, used 3.15MB"));
+  EXPECT_THAT(stats.out, HasSubstr("operations run 42, staging bytes 4.10KB"));
+  EXPECT_THAT(stats.out, HasSubstr("OP_UNSHARD"));
+  auto sj = nlohmann::json::parse(Ctl("node stats node-a --json").out);
+  EXPECT_EQ(sj["figures"]["operationsByKind"][0]["count"], "30");
+  Result no_node = Ctl("node stats node-z");
+  EXPECT_EQ(no_node.code, 1);
+  EXPECT_THAT(no_node.err, HasSubstr("no node 'node-z' at the planner (it knows node-a)"));
 
   Result missing = Ctl("plan show nope");
   EXPECT_EQ(missing.code, 1);

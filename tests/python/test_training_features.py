@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -145,6 +146,24 @@ def test_a_tie_across_units_is_gathered_per_use_and_reduced_once(cluster, tmp_pa
             assert counts["reduce_scatter"][unit] == steps, counts
             assert daemon[unit]["OP_UNSHARD"] == 2 * steps, daemon
             assert daemon[unit]["OP_REDUCE_SCATTER"] == steps, daemon
+    # The same figures reach the planner in the daemons' heartbeats: `ragshardctl node stats`
+    # shows, for node-0, at least this job's operations (the jobs it holds add up).
+    job_unshards = sum(u.get("OP_UNSHARD", 0) for u in json.load(
+        open(f"{out}.rank0.json"))["daemon_unit_operations"].values())
+    ctl = [os.path.join(BUILD, "client", "ragshardctl"), "--planner", cluster.planner, "node",
+           "stats", "node-0", "--json"]
+    deadline = time.monotonic() + 60
+    while True:  # until a heartbeat after the run arrives (one a second)
+        r = subprocess.run(ctl, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        figures = json.loads(r.stdout)["figures"]
+        kinds = {k["kind"]: int(k["count"]) for k in figures.get("operationsByKind", [])}
+        if kinds.get("OP_UNSHARD", 0) >= job_unshards:
+            break
+        assert time.monotonic() < deadline, figures
+        time.sleep(0.2)
+    assert int(figures["operations"]) >= sum(kinds.values()) - kinds.get("OP_NOOP", 0) > 0
+    assert int(figures["jobs"]) >= 1 and int(figures["poolCapacityBytes"]) == 128 << 20
 
 
 def test_meta_init_values_come_from_the_init(tmp_path):
