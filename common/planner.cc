@@ -83,7 +83,8 @@ double ShampooCost(const v1::TensorPlacement& t) {
   const int64_t b = t.shampoo_block() > 0 ? t.shampoo_block() : std::max(rows, cols);
   auto block = [](double r, double c) { return 4 * r * c * (r + c) + r * r * r + c * c * c; };
   // Full blocks and the partial last ones along each side.
-  const double fr = static_cast<double>(rows / b), fc = static_cast<double>(cols / b);
+  const int64_t full_rows = rows / b, full_cols = cols / b;  // whole blocks along each side
+  const double fr = static_cast<double>(full_rows), fc = static_cast<double>(full_cols);
   const double er = static_cast<double>(rows % b), ec = static_cast<double>(cols % b);
   const double bb = static_cast<double>(b);
   return fr * fc * block(bb, bb) + (er > 0 ? fc * block(er, bb) : 0) +

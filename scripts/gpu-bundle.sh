@@ -9,7 +9,7 @@
 #   BUNDLE/python/ragshard  the Python package, its client library (libragshard_c.so, a C ABI
 #               loaded with ctypes: any CPython 3.10 to 3.13) with an rpath of $ORIGIN/../../lib;
 #   BUNDLE/run.sh, BUNDLE/tools/checks.py  the one command (scripts/gpu/run.sh) and its Python
-#               checks; BUNDLE/examples/train_tiny.py  the training they run.
+#               checks; BUNDLE/examples/train_tiny.py  the training they run (with its modules).
 # Neither the driver (libcuda) nor NCCL is bundled: the programs link the CUDA runtime statically
 # and open NCCL at run time (server/daemon/cuda/nccl_api.h).
 #
@@ -67,7 +67,9 @@ install -m 755 "$build/$pylib" "$bundle/$pylib"
 strip --strip-unneeded "$bundle/$pylib"
 install -m 755 scripts/gpu/run.sh "$bundle/run.sh"
 install -m 644 scripts/gpu/checks.py "$bundle/tools/checks.py"
-install -m 644 examples/train_tiny.py "$bundle/examples/"
+# The example and the modules beside it that it imports.
+install -m 644 examples/train_tiny.py examples/tiny_optim.py examples/reference_optim.py \
+    "$bundle/examples/"
 
 # The libraries every program loads, directly or through another library.
 for p in "${programs[@]}" "$pylib"; do
