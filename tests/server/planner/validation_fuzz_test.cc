@@ -155,5 +155,33 @@ TEST(ValidationFuzzTest, ValidatorsNeverCrashAndAcceptOnlySaneRequests) {
   EXPECT_GT(accepted, 0);
 }
 
+// A heartbeat's operation figures: bounded in count, named kinds, no negative counts.
+TEST(ValidationTest, HeartbeatOperationFiguresAreCheckedAndNamed) {
+  ServiceLimits limits;
+  v1::HeartbeatRequest h;
+  h.set_node_id("n0");
+  auto* k = h.mutable_figures()->add_operations_by_kind();
+  k->set_kind("OP_UNSHARD");
+  k->set_count(3);
+  EXPECT_TRUE(ValidateHeartbeat(h, limits).ok());
+  k->set_count(-1);
+  absl::Status s = ValidateHeartbeat(h, limits);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(s.message()).find("figures.operations_by_kind[0].count"), std::string::npos)
+      << s;
+  k->set_count(1);
+  k->set_kind("a b");
+  s = ValidateHeartbeat(h, limits);
+  EXPECT_NE(std::string(s.message()).find("figures.operations_by_kind[0].kind"), std::string::npos)
+      << s;
+  k->set_kind("OP_UNSHARD");
+  for (int i = 0; i < 64; ++i) h.mutable_figures()->add_operations_by_kind()->set_kind("OP_X");
+  s = ValidateHeartbeat(h, limits);
+  EXPECT_NE(std::string(s.message()).find("more than 64 kinds"), std::string::npos) << s;
+  h.mutable_figures()->clear_operations_by_kind();
+  h.mutable_figures()->set_operations(-5);
+  EXPECT_FALSE(ValidateHeartbeat(h, limits).ok());
+}
+
 }  // namespace
 }  // namespace ragshard::planner
