@@ -22,7 +22,8 @@ import time
 
 class LocalCluster:
     def __init__(self, build_dir, daemons=2, pool_bytes=256 << 20, workdir=None,
-                 node_timeout_ms=5000, log=None, cluster_profile=None, backend="host"):
+                 node_timeout_ms=5000, log=None, cluster_profile=None, backend="host",
+                 metrics=False):
         self.build = os.path.abspath(build_dir) if build_dir is not None else None
         self.cluster_profile = cluster_profile
         self.n = daemons
@@ -38,6 +39,10 @@ class LocalCluster:
         self.sockets = [os.path.join(self.dir, f"d{i}.sock") for i in range(daemons)]
         self.nodes = [f"node-{i}" for i in range(daemons)]
         self.log = log
+        # With metrics=True every server serves Prometheus metrics on 127.0.0.1 (a port the
+        # kernel picks): `metrics_urls` maps "planner" and each node id to its /metrics URL.
+        self.metrics = metrics
+        self.metrics_urls = {}
 
     def _bin(self, rel):
         if self.build is None:
@@ -56,10 +61,10 @@ class LocalCluster:
         self.procs.append(p)
         return p
 
-    def _log_tail(self, name):
+    def _log_tail(self, name, chars=2000):
         try:
             with open(os.path.join(self.dir, name + ".log")) as f:
-                return f.read()[-2000:]
+                return f.read()[-chars:]
         except OSError:
             return ""
 
@@ -73,16 +78,33 @@ class LocalCluster:
                 raise TimeoutError(f"{what} not ready after {timeout} s; see {self.dir}")
             time.sleep(0.02)
 
+    def _wait_metrics_url(self, proc, what, name, timeout=30.0):
+        """The URL the server's "metrics on URL" line names, once its log has it."""
+        deadline = time.time() + timeout
+        while True:
+            for line in self._log_tail(name, 1 << 20).splitlines():
+                if " metrics on http://" in line and not line.startswith(("I", "W", "E")):
+                    return line.split(" metrics on ", 1)[1].strip()
+            if proc.poll() is not None:
+                raise RuntimeError(f"{what} exited with {proc.returncode}: "
+                                   f"{self._log_tail(name)}")
+            if time.time() > deadline:
+                raise TimeoutError(f"{what} printed no metrics line in {timeout} s; see {self.dir}")
+            time.sleep(0.02)
+
     def start(self):
+        metrics = ["--metrics-listen", "127.0.0.1:0"] if self.metrics else []
         port_file = os.path.join(self.dir, "planner.port")
         os.makedirs(os.path.join(self.dir, "planner-data"), exist_ok=True)
         p = self._spawn([self._bin("server/ragshard-planner"), "--listen", "127.0.0.1:0",
                          "--data-dir", os.path.join(self.dir, "planner-data"),
                          "--port-file", port_file,
-                         "--node-timeout-ms", str(self.node_timeout_ms)] +
+                         "--node-timeout-ms", str(self.node_timeout_ms)] + metrics +
                         (["--cluster-profile", self.cluster_profile] if self.cluster_profile
                          else []), "planner")
         self._wait_for(port_file, p, "ragshard-planner", "planner")
+        if self.metrics:
+            self.metrics_urls["planner"] = self._wait_metrics_url(p, "ragshard-planner", "planner")
         for _ in range(100):
             with open(port_file) as f:
                 self.planner = f.read().strip()
@@ -92,9 +114,12 @@ class LocalCluster:
         for i in range(self.n):
             d = self._spawn([self._bin("server/ragshardd"), "--planner", self.planner,
                              "--node-id", self.nodes[i], "--socket", self.sockets[i],
-                             "--pool-bytes", str(self.pool_bytes), "--backend", self.backend],
-                            f"daemon{i}")
+                             "--pool-bytes", str(self.pool_bytes), "--backend", self.backend] +
+                            metrics, f"daemon{i}")
             self._wait_for(self.sockets[i] + ".fd", d, f"ragshardd {self.nodes[i]}", f"daemon{i}")
+            if self.metrics:
+                self.metrics_urls[self.nodes[i]] = self._wait_metrics_url(
+                    d, f"ragshardd {self.nodes[i]}", f"daemon{i}")
         return self
 
     def stop(self):

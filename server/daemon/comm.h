@@ -104,6 +104,8 @@ class Comm {
   virtual void Abort(const std::string& why) = 0;
   // How errors name a tag's operation (the data plane's unit names); nullptr restores the default.
   virtual void SetDescriber(TagDescriber describe) = 0;
+  // Bytes of the messages posted to peers so far (the daemon's metrics); 0 where not counted.
+  virtual int64_t sent_bytes() const { return 0; }
 };
 
 // The error member `self` gives for a message from `peer` whose stamp or size differs from its
@@ -137,6 +139,7 @@ class SubComm final : public Comm {
   }
   void Abort(const std::string& why) override { base_->Abort(why); }
   void SetDescriber(TagDescriber describe) override { base_->SetDescriber(std::move(describe)); }
+  int64_t sent_bytes() const override { return base_->sent_bytes(); }
 
  private:
   Comm* base_;

@@ -48,6 +48,9 @@ absl::StatusOr<std::unique_ptr<NodeDaemon>> NodeDaemon::Start(
     DaemonOptions options, std::shared_ptr<PlannerClient> planner) {
   if (auto s = ValidateId("--node-id", options.node_id); !s.ok()) return s;
   if (options.socket_path.empty()) return absl::InvalidArgumentError("--socket: required");
+  if (!options.metrics_listen.empty()) {
+    if (auto a = MetricsBindAddress(options.metrics_listen); !a.ok()) return a.status();
+  }
   gid_t group = static_cast<gid_t>(-1);
   if (!options.socket_group.empty()) {
     auto gid = GroupId(options.socket_group);
@@ -77,6 +80,16 @@ absl::StatusOr<std::unique_ptr<NodeDaemon>> NodeDaemon::Start(
     return absl::PermissionDeniedError("chmod " + d->options_.socket_path);
   }
   if (absl::Status s = GiveToGroup(d->options_.socket_path, group); !s.ok()) return s;
+  if (!d->options_.metrics_listen.empty()) {
+    auto endpoint = MetricsEndpoint::Start(d->options_.metrics_listen);
+    if (!endpoint.ok()) return endpoint.status();
+    d->endpoint_ = std::move(*endpoint);
+    NodeDaemon* daemon = d.get();
+    d->scrape_ = std::make_shared<ScrapeCollectable>([daemon] { return daemon->ScrapeFigures(); });
+    d->endpoint_->Register(d->metrics_->registry());
+    d->endpoint_->Register(d->scrape_);
+    LOG(INFO) << "ragshardd " << d->options_.node_id << " metrics on " << d->endpoint_->url();
+  }
   // The side channel last: its socket appearing means the daemon is ready (given to the group
   // under a temporary name first, so that it appears ready only once the group may attach).
   const std::string side = d->options_.socket_path + ".fd";
@@ -115,6 +128,7 @@ void NodeDaemon::Shutdown() {
     shut_down_ = true;
     attaching.swap(attach_threads_);
   }
+  endpoint_.reset();  // no scrape reads the daemon from here on
   for (auto& t : attaching) t.thread.join();
   stop_.Notify();
   if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
@@ -168,12 +182,7 @@ grpc::ServerUnaryReactor* NodeDaemon::Stats(Ctx* ctx, const v1::StatsRequest*,
   resp->set_pool_used(ps.used);
   resp->set_pool_peak(ps.peak);
   resp->set_pool_fragmentation(ps.fragmentation);
-  std::vector<std::shared_ptr<JobRuntime>> jobs;
-  {
-    absl::MutexLock lock(&mu_);
-    for (auto& [id, job] : jobs_) jobs.push_back(job);
-  }
-  for (auto& job : jobs) job->FillStats(resp->add_jobs());
+  for (auto& [id, js] : JobsSnapshot()) *resp->add_jobs() = std::move(js);
   return ReplyUnary(ctx, absl::OkStatus());
 }
 

@@ -20,9 +20,11 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "common/fd.h"
+#include "common/metrics.h"
 #include "common/planner_client.h"
 #include "ragshard/v1/daemon.grpc.pb.h"
 #include "server/daemon/data_backend.h"
+#include "server/daemon/metrics.h"
 #include "server/daemon/pool.h"
 
 namespace ragshard::daemon {
@@ -48,6 +50,9 @@ struct DaemonOptions {
   // Host backend: unsharded buffers as views over the node's shards (common/unsharded_view.h),
   // which needs page-aligned pool leases; false: every lease 256-aligned and shards copied.
   bool unsharded_views = true;
+  // Where to serve Prometheus metrics (common/metrics.h: HOST:PORT, or PORT on loopback); empty:
+  // no endpoint. It serves before the daemon appears ready.
+  std::string metrics_listen;
 };
 
 class JobRuntime;
@@ -61,6 +66,8 @@ class NodeDaemon final : public v1::Daemon::CallbackService {
   void Wait();
 
   PoolStats pool_stats() const { return pool_->Stats(); }
+  // "http://HOST:PORT/metrics", or empty without metrics_listen.
+  std::string metrics_url() const { return endpoint_ ? endpoint_->url() : std::string(); }
 
   // The handlers. A call naming an attachment this daemon does not hold answers NOT_FOUND.
   using Ctx = grpc::CallbackServerContext;
@@ -96,10 +103,15 @@ class NodeDaemon final : public v1::Daemon::CallbackService {
   void ReleaseAttachment(const std::string& id);
   void RunSideChannel();
   void RunHeartbeats();
+  // The jobs held now, each with its stats (Stats, the heartbeats and the metrics share it).
+  std::vector<std::pair<std::string, v1::JobStats>> JobsSnapshot() const;
+  // The pool's, the jobs' and the attachments' figures, read when a scrape comes.
+  std::vector<prometheus::MetricFamily> ScrapeFigures() const;
 
   const DaemonOptions options_;
   const std::shared_ptr<PlannerClient> planner_;
   const std::unique_ptr<Pool> pool_;
+  const std::shared_ptr<DaemonMetrics> metrics_ = std::make_shared<DaemonMetrics>();
   BackendKind backend_ = BackendKind::kHost;
   std::unique_ptr<grpc::Server> server_;
   ScopedFd fd_listener_;
@@ -123,6 +135,9 @@ class NodeDaemon final : public v1::Daemon::CallbackService {
   absl::Notification stop_;
   std::thread side_channel_;
   std::thread heartbeats_;
+  // Last: a scrape reads the daemon, so the endpoint stops (Shutdown) and goes first.
+  std::shared_ptr<ScrapeCollectable> scrape_;
+  std::unique_ptr<MetricsEndpoint> endpoint_;
 };
 
 }  // namespace ragshard::daemon

@@ -42,7 +42,9 @@ grpc::ServerUnaryReactor* NodeDaemon::Attach(Ctx* ctx, const v1::AttachRequest* 
   }
   auto done = std::make_shared<std::atomic<bool>>(false);
   attach_threads_.push_back({std::thread([this, req, resp, reactor, done] {
-                               reactor->Finish(ToGrpcStatus(DoAttach(*req, resp)));
+                               const absl::Status s = DoAttach(*req, resp);
+                               if (!s.ok()) metrics_->Error(s);
+                               reactor->Finish(ToGrpcStatus(s));
                                done->store(true);
                              }),
                              done});

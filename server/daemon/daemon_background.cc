@@ -65,21 +65,15 @@ void NodeDaemon::RunHeartbeats() {
     f->set_pool_peak_bytes(s.peak);
     f->set_pool_fragmentation(s.fragmentation);
     f->set_buffers(s.leases);
-    std::vector<std::shared_ptr<JobRuntime>> jobs;
     {
       absl::MutexLock lock(&mu_);
-      for (const auto& [id, job] : jobs_) {
-        hb.add_jobs(id);
-        jobs.push_back(job);
-      }
       f->set_attachments(static_cast<int64_t>(attachments_.size()));
     }
-    // The jobs' operation and staging figures, outside the daemon's lock.
+    const auto jobs = JobsSnapshot();
     std::map<std::string, int64_t> by_kind;
     f->set_jobs(static_cast<int64_t>(jobs.size()));
-    for (const auto& job : jobs) {
-      v1::JobStats js;
-      job->FillStats(&js);
+    for (const auto& [id, js] : jobs) {
+      hb.add_jobs(id);
       f->set_operations(f->operations() + js.operations());
       f->set_staging_bytes(f->staging_bytes() + js.staging_bytes());
       for (const auto& u : js.unit_operations()) by_kind[v1::OpKind_Name(u.kind())] += u.count();
@@ -118,6 +112,55 @@ void NodeDaemon::RunHeartbeats() {
       LOG(INFO) << "job " << job << " deleted by the planner: buffers released";
     }
   }
+}
+
+std::vector<std::pair<std::string, v1::JobStats>> NodeDaemon::JobsSnapshot() const {
+  std::vector<std::shared_ptr<JobRuntime>> jobs;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, job] : jobs_) jobs.push_back(job);
+  }
+  // The jobs' figures outside the daemon's lock (each job has its own).
+  std::vector<std::pair<std::string, v1::JobStats>> out;
+  for (const auto& job : jobs) {
+    v1::JobStats js;
+    job->FillStats(&js);
+    out.emplace_back(js.job_id(), std::move(js));
+  }
+  return out;
+}
+
+std::vector<prometheus::MetricFamily> NodeDaemon::ScrapeFigures() const {
+  const PoolStats s = pool_->Stats();
+  double attachments = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    attachments = static_cast<double>(attachments_.size());
+  }
+  double staging = 0;
+  const auto jobs = JobsSnapshot();
+  for (const auto& [id, js] : jobs) staging += static_cast<double>(js.staging_bytes());
+  auto one = [](const char* name, const char* help, double value) {
+    return GaugeFamily(name, help, "", {{"", value}});
+  };
+  return {
+      one("ragshard_daemon_pool_capacity_bytes", "Bytes of the node's shared-memory pool",
+          static_cast<double>(s.capacity)),
+      one("ragshard_daemon_pool_used_bytes", "Bytes of the pool leased now",
+          static_cast<double>(s.used)),
+      one("ragshard_daemon_pool_peak_bytes", "Most bytes of the pool leased at once",
+          static_cast<double>(s.peak)),
+      one("ragshard_daemon_pool_largest_free_bytes", "The pool's largest free block",
+          static_cast<double>(s.largest_free)),
+      one("ragshard_daemon_pool_fragmentation",
+          "1 - largest free block / free bytes (0: the free space is one block)", s.fragmentation),
+      one("ragshard_daemon_pool_leases", "Buffers leased from the pool now",
+          static_cast<double>(s.leases)),
+      one("ragshard_daemon_jobs", "Jobs this daemon holds", static_cast<double>(jobs.size())),
+      one("ragshard_daemon_attachments", "Ranks attached to this daemon", attachments),
+      one("ragshard_daemon_staging_bytes",
+          "Bytes the jobs wrote into pool buffers outside the collectives (design: 0)", staging),
+  };
 }
 
 }  // namespace ragshard::daemon

@@ -94,9 +94,9 @@ absl::StatusOr<std::shared_ptr<JobRuntime>> NodeDaemon::GetOrCreateJob(const std
   context.gpu_pool_bytes = options_.gpu_pool_bytes;
   auto dp = CreateDataBackend(backend_, context);
   if (!dp.ok()) return dp.status();
-  auto runtime =
-      std::make_shared<JobRuntime>(job_id, options_.node_id, std::move(*plan), local,
-                                   std::move(worker), std::move(comm), std::move(*dp), planner_);
+  auto runtime = std::make_shared<JobRuntime>(job_id, options_.node_id, std::move(*plan), local,
+                                              std::move(worker), std::move(comm), std::move(*dp),
+                                              planner_, metrics_);
   absl::MutexLock lock(&mu_);
   jobs_[job_id] = runtime;
   LOG(INFO) << "job " << job_id << ": " << local.size() << " local rank(s), " << nodes.size()

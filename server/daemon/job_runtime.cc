@@ -3,6 +3,7 @@
 #include <optional>
 #include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "glog/logging.h"
 
@@ -11,7 +12,8 @@ namespace ragshard::daemon {
 JobRuntime::JobRuntime(std::string job_id, std::string node_id, v1::Plan plan,
                        std::vector<int64_t> local_ranks, std::unique_ptr<UcxWorker> worker,
                        std::unique_ptr<Comm> comm, std::unique_ptr<DataBackend> dp,
-                       std::shared_ptr<PlannerClient> planner)
+                       std::shared_ptr<PlannerClient> planner,
+                       std::shared_ptr<DaemonMetrics> metrics)
     : job_id_(std::move(job_id)),
       node_id_(std::move(node_id)),
       plan_(std::move(plan)),
@@ -20,6 +22,7 @@ JobRuntime::JobRuntime(std::string job_id, std::string node_id, v1::Plan plan,
       comm_(std::move(comm)),
       dp_(std::move(dp)),
       planner_(std::move(planner)),
+      metrics_(metrics != nullptr ? std::move(metrics) : std::make_shared<DaemonMetrics>()),
       next_seq_(local_ranks_.size(), 1) {
   thread_ = std::thread([this] { Run(); });
 }
@@ -233,7 +236,12 @@ void JobRuntime::Run() {
       queue_.pop_front();
       op = ops_[seq];
     }
+    const int64_t sent_before = comm_ != nullptr ? comm_->sent_bytes() : 0;
+    const absl::Time started = absl::Now();
     const absl::Status s = Execute(op);
+    const std::string kind = absl::AsciiStrToLower(v1::OpKind_Name(op.kind).substr(3));  // OP_
+    metrics_->OperationDone(kind, absl::ToDoubleSeconds(absl::Now() - started), s);
+    if (comm_ != nullptr) metrics_->BytesSent(kind, "ucx", comm_->sent_bytes() - sent_before);
     std::vector<v1::UnitBuffers> placements;
     if (s.ok()) {
       placements.resize(local_ranks_.size());

@@ -25,6 +25,7 @@
 #include "ragshard/v1/daemon.pb.h"
 #include "server/daemon/comm.h"
 #include "server/daemon/data_backend.h"
+#include "server/daemon/metrics.h"
 #include "server/daemon/ucx_comm.h"
 
 namespace ragshard::daemon {
@@ -35,7 +36,7 @@ class JobRuntime {
   JobRuntime(std::string job_id, std::string node_id, v1::Plan plan,
              std::vector<int64_t> local_ranks, std::unique_ptr<UcxWorker> worker,
              std::unique_ptr<Comm> comm, std::unique_ptr<DataBackend> dp,
-             std::shared_ptr<PlannerClient> planner);
+             std::shared_ptr<PlannerClient> planner, std::shared_ptr<DaemonMetrics> metrics);
 
   // Stops the thread; the data plane returns its leases before the communicator closes.
   ~JobRuntime();
@@ -117,6 +118,7 @@ class JobRuntime {
   std::unique_ptr<Comm> comm_;
   std::unique_ptr<DataBackend> dp_;
   std::shared_ptr<PlannerClient> planner_;
+  const std::shared_ptr<DaemonMetrics> metrics_;  // never null
   absl::Mutex mu_;
   std::vector<uint64_t> next_seq_ ABSL_GUARDED_BY(mu_);
   std::map<uint64_t, Op> ops_ ABSL_GUARDED_BY(mu_);

@@ -52,6 +52,9 @@ int main(int argc, char** argv) try {
                  "host backend: map a node's shards into unsharded buffers where they are whole "
                  "pages (docs/daemon.md); false places them by copying")
       ->capture_default_str();
+  app.add_option("--metrics-listen", options.metrics_listen,
+                 "serve Prometheus metrics on http://ADDR/metrics (HOST:PORT, or PORT on "
+                 "127.0.0.1; port 0 picks one); off unless given");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -74,6 +77,9 @@ int main(int argc, char** argv) try {
   if (!daemon.ok()) {
     std::cerr << "error: " << daemon.status().message() << "\n";
     return 1;
+  }
+  if (const std::string url = (*daemon)->metrics_url(); !url.empty()) {
+    std::printf("ragshardd %s metrics on %s\n", options.node_id.c_str(), url.c_str());
   }
   std::printf("ragshardd %s ready on unix:%s\n", options.node_id.c_str(),
               options.socket_path.c_str());

@@ -4,6 +4,7 @@
 #include <netinet/in.h>
 #include <poll.h>
 
+#include <atomic>
 #include <cstring>
 #include <deque>
 
@@ -200,6 +201,7 @@ class UcxComm final : public Comm {
   }
   int rank() const override { return rank_; }
   int size() const override { return size_; }
+  int64_t sent_bytes() const override { return sent_bytes_.load(std::memory_order_relaxed); }
 
   absl::StatusOr<uint64_t> PostSend(int peer, uint64_t tag, const void* data,
                                     size_t bytes) override {
@@ -215,6 +217,7 @@ class UcxComm final : public Comm {
     };
     param.user_data = &pending_[id];
     void* req = ucp_tag_send_nbx(w_->eps[peer], data, bytes, Tag(rank_, tag), &param);
+    sent_bytes_.fetch_add(static_cast<int64_t>(bytes), std::memory_order_relaxed);
     return Track(id, req);
   }
 
@@ -434,6 +437,7 @@ class UcxComm final : public Comm {
   char notice_text_[kNoticeBytes] = {};
   bool aborted_ = false;
   TagDescriber describe_;
+  std::atomic<int64_t> sent_bytes_{0};
 };
 
 absl::StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(const std::string& ip, int port) {

@@ -48,6 +48,9 @@ int main(int argc, char** argv) try {
                  "threads that compute plans; further jobs wait their turn")
       ->check(CLI::Range(1, 256))
       ->capture_default_str();
+  app.add_option("--metrics-listen", options.metrics_listen,
+                 "serve Prometheus metrics on http://ADDR/metrics (HOST:PORT, or PORT on "
+                 "127.0.0.1; port 0 picks one); off unless given");
   std::string cluster_profile;
   app.add_option("--cluster-profile", cluster_profile,
                  "cluster profile (profiles/*.json) for jobs of policy auto");
@@ -88,6 +91,11 @@ int main(int argc, char** argv) try {
     return 1;
   }
   const std::string& addr = (*server)->bound_address();
+  // Before the port file: whoever waits for it finds the metrics line already written.
+  if (const std::string url = (*server)->metrics_url(); !url.empty()) {
+    std::printf("ragshard-planner metrics on %s\n", url.c_str());
+    std::fflush(stdout);
+  }
   if (!port_file.empty()) {
     const std::string tmp = port_file + ".tmp";
     std::ofstream(tmp) << addr << "\n";

@@ -19,6 +19,10 @@ bool IsLoopbackListen(const std::string& listen) {
 absl::StatusOr<std::unique_ptr<PlannerServer>> PlannerServer::Start(
     const PlannerServerOptions& options) {
   if (options.data_dir.empty()) return absl::InvalidArgumentError("--data-dir: required");
+  if (!options.metrics_listen.empty()) {
+    // Checked before the data directory is made: a bad flag leaves nothing behind.
+    if (auto a = MetricsBindAddress(options.metrics_listen); !a.ok()) return a.status();
+  }
   if (!IsLoopbackListen(options.listen) && options.security.tls_cert_file.empty() &&
       !options.insecure) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -38,6 +42,20 @@ absl::StatusOr<std::unique_ptr<PlannerServer>> PlannerServer::Start(
   auto svc = PlannerService::Create(std::move(*store), options.service);
   if (!svc.ok()) return svc.status();
   server->service_ = std::move(*svc);
+  if (!options.metrics_listen.empty()) {
+    auto endpoint = MetricsEndpoint::Start(options.metrics_listen);
+    if (!endpoint.ok()) {
+      server->service_->Shutdown();
+      return endpoint.status();
+    }
+    server->metrics_ = std::move(*endpoint);
+    PlannerService* service = server->service_.get();
+    server->scrape_ =
+        std::make_shared<ScrapeCollectable>([service] { return service->ScrapeFigures(); });
+    server->metrics_->Register(service->metrics_registry());
+    server->metrics_->Register(server->scrape_);
+    LOG(INFO) << "planner metrics on " << server->metrics_->url();
+  }
 
   const size_t colon = options.listen.rfind(':');
   if (colon == std::string::npos) {
@@ -72,6 +90,7 @@ void PlannerServer::Wait() {
 void PlannerServer::Shutdown() {
   if (shut_down_) return;
   shut_down_ = true;
+  metrics_.reset();
   if (service_) service_->Shutdown();
   if (server_) {
     server_->GetHealthCheckService()->SetServingStatus(false);

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "common/metrics.h"
 #include "common/rpc.h"
 #include "grpcpp/grpcpp.h"
 #include "server/planner/service.h"
@@ -20,6 +21,9 @@ struct PlannerServerOptions {
   // Listening beyond loopback without TLS is refused unless this is set (--insecure): a bearer
   // token must not cross a network in clear text.
   bool insecure = false;
+  // Where to serve Prometheus metrics (common/metrics.h: HOST:PORT, or PORT on loopback); empty:
+  // no endpoint.
+  std::string metrics_listen;
 };
 
 // True for a listen address only this machine reaches: 127.0.0.0/8, ::1, localhost, unix:.
@@ -34,6 +38,8 @@ class PlannerServer {
 
   // The address actually bound, e.g. "127.0.0.1:40123".
   const std::string& bound_address() const { return bound_address_; }
+  // "http://HOST:PORT/metrics", or empty without --metrics-listen.
+  std::string metrics_url() const { return metrics_ ? metrics_->url() : std::string(); }
   // Blocks until Shutdown() is called from another thread.
   void Wait();
   // Completes parked calls and streams, stops the server. Idempotent.
@@ -45,6 +51,9 @@ class PlannerServer {
   std::unique_ptr<grpc::Server> server_;
   std::string bound_address_;
   bool shut_down_ = false;
+  // After service_: a scrape reads the service, so the endpoint stops first.
+  std::shared_ptr<ScrapeCollectable> scrape_;
+  std::unique_ptr<MetricsEndpoint> metrics_;
 };
 
 }  // namespace ragshard::planner

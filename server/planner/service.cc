@@ -2,8 +2,10 @@
 
 #include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/metrics.h"
 #include "common/rpc.h"
 #include "glog/logging.h"
 #include "server/planner/auth.h"
@@ -208,6 +210,34 @@ void PlannerService::Tick() {
 
 void PlannerService::RunTicker() {
   while (!stop_.WaitForNotificationWithTimeout(absl::FromChrono(options_.tick))) Tick();
+}
+
+std::vector<prometheus::MetricFamily> PlannerService::ScrapeFigures() const {
+  // Every state appears, 0 when no job or node is in it, so that a dashboard's series exist.
+  std::map<std::string, double> jobs, nodes;
+  auto state = [](const std::string& name, const char* prefix) {
+    return absl::AsciiStrToLower(name.substr(std::string(prefix).size()));
+  };
+  for (int s = v1::JOB_REGISTERING; s <= v1::JOB_DELETED; ++s) {
+    jobs[state(v1::JobStatus_Name(s), "JOB_")] = 0;
+  }
+  for (int s = v1::NODE_UP; s <= v1::NODE_LOST; ++s) {
+    nodes[state(v1::NodeStatus_Name(s), "NODE_")] = 0;
+  }
+  double watch_streams = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, js] : jobs_) {
+      jobs[state(v1::JobStatus_Name(js.job.status()), "JOB_")] += 1;
+      watch_streams += static_cast<double>(js.watchers.size());
+    }
+    for (const auto& [id, node] : nodes_)
+      nodes[state(v1::NodeStatus_Name(node.status()), "NODE_")] += 1;
+  }
+  return {GaugeFamily("ragshard_planner_jobs", "Jobs by state", "state", jobs),
+          GaugeFamily("ragshard_planner_nodes", "Nodes by state", "state", nodes),
+          GaugeFamily("ragshard_planner_watch_streams", "Open WatchPlan streams", "",
+                      {{"", watch_streams}})};
 }
 
 }  // namespace ragshard::planner

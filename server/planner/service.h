@@ -27,7 +27,9 @@
 #include "absl/synchronization/notification.h"
 #include "common/cluster.h"
 #include "common/strategy_search.h"
+#include "prometheus/metric_family.h"
 #include "ragshard/v1/planner.grpc.pb.h"
+#include "server/planner/metrics.h"
 #include "server/planner/plan_executor.h"
 #include "server/planner/store.h"
 #include "server/planner/validation.h"
@@ -69,6 +71,14 @@ class PlannerService final
   // Completes every parked call and watch stream with UNAVAILABLE and stops the ticker. Call
   // before shutting the grpc::Server down. Idempotent.
   void Shutdown();
+
+  // The Prometheus figures (common/metrics.h): the counters and histograms kept as the service
+  // works, and ScrapeFigures, which reads jobs by state, nodes by state and the watch streams
+  // under mu_ when a scrape comes.
+  const std::shared_ptr<prometheus::Registry>& metrics_registry() const {
+    return metrics_.registry();
+  }
+  std::vector<prometheus::MetricFamily> ScrapeFigures() const;
 
   // The handlers. Each authenticates, then validates its request (INVALID_ARGUMENT naming the
   // field), before anything else; a call on a job that does not exist or was deleted answers
@@ -203,6 +213,7 @@ class PlannerService final
 
   const PlannerOptions options_;
   std::unique_ptr<Store> store_;
+  PlannerMetrics metrics_;
 
   mutable absl::Mutex mu_;
   std::map<std::string, JobState> jobs_ ABSL_GUARDED_BY(mu_);

@@ -96,6 +96,7 @@ void PlannerService::RegisterRankLocked(JobState* js, int64_t rank, const std::s
   r->set_registered(true);
   r->set_node_id(node);
   r->set_inventory_sha256(sha);
+  metrics_.RankRegistered();
 }
 
 void PlannerService::ResolvePendingHashes(JobState* js, Deferred* deferred) {
@@ -156,6 +157,7 @@ void PlannerService::ComputePlan(const std::string& job_id) {
       }
     }
   }
+  const auto started = std::chrono::steady_clock::now();
   absl::StatusOr<v1::Plan> plan;
   int64_t shard = 0, replicate = 0;
   if (job_options.policy() == "auto") {
@@ -170,6 +172,8 @@ void PlannerService::ComputePlan(const std::string& job_id) {
   } else {
     plan = BuildPlan(inventory, options);
   }
+  metrics_.PlanComputed(
+      plan.ok(), std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
   Deferred deferred;
   {
     absl::MutexLock lock(&mu_);

@@ -1,0 +1,65 @@
+#include "server/daemon/metrics.h"
+
+namespace ragshard::daemon {
+
+const char* ErrorCause(const absl::Status& status) {
+  switch (status.code()) {
+    case absl::StatusCode::kUnavailable:
+      return "peer_lost";
+    case absl::StatusCode::kDeadlineExceeded:
+      return "deadline";
+    case absl::StatusCode::kAborted:
+      return "aborted";
+    case absl::StatusCode::kResourceExhausted:
+      return "out_of_memory";
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kFailedPrecondition:
+    case absl::StatusCode::kNotFound:
+    case absl::StatusCode::kOutOfRange:
+      return "bad_request";
+    default:
+      return "other";
+  }
+}
+
+DaemonMetrics::DaemonMetrics() : registry_(std::make_shared<prometheus::Registry>()) {
+  operations_ = &prometheus::BuildCounter()
+                     .Name("ragshard_daemon_operations_total")
+                     .Help("Operations the daemon ran, by kind and result (ok, error)")
+                     .Register(*registry_);
+  seconds_ = &prometheus::BuildHistogram()
+                  .Name("ragshard_daemon_operation_seconds")
+                  .Help("Time an operation took on the job's thread (seconds), by kind")
+                  .Register(*registry_);
+  bytes_ = &prometheus::BuildCounter()
+                .Name("ragshard_daemon_sent_bytes_total")
+                .Help("Bytes sent to other daemons, by collective and transport")
+                .Register(*registry_);
+  errors_ = &prometheus::BuildCounter()
+                 .Name("ragshard_daemon_errors_total")
+                 .Help("Failed operations and attaches, by cause")
+                 .Register(*registry_);
+}
+
+void DaemonMetrics::OperationDone(const std::string& kind, double seconds,
+                                  const absl::Status& status) {
+  operations_->Add({{"kind", kind}, {"result", status.ok() ? "ok" : "error"}}).Increment();
+  // From an allocation's microseconds to a large unit's gather across nodes.
+  static const prometheus::Histogram::BucketBoundaries kBuckets = {
+      1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1, 5, 30};
+  seconds_->Add({{"kind", kind}}, kBuckets).Observe(seconds);
+  if (!status.ok()) Error(status);
+}
+
+void DaemonMetrics::BytesSent(const std::string& kind, const std::string& transport,
+                              int64_t bytes) {
+  if (bytes <= 0) return;
+  bytes_->Add({{"collective", kind}, {"transport", transport}})
+      .Increment(static_cast<double>(bytes));
+}
+
+void DaemonMetrics::Error(const absl::Status& status) {
+  errors_->Add({{"cause", ErrorCause(status)}}).Increment();
+}
+
+}  // namespace ragshard::daemon

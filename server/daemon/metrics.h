@@ -1,0 +1,47 @@
+// The daemon's Prometheus figures (served by --metrics-listen, common/metrics.h): operations by
+// kind and result with their latency, bytes sent to other daemons per collective and transport,
+// and errors by cause, counted as the daemon works; the pool's capacity, use, peak and
+// fragmentation, the jobs and the attachments, read when a scrape comes (NodeDaemon).
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "prometheus/counter.h"
+#include "prometheus/family.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+
+namespace ragshard::daemon {
+
+// The cause an error is counted under: peer_lost (UNAVAILABLE), deadline, aborted (ranks that
+// disagree, or a peer's abort), out_of_memory, bad_request (INVALID_ARGUMENT,
+// FAILED_PRECONDITION, NOT_FOUND, OUT_OF_RANGE), other.
+const char* ErrorCause(const absl::Status& status);
+
+class DaemonMetrics {
+ public:
+  DaemonMetrics();
+  DaemonMetrics(const DaemonMetrics&) = delete;
+  DaemonMetrics& operator=(const DaemonMetrics&) = delete;
+
+  const std::shared_ptr<prometheus::Registry>& registry() const { return registry_; }
+
+  // An operation (kind: "unshard", "reduce_scatter", ...) ran for `seconds`; a failure also
+  // counts as an error of its cause.
+  void OperationDone(const std::string& kind, double seconds, const absl::Status& status);
+  // `bytes` were sent to other daemons over `transport` ("ucx") by an operation of `kind`.
+  void BytesSent(const std::string& kind, const std::string& transport, int64_t bytes);
+  // An error outside the operations (a failed attach), by cause.
+  void Error(const absl::Status& status);
+
+ private:
+  std::shared_ptr<prometheus::Registry> registry_;
+  prometheus::Family<prometheus::Counter>* operations_ = nullptr;
+  prometheus::Family<prometheus::Histogram>* seconds_ = nullptr;
+  prometheus::Family<prometheus::Counter>* bytes_ = nullptr;
+  prometheus::Family<prometheus::Counter>* errors_ = nullptr;
+};
+
+}  // namespace ragshard::daemon
