@@ -131,10 +131,16 @@ absl::StatusOr<Received> ReceiveWithFds(int socket, size_t max_fds) {
 }
 
 absl::StatusOr<int> PeerPid(int socket) {
+  auto cred = PeerCredentialsOf(socket);
+  if (!cred.ok()) return cred.status();
+  return cred->pid;
+}
+
+absl::StatusOr<PeerCredentials> PeerCredentialsOf(int socket) {
   ucred cred{};
   socklen_t len = sizeof(cred);
   if (::getsockopt(socket, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) return Errno("SO_PEERCRED");
-  return static_cast<int>(cred.pid);
+  return PeerCredentials{static_cast<int>(cred.pid), cred.uid, cred.gid};
 }
 
 }  // namespace ragshard

@@ -2,6 +2,7 @@
 // side channel that carries memfds from the daemon to its local clients (gRPC cannot).
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -27,5 +28,13 @@ absl::StatusOr<Received> ReceiveWithFds(int socket, size_t max_fds = 64);
 
 // The peer's process id (SO_PEERCRED), for tying attachments to client processes.
 absl::StatusOr<int> PeerPid(int socket);
+
+// The peer's process, user and group as the kernel recorded them at connect (SO_PEERCRED).
+struct PeerCredentials {
+  int pid = 0;
+  uint32_t uid = 0;
+  uint32_t gid = 0;
+};
+absl::StatusOr<PeerCredentials> PeerCredentialsOf(int socket);
 
 }  // namespace ragshard

@@ -69,6 +69,7 @@ absl::StatusOr<std::unique_ptr<NodeDaemon>> NodeDaemon::Start(
   std::unique_ptr<NodeDaemon> d(
       new NodeDaemon(std::move(options), std::move(planner), std::move(*pool)));
   d->backend_ = ResolveBackendKind(*backend);
+  d->socket_gid_ = group;
   ::unlink(d->options_.socket_path.c_str());
   grpc::ServerBuilder builder;
   builder.AddListeningPort("unix:" + d->options_.socket_path, grpc::InsecureServerCredentials());

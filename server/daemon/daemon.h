@@ -8,6 +8,8 @@
 // serves the descriptor side channel and notices clients that die; one thread heartbeats.
 #pragma once
 
+#include <sys/types.h>
+
 #include <atomic>
 #include <chrono>
 #include <list>
@@ -113,6 +115,7 @@ class NodeDaemon final : public v1::Daemon::CallbackService {
   const std::unique_ptr<Pool> pool_;
   const std::shared_ptr<DaemonMetrics> metrics_ = std::make_shared<DaemonMetrics>();
   BackendKind backend_ = BackendKind::kHost;
+  gid_t socket_gid_ = static_cast<gid_t>(-1);  // --socket-group's, or -1
   std::unique_ptr<grpc::Server> server_;
   ScopedFd fd_listener_;
 

@@ -7,10 +7,12 @@
 #include <map>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/fd_passing.h"
 #include "glog/logging.h"
 #include "server/daemon/daemon.h"
 #include "server/daemon/job_runtime.h"
+#include "server/daemon/peer_check.h"
 
 namespace ragshard::daemon {
 
@@ -24,6 +26,21 @@ void NodeDaemon::RunSideChannel() {
     if (::poll(fds.data(), fds.size(), 100) <= 0) continue;
     if (fds[0].revents & POLLIN) {
       ScopedFd conn(::accept4(fd_listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+      // The socket's mode lets in the daemon's user and its group's members; the credentials
+      // the kernel recorded at connect are checked too (a socket file's mode can be changed).
+      absl::Status allowed = absl::OkStatus();
+      if (conn.valid()) {
+        auto cred = PeerCredentialsOf(conn.get());
+        allowed = cred.ok() ? CheckPeer(*cred, SupplementaryGroups(cred->pid), ::geteuid(),
+                                        socket_gid_, options_.socket_group)
+                            : cred.status();
+        if (!allowed.ok()) {
+          LOG(WARNING) << "side channel: " << allowed.message();
+          metrics_->Error(allowed);
+          (void)SendWithFds(conn.get(), absl::StrCat("error: ", allowed.message()), {});
+          conn = ScopedFd();
+        }
+      }
       if (conn.valid()) {
         timeval tv{2, 0};
         ::setsockopt(conn.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));

@@ -12,6 +12,8 @@ const char* ErrorCause(const absl::Status& status) {
       return "aborted";
     case absl::StatusCode::kResourceExhausted:
       return "out_of_memory";
+    case absl::StatusCode::kPermissionDenied:
+      return "permission_denied";
     case absl::StatusCode::kInvalidArgument:
     case absl::StatusCode::kFailedPrecondition:
     case absl::StatusCode::kNotFound:

@@ -16,7 +16,8 @@
 namespace ragshard::daemon {
 
 // The cause an error is counted under: peer_lost (UNAVAILABLE), deadline, aborted (ranks that
-// disagree, or a peer's abort), out_of_memory, bad_request (INVALID_ARGUMENT,
+// disagree, or a peer's abort), out_of_memory, permission_denied (a stranger on the side
+// channel), bad_request (INVALID_ARGUMENT,
 // FAILED_PRECONDITION, NOT_FOUND, OUT_OF_RANGE), other.
 const char* ErrorCause(const absl::Status& status);
 
@@ -33,7 +34,7 @@ class DaemonMetrics {
   void OperationDone(const std::string& kind, double seconds, const absl::Status& status);
   // `bytes` were sent to other daemons over `transport` ("ucx") by an operation of `kind`.
   void BytesSent(const std::string& kind, const std::string& transport, int64_t bytes);
-  // An error outside the operations (a failed attach), by cause.
+  // An error outside the operations (a failed attach, a refused peer), by cause.
   void Error(const absl::Status& status);
 
  private:

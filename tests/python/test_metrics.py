@@ -90,6 +90,26 @@ def test_a_failed_attach_is_counted_by_its_cause():
         assert series(samples, "ragshard_daemon_jobs") == 0
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to connect as another user")
+def test_a_stranger_on_the_side_channel_is_refused_by_its_credentials():
+    """The socket's mode keeps strangers out; should it be opened up (chmod), the daemon still
+    checks the peer's credentials (SO_PEERCRED) before it hands out the pool's memfd."""
+    with LocalCluster(BUILD, daemons=1, metrics=True) as c:
+        os.chmod(c.dir, 0o711)
+        os.chmod(c.sockets[0] + ".fd", 0o666)
+        probe = ("import socket, sys; s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); "
+                 "s.sendall(b'x'); sys.stdout.write(s.recv(4096).decode(errors='replace'))")
+        r = subprocess.run([sys.executable, "-c", probe, c.sockets[0] + ".fd"],
+                           capture_output=True, text=True, timeout=60,
+                           preexec_fn=lambda: (os.setgroups([]), os.setgid(65534),
+                                               os.setuid(65534)))
+        assert r.returncode == 0, r.stderr
+        assert "may not attach" in r.stdout and "uid 65534" in r.stdout, r.stdout
+        assert "memfd" not in r.stdout
+        samples = scrape(c.metrics_urls[c.nodes[0]])
+        assert series(samples, "ragshard_daemon_errors_total", cause="permission_denied") == 1
+
+
 def test_demo_scrapes_both_endpoints_and_prints_their_nonzero_series():
     env = dict(os.environ, DEMO_SKIP_BUILD="1", BUILD_DIR=BUILD, DEMO_STEPS="3",
                PYTHONPATH=os.path.join(BUILD, "python"))

@@ -32,6 +32,7 @@ TEST(DaemonMetricsTest, ErrorsAreCountedByTheirCause) {
   EXPECT_STREQ(ErrorCause(absl::ResourceExhaustedError("x")), "out_of_memory");
   EXPECT_STREQ(ErrorCause(absl::NotFoundError("x")), "bad_request");
   EXPECT_STREQ(ErrorCause(absl::InvalidArgumentError("x")), "bad_request");
+  EXPECT_STREQ(ErrorCause(absl::PermissionDeniedError("x")), "permission_denied");
   EXPECT_STREQ(ErrorCause(absl::InternalError("x")), "other");
 }
 
