@@ -2,9 +2,13 @@
 
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
 #include "common/fd_passing.h"
@@ -16,6 +20,17 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Create(ClientOptions options) {
   if (options.daemon_socket.empty()) return absl::InvalidArgumentError("daemon socket: required");
   if (!options.planner) return absl::InvalidArgumentError("planner client: required");
   if (options.rank < 0) return absl::InvalidArgumentError("rank: must not be negative");
+  if (const char* s = std::getenv("RAGSHARD_PEER_TIMEOUT_S"); s != nullptr) {
+    double seconds = 0;
+    if (!absl::SimpleAtod(s, &seconds) || !(seconds > 0) || seconds > 86400) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("RAGSHARD_PEER_TIMEOUT_S='", s, "': expected seconds in (0, 86400]"));
+    }
+    options.peer_timeout = std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+  }
+  if (options.peer_timeout <= std::chrono::milliseconds(0)) {
+    return absl::InvalidArgumentError("peer_timeout: must be positive");
+  }
   std::unique_ptr<Client> c(new Client(std::move(options)));
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(kMaxMessageBytes);
@@ -233,9 +248,9 @@ absl::StatusOr<OpHandle> Client::StartOp(v1::OpKind kind, int unit, v1::ReduceKi
   req.set_timeout_ms(options_.timeout.count());
   v1::StartResponse resp;
   grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  ctx.set_deadline(std::chrono::system_clock::now() + options_.peer_timeout);
   grpc::Status st = daemon_->Start(&ctx, req, &resp);
-  if (!st.ok()) return FromGrpcStatus(st);
+  if (!st.ok()) return DaemonCallError(ctx, st, "the start of an operation");
   return OpHandle(this, resp.handle(), unit);
 }
 
@@ -270,8 +285,9 @@ absl::StatusOr<v1::StatsResponse> Client::DaemonStats() {
   v1::StatsRequest req;
   v1::StatsResponse resp;
   grpc::ClientContext ctx;
-  absl::Status s = FromGrpcStatus(daemon_->Stats(&ctx, req, &resp));
-  if (!s.ok()) return s;
+  ctx.set_deadline(std::chrono::system_clock::now() + options_.peer_timeout);
+  grpc::Status st = daemon_->Stats(&ctx, req, &resp);
+  if (!st.ok()) return DaemonCallError(ctx, st, "a stats request");
   return resp;
 }
 
@@ -279,25 +295,62 @@ absl::Status Client::NoOp() {
   v1::NoOpRequest req;
   v1::NoOpResponse resp;
   grpc::ClientContext ctx;
-  return FromGrpcStatus(daemon_->NoOp(&ctx, req, &resp));
+  ctx.set_deadline(std::chrono::system_clock::now() + options_.peer_timeout);
+  grpc::Status st = daemon_->NoOp(&ctx, req, &resp);
+  return st.ok() ? absl::OkStatus() : DaemonCallError(ctx, st, "a no-op");
+}
+
+absl::Status Client::DaemonCallError(const grpc::ClientContext& ctx, const grpc::Status& st,
+                                     const char* call) const {
+  // gRPC's own failures (no answer by the deadline, no connection) name the daemon; the daemon's
+  // answers (an operation's error, which names the peer or the rank) pass as they are.
+  if (st.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED &&
+      std::chrono::system_clock::now() >= ctx.deadline()) {
+    return absl::UnavailableError(
+        absl::StrCat("the daemon of node '", options_.node_id, "' (unix:", options_.daemon_socket,
+                     ") did not answer ", call, " within ", options_.peer_timeout.count(),
+                     " ms: it is hung or stopped"));
+  }
+  if (st.error_code() == grpc::StatusCode::UNAVAILABLE) {
+    for (const char* transport : {"failed to connect", "Socket closed", "Connection reset",
+                                  "Connection refused", "Broken pipe", "GOAWAY"}) {
+      if (absl::StrContains(st.error_message(), transport)) {
+        return absl::UnavailableError(absl::StrCat("the daemon of node '", options_.node_id,
+                                                   "' (unix:", options_.daemon_socket,
+                                                   ") is unreachable: ", st.error_message()));
+      }
+    }
+  }
+  return FromGrpcStatus(st);
 }
 
 absl::Status OpHandle::Wait(std::chrono::milliseconds timeout) {
-  v1::WaitRequest req;
-  req.set_attachment_id(client_->attachment_);
-  req.set_handle(handle_);
-  req.set_timeout_ms(timeout.count());
-  v1::WaitResponse resp;
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + timeout + std::chrono::seconds(5));
-  grpc::Status st = client_->daemon_->Wait(&ctx, req, &resp);
-  if (!st.ok()) return FromGrpcStatus(st);
-  if (!resp.done()) {
-    return absl::DeadlineExceededError(
-        absl::StrCat("operation ", handle_, " not done after ", timeout.count(), " ms"));
+  // In slices: a live daemon answers each at its end (done or not), so a daemon that answers
+  // nothing for peer_timeout is hung, and the rank says so instead of waiting out `timeout`.
+  const auto until = std::chrono::steady_clock::now() + timeout;
+  while (true) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        until - std::chrono::steady_clock::now());
+    const std::chrono::milliseconds slice =
+        std::max(std::chrono::milliseconds(0), std::min(left, Client::kWaitSlice));
+    v1::WaitRequest req;
+    req.set_attachment_id(client_->attachment_);
+    req.set_handle(handle_);
+    req.set_timeout_ms(slice.count());
+    v1::WaitResponse resp;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + slice + client_->options_.peer_timeout);
+    grpc::Status st = client_->daemon_->Wait(&ctx, req, &resp);
+    if (!st.ok()) return client_->DaemonCallError(ctx, st, "a wait");
+    if (resp.done()) {
+      if (resp.has_placement()) return client_->Place(unit_, resp.placement());
+      return absl::OkStatus();
+    }
+    if (slice >= left) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("operation ", handle_, " not done after ", timeout.count(), " ms"));
+    }
   }
-  if (resp.has_placement()) return client_->Place(unit_, resp.placement());
-  return absl::OkStatus();
 }
 
 absl::StatusOr<bool> OpHandle::Poll() {
@@ -306,8 +359,9 @@ absl::StatusOr<bool> OpHandle::Poll() {
   req.set_handle(handle_);
   v1::WaitResponse resp;
   grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + client_->options_.peer_timeout);
   grpc::Status st = client_->daemon_->Wait(&ctx, req, &resp);
-  if (!st.ok()) return FromGrpcStatus(st);
+  if (!st.ok()) return client_->DaemonCallError(ctx, st, "a poll");
   if (resp.done() && resp.has_placement()) {
     if (absl::Status s = client_->Place(unit_, resp.placement()); !s.ok()) return s;
   }

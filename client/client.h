@@ -28,6 +28,10 @@ struct ClientOptions {
   int64_t rank = 0;
   std::string node_id;
   std::chrono::milliseconds timeout{60'000};
+  // A daemon that answers nothing for this long is hung (or stopped): the rank's call fails
+  // naming it. A live daemon answers a wait at least every kWaitSlice. Env
+  // RAGSHARD_PEER_TIMEOUT_S overrides it (Client::Create).
+  std::chrono::milliseconds peer_timeout{30'000};
 };
 
 class Client;
@@ -142,8 +146,15 @@ class Client {
   absl::StatusOr<OpHandle> StartOp(v1::OpKind kind, int unit, v1::ReduceKind op = v1::REDUCE_SUM,
                                    int keep_ranks = 0);
 
+  // The longest one wait call to the daemon lasts (OpHandle::Wait repeats it).
+  static constexpr std::chrono::milliseconds kWaitSlice{2000};
+
  private:
   friend class OpHandle;
+  // The error of a failed call to the daemon: a call that got no answer names the daemon's
+  // node and socket and says it is hung; one that could not reach it, unreachable.
+  absl::Status DaemonCallError(const grpc::ClientContext& ctx, const grpc::Status& st,
+                               const char* call) const;
   explicit Client(ClientOptions options) : options_(std::move(options)) {}
   int Check(int unit) const { return unit >= 0 && unit < units() ? unit : 0; }
   absl::Status CheckHostBuffers() const;

@@ -110,6 +110,7 @@ absl::StatusOr<std::unique_ptr<NodeDaemon>> NodeDaemon::Start(
   if (!registered.ok()) LOG(WARNING) << "registering with the planner: " << registered.status();
   d->side_channel_ = std::thread([p = d.get()] { p->RunSideChannel(); });
   d->heartbeats_ = std::thread([p = d.get()] { p->RunHeartbeats(); });
+  d->waiter_clock_ = std::thread([p = d.get()] { p->RunWaiterClock(); });
   LOG(INFO) << "ragshardd " << d->options_.node_id << " serving unix:" << d->options_.socket_path
             << ", pool " << d->options_.pool_bytes << " bytes";
   return d;
@@ -135,6 +136,7 @@ void NodeDaemon::Shutdown() {
   if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   if (side_channel_.joinable()) side_channel_.join();
   if (heartbeats_.joinable()) heartbeats_.join();
+  if (waiter_clock_.joinable()) waiter_clock_.join();
   absl::MutexLock lock(&mu_);
   attachments_.clear();
   jobs_.clear();

@@ -105,6 +105,10 @@ class NodeDaemon final : public v1::Daemon::CallbackService {
   void ReleaseAttachment(const std::string& id);
   void RunSideChannel();
   void RunHeartbeats();
+  // Every 50 ms, answers the waits whose deadline passed, also while an operation blocks its
+  // job's thread: a rank hears from its daemon at each wait's deadline, which tells it the
+  // daemon is alive (the client's liveness check).
+  void RunWaiterClock();
   // The jobs held now, each with its stats (Stats, the heartbeats and the metrics share it).
   std::vector<std::pair<std::string, v1::JobStats>> JobsSnapshot() const;
   // The pool's, the jobs' and the attachments' figures, read when a scrape comes.
@@ -138,6 +142,7 @@ class NodeDaemon final : public v1::Daemon::CallbackService {
   absl::Notification stop_;
   std::thread side_channel_;
   std::thread heartbeats_;
+  std::thread waiter_clock_;
   // Last: a scrape reads the daemon, so the endpoint stops (Shutdown) and goes first.
   std::shared_ptr<ScrapeCollectable> scrape_;
   std::unique_ptr<MetricsEndpoint> endpoint_;

@@ -1,5 +1,6 @@
 // NodeDaemon's background threads: the descriptor side channel (it passes the pool's memfd to
-// attached processes and notices those that die) and the heartbeats to the planner.
+// attached processes and notices those that die), the heartbeats to the planner (and what its
+// replies say of the jobs), and the clock that answers waits at their deadline.
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -113,6 +114,18 @@ void NodeDaemon::RunHeartbeats() {
       }
       continue;
     }
+    for (const v1::JobFailure& f : resp->failed_jobs()) {
+      std::shared_ptr<JobRuntime> job;
+      {
+        absl::MutexLock lock(&mu_);
+        auto it = jobs_.find(f.job_id());
+        if (it != jobs_.end()) job = it->second;
+      }
+      if (job != nullptr) {
+        job->Fail(absl::UnavailableError(
+            absl::StrCat("job '", f.job_id(), "' stopped by the planner: ", f.error())));
+      }
+    }
     for (const std::string& job : resp->release_jobs()) {
       std::shared_ptr<JobRuntime> gone;
       {
@@ -128,6 +141,17 @@ void NodeDaemon::RunHeartbeats() {
       gone.reset();  // joins the job thread and returns its buffers to the pool
       LOG(INFO) << "job " << job << " deleted by the planner: buffers released";
     }
+  }
+}
+
+void NodeDaemon::RunWaiterClock() {
+  while (!stop_.WaitForNotificationWithTimeout(absl::Milliseconds(50))) {
+    std::vector<std::shared_ptr<JobRuntime>> jobs;
+    {
+      absl::MutexLock lock(&mu_);
+      for (const auto& [id, job] : jobs_) jobs.push_back(job);
+    }
+    for (const auto& job : jobs) job->ServeWaiters();
   }
 }
 

@@ -71,7 +71,7 @@ absl::StatusOr<std::shared_ptr<JobRuntime>> NodeDaemon::GetOrCreateJob(const std
       hosts.insert(HostOf(*a));
     }
     worker->AllowPeerHosts(hosts);  // only the job's peers may connect
-    auto c = worker->Connect(me, addresses, deadline, job_id);
+    auto c = worker->Connect(me, addresses, deadline, job_id, nodes);
     if (!c.ok()) return c.status();
     comm = std::move(*c);
   }

@@ -120,6 +120,22 @@ void JobRuntime::LocalRankLeft(int local, int64_t rank) {
   ServeWaiters();
 }
 
+void JobRuntime::Fail(const absl::Status& error) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (!failed_.ok() || stopping_) return;
+    failed_ = error;
+    for (auto& [seq, op] : ops_) {
+      if (op.done) continue;
+      op.done = true;
+      op.status = error;
+    }
+    queue_.clear();
+  }
+  LOG(ERROR) << "job " << job_id_ << ": " << error;
+  ServeWaiters();
+}
+
 void JobRuntime::Report(const absl::Status& error) {
   v1::ReportFailureRequest report;
   report.set_job_id(job_id_);
@@ -214,12 +230,8 @@ void JobRuntime::Run() {
       };
       mu_.AwaitWithTimeout(absl::Condition(&ready), absl::Milliseconds(50));
       if (stopping_) return;
-      if (!report_.ok()) {
-        absl::Status r = std::exchange(report_, absl::OkStatus());
-        mu_.Unlock();
-        Report(r);
-        mu_.Lock();
-      }
+      // The other nodes first (a notice over the data plane, at once), then the planner (a round
+      // trip that tells every daemon, at its next heartbeat).
       if (!abort_.ok() && failed_.ok()) {
         failed_ = abort_;
         FailQueued();
@@ -229,6 +241,12 @@ void JobRuntime::Run() {
         if (comm_ != nullptr) comm_->Abort(std::string(a.message()));
         Report(a);
         ServeWaiters();
+        mu_.Lock();
+      }
+      if (!report_.ok()) {
+        absl::Status r = std::exchange(report_, absl::OkStatus());
+        mu_.Unlock();
+        Report(r);
         mu_.Lock();
       }
       if (queue_.empty()) continue;
@@ -252,7 +270,12 @@ void JobRuntime::Run() {
     // A lost peer, the deadline, or ranks that disagree (ABORTED) end the job.
     const bool fatal =
         !s.ok() && (absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s) || absl::IsAborted(s));
-    if (fatal) {
+    bool known = false;  // the job failed already (the planner told us): nothing new to report
+    {
+      absl::MutexLock lock(&mu_);
+      known = !failed_.ok();
+    }
+    if (fatal && !known) {
       LOG(ERROR) << "job " << job_id_ << ": " << s;
       Report(s);
     }
@@ -261,11 +284,14 @@ void JobRuntime::Run() {
       ++operations_;
       ++unit_operations_[{op.unit, op.kind}];
       staging_bytes_ = dp_->staging_bytes();
-      if (fatal) failed_ = s;
-      Op& o = ops_[seq];
-      o.done = true;
-      o.status = s;
-      o.placements = std::move(placements);
+      if (fatal && failed_.ok()) failed_ = s;
+      // An operation the job's failure (Fail, a departed rank) already answered keeps that answer.
+      auto it = ops_.find(seq);
+      if (it != ops_.end() && !it->second.done) {
+        it->second.done = true;
+        it->second.status = s;
+        it->second.placements = std::move(placements);
+      }
       if (!failed_.ok()) FailQueued();
     }
     ServeWaiters();

@@ -58,6 +58,16 @@ class JobRuntime {
   // Tells the planner that the job cannot proceed (it turns the job DEGRADED).
   void Report(const absl::Status& error);
 
+  // The planner says the job cannot go on (`error` names the lost node or rank): its pending
+  // operations, the one running included, and every later one fail with it at once, and their
+  // waiters are answered. The operation running goes on to its own end, its result unused.
+  void Fail(const absl::Status& error);
+
+  // Answers the waiters whose operation finished or whose deadline passed. The job thread calls
+  // it after each operation; the daemon also calls it periodically, so that waits end at their
+  // deadline while an operation blocks the job thread.
+  void ServeWaiters();
+
   // A new process attached for local rank `local`.
   void Rejoined(int local) {
     absl::MutexLock lock(&mu_);
@@ -102,10 +112,6 @@ class JobRuntime {
   void Waited(std::map<uint64_t, Op>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (++it->second.waited >= static_cast<int>(local_ranks_.size())) ops_.erase(it);
   }
-
-  // Resolves the waiters of finished operations and expires the others; the callbacks run after
-  // the mutex is released.
-  void ServeWaiters();
 
   void Run();
   // Runs one operation on the data plane (the job thread, without mu_).

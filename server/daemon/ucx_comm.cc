@@ -201,6 +201,7 @@ class UcxComm final : public Comm {
   }
   int rank() const override { return rank_; }
   int size() const override { return size_; }
+  void set_names(std::vector<std::string> names) { names_ = std::move(names); }
   int64_t sent_bytes() const override { return sent_bytes_.load(std::memory_order_relaxed); }
 
   absl::StatusOr<uint64_t> PostSend(int peer, uint64_t tag, const void* data,
@@ -306,7 +307,7 @@ class UcxComm final : public Comm {
         } else if (p.status != UCS_OK) {
           result = w_->failed.count(p.peer)
                        ? Lost(p.peer)
-                       : UcsStatus(p.status, absl::StrCat("transfer with peer ", p.peer));
+                       : UcsStatus(p.status, absl::StrCat("transfer with ", Peer(p.peer)));
           break;
         }
       }
@@ -322,7 +323,7 @@ class UcxComm final : public Comm {
           if (!pending_[id].done) peer = pending_[id].peer;
         }
         result = absl::DeadlineExceededError(
-            absl::StrCat("transfer with peer ", peer, " did not complete before the deadline"));
+            absl::StrCat("transfer with ", Peer(peer), " did not complete before the deadline"));
         break;
       }
       // Where the transfers have nothing for this thread to do, a step of the idle work takes
@@ -339,8 +340,13 @@ class UcxComm final : public Comm {
   }
 
  private:
+  // "peer 1 (node 'node-1')", or "peer 1" without names.
+  std::string Peer(int peer) const {
+    if (peer < 0 || static_cast<size_t>(peer) >= names_.size()) return absl::StrCat("peer ", peer);
+    return absl::StrCat("peer ", peer, " (node '", names_[peer], "')");
+  }
   absl::Status Lost(int peer) const {
-    return absl::UnavailableError(absl::StrCat("peer ", peer, " lost (connection closed)"));
+    return absl::UnavailableError(absl::StrCat(Peer(peer), " lost (connection closed)"));
   }
 
   // Waits, up to `until`, for every send this worker has made to complete at its peer.
@@ -437,6 +443,7 @@ class UcxComm final : public Comm {
   char notice_text_[kNoticeBytes] = {};
   bool aborted_ = false;
   TagDescriber describe_;
+  std::vector<std::string> names_;  // the members' node ids, for errors
   std::atomic<int64_t> sent_bytes_{0};
 };
 
@@ -498,8 +505,8 @@ void UcxWorker::AllowPeerHosts(std::set<std::string> hosts) { allowed_hosts_ = s
 
 absl::StatusOr<std::unique_ptr<Comm>> UcxWorker::Connect(int rank,
                                                          const std::vector<std::string>& addresses,
-                                                         absl::Time deadline,
-                                                         absl::string_view job) {
+                                                         absl::Time deadline, absl::string_view job,
+                                                         std::vector<std::string> names) {
   const int n = static_cast<int>(addresses.size());
   if (rank < 0 || rank >= n) return absl::InvalidArgumentError("rank outside the group");
   // Ring steps and the all-reduce's second half share a message's 16 index bits.
@@ -512,6 +519,7 @@ absl::StatusOr<std::unique_ptr<Comm>> UcxWorker::Connect(int rank,
   impl_->eps.assign(n, nullptr);
   impl_->failed.clear();
   auto comm = std::make_unique<UcxComm>(impl_.get(), rank, n);
+  if (names.size() == addresses.size()) comm->set_names(std::move(names));
   for (int p = 0; p < n; ++p) {
     if (p == rank) continue;
     auto sa = ParseAddress(addresses[p]);

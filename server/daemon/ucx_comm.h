@@ -43,9 +43,11 @@ class UcxWorker {
   // A communicator of job `job` in which this worker is member `rank` and member i listens at
   // addresses[i]. Connects to every peer and exchanges a hello with each before `deadline`; a
   // peer that is another member, or of another job, is an error naming it. At most 16384
-  // members.
+  // members. `names` (the members' node ids, or empty) name the peers in errors:
+  // "peer 1 (node 'node-1') lost".
   absl::StatusOr<std::unique_ptr<Comm>> Connect(int rank, const std::vector<std::string>& addresses,
-                                                absl::Time deadline, absl::string_view job = "");
+                                                absl::Time deadline, absl::string_view job = "",
+                                                std::vector<std::string> names = {});
 
   // Message checks (comm.h) are on unless a benchmark turns them off to measure their cost
   // side by side: receives then match the whole tag and nothing is compared, so a mismatch

@@ -1,3 +1,4 @@
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/rpc.h"
 #include "glog/logging.h"
@@ -44,6 +45,11 @@ grpc::ServerUnaryReactor* PlannerService::Heartbeat(Ctx* ctx, const v1::Heartbea
           auto j = jobs_.find(job);
           if (j == jobs_.end() || j->second.job.status() == v1::JOB_DELETED) {
             resp->add_release_jobs(job);
+          } else if (j->second.job.status() == v1::JOB_DEGRADED ||
+                     j->second.job.status() == v1::JOB_FAILED) {
+            v1::JobFailure* f = resp->add_failed_jobs();
+            f->set_job_id(job);
+            f->set_error(j->second.job.error());
           }
         }
         return absl::OkStatus();
@@ -88,10 +94,15 @@ grpc::ServerUnaryReactor* PlannerService::ReportFailure(Ctx* ctx,
       ctx, Access::kUser, req->job_id(),
       [&] { return ValidateReportFailure(*req, options_.limits); },
       [&](JobState& js, Deferred* deferred) {
-        if (!Terminal(js.job.status())) {
+        // The first failure is the cause; the reports it provokes elsewhere do not replace it.
+        if (!Terminal(js.job.status()) && js.job.status() != v1::JOB_DEGRADED) {
           js.job.set_status(v1::JOB_DEGRADED);
-          js.job.set_error(absl::StrCat("node '", req->reporter_node_id(), "' reports peer '",
-                                        req->lost_peer(), "' lost: ", req->message()));
+          // A daemon's message usually names the lost peer itself (the daemon's errors do).
+          js.job.set_error(
+              absl::StrContains(req->message(), req->lost_peer())
+                  ? absl::StrCat("node '", req->reporter_node_id(), "' reports: ", req->message())
+                  : absl::StrCat("node '", req->reporter_node_id(), "' reports peer '",
+                                 req->lost_peer(), "' lost: ", req->message()));
           LOG(WARNING) << "job " << req->job_id() << " DEGRADED: " << js.job.error();
           (void)JobChanged(&js, deferred);
         }

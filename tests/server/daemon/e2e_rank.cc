@@ -5,7 +5,8 @@
 // all-gathers until one fails and exits 0 when the error names a lost peer or a detached rank;
 // "register" only registers; "disagree": rank 0 unshards unit 1 where the others unshard unit 0,
 // and each rank exits 0 when its error says so (node 0's ranks: FAILED_PRECONDITION naming the
-// disagreement; node 1's: ABORTED quoting node 0's notice), within 10 s.
+// disagreement; node 1's: ABORTED quoting node 0's notice, or the planner's word quoting node 0's
+// report), within 10 s.
 #include <unistd.h>
 
 #include <cmath>
@@ -230,10 +231,13 @@ int Disagree(const std::string& job, int r) {
   }
   if (std::chrono::steady_clock::now() - start > 10s) return 77;
   if (r < 2) return s.code() == absl::StatusCode::kFailedPrecondition ? 0 : 78;
-  return s.code() == absl::StatusCode::kAborted &&
-                 m.find("node 0 stopped the job") != std::string::npos
-             ? 0
-             : 79;
+  // Node 0's notice over the data plane, or (should node 1's heartbeat come first) the planner's
+  // word, which quotes node 0's report.
+  const bool notice = s.code() == absl::StatusCode::kAborted &&
+                      m.find("node 0 stopped the job") != std::string::npos;
+  const bool planner = s.code() == absl::StatusCode::kUnavailable &&
+                       m.find("stopped by the planner: node 'node-0' reports") != std::string::npos;
+  return notice || planner ? 0 : 79;
 }
 
 }  // namespace

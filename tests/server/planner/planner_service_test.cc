@@ -265,6 +265,30 @@ TEST_F(PlannerServiceTest, DeletedJobsAreReleasedThroughHeartbeats) {
   EXPECT_EQ(client_->Heartbeat(hb).status().code(), absl::StatusCode::kNotFound);
 }
 
+TEST_F(PlannerServiceTest, HeartbeatsTellADaemonWhichOfItsJobsCannotGoOn) {
+  v1::RegisterNodeRequest node;
+  node.set_node_id("n1");
+  ASSERT_TRUE(client_->RegisterNode(node).ok());
+  Create("fine", 1);
+  Create("broken", 1);
+  v1::ReportFailureRequest report;
+  report.set_job_id("broken");
+  report.set_reporter_node_id("n0");
+  report.set_lost_peer("n2");
+  report.set_message("connection reset");
+  ASSERT_TRUE(client_->ReportFailure(report).ok());
+  v1::HeartbeatRequest hb;
+  hb.set_node_id("n1");
+  hb.add_jobs("fine");
+  hb.add_jobs("broken");
+  auto resp = client_->Heartbeat(hb);
+  ASSERT_TRUE(resp.ok());
+  ASSERT_EQ(resp->failed_jobs_size(), 1);
+  EXPECT_EQ(resp->failed_jobs(0).job_id(), "broken");
+  EXPECT_THAT(resp->failed_jobs(0).error(), HasSubstr("peer 'n2' lost: connection reset"));
+  EXPECT_EQ(resp->release_jobs_size(), 0);
+}
+
 TEST_F(PlannerServiceTest, RendezvousPutAndWaitingGet) {
   Create("j", 2);
   EXPECT_EQ(client_->Get("j", "nccl-id", 0ms).status().code(), absl::StatusCode::kNotFound);
@@ -289,6 +313,24 @@ TEST_F(PlannerServiceTest, ReportFailureDegradesTheJob) {
   ASSERT_TRUE(client_->ReportFailure(req).ok());
   EXPECT_EQ(client_->GetJob("j")->status(), v1::JOB_DEGRADED);
   EXPECT_THAT(client_->GetJob("j")->error(), HasSubstr("peer 'n1' lost"));
+  // The first failure is the cause: the reports it provokes elsewhere do not replace it.
+  req.set_reporter_node_id("n1");
+  req.set_lost_peer("rank 0 of job 'j' detached");
+  req.set_message("rank 0 of job 'j' detached before starting operation 4");
+  ASSERT_TRUE(client_->ReportFailure(req).ok());
+  EXPECT_THAT(client_->GetJob("j")->error(), HasSubstr("node 'n0' reports peer 'n1' lost"));
+}
+
+TEST_F(PlannerServiceTest, AReportThatNamesItsPeerIsQuotedOnce) {
+  Create("j", 1);
+  v1::ReportFailureRequest req;
+  req.set_job_id("j");
+  req.set_reporter_node_id("n1");
+  req.set_lost_peer("rank 3 of job 'j' detached");
+  req.set_message("rank 3 of job 'j' detached before starting operation 66");
+  ASSERT_TRUE(client_->ReportFailure(req).ok());
+  EXPECT_EQ(client_->GetJob("j")->error(),
+            "node 'n1' reports: rank 3 of job 'j' detached before starting operation 66");
 }
 
 TEST_F(PlannerServiceTest, BadRequestsAreInvalidArgumentNamingTheField) {
