@@ -73,6 +73,8 @@ int RunCtl(int argc, const char* const* argv, std::ostream& out, std::ostream& e
   job_create->add_option("--tokens-per-step", spec.tokens_per_step,
                          "policy auto: global batch in tokens");
   CLI::App* job_delete = add_online(job, "delete", "delete a job (admin token)", true);
+  CLI::App* job_why = add_online(
+      job, "why", "where each rank stands: last done, pending, and what it waits on", true);
   plan->require_subcommand(0, 1);
   plan->fallthrough();
   CLI::App* plan_show = add_online(plan, "show", "show a job's stored plan", true);
@@ -123,6 +125,7 @@ int RunCtl(int argc, const char* const* argv, std::ostream& out, std::ostream& e
   if (jobs->parsed()) return RunJobs(online, out, err);
   if (job_show->parsed()) return RunJobShow(online, job_id, out, err);
   if (job_delete->parsed()) return RunJobDelete(online, job_id, out, err);
+  if (job_why->parsed()) return RunJobWhy(online, job_id, out, err);
   if (job_create->parsed()) {
     spec.job_id = job_id;
     return RunJobCreate(online, spec, job_budget, out, err);

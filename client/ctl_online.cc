@@ -291,4 +291,62 @@ int RunNodeStats(const Online& o, const std::string& node_id, std::ostream& out,
   return kExitOk;
 }
 
+int RunJobWhy(const Online& o, const std::string& id, std::ostream& out, std::ostream& err) {
+  auto client = Connect(o);
+  if (!client.ok()) return Fail(err, client.status());
+  auto job = (*client)->GetJob(id);
+  if (!job.ok()) return Fail(err, job.status());
+  auto nodes = (*client)->ListNodes();
+  if (!nodes.ok()) return Fail(err, nodes.status());
+  std::map<std::string, const v1::Node*> by_id;
+  std::map<int64_t, const v1::RankProgress*> progress;
+  for (const auto& n : *nodes) {
+    by_id[n.node_id()] = &n;
+    for (const auto& r : n.figures().ranks()) {
+      if (r.job_id() == id) progress[r.rank()] = &r;
+    }
+  }
+  if (o.json) {
+    std::vector<std::string> ranks;
+    ranks.reserve(progress.size());
+    for (const auto& [rank, p] : progress) ranks.push_back(ToJson(*p));
+    out << "{\"job\": " << ToJson(*job) << ", \"ranks\": [" << absl::StrJoin(ranks, ", ") << "]}\n";
+    return kExitOk;
+  }
+  const int64_t now = std::chrono::duration_cast<std::chrono::milliseconds>(
+                          std::chrono::system_clock::now().time_since_epoch())
+                          .count();
+  out << "job " << id << ": " << StatusName(job->status())
+      << (job->error().empty() ? "" : absl::StrCat(" (", job->error(), ")")) << "\n";
+  out << absl::StrFormat("%-5s %-16s %-12s %-36s %-36s %8s  %s\n", "RANK", "NODE", "HEARD",
+                         "LAST DONE", "PENDING", "FOR", "WAITING ON");
+  for (const auto& r : job->ranks()) {
+    const auto n = by_id.find(r.node_id());
+    std::string heard = "never";
+    if (n != by_id.end()) {
+      heard = absl::StrFormat("%s %.1fs", n->second->status() == v1::NODE_UP ? "UP" : "LOST",
+                              (now - n->second->last_heartbeat_unix_ms()) / 1000.0);
+    }
+    const auto p = progress.find(r.rank());
+    if (p == progress.end()) {
+      out << absl::StrFormat("%-5d %-16s %-12s %s\n", r.rank(), r.node_id(), heard,
+                             r.node_id().empty()
+                                 ? "not registered"
+                                 : "its daemon reports no such rank (not attached)");
+      continue;
+    }
+    const v1::RankProgress& g = *p->second;
+    const std::string done =
+        g.done_seq() == 0 ? "-" : absl::StrCat("#", g.done_seq(), " ", g.done());
+    const std::string pending = g.pending_seq() == 0
+                                    ? "- (between operations)"
+                                    : absl::StrCat("#", g.pending_seq(), " ", g.pending());
+    out << absl::StrFormat(
+        "%-5d %-16s %-12s %-36s %-36s %8s  %s\n", r.rank(), r.node_id(), heard, done, pending,
+        g.pending_seq() == 0 ? "" : absl::StrFormat("%.1fs", g.pending_ms() / 1000.0),
+        g.waiting_on());
+  }
+  return kExitOk;
+}
+
 }  // namespace ragshard

@@ -33,6 +33,10 @@ int RunPlanShow(const Online& o, const std::string& id, const std::string& unit,
                 std::ostream& err);
 int RunPlanMetrics(const Online& o, const std::string& id, std::ostream& out, std::ostream& err);
 int RunNodes(const Online& o, std::ostream& out, std::ostream& err);
+// Where each rank of a job stands, from its daemon's latest heartbeat: the last operation done,
+// the one it waits on, for how long and on whom (a local rank, a peer node). Answers while the
+// job hangs: the planner holds the figures.
+int RunJobWhy(const Online& o, const std::string& id, std::ostream& out, std::ostream& err);
 // One node's figures, from its daemon's latest heartbeat to the planner.
 int RunNodeStats(const Online& o, const std::string& node_id, std::ostream& out, std::ostream& err);
 

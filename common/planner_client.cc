@@ -199,7 +199,8 @@ grpc::Status GrpcPlannerClient::Retry(const std::function<grpc::Status(grpc::Cli
     const auto sleep = std::chrono::milliseconds(
         static_cast<int64_t>(backoff.count() * absl::Uniform(jitter, 0.5, 1.5)));
     const auto spent = Clock::now() - start;
-    if (spent + sleep > options_.retry_window) {
+    const bool stopping = options_.stop_retrying != nullptr && options_.stop_retrying->load();
+    if (stopping || spent + sleep > options_.retry_window) {
       if (*attempts == 1) return st;
       const double s = std::chrono::duration<double>(spent).count();
       return grpc::Status(
@@ -219,6 +220,13 @@ grpc::Status GrpcPlannerClient::Retry(const std::function<grpc::Status(grpc::Cli
   grpc::Status st =                                                                               \
       Retry([&](grpc::ClientContext* ctx) { return stub_->method(ctx, req, &resp); }, &attempts); \
   (void)attempts;                                                                                 \
+  if (!st.ok()) return Wrap(st)
+// One attempt: the daemon's node calls, which repeat anyway (heartbeats, and the registration
+// they renew) or are best effort (a failure report), and must not hold its job thread.
+#define RAGSHARD_UNARY_ONCE(method, req, resp)             \
+  grpc::ClientContext ctx;                                 \
+  Prepare(&ctx);                                           \
+  const grpc::Status st = stub_->method(&ctx, req, &resp); \
   if (!st.ok()) return Wrap(st)
 // NOLINTEND(bugprone-macro-parentheses)
 
@@ -285,14 +293,14 @@ std::unique_ptr<PlanWatch> GrpcPlannerClient::WatchPlan(const std::string& job_i
 absl::StatusOr<v1::RegisterNodeResponse> GrpcPlannerClient::RegisterNode(
     const v1::RegisterNodeRequest& request) {
   v1::RegisterNodeResponse resp;
-  RAGSHARD_UNARY(RegisterNode, request, resp);
+  RAGSHARD_UNARY_ONCE(RegisterNode, request, resp);
   return resp;
 }
 
 absl::StatusOr<v1::HeartbeatResponse> GrpcPlannerClient::Heartbeat(
     const v1::HeartbeatRequest& request) {
   v1::HeartbeatResponse resp;
-  RAGSHARD_UNARY(Heartbeat, request, resp);
+  RAGSHARD_UNARY_ONCE(Heartbeat, request, resp);
   return resp;
 }
 
@@ -330,7 +338,7 @@ absl::StatusOr<std::string> GrpcPlannerClient::Get(const std::string& job_id,
 
 absl::Status GrpcPlannerClient::ReportFailure(const v1::ReportFailureRequest& request) {
   v1::ReportFailureResponse resp;
-  RAGSHARD_UNARY(ReportFailure, request, resp);
+  RAGSHARD_UNARY_ONCE(ReportFailure, request, resp);
   return absl::OkStatus();
 }
 

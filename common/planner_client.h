@@ -1,6 +1,7 @@
 // The client side of ragshard-planner: an interface and its gRPC implementation.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <memory>
@@ -92,7 +93,12 @@ struct PlannerClientOptions {
   // idempotent: a CreateJob whose earlier attempt was committed returns that job (the same mesh
   // and options, still registering); RegisterRank and Put are idempotent on the planner; a
   // DeleteJob retried after its first attempt was committed answers NOT_FOUND. 0: one attempt.
+  // The node calls (RegisterNode, Heartbeat, ReportFailure) always make one attempt: heartbeats
+  // repeat, and a report must not hold the daemon's job thread.
   std::chrono::milliseconds retry_window{60'000};
+  // When set, a call stops retrying once it turns true (its last error answers): a server that
+  // shuts down does not wait out the window.
+  std::shared_ptr<const std::atomic<bool>> stop_retrying;
 };
 
 // The retry window a client library takes from RAGSHARD_PLANNER_RETRY_S (seconds, >= 0), or

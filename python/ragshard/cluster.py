@@ -68,9 +68,13 @@ class LocalCluster:
         except OSError:
             return ""
 
-    def _wait_for(self, path, proc, what, name, timeout=30.0):
+    def _wait(self, check, proc, what, name, timeout=30.0):
+        """`check()`'s first true answer; an error quoting the log if `proc` exits first."""
         deadline = time.time() + timeout
-        while not os.path.exists(path):
+        while True:
+            found = check()
+            if found:
+                return found
             if proc.poll() is not None:
                 raise RuntimeError(f"{what} exited with {proc.returncode}: "
                                    f"{self._log_tail(name)}")
@@ -78,30 +82,31 @@ class LocalCluster:
                 raise TimeoutError(f"{what} not ready after {timeout} s; see {self.dir}")
             time.sleep(0.02)
 
-    def _wait_metrics_url(self, proc, what, name, timeout=30.0):
+    def _wait_for(self, path, proc, what, name):
+        self._wait(lambda: os.path.exists(path), proc, what, name)
+
+    def _wait_metrics_url(self, proc, what, name):
         """The URL the server's "metrics on URL" line names, once its log has it."""
-        deadline = time.time() + timeout
-        while True:
+        def url():
             for line in self._log_tail(name, 1 << 20).splitlines():
                 if " metrics on http://" in line and not line.startswith(("I", "W", "E")):
                     return line.split(" metrics on ", 1)[1].strip()
-            if proc.poll() is not None:
-                raise RuntimeError(f"{what} exited with {proc.returncode}: "
-                                   f"{self._log_tail(name)}")
-            if time.time() > deadline:
-                raise TimeoutError(f"{what} printed no metrics line in {timeout} s; see {self.dir}")
-            time.sleep(0.02)
+            return None
+        return self._wait(url, proc, what, name)
 
-    def start(self):
+    def _start_planner(self, listen):
         metrics = ["--metrics-listen", "127.0.0.1:0"] if self.metrics else []
         port_file = os.path.join(self.dir, "planner.port")
+        if os.path.exists(port_file):
+            os.unlink(port_file)
         os.makedirs(os.path.join(self.dir, "planner-data"), exist_ok=True)
-        p = self._spawn([self._bin("server/ragshard-planner"), "--listen", "127.0.0.1:0",
+        p = self._spawn([self._bin("server/ragshard-planner"), "--listen", listen,
                          "--data-dir", os.path.join(self.dir, "planner-data"),
                          "--port-file", port_file,
                          "--node-timeout-ms", str(self.node_timeout_ms)] + metrics +
                         (["--cluster-profile", self.cluster_profile] if self.cluster_profile
                          else []), "planner")
+        self._planner_proc = p
         self._wait_for(port_file, p, "ragshard-planner", "planner")
         if self.metrics:
             self.metrics_urls["planner"] = self._wait_metrics_url(p, "ragshard-planner", "planner")
@@ -111,6 +116,20 @@ class LocalCluster:
             if self.planner:
                 break
             time.sleep(0.02)
+
+    def kill_planner(self):
+        """kill -9 of the planner (its state stays in the data directory)."""
+        self._planner_proc.kill()
+        self._planner_proc.wait()
+
+    def restart_planner(self):
+        """Starts the planner again on the same address and data directory (after
+        kill_planner): clients and daemons that retry find it there."""
+        self._start_planner(self.planner)
+
+    def start(self):
+        self._start_planner("127.0.0.1:0")
+        metrics = ["--metrics-listen", "127.0.0.1:0"] if self.metrics else []
         for i in range(self.n):
             d = self._spawn([self._bin("server/ragshardd"), "--planner", self.planner,
                              "--node-id", self.nodes[i], "--socket", self.sockets[i],
@@ -138,13 +157,14 @@ class LocalCluster:
             shutil.rmtree(self.dir, ignore_errors=True)
 
     def attach(self, job, inventory, ranks=2, daemon=0, timeout_ms=30000, **client_options):
-        """Creates job `job` of `ranks` ranks, all on daemon `daemon`, and returns a registered
-        and attached Client per rank (`inventory` a dict; `client_options` go to Client). The
-        ranks attach in threads, since each attach waits for the others; the first error is
-        raised."""
+        """Creates job `job` of `ranks` ranks, all on daemon `daemon` (None: spread over the
+        daemons in order, ranks // daemons each), and returns a registered and attached Client
+        per rank (`inventory` a dict; `client_options` go to Client). The ranks attach in
+        threads, since each attach waits for the others; the first error is raised."""
         from . import Client, create_job  # the package imports this module's users, not it
         create_job(self.planner, job, ranks)
-        clients = [Client(self.planner, self.sockets[daemon], job, r, self.nodes[daemon],
+        where = [daemon if daemon is not None else r * self.n // ranks for r in range(ranks)]
+        clients = [Client(self.planner, self.sockets[where[r]], job, r, self.nodes[where[r]],
                           timeout_ms, **client_options) for r in range(ranks)]
         errors = []
 

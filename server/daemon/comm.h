@@ -106,6 +106,9 @@ class Comm {
   virtual void SetDescriber(TagDescriber describe) = 0;
   // Bytes of the messages posted to peers so far (the daemon's metrics); 0 where not counted.
   virtual int64_t sent_bytes() const { return 0; }
+  // The peers a WaitAll that has lasted more than about 100 ms still waits for ("peer 1 (node
+  // 'node-1')"), or "": thread-safe, for ragshardctl job why.
+  virtual std::string waiting_for() const { return ""; }
 };
 
 // The error member `self` gives for a message from `peer` whose stamp or size differs from its
@@ -140,6 +143,7 @@ class SubComm final : public Comm {
   void Abort(const std::string& why) override { base_->Abort(why); }
   void SetDescriber(TagDescriber describe) override { base_->SetDescriber(std::move(describe)); }
   int64_t sent_bytes() const override { return base_->sent_bytes(); }
+  std::string waiting_for() const override { return base_->waiting_for(); }
 
  private:
   Comm* base_;

@@ -109,8 +109,10 @@ class NodeDaemon final : public v1::Daemon::CallbackService {
   // job's thread: a rank hears from its daemon at each wait's deadline, which tells it the
   // daemon is alive (the client's liveness check).
   void RunWaiterClock();
-  // The jobs held now, each with its stats (Stats, the heartbeats and the metrics share it).
-  std::vector<std::pair<std::string, v1::JobStats>> JobsSnapshot() const;
+  // The jobs held now, each with its stats (Stats, the heartbeats and the metrics share it), and
+  // where given, where each local rank stands (the heartbeats).
+  std::vector<std::pair<std::string, v1::JobStats>> JobsSnapshot(
+      std::vector<v1::RankProgress>* progress = nullptr) const;
   // The pool's, the jobs' and the attachments' figures, read when a scrape comes.
   std::vector<prometheus::MetricFamily> ScrapeFigures() const;
 

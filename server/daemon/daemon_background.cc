@@ -87,7 +87,9 @@ void NodeDaemon::RunHeartbeats() {
       absl::MutexLock lock(&mu_);
       f->set_attachments(static_cast<int64_t>(attachments_.size()));
     }
-    const auto jobs = JobsSnapshot();
+    std::vector<v1::RankProgress> progress;
+    const auto jobs = JobsSnapshot(&progress);
+    for (auto& p : progress) *f->add_ranks() = std::move(p);
     std::map<std::string, int64_t> by_kind;
     f->set_jobs(static_cast<int64_t>(jobs.size()));
     for (const auto& [id, js] : jobs) {
@@ -155,7 +157,8 @@ void NodeDaemon::RunWaiterClock() {
   }
 }
 
-std::vector<std::pair<std::string, v1::JobStats>> NodeDaemon::JobsSnapshot() const {
+std::vector<std::pair<std::string, v1::JobStats>> NodeDaemon::JobsSnapshot(
+    std::vector<v1::RankProgress>* progress) const {
   std::vector<std::shared_ptr<JobRuntime>> jobs;
   {
     absl::MutexLock lock(&mu_);
@@ -167,6 +170,7 @@ std::vector<std::pair<std::string, v1::JobStats>> NodeDaemon::JobsSnapshot() con
     v1::JobStats js;
     job->FillStats(&js);
     out.emplace_back(js.job_id(), std::move(js));
+    if (progress != nullptr) job->FillProgress(progress);
   }
   return out;
 }

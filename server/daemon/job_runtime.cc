@@ -5,6 +5,7 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "glog/logging.h"
 
 namespace ragshard::daemon {
@@ -82,7 +83,9 @@ absl::StatusOr<uint64_t> JobRuntime::StartOp(int local, const v1::StartRequest& 
     op.unit = req.unit_index();
     op.reduce = req.reduce();
     op.keep = req.keep_ranks();
-    op.deadline = absl::Now() + absl::Milliseconds(req.timeout_ms() > 0 ? req.timeout_ms() : 60000);
+    op.first_start = absl::Now();
+    op.deadline =
+        op.first_start + absl::Milliseconds(req.timeout_ms() > 0 ? req.timeout_ms() : 60000);
   } else if (op.kind != req.kind() || op.unit != req.unit_index() || op.reduce != req.reduce() ||
              op.keep != req.keep_ranks()) {
     op.status = absl::FailedPreconditionError(absl::StrCat(
@@ -118,6 +121,48 @@ void JobRuntime::LocalRankLeft(int local, int64_t rank) {
   LOG(ERROR) << error;
   Report(error);
   ServeWaiters();
+}
+
+std::string JobRuntime::Describe(const Op& op) const {
+  const std::string name =
+      op.unit >= 0 && op.unit < plan_.units_size() ? plan_.units(op.unit).unit() : "";
+  return absl::StrCat(v1::OpKind_Name(op.kind), " of unit ", op.unit,
+                      name.empty() ? "" : absl::StrCat(" '", name, "'"));
+}
+
+void JobRuntime::FillProgress(std::vector<v1::RankProgress>* out) {
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = absl::Now();
+  for (size_t i = 0; i < local_ranks_.size(); ++i) {
+    v1::RankProgress p;
+    p.set_job_id(job_id_);
+    p.set_rank(local_ranks_[i]);
+    p.set_done_seq(last_done_seq_);
+    p.set_done(last_done_);
+    // The first operation this rank started that has not completed.
+    for (const auto& [seq, op] : ops_) {
+      if (op.done || seq >= next_seq_[i]) continue;
+      p.set_pending_seq(seq);
+      p.set_pending(Describe(op));
+      p.set_pending_ms(absl::ToInt64Milliseconds(now - op.first_start));
+      std::vector<std::string> late;  // local ranks that have not started it
+      for (size_t j = 0; j < local_ranks_.size(); ++j) {
+        if (next_seq_[j] <= seq) late.push_back(absl::StrCat(local_ranks_[j]));
+      }
+      if (!late.empty()) {
+        p.set_waiting_on(absl::StrCat(late.size() == 1 ? "local rank " : "local ranks ",
+                                      absl::StrJoin(late, ", "), " to start it"));
+      } else if (running_seq_ == seq) {
+        const std::string peers = comm_ != nullptr ? comm_->waiting_for() : "";
+        p.set_waiting_on(peers.empty() ? "the data plane (running)" : peers);
+      } else {
+        p.set_waiting_on(
+            absl::StrCat("its turn on the job's thread (behind operation ", running_seq_, ")"));
+      }
+      break;
+    }
+    out->push_back(std::move(p));
+  }
 }
 
 void JobRuntime::Fail(const absl::Status& error) {
@@ -252,7 +297,10 @@ void JobRuntime::Run() {
       if (queue_.empty()) continue;
       seq = queue_.front();
       queue_.pop_front();
-      op = ops_[seq];
+      auto found = ops_.find(seq);
+      if (found == ops_.end() || found->second.done) continue;  // answered already (a departure)
+      op = found->second;
+      running_seq_ = seq;
     }
     const int64_t sent_before = comm_ != nullptr ? comm_->sent_bytes() : 0;
     const absl::Time started = absl::Now();
@@ -285,6 +333,9 @@ void JobRuntime::Run() {
       ++unit_operations_[{op.unit, op.kind}];
       staging_bytes_ = dp_->staging_bytes();
       if (fatal && failed_.ok()) failed_ = s;
+      running_seq_ = 0;
+      last_done_seq_ = seq;
+      last_done_ = Describe(op);
       // An operation the job's failure (Fail, a departed rank) already answered keeps that answer.
       auto it = ops_.find(seq);
       if (it != ops_.end() && !it->second.done) {

@@ -45,6 +45,9 @@ class JobRuntime {
   const std::vector<int64_t>& local_ranks() const { return local_ranks_; }
   const DataBackend& dp() const { return *dp_; }
   void FillStats(v1::JobStats* out);
+  // Where each local rank stands: the last operation done, the one it waits on and on whom
+  // (ragshardctl job why, through the heartbeats).
+  void FillProgress(std::vector<v1::RankProgress>* out);
 
   // Local rank `local` starts the operation `req` names: its sequence number, shared by the
   // node's local ranks, which must agree on it (else the job stops, naming both). The job thread
@@ -89,6 +92,7 @@ class JobRuntime {
     v1::ReduceKind reduce = v1::REDUCE_SUM;
     int64_t keep = 0;
     absl::Time deadline;
+    absl::Time first_start;  // when the first local rank started it
     int started = 0;
     int waited = 0;
     bool done = false;
@@ -106,6 +110,8 @@ class JobRuntime {
     return k == v1::REDUCE_AVG ? ReduceOp::kAvg : ReduceOp::kSum;
   }
 
+  // "OP_UNSHARD of unit 3 'layers.1'".
+  std::string Describe(const Op& op) const;
   // Operations queued behind a failure fail the same way.
   void FailQueued() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -139,6 +145,9 @@ class JobRuntime {
   absl::Status report_ ABSL_GUARDED_BY(mu_);  // for the job thread to send to the planner
   absl::Status abort_ ABSL_GUARDED_BY(mu_);   // for the job thread to tell the other nodes
   int64_t staging_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t running_seq_ ABSL_GUARDED_BY(mu_) = 0;  // the operation on the job's thread, or 0
+  uint64_t last_done_seq_ ABSL_GUARDED_BY(mu_) = 0;
+  std::string last_done_ ABSL_GUARDED_BY(mu_);
   std::thread thread_;
 };
 

@@ -1,4 +1,5 @@
 // ragshardd: the node daemon. Flags are defined here only.
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
@@ -17,9 +18,11 @@ int main(int argc, char** argv) try {
   FLAGS_logtostderr = true;
   ragshard::daemon::DaemonOptions options;
   ragshard::PlannerClientOptions planner;
-  // One attempt per call: the daemon's heartbeats repeat anyway, and a retrying call would hold
-  // its shutdown (riding through a planner restart in the daemon is issue 26's, still open).
-  planner.retry_window = std::chrono::milliseconds(0);
+  // Calls that find the planner restarting retry for the window (a job set up meanwhile waits
+  // for it); a shutdown stops the retries.
+  auto stop_retrying = std::make_shared<std::atomic<bool>>(false);
+  planner.stop_retrying = stop_retrying;
+  double retry_s = 60;
   std::string data_listen = "127.0.0.1:0";
   int64_t heartbeat_ms = 1000;
   CLI::App app{"ragshardd: the ragshard node daemon"};
@@ -40,6 +43,10 @@ int main(int argc, char** argv) try {
   app.add_option("--tls-cert", planner.security.tls_cert_file, "client certificate (mutual TLS)");
   app.add_option("--tls-key", planner.security.tls_key_file, "client key (mutual TLS)");
   app.add_option("--heartbeat-ms", heartbeat_ms, "heartbeat interval")->capture_default_str();
+  app.add_option("--planner-retry-s", retry_s,
+                 "retry a call that finds the planner unavailable (a restart) for this long")
+      ->check(CLI::Range(0.0, 86400.0))
+      ->capture_default_str();
   app.add_option("--backend", options.backend,
                  "data plane: host (memfd pool + UCX, unsharded buffers shared by the node's "
                  "ranks), device-shaped (the same with private per-rank buffers: the shape of "
@@ -67,6 +74,7 @@ int main(int argc, char** argv) try {
   options.data_host = data_listen.substr(0, data_listen.rfind(':'));
   options.heartbeat_interval = std::chrono::milliseconds(heartbeat_ms);
   planner.rpc_timeout = std::chrono::seconds(10);
+  planner.retry_window = std::chrono::milliseconds(static_cast<int64_t>(retry_s * 1000));
   auto client = ragshard::GrpcPlannerClient::Create(planner);
   if (!client.ok()) {
     std::cerr << "error: " << client.status().message() << "\n";
@@ -85,6 +93,7 @@ int main(int argc, char** argv) try {
               options.socket_path.c_str());
   std::fflush(stdout);
   ragshard::WaitForTerminationSignal();
+  stop_retrying->store(true);
   (*daemon)->Shutdown();
   std::printf("ragshardd %s stopped\n", options.node_id.c_str());
   std::fflush(stdout);

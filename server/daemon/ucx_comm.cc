@@ -7,9 +7,12 @@
 #include <atomic>
 #include <cstring>
 #include <deque>
+#include <set>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
 #include "glog/logging.h"
 
 namespace ragshard::daemon {
@@ -280,8 +283,13 @@ class UcxComm final : public Comm {
     absl::Status result;
     bool mismatch = false;
     bool idle_left = static_cast<bool>(idle);
+    absl::Time publish = absl::Now() + absl::Milliseconds(100);
     while (true) {
       bool all = true;
+      if (absl::Now() >= publish) {
+        PublishWaiting(ids);
+        publish = absl::Now() + absl::Milliseconds(100);
+      }
       if (notice_.done) {
         result = Notice();
         break;
@@ -336,7 +344,16 @@ class UcxComm final : public Comm {
     }
     if (!result.ok()) CancelAll();
     Reap();
+    {
+      absl::MutexLock lock(&waiting_mu_);
+      waiting_.clear();
+    }
     return result;
+  }
+
+  std::string waiting_for() const override {
+    absl::MutexLock lock(&waiting_mu_);
+    return waiting_;
   }
 
  private:
@@ -345,6 +362,19 @@ class UcxComm final : public Comm {
     if (peer < 0 || static_cast<size_t>(peer) >= names_.size()) return absl::StrCat("peer ", peer);
     return absl::StrCat("peer ", peer, " (node '", names_[peer], "')");
   }
+  // Names the peers whose transfers of `ids` are still pending, for waiting_for().
+  void PublishWaiting(const std::vector<uint64_t>& ids) {
+    std::set<int> peers;
+    for (uint64_t id : ids) {
+      if (!pending_[id].done) peers.insert(pending_[id].peer);
+    }
+    std::vector<std::string> names;
+    names.reserve(peers.size());
+    for (int peer : peers) names.push_back(Peer(peer));
+    absl::MutexLock lock(&waiting_mu_);
+    waiting_ = absl::StrJoin(names, ", ");
+  }
+
   absl::Status Lost(int peer) const {
     return absl::UnavailableError(absl::StrCat(Peer(peer), " lost (connection closed)"));
   }
@@ -444,6 +474,9 @@ class UcxComm final : public Comm {
   bool aborted_ = false;
   TagDescriber describe_;
   std::vector<std::string> names_;  // the members' node ids, for errors
+  // The peers a WaitAll of more than 100 ms still waits for, read by other threads.
+  mutable absl::Mutex waiting_mu_;
+  std::string waiting_ ABSL_GUARDED_BY(waiting_mu_);
   std::atomic<int64_t> sent_bytes_{0};
 };
 

@@ -148,6 +148,26 @@ absl::Status ValidateHeartbeat(const v1::HeartbeatRequest& req, const ServiceLim
       return Bad(absl::StrCat("figures.operations_by_kind[", i, "].count"), "must not be negative");
     }
   }
+  if (f.ranks_size() > limits.max_heartbeat_ranks) {
+    return Bad("figures.ranks", absl::StrCat("more than ", limits.max_heartbeat_ranks, " ranks"));
+  }
+  constexpr size_t kMaxText = 512;
+  for (int i = 0; i < f.ranks_size(); ++i) {
+    const v1::RankProgress& r = f.ranks(i);
+    const std::string field = absl::StrCat("figures.ranks[", i, "]");
+    s = ValidateId(field + ".job_id", r.job_id(), limits.max_id_length);
+    if (!s.ok()) return s;
+    if (r.rank() < 0 || r.pending_ms() < 0)
+      return Bad(field, "rank and pending_ms must not be negative");
+    for (const auto& [name, text] : {std::pair<const char*, const std::string*>{"done", &r.done()},
+                                     {"pending", &r.pending()},
+                                     {"waiting_on", &r.waiting_on()}}) {
+      if (text->size() > kMaxText) {
+        return Bad(absl::StrCat(field, ".", name),
+                   absl::StrCat("longer than ", kMaxText, " bytes"));
+      }
+    }
+  }
   return absl::OkStatus();
 }
 

@@ -22,6 +22,8 @@ struct ServiceLimits {
   int64_t max_registration_timeout_ms = 24LL * 3600 * 1000;
   int64_t max_wait_ms = 10LL * 60 * 1000;
   int64_t max_heartbeat_jobs = 10000;
+  // Local ranks a heartbeat reports the progress of (ragshardctl job why).
+  int64_t max_heartbeat_ranks = 4096;
   InventoryLimits inventory;
 };
 

@@ -272,6 +272,29 @@ TEST_F(DaemonE2E, LocalRanksThatDisagreeStopTheJobOnEveryNodeNamingIt) {
   ExpectDegraded("split");
 }
 
+TEST_F(DaemonE2E, AJobSetUpAcrossAPlannerRestartWaitsForIt) {
+  CreateJob("across");
+  auto registered = SpawnRanks("across", "register");
+  for (int r = 0; r < 4; ++r) ASSERT_EQ(Exit(registered[r]), 0) << "rank " << r;
+  ASSERT_TRUE(Eventually([&] {
+    auto j = client_->GetJob("across");
+    return j.ok() && j->status() == v1::JOB_READY;
+  }));
+  // The planner dies; the ranks attach, and each daemon's job setup (the plan, the peers'
+  // addresses) retries until the planner is back on the same address.
+  const std::string listen = planner_.address;
+  planner_.child.Kill(SIGKILL);
+  auto ranks = SpawnRanks("across", "attach");
+  std::this_thread::sleep_for(1s);  // the outage's length, not a wait for an event
+  planner_ = testing::PlannerProcess::Start(RAGSHARD_PLANNER_PATH, dir_.path(), {}, listen);
+  ASSERT_EQ(planner_.address, listen);
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_EQ(Exit(ranks[r]), 0) << "rank " << r << ": "
+                                 << testing::ReadAll(dir_.path() + "/rank" + std::to_string(r) +
+                                                     ".log");
+  }
+}
+
 TEST_F(DaemonE2E, OperationsKeepWorkingWhileThePlannerIsDown) {
   CreateJob("steady");
   // "pause" mode: attach, signal readiness by a file, wait for the go file, then check.

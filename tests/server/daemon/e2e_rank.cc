@@ -3,10 +3,10 @@
 //   e2e_rank PLANNER_ADDR SOCKET_DIR JOB RANK MODE
 // MODE "check" runs all-gather and reduce-scatter against the reference; "loop" runs
 // all-gathers until one fails and exits 0 when the error names a lost peer or a detached rank;
-// "register" only registers; "disagree": rank 0 unshards unit 1 where the others unshard unit 0,
-// and each rank exits 0 when its error says so (node 0's ranks: FAILED_PRECONDITION naming the
-// disagreement; node 1's: ABORTED quoting node 0's notice, or the planner's word quoting node 0's
-// report), within 10 s.
+// "register" only registers; "attach" attaches without registering and checks; "disagree": rank 0
+// unshards unit 1 where the others unshard unit 0, and each rank exits 0 when its error says so
+// (node 0's ranks: FAILED_PRECONDITION naming the disagreement; node 1's: ABORTED quoting node 0's
+// notice, or the planner's word quoting node 0's report), within 10 s.
 #include <unistd.h>
 
 #include <cmath>
@@ -267,6 +267,17 @@ int main(int argc, char** argv) {
       usleep(10000);
     }
     return 81;
+  }
+  if (mode == "attach") {
+    // Attach and check without registering (a "register" run did): the daemon's job setup is
+    // the first call of the run to need the planner.
+    auto c = ragshard::Connect(job, rank);
+    absl::Status a = c->Attach();
+    if (!a.ok()) {
+      fprintf(stderr, "attach: %s\n", std::string(a.message()).c_str());
+      return 82;
+    }
+    return ragshard::Check(*c, rank);
   }
   if (mode == "register") {
     auto c = ragshard::Connect(job, rank);

@@ -183,5 +183,35 @@ TEST(ValidationTest, HeartbeatOperationFiguresAreCheckedAndNamed) {
   EXPECT_FALSE(ValidateHeartbeat(h, limits).ok());
 }
 
+TEST(ValidationTest, HeartbeatRankProgressIsBoundedAndNamed) {
+  ServiceLimits limits;
+  v1::HeartbeatRequest h;
+  h.set_node_id("n0");
+  v1::RankProgress* r = h.mutable_figures()->add_ranks();
+  r->set_job_id("j");
+  r->set_rank(2);
+  r->set_pending_seq(7);
+  r->set_pending("OP_UNSHARD of unit 0 'a'");
+  r->set_waiting_on("peer 1 (node 'n1')");
+  EXPECT_TRUE(ValidateHeartbeat(h, limits).ok());
+  auto expect_named = [&](const std::string& field) {
+    absl::Status s = ValidateHeartbeat(h, limits);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << field;
+    EXPECT_NE(std::string(s.message()).find(field), std::string::npos) << s;
+  };
+  r->set_job_id("bad id");
+  expect_named("figures.ranks[0].job_id");
+  r->set_job_id("j");
+  r->set_rank(-1);
+  expect_named("figures.ranks[0]");
+  r->set_rank(2);
+  r->set_waiting_on(std::string(513, 'x'));
+  expect_named("figures.ranks[0].waiting_on");
+  r->set_waiting_on("");
+  limits.max_heartbeat_ranks = 1;
+  h.mutable_figures()->add_ranks()->set_job_id("j");
+  expect_named("figures.ranks");
+}
+
 }  // namespace
 }  // namespace ragshard::planner
