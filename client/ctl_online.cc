@@ -62,12 +62,6 @@ std::string StatusName(v1::JobStatus s) {
   return n.rfind("JOB_", 0) == 0 ? n.substr(4) : n;
 }
 
-int Registered(const v1::Job& job) {
-  int n = 0;
-  for (const auto& r : job.ranks()) n += r.registered() ? 1 : 0;
-  return n;
-}
-
 }  // namespace
 
 void AddOnlineFlags(CLI::App* app, Online* o) {
@@ -106,7 +100,7 @@ int RunJobs(const Online& o, std::ostream& out, std::ostream& err) {
     out << absl::StrFormat(
         "%-24s %-12s %12s %-13s %11s %5s  %s\n", j.job_id(), StatusName(j.status()),
         absl::StrCat(j.mesh().replicate_size(), "x", j.mesh().shard_size()), j.options().policy(),
-        absl::StrCat(Registered(j), "/", j.world_size()),
+        absl::StrCat(j.registered_ranks(), "/", j.world_size()),
         j.plan_version() ? absl::StrCat("v", j.plan_version()) : "-", OneLine(j.error()));
   }
   return kExitOk;
@@ -127,13 +121,15 @@ int RunJobShow(const Online& o, const std::string& id, std::ostream& out, std::o
       << "policy:       " << j.options().policy() << ", align " << j.options().align_bytes() << " B"
       << (j.options().default_granule().empty() ? "" : ", granule ")
       << j.options().default_granule() << "\n"
-      << "registered:   " << Registered(j) << "/" << j.world_size() << "\n"
+      << "registered:   " << j.registered_ranks() << "/" << j.world_size() << "\n"
       << "inventory:    " << (j.inventory_sha256().empty() ? "-" : HexString(j.inventory_sha256()))
       << "\n"
       << "plan version: " << j.plan_version() << "\n"
       << "error:        " << (j.error().empty() ? "-" : OneLine(j.error())) << "\n";
+  auto ranks = Ask(o, [&](PlannerClient& c) { return c.ListRanks(id); });
+  if (!ranks.ok()) return Fail(err, ranks.status());
   std::map<std::string, int> per_node;
-  for (const auto& r : j.ranks()) {
+  for (const auto& r : *ranks) {
     if (r.registered()) ++per_node[r.node_id()];
   }
   for (const auto& [node, n] : per_node) out << "node " << node << ": " << n << " rank(s)\n";
@@ -296,6 +292,8 @@ int RunJobWhy(const Online& o, const std::string& id, std::ostream& out, std::os
   if (!client.ok()) return Fail(err, client.status());
   auto job = (*client)->GetJob(id);
   if (!job.ok()) return Fail(err, job.status());
+  auto ranks = (*client)->ListRanks(id);
+  if (!ranks.ok()) return Fail(err, ranks.status());
   auto nodes = (*client)->ListNodes();
   if (!nodes.ok()) return Fail(err, nodes.status());
   std::map<std::string, const v1::Node*> by_id;
@@ -320,7 +318,7 @@ int RunJobWhy(const Online& o, const std::string& id, std::ostream& out, std::os
       << (job->error().empty() ? "" : absl::StrCat(" (", job->error(), ")")) << "\n";
   out << absl::StrFormat("%-5s %-16s %-12s %-36s %-36s %8s  %s\n", "RANK", "NODE", "HEARD",
                          "LAST DONE", "PENDING", "FOR", "WAITING ON");
-  for (const auto& r : job->ranks()) {
+  for (const auto& r : *ranks) {
     const auto n = by_id.find(r.node_id());
     std::string heard = "never";
     if (n != by_id.end()) {

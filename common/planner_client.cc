@@ -260,10 +260,44 @@ absl::StatusOr<v1::Job> GrpcPlannerClient::GetJob(const std::string& job_id) {
   return resp.job();
 }
 
-absl::StatusOr<std::vector<v1::Job>> GrpcPlannerClient::ListJobs() {
+absl::StatusOr<v1::ListJobsResponse> GrpcPlannerClient::ListJobsPage(
+    const v1::ListJobsRequest& request) {
   v1::ListJobsResponse resp;
-  RAGSHARD_UNARY(ListJobs, v1::ListJobsRequest(), resp);
-  return std::vector<v1::Job>(resp.jobs().begin(), resp.jobs().end());
+  RAGSHARD_UNARY(ListJobs, request, resp);
+  return resp;
+}
+
+absl::StatusOr<v1::ListRanksResponse> GrpcPlannerClient::ListRanksPage(
+    const v1::ListRanksRequest& request) {
+  v1::ListRanksResponse resp;
+  RAGSHARD_UNARY(ListRanks, request, resp);
+  return resp;
+}
+
+absl::StatusOr<std::vector<v1::Job>> PlannerClient::ListJobs() {
+  std::vector<v1::Job> jobs;
+  v1::ListJobsRequest req;
+  do {
+    auto page = ListJobsPage(req);
+    if (!page.ok()) return page.status();
+    jobs.insert(jobs.end(), page->jobs().begin(), page->jobs().end());
+    req.set_page_token(page->next_page_token());
+  } while (!req.page_token().empty());
+  return jobs;
+}
+
+absl::StatusOr<std::vector<v1::RankState>> PlannerClient::ListRanks(const std::string& job_id) {
+  std::vector<v1::RankState> ranks;
+  v1::ListRanksRequest req;
+  req.set_job_id(job_id);
+  while (true) {
+    auto page = ListRanksPage(req);
+    if (!page.ok()) return page.status();
+    ranks.insert(ranks.end(), page->ranks().begin(), page->ranks().end());
+    // A page that adds nothing ends the walk, so a misbehaving server cannot loop it.
+    if (page->ranks().empty() || page->next_start_rank() <= req.start_rank()) return ranks;
+    req.set_start_rank(page->next_start_rank());
+  }
 }
 
 absl::Status GrpcPlannerClient::DeleteJob(const std::string& job_id) {

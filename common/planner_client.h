@@ -51,9 +51,12 @@ class PlannerClient {
  public:
   virtual ~PlannerClient() = default;
 
+  // Jobs are summaries (O(1) in the world size); ListRanks pages their ranks.
   virtual absl::StatusOr<v1::Job> CreateJob(const v1::CreateJobRequest& request) = 0;
   virtual absl::StatusOr<v1::Job> GetJob(const std::string& job_id) = 0;
-  virtual absl::StatusOr<std::vector<v1::Job>> ListJobs() = 0;
+  virtual absl::StatusOr<v1::ListJobsResponse> ListJobsPage(const v1::ListJobsRequest& request) = 0;
+  virtual absl::StatusOr<v1::ListRanksResponse> ListRanksPage(
+      const v1::ListRanksRequest& request) = 0;
   virtual absl::Status DeleteJob(const std::string& job_id) = 0;
   // Blocks while a hash-only registration waits for the full inventory.
   virtual absl::StatusOr<v1::Job> RegisterRank(const v1::RegisterRankRequest& request) = 0;
@@ -74,6 +77,10 @@ class PlannerClient {
   virtual absl::Status ReportFailure(const v1::ReportFailureRequest& request) = 0;
   // SERVING according to the gRPC health service.
   virtual absl::Status Health() = 0;
+
+  // Every job that is not deleted, and every rank of a job (registered or not), page by page.
+  absl::StatusOr<std::vector<v1::Job>> ListJobs();
+  absl::StatusOr<std::vector<v1::RankState>> ListRanks(const std::string& job_id);
 
   // Blocks until the job has a plan (returns it), fails, is deleted, or `timeout` passes.
   absl::StatusOr<v1::Plan> WaitForPlan(const std::string& job_id,
@@ -111,7 +118,8 @@ class GrpcPlannerClient final : public PlannerClient {
 
   absl::StatusOr<v1::Job> CreateJob(const v1::CreateJobRequest& request) override;
   absl::StatusOr<v1::Job> GetJob(const std::string& job_id) override;
-  absl::StatusOr<std::vector<v1::Job>> ListJobs() override;
+  absl::StatusOr<v1::ListJobsResponse> ListJobsPage(const v1::ListJobsRequest& request) override;
+  absl::StatusOr<v1::ListRanksResponse> ListRanksPage(const v1::ListRanksRequest& request) override;
   absl::Status DeleteJob(const std::string& job_id) override;
   absl::StatusOr<v1::Job> RegisterRank(const v1::RegisterRankRequest& request) override;
   absl::StatusOr<v1::Plan> GetPlan(const std::string& job_id) override;

@@ -30,14 +30,16 @@ absl::StatusOr<std::shared_ptr<JobRuntime>> NodeDaemon::GetOrCreateJob(const std
   if (!plan.ok()) return plan.status();
   auto job = planner_->GetJob(job_id);
   if (!job.ok()) return job.status();
-  if (rank >= job->world_size() ||
-      job->ranks(static_cast<int>(rank)).node_id() != options_.node_id) {
+  auto ranks = planner_->ListRanks(job_id);
+  if (!ranks.ok()) return ranks.status();
+  if (rank >= static_cast<int64_t>(ranks->size()) ||
+      (*ranks)[static_cast<size_t>(rank)].node_id() != options_.node_id) {
     return absl::FailedPreconditionError(absl::StrCat("rank ", rank, " of job '", job_id,
                                                       "' is not on node '", options_.node_id, "'"));
   }
   std::vector<int64_t> local;
   std::vector<std::string> nodes;
-  for (const auto& r : job->ranks()) {
+  for (const auto& r : *ranks) {
     if (r.node_id() == options_.node_id) local.push_back(r.rank());
     if (std::find(nodes.begin(), nodes.end(), r.node_id()) == nodes.end())
       nodes.push_back(r.node_id());

@@ -23,6 +23,15 @@ absl::StatusOr<std::unique_ptr<PlannerService>> PlannerService::Create(std::uniq
       JobState& js = svc->jobs_[job.job_id()];
       js.job = std::move(job);
     }
+    for (auto& [id, rank] : state->ranks) {
+      auto it = svc->jobs_.find(id);
+      if (it == svc->jobs_.end() || rank.rank() < 0 || rank.rank() >= it->second.job.world_size())
+        continue;
+      it->second.ranks[rank.rank()] = std::move(rank);
+    }
+    for (auto& [id, js] : svc->jobs_) {
+      js.job.set_registered_ranks(static_cast<int64_t>(js.ranks.size()));
+    }
     for (auto& [id, bytes] : state->inventories) {
       auto it = svc->jobs_.find(id);
       if (it == svc->jobs_.end()) continue;
@@ -36,6 +45,9 @@ absl::StatusOr<std::unique_ptr<PlannerService>> PlannerService::Create(std::uniq
       if (it == svc->jobs_.end()) continue;
       v1::Plan plan;
       if (!plan.ParseFromString(bytes)) return absl::DataLossError("corrupt stored plan of " + id);
+      // A plan newer than its job's record was stored by an older planner killed between the
+      // two writes (they are one transaction now): the job is planned again, to the same plan.
+      if (plan.version() != it->second.job.plan_version()) continue;
       it->second.plan = std::move(plan);
     }
     for (auto& kv : state->kv) {
@@ -157,16 +169,21 @@ v1::WatchPlanEvent PlannerService::EventFor(const JobState& js, uint64_t after_v
 absl::Status PlannerService::JobChanged(JobState* js, Deferred* deferred) {
   absl::Status s = store_->PutJob(js->job);
   if (!s.ok()) LOG(ERROR) << "store job " << js->job.job_id() << ": " << s;
+  NotifyWatchers(js, deferred);
+  return s;
+}
+
+void PlannerService::NotifyWatchers(JobState* js, Deferred* deferred) {
   // Every watcher gets the new status; the plan itself only with a version it has not seen.
   std::vector<std::shared_ptr<WatchChannel>> live;
   for (auto& w : js->watchers) {
     if (!w->done()) live.push_back(w);
   }
   js->watchers = live;
-  if (live.empty()) return s;
+  if (live.empty()) return;
   if (js->notified_status == js->job.status() && js->notified_error == js->job.error() &&
       js->notified_version == js->job.plan_version()) {
-    return s;  // nothing a watcher sees changed (e.g. one more rank registered)
+    return;  // nothing a watcher sees changed (e.g. one more rank registered)
   }
   js->notified_status = js->job.status();
   js->notified_error = js->job.error();
@@ -182,7 +199,6 @@ absl::Status PlannerService::JobChanged(JobState* js, Deferred* deferred) {
     }
     deferred->push_back([w, ev] { w->Push(ev); });
   }
-  return s;
 }
 
 void PlannerService::FailJob(JobState* js, const std::string& error, Deferred* deferred) {

@@ -88,10 +88,12 @@ class PlannerService final
 
   // A new job, REGISTERING; ALREADY_EXISTS while a job of that id lives, FAILED_PRECONDITION for
   // policy auto on a planner without a cluster profile.
+  // Every job response is the job's summary, O(1) in its world size; ListRanks pages its ranks.
   Unary* CreateJob(Ctx* ctx, const v1::CreateJobRequest* req, v1::CreateJobResponse* resp) override;
   Unary* GetJob(Ctx* ctx, const v1::GetJobRequest* req, v1::GetJobResponse* resp) override;
-  // Every job that is not deleted.
+  // The jobs that are not deleted, a page at a time, by job id.
   Unary* ListJobs(Ctx* ctx, const v1::ListJobsRequest* req, v1::ListJobsResponse* resp) override;
+  Unary* ListRanks(Ctx* ctx, const v1::ListRanksRequest* req, v1::ListRanksResponse* resp) override;
   // Admin token only. Aborts the job's parked calls, closes its watch streams and purges its
   // plan and keys from the store.
   Unary* DeleteJob(Ctx* ctx, const v1::DeleteJobRequest* req, v1::DeleteJobResponse* resp) override;
@@ -139,6 +141,8 @@ class PlannerService final
     v1::Job job;
     std::optional<Inventory> inventory;  // the reference
     std::optional<v1::Plan> plan;
+    // The registered ranks (job.registered_ranks() of them); the others are implicit.
+    std::map<int64_t, v1::RankState> ranks;
     bool planning = false;
     std::vector<PendingHash> pending_hash;
     std::vector<std::shared_ptr<WatchChannel>> watchers;
@@ -193,8 +197,15 @@ class PlannerService final
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Persists the job and tells its watchers.
   absl::Status JobChanged(JobState* js, Deferred* deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void RegisterRankLocked(JobState* js, int64_t rank, const std::string& node,
-                          const std::string& sha) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Tells the job's watchers what changed (JobChanged without the store write).
+  void NotifyWatchers(JobState* js, Deferred* deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Records a rank's registration: the rank, the job's summary and (the first full one) the
+  // reference inventory in one store transaction, then in memory. Nothing changes when the
+  // store fails, and the error answers the registration: an acknowledged one is durable.
+  absl::Status RegisterRankLocked(JobState* js, int64_t rank, const std::string& node,
+                                  const std::string& sha,
+                                  const std::string* inventory_bytes = nullptr)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Starts planning when every rank is registered.
   void MaybePlan(const std::string& job_id, JobState* js, Deferred* deferred)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -3,6 +3,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/rpc.h"
+#include "common/status_macros.h"
 #include "glog/logging.h"
 #include "server/planner/service.h"
 
@@ -24,7 +25,6 @@ v1::Job PlannerService::NewJob(const v1::CreateJobRequest& req) const {
   job.set_created_unix_ms(NowMs());
   job.set_registration_deadline_unix_ms(job.created_unix_ms() +
                                         job.options().registration_timeout_ms());
-  for (int64_t r = 0; r < job.world_size(); ++r) job.add_ranks()->set_rank(r);
   return job;
 }
 
@@ -44,9 +44,12 @@ grpc::ServerUnaryReactor* PlannerService::CreateJob(Ctx* ctx, const v1::CreateJo
         }
         JobState js;
         js.job = NewJob(*req);
-        absl::Status s = store_->PutJob(js.job);
+        // A job of a deleted one's id starts clean, in the same transaction as its row.
+        absl::Status s = store_->Atomically([&] {
+          if (existed) RAGSHARD_RETURN_IF_ERROR(store_->PurgeJobData(req->job_id()));
+          return store_->PutJob(js.job);
+        });
         if (!s.ok()) return s;
-        if (existed) (void)store_->PurgeJobData(req->job_id());
         *resp->mutable_job() = js.job;
         LOG(INFO) << "job " << req->job_id() << " created: world " << js.job.world_size()
                   << ", policy " << js.job.options().policy();
@@ -63,14 +66,50 @@ grpc::ServerUnaryReactor* PlannerService::GetJob(Ctx* ctx, const v1::GetJobReque
   });
 }
 
-grpc::ServerUnaryReactor* PlannerService::ListJobs(Ctx* ctx, const v1::ListJobsRequest*,
+grpc::ServerUnaryReactor* PlannerService::ListJobs(Ctx* ctx, const v1::ListJobsRequest* req,
                                                    v1::ListJobsResponse* resp) {
-  return Locked(ctx, Access::kUser, nullptr, [&](Deferred*) {
-    for (const auto& [id, js] : jobs_) {
-      if (js.job.status() != v1::JOB_DELETED) *resp->add_jobs() = js.job;
-    }
-    return absl::OkStatus();
-  });
+  return Locked(
+      ctx, Access::kUser, [&] { return ValidateListJobs(*req, options_.limits); },
+      [&](Deferred*) {
+        const int size = req->page_size() > 0 ? req->page_size() : kDefaultJobsPage;
+        // The token is the last job id of the previous page.
+        auto it = req->page_token().empty() ? jobs_.begin() : jobs_.upper_bound(req->page_token());
+        for (; it != jobs_.end(); ++it) {
+          if (it->second.job.status() == v1::JOB_DELETED) continue;
+          if (resp->jobs_size() == size) {
+            resp->set_next_page_token(resp->jobs(size - 1).job_id());
+            break;
+          }
+          *resp->add_jobs() = it->second.job;
+        }
+        return absl::OkStatus();
+      });
+}
+
+grpc::ServerUnaryReactor* PlannerService::ListRanks(Ctx* ctx, const v1::ListRanksRequest* req,
+                                                    v1::ListRanksResponse* resp) {
+  return OnJob(
+      ctx, Access::kUser, req->job_id(), [&] { return ValidateListRanks(*req, options_.limits); },
+      [&](JobState& js, Deferred*) {
+        const int64_t world = js.job.world_size();
+        if (req->start_rank() > world) {
+          return absl::InvalidArgumentError(absl::StrCat("start_rank: ", req->start_rank(),
+                                                         " is past the world size ", world,
+                                                         " of job '", req->job_id(), "'"));
+        }
+        const int64_t size = req->page_size() > 0 ? req->page_size() : kDefaultRanksPage;
+        const int64_t end = std::min(world, req->start_rank() + size);
+        auto known = js.ranks.lower_bound(req->start_rank());
+        for (int64_t r = req->start_rank(); r < end; ++r) {
+          if (known != js.ranks.end() && known->first == r) {
+            *resp->add_ranks() = (known++)->second;
+          } else {
+            resp->add_ranks()->set_rank(r);
+          }
+        }
+        resp->set_next_start_rank(end);
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* PlannerService::DeleteJob(Ctx* ctx, const v1::DeleteJobRequest* req,
@@ -94,6 +133,7 @@ grpc::ServerUnaryReactor* PlannerService::DeleteJob(Ctx* ctx, const v1::DeleteJo
     js.watchers.clear();
     js.inventory.reset();
     js.plan.reset();
+    js.ranks.clear();
     js.kv.clear();
     absl::Status purge = store_->PurgeJobData(req->job_id());
     LOG(INFO) << "job " << req->job_id() << " deleted";

@@ -77,7 +77,7 @@ void PlannerService::ExpireNodes(int64_t now_ms, Deferred* deferred) {
     for (auto& [id, js] : jobs_) {
       if (js.job.status() != v1::JOB_READY && js.job.status() != v1::JOB_REGISTERING) continue;
       bool has_rank = false;
-      for (const auto& r : js.job.ranks()) has_rank |= r.node_id() == node_id;
+      for (const auto& [rank, r] : js.ranks) has_rank |= r.node_id() == node_id;
       if (!has_rank) continue;
       js.job.set_status(v1::JOB_DEGRADED);
       js.job.set_error(absl::StrCat("node '", node_id, "' lost (no heartbeat for ",

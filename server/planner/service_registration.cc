@@ -6,6 +6,7 @@
 #include "common/planner.h"
 #include "common/proto_text.h"
 #include "common/rpc.h"
+#include "common/status_macros.h"
 #include "glog/logging.h"
 #include "server/planner/service.h"
 
@@ -37,8 +38,8 @@ grpc::ServerUnaryReactor* PlannerService::RegisterRank(Ctx* ctx, const v1::Regis
                          job.job_id(), "'")));
       } else if (job.status() != v1::JOB_REGISTERING || js.planning) {
         // Registration is closed; an identical re-registration (a restarted rank) is fine.
-        const v1::RankState& r = job.ranks(static_cast<int>(req->rank()));
-        if (r.registered() && r.inventory_sha256() == sha && !Terminal(job.status())) {
+        const auto r = js.ranks.find(req->rank());
+        if (r != js.ranks.end() && r->second.inventory_sha256() == sha && !Terminal(job.status())) {
           result = grpc::Status::OK;
         } else {
           result = grpc::Status(
@@ -70,17 +71,20 @@ grpc::ServerUnaryReactor* PlannerService::RegisterRank(Ctx* ctx, const v1::Regis
         js.pending_hash.push_back(std::move(p));
         parked = true;
       } else {
-        if (job.inventory_sha256().empty()) {
-          // The first full inventory becomes the reference.
-          js.inventory = req->inventory();
-          job.set_inventory_sha256(sha);
-          s = store_->PutInventory(job.job_id(), DeterministicBytes(req->inventory()));
-          if (!s.ok()) LOG(ERROR) << "store inventory: " << s;
-          ResolvePendingHashes(&js, &deferred);
+        // The first full inventory becomes the reference, stored with the registration.
+        const bool reference = job.inventory_sha256().empty();
+        const std::string bytes = reference ? DeterministicBytes(req->inventory()) : "";
+        s = RegisterRankLocked(&js, req->rank(), req->node_id(), sha, reference ? &bytes : nullptr);
+        if (!s.ok()) {
+          result = ToGrpcStatus(s);
+        } else {
+          if (reference) {
+            js.inventory = req->inventory();
+            ResolvePendingHashes(&js, &deferred);
+          }
+          NotifyWatchers(&js, &deferred);
+          MaybePlan(job.job_id(), &js, &deferred);
         }
-        RegisterRankLocked(&js, req->rank(), req->node_id(), sha);
-        (void)JobChanged(&js, &deferred);
-        MaybePlan(job.job_id(), &js, &deferred);
       }
       *resp->mutable_job() = job;
     }
@@ -90,21 +94,42 @@ grpc::ServerUnaryReactor* PlannerService::RegisterRank(Ctx* ctx, const v1::Regis
   return reactor;
 }
 
-void PlannerService::RegisterRankLocked(JobState* js, int64_t rank, const std::string& node,
-                                        const std::string& sha) {
-  v1::RankState* r = js->job.mutable_ranks(static_cast<int>(rank));
-  r->set_registered(true);
-  r->set_node_id(node);
-  r->set_inventory_sha256(sha);
-  metrics_.RankRegistered();
+absl::Status PlannerService::RegisterRankLocked(JobState* js, int64_t rank, const std::string& node,
+                                                const std::string& sha,
+                                                const std::string* inventory_bytes) {
+  v1::RankState r;
+  r.set_rank(rank);
+  r.set_registered(true);
+  r.set_node_id(node);
+  r.set_inventory_sha256(sha);
+  v1::Job job = js->job;  // a summary: O(1) in the world size
+  const bool fresh = !js->ranks.count(rank);
+  if (fresh) job.set_registered_ranks(job.registered_ranks() + 1);
+  if (inventory_bytes != nullptr) job.set_inventory_sha256(sha);
+  absl::Status s = store_->Atomically([&] {
+    if (inventory_bytes != nullptr) {
+      RAGSHARD_RETURN_IF_ERROR(store_->PutInventory(job.job_id(), *inventory_bytes));
+    }
+    RAGSHARD_RETURN_IF_ERROR(store_->PutRank(job.job_id(), r));
+    return store_->PutJob(job);
+  });
+  if (!s.ok()) {
+    LOG(ERROR) << "store rank " << rank << " of job " << job.job_id() << ": " << s;
+    return absl::UnavailableError(
+        absl::StrCat("the planner could not store the registration of rank ", rank, " of job '",
+                     job.job_id(), "': ", s.message()));
+  }
+  js->job = std::move(job);
+  js->ranks[rank] = std::move(r);
+  if (fresh) metrics_.RankRegistered();
+  return absl::OkStatus();
 }
 
 void PlannerService::ResolvePendingHashes(JobState* js, Deferred* deferred) {
   for (PendingHash& p : js->pending_hash) {
     grpc::Status status;
     if (p.sha256 == js->job.inventory_sha256()) {
-      RegisterRankLocked(js, p.rank, p.node_id, p.sha256);
-      status = grpc::Status::OK;
+      status = ToGrpcStatus(RegisterRankLocked(js, p.rank, p.node_id, p.sha256));
     } else {
       std::string error =
           absl::StrCat("rank ", p.rank, ": inventory hash ", HexString(p.sha256),
@@ -120,9 +145,7 @@ void PlannerService::ResolvePendingHashes(JobState* js, Deferred* deferred) {
 
 void PlannerService::MaybePlan(const std::string& job_id, JobState* js, Deferred* deferred) {
   if (js->planning || js->plan || js->job.status() != v1::JOB_REGISTERING || !js->inventory) return;
-  for (const auto& r : js->job.ranks()) {
-    if (!r.registered()) return;
-  }
+  if (js->job.registered_ranks() < js->job.world_size()) return;
   js->planning = true;
   executor_.Submit([this, job_id] { ComputePlan(job_id); });
 }
@@ -139,7 +162,10 @@ void PlannerService::ComputePlan(const std::string& job_id) {
     const v1::Job& job = it->second.job;
     inventory = *it->second.inventory;
     job_options = job.options();
-    for (const auto& r : job.ranks()) rank_nodes.push_back(r.node_id());
+    for (int64_t r = 0; r < job.world_size(); ++r) {
+      const auto state = it->second.ranks.find(r);
+      rank_nodes.push_back(state == it->second.ranks.end() ? "" : state->second.node_id());
+    }
     if (job.options().policy() != "auto") options.policy = *ParsePolicy(job.options().policy());
     options.world = job.mesh().shard_size();
     options.align_bytes = job.options().align_bytes();
@@ -187,23 +213,32 @@ void PlannerService::ComputePlan(const std::string& job_id) {
       FailJob(&js, absl::StrCat("planning failed: ", plan.status().message()), &deferred);
     } else {
       const std::string bytes = DeterministicBytes(*plan);
-      absl::Status s = store_->PutPlan(job_id, options.version, bytes);
+      v1::Job ready = js.job;
+      if (shard > 0) {
+        // Policy auto chose the shard group: the mesh becomes replicate x shard.
+        ready.mutable_mesh()->set_shard_size(shard);
+        ready.mutable_mesh()->set_replicate_size(replicate);
+      }
+      ready.set_plan_version(options.version);
+      ready.set_status(v1::JOB_READY);
+      ready.clear_error();
+      // The plan and the job that names it are one transaction: a kill between two writes once
+      // left a stored plan beside a job still registering, which no restart planned again.
+      absl::Status s = store_->Atomically([&] {
+        RAGSHARD_RETURN_IF_ERROR(store_->PutPlan(job_id, options.version, bytes));
+        return store_->PutJob(ready);
+      });
       if (!s.ok()) {
         FailJob(&js, absl::StrCat("storing the plan failed: ", s.message()), &deferred);
       } else {
         js.plan = std::move(*plan);
+        js.job = std::move(ready);
         if (shard > 0) {
-          // Policy auto chose the shard group: the mesh becomes replicate x shard.
-          js.job.mutable_mesh()->set_shard_size(shard);
-          js.job.mutable_mesh()->set_replicate_size(replicate);
           LOG(INFO) << "job " << job_id << " strategy " << js.plan->strategy().executed()
                     << " (recommended " << js.plan->strategy().recommended() << ", predicted "
                     << js.plan->strategy().predicted_step_seconds() << " s/step)";
         }
-        js.job.set_plan_version(options.version);
-        js.job.set_status(v1::JOB_READY);
-        js.job.clear_error();
-        (void)JobChanged(&js, &deferred);
+        NotifyWatchers(&js, &deferred);
         LOG(INFO) << "job " << job_id << " READY: plan v" << options.version << ", "
                   << js.plan->units_size() << " unit plans, padding "
                   << js.plan->metrics().padding_pct() << " %";
@@ -262,8 +297,8 @@ void PlannerService::ExpireRegistrations(int64_t now_ms, Deferred* deferred) {
               deferred);
     } else {
       std::vector<int64_t> missing;
-      for (const auto& r : js.job.ranks()) {
-        if (!r.registered()) missing.push_back(r.rank());
+      for (int64_t r = 0; r < js.job.world_size() && missing.size() < 9; ++r) {
+        if (!js.ranks.count(r)) missing.push_back(r);
       }
       if (missing.size() > 8) missing.resize(8);
       FailJob(

@@ -88,6 +88,8 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& data_dir) 
            "NULL)",
            "CREATE TABLE IF NOT EXISTS plans(job_id TEXT NOT NULL, version INTEGER NOT NULL, "
            "plan BLOB NOT NULL, PRIMARY KEY(job_id, version))",
+           "CREATE TABLE IF NOT EXISTS ranks(job_id TEXT NOT NULL, rank INTEGER NOT NULL, "
+           "state BLOB NOT NULL, PRIMARY KEY(job_id, rank))",
            "CREATE TABLE IF NOT EXISTS nodes(node_id TEXT PRIMARY KEY, node BLOB NOT NULL)",
            "CREATE TABLE IF NOT EXISTS kv(job_id TEXT NOT NULL, key TEXT NOT NULL, value BLOB NOT "
            "NULL, PRIMARY KEY(job_id, key))",
@@ -102,6 +104,12 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& data_dir) 
     if (v > kSchemaVersion) {
       return absl::FailedPreconditionError(absl::StrCat(
           path, ": schema version ", v, " is newer than this planner's ", kSchemaVersion));
+    }
+    if (v < kSchemaVersion) {
+      // Schema 1's job rows carry their ranks; Load moves them and the next write drops them.
+      absl::Status s =
+          store->Exec(absl::StrCat("UPDATE schema_version SET version = ", kSchemaVersion));
+      if (!s.ok()) return s;
     }
   } else {
     absl::Status s = store->Exec(
@@ -150,7 +158,20 @@ absl::StatusOr<StoredState> Store::Load() {
     while (sqlite3_step(st.get()) == SQLITE_ROW) {
       v1::Job job;
       if (!job.ParseFromString(Column(st.get(), 0))) return absl::DataLossError("corrupt job row");
+      for (v1::RankState& r : *job.mutable_legacy_ranks()) {
+        if (r.registered()) out.ranks.emplace_back(job.job_id(), std::move(r));
+      }
+      job.clear_legacy_ranks();
       out.jobs.push_back(std::move(job));
+    }
+  }
+  {
+    Statement st(db_, "SELECT job_id, state FROM ranks ORDER BY job_id, rank");
+    if (!st.ok()) return SqliteError(db_, "load ranks");
+    while (sqlite3_step(st.get()) == SQLITE_ROW) {
+      v1::RankState r;
+      if (!r.ParseFromString(Column(st.get(), 1))) return absl::DataLossError("corrupt rank row");
+      out.ranks.emplace_back(Column(st.get(), 0), std::move(r));
     }
   }
   {
@@ -190,6 +211,22 @@ absl::StatusOr<StoredState> Store::Load() {
   return out;
 }
 
+absl::Status Store::Atomically(const std::function<absl::Status()>& writes) {
+  if (absl::Status s = Exec("BEGIN IMMEDIATE"); !s.ok()) return s;
+  absl::Status s = writes();
+  if (s.ok()) s = Exec("COMMIT");
+  if (!s.ok()) (void)Exec("ROLLBACK");
+  return s;
+}
+
+absl::Status Store::PutRank(const std::string& job_id, const v1::RankState& rank) {
+  std::string blob;
+  rank.SerializeToString(&blob);
+  const int64_t r = rank.rank();
+  return Upsert("INSERT OR REPLACE INTO ranks(job_id, rank, state) VALUES (?, ?, ?)", {job_id},
+                &blob, &r);
+}
+
 absl::Status Store::PutJob(const v1::Job& job) {
   std::string blob;
   job.SerializeToString(&blob);
@@ -209,7 +246,7 @@ absl::Status Store::PutPlan(const std::string& job_id, uint64_t version,
 }
 
 absl::Status Store::PurgeJobData(const std::string& job_id) {
-  for (const char* table : {"inventories", "plans", "kv"}) {
+  for (const char* table : {"ranks", "inventories", "plans", "kv"}) {
     absl::Status s =
         Upsert(absl::StrCat("DELETE FROM ", table, " WHERE job_id = ?"), {job_id}, nullptr);
     if (!s.ok()) return s;

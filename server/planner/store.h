@@ -6,6 +6,7 @@
 
 #include <sqlite3.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -16,10 +17,12 @@
 
 namespace ragshard::planner {
 
-inline constexpr int kSchemaVersion = 1;
+// 2: ranks live in their own table (schema 1 kept them in the job row; Load moves them).
+inline constexpr int kSchemaVersion = 2;
 
 struct StoredState {
-  std::vector<v1::Job> jobs;
+  std::vector<v1::Job> jobs;                                     // legacy_ranks moved into `ranks`
+  std::vector<std::pair<std::string, v1::RankState>> ranks;      // job id, a registered rank
   std::vector<std::pair<std::string, std::string>> inventories;  // job id, serialized Inventory
   std::vector<std::pair<std::string, std::string>> plans;        // job id, serialized Plan (latest)
   std::vector<v1::Node> nodes;
@@ -41,11 +44,16 @@ class Store {
 
   absl::StatusOr<StoredState> Load();
 
+  // Runs `writes` (calls of the Put methods) in one transaction: all of them are durable, or none.
+  absl::Status Atomically(const std::function<absl::Status()>& writes);
+
   absl::Status PutJob(const v1::Job& job);
+  absl::Status PutRank(const std::string& job_id, const v1::RankState& rank);
   absl::Status PutInventory(const std::string& job_id, const std::string& serialized);
   // Stores plan bytes exactly as given; they are served as stored.
   absl::Status PutPlan(const std::string& job_id, uint64_t version, const std::string& serialized);
-  // Removes the inventory, plans and rendezvous keys of a job (the job row stays as a tombstone).
+  // Removes the ranks, inventory, plans and rendezvous keys of a job (the job row stays as a
+  // tombstone).
   absl::Status PurgeJobData(const std::string& job_id);
   absl::Status PutNode(const v1::Node& node);
   absl::Status PutKv(const std::string& job_id, const std::string& key, const std::string& value);

@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/planner.h"
+#include "common/status_macros.h"
 #include "common/strategy.h"
 
 namespace ragshard::planner {
@@ -22,6 +23,27 @@ absl::Status CheckText(absl::string_view field, const std::string& value, int64_
 
 absl::Status ValidateJobId(const std::string& job_id, const ServiceLimits& limits) {
   return ValidateId("job_id", job_id, limits.max_id_length);
+}
+
+absl::Status ValidateListJobs(const v1::ListJobsRequest& req, const ServiceLimits& limits) {
+  if (req.page_size() < 0 || req.page_size() > kMaxJobsPage) {
+    return Bad("page_size",
+               absl::StrCat("must be in [0, ", kMaxJobsPage, "], got ", req.page_size()));
+  }
+  if (req.page_token().empty()) return absl::OkStatus();
+  return ValidateId("page_token", req.page_token(), limits.max_id_length);
+}
+
+absl::Status ValidateListRanks(const v1::ListRanksRequest& req, const ServiceLimits& limits) {
+  RAGSHARD_RETURN_IF_ERROR(ValidateJobId(req.job_id(), limits));
+  if (req.start_rank() < 0) {
+    return Bad("start_rank", absl::StrCat("must be >= 0, got ", req.start_rank()));
+  }
+  if (req.page_size() < 0 || req.page_size() > kMaxRanksPage) {
+    return Bad("page_size",
+               absl::StrCat("must be in [0, ", kMaxRanksPage, "], got ", req.page_size()));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status ValidateCreateJob(const v1::CreateJobRequest& req, const ServiceLimits& limits) {

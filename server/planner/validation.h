@@ -12,6 +12,12 @@
 
 namespace ragshard::planner {
 
+// Page sizes of ListJobs and ListRanks: the default (a request's 0) and the most.
+inline constexpr int kDefaultJobsPage = 100;
+inline constexpr int kMaxJobsPage = 1000;
+inline constexpr int kDefaultRanksPage = 1024;
+inline constexpr int kMaxRanksPage = 8192;
+
 struct ServiceLimits {
   int64_t max_world = 131072;  // --max-world: ranks per job (shard_size x replicate_size)
   int64_t max_id_length = kMaxIdLength;
@@ -32,6 +38,8 @@ using ragshard::ValidateId;
 
 absl::Status ValidateCreateJob(const v1::CreateJobRequest& req, const ServiceLimits& limits);
 absl::Status ValidateJobId(const std::string& job_id, const ServiceLimits& limits);
+absl::Status ValidateListJobs(const v1::ListJobsRequest& req, const ServiceLimits& limits);
+absl::Status ValidateListRanks(const v1::ListRanksRequest& req, const ServiceLimits& limits);
 absl::Status ValidateRegisterRank(const v1::RegisterRankRequest& req, const ServiceLimits& limits);
 absl::Status ValidateRegisterNode(const v1::RegisterNodeRequest& req, const ServiceLimits& limits);
 absl::Status ValidateHeartbeat(const v1::HeartbeatRequest& req, const ServiceLimits& limits);

@@ -2,6 +2,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <future>
@@ -9,9 +10,11 @@
 
 #include "common/models.h"
 #include "common/planner_client.h"
+#include "common/proto_text.h"
 #include "common/strategy_search.h"
 #include "common/validator.h"
 #include "server/planner/server.h"
+#include "server/planner/store.h"
 #include "tests/testing/test_util.h"
 
 namespace ragshard {
@@ -115,6 +118,154 @@ TEST_F(PlannerServiceTest, JobsCanBeCreatedListedAndDeleted) {
   EXPECT_EQ(client_->GetJob("job-a").status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(client_->DeleteJob("job-a").code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(client_->ListJobs()->size(), 1u);
+}
+
+TEST_F(PlannerServiceTest, JobResponsesAreSummariesAtAnyWorldAndRanksComePaged) {
+  // Ten jobs of the largest world: every response stays small, whatever the world size.
+  constexpr int64_t kWorld = 131072;
+  for (int i = 0; i < 10; ++i) {
+    v1::Job job = Create("big-" + std::to_string(i), kWorld);
+    EXPECT_LT(job.ByteSizeLong(), 64u * 1024) << job.DebugString();
+    EXPECT_EQ(job.world_size(), kWorld);
+    EXPECT_EQ(job.registered_ranks(), 0);
+  }
+  const Inventory inv = SmallInventory();
+  ASSERT_TRUE(RegisterFull("big-3", 7, inv, "n7").ok());
+  ASSERT_TRUE(RegisterHash("big-3", 9000, InventorySha256(inv), "n9").ok());
+  auto job = client_->GetJob("big-3");
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_LT(job->ByteSizeLong(), 64u * 1024);
+  EXPECT_EQ(job->registered_ranks(), 2);
+
+  v1::ListJobsRequest page;
+  page.set_page_size(4);
+  std::vector<std::string> ids;
+  size_t bytes = 0;
+  int pages = 0;
+  do {
+    auto got = client_->ListJobsPage(page);
+    ASSERT_TRUE(got.ok()) << got.status();
+    bytes += got->ByteSizeLong();
+    for (const auto& j : got->jobs()) ids.push_back(j.job_id());
+    page.set_page_token(got->next_page_token());
+    ++pages;
+  } while (!page.page_token().empty());
+  EXPECT_EQ(pages, 3);
+  EXPECT_EQ(ids.size(), 10u);
+  EXPECT_TRUE(std::is_sorted(ids.begin(), ids.end()));
+  EXPECT_LT(bytes, 1u << 20);
+  auto all = client_->ListJobs();
+  ASSERT_TRUE(all.ok()) << all.status();
+  EXPECT_EQ(all->size(), 10u);
+
+  // Ranks come a page at a time, registered or not, and the walk covers the world.
+  v1::ListRanksRequest rr;
+  rr.set_job_id("big-3");
+  rr.set_start_rank(8999);
+  rr.set_page_size(3);
+  auto ranks = client_->ListRanksPage(rr);
+  ASSERT_TRUE(ranks.ok()) << ranks.status();
+  ASSERT_EQ(ranks->ranks_size(), 3);
+  EXPECT_EQ(ranks->next_start_rank(), 9002);
+  EXPECT_FALSE(ranks->ranks(0).registered());
+  EXPECT_TRUE(ranks->ranks(1).registered());
+  EXPECT_EQ(ranks->ranks(1).rank(), 9000);
+  EXPECT_EQ(ranks->ranks(1).node_id(), "n9");
+  rr.set_page_size(0);  // the default page
+  EXPECT_EQ(client_->ListRanksPage(rr)->ranks_size(), planner::kDefaultRanksPage);
+  auto walk = client_->ListRanks("big-3");
+  ASSERT_TRUE(walk.ok()) << walk.status();
+  ASSERT_EQ(walk->size(), static_cast<size_t>(kWorld));
+  int64_t registered = 0;
+  for (size_t r = 0; r < walk->size(); ++r) {
+    EXPECT_EQ((*walk)[r].rank(), static_cast<int64_t>(r));
+    registered += (*walk)[r].registered();
+  }
+  EXPECT_EQ(registered, 2);
+  EXPECT_EQ((*walk)[7].node_id(), "n7");
+
+  // Bad pages name the field.
+  rr.set_page_size(planner::kMaxRanksPage + 1);
+  EXPECT_THAT(client_->ListRanksPage(rr).status().message(), HasSubstr("page_size"));
+  rr.set_page_size(1);
+  rr.set_start_rank(kWorld + 1);
+  EXPECT_THAT(client_->ListRanksPage(rr).status().message(), HasSubstr("start_rank"));
+  page.set_page_size(-1);
+  EXPECT_THAT(client_->ListJobsPage(page).status().message(), HasSubstr("page_size"));
+}
+
+TEST_F(PlannerServiceTest, RegistrationsAndPlansSurviveARestartFromTheStore) {
+  Create("j", 4);
+  const Inventory inv = SmallInventory();
+  ASSERT_TRUE(RegisterFull("j", 0, inv, "n0").ok());
+  ASSERT_TRUE(RegisterHash("j", 2, InventorySha256(inv), "n1").ok());
+  server_.reset();
+  Start();
+  auto job = client_->GetJob("j");
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->registered_ranks(), 2);
+  auto ranks = client_->ListRanks("j");
+  ASSERT_TRUE(ranks.ok()) << ranks.status();
+  EXPECT_EQ((*ranks)[2].node_id(), "n1");
+  EXPECT_FALSE((*ranks)[1].registered());
+  ASSERT_TRUE(RegisterHash("j", 1, InventorySha256(inv), "n0").ok());
+  ASSERT_TRUE(RegisterHash("j", 3, InventorySha256(inv), "n1").ok());
+  auto plan = client_->WaitForPlan("j", 30s);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  server_.reset();
+  Start();
+  job = client_->GetJob("j");
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->status(), v1::JOB_READY);
+  EXPECT_EQ(job->plan_version(), plan->version());
+}
+
+TEST_F(PlannerServiceTest, AStoredPlanNewerThanItsJobIsPlannedAgainAndLegacyRanksLoad) {
+  // What an older planner killed between its two writes left: every rank registered (in the
+  // schema-1 job row), the plan stored, the job still registering. It is planned at the start.
+  server_.reset();
+  const Inventory inv = SmallInventory();
+  v1::Plan stale;
+  {
+    auto store = planner::Store::Open(dir_.path());
+    ASSERT_TRUE(store.ok()) << store.status();
+    v1::Job job;
+    job.set_job_id("old");
+    job.mutable_mesh()->set_shard_size(2);
+    job.mutable_mesh()->set_replicate_size(1);
+    job.set_world_size(2);
+    job.mutable_options()->set_policy("ragged");
+    job.mutable_options()->set_align_bytes(16);
+    job.mutable_options()->set_registration_timeout_ms(60000);
+    job.set_status(v1::JOB_REGISTERING);
+    job.set_inventory_sha256(InventorySha256(inv));
+    job.set_created_unix_ms(1);
+    job.set_registration_deadline_unix_ms(4102444800000);  // 2100
+    for (int r = 0; r < 2; ++r) {
+      v1::RankState* s = job.add_legacy_ranks();
+      s->set_rank(r);
+      s->set_registered(true);
+      s->set_node_id("n" + std::to_string(r));
+      s->set_inventory_sha256(InventorySha256(inv));
+    }
+    ASSERT_TRUE((*store)->PutJob(job).ok());
+    ASSERT_TRUE((*store)->PutInventory("old", DeterministicBytes(inv)).ok());
+    stale.set_version(1);
+    stale.set_job_id("old");
+    ASSERT_TRUE((*store)->PutPlan("old", 1, DeterministicBytes(stale)).ok());
+  }
+  Start();
+  auto plan = client_->WaitForPlan("old", 30s);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->version(), 1u);
+  EXPECT_EQ(plan->world_size(), 2);
+  EXPECT_TRUE(ValidatePlan(*plan, &inv).ok()) << ValidatePlan(*plan, &inv);
+  auto job = client_->GetJob("old");
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->status(), v1::JOB_READY);
+  EXPECT_EQ(job->registered_ranks(), 2);
+  EXPECT_EQ(job->legacy_ranks_size(), 0);
+  EXPECT_EQ((*client_->ListRanks("old"))[1].node_id(), "n1");
 }
 
 TEST_F(PlannerServiceTest, OneFullInventoryAndHashesMakeTheJobReady) {
