@@ -1,0 +1,995 @@
+"""Reliability under faults: the fault tests of tests/python/test_faults.py repeated as a
+campaign, each trial on a fresh LocalCluster (a planner and 2 daemons on this machine), plus
+the planner soak and kill bursts of bench/planner_soak where that tool is built. Writes the raw
+per-trial results to docs/benchmarks/reliability.json, and docs/benchmarks/reliability.md and
+a plot (reliability.png, or a hand-written reliability.svg without matplotlib) regenerated
+from that JSON: a run of some faults replaces those faults' entries and keeps the others.
+
+    RAGSHARD_BUILD=build PYTHONPATH=build/python:tests/python \\
+        .venv/bin/python bench/chaos_report.py --build build [--trials 20] [--faults a,b]
+
+Faults (`--faults`, comma-separated; default the five below, `soak` only on request):
+  rank-kill                  kill -9 of rank 3 at step 3 (4 ranks of examples/train_tiny.py,
+                             2 per daemon, each started on its own, no launcher): every
+                             survivor exits non-zero within 10 s, its error naming "rank 3".
+  daemon-stop                SIGSTOP of daemon node-1 (for 60 s or until all 4 ranks exited,
+                             then SIGCONT): every rank exits non-zero within 40 s naming
+                             "node-1".
+  daemon-kill                kill -9 of daemon node-1: every rank within 10 s naming "node-1".
+  planner-kill-registration  the job is created, the planner killed (-9), the 4-rank training
+                             launched through ragshard.launch, the planner restarted 1 s later:
+                             the training exits 0 with the single-process reference's losses.
+  planner-kill-ready         as above, but the planner is killed once rank 0 printed step 1
+                             (the job READY, training under way) and restarted 1 s later.
+  soak                       BUILD/bench/planner_soak --mode soak and --mode kills, if built.
+
+Each trial kills everything it started (ranks, launcher and its ranks, the cluster) in a
+`finally`, also on Ctrl-C or SIGTERM; a daemon stopped by the fault is continued first. A trial
+that breaks the expectation is recorded as a failure with its error and the campaign goes on.
+The logs of failed trials are kept under --keep-failures.
+"""
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.join(ROOT, "tests", "python")
+DOCS = os.path.join(ROOT, "docs", "benchmarks")
+
+RANK_FAULTS = ["rank-kill", "daemon-stop", "daemon-kill"]
+TRAINING_FAULTS = ["planner-kill-registration", "planner-kill-ready"]
+ALL_FAULTS = RANK_FAULTS + TRAINING_FAULTS + ["soak"]
+DEFAULT_FAULTS = RANK_FAULTS + TRAINING_FAULTS
+
+# The issue's limits (seconds from the fault to each surviving rank's exit).
+LIMITS = {"rank-kill": 10.0, "daemon-stop": 40.0, "daemon-kill": 10.0}
+NAMES = {"rank-kill": "rank 3", "daemon-stop": "node-1", "daemon-kill": "node-1"}
+WHAT = {
+    "rank-kill": "kill -9 of rank 3 at step 3",
+    "daemon-stop": "SIGSTOP of daemon node-1 at step 3 (SIGCONT after 60 s or once every rank "
+                   "exited)",
+    "daemon-kill": "kill -9 of daemon node-1 at step 3",
+    "planner-kill-registration": "kill -9 of the planner after CreateJob, before the ranks "
+                                 "register; the 4-rank training launched; the planner "
+                                 "restarted 1 s later",
+    "planner-kill-ready": "kill -9 of the planner once the job is READY and rank 0 printed "
+                          "step 1; restarted 1 s later",
+    "soak": "bench/planner_soak: 40,000 jobs, then 20 planner kills under load",
+}
+LIMIT_TEXT = {
+    "rank-kill": "every survivor (ranks 0-2) exits non-zero within 10 s, naming \"rank 3\"",
+    "daemon-stop": "every rank exits non-zero within 40 s, naming \"node-1\"",
+    "daemon-kill": "every rank exits non-zero within 10 s, naming \"node-1\"",
+    "planner-kill-registration": "every trial completes (exit 0) with the reference losses",
+    "planner-kill-ready": "every trial completes (exit 0) with the reference losses",
+}
+WATCH = {"rank-kill": 60.0, "daemon-stop": 120.0, "daemon-kill": 60.0}  # give up after
+STOP_HOLD = 60.0  # how long daemon-stop keeps node-1 stopped at most
+TRAINING_TIMEOUT = 600.0
+POLL = 0.01
+
+
+# ---------------------------------------------------------------------------------- signals
+
+class Interrupted(KeyboardInterrupt):
+    pass
+
+
+_signalled = []
+_live = {"procs": [], "sessions": [], "clusters": []}  # swept at exit, whatever happened
+
+
+def sweep():
+    """Kills whatever a trial started that is still alive (after an interrupt)."""
+    for p in _live["procs"]:
+        if p.poll() is None:
+            try:
+                os.kill(p.pid, signal.SIGCONT)
+                p.kill()
+                p.wait()
+            except OSError:
+                pass
+    for sid in _live["sessions"]:
+        kill_session(sid)
+    for c in _live["clusters"]:
+        for p in c.procs:
+            if p.poll() is None:
+                try:
+                    os.kill(p.pid, signal.SIGCONT)
+                except OSError:
+                    pass
+        c.stop()
+    for k in _live:
+        _live[k] = []
+
+
+def _on_signal(signum, frame):
+    """The first SIGINT/SIGTERM raises (the `finally`s clean up); later ones are ignored, so
+    that the cleanup itself is not cut short."""
+    if _signalled:
+        return
+    _signalled.append(signum)
+    raise Interrupted(f"signal {signum}")
+
+
+# ---------------------------------------------------------------------------------- helpers
+
+def setup_imports(build):
+    """The build's Python package and tests/python on the path, for this process and the
+    processes it starts; RAGSHARD_BUILD for test_faults / test_training's BUILD."""
+    os.environ["RAGSHARD_BUILD"] = build
+    pp = [os.path.join(build, "python"), TESTS]
+    old = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in pp]
+    os.environ["PYTHONPATH"] = os.pathsep.join(pp + old)
+    for p in reversed(pp):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+
+
+def brief(s, n=300):
+    s = " ".join(str(s).split())
+    return s if len(s) <= n else s[:n - 3] + "..."
+
+
+def read_from(path, offset=0):
+    try:
+        with open(path, errors="replace") as f:
+            f.seek(offset)
+            return f.read()
+    except OSError:
+        return ""
+
+
+def error_line(out):
+    """The line of a rank's output that says why it failed: the last line naming an error,
+    else the last non-empty line."""
+    lines = [ln.strip() for ln in out.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if "Error" in ln or "error" in ln or "failed" in ln or "lost" in ln:
+            return ln
+    return lines[-1] if lines else ""
+
+
+def session_members(sid):
+    """Pids of live processes in session `sid` (a launcher started with start_new_session)."""
+    pids = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()
+        # fields: state ppid pgrp session ...
+        if len(fields) > 3 and int(fields[3]) == sid and fields[0] != "Z":
+            pids.append(int(d))
+    return pids
+
+
+def kill_session(sid):
+    try:
+        os.killpg(sid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for pid in session_members(sid):  # a member that left the group but not the session
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def stop_cluster_checked(c):
+    """Stops the cluster's processes as LocalCluster.stop does (SIGCONT, SIGTERM, 10 s, then
+    SIGKILL) and returns the ones that needed SIGKILL, for the report."""
+    stuck = []
+    names = {}
+    for i, p in enumerate(c.procs):  # planner, daemons node-0.., restarted planners
+        names[p.pid] = f"daemon {c.nodes[i - 1]}" if 1 <= i <= c.n else "planner"
+    for p in c.procs:
+        if p.poll() is None:
+            try:
+                os.kill(p.pid, signal.SIGCONT)
+                p.send_signal(signal.SIGTERM)
+            except OSError:
+                pass
+    deadline = time.monotonic() + 10
+    for p in c.procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            stuck.append(names.get(p.pid, str(p.pid)))
+            p.kill()
+            p.wait()
+    return stuck
+
+
+def keep_logs(keep_dir, fault, trial, dirs):
+    if not keep_dir:
+        return None
+    dest = os.path.join(keep_dir, f"{fault}-{trial:02d}")
+    shutil.rmtree(dest, ignore_errors=True)
+    os.makedirs(dest, exist_ok=True)
+    for d in dirs:
+        if not d or not os.path.isdir(d):
+            continue
+        for name in os.listdir(d):
+            src = os.path.join(d, name)
+            if os.path.isfile(src) and name.endswith((".log", ".txt")):
+                shutil.copy(src, os.path.join(dest, name))
+    return dest
+
+
+# ---------------------------------------------------------------------------- rank faults
+
+def rank_fault_trial(fault, trial, build, keep_dir):
+    """One trial of rank-kill, daemon-stop or daemon-kill, as test_faults does it."""
+    from ragshard.cluster import LocalCluster
+    from test_faults import start_ranks, stop_all, text, wait_for_steps
+
+    limit, name = LIMITS[fault], NAMES[fault]
+    ranks = [0, 1, 2] if fault == "rank-kill" else [0, 1, 2, 3]
+    res = {"trial": trial, "passed": False, "error": None, "ranks": [], "stuck_at_stop": []}
+    logdir = tempfile.mkdtemp(prefix="ragshard-chaos-")
+    procs, logs, stopped, c = [], [], None, None
+    try:
+        with LocalCluster(build, daemons=2) as c:
+            _live["clusters"].append(c)
+            try:
+                procs, logs = start_ranks(c, f"{fault}-{trial}", logdir)
+                _live["procs"].extend(procs)
+                wait_for_steps(procs, logs, steps=3)
+                offsets = [os.path.getsize(lg.name) for lg in logs]
+                daemon1 = c.procs[2]  # planner, daemon node-0, daemon node-1
+                t0 = time.monotonic()
+                if fault == "rank-kill":
+                    procs[3].kill()
+                elif fault == "daemon-kill":
+                    daemon1.kill()
+                else:
+                    os.kill(daemon1.pid, signal.SIGSTOP)
+                    stopped = daemon1
+                exits = {}
+                while len(exits) < len(ranks):
+                    now = time.monotonic()
+                    for r in ranks:
+                        if r not in exits and procs[r].poll() is not None:
+                            exits[r] = (procs[r].returncode, now - t0)
+                    if stopped is not None and (len(exits) == len(ranks) or
+                                                now - t0 >= STOP_HOLD):
+                        os.kill(stopped.pid, signal.SIGCONT)
+                        res["sigcont_after_s"] = round(now - t0, 3)
+                        stopped = None
+                    if now - t0 > WATCH[fault]:
+                        break
+                    time.sleep(POLL)
+                problems = []
+                for r in ranks:
+                    out = text(logs[r])[offsets[r]:]
+                    row = {"rank": r, "exit_code": None, "seconds": None,
+                           "names": name in out, "error_line": brief(error_line(out), 400)}
+                    if r in exits:
+                        row["exit_code"], row["seconds"] = exits[r][0], round(exits[r][1], 3)
+                        if exits[r][0] == 0:
+                            problems.append(f"rank {r} exited 0")
+                        if exits[r][1] > limit:
+                            problems.append(f"rank {r} took {exits[r][1]:.1f} s (> {limit:g} s)")
+                    else:
+                        problems.append(f"rank {r} still running {WATCH[fault]:g} s after the "
+                                        f"fault")
+                    if not row["names"]:
+                        problems.append(f"rank {r}'s error does not name '{name}': "
+                                        f"{row['error_line'][:200]!r}")
+                    res["ranks"].append(row)
+                res["passed"] = not problems
+                res["error"] = "; ".join(problems) or None
+            finally:
+                if stopped is not None:
+                    os.kill(stopped.pid, signal.SIGCONT)
+                stop_all(procs)
+                res["stuck_at_stop"] = stop_cluster_checked(c)
+                if not res["passed"]:
+                    res["logs"] = keep_logs(keep_dir, fault, trial, [logdir, c.dir])
+    except Interrupted:
+        raise
+    except Exception as e:  # the trial fails; the campaign goes on
+        res["passed"] = False
+        res["error"] = brief(f"{type(e).__name__}: {e}", 1500)
+        res["traceback"] = traceback.format_exc()[-3000:]
+        if keep_dir and "logs" not in res:
+            res["logs"] = keep_logs(keep_dir, fault, trial, [logdir] + ([c.dir] if c else []))
+    finally:
+        for lg in logs:
+            lg.close()
+        shutil.rmtree(logdir, ignore_errors=True)
+    return res
+
+
+# ------------------------------------------------------------------------- training faults
+
+class Reference:
+    """The single-process reference's output, computed once per campaign."""
+
+    def __init__(self, steps):
+        self.steps, self.dir, self.out, self.error = steps, None, None, None
+
+    def get(self):
+        if self.out is None and self.error is None:
+            from test_training import run_reference
+            self.dir = tempfile.mkdtemp(prefix="ragshard-chaos-ref-")
+            try:
+                self.out = run_reference(Path(self.dir), "chaos", ["--steps", str(self.steps)])
+            except Exception as e:
+                self.error = brief(f"reference run failed: {e}", 1500)
+        if self.error:
+            raise RuntimeError(self.error)
+        return self.out
+
+    def cleanup(self):
+        if self.dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def training_trial(fault, trial, build, ref, steps, keep_dir):
+    from ragshard import create_job
+    from ragshard.cluster import LocalCluster
+    from test_training import EXAMPLE, SMALL, compare, env
+
+    res = {"trial": trial, "passed": False, "error": None, "wall_seconds": None,
+           "stuck_at_stop": [], "leftover_after_launcher": []}
+    workdir = tempfile.mkdtemp(prefix="ragshard-chaos-")
+    out = os.path.join(workdir, "train")
+    log_path = os.path.join(workdir, "launcher.log")
+    args = ["--steps", str(steps)] + [a for a in SMALL if a != "--quiet"]  # rank 0 prints steps
+    p, c, log = None, None, None
+    try:
+        reference = ref.get()
+        with LocalCluster(build, daemons=2) as c:
+            _live["clusters"].append(c)
+            try:
+                job = f"{fault}-{trial}"
+                create_job(c.planner, job, 4)
+                if fault == "planner-kill-registration":
+                    c.kill_planner()
+                log = open(log_path, "w")
+                t0 = time.monotonic()
+                p = subprocess.Popen(
+                    [sys.executable, "-m", "ragshard.launch", "--planner", c.planner, "--job",
+                     job, "--nproc", "4", "--sockets", ",".join(c.sockets), EXAMPLE, "--out",
+                     out] + args, env=env(), stdout=log, stderr=subprocess.STDOUT,
+                    start_new_session=True)
+                _live["sessions"].append(p.pid)
+                if fault == "planner-kill-registration":
+                    time.sleep(1.0)  # the outage's length (the fault's definition)
+                    res["running_at_restart"] = p.poll() is None
+                    tr = time.monotonic()
+                    c.restart_planner()
+                    res["restart_seconds"] = round(time.monotonic() - tr, 3)
+                else:
+                    while True:  # until rank 0 printed step 1: the job READY, training on
+                        body = read_from(log_path)
+                        if "step 1/" in body:
+                            break
+                        if p.poll() is not None:
+                            raise RuntimeError(f"the training exited ({p.returncode}) before "
+                                               f"step 1: {body[-2000:]}")
+                        if time.monotonic() - t0 > TRAINING_TIMEOUT:
+                            raise TimeoutError(f"no step 1 in {TRAINING_TIMEOUT:g} s")
+                        time.sleep(POLL)
+                    c.kill_planner()
+                    tk = time.monotonic()
+                    res["killed_at_seconds"] = round(tk - t0, 3)
+                    res["steps_before_kill"] = read_from(log_path).count(f"/{steps} loss")
+                    time.sleep(1.0)  # the outage's length (the fault's definition)
+                    res["running_at_restart"] = p.poll() is None
+                    tr = time.monotonic()
+                    c.restart_planner()
+                    res["restart_seconds"] = round(time.monotonic() - tr, 3)
+                while p.poll() is None:
+                    if time.monotonic() - t0 > TRAINING_TIMEOUT:
+                        raise TimeoutError(f"the training still running after "
+                                           f"{TRAINING_TIMEOUT:g} s: "
+                                           f"{read_from(log_path)[-2000:]}")
+                    time.sleep(POLL)
+                res["wall_seconds"] = round(time.monotonic() - t0, 3)
+                res["exit_code"] = p.returncode
+                res["leftover_after_launcher"] = session_members(p.pid)
+                body = read_from(log_path)
+                if fault == "planner-kill-ready":
+                    res["steps_after_restart"] = body.count(f"/{steps} loss") - \
+                        res["steps_before_kill"]
+                if p.returncode != 0:
+                    raise RuntimeError(f"the training exited {p.returncode}: "
+                                       f"{error_line(body)} | {body[-1500:]}")
+                losses = compare(out, reference)
+                res["final_loss"] = losses[-1]
+                res["passed"] = True
+            finally:
+                if p is not None:
+                    kill_session(p.pid)
+                    p.wait()
+                res["stuck_at_stop"] = stop_cluster_checked(c)
+                if not res["passed"] and log is not None:
+                    log.flush()
+                    res["logs"] = keep_logs(keep_dir, fault, trial, [workdir, c.dir])
+    except Interrupted:
+        raise
+    except Exception as e:
+        res["passed"] = False
+        res["error"] = brief(f"{type(e).__name__}: {e}", 1500)
+        res["traceback"] = traceback.format_exc()[-3000:]
+        if keep_dir and "logs" not in res:
+            res["logs"] = keep_logs(keep_dir, fault, trial, [workdir] + ([c.dir] if c else []))
+    finally:
+        if log is not None:
+            log.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+    return res
+
+
+# ----------------------------------------------------------------------------------- soak
+
+SOAK_LIMITS = {
+    # key: (limit text, check(value, doc) -> bool or None)
+    "jobs": ("40,000 jobs", lambda v, d: v >= 40000),
+    "threads_max": ("bounded (not growing with the jobs)",
+                    lambda v, d: None),
+    "threads_end": ("bounded", lambda v, d: None),
+    "maps_max": ("grows by < 2,000 maps over the start",
+                 lambda v, d: v - d["maps_start"] < 2000 if "maps_start" in d else None),
+    "maps_end": ("grows by < 2,000 maps over the start",
+                 lambda v, d: v - d["maps_start"] < 2000 if "maps_start" in d else None),
+    "rss_max_bytes": ("< 300 MB", lambda v, d: v < 300e6),
+    "rss_end_bytes": ("< 300 MB", lambda v, d: v < 300e6),
+    "create_response_bytes_max": ("< 64 KiB", lambda v, d: v < 64 * 1024),
+    "list_jobs_bytes": ("< 1 MiB (10 jobs at max world)", lambda v, d: v < 1 << 20),
+    "list_jobs_seconds": ("< 1 s", lambda v, d: v < 1.0),
+    "kills": ("20 kills", lambda v, d: v >= 20),
+    "lost_creates": ("0 acknowledged creations lost", lambda v, d: v == 0),
+    "lost_registrations": ("0 acknowledged registrations lost", lambda v, d: v == 0),
+}
+
+
+def run_soak(build, jobs=40000, kills=20, timeout=3600):
+    """planner_soak's two modes, if the tool is built; each prints one JSON object."""
+    tool = os.path.join(build, "bench", "planner_soak")
+    planner = os.path.join(build, "server", "ragshard-planner")
+    res = {"tool": tool, "present": os.access(tool, os.X_OK), "modes": {}}
+    if not res["present"]:
+        return res
+    for mode, extra in (("soak", ["--jobs", str(jobs)]), ("kills", ["--kills", str(kills)])):
+        cmd = [tool, "--planner", planner, "--mode", mode] + extra + ["--json"]
+        entry = {"command": " ".join(shlex.quote(a) for a in cmd)}
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+        t0 = time.monotonic()
+        try:
+            stdout, stderr = p.communicate(timeout=timeout)
+            entry["exit_code"] = p.returncode
+            entry["stderr_tail"] = stderr[-2000:]
+            doc = None
+            for line in reversed(stdout.strip().splitlines()):
+                line = line.strip()
+                if line.startswith("{"):
+                    try:
+                        doc = json.loads(line)
+                        break
+                    except ValueError:
+                        pass
+            if doc is None:
+                try:
+                    doc = json.loads(stdout)
+                except ValueError:
+                    entry["error"] = f"no JSON object on stdout: {stdout[-1000:]!r}"
+            entry["result"] = doc
+            if p.returncode != 0:
+                entry["error"] = (entry.get("error", "") + f" exit code {p.returncode}: "
+                                  f"{brief(stderr[-600:])}").strip()
+        except subprocess.TimeoutExpired:
+            entry["error"] = f"still running after {timeout} s"
+        finally:
+            kill_session(p.pid)
+            p.wait()
+            entry["wall_seconds"] = round(time.monotonic() - t0, 3)
+        res["modes"][mode] = entry
+    return res
+
+
+# --------------------------------------------------------------------------------- report
+
+def git_commit():
+    try:
+        h = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=30).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=ROOT, capture_output=True, text=True, timeout=60).stdout
+        n = len([ln for ln in dirty.splitlines() if ln.strip()])
+        return h + (f" (+{n} uncommitted modified files in the tree)" if n else "")
+    except Exception as e:
+        return f"unknown ({e})"
+
+
+def machine():
+    model = ""
+    try:
+        for ln in open("/proc/cpuinfo"):
+            if ln.startswith("model name"):
+                model = ln.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = ""
+    try:
+        for ln in open("/proc/meminfo"):
+            if ln.startswith("MemTotal"):
+                mem = f"{int(ln.split()[1]) / 2**20:.0f} GiB RAM"
+    except OSError:
+        pass
+    try:
+        load = "load average %.1f %.1f %.1f at the start" % os.getloadavg()
+    except OSError:
+        load = ""
+    return ", ".join(x for x in [f"{os.cpu_count()} cores ({model})" if model else
+                                 f"{os.cpu_count()} cores", mem, platform.platform(), load] if x)
+
+
+def run_meta(args):
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in args.env_snapshot.items())
+    nice = os.nice(0)
+    cmd = (f"nice -n {nice} " if nice else "") + (env + " " if env else "") + \
+        " ".join(shlex.quote(a) for a in [os.path.relpath(sys.executable, ROOT)
+                                          if sys.executable.startswith(ROOT) else
+                                          sys.executable, os.path.relpath(
+                                              os.path.abspath(sys.argv[0]), ROOT)] + sys.argv[1:])
+    return {"command": cmd, "date": datetime.datetime.now().astimezone().isoformat(
+        timespec="seconds"), "commit": git_commit(), "machine": machine(),
+        "build": args.build, "trials_requested": args.trials}
+
+
+def pct(xs):
+    xs = sorted(xs)
+    if not xs:
+        return None
+    return {"min": xs[0], "median": statistics.median(xs), "max": xs[-1], "n": len(xs)}
+
+
+def figures(fault, entry):
+    """The seconds the fault's spread is over: every survivor's time to exit over all trials
+    (rank faults), or each trial's wall time (training faults)."""
+    if fault in RANK_FAULTS:
+        return [row["seconds"] for t in entry["trials"] for row in t.get("ranks", [])
+                if row.get("seconds") is not None]
+    return [t["wall_seconds"] for t in entry["trials"] if t.get("wall_seconds") is not None]
+
+
+def fmt(x, d=2):
+    return "—" if x is None else f"{x:.{d}f}"
+
+
+def verdict(fault, entry):
+    trials = entry["trials"]
+    n, ok = len(trials), sum(t["passed"] for t in trials)
+    if fault in RANK_FAULTS:
+        within = f"within the limit ({LIMITS[fault]:g} s, naming \"{NAMES[fault]}\")"
+    else:
+        within = "completed with the reference losses"
+    if ok == n:
+        return f"{ok} of {n} {within}."
+    return f"{ok} of {n} {within}; {n - ok} failed (below)."
+
+
+def fault_section(fault, entry):
+    L = []
+    trials = entry["trials"]
+    meta = entry["run"]
+    L.append(f"## {fault}\n")
+    L.append(f"Fault: {WHAT[fault]}. Limit: {LIMIT_TEXT[fault]}. Run {meta['date']} at "
+             f"commit {meta['commit']}.\n")
+    xs = figures(fault, entry)
+    s = pct(xs)
+    what = "seconds from the fault to each surviving rank's exit, all trials" \
+        if fault in RANK_FAULTS else "the training's wall time in seconds (launch to exit)"
+    if s:
+        L.append(f"Spread of {what}: min {s['min']:.2f}, median {s['median']:.2f}, max "
+                 f"{s['max']:.2f} (n = {s['n']}).\n")
+    else:
+        L.append(f"No figures ({what}) were recorded.\n")
+    if fault in RANK_FAULTS:
+        rows = [row for t in trials for row in t.get("ranks", [])]
+        named = sum(1 for r in rows if r.get("names"))
+        L.append(f"Ranks whose error named \"{NAMES[fault]}\": {named} of {len(rows)}.\n")
+        by_rank = {}
+        for row in rows:
+            if row.get("seconds") is not None:
+                by_rank.setdefault(row["rank"], []).append(row["seconds"])
+        if by_rank:
+            L.append("| rank | n | min s | median s | max s |")
+            L.append("|---:|---:|---:|---:|---:|")
+            for r in sorted(by_rank):
+                q = pct(by_rank[r])
+                L.append(f"| {r} | {q['n']} | {q['min']:.2f} | {q['median']:.2f} | "
+                         f"{q['max']:.2f} |")
+            L.append("")
+        if fault == "daemon-stop":
+            sc = [t["sigcont_after_s"] for t in trials if "sigcont_after_s" in t]
+            if sc:
+                L.append(f"node-1 was continued (SIGCONT) after {min(sc):.1f} to "
+                         f"{max(sc):.1f} s.\n")
+        lines = {}
+        for row in rows:
+            key = row.get("error_line", "")
+            for n in range(10):  # the same error from different steps/ranks: group digits
+                key = key.replace(str(n), "#")
+            lines.setdefault(key, [0, row.get("error_line", ""), set()])
+            lines[key][0] += 1
+            lines[key][2].add(row["rank"])
+        if lines:
+            L.append("The ranks' errors (last error line of each exited rank, digits grouped):\n")
+            for key, (count, example, rks) in sorted(lines.items(), key=lambda kv: -kv[1][0]):
+                L.append(f"- {count} x (ranks {', '.join(map(str, sorted(rks)))}): "
+                         f"`{brief(example, 260).replace('`', chr(39))}`")
+            L.append("")
+    else:
+        extra = []
+        run = [t for t in trials if "running_at_restart" in t]
+        if run:
+            extra.append(f"the training was still running when the planner came back in "
+                         f"{sum(t['running_at_restart'] for t in run)} of {len(run)} trials")
+        rs = [t["restart_seconds"] for t in trials if "restart_seconds" in t]
+        if rs:
+            extra.append(f"the planner's restart (to its port file) took {min(rs):.2f} to "
+                         f"{max(rs):.2f} s after the 1 s outage")
+        kb = [t["steps_before_kill"] for t in trials if "steps_before_kill" in t]
+        if kb:
+            extra.append(f"rank 0 had printed {min(kb)} to {max(kb)} steps of "
+                         f"{entry.get('steps', '?')} when the planner was killed")
+        if extra:
+            L.append("; ".join(extra).capitalize() + ".\n")
+    stuck = [(t["trial"], x) for t in trials for x in t.get("stuck_at_stop", [])]
+    left = [(t["trial"], t["leftover_after_launcher"]) for t in trials
+            if t.get("leftover_after_launcher")]
+    if stuck:
+        L.append("Servers that did not exit within 10 s of SIGTERM at the trial's end (killed): " +
+                 ", ".join(f"trial {i}: {x}" for i, x in stuck) + ".\n")
+    if left:
+        L.append("Processes of the launcher's session still alive after the launcher exited "
+                 "(killed): " + ", ".join(f"trial {i}: pids {p}" for i, p in left) + ".\n")
+    L.append(f"**Verdict: {verdict(fault, entry)}**\n")
+    failed = [t for t in trials if not t["passed"]]
+    if failed:
+        L.append("Failed trials:\n")
+        for t in failed:
+            L.append(f"- trial {t['trial']}: {brief(t.get('error') or '?', 600)}")
+        L.append("")
+    # Per-trial table.
+    L.append("<details><summary>Per trial</summary>\n")
+    if fault in RANK_FAULTS:
+        L.append("| trial | result | seconds to exit (rank: s, named?) |")
+        L.append("|---:|---|---|")
+        for t in trials:
+            cells = ", ".join(f"{r['rank']}: {fmt(r.get('seconds'))}"
+                              f"{'' if r.get('names') else ' (not named)'}"
+                              for r in t.get("ranks", []))
+            L.append(f"| {t['trial']} | {'pass' if t['passed'] else 'FAIL'} | {cells or '—'} |")
+    else:
+        L.append("| trial | result | wall s | running at restart | final loss |")
+        L.append("|---:|---|---:|---|---:|")
+        for t in trials:
+            L.append(f"| {t['trial']} | {'pass' if t['passed'] else 'FAIL'} | "
+                     f"{fmt(t.get('wall_seconds'))} | {t.get('running_at_restart', '—')} | "
+                     f"{fmt(t.get('final_loss'), 6)} |")
+    L.append("\n</details>\n")
+    return L
+
+
+def soak_section(entry):
+    L = ["## Planner soak and kill bursts (bench/planner_soak)\n"]
+    meta = entry["run"]
+    res = entry["result"]
+    if not res.get("present"):
+        L.append(f"Not run: `{res.get('tool')}` is not built in the build directory used "
+                 f"({meta['date']}, commit {meta['commit']}). Re-run "
+                 f"`bench/chaos_report.py --faults soak` once it exists; this section is "
+                 f"replaced and the rest of the report kept.\n")
+        return L
+    L.append(f"Run {meta['date']} at commit {meta['commit']}.\n")
+    for mode in ("soak", "kills"):
+        e = res["modes"].get(mode)
+        if not e:
+            continue
+        L.append(f"### --mode {mode}\n")
+        L.append(f"`{e['command']}` (exit code {e.get('exit_code', '—')}, "
+                 f"{e.get('wall_seconds', 0):.1f} s)\n")
+        if e.get("error"):
+            L.append(f"Error: {brief(e['error'], 600)}\n")
+        doc = e.get("result") or {}
+        if doc:
+            L.append("| key | value | limit | within |")
+            L.append("|---|---:|---|---|")
+            for k, v in doc.items():
+                lim, chk = SOAK_LIMITS.get(k, ("—", None))
+                ok = "—"
+                if chk is not None and isinstance(v, (int, float)):
+                    try:
+                        r = chk(v, doc)
+                        ok = "—" if r is None else ("yes" if r else "**NO**")
+                    except Exception:
+                        ok = "—"
+                if k.startswith("threads") and {"threads_start", "threads_max"} <= doc.keys():
+                    lim = f"bounded (max − start = {doc['threads_max'] - doc['threads_start']})"
+                if isinstance(v, float):
+                    v = f"{v:.4g}"
+                elif isinstance(v, int) and abs(v) >= 10000:
+                    v = f"{v:,}"
+                L.append(f"| {k} | {v} | {lim} | {ok} |")
+            L.append("")
+    return L
+
+
+def write_svg(path, data):
+    """A box/strip chart per fault, by hand (no matplotlib)."""
+    W, H, top, bottom, left = 220 * max(1, len(data)), 360, 40, 60, 50
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" '
+           f'font-family="sans-serif" font-size="11">',
+           f'<rect width="{W}" height="{H}" fill="white"/>']
+    for i, (fault, xs, limit, fails) in enumerate(data):
+        x0 = i * 220 + left
+        w = 220 - left - 20
+        ymax = max(xs + ([limit] if limit else []) + [1]) * 1.15
+        y = lambda v: top + (H - top - bottom) * (1 - v / ymax)  # noqa: E731
+        out.append(f'<text x="{x0 + w / 2}" y="20" text-anchor="middle" font-weight="bold">'
+                   f'{fault}</text>')
+        out.append(f'<line x1="{x0}" y1="{top}" x2="{x0}" y2="{H - bottom}" stroke="black"/>')
+        for k in range(6):
+            v = ymax * k / 5
+            out.append(f'<text x="{x0 - 4}" y="{y(v) + 4:.1f}" text-anchor="end">{v:.0f}</text>')
+            out.append(f'<line x1="{x0}" y1="{y(v):.1f}" x2="{x0 + w}" y2="{y(v):.1f}" '
+                       f'stroke="#ddd"/>')
+        if xs:
+            q = statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
+            bx = x0 + w * 0.3
+            out.append(f'<rect x="{bx}" y="{y(q[2]):.1f}" width="{w * 0.4}" '
+                       f'height="{max(1, y(q[0]) - y(q[2])):.1f}" fill="#cde" stroke="#248"/>')
+            out.append(f'<line x1="{bx}" y1="{y(q[1]):.1f}" x2="{bx + w * 0.4}" '
+                       f'y2="{y(q[1]):.1f}" stroke="#248" stroke-width="2"/>')
+            for j, v in enumerate(xs):
+                jx = x0 + w * (0.35 + 0.3 * ((j * 37) % 100) / 100)
+                bad = limit is not None and v > limit
+                out.append(f'<circle cx="{jx:.1f}" cy="{y(v):.1f}" r="2.5" '
+                           f'fill="{"red" if bad else "#135"}" fill-opacity="0.6"/>')
+        if limit:
+            out.append(f'<line x1="{x0}" y1="{y(limit):.1f}" x2="{x0 + w}" y2="{y(limit):.1f}" '
+                       f'stroke="red" stroke-dasharray="5,3"/>')
+            out.append(f'<text x="{x0 + w}" y="{y(limit) - 3:.1f}" text-anchor="end" '
+                       f'fill="red">limit {limit:g} s</text>')
+        label = "s to exit" if limit else "wall s"
+        out.append(f'<text x="{x0 + w / 2}" y="{H - bottom + 18}" text-anchor="middle">'
+                   f'{label} (n={len(xs)})</text>')
+        if fails:
+            out.append(f'<text x="{x0 + w / 2}" y="{H - bottom + 34}" text-anchor="middle" '
+                       f'fill="red">{fails} failed trial(s)</text>')
+    out.append("</svg>")
+    with open(path, "w") as f:
+        f.write("\n".join(out) + "\n")
+
+
+def plot(docs, doc):
+    data = []
+    for fault in RANK_FAULTS + TRAINING_FAULTS:
+        e = doc["faults"].get(fault)
+        if e:
+            data.append((fault, figures(fault, e), LIMITS.get(fault),
+                         sum(not t["passed"] for t in e["trials"])))
+    if not data:
+        return None
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        path = os.path.join(docs, "reliability.svg")
+        write_svg(path, data)
+        return path
+    import random
+    rng = random.Random(0)
+    fig, axes = plt.subplots(1, len(data), figsize=(3.2 * len(data), 4.2), squeeze=False)
+    for ax, (fault, xs, limit, fails) in zip(axes[0], data):
+        if xs:
+            ax.boxplot([xs], widths=0.5, showfliers=False)
+            jit = [1 + rng.uniform(-0.15, 0.15) for _ in xs]
+            colors = ["red" if limit is not None and v > limit else "#135" for v in xs]
+            ax.scatter(jit, xs, s=12, c=colors, alpha=0.6, zorder=3)
+        if limit:
+            ax.axhline(limit, color="red", ls="--", lw=1)
+            ax.text(1.45, limit, f"limit {limit:g} s", color="red", ha="right", va="bottom",
+                    fontsize=8)
+        top = max(xs + ([limit] if limit else []) + [1]) * 1.15
+        ax.set_ylim(0, top)
+        ax.set_xticks([1])
+        ax.set_xticklabels([f"n={len(xs)}" + (f"\n{fails} failed trial(s)" if fails else "")],
+                           color="red" if fails else "black")
+        ax.set_title(fault, fontsize=10)
+        ax.set_ylabel("seconds from the fault to each rank's exit" if limit else
+                      "training wall time, s (limit: completes\nwith the reference losses)",
+                      fontsize=8)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle("ragshard under faults: each trial on a fresh planner + 2 daemons, 4 ranks",
+                 fontsize=10)
+    fig.tight_layout()
+    path = os.path.join(docs, "reliability.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_report(docs, doc):
+    pic = plot(docs, doc)
+    L = ["# Reliability under faults\n",
+         "Generated by `bench/chaos_report.py` from `reliability.json` (the raw per-trial "
+         "results; a run of some faults replaces those faults' entries and keeps the others). "
+         "Each trial starts its own planner and 2 daemons (`ragshard.cluster.LocalCluster`, "
+         "127.0.0.1 and Unix sockets) and 4 ranks of `examples/train_tiny.py`, 2 per daemon; "
+         "the rank faults start each rank on its own (no launcher to stop the others), as "
+         "`tests/python/test_faults.py` does; the planner faults run the training through "
+         "`ragshard.launch` and compare its losses and final parameters with the "
+         "single-process reference (`test_training.compare`, relative 1e-5), computed once "
+         "per campaign.\n",
+         "## How it was run\n"]
+    runs = {}
+    for fault in ALL_FAULTS:
+        e = doc["faults"].get(fault)
+        if e:
+            key = (e["run"]["command"], e["run"]["date"])
+            runs.setdefault(key, (e["run"], []))[1].append(fault)
+    for (cmd, _), (meta, faults) in sorted(runs.items(), key=lambda kv: kv[0][1]):
+        L.append(f"- Faults {', '.join(faults)}:")
+        L.append(f"  - command: `{cmd}` (in the repository root)")
+        L.append(f"  - date: {meta['date']}; commit: `{meta['commit']}`; build: "
+                 f"`{meta['build']}`")
+        L.append(f"  - machine: {meta['machine']}")
+    L.append("")
+    L.append("## Summary\n")
+    L.append("| fault | trials | passes | min s | median s | max s | limit | verdict |")
+    L.append("|---|---:|---:|---:|---:|---:|---|---|")
+    for fault in RANK_FAULTS + TRAINING_FAULTS:
+        e = doc["faults"].get(fault)
+        if not e:
+            continue
+        s = pct(figures(fault, e)) or {}
+        n, ok = len(e["trials"]), sum(t["passed"] for t in e["trials"])
+        lim = f"{LIMITS[fault]:g} s, names \"{NAMES[fault]}\"" if fault in LIMITS else \
+            "completes with reference losses"
+        L.append(f"| {fault} | {n} | {ok} | {fmt(s.get('min'))} | {fmt(s.get('median'))} | "
+                 f"{fmt(s.get('max'))} | {lim} | "
+                 f"{'all within' if ok == n else f'{n - ok} FAILED'} |")
+    L.append("")
+    L.append("Seconds: for the rank and daemon faults, from the fault to each surviving rank's "
+             "exit, over all survivors of all trials; for the planner faults, the training's "
+             "wall time from launch to exit.\n")
+    if pic:
+        L.append(f"![seconds per fault against the limit]({os.path.basename(pic)})\n")
+    for fault in RANK_FAULTS + TRAINING_FAULTS:
+        if fault in doc["faults"]:
+            L.extend(fault_section(fault, doc["faults"][fault]))
+    if "soak" in doc["faults"]:
+        L.extend(soak_section(doc["faults"]["soak"]))
+    with open(os.path.join(docs, "reliability.md"), "w") as f:
+        f.write("\n".join(L).rstrip() + "\n")
+
+
+def load_json(path):
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+        doc.setdefault("faults", {})
+        return doc
+    except (OSError, ValueError):
+        return {"faults": {}}
+
+
+def save(docs, doc):
+    path = os.path.join(docs, "reliability.json")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(tmp, path)
+    write_report(docs, doc)
+
+
+# ----------------------------------------------------------------------------------- main
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__)
+    ap.add_argument("--build", default=os.path.join(ROOT, "build"),
+                    help="CMake build folder (server/, client/, python/, bench/)")
+    ap.add_argument("--trials", type=int, default=20, help="trials per fault (default 20)")
+    ap.add_argument("--faults", default=",".join(DEFAULT_FAULTS),
+                    help=f"comma-separated, of {', '.join(ALL_FAULTS)}")
+    ap.add_argument("--steps", type=int, default=6,
+                    help="training steps of the planner faults (and of the reference)")
+    ap.add_argument("--docs", default=DOCS, help="where reliability.{md,json,png} go")
+    ap.add_argument("--keep-failures", default=os.path.join(tempfile.gettempdir(),
+                                                            "ragshard-chaos-failures"),
+                    help="copy the logs of failed trials here ('' to keep none)")
+    ap.add_argument("--soak-jobs", type=int, default=40000)
+    ap.add_argument("--soak-kills", type=int, default=20)
+    ap.add_argument("--report-only", action="store_true",
+                    help="regenerate the report from reliability.json and exit")
+    args = ap.parse_args()
+    args.build = os.path.abspath(args.build)
+    args.env_snapshot = {k: os.environ[k] for k in ("RAGSHARD_BUILD", "PYTHONPATH")
+                         if k in os.environ}
+    faults = [f.strip() for f in args.faults.split(",") if f.strip()]
+    bad = [f for f in faults if f not in ALL_FAULTS]
+    if bad:
+        ap.error(f"unknown fault(s) {bad}; known: {ALL_FAULTS}")
+    os.makedirs(args.docs, exist_ok=True)
+    json_path = os.path.join(args.docs, "reliability.json")
+    if args.report_only:
+        write_report(args.docs, load_json(json_path))
+        return 0
+
+    setup_imports(args.build)
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    meta = run_meta(args)
+    print(f"chaos_report: {meta['command']}\n  {meta['machine']}\n  commit {meta['commit']}",
+          flush=True)
+    ref = Reference(args.steps)
+    try:
+        for fault in faults:
+            if fault == "soak":
+                print("soak: running planner_soak", flush=True)
+                res = run_soak(args.build, args.soak_jobs, args.soak_kills)
+                print(f"soak: {json.dumps(res)[:2000]}", flush=True)
+                entry = {"run": meta, "result": res}
+            else:
+                entry = {"run": meta, "trials": [], "limit": LIMIT_TEXT[fault]}
+                if fault in TRAINING_FAULTS:
+                    entry["steps"] = args.steps
+                for i in range(1, args.trials + 1):
+                    t = time.monotonic()
+                    if fault in RANK_FAULTS:
+                        res = rank_fault_trial(fault, i, args.build, args.keep_failures)
+                    else:
+                        res = training_trial(fault, i, args.build, ref, args.steps,
+                                             args.keep_failures)
+                    res["trial_seconds"] = round(time.monotonic() - t, 1)
+                    sweep()  # the trial's own finally did it; this forgets them
+                    entry["trials"].append(res)
+                    figs = [r["seconds"] for r in res.get("ranks", [])] if fault in RANK_FAULTS \
+                        else [res.get("wall_seconds")]
+                    print(f"{fault} {i}/{args.trials}: {'pass' if res['passed'] else 'FAIL'} "
+                          f"{figs} ({res['trial_seconds']} s)"
+                          + (f" -- {res['error'][:500]}" if res["error"] else ""), flush=True)
+            doc = load_json(json_path)  # merge: someone may have run other faults meanwhile
+            doc["faults"][fault] = entry
+            save(args.docs, doc)
+            print(f"{fault}: written to {json_path}", flush=True)
+    except KeyboardInterrupt:
+        print("chaos_report: interrupted; the faults completed so far are in the report "
+              "(the one under way is discarded)", file=sys.stderr, flush=True)
+        return 130
+    finally:
+        sweep()
+        ref.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
