@@ -97,6 +97,8 @@ int Main(int argc, char** argv) {
     return 1;
   }
   const long rss_idle = VmHwmKiB(pid);
+  // The planner's own token (DATA_DIR/token), for the simulated ranks' clients.
+  ::setenv("RAGSHARD_TOKEN_FILE", (data_dir + "/token").c_str(), 1);
 
   auto inv = GenerateModel(model);
   if (!inv.ok()) {

@@ -201,6 +201,8 @@ int Main(int argc, char** argv) {
     std::getline(f, address);
     if (address.empty()) std::this_thread::sleep_for(25ms);
   }
+  // The planner's own token (DATA_DIR/token), for this client, the daemons and the ranks.
+  ::setenv("RAGSHARD_TOKEN_FILE", (dir + "/token").c_str(), 1);
   PlannerClientOptions po;
   po.address = address;
   po.retry_window = std::chrono::milliseconds(0);  // measure; never retry

@@ -89,6 +89,8 @@ class PlannerClient {
 
 struct PlannerClientOptions {
   std::string address;
+  // An empty token_file means RAGSHARD_TOKEN_FILE's, where that is set: every client (ranks,
+  // daemons, ragshardctl, the benchmarks) finds the planner's token the same way.
   ClientSecurityOptions security;
   // Deadline of each unary call (Get adds its wait).
   std::chrono::milliseconds rpc_timeout{30'000};

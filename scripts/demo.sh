@@ -30,6 +30,8 @@ ctl = [f"{build}/client/ragshardctl"]
 with LocalCluster(build, daemons=2, pool_bytes=512 << 20, metrics=True,
                   cluster_profile="profiles/host-2x2-loopback.json") as c:
     print(f"== planner at {c.planner}; daemons node-0, node-1 on {c.dir}", flush=True)
+    print(f"== the planner's access token: {c.token_file} (mode 600; every client below reads "
+          "it from RAGSHARD_TOKEN_FILE)", flush=True)
     print(f"== training examples/train_tiny.py: 4 ranks over 2 daemons, {steps} steps, "
           f"{optimizer}, policy {policy}", flush=True)
     subprocess.run([sys.executable, "-m", "ragshard.launch", "--planner", c.planner,

@@ -9,6 +9,11 @@ for the programs on PATH (as `pip install .` puts them there).
 Everything listens on 127.0.0.1 (the planner on a port the kernel picks, learnt from its port
 file) or on Unix sockets in a temporary directory, and is stopped (SIGTERM, then SIGKILL) on
 exit.
+
+The planner keeps its own access token (DATA_DIR/token, mode 0600: secure by default). While the
+cluster runs, RAGSHARD_TOKEN_FILE names it in this process's environment, so that the daemons,
+the clients of this process and every program it starts (ranks, ragshard.launch, ragshardctl)
+carry it; `token_file` names it too. The variable's earlier value comes back at stop().
 """
 import json
 import os
@@ -43,6 +48,8 @@ class LocalCluster:
         # kernel picks): `metrics_urls` maps "planner" and each node id to its /metrics URL.
         self.metrics = metrics
         self.metrics_urls = {}
+        self.token_file = os.path.join(self.dir, "planner-data", "token")
+        self._saved_token_env = None
 
     def _bin(self, rel):
         if self.build is None:
@@ -99,7 +106,7 @@ class LocalCluster:
         port_file = os.path.join(self.dir, "planner.port")
         if os.path.exists(port_file):
             os.unlink(port_file)
-        os.makedirs(os.path.join(self.dir, "planner-data"), exist_ok=True)
+        os.makedirs(os.path.join(self.dir, "planner-data"), mode=0o700, exist_ok=True)
         p = self._spawn([self._bin("server/ragshard-planner"), "--listen", listen,
                          "--data-dir", os.path.join(self.dir, "planner-data"),
                          "--port-file", port_file,
@@ -129,6 +136,8 @@ class LocalCluster:
 
     def start(self):
         self._start_planner("127.0.0.1:0")
+        self._saved_token_env = (os.environ.get("RAGSHARD_TOKEN_FILE"),)
+        os.environ["RAGSHARD_TOKEN_FILE"] = self.token_file
         metrics = ["--metrics-listen", "127.0.0.1:0"] if self.metrics else []
         for i in range(self.n):
             d = self._spawn([self._bin("server/ragshardd"), "--planner", self.planner,
@@ -153,6 +162,13 @@ class LocalCluster:
                 p.kill()
                 p.wait()
         self.procs = []
+        if self._saved_token_env is not None:
+            saved = self._saved_token_env[0]
+            if saved is None:
+                os.environ.pop("RAGSHARD_TOKEN_FILE", None)
+            else:
+                os.environ["RAGSHARD_TOKEN_FILE"] = saved
+            self._saved_token_env = None
         if self._own_dir and os.environ.get("RAGSHARD_KEEP_LOGS") != "1":
             shutil.rmtree(self.dir, ignore_errors=True)
 

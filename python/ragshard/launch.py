@@ -43,7 +43,8 @@ def parse(argv):
                    help="policy auto: k=K,shard=AxB instead of the planner's search")
     p.add_argument("--tokens-per-step", type=int, default=0,
                    help="policy auto: the global batch in tokens, for the cost model")
-    p.add_argument("--token-file", default="", help="bearer token file for the planner")
+    p.add_argument("--token-file", default=os.environ.get("RAGSHARD_TOKEN_FILE", ""),
+                   help="bearer token file for the planner (default: RAGSHARD_TOKEN_FILE)")
     p.add_argument("script", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
     a = p.parse_args(argv)

@@ -21,7 +21,10 @@ sys.path.insert(0, os.path.join(BUNDLE, "python"))
 EXAMPLE = os.path.join(BUNDLE, "examples", "train_tiny.py")
 SMALL = ["--layers", "2", "--dim", "64", "--heads", "4", "--seq", "16", "--batch", "2",
          "--vocab", "32", "--steps", "5", "--quiet"]
-ENV = dict(os.environ, PYTHONPATH=os.path.join(BUNDLE, "python"))
+def child_env():
+    """This process's environment (read now: LocalCluster sets RAGSHARD_TOKEN_FILE while it runs)
+    with the bundle's package on the path."""
+    return dict(os.environ, PYTHONPATH=os.path.join(BUNDLE, "python"))
 # run.sh found a GPU (nvidia-smi): the CUDA checks are this script's; otherwise run.sh reports
 # them as skipped.
 GPU = os.environ.get("RAGSHARD_BUNDLE_GPU") == "1"
@@ -100,7 +103,7 @@ def launch(cluster, tmp, job, world, extra):
     cmd = [sys.executable, "-m", "ragshard.launch", "--planner", cluster.planner, "--job", job,
            "--nproc", str(world), "--sockets", ",".join(cluster.sockets), "--create-job",
            EXAMPLE, "--out", out] + SMALL + extra
-    r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=300)
     if r.returncode != 0:
         raise RuntimeError(f"{job}: exit {r.returncode}: {(r.stdout + r.stderr)[-1500:]}")
     with open(out + ".json") as f:
@@ -110,7 +113,7 @@ def launch(cluster, tmp, job, world, extra):
 def reference(tmp, world, device):
     out = os.path.join(tmp, f"ref-{device}")
     r = subprocess.run([sys.executable, EXAMPLE, "--reference", "--world", str(world),
-                        "--device", device, "--out", out] + SMALL, env=ENV,
+                        "--device", device, "--out", out] + SMALL, env=child_env(),
                        capture_output=True, text=True, timeout=300)
     if r.returncode != 0:
         raise RuntimeError(f"reference: exit {r.returncode}: {r.stderr[-1500:]}")

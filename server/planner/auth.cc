@@ -1,5 +1,17 @@
 #include "server/planner/auth.h"
 
+#include <fcntl.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "server/planner/store.h"
+
 namespace ragshard::planner {
 namespace {
 
@@ -25,6 +37,36 @@ absl::Status CheckBearerToken(const grpc::CallbackServerContext& ctx, const std:
     return absl::PermissionDeniedError("this call needs the admin token");
   }
   return absl::UnauthenticatedError("invalid bearer token");
+}
+
+absl::StatusOr<std::string> DefaultTokenFile(const std::string& data_dir) {
+  if (absl::Status s = MakeDataDir(data_dir); !s.ok()) return s;
+  const std::string path = data_dir + "/token";
+  struct stat st {};
+  if (stat(path.c_str(), &st) == 0) return path;
+  unsigned char random[32];
+  if (getrandom(random, sizeof(random), 0) != static_cast<ssize_t>(sizeof(random))) {
+    return absl::InternalError(absl::StrCat("getrandom: ", std::strerror(errno)));
+  }
+  const std::string token =
+      absl::BytesToHexString(absl::string_view(reinterpret_cast<char*>(random), sizeof(random)));
+  // Written whole under another name, then renamed: a crash never leaves a partial token.
+  const std::string tmp = path + ".tmp";
+  const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot create the token file '", tmp, "': ", std::strerror(errno)));
+  }
+  const std::string line = token + "\n";
+  const bool written = write(fd, line.data(), line.size()) == static_cast<ssize_t>(line.size()) &&
+                       fchmod(fd, 0600) == 0 && fsync(fd) == 0;
+  const int saved = errno;
+  close(fd);
+  if (!written || rename(tmp.c_str(), path.c_str()) != 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cannot write the token file '", path, "': ", std::strerror(written ? errno : saved)));
+  }
+  return path;
 }
 
 }  // namespace ragshard::planner

@@ -27,7 +27,9 @@ int main(int argc, char** argv) try {
                  "directory for the SQLite state (WAL mode: must be on local disk, not NFS)")
       ->required();
   app.add_option("--port-file", port_file, "write the bound address here once listening");
-  app.add_option("--token-file", token_file, "bearer token every call must carry");
+  app.add_option("--token-file", token_file,
+                 "bearer token every call must carry (default: DATA_DIR/token, created at the "
+                 "first start, mode 0600)");
   app.add_option("--admin-token-file", admin_token_file, "bearer token for DeleteJob");
   app.add_option("--tls-cert", options.security.tls_cert_file, "server certificate (PEM)");
   app.add_option("--tls-key", options.security.tls_key_file, "server private key (PEM)");
@@ -66,6 +68,7 @@ int main(int argc, char** argv) try {
   options.service.node_timeout = std::chrono::milliseconds(node_timeout_ms);
   options.service.heartbeat_interval = std::chrono::milliseconds(heartbeat_ms);
   options.service.default_registration_timeout = std::chrono::milliseconds(registration_timeout_ms);
+  options.default_token = token_file.empty();
   for (auto [path, out] : {std::pair{&token_file, &options.service.token},
                            std::pair{&admin_token_file, &options.service.admin_token}}) {
     if (path->empty()) continue;
@@ -91,6 +94,11 @@ int main(int argc, char** argv) try {
     return 1;
   }
   const std::string& addr = (*server)->bound_address();
+  if (!(*server)->token_file().empty()) {
+    std::printf("ragshard-planner token in %s (clients: --token-file or RAGSHARD_TOKEN_FILE)\n",
+                (*server)->token_file().c_str());
+    std::fflush(stdout);
+  }
   // Before the port file: whoever waits for it finds the metrics line already written.
   if (const std::string url = (*server)->metrics_url(); !url.empty()) {
     std::printf("ragshard-planner metrics on %s\n", url.c_str());

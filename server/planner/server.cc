@@ -4,6 +4,7 @@
 #include "absl/strings/str_cat.h"
 #include "glog/logging.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "server/planner/auth.h"
 
 namespace ragshard::planner {
 
@@ -36,10 +37,21 @@ absl::StatusOr<std::unique_ptr<PlannerServer>> PlannerServer::Start(
   }
   auto creds = LoadServerCredentials(options.security);
   if (!creds.ok()) return creds.status();
+  PlannerOptions service_options = options.service;
+  std::string token_file;
+  if (options.default_token && service_options.token.empty()) {
+    auto path = DefaultTokenFile(options.data_dir);
+    if (!path.ok()) return path.status();
+    auto token = ReadTokenFile(*path);
+    if (!token.ok()) return token.status();
+    token_file = *path;
+    service_options.token = *token;
+  }
   auto store = Store::Open(options.data_dir);
   if (!store.ok()) return store.status();
   std::unique_ptr<PlannerServer> server(new PlannerServer());
-  auto svc = PlannerService::Create(std::move(*store), options.service);
+  server->token_file_ = token_file;
+  auto svc = PlannerService::Create(std::move(*store), std::move(service_options));
   if (!svc.ok()) return svc.status();
   server->service_ = std::move(*svc);
   if (!options.metrics_listen.empty()) {

@@ -24,6 +24,9 @@ struct PlannerServerOptions {
   // Where to serve Prometheus metrics (common/metrics.h: HOST:PORT, or PORT on loopback); empty:
   // no endpoint.
   std::string metrics_listen;
+  // With no service.token: take DATA_DIR/token, creating it at the first start (auth.h
+  // DefaultTokenFile). The binary sets it unless --token-file is given; token_file() names it.
+  bool default_token = false;
 };
 
 // True for a listen address only this machine reaches: 127.0.0.0/8, ::1, localhost, unix:.
@@ -36,6 +39,8 @@ class PlannerServer {
   PlannerServer(const PlannerServer&) = delete;
   PlannerServer& operator=(const PlannerServer&) = delete;
 
+  // The default token's file (PlannerServerOptions::default_token), else empty.
+  const std::string& token_file() const { return token_file_; }
   // The address actually bound, e.g. "127.0.0.1:40123".
   const std::string& bound_address() const { return bound_address_; }
   // "http://HOST:PORT/metrics", or empty without --metrics-listen.
@@ -50,6 +55,7 @@ class PlannerServer {
   std::unique_ptr<PlannerService> service_;
   std::unique_ptr<grpc::Server> server_;
   std::string bound_address_;
+  std::string token_file_;
   bool shut_down_ = false;
   // After service_: a scrape reads the service, so the endpoint stops first.
   std::shared_ptr<ScrapeCollectable> scrape_;

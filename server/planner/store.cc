@@ -34,6 +34,14 @@ class Statement {
 
 // Creates `dir` and its missing parents with mode 0700 (the state holds tokens and plans: the
 // planner's user alone reads it); an existing directory is left as it is.
+std::string Column(sqlite3_stmt* s, int i) {
+  const void* p = sqlite3_column_blob(s, i);
+  int n = sqlite3_column_bytes(s, i);
+  return p ? std::string(static_cast<const char*>(p), static_cast<size_t>(n)) : std::string();
+}
+
+}  // namespace
+
 absl::Status MakeDataDir(const std::string& dir) {
   struct stat st {};
   if (stat(dir.c_str(), &st) == 0) {
@@ -57,16 +65,15 @@ absl::Status MakeDataDir(const std::string& dir) {
   return absl::OkStatus();
 }
 
-std::string Column(sqlite3_stmt* s, int i) {
-  const void* p = sqlite3_column_blob(s, i);
-  int n = sqlite3_column_bytes(s, i);
-  return p ? std::string(static_cast<const char*>(p), static_cast<size_t>(n)) : std::string();
-}
-
-}  // namespace
-
 absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& data_dir) {
   if (absl::Status s = MakeDataDir(data_dir); !s.ok()) return s;
+  if (struct stat st{};
+      stat(data_dir.c_str(), &st) == 0 && (st.st_mode & (S_IRWXG | S_IRWXO)) != 0) {
+    LOG(WARNING) << "--data-dir " << data_dir << " is open to other users (mode " << std::oct
+                 << (st.st_mode & 07777) << std::dec
+                 << "): they may read the jobs and rendezvous addresses in its database; "
+                    "chmod 700 it";
+  }
   const std::string path = data_dir + "/planner.db";
   sqlite3* db = nullptr;
   if (sqlite3_open_v2(path.c_str(), &db,

@@ -32,6 +32,10 @@ struct StoredState {
   std::vector<Kv> kv;
 };
 
+// Creates `dir` and its missing parents, mode 0700; OK when it is a directory already.
+// FAILED_PRECONDITION saying why it cannot be created.
+absl::Status MakeDataDir(const std::string& dir);
+
 class Store {
  public:
   // Opens (creating if needed) <data_dir>/planner.db; a missing data_dir is created first, with

@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <fstream>
@@ -100,10 +101,14 @@ class Child {
   int status_ = 0;
 };
 
-// Starts ragshard-planner and waits for its port file. `extra` are additional flags.
+// Starts ragshard-planner and waits for its port file. `extra` are additional flags. Without a
+// --token-file among them the planner keeps its own token in DATA_DIR/token (secure by default):
+// RAGSHARD_TOKEN_FILE is then set to it for this process and its children (the clients, daemons
+// and ranks a test starts), and unset otherwise.
 struct PlannerProcess {
   Child child;
   std::string address;
+  std::string token_file;  // DATA_DIR/token, or empty with --token-file
 
   static PlannerProcess Start(const std::string& binary, const std::string& data_dir,
                               const std::vector<std::string>& extra = {},
@@ -120,6 +125,14 @@ struct PlannerProcess {
       std::string text = ReadAll(port_file);
       if (!text.empty() && text.back() == '\n') p.address = text.substr(0, text.size() - 1);
       if (p.address.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(25));
+    }
+    const std::string token = data_dir + "/token";
+    if (!p.address.empty() && std::ifstream(token).good() &&
+        std::find(extra.begin(), extra.end(), "--token-file") == extra.end()) {
+      p.token_file = token;
+      ::setenv("RAGSHARD_TOKEN_FILE", token.c_str(), 1);
+    } else {
+      ::unsetenv("RAGSHARD_TOKEN_FILE");
     }
     return p;
   }
