@@ -6,10 +6,28 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <string>
 #include <vector>
 
 namespace ragshard::bench {
+
+// The command line's first word for every benchmark with "--flag value" pairs: -h or --help
+// prints `usage` and answers 0 (exit with it: the benchmark does not run); a flag without its
+// value is an error (2) naming it; otherwise -1 (go on).
+inline int UsageCheck(int argc, char** argv, const char* usage) {
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "-h") == 0 || std::strcmp(argv[i], "--help") == 0) {
+      std::fputs(usage, stdout);
+      return 0;
+    }
+  }
+  if ((argc - 1) % 2 != 0) {
+    std::fprintf(stderr, "error: %s needs a value\n%s", argv[argc - 1], usage);
+    return 2;
+  }
+  return -1;
+}
 
 inline std::vector<size_t> Sizes(size_t min_bytes = size_t{1} << 20,
                                  size_t max_bytes = size_t{256} << 20) {

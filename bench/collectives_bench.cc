@@ -113,6 +113,12 @@ void Memcpy(size_t max_bytes) {
 }
 
 int Main(int argc, char** argv) {
+  if (int rc = ragshard::bench::UsageCheck(
+          argc, argv,
+          "usage: collectives_bench --members N [--max-mib 256] [--unchecked 1]\n"
+          "ragshard's collectives over UCX between N processes on loopback (CSV rows)\n");
+      rc >= 0)
+    return rc;
   int n = 2;
   int64_t max_mib = 256;
   int unchecked = 0;

@@ -6,6 +6,7 @@
 //   control_plane_bench [--ranks 1024] [--model deepseek-v3] [--granule rows:128]
 //                       [--out docs/benchmarks/control_plane.md]
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -20,6 +21,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
+#include "bench/bench_common.h"
 #include "common/models.h"
 #include "common/planner_client.h"
 
@@ -54,6 +56,13 @@ double CpuSeconds(pid_t pid) {
 }
 
 int Main(int argc, char** argv) {
+  if (int rc = bench::UsageCheck(argc, argv,
+                                 "usage: control_plane_bench [--ranks 1024] [--model deepseek-v3] "
+                                 "[--granule rows:128] [--out docs/benchmarks/control_plane.md]\n"
+                                 "Simulated ranks register a model with a real ragshard-planner\n");
+      rc >= 0) {
+    return rc;
+  }
   int64_t ranks = 1024;
   std::string model = "deepseek-v3", granule = "rows:128", out = "docs/benchmarks/control_plane.md";
   for (int i = 1; i + 1 < argc; i += 2) {
@@ -79,6 +88,7 @@ int Main(int argc, char** argv) {
 
   pid_t pid = fork();
   if (pid == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);  // the planner never outlives the benchmark
     FILE* log = std::fopen((data_dir + "/planner.log").c_str(), "w");
     dup2(fileno(log), 1);
     dup2(fileno(log), 2);
@@ -86,6 +96,13 @@ int Main(int argc, char** argv) {
           data_dir.c_str(), "--port-file", port_file.c_str(), static_cast<char*>(nullptr));
     _exit(127);
   }
+  // Every way out stops the planner (the normal end sends SIGTERM first and reaps it).
+  struct StopPlanner {
+    pid_t pid;
+    ~StopPlanner() {
+      if (pid > 0 && kill(pid, SIGKILL) == 0) waitpid(pid, nullptr, 0);
+    }
+  } stop_planner{pid};
   std::string address;
   for (int i = 0; i < 400 && address.empty(); ++i) {
     std::ifstream f(port_file);
@@ -191,6 +208,7 @@ int Main(int argc, char** argv) {
   kill(pid, SIGTERM);
   int status = 0;
   waitpid(pid, &status, 0);
+  stop_planner.pid = 0;  // reaped
 
   auto secs = [&](Clock::time_point t) { return std::chrono::duration<double>(t - t0).count(); };
   std::ostringstream md;

@@ -80,6 +80,12 @@ int Member(int rank, int n, const std::string& dir, size_t max_bytes) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (int rc = ragshard::bench::UsageCheck(
+          argc, argv,
+          "usage: gloo_collectives --members N [--max-mib 256]\n"
+          "Gloo's all-gather and reduce-scatter over tcp between N processes (CSV rows)\n");
+      rc >= 0)
+    return rc;
   int n = 2;
   size_t max_mib = 256;
   for (int i = 1; i + 1 < argc; i += 2) {

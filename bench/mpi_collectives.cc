@@ -11,6 +11,14 @@
 #include "bench/bench_common.h"
 
 int main(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "-h" || std::string(argv[i]) == "--help") {
+      std::puts(
+          "usage: mpirun -np N [--mca btl tcp,self] mpi_collectives [IMPL_LABEL [MAX_MIB]]\n"
+          "OpenMPI's all-gather and reduce-scatter (fp32 sum), CSV rows labelled IMPL_LABEL");
+      return 0;
+    }
+  }
   MPI_Init(&argc, &argv);
   int rank = 0, n = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);

@@ -23,6 +23,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "bench/bench_common.h"
 #include "common/models.h"
 #include "common/planner.h"
 #include "common/validator.h"
@@ -82,6 +83,14 @@ int RssChild(const std::string& model, const std::string& world, const std::stri
 int Main(int argc, char** argv) {
   if (argc == 5 && std::string(argv[1]) == "--rss-child")
     return RssChild(argv[2], argv[3], argv[4]);
+  if (int rc = bench::UsageCheck(
+          argc, argv,
+          "usage: planner_bench [--out docs/benchmarks/planner.md] [--csv "
+          "docs/benchmarks/planner.csv] [--models a,b] [--worlds 8,64]\n"
+          "Every policy over the model zoo; writes a Markdown report and a CSV\n");
+      rc >= 0) {
+    return rc;
+  }
   std::string out_path = "docs/benchmarks/planner.md", csv_path = "docs/benchmarks/planner.csv";
   std::vector<std::string> models;
   for (const auto& m : ModelZoo()) models.push_back(m.name);
