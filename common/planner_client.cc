@@ -265,6 +265,19 @@ absl::StatusOr<v1::Job> GrpcPlannerClient::GetJob(const std::string& job_id) {
   return resp.job();
 }
 
+absl::StatusOr<std::string> GrpcPlannerClient::GetDataSecret(const std::string& job_id) {
+  v1::GetJobRequest req;
+  req.set_job_id(job_id);
+  req.set_include_data_secret(true);
+  v1::GetJobResponse resp;
+  RAGSHARD_UNARY(GetJob, req, resp);
+  if (resp.job().data_secret().empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the planner gave job '", job_id, "' no data-plane secret"));
+  }
+  return resp.job().data_secret();
+}
+
 absl::StatusOr<v1::ListJobsResponse> GrpcPlannerClient::ListJobsPage(
     const v1::ListJobsRequest& request) {
   v1::ListJobsResponse resp;

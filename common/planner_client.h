@@ -54,6 +54,8 @@ class PlannerClient {
   // Jobs are summaries (O(1) in the world size); ListRanks pages their ranks.
   virtual absl::StatusOr<v1::Job> CreateJob(const v1::CreateJobRequest& request) = 0;
   virtual absl::StatusOr<v1::Job> GetJob(const std::string& job_id) = 0;
+  // The job's data-plane secret (for its daemons: common/secrets.h DataPlaneCredential).
+  virtual absl::StatusOr<std::string> GetDataSecret(const std::string& job_id) = 0;
   virtual absl::StatusOr<v1::ListJobsResponse> ListJobsPage(const v1::ListJobsRequest& request) = 0;
   virtual absl::StatusOr<v1::ListRanksResponse> ListRanksPage(
       const v1::ListRanksRequest& request) = 0;
@@ -120,6 +122,7 @@ class GrpcPlannerClient final : public PlannerClient {
 
   absl::StatusOr<v1::Job> CreateJob(const v1::CreateJobRequest& request) override;
   absl::StatusOr<v1::Job> GetJob(const std::string& job_id) override;
+  absl::StatusOr<std::string> GetDataSecret(const std::string& job_id) override;
   absl::StatusOr<v1::ListJobsResponse> ListJobsPage(const v1::ListJobsRequest& request) override;
   absl::StatusOr<v1::ListRanksResponse> ListRanksPage(const v1::ListRanksRequest& request) override;
   absl::Status DeleteJob(const std::string& job_id) override;

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/secrets.h"
 #include "glog/logging.h"
 #include "server/daemon/daemon.h"
 #include "server/daemon/job_runtime.h"
@@ -51,9 +52,14 @@ absl::StatusOr<std::shared_ptr<JobRuntime>> NodeDaemon::GetOrCreateJob(const std
   std::unique_ptr<UcxWorker> worker;
   std::unique_ptr<Comm> comm;
   if (nodes.size() > 1) {
-    auto w = UcxWorker::Create(options_.data_host, 0);
+    // The data port accepts only daemons that present the job's credential, derived from the
+    // secret the planner hands its daemons over the authenticated control channel.
+    auto secret = planner_->GetDataSecret(job_id);
+    if (!secret.ok()) return secret.status();
+    auto w = UcxWorker::Create(options_.data_host, 0, DataPlaneCredential(*secret, job_id));
     if (!w.ok()) return w.status();
     worker = std::move(*w);
+    worker->set_on_reject([metrics = metrics_](const absl::Status& why) { metrics->Error(why); });
     absl::Status s = planner_->Put(job_id, "data/" + options_.node_id, worker->address());
     if (!s.ok()) return s;
     std::vector<std::string> addresses;

@@ -14,6 +14,8 @@ const char* ErrorCause(const absl::Status& status) {
       return "out_of_memory";
     case absl::StatusCode::kPermissionDenied:
       return "permission_denied";
+    case absl::StatusCode::kUnauthenticated:
+      return "unauthenticated";
     case absl::StatusCode::kInvalidArgument:
     case absl::StatusCode::kFailedPrecondition:
     case absl::StatusCode::kNotFound:

@@ -17,7 +17,8 @@ namespace ragshard::daemon {
 
 // The cause an error is counted under: peer_lost (UNAVAILABLE), deadline, aborted (ranks that
 // disagree, or a peer's abort), out_of_memory, permission_denied (a stranger on the side
-// channel), bad_request (INVALID_ARGUMENT,
+// channel, a data-port connection from a host that is not a peer), unauthenticated (a data-port
+// connection without the job's credential), bad_request (INVALID_ARGUMENT,
 // FAILED_PRECONDITION, NOT_FOUND, OUT_OF_RANGE), other.
 const char* ErrorCause(const absl::Status& status);
 

@@ -121,19 +121,34 @@ struct UcxWorker::Impl {
   static void OnConnRequest(ucp_conn_request_h req, void* arg) {
     auto* self = static_cast<Impl*>(arg);
     ucp_conn_request_attr_t attr{};
-    attr.field_mask = UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR;
+    attr.field_mask =
+        UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR | UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ID;
     std::string host;
-    if (ucp_conn_request_query(req, &attr) == UCS_OK && attr.client_address.ss_family == AF_INET) {
-      char buf[INET_ADDRSTRLEN] = {0};
-      const auto* sin = reinterpret_cast<const sockaddr_in*>(&attr.client_address);
-      inet_ntop(AF_INET, &sin->sin_addr, buf, sizeof(buf));
-      host = buf;
+    uint64_t client_id = 0;
+    if (ucp_conn_request_query(req, &attr) == UCS_OK) {
+      client_id = attr.client_id;
+      if (attr.client_address.ss_family == AF_INET) {
+        char buf[INET_ADDRSTRLEN] = {0};
+        const auto* sin = reinterpret_cast<const sockaddr_in*>(&attr.client_address);
+        inet_ntop(AF_INET, &sin->sin_addr, buf, sizeof(buf));
+        host = buf;
+      }
     }
     UcxWorker* w = self->owner;
+    absl::Status refused;
     if (!w->allow_any_ && w->allowed_hosts_.count(host) == 0) {
+      refused = absl::PermissionDeniedError(
+          absl::StrCat("data port: rejected a connection from '", host, "' (not a peer)"));
+    } else if (w->credential_ != 0 && client_id != w->credential_) {
+      refused = absl::UnauthenticatedError(
+          absl::StrCat("data port: rejected a connection from '", host,
+                       "' that did not present the job's credential (not a daemon of the job)"));
+    }
+    if (!refused.ok()) {
       ++w->rejected_;
-      LOG(WARNING) << "data port: rejected a connection from '" << host << "' (not a peer)";
+      LOG(WARNING) << refused.message();
       ucp_listener_reject(self->listener, req);
+      if (w->on_reject_) w->on_reject_(refused);
       return;
     }
     ucp_ep_params_t params{};
@@ -480,8 +495,10 @@ class UcxComm final : public Comm {
   std::atomic<int64_t> sent_bytes_{0};
 };
 
-absl::StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(const std::string& ip, int port) {
+absl::StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(const std::string& ip, int port,
+                                                             uint64_t credential) {
   std::unique_ptr<UcxWorker> w(new UcxWorker());
+  w->credential_ = credential;
   w->impl_ = std::make_unique<Impl>();
   Impl& impl = *w->impl_;
   impl.owner = w.get();
@@ -498,8 +515,9 @@ absl::StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(const std::string& 
   ucp_config_release(config);
   if (!s.ok()) return s;
   ucp_worker_params_t wp{};
-  wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE | UCP_WORKER_PARAM_FIELD_CLIENT_ID;
   wp.thread_mode = UCS_THREAD_MODE_SINGLE;
+  wp.client_id = credential;  // presented with each connection this worker makes
   s = UcsStatus(ucp_worker_create(impl.context, &wp, &impl.worker), "ucp_worker_create");
   if (!s.ok()) return s;
   s = UcsStatus(ucp_worker_get_efd(impl.worker, &impl.efd), "ucp_worker_get_efd");
@@ -560,7 +578,8 @@ absl::StatusOr<std::unique_ptr<Comm>> UcxWorker::Connect(int rank,
     ucp_ep_params_t params{};
     params.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
                         UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
-    params.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
+    params.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER |
+                   (credential_ != 0 ? UCP_EP_PARAMS_FLAGS_SEND_CLIENT_ID : 0);
     params.sockaddr.addr = reinterpret_cast<const sockaddr*>(&*sa);
     params.sockaddr.addrlen = sizeof(*sa);
     params.err_mode = UCP_ERR_HANDLING_MODE_PEER;

@@ -2,12 +2,18 @@
 // data port, client endpoints to every peer with peer error handling (which limits UCX to
 // network transports: tcp here, RDMA where present), tagged sends and receives.
 //
+// The data port is authenticated: a worker made with a job's credential (common/secrets.h)
+// presents it with each connection it makes (UCX's client id) and accepts only connections that
+// present it, from the job's peer hosts. Others are rejected before they have an endpoint, so no
+// message of theirs ever reaches a receive; each rejection is counted and reported.
+//
 // Threading: a UcxWorker and the Comms it makes are used by one thread at a time; progress is
 // driven inside Connect and WaitAll (docs/collectives.md).
 #pragma once
 
 #include <ucp/api/ucp.h>
 
+#include <functional>
 #include <memory>
 #include <set>
 #include <string>
@@ -25,8 +31,10 @@ absl::Status UcsStatus(ucs_status_t status, absl::string_view what);
 
 class UcxWorker {
  public:
-  // Listens on `ip`:`port` (0 picks a free port).
-  static absl::StatusOr<std::unique_ptr<UcxWorker>> Create(const std::string& ip, int port = 0);
+  // Listens on `ip`:`port` (0 picks a free port). A nonzero `credential` is presented and
+  // required on every connection; 0 (tests, benchmarks) checks the peer hosts only.
+  static absl::StatusOr<std::unique_ptr<UcxWorker>> Create(const std::string& ip, int port = 0,
+                                                           uint64_t credential = 0);
   ~UcxWorker();
   UcxWorker(const UcxWorker&) = delete;
   UcxWorker& operator=(const UcxWorker&) = delete;
@@ -38,7 +46,12 @@ class UcxWorker {
   // rejected. Empty allows none except through AllowAnyPeer (tests).
   void AllowPeerHosts(std::set<std::string> hosts);
   void AllowAnyPeer() { allow_any_ = true; }
+  // Connections rejected so far: from hosts that are not peers, or without the credential.
   int64_t rejected_connections() const { return rejected_; }
+  // Called (on the thread that drives progress) with why, for each rejected connection.
+  void set_on_reject(std::function<void(const absl::Status&)> on_reject) {
+    on_reject_ = std::move(on_reject);
+  }
 
   // A communicator of job `job` in which this worker is member `rank` and member i listens at
   // addresses[i]. Connects to every peer and exchanges a hello with each before `deadline`; a
@@ -67,7 +80,9 @@ class UcxWorker {
   std::string address_;
   bool allow_any_ = false;
   bool message_checks_ = true;
+  uint64_t credential_ = 0;
   int64_t rejected_ = 0;
+  std::function<void(const absl::Status&)> on_reject_;
   std::set<std::string> allowed_hosts_;
   friend struct Impl;
 };

@@ -1,7 +1,6 @@
 #include "server/planner/auth.h"
 
 #include <fcntl.h>
-#include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -10,6 +9,7 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "common/secrets.h"
 #include "server/planner/store.h"
 
 namespace ragshard::planner {
@@ -44,12 +44,7 @@ absl::StatusOr<std::string> DefaultTokenFile(const std::string& data_dir) {
   const std::string path = data_dir + "/token";
   struct stat st {};
   if (stat(path.c_str(), &st) == 0) return path;
-  unsigned char random[32];
-  if (getrandom(random, sizeof(random), 0) != static_cast<ssize_t>(sizeof(random))) {
-    return absl::InternalError(absl::StrCat("getrandom: ", std::strerror(errno)));
-  }
-  const std::string token =
-      absl::BytesToHexString(absl::string_view(reinterpret_cast<char*>(random), sizeof(random)));
+  const std::string token = absl::BytesToHexString(RandomBytes(32));
   // Written whole under another name, then renamed: a crash never leaves a partial token.
   const std::string tmp = path + ".tmp";
   const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);

@@ -7,6 +7,7 @@
 #include "absl/strings/str_join.h"
 #include "common/metrics.h"
 #include "common/rpc.h"
+#include "common/secrets.h"
 #include "glog/logging.h"
 #include "server/planner/auth.h"
 
@@ -31,6 +32,11 @@ absl::StatusOr<std::unique_ptr<PlannerService>> PlannerService::Create(std::uniq
     }
     for (auto& [id, js] : svc->jobs_) {
       js.job.set_registered_ranks(static_cast<int64_t>(js.ranks.size()));
+      if (js.job.data_secret().empty()) {
+        // A job stored by a planner before data-plane secrets: it gets one now.
+        js.job.set_data_secret(RandomBytes(32));
+        if (absl::Status s = svc->store_->PutJob(js.job); !s.ok()) return s;
+      }
     }
     for (auto& [id, bytes] : state->inventories) {
       auto it = svc->jobs_.find(id);
@@ -171,6 +177,12 @@ absl::Status PlannerService::JobChanged(JobState* js, Deferred* deferred) {
   if (!s.ok()) LOG(ERROR) << "store job " << js->job.job_id() << ": " << s;
   NotifyWatchers(js, deferred);
   return s;
+}
+
+v1::Job PlannerService::Summary(const v1::Job& job) {
+  v1::Job out = job;
+  out.clear_data_secret();
+  return out;
 }
 
 void PlannerService::NotifyWatchers(JobState* js, Deferred* deferred) {

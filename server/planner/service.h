@@ -187,6 +187,8 @@ class PlannerService final
   // The live job (not deleted), or NOT_FOUND naming it; UNAVAILABLE once shutting down.
   absl::StatusOr<JobState*> FindJob(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static bool Terminal(v1::JobStatus s) { return s == v1::JOB_FAILED || s == v1::JOB_DELETED; }
+  // The job as answered: without its data secret (GetJob adds it where asked).
+  static v1::Job Summary(const v1::Job& job);
   static int64_t NowMs();
   v1::WatchPlanEvent EventFor(const JobState& js, uint64_t after_version) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -3,6 +3,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/rpc.h"
+#include "common/secrets.h"
 #include "common/status_macros.h"
 #include "glog/logging.h"
 #include "server/planner/service.h"
@@ -17,6 +18,7 @@ v1::Job PlannerService::NewJob(const v1::CreateJobRequest& req) const {
   *job.mutable_options() = req.options();
   if (job.options().policy().empty()) job.mutable_options()->set_policy("ragged");
   if (job.options().align_bytes() == 0) job.mutable_options()->set_align_bytes(16);
+  job.set_data_secret(RandomBytes(32));
   if (job.options().registration_timeout_ms() == 0) {
     job.mutable_options()->set_registration_timeout_ms(
         options_.default_registration_timeout.count());
@@ -50,7 +52,7 @@ grpc::ServerUnaryReactor* PlannerService::CreateJob(Ctx* ctx, const v1::CreateJo
           return store_->PutJob(js.job);
         });
         if (!s.ok()) return s;
-        *resp->mutable_job() = js.job;
+        *resp->mutable_job() = Summary(js.job);
         LOG(INFO) << "job " << req->job_id() << " created: world " << js.job.world_size()
                   << ", policy " << js.job.options().policy();
         jobs_[req->job_id()] = std::move(js);
@@ -61,7 +63,7 @@ grpc::ServerUnaryReactor* PlannerService::CreateJob(Ctx* ctx, const v1::CreateJo
 grpc::ServerUnaryReactor* PlannerService::GetJob(Ctx* ctx, const v1::GetJobRequest* req,
                                                  v1::GetJobResponse* resp) {
   return OnJob(ctx, Access::kUser, req->job_id(), nullptr, [&](JobState& js, Deferred*) {
-    *resp->mutable_job() = js.job;
+    *resp->mutable_job() = req->include_data_secret() ? js.job : Summary(js.job);
     return absl::OkStatus();
   });
 }
@@ -80,7 +82,7 @@ grpc::ServerUnaryReactor* PlannerService::ListJobs(Ctx* ctx, const v1::ListJobsR
             resp->set_next_page_token(resp->jobs(size - 1).job_id());
             break;
           }
-          *resp->add_jobs() = it->second.job;
+          *resp->add_jobs() = Summary(it->second.job);
         }
         return absl::OkStatus();
       });

@@ -86,7 +86,7 @@ grpc::ServerUnaryReactor* PlannerService::RegisterRank(Ctx* ctx, const v1::Regis
           MaybePlan(job.job_id(), &js, &deferred);
         }
       }
-      *resp->mutable_job() = job;
+      *resp->mutable_job() = Summary(job);
     }
   }
   for (auto& f : deferred) f();
@@ -137,7 +137,7 @@ void PlannerService::ResolvePendingHashes(JobState* js, Deferred* deferred) {
       js->job.set_error(error);
       status = grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, error);
     }
-    *p.job_out = js->job;
+    *p.job_out = Summary(js->job);
     Finish(deferred, p.parked.reactor, status);
   }
   js->pending_hash.clear();

@@ -5,6 +5,7 @@ who cannot read it, is refused: their DeleteJob leaves the job alone. The other 
 import os
 import stat
 import subprocess
+import sys
 
 import pytest
 
@@ -73,3 +74,77 @@ def test_another_local_users_delete_job_is_refused_by_a_planner_started_with_def
         assert r.returncode != 0 and "invalid bearer token" in r.stderr, r.stderr
         r = ctl(c, "job", "show", "theirs")
         assert r.returncode == 0 and "REGISTERING" in r.stdout, r.stdout + r.stderr
+
+
+def listening_ports(pid):
+    """The TCP ports process `pid` listens on (IPv4, from /proc: no ss needed)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    ports = []
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            cols = line.split()
+            if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
+                ports.append(int(cols[1].split(":")[1], 16))
+    return ports
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a command as nobody")
+def test_a_strangers_injection_into_the_data_ports_leaves_the_training_equal_to_the_reference(
+        tmp_path):
+    """While 4 ranks train over 2 daemons, `nobody` connects to every TCP port the daemons
+    listen on, over and over, and sends messages shaped like the daemons' (tests/server/daemon/
+    ucx_injector.cc), once with no credential and once with a guessed one. The data ports reject
+    every such connection before it has an endpoint: the training's losses equal the reference,
+    and the daemons count what they rejected."""
+    import threading
+    from test_training import SMALL, compare, env, run_reference
+    from ragshard.metrics import scrape
+    injector = os.path.join(BUILD, "tests", "ucx_injector")
+    with LocalCluster(BUILD, daemons=2, metrics=True) as c:
+        create_job(c.planner, "injected", 4)
+        out = str(tmp_path / "injected")
+        p = subprocess.Popen(
+            [sys.executable, "-m", "ragshard.launch", "--planner", c.planner, "--job",
+             "injected", "--nproc", "4", "--sockets", ",".join(c.sockets),
+             os.path.join(ROOT, "examples", "train_tiny.py"), "--out", out, "--steps", "6"] +
+            SMALL, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        tried = []
+
+        def inject():
+            credential = 0
+            while p.poll() is None:
+                for daemon in c.procs[1:3]:
+                    for port in listening_ports(daemon.pid):
+                        r = subprocess.run(NOBODY + [injector, f"127.0.0.1:{port}", "0.5",
+                                                     str(credential)],
+                                           capture_output=True, text=True, timeout=60)
+                        tried.append((port, r.returncode, r.stdout.strip() + r.stderr[-300:]))
+                credential = 0 if credential else 0x5EC12E7
+
+        t = threading.Thread(target=inject)
+        t.start()
+        try:
+            output, _ = p.communicate(timeout=600)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            t.join()
+        assert p.returncode == 0, output[-4000:]
+        assert tried and all(rc == 0 for _, rc, _ in tried), tried[:5]
+        rejected = 0
+        for node in c.nodes:
+            for name, labels, value in scrape(c.metrics_urls[node]):
+                if name == "ragshard_daemon_errors_total" and \
+                        labels.get("cause") == "unauthenticated":
+                    rejected += value
+        print(f"{len(tried)} injector runs; the daemons rejected {rejected:.0f} connections")
+        assert rejected >= 1, (tried[:5], output[-2000:])
+    compare(out, run_reference(tmp_path, "injected", ["--steps", "6"]))

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "server/daemon/collectives.h"
 #include "tests/server/daemon/ucx_group.h"
 
@@ -219,6 +220,67 @@ TEST(UcxCommTest, TheDataPortRefusesHostsThatAreNotPeers) {
   }
   EXPECT_EQ(ExitCode(server), 0) << "the server saw no rejected connection";
   EXPECT_EQ(ExitCode(client), 0) << "the client connected although it is not a peer";
+}
+
+// A server of credential 42 on 127.0.0.1 (a peer host): a client that presents another
+// credential, or none, is rejected and counted; one that presents 42 connects (both sides then
+// exchange the hello: the connection works both ways). Processes, as above.
+TEST(UcxCommTest, TheDataPortAcceptsOnlyConnectionsThatPresentTheJobsCredential) {
+  int up[2], done[2];
+  ASSERT_EQ(pipe(up), 0);
+  ASSERT_EQ(pipe(done), 0);
+  pid_t server = fork();
+  if (server == 0) {
+    auto w = UcxWorker::Create("127.0.0.1", 0, /*credential=*/42);
+    if (!w.ok()) _exit(10);
+    (*w)->AllowPeerHosts({"127.0.0.1"});
+    int64_t reported = 0;
+    (*w)->set_on_reject([&](const absl::Status& why) {
+      reported += absl::IsUnauthenticated(why) && absl::StrContains(why.message(), "credential");
+    });
+    std::string addr = (*w)->address() + "\n";
+    if (write(up[1], addr.data(), addr.size()) != static_cast<ssize_t>(addr.size())) _exit(11);
+    // The two strangers first, then member 0 of a pair whose member 1 is the good client (its
+    // address comes next).
+    const absl::Time until = absl::Now() + absl::Seconds(20);
+    while (absl::Now() < until && (*w)->rejected_connections() < 2) {
+      (*w)->Progress(absl::Milliseconds(5));
+    }
+    std::string peer;
+    char c;
+    while (read(done[0], &c, 1) == 1 && c != '\n') peer.push_back(c);
+    auto comm = (*w)->Connect(0, {(*w)->address(), peer}, absl::Now() + absl::Seconds(20), "job");
+    if (!comm.ok()) _exit(12);
+    _exit((*w)->rejected_connections() == 2 && reported == 2 ? 0 : 13);
+  }
+  close(up[1]);
+  close(done[0]);
+  std::string addr;
+  char c;
+  while (read(up[0], &c, 1) == 1 && c != '\n') addr.push_back(c);
+  for (uint64_t wrong : {uint64_t{7}, uint64_t{0}}) {
+    pid_t client = fork();
+    if (client == 0) {
+      auto w = UcxWorker::Create("127.0.0.1", 0, wrong);
+      if (!w.ok()) _exit(10);
+      (*w)->AllowAnyPeer();
+      auto comm = (*w)->Connect(1, {addr, (*w)->address()}, absl::Now() + absl::Seconds(3), "job");
+      _exit(comm.ok() ? 1 : 0);
+    }
+    EXPECT_EQ(ExitCode(client), 0) << "a client of credential " << wrong << " connected";
+  }
+  pid_t good = fork();
+  if (good == 0) {
+    auto w = UcxWorker::Create("127.0.0.1", 0, 42);
+    if (!w.ok()) _exit(10);
+    (*w)->AllowPeerHosts({"127.0.0.1"});
+    std::string mine = (*w)->address() + "\n";
+    if (write(done[1], mine.data(), mine.size()) != static_cast<ssize_t>(mine.size())) _exit(11);
+    auto comm = (*w)->Connect(1, {addr, (*w)->address()}, absl::Now() + absl::Seconds(20), "job");
+    _exit(comm.ok() ? 0 : 1);
+  }
+  EXPECT_EQ(ExitCode(good), 0) << "the client with the credential did not connect";
+  EXPECT_EQ(ExitCode(server), 0) << "the server's count or connection was wrong";
 }
 
 TEST(UcxCommTest, BadAddressesAreRejected) {
