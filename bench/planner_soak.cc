@@ -1,6 +1,6 @@
-// The planner under load and under kills (issue 26), against a real ragshard-planner process on
-// 127.0.0.1. Prints one JSON object (bench/chaos_report.py renders it in
-// docs/benchmarks/reliability.md).
+// The planner under load, under kills and under large refused requests (issue 26), against a real
+// ragshard-planner process on 127.0.0.1. Prints one JSON object (bench/chaos_report.py renders it
+// in docs/benchmarks/reliability.md).
 //
 //   planner_soak --mode soak [--jobs 40000]: first, ten jobs of the largest world: the largest
 //     CreateJob response, and ListJobs' bytes and time over them; then `jobs` jobs planned in a
@@ -10,6 +10,8 @@
 //     in bursts while the planner is killed (SIGKILL) and restarted on the same address `kills`
 //     times; then every acknowledged creation and registration must be in the restarted
 //     planner, and every job whose ranks were all acknowledged must become READY.
+//   planner_soak --mode reject: a 200 MiB Put and a 1,000,001-tensor registration, both refused;
+//     the planner's RSS before, after each (a second later) and at its peak.
 #include <signal.h>
 #include <unistd.h>
 
@@ -278,12 +280,48 @@ int Kills(Planner& planner, int kills, nlohmann::json* out) {
   return 0;
 }
 
+// Large requests the planner refuses: a 200 MiB Put value (the limit is 1 MiB) and a
+// registration of 1,000,001 tensors. Its RSS before, at the peak, and a second after each.
+int Reject(Planner& planner, nlohmann::json* out) {
+  auto client = Connect(planner.process.address, 0ms);
+  const pid_t pid = planner.process.child.pid();
+  if (!client->CreateJob(Create("big", 2)).ok()) return 1;
+  (*out)["rss_start_bytes"] = ProcStatus(pid, "VmRSS") * 1024;
+  auto settled = [&](const char* key) {
+    std::this_thread::sleep_for(1s);  // the ticker trims at its next tick (50 ms)
+    (*out)[key] = ProcStatus(pid, "VmRSS") * 1024;
+  };
+  absl::Status put = client->Put("big", "k", std::string(200 << 20, 'x'));
+  (*out)["put_refused"] = !put.ok();
+  (*out)["put_error"] = put.ToString().substr(0, 200);
+  settled("rss_after_put_bytes");
+  v1::RegisterRankRequest reg;
+  reg.set_job_id("big");
+  reg.set_node_id("n0");
+  UnitSpec* unit = reg.mutable_inventory()->add_units();
+  unit->set_name("u");
+  for (int i = 0; i < 1'000'001; ++i) {
+    TensorSpec* t = unit->add_tensors();
+    t->set_name(absl::StrCat("t", i));
+    t->add_shape(1);
+    t->set_dtype(v1::DTYPE_BF16);
+  }
+  absl::Status registered = client->RegisterRank(reg).status();
+  (*out)["register_refused"] = !registered.ok();
+  (*out)["register_error"] = registered.ToString().substr(0, 200);
+  settled("rss_after_register_bytes");
+  (*out)["rss_peak_bytes"] = ProcStatus(pid, "VmHWM") * 1024;
+  (*out)["healthy_after"] = client->GetJob("big").ok();
+  return 0;
+}
+
 int Main(int argc, char** argv) {
   CLI::App app("The planner under load (--mode soak) and under kills (--mode kills); prints JSON");
   std::string mode = "soak", binary;
   int64_t jobs = 40000;
   int kills = 20;
-  app.add_option("--mode", mode, "soak or kills")->check(CLI::IsMember({"soak", "kills"}));
+  app.add_option("--mode", mode, "soak, kills or reject")
+      ->check(CLI::IsMember({"soak", "kills", "reject"}));
   app.add_option("--planner", binary, "the ragshard-planner binary")->required();
   app.add_option("--jobs", jobs, "soak: jobs planned in a row")->check(CLI::Range(1, 10'000'000));
   app.add_option("--kills", kills, "kills: planner kills")->check(CLI::Range(1, 1000));
@@ -300,8 +338,11 @@ int Main(int argc, char** argv) {
   nlohmann::json out;
   out["mode"] = mode;
   int rc = 1;
-  if (planner.Start())
-    rc = mode == "soak" ? Soak(planner, jobs, &out) : Kills(planner, kills, &out);
+  if (planner.Start()) {
+    rc = mode == "soak"    ? Soak(planner, jobs, &out)
+         : mode == "kills" ? Kills(planner, kills, &out)
+                           : Reject(planner, &out);
+  }
   planner.process.child.Kill(SIGKILL);
   std::error_code ec;
   std::filesystem::remove_all(tmpl, ec);

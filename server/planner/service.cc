@@ -1,5 +1,7 @@
 #include "server/planner/service.h"
 
+#include <malloc.h>
+
 #include <utility>
 
 #include "absl/strings/ascii.h"
@@ -125,6 +127,9 @@ absl::Status PlannerService::Admit(grpc::CallbackServerContext* ctx, Access acce
   absl::Status s =
       CheckBearerToken(*ctx, options_.token, options_.admin_token, access == Access::kAdmin);
   if (s.ok() && validate) s = validate();
+  // A refused request may have been large (a 300 MiB value, a million tensors): its memory goes
+  // back to the system at the next tick, not only to the allocator.
+  if (!s.ok()) trim_memory_.store(true, std::memory_order_relaxed);
   return s;
 }
 
@@ -237,7 +242,18 @@ void PlannerService::Tick() {
 }
 
 void PlannerService::RunTicker() {
-  while (!stop_.WaitForNotificationWithTimeout(absl::FromChrono(options_.tick))) Tick();
+  // Freed memory returns to the system after a refused request, and every 10 s in any case
+  // (a request gRPC refuses by its size never reaches a handler).
+  auto last_trim = std::chrono::steady_clock::now();
+  while (!stop_.WaitForNotificationWithTimeout(absl::FromChrono(options_.tick))) {
+    Tick();
+    const auto now = std::chrono::steady_clock::now();
+    if (trim_memory_.exchange(false, std::memory_order_relaxed) ||
+        now - last_trim > std::chrono::seconds(10)) {
+      malloc_trim(0);
+      last_trim = now;
+    }
+  }
 }
 
 std::vector<prometheus::MetricFamily> PlannerService::ScrapeFigures() const {

@@ -12,6 +12,7 @@
 // deadlines and marks nodes LOST.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <map>
@@ -237,6 +238,8 @@ class PlannerService final
 
   absl::Notification stop_;
   std::thread ticker_;
+  // Set by a refused request: the ticker returns freed memory to the system (malloc_trim).
+  mutable std::atomic<bool> trim_memory_{false};
   // Last: stopped and destroyed before the state its plans use.
   PlanExecutor executor_{options_.plan_threads};
 };
