@@ -10,13 +10,19 @@ Everything listens on 127.0.0.1 (the planner on a port the kernel picks, learnt 
 file) or on Unix sockets in a temporary directory, and is stopped (SIGTERM, then SIGKILL) on
 exit.
 
-The planner keeps its own access token (DATA_DIR/token, mode 0600: secure by default). While the
-cluster runs, RAGSHARD_TOKEN_FILE names it in this process's environment, so that the daemons,
-the clients of this process and every program it starts (ranks, ragshard.launch, ragshardctl)
-carry it; `token_file` names it too. The variable's earlier value comes back at stop().
+Every call needs the planner's token (secure by default). The clusters of one process share one
+token, made at the first cluster's start in a private temporary directory (mode 0600) and given
+to each planner with --token-file: RAGSHARD_TOKEN_FILE names it in this process's environment
+from then on, so that the daemons, the clients of this process and every program it starts
+(ranks, ragshard.launch, ragshardctl) carry it, whichever of several live clusters they talk to;
+`token_file` names it too. With default_token=True the planner makes its own instead
+(DATA_DIR/token), which `token_file` and RAGSHARD_TOKEN_FILE then name until stop() (one such
+cluster at a time).
 """
+import atexit
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -25,10 +31,27 @@ import threading
 import time
 
 
+_process_token = None
+
+
+def process_token_file():
+    """This process's token file for its clusters (made once; removed at exit)."""
+    global _process_token
+    if _process_token is None:
+        d = tempfile.mkdtemp(prefix="ragshard-token-")  # mode 0700
+        path = os.path.join(d, "token")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, (secrets.token_hex(32) + "\n").encode())
+        os.close(fd)
+        atexit.register(shutil.rmtree, d, True)
+        _process_token = path
+    return _process_token
+
+
 class LocalCluster:
     def __init__(self, build_dir, daemons=2, pool_bytes=256 << 20, workdir=None,
                  node_timeout_ms=5000, log=None, cluster_profile=None, backend="host",
-                 metrics=False):
+                 metrics=False, default_token=False):
         self.build = os.path.abspath(build_dir) if build_dir is not None else None
         self.cluster_profile = cluster_profile
         self.n = daemons
@@ -48,7 +71,9 @@ class LocalCluster:
         # kernel picks): `metrics_urls` maps "planner" and each node id to its /metrics URL.
         self.metrics = metrics
         self.metrics_urls = {}
-        self.token_file = os.path.join(self.dir, "planner-data", "token")
+        self.default_token = default_token
+        self.token_file = (os.path.join(self.dir, "planner-data", "token") if default_token
+                           else process_token_file())
         self._saved_token_env = None
 
     def _bin(self, rel):
@@ -107,7 +132,8 @@ class LocalCluster:
         if os.path.exists(port_file):
             os.unlink(port_file)
         os.makedirs(os.path.join(self.dir, "planner-data"), mode=0o700, exist_ok=True)
-        p = self._spawn([self._bin("server/ragshard-planner"), "--listen", listen,
+        token = [] if self.default_token else ["--token-file", self.token_file]
+        p = self._spawn([self._bin("server/ragshard-planner"), "--listen", listen] + token + [
                          "--data-dir", os.path.join(self.dir, "planner-data"),
                          "--port-file", port_file,
                          "--node-timeout-ms", str(self.node_timeout_ms)] + metrics +
@@ -136,7 +162,8 @@ class LocalCluster:
 
     def start(self):
         self._start_planner("127.0.0.1:0")
-        self._saved_token_env = (os.environ.get("RAGSHARD_TOKEN_FILE"),)
+        if self.default_token:
+            self._saved_token_env = (os.environ.get("RAGSHARD_TOKEN_FILE"),)
         os.environ["RAGSHARD_TOKEN_FILE"] = self.token_file
         metrics = ["--metrics-listen", "127.0.0.1:0"] if self.metrics else []
         for i in range(self.n):

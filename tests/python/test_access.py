@@ -30,7 +30,7 @@ def without_token():
 
 
 def test_a_planner_started_with_defaults_keeps_a_private_token_that_every_call_needs():
-    with LocalCluster(BUILD, daemons=1) as c:
+    with LocalCluster(BUILD, daemons=1, default_token=True) as c:
         mode = os.stat(c.token_file).st_mode
         assert stat.S_IMODE(mode) == 0o600, oct(mode)
         assert stat.S_IMODE(os.stat(os.path.dirname(c.token_file)).st_mode) == 0o700
@@ -53,7 +53,7 @@ def test_a_planner_started_with_defaults_keeps_a_private_token_that_every_call_n
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a command as nobody")
 def test_another_local_users_delete_job_is_refused_by_a_planner_started_with_defaults():
-    with LocalCluster(BUILD, daemons=1) as c:
+    with LocalCluster(BUILD, daemons=1, default_token=True) as c:
         os.chmod(c.dir, 0o711)  # the other user may reach what is open in it, not the token
         create_job(c.planner, "theirs", 2)
         # Without the token; then pointing at the token, which nobody may read.
