@@ -105,6 +105,9 @@ void JobRuntime::LocalRankLeft(int local, int64_t rank) {
   {
     absl::MutexLock lock(&mu_);
     departed_[local] = rank;
+    // After the job's first failure, a rank leaving is its consequence: the others keep hearing
+    // the first failure (Fail and FailPending answered their operations with it already).
+    if (!failed_.ok()) return;
     for (auto& [seq, op] : ops_) {
       if (op.done || op.started == 0 || seq < next_seq_[local]) continue;
       if (error.ok()) {
@@ -219,10 +222,14 @@ void JobRuntime::AddWaiter(uint64_t seq, int local, absl::Time deadline, WaitCal
   done(finished, status, placed ? &placement : nullptr);
 }
 
-void JobRuntime::FailQueued() {
-  for (uint64_t q : queue_) {
-    ops_[q].done = true;
-    ops_[q].status = failed_;
+void JobRuntime::FailPending() {
+  // Queued operations, and those some local ranks have started but not all: a rank already
+  // waiting on one hears the job's first failure, not what follows from it (a sibling rank that
+  // exited on that failure).
+  for (auto& [seq, op] : ops_) {
+    if (op.done) continue;
+    op.done = true;
+    op.status = failed_;
   }
   queue_.clear();
 }
@@ -279,7 +286,7 @@ void JobRuntime::Run() {
       // trip that tells every daemon, at its next heartbeat).
       if (!abort_.ok() && failed_.ok()) {
         failed_ = abort_;
-        FailQueued();
+        FailPending();
         const absl::Status a = abort_;
         mu_.Unlock();
         LOG(ERROR) << "job " << job_id_ << ": " << a;
@@ -343,7 +350,7 @@ void JobRuntime::Run() {
         it->second.status = s;
         it->second.placements = std::move(placements);
       }
-      if (!failed_.ok()) FailQueued();
+      if (!failed_.ok()) FailPending();
     }
     ServeWaiters();
   }

@@ -112,8 +112,9 @@ class JobRuntime {
 
   // "OP_UNSHARD of unit 3 'layers.1'".
   std::string Describe(const Op& op) const;
-  // Operations queued behind a failure fail the same way.
-  void FailQueued() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Operations pending when the job fails (queued, or started by some local ranks) fail with
+  // its first failure.
+  void FailPending() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   void Waited(std::map<uint64_t, Op>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (++it->second.waited >= static_cast<int>(local_ranks_.size())) ops_.erase(it);
