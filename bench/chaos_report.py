@@ -33,6 +33,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import shlex
 import shutil
 import signal
@@ -575,6 +576,17 @@ def figures(fault, entry):
     return [t["wall_seconds"] for t in entry["trials"] if t.get("wall_seconds") is not None]
 
 
+def bad_points(fault, entry):
+    """Parallel to figures(): True where that point broke the expectation (over the limit, an
+    error not naming the node or rank, exit 0; a failed training)."""
+    if fault in RANK_FAULTS:
+        return [row["seconds"] > LIMITS[fault] or not row.get("names") or
+                row.get("exit_code") == 0
+                for t in entry["trials"] for row in t.get("ranks", [])
+                if row.get("seconds") is not None]
+    return [not t["passed"] for t in entry["trials"] if t.get("wall_seconds") is not None]
+
+
 def fmt(x, d=2):
     return "—" if x is None else f"{x:.{d}f}"
 
@@ -630,14 +642,17 @@ def fault_section(fault, entry):
                          f"{max(sc):.1f} s.\n")
         lines = {}
         for row in rows:
-            key = row.get("error_line", "")
-            for n in range(10):  # the same error from different steps/ranks: group digits
-                key = key.replace(str(n), "#")
+            # The same error from different trials, steps and ranks: the trial's temporary
+            # directory and the digits grouped.
+            key = re.sub(r"ragshard-[A-Za-z0-9_]+", "ragshard-*", row.get("error_line", ""))
+            key = re.sub(r"[0-9]+", "#", key)
             lines.setdefault(key, [0, row.get("error_line", ""), set()])
             lines[key][0] += 1
             lines[key][2].add(row["rank"])
         if lines:
-            L.append("The ranks' errors (last error line of each exited rank, digits grouped):\n")
+            L.append("The ranks' errors (the last error line of each rank; lines that differ "
+                     "only in digits or the trial's temporary directory are counted together, "
+                     "one example quoted):\n")
             for key, (count, example, rks) in sorted(lines.items(), key=lambda kv: -kv[1][0]):
                 L.append(f"- {count} x (ranks {', '.join(map(str, sorted(rks)))}): "
                          f"`{brief(example, 260).replace('`', chr(39))}`")
@@ -654,8 +669,9 @@ def fault_section(fault, entry):
                          f"{max(rs):.2f} s after the 1 s outage")
         kb = [t["steps_before_kill"] for t in trials if "steps_before_kill" in t]
         if kb:
-            extra.append(f"rank 0 had printed {min(kb)} to {max(kb)} steps of "
-                         f"{entry.get('steps', '?')} when the planner was killed")
+            extra.append(f"rank 0 had printed {min(kb)}"
+                         f"{'' if min(kb) == max(kb) else f' to {max(kb)}'} of "
+                         f"{entry.get('steps', '?')} steps when the planner was killed")
         if extra:
             L.append("; ".join(extra).capitalize() + ".\n")
     stuck = [(t["trial"], x) for t in trials for x in t.get("stuck_at_stop", [])]
@@ -745,7 +761,7 @@ def write_svg(path, data):
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" '
            f'font-family="sans-serif" font-size="11">',
            f'<rect width="{W}" height="{H}" fill="white"/>']
-    for i, (fault, xs, limit, fails) in enumerate(data):
+    for i, (fault, xs, limit, fails, bad) in enumerate(data):
         x0 = i * 220 + left
         w = 220 - left - 20
         ymax = max(xs + ([limit] if limit else []) + [1]) * 1.15
@@ -767,9 +783,9 @@ def write_svg(path, data):
                        f'y2="{y(q[1]):.1f}" stroke="#248" stroke-width="2"/>')
             for j, v in enumerate(xs):
                 jx = x0 + w * (0.35 + 0.3 * ((j * 37) % 100) / 100)
-                bad = limit is not None and v > limit
-                out.append(f'<circle cx="{jx:.1f}" cy="{y(v):.1f}" r="2.5" '
-                           f'fill="{"red" if bad else "#135"}" fill-opacity="0.6"/>')
+                out.append(f'<circle cx="{jx:.1f}" cy="{y(v):.1f}" '
+                           f'r="{4 if bad[j] else 2.5}" fill="{"red" if bad[j] else "#135"}" '
+                           f'fill-opacity="0.6"/>')
         if limit:
             out.append(f'<line x1="{x0}" y1="{y(limit):.1f}" x2="{x0 + w}" y2="{y(limit):.1f}" '
                        f'stroke="red" stroke-dasharray="5,3"/>')
@@ -792,7 +808,7 @@ def plot(docs, doc):
         e = doc["faults"].get(fault)
         if e:
             data.append((fault, figures(fault, e), LIMITS.get(fault),
-                         sum(not t["passed"] for t in e["trials"])))
+                         sum(not t["passed"] for t in e["trials"]), bad_points(fault, e)))
     if not data:
         return None
     try:
@@ -806,12 +822,18 @@ def plot(docs, doc):
     import random
     rng = random.Random(0)
     fig, axes = plt.subplots(1, len(data), figsize=(3.2 * len(data), 4.2), squeeze=False)
-    for ax, (fault, xs, limit, fails) in zip(axes[0], data):
+    for ax, (fault, xs, limit, fails, bad) in zip(axes[0], data):
         if xs:
             ax.boxplot([xs], widths=0.5, showfliers=False)
             jit = [1 + rng.uniform(-0.15, 0.15) for _ in xs]
-            colors = ["red" if limit is not None and v > limit else "#135" for v in xs]
-            ax.scatter(jit, xs, s=12, c=colors, alpha=0.6, zorder=3)
+            good = [(j, v) for j, v, b in zip(jit, xs, bad) if not b]
+            worse = [(j, v) for j, v, b in zip(jit, xs, bad) if b]
+            if good:
+                ax.scatter(*zip(*good), s=12, c="#135", alpha=0.6, zorder=3)
+            if worse:
+                ax.scatter(*zip(*worse), s=40, c="red", marker="x", zorder=4,
+                           label="broke the expectation")
+                ax.legend(fontsize=7, loc="upper left")
         if limit:
             ax.axhline(limit, color="red", ls="--", lw=1)
             ax.text(1.45, limit, f"limit {limit:g} s", color="red", ha="right", va="bottom",
@@ -861,6 +883,8 @@ def write_report(docs, doc):
                  f"`{meta['build']}`")
         L.append(f"  - machine: {meta['machine']}")
     L.append("")
+    for note in doc.get("notes", []):
+        L.append(f"Note: {note}\n")
     L.append("## Summary\n")
     L.append("| fault | trials | passes | min s | median s | max s | limit | verdict |")
     L.append("|---|---:|---:|---:|---:|---:|---|---|")
@@ -930,6 +954,11 @@ def main():
     ap.add_argument("--soak-kills", type=int, default=20)
     ap.add_argument("--report-only", action="store_true",
                     help="regenerate the report from reliability.json and exit")
+    ap.add_argument("--note", action="append", default=[],
+                    help="with --report-only: a note for the report's \"How it was run\" "
+                         "(kept in reliability.json; repeatable)")
+    ap.add_argument("--clear-notes", action="store_true",
+                    help="with --report-only: drop the notes kept so far")
     args = ap.parse_args()
     args.build = os.path.abspath(args.build)
     args.env_snapshot = {k: os.environ[k] for k in ("RAGSHARD_BUILD", "PYTHONPATH")
@@ -941,7 +970,13 @@ def main():
     os.makedirs(args.docs, exist_ok=True)
     json_path = os.path.join(args.docs, "reliability.json")
     if args.report_only:
-        write_report(args.docs, load_json(json_path))
+        doc = load_json(json_path)
+        if args.clear_notes:
+            doc.pop("notes", None)
+        for note in args.note:
+            if note not in doc.setdefault("notes", []):
+                doc["notes"].append(note)
+        save(args.docs, doc)
         return 0
 
     setup_imports(args.build)
