@@ -1,0 +1,434 @@
+"""The reliability report of bench/chaos_report.py: the faults' limits, and the Markdown, plot and
+JSON written from the campaign's results (docs/benchmarks/reliability.{md,png,json}), so that a
+report can be regenerated from the JSON alone (chaos_report.py --report-only)."""
+import json
+import os
+import re
+import statistics
+
+RANK_FAULTS = ["rank-kill", "daemon-stop", "daemon-kill"]
+TRAINING_FAULTS = ["planner-kill-registration", "planner-kill-ready"]
+ALL_FAULTS = RANK_FAULTS + TRAINING_FAULTS + ["soak"]
+DEFAULT_FAULTS = RANK_FAULTS + TRAINING_FAULTS
+
+# The issue's limits (seconds from the fault to each surviving rank's exit).
+LIMITS = {"rank-kill": 10.0, "daemon-stop": 40.0, "daemon-kill": 10.0}
+NAMES = {"rank-kill": "rank 3", "daemon-stop": "node-1", "daemon-kill": "node-1"}
+WHAT = {
+    "rank-kill": "kill -9 of rank 3 at step 3",
+    "daemon-stop": "SIGSTOP of daemon node-1 at step 3 (SIGCONT after 60 s or once every rank "
+                   "exited)",
+    "daemon-kill": "kill -9 of daemon node-1 at step 3",
+    "planner-kill-registration": "kill -9 of the planner after CreateJob, before the ranks "
+                                 "register; the 4-rank training launched; the planner "
+                                 "restarted 1 s later",
+    "planner-kill-ready": "kill -9 of the planner once the job is READY and rank 0 printed "
+                          "step 1; restarted 1 s later",
+    "soak": "bench/planner_soak: 40,000 jobs, then 20 planner kills under load",
+}
+LIMIT_TEXT = {
+    "rank-kill": "every survivor (ranks 0-2) exits non-zero within 10 s, naming \"rank 3\"",
+    "daemon-stop": "every rank exits non-zero within 40 s, naming \"node-1\"",
+    "daemon-kill": "every rank exits non-zero within 10 s, naming \"node-1\"",
+    "planner-kill-registration": "every trial completes (exit 0) with the reference losses",
+    "planner-kill-ready": "every trial completes (exit 0) with the reference losses",
+}
+
+
+SOAK_LIMITS = {
+    # key: (limit text, check(value, doc) -> bool or None)
+    "jobs": ("40,000 jobs", lambda v, d: v >= 40000),
+    "threads_max": ("bounded (not growing with the jobs)",
+                    lambda v, d: None),
+    "threads_end": ("bounded", lambda v, d: None),
+    "maps_max": ("grows by < 2,000 maps over the start",
+                 lambda v, d: v - d["maps_start"] < 2000 if "maps_start" in d else None),
+    "maps_end": ("grows by < 2,000 maps over the start",
+                 lambda v, d: v - d["maps_start"] < 2000 if "maps_start" in d else None),
+    "rss_max_bytes": ("< 300 MB", lambda v, d: v < 300e6),
+    "rss_end_bytes": ("< 300 MB", lambda v, d: v < 300e6),
+    "create_response_bytes_max": ("< 64 KiB", lambda v, d: v < 64 * 1024),
+    "list_jobs_bytes": ("< 1 MiB (10 jobs at max world)", lambda v, d: v < 1 << 20),
+    "list_jobs_seconds": ("< 1 s", lambda v, d: v < 1.0),
+    "kills": ("20 kills", lambda v, d: v >= 20),
+    "lost_creates": ("0 acknowledged creations lost", lambda v, d: v == 0),
+    "lost_registrations": ("0 acknowledged registrations lost", lambda v, d: v == 0),
+}
+
+
+def brief(s, n=300):
+    s = " ".join(str(s).split())
+    return s if len(s) <= n else s[:n - 3] + "..."
+
+
+def pct(xs):
+    xs = sorted(xs)
+    if not xs:
+        return None
+    return {"min": xs[0], "median": statistics.median(xs), "max": xs[-1], "n": len(xs)}
+
+
+def figures(fault, entry):
+    """The seconds the fault's spread is over: every survivor's time to exit over all trials
+    (rank faults), or each trial's wall time (training faults)."""
+    if fault in RANK_FAULTS:
+        return [row["seconds"] for t in entry["trials"] for row in t.get("ranks", [])
+                if row.get("seconds") is not None]
+    return [t["wall_seconds"] for t in entry["trials"] if t.get("wall_seconds") is not None]
+
+
+def bad_points(fault, entry):
+    """Parallel to figures(): True where that point broke the expectation (over the limit, an
+    error not naming the node or rank, exit 0; a failed training)."""
+    if fault in RANK_FAULTS:
+        return [row["seconds"] > LIMITS[fault] or not row.get("names") or
+                row.get("exit_code") == 0
+                for t in entry["trials"] for row in t.get("ranks", [])
+                if row.get("seconds") is not None]
+    return [not t["passed"] for t in entry["trials"] if t.get("wall_seconds") is not None]
+
+
+def fmt(x, d=2):
+    return "—" if x is None else f"{x:.{d}f}"
+
+
+def verdict(fault, entry):
+    trials = entry["trials"]
+    n, ok = len(trials), sum(t["passed"] for t in trials)
+    if fault in RANK_FAULTS:
+        within = f"within the limit ({LIMITS[fault]:g} s, naming \"{NAMES[fault]}\")"
+    else:
+        within = "completed with the reference losses"
+    if ok == n:
+        return f"{ok} of {n} {within}."
+    return f"{ok} of {n} {within}; {n - ok} failed (below)."
+
+
+def fault_section(fault, entry):
+    L = []
+    trials = entry["trials"]
+    meta = entry["run"]
+    L.append(f"## {fault}\n")
+    L.append(f"Fault: {WHAT[fault]}. Limit: {LIMIT_TEXT[fault]}. Run {meta['date']} at "
+             f"commit {meta['commit']}.\n")
+    xs = figures(fault, entry)
+    s = pct(xs)
+    what = "seconds from the fault to each surviving rank's exit, all trials" \
+        if fault in RANK_FAULTS else "the training's wall time in seconds (launch to exit)"
+    if s:
+        L.append(f"Spread of {what}: min {s['min']:.2f}, median {s['median']:.2f}, max "
+                 f"{s['max']:.2f} (n = {s['n']}).\n")
+    else:
+        L.append(f"No figures ({what}) were recorded.\n")
+    if fault in RANK_FAULTS:
+        rows = [row for t in trials for row in t.get("ranks", [])]
+        named = sum(1 for r in rows if r.get("names"))
+        L.append(f"Ranks whose error named \"{NAMES[fault]}\": {named} of {len(rows)}.\n")
+        by_rank = {}
+        for row in rows:
+            if row.get("seconds") is not None:
+                by_rank.setdefault(row["rank"], []).append(row["seconds"])
+        if by_rank:
+            L.append("| rank | n | min s | median s | max s |")
+            L.append("|---:|---:|---:|---:|---:|")
+            for r in sorted(by_rank):
+                q = pct(by_rank[r])
+                L.append(f"| {r} | {q['n']} | {q['min']:.2f} | {q['median']:.2f} | "
+                         f"{q['max']:.2f} |")
+            L.append("")
+        if fault == "daemon-stop":
+            sc = [t["sigcont_after_s"] for t in trials if "sigcont_after_s" in t]
+            if sc:
+                L.append(f"node-1 was continued (SIGCONT) after {min(sc):.1f} to "
+                         f"{max(sc):.1f} s.\n")
+        lines = {}
+        for row in rows:
+            # The same error from different trials, steps and ranks: the trial's temporary
+            # directory and the digits grouped.
+            key = re.sub(r"ragshard-[A-Za-z0-9_]+", "ragshard-*", row.get("error_line", ""))
+            key = re.sub(r"[0-9]+", "#", key)
+            lines.setdefault(key, [0, row.get("error_line", ""), set()])
+            lines[key][0] += 1
+            lines[key][2].add(row["rank"])
+        if lines:
+            L.append("The ranks' errors (the last error line of each rank; lines that differ "
+                     "only in digits or the trial's temporary directory are counted together, "
+                     "one example quoted):\n")
+            for key, (count, example, rks) in sorted(lines.items(), key=lambda kv: -kv[1][0]):
+                L.append(f"- {count} x (ranks {', '.join(map(str, sorted(rks)))}): "
+                         f"`{brief(example, 260).replace('`', chr(39))}`")
+            L.append("")
+    else:
+        extra = []
+        run = [t for t in trials if "running_at_restart" in t]
+        if run:
+            extra.append(f"the training was still running when the planner came back in "
+                         f"{sum(t['running_at_restart'] for t in run)} of {len(run)} trials")
+        rs = [t["restart_seconds"] for t in trials if "restart_seconds" in t]
+        if rs:
+            extra.append(f"the planner's restart (to its port file) took {min(rs):.2f} to "
+                         f"{max(rs):.2f} s after the 1 s outage")
+        kb = [t["steps_before_kill"] for t in trials if "steps_before_kill" in t]
+        if kb:
+            extra.append(f"rank 0 had printed {min(kb)}"
+                         f"{'' if min(kb) == max(kb) else f' to {max(kb)}'} of "
+                         f"{entry.get('steps', '?')} steps when the planner was killed")
+        if extra:
+            L.append("; ".join(extra).capitalize() + ".\n")
+    stuck = [(t["trial"], x) for t in trials for x in t.get("stuck_at_stop", [])]
+    left = [(t["trial"], t["leftover_after_launcher"]) for t in trials
+            if t.get("leftover_after_launcher")]
+    if stuck:
+        L.append("Servers that did not exit within 10 s of SIGTERM at the trial's end (killed): " +
+                 ", ".join(f"trial {i}: {x}" for i, x in stuck) + ".\n")
+    if left:
+        L.append("Processes of the launcher's session still alive after the launcher exited "
+                 "(killed): " + ", ".join(f"trial {i}: pids {p}" for i, p in left) + ".\n")
+    L.append(f"**Verdict: {verdict(fault, entry)}**\n")
+    failed = [t for t in trials if not t["passed"]]
+    if failed:
+        L.append("Failed trials:\n")
+        for t in failed:
+            L.append(f"- trial {t['trial']}: {brief(t.get('error') or '?', 600)}")
+        L.append("")
+    # Per-trial table.
+    L.append("<details><summary>Per trial</summary>\n")
+    if fault in RANK_FAULTS:
+        L.append("| trial | result | seconds to exit (rank: s, named?) |")
+        L.append("|---:|---|---|")
+        for t in trials:
+            cells = ", ".join(f"{r['rank']}: {fmt(r.get('seconds'))}"
+                              f"{'' if r.get('names') else ' (not named)'}"
+                              for r in t.get("ranks", []))
+            L.append(f"| {t['trial']} | {'pass' if t['passed'] else 'FAIL'} | {cells or '—'} |")
+    else:
+        L.append("| trial | result | wall s | running at restart | final loss |")
+        L.append("|---:|---|---:|---|---:|")
+        for t in trials:
+            L.append(f"| {t['trial']} | {'pass' if t['passed'] else 'FAIL'} | "
+                     f"{fmt(t.get('wall_seconds'))} | {t.get('running_at_restart', '—')} | "
+                     f"{fmt(t.get('final_loss'), 6)} |")
+    L.append("\n</details>\n")
+    return L
+
+
+def soak_section(entry):
+    L = ["## Planner soak and kill bursts (bench/planner_soak)\n"]
+    meta = entry["run"]
+    res = entry["result"]
+    if not res.get("present"):
+        L.append(f"Not run: `{res.get('tool')}` is not built in the build directory used "
+                 f"({meta['date']}, commit {meta['commit']}). Re-run "
+                 f"`bench/chaos_report.py --faults soak` once it exists; this section is "
+                 f"replaced and the rest of the report kept.\n")
+        return L
+    L.append(f"Run {meta['date']} at commit {meta['commit']}.\n")
+    for mode in ("soak", "kills"):
+        e = res["modes"].get(mode)
+        if not e:
+            continue
+        L.append(f"### --mode {mode}\n")
+        L.append(f"`{e['command']}` (exit code {e.get('exit_code', '—')}, "
+                 f"{e.get('wall_seconds', 0):.1f} s)\n")
+        if e.get("error"):
+            L.append(f"Error: {brief(e['error'], 600)}\n")
+        doc = e.get("result") or {}
+        if doc:
+            L.append("| key | value | limit | within |")
+            L.append("|---|---:|---|---|")
+            for k, v in doc.items():
+                lim, chk = SOAK_LIMITS.get(k, ("—", None))
+                ok = "—"
+                if chk is not None and isinstance(v, (int, float)):
+                    try:
+                        r = chk(v, doc)
+                        ok = "—" if r is None else ("yes" if r else "**NO**")
+                    except Exception:
+                        ok = "—"
+                if k.startswith("threads") and {"threads_start", "threads_max"} <= doc.keys():
+                    lim = f"bounded (max − start = {doc['threads_max'] - doc['threads_start']})"
+                if isinstance(v, float):
+                    v = f"{v:.4g}"
+                elif isinstance(v, int) and abs(v) >= 10000:
+                    v = f"{v:,}"
+                L.append(f"| {k} | {v} | {lim} | {ok} |")
+            L.append("")
+    return L
+
+
+def write_svg(path, data):
+    """A box/strip chart per fault, by hand (no matplotlib)."""
+    W, H, top, bottom, left = 220 * max(1, len(data)), 360, 40, 60, 50
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" '
+           f'font-family="sans-serif" font-size="11">',
+           f'<rect width="{W}" height="{H}" fill="white"/>']
+    for i, (fault, xs, limit, fails, bad) in enumerate(data):
+        x0 = i * 220 + left
+        w = 220 - left - 20
+        ymax = max(xs + ([limit] if limit else []) + [1]) * 1.15
+        y = lambda v: top + (H - top - bottom) * (1 - v / ymax)  # noqa: E731
+        out.append(f'<text x="{x0 + w / 2}" y="20" text-anchor="middle" font-weight="bold">'
+                   f'{fault}</text>')
+        out.append(f'<line x1="{x0}" y1="{top}" x2="{x0}" y2="{H - bottom}" stroke="black"/>')
+        for k in range(6):
+            v = ymax * k / 5
+            out.append(f'<text x="{x0 - 4}" y="{y(v) + 4:.1f}" text-anchor="end">{v:.0f}</text>')
+            out.append(f'<line x1="{x0}" y1="{y(v):.1f}" x2="{x0 + w}" y2="{y(v):.1f}" '
+                       f'stroke="#ddd"/>')
+        if xs:
+            q = statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
+            bx = x0 + w * 0.3
+            out.append(f'<rect x="{bx}" y="{y(q[2]):.1f}" width="{w * 0.4}" '
+                       f'height="{max(1, y(q[0]) - y(q[2])):.1f}" fill="#cde" stroke="#248"/>')
+            out.append(f'<line x1="{bx}" y1="{y(q[1]):.1f}" x2="{bx + w * 0.4}" '
+                       f'y2="{y(q[1]):.1f}" stroke="#248" stroke-width="2"/>')
+            for j, v in enumerate(xs):
+                jx = x0 + w * (0.35 + 0.3 * ((j * 37) % 100) / 100)
+                out.append(f'<circle cx="{jx:.1f}" cy="{y(v):.1f}" '
+                           f'r="{4 if bad[j] else 2.5}" fill="{"red" if bad[j] else "#135"}" '
+                           f'fill-opacity="0.6"/>')
+        if limit:
+            out.append(f'<line x1="{x0}" y1="{y(limit):.1f}" x2="{x0 + w}" y2="{y(limit):.1f}" '
+                       f'stroke="red" stroke-dasharray="5,3"/>')
+            out.append(f'<text x="{x0 + w}" y="{y(limit) - 3:.1f}" text-anchor="end" '
+                       f'fill="red">limit {limit:g} s</text>')
+        label = "s to exit" if limit else "wall s"
+        out.append(f'<text x="{x0 + w / 2}" y="{H - bottom + 18}" text-anchor="middle">'
+                   f'{label} (n={len(xs)})</text>')
+        if fails:
+            out.append(f'<text x="{x0 + w / 2}" y="{H - bottom + 34}" text-anchor="middle" '
+                       f'fill="red">{fails} failed trial(s)</text>')
+    out.append("</svg>")
+    with open(path, "w") as f:
+        f.write("\n".join(out) + "\n")
+
+
+def plot(docs, doc):
+    data = []
+    for fault in RANK_FAULTS + TRAINING_FAULTS:
+        e = doc["faults"].get(fault)
+        if e:
+            data.append((fault, figures(fault, e), LIMITS.get(fault),
+                         sum(not t["passed"] for t in e["trials"]), bad_points(fault, e)))
+    if not data:
+        return None
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        path = os.path.join(docs, "reliability.svg")
+        write_svg(path, data)
+        return path
+    import random
+    rng = random.Random(0)
+    fig, axes = plt.subplots(1, len(data), figsize=(3.2 * len(data), 4.2), squeeze=False)
+    for ax, (fault, xs, limit, fails, bad) in zip(axes[0], data):
+        if xs:
+            ax.boxplot([xs], widths=0.5, showfliers=False)
+            jit = [1 + rng.uniform(-0.15, 0.15) for _ in xs]
+            good = [(j, v) for j, v, b in zip(jit, xs, bad) if not b]
+            worse = [(j, v) for j, v, b in zip(jit, xs, bad) if b]
+            if good:
+                ax.scatter(*zip(*good), s=12, c="#135", alpha=0.6, zorder=3)
+            if worse:
+                ax.scatter(*zip(*worse), s=40, c="red", marker="x", zorder=4,
+                           label="broke the expectation")
+                ax.legend(fontsize=7, loc="upper left")
+        if limit:
+            ax.axhline(limit, color="red", ls="--", lw=1)
+            ax.text(1.45, limit, f"limit {limit:g} s", color="red", ha="right", va="bottom",
+                    fontsize=8)
+        top = max(xs + ([limit] if limit else []) + [1]) * 1.15
+        ax.set_ylim(0, top)
+        ax.set_xticks([1])
+        ax.set_xticklabels([f"n={len(xs)}" + (f"\n{fails} failed trial(s)" if fails else "")],
+                           color="red" if fails else "black")
+        ax.set_title(fault, fontsize=10)
+        ax.set_ylabel("seconds from the fault to each rank's exit" if limit else
+                      "training wall time, s (limit: completes\nwith the reference losses)",
+                      fontsize=8)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle("ragshard under faults: each trial on a fresh planner + 2 daemons, 4 ranks",
+                 fontsize=10)
+    fig.tight_layout()
+    path = os.path.join(docs, "reliability.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_report(docs, doc):
+    pic = plot(docs, doc)
+    L = ["# Reliability under faults\n",
+         "Generated by `bench/chaos_report.py` from `reliability.json` (the raw per-trial "
+         "results; a run of some faults replaces those faults' entries and keeps the others). "
+         "Each trial starts its own planner and 2 daemons (`ragshard.cluster.LocalCluster`, "
+         "127.0.0.1 and Unix sockets) and 4 ranks of `examples/train_tiny.py`, 2 per daemon; "
+         "the rank faults start each rank on its own (no launcher to stop the others), as "
+         "`tests/python/test_faults.py` does; the planner faults run the training through "
+         "`ragshard.launch` and compare its losses and final parameters with the "
+         "single-process reference (`test_training.compare`, relative 1e-5), computed once "
+         "per campaign.\n",
+         "## How it was run\n"]
+    runs = {}
+    for fault in ALL_FAULTS:
+        e = doc["faults"].get(fault)
+        if e:
+            key = (e["run"]["command"], e["run"]["date"])
+            runs.setdefault(key, (e["run"], []))[1].append(fault)
+    for (cmd, _), (meta, faults) in sorted(runs.items(), key=lambda kv: kv[0][1]):
+        L.append(f"- Faults {', '.join(faults)}:")
+        L.append(f"  - command: `{cmd}` (in the repository root)")
+        L.append(f"  - date: {meta['date']}; commit: `{meta['commit']}`; build: "
+                 f"`{meta['build']}`")
+        L.append(f"  - machine: {meta['machine']}")
+    L.append("")
+    for note in doc.get("notes", []):
+        L.append(f"Note: {note}\n")
+    L.append("## Summary\n")
+    L.append("| fault | trials | passes | min s | median s | max s | limit | verdict |")
+    L.append("|---|---:|---:|---:|---:|---:|---|---|")
+    for fault in RANK_FAULTS + TRAINING_FAULTS:
+        e = doc["faults"].get(fault)
+        if not e:
+            continue
+        s = pct(figures(fault, e)) or {}
+        n, ok = len(e["trials"]), sum(t["passed"] for t in e["trials"])
+        lim = f"{LIMITS[fault]:g} s, names \"{NAMES[fault]}\"" if fault in LIMITS else \
+            "completes with reference losses"
+        L.append(f"| {fault} | {n} | {ok} | {fmt(s.get('min'))} | {fmt(s.get('median'))} | "
+                 f"{fmt(s.get('max'))} | {lim} | "
+                 f"{'all within' if ok == n else f'{n - ok} FAILED'} |")
+    L.append("")
+    L.append("Seconds: for the rank and daemon faults, from the fault to each surviving rank's "
+             "exit, over all survivors of all trials; for the planner faults, the training's "
+             "wall time from launch to exit.\n")
+    if pic:
+        L.append(f"![seconds per fault against the limit]({os.path.basename(pic)})\n")
+    for fault in RANK_FAULTS + TRAINING_FAULTS:
+        if fault in doc["faults"]:
+            L.extend(fault_section(fault, doc["faults"][fault]))
+    if "soak" in doc["faults"]:
+        L.extend(soak_section(doc["faults"]["soak"]))
+    with open(os.path.join(docs, "reliability.md"), "w") as f:
+        f.write("\n".join(L).rstrip() + "\n")
+
+
+def load_json(path):
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+        doc.setdefault("faults", {})
+        return doc
+    except (OSError, ValueError):
+        return {"faults": {}}
+
+
+def save(docs, doc):
+    path = os.path.join(docs, "reliability.json")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(tmp, path)
+    write_report(docs, doc)
