@@ -26,6 +26,7 @@
 
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_cat.h"
+#include "bench/proc_stats.h"
 #include "common/inventory.h"
 #include "common/planner_client.h"
 #include "nlohmann/json.hpp"
@@ -38,15 +39,7 @@ using Clock = std::chrono::steady_clock;
 using testing::PlannerProcess;
 using namespace std::chrono_literals;
 
-// A figure of the planner's /proc/PID/status ("Threads", "VmRSS" in kB).
-int64_t ProcStatus(pid_t pid, const std::string& key) {
-  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
-  std::string line;
-  while (std::getline(status, line)) {
-    if (line.rfind(key + ":", 0) == 0) return std::stoll(line.substr(key.size() + 1));
-  }
-  return -1;
-}
+using bench::ProcStatus;
 
 int64_t Maps(pid_t pid) {
   std::ifstream maps("/proc/" + std::to_string(pid) + "/maps");

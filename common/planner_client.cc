@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
+#include "common/plan_codec.h"
 #include "glog/logging.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -89,14 +90,38 @@ class GrpcPlanWatch final : public PlanWatch {
       v1::WatchPlanRequest req;
       req.set_job_id(job_id_);
       req.set_after_plan_version(seen_version);
+      req.set_accept_zstd(true);  // about 40x fewer bytes for a large plan
       auto reader = stub_->WatchPlan(&ctx, req);
       v1::WatchPlanEvent ev;
       bool got_any = false;
+      absl::Status corrupt;
       while (reader->Read(&ev)) {
         got_any = true;
-        if (ev.has_plan()) seen_version = std::max(seen_version, ev.plan_version());
+        if (!ev.plan_zstd().empty() && options_->decode_plans) {
+          auto plan = DecodePlan(ev.plan_zstd(), "the planner's compressed plan");
+          if (!plan.ok()) {
+            corrupt = plan.status();
+            break;
+          }
+          *ev.mutable_plan() = std::move(*plan);
+          ev.clear_plan_zstd();
+        }
+        if (ev.has_plan() || !ev.plan_zstd().empty()) {
+          seen_version = std::max(seen_version, ev.plan_version());
+        }
         callback_(absl::OkStatus(), &ev);
         if (ev.status() == v1::JOB_DELETED) break;
+      }
+      if (!corrupt.ok()) {
+        ctx.TryCancel();
+        (void)reader->Finish();
+        {
+          absl::MutexLock lock(&mu_);
+          ctx_ = nullptr;
+          if (stopped_) return;
+        }
+        callback_(corrupt, nullptr);
+        return;
       }
       grpc::Status st = reader->Finish();
       {
@@ -330,6 +355,30 @@ absl::StatusOr<v1::Job> GrpcPlannerClient::RegisterRank(const v1::RegisterRankRe
   return resp.job();
 }
 
+absl::StatusOr<v1::ListJobNodesResponse> GrpcPlannerClient::ListJobNodes(
+    const std::string& job_id) {
+  v1::ListJobNodesResponse resp;
+  RAGSHARD_UNARY(ListJobNodes, ForJob<v1::ListJobNodesRequest>(job_id), resp);
+  if (resp.run_node_size() != resp.run_first_size() ||
+      resp.run_node_size() != resp.run_count_size()) {
+    return absl::InternalError("ListJobNodes: the planner's runs are not of one length");
+  }
+  for (int32_t n : resp.run_node()) {
+    if (n < 0 || n >= resp.node_ids_size()) {
+      return absl::InternalError(
+          absl::StrCat("ListJobNodes: run of node ", n, " of ", resp.node_ids_size()));
+    }
+  }
+  return resp;
+}
+
+absl::StatusOr<v1::Job> GrpcPlannerClient::RegisterNodeRanks(
+    const v1::RegisterNodeRanksRequest& request) {
+  v1::RegisterNodeRanksResponse resp;
+  RAGSHARD_UNARY(RegisterNodeRanks, request, resp);
+  return resp.job();
+}
+
 absl::StatusOr<v1::Plan> GrpcPlannerClient::GetPlan(const std::string& job_id) {
   v1::GetPlanResponse resp;
   RAGSHARD_UNARY(GetPlan, ForJob<v1::GetPlanRequest>(job_id), resp);
@@ -386,6 +435,25 @@ absl::StatusOr<std::string> GrpcPlannerClient::Get(const std::string& job_id,
       Retry([&](grpc::ClientContext* ctx) { return stub_->Get(ctx, req, &resp); }, &attempts, wait);
   if (!st.ok()) return Wrap(st);
   return resp.value();
+}
+
+absl::StatusOr<std::vector<std::string>> GrpcPlannerClient::GetKeys(
+    const std::string& job_id, const std::vector<std::string>& keys,
+    std::chrono::milliseconds wait) {
+  v1::GetKeysRequest req;
+  req.set_job_id(job_id);
+  for (const std::string& key : keys) req.add_keys(key);
+  req.set_wait_ms(wait.count());
+  v1::GetKeysResponse resp;
+  int attempts = 0;
+  grpc::Status st = Retry([&](grpc::ClientContext* ctx) { return stub_->GetKeys(ctx, req, &resp); },
+                          &attempts, wait);
+  if (!st.ok()) return Wrap(st);
+  if (resp.values_size() != req.keys_size()) {
+    return absl::InternalError(absl::StrCat("the planner answered ", resp.values_size(),
+                                            " values for ", req.keys_size(), " keys"));
+  }
+  return std::vector<std::string>(resp.values().begin(), resp.values().end());
 }
 
 absl::Status GrpcPlannerClient::ReportFailure(const v1::ReportFailureRequest& request) {

@@ -60,8 +60,13 @@ class PlannerClient {
   virtual absl::StatusOr<v1::ListRanksResponse> ListRanksPage(
       const v1::ListRanksRequest& request) = 0;
   virtual absl::Status DeleteJob(const std::string& job_id) = 0;
+  // The job's nodes in the order of their first rank, with their registered ranks as runs.
+  virtual absl::StatusOr<v1::ListJobNodesResponse> ListJobNodes(const std::string& job_id) = 0;
   // Blocks while a hash-only registration waits for the full inventory.
   virtual absl::StatusOr<v1::Job> RegisterRank(const v1::RegisterRankRequest& request) = 0;
+  // A node's ranks in one call (one store transaction); blocks like RegisterRank.
+  virtual absl::StatusOr<v1::Job> RegisterNodeRanks(
+      const v1::RegisterNodeRanksRequest& request) = 0;
   virtual absl::StatusOr<v1::Plan> GetPlan(const std::string& job_id) = 0;
   // Watches plan versions and status changes, reconnecting with backoff and resuming after the
   // last plan version seen.
@@ -76,6 +81,11 @@ class PlannerClient {
   // Waits up to `wait` for the key; DEADLINE_EXCEEDED when it does not appear.
   virtual absl::StatusOr<std::string> Get(const std::string& job_id, const std::string& key,
                                           std::chrono::milliseconds wait) = 0;
+  // Several keys at once, in order, waiting up to `wait` for all of them (DEADLINE_EXCEEDED
+  // naming a missing one).
+  virtual absl::StatusOr<std::vector<std::string>> GetKeys(const std::string& job_id,
+                                                           const std::vector<std::string>& keys,
+                                                           std::chrono::milliseconds wait) = 0;
   virtual absl::Status ReportFailure(const v1::ReportFailureRequest& request) = 0;
   // SERVING according to the gRPC health service.
   virtual absl::Status Health() = 0;
@@ -99,6 +109,10 @@ struct PlannerClientOptions {
   // Watch reconnection backoff.
   std::chrono::milliseconds watch_initial_backoff{100};
   std::chrono::milliseconds watch_max_backoff{5'000};
+  // Watches take plans compact (zstd) from the planner; with decode_plans (the default) an
+  // event's callback gets `plan`, else the frame as it came in `plan_zstd` (a simulated node
+  // in bench/control_plane_bench that only compares it).
+  bool decode_plans = true;
   // Unary calls that find the planner UNAVAILABLE (a restart) are retried with exponential
   // backoff and jitter for this long, then fail saying for how long they tried. Retries are
   // idempotent: a CreateJob whose earlier attempt was committed returns that job (the same mesh
@@ -126,7 +140,9 @@ class GrpcPlannerClient final : public PlannerClient {
   absl::StatusOr<v1::ListJobsResponse> ListJobsPage(const v1::ListJobsRequest& request) override;
   absl::StatusOr<v1::ListRanksResponse> ListRanksPage(const v1::ListRanksRequest& request) override;
   absl::Status DeleteJob(const std::string& job_id) override;
+  absl::StatusOr<v1::ListJobNodesResponse> ListJobNodes(const std::string& job_id) override;
   absl::StatusOr<v1::Job> RegisterRank(const v1::RegisterRankRequest& request) override;
+  absl::StatusOr<v1::Job> RegisterNodeRanks(const v1::RegisterNodeRanksRequest& request) override;
   absl::StatusOr<v1::Plan> GetPlan(const std::string& job_id) override;
   std::unique_ptr<PlanWatch> WatchPlan(const std::string& job_id,
                                        PlanWatchCallback callback) override;
@@ -138,6 +154,9 @@ class GrpcPlannerClient final : public PlannerClient {
                    const std::string& value) override;
   absl::StatusOr<std::string> Get(const std::string& job_id, const std::string& key,
                                   std::chrono::milliseconds wait) override;
+  absl::StatusOr<std::vector<std::string>> GetKeys(const std::string& job_id,
+                                                   const std::vector<std::string>& keys,
+                                                   std::chrono::milliseconds wait) override;
   absl::Status ReportFailure(const v1::ReportFailureRequest& request) override;
   absl::Status Health() override;
 

@@ -15,11 +15,11 @@ PACKAGES=(
   libucx-dev ucx-utils
   libabsl-dev libgoogle-glog-dev libgflags-dev
   libgtest-dev libgmock-dev libbenchmark-dev
-  libsqlite3-dev sqlite3 libssl-dev openssl nlohmann-json3-dev libcli11-dev zlib1g-dev
+  libsqlite3-dev sqlite3 libssl-dev openssl nlohmann-json3-dev libcli11-dev zlib1g-dev libzstd-dev
   prometheus-cpp-dev
   libopenmpi-dev openmpi-bin libgloo-dev
   python3-venv
-  patchelf
+  patchelf iproute2
   slurmctld slurmd slurm-client munge systemd
 )
 

@@ -1,5 +1,6 @@
 // NodeDaemon's job setup: the first rank of a job on this node to attach sets the job up (its
 // plan, its UCX worker and peers, its data plane); the node's other ranks wait for it.
+#include <algorithm>
 #include <set>
 #include <utility>
 
@@ -31,19 +32,20 @@ absl::StatusOr<std::shared_ptr<JobRuntime>> NodeDaemon::GetOrCreateJob(const std
   if (!plan.ok()) return plan.status();
   auto job = planner_->GetJob(job_id);
   if (!job.ok()) return job.status();
-  auto ranks = planner_->ListRanks(job_id);
-  if (!ranks.ok()) return ranks.status();
-  if (rank >= static_cast<int64_t>(ranks->size()) ||
-      (*ranks)[static_cast<size_t>(rank)].node_id() != options_.node_id) {
+  // The job's nodes with their ranks as runs: O(nodes), whatever the ranks per node.
+  auto job_nodes = planner_->ListJobNodes(job_id);
+  if (!job_nodes.ok()) return job_nodes.status();
+  const std::vector<std::string> nodes(job_nodes->node_ids().begin(), job_nodes->node_ids().end());
+  std::vector<int64_t> local;
+  for (int i = 0; i < job_nodes->run_node_size(); ++i) {
+    if (nodes[static_cast<size_t>(job_nodes->run_node(i))] != options_.node_id) continue;
+    for (int64_t r = 0; r < job_nodes->run_count(i); ++r) {
+      local.push_back(job_nodes->run_first(i) + r);
+    }
+  }
+  if (std::find(local.begin(), local.end(), rank) == local.end()) {
     return absl::FailedPreconditionError(absl::StrCat("rank ", rank, " of job '", job_id,
                                                       "' is not on node '", options_.node_id, "'"));
-  }
-  std::vector<int64_t> local;
-  std::vector<std::string> nodes;
-  for (const auto& r : *ranks) {
-    if (r.node_id() == options_.node_id) local.push_back(r.rank());
-    if (std::find(nodes.begin(), nodes.end(), r.node_id()) == nodes.end())
-      nodes.push_back(r.node_id());
   }
   if (local.empty()) {
     return absl::FailedPreconditionError(
@@ -62,24 +64,26 @@ absl::StatusOr<std::shared_ptr<JobRuntime>> NodeDaemon::GetOrCreateJob(const std
     worker->set_on_reject([metrics = metrics_](const absl::Status& why) { metrics->Error(why); });
     absl::Status s = planner_->Put(job_id, "data/" + options_.node_id, worker->address());
     if (!s.ok()) return s;
-    std::vector<std::string> addresses;
-    std::set<std::string> hosts;
+    // Every node's address in one call: a rendezvous of N nodes costs the planner N calls.
+    std::vector<std::string> keys;
     int me = 0;
     for (size_t i = 0; i < nodes.size(); ++i) {
       if (nodes[i] == options_.node_id) me = static_cast<int>(i);
-      auto a = planner_->Get(
-          job_id, "data/" + nodes[i],
-          absl::ToChronoMilliseconds(std::max(deadline - absl::Now(), absl::Milliseconds(1))));
-      if (!a.ok()) {
-        return absl::Status(a.status().code(),
-                            absl::StrCat("waiting for node '", nodes[i],
-                                         "' to publish its data address: ", a.status().message()));
-      }
-      addresses.push_back(*a);
-      hosts.insert(HostOf(*a));
+      keys.push_back("data/" + nodes[i]);
     }
+    auto addresses = planner_->GetKeys(
+        job_id, keys,
+        absl::ToChronoMilliseconds(std::max(deadline - absl::Now(), absl::Milliseconds(1))));
+    if (!addresses.ok()) {
+      return absl::Status(addresses.status().code(),
+                          absl::StrCat("waiting for the job's nodes to publish their data "
+                                       "addresses: ",
+                                       addresses.status().message()));
+    }
+    std::set<std::string> hosts;
+    for (const std::string& a : *addresses) hosts.insert(HostOf(a));
     worker->AllowPeerHosts(hosts);  // only the job's peers may connect
-    auto c = worker->Connect(me, addresses, deadline, job_id, nodes);
+    auto c = worker->Connect(me, *addresses, deadline, job_id, nodes);
     if (!c.ok()) return c.status();
     comm = std::move(*c);
   }

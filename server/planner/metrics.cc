@@ -21,6 +21,18 @@ PlannerMetrics::PlannerMetrics() : registry_(std::make_shared<prometheus::Regist
                        .Register(*registry_)
                        .Add({}, prometheus::Histogram::BucketBoundaries{0.001, 0.005, 0.02, 0.1,
                                                                         0.5, 2, 10, 60});
+  // A node's daemon takes each plan version once and its ranks take it from the daemon: a job
+  // of N nodes costs N sends of the plan per version, whatever its ranks per node.
+  plans_sent_ = &prometheus::BuildCounter()
+                     .Name("ragshard_planner_plans_sent_total")
+                     .Help("Plan versions handed to WatchPlan streams")
+                     .Register(*registry_)
+                     .Add({});
+  plan_bytes_sent_ = &prometheus::BuildCounter()
+                          .Name("ragshard_planner_plan_bytes_sent_total")
+                          .Help("Bytes of the plan events handed to WatchPlan streams")
+                          .Register(*registry_)
+                          .Add({});
 }
 
 void PlannerMetrics::PlanComputed(bool ok, double seconds) {

@@ -24,6 +24,11 @@ class PlannerMetrics {
   void RankRegistered() { registrations_->Increment(); }
   // A plan computation ended, with its result and its wall time.
   void PlanComputed(bool ok, double seconds);
+  // A watch stream was handed a plan version, `bytes` of it on the wire (compact or plain).
+  void PlanSent(size_t bytes) {
+    plans_sent_->Increment();
+    plan_bytes_sent_->Increment(static_cast<double>(bytes));
+  }
 
  private:
   std::shared_ptr<prometheus::Registry> registry_;
@@ -31,6 +36,8 @@ class PlannerMetrics {
   prometheus::Counter* plans_ok_ = nullptr;
   prometheus::Counter* plans_failed_ = nullptr;
   prometheus::Histogram* plan_seconds_ = nullptr;
+  prometheus::Counter* plans_sent_ = nullptr;
+  prometheus::Counter* plan_bytes_sent_ = nullptr;
 };
 
 }  // namespace ragshard::planner

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/metrics.h"
+#include "common/plan_codec.h"
 #include "common/rpc.h"
 #include "common/secrets.h"
 #include "glog/logging.h"
@@ -51,11 +52,14 @@ absl::StatusOr<std::unique_ptr<PlannerService>> PlannerService::Create(std::uniq
     for (auto& [id, bytes] : state->plans) {
       auto it = svc->jobs_.find(id);
       if (it == svc->jobs_.end()) continue;
-      v1::Plan plan;
-      if (!plan.ParseFromString(bytes)) return absl::DataLossError("corrupt stored plan of " + id);
+      auto decoded = DecodePlan(bytes, "stored plan of job '" + id + "'");
+      if (!decoded.ok()) return decoded.status();
+      v1::Plan& plan = *decoded;
       // A plan newer than its job's record was stored by an older planner killed between the
       // two writes (they are one transaction now): the job is planned again, to the same plan.
       if (plan.version() != it->second.job.plan_version()) continue;
+      // Stores written before plans were compressed hold them plain.
+      it->second.plan_zstd = IsZstdFrame(bytes) ? std::move(bytes) : CompressPlan(plan);
       it->second.plan = std::move(plan);
     }
     for (auto& kv : state->kv) {
@@ -168,12 +172,31 @@ grpc::ServerUnaryReactor* PlannerService::OnJob(
   });
 }
 
-v1::WatchPlanEvent PlannerService::EventFor(const JobState& js, uint64_t after_version) const {
+v1::WatchPlanEvent PlannerService::StatusEvent(const JobState& js) {
   v1::WatchPlanEvent ev;
   ev.set_status(js.job.status());
   ev.set_error(js.job.error());
   ev.set_plan_version(js.job.plan_version());
-  if (js.plan && js.job.plan_version() > after_version) *ev.mutable_plan() = *js.plan;
+  return ev;
+}
+
+WatchChannel::Event PlannerService::PlanEvent(JobState* js, bool zstd) {
+  JobState::PlanEvents& c = js->plan_events;
+  if (c.status != js->job.status() || c.error != js->job.error() ||
+      c.version != js->job.plan_version()) {
+    c = JobState::PlanEvents{js->job.status(), js->job.error(), js->job.plan_version(), {}, {}};
+  }
+  WatchChannel::Event& ev = zstd ? c.zstd : c.plain;
+  if (!ev) {
+    v1::WatchPlanEvent e = StatusEvent(*js);
+    if (zstd) {
+      e.set_plan_zstd(js->plan_zstd);
+    } else {
+      *e.mutable_plan() = *js->plan;
+    }
+    ev = ToBuffer(e);
+  }
+  metrics_.PlanSent(ev->Length());
   return ev;
 }
 
@@ -205,13 +228,11 @@ void PlannerService::NotifyWatchers(JobState* js, Deferred* deferred) {
   js->notified_status = js->job.status();
   js->notified_error = js->job.error();
   js->notified_version = js->job.plan_version();
-  WatchChannel::Event with_plan;
-  const WatchChannel::Event without_plan = ToBuffer(EventFor(*js, ~uint64_t{0}));
+  const WatchChannel::Event without_plan = ToBuffer(StatusEvent(*js));
   for (auto& w : live) {
     WatchChannel::Event ev = without_plan;
     if (w->sent_version < js->job.plan_version() && js->plan) {
-      if (!with_plan) with_plan = ToBuffer(EventFor(*js, 0));
-      ev = with_plan;
+      ev = PlanEvent(js, w->zstd);
       w->sent_version = js->job.plan_version();
     }
     deferred->push_back([w, ev] { w->Push(ev); });

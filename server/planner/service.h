@@ -18,6 +18,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -95,6 +96,9 @@ class PlannerService final
   // The jobs that are not deleted, a page at a time, by job id.
   Unary* ListJobs(Ctx* ctx, const v1::ListJobsRequest* req, v1::ListJobsResponse* resp) override;
   Unary* ListRanks(Ctx* ctx, const v1::ListRanksRequest* req, v1::ListRanksResponse* resp) override;
+  // The nodes of a job's registered ranks, with the ranks as runs (O(nodes) for a daemon).
+  Unary* ListJobNodes(Ctx* ctx, const v1::ListJobNodesRequest* req,
+                      v1::ListJobNodesResponse* resp) override;
   // Admin token only. Aborts the job's parked calls, closes its watch streams and purges its
   // plan and keys from the store.
   Unary* DeleteJob(Ctx* ctx, const v1::DeleteJobRequest* req, v1::DeleteJobResponse* resp) override;
@@ -102,6 +106,9 @@ class PlannerService final
   // the inventory itself); the last rank to register makes the job plan.
   Unary* RegisterRank(Ctx* ctx, const v1::RegisterRankRequest* req,
                       v1::RegisterRankResponse* resp) override;
+  // RegisterRank for several ranks of one node (its daemon's), in one store transaction.
+  Unary* RegisterNodeRanks(Ctx* ctx, const v1::RegisterNodeRanksRequest* req,
+                           v1::RegisterNodeRanksResponse* resp) override;
   // FAILED_PRECONDITION until the job is planned.
   Unary* GetPlan(Ctx* ctx, const v1::GetPlanRequest* req, v1::GetPlanResponse* resp) override;
   // The job's plan events, from after the version the request names.
@@ -117,6 +124,9 @@ class PlannerService final
   // stored key at once, else waits up to wait_ms (DEADLINE_EXCEEDED naming the key).
   Unary* Put(Ctx* ctx, const v1::PutRequest* req, v1::PutResponse* resp) override;
   Unary* Get(Ctx* ctx, const v1::GetRequest* req, v1::GetResponse* resp) override;
+  // Get for many keys at once: answers when every one is put (DEADLINE_EXCEEDED naming the
+  // missing ones after wait_ms).
+  Unary* GetKeys(Ctx* ctx, const v1::GetKeysRequest* req, v1::GetKeysResponse* resp) override;
   // A daemon's report of a lost peer marks a live job DEGRADED with the message.
   Unary* ReportFailure(Ctx* ctx, const v1::ReportFailureRequest* req,
                        v1::ReportFailureResponse* resp) override;
@@ -132,7 +142,7 @@ class PlannerService final
     std::function<grpc::Status(const absl::Status&)> complete;
   };
   struct PendingHash {
-    int64_t rank = 0;
+    std::vector<int64_t> ranks;  // sorted
     std::string node_id;
     std::string sha256;
     v1::Job* job_out = nullptr;  // the call's response job
@@ -142,8 +152,19 @@ class PlannerService final
     v1::Job job;
     std::optional<Inventory> inventory;  // the reference
     std::optional<v1::Plan> plan;
+    std::string plan_zstd;  // the plan's compact form (common/plan_codec.h), as stored
+    // The event that carries the plan, serialized once for every watcher that needs it, plain and
+    // compact; rebuilt when the status, error or version it was made for changes.
+    struct PlanEvents {
+      v1::JobStatus status = v1::JOB_STATUS_UNSPECIFIED;
+      std::string error;
+      uint64_t version = 0;
+      WatchChannel::Event plain, zstd;
+    } plan_events;
     // The registered ranks (job.registered_ranks() of them); the others are implicit.
     std::map<int64_t, v1::RankState> ranks;
+    // ListJobNodes' answer, made at its first call after the ranks last changed.
+    std::optional<v1::ListJobNodesResponse> nodes;
     bool planning = false;
     std::vector<PendingHash> pending_hash;
     std::vector<std::shared_ptr<WatchChannel>> watchers;
@@ -153,9 +174,12 @@ class PlannerService final
     std::string notified_error;
     uint64_t notified_version = 0;
   };
+  // A Get or GetKeys waiting for keys to be put.
   struct PendingGet {
-    std::string job_id, key;
-    v1::GetResponse* resp = nullptr;
+    std::string job_id;
+    std::set<std::string> missing;
+    // Fills the response from the job's keys once none is missing.
+    std::function<void(const std::map<std::string, std::string>& kv)> answer;
     Parked parked;
   };
   // Work to run after mu_ is released.
@@ -191,8 +215,11 @@ class PlannerService final
   // The job as answered: without its data secret (GetJob adds it where asked).
   static v1::Job Summary(const v1::Job& job);
   static int64_t NowMs();
-  v1::WatchPlanEvent EventFor(const JobState& js, uint64_t after_version) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The job's status event, without the plan.
+  static v1::WatchPlanEvent StatusEvent(const JobState& js);
+  // The serialized event with the job's plan (which it must have), plain or compact, for one
+  // watcher: counted as a plan sent.
+  WatchChannel::Event PlanEvent(JobState* js, bool zstd) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Adds `channel` to the watchers of the job `req` names, with `first` the event it starts
   // with; not OK (NOT_FOUND, RESOURCE_EXHAUSTED past max_watchers): why it closes at once.
   grpc::Status AddWatcher(const v1::WatchPlanRequest& req,
@@ -202,12 +229,21 @@ class PlannerService final
   absl::Status JobChanged(JobState* js, Deferred* deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Tells the job's watchers what changed (JobChanged without the store write).
   void NotifyWatchers(JobState* js, Deferred* deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Records a rank's registration: the rank, the job's summary and (the first full one) the
+  // A registration of one rank (RegisterRank) or of a node's ranks (RegisterNodeRanks).
+  struct Registration {
+    std::string job_id, node_id;
+    std::vector<int64_t> ranks;            // sorted, distinct
+    const Inventory* inventory = nullptr;  // the full inventory, or
+    std::string sha;                       // its SHA-256
+  };
+  // Registers (or parks, until a reference inventory) and answers `job_out`.
+  Unary* Register(Ctx* ctx, Registration reg, v1::Job* job_out);
+  // Records ranks' registration: their rows, the job's summary and (the first full one) the
   // reference inventory in one store transaction, then in memory. Nothing changes when the
   // store fails, and the error answers the registration: an acknowledged one is durable.
-  absl::Status RegisterRankLocked(JobState* js, int64_t rank, const std::string& node,
-                                  const std::string& sha,
-                                  const std::string* inventory_bytes = nullptr)
+  absl::Status RegisterRanksLocked(JobState* js, const std::vector<int64_t>& ranks,
+                                   const std::string& node, const std::string& sha,
+                                   const std::string* inventory_bytes = nullptr)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Starts planning when every rank is registered.
   void MaybePlan(const std::string& job_id, JobState* js, Deferred* deferred)
@@ -221,6 +257,11 @@ class PlannerService final
   // The ticker's checks, each in the file of its responsibility.
   void Tick();
   void ExpireGets(Clock::time_point now, Deferred* deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Answers `keys` of a job from its stored keys at once, or parks the call until they are all
+  // put (`answer` fills the response).
+  Unary* GetOrWait(Ctx* ctx, const std::string& job_id, const std::vector<std::string>& keys,
+                   int64_t wait_ms,
+                   std::function<void(const std::map<std::string, std::string>& kv)> answer);
   void ExpireRegistrations(int64_t now_ms, Deferred* deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ExpireNodes(int64_t now_ms, Deferred* deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RunTicker();

@@ -114,6 +114,32 @@ grpc::ServerUnaryReactor* PlannerService::ListRanks(Ctx* ctx, const v1::ListRank
       });
 }
 
+grpc::ServerUnaryReactor* PlannerService::ListJobNodes(Ctx* ctx, const v1::ListJobNodesRequest* req,
+                                                       v1::ListJobNodesResponse* resp) {
+  return OnJob(ctx, Access::kUser, req->job_id(), nullptr, [&](JobState& js, Deferred*) {
+    // Built once per change of the ranks: every daemon of a job asks for the same answer.
+    if (!js.nodes) {
+      v1::ListJobNodesResponse& out = js.nodes.emplace();
+      std::map<std::string, int32_t> index;
+      for (const auto& [rank, state] : js.ranks) {
+        auto [it, fresh] = index.emplace(state.node_id(), out.node_ids_size());
+        if (fresh) out.add_node_ids(state.node_id());
+        const int n = out.run_node_size();
+        if (n > 0 && out.run_node(n - 1) == it->second &&
+            out.run_first(n - 1) + out.run_count(n - 1) == rank) {
+          out.set_run_count(n - 1, out.run_count(n - 1) + 1);
+        } else {
+          out.add_run_node(it->second);
+          out.add_run_first(rank);
+          out.add_run_count(1);
+        }
+      }
+    }
+    *resp = *js.nodes;
+    return absl::OkStatus();
+  });
+}
+
 grpc::ServerUnaryReactor* PlannerService::DeleteJob(Ctx* ctx, const v1::DeleteJobRequest* req,
                                                     v1::DeleteJobResponse*) {
   return OnJob(ctx, Access::kAdmin, req->job_id(), nullptr, [&](JobState& js, Deferred* deferred) {
@@ -135,7 +161,10 @@ grpc::ServerUnaryReactor* PlannerService::DeleteJob(Ctx* ctx, const v1::DeleteJo
     js.watchers.clear();
     js.inventory.reset();
     js.plan.reset();
+    js.plan_zstd.clear();
+    js.plan_events = {};
     js.ranks.clear();
+    js.nodes.reset();
     js.kv.clear();
     absl::Status purge = store_->PurgeJobData(req->job_id());
     LOG(INFO) << "job " << req->job_id() << " deleted";
@@ -169,7 +198,10 @@ grpc::Status PlannerService::AddWatcher(const v1::WatchPlanRequest& req,
   if (watchers_ >= options_.max_watchers) {
     return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "too many watchers");
   }
-  *first = ToBuffer(EventFor(js, req.after_plan_version()));
+  channel->zstd = req.accept_zstd();
+  *first = js.plan && js.job.plan_version() > req.after_plan_version()
+               ? PlanEvent(&js, req.accept_zstd())
+               : ToBuffer(StatusEvent(js));
   channel->sent_version = std::max(req.after_plan_version(), js.job.plan_version());
   w.push_back(channel);
   return grpc::Status::OK;

@@ -1,8 +1,10 @@
+#include <algorithm>
 #include <set>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/plan_codec.h"
 #include "common/planner.h"
 #include "common/proto_text.h"
 #include "common/rpc.h"
@@ -12,34 +14,77 @@
 
 namespace ragshard::planner {
 
+namespace {
+
+// Errors name the rank, or the span of a node's ranks.
+std::string RanksName(const std::vector<int64_t>& ranks, const std::string& node) {
+  if (ranks.size() == 1) return absl::StrCat("rank ", ranks[0]);
+  return absl::StrCat("ranks ", ranks.front(), "..", ranks.back(), " of node '", node, "'");
+}
+
+}  // namespace
+
 grpc::ServerUnaryReactor* PlannerService::RegisterRank(Ctx* ctx, const v1::RegisterRankRequest* req,
                                                        v1::RegisterRankResponse* resp) {
   absl::Status s =
       Admit(ctx, Access::kUser, [&] { return ValidateRegisterRank(*req, options_.limits); });
   if (!s.ok()) return ReplyUnary(ctx, s);
+  Registration reg;
+  reg.job_id = req->job_id();
+  reg.node_id = req->node_id();
+  reg.ranks = {req->rank()};
+  reg.inventory = req->has_inventory() ? &req->inventory() : nullptr;
+  reg.sha = req->inventory_sha256();
+  return Register(ctx, std::move(reg), resp->mutable_job());
+}
+
+grpc::ServerUnaryReactor* PlannerService::RegisterNodeRanks(Ctx* ctx,
+                                                            const v1::RegisterNodeRanksRequest* req,
+                                                            v1::RegisterNodeRanksResponse* resp) {
+  absl::Status s =
+      Admit(ctx, Access::kUser, [&] { return ValidateRegisterNodeRanks(*req, options_.limits); });
+  if (!s.ok()) return ReplyUnary(ctx, s);
+  Registration reg;
+  reg.job_id = req->job_id();
+  reg.node_id = req->node_id();
+  reg.ranks.assign(req->ranks().begin(), req->ranks().end());
+  std::sort(reg.ranks.begin(), reg.ranks.end());
+  reg.inventory = req->has_inventory() ? &req->inventory() : nullptr;
+  reg.sha = req->inventory_sha256();
+  return Register(ctx, std::move(reg), resp->mutable_job());
+}
+
+grpc::ServerUnaryReactor* PlannerService::Register(Ctx* ctx, Registration reg, v1::Job* job_out) {
   // Hash outside the lock: a DeepSeek-V3 inventory is several MB.
-  const bool full = req->has_inventory();
-  const std::string sha = full ? InventorySha256(req->inventory()) : req->inventory_sha256();
+  const bool full = reg.inventory != nullptr;
+  if (full) reg.sha = InventorySha256(*reg.inventory);
+  const std::string& sha = reg.sha;
+  const std::string who = RanksName(reg.ranks, reg.node_id);
   Deferred deferred;
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   grpc::Status result = grpc::Status::OK;
   bool parked = false;
   {
     absl::MutexLock lock(&mu_);
-    auto found = FindJob(req->job_id());
+    auto found = FindJob(reg.job_id);
     if (!found.ok()) {
       result = ToGrpcStatus(found.status());
     } else {
       JobState& js = **found;
       v1::Job& job = js.job;
-      if (req->rank() >= job.world_size()) {
+      auto registered_alike = [&] {
+        return std::all_of(reg.ranks.begin(), reg.ranks.end(), [&](int64_t rank) {
+          const auto r = js.ranks.find(rank);
+          return r != js.ranks.end() && r->second.inventory_sha256() == sha;
+        });
+      };
+      if (reg.ranks.back() >= job.world_size()) {
         result = ToGrpcStatus(absl::InvalidArgumentError(
-            absl::StrCat("rank: ", req->rank(), " is outside [0, ", job.world_size(), ") of job '",
-                         job.job_id(), "'")));
+            absl::StrCat("rank: ", reg.ranks.back(), " is outside [0, ", job.world_size(),
+                         ") of job '", job.job_id(), "'")));
       } else if (job.status() != v1::JOB_REGISTERING || js.planning) {
         // Registration is closed; an identical re-registration (a restarted rank) is fine.
-        const auto r = js.ranks.find(req->rank());
-        if (r != js.ranks.end() && r->second.inventory_sha256() == sha && !Terminal(job.status())) {
+        if (registered_alike() && !Terminal(job.status())) {
           result = grpc::Status::OK;
         } else {
           result = grpc::Status(
@@ -51,10 +96,10 @@ grpc::ServerUnaryReactor* PlannerService::RegisterRank(Ctx* ctx, const v1::Regis
       } else if (!job.inventory_sha256().empty() && sha != job.inventory_sha256()) {
         std::string error;
         if (full && js.inventory) {
-          error = absl::StrCat("rank ", req->rank(), ": inventory differs from the reference: ",
-                               FirstInventoryDifference(*js.inventory, req->inventory()));
+          error = absl::StrCat(who, ": inventory differs from the reference: ",
+                               FirstInventoryDifference(*js.inventory, *reg.inventory));
         } else {
-          error = absl::StrCat("rank ", req->rank(), ": inventory hash ", HexString(sha),
+          error = absl::StrCat(who, ": inventory hash ", HexString(sha),
                                " differs from the reference ", HexString(job.inventory_sha256()));
         }
         job.set_error(error);
@@ -63,30 +108,31 @@ grpc::ServerUnaryReactor* PlannerService::RegisterRank(Ctx* ctx, const v1::Regis
       } else if (job.inventory_sha256().empty() && !full) {
         // Wait for the first full inventory (or the registration deadline).
         PendingHash p;
-        p.rank = req->rank();
-        p.node_id = req->node_id();
+        p.ranks = reg.ranks;
+        p.node_id = reg.node_id;
         p.sha256 = sha;
-        p.job_out = resp->mutable_job();
+        p.job_out = job_out;
         p.parked.reactor = reactor;
         js.pending_hash.push_back(std::move(p));
         parked = true;
       } else {
         // The first full inventory becomes the reference, stored with the registration.
         const bool reference = job.inventory_sha256().empty();
-        const std::string bytes = reference ? DeterministicBytes(req->inventory()) : "";
-        s = RegisterRankLocked(&js, req->rank(), req->node_id(), sha, reference ? &bytes : nullptr);
+        const std::string bytes = reference ? DeterministicBytes(*reg.inventory) : "";
+        absl::Status s =
+            RegisterRanksLocked(&js, reg.ranks, reg.node_id, sha, reference ? &bytes : nullptr);
         if (!s.ok()) {
           result = ToGrpcStatus(s);
         } else {
           if (reference) {
-            js.inventory = req->inventory();
+            js.inventory = *reg.inventory;
             ResolvePendingHashes(&js, &deferred);
           }
           NotifyWatchers(&js, &deferred);
           MaybePlan(job.job_id(), &js, &deferred);
         }
       }
-      *resp->mutable_job() = Summary(job);
+      *job_out = Summary(job);
     }
   }
   for (auto& f : deferred) f();
@@ -94,34 +140,39 @@ grpc::ServerUnaryReactor* PlannerService::RegisterRank(Ctx* ctx, const v1::Regis
   return reactor;
 }
 
-absl::Status PlannerService::RegisterRankLocked(JobState* js, int64_t rank, const std::string& node,
-                                                const std::string& sha,
-                                                const std::string* inventory_bytes) {
-  v1::RankState r;
-  r.set_rank(rank);
-  r.set_registered(true);
-  r.set_node_id(node);
-  r.set_inventory_sha256(sha);
+absl::Status PlannerService::RegisterRanksLocked(JobState* js, const std::vector<int64_t>& ranks,
+                                                 const std::string& node, const std::string& sha,
+                                                 const std::string* inventory_bytes) {
+  std::vector<v1::RankState> rows;
   v1::Job job = js->job;  // a summary: O(1) in the world size
-  const bool fresh = !js->ranks.count(rank);
-  if (fresh) job.set_registered_ranks(job.registered_ranks() + 1);
+  int64_t fresh = 0;
+  for (int64_t rank : ranks) {
+    v1::RankState& r = rows.emplace_back();
+    r.set_rank(rank);
+    r.set_registered(true);
+    r.set_node_id(node);
+    r.set_inventory_sha256(sha);
+    fresh += js->ranks.count(rank) == 0 ? 1 : 0;
+  }
+  job.set_registered_ranks(job.registered_ranks() + fresh);
   if (inventory_bytes != nullptr) job.set_inventory_sha256(sha);
   absl::Status s = store_->Atomically([&] {
     if (inventory_bytes != nullptr) {
       RAGSHARD_RETURN_IF_ERROR(store_->PutInventory(job.job_id(), *inventory_bytes));
     }
-    RAGSHARD_RETURN_IF_ERROR(store_->PutRank(job.job_id(), r));
+    for (const v1::RankState& r : rows) RAGSHARD_RETURN_IF_ERROR(store_->PutRank(job.job_id(), r));
     return store_->PutJob(job);
   });
+  const std::string who = RanksName(ranks, node);
   if (!s.ok()) {
-    LOG(ERROR) << "store rank " << rank << " of job " << job.job_id() << ": " << s;
-    return absl::UnavailableError(
-        absl::StrCat("the planner could not store the registration of rank ", rank, " of job '",
-                     job.job_id(), "': ", s.message()));
+    LOG(ERROR) << "store " << who << " of job " << job.job_id() << ": " << s;
+    return absl::UnavailableError(absl::StrCat("the planner could not store the registration of ",
+                                               who, " of job '", job.job_id(), "': ", s.message()));
   }
   js->job = std::move(job);
-  js->ranks[rank] = std::move(r);
-  if (fresh) metrics_.RankRegistered();
+  for (v1::RankState& r : rows) js->ranks[r.rank()] = std::move(r);
+  js->nodes.reset();
+  for (int64_t i = 0; i < fresh; ++i) metrics_.RankRegistered();
   return absl::OkStatus();
 }
 
@@ -129,10 +180,10 @@ void PlannerService::ResolvePendingHashes(JobState* js, Deferred* deferred) {
   for (PendingHash& p : js->pending_hash) {
     grpc::Status status;
     if (p.sha256 == js->job.inventory_sha256()) {
-      status = ToGrpcStatus(RegisterRankLocked(js, p.rank, p.node_id, p.sha256));
+      status = ToGrpcStatus(RegisterRanksLocked(js, p.ranks, p.node_id, p.sha256));
     } else {
       std::string error =
-          absl::StrCat("rank ", p.rank, ": inventory hash ", HexString(p.sha256),
+          absl::StrCat("rank ", p.ranks.front(), ": inventory hash ", HexString(p.sha256),
                        " differs from the reference ", HexString(js->job.inventory_sha256()));
       js->job.set_error(error);
       status = grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, error);
@@ -200,6 +251,8 @@ void PlannerService::ComputePlan(const std::string& job_id) {
   }
   metrics_.PlanComputed(
       plan.ok(), std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
+  // Compressed outside the lock (about 8 ms for DeepSeek-V3); stored and sent in this form.
+  std::string bytes = plan.ok() ? CompressPlan(*plan) : "";
   Deferred deferred;
   {
     absl::MutexLock lock(&mu_);
@@ -212,7 +265,6 @@ void PlannerService::ComputePlan(const std::string& job_id) {
     } else if (!plan.ok()) {
       FailJob(&js, absl::StrCat("planning failed: ", plan.status().message()), &deferred);
     } else {
-      const std::string bytes = DeterministicBytes(*plan);
       v1::Job ready = js.job;
       if (shard > 0) {
         // Policy auto chose the shard group: the mesh becomes replicate x shard.
@@ -232,6 +284,7 @@ void PlannerService::ComputePlan(const std::string& job_id) {
         FailJob(&js, absl::StrCat("storing the plan failed: ", s.message()), &deferred);
       } else {
         js.plan = std::move(*plan);
+        js.plan_zstd = std::move(bytes);
         js.job = std::move(ready);
         if (shard > 0) {
           LOG(INFO) << "job " << job_id << " strategy " << js.plan->strategy().executed()

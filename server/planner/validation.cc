@@ -1,5 +1,8 @@
 #include "server/planner/validation.h"
 
+#include <algorithm>
+#include <vector>
+
 #include "absl/strings/str_cat.h"
 #include "common/planner.h"
 #include "common/status_macros.h"
@@ -105,6 +108,25 @@ absl::Status ValidateCreateJob(const v1::CreateJobRequest& req, const ServiceLim
   return absl::OkStatus();
 }
 
+namespace {
+
+// A registration's inventory: the full one, or its SHA-256.
+absl::Status ValidateInventoryOrHash(bool full, bool hash, const Inventory& inventory,
+                                     const std::string& sha, const ServiceLimits& limits) {
+  if (full) {
+    absl::Status v = ValidateInventory(inventory, limits.inventory);
+    if (!v.ok()) return Bad("inventory", v.message());
+    return absl::OkStatus();
+  }
+  if (!hash) return Bad("inventory_or_hash", "send the inventory or its SHA-256");
+  if (sha.size() != 32) {
+    return Bad("inventory_sha256", absl::StrCat("must be 32 bytes, got ", sha.size()));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status ValidateRegisterRank(const v1::RegisterRankRequest& req, const ServiceLimits& limits) {
   absl::Status s = ValidateJobId(req.job_id(), limits);
   if (!s.ok()) return s;
@@ -113,21 +135,33 @@ absl::Status ValidateRegisterRank(const v1::RegisterRankRequest& req, const Serv
   }
   s = ValidateId("node_id", req.node_id(), limits.max_id_length);
   if (!s.ok()) return s;
-  switch (req.inventory_or_hash_case()) {
-    case v1::RegisterRankRequest::kInventory: {
-      absl::Status v = ValidateInventory(req.inventory(), limits.inventory);
-      if (!v.ok()) return Bad("inventory", v.message());
-      return absl::OkStatus();
-    }
-    case v1::RegisterRankRequest::kInventorySha256:
-      if (req.inventory_sha256().size() != 32) {
-        return Bad("inventory_sha256",
-                   absl::StrCat("must be 32 bytes, got ", req.inventory_sha256().size()));
-      }
-      return absl::OkStatus();
-    default:
-      return Bad("inventory_or_hash", "send the inventory or its SHA-256");
+  return ValidateInventoryOrHash(req.has_inventory(), req.has_inventory_sha256(), req.inventory(),
+                                 req.inventory_sha256(), limits);
+}
+
+absl::Status ValidateRegisterNodeRanks(const v1::RegisterNodeRanksRequest& req,
+                                       const ServiceLimits& limits) {
+  absl::Status s = ValidateJobId(req.job_id(), limits);
+  if (!s.ok()) return s;
+  s = ValidateId("node_id", req.node_id(), limits.max_id_length);
+  if (!s.ok()) return s;
+  if (req.ranks().empty() || req.ranks_size() > limits.max_node_ranks) {
+    return Bad("ranks", absl::StrCat("must name 1 to ", limits.max_node_ranks, " ranks, got ",
+                                     req.ranks_size()));
   }
+  std::vector<int64_t> sorted(req.ranks().begin(), req.ranks().end());
+  std::sort(sorted.begin(), sorted.end());
+  for (size_t i = 0; i < sorted.size(); ++i) {
+    if (sorted[i] < 0 || sorted[i] >= limits.max_world) {
+      return Bad("ranks",
+                 absl::StrCat("each must be in [0, ", limits.max_world, "), got ", sorted[i]));
+    }
+    if (i > 0 && sorted[i] == sorted[i - 1]) {
+      return Bad("ranks", absl::StrCat("rank ", sorted[i], " is named twice"));
+    }
+  }
+  return ValidateInventoryOrHash(req.has_inventory(), req.has_inventory_sha256(), req.inventory(),
+                                 req.inventory_sha256(), limits);
 }
 
 absl::Status ValidateRegisterNode(const v1::RegisterNodeRequest& req, const ServiceLimits& limits) {
@@ -216,6 +250,22 @@ absl::Status ValidatePut(const v1::PutRequest& req, const ServiceLimits& limits)
 absl::Status ValidateGet(const v1::GetRequest& req, const ServiceLimits& limits) {
   absl::Status s = ValidateJobKey(req.job_id(), req.key(), limits);
   if (!s.ok()) return s;
+  if (req.wait_ms() < 0 || req.wait_ms() > limits.max_wait_ms) {
+    return Bad("wait_ms",
+               absl::StrCat("must be in [0, ", limits.max_wait_ms, "], got ", req.wait_ms()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateGetKeys(const v1::GetKeysRequest& req, const ServiceLimits& limits) {
+  if (req.keys().empty() || req.keys_size() > limits.max_get_keys) {
+    return Bad("keys", absl::StrCat("must name 1 to ", limits.max_get_keys, " keys, got ",
+                                    req.keys_size()));
+  }
+  for (const std::string& key : req.keys()) {
+    absl::Status s = ValidateJobKey(req.job_id(), key, limits);
+    if (!s.ok()) return s;
+  }
   if (req.wait_ms() < 0 || req.wait_ms() > limits.max_wait_ms) {
     return Bad("wait_ms",
                absl::StrCat("must be in [0, ", limits.max_wait_ms, "], got ", req.wait_ms()));

@@ -30,6 +30,10 @@ struct ServiceLimits {
   int64_t max_heartbeat_jobs = 10000;
   // Local ranks a heartbeat reports the progress of (ragshardctl job why).
   int64_t max_heartbeat_ranks = 4096;
+  // Ranks one RegisterNodeRanks call may register.
+  int64_t max_node_ranks = 4096;
+  // Keys one GetKeys call may ask for (a job's nodes).
+  int64_t max_get_keys = 65536;
   InventoryLimits inventory;
 };
 
@@ -41,8 +45,11 @@ absl::Status ValidateJobId(const std::string& job_id, const ServiceLimits& limit
 absl::Status ValidateListJobs(const v1::ListJobsRequest& req, const ServiceLimits& limits);
 absl::Status ValidateListRanks(const v1::ListRanksRequest& req, const ServiceLimits& limits);
 absl::Status ValidateRegisterRank(const v1::RegisterRankRequest& req, const ServiceLimits& limits);
+absl::Status ValidateRegisterNodeRanks(const v1::RegisterNodeRanksRequest& req,
+                                       const ServiceLimits& limits);
 absl::Status ValidateRegisterNode(const v1::RegisterNodeRequest& req, const ServiceLimits& limits);
 absl::Status ValidateHeartbeat(const v1::HeartbeatRequest& req, const ServiceLimits& limits);
+absl::Status ValidateGetKeys(const v1::GetKeysRequest& req, const ServiceLimits& limits);
 absl::Status ValidatePut(const v1::PutRequest& req, const ServiceLimits& limits);
 absl::Status ValidateGet(const v1::GetRequest& req, const ServiceLimits& limits);
 absl::Status ValidateReportFailure(const v1::ReportFailureRequest& req,

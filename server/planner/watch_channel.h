@@ -25,6 +25,8 @@ class WatchChannel {
 
   // The plan version this watcher was last sent; touched only under the service's mutex.
   uint64_t sent_version = 0;
+  // The watcher takes plans compact (WatchPlanRequest.accept_zstd); set before it is added.
+  bool zstd = false;
 
   // Queues an event (shared between watchers: a DeepSeek-V3 plan is several MB).
   void Push(Event event);

@@ -130,6 +130,9 @@ def test_demo_scrapes_both_endpoints_and_prints_their_nonzero_series():
     assert series(planner, "ragshard_planner_rank_registrations_total") == 4
     assert series(planner, "ragshard_planner_plan_computations_total", result="ok") == 1
     assert series(planner, "ragshard_planner_plan_seconds_count") == 1
+    # Each node's daemon took the plan once, compact; the 4 ranks took it from their daemon.
+    assert series(planner, "ragshard_planner_plans_sent_total") == 2
+    assert 0 < series(planner, "ragshard_planner_plan_bytes_sent_total") < 64 << 10
     for node in ("node-0", "node-1"):
         s = sections[node]
         assert all(v != 0 for _, _, v in s), "only non-zero series are printed"
