@@ -1,11 +1,14 @@
 // Control-plane benchmark: N simulated nodes of K ranks each run one job's control plane against
-// a real ragshard-planner process on 127.0.0.1, with the protocol a node's daemon speaks:
+// a real ragshard-planner process on 127.0.0.1, each over its own connection, with the protocol a
+// node's daemon speaks:
 //   * RegisterNode, then a heartbeat every interval the planner answers (1 s), each carrying the
 //     node's figures and its K ranks' progress, as ragshardd sends them;
 //   * one WatchPlan stream per node, taking the plan compact (zstd), as ragshardd does; the
 //     node's ranks get the plan from their daemon (Attach), never from the planner;
 //   * one RegisterNodeRanks call per node for its K ranks: node 0 sends the model's inventory,
-//     the others its SHA-256.
+//     the others its SHA-256;
+//   * then the daemon's rendezvous: GetJob (the data secret), ListJobNodes, Put of its data
+//     address and one GetKeys for every node's address.
 // The first node to get the plan decodes and checks it; every other node compares the frame it
 // got with that one, byte for byte (a real daemon would parse its own copy; N parses in one
 // process would measure this process, not the planner).
@@ -26,6 +29,7 @@
 #include "absl/synchronization/mutex.h"
 #include "bench/proc_stats.h"
 #include "common/models.h"
+#include "common/open_files.h"
 #include "common/plan_codec.h"
 #include "common/planner_client.h"
 #include "nlohmann/json.hpp"
@@ -57,6 +61,7 @@ int64_t StoreBytes(const std::string& dir) {
 void ParallelFor(int64_t n, int threads, const std::function<void(int64_t)>& fn) {
   std::atomic<int64_t> next{0};
   std::vector<std::thread> pool;
+  pool.reserve(static_cast<size_t>(threads));
   for (int t = 0; t < threads; ++t) {
     pool.emplace_back([&] {
       for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(i);
@@ -72,7 +77,7 @@ struct Options {
   std::string granule = "rows:128";
   std::string planner;
   double heartbeat_s = 0;
-  int channels = 32;
+  int channels = 0;  // one per node
   bool json = false;
 };
 
@@ -403,14 +408,22 @@ int Main(int argc, char** argv) {
   app.add_option("--heartbeat-s", o.heartbeat_s,
                  "then measure this many seconds of heartbeats alone (0: none)")
       ->check(CLI::Range(0.0, 3600.0));
-  app.add_option("--channels", o.channels, "gRPC channels the simulated nodes share")
-      ->check(CLI::Range(1, 1024));
+  app.add_option("--channels", o.channels,
+                 "gRPC channels (connections) the simulated nodes share; 0: one per node, as "
+                 "daemons have")
+      ->check(CLI::Range(0, 65536));
   app.add_option("--planner", o.planner,
                  "the ragshard-planner binary (default: server/ragshard-planner of this build)");
   app.add_flag("--json", o.json, "print one JSON object on one line");
   CLI11_PARSE(app, argc, argv);
   if (o.nodes * o.ranks_per_node < 2) {
     std::cerr << "error: --nodes x --ranks-per-node must be at least 2\n";
+    return 2;
+  }
+  if (o.channels == 0 || o.channels > o.nodes) o.channels = static_cast<int>(o.nodes);
+  if (RaiseOpenFileLimit() < o.channels + 1024) {
+    std::cerr << "error: " << o.channels << " connections need more open files than the limit ("
+              << "ulimit -n); pass fewer --channels\n";
     return 2;
   }
   if (o.planner.empty()) {

@@ -32,14 +32,14 @@ bool IsZstdFrame(absl::string_view bytes) {
 }
 
 absl::StatusOr<std::string> ZstdDecompress(absl::string_view frame, int64_t max_bytes) {
-  const unsigned long long size = ZSTD_getFrameContentSize(frame.data(), frame.size());
+  const uint64_t size = ZSTD_getFrameContentSize(frame.data(), frame.size());
   if (size == ZSTD_CONTENTSIZE_ERROR) {
     return absl::DataLossError("not a zstd frame (bad magic number or header)");
   }
   if (size == ZSTD_CONTENTSIZE_UNKNOWN) {
     return absl::DataLossError("the zstd frame does not state its content size");
   }
-  if (size > static_cast<unsigned long long>(max_bytes)) {
+  if (size > static_cast<uint64_t>(max_bytes)) {
     return absl::ResourceExhaustedError(
         absl::StrCat("the zstd frame states ", size, " bytes, more than the limit of ", max_bytes));
   }

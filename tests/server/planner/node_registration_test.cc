@@ -20,7 +20,7 @@ using NodeRegistrationTest = testing::PlannerFixture;
 using namespace std::chrono_literals;
 
 v1::RegisterNodeRanksRequest NodeRanks(const std::string& job, const std::string& node,
-                                       std::vector<int64_t> ranks) {
+                                       const std::vector<int64_t>& ranks) {
   v1::RegisterNodeRanksRequest req;
   req.set_job_id(job);
   req.set_node_id(node);
@@ -94,7 +94,7 @@ TEST_F(NodeRegistrationTest, ANodeRegistersItsRanksInOneCallAndTheJobPlans) {
 TEST_F(NodeRegistrationTest, BadNodeRegistrationsNameWhatIsWrong) {
   Create("j", 4);
   const std::string sha = InventorySha256(SmallInventory());
-  auto expect_error = [&](v1::RegisterNodeRanksRequest req, const std::string& what) {
+  auto expect_error = [&](const v1::RegisterNodeRanksRequest& req, const std::string& what) {
     auto got = client_->RegisterNodeRanks(req);
     EXPECT_FALSE(got.ok()) << what;
     EXPECT_THAT(got.status().message(), HasSubstr(what));
