@@ -2,11 +2,15 @@
 // on the same data directory, and checks that the plan it serves is byte-identical.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 
 #include <fstream>
 #include <future>
 
+#include "common/fd.h"
 #include "common/models.h"
 #include "common/planner.h"
 #include "common/planner_client.h"
@@ -169,6 +173,16 @@ TEST(PlannerRestartTest, CallsRideThroughARestartAndSayHowLongTheyTried) {
   EXPECT_EQ(client->DeleteJob("during-restart").code(), absl::StatusCode::kNotFound);
 
   p.child.Kill(SIGKILL);
+  // A port bound but not listening refuses every connection, and no other test's planner can
+  // take it (the killed planner's port could be handed to one while this test runs in parallel).
+  ScopedFd refused(::socket(AF_INET, SOCK_STREAM, 0));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  ASSERT_EQ(::bind(refused.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::getsockname(refused.get(), reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  o.address = "127.0.0.1:" + std::to_string(ntohs(addr.sin_port));
   o.retry_window = 1s;
   auto brief = std::move(*GrpcPlannerClient::Create(o));
   const auto t0 = std::chrono::steady_clock::now();
