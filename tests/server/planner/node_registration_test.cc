@@ -164,14 +164,19 @@ TEST_F(NodeRegistrationTest, ADaemonLearnsTheJobsNodesAndAllAddressesInOneCallEa
   EXPECT_THAT(client_->GetKeys("j", {"data/n0"}, -5ms).status().message(), HasSubstr("wait_ms"));
 }
 
-TEST_F(NodeRegistrationTest, PlansTravelAndRestCompactAndDecodeToTheSamePlan) {
-  Create("j", 2);
-  const Inventory inv = SmallInventory();
+// Job "j": one node of 2 ranks registered in one call, planned; its plan as the client library
+// gets it (asking for zstd and decoding it).
+absl::StatusOr<v1::Plan> PlanOneNode(testing::PlannerFixture& f) {
+  f.Create("j", 2);
   auto req = NodeRanks("j", "n0", {0, 1});
-  *req.mutable_inventory() = inv;
-  ASSERT_TRUE(client_->RegisterNodeRanks(req).ok());
-  // The client library asks for zstd and decodes it.
-  auto plan = client_->WaitForPlan("j", 30s);
+  *req.mutable_inventory() = testing::PlannerFixture::SmallInventory();
+  auto job = f.client_->RegisterNodeRanks(req);
+  if (!job.ok()) return job.status();
+  return f.client_->WaitForPlan("j", 30s);
+}
+
+TEST_F(NodeRegistrationTest, PlansTravelAndRestCompactAndDecodeToTheSamePlan) {
+  auto plan = PlanOneNode(*this);
   ASSERT_TRUE(plan.ok()) << plan.status();
   auto stored = client_->GetPlan("j");
   ASSERT_TRUE(stored.ok()) << stored.status();
@@ -215,12 +220,7 @@ TEST_F(NodeRegistrationTest, PlansTravelAndRestCompactAndDecodeToTheSamePlan) {
 }
 
 TEST_F(NodeRegistrationTest, APlainPlanFromAnOlderStoreStillLoads) {
-  Create("j", 2);
-  const Inventory inv = SmallInventory();
-  auto req = NodeRanks("j", "n0", {0, 1});
-  *req.mutable_inventory() = inv;
-  ASSERT_TRUE(client_->RegisterNodeRanks(req).ok());
-  auto plan = client_->WaitForPlan("j", 30s);
+  auto plan = PlanOneNode(*this);
   ASSERT_TRUE(plan.ok()) << plan.status();
   server_.reset();
   {

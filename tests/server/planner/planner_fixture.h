@@ -18,7 +18,7 @@ namespace ragshard::testing {
 using namespace std::chrono_literals;
 
 class PlannerFixture : public ::testing::Test {
- protected:
+ public:
   void SetUp() override { Start(); }
 
   void Start() {
