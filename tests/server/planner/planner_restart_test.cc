@@ -1,8 +1,8 @@
 // SIGKILLs a real ragshard-planner once during registration and once after READY, restarts it
 // on the same data directory, and checks that the plan it serves is byte-identical.
+#include <arpa/inet.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
