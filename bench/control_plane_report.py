@@ -126,10 +126,17 @@ def main():
         f"{wire / MB:.3f} MB as the zstd frame the planner stores and sends "
         f"({wire / tensors:.2f} bytes per tensor, {plain / wire:.0f}× smaller). zstd level 1 "
         "compresses it in about 8 ms, once per plan version; the frame is serialized into one "
-        "event that every watcher's stream shares. Protobuf already encodes the offsets and counts "
-        "as varints; delta-coding them, or storing shared layouts once, would shave a few percent "
-        "off what zstd leaves (it already finds the repeated names and placements), so the wire "
-        "form is the plain message compressed, and any client decodes it with stock zstd.",
+        "event that every watcher's stream shares.",
+        "",
+        "The other encodings the issue names were measured on the same plan (16,384 ranks) with a "
+        "one-off program that rewrote the message before compressing it (not kept in the tree): "
+        "offsets delta-coded within each unit, 3,969,069 bytes plain and 109,937 compressed "
+        "(1.1 % smaller than 111,122); tensors whose shape, split and granule equal an earlier "
+        "tensor's stored as a reference (44,604 of 45,395 tensors), 3,205,018 plain but 112,256 "
+        "compressed (1 % larger). zstd already finds that redundancy, so the wire form is the "
+        "plain message compressed, which any client decodes with stock zstd. What zstd cannot "
+        "remove is the names: without them the frame would be 55,958 bytes, half, but a daemon "
+        "does not hold the inventory that would name the tensors.",
         "",
         "## Growth in nodes, not ranks",
         "",
@@ -171,7 +178,10 @@ def main():
         f"{100 * beats['heartbeat_planner_cpu_share']:.1f} % of one core, its database "
         f"{beats['heartbeat_store_bytes_before']:,} bytes before and "
         f"{beats['heartbeat_store_bytes_after']:,} after (a heartbeat updates memory only; the "
-        "store is written when a node's state changes).",
+        "store is written when a node's state changes). Most of that CPU is gRPC's and the "
+        "kernel's per call (sendmsg, futex wake-ups): with 1 rank's progress per heartbeat "
+        "instead of 8 it is about the same. On loopback the planner's sends also pay the "
+        "receiving side's TCP processing, which a real network puts on the daemons' machines.",
         "",
         "## Reproduce",
         "",
