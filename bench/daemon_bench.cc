@@ -1,6 +1,7 @@
 // Daemon-level collective benchmark: a real planner, D ragshardd daemons and D*K rank processes
 // on loopback run unshard (all-gather) and reduce_scatter through ragshard, as training would.
-// Also measures the latency of a no-op call from a client to its daemon.
+// Also measures the latency of a no-op call from a client to its daemon: through the command
+// queue (back to back, and after 1 ms idle) and over gRPC.
 //   daemon_bench [--max-mib 256]    (prints CSV rows, bench_common.h)
 //   daemon_bench --rank PLANNER SOCKET JOB RANK NODE BYTES   (internal: one rank process)
 #include <signal.h>
@@ -88,14 +89,26 @@ int RankMain(char** argv) {
   std::printf("allgather,%ld,%.6f\nreducescatter,%ld,%.6f\n", static_cast<long>(full), ag,
               static_cast<long>(full), rs);
   if (rank == 0) {
-    std::vector<double> lat;
-    for (int i = 0; i < 20000; ++i) {
-      const double t0 = Now();
-      if (!c->NoOp().ok()) return 5;
-      lat.push_back(Now() - t0);
+    // The no-op's round trip: back to back through the command queue (the daemon's poller is
+    // awake), the same after 1 ms idle each (the poller sleeps and is rung), and over gRPC.
+    const auto latency = [&](const char* name, int n, bool idle, bool rpc) {
+      std::vector<double> lat;
+      for (int i = 0; i < n; ++i) {
+        if (idle) std::this_thread::sleep_for(1ms);
+        const double t0 = Now();
+        if (!(rpc ? c->NoOpRpc() : c->NoOp()).ok()) return false;
+        lat.push_back(Now() - t0);
+      }
+      std::sort(lat.begin(), lat.end());
+      std::printf("%s,%.2f,%.2f\n", name, lat[lat.size() / 2] * 1e6,
+                  lat[lat.size() * 99 / 100] * 1e6);
+      return true;
+    };
+    if (!latency(c->command_queue() ? "noop" : "noop-rpc", 20000, false, !c->command_queue()) ||
+        !latency("noop-idle", 2000, true, false) ||
+        (c->command_queue() && !latency("noop-rpc", 20000, false, true))) {
+      return 5;
     }
-    std::sort(lat.begin(), lat.end());
-    std::printf("noop,%.2f,%.2f\n", lat[lat.size() / 2] * 1e6, lat[lat.size() * 99 / 100] * 1e6);
   }
   // The daemon's counter of writes into pool buffers outside the collectives.
   auto stats = c->DaemonStats();
@@ -268,8 +281,9 @@ int Main(int argc, char** argv) {
             full = std::stoull(f[1]);
           } else if (f.size() == 3 && f[0] == "reducescatter") {
             rs = std::max(rs, std::stod(f[2]));
-          } else if (f.size() == 3 && f[0] == "noop" && bytes == (size_t{1} << 20)) {
-            std::printf("noop-latency-us,%dx%d,p50=%s,p99=%s\n", nd, k, f[1].c_str(), f[2].c_str());
+          } else if (f.size() == 3 && f[0].rfind("noop", 0) == 0 && bytes == (size_t{1} << 20)) {
+            std::printf("%s-latency-us,%dx%d,p50=%s,p99=%s\n", f[0].c_str(), nd, k, f[1].c_str(),
+                        f[2].c_str());
           } else if (f.size() == 3 && f[0] == "staging" && p.pid == ranks[0].pid) {
             std::printf("staging-bytes,%dx%d,%zu,%s,%s\n", nd, k, bytes, f[1].c_str(),
                         f[2].c_str());
@@ -279,7 +293,9 @@ int Main(int argc, char** argv) {
           std::cerr << "error: rank of " << job << " failed with "
                     << (WIFEXITED(status) ? "exit code " + std::to_string(WEXITSTATUS(status))
                                           : "signal " + std::to_string(WTERMSIG(status)))
-                    << " (see " << p.out << ")\n";
+                    << " (see " << p.out << ".err):\n"
+                    << std::ifstream(p.out + ".err").rdbuf();
+          running.dir.clear();  // keep the logs
           return 1;
         }
       }

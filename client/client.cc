@@ -28,6 +28,13 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Create(ClientOptions options) {
     }
     options.peer_timeout = std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
   }
+  if (const char* q = std::getenv("RAGSHARD_COMMAND_QUEUE"); q != nullptr) {
+    if (std::string(q) != "0" && std::string(q) != "1") {
+      return absl::InvalidArgumentError(
+          absl::StrCat("RAGSHARD_COMMAND_QUEUE='", q, "': expected 0 (gRPC only) or 1"));
+    }
+    options.command_queue = std::string(q) == "1";
+  }
   if (options.peer_timeout <= std::chrono::milliseconds(0)) {
     return absl::InvalidArgumentError("peer_timeout: must be positive");
   }
@@ -40,6 +47,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Create(ClientOptions options) {
 }
 
 Client::~Client() {
+  queue_.reset();
   views_.clear();
   if (arena_ != nullptr) ::munmap(arena_, arena_bytes_);
   if (!attachment_.empty()) {
@@ -91,11 +99,23 @@ absl::Status Client::Attach() {
   side_channel_ = std::move(*conn);
   absl::Status s = SendWithFds(side_channel_.get(), attachment_, {});
   if (!s.ok()) return s;
-  auto got = ReceiveWithFds(side_channel_.get(), 1);
+  // The arena's memfd; then, from a daemon that offers one, the command queue's memfd and the
+  // daemon's doorbell.
+  auto got = ReceiveWithFds(side_channel_.get(), 3);
   if (!got.ok()) return got.status();
-  if (got->payload != "ok" || got->fds.size() != 1) {
+  if (got->payload != "ok" || (got->fds.size() != 1 && got->fds.size() != 3)) {
     return absl::FailedPreconditionError(
         absl::StrCat("daemon refused the descriptor: ", got->payload));
+  }
+  if (got->fds.size() == 3 && options_.command_queue) {
+    RankQueueOptions q;
+    q.daemon = absl::StrCat("the daemon of node '", options_.node_id,
+                            "' (unix:", options_.daemon_socket, ")");
+    q.peer_timeout = options_.peer_timeout;
+    auto queue = RankQueue::Open(std::move(got->fds[1]), std::move(got->fds[2]),
+                                 side_channel_.get(), std::move(q));
+    if (!queue.ok()) return queue.status();
+    queue_ = std::move(*queue);
   }
   arena_bytes_ = static_cast<size_t>(resp.arena_bytes());
   void* p = ::mmap(nullptr, arena_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, got->fds[0].get(), 0);
@@ -239,6 +259,17 @@ absl::StatusOr<OpHandle> Client::StartOp(v1::OpKind kind, int unit, v1::ReduceKi
     return absl::InvalidArgumentError(
         absl::StrCat("reduce: ", static_cast<int>(op), " is not a ragshard.v1.ReduceKind"));
   }
+  if (queue_ != nullptr) {
+    QueueCommand c;
+    c.kind = kind;
+    c.unit = unit;
+    c.reduce = op;
+    c.keep_ranks = keep_ranks;
+    c.timeout_ms = options_.timeout.count();
+    auto t = queue_->Start(c);
+    if (!t.ok()) return t.status();
+    return OpHandle(this, t->seq, unit, *t);
+  }
   v1::StartRequest req;
   req.set_attachment_id(attachment_);
   req.set_kind(kind);
@@ -292,6 +323,18 @@ absl::StatusOr<v1::StatsResponse> Client::DaemonStats() {
 }
 
 absl::Status Client::NoOp() {
+  if (queue_ == nullptr) return NoOpRpc();
+  QueueCommand c;
+  c.kind = v1::OP_NOOP;
+  auto t = queue_->Start(c);
+  if (!t.ok()) return t.status();
+  QueueResult r;
+  auto done = queue_->Wait(*t, options_.peer_timeout, &r);
+  if (!done.ok()) return done.status();
+  return *done ? r.status : absl::InternalError("a no-op through the queue did not finish");
+}
+
+absl::Status Client::NoOpRpc() {
   v1::NoOpRequest req;
   v1::NoOpResponse resp;
   grpc::ClientContext ctx;
@@ -324,7 +367,40 @@ absl::Status Client::DaemonCallError(const grpc::ClientContext& ctx, const grpc:
   return FromGrpcStatus(st);
 }
 
+absl::Status OpHandle::Finish(absl::Status result) {
+  finished_ = true;
+  result_ = std::move(result);
+  return result_;
+}
+
+absl::StatusOr<bool> OpHandle::WaitQueued(std::chrono::microseconds timeout) {
+  QueueResult r;
+  auto done = client_->queue_->Wait(ticket_, timeout, &r);
+  if (!done.ok() || !*done) return done;
+  if (r.status.ok() && !r.placement.empty()) {
+    v1::UnitBuffers placement;
+    if (!placement.ParseFromString(r.placement)) {
+      r.status = absl::InternalError(
+          absl::StrCat("operation ", handle_, ": the daemon's placement does not parse"));
+    } else {
+      r.status = client_->Place(unit_, placement);
+    }
+  }
+  (void)Finish(r.status);
+  return true;
+}
+
 absl::Status OpHandle::Wait(std::chrono::milliseconds timeout) {
+  if (finished_) return result_;
+  if (ticket_.slot >= 0) {
+    auto done = WaitQueued(timeout);
+    if (!done.ok()) return done.status();
+    if (!*done) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("operation ", handle_, " not done after ", timeout.count(), " ms"));
+    }
+    return result_;
+  }
   // In slices: a live daemon answers each at its end (done or not), so a daemon that answers
   // nothing for peer_timeout is hung, and the rank says so instead of waiting out `timeout`.
   const auto until = std::chrono::steady_clock::now() + timeout;
@@ -343,8 +419,8 @@ absl::Status OpHandle::Wait(std::chrono::milliseconds timeout) {
     grpc::Status st = client_->daemon_->Wait(&ctx, req, &resp);
     if (!st.ok()) return client_->DaemonCallError(ctx, st, "a wait");
     if (resp.done()) {
-      if (resp.has_placement()) return client_->Place(unit_, resp.placement());
-      return absl::OkStatus();
+      return Finish(resp.has_placement() ? client_->Place(unit_, resp.placement())
+                                         : absl::OkStatus());
     }
     if (slice >= left) {
       return absl::DeadlineExceededError(
@@ -354,6 +430,16 @@ absl::Status OpHandle::Wait(std::chrono::milliseconds timeout) {
 }
 
 absl::StatusOr<bool> OpHandle::Poll() {
+  if (finished_) {
+    if (!result_.ok()) return result_;
+    return true;
+  }
+  if (ticket_.slot >= 0) {
+    auto done = WaitQueued(std::chrono::microseconds(0));
+    if (!done.ok()) return done.status();
+    if (*done && !result_.ok()) return result_;
+    return *done;
+  }
   v1::WaitRequest req;
   req.set_attachment_id(client_->attachment_);
   req.set_handle(handle_);
@@ -362,8 +448,10 @@ absl::StatusOr<bool> OpHandle::Poll() {
   ctx.set_deadline(std::chrono::system_clock::now() + client_->options_.peer_timeout);
   grpc::Status st = client_->daemon_->Wait(&ctx, req, &resp);
   if (!st.ok()) return client_->DaemonCallError(ctx, st, "a poll");
-  if (resp.done() && resp.has_placement()) {
-    if (absl::Status s = client_->Place(unit_, resp.placement()); !s.ok()) return s;
+  if (resp.done()) {
+    absl::Status s =
+        Finish(resp.has_placement() ? client_->Place(unit_, resp.placement()) : absl::OkStatus());
+    if (!s.ok()) return s;
   }
   return resp.done();
 }

@@ -13,6 +13,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "client/rank_queue.h"
 #include "common/fd.h"
 #include "common/inventory.h"
 #include "common/planner_client.h"
@@ -32,11 +33,15 @@ struct ClientOptions {
   // naming it. A live daemon answers a wait at least every kWaitSlice. Env
   // RAGSHARD_PEER_TIMEOUT_S overrides it (Client::Create).
   std::chrono::milliseconds peer_timeout{30'000};
+  // Start and wait through the shared-memory command queue the daemon offers at attach
+  // (docs/daemon.md); false, or env RAGSHARD_COMMAND_QUEUE=0, keeps every call on gRPC.
+  bool command_queue = true;
 };
 
 class Client;
 
-// An operation in flight. Wait returns its result (an error names a lost peer).
+// An operation in flight. Wait returns its result (an error names a lost peer); once it is
+// done, later waits and polls of the same handle answer the same result.
 class OpHandle {
  public:
   absl::Status Wait(std::chrono::milliseconds timeout = std::chrono::milliseconds(60'000));
@@ -45,11 +50,17 @@ class OpHandle {
 
  private:
   friend class Client;
-  OpHandle(Client* client, uint64_t handle, int unit)
-      : client_(client), handle_(handle), unit_(unit) {}
+  OpHandle(Client* client, uint64_t handle, int unit, QueueTicket ticket = {})
+      : client_(client), handle_(handle), unit_(unit), ticket_(ticket) {}
+  // Through the command queue: done (with `timeout` 0, a poll), or not yet.
+  absl::StatusOr<bool> WaitQueued(std::chrono::microseconds timeout);
+  absl::Status Finish(absl::Status result);
   Client* client_;
   uint64_t handle_;
   int unit_;
+  QueueTicket ticket_;  // slot -1: started over gRPC
+  bool finished_ = false;
+  absl::Status result_;
 };
 
 class Client {
@@ -137,8 +148,12 @@ class Client {
   absl::StatusOr<OpHandle> ScatterFromOwner(int unit);
   // The daemon's pool and job counters.
   absl::StatusOr<v1::StatsResponse> DaemonStats();
-  // A round trip to the daemon that does nothing (control-path latency).
+  // A round trip to the daemon that does nothing (control-path latency): through the command
+  // queue when there is one, else gRPC. NoOpRpc is always gRPC, for comparison.
   absl::Status NoOp();
+  absl::Status NoOpRpc();
+  // Whether starts and waits go through the shared-memory command queue.
+  bool command_queue() const { return queue_ != nullptr; }
 
   // Starts an operation of any kind (the named methods above are this with their kind): what
   // the Python binding passes down as the enum itself. `op` is for the reductions, `keep_ranks`
@@ -180,6 +195,7 @@ class Client {
   size_t arena_bytes_ = 0;
   ScopedFd arena_fd_;
   std::vector<std::unique_ptr<UnshardedView>> views_;  // per unit, once it has had one
+  std::unique_ptr<RankQueue> queue_;                   // after Attach, where the daemon offered one
 };
 
 template <typename T>

@@ -102,6 +102,12 @@ absl::StatusOr<std::unique_ptr<NodeDaemon>> NodeDaemon::Start(
         absl::StrCat("rename to '", side, "': ", std::strerror(errno)));
   }
   d->fd_listener_ = std::move(*fds);
+  CommandPoller::Options po;
+  po.spin = d->options_.queue_spin;
+  auto poller = CommandPoller::Create(
+      po, [metrics = d->metrics_](const absl::Status& s) { metrics->Error(s); });
+  if (!poller.ok()) return poller.status();
+  d->poller_ = std::move(*poller);
   v1::RegisterNodeRequest reg;
   reg.set_node_id(d->options_.node_id);
   reg.set_data_address(d->options_.data_host);
@@ -137,6 +143,7 @@ void NodeDaemon::Shutdown() {
   if (side_channel_.joinable()) side_channel_.join();
   if (heartbeats_.joinable()) heartbeats_.join();
   if (waiter_clock_.joinable()) waiter_clock_.join();
+  poller_.reset();
   absl::MutexLock lock(&mu_);
   attachments_.clear();
   jobs_.clear();

@@ -25,6 +25,7 @@
 #include "common/metrics.h"
 #include "common/planner_client.h"
 #include "ragshard/v1/daemon.grpc.pb.h"
+#include "server/daemon/command_poller.h"
 #include "server/daemon/data_backend.h"
 #include "server/daemon/metrics.h"
 #include "server/daemon/pool.h"
@@ -55,6 +56,8 @@ struct DaemonOptions {
   // Where to serve Prometheus metrics (common/metrics.h: HOST:PORT, or PORT on loopback); empty:
   // no endpoint. It serves before the daemon appears ready.
   std::string metrics_listen;
+  // The command-queue poller's spin after a rank's last command (CommandPoller::Options).
+  std::chrono::microseconds queue_spin{0};
 };
 
 class JobRuntime;
@@ -124,6 +127,8 @@ class NodeDaemon final : public v1::Daemon::CallbackService {
   gid_t socket_gid_ = static_cast<gid_t>(-1);  // --socket-group's, or -1
   std::unique_ptr<grpc::Server> server_;
   ScopedFd fd_listener_;
+  // The ranks' command queues (docs/daemon.md): one per attachment whose side channel is open.
+  std::unique_ptr<CommandPoller> poller_;
 
   absl::Mutex setup_mu_;  // serializes job setup (connecting to peers can take a while)
   mutable absl::Mutex mu_;

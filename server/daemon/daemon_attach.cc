@@ -92,6 +92,7 @@ void NodeDaemon::ReleaseAttachment(const std::string& id) {
     auto j = jobs_.find(a.job_id);
     if (j != jobs_.end()) job = j->second;
   }
+  if (poller_ != nullptr) poller_->Remove(id);
   if (job != nullptr) job->LocalRankLeft(a.local, a.rank);
 }
 

@@ -46,12 +46,24 @@ void NodeDaemon::RunSideChannel() {
         timeval tv{2, 0};
         ::setsockopt(conn.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
         auto msg = ReceiveWithFds(conn.get(), 0);
-        bool known = false;
-        if (msg.ok()) {
-          absl::MutexLock lock(&mu_);
-          known = attachments_.count(msg->payload) > 0;
+        absl::StatusOr<std::pair<std::shared_ptr<JobRuntime>, int>> found =
+            absl::UnknownError("no attachment id");
+        if (msg.ok()) found = FindAttachment(msg->payload);
+        // The arena, then the attachment's command queue and its doorbell; without a queue
+        // (none could be made) the rank uses gRPC alone.
+        std::vector<ScopedFd> queue;
+        if (found.ok()) {
+          auto q = poller_->Add(msg->payload, found->first, found->second);
+          if (q.ok()) {
+            queue = std::move(*q);
+          } else {
+            LOG(WARNING) << "attachment " << msg->payload
+                         << " gets no command queue: " << q.status();
+          }
         }
-        if (known && SendWithFds(conn.get(), "ok", {pool_->arena().fd()}).ok()) {
+        std::vector<int> pass = {pool_->arena().fd()};
+        for (const ScopedFd& f : queue) pass.push_back(f.get());
+        if (found.ok() && SendWithFds(conn.get(), "ok", pass).ok()) {
           const int fd = conn.get();
           clients[fd] = {std::move(conn), msg->payload};
         } else {

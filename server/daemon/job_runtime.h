@@ -26,11 +26,12 @@
 #include "server/daemon/comm.h"
 #include "server/daemon/data_backend.h"
 #include "server/daemon/metrics.h"
+#include "server/daemon/op_target.h"
 #include "server/daemon/ucx_comm.h"
 
 namespace ragshard::daemon {
 
-class JobRuntime {
+class JobRuntime final : public OpTarget {
  public:
   // Starts the job's thread, which runs the operations in order.
   JobRuntime(std::string job_id, std::string node_id, v1::Plan plan,
@@ -39,7 +40,7 @@ class JobRuntime {
              std::shared_ptr<PlannerClient> planner, std::shared_ptr<DaemonMetrics> metrics);
 
   // Stops the thread; the data plane returns its leases before the communicator closes.
-  ~JobRuntime();
+  ~JobRuntime() override;
 
   const v1::Plan& plan() const { return plan_; }
   const std::vector<int64_t>& local_ranks() const { return local_ranks_; }
@@ -52,7 +53,7 @@ class JobRuntime {
   // Local rank `local` starts the operation `req` names: its sequence number, shared by the
   // node's local ranks, which must agree on it (else the job stops, naming both). The job thread
   // runs it once every local rank has started it.
-  absl::StatusOr<uint64_t> StartOp(int local, const v1::StartRequest& req);
+  absl::StatusOr<uint64_t> StartOp(int local, const v1::StartRequest& req) override;
 
   // A local rank detached (its process exited or called Detach): the operations that wait for
   // it to start can never run. They fail now, naming the rank, and the planner hears of it.
@@ -82,8 +83,7 @@ class JobRuntime {
   // rank `local`'s buffers of the operation's unit are then, or nullptr), or `done(false, OK,
   // nullptr)` at `deadline`. Never blocks; `done` runs on the job's thread or the caller's,
   // never under the job's mutex.
-  using WaitCallback = std::function<void(bool, const absl::Status&, const v1::UnitBuffers*)>;
-  void AddWaiter(uint64_t seq, int local, absl::Time deadline, WaitCallback done);
+  void AddWaiter(uint64_t seq, int local, absl::Time deadline, WaitCallback done) override;
 
  private:
   struct Op {

@@ -65,6 +65,13 @@ int main(int argc, char** argv) try {
                  "host backend: map a node's shards into unsharded buffers where they are whole "
                  "pages (docs/daemon.md); false places them by copying")
       ->capture_default_str();
+  int64_t queue_spin_us = options.queue_spin.count();
+  app.add_option("--queue-spin-us", queue_spin_us,
+                 "how long the command-queue poller keeps reading after a rank's last command "
+                 "before it sleeps (a sleeping poller is woken, which costs a thread wake-up per "
+                 "start, tens of microseconds); 0 sleeps at once (docs/daemon.md)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1'000'000}))
+      ->capture_default_str();
   app.add_option("--metrics-listen", options.metrics_listen,
                  "serve Prometheus metrics on http://ADDR/metrics (HOST:PORT, or PORT on "
                  "127.0.0.1; port 0 picks one); off unless given");
@@ -79,6 +86,7 @@ int main(int argc, char** argv) try {
   }
   options.data_host = data_listen.substr(0, data_listen.rfind(':'));
   options.heartbeat_interval = std::chrono::milliseconds(heartbeat_ms);
+  options.queue_spin = std::chrono::microseconds(queue_spin_us);
   planner.rpc_timeout = std::chrono::seconds(10);
   planner.retry_window = std::chrono::milliseconds(static_cast<int64_t>(retry_s * 1000));
   auto client = ragshard::GrpcPlannerClient::Create(planner);
