@@ -202,9 +202,12 @@ def main():
     print("+", f"{b}/daemon_bench", file=sys.stderr, flush=True)
     out = subprocess.run([f"{b}/daemon_bench", "--max-mib", args.max_mib], check=True,
                          capture_output=True, text=True, timeout=3600).stdout
+    ran = []  # (config, bytes, all-gather end to end, its run, reduce-scatter, its run): rank 0
     for line in out.splitlines():
         parts = line.strip().split(",")
-        if len(parts) == 7:
+        if parts[0] == "daemon-ran":
+            ran.append((parts[1], int(parts[2])) + tuple(float(x) for x in parts[3:]))
+        elif len(parts) == 7:
             impl, op, n, size, sec, alg, bus = parts
             rows.append((impl, op, int(n), int(size), float(sec), float(alg), float(bus)))
         elif parts[0] in ("noop-latency-us", "noop-idle-latency-us", "noop-rpc-latency-us"):
@@ -359,6 +362,16 @@ def main():
     md += check_section(checks, outdir)
     if args.before_build:
         md += before_after(args.build, args.before_build, args.max_mib, outdir)
+    elif os.path.exists(args.out):
+        # Without a before build, the comparison of the last run that had one stays, marked.
+        with open(args.out) as f:
+            old = f.read()
+        if BEGIN_MARK in old and END_MARK in old:
+            kept = old[old.index(BEGIN_MARK) + len(BEGIN_MARK):old.index(END_MARK)]
+            if "*Kept from an earlier run" not in kept:
+                kept = ("\n*Kept from an earlier run of this script (this run had no "
+                        "`--before-build`); its figures are that run's, not this one's.*\n" + kept)
+            md += [BEGIN_MARK, kept, END_MARK]
     md.append("\n## No-op latency, client to daemon\n")
     md.append("Rank 0 of each configuration, in the same run: `noop` back to back through the "
               "shared-memory command queue (docs/daemon.md), 20,000 calls; `noop-idle` the same "
@@ -370,6 +383,26 @@ def main():
         md.append(f"| {path} | {cfg} | {p50.split('=')[1]} | {p99.split('=')[1]} |")
         if path != "noop-rpc":
             p99s.append(float(p99.split('=')[1]))
+    md.append("\n## Control path: an operation end to end against the daemon's run of it\n")
+    md.append("Rank 0's mean per operation in the daemon rows above: end to end (the start "
+              "through the command queue, the daemon's hand-off to the job's thread, the run, "
+              "the completion) against the run alone (when the job's thread began and ended "
+              "it, from the command queue's completion), and the transport's own transfer of "
+              "the same bytes between two processes (ucx-p2p, one tagged message).\n")
+    md.append("| configuration | bytes | all-gather end to end µs | its run µs | "
+              "reduce-scatter end to end µs | its run µs | ucx-p2p transfer µs | "
+              "all-gather ÷ transfer |\n|---|---:|---:|---:|---:|---:|---:|---:|")
+    p2p_sec = {size: sec for impl, op, n, size, sec, alg, bus in rows if impl == "ucx-p2p"}
+    unshard_ratio = None
+    for cfg, size, ag, ag_ran, rs, rs_ran in ran:
+        if not cfg.startswith("2x"):
+            continue
+        t = p2p_sec.get(bucket(size))
+        ratio = ag / t if t else None
+        if bucket(size) == 1 << 20 and ratio is not None:
+            unshard_ratio = max(unshard_ratio or 0, ratio)
+        md.append(f"| {cfg} | {size:,} | {ag * 1e6:.0f} | {ag_ran * 1e6:.0f} | {rs * 1e6:.0f} | "
+                  f"{rs_ran * 1e6:.0f} | " + (f"{t * 1e6:.0f} | {ratio:.2f}× |" if t else "– | – |"))
     md.append("\n## Targets (the worst ratio over sizes)\n")
     md.append("| target | worst measured | status |\n|---|---:|---|")
     for title, target, worst in targets:
@@ -378,6 +411,10 @@ def main():
     if p99s:
         md.append(f"| no-op p99 < 100 µs (command queue, busy and idle) | {max(p99s):.0f} µs | "
                   + ("**met**" if max(p99s) < 100 else "**missed**") + " |")
+    if unshard_ratio is not None:
+        md.append(f"| an unshard of 1 MiB end to end < 2× the transport's 1 MiB transfer | "
+                  f"{unshard_ratio:.2f}× | " + ("**met**" if unshard_ratio < 2 else "**missed**")
+                  + " |")
     if staging:
         worst = max(int(x[2]) for x in staging)
         ops = sum(int(x[3]) for x in staging)

@@ -63,31 +63,35 @@ int RankMain(char** argv) {
     return 3;
   }
   const int iters = Iterations(static_cast<size_t>(bytes));
-  auto run = [&](bool gather) -> double {
-    // Each operation as training issues it: the unshard allocates the unsharded buffer where it
-    // was released; a reduce-scatter follows the allocation of the gradient buffer it releases.
+  // Each operation as training issues it: the unshard allocates the unsharded buffer where it
+  // was released; a reduce-scatter follows the allocation of the gradient buffer it releases.
+  // `ran` adds up how long the daemon's job thread ran the collective (the command queue says).
+  auto run = [&](bool gather, double* ran) -> double {
     auto once = [&] {
-      if (gather) {
-        auto h = c->Unshard(0);
-        return h.ok() && h->Wait(120s).ok();
-      }
-      auto a = c->AllocateGrad(0);
-      auto h = c->ReduceScatter(0, v1::REDUCE_SUM);
-      return a.ok() && h.ok() && h->Wait(120s).ok() && a->Wait(120s).ok();
+      auto a = gather ? c->Unshard(0) : c->AllocateGrad(0);
+      if (!a.ok()) return false;
+      auto h = gather ? std::move(a) : c->ReduceScatter(0, v1::REDUCE_SUM);
+      if (!h.ok() || !h->Wait(120s).ok() || (!gather && !a->Wait(120s).ok())) return false;
+      *ran += static_cast<double>(h->finished_ns() - h->started_ns()) * 1e-9;
+      return true;
     };
     if (!once()) return -1;
+    *ran = 0;
     const double t0 = Now();
     for (int i = 0; i < iters; ++i) {
       if (!once()) return -1;
     }
+    *ran /= iters;
     return (Now() - t0) / iters;
   };
-  const double ag = run(true), rs = run(false);
+  double ag_ran = 0, rs_ran = 0;
+  const double ag = run(true, &ag_ran), rs = run(false, &rs_ran);
   if (ag < 0 || rs < 0) return 4;
   // The full buffer is W * S elements (S may be padded up by the plan's alignment).
   const int64_t full = c->plan().world_size() * c->plan().units(0).shard_elems() * 4;
   std::printf("allgather,%ld,%.6f\nreducescatter,%ld,%.6f\n", static_cast<long>(full), ag,
               static_cast<long>(full), rs);
+  std::printf("ran,%.6f,%.6f\n", ag_ran, rs_ran);
   if (rank == 0) {
     // The no-op's round trip: back to back through the command queue (the daemon's poller is
     // awake), the same after 1 ms idle each (the poller sleeps and is rung), and over gRPC.
@@ -264,7 +268,7 @@ int Main(int argc, char** argv) {
                    std::to_string(r), "node-" + std::to_string(d), std::to_string(bytes)},
                   dir + "/" + job + "." + std::to_string(r) + ".out"));
       }
-      double ag = 0, rs = 0;
+      double ag = 0, rs = 0, ag0 = 0, rs0 = 0, ag_ran = 0, rs_ran = 0;
       size_t full = bytes;
       for (Proc& p : ranks) {
         int status = 0;
@@ -276,15 +280,22 @@ int Main(int argc, char** argv) {
           std::stringstream ss(line);
           std::string x;
           while (std::getline(ss, x, ',')) f.push_back(x);
+          const bool first = p.pid == ranks[0].pid;
           if (f.size() == 3 && f[0] == "allgather") {
             ag = std::max(ag, std::stod(f[2]));
             full = std::stoull(f[1]);
+            if (first) ag0 = std::stod(f[2]);
           } else if (f.size() == 3 && f[0] == "reducescatter") {
             rs = std::max(rs, std::stod(f[2]));
+            if (first) rs0 = std::stod(f[2]);
           } else if (f.size() == 3 && f[0].rfind("noop", 0) == 0 && bytes == (size_t{1} << 20)) {
             std::printf("%s-latency-us,%dx%d,p50=%s,p99=%s\n", f[0].c_str(), nd, k, f[1].c_str(),
                         f[2].c_str());
-          } else if (f.size() == 3 && f[0] == "staging" && p.pid == ranks[0].pid) {
+          } else if (f.size() == 3 && f[0] == "ran" && first) {
+            // Rank 0's mean end-to-end time of each operation beside the daemon's run of it.
+            ag_ran = std::stod(f[1]);
+            rs_ran = std::stod(f[2]);
+          } else if (f.size() == 3 && f[0] == "staging" && first) {
             std::printf("staging-bytes,%dx%d,%zu,%s,%s\n", nd, k, bytes, f[1].c_str(),
                         f[2].c_str());
           }
@@ -304,6 +315,9 @@ int Main(int argc, char** argv) {
                  : "ragshard-1daemon-" + std::to_string(k) + "ranks";
       PrintRow(impl, "allgather", w, full, ag);
       PrintRow(impl, "reducescatter", w, full, rs);
+      // Rank 0's mean time per operation, end to end and the daemon's run of it.
+      std::printf("daemon-ran,%dx%d,%zu,%.6f,%.6f,%.6f,%.6f\n", nd, k, full, ag0, ag_ran, rs0,
+                  rs_ran);
       (void)admin->DeleteJob(job);
       // Wait until the daemons have released the job's buffers (through their heartbeats).
       for (int i = 0; i < 200; ++i) {

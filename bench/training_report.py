@@ -1,7 +1,8 @@
 """Training benchmark: examples/train_tiny.py through ragshard (4 ranks over 2 daemons, AdamW
 and Muon) and through torch.distributed DDP over gloo (4 processes), plus the single-process
-reference, on this machine in one run. Writes docs/benchmarks/training.md and the loss plot
-docs/benchmarks/training_loss.png.
+reference, on this machine in one run. Writes docs/benchmarks/training.md, the loss plot
+docs/benchmarks/training_loss.png and a step's timeline docs/benchmarks/training_timeline.png
+(bench/timeline.py).
 
     .venv/bin/python bench/training_report.py --build build [--steps 30]
 """
@@ -13,6 +14,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
+
+import timeline
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -31,7 +34,9 @@ def main():
     build = os.path.abspath(args.build)
     sys.path.insert(0, os.path.join(build, "python"))
     from ragshard.cluster import LocalCluster
-    env = dict(os.environ, PYTHONPATH=os.path.join(build, "python"))
+    def run_env(**extra):
+        # Read at each run: inside a LocalCluster the environment names its planner's token.
+        return dict(os.environ, PYTHONPATH=os.path.join(build, "python"), **extra)
     example = os.path.join(ROOT, "examples", "train_tiny.py")
     common = ["--steps", str(args.steps), "--quiet"]
     work = tempfile.mkdtemp(prefix="ragshard-training-")
@@ -52,20 +57,33 @@ def main():
             subprocess.run([sys.executable, "-m", "ragshard.launch", "--planner", c.planner,
                             "--job", name, "--nproc", "4", "--sockets", ",".join(c.sockets),
                             "--create-job", example, "--out", os.path.join(work, name)] +
-                           common + extra, env=env, check=True)
+                           common + extra, env=run_env(), check=True)
             runs[name] = load(name, 4)
+    # Two short traced runs (RAGSHARD_TRACE): plain FSDP over the 4 ranks, and HSDP (shard groups
+    # of 2 within a node, 2 replicas across the nodes). Not in the step-time table.
+    traces = {}
+    for name, replicate in (("fsdp", 1), ("hsdp", 2)):
+        with LocalCluster(build, daemons=2, pool_bytes=512 << 20) as c:
+            print("+ trace", name, file=sys.stderr, flush=True)
+            tdir = os.path.join(work, "trace-" + name)
+            subprocess.run([sys.executable, "-m", "ragshard.launch", "--planner", c.planner,
+                            "--job", "trace-" + name, "--nproc", "4", "--sockets",
+                            ",".join(c.sockets), "--create-job", "--replicate", str(replicate),
+                            example, "--steps", "8", "--quiet"],
+                           env=run_env(RAGSHARD_TRACE=tdir), check=True)
+            traces[name] = timeline.load(os.path.join(tdir, "rank0.json"))
     print("+ ddp-gloo", file=sys.stderr, flush=True)
     store = os.path.join(work, "ddp.store")
     procs = [subprocess.Popen([sys.executable, example, "--ddp", store, "--out",
                                os.path.join(work, "ddp-gloo")] + common,
-                              env=dict(env, RANK=str(r), WORLD_SIZE="4")) for r in range(4)]
+                              env=run_env(RANK=str(r), WORLD_SIZE="4")) for r in range(4)]
     for p in procs:
         if p.wait() != 0:
             sys.exit("ddp run failed")
     runs["ddp-gloo"] = load("ddp-gloo", 4)
     print("+ reference", file=sys.stderr, flush=True)
     subprocess.run([sys.executable, example, "--reference", "--world", "4", "--out",
-                    os.path.join(work, "reference")] + common, env=env, check=True)
+                    os.path.join(work, "reference")] + common, env=run_env(), check=True)
     runs["reference"] = (json.load(open(os.path.join(work, "reference.json"))), [])
 
     import matplotlib
@@ -82,6 +100,17 @@ def main():
     fig.tight_layout()
     png = os.path.join(os.path.dirname(args.out), "training_loss.png")
     fig.savefig(png, dpi=110)
+
+    fig, axes = plt.subplots(2, 1, figsize=(9, 5.5))
+    windows = {}
+    for ax, (name, title) in zip(axes, (
+            ("fsdp", "FSDP, W = 4 over 2 daemons x 2 ranks: rank 0, step 7"),
+            ("hsdp", "HSDP, shard groups of 2 in a node x 2 replicas: rank 0, step 7"))):
+        windows[name] = timeline.step_window(traces[name])
+        timeline.plot(ax, traces[name], windows[name], title)
+    fig.tight_layout()
+    timeline_png = os.path.join(os.path.dirname(args.out), "training_timeline.png")
+    fig.savefig(timeline_png, dpi=110)
 
     def step_time(name):
         ranks = runs[name][1]
@@ -143,8 +172,27 @@ def main():
     md += ["\nEach rank sends its shard as one byte per element plus one fp32 scale per 128 × 128 "
            "block (16,384-element runs for vectors); every rank dequantizes the whole unit. The "
            "compute is emulated on the CPU (the matmuls run in fp32 on dequantized weights).\n",
+           "## Overlap: a step's timeline\n",
+           f"![timeline]({os.path.basename(timeline_png)})\n",
+           "Rank 0 of two short traced runs (8 steps, `RAGSHARD_TRACE`, "
+           "python/ragshard/torch/hooks.py), step 7: the rank's compute of each unit (forward "
+           "blue, backward orange) and, on the rows below, when the daemon's job thread ran each "
+           "operation the rank waited for (start to end, from the command queue's completion; "
+           "one clock for both processes). The unshard of the next unit is started before a "
+           "unit's compute (prefetch 1) and the reduce-scatter and, with HSDP, the all-reduce "
+           "over the replicas as each unit's backward ends, so the daemon runs them while the "
+           "rank computes.\n",
+           "| run | operation | daemon time in the step (ms) | of it during the rank's compute |",
+           "|---|---|---:|---:|"]
+    for name in ("fsdp", "hsdp"):
+        compute, ops = timeline.in_window(traces[name], windows[name])
+        for kind in timeline.KINDS:
+            seconds, hidden = timeline.overlap(compute, ops, kind)
+            if seconds > 0:
+                md.append(f"| {name} | {kind} | {seconds * 1e3:.2f} | {hidden:.0%} |")
+    md += ["",
            "## Why the step time differs\n",
-           "Both run 4 training processes on 2 cores, so run-to-run noise is several percent (an earlier run of this script measured ragshard-adamw at 1.12x DDP). What differs: DDP all-reduces gradient buckets while backward runs; ragshard re-gathers each unit before its backward (`reshard_after_forward`), reduce-scatters each unit as its gradients complete, goes through the daemon for every operation (a gRPC round trip per rank, `docs/benchmarks/collectives.md`), and steps the optimizer on shards (a quarter of the parameters per rank). Muon adds, per unit and step, a gather to the owners, Newton-Schulz on each owner (the other ranks wait for the most loaded owner) and a scatter back, plus masked element updates in Python. The quantized runs quantize and dequantize in Python on every gather; their ranks also keep an fp32 master copy of their shard and the dequantization temporaries, hence the larger RSS, and the daemon holds the byte units.\n",
+           "Both run 4 training processes on 2 cores, so run-to-run noise is several percent (an earlier run of this script measured ragshard-adamw at 1.12x DDP). What differs: DDP all-reduces gradient buckets while backward runs; ragshard re-gathers each unit before its backward (`reshard_after_forward`), reduce-scatters each unit as its gradients complete, goes through the daemon for every operation (a command through the shared-memory queue per rank, and the daemon's hand-off to its job thread; `docs/benchmarks/collectives.md`), and steps the optimizer on shards (a quarter of the parameters per rank). Muon adds, per unit and step, a gather to the owners, Newton-Schulz on each owner (the other ranks wait for the most loaded owner) and a scatter back, plus masked element updates in Python. The quantized runs quantize and dequantize in Python on every gather; their ranks also keep an fp32 master copy of their shard and the dequantization temporaries, hence the larger RSS, and the daemon holds the byte units.\n",
            "## Reproduce\n", "```\nbash scripts/test.sh\n.venv/bin/python "
            "bench/training_report.py --build build\n```\n"]
     with open(args.out, "w") as f:

@@ -377,6 +377,8 @@ absl::StatusOr<bool> OpHandle::WaitQueued(std::chrono::microseconds timeout) {
   QueueResult r;
   auto done = client_->queue_->Wait(ticket_, timeout, &r);
   if (!done.ok() || !*done) return done;
+  started_ns_ = r.started_ns;
+  finished_ns_ = r.finished_ns;
   if (r.status.ok() && !r.placement.empty()) {
     v1::UnitBuffers placement;
     if (!placement.ParseFromString(r.placement)) {

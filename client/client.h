@@ -47,6 +47,10 @@ class OpHandle {
   absl::Status Wait(std::chrono::milliseconds timeout = std::chrono::milliseconds(60'000));
   // True when done; an error when the operation failed.
   absl::StatusOr<bool> Poll();
+  // Once done through the command queue: when the daemon's job thread ran the operation
+  // (CLOCK_MONOTONIC ns, as Python's time.monotonic_ns); 0 before, and over gRPC.
+  int64_t started_ns() const { return started_ns_; }
+  int64_t finished_ns() const { return finished_ns_; }
 
  private:
   friend class Client;
@@ -61,6 +65,8 @@ class OpHandle {
   QueueTicket ticket_;  // slot -1: started over gRPC
   bool finished_ = false;
   absl::Status result_;
+  int64_t started_ns_ = 0;
+  int64_t finished_ns_ = 0;
 };
 
 class Client {

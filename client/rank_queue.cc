@@ -131,6 +131,8 @@ QueueResult RankQueue::Take(int slot) {
   r.status = ReadResult(s, &r.placement);
   r.seq = s.seq;
   r.failed_at_start = s.failed_at_start != 0;
+  r.started_ns = s.started_ns;
+  r.finished_ns = s.finished_ns;
   slot_tag_[slot] = 0;
   q_->slot[slot].state.store(kSlotFree, std::memory_order_relaxed);
   free_.push_back(slot);

@@ -43,6 +43,9 @@ struct QueueResult {
   std::string placement;
   uint64_t seq = 0;
   bool failed_at_start = false;  // the start itself failed: no operation exists
+  // When the daemon ran it (CLOCK_MONOTONIC ns; 0: it did not run).
+  int64_t started_ns = 0;
+  int64_t finished_ns = 0;
 };
 
 class RankQueue {

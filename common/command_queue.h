@@ -24,7 +24,7 @@
 namespace ragshard {
 
 inline constexpr uint32_t kQueueMagic = 0x52534351;  // "RSCQ"
-inline constexpr uint32_t kQueueVersion = 1;
+inline constexpr uint32_t kQueueVersion = 2;
 inline constexpr uint32_t kQueueCommands = 256;  // ring entries (a power of two)
 inline constexpr uint32_t kQueueSlots = 128;     // completion slots
 inline constexpr size_t kQueueSlotPayload = 2048;
@@ -59,6 +59,9 @@ struct alignas(64) QueueSlot {
   uint32_t message_bytes = 0;    // the error's text, after the placement
   uint32_t reserved = 0;
   uint64_t seq = 0;  // the daemon's sequence number of the operation (kStarted on)
+  // When the daemon's job thread ran the operation (CLOCK_MONOTONIC ns; 0: it did not run).
+  int64_t started_ns = 0;
+  int64_t finished_ns = 0;
   char payload[kQueueSlotPayload] = {};
 };
 

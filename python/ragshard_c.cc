@@ -291,6 +291,11 @@ int rs_handle_poll(rs_handle* h, int* done) {
   return 0;
 }
 
+void rs_handle_times(rs_handle* h, int64_t* started_ns, int64_t* finished_ns) {
+  *started_ns = h->handle.started_ns();
+  *finished_ns = h->handle.finished_ns();
+}
+
 void rs_handle_destroy(rs_handle* h) { delete h; }
 
 int rs_create_job(const char* planner, const char* job, int64_t shard_size, int64_t replicate_size,

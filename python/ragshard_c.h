@@ -53,6 +53,8 @@ int rs_client_stats(rs_client* c, const char** out);
 
 int rs_handle_wait(rs_handle* h, int64_t timeout_ms);
 int rs_handle_poll(rs_handle* h, int* done);
+// When the daemon ran the finished operation (CLOCK_MONOTONIC ns; 0 and 0 when unknown).
+void rs_handle_times(rs_handle* h, int64_t* started_ns, int64_t* finished_ns);
 void rs_handle_destroy(rs_handle* h);
 
 int rs_create_job(const char* planner, const char* job, int64_t shard_size, int64_t replicate_size,

@@ -14,6 +14,7 @@ import ctypes
 import enum
 import json
 import os
+import time
 
 ABI_VERSION = 1
 _BAD_ARGUMENT, _OUT_OF_RANGE = -1, -2
@@ -80,6 +81,7 @@ def _load():
         "rs_client_stats": (i32, [c_p, out_str]),
         "rs_handle_wait": (i32, [c_p, i64]),
         "rs_handle_poll": (i32, [c_p, ctypes.POINTER(i32)]),
+        "rs_handle_times": (None, [c_p, ctypes.POINTER(i64), ctypes.POINTER(i64)]),
         "rs_handle_destroy": (None, [c_p]),
         "rs_create_job": (i32, [cstr, cstr, i64, i64, cstr, cstr, cstr, cstr, i64, cstr, i64,
                                 out_str]),
@@ -172,12 +174,27 @@ class DeviceBuffer:
 class Handle(_NoCopy):
     """An operation in flight: wait() until it is done (an Error if it failed), or poll()."""
 
-    def __init__(self, owner, handle):
+    def __init__(self, owner, handle, traced=None):
         self._owner = owner  # keeps the client alive while the handle exists
         self._h = handle
+        self._traced = traced  # (kind, unit, issued ns) while the client traces
 
     def wait(self, timeout_ms=60000):
         _check(_lib.rs_handle_wait(self._h, int(timeout_ms)))
+        if self._traced is not None and self._owner.trace is not None:
+            kind, unit, issued = self._traced
+            self._traced = None
+            started, finished = self.times()
+            self._owner.trace.append({"event": "op", "kind": kind.name.lower(), "unit": unit,
+                                      "issued": issued, "started": started,
+                                      "finished": finished, "waited": time.monotonic_ns()})
+
+    def times(self):
+        """When the daemon ran the finished operation, (start, end) in time.monotonic_ns();
+        (0, 0) before it finished or where the daemon did not say (over gRPC)."""
+        started, finished = ctypes.c_int64(), ctypes.c_int64()
+        _lib.rs_handle_times(self._h, ctypes.byref(started), ctypes.byref(finished))
+        return started.value, finished.value
 
     def poll(self):
         done = ctypes.c_int()
@@ -203,6 +220,9 @@ class Client(_NoCopy):
                                      int(timeout_ms), _b(token_file),
                                      int(device_memory == "fake"), ctypes.byref(c)))
         self._c = c
+        # A list to record operations in (each waited operation's kind, unit, and when it was
+        # issued, run by the daemon and waited for; time.monotonic_ns()), or None.
+        self.trace = None
 
     def __del__(self):
         if getattr(self, "_c", None):
@@ -265,9 +285,10 @@ class Client(_NoCopy):
 
     def _op(self, kind, unit, reduce=ReduceKind.SUM, keep=0):
         h = ctypes.c_void_p()
+        issued = time.monotonic_ns()
         _check(_lib.rs_client_op(self._c, int(kind), _unit(unit), int(reduce), int(keep),
                                  ctypes.byref(h)))
-        return Handle(self, h)
+        return Handle(self, h, (kind, unit, issued) if self.trace is not None else None)
 
     def unshard(self, unit):
         return self._op(OpKind.UNSHARD, unit)

@@ -72,6 +72,50 @@ void Accumulate(const void* src, v1::DType dtype, size_t count, float* acc) {
   }
 }
 
+void Convert(const void* src, v1::DType dtype, size_t count, float* out) {
+  switch (dtype) {
+    case v1::DTYPE_FP32: {
+      const float* s = static_cast<const float*>(src);
+      if (s != out) std::copy(s, s + count, out);
+      break;
+    }
+    case v1::DTYPE_BF16: {
+      const uint16_t* s = static_cast<const uint16_t*>(src);
+      for (size_t i = 0; i < count; ++i) out[i] = Bf16ToFloat(s[i]);
+      break;
+    }
+    case v1::DTYPE_FP16: {
+      const uint16_t* s = static_cast<const uint16_t*>(src);
+      for (size_t i = 0; i < count; ++i) out[i] = Fp16ToFloat(s[i]);
+      break;
+    }
+    default:
+      break;
+  }
+}
+
+void Add(const float* base, const void* src, v1::DType dtype, size_t count, float* out) {
+  switch (dtype) {
+    case v1::DTYPE_FP32: {
+      const float* s = static_cast<const float*>(src);
+      for (size_t i = 0; i < count; ++i) out[i] = base[i] + s[i];
+      break;
+    }
+    case v1::DTYPE_BF16: {
+      const uint16_t* s = static_cast<const uint16_t*>(src);
+      for (size_t i = 0; i < count; ++i) out[i] = base[i] + Bf16ToFloat(s[i]);
+      break;
+    }
+    case v1::DTYPE_FP16: {
+      const uint16_t* s = static_cast<const uint16_t*>(src);
+      for (size_t i = 0; i < count; ++i) out[i] = base[i] + Fp16ToFloat(s[i]);
+      break;
+    }
+    default:
+      break;
+  }
+}
+
 namespace {
 
 size_t ItemSize(v1::DType dtype) { return dtype == v1::DTYPE_FP32 ? 4 : 2; }
@@ -165,44 +209,72 @@ absl::Status ReduceScatter(Comm& comm, absl::Span<const void* const> inputs, v1:
   }
   const int n = comm.size(), r = comm.rank();
   const size_t item = ItemSize(dtype);
-  // Adds chunk c of every input into `acc`.
-  auto add_chunk = [&](int c, float* acc) {
-    for (const void* input : inputs) {
-      Accumulate(static_cast<const char*>(input) + static_cast<size_t>(c) * count * item, dtype,
-                 count, acc);
+  const auto chunk_of = [&](const void* input, int c) {
+    return static_cast<const char*>(input) + static_cast<size_t>(c) * count * item;
+  };
+  // acc = base + chunk c of every input (base nullptr: 0), in one pass over acc for the first
+  // input and one per further input. acc may be base, or chunk c of an input (element by
+  // element, each read before it is written).
+  auto sum_chunk = [&](int c, const float* base, float* acc) {
+    if (inputs.empty()) {
+      if (base == nullptr) std::fill(acc, acc + count, 0.0f);
+      if (base != nullptr && base != acc) std::copy(base, base + count, acc);
+      return;
+    }
+    if (base == nullptr) {
+      Convert(chunk_of(inputs[0], c), dtype, count, acc);
+    } else {
+      Add(base, chunk_of(inputs[0], c), dtype, count, acc);
+    }
+    for (size_t k = 1; k < inputs.size(); ++k) {
+      Accumulate(chunk_of(inputs[k], c), dtype, count, acc);
     }
   };
   const float scale = op == ReduceOp::kAvg ? 1.0f / static_cast<float>(n) : 1.0f;
+  auto finish = [&] {
+    if (scale != 1.0f) {
+      for (size_t i = 0; i < count; ++i) output[i] *= scale;
+    }
+  };
   if (n == 1) {
-    std::fill(output, output + count, 0.0f);
-    add_chunk(0, output);
-    for (size_t i = 0; i < count; ++i) output[i] *= scale;
+    sum_chunk(0, nullptr, output);
+    finish();
     return absl::OkStatus();
   }
   // Ring with fp32 partial sums: at step s, send the partial of chunk (r - s - 1) and receive the
-  // partial of chunk (r - s - 2), to which the local contribution is added before it moves on.
+  // partial of chunk (r - s - 2), to which the local contribution is added before it moves on;
+  // at the last step that sum is written straight into the output. The first partial is this
+  // member's own chunk: sent from the input itself when it is one fp32 buffer.
   const int next = Mod(r + 1, n), prev = Mod(r - 1, n);
   float* send_buf = scratch;
   float* recv_buf = scratch + count;
-  std::fill(send_buf, send_buf + count, 0.0f);
-  add_chunk(Mod(r - 1, n), send_buf);
+  const float* first = nullptr;
+  if (inputs.size() == 1 && dtype == v1::DTYPE_FP32) {
+    first = reinterpret_cast<const float*>(chunk_of(inputs[0], Mod(r - 1, n)));
+  } else {
+    sum_chunk(Mod(r - 1, n), nullptr, send_buf);
+  }
   for (int s = 0; s < n - 1; ++s) {
     std::vector<uint64_t> reqs;
     auto recv =
         comm.PostRecv(prev, tag_base + static_cast<uint64_t>(s), recv_buf, count * sizeof(float));
     if (!recv.ok()) return recv.status();
     reqs.push_back(*recv);
-    auto send =
-        comm.PostSend(next, tag_base + static_cast<uint64_t>(s), send_buf, count * sizeof(float));
+    auto send = comm.PostSend(next, tag_base + static_cast<uint64_t>(s),
+                              s == 0 && first != nullptr ? first : send_buf, count * sizeof(float));
     if (!send.ok()) return send.status();
     reqs.push_back(*send);
     absl::Status st = comm.WaitAll(reqs, deadline);
     if (!st.ok()) return st;
-    add_chunk(Mod(r - s - 2, n), recv_buf);
-    std::swap(send_buf, recv_buf);
+    if (s == n - 2) {
+      // The partial received last is chunk r's without this member: complete it into `output`.
+      sum_chunk(r, recv_buf, output);
+    } else {
+      sum_chunk(Mod(r - s - 2, n), recv_buf, recv_buf);
+      std::swap(send_buf, recv_buf);
+    }
   }
-  // After n - 1 steps the last received partial (now in send_buf) is chunk r, complete.
-  for (size_t i = 0; i < count; ++i) output[i] = send_buf[i] * scale;
+  finish();
   return absl::OkStatus();
 }
 

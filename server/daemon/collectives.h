@@ -60,5 +60,9 @@ uint16_t FloatToBf16(float f);  // round to nearest even
 float Fp16ToFloat(uint16_t v);
 // Adds `count` elements of `dtype` at `src` into `acc`.
 void Accumulate(const void* src, v1::DType dtype, size_t count, float* acc);
+// out = src as fp32; out = base + src. `out` may be `base` or `src` (fp32): each element is read
+// before it is written.
+void Convert(const void* src, v1::DType dtype, size_t count, float* out);
+void Add(const float* base, const void* src, v1::DType dtype, size_t count, float* out);
 
 }  // namespace ragshard::daemon

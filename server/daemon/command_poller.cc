@@ -156,6 +156,8 @@ void CommandPoller::Handle(Queue& q, const QueueCommand& c) {
     PublishResult(slot, /*failed_at_start=*/true, s, "");
     RingRank(l);
   };
+  slot->started_ns = 0;
+  slot->finished_ns = 0;
   if (c.kind == v1::OP_NOOP) {
     slot->seq = 0;
     PublishResult(slot, false, absl::OkStatus(), "");
@@ -184,17 +186,20 @@ void CommandPoller::Handle(Queue& q, const QueueCommand& c) {
   slot->seq = *seq;
   slot->state.store(kSlotStarted, std::memory_order_seq_cst);
   RingRank(l);
-  target->AddWaiter(*seq, q.local, absl::InfiniteFuture(),
-                    [memory = q.memory, s = c.slot](bool done, const absl::Status& status,
-                                                    const v1::UnitBuffers* placement) {
-                      std::string bytes;
-                      if (placement != nullptr) placement->SerializeToString(&bytes);
-                      const absl::Status result =
-                          done ? status
-                               : absl::InternalError("a queued wait ended before its operation");
-                      PublishResult(&memory->mapping->slot[s], false, result, bytes);
-                      RingRank(memory->mapping.get());
-                    });
+  target->AddWaiter(
+      *seq, q.local, absl::InfiniteFuture(),
+      [memory = q.memory, s = c.slot](bool done, const absl::Status& status,
+                                      const v1::UnitBuffers* placement, OpTimes times) {
+        std::string bytes;
+        if (placement != nullptr) placement->SerializeToString(&bytes);
+        const absl::Status result =
+            done ? status : absl::InternalError("a queued wait ended before its operation");
+        QueueSlot* out = &memory->mapping->slot[s];
+        out->started_ns = times.started_ns;
+        out->finished_ns = times.finished_ns;
+        PublishResult(out, false, result, bytes);
+        RingRank(memory->mapping.get());
+      });
 }
 
 void CommandPoller::Run() {

@@ -170,14 +170,14 @@ grpc::ServerUnaryReactor* NodeDaemon::Wait(Ctx* ctx, const v1::WaitRequest* req,
   auto found = FindAttachment(req->attachment_id());
   if (!found.ok()) return ReplyUnary(ctx, found.status());
   auto* reactor = ctx->DefaultReactor();
-  found->first->AddWaiter(
-      req->handle(), found->second,
-      absl::Now() + absl::Milliseconds(std::max<int64_t>(req->timeout_ms(), 0)),
-      [reactor, resp](bool done, const absl::Status& status, const v1::UnitBuffers* placement) {
-        resp->set_done(done);
-        if (placement != nullptr) *resp->mutable_placement() = *placement;
-        reactor->Finish(ToGrpcStatus(status));
-      });
+  found->first->AddWaiter(req->handle(), found->second,
+                          absl::Now() + absl::Milliseconds(std::max<int64_t>(req->timeout_ms(), 0)),
+                          [reactor, resp](bool done, const absl::Status& status,
+                                          const v1::UnitBuffers* placement, OpTimes) {
+                            resp->set_done(done);
+                            if (placement != nullptr) *resp->mutable_placement() = *placement;
+                            reactor->Finish(ToGrpcStatus(status));
+                          });
   return reactor;
 }
 

@@ -1,5 +1,6 @@
 #include "server/daemon/job_runtime.h"
 
+#include <chrono>
 #include <optional>
 #include <utility>
 
@@ -9,6 +10,15 @@
 #include "glog/logging.h"
 
 namespace ragshard::daemon {
+namespace {
+
+int64_t SteadyNanos() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+}  // namespace
 
 JobRuntime::JobRuntime(std::string job_id, std::string node_id, v1::Plan plan,
                        std::vector<int64_t> local_ranks, std::unique_ptr<UcxWorker> worker,
@@ -200,6 +210,7 @@ void JobRuntime::AddWaiter(uint64_t seq, int local, absl::Time deadline, WaitCal
   absl::Status status;
   v1::UnitBuffers placement;
   bool placed = false;
+  OpTimes times;
   if (seq != 0) {  // 0 is a no-op, done at once
     absl::MutexLock lock(&mu_);
     auto it = ops_.find(seq);
@@ -211,6 +222,7 @@ void JobRuntime::AddWaiter(uint64_t seq, int local, absl::Time deadline, WaitCal
         placement = it->second.placements[local];
         placed = true;
       }
+      times = it->second.times;
       Waited(it);
     } else if (deadline > absl::Now()) {
       it->second.waiters.push_back({deadline, local, std::move(done)});
@@ -219,7 +231,7 @@ void JobRuntime::AddWaiter(uint64_t seq, int local, absl::Time deadline, WaitCal
       finished = false;  // a poll of an operation still running
     }
   }
-  done(finished, status, placed ? &placement : nullptr);
+  done(finished, status, placed ? &placement : nullptr, times);
 }
 
 void JobRuntime::FailPending() {
@@ -250,12 +262,13 @@ void JobRuntime::ServeWaiters() {
           if (static_cast<size_t>(w.local) < op.placements.size()) {
             placement = op.placements[w.local];
           }
-          calls.push_back([cb = std::move(w.done), st = op.status, placement] {
-            cb(true, st, placement ? &*placement : nullptr);
+          calls.push_back([cb = std::move(w.done), st = op.status, placement, t = op.times] {
+            cb(true, st, placement ? &*placement : nullptr, t);
           });
           ++resolved;
         } else if (w.deadline <= now) {
-          calls.push_back([cb = std::move(w.done)] { cb(false, absl::OkStatus(), nullptr); });
+          calls.push_back(
+              [cb = std::move(w.done)] { cb(false, absl::OkStatus(), nullptr, OpTimes()); });
         } else {
           keep.push_back(std::move(w));
         }
@@ -311,7 +324,10 @@ void JobRuntime::Run() {
     }
     const int64_t sent_before = comm_ != nullptr ? comm_->sent_bytes() : 0;
     const absl::Time started = absl::Now();
+    OpTimes times;
+    times.started_ns = SteadyNanos();
     const absl::Status s = Execute(op);
+    times.finished_ns = SteadyNanos();
     const std::string kind = absl::AsciiStrToLower(v1::OpKind_Name(op.kind).substr(3));  // OP_
     metrics_->OperationDone(kind, absl::ToDoubleSeconds(absl::Now() - started), s);
     if (comm_ != nullptr) metrics_->BytesSent(kind, "ucx", comm_->sent_bytes() - sent_before);
@@ -349,6 +365,7 @@ void JobRuntime::Run() {
         it->second.done = true;
         it->second.status = s;
         it->second.placements = std::move(placements);
+        it->second.times = times;
       }
       if (!failed_.ok()) FailPending();
     }
@@ -363,7 +380,9 @@ void JobRuntime::Run() {
       op.waiters.clear();
     }
   }
-  for (auto& cb : pending) cb(true, absl::AbortedError("the job was released"), nullptr);
+  for (auto& cb : pending) {
+    cb(true, absl::AbortedError("the job was released"), nullptr, OpTimes());
+  }
 }
 
 absl::Status JobRuntime::Execute(const Op& op) {

@@ -79,10 +79,10 @@ class JobRuntime final : public OpTarget {
     if (departed_.empty()) departure_reported_ = false;
   }
 
-  // Calls `done(true, status, placement)` once the operation completes (placement: where local
-  // rank `local`'s buffers of the operation's unit are then, or nullptr), or `done(false, OK,
-  // nullptr)` at `deadline`. Never blocks; `done` runs on the job's thread or the caller's,
-  // never under the job's mutex.
+  // Calls `done(true, status, placement, times)` once the operation completes (placement: where
+  // local rank `local`'s buffers of the operation's unit are then, or nullptr), or `done(false,
+  // OK, nullptr, {})` at `deadline`. Never blocks; `done` runs on the job's thread or the
+  // caller's, never under the job's mutex.
   void AddWaiter(uint64_t seq, int local, absl::Time deadline, WaitCallback done) override;
 
  private:
@@ -98,6 +98,7 @@ class JobRuntime final : public OpTarget {
     bool done = false;
     absl::Status status;
     std::vector<v1::UnitBuffers> placements;  // by local rank, once done without error
+    OpTimes times;                            // when the job's thread ran it
     struct Waiter {
       absl::Time deadline;
       int local;

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <deque>
 #include <set>
+#include <thread>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -89,6 +90,17 @@ absl::StatusOr<sockaddr_in> ParseAddress(const std::string& address) {
   return sa;
 }
 
+absl::Duration SpinFromEnvironment() {
+  int64_t us = 50;
+  if (const char* s = std::getenv("RAGSHARD_UCX_SPIN_US"); s != nullptr) {
+    if (!absl::SimpleAtoi(s, &us) || us < 0 || us > 1'000'000) {
+      LOG(WARNING) << "RAGSHARD_UCX_SPIN_US='" << s << "' is not microseconds in [0, 1e6]; 50";
+      us = 50;
+    }
+  }
+  return absl::Microseconds(us);
+}
+
 }  // namespace
 
 // Request state, owned by the comm; UCX callbacks write into it.
@@ -113,6 +125,8 @@ struct UcxWorker::Impl {
   ucp_worker_h worker = nullptr;
   ucp_listener_h listener = nullptr;
   int efd = -1;
+  // How long Progress polls before it sleeps (env RAGSHARD_UCX_SPIN_US, for measuring).
+  absl::Duration spin = SpinFromEnvironment();
   std::vector<ucp_ep_h> accepted;  // server-side endpoints
   // Peers whose endpoint reported an error, by rank of the current comm.
   std::set<int> failed;
@@ -173,9 +187,15 @@ struct UcxWorker::Impl {
     }
   }
 
-  // Progress, then wait up to `max_wait` for events when idle.
+  // Progress, then wait up to `max_wait` for events when idle: first polling for up to
+  // spin (yielding the core between polls), then asleep on the worker's event fd. A transfer's
+  // next event usually comes within microseconds, and a thread woken from poll costs tens.
   void Progress(absl::Duration max_wait) {
     if (ucp_worker_progress(worker) != 0) return;
+    for (const absl::Time until = absl::Now() + std::min(spin, max_wait); absl::Now() < until;) {
+      std::this_thread::yield();
+      if (ucp_worker_progress(worker) != 0) return;
+    }
     if (ucp_worker_arm(worker) == UCS_OK) {
       pollfd p{efd, POLLIN, 0};
       int ms = static_cast<int>(absl::ToInt64Milliseconds(max_wait));

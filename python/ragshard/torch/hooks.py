@@ -1,6 +1,15 @@
 """fully_shard's hooks, with the mechanisms FSDP2 uses (see the package docstring): unshard and
 prefetch before a unit's forward and backward, reshard after, and the post-backward that
-reduce-scatters a unit's gradients once the gradients of its inputs are computed."""
+reduce-scatters a unit's gradients once the gradients of its inputs are computed.
+
+With RAGSHARD_TRACE=DIR each rank records a timeline (DIR/rank<R>.json at exit): every operation
+it waited for (issued, run by the daemon, waited; time.monotonic_ns(), the daemon's clock too),
+each unit's forward and backward compute, and the start of each step's forward."""
+import atexit
+import json
+import os
+import time
+
 import torch
 from torch.utils import _pytree as pytree
 
@@ -45,7 +54,33 @@ class HooksMixin:
         self._inputs_done = [0] * len(self._units)  # of them, those whose inputs' grads came
         self._reduced = set()
 
+    def _start_trace(self, directory):
+        """Records the timeline into the client's trace, written to DIRECTORY at exit."""
+        self._computing = {}
+        if not directory:
+            return
+        self.client.trace = []
+
+        def write(client=self.client, path=os.path.join(directory, f"rank{self.client.rank}.json")):
+            os.makedirs(directory, exist_ok=True)
+            with open(path, "w") as f:
+                json.dump({"units": [name for name, _, _ in self._units],
+                           "events": client.trace}, f)
+        atexit.register(write)
+
+    def _compute_begins(self, phase, ui):
+        if self.client.trace is not None:
+            self._computing[(phase, ui)] = time.monotonic_ns()
+
+    def _compute_ends(self, phase, ui):
+        t0 = self._computing.pop((phase, ui), None) if self.client.trace is not None else None
+        if t0 is not None:
+            self.client.trace.append({"event": phase, "unit": ui, "start": t0,
+                                      "end": time.monotonic_ns()})
+
     def _root_pre_forward(self, module, inputs):
+        if self.client.trace is not None and torch.is_grad_enabled():
+            self.client.trace.append({"event": "step", "t": time.monotonic_ns()})
         if self._root is not None:
             self._unshard(self._root)
         for j in range(self.prefetch):
@@ -71,6 +106,8 @@ class HooksMixin:
                 self._unshard(ui)
             for j in range(1, self.prefetch + 1 if prefetch else 1):
                 self._prefetch(units[0] + j)
+            for ui in units:
+                self._compute_begins("forward", ui)
             if not torch.is_grad_enabled():
                 return None
         for ui in units:
@@ -92,6 +129,7 @@ class HooksMixin:
         if _recomputing():
             return out  # the backward about to run needs the units
         for ui in units:
+            self._compute_ends("forward", ui)
             if not torch.is_grad_enabled():
                 self._reshard(ui)  # no backward follows
                 continue
@@ -118,6 +156,7 @@ class HooksMixin:
         if not any(p.requires_grad for p, _, _ in self._views[ui]):
             return
         self._allocate_grads(ui)
+        self._compute_begins("backward", ui)
 
     def _start_backward(self):
         if not self._backward_started:
@@ -144,12 +183,17 @@ class HooksMixin:
         if ui in self._reduced:
             return
         self._reduced.add(ui)
+        self._compute_ends("backward", ui)
         self._reshard(ui)
         if self._no_sync:
             return
         self._allocate_grads(ui)  # a unit that got no gradient reduces zeros
         self._handles[("reduce", ui)] = self.client.reduce_scatter(ui, "avg")
         self.op_counts["reduce_scatter"][self._units[ui][0]] += 1
+        if self.replicas > 1:
+            # HSDP: the shard's average over the replicas, started now so that the daemon runs it
+            # (after this unit's reduce-scatter, in order) while backward goes on.
+            self._handles[("replicas", ui)] = self.client.all_reduce(ui, "avg")
         self._drop_grads(ui)
 
     def _finish_backward(self):
@@ -166,13 +210,8 @@ class HooksMixin:
             self._reshard(key[1])
         if not self._no_sync:
             self._reduce_used_flags()
-        for key in [k for k in self._handles if k[0] == "reduce"]:
+        for key in [k for k in self._handles if k[0] in ("reduce", "replicas")]:
             self._handles.pop(key).wait()
-        if self.replicas > 1 and not self._no_sync:
-            # HSDP: average the gradient shards over the replicas of the shard group.
-            handles = [self.client.all_reduce(ui, "avg") for ui in range(len(self._units))]
-            for h in handles:
-                h.wait()
 
     def _reduce_used_flags(self):
         """Every rank learns which parameters any rank's backward reached since the last

@@ -213,6 +213,7 @@ class ShardedModule(BuffersMixin, HooksMixin, QuantizedGatherMixin, StateMixin, 
         self._handles = {}
         self._backward_started = False
         self._install_hooks()
+        self._start_trace(os.environ.get("RAGSHARD_TRACE"))
 
     def _find_ties(self, module):
         """Tied weights: every module that holds, as its own parameter, one that a unit outside

@@ -216,7 +216,70 @@ INSTANTIATE_TEST_SUITE_P(Cases, ReduceScatterTest,
                                            RsCase{2, v1::DTYPE_FP32, ReduceOp::kSum, 1000},
                                            RsCase{3, v1::DTYPE_BF16, ReduceOp::kAvg, 777},
                                            RsCase{4, v1::DTYPE_FP16, ReduceOp::kSum, 513},
-                                           RsCase{5, v1::DTYPE_BF16, ReduceOp::kSum, 20000}));
+                                           RsCase{5, v1::DTYPE_BF16, ReduceOp::kSum, 20000},
+                                           RsCase{2, v1::DTYPE_FP32, ReduceOp::kAvg, 4097},
+                                           RsCase{3, v1::DTYPE_FP32, ReduceOp::kAvg, 999},
+                                           RsCase{4, v1::DTYPE_FP32, ReduceOp::kSum, 4096}));
+
+// A node's ranks' gradients reduced together: several inputs per member, each added chunk by
+// chunk (the first converted into the partial, the rest accumulated), for every dtype.
+TEST(ReduceScatterInputsTest, SeveralInputsPerMemberMatchTheirSum) {
+  for (const v1::DType dtype : {v1::DTYPE_FP32, v1::DTYPE_BF16}) {
+    for (const int n : {1, 2, 3}) {
+      const int k = 3;  // inputs per member
+      const size_t count = 301, total = count * n;
+      std::vector<std::vector<float>> values(n * k, std::vector<float>(total));
+      std::vector<std::vector<uint16_t>> half(n * k, std::vector<uint16_t>(total));
+      for (int j = 0; j < n * k; ++j) {
+        for (size_t i = 0; i < total; ++i) {
+          half[j][i] = FloatToBf16(static_cast<float>((j * 31 + i) % 17) * 0.25f - 2.0f);
+          values[j][i] = Bf16ToFloat(half[j][i]);  // exact in both dtypes
+        }
+      }
+      std::vector<std::vector<float>> out(n, std::vector<float>(count));
+      auto st = RunGroup(n, [&](Comm& comm) {
+        const int r = comm.rank();
+        std::vector<const void*> inputs;
+        for (int j = r * k; j < (r + 1) * k; ++j) {
+          inputs.push_back(dtype == v1::DTYPE_FP32 ? static_cast<const void*>(values[j].data())
+                                                   : static_cast<const void*>(half[j].data()));
+        }
+        std::vector<float> scratch(2 * count);
+        return ReduceScatter(comm, absl::MakeConstSpan(inputs), dtype, count, out[r].data(),
+                             ReduceOp::kAvg, scratch.data(), absl::Now() + absl::Seconds(10), 100);
+      });
+      for (int r = 0; r < n; ++r) {
+        ASSERT_TRUE(st[r].ok()) << st[r];
+        for (size_t i = 0; i < count; ++i) {
+          double expect = 0;
+          for (int j = 0; j < n * k; ++j) expect += values[j][r * count + i];
+          ASSERT_NEAR(out[r][i], expect / n, 1e-5)
+              << "dtype " << dtype << ", " << n << " members, rank " << r << ", element " << i;
+        }
+      }
+    }
+  }
+}
+
+TEST(AllReduceTest, InPlaceAveragesAcrossMembers) {
+  const int n = 4;
+  const size_t count = 4 * 257;
+  std::vector<std::vector<float>> data(n, std::vector<float>(count));
+  for (int r = 0; r < n; ++r) {
+    for (size_t i = 0; i < count; ++i) data[r][i] = static_cast<float>(r * 2 + i % 5);
+  }
+  auto st = RunGroup(n, [&](Comm& c) {
+    std::vector<float> scratch(2 * count / n);
+    return AllReduceInPlace(c, data[c.rank()].data(), count, ReduceOp::kAvg, scratch.data(),
+                            absl::Now() + absl::Seconds(10), 7);
+  });
+  for (int r = 0; r < n; ++r) {
+    ASSERT_TRUE(st[r].ok()) << st[r];
+    for (size_t i = 0; i < count; ++i) {
+      ASSERT_FLOAT_EQ(data[r][i], static_cast<float>(3 + i % 5)) << "rank " << r << " at " << i;
+    }
+  }
+}
 
 TEST(AllReduceTest, SumsAcrossMembers) {
   const int n = 3;

@@ -72,7 +72,10 @@ class FakeJob final : public OpTarget {
     v1::UnitBuffers b;
     b.set_unsharded_offset(static_cast<int64_t>(1000 * seq));
     b.set_grad_offset(-1);
-    done(true, status, status.ok() ? &b : nullptr);
+    OpTimes times;
+    times.started_ns = static_cast<int64_t>(seq) * 10;
+    times.finished_ns = static_cast<int64_t>(seq) * 10 + 5;
+    done(true, status, status.ok() ? &b : nullptr, times);
   }
 
   const bool immediate_;
@@ -173,6 +176,8 @@ TEST_F(CommandQueueTest, AnOperationStartsAndCompletesWithItsPlacement) {
   v1::UnitBuffers b;
   ASSERT_TRUE(b.ParseFromString(r.placement));
   EXPECT_EQ(b.unsharded_offset(), 1000);
+  EXPECT_EQ(r.started_ns, 10);  // when the job ran it
+  EXPECT_EQ(r.finished_ns, 15);
   // The result was taken: a second wait says so rather than reading a reused slot.
   done = q->Wait(*t, 0us, &r);
   EXPECT_EQ(done.status().code(), absl::StatusCode::kFailedPrecondition) << done.status();
