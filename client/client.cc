@@ -97,7 +97,9 @@ absl::Status Client::Attach() {
   auto conn = ConnectUnix(options_.daemon_socket + ".fd");
   if (!conn.ok()) return conn.status();
   side_channel_ = std::move(*conn);
-  absl::Status s = SendWithFds(side_channel_.get(), attachment_, {});
+  absl::Status s = SendWithFds(
+      side_channel_.get(),
+      options_.command_queue ? absl::StrCat(kQueueRequest, attachment_) : attachment_, {});
   if (!s.ok()) return s;
   // The arena's memfd; then, from a daemon that offers one, the command queue's memfd and the
   // daemon's doorbell.
@@ -107,7 +109,7 @@ absl::Status Client::Attach() {
     return absl::FailedPreconditionError(
         absl::StrCat("daemon refused the descriptor: ", got->payload));
   }
-  if (got->fds.size() == 3 && options_.command_queue) {
+  if (got->fds.size() == 3) {
     RankQueueOptions q;
     q.daemon = absl::StrCat("the daemon of node '", options_.node_id,
                             "' (unix:", options_.daemon_socket, ")");
@@ -331,7 +333,10 @@ absl::Status Client::NoOp() {
   QueueResult r;
   auto done = queue_->Wait(*t, options_.peer_timeout, &r);
   if (!done.ok()) return done.status();
-  return *done ? r.status : absl::InternalError("a no-op through the queue did not finish");
+  if (*done) return r.status;
+  return absl::UnavailableError(
+      absl::StrCat("the daemon of node '", options_.node_id, "' (unix:", options_.daemon_socket,
+                   ") did not answer a no-op within ", options_.peer_timeout.count(), " ms"));
 }
 
 absl::Status Client::NoOpRpc() {

@@ -41,7 +41,7 @@ RankQueue::RankQueue(QueueMapping mapping, ScopedFd doorbell, int side_channel,
       doorbell_(std::move(doorbell)),
       side_channel_(side_channel),
       options_(std::move(options)),
-      slot_tag_(kQueueSlots, 0) {
+      slot_tag_(kQueueSlots) {
   for (int s = kQueueSlots - 1; s >= 0; --s) free_.push_back(s);
 }
 
@@ -55,10 +55,13 @@ bool RankQueue::DaemonExited() const {
          ::recv(side_channel_, &c, 1, MSG_PEEK | MSG_DONTWAIT) == 0;
 }
 
-absl::StatusOr<bool> RankQueue::AwaitSlot(int slot, uint32_t state, Clock::time_point deadline,
-                                          const char* call) {
+absl::StatusOr<bool> RankQueue::AwaitSlot(int slot, uint64_t tag, uint32_t state,
+                                          Clock::time_point deadline, const char* call) {
   const std::atomic<uint32_t>& s = q_->slot[slot].state;
-  const auto reached = [&] { return s.load(std::memory_order_acquire) >= state; };
+  const auto reached = [&] {
+    return s.load(std::memory_order_acquire) >= state ||
+           slot_tag_[slot].load(std::memory_order_acquire) != tag;
+  };
   if (reached()) return true;
   Clock::time_point now = Clock::now();
   if (now >= deadline) return false;
@@ -111,13 +114,17 @@ absl::StatusOr<bool> RankQueue::AwaitSlot(int slot, uint32_t state, Clock::time_
 
 int RankQueue::FreeSlot() {
   if (free_.empty()) {
-    // Results nobody has waited for yet move out of their slots (Wait finds them by tag).
+    // Results nobody has waited for yet move out of their slots (Wait finds them by tag); a
+    // thread waiting on one sees its slot's tag change, once woken.
+    bool moved = false;
     for (int s = 0; s < static_cast<int>(kQueueSlots); ++s) {
-      if (slot_tag_[s] != 0 && q_->slot[s].state.load(std::memory_order_acquire) == kSlotDone) {
-        const uint64_t tag = slot_tag_[s];
+      const uint64_t tag = slot_tag_[s].load(std::memory_order_relaxed);
+      if (tag != 0 && q_->slot[s].state.load(std::memory_order_acquire) == kSlotDone) {
         harvested_[tag] = Take(s);
+        moved = true;
       }
     }
+    if (moved) RingRank(q_.get());
   }
   if (free_.empty()) return -1;
   const int s = free_.back();
@@ -133,7 +140,7 @@ QueueResult RankQueue::Take(int slot) {
   r.failed_at_start = s.failed_at_start != 0;
   r.started_ns = s.started_ns;
   r.finished_ns = s.finished_ns;
-  slot_tag_[slot] = 0;
+  slot_tag_[slot].store(0, std::memory_order_release);
   q_->slot[slot].state.store(kSlotFree, std::memory_order_relaxed);
   free_.push_back(slot);
   return r;
@@ -143,22 +150,34 @@ absl::StatusOr<QueueTicket> RankQueue::Start(QueueCommand command) {
   QueueTicket t;
   {
     std::unique_lock<std::mutex> lock(mu_);
-    while ((t.slot = FreeSlot()) < 0) {
+    uint64_t clock = q_->daemon_clock.load(std::memory_order_relaxed);
+    Clock::time_point clock_moved = Clock::now();
+    while (true) {
+      // The bell before the look: a completion after the look moves it, and the sleep ends.
+      const uint32_t bell = q_->rank_bell.load(std::memory_order_seq_cst);
+      if ((t.slot = FreeSlot()) >= 0) break;
       // Every slot holds an operation in flight: the oldest completes without this rank (the
       // other ranks start it on their own), so waiting here cannot deadlock.
       lock.unlock();
-      const uint32_t bell = q_->rank_bell.load(std::memory_order_seq_cst);
       q_->rank_sleepers.fetch_add(1, std::memory_order_seq_cst);
       WaitRankBell(q_.get(), bell, std::chrono::microseconds(kQueueClockPeriod));
       q_->rank_sleepers.fetch_sub(1, std::memory_order_seq_cst);
-      if (DaemonExited()) {
+      const Clock::time_point now = Clock::now();
+      if (const uint64_t c = q_->daemon_clock.load(std::memory_order_relaxed); c != clock) {
+        clock = c;
+        clock_moved = now;
+      } else if (now - clock_moved > 2 * kQueueClockPeriod && DaemonExited()) {
+        return absl::UnavailableError(absl::StrCat(
+            options_.daemon, " is unreachable: it closed its side channel (the daemon exited)"));
+      } else if (now - clock_moved > options_.peer_timeout) {
         return absl::UnavailableError(
-            absl::StrCat(options_.daemon, " is unreachable: it closed its side channel"));
+            absl::StrCat(options_.daemon, " did not answer the start of an operation within ",
+                         options_.peer_timeout.count(), " ms: it is hung or stopped"));
       }
       lock.lock();
     }
     t.tag = next_tag_++;
-    slot_tag_[t.slot] = t.tag;
+    slot_tag_[t.slot].store(t.tag, std::memory_order_release);
     q_->slot[t.slot].state.store(kSlotSubmitted, std::memory_order_relaxed);
     command.slot = static_cast<uint32_t>(t.slot);
     const uint32_t head = q_->head.load(std::memory_order_relaxed);
@@ -173,7 +192,7 @@ absl::StatusOr<QueueTicket> RankQueue::Start(QueueCommand command) {
     RingDaemon(q_.get(), doorbell_.get());
   }
   auto started =
-      AwaitSlot(t.slot, kSlotStarted, Clock::time_point::max(), "the start of an operation");
+      AwaitSlot(t.slot, t.tag, kSlotStarted, Clock::time_point::max(), "the start of an operation");
   if (!started.ok()) return started.status();
   std::lock_guard<std::mutex> lock(mu_);
   if (auto it = harvested_.find(t.tag); it != harvested_.end()) {  // another start's harvest
@@ -203,7 +222,7 @@ absl::StatusOr<bool> RankQueue::Wait(const QueueTicket& ticket, std::chrono::mic
       return true;
     }
     if (ticket.slot < 0 || ticket.slot >= static_cast<int>(kQueueSlots) ||
-        slot_tag_[ticket.slot] != ticket.tag) {
+        slot_tag_[ticket.slot].load(std::memory_order_relaxed) != ticket.tag) {
       return absl::FailedPreconditionError(
           absl::StrCat("operation ", ticket.seq, ": an earlier wait on this rank took its result"));
     }
@@ -214,7 +233,7 @@ absl::StatusOr<bool> RankQueue::Wait(const QueueTicket& ticket, std::chrono::mic
     auto t = taken();
     if (!t.ok() || *t) return t;
   }
-  auto done = AwaitSlot(ticket.slot, kSlotDone, Clock::now() + timeout, "a wait");
+  auto done = AwaitSlot(ticket.slot, ticket.tag, kSlotDone, Clock::now() + timeout, "a wait");
   if (!done.ok() || !*done) return done;
   std::lock_guard<std::mutex> lock(mu_);
   auto t = taken();  // a start harvested it meanwhile

@@ -7,6 +7,7 @@
 // operation.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <map>
@@ -69,9 +70,10 @@ class RankQueue {
 
  private:
   RankQueue(QueueMapping mapping, ScopedFd doorbell, int side_channel, RankQueueOptions options);
-  // Until slot `slot` reaches `state`: true; false at `deadline`; UNAVAILABLE for a daemon that
-  // exited or stopped answering (`call` names what waited).
-  absl::StatusOr<bool> AwaitSlot(int slot, uint32_t state,
+  // Until slot `slot` reaches `state`, or no longer holds start `tag` (another thread moved its
+  // result into harvested_): true; false at `deadline`; UNAVAILABLE for a daemon that exited or
+  // stopped answering (`call` names what waited).
+  absl::StatusOr<bool> AwaitSlot(int slot, uint64_t tag, uint32_t state,
                                  std::chrono::steady_clock::time_point deadline, const char* call);
   // The slot's result, and the slot freed (under mu_; the slot is done).
   QueueResult Take(int slot);
@@ -85,7 +87,9 @@ class RankQueue {
   const int side_channel_;
   const RankQueueOptions options_;
   std::mutex mu_;
-  std::vector<uint64_t> slot_tag_;  // the tag of the start that holds each slot; 0: free
+  // The tag of the start that holds each slot; 0: free. Written under mu_, read by waiters
+  // without it.
+  std::vector<std::atomic<uint64_t>> slot_tag_;
   std::vector<int> free_;
   std::map<uint64_t, QueueResult> harvested_;  // by tag: results taken out of reused slots
   uint64_t next_tag_ = 1;

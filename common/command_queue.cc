@@ -1,7 +1,7 @@
 #include "common/command_queue.h"
 
+#include <fcntl.h>
 #include <linux/futex.h>
-#include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -64,24 +64,37 @@ absl::StatusOr<QueueMapping> QueueMapping::Map(int fd) {
   QueueMapping m(static_cast<QueueLayout*>(p));
   if (m->magic != kQueueMagic || m->version != kQueueVersion || m->commands != kQueueCommands ||
       m->slots != kQueueSlots) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("the daemon's command queue is version ", m->version, " (magic ", m->magic,
-                     "); this library speaks version ", kQueueVersion, ": upgrade them together"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the daemon's command queue is version ", m->version, " with ", m->commands,
+        " commands and ", m->slots, " slots (magic 0x", absl::Hex(m->magic),
+        "); this library speaks version ", kQueueVersion, " with ", kQueueCommands, " and ",
+        kQueueSlots, " (magic 0x", absl::Hex(kQueueMagic), "): upgrade them together"));
   }
   return m;
 }
 
+absl::StatusOr<ScopedFd> SealedMemfd(const char* what, size_t bytes) {
+  ScopedFd fd(::memfd_create(what, MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  if (!fd.valid()) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("memfd_create for the ", what, ": ", std::strerror(errno)));
+  }
+  if (::ftruncate(fd.get(), static_cast<off_t>(bytes)) != 0) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("sizing the ", what, " to ", bytes, " bytes: ", std::strerror(errno)));
+  }
+  if (::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+    return absl::InternalError(
+        absl::StrCat("sealing the size of the ", what, ": ", std::strerror(errno)));
+  }
+  return fd;
+}
+
 absl::StatusOr<NewQueue> CreateQueue() {
   NewQueue q;
-  q.memory = ScopedFd(::memfd_create("ragshard-queue", MFD_CLOEXEC));
-  if (!q.memory.valid()) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("memfd_create for a command queue: ", std::strerror(errno)));
-  }
-  if (::ftruncate(q.memory.get(), sizeof(QueueLayout)) != 0) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("sizing a command queue: ", std::strerror(errno)));
-  }
+  auto memory = SealedMemfd("ragshard-queue", sizeof(QueueLayout));
+  if (!memory.ok()) return memory.status();
+  q.memory = std::move(*memory);
   void* p =
       ::mmap(nullptr, sizeof(QueueLayout), PROT_READ | PROT_WRITE, MAP_SHARED, q.memory.get(), 0);
   if (p == MAP_FAILED) {
@@ -89,14 +102,24 @@ absl::StatusOr<NewQueue> CreateQueue() {
         absl::StrCat("mmap of a new command queue: ", std::strerror(errno)));
   }
   new (p) QueueLayout();
-  q.mapping = *QueueMapping::Map(q.memory.get());  // the header it just wrote
   ::munmap(p, sizeof(QueueLayout));
-  q.doorbell = ScopedFd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
-  if (!q.doorbell.valid()) {
+  auto mapping = QueueMapping::Map(q.memory.get());  // checks the header just written
+  if (!mapping.ok()) return mapping.status();
+  q.mapping = std::move(*mapping);
+  int ends[2];
+  if (::pipe2(ends, O_CLOEXEC | O_NONBLOCK) != 0) {
     return absl::ResourceExhaustedError(
-        absl::StrCat("eventfd for a command queue: ", std::strerror(errno)));
+        absl::StrCat("a pipe for a command queue's doorbell: ", std::strerror(errno)));
   }
+  q.doorbell = ScopedFd(ends[0]);
+  q.doorbell_write = ScopedFd(ends[1]);
   return q;
+}
+
+void DrainDoorbell(int fd) {
+  char buf[256];
+  while (::read(fd, buf, sizeof(buf)) > 0) {
+  }
 }
 
 void RingRank(QueueLayout* q) {
@@ -109,8 +132,8 @@ void RingRank(QueueLayout* q) {
 void RingDaemon(QueueLayout* q, int doorbell) {
   std::atomic_thread_fence(std::memory_order_seq_cst);
   if (q->daemon_sleeping.load(std::memory_order_seq_cst) != 0) {
-    const uint64_t one = 1;
-    // EAGAIN (the counter is full) still leaves the daemon woken.
+    const char one = 1;
+    // EAGAIN (the pipe is full) leaves it rung already.
     (void)!::write(doorbell, &one, sizeof(one));
   }
 }
@@ -134,7 +157,9 @@ void PublishResult(QueueSlot* slot, bool failed_at_start, const absl::Status& st
   const size_t room = kQueueSlotPayload - p.size();
   if (message.size() > room) {
     LOG(WARNING) << "a result's text was cut to fit its completion slot: " << message;
-    message = absl::StrCat(message.substr(0, room - (sizeof(kCut) - 1)), kCut);
+    constexpr size_t kCutBytes = sizeof(kCut) - 1;
+    message = room > kCutBytes ? absl::StrCat(message.substr(0, room - kCutBytes), kCut)
+                               : message.substr(0, room);
   }
   std::memcpy(slot->payload, p.data(), p.size());
   std::memcpy(slot->payload + p.size(), message.data(), message.size());

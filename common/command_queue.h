@@ -3,7 +3,7 @@
 // with two event descriptors. The rank writes commands into a single-producer ring and reads
 // their results from completion slots; neither side makes a system call while the other is
 // awake, and a sleeping side is woken through its doorbell:
-//   * the daemon's: an eventfd the rank writes (the daemon's poller waits on many with epoll);
+//   * the daemon's: a pipe the rank writes (the daemon's poller waits on many with epoll);
 //   * the rank's: a futex on `rank_bell` in the shared memory (many threads of a rank may wait).
 // gRPC stays for attach, detach, registration and stats.
 //
@@ -90,6 +90,10 @@ struct QueueLayout {  // NOLINT(clang-analyzer-optin.performance.Padding)
 
 inline constexpr std::chrono::milliseconds kQueueClockPeriod{50};
 
+// What a rank sends on the side channel before its attachment id to ask for a queue with the
+// arena (a rank that sends the id alone gets the arena alone, and stays on gRPC).
+inline constexpr char kQueueRequest[] = "queue ";
+
 // One mapping of a queue's memory (either end); unmaps on destruction. Move-only.
 class QueueMapping {
  public:
@@ -112,18 +116,30 @@ class QueueMapping {
   QueueLayout* layout_ = nullptr;
 };
 
-// A new queue (the daemon's end): its memory, initialized, and the two descriptors to pass.
+// A memfd of `bytes` whose size is sealed (F_SEAL_SHRINK, F_SEAL_GROW, F_SEAL_SEAL): a process
+// it is passed to cannot truncate it under the daemon's mappings (which would raise SIGBUS in
+// the daemon). `what` names it in errors.
+absl::StatusOr<ScopedFd> SealedMemfd(const char* what, size_t bytes);
+
+// A new queue (the daemon's end): its memory, initialized, and its doorbell, a pipe: the daemon
+// keeps the read end (non-blocking, its own) and passes the write end, so that nothing the rank
+// does to its descriptor can block the daemon's reads.
 struct NewQueue {
-  ScopedFd memory;    // memfd of sizeof(QueueLayout)
-  ScopedFd doorbell;  // eventfd the rank writes to wake the daemon
+  ScopedFd memory;          // sealed memfd of sizeof(QueueLayout), to pass
+  ScopedFd doorbell;        // the read end, the daemon's
+  ScopedFd doorbell_write;  // the write end, to pass
   QueueMapping mapping;
 };
 absl::StatusOr<NewQueue> CreateQueue();
 
+// Empties a doorbell's read end (non-blocking).
+void DrainDoorbell(int fd);
+
 // The daemon's side of the rank's doorbell: after publishing a completion, wakes the rank's
 // sleeping threads (no system call when none sleeps).
 void RingRank(QueueLayout* q);
-// The rank's side of the daemon's doorbell (no system call while the daemon's poller is awake).
+// The rank's side of the daemon's doorbell, the pipe's write end (no system call while the
+// daemon's poller is awake; a full pipe has rung already).
 void RingDaemon(QueueLayout* q, int doorbell);
 // Sleeps on the rank's doorbell until it moves from `seen` or `timeout` passes.
 void WaitRankBell(QueueLayout* q, uint32_t seen, std::chrono::microseconds timeout);

@@ -24,6 +24,7 @@ void Relax() {
 #endif
 }
 
+// The poller's own wake-up eventfd (the queues' doorbells are pipes: DrainDoorbell).
 void DrainEventFd(int fd) {
   uint64_t n = 0;
   while (::read(fd, &n, sizeof(n)) == sizeof(n)) {
@@ -69,6 +70,13 @@ CommandPoller::~CommandPoller() {
 absl::StatusOr<std::vector<ScopedFd>> CommandPoller::Add(const std::string& id,
                                                          std::weak_ptr<OpTarget> target,
                                                          int local) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (queues_.count(id) > 0) {
+      return absl::AlreadyExistsError(
+          absl::StrCat("attachment '", id, "' has a command queue already"));
+    }
+  }
   auto created = CreateQueue();
   if (!created.ok()) return created.status();
   auto q = std::make_shared<Queue>();
@@ -78,12 +86,6 @@ absl::StatusOr<std::vector<ScopedFd>> CommandPoller::Add(const std::string& id,
   q->doorbell = std::move(created->doorbell);
   q->target = std::move(target);
   q->local = local;
-  std::vector<ScopedFd> pass;
-  pass.push_back(std::move(created->memory));
-  pass.emplace_back(::fcntl(q->doorbell.get(), F_DUPFD_CLOEXEC, 0));
-  if (!pass.back().valid()) {
-    return absl::ResourceExhaustedError(absl::StrCat("dup of a doorbell: ", std::strerror(errno)));
-  }
   epoll_event ev{};
   ev.events = EPOLLIN;
   ev.data.fd = q->doorbell.get();
@@ -92,11 +94,18 @@ absl::StatusOr<std::vector<ScopedFd>> CommandPoller::Add(const std::string& id,
   }
   {
     absl::MutexLock lock(&mu_);
-    queues_[id] = std::move(q);
+    if (!queues_.emplace(id, q).second) {  // a concurrent Add of the same id won
+      (void)::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, q->doorbell.get(), nullptr);
+      return absl::AlreadyExistsError(
+          absl::StrCat("attachment '", id, "' has a command queue already"));
+    }
     generation_.fetch_add(1);
   }
   const uint64_t one = 1;
   (void)!::write(wake_.get(), &one, sizeof(one));
+  std::vector<ScopedFd> pass;
+  pass.push_back(std::move(created->memory));
+  pass.push_back(std::move(created->doorbell_write));
   return pass;
 }
 
@@ -247,7 +256,7 @@ void CommandPoller::Run() {
     }
     for (const auto& q : live) {
       q->memory->mapping->daemon_sleeping.store(0, std::memory_order_relaxed);
-      DrainEventFd(q->doorbell.get());
+      DrainDoorbell(q->doorbell.get());
     }
     DrainEventFd(wake_.get());
     last_work = Clock::now();

@@ -1,7 +1,8 @@
 // The daemon's end of the ranks' command queues (common/command_queue.h, docs/daemon.md): one
 // thread reads every attachment's ring, starts each operation on its job (OpTarget::StartOp),
 // and publishes the start and, through a waiter, the result into the rank's completion slot.
-// It spins for `spin` after its last command and then sleeps in epoll on the queues' doorbells,
+// It spins for `spin` after its last command and then sleeps in epoll on the queues' doorbells
+// (pipes whose read ends only the daemon holds),
 // waking at least every kQueueClockPeriod to advance each queue's clock (the ranks' sign that
 // the daemon lives).
 //
@@ -42,8 +43,9 @@ class CommandPoller {
   ~CommandPoller();  // stops the thread; the queues' memory lives on with pending callbacks
 
   // A queue for attachment `id`, local rank `local` of `target` (held weakly: a target that is
-  // gone answers NOT_FOUND). Returns the descriptors to pass to the rank, in order: the queue's
-  // memfd and the daemon's doorbell (both the caller's to close once passed).
+  // gone answers NOT_FOUND); ALREADY_EXISTS when `id` has one. Returns the descriptors to pass
+  // to the rank, in order: the queue's memfd and the write end of the daemon's doorbell (both
+  // the caller's to close once passed).
   absl::StatusOr<std::vector<ScopedFd>> Add(const std::string& id, std::weak_ptr<OpTarget> target,
                                             int local);
   // Stops serving attachment `id` (nothing when unknown).

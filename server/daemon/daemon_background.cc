@@ -8,7 +8,9 @@
 #include <map>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/command_queue.h"
 #include "common/fd_passing.h"
 #include "glog/logging.h"
 #include "server/daemon/daemon.h"
@@ -46,26 +48,29 @@ void NodeDaemon::RunSideChannel() {
         timeval tv{2, 0};
         ::setsockopt(conn.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
         auto msg = ReceiveWithFds(conn.get(), 0);
+        // "ID" asks for the arena; "queue ID" for the arena, then the attachment's command
+        // queue and its doorbell (docs/daemon.md). Without a queue (none could be made) the
+        // rank uses gRPC alone.
+        std::string id = msg.ok() ? msg->payload : std::string();
+        const bool wants_queue = absl::StartsWith(id, kQueueRequest);
+        if (wants_queue) id = id.substr(sizeof(kQueueRequest) - 1);
         absl::StatusOr<std::pair<std::shared_ptr<JobRuntime>, int>> found =
             absl::UnknownError("no attachment id");
-        if (msg.ok()) found = FindAttachment(msg->payload);
-        // The arena, then the attachment's command queue and its doorbell; without a queue
-        // (none could be made) the rank uses gRPC alone.
+        if (msg.ok()) found = FindAttachment(id);
         std::vector<ScopedFd> queue;
-        if (found.ok()) {
-          auto q = poller_->Add(msg->payload, found->first, found->second);
+        if (found.ok() && wants_queue) {
+          auto q = poller_->Add(id, found->first, found->second);
           if (q.ok()) {
             queue = std::move(*q);
           } else {
-            LOG(WARNING) << "attachment " << msg->payload
-                         << " gets no command queue: " << q.status();
+            LOG(WARNING) << "attachment " << id << " gets no command queue: " << q.status();
           }
         }
         std::vector<int> pass = {pool_->arena().fd()};
         for (const ScopedFd& f : queue) pass.push_back(f.get());
         if (found.ok() && SendWithFds(conn.get(), "ok", pass).ok()) {
           const int fd = conn.get();
-          clients[fd] = {std::move(conn), msg->payload};
+          clients[fd] = {std::move(conn), id};
         } else {
           (void)SendWithFds(conn.get(), "error: unknown attachment", {});
         }
@@ -149,7 +154,12 @@ void NodeDaemon::RunHeartbeats() {
         gone = std::move(it->second);
         jobs_.erase(it);
         for (auto a = attachments_.begin(); a != attachments_.end();) {
-          a = a->second.job_id == job ? attachments_.erase(a) : std::next(a);
+          if (a->second.job_id != job) {
+            ++a;
+            continue;
+          }
+          poller_->Remove(a->first);  // its queue's waiters hear "the job was released"
+          a = attachments_.erase(a);
         }
       }
       gone.reset();  // joins the job thread and returns its buffers to the pool

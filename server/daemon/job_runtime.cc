@@ -294,7 +294,7 @@ void JobRuntime::Run() {
         return stopping_ || !queue_.empty() || (!abort_.ok() && failed_.ok());
       };
       mu_.AwaitWithTimeout(absl::Condition(&ready), absl::Milliseconds(50));
-      if (stopping_) return;
+      if (stopping_) break;  // the waiters left are answered below
       // The other nodes first (a notice over the data plane, at once), then the planner (a round
       // trip that tells every daemon, at its next heartbeat).
       if (!abort_.ok() && failed_.ok()) {

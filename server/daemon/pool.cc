@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/command_queue.h"
 #include "glog/logging.h"
 
 namespace ragshard::daemon {
@@ -13,12 +14,10 @@ namespace ragshard::daemon {
 absl::StatusOr<std::unique_ptr<MemfdArena>> MemfdArena::Create(const std::string& name,
                                                                size_t bytes) {
   if (bytes == 0) return absl::InvalidArgumentError("arena size must be positive");
-  ScopedFd fd(::memfd_create(name.c_str(), MFD_CLOEXEC));
-  if (!fd.valid()) return absl::InternalError(absl::StrCat("memfd_create: ", std::strerror(errno)));
-  if (::ftruncate(fd.get(), static_cast<off_t>(bytes)) != 0) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("ftruncate memfd to ", bytes, " bytes: ", std::strerror(errno)));
-  }
+  // Sealed: the ranks it is passed to cannot truncate it under the daemon's mappings.
+  auto sealed = SealedMemfd(name.c_str(), bytes);
+  if (!sealed.ok()) return sealed.status();
+  ScopedFd fd = std::move(*sealed);
   void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
   if (p == MAP_FAILED) {
     return absl::ResourceExhaustedError(

@@ -1,6 +1,7 @@
 // The command queue end to end in one process: the daemon's CommandPoller against a fake job,
 // and the rank's RankQueue, over a real memfd, eventfd and futex. What crosses processes in
 // production (the descriptors) is passed here as it is over the side channel, as descriptors.
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -324,6 +325,33 @@ TEST_F(CommandQueueTest, ARankThatBreaksTheQueueHurtsOnlyItself) {
   (*m)->head.store(head + 100000);
   ASSERT_TRUE(AwaitErrors(2));
   EXPECT_THAT(errors()[1].message(), HasSubstr("command ring claims"));
+}
+
+TEST_F(CommandQueueTest, WhatTheRankHoldsCannotHarmTheDaemon) {
+  auto job = std::make_shared<FakeJob>(/*immediate=*/true);
+  auto fds = poller_->Add("a2", job, 0);
+  ASSERT_TRUE(fds.ok()) << fds.status();
+  // A second queue for the same attachment is refused (it would replace the first's).
+  auto again = poller_->Add("a2", job, 0);
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_THAT(again.status().message(), HasSubstr("'a2' has a command queue already"));
+  // The memory's size is sealed: truncating it under the daemon's mapping fails.
+  EXPECT_NE(::ftruncate((*fds)[0].get(), 0), 0);
+  EXPECT_NE(::ftruncate((*fds)[0].get(), 2 * sizeof(QueueLayout)), 0);
+  // The doorbell is the write end of a pipe: making it blocking is the rank's own affair, the
+  // daemon's read end stays non-blocking, and the queue goes on serving.
+  ASSERT_EQ(::fcntl((*fds)[1].get(), F_SETFL, 0), 0);
+  RankQueueOptions o;
+  o.daemon = "the daemon";
+  auto q = RankQueue::Open(std::move((*fds)[0]), std::move((*fds)[1]), rank_side_.get(), o);
+  ASSERT_TRUE(q.ok()) << q.status();
+  for (int i = 0; i < 100; ++i) {
+    auto t = (*q)->Start(Command(v1::OP_NOOP, 0));
+    ASSERT_TRUE(t.ok()) << t.status();
+    QueueResult r;
+    auto done = (*q)->Wait(*t, 10s, &r);
+    ASSERT_TRUE(done.ok() && *done) << i;
+  }
 }
 
 TEST(CommandQueueMapTest, AMemfdOfAnotherSizeOrVersionIsNamed) {
