@@ -112,6 +112,11 @@ def parse():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reference", action="store_true", help="one process, plain PyTorch")
     p.add_argument("--world", type=int, default=0, help="W for --reference")
+    p.add_argument("--reference-order", choices=["batch", "ranks"], default="batch",
+                   help="--reference: the loss of the global batch at once (batch), or the mean "
+                        "of each rank's loss on its rows, as the ranks compute them (ranks): the "
+                        "same numbers summed in another order, whose distance from the first "
+                        "is this case's floating-point noise floor")
     p.add_argument("--fsdp2", default="", metavar="STORE_FILE",
                    help="torch FSDP2 over gloo instead of ragshard (AdamW only)")
     p.add_argument("--out", default="", help="write losses (JSON) and final parameters (.pt)")
@@ -182,7 +187,10 @@ def reference(args, model, chain):
         if args.case == "eval-no-grad":
             vals.append(validate(model, args, chain, step, slice(0, w * args.batch), w))
         x, y, route = step_inputs(args, chain, step, w)
-        loss = loss_of(model, args, x, y, route, step)
+        if args.reference_order == "ranks":
+            loss = sum(rank_loss(model, args, x, y, route, step, r) for r in range(w)) / w
+        else:
+            loss = loss_of(model, args, x, y, route, step)
         loss.backward()
         adamw.step()
         if muon is not None:
@@ -190,6 +198,17 @@ def reference(args, model, chain):
         model.zero_grad(set_to_none=bool(args.set_to_none))
         losses.append(float(loss))
     return losses, vals, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def rank_loss(net, args, x, y, route, step, r):
+    """Rank r's loss on its rows of the global batch (x, y, route)."""
+    rows = slice(r * args.batch, (r + 1) * args.batch)
+    x, y, route = x[rows], y[rows], route[rows]
+    if args.case == "two-forwards":
+        h = args.batch // 2
+        return (loss_of(net, args, x[:h], y[:h], route[:h], step) +
+                loss_of(net, args, x[h:], y[h:], route[h:], step)) / 2
+    return loss_of(net, args, x, y, route, step)
 
 
 def train_ranks(args, net, chain, r, w, step_fn, all_mean):
@@ -200,13 +219,7 @@ def train_ranks(args, net, chain, r, w, step_fn, all_mean):
         if args.case == "eval-no-grad":
             vals.append(all_mean(validate(net, args, chain, step, rows, w)))
         x, y, route = step_inputs(args, chain, step, w)
-        x, y, route = x[rows], y[rows], route[rows]
-        if args.case == "two-forwards":
-            h = args.batch // 2
-            loss = (loss_of(net, args, x[:h], y[:h], route[:h], step) +
-                    loss_of(net, args, x[h:], y[h:], route[h:], step)) / 2
-        else:
-            loss = loss_of(net, args, x, y, route, step)
+        loss = rank_loss(net, args, x, y, route, step, r)
         loss.backward()
         step_fn()
         losses.append(all_mean(float(loss)))

@@ -49,23 +49,48 @@ def results(out):
 
 def sharded_and_reference(cluster, tmp_path, extra):
     job = "sem-" + "-".join(a.lstrip("-") for a in extra)
-    out, ref = str(tmp_path / job), str(tmp_path / (job + "-ref"))
+    out = str(tmp_path / job)
     run([sys.executable, "-m", "ragshard.launch", "--planner", cluster.planner, "--job", job,
          "--nproc", "4", "--sockets", ",".join(cluster.sockets), "--create-job", EXAMPLE,
          "--out", out] + extra)
-    run([sys.executable, EXAMPLE, "--reference", "--world", "4", "--out", ref] + extra)
-    return results(out), results(ref)
+    return results(out), reference_of(tmp_path, extra)
 
 
-def assert_close(sharded, reference, rtol=1e-5):
+def reference_of(tmp_path, extra, order="batch"):
+    """The one-process reference: the global batch's loss at once ("batch"), or the mean of the
+    ranks' losses on their rows ("ranks"), the same numbers summed in another order."""
+    ref = str(tmp_path / ("ref-" + order + "-" + "-".join(a.lstrip("-") for a in extra)))
+    run([sys.executable, EXAMPLE, "--reference", "--world", "4", "--out", ref,
+         "--reference-order", order] + extra)
+    return results(ref)
+
+
+def differences(sharded, reference, rtol=1e-5):
+    """What differs by more than rtol (relative): losses by index, parameters by name."""
     (la, pa), (lb, pb) = sharded, reference
     assert len(la) == len(lb)
-    for i, (x, y) in enumerate(zip(la, lb)):
-        assert abs(x - y) <= rtol * abs(y), f"loss {i}: {x} vs reference {y}"
     assert pa.keys() == pb.keys()
+    out = [f"loss {i}: {x} vs reference {y}" for i, (x, y) in enumerate(zip(la, lb))
+           if abs(x - y) > rtol * abs(y)]
     for name in pb:
         rel = float((pa[name] - pb[name]).norm() / pb[name].norm().clamp_min(1e-12))
-        assert rel <= rtol, f"{name}: |delta|/|p| = {rel:.3g}"
+        if rel > rtol:
+            out.append(f"{name}: |delta|/|p| = {rel:.3g}")
+    return out
+
+
+def assert_close(sharded, reference, tmp_path=None, extra=None):
+    """Every loss and final parameter within 1e-5 of the one-process reference. Adam turns the
+    rounding of a gradient that nearly cancels into a visible step, so two orders of the same
+    sums in plain PyTorch may differ by more (1.8e-5 in one case on an AVX2 CPU, 7e-6 on
+    another); where the batch-order reference differs, the sharded run must then be within
+    1e-5 of the ranks-order one (the order it sums in), every number of it."""
+    diff = differences(sharded, reference)
+    if diff and tmp_path is not None:
+        other = differences(sharded, reference_of(tmp_path, extra, order="ranks"))
+        assert not other, f"{diff}; against the ranks-order reference too: {other}"
+        return
+    assert not diff, diff
 
 
 CASES = [(case, stn) for case in ("skip-odd", "expert-unused", "expert-unused-one-rank")
@@ -77,7 +102,7 @@ CASES = [(case, stn) for case in ("skip-odd", "expert-unused", "expert-unused-on
 def test_case_matches_single_process(cluster, tmp_path, case, set_to_none, optimizer):
     extra = ["--case", case, "--set-to-none", str(set_to_none), "--optimizer", optimizer]
     sharded, reference = sharded_and_reference(cluster, tmp_path, extra)
-    assert_close(sharded, reference)
+    assert_close(sharded, reference, tmp_path, extra)
     if case == "skip-odd":
         # The setting matters here (enc1 has a zero gradient, or none, in odd steps): the
         # reference under the other setting ends elsewhere, so matching it means something.
