@@ -114,6 +114,7 @@ struct Pending {
   uint64_t want_tag = 0;
   size_t want_bytes = 0;
   bool checked = true;      // compare the sender's stamp and size with these
+  bool waited = false;      // a WaitAll has seen it complete
   uint64_t sender_tag = 0;  // as UCX reports it: the source bits and the stamp
   size_t sent_bytes = 0;
   uint64_t stamp() const { return sender_tag & kTagMask; }
@@ -254,7 +255,7 @@ class UcxComm final : public Comm {
       p->done = true;
       p->status = st;
     };
-    param.user_data = &pending_[id];
+    param.user_data = At(id);
     void* req = ucp_tag_send_nbx(w_->eps[peer], data, bytes, Tag(rank_, tag), &param);
     sent_bytes_.fetch_add(static_cast<int64_t>(bytes), std::memory_order_relaxed);
     return Track(id, req);
@@ -264,7 +265,7 @@ class UcxComm final : public Comm {
     if (peer < 0 || peer >= size_ || peer == rank_) return absl::InvalidArgumentError("bad peer");
     if (w_->failed.count(peer)) return Lost(peer);
     const uint64_t id = NewPending(peer, true);
-    Pending& p = pending_[id];
+    Pending& p = *At(id);
     p.want_tag = tag & kTagMask;
     p.want_bytes = bytes;
     p.checked = w_->owner->message_checks() || tag == kHelloTag;
@@ -287,8 +288,7 @@ class UcxComm final : public Comm {
   void Abort(const std::string& why) override {
     if (aborted_) return;
     aborted_ = true;
-    CancelAll();  // nothing of the failed operation stays queued ahead of the notices
-    Reap();
+    Abandon();  // nothing of the failed operation stays queued ahead of the notices
     const std::string text = why.substr(0, kNoticeBytes);
     std::vector<uint64_t> sends;
     for (int peer = 0; peer < size_; ++peer) {
@@ -301,13 +301,12 @@ class UcxComm final : public Comm {
     const absl::Time until = absl::Now() + absl::Milliseconds(500);
     while (absl::Now() < until) {
       bool all = true;
-      for (uint64_t id : sends) all &= pending_[id].done || w_->failed.count(pending_[id].peer);
+      for (uint64_t id : sends) all &= At(id)->done || w_->failed.count(At(id)->peer);
       if (all) break;
       w_->Progress(absl::Milliseconds(1));
     }
     Flush(until);
-    CancelAll();
-    Reap();
+    Abandon();
   }
 
   void SetDescriber(TagDescriber describe) override { describe_ = std::move(describe); }
@@ -330,7 +329,8 @@ class UcxComm final : public Comm {
         break;
       }
       for (uint64_t id : ids) {
-        Pending& p = pending_[id];
+        if (id < base_) continue;  // waited for by an earlier WaitAll
+        Pending& p = *At(id);
         if (!p.done) {
           all = false;
           if (w_->failed.count(p.peer)) {
@@ -363,7 +363,7 @@ class UcxComm final : public Comm {
       if (absl::Now() >= deadline) {
         int peer = -1;
         for (uint64_t id : ids) {
-          if (!pending_[id].done) peer = pending_[id].peer;
+          if (id >= base_ && !At(id)->done) peer = At(id)->peer;
         }
         result = absl::DeadlineExceededError(
             absl::StrCat("transfer with ", Peer(peer), " did not complete before the deadline"));
@@ -377,8 +377,14 @@ class UcxComm final : public Comm {
         idle_left = idle();
       }
     }
-    if (!result.ok()) CancelAll();
-    Reap();
+    if (result.ok()) {
+      for (uint64_t id : ids) {
+        if (id >= base_) At(id)->waited = true;
+      }
+      Reap();
+    } else {
+      Abandon();
+    }
     {
       absl::MutexLock lock(&waiting_mu_);
       waiting_.clear();
@@ -401,7 +407,7 @@ class UcxComm final : public Comm {
   void PublishWaiting(const std::vector<uint64_t>& ids) {
     std::set<int> peers;
     for (uint64_t id : ids) {
-      if (!pending_[id].done) peers.insert(pending_[id].peer);
+      if (id >= base_ && !At(id)->done) peers.insert(At(id)->peer);
     }
     std::vector<std::string> names;
     names.reserve(peers.size());
@@ -462,8 +468,11 @@ class UcxComm final : public Comm {
     return pending_.size() - 1 + base_;
   }
 
+  // The request `id` (>= base_: not yet forgotten).
+  Pending* At(uint64_t id) { return &pending_[id - base_]; }
+
   absl::StatusOr<uint64_t> Track(uint64_t id, void* req) {
-    Pending& p = pending_[id - base_];
+    Pending& p = *At(id);
     if (req == nullptr) {
       p.done = true;
     } else if (UCS_PTR_IS_ERR(req)) {
@@ -472,7 +481,7 @@ class UcxComm final : public Comm {
     } else {
       p.request = req;
     }
-    return id - base_;
+    return id;
   }
 
   void CancelAll() {
@@ -486,7 +495,17 @@ class UcxComm final : public Comm {
     }
   }
 
-  // Frees completed requests and forgets the bookkeeping once nothing is in flight.
+  // Cancels what is in flight and forgets every request: the operation failed, and none of its
+  // requests will be waited for.
+  void Abandon() {
+    CancelAll();
+    for (Pending& p : pending_) p.waited = true;
+    Reap();
+  }
+
+  // Frees completed requests and forgets the bookkeeping once every request has been waited
+  // for (a collective may wait for some of its requests while others are in flight). Ids keep
+  // counting from base_, so an id of a forgotten request is never reused.
   void Reap() {
     bool busy = false;
     for (Pending& p : pending_) {
@@ -494,15 +513,18 @@ class UcxComm final : public Comm {
         ucp_request_free(p.request);
         p.request = nullptr;
       }
-      busy |= !p.done;
+      busy |= !p.done || !p.waited;
     }
-    if (!busy) pending_.clear();
+    if (!busy) {
+      base_ += pending_.size();
+      pending_.clear();
+    }
   }
 
   UcxWorker::Impl* const w_;
   const int rank_;
   const int size_;
-  uint64_t base_ = 0;
+  uint64_t base_ = 0;             // the id of pending_[0]
   std::deque<Pending> pending_;  // stable addresses for the callbacks
   Pending notice_;
   char notice_text_[kNoticeBytes] = {};

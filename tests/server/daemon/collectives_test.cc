@@ -219,15 +219,33 @@ INSTANTIATE_TEST_SUITE_P(Cases, ReduceScatterTest,
                                            RsCase{5, v1::DTYPE_BF16, ReduceOp::kSum, 20000},
                                            RsCase{2, v1::DTYPE_FP32, ReduceOp::kAvg, 4097},
                                            RsCase{3, v1::DTYPE_FP32, ReduceOp::kAvg, 999},
-                                           RsCase{4, v1::DTYPE_FP32, ReduceOp::kSum, 4096}));
+                                           RsCase{4, v1::DTYPE_FP32, ReduceOp::kSum, 4096},
+                                           // Pipelined: each step's partial in pieces
+                                           // (kMinPieceBytes each, up to kMaxPieces).
+                                           RsCase{2, v1::DTYPE_FP32, ReduceOp::kSum, 300001},
+                                           RsCase{3, v1::DTYPE_BF16, ReduceOp::kAvg, 1000003},
+                                           RsCase{4, v1::DTYPE_FP32, ReduceOp::kAvg, 1500007},
+                                           RsCase{5, v1::DTYPE_FP16, ReduceOp::kSum, 200000}));
+
+TEST(PiecesTest, AStepIsCutIntoPiecesOfAtLeastTheMinimumWithinTheIndexBits) {
+  EXPECT_EQ(PiecesFor(kMinPieceBytes * 2 - 1, 2), 1u);
+  EXPECT_EQ(PiecesFor(kMinPieceBytes * 2, 2), 2u);
+  EXPECT_EQ(PiecesFor(kMinPieceBytes * 5 + 3, 4), 5u);
+  EXPECT_EQ(PiecesFor(size_t{1} << 30, 2), kMaxPieces);
+  EXPECT_EQ(PiecesFor(size_t{1} << 30, 1), 1u);
+  // (members - 1) * pieces stays within 2^14 message indices.
+  EXPECT_EQ(PiecesFor(size_t{1} << 30, 4097), 4u);
+  EXPECT_EQ(PiecesFor(size_t{1} << 30, 1 << 14), 1u);
+}
 
 // A node's ranks' gradients reduced together: several inputs per member, each added chunk by
 // chunk (the first converted into the partial, the rest accumulated), for every dtype.
 TEST(ReduceScatterInputsTest, SeveralInputsPerMemberMatchTheirSum) {
   for (const v1::DType dtype : {v1::DTYPE_FP32, v1::DTYPE_BF16}) {
-    for (const int n : {1, 2, 3}) {
+    for (const auto [n, count] : {std::pair<int, size_t>{1, 301}, {2, 301}, {3, 301},
+                                  {2, 400009}, {3, 200003}}) {
       const int k = 3;  // inputs per member
-      const size_t count = 301, total = count * n;
+      const size_t total = count * n;
       std::vector<std::vector<float>> values(n * k, std::vector<float>(total));
       std::vector<std::vector<uint16_t>> half(n * k, std::vector<uint16_t>(total));
       for (int j = 0; j < n * k; ++j) {

@@ -2,6 +2,11 @@
 // buffered in a shared fabric. A member can be marked lost. Matching and checking follow
 // comm.h: a receive takes the next message from its peer with the same index, then compares the
 // whole tag and the size.
+//
+// A send completes (its WaitAll returns) only once its receiver has taken it, as a large
+// message over a real transport does, and the receiver then checks that the sender's buffer
+// still holds what was posted: a collective that writes a buffer while a send from it is in
+// flight fails with INTERNAL naming the message.
 #pragma once
 
 #include <cstring>
@@ -34,6 +39,8 @@ class MemFabric {
   struct Message {
     uint64_t tag;
     std::string bytes;
+    const char* source;  // the sender's buffer, which must not change until delivered
+    bool* delivered;     // set by the receiver (the sender's request outlives it)
   };
   const int size_;
   absl::Mutex mu_;
@@ -51,13 +58,14 @@ class MemComm final : public Comm {
   absl::StatusOr<uint64_t> PostSend(int peer, uint64_t tag, const void* data,
                                     size_t bytes) override {
     absl::MutexLock lock(&fabric_->mu_);
+    reqs_.push_back({false, peer, tag, nullptr, bytes, std::make_unique<bool>(false)});
     fabric_->mail_[{rank_, peer, tag & MessageStamp::kIndexMask}].push_back(
-        {tag, std::string(static_cast<const char*>(data), bytes)});
-    reqs_.push_back({false, peer, tag, nullptr, 0});
+        {tag, std::string(static_cast<const char*>(data), bytes), static_cast<const char*>(data),
+         reqs_.back().delivered.get()});
     return reqs_.size() - 1;
   }
   absl::StatusOr<uint64_t> PostRecv(int peer, uint64_t tag, void* data, size_t bytes) override {
-    reqs_.push_back({true, peer, tag, data, bytes});
+    reqs_.push_back({true, peer, tag, data, bytes, nullptr});
     return reqs_.size() - 1;
   }
   using Comm::WaitAll;
@@ -69,7 +77,24 @@ class MemComm final : public Comm {
     for (uint64_t id : ids) {
       if (idle_left) idle_left = idle();
       Req& r = reqs_[id];
-      if (!r.recv) continue;
+      if (!r.recv) {
+        absl::MutexLock lock(&fabric_->mu_);
+        bool* delivered = r.delivered.get();
+        auto taken = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(fabric_->mu_) {
+          return *delivered || fabric_->lost_.count(r.peer) > 0 ||
+                 fabric_->notices_.count(rank_) > 0;
+        };
+        if (!fabric_->mu_.AwaitWithDeadline(absl::Condition(&taken), deadline)) {
+          return absl::DeadlineExceededError(absl::StrCat("peer ", r.peer, " did not receive"));
+        }
+        if (!*delivered) {
+          if (auto n = fabric_->notices_.find(rank_); n != fabric_->notices_.end()) {
+            return absl::AbortedError(n->second);
+          }
+          return absl::UnavailableError(absl::StrCat("peer ", r.peer, " lost"));
+        }
+        continue;
+      }
       absl::Status st;
       {
         absl::MutexLock lock(&fabric_->mu_);
@@ -89,7 +114,14 @@ class MemComm final : public Comm {
         if (q.empty()) return absl::UnavailableError(absl::StrCat("peer ", r.peer, " lost"));
         const MemFabric::Message m = std::move(q.front());
         q.pop_front();
-        if (m.tag != r.tag || m.bytes.size() != r.bytes) {
+        // (A lost sender's buffers may be gone: not checked.)
+        const bool changed = fabric_->lost_.count(r.peer) == 0 &&
+                             std::memcmp(m.source, m.bytes.data(), m.bytes.size()) != 0;
+        *m.delivered = true;
+        if (changed) {
+          st = absl::InternalError(absl::StrCat("peer ", r.peer, " changed the buffer of ",
+                                                DescribeTag(m.tag), " before it was received"));
+        } else if (m.tag != r.tag || m.bytes.size() != r.bytes) {
           st = MismatchError(rank_, r.peer, m.tag, m.bytes.size(), r.tag, r.bytes, describe_);
         } else {
           std::memcpy(r.data, m.bytes.data(), r.bytes);
@@ -118,6 +150,7 @@ class MemComm final : public Comm {
     uint64_t tag;
     void* data;
     size_t bytes;
+    std::unique_ptr<bool> delivered;  // sends: set by the receiver, under the fabric's lock
   };
   MemFabric* fabric_;
   const int rank_;

@@ -72,6 +72,53 @@ TEST(UcxCommTest, RingAllGatherAndReduceScatterAcrossProcesses) {
   for (pid_t pid : g.pids) EXPECT_EQ(ExitCode(pid), 0);
 }
 
+TEST(UcxCommTest, PipelinedReduceScatterMatchesTheReferenceAcrossProcesses) {
+  // Steps of several pieces (PiecesFor), reduced as they arrive and forwarded at once, whose
+  // buffers a real transport reads while the ring goes on: one fp32 input sent straight from
+  // the input, and two bf16 inputs (a node's ranks) summed piece by piece before they are sent.
+  const int n = 3;
+  UcxGroup g = UcxGroup::Spawn(n, [](int r, Comm& comm) {
+    const size_t count = 1000003;
+    if (PiecesFor(count * 4, n) < 2) return 24;
+    auto value = [](int member, int input, size_t i) {
+      return static_cast<float>((i * 7 + member * 13 + input * 5) % 101) * 0.125f - 6.0f;
+    };
+    std::vector<float> one(count * n), out(count), scratch(2 * count);
+    std::vector<uint16_t> a(count * n), b(count * n);
+    for (size_t i = 0; i < count * n; ++i) {
+      one[i] = value(r, 0, i);
+      a[i] = FloatToBf16(value(r, 1, i));  // exact in bf16
+      b[i] = FloatToBf16(value(r, 2, i));
+    }
+    absl::Status s = ReduceScatter(comm, one.data(), v1::DTYPE_FP32, count, out.data(),
+                                   ReduceOp::kSum, scratch.data(),
+                                   absl::Now() + absl::Seconds(60), 1 << 20);
+    if (!s.ok()) {
+      fprintf(stderr, "rank %d: %s\n", r, s.ToString().c_str());
+      return 20;
+    }
+    for (size_t i = 0; i < count; ++i) {
+      double expect = 0;
+      for (int k = 0; k < n; ++k) expect += value(k, 0, r * count + i);
+      if (out[i] != static_cast<float>(expect)) return 21;
+    }
+    const void* inputs[] = {a.data(), b.data()};
+    s = ReduceScatter(comm, absl::MakeConstSpan(inputs), v1::DTYPE_BF16, count, out.data(),
+                      ReduceOp::kSum, scratch.data(), absl::Now() + absl::Seconds(60), 1 << 21);
+    if (!s.ok()) {
+      fprintf(stderr, "rank %d: %s\n", r, s.ToString().c_str());
+      return 22;
+    }
+    for (size_t i = 0; i < count; ++i) {
+      double expect = 0;
+      for (int k = 0; k < n; ++k) expect += value(k, 1, r * count + i) + value(k, 2, r * count + i);
+      if (out[i] != static_cast<float>(expect)) return 23;
+    }
+    return 0;
+  });
+  for (pid_t pid : g.pids) EXPECT_EQ(ExitCode(pid), 0);
+}
+
 TEST(UcxCommTest, AKilledPeerIsAnErrorNamingItWithinTheDeadline) {
   const int n = 3;
   // Ranks 0 and 1 loop over large all-gathers until one fails; the parent kills rank 2 with -9
