@@ -91,6 +91,7 @@ absl::Status Client::Attach() {
   plan_ = resp.plan();
   buffers_.assign(resp.units().begin(), resp.units().end());
   replicas_ = std::max<int64_t>(resp.replicas(), 1);
+  positions_ = resp.positions();
   backend_ = resp.backend().empty() ? "host" : resp.backend();
   cuda_device_ = resp.cuda_device();
   cuda_ipc_handle_ = resp.cuda_ipc_handle();
@@ -163,8 +164,11 @@ absl::StatusOr<absl::Span<float>> Client::GradShard(int unit) {
     return absl::InvalidArgumentError(
         absl::StrCat("unit ", unit, " does not exist (", units(), " units)"));
   }
-  return absl::Span<float>(reinterpret_cast<float*>(arena_ + buffers_[unit].grad_shard_offset()),
-                           static_cast<size_t>(buffers_[unit].shard_elems()));
+  // The g layout's shard (a daemon that predates separate factors leaves it 0: p = g).
+  const v1::UnitBuffers& b = buffers_[unit];
+  const int64_t elems = b.grad_shard_elems() > 0 ? b.grad_shard_elems() : b.shard_elems();
+  return absl::Span<float>(reinterpret_cast<float*>(arena_ + b.grad_shard_offset()),
+                           static_cast<size_t>(elems));
 }
 
 absl::StatusOr<absl::Span<float>> Client::OwnerBuffer(int unit) {
@@ -308,6 +312,9 @@ absl::StatusOr<OpHandle> Client::AllReduce(int unit, v1::ReduceKind op) {
 }
 absl::StatusOr<OpHandle> Client::GatherToOwner(int unit) {
   return StartOp(v1::OP_GATHER_TO_OWNER, unit, v1::REDUCE_SUM);
+}
+absl::StatusOr<OpHandle> Client::UpdateGather(int unit) {
+  return StartOp(v1::OP_UPDATE_GATHER, unit, v1::REDUCE_SUM);
 }
 absl::StatusOr<OpHandle> Client::ScatterFromOwner(int unit) {
   return StartOp(v1::OP_SCATTER_FROM_OWNER, unit, v1::REDUCE_SUM);

@@ -82,9 +82,12 @@ class Client {
   const v1::Plan& plan() const { return plan_; }
   const std::string& job_id() const { return options_.job_id; }
   int64_t rank() const { return options_.rank; }
-  // HSDP replicas of the shard group (1 for plain FSDP); the job has plan().world_size() *
-  // replicas() ranks.
+  // The gradients' replicas, W / |g| (HSDP's replicas of the shard group when p = g = os; 1 for
+  // plain FSDP): where it is above 1, AllReduce sums the gradient shards over them.
   int64_t replicas() const { return replicas_; }
+  // This rank's positions in the layouts of the job's factors (common/sharding.h): its
+  // parameter shard is position p of plan().world_size(), and so on.
+  const v1::RankPositions& positions() const { return positions_; }
   // "host" or "device-shaped" (views below map the daemon's memfd arena) or "cuda" (the buffers
   // are offsets in the CUDA slab of cuda_device(), shared as cuda_ipc_handle(); host views are
   // then errors).
@@ -128,7 +131,8 @@ class Client {
     }
     return View<T>(unit, arena_ + off, plan_.world_size());
   }
-  // fp32, whatever the unit's dtype.
+  // fp32, whatever the unit's dtype: the g layout's shard (grad_shard_elems; with p = g = os
+  // the parameter shard's size).
   absl::StatusOr<absl::Span<float>> GradShard(int unit);
   // fp32: the matrices this rank owns, packed in plan order, from GatherToOwner to
   // ScatterFromOwner. NOT_FOUND when this rank owns no matrix tensor of the unit.
@@ -152,6 +156,9 @@ class Client {
   // The gradient-shard pieces of the unit's matrix tensors to their owners' buffers, and back.
   absl::StatusOr<OpHandle> GatherToOwner(int unit);
   absl::StatusOr<OpHandle> ScatterFromOwner(int unit);
+  // AMSP's update gather after an optimizer step on separate factors (each rank stepped its os
+  // range; the ranges reach every parameter shard that holds them).
+  absl::StatusOr<OpHandle> UpdateGather(int unit);
   // The daemon's pool and job counters.
   absl::StatusOr<v1::StatsResponse> DaemonStats();
   // A round trip to the daemon that does nothing (control-path latency): through the command
@@ -193,6 +200,7 @@ class Client {
   v1::Plan plan_;
   std::vector<v1::UnitBuffers> buffers_;
   int64_t replicas_ = 1;
+  v1::RankPositions positions_;
   std::string backend_ = "host";
   int cuda_device_ = 0;
   std::string cuda_ipc_handle_;

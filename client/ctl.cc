@@ -42,7 +42,7 @@ int RunCtl(int argc, const char* const* argv, std::ostream& out, std::ostream& e
   // Commands that talk to a planner; their flags are global.
   Online online;
   AddOnlineFlags(&app, &online);
-  std::string job_id, unit;
+  std::string job_id, unit, factor = "p";
   auto add_online = [&](CLI::App* parent, const std::string& name, const std::string& help,
                         bool with_id) {
     CLI::App* c = parent->add_subcommand(name, help);
@@ -79,6 +79,11 @@ int RunCtl(int argc, const char* const* argv, std::ostream& out, std::ostream& e
   plan->fallthrough();
   CLI::App* plan_show = add_online(plan, "show", "show a job's stored plan", true);
   plan_show->add_option("--unit", unit, "show the tensors of one unit");
+  plan_show
+      ->add_option("--factor", factor,
+                   "the factor's plan to show: p (parameters, default), g (gradients) or os "
+                   "(optimizer state); they differ under AMSP strategies")
+      ->check(CLI::IsMember({"p", "g", "os"}));
   CLI::App* plan_metrics = add_online(plan, "metrics", "show a job's plan metrics", true);
   CLI::App* nodes = add_online(&app, "nodes", "list nodes with their pool figures", false);
   CLI::App* node = app.add_subcommand("node", "one node");
@@ -130,7 +135,7 @@ int RunCtl(int argc, const char* const* argv, std::ostream& out, std::ostream& e
     spec.job_id = job_id;
     return RunJobCreate(online, spec, job_budget, out, err);
   }
-  if (plan_show->parsed()) return RunPlanShow(online, job_id, unit, out, err);
+  if (plan_show->parsed()) return RunPlanShow(online, job_id, unit, factor, out, err);
   if (plan_metrics->parsed()) return RunPlanMetrics(online, job_id, out, err);
   if (nodes->parsed()) return RunNodes(online, out, err);
   if (node_stats->parsed()) return RunNodeStats(online, node_id, out, err);

@@ -18,6 +18,7 @@
 #include "common/plan_json.h"
 #include "common/planner.h"
 #include "common/proto_text.h"
+#include "common/sharding.h"
 #include "common/strategy.h"
 
 namespace ragshard {
@@ -154,10 +155,16 @@ int RunPlanMetrics(const Online& o, const std::string& id, std::ostream& out, st
   return kExitOk;
 }
 
-int RunPlanShow(const Online& o, const std::string& id, const std::string& unit, std::ostream& out,
-                std::ostream& err) {
-  auto plan = Ask(o, [&](PlannerClient& c) { return c.GetPlan(id); });
-  if (!plan.ok()) return Fail(err, plan.status());
+int RunPlanShow(const Online& o, const std::string& id, const std::string& unit,
+                const std::string& factor, std::ostream& out, std::ostream& err) {
+  auto stored = Ask(o, [&](PlannerClient& c) { return c.GetPlan(id); });
+  if (!stored.ok()) return Fail(err, stored.status());
+  const Factor f = factor == "g" ? Factor::kG : factor == "os" ? Factor::kOs : Factor::kP;
+  auto plan = FactorPlanOf(*stored, f);
+  if (!plan.ok()) {
+    return Fail(err, absl::NotFoundError(
+                         absl::StrCat("--factor: job '", id, "': ", plan.status().message())));
+  }
   if (!unit.empty()) {
     const v1::UnitPlan* up = nullptr;
     for (const auto& u : plan->units()) {
@@ -171,7 +178,8 @@ int RunPlanShow(const Online& o, const std::string& id, const std::string& unit,
       out << ToJson(*up) << "\n";
       return kExitOk;
     }
-    out << absl::StrFormat("unit %s (%s), shard_elems %d\n", up->unit(), DTypeName(up->dtype()),
+    out << absl::StrFormat("unit %s (%s), factor %s over %d positions, shard_elems %d\n",
+                           up->unit(), DTypeName(up->dtype()), factor, plan->world_size(),
                            up->shard_elems());
     out << absl::StrFormat("%-50s %14s %12s %10s %6s %6s %6s\n", "tensor", "offset", "numel",
                            "granule", "first", "ranks", "owner");
@@ -183,21 +191,31 @@ int RunPlanShow(const Online& o, const std::string& id, const std::string& unit,
     return kExitOk;
   }
   if (o.json) {
-    out << ToJson(*plan) << "\n";
+    out << ToJson(factor == "p" ? *stored : *plan) << "\n";
     return kExitOk;
   }
   PolicyResult r;
   r.policy = *ParsePolicy(plan->policy());
   r.metrics = plan->metrics();
   r.plan = *plan;
-  out << "job " << id << ", plan v" << plan->version() << ", W=" << plan->world_size() << "\n";
-  if (plan->has_strategy()) {
-    const v1::PlanStrategy& st = plan->strategy();
+  out << "job " << id << ", plan v" << plan->version() << ", factor " << factor
+      << ", W=" << plan->world_size() << "\n";
+  if (stored->has_strategy()) {
+    const v1::PlanStrategy& st = stored->strategy();
     out << absl::StrFormat(
-        "strategy %s (%s; recommended with separate factors: %s), predicted %.4f s/step, %s "
-        "per device, padding %.3f%%\n",
+        "strategy %s (%s; the search's best: %s), predicted %.4f s/step, %s per device, padding "
+        "%.3f%%\n",
         st.executed(), st.reason(), st.recommended(), st.predicted_step_seconds(),
         FormatBytes(st.predicted_memory_bytes()), st.predicted_padding_pct());
+  }
+  if (stored->has_sharding()) {
+    const v1::ShardingSpec& sh = stored->sharding();
+    out << absl::StrFormat(
+        "sharding on %d nodes x %d: parameters p=%dx%d (%d positions), gradients g=%dx%d, "
+        "optimizer state os=%dx%d; --factor g|os shows their plans\n",
+        sh.nodes(), sh.devices_per_node(), sh.p().intra(), sh.p().inter(),
+        sh.p().intra() * sh.p().inter(), sh.g().intra(), sh.g().inter(), sh.os().intra(),
+        sh.os().inter());
   }
   PrintPlanTable(r, out);
   return kExitOk;

@@ -29,8 +29,8 @@ int RunJobShow(const Online& o, const std::string& id, std::ostream& out, std::o
 int RunJobCreate(const Online& o, const JobSpec& spec, const std::string& memory_budget,
                  std::ostream& out, std::ostream& err);
 int RunJobDelete(const Online& o, const std::string& id, std::ostream& out, std::ostream& err);
-int RunPlanShow(const Online& o, const std::string& id, const std::string& unit, std::ostream& out,
-                std::ostream& err);
+int RunPlanShow(const Online& o, const std::string& id, const std::string& unit,
+                const std::string& factor, std::ostream& out, std::ostream& err);
 int RunPlanMetrics(const Online& o, const std::string& id, std::ostream& out, std::ostream& err);
 int RunNodes(const Online& o, std::ostream& out, std::ostream& err);
 // Where each rank of a job stands, from its daemon's latest heartbeat: the last operation done,

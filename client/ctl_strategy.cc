@@ -98,7 +98,6 @@ std::optional<int> Load(const StrategyFlags& f, bool search, Loaded* out, std::o
   o.flops_per_token = f.flops_per_token;
   o.max_padding_pct = f.max_padding_pct;
   o.top_k = f.top;
-  o.uniform_only = f.executable;
   if (!f.layers_per_unit.empty()) o.layer_groupings = f.layers_per_unit;
   if (!search) o.layer_groupings = {1};
   auto model = StrategyModel::Create(*inv, DeriveModelShape(*inv, f.model), *profile, o);
@@ -214,7 +213,8 @@ void AddAdviseFlags(CLI::App* cmd, StrategyFlags* f) {
                   "unit groupings to try, e.g. 1,2,4 (default 1 to 8)")
       ->delimiter(',');
   cmd->add_flag("--executable", f->executable,
-                "only p = g = os (what the data plane executes today; what policy auto uses)");
+                "accepted for older scripts: the data plane executes every strategy the search "
+                "considers, so the answer is the same with or without it");
   cmd->add_option("--max-rejected", f->max_rejected, "rejected candidates to list (20)");
 }
 

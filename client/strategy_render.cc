@@ -30,7 +30,7 @@ json StrategyJson(const Strategy& s, const ClusterProfile& p) {
   if (s.uniform()) {
     j["mesh"] = json{{"shard", s.p.size()}, {"replicate", p.world() / s.p.size()}};
   }
-  j["executable"] = s.uniform();
+  j["executable"] = true;  // the data plane runs every strategy the rules allow
   return j;
 }
 

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "common/plan_nesting.h"
 #include "common/status_macros.h"
 #include "common/unit_grouping.h"
 
@@ -121,20 +122,12 @@ absl::StatusOr<AutoPlan> PlanAuto(const Inventory& inventory, absl::string_view 
   sized.nodes = nodes;
   sized.devices_per_node = devices_per_node;
   const ModelShape shape = DeriveModelShape(inventory, model);
-  CostOptions executable = options;
-  executable.uniform_only = true;
-  executable.whole_nodes = true;
-  RAGSHARD_ASSIGN_OR_RETURN(auto m, StrategyModel::Create(inventory, shape, sized, executable));
+  RAGSHARD_ASSIGN_OR_RETURN(auto m, StrategyModel::Create(inventory, shape, sized, options));
   v1::PlanStrategy record;
   record.set_cluster_profile(profile.name);
   Evaluation chosen;
   if (!pinned.empty()) {
     RAGSHARD_ASSIGN_OR_RETURN(Strategy s, ParseStrategy(pinned));
-    if (!s.uniform() || s.p.intra != devices_per_node) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("strategy '", pinned, "': the data plane executes shard=AxB with A = the ",
-                       devices_per_node, " ranks of each node (p = g = os)"));
-    }
     RAGSHARD_ASSIGN_OR_RETURN(chosen, m->Evaluate(s));
     record.set_reason("pinned by the job");
     record.set_recommended(StrategyName(s));
@@ -142,35 +135,36 @@ absl::StatusOr<AutoPlan> PlanAuto(const Inventory& inventory, absl::string_view 
     RAGSHARD_ASSIGN_OR_RETURN(Advice advice, Advise(m.get()));
     chosen = advice.recommendation;
     record.set_reason(absl::StrCat("best of ", advice.considered,
-                                   " executable candidates (cost model, cluster profile ",
-                                   profile.name, ")"));
-    // The best strategy with separate factors, recorded for the report.
-    RAGSHARD_ASSIGN_OR_RETURN(auto free_model,
-                              StrategyModel::Create(inventory, shape, sized, options));
-    auto best = Advise(free_model.get());
-    record.set_recommended(best.ok() ? StrategyName(best->recommendation.strategy)
-                                     : StrategyName(chosen.strategy));
+                                   " candidates (cost model, cluster profile ", profile.name, ")"));
+    record.set_recommended(StrategyName(chosen.strategy));
   }
-  record.set_executed(StrategyName(chosen.strategy));
+  const Strategy& st = chosen.strategy;
+  record.set_executed(StrategyName(st));
   record.set_predicted_step_seconds(chosen.step_seconds);
   record.set_predicted_memory_bytes(chosen.memory.total());
   record.set_predicted_padding_pct(chosen.padding_pct);
   AutoPlan out;
-  out.shard = chosen.strategy.p.size();
+  out.shard = st.p.size();
   out.replicate = sized.world() / out.shard;
   std::vector<std::vector<std::string>> members;
-  Inventory grouped =
-      GroupUnits(inventory, chosen.strategy.layers_per_unit, &members, chosen.strategy.lead);
+  Inventory grouped = GroupUnits(inventory, st.layers_per_unit, &members, st.lead);
+  // The finest factor (os) is planned; the g and p plans are its coarsenings (plan_nesting.h).
   plan_options.policy = Policy::kRagged;
-  plan_options.world = out.shard;
-  RAGSHARD_ASSIGN_OR_RETURN(out.plan, BuildPlan(grouped, plan_options));
+  plan_options.world = st.os.size();
+  RAGSHARD_ASSIGN_OR_RETURN(v1::Plan finest, BuildPlan(grouped, plan_options));
+  const Sharding sharding{nodes, devices_per_node, st.p, st.g, st.os};
+  RAGSHARD_ASSIGN_OR_RETURN(out.plan, NestPlan(finest, sharding));
   std::map<std::string, const std::vector<std::string>*> by_unit;
   for (int u = 0; u < grouped.units_size(); ++u) by_unit[grouped.units(u).name()] = &members[u];
-  for (v1::UnitPlan& up : *out.plan.mutable_units()) {
+  auto add_members = [&](v1::UnitPlan& up) {
     const auto* mem = by_unit.at(up.unit());
     if (mem->size() > 1) {
       for (const std::string& name : *mem) up.add_members(name);
     }
+  };
+  for (v1::UnitPlan& up : *out.plan.mutable_units()) add_members(up);
+  for (v1::FactorPlan& fp : *out.plan.mutable_factors()) {
+    for (v1::UnitPlan& up : *fp.mutable_units()) add_members(up);
   }
   *out.plan.mutable_strategy() = record;
   return out;

@@ -33,11 +33,13 @@ struct Advice {
 // budget, naming the smallest memory any candidate needs.
 absl::StatusOr<Advice> Advise(StrategyModel* model);
 
-// Policy auto: the plan of the best strategy the data plane executes (p = g = os, shard groups
-// of whole nodes) for a job of nodes x devices_per_node ranks, numbered node by node, or of
-// `pinned` when it is set. `plan_options` gives the job id, version and alignment; its world
-// and policy are set here. The plan records the strategy (PlanStrategy), and each UnitPlan the
-// client units it covers.
+// Policy auto: the plan of the best strategy of the search for a job of nodes x
+// devices_per_node ranks, numbered node by node, or of `pinned` when it is set; every strategy
+// the rules allow runs (separate factors and groups inside a node included). The os plan is
+// planned over |os| positions and nested into the g and p plans (common/plan_nesting.h).
+// `plan_options` gives the job id, version and alignment; its world and policy are set here.
+// The plan records the strategy (PlanStrategy), and each UnitPlan the client units it covers.
+// `shard` is |p| (the plan's world) and `replicate` W / |p|: the job's mesh.
 struct AutoPlan {
   v1::Plan plan;
   int64_t shard = 0;

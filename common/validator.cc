@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
+#include "common/sharding.h"
 
 namespace ragshard {
 namespace {
@@ -17,9 +18,9 @@ absl::Status Violation(int invariant, absl::string_view what, const v1::UnitPlan
                    DTypeName(up.dtype()), ") tensor '", tensor, "': ", detail));
 }
 
-}  // namespace
-
-absl::Status ValidatePlan(const v1::Plan& plan, const Inventory* inventory) {
+// The invariants over one factor's plan; `owners` false: the owners of whole-matrix tensors
+// are another factor's (os), and this plan must name none.
+absl::Status Validate(const v1::Plan& plan, const Inventory* inventory, bool owners) {
   const int64_t w = plan.world_size();
   if (w < 1) return absl::FailedPreconditionError("plan: world_size must be at least 1");
   const int64_t align = plan.align_bytes();
@@ -103,7 +104,7 @@ absl::Status ValidatePlan(const v1::Plan& plan, const Inventory* inventory) {
         }
       }
       if (tp->owner_rank() < -1 || tp->owner_rank() >= w ||
-          WholeMatrix(tp->optimizer()) != (tp->owner_rank() >= 0)) {
+          (owners ? WholeMatrix(tp->optimizer()) : false) != (tp->owner_rank() >= 0)) {
         return absl::FailedPreconditionError(
             absl::StrCat("unit '", up.unit(), "' tensor '", tp->name(), "': owner rank ",
                          tp->owner_rank(), " is invalid for its optimizer kind"));
@@ -141,6 +142,31 @@ absl::Status ValidatePlan(const v1::Plan& plan, const Inventory* inventory) {
     }
   }
   return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ValidatePlan(const v1::Plan& plan, const Inventory* inventory) {
+  if (!plan.has_sharding() && plan.factors_size() == 0) return Validate(plan, inventory, true);
+  // Separate factors (common/sharding.h): each factor's plan holds the invariants over its own
+  // positions, the os plan names the owners, and the plans nest.
+  if (absl::Status st = CheckFactorPlans(plan); !st.ok()) {
+    return absl::FailedPreconditionError(st.message());
+  }
+  for (const v1::FactorPlan& fp : plan.factors()) {
+    v1::Plan one;
+    one.set_world_size(fp.world_size());
+    one.set_align_bytes(plan.align_bytes());
+    *one.mutable_units() = fp.units();
+    if (absl::Status st = Validate(one, inventory, fp.component() == "os"); !st.ok()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("the '", fp.component(), "' plan: ", st.message()));
+    }
+  }
+  v1::Plan p = plan;
+  p.clear_sharding();
+  p.clear_factors();
+  return Validate(p, inventory, false);
 }
 
 }  // namespace ragshard

@@ -37,7 +37,7 @@ struct rs_handle {
 namespace ragshard {
 namespace {
 
-constexpr int kAbiVersion = 1;
+constexpr int kAbiVersion = 2;
 
 thread_local std::string last_error;
 thread_local std::string last_string;
@@ -168,6 +168,27 @@ int rs_client_shard_elems(rs_client* c, int unit, int64_t* out) {
   return 0;
 }
 
+int rs_client_layout(rs_client* c, int unit, int64_t out[9]) {
+  const std::lock_guard<std::mutex> lock(c->mu);
+  if (int e = CheckUnit(c, unit)) return e;
+  const Client& k = *c->client;
+  const v1::RankPositions& pos = k.positions();
+  const v1::UnitBuffers& b = k.buffers(unit);
+  // A daemon that predates separate factors describes p = g = os.
+  const bool described = b.grad_shard_elems() > 0;
+  const int64_t p = described ? pos.p() : k.rank() % k.plan().world_size();
+  out[0] = p;
+  out[1] = described ? pos.g() : p;
+  out[2] = described ? pos.os() : p;
+  out[3] = described ? pos.steps_optimizer() : 1;
+  out[4] = described ? b.grad_shard_elems() : b.shard_elems();
+  out[5] = described ? b.os_elems() : b.shard_elems();
+  out[6] = b.os_param_offset();
+  out[7] = b.os_grad_offset();
+  out[8] = described ? pos.os_group() : k.rank() / k.plan().world_size();
+  return 0;
+}
+
 int rs_client_buffer(rs_client* c, int unit, int kind, uintptr_t* ptr, int64_t* count,
                      const char** typestr) {
   const std::lock_guard<std::mutex> lock(c->mu);
@@ -194,7 +215,7 @@ int rs_client_buffer(rs_client* c, int unit, int kind, uintptr_t* ptr, int64_t* 
       }
       break;
     case 3:
-      offset = b.grad_shard_offset(), *count = s;
+      offset = b.grad_shard_offset(), *count = b.grad_shard_elems() > 0 ? b.grad_shard_elems() : s;
       break;
     case 4:
       if (b.owner_elems() == 0) {

@@ -40,6 +40,10 @@ int rs_client_plan_json(rs_client* c, const char** out);
 void rs_client_shape(rs_client* c, int64_t out[5], int* on_device);
 int rs_client_unit_dtype(rs_client* c, int unit, const char** out);
 int rs_client_shard_elems(rs_client* c, int unit, int64_t* out);
+/* This rank's layout of `unit` (common/sharding.h): its p, g and os positions, whether it steps
+ * the optimizer, the gradient shard's and the optimizer range's elements, where that range
+ * starts in the parameter shard and in the gradient shard, and its os group's index. */
+int rs_client_layout(rs_client* c, int unit, int64_t out[9]);
 /* kind: 0 param shard, 1 unsharded, 2 grad, 3 grad shard, 4 owner buffer. *count is -1 when the
  * unit has no owner buffer. *typestr is numpy's ("<f4", "<u2", "|u1"). */
 int rs_client_buffer(rs_client* c, int unit, int kind, uintptr_t* ptr, int64_t* count,

@@ -16,7 +16,7 @@ import json
 import os
 import time
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 _BAD_ARGUMENT, _OUT_OF_RANGE = -1, -2
 
 
@@ -31,6 +31,7 @@ class OpKind(enum.IntEnum):
     SCATTER_FROM_OWNER = 7
     ALLOCATE_GRAD = 8
     ALLOCATE_UNSHARDED = 9
+    UPDATE_GATHER = 10
 
 
 class ReduceKind(enum.IntEnum):
@@ -74,6 +75,7 @@ def _load():
         "rs_client_shape": (None, [c_p, ctypes.POINTER(i64), ctypes.POINTER(i32)]),
         "rs_client_unit_dtype": (i32, [c_p, i32, out_str]),
         "rs_client_shard_elems": (i32, [c_p, i32, ctypes.POINTER(i64)]),
+        "rs_client_layout": (i32, [c_p, i32, ctypes.POINTER(i64)]),
         "rs_client_buffer": (i32, [c_p, i32, i32, ctypes.POINTER(ctypes.c_size_t),
                                    ctypes.POINTER(i64), out_str]),
         "rs_client_op": (i32, [c_p, i32, i32, i32, i32, ctypes.POINTER(c_p)]),
@@ -256,6 +258,21 @@ class Client(_NoCopy):
         _check(_lib.rs_client_shard_elems(self._c, _unit(unit), ctypes.byref(out)))
         return out.value
 
+    def layout(self, unit):
+        """This rank's layout of `unit` under the job's AMSP factors (common/sharding.h): a
+        dict of its positions p, g and os, whether it steps the optimizer (`steps`: False where
+        another local rank steps the same range in shared memory), the gradient shard's
+        elements (`grad_elems`), and its optimizer range: `os_elems` elements at `os_param`
+        in the parameter shard and `os_grad` in the gradient shard; and its os group's index
+        (`os_group`: the ranks of group 0 hold every os position once)."""
+        out = (ctypes.c_int64 * 9)()
+        _check(_lib.rs_client_layout(self._c, _unit(unit), out))
+        keys = ("p", "g", "os", "steps", "grad_elems", "os_elems", "os_param", "os_grad",
+                "os_group")
+        d = dict(zip(keys, list(out)))
+        d["steps"] = bool(d["steps"])
+        return d
+
     def _buffer(self, unit, kind):
         ptr, count, typestr = ctypes.c_size_t(), ctypes.c_int64(), ctypes.c_char_p()
         _check(_lib.rs_client_buffer(self._c, _unit(unit), _BUFFER_KINDS[kind], ctypes.byref(ptr),
@@ -313,6 +330,9 @@ class Client(_NoCopy):
 
     def scatter_from_owner(self, unit):
         return self._op(OpKind.SCATTER_FROM_OWNER, unit)
+
+    def update_gather(self, unit):
+        return self._op(OpKind.UPDATE_GATHER, unit)
 
     def noop(self):
         _check(_lib.rs_client_noop(self._c))

@@ -128,9 +128,7 @@ constexpr uint64_t kAllGatherHalfIndex = uint64_t{1} << 15;
 
 // A ring step's message in pieces: piece j of step s is message index s * pieces + j. Callers
 // keep (steps) * pieces within 2^14, so that the all-reduce's second half stays apart.
-uint64_t RingIndex(int s, size_t j, size_t pieces) {
-  return static_cast<uint64_t>(s) * pieces + j;
-}
+uint64_t RingIndex(int s, size_t j, size_t pieces) { return static_cast<uint64_t>(s) * pieces + j; }
 
 // Pieces start on multiples of 16 fp32 elements (64 bytes, a cache line).
 constexpr size_t kPieceAlignElems = 16;
@@ -223,9 +221,8 @@ absl::Status AllGather(Comm& comm, const char* own, char* buffer, size_t block_b
     }
   }
   for (size_t j = 0; j < pieces.count(); ++j) {
-    auto send =
-        comm.PostSend(next, tag_base + RingIndex(0, j, pieces.count()), own + pieces.lo(j),
-                      pieces.bytes(j));
+    auto send = comm.PostSend(next, tag_base + RingIndex(0, j, pieces.count()), own + pieces.lo(j),
+                              pieces.bytes(j));
     if (!send.ok()) return send.status();
     sends.push_back(*send);
   }

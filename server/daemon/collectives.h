@@ -63,8 +63,7 @@ struct ChunkRuns {
 // With `runs`, member c's chunk is its runs instead of elements [c * count, (c + 1) * count).
 absl::Status ReduceScatter(Comm& comm, absl::Span<const void* const> inputs, v1::DType dtype,
                            size_t count, float* output, ReduceOp op, float* scratch,
-                           absl::Time deadline, uint64_t tag_base,
-                           const ChunkRuns* runs = nullptr);
+                           absl::Time deadline, uint64_t tag_base, const ChunkRuns* runs = nullptr);
 
 // All-gather in place of blocks that are runs of `buffer`: member c owns the byte ranges
 // `runs[c]` (offset, bytes), holds its own on entry and every member's on return. A ring over

@@ -36,6 +36,7 @@ struct MessageStamp {
     kAllReduce = 3,
     kGatherToOwner = 4,
     kScatterFromOwner = 5,
+    kUpdateGather = 6,
     kControl = 7,  // the transport's own messages (hello, abort notices)
   };
   static constexpr int kIndexBits = 16, kKindBits = 3, kUnitBits = 16, kSeqBits = 13;

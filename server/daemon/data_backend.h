@@ -45,6 +45,8 @@ class DataBackend {
   virtual absl::Status AllReduce(int unit, ReduceOp op, absl::Time deadline) = 0;
   virtual absl::Status GatherToOwner(int unit, absl::Time deadline) = 0;
   virtual absl::Status ScatterFromOwner(int unit, absl::Time deadline) = 0;
+  // AMSP's update gather after an optimizer step on separate factors (OP_UPDATE_GATHER).
+  virtual absl::Status UpdateGather(int unit, absl::Time deadline) = 0;
 
   // Where local rank `local`'s buffers of `unit` are now (transient ones -1 while released).
   virtual void Placement(int unit, int local, v1::UnitBuffers* out) const = 0;
@@ -54,8 +56,8 @@ class DataBackend {
 
 // One piece of an OPTIMIZER_MATRIX tensor: the part of it that one rank's shard holds.
 struct MatrixPiece {
-  int owner;     // shard position of the tensor's owner (the planner's owner_rank)
-  int holder;    // shard position of the rank holding the piece
+  int owner;     // os position of the tensor's owner (the planner's owner_rank)
+  int holder;    // os position of the rank holding the piece
   int64_t elem;  // element offset of the piece in the unit's unsharded layout
   int64_t count;
   // Element offset of the piece in its owner's packed buffer: the owner's matrices of the unit

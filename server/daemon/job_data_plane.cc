@@ -21,20 +21,31 @@ absl::StatusOr<std::unique_ptr<JobDataPlane>> JobDataPlane::Create(
 
 absl::StatusOr<std::unique_ptr<JobDataPlane>> JobDataPlane::Create(
     const v1::Plan& plan, const NodeMesh& mesh, std::unique_ptr<Transport> transport, Comm* nodes) {
+  if (!transport->runs_sharding(mesh)) {
+    return absl::UnimplementedError(
+        absl::StrCat("the ", transport->name(),
+                     " backend runs shard groups of whole nodes with p = g = os; "
+                     "this job's sharding is ",
+                     mesh.sharding.Describe()));
+  }
   std::unique_ptr<JobDataPlane> dp(new JobDataPlane());
   dp->mesh_ = mesh;
   dp->transport_ = std::move(transport);
-  const int64_t k = mesh.local;
   const bool blocks = dp->transport_->node_blocks();
-  for (const v1::UnitPlan& up : plan.units()) {
+  const auto& g_units = FactorUnits(plan, Factor::kG);
+  const auto& os_units = FactorUnits(plan, Factor::kOs);
+  const int64_t os_size = mesh.sharding.os.size();
+  for (int i = 0; i < plan.units_size(); ++i) {
+    const v1::UnitPlan& up = plan.units(i);
     Unit u;
     u.name = up.unit();
     u.dtype = up.dtype();
     u.shard_elems = up.shard_elems();
+    u.grad_elems = g_units.Get(i).shard_elems();
+    u.os_elems = os_units.Get(i).shard_elems();
     u.item = DTypeSize(up.dtype());
-    const int64_t s = u.shard_elems;
     std::vector<int64_t> packed;
-    auto pieces = MatrixPieces(up, mesh.shard, &packed);
+    auto pieces = MatrixPieces(os_units.Get(i), os_size, &packed);
     if (!pieces.ok()) return pieces.status();
     u.pieces = std::move(*pieces);
     if (u.pieces.size() > MessageStamp::kMaxDataIndex) {
@@ -43,14 +54,21 @@ absl::StatusOr<std::unique_ptr<JobDataPlane>> JobDataPlane::Create(
                                                    " matrix pieces; at most ",
                                                    MessageStamp::kMaxDataIndex));
     }
-    for (int64_t i = 0; i < k; ++i) u.owner_elems.push_back(packed[mesh.first_position + i]);
+    // Owner buffers on the first local rank of each os position (its replicas use its own).
+    for (int64_t l = 0; l < mesh.local; ++l) {
+      const bool first = l < mesh.slots(Factor::kOs);
+      u.owner_elems.push_back(first ? packed[mesh.Position(Factor::kOs, l)] : 0);
+    }
     // The persistent shards, zero-filled at allocation (not on the hot path).
-    auto shards = dp->AllocateEach(u, "parameter shards", !blocks, (blocks ? k : 1) * s * u.item,
-                                   /*zero=*/true);
+    const int64_t p_slots = dp->SlotCount(Factor::kP), g_slots = dp->SlotCount(Factor::kG);
+    auto shards = dp->AllocateEach(u, "parameter shards", !blocks,
+                                   (blocks ? p_slots : 1) * u.shard_elems * u.item, /*zero=*/true);
     if (!shards.ok()) return shards.status();
     u.shards = std::move(*shards);
-    auto gs = dp->AllocateEach(u, "gradient shards", !blocks,
-                               (blocks ? GradShardBlockElems(mesh, s) : s) * 4, /*zero=*/true);
+    auto gs = dp->AllocateEach(
+        u, "gradient shards", !blocks,
+        (blocks ? GradShardBlockElems(mesh, g_slots, u.grad_elems) : u.grad_elems) * 4,
+        /*zero=*/true);
     if (!gs.ok()) return gs.status();
     u.grad_shards = std::move(*gs);
     dp->units_.push_back(std::move(u));
@@ -60,6 +78,21 @@ absl::StatusOr<std::unique_ptr<JobDataPlane>> JobDataPlane::Create(
     nodes->SetDescriber([self = dp.get()](uint64_t tag) { return self->DescribeTag(tag); });
   }
   return dp;
+}
+
+int JobDataPlane::SlotIndex(Factor f, int local) const {
+  return transport_->shares_replicas() ? mesh_.Slot(f, local) : local;
+}
+
+int64_t JobDataPlane::SlotCount(Factor f) const {
+  return transport_->shares_replicas() ? mesh_.slots(f) : mesh_.local;
+}
+
+int JobDataPlane::LocalOfOs(int64_t position) const {
+  for (int64_t l = 0; l < std::min(mesh_.local, mesh_.slots(Factor::kOs)); ++l) {
+    if (mesh_.Position(Factor::kOs, l) == position) return static_cast<int>(l);
+  }
+  return -1;
 }
 
 JobDataPlane::~JobDataPlane() {
@@ -76,7 +109,8 @@ std::string JobDataPlane::DescribeTag(uint64_t tag) const {
   // The daemon's names for the operations, by MessageStamp::Kind.
   static const v1::OpKind kOps[] = {v1::OP_KIND_UNSPECIFIED, v1::OP_UNSHARD,
                                     v1::OP_REDUCE_SCATTER,   v1::OP_ALL_REDUCE,
-                                    v1::OP_GATHER_TO_OWNER,  v1::OP_SCATTER_FROM_OWNER};
+                                    v1::OP_GATHER_TO_OWNER,  v1::OP_SCATTER_FROM_OWNER,
+                                    v1::OP_UPDATE_GATHER};
   if (s.kind == MessageStamp::kNone || s.kind >= std::size(kOps)) return daemon::DescribeTag(tag);
   const std::string kind = v1::OpKind_Name(kOps[s.kind]);
   // The stamp keeps the unit modulo 2^16: name it when that is unambiguous.
@@ -128,7 +162,9 @@ ScratchFn JobDataPlane::ScratchFor(const Unit& u) {
 
 char* JobDataPlane::param_shard(int unit, int local) const {
   const Unit& u = units_[unit];
-  if (u.shards.size() == 1) return u.shards[0].data() + local * u.shard_elems * u.item;
+  if (u.shards.size() == 1) {
+    return u.shards[0].data() + SlotIndex(Factor::kP, local) * u.shard_elems * u.item;
+  }
   return u.shards[local].data();
 }
 char* JobDataPlane::unsharded(int unit, int local) const {
@@ -144,7 +180,8 @@ char* JobDataPlane::grad(int unit, int local) const {
 float* JobDataPlane::grad_shard(int unit, int local) const {
   const Unit& u = units_[unit];
   if (u.grad_shards.size() == 1) {
-    return reinterpret_cast<float*>(u.grad_shards[0].data()) + local * u.shard_elems;
+    return reinterpret_cast<float*>(u.grad_shards[0].data()) +
+           SlotIndex(Factor::kG, local) * u.grad_elems;
   }
   return reinterpret_cast<float*>(u.grad_shards[local].data());
 }
@@ -182,11 +219,23 @@ void JobDataPlane::Placement(int unit, int local, v1::UnitBuffers* out) const {
   out->set_grad_shard_offset(offset(grad_shard(unit, local)));
   out->set_owner_offset(offset(owner_buffer(unit, local)));
   out->set_owner_elems(u.owner_elems[local]);
+  out->set_grad_shard_elems(u.grad_elems);
+  out->set_os_elems(u.os_elems);
+  const int64_t os_start = mesh_.Position(Factor::kOs, local) * u.os_elems;
+  out->set_os_param_offset(os_start - mesh_.Position(Factor::kP, local) * u.shard_elems);
+  out->set_os_grad_offset(os_start - mesh_.Position(Factor::kG, local) * u.grad_elems);
 }
 
 void JobDataPlane::Describe(int local, const v1::Plan& plan, v1::AttachResponse* resp) const {
   resp->set_replicas(mesh_.replicas);
   resp->set_backend(name());
+  v1::RankPositions* pos = resp->mutable_positions();
+  pos->set_p(mesh_.Position(Factor::kP, local));
+  pos->set_g(mesh_.Position(Factor::kG, local));
+  pos->set_os(mesh_.Position(Factor::kOs, local));
+  pos->set_steps_optimizer(!transport_->shares_replicas() || local < mesh_.slots(Factor::kOs));
+  const Sharding& s = mesh_.sharding;
+  pos->set_os_group((mesh_.node / s.os.inter) * (s.devices / s.os.intra) + local / s.os.intra);
   transport_->DescribeMemory(local, resp);
   for (int u = 0; u < units(); ++u) {
     v1::UnitBuffers* b = resp->add_units();
@@ -216,14 +265,15 @@ absl::Status JobDataPlane::AllocateUnsharded(int unit) {
 
 absl::StatusOr<bool> JobDataPlane::Compose(Unit& u) {
   const int fd = transport_->view_fd();
-  if (fd < 0 || u.shards.size() != 1 || !AliasesShards(mesh_.local, u.shard_elems, u.item)) {
+  const int64_t slots = SlotCount(Factor::kP);
+  if (fd < 0 || u.shards.size() != 1 || !AliasesShards(slots, u.shard_elems, u.item)) {
     return false;
   }
   const int64_t rank_bytes = u.shard_elems * u.item;
   ViewLayout l;
   l.bytes = mesh_.shard * rank_bytes;
-  l.own_at = mesh_.first_position * rank_bytes;
-  l.own_bytes = mesh_.local * rank_bytes;
+  l.own_at = mesh_.first_position() * rank_bytes;
+  l.own_bytes = slots * rank_bytes;
   l.own_offset = u.shards[0].offset();
   l.rest_offset = l.own_offset;
   std::vector<Lease> rest;
@@ -263,8 +313,10 @@ absl::Status JobDataPlane::Unshard(int unit, absl::Time deadline) {
   shards.reserve(local_ranks());
   for (int i = 0; i < local_ranks(); ++i) {
     // A view's own part is the shard block itself: the all-gather finds it in place.
-    shards.push_back(u.composed ? u.view->data() + (mesh_.first_position + i) * rank_bytes
-                                : param_shard(unit, i));
+    shards.push_back(u.composed
+                         ? u.view->data() +
+                               (mesh_.first_position() + SlotIndex(Factor::kP, i)) * rank_bytes
+                         : param_shard(unit, i));
   }
   if (u.composed) {
     out.push_back(u.view->data());
@@ -367,8 +419,8 @@ absl::Status JobDataPlane::ReduceScatter(int unit, ReduceOp op, absl::Time deadl
   out.reserve(local_ranks());
   for (const Lease& g : u.grad) inputs.push_back(g.data());
   for (int i = 0; i < local_ranks(); ++i) out.push_back(grad_shard(unit, i));
-  absl::Status st = transport_->ReduceScatter(inputs, u.dtype, u.shard_elems, out, op,
-                                              ScratchFor(u), deadline, tag);
+  absl::Status st = transport_->ReduceScatter(inputs, u.dtype, u.grad_elems, out, op, ScratchFor(u),
+                                              deadline, tag);
   u.grad.clear();
   return st;
 }
@@ -381,7 +433,18 @@ absl::Status JobDataPlane::AllReduce(int unit, ReduceOp op, absl::Time deadline)
   std::vector<float*> shards;
   shards.reserve(local_ranks());
   for (int i = 0; i < local_ranks(); ++i) shards.push_back(grad_shard(unit, i));
-  return transport_->AllReduce(shards, u.shard_elems, op, ScratchFor(u), deadline, tag);
+  return transport_->AllReduce(shards, u.grad_elems, op, ScratchFor(u), deadline, tag);
+}
+
+absl::Status JobDataPlane::UpdateGather(int unit, absl::Time deadline) {
+  if (auto s = CheckUnit(unit); !s.ok()) return s;
+  const uint64_t tag = NextTag(unit, MessageStamp::kUpdateGather);
+  const Unit& u = units_[unit];
+  if (u.os_elems == u.shard_elems) return absl::OkStatus();  // each rank stepped its whole shard
+  std::vector<char*> shards;
+  shards.reserve(local_ranks());
+  for (int i = 0; i < local_ranks(); ++i) shards.push_back(param_shard(unit, i));
+  return transport_->UpdateGather(shards, u.shard_elems, u.os_elems, u.dtype, deadline, tag);
 }
 
 absl::Status JobDataPlane::GatherToOwner(int unit, absl::Time deadline) {
@@ -396,7 +459,6 @@ absl::Status JobDataPlane::MovePieces(int unit, bool to_owner, absl::Time deadli
   const uint64_t tag =
       NextTag(unit, to_owner ? MessageStamp::kGatherToOwner : MessageStamp::kScatterFromOwner);
   Unit& u = units_[unit];
-  const int64_t s = u.shard_elems;
   if (to_owner && u.owner.empty()) {
     // Every element of an owner buffer is a piece of an owned matrix: no zero-fill needed.
     for (int i = 0; i < local_ranks(); ++i) {
@@ -417,14 +479,28 @@ absl::Status JobDataPlane::MovePieces(int unit, bool to_owner, absl::Time deadli
   }
   std::vector<PieceMove> moves;
   for (const Piece& p : u.pieces) {
-    const int holder = mesh_.LocalOf(p.holder), owner = mesh_.LocalOf(p.owner);
+    const int holder = LocalOfOs(p.holder), owner = LocalOfOs(p.owner);
     if (holder < 0 && owner < 0) continue;
-    float* shard = holder >= 0 ? grad_shard(unit, holder) + (p.elem - p.holder * s) : nullptr;
+    // The holder's os range lies in its gradient shard, at its g position.
+    float* shard = holder >= 0 ? grad_shard(unit, holder) +
+                                     (p.elem - mesh_.Position(Factor::kG, holder) * u.grad_elems)
+                               : nullptr;
     float* whole = owner >= 0 ? owner_buffer(unit, owner) + p.packed : nullptr;
     moves.push_back(to_owner ? PieceMove{holder, owner, p.holder, p.owner, shard, whole, p.count}
                              : PieceMove{owner, holder, p.owner, p.holder, whole, shard, p.count});
   }
   absl::Status st = transport_->MovePieces(moves, deadline, tag);
+  if (st.ok() && !to_owner && !transport_->shares_replicas()) {
+    // Ranks with slots of their own: the replicas of an os position take its updated range.
+    for (int l = static_cast<int>(mesh_.slots(Factor::kOs)); st.ok() && l < local_ranks(); ++l) {
+      const int first = mesh_.Slot(Factor::kOs, l);
+      const int64_t at = mesh_.Position(Factor::kOs, l) * u.os_elems -
+                         mesh_.Position(Factor::kG, l) * u.grad_elems;
+      st = transport_->Copy(l, reinterpret_cast<char*>(grad_shard(unit, l) + at), first,
+                            reinterpret_cast<const char*>(grad_shard(unit, first) + at),
+                            u.os_elems * 4, deadline);
+    }
+  }
   if (!to_owner || !st.ok()) u.owner.clear();
   return st;
 }

@@ -4,11 +4,14 @@
 // one (host_transport.h: the memfd pool, node-level reduction, UCX between nodes, in the node
 // shape or the device shape) or the CUDA one (cuda/cuda_transport.h: a slab per GPU, NCCL).
 //
-// Mesh: NodeMesh (transport.h). Create() returns UNIMPLEMENTED for a mesh it does not support.
+// Mesh: NodeMesh (transport.h), with the AMSP factors of common/sharding.h: parameters sharded
+// over p (S_p = the plan's shard_elems), gradients over g (S_g, the "g" factor plan), optimizer
+// state over os (S_os). Create() returns UNIMPLEMENTED for a mesh the transport does not run.
 //
-// Buffers (DESIGN.md, "Data plane"). Persistent, per local rank: the parameter shard (S of the
-// unit's dtype) and the gradient shard (S fp32), one block for the node's ranks where the
-// transport works on node blocks. Transient, per unit:
+// Buffers (DESIGN.md, "Data plane"). Persistent, per local rank: the parameter shard (S_p of the
+// unit's dtype) and the gradient shard (S_g fp32), one block for the node's ranks where the
+// transport works on node blocks: A slots of the factor where local replicas share one
+// (host memory), a slot per rank otherwise. Transient, per unit:
 // * the unsharded parameters (F * S of dtype), from Unshard (or AllocateUnsharded) to Reshard:
 //   one per node where the transport shares it, else one per rank (a GPU's shape);
 // * the unsharded gradients (F * S of dtype per local rank), from AllocateGrad to the end of
@@ -76,7 +79,7 @@ class JobDataPlane final : public DataBackend {
   // Buffer views (into local rank `local`'s arena; the same bytes its client maps); nullptr for a
   // transient buffer that is not allocated. Parameter shard: shard_elems of the unit's dtype.
   // Unsharded parameter: F * shard_elems (local rank `local`'s own unless the node shares it).
-  // Gradient: F * shard_elems of the unit's dtype (per local rank). Gradient shard: shard_elems
+  // Gradient: F * shard_elems of the unit's dtype (per local rank). Gradient shard: grad_elems
   // fp32 (per local rank). Owner buffer: owner_elems(unit, local) fp32.
   char* param_shard(int unit, int local) const;
   char* unsharded(int unit, int local = 0) const;
@@ -86,6 +89,9 @@ class JobDataPlane final : public DataBackend {
   int64_t owner_elems(int unit, int local) const;
   v1::DType dtype(int unit) const { return units_[unit].dtype; }
   int64_t shard_elems(int unit) const { return units_[unit].shard_elems; }
+  int64_t grad_elems(int unit) const { return units_[unit].grad_elems; }
+  int64_t os_elems(int unit) const { return units_[unit].os_elems; }
+  const NodeMesh& mesh() const { return mesh_; }
   int64_t staging_bytes() const override { return transport_->staging_bytes(); }
   void Placement(int unit, int local, v1::UnitBuffers* out) const override;
   void Describe(int local, const v1::Plan& plan, v1::AttachResponse* resp) const override;
@@ -113,16 +119,22 @@ class JobDataPlane final : public DataBackend {
   // ranks that hold them (elements of other tensors are left as they are); then the owner
   // buffers are released.
   absl::Status ScatterFromOwner(int unit, absl::Time deadline) override;
+  // AMSP's update gather: each local rank stepped its os range of its parameter shard; the
+  // ranges reach the other shards that hold them (transport.h). Nothing to do when p = g = os.
+  absl::Status UpdateGather(int unit, absl::Time deadline) override;
 
  private:
   using Piece = MatrixPiece;
   struct Unit {
     std::string name;
     v1::DType dtype;
-    int64_t shard_elems = 0;
+    int64_t shard_elems = 0;  // S_p
+    int64_t grad_elems = 0;   // S_g
+    int64_t os_elems = 0;     // S_os
     int64_t item = 0;
-    std::vector<Lease> shards;       // persistent: 1 block of k * S, or k of S, of dtype
-    std::vector<Lease> grad_shards;  // persistent: 1 block (GradShardBlockElems), or k of S, fp32
+    std::vector<Lease> shards;       // persistent: 1 block of slots * S_p, or k of S_p, of dtype
+    std::vector<Lease> grad_shards;  // persistent: 1 block (GradShardBlockElems), or k of S_g,
+                                     // fp32
     std::vector<Lease> unsharded;    // none, or 1 (shared) or k of F * S of dtype; composed:
                                      // the transient rest, (F - k) * S (none when F = k)
     bool composed = false;           // unsharded through `view`: the node's shards mapped in
@@ -132,11 +144,18 @@ class JobDataPlane final : public DataBackend {
     std::vector<Lease> grad;              // none, or k of F * S of dtype
     std::vector<Lease> owner;             // none, or k (empty leases where a rank owns nothing)
     std::vector<int64_t> owner_elems;     // per local rank
-    std::vector<Piece> pieces;            // of the matrix tensors, in plan order
+    std::vector<Piece> pieces;            // of the matrix tensors (os positions), in plan order
   };
   JobDataPlane() = default;
   absl::Status CheckUnit(int unit) const;
   static bool IsUnsharded(const Unit& u) { return u.composed || !u.unsharded.empty(); }
+  // Local rank `local`'s slot of factor f's block: its slot where replicas share one, else its
+  // own. Slots per block: SlotCount.
+  int SlotIndex(Factor f, int local) const;
+  int64_t SlotCount(Factor f) const;
+  // The local rank whose memory holds os position `position` on this node (the first of its
+  // replicas), or -1 when another node holds it.
+  int LocalOfOs(int64_t position) const;
   // Maps the unit's unsharded view over its shard block and a transient rest; false (and
   // nothing allocated) where the transport or the sizes do not allow it (the copy path then).
   absl::StatusOr<bool> Compose(Unit& u);

@@ -403,6 +403,8 @@ absl::Status JobRuntime::Execute(const Op& op) {
       return dp_->GatherToOwner(op.unit, op.deadline);
     case v1::OP_SCATTER_FROM_OWNER:
       return dp_->ScatterFromOwner(op.unit, op.deadline);
+    case v1::OP_UPDATE_GATHER:
+      return dp_->UpdateGather(op.unit, op.deadline);
     default:
       return absl::InvalidArgumentError(
           absl::StrCat("unknown operation kind ", static_cast<int>(op.kind)));

@@ -24,23 +24,25 @@ absl::StatusOr<NodeMesh> NodeMesh::Of(const v1::Plan& plan, const std::vector<in
                                                    local_ranks[i]));
     }
   }
-  if (f % k != 0) {
-    return absl::UnimplementedError(
-        absl::StrCat("a shard group (", f, " ranks) must be made of whole nodes of ", k, " ranks"));
+  auto sharding = ShardingOf(plan, f * replicas, k);
+  if (!sharding.ok()) {
+    if (sharding.status().code() == absl::StatusCode::kInvalidArgument) return sharding.status();
+    return absl::UnimplementedError(sharding.status().message());
   }
   NodeMesh m;
-  m.shard = f;
-  m.replicas = replicas;
-  m.local = k;
+  m.sharding = *sharding;
   m.node = node;
   m.nodes = nodes;
-  m.first_position = (node * k) % f;
+  m.local = k;
+  m.shard = f;
+  m.replicas = m.sharding.world() / m.sharding.g.size();
   return m;
 }
 
-int64_t GradShardBlockElems(const NodeMesh& mesh, int64_t shard_elems) {
-  const int64_t n = std::max<int64_t>(mesh.local * shard_elems, 1);
-  return (n + mesh.replicas - 1) / mesh.replicas * mesh.replicas;
+int64_t GradShardBlockElems(const NodeMesh& mesh, int64_t slots, int64_t shard_elems) {
+  const int64_t r = mesh.node_replicas();
+  const int64_t n = std::max<int64_t>(slots * shard_elems, 1);
+  return (n + r - 1) / r * r;
 }
 
 }  // namespace ragshard::daemon

@@ -11,7 +11,9 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "common/sharding.h"
 #include "ragshard/v1/daemon.pb.h"
 #include "ragshard/v1/plan.pb.h"
 #include "server/daemon/collectives.h"
@@ -19,32 +21,39 @@
 
 namespace ragshard::daemon {
 
-// The job's mesh as one node sees it. W = F * R ranks, R replicas (HSDP) of a shard group of F
-// ranks; rank r is shard position r % F of replica r / F. Node i holds the k consecutive ranks
-// [i*k, (i+1)*k), and a shard group is made of whole nodes (F % k == 0).
+// The job's sharding as one node sees it (common/sharding.h): N nodes of k ranks, node i
+// holding ranks [i*k, (i+1)*k). For each factor x (p: parameters, g: gradients, os: optimizer
+// state) of shape A x B the node holds A "slots": slot t serves its local ranks l with
+// l mod A == t, which are replicas of each other in x. Without separate factors p = g = os is a
+// shard group of F ranks (whole nodes, or a divisor of a node's ranks) repeated W / F times.
 struct NodeMesh {
-  int64_t shard = 0;     // F
-  int64_t replicas = 1;  // R
-  int64_t local = 0;     // k
+  Sharding sharding;
   int node = 0, nodes = 1;
-  int64_t first_position = 0;  // shard position of local rank 0
+  int64_t local = 0;     // k
+  int64_t shard = 0;     // |p|: the plan's world size (the unsharded buffer is |p| shards)
+  int64_t replicas = 1;  // W / |g|: the gradients' replicas, which the all-reduce sums
 
   // UNIMPLEMENTED names the rule a mesh breaks; INVALID_ARGUMENT for no ranks or R < 1.
   static absl::StatusOr<NodeMesh> Of(const v1::Plan& plan, const std::vector<int64_t>& local_ranks,
                                      int node, int nodes, int64_t replicas);
-  int64_t nodes_per_group() const { return shard / local; }
-  // The node holding shard position `position` within this node's shard group, relative to it.
-  int NodeOf(int64_t position) const { return static_cast<int>(position / local); }
-  // This node's local index of shard position `position`, or -1 when another node holds it.
-  int LocalOf(int64_t position) const {
-    const int64_t i = position - first_position;
-    return i >= 0 && i < local ? static_cast<int>(i) : -1;
-  }
+  int64_t slots(Factor f) const { return sharding.shape(f).intra; }
+  int Slot(Factor f, int local_rank) const { return static_cast<int>(local_rank % slots(f)); }
+  // The position of local rank (or slot) `l` in factor f's layout.
+  int64_t Position(Factor f, int64_t l) const { return sharding.Position(f, node, l); }
+  // The p position of slot 0: the node's p slots hold positions [first_position, + slots(p)).
+  int64_t first_position() const { return Position(Factor::kP, 0); }
+  // Nodes over which the gradient shards are all-reduced (W / |g| replicas, less the ones on
+  // this node, which the reduce-scatter sums in memory).
+  int64_t node_replicas() const { return sharding.nodes / sharding.g.inter; }
+  // True when every local rank has positions of its own in every factor and the node's p, g
+  // and os slots are its ranks in order (shard groups of whole nodes, p = g = os): the only
+  // shape some backends run.
+  bool whole_nodes_uniform() const { return sharding.uniform() && slots(Factor::kP) == local; }
 };
 
-// Elements of a node's block of gradient shards (k * S), padded to a multiple of R so that the
-// host's replicate all-reduce splits it into equal chunks in place.
-int64_t GradShardBlockElems(const NodeMesh& mesh, int64_t shard_elems);
+// Elements of a node's block of gradient shards (`slots` * S), padded to a multiple of the
+// node-level replicas so that the replicate all-reduce splits it into equal chunks in place.
+int64_t GradShardBlockElems(const NodeMesh& mesh, int64_t slots, int64_t shard_elems);
 
 // Transient memory for one operation of a unit, named in RESOURCE_EXHAUSTED (the data plane's).
 using ScratchFn = std::function<absl::StatusOr<Lease>(int local, const char* what, int64_t bytes)>;
@@ -69,6 +78,11 @@ class Transport {
   // True: the node's ranks' parameter shards and gradient shards of a unit are one block each
   // (local rank i at i * S), the node's collectives working on the block. False: one per rank.
   virtual bool node_blocks() const = 0;
+  // True: local ranks that are replicas in a factor (NodeMesh) share one slot of its block
+  // (host memory); false: every rank has a slot of its own (the shape of a GPU).
+  virtual bool shares_replicas() const { return false; }
+  // Whether the transport runs this sharding; the data plane refuses others, naming the mesh.
+  virtual bool runs_sharding(const NodeMesh& mesh) const { return mesh.whole_nodes_uniform(); }
 
   // Memory of local rank `local` (the node's pool, or the rank's device). The data plane names
   // the unit in a RESOURCE_EXHAUSTED.
@@ -107,6 +121,14 @@ class Transport {
   virtual absl::Status AllReduce(const std::vector<float*>& shards, int64_t shard_elems,
                                  ReduceOp op, const ScratchFn& scratch, absl::Time deadline,
                                  uint64_t tag) = 0;
+  // AMSP's update gather, after an optimizer step on separate factors: `shards[i]` is local rank
+  // i's parameter shard (`shard_elems` of `dtype`), of which it updated its os range
+  // (`os_elems` at its os position); on return every shard holds every update of its range.
+  virtual absl::Status UpdateGather(const std::vector<char*>& shards, int64_t shard_elems,
+                                    int64_t os_elems, v1::DType dtype, absl::Time deadline,
+                                    uint64_t tag) {
+    return absl::UnimplementedError(absl::StrCat(name(), ": no update gather (separate factors)"));
+  }
   // The matrix pieces this node takes part in, in plan order (both ends of the job walk the same
   // order): local copies, and transfers with the shard group's other ranks.
   virtual absl::Status MovePieces(const std::vector<PieceMove>& moves, absl::Time deadline,

@@ -524,7 +524,7 @@ class UcxComm final : public Comm {
   UcxWorker::Impl* const w_;
   const int rank_;
   const int size_;
-  uint64_t base_ = 0;             // the id of pending_[0]
+  uint64_t base_ = 0;            // the id of pending_[0]
   std::deque<Pending> pending_;  // stable addresses for the callbacks
   Pending notice_;
   char notice_text_[kNoticeBytes] = {};

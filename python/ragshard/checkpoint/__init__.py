@@ -42,8 +42,9 @@ def _barrier(model):
 
 
 def _writer(model):
-    """Whether this rank writes: the ranks of the first replica (the others hold the same)."""
-    return model.rank < model.world
+    """Whether this rank writes: the ranks of the first os group, which hold every optimizer
+    range once (the first replica under HSDP; the others hold the same)."""
+    return model.os_group == 0
 
 
 def _buffers(model):
@@ -74,7 +75,7 @@ def _write_rank(model, partial, step, snapshot, after_first=None):
     """Writes this rank's data file, then its index (the sign that its part is on disk).
     `after_first`: the tests' hook of an asynchronous save (_format.hold_write)."""
     kind, records, steps, shapes = snapshot
-    pos = model.pos
+    pos = model.ospos  # the writers' os positions are 0 to |os| - 1
     entries = _format.write_pieces(
         os.path.join(partial, _format.data_file(pos)),
         [(f"{name}\0{rec_kind}", start, count, dtype,
@@ -295,7 +296,7 @@ def save(model, optimizer, root, step, async_save=False, timeout=600.0):
 
     def commit():
         if model.rank == 0:
-            return _commit(root, partial, step, model.world, plan,
+            return _commit(root, partial, step, model.group_sizes[2], plan,
                            time.monotonic() + timeout, name)
         return os.path.join(root, name)
 
@@ -342,6 +343,7 @@ def load(model, optimizer, root, step=None):
     model.wait_for_checkpoint_write()
     with _format.Reader(path, meta) as reader:
         _state.place(model, optimizer, reader, meta)
+        model.gather_updates()  # separate factors: the rest of each parameter shard
         for name, b in _buffers(model):
             rec = meta["tensors"].get(name)
             if rec is None or "buffer" not in rec:

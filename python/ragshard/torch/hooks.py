@@ -219,7 +219,7 @@ class HooksMixin:
         unit's gradient, so the reduced shard counts the ranks that used each parameter."""
         u, n = self._flags_unit, self._nparams
         self.client.allocate_grad(u).wait()
-        slots = as_tensor(self.client.grad(u)).view(-1, self.shard_elems[u])
+        slots = as_tensor(self.client.grad(u)).view(-1, self.grad_elems[u])
         if self._used:
             slots[:, list(self._used)] = 1.0
         self.client.reduce_scatter(u, "sum").wait()

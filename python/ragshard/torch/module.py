@@ -122,22 +122,41 @@ class ShardedModule(BuffersMixin, HooksMixin, QuantizedGatherMixin, StateMixin, 
             raise ValueError(f"prefetch: {self.prefetch} is negative")
         self.world = client.world_size
         self.rank = client.rank
-        # HSDP: the plan is for a shard group of `world` ranks, repeated `replicas` times; this
-        # rank holds shard position `pos` of its group.
+        # The job's AMSP factors (common/sharding.h): the parameter shard is position `pos` of
+        # the plan's `world` (p); the gradient shard is position `gpos` of the g layout, and
+        # this rank's optimizer range position `ospos` of the os layout, inside both. With
+        # p = g = os (HSDP or FSDP) the three are one shard of a group repeated `replicas`
+        # times. `replicas` is W / |g|: the gradients' replicas, all-reduced.
         self.replicas = client.replicas
-        self.pos = self.rank % self.world
+        nunits = len(self.plan["units"])
+        layouts = [client.layout(u) for u in range(nunits)]
+        self.pos, self.gpos, self.ospos = (layouts[0][k] for k in ("p", "g", "os"))
+        # False where another local rank steps this rank's optimizer range in the same memory.
+        self.steps = layouts[0]["steps"]
+        self.os_group = layouts[0]["os_group"]  # group 0 holds every os position once
+        self.shard_elems = [client.shard_elems(u) for u in range(nunits)]
+        self.grad_elems = [lay["grad_elems"] for lay in layouts]
+        # This rank's optimizer range of each unit: os_elems[u] elements at os_at[u] =
+        # (offset in the parameter shard, offset in the gradient shard).
+        self.os_elems = [lay["os_elems"] for lay in layouts]
+        self.os_at = [(lay["os_param"], lay["os_grad"]) for lay in layouts]
+        self.factored = self.os_elems != self.shard_elems
+        sizes = {f["component"]: int(f["world_size"]) for f in self.plan.get("factors", [])}
+        # |p|, |g|, |os|
+        self.group_sizes = (self.world, sizes.get("g", self.world), sizes.get("os", self.world))
         by_name, packed = {}, {}
-        for ui, up in enumerate(self.plan["units"]):
+        os_units = next((f["units"] for f in self.plan.get("factors", [])
+                         if f["component"] == "os"), self.plan["units"])
+        for ui, (up, ou) in enumerate(zip(self.plan["units"], os_units)):
             owned = {}  # an owner's matrices, packed in plan order in its owner buffer
-            for t in up["tensors"]:
-                by_name[t["name"]] = (ui, int(t["offset"]), int(t["numel"]), t)
-                if t.get("optimizer") in WHOLE_MATRIX:
-                    owner = int(t.get("owner_rank", -1))
+            for t, ot in zip(up["tensors"], ou["tensors"]):
+                by_name[t["name"]] = (ui, int(t["offset"]), int(t["numel"]), ot)
+                if ot.get("optimizer") in WHOLE_MATRIX:
+                    owner = int(ot.get("owner_rank", -1))  # an os position
                     packed[t["name"]] = owned.get(owner, 0)
                     owned[owner] = packed[t["name"]] + int(t["numel"])
         self._scalar_unit = len(self._units)
         self._flags_unit = len(self._units) + 1
-        self.shard_elems = [client.shard_elems(u) for u in range(len(self.plan["units"]))]
         # This rank writes its own shard; the parameters become views of the unsharded buffers
         # while their unit is unsharded.
         self.matrices = []  # Matrix of each whole-matrix tensor (Muon's and Shampoo's)
@@ -166,9 +185,12 @@ class ShardedModule(BuffersMixin, HooksMixin, QuantizedGatherMixin, StateMixin, 
             shard = tensor_of(client.param_shard(ui), param_dtype)
             s = self.shard_elems[ui]
             lo, hi = self.pos * s, (self.pos + 1) * s
-            # With a parameter dtype below fp32, the optimizer's fp32 master shard starts from
-            # the exact initial values (as FSDP2's sharded parameters), not from their rounding.
-            exact = torch.zeros(s) if param_dtype != "fp32" else None
+            # The optimizer range (the whole shard unless the factors differ).
+            olo = self.ospos * self.os_elems[ui]
+            ohi = olo + self.os_elems[ui]
+            # With a parameter dtype below fp32, the optimizer's fp32 master of its range starts
+            # from the exact initial values (as FSDP2's sharded parameters), not their rounding.
+            exact = torch.zeros(ohi - olo) if param_dtype != "fp32" else None
             self._views[ui] = []
             self._pieces[ui] = []
             for n, p in params:
@@ -185,9 +207,11 @@ class ShardedModule(BuffersMixin, HooksMixin, QuantizedGatherMixin, StateMixin, 
                     else:
                         mine = torch.zeros(b - a)  # init="empty": a load follows
                     shard[a - lo:b - lo].copy_(mine.to(shard.dtype))
-                    if exact is not None:
-                        exact[a - lo:b - lo] = mine.float()
-                    self._pieces[ui].append(Piece(index, a - lo, b - lo, matrix))
+                    oa, ob = max(a, olo), min(b, ohi)
+                    if oa < ob:
+                        if exact is not None:
+                            exact[oa - olo:ob - olo] = mine[oa - a:ob - a].float()
+                        self._pieces[ui].append(Piece(index, oa - olo, ob - olo, matrix))
                     if id(p) in meta:
                         del mine
                         release_freed_memory()  # the whole tensor's pages, back to the system
@@ -204,7 +228,7 @@ class ShardedModule(BuffersMixin, HooksMixin, QuantizedGatherMixin, StateMixin, 
                                self._views[ui]]
             self._free(ui)
         self.masters = masters
-        if self.shard_elems[self._flags_unit] < self._nparams:
+        if self.grad_elems[self._flags_unit] < self._nparams:
             raise ValueError("fully_shard: the world size is needed before registering (pass "
                              "world=, or set RAGSHARD_WORLD_SIZE)")
         self._check_quantized_units()
@@ -281,9 +305,9 @@ class ShardedModule(BuffersMixin, HooksMixin, QuantizedGatherMixin, StateMixin, 
             self._no_sync = False
 
     def zero_grad(self, set_to_none=True):
-        """PyTorch's zero_grad: zeroes the gradient shards and the gradients accumulated under
-        no_sync (outside a backward the unsharded gradients are released and .grad is None).
-        With set_to_none (the default), parameters also stop having a gradient until a backward
+        """PyTorch's zero_grad: zeroes the gradient shards' optimizer ranges and the gradients
+        accumulated under no_sync (outside a backward the unsharded gradients are released and
+        .grad is None). With set_to_none (the default), parameters also stop having a gradient until a backward
         reaches them (`has_grad`), so the optimizers leave them alone; without, they keep a zero
         gradient and are stepped with it."""
         for ui in self._grads:
@@ -292,21 +316,50 @@ class ShardedModule(BuffersMixin, HooksMixin, QuantizedGatherMixin, StateMixin, 
                     p.grad.zero_()
                     if set_to_none:
                         p.grad = None  # bound again when the next backward reaches the unit
-        for ui in self.units():
-            as_tensor(self.client.grad_shard(ui)).zero_()
+        if self.steps:  # else the local rank that steps this memory zeroes it
+            for ui in self.units():
+                # The optimizer range (the whole shard when p = g = os): another local rank may
+                # step the rest of a gradient shard it shares.
+                self.shard(ui)[1].zero_()
         if set_to_none:
             self.has_grad = [False] * self._nparams
             self._used = set()
 
     def pieces(self, ui):
-        """The parameters' pieces in this rank's shard of unit `ui` (_Piece: parameter index,
-        shard elements [lo, hi), whether a matrix)."""
+        """The parameters' pieces in this rank's optimizer range of unit `ui` (Piece: parameter
+        index, elements [lo, hi) of the range, whether a matrix)."""
         return self._pieces[ui]
 
     def shard(self, ui):
-        """The fp32 (or bf16) parameter shard of unit `ui` and its fp32 gradient shard."""
-        return (tensor_of(self.client.param_shard(ui), self.param_dtype),
-                as_tensor(self.client.grad_shard(ui)))
+        """This rank's optimizer range of unit `ui`: its parameters (fp32 or bf16, in the
+        parameter shard) and its fp32 gradients (in the gradient shard). With p = g = os that is
+        the whole of both shards."""
+        (at_p, at_g), n = self.os_at[ui], self.os_elems[ui]
+        return (tensor_of(self.client.param_shard(ui), self.param_dtype)[at_p:at_p + n],
+                as_tensor(self.client.grad_shard(ui))[at_g:at_g + n])
+
+    def master_of(self, ui):
+        """The fp32 master of this rank's optimizer range of unit `ui` where the module keeps
+        one apart from the shard (bf16 parameters, quantized gathers), else None."""
+        m = self.masters.get(ui)
+        if m is None or m.numel() == self.os_elems[ui]:
+            return m
+        at_p = self.os_at[ui][0]  # a master of the whole parameter shard (quantized gathers)
+        return m[at_p:at_p + self.os_elems[ui]]
+
+    def gather_updates(self):
+        """AMSP's update gather after an optimizer step (or a load) with separate factors: each
+        rank's optimizer range reaches every parameter shard that holds it. Every rank calls
+        it; nothing runs when p = g = os."""
+        if not self.factored:
+            return
+        handles = [self.client.update_gather(ui) for ui in self.units()]
+        for h in handles:
+            h.wait()
+        for ui in self._q:
+            # Quantized gathers quantize the whole shard: its exact values, before any
+            # dequantized gather writes into the unsharded buffer that may map it.
+            self.masters[ui].copy_(as_tensor(self.client.param_shard(ui)))
 
     def units(self):
         return range(len(self._units))

@@ -26,11 +26,11 @@ class ShardedAdamW:
                  skip_matrices=False):
         self.model = model
         self.pieces = []  # (parameter index, piece of the master, piece of the gradient shard)
-        self.where = []  # (unit, lo, hi): each piece's shard elements
+        self.where = []  # (unit, lo, hi): each piece's elements of the optimizer range
         self.copies = master_copies(model)
-        for ui in model.units():
+        for ui in model.units() if model.steps else ():
             shard, grad = model.shard(ui)
-            master = model.masters.get(ui, shard)
+            master = _master(model, ui, shard)
             for piece in model.pieces(ui):
                 if skip_matrices and piece.matrix:
                     continue
@@ -41,7 +41,9 @@ class ShardedAdamW:
         self.opt = torch.optim.AdamW([p for _, p, _ in self.pieces], lr=lr, betas=betas,
                                      eps=eps, weight_decay=weight_decay) if self.pieces else None
 
-    def step(self):
+    def step(self, gather=True):
+        """Steps this rank's optimizer range, then (unless `gather` is False: the caller
+        gathers once its own updates are in) AMSP's update gather."""
         self.model.wait_for_checkpoint_write()  # an asynchronous save may be reading the state
         has = self.model.has_grad
         for index, p, grad in self.pieces:
@@ -49,18 +51,28 @@ class ShardedAdamW:
         if self.opt is not None:
             self.opt.step()
         copy_masters(self.copies)
+        if gather:
+            self.model.gather_updates()
 
     def zero_grad(self, set_to_none=True):
         self.model.zero_grad(set_to_none=set_to_none)
 
 
+def _master(model, ui, shard):
+    """What the optimizer steps for unit `ui`: the fp32 master of the optimizer range where the
+    module keeps one, else the range of the shard itself."""
+    master = model.master_of(ui)
+    return shard if master is None else master
+
+
 def master_copies(model):
-    """(compute shard, fp32 master) of every unit whose optimizer state is an fp32 master
-    apart from the shard (bf16 parameters, quantized gathers)."""
+    """(compute shard's optimizer range, its fp32 master) of every unit whose optimizer state
+    is an fp32 master apart from the shard (bf16 parameters, quantized gathers); none on a
+    rank that does not step (model.steps)."""
     copies = []
-    for ui in model.units():
+    for ui in model.units() if model.steps else ():
         shard, _ = model.shard(ui)
-        master = model.masters.get(ui, shard)
+        master = _master(model, ui, shard)
         if master.data_ptr() != shard.data_ptr():
             copies.append((shard, master))
     return copies
@@ -86,8 +98,9 @@ def matrix_units(model, kind, name):
 
 
 def matrix_mask(model, u, has):
-    """This rank's shard elements of unit `u` in whole-matrix tensors that have a gradient."""
-    mask = torch.zeros(model.shard_elems[u], dtype=torch.bool)
+    """This rank's optimizer-range elements of unit `u` in whole-matrix tensors that have a
+    gradient."""
+    mask = torch.zeros(model.os_elems[u], dtype=torch.bool)
     for piece in model.pieces(u):
         if piece.matrix and has[piece.index]:
             mask[piece.lo:piece.hi] = True
@@ -117,17 +130,23 @@ class OwnerOptimizer:
         self.units = matrix_units(model, kind, type(self).__name__)
         self.model, self.lr, self.momentum, self.weight_decay = model, lr, momentum, weight_decay
         self.adamw = ShardedAdamW(model, *adamw, skip_matrices=True)
-        self.buf = {u: torch.zeros(model.shard_elems[u]) for u in self.units}
+        self.buf = {u: torch.zeros(model.os_elems[u]) for u in self.units}
         self.momentum_kind = momentum_kind
 
     def step(self):
         m = self.model
         m.wait_for_checkpoint_write()  # an asynchronous save may be reading the state
         has = m.has_grad
-        self.adamw.step()
+        self.adamw.step(gather=False)
         for u in self.units:
+            if not m.steps:
+                # Another local rank steps this range in the same memory; the owner operations
+                # are the node's, and every rank issues them.
+                self.through_owners(u, has, None)
+                continue
             shard, grad = m.shard(u)
             self.step_unit(u, has, shard, grad, matrix_mask(m, u, has))
+        m.gather_updates()
 
     def step_unit(self, u, has, shard, grad, mask):
         """Steps unit `u`'s matrices; `mask`: this rank's shard elements of those with a
@@ -135,16 +154,17 @@ class OwnerOptimizer:
         raise NotImplementedError
 
     def through_owners(self, u, has, transform):
-        """gather_to_owner of unit `u`'s gradient shards; on the owner, each of its matrices
-        with a gradient becomes transform(matrix, its flat gradient); scatter_from_owner. The
-        gather and scatter run on every rank, so the ranks issue the same operations."""
+        """gather_to_owner of unit `u`'s gradient shards; on the owner (an os position), each of
+        its matrices with a gradient becomes transform(matrix, its flat gradient);
+        scatter_from_owner. The gather and scatter run on every rank, so the ranks issue the same
+        operations (`transform` None: nothing to compute here)."""
         m = self.model
         m.client.gather_to_owner(u).wait()
-        whole = m.client.owner_buffer(u)
+        whole = m.client.owner_buffer(u) if transform is not None else None
         if whole is not None:
             whole = as_tensor(whole)
             for mx in m.matrices:
-                if mx.unit == u and mx.owner == m.pos and has[mx.index]:
+                if mx.unit == u and mx.owner == m.ospos and has[mx.index]:
                     piece = whole[mx.packed:mx.packed + mx.numel]
                     piece.copy_(transform(mx, piece).reshape(-1))
         m.client.scatter_from_owner(u).wait()

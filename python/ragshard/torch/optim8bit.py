@@ -109,7 +109,7 @@ class ShardedAdam8bit:
         self.weight_decay = weight_decay
         self.copies = master_copies(model)
         self.pieces = []  # (Piece, _Blocks, state dict)
-        for pc in tensor_pieces(model):
+        for pc in tensor_pieces(model) if model.steps else ():
             blocks = _blocks_of(pc)
             n = pc.hi - pc.lo
             zeros = blocks.scales(torch.zeros(n))
@@ -126,7 +126,8 @@ class ShardedAdam8bit:
             if not has[pc.index]:
                 continue
             shard, grad = m_.shard(pc.unit)
-            p = m_.masters.get(pc.unit, shard)[pc.lo:pc.hi]
+            master = m_.master_of(pc.unit)
+            p = (shard if master is None else master)[pc.lo:pc.hi]
             g = grad[pc.lo:pc.hi]
             st["step"] += 1
             t = st["step"]
@@ -139,6 +140,7 @@ class ShardedAdam8bit:
             st["m"], st["m_scale"] = _quantize(m, blocks, 127, torch.int8)
             st["v"], st["v_scale"] = _quantize(v.sqrt(), blocks, 255, torch.uint8)
         copy_masters(self.copies)
+        m_.gather_updates()
 
     def zero_grad(self, set_to_none=True):
         self.model.zero_grad(set_to_none=set_to_none)

@@ -1,15 +1,17 @@
 """This rank's pieces of a ShardedModule's parameters, in tensor coordinates.
 
-A rank at shard position `pos` of a unit with shard size S holds the unit's flat elements
-[pos*S, (pos+1)*S); a parameter at [off, off + numel) of the unit therefore has its flat
-elements [max(off, pos*S) - off, min(off + numel, (pos+1)*S) - off) there. These ranges come
-from the plan (the module's pieces). Checkpoints store them, and optimizers whose state is
-blocked in tensor coordinates (8-bit Adam) check their blocks against them.
+A rank's optimizer range of a unit is position `ospos` of the os layout with S_os elements
+(the whole parameter shard, position `pos`, when p = g = os): the unit's flat elements
+[ospos*S_os, (ospos+1)*S_os); a parameter at [off, off + numel) of the unit therefore has its
+flat elements [max(off, ospos*S_os) - off, min(off + numel, (ospos+1)*S_os) - off) there. These
+ranges come from the plan (the module's pieces). Checkpoints store them, and optimizers whose
+state is blocked in tensor coordinates (8-bit Adam) check their blocks against them.
 """
 import collections
 
-# A piece of one parameter in this rank's shard: the parameter's name, shape and index, its
-# unit, the shard elements [lo, hi) and the parameter's flat elements [start, start + hi - lo).
+# A piece of one parameter in this rank's optimizer range: the parameter's name, shape and index,
+# its unit, the range's elements [lo, hi) and the parameter's flat elements
+# [start, start + hi - lo).
 Piece = collections.namedtuple("Piece", "name shape index unit lo hi start matrix")
 
 
@@ -17,7 +19,7 @@ def tensor_pieces(model):
     """This rank's pieces of every parameter of `model` (a ShardedModule), in unit order."""
     out = []
     for ui in model.units():
-        base = model.pos * model.shard_elems[ui]
+        base = model.ospos * model.os_elems[ui]
         by_index = {}
         for (name, p), (_, off, _) in zip(model.unit_params(ui), model.unit_views(ui)):
             by_index[model.param_index(p)] = (name, tuple(p.shape), off)

@@ -77,7 +77,8 @@ class ShardedShampoo(OwnerOptimizer):
         self.eps, self.precondition_every = eps, precondition_every
         # This rank's matrices (it is their owner), by name; their state is built at their
         # first step, or by a checkpoint load.
-        self.owned = {mx.name: mx for mx in model.matrices if mx.owner == model.pos}
+        self.owned = {mx.name: mx for mx in model.matrices
+                      if mx.owner == model.ospos and model.steps}
         self.state = {}  # name -> _Preconditioner
 
     def preconditioner(self, name):

@@ -24,16 +24,21 @@ class StateMixin:
         return float(as_tensor(self.client.grad_shard(u))[0])
 
     def clip_grad_norm_(self, max_norm):
-        """Clips the gradient shards by the global norm over all shards; returns that norm."""
+        """Clips the gradient shards by the global norm over all shards; returns that norm.
+        Each rank sums the squares of its optimizer range; every os position is held by
+        W / |os| ranks (HSDP's replicas, AMSP's os groups), so the sum over the ranks counts
+        each element that many times."""
         local = 0.0
         for ui in self.units():
-            g = as_tensor(self.client.grad_shard(ui))
+            _, g = self.shard(ui)
             local += float(g.double().pow(2).sum())
-        total = math.sqrt(self.all_reduce_scalar(local))
+        _, g_size, os_size = self.group_sizes
+        holders = self.replicas * g_size // os_size  # W / |os|
+        total = math.sqrt(self.all_reduce_scalar(local) / holders)
         coef = max_norm / (total + 1e-6)
-        if coef < 1.0:
+        if coef < 1.0 and self.steps:  # else a local rank stepping the same memory scales it
             for ui in self.units():
-                as_tensor(self.client.grad_shard(ui)).mul_(coef)
+                self.shard(ui)[1].mul_(coef)  # the optimizer range: each stepped by one rank
         return total
 
     def state_dict(self, *args, **kwargs):
@@ -55,8 +60,9 @@ class StateMixin:
 
     def load_state_dict(self, state_dict, strict=True, assign=False):
         """Loads a plain (unsharded) state_dict, as `state_dict()` returns or torch.save of the
-        plain model holds: each rank copies its pieces of every parameter into its shards (and
-        fp32 masters), and the buffers whole. Every rank calls it; no collective runs. Returns
+        plain model holds: each rank copies its pieces of every parameter into its optimizer
+        range (and fp32 masters), and the buffers whole; with separate factors the update
+        gather then fills the rest of each parameter shard. Every rank calls it. Returns
         (missing_keys, unexpected_keys), as torch's."""
         if assign:
             raise ValueError("load_state_dict: assign=True is not supported (the parameters "
@@ -81,6 +87,7 @@ class StateMixin:
             if pc.name in state_dict:
                 flat = state_dict[pc.name].detach().reshape(-1)
                 _state.set_param_values(self, pc, flat[pc.start:pc.start + pc.hi - pc.lo].cpu())
+        self.gather_updates()
         for n, b in buffers.items():
             if n in state_dict and b is not None:
                 b.data.copy_(state_dict[n])

@@ -37,7 +37,8 @@ Inventory TestInventory() {
   return *inv;
 }
 
-float PV(int64_t r, int64_t e) { return static_cast<float>((r * 13 + e * 7) % 41 - 20) / 4.0f; }
+// A unit's parameter value at flat element x (u: the unit, or another series), exact in bf16.
+float PV(int64_t u, int64_t x) { return static_cast<float>((u * 13 + x * 7) % 41 - 20) / 4.0f; }
 float GV(int64_t r, int64_t x) { return static_cast<float>((r * 3 + x * 5) % 29 - 14) / 8.0f; }
 
 std::unique_ptr<Client> Connect(const std::string& job, int rank) {
@@ -70,13 +71,32 @@ int Rank(const std::string& job, int rank) {
 
 int Check(Client& client, int rank) {
   Client* c = &client;
-  // HSDP: the plan is for a shard group of F ranks; rank r is position r % F of replica r / F.
+  // The rank's place in the job's AMSP factors (common/sharding.h; p = g = os with HSDP's or
+  // FSDP's plans): its parameter shard is p position pp of the plan's world, its gradient shard
+  // g position pg, its optimizer range os position po. Values are defined over the unit's flat
+  // layout, so what every operation must leave follows from the layout alone.
   const int64_t w = c->plan().world_size();
-  const int64_t first = rank / w * w, pos = rank % w;
-  const int64_t world = w * c->replicas();
+  // Every rank's gradient is summed: W = |g| * replicas, and |g| = w * S_p / S_g.
+  int64_t world = 0;
+  const v1::RankPositions& at = c->positions();
+  const int64_t pp = at.p(), pg = at.g(), po = at.os();
+  if (pp < 0 || pp >= w) return 75;
+  const v1::Plan& plan = c->plan();
+  const v1::FactorPlan* os_plan = nullptr;
+  for (const auto& f : plan.factors()) {
+    if (f.component() == "os") os_plan = &f;
+  }
   for (int u = 0; u < c->units(); ++u) {
     const auto& b = c->buffers(u);
-    const int64_t s = b.shard_elems();
+    const int64_t s = b.shard_elems(), sg = b.grad_shard_elems(), so = b.os_elems();
+    const int64_t total = w * s;
+    if (sg <= 0 || so <= 0 || total % sg != 0 || total % so != 0) return 76;
+    world = total / sg * c->replicas();
+    // The ranges nest: os inside g inside p.
+    if (po * so < pg * sg || (po + 1) * so > (pg + 1) * sg || pg * sg < pp * s ||
+        (pg + 1) * sg > (pp + 1) * s) {
+      return 77;
+    }
     const bool fp32 = b.dtype() == v1::DTYPE_FP32;
     // Wrong-dtype views are errors, not reinterpretations.
     if (fp32 ? c->ParamShard<uint16_t>(u).ok() : c->ParamShard<float>(u).ok()) return 62;
@@ -101,19 +121,19 @@ int Check(Client& client, int rank) {
     void* view = fp32 ? static_cast<void*>(c->ParamShard<float>(u)->data())
                       : static_cast<void*>(c->ParamShard<uint16_t>(u)->data());
     if (view != shard) return 63;
-    for (int64_t e = 0; e < s; ++e) store(shard, e, PV(rank, e));
+    // Every rank holding p position pp writes the same values (replicas may share memory).
+    for (int64_t e = 0; e < s; ++e) store(shard, e, PV(u, pp * s + e));
     auto h = c->Unshard(u);
     if (!h.ok() || !h->Wait(20s).ok()) return 64;
     char* full = const_cast<char*>(c->UnshardedData(u));
     if (c->buffers(u).unsharded_offset() < 0 || full == nullptr) return 71;
-    for (int64_t x = 0; x < w * s; ++x) {
-      if (load(full, x) != PV(first + x / s, x % s)) return 65;
+    for (int64_t x = 0; x < total; ++x) {
+      if (load(full, x) != PV(u, x)) return 65;
     }
     // Every tensor of the unit is a contiguous view of the unsharded buffer.
-    for (const auto& t : c->plan().units(u).tensors()) {
+    for (const auto& t : plan.units(u).tensors()) {
       for (int64_t i = 0; i < t.numel(); i += 17) {
-        const int64_t x = t.offset() + i;
-        if (load(full, x) != PV(first + x / s, x % s)) return 66;
+        if (load(full, t.offset() + i) != PV(u, t.offset() + i)) return 66;
       }
     }
     auto rh = c->Reshard(u);
@@ -122,7 +142,7 @@ int Check(Client& client, int rank) {
       auto ag = c->AllocateGrad(u);
       if (!ag.ok() || !ag->Wait(20s).ok() || c->buffers(u).grad_offset() < 0) return 73;
       char* grad = const_cast<char*>(c->arena()) + c->buffers(u).grad_offset();
-      for (int64_t x = 0; x < w * s; ++x) store(grad, x, GV(rank, x));
+      for (int64_t x = 0; x < total; ++x) store(grad, x, GV(rank, x));
       auto r = c->ReduceScatter(u, op);
       absl::Status rs = r.ok() ? r->Wait(20s) : r.status();
       if (!rs.ok()) {
@@ -131,41 +151,53 @@ int Check(Client& client, int rank) {
       }
       if (c->buffers(u).grad_offset() >= 0) return 74;  // released after the reduce-scatter
       auto gs = c->GradShard(u);
-      for (int64_t e = 0; e < s; ++e) {
-        double expect = 0;
-        for (int64_t k = first; k < first + w; ++k) expect += GV(k, pos * s + e);
-        if (op == v1::REDUCE_AVG) expect /= static_cast<double>(w);
-        if (std::abs((*gs)[e] - expect) > 1e-5) return 68;
-      }
-      // Over the replicas.
+      if (!gs.ok() || static_cast<int64_t>(gs->size()) != sg) return 68;
+      // Over the gradients' replicas: the sum (mean) over all ranks.
       auto ar = c->AllReduce(u, op);
       absl::Status as = ar.ok() ? ar->Wait(20s) : ar.status();
       if (!as.ok()) {
         fprintf(stderr, "all_reduce: %s\n", as.ToString().c_str());
         return 91;
       }
-      for (int64_t e = 0; e < s; ++e) {
+      for (int64_t e = 0; e < sg; ++e) {
         double expect = 0;
-        for (int64_t k = 0; k < world; ++k) expect += GV(k, pos * s + e);
+        for (int64_t k = 0; k < world; ++k) expect += GV(k, pg * sg + e);
         if (op == v1::REDUCE_AVG) expect /= static_cast<double>(world);
         if (std::abs((*gs)[e] - expect) > 1e-4) return 92;
       }
     }
-    // Matrix tensors: gradient-shard pieces to the planner's owner, an update there, and back.
+    // AMSP's update gather: each stepping rank writes its optimizer range; every parameter
+    // shard then holds the new values over its whole range.
+    if (at.steps_optimizer()) {
+      for (int64_t e = 0; e < so; ++e)
+        store(shard, b.os_param_offset() + e, PV(u + 7, po * so + e));
+    }
+    auto ug = c->UpdateGather(u);
+    if (!ug.ok() || !ug->Wait(20s).ok()) return 78;
+    for (int64_t e = 0; e < s; ++e) {
+      // With p = g = os the rank's range is its whole shard: nothing moves.
+      if (load(shard, e) != PV(u + 7, pp * s + e)) return 79;
+    }
+    // Matrix tensors: optimizer-range pieces to the os plan's owner, an update there, and back.
     auto gs = c->GradShard(u);
-    for (int64_t e = 0; e < s; ++e) (*gs)[e] = static_cast<float>(rank * 1000 + e);
+    auto held = [](int64_t x) { return static_cast<float>(x % 4093) * 0.5f; };
+    for (int64_t e = 0; e < so; ++e) (*gs)[b.os_grad_offset() + e] = held(po * so + e);
     auto g2o = c->GatherToOwner(u);
     if (!g2o.ok() || !g2o->Wait(20s).ok()) return 93;
     auto owner = c->OwnerBuffer(u);
+    const v1::UnitPlan& ou = os_plan != nullptr ? os_plan->units(u) : plan.units(u);
     bool owns = false;
     int64_t packed = 0;  // the owned matrices one after another, in plan order
-    for (const auto& t : c->plan().units(u).tensors()) {
-      if (t.optimizer() != v1::OPTIMIZER_MATRIX || t.owner_rank() != pos) continue;
+    for (const auto& t : ou.tensors()) {
+      if (t.optimizer() != v1::OPTIMIZER_MATRIX || t.owner_rank() != po) continue;
+      if (!owner.ok()) {
+        if (at.steps_optimizer()) return 94;
+        continue;  // its replica in the same memory owns it
+      }
       owns = true;
-      if (!owner.ok()) return 94;
       for (int64_t x = t.offset(); x < t.offset() + t.numel(); ++x) {
         float& v = (*owner)[packed + x - t.offset()];
-        if (v != static_cast<float>((first + x / s) * 1000 + x % s)) return 95;
+        if (v != held(x)) return 95;
         v = -v;
       }
       packed += t.numel();
@@ -174,15 +206,14 @@ int Check(Client& client, int rank) {
     if (!owns && owner.status().code() != absl::StatusCode::kNotFound) return 96;
     auto s2o = c->ScatterFromOwner(u);
     if (!s2o.ok() || !s2o->Wait(20s).ok()) return 97;
-    for (int64_t e = 0; e < s; ++e) {
-      const int64_t x = pos * s + e;
+    for (int64_t e = 0; e < so; ++e) {
+      const int64_t x = po * so + e;
       bool matrix = false;
-      for (const auto& t : c->plan().units(u).tensors()) {
+      for (const auto& t : ou.tensors()) {
         matrix |=
             t.optimizer() == v1::OPTIMIZER_MATRIX && x >= t.offset() && x < t.offset() + t.numel();
       }
-      const float v = static_cast<float>(rank * 1000 + e);
-      if ((*gs)[e] != (matrix ? -v : v)) return 98;
+      if ((*gs)[b.os_grad_offset() + e] != (matrix ? -held(x) : held(x))) return 98;
     }
   }
   // No parameter or gradient data was copied outside the collectives.

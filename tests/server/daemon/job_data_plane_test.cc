@@ -459,10 +459,19 @@ TEST(JobDataPlaneErrorsTest, UnsupportedPlacementsAndSmallPoolsAreClearErrors) {
   EXPECT_EQ((*ok)->ReduceScatter(0, ReduceOp::kSum, absl::Now()).code(),
             absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ((*ok)->ScatterFromOwner(0, absl::Now()).code(), absl::StatusCode::kFailedPrecondition);
-  // A shard group of 2 ranks cannot be split across nodes of 4.
-  auto split = JobDataPlane::Create(*plan, {0, 1, 2, 3}, big->get(), nullptr, /*replicas=*/2);
+  // A shard group of 3 ranks neither is whole nodes of 2 nor divides a node's ranks.
+  PlanOptions o3;
+  o3.world = 3;
+  auto plan3 = BuildPlan(inv, o3);
+  ASSERT_TRUE(plan3.ok());
+  auto split = NodeMesh::Of(*plan3, {0, 1}, 0, 3, /*replicas=*/2);
   EXPECT_EQ(split.status().code(), absl::StatusCode::kUnimplemented);
   EXPECT_THAT(std::string(split.status().message()), ::testing::HasSubstr("whole nodes"));
+  // A shard group of 2 inside a node of 4 (2 replicas on the node) is a mesh.
+  auto inside = NodeMesh::Of(*plan, {0, 1, 2, 3}, 0, 1, /*replicas=*/2);
+  ASSERT_TRUE(inside.ok()) << inside.status();
+  EXPECT_EQ(inside->slots(Factor::kP), 2);
+  EXPECT_EQ(inside->replicas, 2);
 }
 
 TEST(JobDataPlaneErrorsTest, APoolTooSmallForTwoUnitsFailsTheSecondUnshardNamingItsBytes) {

@@ -90,9 +90,9 @@ TEST(UcxCommTest, PipelinedReduceScatterMatchesTheReferenceAcrossProcesses) {
       a[i] = FloatToBf16(value(r, 1, i));  // exact in bf16
       b[i] = FloatToBf16(value(r, 2, i));
     }
-    absl::Status s = ReduceScatter(comm, one.data(), v1::DTYPE_FP32, count, out.data(),
-                                   ReduceOp::kSum, scratch.data(),
-                                   absl::Now() + absl::Seconds(60), 1 << 20);
+    absl::Status s =
+        ReduceScatter(comm, one.data(), v1::DTYPE_FP32, count, out.data(), ReduceOp::kSum,
+                      scratch.data(), absl::Now() + absl::Seconds(60), 1 << 20);
     if (!s.ok()) {
       fprintf(stderr, "rank %d: %s\n", r, s.ToString().c_str());
       return 20;
