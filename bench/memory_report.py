@@ -138,14 +138,14 @@ class Runner:
             self.env.pop(k, None)
 
     def ragshard(self, name, daemons, k, backend, extra=(), steps=None, interval=0.02,
-                 timeout=TIMEOUT):
+                 timeout=TIMEOUT, launch=(), profile=None):
         from ragshard import _core
         from ragshard.cluster import LocalCluster
         print("+", name, file=sys.stderr, flush=True)
         common = MODEL + ["--steps", str(steps or self.steps), "--quiet"] + list(extra)
         out = os.path.join(self.work, name)
         with LocalCluster(self.build, daemons=daemons, pool_bytes=3 << 30,
-                          backend=backend) as c:
+                          backend=backend, cluster_profile=profile) as c:
             daemon_pids = {p.pid: i for i, p in enumerate(c.procs[1:])}
 
             def node_of(pid, env):
@@ -158,7 +158,7 @@ class Runner:
             sampler = Sampler(list(daemon_pids), node_of, interval)
             cmd = [sys.executable, "-m", "ragshard.launch", "--planner", c.planner, "--job", name,
                    "--nproc", str(daemons * k), "--sockets", ",".join(c.sockets),
-                   "--create-job", EXAMPLE, "--out", out] + common
+                   "--create-job", *launch, EXAMPLE, "--out", out] + common
             code, text = run_command(cmd, self.env, sampler, timeout)
             if code != 0:
                 return {"error": text[-3000:]}
@@ -171,24 +171,38 @@ class Runner:
                                              check=True, timeout=60).stdout)
         peaks = [int(n["figures"]["poolPeakBytes"]) for n in nodes]
         f = int(plan.get("worldSize", plan.get("world_size", daemons * k)))
-        units = [(int(u.get("shardElems", u.get("shard_elems", 0))), f, 4.0)
-                 for u in plan["units"]]
+
+        def shard_elems(units):
+            return [int(u.get("shardElems", u.get("shard_elems", 0))) for u in units]
+        # Separate factors (docs/strategy.md): the gradient and optimizer shards come from the
+        # factor plans, and a node's blocks hold A_p and A_g slots on the host.
+        factors = {x["component"]: x["units"] for x in plan.get("factors", [])}
+        grad_elems = shard_elems(factors.get("g", plan["units"]))
+        os_elems = shard_elems(factors.get("os", plan["units"]))
+        units = [(s, f, 4.0, g) for s, g in zip(shard_elems(plan["units"]), grad_elems)]
+        sharding = plan.get("sharding")
+        slots = (int(sharding["p"]["intra"]), int(sharding["g"]["intra"])) \
+            if sharding and backend == "host" else (-1, -1)
         layer_units = [u for u, pu in zip(units, plan["units"]) if pu["unit"] != "__ragshard_scalars__"]
         prefetch = next((int(x) for x in [extra[i + 1] for i in range(len(extra) - 1)
                                            if extra[i] == "--prefetch"]), 1)
         shared = backend == "host"
-        sum_s = sum(s for s, _, _ in units)
-        big_u = max(f * s for s, _, _ in layer_units)
+        sum_s = sum(u[0] for u in units)
+        big_u = max(f * u[0] for u in layer_units)
         p = g = 4
         if shared:
             ideal = k * sum_s * (p + 4) + (prefetch + 1) * big_u * (p + k * g)
         else:
             ideal = k * sum_s * (p + 4) + (prefetch + 1) * big_u * k * (p + g)
-        model = _core.data_plane_peak(units, k, shared, prefetch)["total"]
+        model = _core.data_plane_peak(units, k, shared, prefetch, *slots)["total"]
         ranks = [json.load(open(f"{out}.rank{r}.json")) for r in range(daemons * k)]
         rank_rss = [v for pid, v in sampler.max_rss.items() if sampler.node.get(pid) is not None
                     and pid not in daemon_pids]
+        # The model's optimizer state per rank: AdamW's two fp32 moments over its os range.
+        optimizer = 8 * sum(os_elems)
         return {"pool_peak": max(peaks), "pool_peaks": peaks, "ideal": ideal, "model": model,
+                "optimizer": optimizer, "strategy": plan.get("strategy", {}).get("executed", ""),
+                "rss_by_rank": [r.get("max_rss_bytes", 0) for r in ranks],
                 "pss": max(sampler.peak_pss.values()), "rank_rss": max(rank_rss or [0]),
                 "rank_hwm": max(r.get("max_rss_bytes", 0) for r in ranks),
                 "trace": ranks[0].get("pool_trace", []), "prefetch": prefetch}
@@ -250,6 +264,8 @@ def main():
     ap.add_argument("--long", action="store_true", help="also the 200-step run at 2x4")
     ap.add_argument("--long-only", action="store_true",
                     help="only the 200-step run, written into the existing report's section")
+    ap.add_argument("--strategies-only", action="store_true",
+                    help="only the AMSP strategies at 2x2, written into the existing report")
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "benchmarks", "memory.md"))
     ap.add_argument("--configs", default=",".join(f"{d}x{k}" for d, k in CONFIGS),
                     help="daemons x ranks, comma-separated (a smoke run takes one)")
@@ -260,6 +276,19 @@ def main():
     sys.path.insert(0, os.path.join(a.build, "python"))
     work = tempfile.mkdtemp(prefix="ragshard-memory-")
     r = Runner(a.build, work, a.steps)
+    if a.strategies_only:
+        with open(a.out) as f:
+            text = f.read()
+        section = "\n".join(strategy_section(strategy_rows(r), separate=True))
+        if STRATEGY_HEADING in text:
+            head, rest = text.split(STRATEGY_HEADING, 1)
+            text = head + section + rest[rest.index("\n## "):]
+        else:
+            head, rest = text.split("## Ideal", 1)
+            text = head + section + "\n## Ideal" + rest
+        with open(a.out, "w") as f:
+            f.write(text)
+        return
     if a.long_only:
         with open(a.out) as f:
             text = f.read()
@@ -283,10 +312,53 @@ def main():
     # 200 steps of a smaller model (the same units: embedding and head in the root, 4 layers)
     # at 2x4: the pool's peak and fragmentation after step 10 and after step 200.
     long_run = long_run_of(r) if a.long else None
-    write(a, rows, long_run)
+    write(a, rows, long_run, strategy_rows(r))
 
 
 LONG_HEADING = "## 200 steps at 2x4 (host)"
+STRATEGY_HEADING = "## AMSP strategies at 2x2 (separate factors)"
+STRATEGIES = ["k=1,shard=2x2", "k=1,p=1x1,g=2x1,os=2x2", "k=1,p=2x1,g=2x1,os=2x2",
+              "k=2,p=2x1,g=2x2,os=2x2"]
+PROFILE = os.path.join(ROOT, "profiles", "host-2x2-loopback.json")
+
+
+def strategy_rows(r):
+    """The model at 2 daemons x 2 ranks under each strategy (policy auto, pinned), on both host
+    backends."""
+    return {(backend, spec): r.ragshard(f"{backend}-{spec}".replace(",", "-").replace("=", ""),
+                                        2, 2, backend, launch=["--policy", "auto", "--strategy",
+                                                               spec], profile=PROFILE)
+            for backend in BACKENDS for spec in STRATEGIES}
+
+
+def strategy_section(rows, separate=False):
+    lines = [STRATEGY_HEADING, "",
+             f"`examples/train_tiny.py {' '.join(MODEL)}`, 2 daemons x 2 ranks, `ragshard.launch "
+             "--create-job --policy auto --strategy SPEC` with the planner started with "
+             "profiles/host-2x2-loopback.json"
+             + (f" (a separate run of `bench/memory_report.py --strategies-only` on "
+                f"{datetime.date.today()})" if separate else "") + ". The model is the cost "
+             "model's data-plane figure for the node (`DataPlanePeak`, common/data_plane_memory.h, "
+             "with the plan's shard sizes per factor: parameter shards, gradient shards, the "
+             "unsharded parameters in flight and one unit's unsharded gradients; a node's blocks "
+             "hold A_p and A_g slots on the host, one per rank on the device shape). Target: the "
+             "model within 10 % of the measured pool peak. Each rank's peak RSS (VmHWM, from its "
+             "JSON) stands beside the model's optimizer state per rank (AdamW's two fp32 moments "
+             "over its os range: 8 bytes x S_os summed over units). MiB throughout.", "",
+             "| backend | strategy | pool peak | model | model vs peak | within 10 % | "
+             "optimizer state per rank (model) | rank peak RSS |",
+             "|---|---|---:|---:|---:|---|---:|---|"]
+    for (backend, spec), x in rows.items():
+        if "error" in x:
+            lines.append(f"| {backend} | `{spec}` | failed: {x['error'][-200:]!r} |")
+            continue
+        dist = (x["model"] - x["pool_peak"]) / x["pool_peak"] * 100
+        lines.append(f"| {backend} | `{spec}` | {mib(x['pool_peak'])} | {mib(x['model'])} | "
+                     f"{dist:+.1f} % | {'yes' if abs(dist) <= 10 else '**no**'} | "
+                     f"{x['optimizer'] / MIB:.1f} | "
+                     f"{', '.join(mib(v) for v in x['rss_by_rank'])} |")
+    lines.append("")
+    return lines
 
 
 def long_run_of(r):
@@ -328,7 +400,7 @@ def long_section(long_run, separate=False):
     return lines
 
 
-def write(a, rows, long_run):
+def write(a, rows, long_run, strategies):
     lines = ["# Memory per node: sharded buffers against the FSDP ideal, FSDP2 and DDP", "",
              f"Generated by `bench/memory_report.py` on {datetime.date.today()} "
              f"({os.cpu_count()} CPUs). Model: `examples/train_tiny.py {' '.join(MODEL)}` "
@@ -367,6 +439,7 @@ def write(a, rows, long_run):
         lines.append("")
     if long_run is not None:
         lines += long_section(long_run)
+    lines += strategy_section(strategies)
     lines += ["## Ideal", "",
               "For k local ranks, prefetch P, S a unit's shard size (from the job's plan), U "
               "the largest unit's F x S, p = g = 4 bytes (fp32 parameters and gradients):", "",

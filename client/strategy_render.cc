@@ -85,10 +85,9 @@ std::string AdviceJson(const Advice& advice, const StrategyModel& model, int max
 }
 
 std::string EvaluationJson(const Evaluation& e) {
-  json j{{"spec", StrategyName(e.strategy)},
-         {"predicted_step_seconds", e.step_seconds},
-         {"padding_pct", e.padding_pct},
-         {"memory_bytes", e.memory.total()},
+  json j{{"spec", StrategyName(e.strategy)},     {"predicted_step_seconds", e.step_seconds},
+         {"compute_seconds", e.compute_seconds}, {"exposed_comm_seconds", e.exposed_comm_seconds},
+         {"padding_pct", e.padding_pct},         {"memory_bytes", e.memory.total()},
          {"memory", MemoryJson(e.memory)}};
   j["units"] = json::array();
   for (const UnitCost& c : e.units) {

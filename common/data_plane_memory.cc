@@ -7,20 +7,27 @@
 namespace ragshard {
 
 DataPlaneMemory DataPlanePeak(const std::vector<DataPlaneUnit>& units, int64_t ranks, bool shared,
-                              int64_t prefetch) {
+                              int64_t prefetch, int64_t p_slots, int64_t g_slots) {
   DataPlaneMemory m;
   double largest_params = 0, largest_grads = 0;
-  const double k = static_cast<double>(std::max<int64_t>(ranks, 1));
+  const int64_t ranks1 = std::max<int64_t>(ranks, 1);
+  const double k = static_cast<double>(ranks1);
+  const int64_t ps = p_slots > 0 ? p_slots : ranks1;
+  const double pk = static_cast<double>(ps);
+  const double gk = static_cast<double>(g_slots > 0 ? g_slots : ranks1);
   for (const DataPlaneUnit& u : units) {
     const double s = static_cast<double>(u.shard_elems);
-    m.shards += k * s * u.param_bytes;
-    m.grad_shards += k * s * 4;
+    const double sg =
+        static_cast<double>(u.grad_shard_elems >= 0 ? u.grad_shard_elems : u.shard_elems);
+    m.shards += pk * s * u.param_bytes;
+    m.grad_shards += gk * sg * 4;
     const double unsharded = static_cast<double>(u.group) * s * u.param_bytes;
     // Shared by the node's ranks, the buffer maps their shards where they are whole pages
     // (common/unsharded_view.h): only the other nodes' shards are allocated.
     const bool view =
-        shared && AliasesShards(ranks, u.shard_elems, static_cast<int64_t>(u.param_bytes));
-    largest_params = std::max(largest_params, view ? unsharded - k * s * u.param_bytes : unsharded);
+        shared && AliasesShards(ps, u.shard_elems, static_cast<int64_t>(u.param_bytes));
+    largest_params =
+        std::max(largest_params, view ? unsharded - pk * s * u.param_bytes : unsharded);
     largest_grads = std::max(largest_grads, unsharded);  // gradients in the parameter dtype
   }
   const double in_flight = static_cast<double>(std::max<int64_t>(prefetch, 0) + 1);

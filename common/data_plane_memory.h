@@ -3,15 +3,17 @@
 // (bench/memory_report.py, through the Python binding) use, so the model's memory is the data
 // plane's by construction.
 //
-// Persistent, per rank: the parameter shard (S of the parameter dtype) and the fp32 gradient
-// shard (S). Transient: the unsharded parameters of the units in flight (the one in use and
-// `prefetch` ahead: U of the parameter dtype each, one per node when the node's ranks share it,
-// else one per rank) and one unit's unsharded gradients (U of the parameter dtype per rank),
-// where U is the largest unit's F * S. A shared buffer whose node's shards are whole pages is a
-// view over them (common/unsharded_view.h) and allocates only F * S - k * S. Optimizer state
-// (fp32 masters, moments) and activations live in the training process and are modelled apart.
-// The reduce-scatter's ring scratch between nodes (2 * k * S fp32 of the largest unit, for one
-// operation) is left out: it is under 1 / F of U per rank.
+// Persistent: the parameter shards (S_p of the parameter dtype) and the fp32 gradient shards
+// (S_g; S_p when p = g), one per slot of the node's blocks: A_p and A_g slots where the ranks
+// share memory (the host backend, whose local replicas of a factor share a slot), one per rank
+// otherwise (common/sharding.h). Transient: the unsharded parameters of the units in flight
+// (the one in use and `prefetch` ahead: U of the parameter dtype each, one per node when the
+// node's ranks share it, else one per rank) and one unit's unsharded gradients (U of the
+// parameter dtype per rank), where U is the largest unit's |p| * S_p. A shared buffer whose
+// node's shards are whole pages is a view over them (common/unsharded_view.h) and allocates only
+// U - A_p * S_p. Optimizer state (fp32 masters, moments) and activations live in the training
+// process and are modelled apart. The reduce-scatter's ring scratch between nodes (2 * A_g * S_g
+// fp32 of the largest unit, for one operation) is left out.
 #pragma once
 
 #include <cstdint>
@@ -20,9 +22,10 @@
 namespace ragshard {
 
 struct DataPlaneUnit {
-  int64_t shard_elems = 0;  // S
-  int64_t group = 1;        // F, the shard group's size
-  double param_bytes = 4;   // bytes per element of the parameter dtype
+  int64_t shard_elems = 0;        // S_p
+  int64_t group = 1;              // |p| (F): the unsharded buffer is group * S_p
+  double param_bytes = 4;         // bytes per element of the parameter dtype
+  int64_t grad_shard_elems = -1;  // S_g; -1: S_p
 };
 
 struct DataPlaneMemory {
@@ -35,8 +38,9 @@ struct DataPlaneMemory {
 
 // The peak for `ranks` ranks whose memory is counted together (a node's k ranks, or 1 for a
 // device), with unsharded parameters shared by those ranks (`shared`: the host backend) or one
-// per rank (the device shape and GPUs).
+// per rank (the device shape and GPUs); the node's blocks hold `p_slots` parameter and `g_slots`
+// gradient shards (-1: one per rank).
 DataPlaneMemory DataPlanePeak(const std::vector<DataPlaneUnit>& units, int64_t ranks, bool shared,
-                              int64_t prefetch);
+                              int64_t prefetch, int64_t p_slots = -1, int64_t g_slots = -1);
 
 }  // namespace ragshard

@@ -311,20 +311,35 @@ absl::StatusOr<const StrategyModel::GroupStats*> StrategyModel::Stats(int64_t k,
   return stats_.at({k, n}).get();
 }
 
+absl::StatusOr<const StrategyModel::GroupStats*> StrategyModel::Nested(int64_t k, int64_t n,
+                                                                       int64_t finest) {
+  RAGSHARD_ASSIGN_OR_RETURN(const GroupStats* fine, Stats(k, finest));
+  if (n == finest) return fine;
+  const std::tuple<int64_t, int64_t, int64_t> key{k, n, finest};
+  if (auto it = nested_.find(key); it != nested_.end()) return it->second.get();
+  // The data plane's plans nest (common/plan_nesting.h): the finest factor is planned and the
+  // coarser ones hold finest / n of its shards each, with the same padding.
+  const double ratio = static_cast<double>(finest) / static_cast<double>(n);
+  auto stats = std::make_unique<GroupStats>(*fine);
+  for (double& e : stats->shard_elems) e *= ratio;
+  for (double& b : stats->shard_bytes) b *= ratio;
+  return (nested_[key] = std::move(stats)).get();
+}
+
 // The forward and backward passes with their gathers, reduce-scatters and replica all-reduces,
 // which depend on (k, p, g) only; cached.
 absl::StatusOr<const std::vector<UnitCost>*> StrategyModel::Overlapped(
     const Strategy& s, double* step, std::vector<TimelineEvent>* timeline) {
-  const std::string key =
-      absl::StrCat(s.grouping(), "|", ShapeName(s.p), "|", ShapeName(s.g), "|", s.prefetch);
+  const std::string key = absl::StrCat(s.grouping(), "|", ShapeName(s.p), "|", ShapeName(s.g), "|",
+                                       s.os.size(), "|", s.prefetch);
   auto it = overlapped_.find(key);
   if (it != overlapped_.end() && timeline == nullptr) {
     *step = it->second.first;
     return &it->second.second;
   }
   const int64_t k = s.grouping();
-  RAGSHARD_ASSIGN_OR_RETURN(const GroupStats* sp, Stats(k, s.p.size()));
-  RAGSHARD_ASSIGN_OR_RETURN(const GroupStats* sg, Stats(k, s.g.size()));
+  RAGSHARD_ASSIGN_OR_RETURN(const GroupStats* sp, Nested(k, s.p.size(), s.os.size()));
+  RAGSHARD_ASSIGN_OR_RETURN(const GroupStats* sg, Nested(k, s.g.size(), s.os.size()));
   const Inventory& g = grouped_.at(k);
   const std::vector<double>& share = compute_share_.at(k);
   const double compute =
@@ -426,8 +441,8 @@ absl::StatusOr<Evaluation> StrategyModel::Evaluate(const Strategy& s, bool detai
   }
   mem.activations = lower.activations;
   const double muon_transient = muon ? muon_owner_bytes() : 0;
-  RAGSHARD_ASSIGN_OR_RETURN(const GroupStats* sp, Stats(k, s.p.size()));
-  RAGSHARD_ASSIGN_OR_RETURN(const GroupStats* sg, Stats(k, s.g.size()));
+  RAGSHARD_ASSIGN_OR_RETURN(const GroupStats* sp, Nested(k, s.p.size(), s.os.size()));
+  RAGSHARD_ASSIGN_OR_RETURN(const GroupStats* sg, Nested(k, s.g.size(), s.os.size()));
   RAGSHARD_ASSIGN_OR_RETURN(const GroupStats* so, Stats(k, s.os.size()));
   const std::vector<double>& frac = matrix_fraction_.at(k);
   for (size_t u = 0; u < sp->shard_bytes.size(); ++u) {
@@ -442,7 +457,8 @@ absl::StatusOr<Evaluation> StrategyModel::Evaluate(const Strategy& s, bool detai
   std::vector<DataPlaneUnit> dp_units;
   for (size_t u = 0; u < sp->shard_bytes.size(); ++u) {
     dp_units.push_back({static_cast<int64_t>(sp->shard_elems[u]), static_cast<int64_t>(s.p.size()),
-                        sp->shard_elems[u] > 0 ? sp->shard_bytes[u] / sp->shard_elems[u] : 0.0});
+                        sp->shard_elems[u] > 0 ? sp->shard_bytes[u] / sp->shard_elems[u] : 0.0,
+                        static_cast<int64_t>(sg->shard_elems[u])});
   }
   const DataPlaneMemory dp = DataPlanePeak(dp_units, /*ranks=*/1, /*shared=*/false, s.prefetch);
   mem.transient = dp.unsharded + dp.grads + muon_transient;
@@ -549,9 +565,7 @@ absl::Status StrategyModel::PrecomputeFor(const std::vector<Strategy>& candidate
   for (const Strategy& s : candidates) {
     if (!grouped_.count(s.grouping())) continue;
     if (UnpaddedMemory(s).total() > static_cast<double>(budget_)) continue;
-    pairs.insert({s.grouping(), s.p.size()});
-    pairs.insert({s.grouping(), s.g.size()});
-    pairs.insert({s.grouping(), s.os.size()});
+    pairs.insert({s.grouping(), s.os.size()});  // the others are its coarsenings
   }
   return PrecomputeStats(pairs);
 }

@@ -22,6 +22,7 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -136,6 +137,9 @@ class StrategyModel {
   absl::Status PrecomputeStats(const std::set<std::pair<int64_t, int64_t>>& pairs);
   MemoryBreakdown UnpaddedMemory(const Strategy& s) const;
   absl::StatusOr<const GroupStats*> Stats(int64_t k, int64_t n);
+  // The stats of a group of n devices whose plan is the coarsening of the finest factor's
+  // (common/plan_nesting.h), as the data plane executes separate factors.
+  absl::StatusOr<const GroupStats*> Nested(int64_t k, int64_t n, int64_t finest);
   absl::StatusOr<const std::vector<UnitCost>*> Overlapped(const Strategy& s, double* step,
                                                           std::vector<TimelineEvent>* timeline);
 
@@ -157,6 +161,7 @@ class StrategyModel {
   double active_ = 0;
   std::map<int64_t, std::pair<double, double>> unpadded_;  // by k: total and largest unit bytes
   std::map<std::pair<int64_t, int64_t>, std::unique_ptr<GroupStats>> stats_;
+  std::map<std::tuple<int64_t, int64_t, int64_t>, std::unique_ptr<GroupStats>> nested_;
   std::map<int64_t, std::unique_ptr<Signatures>> signatures_;
   std::map<std::string, std::pair<double, std::vector<UnitCost>>> overlapped_;
   int64_t planner_runs_ = 0;

@@ -321,14 +321,17 @@ def sharded(args, model, chain):
         first = checkpoint.load(fsdp, opt, args.resume)
         ckpt["load_seconds"] = time.time() - ts
         ckpt["load_bytes_read"] = fsdp.checkpoint_bytes_read
-        # What this rank holds under its plan (its shard position; each unit's shard size and
-        # its tensors' offsets there), from which the tests derive the bytes it must read.
-        ckpt["layout"] = {"pos": fsdp.pos, "units": [
-            {"shard_elems": int(fsdp.shard_elems[ui]),
+        # What this rank holds under its plan (its optimizer range's position and each unit's
+        # range size: the parameter shard's unless the AMSP factors differ; and its tensors'
+        # offsets), from which the tests derive the bytes it must read.
+        ckpt["layout"] = {"pos": fsdp.ospos, "units": [
+            {"shard_elems": int(fsdp.os_elems[ui]),
              "tensors": [[t["name"], int(t["offset"]), int(t["numel"])]
                          for t in fsdp.plan["units"][ui]["tensors"]]} for ui in fsdp.units()],
             # Shampoo: the matrices whose preconditioners this rank owns (and reads whole).
-            "owned": sorted(getattr(opt, "owned", {}))}
+            "owned": sorted(getattr(opt, "owned", {})),
+            # False: another local rank loads this range into the memory both share.
+            "steps": fsdp.steps}
     pending = []
     # Private memory (smaps_rollup) from the model's construction to the end of the sharding:
     # the full model where it was built, else the largest tensor while its pieces are copied.

@@ -40,7 +40,8 @@ def parse(argv):
     p.add_argument("--policy", default="ragged",
                    help="planning policy for --create-job: ragged, ragged-paper or auto")
     p.add_argument("--strategy", default="",
-                   help="policy auto: k=K,shard=AxB instead of the planner's search")
+                   help="policy auto: k=K,p=AxB,g=AxB,os=AxB (or k=K,shard=AxB) instead of the "
+                        "planner's search; the ranks get it as RAGSHARD_STRATEGY")
     p.add_argument("--tokens-per-step", type=int, default=0,
                    help="policy auto: the global batch in tokens, for the cost model")
     p.add_argument("--token-file", default=os.environ.get("RAGSHARD_TOKEN_FILE", ""),
@@ -78,6 +79,8 @@ def main(argv=None):
         env.update(RAGSHARD_PLANNER=a.planner, RAGSHARD_JOB=a.job, RAGSHARD_RANK=str(r),
                    RAGSHARD_WORLD_SIZE=str(a.nproc), RAGSHARD_SOCKET=a.sockets[r // per_node],
                    RAGSHARD_NODE=a.nodes[r // per_node], RAGSHARD_TOKEN_FILE=a.token_file)
+        if a.strategy:
+            env["RAGSHARD_STRATEGY"] = a.strategy
         procs.append(subprocess.Popen([sys.executable, a.script] + a.args, env=env))
     code = 0
     try:

@@ -191,7 +191,9 @@ def _place_shampoo(optimizer, reader, meta, steps):
 
 
 def place(model, optimizer, reader, meta):
-    """Loads this rank's pieces (parameters and optimizer state) from `reader`."""
+    """Loads this rank's pieces (parameters and optimizer state) from `reader`. A rank whose
+    optimizer range another local rank steps in the same memory (model.steps False) reads
+    nothing: that rank loads the range."""
     kind, adamw = adamw_of(optimizer)
     stored_kind = meta.get("optimizer", {}).get("kind")
     if optimizer is not None and stored_kind != kind:
@@ -201,7 +203,7 @@ def place(model, optimizer, reader, meta):
     steps = meta.get("optimizer", {}).get("steps", {})
     slots = adamw_slots(adamw) if adamw is not None else {}
     shapes = {n: tuple(t["shape"]) for n, t in meta["tensors"].items()}
-    for pc in tensor_pieces(model):
+    for pc in tensor_pieces(model) if model.steps else ():
         if pc.name not in shapes:
             raise CheckpointError(f"{reader.path}: no tensor '{pc.name}' (the checkpoint holds "
                                   f"{len(shapes)} tensors of another model?)")

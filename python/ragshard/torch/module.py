@@ -33,7 +33,7 @@ class ShardedModule(BuffersMixin, HooksMixin, QuantizedGatherMixin, StateMixin, 
 
     def __init__(self, module, client, units, granule=None, optimizer=None, param_dtype="fp32",
                  reshard_after_forward=True, prefetch=None, register=True, quantize=None,
-                 world=None, init=None):
+                 world=None, init=None, strategy=None):
         super().__init__()
         if param_dtype not in DTYPES:
             raise ValueError(f"param_dtype: '{param_dtype}' is not one of fp32, bf16")
@@ -105,7 +105,10 @@ class ShardedModule(BuffersMixin, HooksMixin, QuantizedGatherMixin, StateMixin, 
             {"name": "__ragshard_used__.flags", "shape": [(world or 1) * max(self._nparams, 1)],
              "dtype": "fp32"}]})
         # Quantized gathers: one byte unit per module unit (quantized.py).
-        self._q = plan_quantized_units(inventory, len(self._units), world) if quantize else {}
+        # Under a pinned AMSP strategy the byte units follow its plans (quantized.py).
+        strategy = strategy if strategy is not None else os.environ.get("RAGSHARD_STRATEGY")
+        self._q = plan_quantized_units(inventory, len(self._units), world,
+                                       strategy) if quantize else {}
         if register:
             client.register(json.dumps(inventory), True)
         client.attach()

@@ -10,20 +10,44 @@ from .._core import plan_local
 from .views import as_tensor
 
 
-def plan_quantized_units(inventory, n_units, world):
+def strategy_sizes(strategy, world):
+    """(|p|, |os|) of an AMSP strategy ("k=1,p=AxB,g=AxB,os=AxB" or "k=1,shard=AxB",
+    docs/strategy.md), or (world, world) without one. Quantized gathers need one plan unit per
+    module unit: k must be 1."""
+    if not strategy:
+        return world, world
+    parts = dict(p.split("=", 1) for p in strategy.split(",") if "=" in p)
+    if parts.get("k", "1") != "1":
+        raise ValueError(f"quantize: strategy '{strategy}' groups units (k > 1); quantized "
+                         "gathers need one plan unit per module unit")
+
+    def size(shape):
+        a, b = shape.split("x")
+        return int(a) * int(b)
+    if "shard" in parts:
+        return size(parts["shard"]), size(parts["shard"])
+    return size(parts["p"]), size(parts["os"])
+
+
+def plan_quantized_units(inventory, n_units, world, strategy=None):
     """Adds one byte unit per module unit to `inventory`, sized from the plan the planner will
-    make (planning is deterministic): rank r's slice holds the codes of its shard (a byte per
-    element) and then one fp32 scale per block of its shard. Returns {unit: sizes}."""
+    make (planning is deterministic): the parameters' plan over |p| positions, the coarsening of
+    the os plan under a pinned AMSP strategy (common/plan_nesting.h). Position r's slice holds
+    the codes of its shard (a byte per element) and then one fp32 scale per block of its shard;
+    the slice is a multiple of 16 * |os| / |p| bytes, so that the byte unit nests as well.
+    Returns {unit: sizes}."""
     q = {}
-    local = json.loads(plan_local(json.dumps(inventory), world))
+    p, os_ = strategy_sizes(strategy, world)
+    local = json.loads(plan_local(json.dumps(inventory), os_))
     for ui, up in enumerate(local["units"][:n_units]):
-        s = int(up["shard_elems"])
-        blocks = max(quant.shard_block_ids(up, r, s)[1] for r in range(world))
+        s = int(up["shard_elems"]) * (os_ // p)
+        blocks = max(quant.shard_block_ids(up, r, s)[1] for r in range(p))
         s4 = (s + 3) // 4 * 4
-        sq = (s4 + 4 * blocks + 15) // 16 * 16
+        align = 16 * (os_ // p)
+        sq = (s4 + 4 * blocks + align - 1) // align * align
         q[ui] = {"S": s, "S4": s4, "SQ": sq, "B": blocks, "index": len(inventory["units"])}
         inventory["units"].append({"name": up["unit"] + ".__q", "tensors": [
-            {"name": up["unit"] + ".__q.bytes", "shape": [world * sq], "dtype": "uint8"}]})
+            {"name": up["unit"] + ".__q.bytes", "shape": [p * sq], "dtype": "uint8"}]})
     return q
 
 
@@ -39,7 +63,9 @@ class QuantizedGatherMixin:
                 raise RuntimeError(
                     f"quantize: the job's plan differs from the local plan for unit {ui} "
                     f"(shard {self.shard_elems[ui]} vs {q['S']}); create the job with the "
-                    "default policy (ragged) and alignment")
+                    "default policy (ragged) and alignment, or with policy auto and a pinned "
+                    "strategy of k=1 that fully_shard knows (strategy=, or RAGSHARD_STRATEGY, "
+                    "which ragshard.launch --strategy sets)")
             ids = [quant.shard_block_ids(self.plan["units"][ui], r, q["S"])[0]
                    for r in range(self.world)]
             q["own_ids"] = ids[self.pos]

@@ -1,0 +1,111 @@
+"""AMSP strategies executed (docs/strategy.md): separate shard groups for parameters (p),
+gradients (g) and optimizer state (os), and groups inside a node, on 2 daemons x 2 ranks through
+`ragshard.launch --create-job --policy auto --strategy SPEC` with the planner started with this
+machine's cluster profile; every run against the same model in one plain PyTorch process within
+1e-5, with AdamW and Muon, on the host backend (a node's replicas share one slot) and the
+device-shaped one (a slot per rank); the plans per factor as ragshardctl shows them."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BUILD = os.environ.get("RAGSHARD_BUILD", os.path.join(ROOT, "build"))
+sys.path.insert(0, os.path.join(BUILD, "python"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from ragshard.cluster import LocalCluster  # noqa: E402
+from test_training import PROFILE, compare, run_reference, run_sharded  # noqa: E402
+
+# The acceptance's strategies: p < g < os (parameters replicated), p = g < os, p < g = os.
+PINNED = ["k=1,p=1x1,g=2x1,os=2x2", "k=1,p=2x1,g=2x1,os=2x2", "k=2,p=2x1,g=2x2,os=2x2"]
+STEPS = ["--steps", "8"]
+
+
+@pytest.fixture(scope="module")
+def clusters():
+    with LocalCluster(BUILD, daemons=2, pool_bytes=128 << 20, cluster_profile=PROFILE) as host, \
+            LocalCluster(BUILD, daemons=2, pool_bytes=128 << 20, cluster_profile=PROFILE,
+                         backend="device-shaped") as device:
+        yield {"host": host, "device-shaped": device}
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """One reference per optimizer and feature set: the strategy does not change it."""
+    tmp = tmp_path_factory.mktemp("refs")
+    cache = {}
+
+    def get(extra):
+        key = " ".join(extra)
+        if key not in cache:
+            cache[key] = run_reference(tmp, f"ref{len(cache)}", extra)
+        return cache[key]
+    return get
+
+
+def strategy_run(clusters, backend, tmp_path, job, strategy, extra):
+    return run_sharded(clusters[backend], tmp_path, job, extra,
+                       launch=["--policy", "auto", "--strategy", strategy])
+
+
+def plan_show(cluster, job, *args):
+    ctl = os.path.join(BUILD, "client", "ragshardctl")
+    r = subprocess.run([ctl, "plan", "show", job, "--planner", cluster.planner, *args],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+@pytest.mark.parametrize("strategy", PINNED)
+def test_pinned_strategies_match_single_process(clusters, references, tmp_path, strategy,
+                                               optimizer):
+    extra = STEPS + ["--optimizer", optimizer]
+    job = f"amsp-{optimizer}-" + strategy.replace(",", "-").replace("=", "")
+    compare(strategy_run(clusters, "host", tmp_path, job, strategy, extra), references(extra))
+    plan = json.loads(plan_show(clusters["host"], job, "--json"))
+    assert plan["strategy"]["executed"] == strategy
+    assert plan["strategy"]["reason"] == "pinned by the job"
+    spec = dict(part.split("=") for part in strategy.split(","))
+    sizes = {f: int(a) * int(b) for f in ("p", "g", "os")
+             for a, b in [spec[f].split("x")]}
+    # One plan per factor, over the same units, shown per factor.
+    def world(x):
+        return int(x.get("worldSize", x.get("world_size", 0)))
+    assert world(plan) == sizes["p"]
+    factors = {f["component"]: f for f in plan.get("factors", [])}
+    assert {c: world(f) for c, f in factors.items()} == {"g": sizes["g"], "os": sizes["os"]}
+    for f in factors.values():
+        assert [u["unit"] for u in f["units"]] == [u["unit"] for u in plan["units"]]
+    text = plan_show(clusters["host"], job, "--factor", "os")
+    assert f"factor os, W={sizes['os']}" in text
+    assert "sharding on 2 nodes x 2" in text
+
+
+@pytest.mark.parametrize("strategy", PINNED)
+def test_pinned_strategies_on_the_device_shape_match_single_process(clusters, references,
+                                                                    tmp_path, strategy):
+    # Every rank has its own slot of each factor: replicas (p = 1x1's four copies) are copied
+    # by the collectives, and each rank steps its own range.
+    job = "amsp-dev-" + strategy.replace(",", "-").replace("=", "")
+    compare(strategy_run(clusters, "device-shaped", tmp_path, job, strategy, STEPS),
+            references(STEPS))
+
+
+@pytest.mark.parametrize("backend", ["host", "device-shaped"])
+@pytest.mark.parametrize("strategy,extra", [
+    # Gradient accumulation and clipping with g replicas on a node (g = 1x2): ranks that share
+    # a gradient shard step their own optimizer ranges of it.
+    ("k=1,p=1x1,g=1x2,os=2x2", ["--accum", "2", "--clip", "0.5"]),
+    # HSDP inside a node (shard = 1x2: each rank's replica is its node's other rank): on the
+    # host one rank steps what both share; clipping counts each element once.
+    ("k=1,shard=1x2", ["--clip", "0.5"]),
+])
+def test_features_under_separate_factors_match_single_process(clusters, references, tmp_path,
+                                                              backend, strategy, extra):
+    job = f"amsp-feat-{backend}-" + strategy.replace(",", "-").replace("=", "")
+    compare(strategy_run(clusters, backend, tmp_path, job, strategy, STEPS + extra),
+            references(STEPS + extra))
