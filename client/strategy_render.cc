@@ -125,11 +125,6 @@ std::string AdviceTable(const Advice& advice, const StrategyModel& model, int ma
       StrategyName(r.strategy), r.step_seconds, r.compute_seconds, r.exposed_comm_seconds,
       FormatBytes(r.memory.total()), r.padding_pct,
       advice.padding_target_met ? "" : " (no fitting candidate meets the padding target)");
-  if (!r.strategy.uniform()) {
-    out +=
-        "  (the data plane executes p = g = os today; policy auto uses the best such "
-        "strategy)\n";
-  }
   absl::StrAppend(&out,
                   absl::StrFormat("\n%-32s %10s %10s %12s %9s %12s %12s\n", "candidate", "step s",
                                   "exposed s", "memory", "padding", "AG/step", "RS/step"));

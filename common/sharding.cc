@@ -67,6 +67,10 @@ std::vector<int> Sharding::UpdateNodes(int64_t node) const {
   return out;
 }
 
+int64_t Sharding::OsGroup(int64_t node, int64_t local) const {
+  return (node / os.inter) * (devices / os.intra) + local / os.intra;
+}
+
 std::string Sharding::Describe() const {
   return absl::StrCat("p=", ShapeName(p), ",g=", ShapeName(g), ",os=", ShapeName(os), " on ", nodes,
                       " nodes x ", devices);
@@ -126,6 +130,7 @@ absl::StatusOr<Sharding> ShardingOf(const v1::Plan& plan, int64_t world, int64_t
     if (absl::Status st = CheckFactorPlans(plan); !st.ok()) return st;
     return s;
   }
+  if (absl::Status st = CheckFactorPlans(plan); !st.ok()) return st;  // none without a sharding
   const int64_t f = plan.world_size(), k = devices_per_node;
   if (f < 1 || world % f != 0) {
     return absl::InvalidArgumentError(

@@ -61,7 +61,10 @@ struct Sharding {
   // The nodes of `node`'s os group that hold the same p positions as it (B_os / B_p of them):
   // over them the updated parameters are all-gathered into the p shards (AMSP's update gather).
   std::vector<int> UpdateNodes(int64_t node) const;
-  // "k=..,p=AxB,..": p, g, os (for errors and reports).
+  // The index of rank (node, local)'s os group, 0 to W / |os| - 1: group 0 holds every os
+  // position once.
+  int64_t OsGroup(int64_t node, int64_t local) const;
+  // "p=AxB,g=AxB,os=AxB on N nodes x D" (for errors and reports).
   std::string Describe() const;
 };
 

@@ -38,7 +38,7 @@ inline constexpr size_t kPlacementStepBytes = size_t{1} << 20;
 // Ring steps are pipelined: a step's message travels in pieces of at least kMinPieceBytes (at
 // most kMaxPieces of them), so that reducing or forwarding one piece overlaps the transfer of
 // the next (docs/collectives.md). PiecesFor gives the count for one step's bytes.
-inline constexpr size_t kMinPieceBytes = size_t{256} << 10;
+inline constexpr size_t kMinPieceBytes = size_t{1} << 20;
 inline constexpr size_t kMaxPieces = 16;
 size_t PiecesFor(size_t step_bytes, int members);
 

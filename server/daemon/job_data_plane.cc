@@ -234,8 +234,7 @@ void JobDataPlane::Describe(int local, const v1::Plan& plan, v1::AttachResponse*
   pos->set_g(mesh_.Position(Factor::kG, local));
   pos->set_os(mesh_.Position(Factor::kOs, local));
   pos->set_steps_optimizer(!transport_->shares_replicas() || local < mesh_.slots(Factor::kOs));
-  const Sharding& s = mesh_.sharding;
-  pos->set_os_group((mesh_.node / s.os.inter) * (s.devices / s.os.intra) + local / s.os.intra);
+  pos->set_os_group(mesh_.sharding.OsGroup(mesh_.node, local));
   transport_->DescribeMemory(local, resp);
   for (int u = 0; u < units(); ++u) {
     v1::UnitBuffers* b = resp->add_units();

@@ -187,9 +187,9 @@ TEST_F(CtlTest, HelpExitsZero) {
   EXPECT_THAT(r.out, HasSubstr("plan"));
 }
 
-TEST_F(CtlTest, AdviseDeepSeekV3PrintsTheRecommendationAsJson) {
+TEST_F(CtlTest, AdvisePrintsTheRecommendationAsJson) {
   const std::string h100 = std::string(RAGSHARD_SOURCE_DIR) + "/profiles/h100-8x-nvlink-ib400.json";
-  Result r = Run("advise --model deepseek-v3 --cluster " + h100 + " --granule rows:128 --json");
+  Result r = Run("advise --model llama3-70b --cluster " + h100 + " --granule rows:128 --json");
   ASSERT_EQ(r.code, 0) << r.err;
   auto j = nlohmann::json::parse(r.out);
   const auto& rec = j["recommendation"];
@@ -200,6 +200,11 @@ TEST_F(CtlTest, AdviseDeepSeekV3PrintsTheRecommendationAsJson) {
   EXPECT_LE(rec["memory_bytes"].get<double>(), 80.0 * (int64_t{1} << 30));
   EXPECT_GE(j["candidates"].size(), 1u);
   EXPECT_EQ(j["cluster"]["world"], 1024);
+  EXPECT_TRUE(rec.contains("exposed_comm_seconds"));
+  // Nothing fits: the error names the smallest candidate and its memory, in bytes.
+  r = Run("advise --model deepseek-v3 --cluster " + h100 + " --granule rows:128 --json");
+  EXPECT_NE(r.code, 0);
+  EXPECT_THAT(r.err, HasSubstr("the smallest needs"));
   // The human form names the recommendation too.
   r = Run("advise --model llama-7b --cluster " + h100 + " --world 64");
   ASSERT_EQ(r.code, 0) << r.err;

@@ -75,6 +75,19 @@ TEST_P(ShardingTest, PositionsAreBijectionsOnEveryGroupAndNest) {
         ASSERT_EQ(static_cast<int64_t>(positions.size()), s.size(f));
       }
     }
+    // The os groups are numbered 0 to W / |os| - 1, and group 0 holds every os position once.
+    std::multiset<int64_t> first;
+    for (int64_t n = 0; n < nodes; ++n) {
+      for (int64_t l = 0; l < devices; ++l) {
+        const int64_t group = s.OsGroup(n, l);
+        ASSERT_GE(group, 0);
+        ASSERT_LT(group, s.world() / s.os.size());
+        if (group == 0) first.insert(s.Position(Factor::kOs, n, l));
+      }
+    }
+    ASSERT_EQ(static_cast<int64_t>(first.size()), s.os.size());
+    ASSERT_EQ(static_cast<int64_t>(std::set<int64_t>(first.begin(), first.end()).size()),
+              s.os.size());
     for (int64_t n = 0; n < nodes; ++n) {
       for (int64_t l = 0; l < devices; ++l) {
         // os range inside the g range, inside the p range (S_x = L / |x|).

@@ -255,13 +255,17 @@ TEST(StrategyTest, PaddingComesFromTheRaggedPlanner) {
     auto s = ParseStrategy(spec);
     auto e = (*m)->Evaluate(*s);
     ASSERT_TRUE(e.ok()) << e.status();
+    // The data plane's plans nest in the os plan (common/plan_nesting.h): its padding, and a
+    // parameter shard of |os| / |p| of its shards.
     PlanOptions po;
-    po.world = s->p.size();
+    po.world = s->os.size();
     auto plan = BuildPlan(GroupUnits(*inv, s->layers_per_unit), po);
     ASSERT_TRUE(plan.ok());
     EXPECT_NEAR(e->padding_pct, plan->metrics().padding_pct(), 1e-9) << spec;
     double bytes = 0;
-    for (const auto& up : plan->units()) bytes += static_cast<double>(up.shard_elems()) * 2;
+    for (const auto& up : plan->units()) {
+      bytes += static_cast<double>(up.shard_elems() * (s->os.size() / s->p.size())) * 2;
+    }
     EXPECT_DOUBLE_EQ(e->memory.params, bytes) << spec;
   }
 }
