@@ -159,7 +159,9 @@ class Runner:
             cmd = [sys.executable, "-m", "ragshard.launch", "--planner", c.planner, "--job", name,
                    "--nproc", str(daemons * k), "--sockets", ",".join(c.sockets),
                    "--create-job", *launch, EXAMPLE, "--out", out] + common
-            code, text = run_command(cmd, self.env, sampler, timeout)
+            # The clusters' token (LocalCluster puts it in this process's environment).
+            env = dict(self.env, RAGSHARD_TOKEN_FILE=os.environ.get("RAGSHARD_TOKEN_FILE", ""))
+            code, text = run_command(cmd, env, sampler, timeout)
             if code != 0:
                 return {"error": text[-3000:]}
             ctl = os.path.join(self.build, "client", "ragshardctl")
@@ -183,6 +185,9 @@ class Runner:
         sharding = plan.get("sharding")
         slots = (int(sharding["p"]["intra"]), int(sharding["g"]["intra"])) \
             if sharding and backend == "host" else (-1, -1)
+        # The nodes the gradients' reduce-scatter rings over (B_g): its scratch is the host's.
+        g_nodes = int(sharding["g"]["inter"]) if sharding else max(f // k, 1)
+        g_ring = int(sharding["g"]["intra"]) if sharding else min(f, k)
         layer_units = [u for u, pu in zip(units, plan["units"]) if pu["unit"] != "__ragshard_scalars__"]
         prefetch = next((int(x) for x in [extra[i + 1] for i in range(len(extra) - 1)
                                            if extra[i] == "--prefetch"]), 1)
@@ -194,7 +199,8 @@ class Runner:
             ideal = k * sum_s * (p + 4) + (prefetch + 1) * big_u * (p + k * g)
         else:
             ideal = k * sum_s * (p + 4) + (prefetch + 1) * big_u * k * (p + g)
-        model = _core.data_plane_peak(units, k, shared, prefetch, *slots)["total"]
+        model = _core.data_plane_peak(units, k, shared, prefetch, *slots, g_nodes,
+                                      g_ring)["total"]
         ranks = [json.load(open(f"{out}.rank{r}.json")) for r in range(daemons * k)]
         rank_rss = [v for pid, v in sampler.max_rss.items() if sampler.node.get(pid) is not None
                     and pid not in daemon_pids]
@@ -340,8 +346,9 @@ def strategy_section(rows, separate=False):
                 f"{datetime.date.today()})" if separate else "") + ". The model is the cost "
              "model's data-plane figure for the node (`DataPlanePeak`, common/data_plane_memory.h, "
              "with the plan's shard sizes per factor: parameter shards, gradient shards, the "
-             "unsharded parameters in flight and one unit's unsharded gradients; a node's blocks "
-             "hold A_p and A_g slots on the host, one per rank on the device shape). Target: the "
+             "unsharded parameters in flight, one unit's unsharded gradients and the reduce-"
+             "scatter ring's scratch between nodes; a node's blocks hold A_p and A_g slots on the "
+             "host, one per rank on the device shape). Target: the "
              "model within 10 % of the measured pool peak. Each rank's peak RSS (VmHWM, from its "
              "JSON) stands beside the model's optimizer state per rank (AdamW's two fp32 moments "
              "over its os range: 8 bytes x S_os summed over units). MiB throughout.", "",

@@ -98,11 +98,33 @@ def zoo_section(build, lines, rows):
               "of k layers: far more than 80 GiB. The search returns the least padding that fits "
               "(9.4 %) and says the target is missed. Per-unit shard groups, or a granule that "
               "does not cut down_proj's 128-row bands, would be needed.",
-              "* **deepseek-v3** meets it through `lead=4`: the three dense layers and the first "
-              "MoE layer form one unit. Alone, each dense layer pads 1,349 % over 128 devices "
-              "(the lcm of its granules, 66 M elements, exceeds its 4.6 M share per device); "
-              "merged, the unit is large enough for that lcm. Without lead groupings the best "
-              "fitting candidate padded 3.54 % (an earlier run of this report).", ""]
+              deepseek_note(rows), ""]
+
+
+def deepseek_note(rows):
+    """What the search says of DeepSeek-V3, from this run's rows."""
+    fits = [(w, a) for m, w, a, _, _ in rows if m == "deepseek-v3" and a]
+    if fits:
+        return ("* **deepseek-v3** fits: " + ", ".join(
+            f"W = {w}: `{a['recommendation']['strategy']['spec']}`" for w, a in fits) + ".")
+    return ("* **deepseek-v3** fits no strategy in 80 GiB per device at these W. The data "
+            "plane executes separate factors with nested plans (docs/strategy.md, \"Executing "
+            "separate factors\"): the os plan is planned and the g and p plans are its "
+            "coarsenings, so every unsharded buffer carries the padding of |os| positions. "
+            "DeepSeek-V3 needs its optimizer state sharded over hundreds of devices to fit "
+            "(30 GiB per device over 256), and at that many positions rows:128 pads its dense "
+            "layers heavily (the lcm of their granules exceeds a position's share; 1,349 % "
+            "alone over 128); the grouping that pads little (lead=4: the three dense layers and "
+            "the first MoE layer as one unit) is then too large to hold unsharded. The answer "
+            "is the same with and without --executable, and names the smallest candidate with "
+            "its memory (`k=1,shard=8x32,prefetch=0,lead=4`: 112.58 GiB, of which 63 GiB "
+            "transient, in the run that wrote this); tests/server/daemon/deepseek_shape_test.cc "
+            "checks that candidate's plan against the data plane's shape check on all 128 nodes "
+            "and tests/python/test_strategies.py runs its shape scaled down to 4 daemons x 2 "
+            "ranks. An earlier model that planned each factor at its own group size (p at 128 "
+            "positions) recommended `k=1,p=8x16,g=8x64,os=8x128,prefetch=0,lead=4` at 77.5 GiB, "
+            "a layout no nested plan can give: simulated as the data plane runs it, that "
+            "strategy needs 282.6 GiB.")
 
 
 def amsp_section(build, lines):

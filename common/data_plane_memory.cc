@@ -7,7 +7,8 @@
 namespace ragshard {
 
 DataPlaneMemory DataPlanePeak(const std::vector<DataPlaneUnit>& units, int64_t ranks, bool shared,
-                              int64_t prefetch, int64_t p_slots, int64_t g_slots) {
+                              int64_t prefetch, int64_t p_slots, int64_t g_slots,
+                              int64_t g_ring_nodes, int64_t g_ring_slots) {
   DataPlaneMemory m;
   double largest_params = 0, largest_grads = 0;
   const int64_t ranks1 = std::max<int64_t>(ranks, 1);
@@ -21,6 +22,8 @@ DataPlaneMemory DataPlanePeak(const std::vector<DataPlaneUnit>& units, int64_t r
         static_cast<double>(u.grad_shard_elems >= 0 ? u.grad_shard_elems : u.shard_elems);
     m.shards += pk * s * u.param_bytes;
     m.grad_shards += gk * sg * 4;
+    const double ring = g_ring_slots > 0 ? static_cast<double>(g_ring_slots) : gk;
+    if (g_ring_nodes > 1) m.scratch = std::max(m.scratch, 2 * ring * sg * 4);
     const double unsharded = static_cast<double>(u.group) * s * u.param_bytes;
     // Shared by the node's ranks, the buffer maps their shards where they are whole pages
     // (common/unsharded_view.h): only the other nodes' shards are allocated.

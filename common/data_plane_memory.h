@@ -12,8 +12,9 @@
 // parameter dtype per rank), where U is the largest unit's |p| * S_p. A shared buffer whose
 // node's shards are whole pages is a view over them (common/unsharded_view.h) and allocates only
 // U - A_p * S_p. Optimizer state (fp32 masters, moments) and activations live in the training
-// process and are modelled apart. The reduce-scatter's ring scratch between nodes (2 * A_g * S_g
-// fp32 of the largest unit, for one operation) is left out.
+// process and are modelled apart. The host transport's reduce-scatter ring between nodes takes
+// 2 * A_g * S_g fp32 of scratch for the operation (the largest unit's), beside its gradients:
+// counted where `g_ring_nodes` (B_g) is above 1; a GPU's NCCL needs none.
 #pragma once
 
 #include <cstdint>
@@ -33,14 +34,17 @@ struct DataPlaneMemory {
   double grad_shards = 0;  // fp32 gradient shards
   double unsharded = 0;    // unsharded parameters in flight
   double grads = 0;        // one unit's unsharded gradients
-  double total() const { return shards + grad_shards + unsharded + grads; }
+  double scratch = 0;      // the reduce-scatter ring's, between nodes
+  double total() const { return shards + grad_shards + unsharded + grads + scratch; }
 };
 
 // The peak for `ranks` ranks whose memory is counted together (a node's k ranks, or 1 for a
 // device), with unsharded parameters shared by those ranks (`shared`: the host backend) or one
 // per rank (the device shape and GPUs); the node's blocks hold `p_slots` parameter and `g_slots`
-// gradient shards (-1: one per rank).
+// gradient shards (-1: one per rank); the gradients' reduce-scatter runs a ring between
+// `g_ring_nodes` nodes whose chunks are `g_ring_slots` gradient shards (A_g; -1: g_slots).
 DataPlaneMemory DataPlanePeak(const std::vector<DataPlaneUnit>& units, int64_t ranks, bool shared,
-                              int64_t prefetch, int64_t p_slots = -1, int64_t g_slots = -1);
+                              int64_t prefetch, int64_t p_slots = -1, int64_t g_slots = -1,
+                              int64_t g_ring_nodes = 1, int64_t g_ring_slots = -1);
 
 }  // namespace ragshard

@@ -365,16 +365,19 @@ int rs_plan_local(const char* inventory_json, int64_t world, const char* policy,
 
 void rs_data_plane_peak(const int64_t* shard_elems, const int64_t* group, const double* bytes,
                         const int64_t* grad_shard_elems, int64_t n, int64_t ranks, int shared,
-                        int64_t prefetch, int64_t p_slots, int64_t g_slots, double out[4]) {
+                        int64_t prefetch, int64_t p_slots, int64_t g_slots, int64_t g_ring_nodes,
+                        int64_t g_ring_slots, double out[5]) {
   std::vector<DataPlaneUnit> in;
   for (int64_t i = 0; i < n; ++i) {
     in.push_back({shard_elems[i], group[i], bytes[i], grad_shard_elems[i]});
   }
-  const DataPlaneMemory m = DataPlanePeak(in, ranks, shared != 0, prefetch, p_slots, g_slots);
+  const DataPlaneMemory m =
+      DataPlanePeak(in, ranks, shared != 0, prefetch, p_slots, g_slots, g_ring_nodes, g_ring_slots);
   out[0] = m.shards;
   out[1] = m.grad_shards;
   out[2] = m.unsharded;
   out[3] = m.grads;
+  out[4] = m.scratch;
 }
 
 }  // extern "C"

@@ -71,7 +71,8 @@ int rs_plan_local(const char* inventory_json, int64_t world, const char* policy,
 /* common/data_plane_memory.h for n units; out: shards, grad_shards, unsharded, grads. */
 void rs_data_plane_peak(const int64_t* shard_elems, const int64_t* group, const double* bytes,
                         const int64_t* grad_shard_elems, int64_t n, int64_t ranks, int shared,
-                        int64_t prefetch, int64_t p_slots, int64_t g_slots, double out[4]);
+                        int64_t prefetch, int64_t p_slots, int64_t g_slots, int64_t g_ring_nodes,
+                        int64_t g_ring_slots, double out[5]);
 
 #pragma GCC visibility pop
 #ifdef __cplusplus

@@ -91,7 +91,8 @@ def _load():
         "rs_plan_local": (i32, [cstr, i64, cstr, ctypes.c_int32, out_str]),
         "rs_data_plane_peak": (None, [ctypes.POINTER(i64), ctypes.POINTER(i64),
                                       ctypes.POINTER(ctypes.c_double), ctypes.POINTER(i64), i64,
-                                      i64, i32, i64, i64, i64, ctypes.POINTER(ctypes.c_double)]),
+                                      i64, i32, i64, i64, i64, i64, i64,
+                                      ctypes.POINTER(ctypes.c_double)]),
     }
     for name, (res, args) in sigs.items():
         f = getattr(lib, name)
@@ -362,18 +363,21 @@ def plan_local(inventory_json, world, policy="ragged", align_bytes=16):
                    int(align_bytes))
 
 
-def data_plane_peak(units, ranks, shared, prefetch, p_slots=-1, g_slots=-1):
+def data_plane_peak(units, ranks, shared, prefetch, p_slots=-1, g_slots=-1, g_ring_nodes=1,
+                    g_ring_slots=-1):
     """The data plane's peak bytes (common/data_plane_memory.h), as the strategy model counts it:
     units as (shard_elems, |p|, parameter bytes per element[, gradient shard elements]); the
-    node's blocks hold p_slots parameter and g_slots gradient shards (-1: one per rank)."""
+    node's blocks hold p_slots parameter and g_slots gradient shards (-1: one per rank); the
+    gradients' reduce-scatter rings between g_ring_nodes nodes, chunks of g_ring_slots shards."""
     n = len(units)
     s = (ctypes.c_int64 * n)(*[u[0] for u in units])
     f = (ctypes.c_int64 * n)(*[u[1] for u in units])
     b = (ctypes.c_double * n)(*[u[2] for u in units])
     g = (ctypes.c_int64 * n)(*[u[3] if len(u) > 3 else -1 for u in units])
-    out = (ctypes.c_double * 4)()
+    out = (ctypes.c_double * 5)()
     _lib.rs_data_plane_peak(s, f, b, g, n, int(ranks), int(bool(shared)), int(prefetch),
-                            int(p_slots), int(g_slots), out)
-    d = dict(zip(("shards", "grad_shards", "unsharded", "grads"), out))
+                            int(p_slots), int(g_slots), int(g_ring_nodes), int(g_ring_slots),
+                            out)
+    d = dict(zip(("shards", "grad_shards", "unsharded", "grads", "scratch"), out))
     d["total"] = sum(out)
     return d
