@@ -104,27 +104,31 @@ def zoo_section(build, lines, rows):
 def deepseek_note(rows):
     """What the search says of DeepSeek-V3, from this run's rows."""
     fits = [(w, a) for m, w, a, _, _ in rows if m == "deepseek-v3" and a]
+    why = ("The data plane executes separate factors with nested plans (docs/strategy.md, "
+           "\"Executing separate factors\"): the os plan is planned and the g and p plans are its "
+           "coarsenings, so every unsharded buffer carries the padding of |os| positions. "
+           "DeepSeek-V3 needs its optimizer state sharded over hundreds of devices, and there "
+           "rows:128 pads a dense layer heavily: its MLP matrices are whole per rank for Muon, "
+           "so a unit holding one has a shard of at least half such a matrix (66 M elements, "
+           "64 times a position's share at |os| = 1024). The zoo's DeepSeek-V3 therefore wraps "
+           "a dense layer's attention (`attn.<i>`) and its MLP (`layers.<i>`) as two units, as "
+           "FSDP users wrap large dense layers; one unit per layer fits no strategy in 80 GiB "
+           "(the smallest candidate needed 112.58 GiB, 63 GiB of it that unit unsharded). An "
+           "earlier model that planned each factor at its own group size recommended "
+           "`k=1,p=8x16,g=8x64,os=8x128,prefetch=0,lead=4` at 77.5 GiB, a layout no nested plan "
+           "can give (282.6 GiB as the data plane runs it).")
     if fits:
         return ("* **deepseek-v3** fits: " + ", ".join(
-            f"W = {w}: `{a['recommendation']['strategy']['spec']}`" for w, a in fits) + ".")
-    return ("* **deepseek-v3** fits no strategy in 80 GiB per device at these W. The data "
-            "plane executes separate factors with nested plans (docs/strategy.md, \"Executing "
-            "separate factors\"): the os plan is planned and the g and p plans are its "
-            "coarsenings, so every unsharded buffer carries the padding of |os| positions. "
-            "DeepSeek-V3 needs its optimizer state sharded over hundreds of devices to fit "
-            "(30 GiB per device over 256), and at that many positions rows:128 pads its dense "
-            "layers heavily (the lcm of their granules exceeds a position's share; 1,349 % "
-            "alone over 128); the grouping that pads little (lead=4: the three dense layers and "
-            "the first MoE layer as one unit) is then too large to hold unsharded. The answer "
-            "is the same with and without --executable, and names the smallest candidate with "
-            "its memory (`k=1,shard=8x32,prefetch=0,lead=4`: 112.58 GiB, of which 63 GiB "
-            "transient, in the run that wrote this); tests/server/daemon/deepseek_shape_test.cc "
-            "checks that candidate's plan against the data plane's shape check on all 128 nodes "
-            "and tests/python/test_strategies.py runs its shape scaled down to 4 daemons x 2 "
-            "ranks. An earlier model that planned each factor at its own group size (p at 128 "
-            "positions) recommended `k=1,p=8x16,g=8x64,os=8x128,prefetch=0,lead=4` at 77.5 GiB, "
-            "a layout no nested plan can give: simulated as the data plane runs it, that "
-            "strategy needs 282.6 GiB.")
+            f"W = {w}: `{a['recommendation']['strategy']['spec']}` "
+            f"({a['recommendation']['memory_bytes'] / 2**30:.1f} GiB, exposed communication "
+            f"{a['recommendation']['exposed_comm_seconds']:.1f} s of "
+            f"{a['recommendation']['predicted_step_seconds']:.1f} s)" for w, a in fits) +
+            ", the same with and without --executable. tests/server/daemon/deepseek_shape_test.cc "
+            "checks its plan against the data plane's shape check on all 128 nodes, and "
+            "tests/python/test_strategies.py runs its shape (p inside a node, g = os over "
+            "whole nodes, two replicas) scaled down to 4 daemons x 2 ranks against the "
+            "reference. " + why)
+    return "* **deepseek-v3** fits no strategy in 80 GiB per device at these W. " + why
 
 
 def amsp_section(build, lines):

@@ -172,7 +172,10 @@ void DeepSeekV3(Builder& b) {
   for (int64_t l = 0; l < 61; ++l) {
     std::string p = absl::StrCat("model.layers.", l, ".");
     std::string a = p + "self_attn.";
-    b.Unit(absl::StrCat("layers.", l));
+    // A dense layer's MLP (three 18432 x 7168 matrices, each whole on one rank for Muon) is
+    // a unit of its own, after its attention's: one unit holding both has a shard at least half
+    // a matrix long, so at W = 1024 its unsharded buffers alone would exceed an 80 GiB device.
+    b.Unit(l < 3 ? absl::StrCat("attn.", l) : absl::StrCat("layers.", l));
     b.Norms(p, h);
     b.Add(a + "q_a_proj.weight", {1536, h}, true);
     b.Add(a + "q_a_layernorm.weight", {1536});
@@ -182,6 +185,7 @@ void DeepSeekV3(Builder& b) {
     b.Add(a + "kv_b_proj.weight", {32768, 512}, true);
     b.Add(a + "o_proj.weight", {h, 16384}, true);
     if (l < 3) {
+      b.Unit(absl::StrCat("layers.", l));
       b.SwiGlu(p + "mlp.", h, 18432);
     } else {
       b.Add(p + "mlp.gate.weight", {256, h}, true);

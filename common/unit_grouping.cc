@@ -14,17 +14,25 @@ bool IsLayerUnit(const std::string& name, int64_t* index) {
   return absl::SimpleAtoi(absl::string_view(name).substr(7), index) && *index >= 0;
 }
 
+bool IsLayerPart(const std::string& name, int64_t* index) {
+  if (IsLayerUnit(name, index)) return true;
+  if (!absl::StartsWith(name, "attn.")) return false;
+  return absl::SimpleAtoi(absl::string_view(name).substr(5), index) && *index >= 0;
+}
+
 Inventory GroupUnits(const Inventory& inventory, int64_t k,
                      std::vector<std::vector<std::string>>* members, int64_t lead) {
   Inventory out;
   int64_t layers_seen = 0;
   if (members != nullptr) members->clear();
   UnitSpec* open = nullptr;
-  int64_t first = 0, last = 0, count = 0;
+  int64_t first = 0, last = 0, count = 0, seen = -1;  // seen: the last layer part's index
   std::vector<std::string> names;
   auto close = [&] {
     if (open == nullptr) return;
-    open->set_name(count == 1 ? names.front() : absl::StrCat("layers.", first, "-", last));
+    open->set_name(names.size() == 1 ? names.front()
+                   : count == 1      ? absl::StrCat("layers.", first)
+                                     : absl::StrCat("layers.", first, "-", last));
     if (members != nullptr) members->push_back(names);
     open = nullptr;
     names.clear();
@@ -32,14 +40,18 @@ Inventory GroupUnits(const Inventory& inventory, int64_t k,
   };
   for (const UnitSpec& u : inventory.units()) {
     int64_t index = 0;
-    const bool is_layer = IsLayerUnit(u.name(), &index);
-    const bool in_lead = is_layer && layers_seen < lead;
-    if (is_layer) ++layers_seen;
+    const bool is_layer = IsLayerPart(u.name(), &index);
+    // A second unit of the layer just seen (its MLP after its attention) joins that layer.
+    const bool same_layer = is_layer && index == seen;
+    if (is_layer) seen = index;
+    const bool in_lead = is_layer && layers_seen - (same_layer ? 1 : 0) < lead;
+    if (is_layer && !same_layer) ++layers_seen;
     const int64_t size = in_lead ? lead : k;
     const bool layer = is_layer && (size > 1);
     // The lead block closes when it is complete; groups of k do not mix with it.
-    const bool lead_done = is_layer && layers_seen == lead + 1 && lead > 0;
-    if (!layer || lead_done || (open != nullptr && (count == size || index != last + 1))) {
+    const bool lead_done = is_layer && !same_layer && layers_seen == lead + 1 && lead > 0;
+    if (!layer || lead_done ||
+        (open != nullptr && !same_layer && (count == size || index != last + 1))) {
       close();
     }
     if (!layer) {
@@ -51,8 +63,8 @@ Inventory GroupUnits(const Inventory& inventory, int64_t k,
       open = out.add_units();
       first = index;
     }
+    if (!same_layer || count == 0) ++count;
     last = index;
-    ++count;
     names.push_back(u.name());
     for (const TensorSpec& t : u.tensors()) *open->add_tensors() = t;
   }

@@ -17,9 +17,13 @@ namespace ragshard {
 // True for "layers.<i>" with i >= 0, which it stores in *index.
 bool IsLayerUnit(const std::string& name, int64_t* index);
 
-// Groups consecutive "layers.<i>" units k at a time ("layers.0-3" holding the tensors of
-// layers.0..3, in order); other units stay as they are. `members` gets, per grouped unit, the
-// names of the inventory units it covers.
+// True for a unit of layer i: "layers.<i>", or "attn.<i>" (layer i's attention, a unit of its
+// own before its MLP's "layers.<i>" where one unit of both would pad too much).
+bool IsLayerPart(const std::string& name, int64_t* index);
+
+// Groups consecutive layers k at a time ("layers.0-3" holding the tensors of layers.0..3, in
+// order, a layer's "attn.<i>" unit included); other units stay as they are. `members` gets, per
+// grouped unit, the names of the inventory units it covers.
 // With lead > 0 the first `lead` layer units form one unit first.
 Inventory GroupUnits(const Inventory& inventory, int64_t k,
                      std::vector<std::vector<std::string>>* members = nullptr, int64_t lead = 0);

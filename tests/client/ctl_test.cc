@@ -202,7 +202,8 @@ TEST_F(CtlTest, AdvisePrintsTheRecommendationAsJson) {
   EXPECT_EQ(j["cluster"]["world"], 1024);
   EXPECT_TRUE(rec.contains("exposed_comm_seconds"));
   // Nothing fits: the error names the smallest candidate and its memory, in bytes.
-  r = Run("advise --model deepseek-v3 --cluster " + h100 + " --granule rows:128 --json");
+  r = Run("advise --model deepseek-v3 --cluster " + h100 +
+          " --granule rows:128 --memory-budget 40GiB --json");
   EXPECT_NE(r.code, 0);
   EXPECT_THAT(r.err, HasSubstr("the smallest needs"));
   // The human form names the recommendation too.

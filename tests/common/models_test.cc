@@ -53,7 +53,11 @@ TEST(ModelsTest, DeepSeekV3HasAbout45kTensors) {
   ASSERT_TRUE(inv.ok());
   Totals t = Count(*inv);
   EXPECT_EQ(t.tensors, 3 + 3 * 12 + 58 * 782);
-  EXPECT_EQ(inv->units_size(), 63);
+  // embed, 3 dense layers as attention and MLP units, 58 MoE layers, head.
+  EXPECT_EQ(inv->units_size(), 1 + 3 * 2 + 58 + 1);
+  EXPECT_EQ(inv->units(1).name(), "attn.0");
+  EXPECT_EQ(inv->units(2).name(), "layers.0");
+  EXPECT_EQ(inv->units(7).name(), "layers.3");
 }
 
 TEST(ModelsTest, VariantsKeepTheTotals) {

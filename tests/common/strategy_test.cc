@@ -302,7 +302,8 @@ TEST(StrategyTest, LeadGroupingMergesTheDistinctFirstLayers) {
   ASSERT_EQ(g.units_size(), 1 + 1 + 58 + 1);
   EXPECT_EQ(g.units(1).name(), "layers.0-2");
   EXPECT_EQ(g.units(2).name(), "layers.3");
-  EXPECT_EQ(members[1], (std::vector<std::string>{"layers.0", "layers.1", "layers.2"}));
+  EXPECT_EQ(members[1], (std::vector<std::string>{"attn.0", "layers.0", "attn.1", "layers.1",
+                                                  "attn.2", "layers.2"}));
   g = GroupUnits(*ds, 2, &members, 4);
   EXPECT_EQ(g.units(1).name(), "layers.0-3");
   EXPECT_EQ(g.units(2).name(), "layers.4-5");
@@ -311,6 +312,13 @@ TEST(StrategyTest, LeadGroupingMergesTheDistinctFirstLayers) {
   for (const auto& u : g.units()) tensors += u.tensors_size();
   for (const auto& u : ds->units()) before += u.tensors_size();
   EXPECT_EQ(tensors, before);
+  g = GroupUnits(*ds, 1, &members);  // no grouping: a dense layer stays two units
+  EXPECT_EQ(g.units_size(), ds->units_size());
+  EXPECT_EQ(g.units(1).name(), "attn.0");
+  g = GroupUnits(*ds, 2, &members);  // a dense layer's two units go together
+  EXPECT_EQ(g.units(1).name(), "layers.0-1");
+  EXPECT_EQ(members[1], (std::vector<std::string>{"attn.0", "layers.0", "attn.1", "layers.1"}));
+  EXPECT_EQ(g.units(2).name(), "layers.2-3");
   auto s = ParseStrategy("k=2,shard=8x4,lead=4");
   ASSERT_TRUE(s.ok());
   EXPECT_EQ(s->lead, 4);

@@ -420,8 +420,8 @@ def test_the_optimizer_step_waits_for_an_asynchronous_write():
     from ragshard.torch import ShardedAdamW, ShardedModule
     release = threading.Event()
     handle = checkpoint.SaveHandle(write=release.wait, commit=lambda: "committed")
-    model = types.SimpleNamespace(units=lambda: [], masters={}, has_grad=[],
-                                  checkpoint_writing=handle)
+    model = types.SimpleNamespace(units=lambda: [], masters={}, has_grad=[], steps=True,
+                                  gather_updates=lambda: None, checkpoint_writing=handle)
     model.wait_for_checkpoint_write = lambda: ShardedModule.wait_for_checkpoint_write(model)
     opt = ShardedAdamW(model)
     stepped = threading.Thread(target=opt.step)

@@ -125,24 +125,23 @@ def test_quantized_gathers_under_a_pinned_strategy_train_close_to_the_reference(
 
 
 def test_deepseek_v3s_strategy_scaled_down_matches_single_process(tmp_path):
-    """The shape `ragshardctl advise` names for DeepSeek-V3 at W = 1024 on 8 x H100 nodes
-    (tests/server/daemon/deepseek_shape_test.cc; docs/benchmarks/strategy.md): shard groups of
-    whole nodes over a quarter of the nodes (shard=8x32 of 128 nodes: 4 replicas), the first
-    four layers one unit (lead=4), no prefetch. Scaled down to 4 daemons x 2 ranks (shard=2x2:
-    2 replicas) and 6 smaller layers, it runs and equals the reference."""
+    """The strategy `ragshardctl advise` recommends for DeepSeek-V3 at W = 1024 on 8 x H100
+    nodes (tests/server/daemon/deepseek_shape_test.cc; docs/benchmarks/strategy.md): parameters
+    over 16 whole nodes, gradients and optimizer state over 64 (two replicas), no prefetch.
+    Scaled down to 4 daemons x 2 ranks (p = 2x1 inside a node, g = os = 2x2: two replicas) and
+    6 smaller layers, it runs and equals the reference."""
     ctl = os.path.join(BUILD, "client", "ragshardctl")
     r = subprocess.run([ctl, "advise", "--model", "deepseek-v3", "--cluster",
                         os.path.join(ROOT, "profiles", "h100-8x-nvlink-ib400.json"), "--world",
                         "1024", "--granule", "rows:128", "--memory-budget", "80GiB",
                         "--max-rejected", "0"], capture_output=True, text=True, timeout=120)
-    named = (r.stdout + r.stderr)
-    assert "k=1,shard=8x32,prefetch=0,lead=4" in named, named
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "recommendation: k=1,p=8x16,g=8x64,os=8x64,prefetch=0\n" in r.stdout, r.stdout
     extra = ["--steps", "4", "--layers", "6"]
     with LocalCluster(BUILD, daemons=4, pool_bytes=64 << 20, cluster_profile=PROFILE) as c:
         out = run_sharded(c, tmp_path, "deepseek-shape", extra, world=8,
                           launch=["--policy", "auto", "--strategy",
-                                  "k=1,shard=2x2,prefetch=0,lead=4"])
+                                  "k=1,p=2x1,g=2x2,os=2x2,prefetch=0"])
         plan = json.loads(plan_show(c, "deepseek-shape", "--json"))
     compare(out, run_reference(tmp_path, "deepseek-shape", extra, world=8))
-    assert plan["units"][0]["unit"] == "layers.0-3"
-    assert plan["units"][0]["members"] == [f"layers.{i}" for i in range(4)]
+    assert plan["strategy"]["executed"] == "k=1,p=2x1,g=2x2,os=2x2,prefetch=0", plan["strategy"]
