@@ -1,6 +1,7 @@
 #include "common/sharding.h"
 
 #include <algorithm>
+#include <array>
 
 #include "absl/strings/str_cat.h"
 
@@ -147,6 +148,36 @@ absl::StatusOr<Sharding> ShardingOf(const v1::Plan& plan, int64_t world, int64_t
   }
   s.g = s.os = s.p;
   return s;
+}
+
+std::vector<Sharding> AllowedShardings(int64_t nodes, int64_t devices) {
+  auto divisors = [](int64_t n) {
+    std::vector<int64_t> d;
+    for (int64_t i = 1; i <= n; ++i) {
+      if (n % i == 0) d.push_back(i);
+    }
+    return d;
+  };
+  // Non-decreasing chains a | b | c of divisors of n: the p, g and os sizes at one level.
+  auto chains = [&](int64_t n) {
+    std::vector<std::array<int64_t, 3>> out;
+    for (int64_t a : divisors(n)) {
+      for (int64_t b : divisors(n)) {
+        for (int64_t c : divisors(n)) {
+          if (b % a == 0 && c % b == 0) out.push_back({a, b, c});
+        }
+      }
+    }
+    return out;
+  };
+  std::vector<Sharding> out;
+  for (const auto& intra : chains(devices)) {
+    for (const auto& inter : chains(nodes)) {
+      Sharding s{nodes, devices, {intra[0], inter[0]}, {intra[1], inter[1]}, {intra[2], inter[2]}};
+      if (CheckSharding(s).ok()) out.push_back(s);
+    }
+  }
+  return out;
 }
 
 v1::ShardingSpec ToSpec(const Sharding& s) {

@@ -72,6 +72,9 @@ struct Sharding {
 // at both levels. Errors name the factor and the rule.
 absl::Status CheckSharding(const Sharding& s);
 
+// Every sharding that CheckSharding allows on `nodes` x `devices` (for tests and reports).
+std::vector<Sharding> AllowedShardings(int64_t nodes, int64_t devices);
+
 // The sharding a plan executes for a job of `world` ranks on nodes of `devices_per_node`: the
 // plan's ShardingSpec when it has one (which must match the job), else the uniform shape of a
 // shard group of plan.world_size whole nodes. Errors name what does not fit.

@@ -550,6 +550,15 @@ absl::StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(const std::string& 
   // Peer error handling allows only network transports; name tcp explicitly (RDMA devices, where
   // present, can be added through UCX_TLS in the environment).
   if (std::getenv("UCX_TLS") == nullptr) ucp_config_modify(config, "TLS", "tcp");
+  // Over tcp a rendezvous receive takes the sender's data as a put to the receive buffer's
+  // address, and a put already on the wire is copied there even after the receive was abandoned
+  // (a peer died mid-collective and the operation failed): a late write to memory the caller
+  // has freed or reused. Without tcp puts the data of a large message comes as active messages
+  // that UCX copies only into a receive still posted. (UCX_TCP_PUT_ENABLE=y brings them back.)
+  if (std::getenv("UCX_TCP_PUT_ENABLE") == nullptr &&
+      ucp_config_modify(config, "TCP_PUT_ENABLE", "n") != UCS_OK) {
+    LOG(WARNING) << "data plane: this UCX does not take TCP_PUT_ENABLE; tcp puts stay on";
+  }
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES;
   params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;

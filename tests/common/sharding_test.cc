@@ -17,34 +17,6 @@
 namespace ragshard {
 namespace {
 
-std::vector<int64_t> Divisors(int64_t n) {
-  std::vector<int64_t> out;
-  for (int64_t d = 1; d <= n; ++d) {
-    if (n % d == 0) out.push_back(d);
-  }
-  return out;
-}
-
-// Every sharding the rules allow on nodes x devices.
-std::vector<Sharding> AllShardings(int64_t nodes, int64_t devices) {
-  std::vector<Sharding> out;
-  for (int64_t ap : Divisors(devices)) {
-    for (int64_t ag : Divisors(devices)) {
-      for (int64_t ao : Divisors(devices)) {
-        for (int64_t bp : Divisors(nodes)) {
-          for (int64_t bg : Divisors(nodes)) {
-            for (int64_t bo : Divisors(nodes)) {
-              Sharding s{nodes, devices, {ap, bp}, {ag, bg}, {ao, bo}};
-              if (CheckSharding(s).ok()) out.push_back(s);
-            }
-          }
-        }
-      }
-    }
-  }
-  return out;
-}
-
 // The group of factor f holding rank (n, l): its node block and local block.
 std::pair<int64_t, int64_t> GroupOf(const Sharding& s, Factor f, int64_t n, int64_t l) {
   return {n / s.shape(f).inter, l / s.shape(f).intra};
@@ -54,7 +26,7 @@ class ShardingTest : public ::testing::TestWithParam<std::pair<int64_t, int64_t>
 
 TEST_P(ShardingTest, PositionsAreBijectionsOnEveryGroupAndNest) {
   const auto [nodes, devices] = GetParam();
-  const std::vector<Sharding> all = AllShardings(nodes, devices);
+  const std::vector<Sharding> all = AllowedShardings(nodes, devices);
   ASSERT_FALSE(all.empty());
   for (const Sharding& s : all) {
     SCOPED_TRACE(s.Describe());
@@ -119,7 +91,7 @@ std::set<int64_t> NodePositions(const Sharding& s, Factor f, int64_t n) {
 
 TEST_P(ShardingTest, TheNodeGroupsOfTheCollectivesHoldWhatTheyExchange) {
   const auto [nodes, devices] = GetParam();
-  for (const Sharding& s : AllShardings(nodes, devices)) {
+  for (const Sharding& s : AllowedShardings(nodes, devices)) {
     SCOPED_TRACE(s.Describe());
     for (int64_t n = 0; n < nodes; ++n) {
       // The all-gather over p and the reduce-scatter over g: the group's nodes hold every
@@ -187,7 +159,7 @@ Inventory Model() {
 
 TEST(NestPlanTest, EveryFactorPlanHoldsTheInvariantsAndNests) {
   const Inventory inv = Model();
-  for (const Sharding& s : AllShardings(2, 4)) {
+  for (const Sharding& s : AllowedShardings(2, 4)) {
     SCOPED_TRACE(s.Describe());
     PlanOptions o;
     o.world = s.os.size();
