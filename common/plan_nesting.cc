@@ -47,7 +47,7 @@ absl::StatusOr<v1::Plan> NestPlan(const v1::Plan& finest, const Sharding& s) {
   v1::LayoutMetrics p_metrics;
   RAGSHARD_RETURN_IF_ERROR(Coarsen(finest, s.p.size(), false, out.mutable_units(), &p_metrics));
   // The plan's figures are the parameters' (padding is the same in every factor).
-  const v1::LayoutMetrics kept = finest.metrics();
+  const v1::LayoutMetrics& kept = finest.metrics();
   *out.mutable_metrics() = p_metrics;
   out.mutable_metrics()->set_lb1_gap_pct(kept.lb1_gap_pct());
   out.mutable_metrics()->set_lb2_gap_pct(kept.lb2_gap_pct());
