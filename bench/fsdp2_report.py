@@ -136,7 +136,8 @@ class Runner:
             for r in range(world):
                 logs.append(open(f"{out}.log{r}", "w+"))
                 procs.append(subprocess.Popen(cmd, env=dict(self.env, RANK=str(r),
-                                                            WORLD_SIZE=str(world)),
+                                                            WORLD_SIZE=str(world),
+                                                            OMP_NUM_THREADS="1"),
                                               stdout=logs[-1], stderr=subprocess.STDOUT,
                                               stdin=subprocess.DEVNULL))
             deadline = time.time() + TIMEOUT

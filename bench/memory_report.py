@@ -221,7 +221,7 @@ class Runner:
         launcher = [sys.executable, "-c", (
             "import os, subprocess, sys\n"
             f"cmd = {cmd!r}\n"
-            f"ps = [subprocess.Popen(cmd, env=dict(os.environ, RANK=str(r), WORLD_SIZE='{world}'))"
+            f"ps = [subprocess.Popen(cmd, env=dict(os.environ, RANK=str(r), WORLD_SIZE='{world}', OMP_NUM_THREADS='1'))"
             f" for r in range({world})]\n"
             "sys.exit(max(p.wait() for p in ps))\n")]
 

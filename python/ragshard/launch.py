@@ -11,6 +11,15 @@ them with `ragshard.Env()`). `--create-job` creates the job first (mesh N/R x R 
 When a rank fails the others are stopped, and the launcher exits with the first failing rank's
 code. (`python -m ragshard.launch` is the same program.)
 
+As torchrun does, when more than one rank shares a daemon (a node) and OMP_NUM_THREADS is not
+set, each rank gets OMP_NUM_THREADS=1 (`--threads-per-rank` sets another number): several ranks'
+intra-op thread pools on the same cores otherwise spin against each other and against the
+daemon, which on a small machine makes a step many times slower.
+
+`--preload torch` imports torch once in the launcher and forks the ranks from it rather than
+starting an interpreter per rank (ragshard/_preload.py): the ranks start seconds sooner where
+CPUs are few. They are forked before the launcher talks to the planner.
+
 Ranks may also be started by torchrun, one torchrun per node, with RAGSHARD_PLANNER,
 RAGSHARD_JOB and RAGSHARD_SOCKET naming the planner, the job and that node's daemon socket:
 
@@ -46,13 +55,21 @@ def parse(argv):
                    help="policy auto: the global batch in tokens, for the cost model")
     p.add_argument("--token-file", default=os.environ.get("RAGSHARD_TOKEN_FILE", ""),
                    help="bearer token file for the planner (default: RAGSHARD_TOKEN_FILE)")
+    p.add_argument("--threads-per-rank", type=int, default=0,
+                   help="OMP_NUM_THREADS for each rank (default: OMP_NUM_THREADS if set, else 1 "
+                        "when several ranks share a daemon, as torchrun does)")
+    p.add_argument("--preload", default="",
+                   help="comma-separated modules (e.g. torch) imported once by the launcher, "
+                        "which forks the ranks from itself instead of starting an interpreter "
+                        "per rank (each rank's torch import is seconds of CPU)")
     p.add_argument("script", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
     a = p.parse_args(argv)
     a.sockets = [s for s in a.sockets.split(",") if s]
+    a.preload = [m for m in a.preload.split(",") if m]
     a.nodes = [n for n in a.nodes.split(",") if n] or [f"node-{i}" for i in range(len(a.sockets))]
     if a.nproc < 1:
-        p.error("--nproc must be at least 1")
+        p.error("--nproc must be at least 1 (0 takes the default)")
     if not a.sockets:
         p.error("--sockets: at least one daemon socket")
     if len(a.nodes) != len(a.sockets):
@@ -61,19 +78,15 @@ def parse(argv):
         p.error(f"--replicate {a.replicate} does not divide --nproc {a.nproc}")
     if a.nproc % len(a.sockets):
         p.error(f"--nproc {a.nproc} does not split evenly over {len(a.sockets)} daemons")
+    if a.threads_per_rank < 0:
+        p.error(f"--threads-per-rank {a.threads_per_rank}: must be at least 1 (0 takes the default)")
     if not os.path.exists(a.script):
         p.error(f"script not found: {a.script}")
     return a
 
 
-def main(argv=None):
-    a = parse(sys.argv[1:] if argv is None else argv)
-    if a.create_job:
-        from ragshard import create_job
-        create_job(a.planner, a.job, a.nproc // a.replicate, a.replicate, a.policy, "",
-                   a.token_file, strategy=a.strategy, tokens_per_step=a.tokens_per_step)
+def rank_envs(a, threads):
     per_node = a.nproc // len(a.sockets)
-    procs = []
     for r in range(a.nproc):
         env = dict(os.environ)
         env.update(RAGSHARD_PLANNER=a.planner, RAGSHARD_JOB=a.job, RAGSHARD_RANK=str(r),
@@ -81,7 +94,40 @@ def main(argv=None):
                    RAGSHARD_NODE=a.nodes[r // per_node], RAGSHARD_TOKEN_FILE=a.token_file)
         if a.strategy:
             env["RAGSHARD_STRATEGY"] = a.strategy
-        procs.append(subprocess.Popen([sys.executable, a.script] + a.args, env=env))
+        if threads:
+            env["OMP_NUM_THREADS"] = str(threads)
+        yield env
+
+
+def create_job(a):
+    if a.create_job:
+        from ragshard import create_job as create
+        create(a.planner, a.job, a.nproc // a.replicate, a.replicate, a.policy, "",
+               a.token_file, strategy=a.strategy, tokens_per_step=a.tokens_per_step)
+
+
+def main(argv=None):
+    a = parse(sys.argv[1:] if argv is None else argv)
+    per_node = a.nproc // len(a.sockets)
+    threads = a.threads_per_rank or (os.environ.get("OMP_NUM_THREADS") or
+                                     ("1" if per_node > 1 else ""))
+    if a.preload:
+        from ragshard import _preload
+        _preload.import_modules(a.preload)
+        procs = [_preload.fork_rank(a.script, a.args, env, threads)
+                 for env in rank_envs(a, threads)]
+        try:
+            create_job(a)
+        except BaseException:
+            for p in procs:
+                p.abandon()
+            raise
+        for p in procs:
+            p.start()
+    else:
+        create_job(a)
+        procs = [subprocess.Popen([sys.executable, a.script] + a.args, env=env)
+                 for env in rank_envs(a, threads)]
     code = 0
     try:
         while procs:

@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 from ragshard import checkpoint  # noqa: E402
 from ragshard.checkpoint import _format  # noqa: E402
 from ragshard.cluster import LocalCluster  # noqa: E402
+from test_training import LAUNCH  # noqa: E402
 
 EXAMPLE = os.path.join(ROOT, "examples", "train_tiny.py")
 CTL = os.path.join(BUILD, "client", "ragshardctl")
@@ -50,9 +51,9 @@ def cluster():
 
 
 def launch(cluster, out, job, args, nproc=4, daemons=2, launch_args=(), check=True, **envs):
-    cmd = [sys.executable, "-m", "ragshard.launch", "--planner", cluster.planner, "--job", job,
-           "--nproc", str(nproc), "--sockets", ",".join(cluster.sockets[:daemons]),
-           "--create-job", *launch_args, EXAMPLE, "--out", str(out / job)] + SMALL + args
+    cmd = LAUNCH + ["--planner", cluster.planner, "--job", job,
+                    "--nproc", str(nproc), "--sockets", ",".join(cluster.sockets[:daemons]),
+                    "--create-job", *launch_args, EXAMPLE, "--out", str(out / job)] + SMALL + args
     r = subprocess.run(cmd, env=env(**envs), capture_output=True, text=True, timeout=600)
     if check:
         assert r.returncode == 0, r.stdout + r.stderr

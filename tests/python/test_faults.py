@@ -33,7 +33,8 @@ def start_ranks(c, job, logdir):
     for r in range(4):
         env = dict(os.environ, RAGSHARD_PLANNER=c.planner, RAGSHARD_JOB=job,
                    RAGSHARD_RANK=str(r), RAGSHARD_WORLD_SIZE="4",
-                   RAGSHARD_SOCKET=c.sockets[r // 2], RAGSHARD_NODE=c.nodes[r // 2])
+                   RAGSHARD_SOCKET=c.sockets[r // 2], RAGSHARD_NODE=c.nodes[r // 2],
+                   OMP_NUM_THREADS="1")
         log = open(os.path.join(logdir, f"rank{r}.log"), "w+")
         procs.append(subprocess.Popen(
             [sys.executable, os.path.join(ROOT, "examples", "train_tiny.py"), "--steps", "100000",
@@ -129,15 +130,15 @@ def test_a_training_rides_through_a_planner_restart_during_registration(tmp_path
     """The planner is killed (-9) while the job registers and comes back 1 s later on the same
     address: the ranks' registrations and the daemons' job setup retry, and the training ends
     with the single-process reference's losses."""
-    from test_training import SMALL, compare, env, run_reference
+    from test_training import LAUNCH, SMALL, compare, env, run_reference
     with LocalCluster(BUILD, daemons=2) as c:
         create_job(c.planner, "restart", 4)
         c.kill_planner()
         out = str(tmp_path / "restart")
         p = subprocess.Popen(
-            [sys.executable, "-m", "ragshard.launch", "--planner", c.planner, "--job", "restart",
-             "--nproc", "4", "--sockets", ",".join(c.sockets), EXAMPLE, "--out", out,
-             "--steps", "4"] + SMALL, env=env(), stdout=subprocess.PIPE,
+            LAUNCH + ["--planner", c.planner, "--job", "restart",
+                      "--nproc", "4", "--sockets", ",".join(c.sockets), EXAMPLE, "--out", out,
+                      "--steps", "4"] + SMALL, env=env(), stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True)
         try:
             time.sleep(1.0)  # the outage's length, not a wait for an event

@@ -23,6 +23,7 @@ BUILD = os.environ.get("RAGSHARD_BUILD", os.path.join(ROOT, "build"))
 sys.path.insert(0, os.path.join(BUILD, "python"))
 
 from ragshard.cluster import LocalCluster  # noqa: E402
+from test_training import LAUNCH  # noqa: E402
 
 EXAMPLE = os.path.join(ROOT, "examples", "train_tiny.py")
 # The small model of tests/python/test_training.py.
@@ -51,9 +52,9 @@ def env():
 
 def run_ragshard(cluster, tmp_path, job, extra):
     out = str(tmp_path / job)
-    cmd = [sys.executable, "-m", "ragshard.launch", "--planner", cluster.planner, "--job", job,
-           "--nproc", str(WORLD), "--sockets", ",".join(cluster.sockets), "--create-job",
-           EXAMPLE, "--out", out] + SMALL + extra
+    cmd = LAUNCH + ["--planner", cluster.planner, "--job", job,
+                    "--nproc", str(WORLD), "--sockets", ",".join(cluster.sockets),
+                    "--create-job", EXAMPLE, "--out", out] + SMALL + extra
     # A session of its own: on a timeout the launcher and the ranks it started go together.
     p = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          stdin=subprocess.DEVNULL, text=True, start_new_session=True)
@@ -79,7 +80,8 @@ def run_fsdp2(tmp_path, name, extra):
             log = open(f"{out}.log{r}", "w+")
             logs.append(log)
             procs.append(subprocess.Popen(cmd, env=dict(env(), RANK=str(r),
-                                                        WORLD_SIZE=str(WORLD)),
+                                                        WORLD_SIZE=str(WORLD),
+                                                        OMP_NUM_THREADS="1"),
                                           stdout=log, stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL))
         # Wait for whichever rank ends first; when one fails, the others (which may be waiting

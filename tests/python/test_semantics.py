@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.join(BUILD, "python"))
 
 import ragshard  # noqa: E402
 from ragshard.cluster import LocalCluster  # noqa: E402
+from test_training import LAUNCH  # noqa: E402
 
 EXAMPLE = os.path.join(ROOT, "examples", "train_semantics.py")
 PROFILE = os.path.join(ROOT, "profiles", "host-2x2-loopback.json")
@@ -50,9 +51,9 @@ def results(out):
 def sharded_and_reference(cluster, tmp_path, extra):
     job = "sem-" + "-".join(a.lstrip("-") for a in extra)
     out = str(tmp_path / job)
-    run([sys.executable, "-m", "ragshard.launch", "--planner", cluster.planner, "--job", job,
-         "--nproc", "4", "--sockets", ",".join(cluster.sockets), "--create-job", EXAMPLE,
-         "--out", out] + extra)
+    run(LAUNCH + ["--planner", cluster.planner, "--job", job,
+                  "--nproc", "4", "--sockets", ",".join(cluster.sockets), "--create-job",
+                  EXAMPLE, "--out", out] + extra)
     return results(out), reference_of(tmp_path, extra)
 
 
@@ -125,9 +126,9 @@ def test_nodes_running_different_units_of_equal_size_fail_naming_both(cluster):
     ABORTED naming both units, long before the operations' 120 s deadline."""
     start = time.monotonic()
     r = subprocess.run(
-        [sys.executable, "-m", "ragshard.launch", "--planner", cluster.planner, "--job",
-         "sem-swapped", "--nproc", "4", "--sockets", ",".join(cluster.sockets), "--create-job",
-         EXAMPLE, "--case", "swapped-on-one-node"],
+        LAUNCH + ["--planner", cluster.planner, "--job",
+                  "sem-swapped", "--nproc", "4", "--sockets", ",".join(cluster.sockets),
+                  "--create-job", EXAMPLE, "--case", "swapped-on-one-node"],
         env=env(), capture_output=True, text=True, timeout=600)
     elapsed = time.monotonic() - start
     assert r.returncode != 0, r.stdout + r.stderr

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_training import (BUILD, EXAMPLE, PROFILE, SMALL, compare, env,  # noqa: E402
+from test_training import (BUILD, EXAMPLE, LAUNCH, PROFILE, SMALL, compare, env,  # noqa: E402
                            run_reference, run_sharded)
 from ragshard.cluster import LocalCluster  # noqa: E402
 
@@ -199,9 +199,9 @@ def test_meta_init_empty_runs_only_after_a_load(cluster, tmp_path):
     state_dict (or a checkpoint) is loaded, then computes with the loaded values."""
     script = tmp_path / "meta_script.py"
     script.write_text(META_SCRIPT)
-    r = subprocess.run([sys.executable, "-m", "ragshard.launch", "--planner", cluster.planner,
-                        "--job", "feature-meta-empty", "--nproc", "2", "--sockets",
-                        cluster.sockets[0], "--create-job", str(script)],
+    r = subprocess.run(LAUNCH + ["--planner", cluster.planner,
+                                 "--job", "feature-meta-empty", "--nproc", "2", "--sockets",
+                                 cluster.sockets[0], "--create-job", str(script)],
                        env=env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("ok") == 2, r.stdout
@@ -233,9 +233,9 @@ def test_adam8bit_refuses_a_plan_that_cuts_its_blocks(cluster, tmp_path):
     """Under the granule rows:1 a rank's piece of a matrix may start inside a 128-row band:
     the optimizer refuses before the first step, naming the parameter."""
     out = str(tmp_path / "cut")
-    cmd = [sys.executable, "-m", "ragshard.launch", "--planner", cluster.planner, "--job",
-           "feature-cut", "--nproc", "4", "--sockets", ",".join(cluster.sockets),
-           "--create-job", EXAMPLE, "--out", out] + SMALL + STEPS + \
+    cmd = LAUNCH + ["--planner", cluster.planner, "--job",
+                    "feature-cut", "--nproc", "4", "--sockets", ",".join(cluster.sockets),
+                    "--create-job", EXAMPLE, "--out", out] + SMALL + STEPS + \
         ["--optimizer", "adam8bit", "--granule", "rows:1"]
     r = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=600)
     assert r.returncode != 0

@@ -1,0 +1,96 @@
+"""ragshard.launch --preload: ranks forked from one interpreter that has imported the given
+modules, instead of a fresh interpreter per rank.
+
+On a small machine a rank's `import torch` is seconds of CPU, paid once per rank; forked ranks
+share the launcher's import. The ranks are forked before the launcher talks to the planner (no
+gRPC thread is ever forked) and wait on a pipe until it has created the job; each then runs the
+script as `__main__` with its own environment, argv and thread count, and exits through the
+interpreter's exit handlers.
+"""
+import atexit
+import importlib
+import os
+import runpy
+import sys
+import traceback
+
+
+class ForkedRank:
+    """A forked rank, with the part of subprocess.Popen's interface that the launcher uses."""
+
+    def __init__(self, pid, go):
+        self.pid, self._go, self.returncode = pid, go, None
+
+    def start(self):
+        """Lets the rank run its script."""
+        os.write(self._go, b"1")
+        os.close(self._go)
+        self._go = -1
+
+    def poll(self):
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def send_signal(self, sig):
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def abandon(self):
+        """Ends a rank that never started (closing its pipe: it exits 0 without running)."""
+        if self._go >= 0:
+            os.close(self._go)
+            self._go = -1
+
+
+def import_modules(names):
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            raise SystemExit(f"ragshard.launch: --preload {name}: {e}") from None
+
+
+def fork_rank(script, args, env, threads):
+    """Forks one rank; it runs `script` once ForkedRank.start() is called."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid:
+        os.close(go_r)
+        return ForkedRank(pid, go_w)
+    os.close(go_w)
+    started = os.read(go_r, 1) == b"1"
+    os.close(go_r)
+    os._exit(_run(script, args, env, threads) if started else 0)
+
+
+def _run(script, args, env, threads):
+    code = 0
+    try:
+        os.environ.clear()
+        os.environ.update(env)
+        if threads and "torch" in sys.modules:
+            # The launcher's import read its own OMP_NUM_THREADS; the rank's count is set here.
+            sys.modules["torch"].set_num_threads(int(threads))
+        sys.argv = [script] + list(args)
+        sys.path[0] = os.path.dirname(os.path.abspath(script))
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except BaseException:  # noqa: B036 - a rank's uncaught error ends it, as in a fresh interpreter
+        traceback.print_exc()
+        code = 1
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    return code & 0xFF
