@@ -93,8 +93,7 @@ double BandwidthCurve::BusBandwidth(double bytes) const {
   if (bytes >= p.back().bytes) return p.back().gbps * 1e9;
   size_t i = 1;
   while (p[i].bytes < bytes) ++i;
-  const double t = (std::log(bytes) - std::log(p[i - 1].bytes)) /
-                   (std::log(p[i].bytes) - std::log(p[i - 1].bytes));
+  const double t = std::log(bytes / p[i - 1].bytes) / std::log(p[i].bytes / p[i - 1].bytes);
   return (p[i - 1].gbps + t * (p[i].gbps - p[i - 1].gbps)) * 1e9;
 }
 
@@ -108,8 +107,8 @@ double ClusterProfile::BusBandwidth(Collective c, const GroupShape& group, doubl
   auto lo = std::prev(hi);
   const double t =
       static_cast<double>(group.intra - lo->first) / static_cast<double>(hi->first - lo->first);
-  return lo->second.BusBandwidth(bytes) +
-         t * (hi->second.BusBandwidth(bytes) - lo->second.BusBandwidth(bytes));
+  const double at_lo = lo->second.BusBandwidth(bytes);
+  return at_lo + t * (hi->second.BusBandwidth(bytes) - at_lo);
 }
 
 double ClusterProfile::CollectiveSeconds(Collective c, const GroupShape& group,

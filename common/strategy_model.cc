@@ -167,7 +167,8 @@ absl::StatusOr<std::unique_ptr<StrategyModel>> StrategyModel::Create(const Inven
 void StrategyModel::AddGrouping(int64_t key) {
   const int64_t k = key % 100000, lead = key / 100000;
   std::vector<std::vector<std::string>> members;
-  Inventory g = GroupUnits(inventory_, k, &members, lead);
+  Inventory& g = *google::protobuf::Arena::CreateMessage<Inventory>(&arena_);
+  GroupUnitsInto(inventory_, k, &members, lead, &g);
   std::vector<double> share, frac;
   double total = 0, largest_unit = 0;
   size_t next = 0;
@@ -187,7 +188,7 @@ void StrategyModel::AddGrouping(int64_t key) {
   compute_share_[key] = std::move(share);
   matrix_fraction_[key] = std::move(frac);
   unpadded_[key] = {total, largest_unit};
-  grouped_[key] = std::move(g);
+  grouped_[key] = &g;
 }
 
 // The distinct units of a grouping: units with the same (dtype, numel, granule) lists plan the
@@ -203,7 +204,7 @@ struct StrategyModel::Signatures {
 };
 
 void StrategyModel::PrepareSignatures(int64_t k) {
-  const Inventory& g = grouped_.at(k);
+  const Inventory& g = *grouped_.at(k);
   auto sig = std::make_unique<Signatures>();
   std::map<std::vector<int64_t>, int> index;
   for (const UnitSpec& u : g.units()) {
@@ -340,7 +341,7 @@ absl::StatusOr<const std::vector<UnitCost>*> StrategyModel::Overlapped(
   const int64_t k = s.grouping();
   RAGSHARD_ASSIGN_OR_RETURN(const GroupStats* sp, Nested(k, s.p.size(), s.os.size()));
   RAGSHARD_ASSIGN_OR_RETURN(const GroupStats* sg, Nested(k, s.g.size(), s.os.size()));
-  const Inventory& g = grouped_.at(k);
+  const Inventory& g = *grouped_.at(k);
   const std::vector<double>& share = compute_share_.at(k);
   const double compute =
       flops_per_token_ * tokens_per_device_ / (profile_.peak_flops * options_.mfu);

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "google/protobuf/arena.h"
 #include "absl/strings/string_view.h"
 #include "common/cluster.h"
 #include "common/inventory.h"
@@ -151,7 +152,10 @@ class StrategyModel {
   double flops_per_token_ = 0;
   double tokens_per_device_ = 0;
   std::vector<int64_t> groupings_;                          // grouping keys the search tries
-  std::map<int64_t, Inventory> grouped_;                    // by k
+  // The grouped inventories live on the arena: built and freed in bulk (each grouping copies
+  // every tensor's spec, thousands per candidate k on the largest models).
+  google::protobuf::Arena arena_;
+  std::map<int64_t, Inventory*> grouped_;                   // by k, on arena_
   std::map<int64_t, std::vector<double>> compute_share_;    // by k: per unit, of the total
   std::map<int64_t, std::vector<double>> matrix_fraction_;  // by k: per unit
   double largest_matrix_ = 0;                               // elements of the largest matrix

@@ -72,6 +72,8 @@ absl::StatusOr<Advice> Advise(StrategyModel* model) {
   }
   advice.padding_target_met = any_good;
   std::vector<Evaluation> accepted;
+  accepted.reserve(evaluated.size());
+  advice.rejected.reserve(evaluated.size());
   for (Evaluation& e : evaluated) {
     if (e.memory.total() > budget) {
       e.rejected = absl::StrFormat("memory %s%s exceeds the budget %s",

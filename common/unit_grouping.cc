@@ -23,6 +23,13 @@ bool IsLayerPart(const std::string& name, int64_t* index) {
 Inventory GroupUnits(const Inventory& inventory, int64_t k,
                      std::vector<std::vector<std::string>>* members, int64_t lead) {
   Inventory out;
+  GroupUnitsInto(inventory, k, members, lead, &out);
+  return out;
+}
+
+void GroupUnitsInto(const Inventory& inventory, int64_t k,
+                    std::vector<std::vector<std::string>>* members, int64_t lead,
+                    Inventory* out) {
   int64_t layers_seen = 0;
   if (members != nullptr) members->clear();
   UnitSpec* open = nullptr;
@@ -55,12 +62,12 @@ Inventory GroupUnits(const Inventory& inventory, int64_t k,
       close();
     }
     if (!layer) {
-      *out.add_units() = u;
+      *out->add_units() = u;
       if (members != nullptr) members->push_back({u.name()});
       continue;
     }
     if (open == nullptr) {
-      open = out.add_units();
+      open = out->add_units();
       first = index;
     }
     if (!same_layer || count == 0) ++count;
@@ -69,7 +76,6 @@ Inventory GroupUnits(const Inventory& inventory, int64_t k,
     for (const TensorSpec& t : u.tensors()) *open->add_tensors() = t;
   }
   close();
-  return out;
 }
 
 int64_t DistinctLeadingLayers(const Inventory& inventory) {

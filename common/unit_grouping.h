@@ -27,6 +27,9 @@ bool IsLayerPart(const std::string& name, int64_t* index);
 // With lead > 0 the first `lead` layer units form one unit first.
 Inventory GroupUnits(const Inventory& inventory, int64_t k,
                      std::vector<std::vector<std::string>>* members = nullptr, int64_t lead = 0);
+// The same into `out` (empty; it may live on an arena, where the search keeps its groupings).
+void GroupUnitsInto(const Inventory& inventory, int64_t k,
+                    std::vector<std::vector<std::string>>* members, int64_t lead, Inventory* out);
 
 // The number of leading layer units whose tensors differ from the last layer's (0 when the
 // layers are alike): the lead groupings worth trying.
