@@ -76,8 +76,9 @@ def main():
     store = os.path.join(work, "ddp.store")
     procs = [subprocess.Popen([sys.executable, example, "--ddp", store, "--out",
                                os.path.join(work, "ddp-gloo")] + common,
-                              env=run_env(RANK=str(r), WORLD_SIZE="4",
-                                           OMP_NUM_THREADS="1"))  # as torchrun and ragshard.launch for r in range(4)]
+                              # One thread per rank, as torchrun and ragshard.launch give.
+                              env=run_env(RANK=str(r), WORLD_SIZE="4", OMP_NUM_THREADS="1"))
+             for r in range(4)]
     for p in procs:
         if p.wait() != 0:
             sys.exit("ddp run failed")

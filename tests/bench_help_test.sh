@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every benchmark program's --help prints its usage and exits 0 at once, without running the
-# benchmark or starting a server (issue 26).
+# benchmark or starting a server (issue 26); and every Python report script under bench/ parses.
 #   bash tests/bench_help_test.sh BUILD/bench
 set -uo pipefail
 dir=$1
@@ -20,5 +20,13 @@ if [[ $count -lt 5 ]]; then
   echo "FAIL: only $count benchmark programs in $dir" >&2
   fail=1
 fi
-[[ $fail -eq 0 ]] && echo "ok: $count benchmark programs print their usage"
+# The report scripts (python3's parser: no bytecode written, nothing imported or run).
+scripts=("$(dirname "$0")"/../bench/*.py)
+if ! python3 -c 'import ast, sys
+for f in sys.argv[1:]:
+    ast.parse(open(f).read(), f)' "${scripts[@]}"; then
+  echo "FAIL: a report script under bench/ does not parse" >&2
+  fail=1
+fi
+[[ $fail -eq 0 ]] && echo "ok: $count benchmark programs print their usage; ${#scripts[@]} report scripts parse"
 exit $fail
