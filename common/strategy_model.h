@@ -27,12 +27,12 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "google/protobuf/arena.h"
 #include "absl/strings/string_view.h"
 #include "common/cluster.h"
 #include "common/inventory.h"
 #include "common/strategy.h"
 #include "common/unit_grouping.h"
+#include "google/protobuf/arena.h"
 
 namespace ragshard {
 
@@ -151,7 +151,7 @@ class StrategyModel {
   int64_t budget_ = 0;
   double flops_per_token_ = 0;
   double tokens_per_device_ = 0;
-  std::vector<int64_t> groupings_;                          // grouping keys the search tries
+  std::vector<int64_t> groupings_;  // grouping keys the search tries
   // The grouped inventories live on the arena: built and freed in bulk (each grouping copies
   // every tensor's spec, thousands per candidate k on the largest models).
   google::protobuf::Arena arena_;

@@ -28,8 +28,7 @@ Inventory GroupUnits(const Inventory& inventory, int64_t k,
 }
 
 void GroupUnitsInto(const Inventory& inventory, int64_t k,
-                    std::vector<std::vector<std::string>>* members, int64_t lead,
-                    Inventory* out) {
+                    std::vector<std::vector<std::string>>* members, int64_t lead, Inventory* out) {
   int64_t layers_seen = 0;
   if (members != nullptr) members->clear();
   UnitSpec* open = nullptr;
