@@ -56,7 +56,9 @@ class DaemonE2E : public ::testing::Test {
         dir_.path() + "/daemon" + std::to_string(n) + ".log");
     struct stat st {};
     Eventually([&] { return stat((sock + ".fd").c_str(), &st) == 0; });
-    ASSERT_EQ(stat(sock.c_str(), &st), 0) << testing::ReadAll(dir_.path() + "/daemon0.log");
+    ASSERT_EQ(stat(sock.c_str(), &st), 0)
+        << "daemon " << n << " made no socket; its log:\n"
+        << testing::ReadAll(dir_.path() + "/daemon" + std::to_string(n) + ".log");
     EXPECT_EQ(st.st_mode & 0777, 0600u);
   }
 
