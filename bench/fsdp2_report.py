@@ -128,7 +128,7 @@ class Runner:
         out = os.path.join(self.work, name)
         store = out + ".store"
         cmd = [sys.executable, EXAMPLE, "--" + mode, store, "--out", out] + common + extra
-        self.commands[name] = f"RANK=r WORLD_SIZE={world} python " + \
+        self.commands[name] = f"RANK=r WORLD_SIZE={world} OMP_NUM_THREADS=1 python " + \
             sh(["examples/train_tiny.py", "--" + mode, "STORE"] + common + extra) + \
             f"   # r = 0..{world - 1}"
         procs, logs = [], []
