@@ -15,6 +15,9 @@ import sys
 import traceback
 
 
+_unstarted = set()  # the launcher's write ends of the pipes of ranks not yet started
+
+
 class ForkedRank:
     """A forked rank, with the part of subprocess.Popen's interface that the launcher uses."""
 
@@ -24,8 +27,7 @@ class ForkedRank:
     def start(self):
         """Lets the rank run its script."""
         os.write(self._go, b"1")
-        os.close(self._go)
-        self._go = -1
+        self._close()
 
     def poll(self):
         if self.returncode is None:
@@ -41,8 +43,12 @@ class ForkedRank:
     def abandon(self):
         """Ends a rank that never started (closing its pipe: it exits 0 without running)."""
         if self._go >= 0:
-            os.close(self._go)
-            self._go = -1
+            self._close()
+
+    def _close(self):
+        _unstarted.discard(self._go)
+        os.close(self._go)
+        self._go = -1
 
 
 def import_modules(names):
@@ -61,8 +67,11 @@ def fork_rank(script, args, env, threads):
     pid = os.fork()
     if pid:
         os.close(go_r)
+        _unstarted.add(go_w)
         return ForkedRank(pid, go_w)
-    os.close(go_w)
+    # Only the launcher holds the other ranks' pipes: each sees its end when the launcher closes it.
+    for fd in _unstarted | {go_w}:
+        os.close(fd)
     started = os.read(go_r, 1) == b"1"
     os.close(go_r)
     os._exit(_run(script, args, env, threads) if started else 0)
