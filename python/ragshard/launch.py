@@ -69,7 +69,7 @@ def parse(argv):
     a.preload = [m for m in a.preload.split(",") if m]
     a.nodes = [n for n in a.nodes.split(",") if n] or [f"node-{i}" for i in range(len(a.sockets))]
     if a.nproc < 1:
-        p.error("--nproc must be at least 1 (0 takes the default)")
+        p.error("--nproc must be at least 1")
     if not a.sockets:
         p.error("--sockets: at least one daemon socket")
     if len(a.nodes) != len(a.sockets):
@@ -79,7 +79,8 @@ def parse(argv):
     if a.nproc % len(a.sockets):
         p.error(f"--nproc {a.nproc} does not split evenly over {len(a.sockets)} daemons")
     if a.threads_per_rank < 0:
-        p.error(f"--threads-per-rank {a.threads_per_rank}: must be at least 1 (0 takes the default)")
+        p.error(f"--threads-per-rank {a.threads_per_rank}: must be at least 1 "
+                "(0 takes the default)")
     if not os.path.exists(a.script):
         p.error(f"script not found: {a.script}")
     return a
