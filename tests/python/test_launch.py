@@ -112,6 +112,8 @@ def test_preloaded_ranks_never_start_when_the_job_cannot_be_created(tmp_path):
 def test_bad_arguments_are_refused(tmp_path):
     r = launch(tmp_path, ["--nproc", "3", "--sockets", "/s0,/s1"])
     assert r.returncode == 2 and "does not split evenly" in r.stderr
+    r = launch(tmp_path, ["--nproc", "0", "--sockets", "/s0"])
+    assert r.returncode == 2 and "--nproc must be at least 1" in r.stderr
     r = launch(tmp_path, ["--nproc", "4", "--sockets", "/s0", "--replicate", "3"])
     assert r.returncode == 2 and "--replicate 3 does not divide" in r.stderr
     r = launch(tmp_path, ["--nproc", "2", "--sockets", "/s0", "--nodes", "a,b"])
