@@ -343,11 +343,11 @@ def sharded(args, model, chain):
     # model built, connected to the daemon, sharded.
     sharding["stages"] = dict(args.private_stages, sharded=sharding["private_bytes_after"])
     ops_before = unit_operations(client, fsdp)
-    losses, step_seconds, pool_trace = [], [], []
+    losses, step_seconds, step_cpu_seconds, pool_trace = [], [], [], []
     tokens = 0
     t0 = time.time()
     for step in range(first, args.steps):
-        ts = time.time()
+        ts, cs = time.time(), time.process_time()
         total = 0.0
         for micro in range(args.accum):
             x, y = batch(chain, args.seed, step * args.accum + micro, global_rows(args, w),
@@ -367,6 +367,7 @@ def sharded(args, model, chain):
         opt.step()
         opt.zero_grad()
         step_seconds.append(time.time() - ts)
+        step_cpu_seconds.append(time.process_time() - cs)  # this process's threads, all of them
         # Between steps only the shards exist: every parameter is without storage and every
         # gradient None (the unsharded buffers went back to the daemon's pool).
         held = [n for n, p in model.named_parameters()
@@ -404,7 +405,8 @@ def sharded(args, model, chain):
         print(f"daemon pool: used {stats['pool_used'] / 2**20:.1f} MiB, peak "
               f"{stats['pool_peak'] / 2**20:.1f} MiB; bytes copied outside collectives: "
               f"{stats.get('staging_bytes', 0)}", flush=True)
-    extra = {"step_seconds": step_seconds, "train_max_rss_bytes": train_rss,
+    extra = {"step_seconds": step_seconds, "step_cpu_seconds": step_cpu_seconds,
+             "train_max_rss_bytes": train_rss,
              "pool_used_bytes": stats["pool_used"],
              "pool_peak_bytes": stats["pool_peak"], "node": env.node,
              "staging_bytes": stats.get("staging_bytes", 0),
@@ -429,12 +431,13 @@ def unit_operations(client, fsdp):
 def _distributed_steps(args, net, chain, r, w, label):
     """The training loop of the torch.distributed modes (--ddp, --fsdp2): AdamW on `net`'s
     parameters, this rank's rows of each global batch, the loss in fp32 and its mean over the
-    ranks every step. Returns the losses and each step's seconds (forward to zero_grad)."""
+    ranks every step. Returns the losses, each step's seconds (forward to zero_grad) and the
+    process's CPU seconds in them (its threads: gloo's too)."""
     import torch.distributed as dist
     opt = torch.optim.AdamW(net.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    losses, step_seconds = [], []
+    losses, step_seconds, step_cpu_seconds = [], [], []
     for step in range(args.steps):
-        ts = time.time()
+        ts, cs = time.time(), time.process_time()
         x, y = batch(chain, args.seed, step, global_rows(args, w), args.seq)
         rows = rank_rows(args, w, r)
         loss = torch.nn.functional.cross_entropy(net(x[rows]).float().reshape(-1, args.vocab),
@@ -443,12 +446,13 @@ def _distributed_steps(args, net, chain, r, w, label):
         opt.step()
         opt.zero_grad()
         step_seconds.append(time.time() - ts)
+        step_cpu_seconds.append(time.process_time() - cs)
         t = torch.tensor([float(loss.detach())])
         dist.all_reduce(t)
         losses.append(float(t) / w)
         if r == 0 and not args.quiet:
             print(f"{label} step {step + 1}/{args.steps} loss {losses[-1]:.6f}", flush=True)
-    return losses, step_seconds
+    return losses, step_seconds, step_cpu_seconds
 
 
 def ddp(args, model, chain):
@@ -456,11 +460,12 @@ def ddp(args, model, chain):
     r, w = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", init_method="file://" + args.ddp, rank=r, world_size=w)
     net = torch.nn.parallel.DistributedDataParallel(model)
-    losses, step_seconds = _distributed_steps(args, net, chain, r, w, "ddp")
+    losses, step_seconds, step_cpu = _distributed_steps(args, net, chain, r, w, "ddp")
     train_rss = max_rss()
     state = {n: p.detach().clone() for n, p in model.named_parameters()}
     dist.destroy_process_group()
-    return losses, state, {"step_seconds": step_seconds, "train_max_rss_bytes": train_rss}
+    return losses, state, {"step_seconds": step_seconds, "step_cpu_seconds": step_cpu,
+                           "train_max_rss_bytes": train_rss}
 
 
 def fsdp2(args, model, chain):
@@ -477,7 +482,7 @@ def fsdp2(args, model, chain):
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    losses, step_seconds = _distributed_steps(args, model, chain, r, w, "fsdp2")
+    losses, step_seconds, step_cpu = _distributed_steps(args, model, chain, r, w, "fsdp2")
     train_rss = max_rss()
     # Every rank takes part in each parameter's all-gather (DTensor.full_tensor()); the sharded
     # parameters are the fp32 masters also under bf16 mixed precision.
@@ -485,8 +490,8 @@ def fsdp2(args, model, chain):
     # This rank's shard of the parameters (each DTensor is sharded on dim 0 over the mesh).
     local = sum(p.to_local().numel() for p in model.parameters())
     dist.destroy_process_group()
-    return losses, state, {"step_seconds": step_seconds, "train_max_rss_bytes": train_rss,
-                           "local_param_elems": local,
+    return losses, state, {"step_seconds": step_seconds, "step_cpu_seconds": step_cpu,
+                           "train_max_rss_bytes": train_rss, "local_param_elems": local,
                            "param_elems": sum(t.numel() for t in state.values())}
 
 

@@ -210,6 +210,10 @@ class Handle(_NoCopy):
             self._h = None
 
 
+# The places of a unit's buffer whose arrays a client keeps (Client._buffer).
+_PLACES_KEPT = 4
+
+
 class Client(_NoCopy):
     """One rank's connection to its planner and its node's daemon."""
 
@@ -223,6 +227,10 @@ class Client(_NoCopy):
                                      int(timeout_ms), _b(token_file),
                                      int(device_memory == "fake"), ctypes.byref(c)))
         self._c = c
+        # (unit, kind) -> {(address, count, typestr): the array over it}: a buffer the daemon
+        # places at an address it had before is the same memory, and its array is reused (a
+        # unit's unsharded buffer usually alternates between two places, forward and backward).
+        self._arrays = {}
         # A list to record operations in (each waited operation's kind, unit, and when it was
         # issued, run by the daemon and waited for; time.monotonic_ns()), or None.
         self.trace = None
@@ -280,11 +288,20 @@ class Client(_NoCopy):
                                      ctypes.byref(count), ctypes.byref(typestr)))
         if count.value < 0:
             return None
+        where = (ptr.value, count.value, typestr.value)
+        places = self._arrays.setdefault((unit, kind), {})
+        if where in places:
+            return places[where]
         shape, on_device = self._shape()
         if on_device:
-            return DeviceBuffer(self, ptr.value, count.value, typestr.value.decode(), shape[4])
-        import numpy as np
-        return np.asarray(_HostView(self, ptr.value, count.value, typestr.value.decode()))
+            array = DeviceBuffer(self, ptr.value, count.value, typestr.value.decode(), shape[4])
+        else:
+            import numpy as np
+            array = np.asarray(_HostView(self, ptr.value, count.value, typestr.value.decode()))
+        if len(places) >= _PLACES_KEPT:
+            del places[next(iter(places))]  # the oldest
+        places[where] = array
+        return array
 
     def param_shard(self, unit):
         return self._buffer(unit, "param_shard")

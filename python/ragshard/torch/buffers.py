@@ -3,20 +3,39 @@ it is unsharded, and saved activations that refer to a unit by place, not addres
 from .params import Saved, set_live
 from .views import tensor_of
 
+# The places of a unit's buffer whose views are kept (the client keeps as many arrays).
+_PLACES_KEPT = 4
+
 
 class BuffersMixin:
     """ShardedModule's binding of parameters and gradients to the daemon's buffers."""
 
+    def _views_of(self, ui, array, kind):
+        """(the tensor over `array`, unit `ui`'s parameters' views of it), built once per place
+        of the buffer: the client returns the same array while the daemon places the unit's
+        buffer at the same address, and the tensors over it are reused."""
+        places = self._view_cache.setdefault((kind, ui), [])
+        for cached, full, views in places:
+            if cached is array:
+                return full, views
+        full = tensor_of(array, self.param_dtype)
+        views = [full[off:off + numel].view(empty.shape)
+                 for (_, off, numel), empty in zip(self._views[ui], self._empty[ui])]
+        if len(places) >= _PLACES_KEPT:
+            places.pop(0)
+        places.append((array, full, views))
+        return full, views
+
     def _bind(self, ui):
         """Points unit `ui`'s parameters into its unsharded buffer (once it is unsharded)."""
-        full = tensor_of(self.client.unsharded(ui), self.param_dtype)
+        full, views = self._views_of(ui, self.client.unsharded(ui), "unsharded")
         self.op_counts["gather"][self._units[ui][0]] += 1
         self._full[ui] = full
         self.peak_unsharded = max(self.peak_unsharded, len(self._full))
         self._by_storage[full.untyped_storage().data_ptr()] = ui
-        for p, off, numel in self._views[ui]:
-            p.data = full[off:off + numel].view(p.shape)
-            set_live(p, True)
+        for (p, _, _), view in zip(self._views[ui], views):
+            set_live(p, True)  # first: the assignment below then runs no __torch_function__
+            p.data = view
 
     def _free(self, ui):
         """Leaves unit `ui`'s parameters without storage (once it is resharded)."""
@@ -24,16 +43,16 @@ class BuffersMixin:
         if full is not None:
             self._by_storage.pop(full.untyped_storage().data_ptr(), None)
         for (p, _, _), empty in zip(self._views[ui], self._empty[ui]):
-            set_live(p, False)
             p.data = empty
+            set_live(p, False)
 
     def _bind_grads(self, ui):
         """Points unit `ui`'s .grad into this rank's gradient buffer (once allocated)."""
-        grad = tensor_of(self.client.grad(ui), self.param_dtype)
+        _, views = self._views_of(ui, self.client.grad(ui), "grad")
         self._grads.add(ui)
-        for p, off, numel in self._views[ui]:
+        for (p, _, _), view in zip(self._views[ui], views):
             if p.requires_grad:
-                p.grad = grad[off:off + numel].view(p.shape)
+                p.grad = view
 
     def _drop_grads(self, ui):
         self._grads.discard(ui)

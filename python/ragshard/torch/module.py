@@ -177,6 +177,7 @@ class ShardedModule(BuffersMixin, HooksMixin, QuantizedGatherMixin, StateMixin, 
         self._by_storage = {}  # the data address of an unsharded buffer -> its unit
         self._grads = set()  # units whose gradient buffers are allocated
         self._empty = {}  # unit -> its parameters' shapes as tensors with no storage
+        self._view_cache = {}  # (kind, unit) -> [(array, tensor, views)] (_views_of)
         # fp32 master shards kept by the module: bf16 parameters, or quantized gathers (whose
         # unsharded buffer holds dequantized values). The optimizers step them.
         masters = {}

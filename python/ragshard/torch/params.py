@@ -5,6 +5,9 @@ its class is ShardedParameter, an nn.Parameter whose `__torch_function__` refuse
 computation on it then with an error that names the parameter and its unit, instead of reading
 stale or released memory. What reads no element keeps working: its shape, dtype and
 requires_grad, `.grad`, `named_parameters()`, printing the module.
+
+While its unit is unsharded the parameter is of its own class again (nn.Parameter), so that its
+forward and backward pay no Python `__torch_function__` per operation.
 """
 import collections
 
@@ -23,12 +26,12 @@ _METADATA = frozenset({
 
 
 def _released(x):
-    return type(x) is ShardedParameter and not x.__dict__.get("_ragshard_live", True)
+    return type(x) is ShardedParameter
 
 
 class ShardedParameter(torch.nn.Parameter):
-    """A parameter of a fully_shard unit (set by fully_shard on the module's own parameters, so
-    their identity is kept)."""
+    """A parameter of a fully_shard unit while the unit is resharded (set by fully_shard on the
+    module's own parameters, so their identity is kept)."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -47,13 +50,17 @@ class ShardedParameter(torch.nn.Parameter):
 
 
 def adopt(p, name, unit):
-    """Makes `p` a ShardedParameter in place (same object), named for errors."""
-    p.__class__ = ShardedParameter
-    p._ragshard_name, p._ragshard_unit, p._ragshard_live = name, unit, True
+    """Makes `p` a parameter of unit `unit` (same object), named for errors; it keeps its class
+    until it is first resharded (set_live)."""
+    if type(p) is not ShardedParameter:
+        p._ragshard_class = type(p)  # its class while its unit is unsharded
+    p._ragshard_name, p._ragshard_unit = name, unit
 
 
 def set_live(p, live):
-    p._ragshard_live = live
+    """Live: the parameter's own class; not live: ShardedParameter, which refuses computation.
+    Changing the class of the same object keeps its identity (optimizers, hooks, names)."""
+    p.__class__ = p._ragshard_class if live else ShardedParameter
 
 
 def storageless(shape, dtype):
