@@ -32,10 +32,16 @@ def _cpu_seconds(pid):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def cpu_section(runs, daemon_cpu, steps, step_time):
+def _median_after_two(values):
+    return statistics.median(values[2:])
+
+
+def cpu_section(runs, daemon_cpu, alone, steps, step_time):
     """Where the CPU goes: each configuration's CPU per step (its ranks', from the example's
     step_cpu_seconds, and its daemons', from /proc over the run) against the machine's 2 cores,
-    and what a step time of 0.8x DDP's would leave ragshard."""
+    what a step time of 0.8x DDP's would leave ragshard, and the floor that the ranks' compute
+    sets (`alone`: the example's JSONs of W independent processes run at once, each with one
+    rank's batch)."""
     cores = os.cpu_count()
     out = ["\n## Where the CPU goes\n",
            f"CPU per step, in ms: the ranks' (the sum over the 4 ranks of each process's CPU time "
@@ -74,6 +80,30 @@ def cpu_section(runs, daemon_cpu, steps, step_time):
             "and the client's hooks. With every core busy nothing is hidden by overlap: the "
             "overlap below moves the daemons' work beside the ranks' compute, and on this "
             "machine it then competes with that compute for the same two cores.\n")
+        # The floor: every rank's forward and backward (an independent process's step without
+        # its optimizer) and one optimizer step over the whole model (the ranks' shards
+        # together), with nothing communicated and no daemon, on cores shared as in the runs.
+        steps_alone = [_median_after_two(a["step_cpu_seconds"]) for a in alone]
+        optimizer = statistics.mean(_median_after_two(a["optimizer_cpu_seconds"]) for a in alone)
+        floor = sum(steps_alone) - len(alone) * optimizer + optimizer
+        alone_t = statistics.median(
+            max(a["step_seconds"][s] for a in alone)
+            for s in range(2, len(alone[0]["step_seconds"])))
+        out.append(
+            f"The floor, measured in the same run: {len(alone)} independent processes at once, "
+            "each with one rank's batch and nothing to communicate (DDP over a world of 1), "
+            f"spend {sum(steps_alone) * 1e3:.0f} core-ms per step "
+            f"({', '.join(f'{x * 1e3:.0f}' for x in steps_alone)}), about "
+            f"{optimizer * 1e3:.0f} ms each in AdamW over the whole model, and take "
+            f"{alone_t * 1e3:.0f} ms per step ({alone_t / ddp_t:.2f}× DDP's; ragshard-adamw's "
+            f"step is {step_time('ragshard-adamw') / alone_t:.2f}× theirs). Their forward and "
+            "backward passes and one AdamW step over the whole model (a sharded optimizer: each "
+            f"rank steps its shard) come to {floor * 1e3:.0f} core-ms: "
+            f"{floor / budget:.2f}× the 0.8× budget, leaving {(budget - floor) * 1e3:.0f} "
+            "core-ms per step for everything communication costs (the daemons' transfers and "
+            "reductions, the hooks, the waits). ragshard's ranks and daemons spend "
+            f"{(ours - floor) * 1e3:.0f} above the floor (the daemons "
+            f"{daemon_cpu.get('ragshard-adamw', 0.0) / steps * 1e3:.0f}).\n")
     return out
 
 
@@ -139,6 +169,19 @@ def main():
         if p.wait() != 0:
             sys.exit("ddp run failed")
     runs["ddp-gloo"] = load("ddp-gloo", 4)
+    # Four independent processes at once, each with one rank's batch and nothing to
+    # communicate (DDP over a world of 1): the compute every rank of the runs above does, on
+    # cores shared as theirs are, for the CPU floor (cpu_section).
+    print("+ independent", file=sys.stderr, flush=True)
+    procs = [subprocess.Popen([sys.executable, example, "--ddp",
+                               os.path.join(work, f"alone{r}.store"), "--out",
+                               os.path.join(work, f"alone{r}")] + common,
+                              env=run_env(RANK="0", WORLD_SIZE="1", OMP_NUM_THREADS="1"))
+             for r in range(4)]
+    for p in procs:
+        if p.wait() != 0:
+            sys.exit("independent run failed")
+    alone = [load(f"alone{r}", 1)[1][0] for r in range(4)]
     print("+ reference", file=sys.stderr, flush=True)
     subprocess.run([sys.executable, example, "--reference", "--world", "4", "--out",
                     os.path.join(work, "reference")] + common, env=run_env(), check=True)
@@ -193,7 +236,7 @@ def main():
     for name in ("ragshard-adamw", "ragshard-muon", "ragshard-int8", "ragshard-fp8", "ddp-gloo"):
         t = step_time(name)
         md.append(f"| {name} | {t:.3f} | {t / ddp_t:.2f}× |")
-    md += cpu_section(runs, daemon_cpu, args.steps, step_time)
+    md += cpu_section(runs, daemon_cpu, alone, args.steps, step_time)
     md += ["\n## Memory per rank\n",
            "| configuration | max RSS per rank (MiB) | daemon pool in use per node (MiB) |",
            "|---|---|---:|"]
@@ -251,7 +294,7 @@ def main():
                 md.append(f"| {name} | {kind} | {seconds * 1e3:.2f} | {hidden:.0%} |")
     md += ["",
            "## Why the step time differs\n",
-           "Both run 4 training processes on 2 cores with one intra-op thread each (`OMP_NUM_THREADS=1`: ragshard.launch's default where ranks share a node, and given to the DDP ranks as torchrun would), so run-to-run noise is several percent (an earlier run of this script measured ragshard-adamw at 1.12x DDP). What differs: DDP all-reduces gradient buckets while backward runs; ragshard re-gathers each unit before its backward (`reshard_after_forward`), reduce-scatters each unit as its gradients complete, goes through the daemon for every operation (a command through the shared-memory queue per rank, and the daemon's hand-off to its job thread; `docs/benchmarks/collectives.md`), and steps the optimizer on shards (a quarter of the parameters per rank). Muon adds, per unit and step, a gather to the owners, Newton-Schulz on each owner (the other ranks wait for the most loaded owner) and a scatter back, plus masked element updates in Python. The quantized runs quantize and dequantize in Python on every gather; their ranks also keep an fp32 master copy of their shard and the dequantization temporaries, hence the larger RSS, and the daemon holds the byte units.\n",
+           "Both run 4 training processes on 2 cores with one intra-op thread each (`OMP_NUM_THREADS=1`: ragshard.launch's default where ranks share a node, and given to the DDP ranks as torchrun would), and this virtual machine's cores run at speeds that vary from run to run (DDP's own median step ranged from 187 to 250 ms over six runs on 2026-11-26), so only ratios within one run mean anything, and even they move by several percent between runs. What differs: DDP all-reduces gradient buckets while backward runs; ragshard re-gathers each unit before its backward (`reshard_after_forward`), reduce-scatters each unit as its gradients complete, goes through the daemon for every operation (a command through the shared-memory queue per rank, and the daemon's hand-off to its job thread; `docs/benchmarks/collectives.md`), and steps the optimizer on shards (a quarter of the parameters per rank). Muon adds, per unit and step, a gather to the owners, Newton-Schulz on each owner (the other ranks wait for the most loaded owner) and a scatter back, plus masked element updates in Python. The quantized runs quantize and dequantize in Python on every gather; their ranks also keep an fp32 master copy of their shard and the dequantization temporaries, hence the larger RSS, and the daemon holds the byte units.\n",
            "## Reproduce\n", "```\nbash scripts/test.sh\n.venv/bin/python "
            "bench/training_report.py --build build\n```\n"]
     with open(args.out, "w") as f:

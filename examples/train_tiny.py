@@ -343,7 +343,7 @@ def sharded(args, model, chain):
     # model built, connected to the daemon, sharded.
     sharding["stages"] = dict(args.private_stages, sharded=sharding["private_bytes_after"])
     ops_before = unit_operations(client, fsdp)
-    losses, step_seconds, step_cpu_seconds, pool_trace = [], [], [], []
+    losses, step_seconds, step_cpu_seconds, optimizer_cpu_seconds, pool_trace = [], [], [], [], []
     tokens = 0
     t0 = time.time()
     for step in range(first, args.steps):
@@ -364,10 +364,12 @@ def sharded(args, model, chain):
             tokens += x[rows].numel() * w
         if args.clip > 0:
             fsdp.clip_grad_norm_(args.clip)
+        co = time.process_time()
         opt.step()
         opt.zero_grad()
         step_seconds.append(time.time() - ts)
         step_cpu_seconds.append(time.process_time() - cs)  # this process's threads, all of them
+        optimizer_cpu_seconds.append(time.process_time() - co)
         # Between steps only the shards exist: every parameter is without storage and every
         # gradient None (the unsharded buffers went back to the daemon's pool).
         held = [n for n, p in model.named_parameters()
@@ -406,7 +408,7 @@ def sharded(args, model, chain):
               f"{stats['pool_peak'] / 2**20:.1f} MiB; bytes copied outside collectives: "
               f"{stats.get('staging_bytes', 0)}", flush=True)
     extra = {"step_seconds": step_seconds, "step_cpu_seconds": step_cpu_seconds,
-             "train_max_rss_bytes": train_rss,
+             "optimizer_cpu_seconds": optimizer_cpu_seconds, "train_max_rss_bytes": train_rss,
              "pool_used_bytes": stats["pool_used"],
              "pool_peak_bytes": stats["pool_peak"], "node": env.node,
              "staging_bytes": stats.get("staging_bytes", 0),
@@ -431,11 +433,12 @@ def unit_operations(client, fsdp):
 def _distributed_steps(args, net, chain, r, w, label):
     """The training loop of the torch.distributed modes (--ddp, --fsdp2): AdamW on `net`'s
     parameters, this rank's rows of each global batch, the loss in fp32 and its mean over the
-    ranks every step. Returns the losses, each step's seconds (forward to zero_grad) and the
-    process's CPU seconds in them (its threads: gloo's too)."""
+    ranks every step. Returns the losses, each step's seconds (forward to zero_grad), and the
+    process's CPU seconds in each step and in its optimizer step (all its threads: gloo's
+    too)."""
     import torch.distributed as dist
     opt = torch.optim.AdamW(net.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    losses, step_seconds, step_cpu_seconds = [], [], []
+    losses, step_seconds, step_cpu_seconds, optimizer_cpu_seconds = [], [], [], []
     for step in range(args.steps):
         ts, cs = time.time(), time.process_time()
         x, y = batch(chain, args.seed, step, global_rows(args, w), args.seq)
@@ -443,16 +446,19 @@ def _distributed_steps(args, net, chain, r, w, label):
         loss = torch.nn.functional.cross_entropy(net(x[rows]).float().reshape(-1, args.vocab),
                                                  y[rows].reshape(-1))
         loss.backward()
+        co = time.process_time()
         opt.step()
         opt.zero_grad()
         step_seconds.append(time.time() - ts)
         step_cpu_seconds.append(time.process_time() - cs)
+        optimizer_cpu_seconds.append(time.process_time() - co)
         t = torch.tensor([float(loss.detach())])
         dist.all_reduce(t)
         losses.append(float(t) / w)
         if r == 0 and not args.quiet:
             print(f"{label} step {step + 1}/{args.steps} loss {losses[-1]:.6f}", flush=True)
-    return losses, step_seconds, step_cpu_seconds
+    return losses, step_seconds, {"step_cpu_seconds": step_cpu_seconds,
+                                  "optimizer_cpu_seconds": optimizer_cpu_seconds}
 
 
 def ddp(args, model, chain):
@@ -464,7 +470,7 @@ def ddp(args, model, chain):
     train_rss = max_rss()
     state = {n: p.detach().clone() for n, p in model.named_parameters()}
     dist.destroy_process_group()
-    return losses, state, {"step_seconds": step_seconds, "step_cpu_seconds": step_cpu,
+    return losses, state, {"step_seconds": step_seconds, **step_cpu,
                            "train_max_rss_bytes": train_rss}
 
 
@@ -490,7 +496,7 @@ def fsdp2(args, model, chain):
     # This rank's shard of the parameters (each DTensor is sharded on dim 0 over the mesh).
     local = sum(p.to_local().numel() for p in model.parameters())
     dist.destroy_process_group()
-    return losses, state, {"step_seconds": step_seconds, "step_cpu_seconds": step_cpu,
+    return losses, state, {"step_seconds": step_seconds, **step_cpu,
                            "train_max_rss_bytes": train_rss, "local_param_elems": local,
                            "param_elems": sum(t.numel() for t in state.values())}
 
