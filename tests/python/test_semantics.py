@@ -176,5 +176,15 @@ def test_a_parameter_used_while_resharded_is_an_error_naming_it(cluster):
     state = model.state_dict()
     assert state["moe.experts.0.up.weight"].shape == (32, 16)
     assert float(state["moe.experts.0.up.weight"].abs().sum()) > 0
-    # And the unit itself still runs.
+    # And the unit itself still runs. Inside its forward the parameter is of its own class
+    # (no Python __torch_function__ per operation), the same object; outside it refuses again.
+    seen = []
+    # A pre-hook registered after fully_shard's runs after its unshard.
+    hook = net.moe.register_forward_pre_hook(lambda m, i: seen.append(type(w)))
     model(x, x % 2)
+    hook.remove()
+    from ragshard.torch.params import ShardedParameter
+    assert seen == [torch.nn.Parameter] and net.moe.experts[0].up.weight is w
+    assert type(w) is ShardedParameter
+    with pytest.raises(RuntimeError, match="'moe.experts.0.up.weight' is used while"):
+        _ = w @ torch.ones(16)
