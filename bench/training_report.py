@@ -7,6 +7,7 @@ docs/benchmarks/training_loss.png and a step's timeline docs/benchmarks/training
     .venv/bin/python bench/training_report.py --build build [--steps 30]
 """
 import argparse
+import collections
 import datetime
 import json
 import os
@@ -30,6 +31,30 @@ def _cpu_seconds(pid):
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _step_time(ranks):
+    """The slowest rank's time per step, median over the steps after the first two."""
+    return statistics.median(max(r["step_seconds"][s] for r in ranks)
+                             for s in range(2, len(ranks[0]["step_seconds"])))
+
+
+def alternated_section(alternated):
+    """The step times of runs alternated REPS times: each configuration's median (min-max)
+    over its runs, and the ratios of the medians to DDP's."""
+    ddp = statistics.median(alternated["ddp-gloo"])
+    reps = len(alternated["ddp-gloo"])
+    out = ["\n## Step time, alternated\n",
+           f"{reps} runs each of ragshard-adamw, DDP and the 4 independent processes (below), "
+           "one after another in turn, each run's figure its median step (slowest rank or "
+           "process) over the steps after the first two: the median over the runs "
+           "(min–max).\n",
+           "| configuration | step time (ms) | ÷ DDP (gloo), medians |", "|---|---:|---:|"]
+    for name in ("ragshard-adamw", "ddp-gloo", "independent"):
+        v = alternated[name]
+        out.append(f"| {name} | {statistics.median(v) * 1e3:.0f} ({min(v) * 1e3:.0f}–"
+                   f"{max(v) * 1e3:.0f}) | {statistics.median(v) / ddp:.2f}× |")
+    return out
 
 
 def _median_after_two(values):
@@ -111,6 +136,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--build", default="build")
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--reps", type=int, default=5,
+                    help="alternated runs of ragshard-adamw, DDP and the independent processes")
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "benchmarks", "training.md"))
     args = ap.parse_args()
     build = os.path.abspath(args.build)
@@ -131,10 +158,9 @@ def main():
                  for r in range(world)]
         return main_json, ranks
 
-    for name, extra in (("ragshard-adamw", []), ("ragshard-muon", ["--optimizer", "muon"]),
-                        ("ragshard-int8", ["--quantize", "int8"]),
-                        ("ragshard-fp8", ["--quantize", "fp8"])):
-        # A fresh planner and daemons per configuration: the pool figures are this job's alone.
+    def run_ragshard(name, extra):
+        """The example through ragshard, 2 daemons x 2 ranks; its JSONs and its daemons' CPU
+        seconds. A fresh planner and daemons per run: the pool figures are this job's alone."""
         with LocalCluster(build, daemons=2, pool_bytes=512 << 20) as c:
             print("+", name, file=sys.stderr, flush=True)
             daemons = [p.pid for p in c.procs if os.path.basename(p.args[0]) == "ragshardd"]
@@ -143,8 +169,30 @@ def main():
                             "--job", name, "--nproc", "4", "--sockets", ",".join(c.sockets),
                             "--create-job", example, "--out", os.path.join(work, name)] +
                            common + extra, env=run_env(), check=True)
-            runs[name] = load(name, 4)
-            daemon_cpu[name] = sum(_cpu_seconds(pid) for pid in daemons) - before
+            return load(name, 4), sum(_cpu_seconds(pid) for pid in daemons) - before
+
+    def run_processes(name, world):
+        """4 processes of the example in --ddp mode over `world` (4: DDP; 1: each alone, with
+        one rank's batch and nothing to communicate); their rank JSONs."""
+        print("+", name, file=sys.stderr, flush=True)
+        procs = [subprocess.Popen(
+            [sys.executable, example, "--ddp", os.path.join(work, f"{name}.{r}.store"
+                                                            if world == 1 else f"{name}.store"),
+             "--out", os.path.join(work, f"{name}.{r}" if world == 1 else name)] + common,
+            # One thread per rank, as torchrun and ragshard.launch give.
+            env=run_env(RANK=str(r if world > 1 else 0), WORLD_SIZE=str(world),
+                        OMP_NUM_THREADS="1")) for r in range(4)]
+        for p in procs:
+            if p.wait() != 0:
+                sys.exit(f"{name} run failed")
+        if world == 1:
+            return [load(f"{name}.{r}", 1)[1][0] for r in range(4)]
+        return load(name, 4)
+
+    for name, extra in (("ragshard-adamw", []), ("ragshard-muon", ["--optimizer", "muon"]),
+                        ("ragshard-int8", ["--quantize", "int8"]),
+                        ("ragshard-fp8", ["--quantize", "fp8"])):
+        runs[name], daemon_cpu[name] = run_ragshard(name, extra)
     # Two short traced runs (RAGSHARD_TRACE): plain FSDP over the 4 ranks, and HSDP (shard groups
     # of 2 within a node, 2 replicas across the nodes). Not in the step-time table.
     traces = {}
@@ -158,30 +206,19 @@ def main():
                             example, "--steps", "8", "--quiet"],
                            env=run_env(RAGSHARD_TRACE=tdir), check=True)
             traces[name] = timeline.load(os.path.join(tdir, "rank0.json"))
-    print("+ ddp-gloo", file=sys.stderr, flush=True)
-    store = os.path.join(work, "ddp.store")
-    procs = [subprocess.Popen([sys.executable, example, "--ddp", store, "--out",
-                               os.path.join(work, "ddp-gloo")] + common,
-                              # One thread per rank, as torchrun and ragshard.launch give.
-                              env=run_env(RANK=str(r), WORLD_SIZE="4", OMP_NUM_THREADS="1"))
-             for r in range(4)]
-    for p in procs:
-        if p.wait() != 0:
-            sys.exit("ddp run failed")
-    runs["ddp-gloo"] = load("ddp-gloo", 4)
+    runs["ddp-gloo"] = run_processes("ddp-gloo", 4)
     # Four independent processes at once, each with one rank's batch and nothing to
     # communicate (DDP over a world of 1): the compute every rank of the runs above does, on
     # cores shared as theirs are, for the CPU floor (cpu_section).
-    print("+ independent", file=sys.stderr, flush=True)
-    procs = [subprocess.Popen([sys.executable, example, "--ddp",
-                               os.path.join(work, f"alone{r}.store"), "--out",
-                               os.path.join(work, f"alone{r}")] + common,
-                              env=run_env(RANK="0", WORLD_SIZE="1", OMP_NUM_THREADS="1"))
-             for r in range(4)]
-    for p in procs:
-        if p.wait() != 0:
-            sys.exit("independent run failed")
-    alone = [load(f"alone{r}", 1)[1][0] for r in range(4)]
+    alone = run_processes("independent", 1)
+    # This machine's cores change speed from minute to minute: the step times that the target
+    # compares are measured again, args.reps runs of each, alternated.
+    alternated = collections.defaultdict(list)
+    for rep in range(args.reps):
+        (_, ranks), _ = run_ragshard(f"alt{rep}-ragshard-adamw", [])
+        alternated["ragshard-adamw"].append(_step_time(ranks))
+        alternated["ddp-gloo"].append(_step_time(run_processes(f"alt{rep}-ddp-gloo", 4)[1]))
+        alternated["independent"].append(_step_time(run_processes(f"alt{rep}-independent", 1)))
     print("+ reference", file=sys.stderr, flush=True)
     subprocess.run([sys.executable, example, "--reference", "--world", "4", "--out",
                     os.path.join(work, "reference")] + common, env=run_env(), check=True)
@@ -214,11 +251,7 @@ def main():
     fig.savefig(timeline_png, dpi=110)
 
     def step_time(name):
-        ranks = runs[name][1]
-        # The slowest rank's time per step, median over the steps after the first two.
-        per_step = [max(r["step_seconds"][s] for r in ranks)
-                    for s in range(2, len(ranks[0]["step_seconds"]))]
-        return statistics.median(per_step)
+        return _step_time(runs[name][1])
 
     md = ["# Training benchmark\n",
           f"Run on {datetime.date.today()} on this repository's 2-core development machine by "
@@ -236,6 +269,7 @@ def main():
     for name in ("ragshard-adamw", "ragshard-muon", "ragshard-int8", "ragshard-fp8", "ddp-gloo"):
         t = step_time(name)
         md.append(f"| {name} | {t:.3f} | {t / ddp_t:.2f}× |")
+    md += alternated_section(alternated)
     md += cpu_section(runs, daemon_cpu, alone, args.steps, step_time)
     md += ["\n## Memory per rank\n",
            "| configuration | max RSS per rank (MiB) | daemon pool in use per node (MiB) |",
