@@ -61,12 +61,12 @@ def _median_after_two(values):
     return statistics.median(values[2:])
 
 
-def cpu_section(runs, daemon_cpu, alone, steps, step_time):
+def cpu_section(runs, daemon_cpu, alone, alternated, steps, step_time):
     """Where the CPU goes: each configuration's CPU per step (its ranks', from the example's
     step_cpu_seconds, and its daemons', from /proc over the run) against the machine's 2 cores,
     what a step time of 0.8x DDP's would leave ragshard, and the floor that the ranks' compute
     sets (`alone`: the example's JSONs of W independent processes run at once, each with one
-    rank's batch)."""
+    rank's batch; `alternated`: the step times of the alternated runs)."""
     cores = os.cpu_count()
     out = ["\n## Where the CPU goes\n",
            f"CPU per step, in ms: the ranks' (the sum over the 4 ranks of each process's CPU time "
@@ -111,20 +111,25 @@ def cpu_section(runs, daemon_cpu, alone, steps, step_time):
         steps_alone = [_median_after_two(a["step_cpu_seconds"]) for a in alone]
         optimizer = statistics.mean(_median_after_two(a["optimizer_cpu_seconds"]) for a in alone)
         floor = sum(steps_alone) - len(alone) * optimizer + optimizer
-        alone_t = statistics.median(
-            max(a["step_seconds"][s] for a in alone)
-            for s in range(2, len(alone[0]["step_seconds"])))
+        med = {k: statistics.median(v) for k, v in alternated.items()}
         out.append(
             f"The floor, measured in the same run: {len(alone)} independent processes at once, "
             "each with one rank's batch and nothing to communicate (DDP over a world of 1), "
             f"spend {sum(steps_alone) * 1e3:.0f} core-ms per step "
             f"({', '.join(f'{x * 1e3:.0f}' for x in steps_alone)}), about "
-            f"{optimizer * 1e3:.0f} ms each in AdamW over the whole model, and take "
-            f"{alone_t * 1e3:.0f} ms per step ({alone_t / ddp_t:.2f}× DDP's; ragshard-adamw's "
-            f"step is {step_time('ragshard-adamw') / alone_t:.2f}× theirs). Their forward and "
+            f"{optimizer * 1e3:.0f} ms each in AdamW over the whole model. In the alternated "
+            f"runs above they take {med['independent'] * 1e3:.0f} ms per step, "
+            f"{med['independent'] / med['ddp-gloo']:.2f}× DDP's median"
+            + (": a step of 0.8× DDP's is below what these processes reach with no "
+               "communication at all" if med['independent'] > 0.8 * med['ddp-gloo'] else
+               f": a step of 0.8× DDP's leaves "
+               f"{0.8 - med['independent'] / med['ddp-gloo']:.2f}× DDP's step for everything "
+               "communication costs")
+            + f", and ragshard-adamw's median is "
+            f"{med['ragshard-adamw'] / med['independent']:.2f}× theirs. Their forward and "
             "backward passes and one AdamW step over the whole model (a sharded optimizer: each "
             f"rank steps its shard) come to {floor * 1e3:.0f} core-ms: "
-            f"{floor / budget:.2f}× the 0.8× budget, leaving {(budget - floor) * 1e3:.0f} "
+            f"{floor / budget:.2f}× the 0.8× budget of the CPU table, leaving {(budget - floor) * 1e3:.0f} "
             "core-ms per step for everything communication costs (the daemons' transfers and "
             "reductions, the hooks, the waits). ragshard's ranks and daemons spend "
             f"{(ours - floor) * 1e3:.0f} above the floor (the daemons "
@@ -270,7 +275,7 @@ def main():
         t = step_time(name)
         md.append(f"| {name} | {t:.3f} | {t / ddp_t:.2f}× |")
     md += alternated_section(alternated)
-    md += cpu_section(runs, daemon_cpu, alone, args.steps, step_time)
+    md += cpu_section(runs, daemon_cpu, alone, alternated, args.steps, step_time)
     md += ["\n## Memory per rank\n",
            "| configuration | max RSS per rank (MiB) | daemon pool in use per node (MiB) |",
            "|---|---|---:|"]
