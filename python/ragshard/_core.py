@@ -210,8 +210,9 @@ class Handle(_NoCopy):
             self._h = None
 
 
-# The places of a unit's buffer whose arrays a client keeps (Client._buffer).
-_PLACES_KEPT = 4
+# The places of a unit's buffer whose arrays a client keeps (Client._buffer); fully_shard keeps
+# its views of as many (ragshard.torch.buffers).
+BUFFER_PLACES_KEPT = 4
 
 
 class Client(_NoCopy):
@@ -298,7 +299,7 @@ class Client(_NoCopy):
         else:
             import numpy as np
             array = np.asarray(_HostView(self, ptr.value, count.value, typestr.value.decode()))
-        if len(places) >= _PLACES_KEPT:
+        if len(places) >= BUFFER_PLACES_KEPT:
             del places[next(iter(places))]  # the oldest
         places[where] = array
         return array

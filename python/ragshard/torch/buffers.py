@@ -1,10 +1,8 @@
 """fully_shard's buffers: parameters and gradients bound to a unit's unsharded buffers while
 it is unsharded, and saved activations that refer to a unit by place, not address."""
+from .._core import BUFFER_PLACES_KEPT
 from .params import Saved, set_live
 from .views import tensor_of
-
-# The places of a unit's buffer whose views are kept (the client keeps as many arrays).
-_PLACES_KEPT = 4
 
 
 class BuffersMixin:
@@ -21,7 +19,7 @@ class BuffersMixin:
         full = tensor_of(array, self.param_dtype)
         views = [full[off:off + numel].view(empty.shape)
                  for (_, off, numel), empty in zip(self._views[ui], self._empty[ui])]
-        if len(places) >= _PLACES_KEPT:
+        if len(places) >= BUFFER_PLACES_KEPT:
             places.pop(0)
         places.append((array, full, views))
         return full, views
