@@ -99,7 +99,9 @@ class Runner:
                 f"<{daemons} daemon socket{'s' if daemons > 1 else ''}> --create-job " + \
                 sh(["examples/train_tiny.py"] + common + extra)
             # A session of its own: on a timeout the launcher and its ranks are killed together.
-            code, text = run_in_session(cmd, self.env, TIMEOUT)
+            # The cluster's planner token: self.env was taken before the cluster made it.
+            code, text = run_in_session(cmd, dict(self.env, RAGSHARD_TOKEN_FILE=c.token_file),
+                                        TIMEOUT)
             if code != 0:
                 self.runs[name] = {"error": text[-3000:]}
                 print(self.runs[name]["error"], file=sys.stderr)
@@ -175,6 +177,9 @@ def bf16_reference(world, steps, rounded_masters):
     import copy
     import importlib.util
     import torch
+    # train_tiny imports tiny_optim from beside itself, as it does when run as a script.
+    if os.path.dirname(EXAMPLE) not in sys.path:
+        sys.path.insert(0, os.path.dirname(EXAMPLE))
     spec = importlib.util.spec_from_file_location("train_tiny", EXAMPLE)
     tt = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tt)
