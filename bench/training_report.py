@@ -145,6 +145,10 @@ def main():
                     help="alternated runs of ragshard-adamw, DDP and the independent processes")
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "benchmarks", "training.md"))
     args = ap.parse_args()
+    if args.reps < 1:
+        ap.error(f"--reps {args.reps}: at least 1 alternated run is needed")
+    if args.steps < 4:
+        ap.error(f"--steps {args.steps}: the medians leave out the first two steps; at least 4")
     build = os.path.abspath(args.build)
     sys.path.insert(0, os.path.join(build, "python"))
     from ragshard.cluster import LocalCluster
