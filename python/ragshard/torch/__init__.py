@@ -1,12 +1,16 @@
 """fully_shard for PyTorch on ragshard.
 
-    import ragshard, ragshard.torch as rt
-    client = ragshard.connect()
-    model = rt.fully_shard(model, client, units=lambda m: list(m.layers))
-    opt = rt.ShardedAdamW(model, lr=1e-3, weight_decay=0.01)
+    import ragshard.torch as rt
+    model = rt.fully_shard(model, units=lambda m: list(m.layers))  # client from the environment
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    opt = rt.ShardedOptimizer(model, torch.optim.AdamW, [
+        {"params": decay, "weight_decay": 0.1},
+        {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}],
+        lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 100))
     for batch in data:
         loss = model(batch).mean(); loss.backward()
-        model.clip_grad_norm_(1.0); opt.step(); opt.zero_grad()
+        model.clip_grad_norm_(1.0); opt.step(); sched.step(); opt.zero_grad()
 
 One FSDP unit per submodule chosen by the policy `units(module)`; parameters outside every unit
 form a last unit, "root" (as FSDP's root module). What persists is the daemon's shards: each
@@ -47,9 +51,10 @@ the optimizer, gradients reduced in fp32 (FSDP2's MixedPrecisionPolicy(bf16, fp3
 default is fp32 throughout.
 """
 from .module import ShardedModule, fully_shard
-from .optim import ShardedAdamW, ShardedMuon, newton_schulz
+from .optim import ShardedMuon, newton_schulz
 from .optim8bit import ShardedAdam8bit
 from .shampoo import ShardedShampoo
+from .sharded_optimizer import ELEMENTWISE, ShardedAdamW, ShardedOptimizer
 
-__all__ = ["fully_shard", "ShardedModule", "ShardedAdamW", "ShardedMuon", "ShardedAdam8bit",
-           "ShardedShampoo", "newton_schulz"]
+__all__ = ["fully_shard", "ShardedModule", "ShardedOptimizer", "ShardedAdamW", "ShardedMuon",
+           "ShardedAdam8bit", "ShardedShampoo", "ELEMENTWISE", "newton_schulz"]

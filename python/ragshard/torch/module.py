@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from .. import Env, Error, plan_of
+from .. import Client, Env, Error, connect, plan_of
 from .buffers import BuffersMixin
 from .meta import adopt_meta, release_freed_memory, values
 from .hooks import HooksMixin
@@ -182,6 +182,8 @@ class ShardedModule(BuffersMixin, HooksMixin, QuantizedGatherMixin, StateMixin, 
         # unsharded buffer holds dequantized values). The optimizers step them.
         masters = {}
         self._index = {}  # id(parameter) -> its index in unit order
+        self._names = []  # index -> the parameter's name
+        self._optimizer_state = {}  # (optimizer, key, unit) -> tensor (optimizer_state)
         for ui, (uname, _, params) in enumerate(self._units):
             if self.plan["units"][ui]["unit"] != uname:
                 raise RuntimeError(f"plan unit {ui} is {self.plan['units'][ui]['unit']}, "
@@ -201,6 +203,7 @@ class ShardedModule(BuffersMixin, HooksMixin, QuantizedGatherMixin, StateMixin, 
                 _, off, numel, t = by_name[n]
                 index = len(self._index)
                 self._index[id(p)] = index
+                self._names.append(n)
                 matrix = t.get("optimizer") in WHOLE_MATRIX
                 a, b = max(off, lo), min(off + numel, hi)
                 if a < b:
@@ -380,12 +383,45 @@ class ShardedModule(BuffersMixin, HooksMixin, QuantizedGatherMixin, StateMixin, 
         """The index of parameter `p` in unit order (that of `has_grad` and of the pieces)."""
         return self._index[id(p)]
 
+    def unit_param_name(self, index):
+        """The name of parameter `index` (unit order)."""
+        return self._names[index]
+
+    def optimizer_state(self, owner, key, ui, numel, dtype=torch.float32):
+        """The module's tensor of `numel` elements that holds state `key` of optimizer `owner`
+        for unit `ui` (zeros when new). The optimizers keep their state of this rank's pieces
+        here rather than in tensors of their own, so that where it lives is the module's
+        choice."""
+        k = (owner, key, ui)
+        t = self._optimizer_state.get(k)
+        if t is None or t.numel() != numel or t.dtype != dtype:
+            t = self._optimizer_state[k] = torch.zeros(numel, dtype=dtype)
+        return t
+
+    def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
+        """The wrapped module's parameters under their own names (as FSDP2, which wraps in
+        place): the names an optimizer's param groups and a state dict use."""
+        return self.module.named_parameters(prefix, recurse, remove_duplicate)
+
+    def named_buffers(self, prefix="", recurse=True, remove_duplicate=True):
+        return self.module.named_buffers(prefix, recurse, remove_duplicate)
+
 
 def _nested(a, b):
     """True when module a contains module b or b contains a."""
     return any(m is b for m in a.modules()) or any(m is a for m in b.modules())
 
 
-def fully_shard(module, client, units, **kwargs):
-    """Shards `module` over the job of `client`: see ShardedModule."""
+def fully_shard(module, client=None, units=None, **kwargs):
+    """Shards `module` over the job of `client`: see ShardedModule. Without a client, connects
+    from the environment (ragshard.connect(): ragshard-launch's, torchrun's or srun's
+    variables), as FSDP2's fully_shard uses the default process group."""
+    if units is None:
+        if callable(client) and not isinstance(client, Client):
+            client, units = None, client  # fully_shard(module, units) positionally
+        else:
+            raise TypeError("fully_shard: units= is required (a function of the module that "
+                            "returns its FSDP units, e.g. lambda m: list(m.layers))")
+    if client is None:
+        client = connect()
     return ShardedModule(module, client, units, **kwargs)

@@ -1,4 +1,5 @@
-"""Optimizers on the shards of a ShardedModule.
+"""The whole-matrix optimizers on the shards of a ShardedModule (Muon here, Shampoo in
+shampoo.py), and what they share; the elementwise ones are sharded_optimizer.py's.
 
 Each works on this rank's parameter shards (or their fp32 masters) with the gradient shards as
 gradients, and keeps PyTorch's rule for parameters without a gradient: a parameter whose `.grad`
@@ -8,80 +9,17 @@ which parameters have a gradient with the same rule on every rank (`ShardedModul
 """
 import torch
 
+from .groups import ModuleOptimizer
+from .sharded_optimizer import ShardedAdamW, copy_masters, master_copies  # noqa: F401
 from .views import as_tensor
 
 __all__ = ["ShardedAdamW", "ShardedMuon", "OwnerOptimizer", "newton_schulz", "master_copies",
-           "copy_masters", "matrix_units", "matrix_mask"]
+           "copy_masters", "matrix_units"]
 
-
-class ShardedAdamW:
-    """torch.optim.AdamW on this rank's shards: one tensor per piece of a parameter that lies in
-    the shard (a view of the parameter shard, or of the fp32 master with param_dtype bf16 or
-    quantized gathers), whose gradient is the same piece of the gradient shard. A piece is
-    stepped only while its parameter has a gradient, with that parameter's own step count, as
-    torch.optim.AdamW steps each parameter. Matrix parameters are left out with
-    `skip_matrices` (ShardedMuon updates them)."""
-
-    def __init__(self, model, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
-                 skip_matrices=False):
-        self.model = model
-        self.pieces = []  # (parameter index, piece of the master, piece of the gradient shard)
-        self.where = []  # (unit, lo, hi): each piece's elements of the optimizer range
-        self.copies = master_copies(model)
-        for ui in model.units() if model.steps else ():
-            shard, grad = model.shard(ui)
-            master = _master(model, ui, shard)
-            for piece in model.pieces(ui):
-                if skip_matrices and piece.matrix:
-                    continue
-                p = torch.nn.Parameter(master[piece.lo:piece.hi], requires_grad=False)
-                self.pieces.append((piece.index, p, grad[piece.lo:piece.hi]))
-                self.where.append((ui, piece.lo, piece.hi))
-        # A rank whose shard holds no piece (a small model over many ranks) has nothing to step.
-        self.opt = torch.optim.AdamW([p for _, p, _ in self.pieces], lr=lr, betas=betas,
-                                     eps=eps, weight_decay=weight_decay) if self.pieces else None
-
-    def step(self, gather=True):
-        """Steps this rank's optimizer range, then (unless `gather` is False: the caller
-        gathers once its own updates are in) AMSP's update gather."""
-        self.model.wait_for_checkpoint_write()  # an asynchronous save may be reading the state
-        has = self.model.has_grad
-        for index, p, grad in self.pieces:
-            p.grad = grad if has[index] else None
-        if self.opt is not None:
-            self.opt.step()
-        copy_masters(self.copies)
-        if gather:
-            self.model.gather_updates()
-
-    def zero_grad(self, set_to_none=True):
-        self.model.zero_grad(set_to_none=set_to_none)
-
-
-def _master(model, ui, shard):
-    """What the optimizer steps for unit `ui`: the fp32 master of the optimizer range where the
-    module keeps one, else the range of the shard itself."""
-    master = model.master_of(ui)
-    return shard if master is None else master
-
-
-def master_copies(model):
-    """(compute shard's optimizer range, its fp32 master) of every unit whose optimizer state
-    is an fp32 master apart from the shard (bf16 parameters, quantized gathers); none on a
-    rank that does not step (model.steps)."""
-    copies = []
-    for ui in model.units() if model.steps else ():
-        shard, _ = model.shard(ui)
-        master = _master(model, ui, shard)
-        if master.data_ptr() != shard.data_ptr():
-            copies.append((shard, master))
-    return copies
-
-
-def copy_masters(copies):
-    """After a step: the compute shards take their masters' new values (rounded to bf16)."""
-    for shard, master in copies:
-        shard.copy_(master.to(shard.dtype))
+# The options of the AdamW that a whole-matrix optimizer runs on the other parameters of each
+# group, and the AdamW option each sets.
+ADAMW_OPTIONS = {"adamw_lr": "lr", "adamw_betas": "betas", "adamw_eps": "eps",
+                 "adamw_weight_decay": "weight_decay"}
 
 
 def matrix_units(model, kind, name):
@@ -97,16 +35,6 @@ def matrix_units(model, kind, name):
     return sorted({mx.unit for mx in model.matrices})
 
 
-def matrix_mask(model, u, has):
-    """This rank's optimizer-range elements of unit `u` in whole-matrix tensors that have a
-    gradient."""
-    mask = torch.zeros(model.os_elems[u], dtype=torch.bool)
-    for piece in model.pieces(u):
-        if piece.matrix and has[piece.index]:
-            mask[piece.lo:piece.hi] = True
-    return mask
-
-
 def newton_schulz(g, steps=5, eps=1e-7):
     """Muon's quintic Newton-Schulz orthogonalization, in fp32."""
     a, b, c = 3.4445, -4.7750, 2.0315
@@ -120,23 +48,50 @@ def newton_schulz(g, steps=5, eps=1e-7):
     return x.T if transposed else x
 
 
-class OwnerOptimizer:
-    """What the whole-matrix optimizers (Muon, Shampoo) share: the matrices of one `kind`, AdamW
-    (`adamw`: lr, betas, eps, weight decay) for the other parameters, a momentum buffer per
-    unit shard (`momentum_kind`: its records in checkpoints), the round trip of a unit's
-    matrices through their owners, and the step on the shards."""
+class OwnerOptimizer(ModuleOptimizer):
+    """What the whole-matrix optimizers (Muon, Shampoo) share: param groups over the module's
+    parameters whose matrices of one `kind` step by the subclass's rule with the group's `lr`,
+    `momentum` and `weight_decay`, and whose other parameters step by AdamW with the group's
+    `adamw_lr`, `adamw_betas`, `adamw_eps` and `adamw_weight_decay`; a momentum buffer per unit
+    shard in the module's state tensors (`momentum_kind`: its records in checkpoints); the
+    round trip of a unit's matrices through their owners; and the step on the shards.
 
-    def __init__(self, model, kind, lr, momentum, weight_decay, adamw, momentum_kind):
+    A scheduler sets a group's `lr`; the group's AdamW parameters step with `adamw_lr` scaled
+    by the same factor (lr / the group's lr when the optimizer was made), so that one schedule
+    drives both, as it would drive one optimizer."""
+
+    def __init__(self, model, kind, params, defaults, momentum_kind):
         self.units = matrix_units(model, kind, type(self).__name__)
-        self.model, self.lr, self.momentum, self.weight_decay = model, lr, momentum, weight_decay
-        self.adamw = ShardedAdamW(model, *adamw, skip_matrices=True)
-        self.buf = {u: torch.zeros(model.os_elems[u]) for u in self.units}
+        super().__init__(model, params, defaults)
         self.momentum_kind = momentum_kind
+        self._matrix = {mx.index: mx for mx in model.matrices}
+        self.buf = {u: model.optimizer_state(type(self).__name__, momentum_kind, u,
+                                             model.os_elems[u]) for u in self.units}
+        self._base_lr = [g["lr"] for g in self.param_groups]
+        self.adamw = ShardedAdamW(model, [self._adamw_group(g) for g in self.param_groups],
+                                  skip_matrices=True)
 
-    def step(self):
+    def _adamw_group(self, g):
+        out = {option: g[key] for key, option in ADAMW_OPTIONS.items()}
+        out["params"] = [p for p in g["params"] if self.model.param_index(p) not in self._matrix]
+        return out
+
+    def _groups_changed(self):
+        if hasattr(self, "adamw"):  # a group added after construction
+            self._base_lr.append(self.param_groups[-1]["lr"])
+            self.adamw.add_param_group(self._adamw_group(self.param_groups[-1]))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError(f"{type(self).__name__}: step(closure) is not supported")
         m = self.model
         m.wait_for_checkpoint_write()  # an asynchronous save may be reading the state
         has = m.has_grad
+        for g, base, ag in zip(self.param_groups, self._base_lr, self.adamw.param_groups):
+            for key, option in ADAMW_OPTIONS.items():
+                ag[option] = g[key]
+            ag["lr"] = g["adamw_lr"] * (g["lr"] / base if base else 1.0)
         self.adamw.step(gather=False)
         for u in self.units:
             if not m.steps:
@@ -145,61 +100,97 @@ class OwnerOptimizer:
                 self.through_owners(u, has, None)
                 continue
             shard, grad = m.shard(u)
-            self.step_unit(u, has, shard, grad, matrix_mask(m, u, has))
+            pieces = []  # (lo, hi, group) of this unit's matrices with a gradient, in a group
+            for pc in m.pieces(u):
+                g = self.group_of(pc.index) if pc.matrix and has[pc.index] else None
+                if g is not None:
+                    pieces.append((pc.lo, pc.hi, g))
+            self.step_unit(u, has, shard, grad, pieces)
         m.gather_updates()
 
-    def step_unit(self, u, has, shard, grad, mask):
-        """Steps unit `u`'s matrices; `mask`: this rank's shard elements of those with a
-        gradient (`has`)."""
+    def step_unit(self, u, has, shard, grad, pieces):
+        """Steps unit `u`'s matrices; `pieces`: (lo, hi, group) of this rank's elements of those
+        with a gradient (`has`) and a group."""
         raise NotImplementedError
 
     def through_owners(self, u, has, transform):
         """gather_to_owner of unit `u`'s gradient shards; on the owner (an os position), each of
-        its matrices with a gradient becomes transform(matrix, its flat gradient);
-        scatter_from_owner. The gather and scatter run on every rank, so the ranks issue the same
-        operations (`transform` None: nothing to compute here)."""
+        its matrices with a gradient and a group becomes transform(matrix, its flat gradient,
+        its group); scatter_from_owner. The gather and scatter run on every rank, so the ranks
+        issue the same operations (`transform` None: nothing to compute here)."""
         m = self.model
         m.client.gather_to_owner(u).wait()
         whole = m.client.owner_buffer(u) if transform is not None else None
         if whole is not None:
             whole = as_tensor(whole)
             for mx in m.matrices:
-                if mx.unit == u and mx.owner == m.ospos and has[mx.index]:
+                g = self.group_of(mx.index)
+                if mx.unit == u and mx.owner == m.ospos and has[mx.index] and g is not None:
                     piece = whole[mx.packed:mx.packed + mx.numel]
-                    piece.copy_(transform(mx, piece).reshape(-1))
+                    piece.copy_(transform(mx, piece, g).reshape(-1))
         m.client.scatter_from_owner(u).wait()
 
-    def apply(self, shard, mask, update):
-        """The step on this rank's matrix elements `mask` of a unit shard: decoupled weight
-        decay, then -lr * update."""
-        if self.weight_decay:
-            shard[mask] = shard[mask] * (1 - self.lr * self.weight_decay)
-        shard[mask] = shard[mask] - self.lr * update
+    @staticmethod
+    def apply(shard, update, g):
+        """The step on a piece of a unit shard: decoupled weight decay, then -lr * update."""
+        if g["weight_decay"]:
+            shard.copy_(shard * (1 - g["lr"] * g["weight_decay"]))
+        shard.copy_(shard - g["lr"] * update)
 
-    def zero_grad(self, set_to_none=True):
-        self.model.zero_grad(set_to_none=set_to_none)
+    def _momentum_pieces(self, index):
+        """(momentum buffer, lo, hi) of this rank's pieces of matrix `index`."""
+        return [(self.buf[u], pc.lo, pc.hi) for u in self.units for pc in self.model.pieces(u)
+                if pc.index == index] if self.model.steps else []
+
+    def param_state(self, index):
+        if index not in self._matrix:
+            return self.adamw.param_state(index)
+        pieces = self._momentum_pieces(index)
+        if not pieces:
+            return {}
+        return {"momentum_buffer": torch.cat([b[lo:hi] for b, lo, hi in pieces])}
+
+    def set_param_state(self, index, state):
+        if index not in self._matrix:
+            return self.adamw.set_param_state(index, state)
+        pieces = self._momentum_pieces(index)
+        flat = state["momentum_buffer"].reshape(-1)
+        if flat.numel() != sum(hi - lo for _, lo, hi in pieces):
+            raise ValueError(f"{type(self).__name__}.load_state_dict: the momentum of "
+                             f"'{self.model.unit_param_name(index)}' has {flat.numel()} "
+                             "elements, not this rank's (load under the same plan)")
+        at = 0
+        for b, lo, hi in pieces:
+            b[lo:hi] = flat[at:at + hi - lo]
+            at += hi - lo
 
 
 class ShardedMuon(OwnerOptimizer):
     """Muon for the `optimizer: matrix` tensors with the planner's owners: momentum on the
     gradient shards, gather_to_owner, Newton-Schulz on the owner, scatter_from_owner, and the
     update applied to the parameter shards. Other parameters go through AdamW. A matrix without
-    a gradient is skipped (its momentum kept), as the reference skips a grad of None."""
+    a gradient is skipped (its momentum kept), as the reference skips a grad of None. Group
+    options: lr, momentum, nesterov, weight_decay, ns_steps and the adamw_ ones."""
 
-    def __init__(self, model, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.0,
-                 adamw_lr=1e-3, adamw_betas=(0.9, 0.999), adamw_eps=1e-8, adamw_weight_decay=0.0,
-                 ns_steps=5):
-        super().__init__(model, "matrix", lr, momentum, weight_decay,
-                         (adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay), "muon_momentum")
-        self.nesterov, self.ns_steps = nesterov, ns_steps
+    def __init__(self, model, params=None, lr=0.02, momentum=0.95, nesterov=True,
+                 weight_decay=0.0, adamw_lr=1e-3, adamw_betas=(0.9, 0.999), adamw_eps=1e-8,
+                 adamw_weight_decay=0.0, ns_steps=5):
+        super().__init__(model, "matrix", params, dict(
+            lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+            ns_steps=ns_steps, adamw_lr=adamw_lr, adamw_betas=adamw_betas,
+            adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay), "muon_momentum")
 
-    def _orthogonalized(self, mx, g):
-        x = newton_schulz(g.view(mx.shape), self.ns_steps)
+    @staticmethod
+    def _orthogonalized(mx, g, group):
+        x = newton_schulz(g.view(mx.shape), group["ns_steps"])
         return x * max(1.0, mx.shape[0] / mx.shape[1]) ** 0.5
 
-    def step_unit(self, u, has, shard, grad, mask):
+    def step_unit(self, u, has, shard, grad, pieces):
         buf = self.buf[u]
-        buf[mask] = buf[mask] * self.momentum + grad[mask]
-        grad[mask] = grad[mask] + self.momentum * buf[mask] if self.nesterov else buf[mask]
+        for lo, hi, g in pieces:
+            b, gr = buf[lo:hi], grad[lo:hi]
+            b.copy_(b * g["momentum"] + gr)
+            gr.copy_(gr + g["momentum"] * b if g["nesterov"] else b)
         self.through_owners(u, has, self._orthogonalized)
-        self.apply(shard, mask, grad[mask])
+        for lo, hi, g in pieces:
+            self.apply(shard[lo:hi], grad[lo:hi], g)

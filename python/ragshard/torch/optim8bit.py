@@ -24,7 +24,8 @@ import math
 
 import torch
 
-from .optim import copy_masters, master_copies
+from .groups import ModuleOptimizer
+from .sharded_optimizer import copy_masters, master_copies
 from .pieces import tensor_pieces
 
 __all__ = ["ShardedAdam8bit", "MATRIX_BLOCK", "VECTOR_BLOCK"]
@@ -98,15 +99,17 @@ def _dequantize(q, s, blocks, levels):
     return q.float() * blocks.expand(s) / levels
 
 
-class ShardedAdam8bit:
+class ShardedAdam8bit(ModuleOptimizer):
     """AdamW with block-quantized moments on this rank's shards (see the module docstring):
     one state per piece of a parameter in the shard, stepped only while its parameter has a
-    gradient, with that parameter's step count. Works on the fp32 masters where the module
-    keeps them (bf16 parameters, quantized gathers) and copies them into the shard."""
+    gradient and a param group, with that parameter's step count and its group's lr, betas,
+    eps and weight_decay. Works on the fp32 masters where the module keeps them (bf16
+    parameters, quantized gathers) and copies them into the shard."""
 
-    def __init__(self, model, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
-        self.model, self.lr, self.betas, self.eps = model, lr, betas, eps
-        self.weight_decay = weight_decay
+    def __init__(self, model, params=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                 weight_decay=0.01):
+        super().__init__(model, params, dict(lr=lr, betas=betas, eps=eps,
+                                             weight_decay=weight_decay))
         self.copies = master_copies(model)
         self.pieces = []  # (Piece, _Blocks, state dict)
         for pc in tensor_pieces(model) if model.steps else ():
@@ -117,14 +120,18 @@ class ShardedAdam8bit:
                 "step": 0, "m": torch.zeros(n, dtype=torch.int8), "m_scale": zeros.clone(),
                 "v": torch.zeros(n, dtype=torch.uint8), "v_scale": zeros.clone()}))
 
-    def step(self):
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("ShardedAdam8bit: step(closure) is not supported")
         m_ = self.model
         m_.wait_for_checkpoint_write()  # an asynchronous save may be reading the state
         has = m_.has_grad
-        b1, b2 = self.betas
         for pc, blocks, st in self.pieces:
-            if not has[pc.index]:
+            group = self.group_of(pc.index)
+            if not has[pc.index] or group is None:
                 continue
+            lr, (b1, b2), wd = group["lr"], group["betas"], group["weight_decay"]
             shard, grad = m_.shard(pc.unit)
             master = m_.master_of(pc.unit)
             p = (shard if master is None else master)[pc.lo:pc.hi]
@@ -134,13 +141,35 @@ class ShardedAdam8bit:
             m = _dequantize(st["m"], st["m_scale"], blocks, 127) * b1 + (1 - b1) * g
             u = _dequantize(st["v"], st["v_scale"], blocks, 255)
             v = u * u * b2 + (1 - b2) * g * g
-            p.mul_(1 - self.lr * self.weight_decay)
-            denom = v.sqrt() / math.sqrt(1 - b2 ** t) + self.eps
-            p.sub_(self.lr / (1 - b1 ** t) * m / denom)
+            p.mul_(1 - lr * wd)
+            denom = v.sqrt() / math.sqrt(1 - b2 ** t) + group["eps"]
+            p.sub_(lr / (1 - b1 ** t) * m / denom)
             st["m"], st["m_scale"] = _quantize(m, blocks, 127, torch.int8)
             st["v"], st["v_scale"] = _quantize(v.sqrt(), blocks, 255, torch.uint8)
         copy_masters(self.copies)
         m_.gather_updates()
 
-    def zero_grad(self, set_to_none=True):
-        self.model.zero_grad(set_to_none=set_to_none)
+    def param_state(self, index):
+        mine = [st for pc, _, st in self.pieces if pc.index == index]
+        if not mine or mine[0]["step"] == 0:
+            return {}
+        out = {k: torch.cat([st[k].reshape(-1) for st in mine])
+               for k in ("m", "m_scale", "v", "v_scale")}
+        out["step"] = mine[0]["step"]
+        return out
+
+    def set_param_state(self, index, state):
+        at = dict.fromkeys(("m", "m_scale", "v", "v_scale"), 0)
+        for pc, _, st in self.pieces:
+            if pc.index != index:
+                continue
+            for k in at:
+                n = st[k].numel()
+                src = state[k].reshape(-1)[at[k]:at[k] + n]
+                if src.numel() != n:
+                    raise ValueError(f"ShardedAdam8bit.load_state_dict: state '{k}' of "
+                                     f"'{pc.name}' is shorter than this rank's pieces (load "
+                                     "under the same plan)")
+                st[k].copy_(src.view(st[k].shape))
+                at[k] += n
+            st["step"] = int(state["step"])

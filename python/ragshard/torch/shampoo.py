@@ -63,23 +63,28 @@ class _Preconditioner:
 class ShardedShampoo(OwnerOptimizer):
     """Shampoo for the `optimizer: shampoo` matrices (see the module docstring); AdamW for the
     rest. `precondition_every`: the inverse roots are recomputed every N steps of a matrix,
-    from its first."""
+    from its first. Group options: lr, momentum, eps, precondition_every, weight_decay and the
+    adamw_ ones."""
 
-    def __init__(self, model, lr=0.1, momentum=0.9, eps=1e-6, precondition_every=10,
-                 weight_decay=0.0, adamw_lr=1e-3, adamw_betas=(0.9, 0.999), adamw_eps=1e-8,
-                 adamw_weight_decay=0.0):
-        if precondition_every < 1:
-            raise ValueError(f"ShardedShampoo: precondition_every {precondition_every} must be "
-                             "at least 1")
-        super().__init__(model, "shampoo", lr, momentum, weight_decay,
-                         (adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay),
-                         "shampoo_momentum")
-        self.eps, self.precondition_every = eps, precondition_every
+    def __init__(self, model, params=None, lr=0.1, momentum=0.9, eps=1e-6,
+                 precondition_every=10, weight_decay=0.0, adamw_lr=1e-3,
+                 adamw_betas=(0.9, 0.999), adamw_eps=1e-8, adamw_weight_decay=0.0):
+        super().__init__(model, "shampoo", params, dict(
+            lr=lr, momentum=momentum, eps=eps, precondition_every=precondition_every,
+            weight_decay=weight_decay, adamw_lr=adamw_lr, adamw_betas=adamw_betas,
+            adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay), "shampoo_momentum")
         # This rank's matrices (it is their owner), by name; their state is built at their
         # first step, or by a checkpoint load.
         self.owned = {mx.name: mx for mx in model.matrices
                       if mx.owner == model.ospos and model.steps}
         self.state = {}  # name -> _Preconditioner
+
+    def add_param_group(self, param_group):
+        every = param_group.get("precondition_every", self.defaults["precondition_every"])
+        if not isinstance(every, int) or every < 1:
+            raise ValueError(f"ShardedShampoo: precondition_every {every!r} must be an integer "
+                             "of at least 1")
+        super().add_param_group(param_group)
 
     def preconditioner(self, name):
         """The state of an owned matrix (created empty where it has none yet)."""
@@ -90,13 +95,13 @@ class ShardedShampoo(OwnerOptimizer):
                                                     mx.block)
         return st
 
-    def _direction(self, mx, g):
+    def _direction(self, mx, g, group):
         """Updates matrix `mx`'s preconditioner with its gradient g and returns the grafted
         direction."""
         g = g.view(-1, mx.shape[-1])
         st = self.preconditioner(mx.name)
         st.step += 1
-        refresh = (st.step - 1) % self.precondition_every == 0
+        refresh = (st.step - 1) % group["precondition_every"] == 0
         if refresh:
             st.refreshed.append(st.step)
         out = torch.empty_like(g)
@@ -105,15 +110,39 @@ class ShardedShampoo(OwnerOptimizer):
             st.left[i].add_(gb @ gb.T)
             st.right[i].add_(gb.T @ gb)
             if refresh:
-                st.left_root[i] = inverse_root(st.left[i], self.eps)
-                st.right_root[i] = inverse_root(st.right[i], self.eps)
+                st.left_root[i] = inverse_root(st.left[i], group["eps"])
+                st.right_root[i] = inverse_root(st.right[i], group["eps"])
             u = st.left_root[i] @ gb @ st.right_root[i]
             norm = u.norm()
             out[rs, cs] = u * (gb.norm() / norm) if norm > 0 else u
         return out
 
-    def step_unit(self, u, has, shard, grad, mask):
+    def step_unit(self, u, has, shard, grad, pieces):
         self.through_owners(u, has, self._direction)
         buf = self.buf[u]
-        buf[mask] = buf[mask] * self.momentum + grad[mask]
-        self.apply(shard, mask, buf[mask])
+        for lo, hi, g in pieces:
+            b = buf[lo:hi]
+            b.copy_(b * g["momentum"] + grad[lo:hi])
+            self.apply(shard[lo:hi], b, g)
+
+    def param_state(self, index):
+        out = super().param_state(index)
+        mx = self._matrix.get(index)
+        st = self.state.get(mx.name) if mx is not None else None
+        if st is not None and out is not None:
+            out = dict(out, step=st.step,
+                       preconditioner=torch.cat([t.reshape(-1) for t in st.tensors()]))
+        return out
+
+    def set_param_state(self, index, state):
+        state = dict(state)
+        flat, step = state.pop("preconditioner", None), state.pop("step", None)
+        super().set_param_state(index, state)
+        mx = self._matrix.get(index)
+        if flat is not None and mx is not None and mx.name in self.owned:
+            st = self.preconditioner(mx.name)
+            at = 0
+            for t in st.tensors():
+                t.copy_(flat[at:at + t.numel()].view(t.shape))
+                at += t.numel()
+            st.step = int(step)

@@ -1,0 +1,244 @@
+"""Any elementwise torch optimizer on the shards of a ShardedModule.
+
+    opt = ShardedOptimizer(model, torch.optim.AdamW, [
+        {"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": 0.1},
+        {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}],
+        lr=3e-4, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_then_cosine)
+
+The optimizer is a torch.optim.Optimizer whose param groups hold the module's own parameters
+(ragshard.torch.groups). Underneath, CLS itself runs on this rank's pieces: one tensor per piece
+of a parameter in this rank's optimizer range (a view of the parameter shard, or of the fp32
+master with bf16 parameters or quantized gathers), whose gradient is the same piece of the
+gradient shard, in an inner group per param group that takes the group's options at every step.
+A piece is stepped only while its parameter has a gradient (`ShardedModule.has_grad`, the same
+on every rank), with that parameter's own step count, so the pieces of a parameter step exactly
+as torch steps the whole parameter: the optimizers allowed are those whose update of an element
+depends only on that element's gradient, state and the parameter's step count.
+
+The state of the pieces lives in tensors that the module provides
+(`ShardedModule.optimizer_state`), one flat tensor per unit and state key holding this
+optimizer's pieces of that unit back to back: whatever CLS allocates at its first step is moved
+there, and CLS updates it in place from then on. Only this rank's pieces have state.
+"""
+import inspect
+
+import torch
+
+from .groups import ModuleOptimizer, piece_ranges
+
+__all__ = ["ShardedOptimizer", "ShardedAdamW", "ELEMENTWISE", "master_copies", "copy_masters"]
+
+# torch's optimizers whose update is elementwise (per element: its gradient, its state, and the
+# parameter's step count). Others (LBFGS: a closure and whole-model line searches; Adafactor:
+# row and column statistics of whole matrices; SparseAdam: sparse gradients) are refused.
+ELEMENTWISE = tuple(getattr(torch.optim, n) for n in (
+    "AdamW", "Adam", "SGD", "RMSprop", "Adagrad", "Adamax", "NAdam", "RAdam", "ASGD", "Rprop"))
+
+
+def options_of(cls):
+    """{option: default} of a torch optimizer class, from its constructor."""
+    out = {}
+    for name, prm in inspect.signature(cls.__init__).parameters.items():
+        if name in ("self", "params") or prm.kind in (prm.VAR_POSITIONAL, prm.VAR_KEYWORD):
+            continue
+        out[name] = None if prm.default is prm.empty else prm.default
+    return out
+
+
+def master_of_unit(model, ui):
+    """What the optimizer steps for unit `ui`: the fp32 master of the optimizer range where the
+    module keeps one, else the range of the shard itself."""
+    master = model.master_of(ui)
+    return model.shard(ui)[0] if master is None else master
+
+
+def master_copies(model):
+    """(compute shard's optimizer range, its fp32 master) of every unit whose optimizer state
+    is an fp32 master apart from the shard (bf16 parameters, quantized gathers); none on a
+    rank that does not step (model.steps)."""
+    copies = []
+    for ui in model.units() if model.steps else ():
+        shard, _ = model.shard(ui)
+        master = master_of_unit(model, ui)
+        if master.data_ptr() != shard.data_ptr():
+            copies.append((shard, master))
+    return copies
+
+
+def copy_masters(copies):
+    """After a step: the compute shards take their masters' new values (rounded to bf16)."""
+    for shard, master in copies:
+        shard.copy_(master.to(shard.dtype))
+
+
+class ShardedOptimizer(ModuleOptimizer):
+    """torch optimizer class `cls` (one of ELEMENTWISE) on this rank's pieces of `model`'s
+    parameters; `params`: torch's params or param groups (None: all of the module's);
+    `defaults`: cls's options. `skip_matrices`: leave out the whole-matrix tensors (Muon and
+    Shampoo step them)."""
+
+    def __init__(self, model, cls, params=None, skip_matrices=False, **defaults):
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+            raise TypeError(f"ShardedOptimizer: {cls!r} is not a torch.optim.Optimizer class")
+        if cls not in ELEMENTWISE:
+            raise ValueError(
+                f"ShardedOptimizer: {cls.__name__} is not an elementwise optimizer (one whose "
+                "update of an element needs only that element's gradient and state), so it "
+                "cannot run on shards; supported: "
+                + ", ".join(f"torch.optim.{c.__name__}" for c in ELEMENTWISE)
+                + " (and ShardedMuon, ShardedShampoo, ShardedAdam8bit)")
+        options = options_of(cls)
+        unknown = sorted(set(defaults) - set(options))
+        if unknown:
+            raise ValueError(f"ShardedOptimizer: torch.optim.{cls.__name__} has no option "
+                             f"'{unknown[0]}' (its options: {', '.join(sorted(options))})")
+        options.update(defaults)
+        self.cls, self.skip_matrices = cls, skip_matrices
+        self._built = False
+        super().__init__(model, params, options)
+        self._tag = f"{type(self).__name__}:{cls.__name__}"
+        self.copies = master_copies(model)
+        self._ranges = piece_ranges(model, skip_matrices)
+        self.pieces = []  # (parameter index, piece of the master, piece of the gradient shard)
+        self.where = []  # (unit, lo, hi): each piece's elements of the optimizer range
+        self._inner_of = []  # param group index -> its inner group's index, or None
+        self.opt = None  # cls over the pieces; None while this rank has none
+        self._built = True
+        for gi in range(len(self.param_groups)):
+            self._add_inner(gi)
+        self._layout()
+
+    # -- pieces ------------------------------------------------------------------------------
+
+    def _groups_changed(self):
+        if self._built:  # a group added after construction
+            self._add_inner(len(self.param_groups) - 1)
+            self._layout()
+
+    def _add_inner(self, gi):
+        group = self.param_groups[gi]
+        tensors = []
+        for p in group["params"]:
+            index = self.model._index[id(p)]
+            for ui, lo, hi in self._ranges.get(index, ()):
+                piece = torch.nn.Parameter(master_of_unit(self.model, ui)[lo:hi],
+                                           requires_grad=False)
+                self.pieces.append((index, piece, self.model.shard(ui)[1][lo:hi]))
+                self.where.append((ui, lo, hi))
+                tensors.append(piece)
+        if not tensors:
+            self._inner_of.append(None)
+            return
+        inner = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+        if self.opt is None:
+            self.opt = self.cls([dict(inner, params=tensors)], **self.defaults)
+        else:
+            self.opt.add_param_group(dict(inner, params=tensors))
+        self._inner_of.append(len(self.opt.param_groups) - 1)
+
+    def _layout(self):
+        """Each piece's place in the module's state tensors: its unit's pieces of this optimizer
+        back to back."""
+        self._home_at, self._unit_numel = [], {}
+        for ui, lo, hi in self.where:
+            at = self._unit_numel.get(ui, 0)
+            self._home_at.append(at)
+            self._unit_numel[ui] = at + hi - lo
+
+    def _home(self):
+        """Moves every elementwise state tensor of the pieces into the module's state tensors
+        (those CLS allocated at a first step, or a load put there); CLS then updates them in
+        place."""
+        if self.opt is None:
+            return
+        for (_, piece, _), (ui, lo, hi), at in zip(self.pieces, self.where, self._home_at):
+            st = self.opt.state.get(piece)
+            if not st:
+                continue
+            for key, t in st.items():
+                if not torch.is_tensor(t) or t.shape != piece.shape:
+                    continue  # a scalar (the step count)
+                home = self.model.optimizer_state(self._tag, key, ui, self._unit_numel[ui],
+                                                  t.dtype)[at:at + hi - lo]
+                if t.data_ptr() != home.data_ptr():
+                    home.copy_(t)
+                    st[key] = home
+
+    # -- steps -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None, gather=True):
+        """Steps this rank's optimizer range, then (unless `gather` is False: the caller
+        gathers once its own updates are in) AMSP's update gather."""
+        if closure is not None:
+            raise ValueError(f"{self._tag}: step(closure) is not supported: an elementwise "
+                             "optimizer needs no re-evaluation of the loss")
+        self.model.wait_for_checkpoint_write()  # an asynchronous save may be reading the state
+        if self.opt is not None:
+            has = self.model.has_grad
+            for index, piece, grad in self.pieces:
+                piece.grad = grad if has[index] else None
+            for group, inner in zip(self.param_groups, self._inner_of):
+                if inner is not None:
+                    target = self.opt.param_groups[inner]
+                    for k, v in group.items():
+                        if k not in ("params", "param_names"):
+                            target[k] = v
+            self.opt.step()
+            self._home()
+        copy_masters(self.copies)
+        if gather:
+            self.model.gather_updates()
+
+    # -- state -------------------------------------------------------------------------------
+
+    def _pieces_of(self, index):
+        return [(piece, hi - lo) for (i, piece, _), (_, lo, hi) in zip(self.pieces, self.where)
+                if i == index]
+
+    def param_state(self, index):
+        pieces = self._pieces_of(index)
+        states = [self.opt.state.get(piece) for piece, _ in pieces] if self.opt else []
+        if not states or not all(states):
+            return {}
+        out = {}
+        for key, t in states[0].items():
+            if torch.is_tensor(t) and t.shape == pieces[0][0].shape:
+                out[key] = torch.cat([st[key].reshape(-1) for st in states])
+            else:
+                out[key] = t.clone() if torch.is_tensor(t) else t
+        return out
+
+    def set_param_state(self, index, state):
+        pieces = self._pieces_of(index)
+        total = sum(n for _, n in pieces)
+        name = self.model.unit_param_name(index)
+        for key, v in state.items():
+            if torch.is_tensor(v) and v.dim() >= 1 and v.numel() != total:
+                raise ValueError(
+                    f"{self._tag}.load_state_dict: state '{key}' of parameter '{name}' has "
+                    f"{v.numel()} elements, this rank holds {total} of it (state_dict() holds "
+                    "each rank's own elements: load it under the same plan, or use "
+                    "ragshard.checkpoint.load_dcp across plans)")
+        at = 0
+        for piece, n in pieces:
+            st = {}
+            for key, v in state.items():
+                if torch.is_tensor(v) and v.dim() >= 1:
+                    st[key] = v.reshape(-1)[at:at + n].to(piece.dtype).clone()
+                else:
+                    st[key] = v.clone() if torch.is_tensor(v) else v
+            self.opt.state[piece] = st
+            at += n
+        self._home()
+
+
+class ShardedAdamW(ShardedOptimizer):
+    """torch.optim.AdamW on this rank's shards (ShardedOptimizer's AdamW case); `params`:
+    torch's params or param groups (None: all of the module's)."""
+
+    def __init__(self, model, params=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                 weight_decay=0.01, skip_matrices=False, **options):
+        super().__init__(model, torch.optim.AdamW, params, skip_matrices, lr=lr, betas=betas,
+                         eps=eps, weight_decay=weight_decay, **options)
