@@ -7,10 +7,18 @@ the node's `ragshardd`, and its numpy arrays view the daemon's buffers without c
 import json
 import os
 import re
+import shutil
+import subprocess
 
 from ._core import Client, DeviceBuffer, Error, Handle, create_job, delete_job  # noqa: F401
 
-__all__ = ["Client", "DeviceBuffer", "Error", "Handle", "create_job", "delete_job", "Env", "connect"]
+__all__ = ["Client", "DeviceBuffer", "Error", "Handle", "create_job", "delete_job", "Env",
+           "connect", "ensure_job", "DEFAULT_SOCKET"]
+
+
+# Where ragshardd's socket is on a node set up as deploy/ (systemd, Kubernetes) does it: ranks
+# under torchrun look there unless RAGSHARD_SOCKET names another.
+DEFAULT_SOCKET = "/run/ragshard/daemon.sock"
 
 
 class Env:
@@ -24,27 +32,35 @@ class Env:
     SLURMD_NODENAME (the node, unless RAGSHARD_NODE names it). Either way RAGSHARD_PLANNER,
     RAGSHARD_JOB and RAGSHARD_SOCKET name the planner, the job and the node's daemon socket, and
     RAGSHARD_TOKEN_FILE the planner's token.
+
+    Under torchrun only RAGSHARD_PLANNER is needed: the job defaults to torchrun's run id
+    (TORCHELASTIC_RUN_ID, which `torchrun --standalone` makes up and `--rdzv-id` names; its
+    default "none" is refused, naming RAGSHARD_JOB) and the socket to DEFAULT_SOCKET, and
+    `connect()` creates the job from WORLD_SIZE where it does not exist. `launcher` says which
+    of "ragshard-launch", "torchrun" and "srun" started the rank.
     """
 
     def __init__(self, environ=None):
         e = os.environ if environ is None else environ
         torchrun = "RAGSHARD_RANK" not in e and "RANK" in e
         slurm = "RAGSHARD_RANK" not in e and not torchrun and "SLURM_PROCID" in e
+        self.launcher = "torchrun" if torchrun else "srun" if slurm else "ragshard-launch"
         rank_var, world_var = (("RANK", "WORLD_SIZE") if torchrun
                                else ("SLURM_PROCID", "SLURM_NTASKS") if slurm
                                else ("RAGSHARD_RANK", "RAGSHARD_WORLD_SIZE"))
-        missing = [k for k in ("RAGSHARD_PLANNER", "RAGSHARD_JOB", rank_var, world_var,
-                               "RAGSHARD_SOCKET") if k not in e]
+        needed = ("RAGSHARD_PLANNER", rank_var, world_var) if torchrun else (
+            "RAGSHARD_PLANNER", "RAGSHARD_JOB", rank_var, world_var, "RAGSHARD_SOCKET")
+        missing = [k for k in needed if k not in e]
         if missing:
             raise Error("INVALID_ARGUMENT: this rank does not know its job: missing "
-                        + ", ".join(missing) + " (start ranks with ragshard-launch, or with "
-                        "torchrun or srun and RAGSHARD_PLANNER, RAGSHARD_JOB, RAGSHARD_SOCKET "
-                        "set)")
+                        + ", ".join(missing) + " (start ranks with ragshard-launch, with "
+                        "torchrun and RAGSHARD_PLANNER set, or with srun and RAGSHARD_PLANNER, "
+                        "RAGSHARD_JOB, RAGSHARD_SOCKET set)")
         self.planner = e["RAGSHARD_PLANNER"]
-        self.job = e["RAGSHARD_JOB"]
+        self.job = e.get("RAGSHARD_JOB") or (_torchrun_job(e) if torchrun else "")
         self.rank = _int(e, rank_var)
         self.world_size = _int(e, world_var)
-        self.socket = e["RAGSHARD_SOCKET"]
+        self.socket = e.get("RAGSHARD_SOCKET") or (DEFAULT_SOCKET if torchrun else "")
         self.token_file = e.get("RAGSHARD_TOKEN_FILE", "")
         local_var = "SLURM_LOCALID" if slurm else "LOCAL_RANK"
         self.local_rank = _int(e, local_var) if local_var in e else None
@@ -61,6 +77,18 @@ class Env:
                 not 0 <= self.local_rank < self.local_world_size:
             raise Error(f"INVALID_ARGUMENT: {local_var}={self.local_rank} is not below "
                         f"this node's {self.local_world_size} ranks")
+
+
+def _torchrun_job(environ):
+    """torchrun's run id as the job id; refused where torchrun has none of its own."""
+    run_id = environ.get("TORCHELASTIC_RUN_ID", "")
+    if run_id in ("", "none"):
+        said = (f"TORCHELASTIC_RUN_ID is '{run_id}'" if "TORCHELASTIC_RUN_ID" in environ
+                else "TORCHELASTIC_RUN_ID is unset")
+        raise Error(f"INVALID_ARGUMENT: this rank does not know its job: RAGSHARD_JOB is unset "
+                    f"and {said} (torchrun's default without --rdzv-id): set RAGSHARD_JOB, or "
+                    "start torchrun with --standalone or --rdzv-id ID")
+    return run_id
 
 
 def _slurm_tasks_here(environ):
@@ -91,10 +119,50 @@ def _int(environ, name):
 
 
 def connect(env=None, timeout_ms=120000):
-    """A Client for this rank (not yet registered)."""
+    """A Client for this rank (not yet registered). Under torchrun the job is created first
+    where it does not exist (ensure_job)."""
     env = env or Env()
+    if env.launcher == "torchrun":
+        ensure_job(env)
     return Client(env.planner, env.socket, env.job, env.rank, env.node, timeout_ms,
                   env.token_file)
+
+
+def ensure_job(env):
+    """Creates `env.job` with `env.world_size` ranks (plain FSDP, policy ragged) unless it
+    exists. Every rank may call it at once: the planner creates a job id once and answers the
+    others ALREADY_EXISTS, so ranks that start together create exactly one job. A job that
+    exists with another world size is refused, naming both sizes; that check asks the planner
+    through `ragshardctl job show` (installed beside ragshardd), and is skipped where
+    ragshardctl is not on PATH (a rank beyond the job's size is then still refused when it
+    registers)."""
+    try:
+        create_job(env.planner, env.job, env.world_size, 1, token_file=env.token_file)
+        return
+    except Error as e:
+        if not str(e).startswith("ALREADY_EXISTS"):
+            raise
+    world = _job_world_size(env)
+    if world is not None and world != env.world_size:
+        raise Error(f"FAILED_PRECONDITION: job '{env.job}' exists with world size {world}, but "
+                    f"this rank's world size is {env.world_size} (WORLD_SIZE): start as many "
+                    "ranks as the job has, or use another job id (RAGSHARD_JOB)")
+
+
+def _job_world_size(env):
+    """The world size of an existing job, from `ragshardctl job show --json`; None where
+    ragshardctl is not on PATH."""
+    ctl = shutil.which("ragshardctl")
+    if ctl is None:
+        return None
+    argv = [ctl, "job", "show", env.job, "--json", "--planner", env.planner]
+    if env.token_file:
+        argv += ["--token-file", env.token_file]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    if r.returncode != 0:
+        raise Error(f"job '{env.job}' exists, but its world size could not be read: "
+                    f"{r.stderr.strip() or r.stdout.strip()}")
+    return int(json.loads(r.stdout)["worldSize"])  # protobuf JSON: an int64 is a string
 
 
 def plan_of(client):

@@ -11,6 +11,7 @@ import atexit
 import importlib
 import os
 import runpy
+import signal
 import sys
 import traceback
 
@@ -64,17 +65,31 @@ def fork_rank(script, args, env, threads):
     sys.stdout.flush()
     sys.stderr.flush()
     go_r, go_w = os.pipe()
+    # The launcher's SIGINT, SIGTERM and SIGHUP handlers stop the launcher: the rank gets the
+    # defaults of a fresh interpreter, and none of them reaches it between the fork and then.
+    stop = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, stop)
     pid = os.fork()
     if pid:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
         os.close(go_r)
         _unstarted.add(go_w)
         return ForkedRank(pid, go_w)
-    # Only the launcher holds the other ranks' pipes: each sees its end when the launcher closes it.
-    for fd in _unstarted | {go_w}:
-        os.close(fd)
-    started = os.read(go_r, 1) == b"1"
-    os.close(go_r)
-    os._exit(_run(script, args, env, threads) if started else 0)
+    code = 1
+    try:  # whatever happens, the rank never returns into the launcher's code
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        # Only the launcher holds the other ranks' pipes: each sees its end when the launcher
+        # closes it.
+        for fd in _unstarted | {go_w}:
+            os.close(fd)
+        started = os.read(go_r, 1) == b"1"
+        os.close(go_r)
+        code = _run(script, args, env, threads) if started else 0
+    finally:
+        os._exit(code)
 
 
 def _run(script, args, env, threads):

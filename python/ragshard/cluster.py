@@ -78,9 +78,12 @@ class LocalCluster:
 
     def _bin(self, rel):
         if self.build is None:
-            path = shutil.which(os.path.basename(rel))
+            name = os.path.basename(rel)
+            path = shutil.which(name)
             if path is None:
-                raise FileNotFoundError(f"{os.path.basename(rel)} is not on PATH (pip install .)")
+                raise FileNotFoundError(
+                    f"{name} is not on PATH ({os.environ.get('PATH', '')}): `pip install .` "
+                    "puts it there, a CMake build in build/server/")
             return path
         path = os.path.join(self.build, rel)
         if not os.access(path, os.X_OK):
@@ -89,7 +92,11 @@ class LocalCluster:
 
     def _spawn(self, argv, name):
         out = open(os.path.join(self.dir, name + ".log"), "w")
-        p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+        # GLOG_logtostderr: the servers' first log line (before their main turns it on) goes to
+        # this log too, not to a file of its own in /tmp.
+        p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                             env=dict(os.environ, GLOG_logtostderr="1"))
+        out.close()  # the server holds it
         self.procs.append(p)
         return p
 
@@ -161,6 +168,8 @@ class LocalCluster:
         self._start_planner(self.planner)
 
     def start(self):
+        for program in ("server/ragshard-planner", "server/ragshardd"):
+            self._bin(program)  # a missing program is named before anything starts
         self._start_planner("127.0.0.1:0")
         if self.default_token:
             self._saved_token_env = (os.environ.get("RAGSHARD_TOKEN_FILE"),)

@@ -1,15 +1,27 @@
 """Starts the ranks of a ragshard job on this machine.
 
+    ragshard-launch --standalone --nproc N script.py [script args...]
     ragshard-launch --planner HOST:PORT --job JOB --nproc N \\
         --sockets /run/d0.sock,/run/d1.sock [--nodes node-0,node-1] [--create-job] \\
         script.py [script args...]
+
+`--standalone` is the single-machine default: the launcher starts a planner and one daemon for
+the run (ragshard-planner and ragshardd, found on PATH, where `pip install .` puts them) in a
+private temporary directory (mode 0700: the planner's data and token, the daemon's socket, their
+logs), the planner on 127.0.0.1 (a port the kernel picks) and the daemon's data plane on
+loopback, creates the job (`--job`, default "standalone"), runs the ranks, and afterwards stops
+the daemon and the planner and removes the directory, whether the ranks succeeded or not, and
+also when the launcher gets SIGINT, SIGTERM or SIGHUP (RAGSHARD_KEEP_LOGS=1 keeps the directory,
+for its logs). A program missing from PATH is named, with PATH, before anything starts.
 
 Ranks are spread over the daemons in order: with N ranks and D sockets, daemon i gets ranks
 [i*N/D, (i+1)*N/D). Each rank runs `script.py` under the same interpreter with RAGSHARD_PLANNER,
 RAGSHARD_JOB, RAGSHARD_RANK, RAGSHARD_WORLD_SIZE, RAGSHARD_SOCKET and RAGSHARD_NODE set (read
 them with `ragshard.Env()`). `--create-job` creates the job first (mesh N/R x R with --replicate R).
 When a rank fails the others are stopped, and the launcher exits with the first failing rank's
-code. (`python -m ragshard.launch` is the same program.)
+code; when the launcher gets SIGINT, SIGTERM or SIGHUP, it stops the ranks (SIGTERM, then
+SIGKILL after 10 s) and exits with 128 + the signal. (`python -m ragshard.launch` is the same
+program.)
 
 As torchrun does, when more than one rank shares a daemon (a node) and OMP_NUM_THREADS is not
 set, each rank gets OMP_NUM_THREADS=1 (`--threads-per-rank` sets another number): several ranks'
@@ -20,11 +32,14 @@ daemon, which on a small machine makes a step many times slower.
 starting an interpreter per rank (ragshard/_preload.py): the ranks start seconds sooner where
 CPUs are few. They are forked before the launcher talks to the planner.
 
-Ranks may also be started by torchrun, one torchrun per node, with RAGSHARD_PLANNER,
-RAGSHARD_JOB and RAGSHARD_SOCKET naming the planner, the job and that node's daemon socket:
+Ranks may also be started by torchrun, one torchrun per node, with RAGSHARD_PLANNER naming the
+planner (and RAGSHARD_TOKEN_FILE its token): the job defaults to torchrun's run id
+(TORCHELASTIC_RUN_ID; RAGSHARD_JOB names another), the daemon socket to
+/run/ragshard/daemon.sock (RAGSHARD_SOCKET names another), and `ragshard.connect()` creates the
+job from torchrun's WORLD_SIZE where it does not exist yet:
 
-    RAGSHARD_PLANNER=HOST:PORT RAGSHARD_JOB=JOB RAGSHARD_SOCKET=/run/d0.sock \\
-        torchrun --nnodes 1 --nproc-per-node 4 script.py
+    RAGSHARD_PLANNER=HOST:PORT RAGSHARD_SOCKET=/run/d0.sock \\
+        torchrun --standalone --nproc-per-node 4 script.py
 """
 import argparse
 import os
@@ -33,17 +48,24 @@ import subprocess
 import sys
 import time
 
+STANDALONE_JOB = "standalone"
+
 
 def parse(argv):
     p = argparse.ArgumentParser(prog="ragshard-launch", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--planner", required=True, help="planner address HOST:PORT")
-    p.add_argument("--job", required=True, help="job id")
+    p.add_argument("--standalone", action="store_true",
+                   help="start a planner and one daemon for this run (programs on PATH) in a "
+                        "private temporary directory, create the job, and stop them afterwards")
+    p.add_argument("--planner", default="", help="planner address HOST:PORT")
+    p.add_argument("--job", default="",
+                   help=f"job id (--standalone: default {STANDALONE_JOB})")
     p.add_argument("--nproc", type=int, required=True, help="number of ranks")
-    p.add_argument("--sockets", required=True, help="comma-separated daemon sockets")
+    p.add_argument("--sockets", default="", help="comma-separated daemon sockets")
     p.add_argument("--nodes", default="", help="comma-separated node ids (default node-<i>)")
     p.add_argument("--create-job", action="store_true",
-                   help="create the job (mesh: N/R ranks per shard group x R replicas)")
+                   help="create the job (mesh: N/R ranks per shard group x R replicas); "
+                        "--standalone always does")
     p.add_argument("--replicate", type=int, default=1,
                    help="HSDP replicas R for --create-job (default 1: plain FSDP)")
     p.add_argument("--policy", default="ragged",
@@ -53,8 +75,14 @@ def parse(argv):
                         "planner's search; the ranks get it as RAGSHARD_STRATEGY")
     p.add_argument("--tokens-per-step", type=int, default=0,
                    help="policy auto: the global batch in tokens, for the cost model")
+    p.add_argument("--pool-bytes", type=int, default=0,
+                   help="--standalone: the daemon's shared-memory pool (default: half of this "
+                        "machine's memory; pages are taken as they are used)")
+    p.add_argument("--cluster-profile", default="",
+                   help="--standalone: the planner's cluster profile (needed by policy auto)")
     p.add_argument("--token-file", default=os.environ.get("RAGSHARD_TOKEN_FILE", ""),
-                   help="bearer token file for the planner (default: RAGSHARD_TOKEN_FILE)")
+                   help="bearer token file for the planner (default: RAGSHARD_TOKEN_FILE; "
+                        "--standalone: the private planner's own)")
     p.add_argument("--threads-per-rank", type=int, default=0,
                    help="OMP_NUM_THREADS for each rank (default: OMP_NUM_THREADS if set, else 1 "
                         "when several ranks share a daemon, as torchrun does)")
@@ -67,11 +95,29 @@ def parse(argv):
     a = p.parse_args(argv)
     a.sockets = [s for s in a.sockets.split(",") if s]
     a.preload = [m for m in a.preload.split(",") if m]
-    a.nodes = [n for n in a.nodes.split(",") if n] or [f"node-{i}" for i in range(len(a.sockets))]
+    a.nodes = [n for n in a.nodes.split(",") if n]
+    if a.standalone:
+        given = [f for f, v in (("--planner", a.planner), ("--sockets", a.sockets),
+                                ("--nodes", a.nodes)) if v]
+        if given:
+            p.error(f"--standalone starts its own planner and daemon: {', '.join(given)} "
+                    "cannot be given with it")
+        a.job = a.job or STANDALONE_JOB
+        a.create_job = True
+        a.sockets, a.nodes = [""], ["node-0"]  # the daemon's, once it runs
+    else:
+        missing = [f for f, v in (("--planner", a.planner), ("--job", a.job),
+                                  ("--sockets", a.sockets)) if not v]
+        if missing:
+            p.error(f"the following arguments are required: {', '.join(missing)} "
+                    "(or --standalone)")
+        for flag, value in (("--pool-bytes", a.pool_bytes), ("--cluster-profile",
+                                                              a.cluster_profile)):
+            if value:
+                p.error(f"{flag} is for --standalone")
+        a.nodes = a.nodes or [f"node-{i}" for i in range(len(a.sockets))]
     if a.nproc < 1:
         p.error("--nproc must be at least 1")
-    if not a.sockets:
-        p.error("--sockets: at least one daemon socket")
     if len(a.nodes) != len(a.sockets):
         p.error(f"--nodes names {len(a.nodes)} nodes for {len(a.sockets)} sockets")
     if a.replicate < 1 or a.nproc % a.replicate:
@@ -81,6 +127,8 @@ def parse(argv):
     if a.threads_per_rank < 0:
         p.error(f"--threads-per-rank {a.threads_per_rank}: must be at least 1 "
                 "(0 takes the default)")
+    if a.pool_bytes < 0:
+        p.error(f"--pool-bytes {a.pool_bytes}: must be positive (0 takes the default)")
     if not os.path.exists(a.script):
         p.error(f"script not found: {a.script}")
     return a
@@ -107,48 +155,134 @@ def create_job(a):
                a.token_file, strategy=a.strategy, tokens_per_step=a.tokens_per_step)
 
 
-def main(argv=None):
-    a = parse(sys.argv[1:] if argv is None else argv)
+class _Stopped(BaseException):
+    """The launcher got SIGINT, SIGTERM or SIGHUP."""
+
+    def __init__(self, signum):
+        super().__init__(signum)
+        self.signum = signum
+
+
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+
+
+def _on_stop_signal(signum, frame):
+    # Once: a second signal must not cut short the cleanup that the first starts (it is bounded).
+    for s in _STOP_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+    raise _Stopped(signum)
+
+
+def _shielded(cleanup, *args):
+    """cleanup(*args) with the stop signals held until it is done (then they are delivered)."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        cleanup(*args)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+def _stop(procs, grace_s=10.0):
+    """SIGTERM to the ranks still running, SIGKILL to those left after `grace_s`; waits for all."""
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+    deadline = time.time() + grace_s
+    while any(p.poll() is None for p in procs):
+        if time.time() > deadline:
+            for p in procs:
+                p.send_signal(signal.SIGKILL)
+            deadline = float("inf")
+        time.sleep(0.02)
+
+
+def start_ranks(a, threads):
+    """The ranks, started once the job exists (with --preload forked before that, waiting);
+    if anything fails on the way, those already begun are stopped."""
+    procs = []
+    try:
+        if not a.preload:
+            create_job(a)
+            for env in rank_envs(a, threads):
+                procs.append(subprocess.Popen([sys.executable, a.script] + a.args, env=env))
+            return procs
+        from ragshard import _preload
+        _preload.import_modules(a.preload)
+        for env in rank_envs(a, threads):
+            procs.append(_preload.fork_rank(a.script, a.args, env, threads))
+        create_job(a)
+        for p in procs:
+            p.start()
+        return procs
+    except BaseException:
+        for p in procs:
+            if hasattr(p, "abandon"):
+                p.abandon()
+        _shielded(_stop, procs)
+        raise
+
+
+def run(a):
+    """Runs the ranks to the end: 0, the first failing rank's code (the others are stopped), or
+    128 + the signal that stopped the launcher."""
     per_node = a.nproc // len(a.sockets)
     threads = a.threads_per_rank or (os.environ.get("OMP_NUM_THREADS") or
                                      ("1" if per_node > 1 else ""))
-    if a.preload:
-        from ragshard import _preload
-        _preload.import_modules(a.preload)
-        procs = [_preload.fork_rank(a.script, a.args, env, threads)
-                 for env in rank_envs(a, threads)]
-        try:
-            create_job(a)
-        except BaseException:
-            for p in procs:
-                p.abandon()
-            raise
-        for p in procs:
-            p.start()
-    else:
-        create_job(a)
-        procs = [subprocess.Popen([sys.executable, a.script] + a.args, env=env)
-                 for env in rank_envs(a, threads)]
+    procs = start_ranks(a, threads)
     code = 0
     try:
-        while procs:
+        while procs and code == 0:
             for p in list(procs):
                 rc = p.poll()
                 if rc is None:
                     continue
                 procs.remove(p)
-                if rc != 0 and code == 0:
+                if rc != 0:
                     code = rc if rc > 0 else 128 - rc
                     print(f"ragshard.launch: a rank exited with {rc}; stopping the others",
                           file=sys.stderr)
-                    for q in procs:
-                        q.send_signal(signal.SIGTERM)
-            time.sleep(0.05)
-    except KeyboardInterrupt:
-        for q in procs:
-            q.send_signal(signal.SIGTERM)
-        code = 130
+                    break
+            else:
+                time.sleep(0.05)
+    except _Stopped as e:
+        code = 128 + e.signum
+        print(f"ragshard.launch: {signal.Signals(e.signum).name}; stopping the ranks",
+              file=sys.stderr)
+    finally:
+        _shielded(_stop, procs)
     return code
+
+
+def run_standalone(a):
+    """run(a) against a planner and a daemon of its own, which are stopped (and their directory
+    removed) however the run ends."""
+    from ragshard.cluster import LocalCluster
+    pool = a.pool_bytes or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    cluster = LocalCluster(None, daemons=1, pool_bytes=pool, default_token=True,
+                           cluster_profile=a.cluster_profile or None)
+    try:
+        try:
+            cluster.start()
+        except (OSError, RuntimeError) as e:  # a program not on PATH, or one that did not start
+            print(f"ragshard-launch: --standalone: {e}", file=sys.stderr)
+            return 1
+        a.planner, a.sockets, a.nodes = cluster.planner, cluster.sockets, cluster.nodes
+        a.token_file = cluster.token_file
+        return run(a)
+    finally:
+        _shielded(cluster.stop)
+
+
+def main(argv=None):
+    a = parse(sys.argv[1:] if argv is None else argv)
+    previous = {s: signal.signal(s, _on_stop_signal) for s in _STOP_SIGNALS}
+    try:
+        return run_standalone(a) if a.standalone else run(a)
+    except _Stopped as e:  # before the ranks ran (their start stops those it began)
+        print(f"ragshard.launch: {signal.Signals(e.signum).name}; stopped", file=sys.stderr)
+        return 128 + e.signum
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""ragshard.Env: who a rank is, from ragshard.launch's variables, torchrun's or srun's."""
+"""ragshard.Env: who a rank is, from ragshard.launch's variables, torchrun's or srun's, and
+the defaults under bare torchrun."""
 import os
 import sys
 
@@ -18,6 +19,34 @@ def test_launch_variables():
     e = ragshard.Env({**JOB, "RAGSHARD_RANK": "3", "RAGSHARD_WORLD_SIZE": "4",
                       "RAGSHARD_NODE": "node-1", "RANK": "9"})
     assert (e.rank, e.world_size, e.node, e.socket) == (3, 4, "node-1", "/tmp/d0.sock")
+
+
+def test_torchrun_defaults_the_job_to_its_run_id_and_the_socket_to_the_daemons():
+    # Only the planner (and the token) set: the job is torchrun's run id, the socket where
+    # deploy/ puts the daemon's; RAGSHARD_JOB and RAGSHARD_SOCKET still win.
+    bare = {"RAGSHARD_PLANNER": "127.0.0.1:7070", "RAGSHARD_TOKEN_FILE": "/t", "RANK": "1",
+            "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "3f2a"}
+    e = ragshard.Env(bare)
+    assert (e.launcher, e.job, e.socket, e.token_file) == \
+        ("torchrun", "3f2a", ragshard.DEFAULT_SOCKET, "/t")
+    assert ragshard.DEFAULT_SOCKET == "/run/ragshard/daemon.sock"
+    e = ragshard.Env({**bare, **JOB})
+    assert (e.job, e.socket) == ("j", "/tmp/d0.sock")
+    assert ragshard.Env({**JOB, "RAGSHARD_RANK": "0", "RAGSHARD_WORLD_SIZE": "1"}).launcher == \
+        "ragshard-launch"
+    assert ragshard.Env({**JOB, **SLURM}).launcher == "srun"
+
+
+@pytest.mark.parametrize("run_id", [None, "none", ""])
+def test_torchrun_without_a_run_id_of_its_own_names_ragshard_job(run_id):
+    env = {"RAGSHARD_PLANNER": "127.0.0.1:7070", "RANK": "0", "WORLD_SIZE": "2"}
+    if run_id is not None:
+        env["TORCHELASTIC_RUN_ID"] = run_id
+    said = "unset" if run_id is None else f"'{run_id}'"
+    with pytest.raises(ragshard.Error,
+                       match=f"RAGSHARD_JOB is unset and TORCHELASTIC_RUN_ID is {said}"):
+        ragshard.Env(env)
+    assert ragshard.Env({**env, "RAGSHARD_JOB": "mine"}).job == "mine"
 
 
 def test_torchrun_variables():
@@ -50,7 +79,8 @@ def test_slurm_variables():
     ({**JOB, **SLURM, "SLURM_STEP_TASKS_PER_NODE": "2(x"},
      r"SLURM_STEP_TASKS_PER_NODE='2\(x' is not a list of N or N\(xK\)"),
     ({**JOB, **SLURM, "SLURM_NODEID": "3"}, "SLURM_NODEID=3 is not a node of"),
-    ({"RANK": "0", "WORLD_SIZE": "2"}, "missing RAGSHARD_PLANNER, RAGSHARD_JOB, RAGSHARD_SOCKET"),
+    ({"RANK": "0", "WORLD_SIZE": "2"}, r"missing RAGSHARD_PLANNER \("),
+    ({**SLURM}, "missing RAGSHARD_PLANNER, RAGSHARD_JOB, RAGSHARD_SOCKET"),
     ({**JOB}, "missing RAGSHARD_RANK, RAGSHARD_WORLD_SIZE"),
     ({**JOB, "RANK": "two", "WORLD_SIZE": "4"}, "RANK='two' is not an integer"),
     ({**JOB, "RANK": "4", "WORLD_SIZE": "4"}, "RANK=4 is not a rank of WORLD_SIZE=4"),

@@ -1,13 +1,31 @@
 """ragshard.launch: environment of the ranks, a failing rank stops the others (no hang), and bad
-arguments are refused with a message."""
+arguments are refused with a message; --standalone (a planner and a daemon of the run's own,
+found on PATH, stopped and removed however the run ends) and bare torchrun (the job from the
+run id, created by the ranks) each train examples/train_tiny.py to the end."""
+import json
 import os
+import signal
 import subprocess
 import sys
 import time
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BUILD = os.environ.get("RAGSHARD_BUILD", os.path.join(ROOT, "build"))
 ENV = dict(os.environ, PYTHONPATH=os.path.join(BUILD, "python"))
+sys.path.insert(0, os.path.join(BUILD, "python"))
+
+import ragshard  # noqa: E402
+from ragshard.cluster import LocalCluster  # noqa: E402
+
+EXAMPLE = os.path.join(ROOT, "examples", "train_tiny.py")
+TINY = ["--layers", "2", "--dim", "64", "--heads", "4", "--seq", "16", "--batch", "2",
+        "--vocab", "32", "--quiet", "--steps", "3"]
+# The programs where the build puts them (pip install . puts them on PATH): the planner and the
+# daemon for --standalone, ragshardctl for the ranks' check of an existing job's size.
+PROGRAMS = os.pathsep.join([os.path.join(BUILD, "server"), os.path.join(BUILD, "client"),
+                            os.environ.get("PATH", "")])
 
 SCRIPT = """
 import os, sys, time
@@ -118,3 +136,175 @@ def test_bad_arguments_are_refused(tmp_path):
     assert r.returncode == 2 and "--replicate 3 does not divide" in r.stderr
     r = launch(tmp_path, ["--nproc", "2", "--sockets", "/s0", "--nodes", "a,b"])
     assert r.returncode == 2 and "names 2 nodes for 1 sockets" in r.stderr
+    r = launch(tmp_path, ["--nproc", "2"])
+    assert r.returncode == 2
+    assert "required: --sockets (or --standalone)" in r.stderr
+    r = launch(tmp_path, ["--nproc", "2", "--standalone", "--sockets", "/s0"])
+    assert r.returncode == 2 and "--sockets cannot be given with it" in r.stderr
+    r = launch(tmp_path, ["--nproc", "2", "--sockets", "/s0", "--pool-bytes", "1"])
+    assert r.returncode == 2 and "--pool-bytes is for --standalone" in r.stderr
+
+
+def standalone(args, env_path=PROGRAMS, timeout=300):
+    return subprocess.run([sys.executable, "-m", "ragshard.launch", "--standalone",
+                           "--pool-bytes", str(64 << 20)] + args,
+                          env=dict(ENV, PATH=env_path), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def losses(out, steps):
+    got = json.load(open(out + ".json"))["losses"]
+    assert len(got) == steps and all(x == x and 0 < x < 100 for x in got), got
+    return got
+
+
+def test_standalone_trains_to_the_end(tmp_path):
+    out = str(tmp_path / "standalone")
+    r = standalone(["--nproc", "2", "--preload", "torch", EXAMPLE, "--out", out] + TINY)
+    assert r.returncode == 0, r.stdout + r.stderr
+    losses(out, 3)
+
+
+# A rank of a --standalone run: rank 0 writes down the run's private directory and the pids of
+# the processes that use it (the planner's --data-dir and the daemon's --socket are in it), then
+# sleeps; rank 1 waits for that and fails (or, with "wait", waits to be stopped).
+SERVERS = """
+import os, sys, time
+d = os.path.dirname(os.environ["RAGSHARD_SOCKET"])
+if os.environ["RAGSHARD_RANK"] == "0":
+    pids = []
+    for p in os.listdir("/proc"):
+        try:
+            if p.isdigit() and d.encode() in open(f"/proc/{p}/cmdline", "rb").read():
+                pids.append(int(p))
+        except OSError:
+            pass
+    open(sys.argv[1] + ".tmp", "w").write(" ".join([d] + [str(p) for p in pids]))
+    os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+    time.sleep(120)
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.01)
+if sys.argv[2] == "fail":
+    sys.exit(1)
+time.sleep(120)
+"""
+
+
+def servers_of(record):
+    d, *pids = open(record).read().split()
+    return d, [int(p) for p in pids]
+
+
+def assert_all_gone(d, pids):
+    assert not os.path.exists(d), f"{d} was left behind"
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert not [p for p in os.listdir("/proc") if p.isdigit() and
+                _cmdline_has(p, d)], f"a process still uses {d}"
+
+
+def _cmdline_has(pid, text):
+    try:
+        return text.encode() in open(f"/proc/{pid}/cmdline", "rb").read()
+    except OSError:
+        return False
+
+
+def test_a_failing_standalone_rank_leaves_nothing_behind(tmp_path):
+    script, record = tmp_path / "servers.py", str(tmp_path / "servers")
+    script.write_text(SERVERS)
+    start = time.time()
+    r = standalone(["--nproc", "2", str(script), record, "fail"])
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "a rank exited with 1" in r.stderr
+    assert time.time() - start < 60  # rank 0 was stopped, not waited for
+    d, pids = servers_of(record)
+    assert len(pids) == 2, pids  # the planner and the daemon
+    assert_all_gone(d, pids)
+
+
+def test_a_stopped_standalone_launcher_leaves_nothing_behind(tmp_path):
+    script, record = tmp_path / "servers.py", str(tmp_path / "servers")
+    script.write_text(SERVERS)
+    p = subprocess.Popen([sys.executable, "-m", "ragshard.launch", "--standalone", "--pool-bytes",
+                          str(64 << 20), "--nproc", "2", str(script), record, "wait"],
+                         env=dict(ENV, PATH=PROGRAMS), stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 60
+        while not os.path.exists(record) and p.poll() is None and time.time() < deadline:
+            time.sleep(0.02)
+        assert os.path.exists(record), p.poll()
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 128 + signal.SIGTERM and "SIGTERM; stopping the ranks" in err, err
+    assert_all_gone(*servers_of(record))
+
+
+def test_standalone_names_a_program_not_on_path(tmp_path):
+    script = tmp_path / "never.py"
+    script.write_text("import os\nos.write(1, b'ran\\n')\n")
+    r = standalone(["--nproc", "2", str(script)], env_path="/usr/bin:/bin")
+    assert r.returncode == 1 and "ran" not in r.stdout, r.stdout + r.stderr
+    assert "ragshard-planner is not on PATH (/usr/bin:/bin)" in r.stderr
+    only_planner = tmp_path / "bin"
+    only_planner.mkdir()
+    os.symlink(os.path.join(BUILD, "server", "ragshard-planner"), only_planner / "ragshard-planner")
+    r = standalone(["--nproc", "2", str(script)], env_path=f"{only_planner}:/usr/bin:/bin")
+    assert r.returncode == 1 and "ran" not in r.stdout, r.stdout + r.stderr
+    assert f"ragshardd is not on PATH ({only_planner}:/usr/bin:/bin)" in r.stderr
+
+
+@pytest.fixture(scope="module")
+def one_daemon():
+    with LocalCluster(BUILD, daemons=1, pool_bytes=64 << 20) as c:
+        yield c
+
+
+def torchrun_env(cluster, **extra):
+    """Bare torchrun's rank environment: the planner, its token and the socket, nothing else."""
+    e = {k: v for k, v in ENV.items() if not k.startswith(("RAGSHARD_", "TORCHELASTIC_"))}
+    e.update(PATH=PROGRAMS, RAGSHARD_PLANNER=cluster.planner,
+             RAGSHARD_TOKEN_FILE=cluster.token_file, RAGSHARD_SOCKET=cluster.sockets[0], **extra)
+    return e
+
+
+def jobs_of(cluster):
+    r = subprocess.run([os.path.join(BUILD, "client", "ragshardctl"), "--planner",
+                        cluster.planner, "--token-file", cluster.token_file, "jobs", "--json"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return {j["jobId"]: int(j["worldSize"]) for j in json.loads(r.stdout).get("jobs", [])}
+
+
+def test_bare_torchrun_creates_one_job_and_trains_to_the_end(one_daemon, tmp_path):
+    before = set(jobs_of(one_daemon))
+    out = str(tmp_path / "torchrun")
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    r = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", EXAMPLE, "--out",
+                        out] + TINY, env=torchrun_env(one_daemon), capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    losses(out, 3)
+    created = {k: v for k, v in jobs_of(one_daemon).items() if k not in before}
+    assert len(created) == 1, created  # the run id's job, made once by two ranks
+    assert list(created.values()) == [2]
+
+
+def test_a_torchrun_rank_of_another_world_size_than_the_job_is_refused(one_daemon, monkeypatch):
+    monkeypatch.setenv("PATH", PROGRAMS)  # ragshardctl, which reads the job's size
+    ragshard.create_job(one_daemon.planner, "three", 3, token_file=one_daemon.token_file)
+    env = ragshard.Env(torchrun_env(one_daemon, RANK="0", WORLD_SIZE="2",
+                                    TORCHELASTIC_RUN_ID="three"))
+    with pytest.raises(ragshard.Error, match="job 'three' exists with world size 3, but this "
+                                             "rank's world size is 2"):
+        ragshard.connect(env)
+    # The same size joins the existing job; a missing one is created.
+    ragshard.ensure_job(ragshard.Env(torchrun_env(one_daemon, RANK="2", WORLD_SIZE="3",
+                                                  TORCHELASTIC_RUN_ID="three")))
+    ragshard.ensure_job(ragshard.Env(torchrun_env(one_daemon, RANK="0", WORLD_SIZE="2",
+                                                  TORCHELASTIC_RUN_ID="fresh")))
+    assert jobs_of(one_daemon)["fresh"] == 2
