@@ -173,10 +173,11 @@ def orthogonalize(g, steps=5):
 
 class Muon(torch.optim.Optimizer):
     """Muon on whole matrices (see the module docstring); a matrix without a gradient is not
-    stepped (its momentum kept)."""
+    stepped (its momentum kept). `weight_decay`: decoupled, p = p * (1 - lr * wd) before the
+    step."""
 
-    def __init__(self, params, lr=0.02, momentum=0.95):
-        super().__init__(params, dict(lr=lr, momentum=momentum))
+    def __init__(self, params, lr=0.02, momentum=0.95, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
 
     @torch.no_grad()
     def step(self):
@@ -188,4 +189,6 @@ class Muon(torch.optim.Optimizer):
                 buf = self.state[p].setdefault("buf", torch.zeros_like(p))
                 buf.mul_(mu).add_(p.grad)
                 scale = max(1.0, p.shape[0] / p.shape[1]) ** 0.5
+                if group["weight_decay"]:
+                    p.mul_(1 - group["lr"] * group["weight_decay"])
                 p.add_(orthogonalize(p.grad + mu * buf) * scale, alpha=-group["lr"])

@@ -104,19 +104,30 @@ class ShardedOptimizer(ModuleOptimizer):
         self.where = []  # (unit, lo, hi): each piece's elements of the optimizer range
         self._inner_of = []  # param group index -> its inner group's index, or None
         self.opt = None  # cls over the pieces; None while this rank has none
+        inner = [self._inner_group(gi) for gi in range(len(self.param_groups))]
+        made = [g for g in inner if g is not None]
+        # One construction with every group: some optimizers (Adagrad) make their state there.
+        self.opt = self.cls(made, **self.defaults) if made else None
+        at = iter(range(len(made)))
+        self._inner_of = [None if g is None else next(at) for g in inner]
         self._built = True
-        for gi in range(len(self.param_groups)):
-            self._add_inner(gi)
         self._layout()
 
     # -- pieces ------------------------------------------------------------------------------
 
     def _groups_changed(self):
         if self._built:  # a group added after construction
-            self._add_inner(len(self.param_groups) - 1)
+            g = self._inner_group(len(self.param_groups) - 1)
+            if g is not None and self.opt is None:
+                self.opt = self.cls([g], **self.defaults)
+            elif g is not None:
+                self.opt.add_param_group(g)
+            self._inner_of.append(None if g is None else len(self.opt.param_groups) - 1)
             self._layout()
 
-    def _add_inner(self, gi):
+    def _inner_group(self, gi):
+        """The inner group of param group `gi`: its parameters' pieces on this rank with its
+        options (None where this rank holds none)."""
         group = self.param_groups[gi]
         tensors = []
         for p in group["params"]:
@@ -128,14 +139,9 @@ class ShardedOptimizer(ModuleOptimizer):
                 self.where.append((ui, lo, hi))
                 tensors.append(piece)
         if not tensors:
-            self._inner_of.append(None)
-            return
+            return None
         inner = {k: v for k, v in group.items() if k not in ("params", "param_names")}
-        if self.opt is None:
-            self.opt = self.cls([dict(inner, params=tensors)], **self.defaults)
-        else:
-            self.opt.add_param_group(dict(inner, params=tensors))
-        self._inner_of.append(len(self.opt.param_groups) - 1)
+        return dict(inner, params=tensors)
 
     def _layout(self):
         """Each piece's place in the module's state tensors: its unit's pieces of this optimizer
