@@ -426,8 +426,10 @@ def test_the_optimizer_step_waits_for_an_asynchronous_write():
     from ragshard.torch import ShardedAdamW, ShardedModule
     release = threading.Event()
     handle = checkpoint.SaveHandle(write=release.wait, commit=lambda: "committed")
-    model = types.SimpleNamespace(units=lambda: [], masters={}, has_grad=[], steps=True,
-                                  gather_updates=lambda: None, checkpoint_writing=handle)
+    p = torch.nn.Parameter(torch.zeros(1))  # a parameter with no piece on this rank
+    model = types.SimpleNamespace(units=lambda: [], masters={}, has_grad=[False], steps=True,
+                                  gather_updates=lambda: None, checkpoint_writing=handle,
+                                  parameters=lambda: [p], _index={id(p): 0})
     model.wait_for_checkpoint_write = lambda: ShardedModule.wait_for_checkpoint_write(model)
     opt = ShardedAdamW(model)
     stepped = threading.Thread(target=opt.step)

@@ -31,8 +31,10 @@ import torch
 
 from . import _format, _state
 from ._format import CheckpointError
+from .dcp import load_dcp, save_dcp  # noqa: F401
 
-__all__ = ["save", "load", "SaveHandle", "CheckpointError", "export_state_dict"]
+__all__ = ["save", "load", "SaveHandle", "CheckpointError", "export_state_dict", "save_dcp",
+           "load_dcp"]
 
 
 def _barrier(model):

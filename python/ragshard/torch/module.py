@@ -183,6 +183,7 @@ class ShardedModule(BuffersMixin, HooksMixin, QuantizedGatherMixin, StateMixin, 
         masters = {}
         self._index = {}  # id(parameter) -> its index in unit order
         self._names = []  # index -> the parameter's name
+        self._offsets = []  # index -> the parameter's offset in its unit
         self._optimizer_state = {}  # (optimizer, key, unit) -> tensor (optimizer_state)
         for ui, (uname, _, params) in enumerate(self._units):
             if self.plan["units"][ui]["unit"] != uname:
@@ -204,6 +205,7 @@ class ShardedModule(BuffersMixin, HooksMixin, QuantizedGatherMixin, StateMixin, 
                 index = len(self._index)
                 self._index[id(p)] = index
                 self._names.append(n)
+                self._offsets.append(off)
                 matrix = t.get("optimizer") in WHOLE_MATRIX
                 a, b = max(off, lo), min(off + numel, hi)
                 if a < b:
@@ -382,6 +384,11 @@ class ShardedModule(BuffersMixin, HooksMixin, QuantizedGatherMixin, StateMixin, 
     def param_index(self, p):
         """The index of parameter `p` in unit order (that of `has_grad` and of the pieces)."""
         return self._index[id(p)]
+
+    def piece_start(self, ui, lo, index):
+        """The flat element of parameter `index` at element `lo` of this rank's optimizer range
+        of unit `ui`."""
+        return self.ospos * self.os_elems[ui] + lo - self._offsets[index]
 
     def unit_param_name(self, index):
         """The name of parameter `index` (unit order)."""

@@ -138,9 +138,25 @@ class OwnerOptimizer(ModuleOptimizer):
         shard.copy_(shard - g["lr"] * update)
 
     def _momentum_pieces(self, index):
-        """(momentum buffer, lo, hi) of this rank's pieces of matrix `index`."""
-        return [(self.buf[u], pc.lo, pc.hi) for u in self.units for pc in self.model.pieces(u)
+        """(momentum buffer, lo, hi, unit) of this rank's pieces of matrix `index`."""
+        return [(self.buf[u], pc.lo, pc.hi, u) for u in self.units for pc in self.model.pieces(u)
                 if pc.index == index] if self.model.steps else []
+
+    def init_state(self):
+        self.adamw.init_state()
+
+    def dcp_state(self, index):
+        """As ShardedOptimizer.dcp_state: a matrix's momentum, or the AdamW state of another
+        parameter."""
+        if index not in self._matrix:
+            return self.adamw.dcp_state(index)
+        pieces = [(self.model.piece_start(u, lo, index), b[lo:hi])
+                  for b, lo, hi, u in self._momentum_pieces(index)]
+        return ({"momentum_buffer": pieces} if pieces else {}), {}
+
+    def dcp_set_scalars(self, index, scalars):
+        if index not in self._matrix:
+            self.adamw.dcp_set_scalars(index, scalars)
 
     def param_state(self, index):
         if index not in self._matrix:
@@ -148,19 +164,19 @@ class OwnerOptimizer(ModuleOptimizer):
         pieces = self._momentum_pieces(index)
         if not pieces:
             return {}
-        return {"momentum_buffer": torch.cat([b[lo:hi] for b, lo, hi in pieces])}
+        return {"momentum_buffer": torch.cat([b[lo:hi] for b, lo, hi, _ in pieces])}
 
     def set_param_state(self, index, state):
         if index not in self._matrix:
             return self.adamw.set_param_state(index, state)
         pieces = self._momentum_pieces(index)
         flat = state["momentum_buffer"].reshape(-1)
-        if flat.numel() != sum(hi - lo for _, lo, hi in pieces):
+        if flat.numel() != sum(hi - lo for _, lo, hi, _ in pieces):
             raise ValueError(f"{type(self).__name__}.load_state_dict: the momentum of "
                              f"'{self.model.unit_param_name(index)}' has {flat.numel()} "
                              "elements, not this rank's (load under the same plan)")
         at = 0
-        for b, lo, hi in pieces:
+        for b, lo, hi, _ in pieces:
             b[lo:hi] = flat[at:at + hi - lo]
             at += hi - lo
 

@@ -93,7 +93,10 @@ class ShardedOptimizer(ModuleOptimizer):
         if unknown:
             raise ValueError(f"ShardedOptimizer: torch.optim.{cls.__name__} has no option "
                              f"'{unknown[0]}' (its options: {', '.join(sorted(options))})")
-        options.update(defaults)
+        # The options as cls keeps them in its groups (AdamW adds decoupled_weight_decay, for
+        # one): state dicts then have the keys of torch's own, which FSDP2's loads expect.
+        options = dict(cls([torch.zeros(1, requires_grad=True)], **defaults).defaults)
+        self._given = defaults  # what cls's constructor takes
         self.cls, self.skip_matrices = cls, skip_matrices
         self._built = False
         super().__init__(model, params, options)
@@ -107,7 +110,7 @@ class ShardedOptimizer(ModuleOptimizer):
         inner = [self._inner_group(gi) for gi in range(len(self.param_groups))]
         made = [g for g in inner if g is not None]
         # One construction with every group: some optimizers (Adagrad) make their state there.
-        self.opt = self.cls(made, **self.defaults) if made else None
+        self.opt = self.cls(made, **self._given) if made else None
         at = iter(range(len(made)))
         self._inner_of = [None if g is None else next(at) for g in inner]
         self._built = True
@@ -119,7 +122,7 @@ class ShardedOptimizer(ModuleOptimizer):
         if self._built:  # a group added after construction
             g = self._inner_group(len(self.param_groups) - 1)
             if g is not None and self.opt is None:
-                self.opt = self.cls([g], **self.defaults)
+                self.opt = self.cls([g], **self._given)
             elif g is not None:
                 self.opt.add_param_group(g)
             self._inner_of.append(None if g is None else len(self.opt.param_groups) - 1)
@@ -215,6 +218,49 @@ class ShardedOptimizer(ModuleOptimizer):
             else:
                 out[key] = t.clone() if torch.is_tensor(t) else t
         return out
+
+    def init_state(self):
+        """Makes the state of every piece that has none, as FSDP2 does before a load
+        (torch.distributed.checkpoint.state_dict): a step with zero gradients at lr 0, which
+        leaves the parameters as they are; a load then overwrites every state value."""
+        if self.opt is None or all(self.opt.state.get(piece) for _, piece, _ in self.pieces):
+            return
+        lrs = [g["lr"] for g in self.opt.param_groups]
+        for _, piece, _ in self.pieces:
+            piece.grad = torch.zeros_like(piece)
+        for g in self.opt.param_groups:
+            g["lr"] = 0.0
+        self.opt.step()
+        for g, lr in zip(self.opt.param_groups, lrs):
+            g["lr"] = lr
+        for _, piece, _ in self.pieces:
+            piece.grad = None
+        self._home()
+
+    def dcp_state(self, index):
+        """{key: [(flat start in the parameter, tensor)]} of parameter `index`'s elementwise
+        state on this rank (views of the state: a checkpoint reads and writes them in place),
+        and {key: scalar tensor} of its scalars (the step count), or ({}, {})."""
+        elementwise, scalars = {}, {}
+        for (i, piece, _), (ui, lo, hi) in zip(self.pieces, self.where):
+            st = self.opt.state.get(piece) if i == index else None
+            if not st:
+                continue
+            start = self.model.piece_start(ui, lo, index)
+            for key, t in st.items():
+                if torch.is_tensor(t) and t.shape == piece.shape:
+                    elementwise.setdefault(key, []).append((start, t))
+                elif key not in scalars:
+                    scalars[key] = t.detach().clone() if torch.is_tensor(t) else \
+                        torch.tensor(float(t))
+        return elementwise, scalars
+
+    def dcp_set_scalars(self, index, scalars):
+        """Sets the scalars of parameter `index` (what dcp_state gave, loaded) on its pieces."""
+        for i, piece, _ in self.pieces:
+            st = self.opt.state.get(piece) if i == index else None
+            for key, v in scalars.items() if st else ():
+                st[key] = v.clone() if torch.is_tensor(st.get(key)) else type(st[key])(v)
 
     def set_param_state(self, index, state):
         pieces = self._pieces_of(index)
