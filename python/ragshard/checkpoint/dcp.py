@@ -234,6 +234,7 @@ def _exchange(model, directory, name, obj):
     for r in range(model.world):
         with open(os.path.join(directory, f"{name}.{r}"), "rb") as f:
             out.append(pickle.load(f))
+    _agree(model, False)  # every rank has read them (rank 0 removes them at the commit)
     return out
 
 
