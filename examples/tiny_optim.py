@@ -2,8 +2,11 @@
 for its one-process reference (whose optimizers, in reference_optim.py beside this file, are
 written independently of ragshard's sharded ones), and what Shampoo's preconditioners became.
 
---optimizer adamw | adam8bit: every parameter. muon | shampoo: the blocks' weight matrices
-(`is_matrix`), the other parameters through AdamW with --lr and no weight decay.
+--optimizer adamw | torch-adamw | adam8bit: every parameter. muon | shampoo: the blocks' weight
+matrices (`is_matrix`), the other parameters through AdamW with --lr and no weight decay.
+adamw is ragshard.torch.ShardedAdamW; torch-adamw is torch.optim.AdamW through
+ragshard.torch.ShardedOptimizer (the same torch optimizer on this rank's pieces; its one-process
+reference is torch.optim.AdamW, as adamw's).
 """
 import torch
 
@@ -15,9 +18,11 @@ def is_matrix(name, p):
 
 
 def add_arguments(p):
-    p.add_argument("--optimizer", choices=["adamw", "muon", "adam8bit", "shampoo"],
-                   default="adamw",
-                   help="adam8bit: AdamW with block-quantized moments (128x128 blocks of "
+    p.add_argument("--optimizer", default="adamw",
+                   choices=["adamw", "torch-adamw", "muon", "adam8bit", "shampoo"],
+                   help="adamw: ShardedAdamW; torch-adamw: ShardedOptimizer(model, "
+                        "torch.optim.AdamW, lr=, weight_decay=) (ShardedAdamW is its AdamW "
+                        "case); adam8bit: AdamW with block-quantized moments (128x128 blocks of "
                         "matrices, 256 of vectors; vectors are then not cut: granule whole); "
                         "muon and shampoo: for the blocks' weight matrices, on their owners")
     p.add_argument("--lr", type=float, default=1e-3)
@@ -39,6 +44,12 @@ def check_arguments(p, a):
         p.error(f"--shampoo-block {a.shampoo_block}: must be 0 (whole matrices) or positive")
 
 
+def is_adamw(args):
+    """Whether the run's optimizer is plain AdamW (ShardedAdamW, or torch's through
+    ShardedOptimizer)."""
+    return args.optimizer in ("adamw", "torch-adamw")
+
+
 def matrix_optimizer(args):
     """fully_shard's optimizer= for the run's optimizer."""
     kind = {"muon": "matrix", "shampoo": "shampoo" + (
@@ -55,6 +66,9 @@ def sharded_optimizer(args, fsdp):
                                  precondition_every=args.precondition_every, adamw_lr=args.lr)
     if args.optimizer == "adam8bit":
         return rt.ShardedAdam8bit(fsdp, lr=args.lr, weight_decay=args.weight_decay)
+    if args.optimizer == "torch-adamw":
+        return rt.ShardedOptimizer(fsdp, torch.optim.AdamW, lr=args.lr,
+                                   weight_decay=args.weight_decay)
     return rt.ShardedAdamW(fsdp, lr=args.lr, weight_decay=args.weight_decay)
 
 
@@ -74,6 +88,51 @@ def reference_optimizers(args, model):
                                             every=args.precondition_every,
                                             block=args.shampoo_block))
     return opts
+
+
+def state_bytes(opt, fsdp):
+    """This rank's optimizer state after a step, measured (ShardedOptimizer and its ShardedAdamW
+    case; None for the others):
+    * `bytes`: nbytes summed over the distinct storages (by data address) of every tensor in the
+      torch optimizer's state on this rank's pieces (`opt.opt.state`: the moments, views of the
+      module's state tensors, and each piece's 0-dim step count), each storage counted once;
+      `storages` and `tensors` count them; `scalar_bytes` and `scalar_storages`: the 0-dim ones;
+    * `module_bytes`: the same over the module's state tensors (`fsdp._optimizer_state`);
+    * `master_bytes`: the fp32 masters the module keeps apart from the shards (bf16 parameters,
+      quantized gathers), which the optimizer steps but which are not its state;
+    * `range_elems`: this rank's optimizer range, S_os summed over the units
+      (`fsdp.os_elems`), 0 where another local rank steps the same memory (`steps`:
+      `fsdp.steps` False);
+    * `pieces` and `stepped_elems`: the pieces the optimizer steps and their elements (the
+      range less its padding, when every parameter is in the optimizer)."""
+    import ragshard.torch as rt
+    if not isinstance(opt, rt.ShardedOptimizer):
+        return None
+    storages, scalars, tensors = {}, {}, 0
+    for st in (opt.opt.state.values() if opt.opt is not None else ()):
+        for v in st.values():
+            if torch.is_tensor(v):
+                tensors += 1
+                s = v.untyped_storage()
+                storages[s.data_ptr()] = max(storages.get(s.data_ptr(), 0), s.nbytes())
+                if v.dim() == 0:
+                    scalars[s.data_ptr()] = s.nbytes()
+    module = {}
+    for t in fsdp._optimizer_state.values():
+        s = t.untyped_storage()
+        module[s.data_ptr()] = s.nbytes()
+    masters = {}
+    for t in fsdp.masters.values():
+        s = t.untyped_storage()
+        masters[s.data_ptr()] = s.nbytes()
+    return {"bytes": sum(storages.values()), "storages": len(storages), "tensors": tensors,
+            "scalar_bytes": sum(scalars.values()), "scalar_storages": len(scalars),
+            "module_bytes": sum(module.values()), "master_bytes": sum(masters.values()),
+            "range_elems": sum(int(fsdp.os_elems[u]) for u in fsdp.units()) if fsdp.steps
+            else 0,
+            "steps": bool(fsdp.steps),
+            "pieces": len(opt.where),
+            "stepped_elems": sum(hi - lo for _, lo, hi in opt.where)}
 
 
 def off_identity(root):

@@ -224,7 +224,8 @@ def parse():
     for mode in ("ddp", "fsdp2"):
         if getattr(a, mode):
             unsupported = [flag for flag, on in (
-                (f"--optimizer {a.optimizer}", a.optimizer != "adamw"), ("--accum", a.accum != 1),
+                (f"--optimizer {a.optimizer}", not tiny_optim.is_adamw(a)),
+                ("--accum", a.accum != 1),
                 ("--clip", a.clip > 0), ("--quantize", a.quantize != "none"),
                 ("--param-dtype bf16", mode == "ddp" and a.param_dtype != "fp32"),
                 ("--reference", a.reference), ("--ddp and --fsdp2", a.ddp and a.fsdp2))
@@ -396,6 +397,9 @@ def sharded(args, model, chain):
         handle.result()
         ckpt["save_seconds"].append(time.time() - ts)  # what the asynchronous saves left
     train_rss = max_rss()  # the peak through training, before gathering the full state
+    # This rank's optimizer state after the last step, measured from the optimizer's own
+    # tensors (each storage once), beside its optimizer range (tiny_optim.state_bytes).
+    optimizer_state = tiny_optim.state_bytes(opt, fsdp)
     op_counts = {k: dict(v) for k, v in fsdp.op_counts.items()}  # the training steps'
     # This node's daemon: the operations the training steps ran, by unit and kind.
     ops_after = unit_operations(client, fsdp)
@@ -417,7 +421,7 @@ def sharded(args, model, chain):
              "op_counts": op_counts, "daemon_unit_operations": daemon_ops,
              "sharding": sharding, "shampoo": tiny_optim.shampoo_report(opt)
              if args.optimizer == "shampoo" else {},
-             "first_step": first + 1, "checkpoint": ckpt}
+             "first_step": first + 1, "checkpoint": ckpt, "optimizer_state": optimizer_state}
     return losses, state, extra
 
 
@@ -517,7 +521,7 @@ class _null:
 def main():
     args = parse()
     if args.device == "cuda" and (args.ddp or args.fsdp2 or args.param_dtype != "fp32" or
-                                  args.optimizer != "adamw" or args.quantize != "none"):
+                                  not tiny_optim.is_adamw(args) or args.quantize != "none"):
         sys.exit("--device cuda: only fp32 AdamW without quantized gathers, through ragshard or "
                  "--reference (the other paths keep state on the CPU)")
     start_rss = max_rss()  # torch imported, no model yet
