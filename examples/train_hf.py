@@ -223,10 +223,11 @@ def main(argv=None):
         loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, a.vocab),
                                                  y[rows].reshape(-1))
         loss.backward()
-        if fsdp2:  # PORT: global-norm clipping
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip).full_tensor()
-        else:
-            norm = model.clip_grad_norm_(a.clip)
+        # The same line under both: ragshard.torch makes torch's clip_grad_norm_ clip a fully_shard
+        # module by the global norm of its shards.
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip)
+        if fsdp2:  # PORT: FSDP2's norm is a DTensor
+            norm = norm.full_tensor()
         lrs.append(opt.param_groups[0]["lr"])
         opt.step()
         sched.step()

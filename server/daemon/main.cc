@@ -16,12 +16,13 @@
 // Nothing below throws by design; a library exception (CLI11, the standard library) ends the
 // process with its message instead of std::terminate.
 int main(int argc, char** argv) try {
+  // To stderr from the first line: glog would otherwise leave a log file in /tmp for it.
+  FLAGS_logtostderr = true;
   google::InitGoogleLogging(argv[0]);
   // Debian's Abseil is built with mutex deadlock detection on, which records every lock order in
   // a graph: a tenth of the planner's CPU under 2,048 heartbeats a second. The tests keep it.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   LOG(INFO) << "open-file limit " << ragshard::RaiseOpenFileLimit();
-  FLAGS_logtostderr = true;
   ragshard::daemon::DaemonOptions options;
   ragshard::PlannerClientOptions planner;
   // Calls that find the planner restarting retry for the window (a job set up meanwhile waits
@@ -34,7 +35,11 @@ int main(int argc, char** argv) try {
   CLI::App app{"ragshardd: the ragshard node daemon"};
   app.add_option("--planner", planner.address, "planner address HOST:PORT")->required();
   app.add_option("--node-id", options.node_id, "this node's id")->required();
-  app.add_option("--socket", options.socket_path, "Unix socket of the local service")->required();
+  // The path ragshard.Env() assumes under torchrun when RAGSHARD_SOCKET is not set, and the one
+  // deploy/'s systemd unit and DaemonSet use.
+  options.socket_path = "/run/ragshard/daemon.sock";
+  app.add_option("--socket", options.socket_path, "Unix socket of the local service")
+      ->capture_default_str();
   app.add_option("--socket-group", options.socket_group,
                  "give the sockets to this group, mode 0660, so that its members may attach "
                  "(default: the daemon's user alone, 0600)");

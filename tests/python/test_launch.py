@@ -1,7 +1,9 @@
 """ragshard.launch: environment of the ranks, a failing rank stops the others (no hang), and bad
 arguments are refused with a message; --standalone (a planner and a daemon of the run's own,
 found on PATH, stopped and removed however the run ends) and bare torchrun (the job from the
-run id, created by the ranks) each train examples/train_tiny.py to the end."""
+run id, created by the ranks) each train the standard recipe (examples/train_hf.py: a
+transformers Llama with tied embeddings, AdamW in decay and no-decay groups, warmup then cosine,
+clipping) to the end."""
 import json
 import os
 import signal
@@ -19,9 +21,9 @@ sys.path.insert(0, os.path.join(BUILD, "python"))
 import ragshard  # noqa: E402
 from ragshard.cluster import LocalCluster  # noqa: E402
 
-EXAMPLE = os.path.join(ROOT, "examples", "train_tiny.py")
-TINY = ["--layers", "2", "--dim", "64", "--heads", "4", "--seq", "16", "--batch", "2",
-        "--vocab", "32", "--quiet", "--steps", "3"]
+EXAMPLE = os.path.join(ROOT, "examples", "train_hf.py")
+TINY = ["--backend", "ragshard", "--model", "llama", "--quiet", "--steps", "3"]
+PRELOAD = "torch,transformers.models.llama.modeling_llama"
 # The programs where the build puts them (pip install . puts them on PATH): the planner and the
 # daemon for --standalone, ragshardctl for the ranks' check of an existing job's size.
 PROGRAMS = os.pathsep.join([os.path.join(BUILD, "server"), os.path.join(BUILD, "client"),
@@ -160,7 +162,7 @@ def losses(out, steps):
 
 def test_standalone_trains_to_the_end(tmp_path):
     out = str(tmp_path / "standalone")
-    r = standalone(["--nproc", "2", "--preload", "torch", EXAMPLE, "--out", out] + TINY)
+    r = standalone(["--nproc", "2", "--preload", PRELOAD, EXAMPLE, "--out", out] + TINY)
     assert r.returncode == 0, r.stdout + r.stderr
     losses(out, 3)
 

@@ -189,3 +189,23 @@ def test_options_and_state_round_trip(one_rank):
     with pytest.raises(ValueError, match="'exp_avg' of parameter 'layers.0.0.weight' has 3 "
                                          "elements, this rank holds 64"):
         opt.load_state_dict(bad)
+
+
+def test_torchs_clip_grad_norm_clips_a_sharded_module(one_rank):
+    """torch.nn.utils.clip_grad_norm_(model.parameters(), c), an FSDP2 script's line, clips by
+    the global norm of the shards (the parameters' .grad is None by then) and returns it."""
+    fsdp = one_rank("clip")
+    fsdp(torch.ones(2, 8)).pow(2).sum().backward()
+    before = torch.cat([fsdp.shard(u)[1].clone() for u in fsdp.units()])
+    norm = torch.nn.utils.clip_grad_norm_(fsdp.parameters(), 1e-3)
+    assert torch.is_tensor(norm) and abs(float(norm) - float(before.norm())) <= 1e-5 * float(norm)
+    after = torch.cat([fsdp.shard(u)[1] for u in fsdp.units()])
+    assert abs(float(after.norm()) - 1e-3) <= 1e-6
+    with pytest.raises(ValueError, match="'layers.0.0.bias' and 6 more are not among"):
+        torch.nn.utils.clip_grad_norm_([next(fsdp.parameters())], 1.0)
+    with pytest.raises(ValueError, match="mix a fully_shard module's with others"):
+        torch.nn.utils.clip_grad_norm_([*fsdp.parameters(), torch.nn.Parameter(torch.ones(2))],
+                                       1.0)
+    plain = torch.nn.Parameter(torch.ones(3))
+    plain.grad = torch.full((3,), 4.0)
+    assert float(torch.nn.utils.clip_grad_norm_([plain], 1.0)) == pytest.approx(48 ** 0.5)

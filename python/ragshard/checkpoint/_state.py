@@ -47,9 +47,10 @@ def adamw_of(optimizer):
     """The optimizer's kind and the ShardedAdamW inside it (itself, or ShardedMuon's or
     ShardedShampoo's for the parameters that are not their matrices; none for
     ShardedAdam8bit)."""
-    from ..torch.optim import ShardedAdamW, ShardedMuon
+    from ..torch.optim import ShardedMuon
     from ..torch.optim8bit import ShardedAdam8bit
     from ..torch.shampoo import ShardedShampoo
+    from ..torch.sharded_optimizer import ShardedOptimizer
     if optimizer is None:
         return None, None
     if isinstance(optimizer, ShardedAdam8bit):
@@ -58,10 +59,14 @@ def adamw_of(optimizer):
         return "muon", optimizer.adamw
     if isinstance(optimizer, ShardedShampoo):
         return "shampoo", optimizer.adamw
-    if isinstance(optimizer, ShardedAdamW):
+    if isinstance(optimizer, ShardedOptimizer) and optimizer.cls is torch.optim.AdamW:
         return "adamw", optimizer
-    raise CheckpointError(f"optimizer: {type(optimizer).__name__} is not ShardedAdamW, "
-                          "ShardedMuon, ShardedShampoo or ShardedAdam8bit")
+    name = type(optimizer).__name__
+    if isinstance(optimizer, ShardedOptimizer):
+        name = f"ShardedOptimizer of torch.optim.{optimizer.cls.__name__}"
+    raise CheckpointError(f"optimizer: {name} is not ShardedAdamW (or ShardedOptimizer of "
+                          "AdamW), ShardedMuon, ShardedShampoo or ShardedAdam8bit; any other "
+                          "torch optimizer's state is checkpointed by save_dcp / load_dcp")
 
 
 # Shampoo's preconditioner state of matrix NAME is the checkpoint tensor NAME + SHAMPOO_STATE

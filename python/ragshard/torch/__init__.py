@@ -10,7 +10,8 @@
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 100))
     for batch in data:
         loss = model(batch).mean(); loss.backward()
-        model.clip_grad_norm_(1.0); opt.step(); sched.step(); opt.zero_grad()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # or model.clip_grad_norm_(1.0)
+        opt.step(); sched.step(); opt.zero_grad()
 
 One FSDP unit per submodule chosen by the policy `units(module)`; parameters outside every unit
 form a last unit, "root" (as FSDP's root module). What persists is the daemon's shards: each
@@ -50,11 +51,14 @@ Mixed precision: `param_dtype="bf16"` gathers and computes in bf16 with fp32 mas
 the optimizer, gradients reduced in fp32 (FSDP2's MixedPrecisionPolicy(bf16, fp32)); the
 default is fp32 throughout.
 """
+from . import clip
 from .module import ShardedModule, fully_shard
 from .optim import ShardedMuon, newton_schulz
 from .optim8bit import ShardedAdam8bit
 from .shampoo import ShardedShampoo
 from .sharded_optimizer import ELEMENTWISE, ShardedAdamW, ShardedOptimizer
+
+clip.install()  # torch.nn.utils.clip_grad_norm_ on a fully_shard module's parameters
 
 __all__ = ["fully_shard", "ShardedModule", "ShardedOptimizer", "ShardedAdamW", "ShardedMuon",
            "ShardedAdam8bit", "ShardedShampoo", "ELEMENTWISE", "newton_schulz"]

@@ -9,6 +9,7 @@ import os
 import torch
 
 from .. import Client, Env, Error, connect, plan_of
+from . import clip
 from .buffers import BuffersMixin
 from .meta import adopt_meta, release_freed_memory, values
 from .hooks import HooksMixin
@@ -109,6 +110,9 @@ class ShardedModule(BuffersMixin, HooksMixin, QuantizedGatherMixin, StateMixin, 
         strategy = strategy if strategy is not None else os.environ.get("RAGSHARD_STRATEGY")
         self._q = plan_quantized_units(inventory, len(self._units), world,
                                        strategy) if quantize else {}
+        if client is None:
+            # Connected from the environment once the module is known to be shardable.
+            client = self.client = connect()
         if register:
             client.register(json.dumps(inventory), True)
         client.attach()
@@ -227,6 +231,7 @@ class ShardedModule(BuffersMixin, HooksMixin, QuantizedGatherMixin, StateMixin, 
                 self._views[ui].append((p, off, numel))
                 p.grad = None
                 adopt(p, n, uname)
+                clip.own(p, self)
                 if matrix:
                     self.matrices.append(Matrix(
                         ui, off, numel, tuple(p.shape), int(t.get("owner_rank", -1)), packed[n],
@@ -429,6 +434,4 @@ def fully_shard(module, client=None, units=None, **kwargs):
         else:
             raise TypeError("fully_shard: units= is required (a function of the module that "
                             "returns its FSDP units, e.g. lambda m: list(m.layers))")
-    if client is None:
-        client = connect()
     return ShardedModule(module, client, units, **kwargs)

@@ -42,11 +42,20 @@ class StateMixin:
         return total
 
     def state_dict(self, *args, **kwargs):
-        """FSDP's full state dict: every parameter unsharded, as fp32 (a collective: every rank
-        calls it, as full_state), and the module's buffers, under the module's own names."""
-        out = self.full_state()
-        for n, b in self.module.named_buffers():
-            out[n] = b.detach().clone()
+        """The full state dict for export (save_pretrained, torch.save), as FSDP2's
+        get_model_state_dict with full_state_dict=True and cpu_offload=True gives it: a
+        collective (every rank calls it; one unit unsharded at a time), after which rank 0 holds
+        every parameter as an fp32 CPU tensor under each of its names in the module's own
+        state_dict (tied aliases too) and the persistent buffers, and the other ranks hold
+        nothing ({}), not a copy of the whole model."""
+        rank0 = self.rank == 0
+        params = self.full_state(rank0_only=True)
+        out = {}
+        if rank0:
+            for name, t in self.module.state_dict(keep_vars=True).items():
+                idx = self._index.get(id(t))
+                out[name] = params[self._names[idx]] if idx is not None else \
+                    t.detach().cpu().clone()
         return out
 
     def wait_for_checkpoint_write(self):
@@ -71,9 +80,15 @@ class StateMixin:
         self.wait_for_checkpoint_write()
         names = {pc.name for pc in tensor_pieces(self)} | \
             {n for ui in self.units() for n, _ in self.unit_params(ui)}
-        buffers = dict(self.module.named_buffers())
+        own = self.module.state_dict(keep_vars=True)  # persistent buffers; tied aliases
+        buffers = {n: b for n, b in own.items() if id(b) not in self._index}
+        aliases = {n: self._names[self._index[id(t)]] for n, t in own.items()
+                   if id(t) in self._index and n not in names}
+        for alias, name in aliases.items():  # a tied weight given under another of its names
+            if alias in state_dict and name not in state_dict:
+                state_dict = dict(state_dict, **{name: state_dict[alias]})
         missing = sorted((names | set(buffers)) - set(state_dict))
-        unexpected = sorted(set(state_dict) - names - set(buffers))
+        unexpected = sorted(set(state_dict) - names - set(buffers) - set(aliases))
         if strict and (missing or unexpected):
             raise RuntimeError(f"load_state_dict: missing keys {missing[:8]}, unexpected keys "
                                f"{unexpected[:8]}")
@@ -95,10 +110,12 @@ class StateMixin:
             self._needs_load = False  # every parameter has its values (init="empty")
         return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
 
-    def full_state(self):
-        """{name: fp32 tensor} of every parameter, unsharded (for checks; one all-gather per
-        unit). The values are those the forward computes with: with param_dtype bf16, the bf16
-        rounding of the fp32 masters."""
+    def full_state(self, rank0_only=False):
+        """{name: fp32 tensor} of every parameter, unsharded (one all-gather per unit, one unit
+        at a time; every rank calls it). The values are those the forward computes with: with
+        param_dtype bf16, the bf16 rounding of the fp32 masters. `rank0_only`: the other ranks
+        keep nothing and get {}."""
+        keep = not rank0_only or self.rank == 0
         out = {}
         for ui, (_, _, params) in enumerate(self._units):
             if ui in self._q:  # the exact fp32 values, not the last dequantized ones
@@ -106,7 +123,7 @@ class StateMixin:
             was = ui in self._full
             self.client.unshard(ui).wait()
             self._bind(ui)
-            for n, p in params:
+            for n, p in params if keep else ():
                 out[n] = p.detach().float().cpu().clone()
             if not was:
                 self._reshard(ui)
