@@ -348,6 +348,16 @@ int rs_delete_job(const char* planner, const char* job, const char* token_file) 
   return s.ok() ? 0 : Fail(s);
 }
 
+int rs_job_world_size(const char* planner, const char* job, const char* token_file,
+                      int64_t* world_size) {
+  auto p = Planner(planner, token_file);
+  if (!p.ok()) return Fail(p.status());
+  auto j = (*p)->GetJob(Str(job));
+  if (!j.ok()) return Fail(j.status());
+  *world_size = j->world_size();
+  return 0;
+}
+
 int rs_plan_local(const char* inventory_json, int64_t world, const char* policy,
                   int32_t align_bytes, const char** out) {
   auto inv = ParseInventoryJson(Str(inventory_json));

@@ -66,6 +66,9 @@ int rs_create_job(const char* planner, const char* job, int64_t shard_size, int6
                   const char* strategy, int64_t memory_budget_bytes, const char* optimizer,
                   int64_t tokens_per_step, const char** job_id);
 int rs_delete_job(const char* planner, const char* job, const char* token_file);
+// The world size of an existing job (NOT_FOUND where there is none).
+int rs_job_world_size(const char* planner, const char* job, const char* token_file,
+                      int64_t* world_size);
 int rs_plan_local(const char* inventory_json, int64_t world, const char* policy,
                   int32_t align_bytes, const char** out);
 /* common/data_plane_memory.h for n units; out: shards, grad_shards, unsharded, grads. */

@@ -7,10 +7,9 @@ the node's `ragshardd`, and its numpy arrays view the daemon's buffers without c
 import json
 import os
 import re
-import shutil
-import subprocess
 
-from ._core import Client, DeviceBuffer, Error, Handle, create_job, delete_job  # noqa: F401
+from ._core import (Client, DeviceBuffer, Error, Handle, create_job, delete_job,  # noqa: F401
+                    job_world_size)
 
 __all__ = ["Client", "DeviceBuffer", "Error", "Handle", "create_job", "delete_job", "Env",
            "connect", "ensure_job", "DEFAULT_SOCKET"]
@@ -132,37 +131,18 @@ def ensure_job(env):
     """Creates `env.job` with `env.world_size` ranks (plain FSDP, policy ragged) unless it
     exists. Every rank may call it at once: the planner creates a job id once and answers the
     others ALREADY_EXISTS, so ranks that start together create exactly one job. A job that
-    exists with another world size is refused, naming both sizes; that check asks the planner
-    through `ragshardctl job show` (installed beside ragshardd), and is skipped where
-    ragshardctl is not on PATH (a rank beyond the job's size is then still refused when it
-    registers)."""
+    exists with another world size is refused, naming both sizes."""
     try:
         create_job(env.planner, env.job, env.world_size, 1, token_file=env.token_file)
         return
     except Error as e:
         if not str(e).startswith("ALREADY_EXISTS"):
             raise
-    world = _job_world_size(env)
-    if world is not None and world != env.world_size:
+    world = job_world_size(env.planner, env.job, env.token_file)
+    if world != env.world_size:
         raise Error(f"FAILED_PRECONDITION: job '{env.job}' exists with world size {world}, but "
                     f"this rank's world size is {env.world_size} (WORLD_SIZE): start as many "
                     "ranks as the job has, or use another job id (RAGSHARD_JOB)")
-
-
-def _job_world_size(env):
-    """The world size of an existing job, from `ragshardctl job show --json`; None where
-    ragshardctl is not on PATH."""
-    ctl = shutil.which("ragshardctl")
-    if ctl is None:
-        return None
-    argv = [ctl, "job", "show", env.job, "--json", "--planner", env.planner]
-    if env.token_file:
-        argv += ["--token-file", env.token_file]
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=120)
-    if r.returncode != 0:
-        raise Error(f"job '{env.job}' exists, but its world size could not be read: "
-                    f"{r.stderr.strip() or r.stdout.strip()}")
-    return int(json.loads(r.stdout)["worldSize"])  # protobuf JSON: an int64 is a string
 
 
 def plan_of(client):

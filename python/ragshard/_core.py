@@ -88,6 +88,7 @@ def _load():
         "rs_create_job": (i32, [cstr, cstr, i64, i64, cstr, cstr, cstr, cstr, i64, cstr, i64,
                                 out_str]),
         "rs_delete_job": (i32, [cstr, cstr, cstr]),
+        "rs_job_world_size": (i32, [cstr, cstr, cstr, ctypes.POINTER(i64)]),
         "rs_plan_local": (i32, [cstr, i64, cstr, ctypes.c_int32, out_str]),
         "rs_data_plane_peak": (None, [ctypes.POINTER(i64), ctypes.POINTER(i64),
                                       ctypes.POINTER(ctypes.c_double), ctypes.POINTER(i64), i64,
@@ -371,6 +372,13 @@ def create_job(planner, job, shard_size, replicate_size=1, policy="ragged", defa
 
 def delete_job(planner, job, token_file=""):
     _check(_lib.rs_delete_job(_b(planner), _b(job), _b(token_file)))
+
+
+def job_world_size(planner, job, token_file=""):
+    """The world size of an existing job (Error NOT_FOUND where there is none)."""
+    out = ctypes.c_int64(0)
+    _check(_lib.rs_job_world_size(_b(planner), _b(job), _b(token_file), ctypes.byref(out)))
+    return out.value
 
 
 def plan_local(inventory_json, world, policy="ragged", align_bytes=16):

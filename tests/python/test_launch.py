@@ -25,7 +25,7 @@ EXAMPLE = os.path.join(ROOT, "examples", "train_hf.py")
 TINY = ["--backend", "ragshard", "--model", "llama", "--quiet", "--steps", "3"]
 PRELOAD = "torch,transformers.models.llama.modeling_llama"
 # The programs where the build puts them (pip install . puts them on PATH): the planner and the
-# daemon for --standalone, ragshardctl for the ranks' check of an existing job's size.
+# daemon for --standalone.
 PROGRAMS = os.pathsep.join([os.path.join(BUILD, "server"), os.path.join(BUILD, "client"),
                             os.environ.get("PATH", "")])
 
@@ -297,7 +297,6 @@ def test_bare_torchrun_creates_one_job_and_trains_to_the_end(one_daemon, tmp_pat
 
 
 def test_a_torchrun_rank_of_another_world_size_than_the_job_is_refused(one_daemon, monkeypatch):
-    monkeypatch.setenv("PATH", PROGRAMS)  # ragshardctl, which reads the job's size
     ragshard.create_job(one_daemon.planner, "three", 3, token_file=one_daemon.token_file)
     env = ragshard.Env(torchrun_env(one_daemon, RANK="0", WORLD_SIZE="2",
                                     TORCHELASTIC_RUN_ID="three"))
