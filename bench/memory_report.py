@@ -276,6 +276,21 @@ def plot(rows, path):
     fig.savefig(path, dpi=110)
 
 
+def replace_section(path, heading, section):
+    """Rewrites one section of the report at `path` (the one under `heading`, or a new one
+    before "## Ideal"), leaving the others as they are."""
+    with open(path) as f:
+        text = f.read()
+    if heading in text:
+        head, rest = text.split(heading, 1)
+        text = head + section + rest[rest.index("\n## "):]
+    else:
+        head, rest = text.split("## Ideal", 1)
+        text = head + section + "\n## Ideal" + rest
+    with open(path, "w") as f:
+        f.write(text)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--build", default=os.path.join(ROOT, "build"))
@@ -299,31 +314,12 @@ def main():
     work = tempfile.mkdtemp(prefix="ragshard-memory-")
     r = Runner(a.build, work, a.steps)
     if a.strategies_only:
-        with open(a.out) as f:
-            text = f.read()
-        section = "\n".join(strategy_section(strategy_rows(r), separate=True))
-        if STRATEGY_HEADING in text:
-            head, rest = text.split(STRATEGY_HEADING, 1)
-            text = head + section + rest[rest.index("\n## "):]
-        else:
-            head, rest = text.split("## Ideal", 1)
-            text = head + section + "\n## Ideal" + rest
-        with open(a.out, "w") as f:
-            f.write(text)
+        replace_section(a.out, STRATEGY_HEADING,
+                        "\n".join(strategy_section(strategy_rows(r), separate=True)))
         return
     if a.optimizer_state_only:
-        with open(a.out) as f:
-            text = f.read()
-        section = "\n".join(optimizer_state_section(optimizer_state_rows(r), a.steps,
-                                                     separate=True))
-        if OPTSTATE_HEADING in text:
-            head, rest = text.split(OPTSTATE_HEADING, 1)
-            text = head + section + rest[rest.index("\n## "):]
-        else:
-            head, rest = text.split("## Ideal", 1)
-            text = head + section + "\n## Ideal" + rest
-        with open(a.out, "w") as f:
-            f.write(text)
+        replace_section(a.out, OPTSTATE_HEADING, "\n".join(optimizer_state_section(
+            optimizer_state_rows(r), a.steps, separate=True)))
         return
     if a.long_only:
         with open(a.out) as f:
