@@ -1,0 +1,144 @@
+"""The processes of bench/chaos_report.py's trials: what is alive and must be killed at exit
+(`_live`, swept by `sweep`), the signal handler that turns the first SIGINT/SIGTERM into
+`Interrupted`, and the helpers that read a trial's logs, kill a launcher's session and stop a
+LocalCluster, naming what needed SIGKILL."""
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+
+# ---------------------------------------------------------------------------------- signals
+
+class Interrupted(KeyboardInterrupt):
+    pass
+
+
+_signalled = []
+_live = {"procs": [], "sessions": [], "clusters": []}  # swept at exit, whatever happened
+
+
+def sweep():
+    """Kills whatever a trial started that is still alive (after an interrupt)."""
+    for p in _live["procs"]:
+        if p.poll() is None:
+            try:
+                os.kill(p.pid, signal.SIGCONT)
+                p.kill()
+                p.wait()
+            except OSError:
+                pass
+    for sid in _live["sessions"]:
+        kill_session(sid)
+    for c in _live["clusters"]:
+        for p in c.procs:
+            if p.poll() is None:
+                try:
+                    os.kill(p.pid, signal.SIGCONT)
+                except OSError:
+                    pass
+        c.stop()
+    for k in _live:
+        _live[k] = []
+
+
+def _on_signal(signum, frame):
+    """The first SIGINT/SIGTERM raises (the `finally`s clean up); later ones are ignored, so
+    that the cleanup itself is not cut short."""
+    if _signalled:
+        return
+    _signalled.append(signum)
+    raise Interrupted(f"signal {signum}")
+
+
+# ---------------------------------------------------------------------------------- helpers
+
+def read_from(path, offset=0):
+    try:
+        with open(path, errors="replace") as f:
+            f.seek(offset)
+            return f.read()
+    except OSError:
+        return ""
+
+
+def error_line(out):
+    """The line of a rank's output that says why it failed: the last line naming an error,
+    else the last non-empty line."""
+    lines = [ln.strip() for ln in out.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if "Error" in ln or "error" in ln or "failed" in ln or "lost" in ln:
+            return ln
+    return lines[-1] if lines else ""
+
+
+def session_members(sid):
+    """Pids of live processes in session `sid` (a launcher started with start_new_session)."""
+    pids = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()
+        # fields: state ppid pgrp session ...
+        if len(fields) > 3 and int(fields[3]) == sid and fields[0] != "Z":
+            pids.append(int(d))
+    return pids
+
+
+def kill_session(sid):
+    try:
+        os.killpg(sid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for pid in session_members(sid):  # a member that left the group but not the session
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def stop_cluster_checked(c):
+    """Stops the cluster's processes as LocalCluster.stop does (SIGCONT, SIGTERM, 10 s, then
+    SIGKILL) and returns the ones that needed SIGKILL, for the report."""
+    stuck = []
+    names = {}
+    for i, p in enumerate(c.procs):  # planner, daemons node-0.., restarted planners
+        names[p.pid] = f"daemon {c.nodes[i - 1]}" if 1 <= i <= c.n else "planner"
+    for p in c.procs:
+        if p.poll() is None:
+            try:
+                os.kill(p.pid, signal.SIGCONT)
+                p.send_signal(signal.SIGTERM)
+            except OSError:
+                pass
+    deadline = time.monotonic() + 10
+    for p in c.procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            stuck.append(names.get(p.pid, str(p.pid)))
+            p.kill()
+            p.wait()
+    return stuck
+
+
+def keep_logs(keep_dir, fault, trial, dirs):
+    if not keep_dir:
+        return None
+    dest = os.path.join(keep_dir, f"{fault}-{trial:02d}")
+    shutil.rmtree(dest, ignore_errors=True)
+    os.makedirs(dest, exist_ok=True)
+    for d in dirs:
+        if not d or not os.path.isdir(d):
+            continue
+        for name in os.listdir(d):
+            src = os.path.join(d, name)
+            if os.path.isfile(src) and name.endswith((".log", ".txt")):
+                shutil.copy(src, os.path.join(dest, name))
+    return dest
