@@ -58,7 +58,10 @@ absl::StatusOr<std::unique_ptr<NodeDaemon>> NodeDaemon::Start(
     group = *gid;
     options.socket_mode = 0660;
   }
-  auto backend = ParseBackendKind(options.backend);
+  auto requested = ParseBackendKind(options.backend);
+  if (!requested.ok()) return requested.status();
+  // Before anything is allocated or listens: --backend=cuda that cannot run is an error.
+  auto backend = ResolveBackendKind(*requested);
   if (!backend.ok()) return backend.status();
   if (options.gpu_pool_bytes <= 0)
     return absl::InvalidArgumentError("--gpu-pool-bytes: must be positive");
@@ -68,7 +71,7 @@ absl::StatusOr<std::unique_ptr<NodeDaemon>> NodeDaemon::Start(
   if (!pool.ok()) return pool.status();
   std::unique_ptr<NodeDaemon> d(
       new NodeDaemon(std::move(options), std::move(planner), std::move(*pool)));
-  d->backend_ = ResolveBackendKind(*backend);
+  d->backend_ = *backend;
   d->socket_gid_ = group;
   ::unlink(d->options_.socket_path.c_str());
   grpc::ServerBuilder builder;

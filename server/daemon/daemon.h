@@ -46,7 +46,8 @@ struct DaemonOptions {
   // through the planner's rendezvous).
   std::string data_host = "127.0.0.1";
   std::chrono::milliseconds heartbeat_interval{1000};
-  // "host" or "cuda"; "cuda" without a device logs one line and runs the host backend.
+  // "host", "device-shaped", "cuda" or "auto" (data_backend.h: ResolveBackendKind); "cuda"
+  // where the CUDA backend cannot run fails Start with the reason, "auto" runs host there.
   std::string backend = "host";
   // Bytes of the CUDA slab per local GPU (cuda backend).
   int64_t gpu_pool_bytes = int64_t{1} << 30;

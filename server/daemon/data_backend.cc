@@ -35,8 +35,9 @@ absl::StatusOr<BackendKind> ParseBackendKind(const std::string& name) {
   if (name == "host") return BackendKind::kHost;
   if (name == "device-shaped") return BackendKind::kDeviceShaped;
   if (name == "cuda") return BackendKind::kCuda;
+  if (name == "auto") return BackendKind::kAuto;
   return absl::InvalidArgumentError(
-      absl::StrCat("backend: '", name, "' is not one of host, device-shaped, cuda"));
+      absl::StrCat("backend: '", name, "' is not one of host, device-shaped, cuda, auto"));
 }
 
 }  // namespace ragshard::daemon

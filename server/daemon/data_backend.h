@@ -73,9 +73,10 @@ absl::StatusOr<std::vector<MatrixPiece>> MatrixPieces(const v1::UnitPlan& unit, 
 
 // kDeviceShaped is the host data plane in the shape of a GPU: each rank has private unsharded
 // buffers and nothing is shared by a node's ranks, so the GPU path's logic runs without a GPU.
-enum class BackendKind { kHost, kDeviceShaped, kCuda };
+// kAuto is a request only: ResolveBackendKind turns it into kCuda or kHost.
+enum class BackendKind { kHost, kDeviceShaped, kCuda, kAuto };
 
-// Parses "host", "device-shaped" or "cuda"; INVALID_ARGUMENT names anything else.
+// Parses "host", "device-shaped", "cuda" or "auto"; INVALID_ARGUMENT names anything else.
 absl::StatusOr<BackendKind> ParseBackendKind(const std::string& name);
 
 struct BackendContext {
@@ -92,11 +93,14 @@ struct BackendContext {
   int64_t gpu_pool_bytes = 0;
 };
 
-// The backend jobs will use: kCuda without a usable device (or in a build without CUDA) logs one
-// line that says why and gives kHost. The daemon calls it once at start.
-BackendKind ResolveBackendKind(BackendKind requested);
+// The backend jobs will use; the daemon calls it once at start. The CUDA backend can run where
+// this build has CUDA, a CUDA device is usable and NCCL opens (nccl_api.h). kAuto gives kCuda
+// there and kHost elsewhere, logging which and why. kCuda where the CUDA backend cannot run is
+// FAILED_PRECONDITION naming the reason (the daemon exits with it: it does not fall back).
+absl::StatusOr<BackendKind> ResolveBackendKind(BackendKind requested);
 
-// Creates a job's backend; kCuda must have been resolved to a usable device first.
+// Creates a job's backend from a resolved kind (not kAuto); kCuda must have been resolved to a
+// usable device first.
 absl::StatusOr<std::unique_ptr<DataBackend>> CreateDataBackend(BackendKind kind,
                                                                const BackendContext& context);
 

@@ -61,8 +61,10 @@ int main(int argc, char** argv) try {
   app.add_option("--backend", options.backend,
                  "data plane: host (memfd pool + UCX, unsharded buffers shared by the node's "
                  "ranks), device-shaped (the same with private per-rank buffers: the shape of "
-                 "a GPU) or cuda (CUDA slabs + NCCL; without a device it logs why and runs host)")
-      ->check(CLI::IsMember({"host", "device-shaped", "cuda"}))
+                 "a GPU), cuda (CUDA slabs + NCCL; exits with the reason where this build has "
+                 "no CUDA, no device is usable or NCCL does not open) or auto (cuda where it can "
+                 "run, host elsewhere; logs which)")
+      ->check(CLI::IsMember({"host", "device-shaped", "cuda", "auto"}))
       ->capture_default_str();
   app.add_option("--gpu-pool-bytes", options.gpu_pool_bytes, "CUDA slab per local GPU (cuda)")
       ->capture_default_str();

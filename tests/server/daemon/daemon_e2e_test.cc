@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <fstream>
@@ -218,19 +219,55 @@ TEST_F(DaemonE2E, PolicyAutoPlansMatchTheReference) {
   }
 }
 
-TEST_F(DaemonE2E, TheCudaBackendWithoutADeviceSaysSoOnceAndRunsOnTheHost) {
+// --backend=cuda where the CUDA backend cannot run (a build without CUDA, no usable device, no
+// NCCL) exits non-zero naming the reason, before it listens; --backend=auto runs the host
+// backend there and says why. Where the CUDA backend can run, both run it.
+TEST_F(DaemonE2E, CudaWhereItCannotRunExitsWithTheReasonAndAutoPicksTheBackend) {
+  daemons_[0].Kill(SIGTERM);
+  const std::string log = dir_.path() + "/cuda.log";
+  testing::Child cuda({RAGSHARDD_PATH, "--planner", planner_.address, "--node-id", "node-0",
+                       "--socket", Socket(0), "--pool-bytes", std::to_string(64 << 20), "--backend",
+                       "cuda", "--gpu-pool-bytes", std::to_string(64 << 20)},
+                      log);
+  // main's own line, not glog's (whose lines begin with the severity and the date).
+  auto refused = [&] {
+    return ("\n" + testing::ReadAll(log)).find("\nerror: ") != std::string::npos;
+  };
+  ASSERT_TRUE(Eventually([&] {
+    return refused() || testing::ReadAll(log).find("ready on") != std::string::npos;
+  })) << testing::ReadAll(log);
+  const bool cuda_runs = !refused();
+  if (!cuda_runs) {
+    const int status = cuda.Wait();
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 1) << status;
+    const std::string text = testing::ReadAll(log);
+    EXPECT_THAT(text, HasSubstr("error: --backend=cuda: the CUDA backend cannot run here: "));
+    EXPECT_THAT(text, ::testing::AnyOf(HasSubstr("this build has no CUDA"),
+                                       HasSubstr("CUDA device"), HasSubstr("no NCCL")));
+    struct stat st {};
+    EXPECT_NE(stat((Socket(0) + ".fd").c_str(), &st), 0) << "it listened before it exited";
+  } else {
+    // A machine with a GPU, a driver and NCCL.
+    EXPECT_THAT(testing::ReadAll(log), HasSubstr("--backend=cuda: "));
+  }
+  // No driver here: the daemon must have refused (a test that cannot fail on a CPU machine
+  // would prove nothing).
+  if (access("/dev/nvidiactl", F_OK) != 0) ASSERT_FALSE(cuda_runs);
+  cuda.Kill(SIGTERM);
   for (int n = 0; n < 2; ++n) {
     daemons_[n].Kill(SIGTERM);
-    StartDaemon(n, "cuda");
+    StartDaemon(n, "auto");
   }
   CreateJob("gpu");
   auto ranks = SpawnRanks("gpu", "check");
   for (int r = 0; r < 4; ++r) EXPECT_EQ(Exit(ranks[r]), 0) << "rank " << r;
-  const std::string log = testing::ReadAll(dir_.path() + "/daemon0.log");
-  if (log.find("GPU backend skipped") != std::string::npos) {
-    EXPECT_THAT(log, HasSubstr("host backend, buffers allocated"));
+  const std::string daemon_log = testing::ReadAll(dir_.path() + "/daemon0.log");
+  if (cuda_runs) {
+    EXPECT_THAT(daemon_log, HasSubstr("--backend=auto: the CUDA backend ("));
+    EXPECT_THAT(daemon_log, HasSubstr("cuda backend, buffers allocated"));
   } else {
-    EXPECT_THAT(log, HasSubstr("cuda backend, buffers allocated"));  // a machine with a GPU
+    EXPECT_THAT(daemon_log, HasSubstr("--backend=auto: the host backend ("));
+    EXPECT_THAT(daemon_log, HasSubstr("host backend, buffers allocated"));
   }
 }
 
