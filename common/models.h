@@ -1,4 +1,4 @@
-// The model zoo of ../shared/models.md, generated in code. Units are "embed", "layers.<i>" and
+// The model zoo of docs/design.md, generated in code. Units are "embed", "layers.<i>" and
 // "head" (final norm plus lm_head when untied). Weights are [out, in] and bf16; matrices inside
 // decoder layers use the matrix optimizer (Muon convention), everything else is element-wise.
 #pragma once
@@ -15,8 +15,8 @@ namespace ragshard {
 
 struct ModelInfo {
   std::string name;
-  int64_t total_params = 0;  // as published in models.md
-  int64_t tensors = 0;       // 0 when models.md gives no count
+  int64_t total_params = 0;  // as published with the model
+  int64_t tensors = 0;       // 0 when no count is published
   // Mixture of experts: routed experts per layer and how many each token uses (the published
   // configs' num_experts_per_tok); 0 for dense models. Tensors named "*.experts.*" are routed.
   int64_t routed_experts = 0;
@@ -26,7 +26,7 @@ struct ModelInfo {
 // The zoo entry of NAME (variants ":grouped" and ":fused" allowed), or nullptr.
 const ModelInfo* FindModel(absl::string_view name);
 
-// The zoo, in models.md order.
+// The zoo, in docs/design.md's order.
 const std::vector<ModelInfo>& ModelZoo();
 
 // NAME is a zoo name, optionally with variants: "NAME:grouped" stores each layer's experts as

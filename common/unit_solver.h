@@ -1,4 +1,4 @@
-// The per-unit RaggedShard planning problem (DESIGN.md, "Planning").
+// The per-unit RaggedShard planning problem (docs/design.md, "Plan invariants").
 //
 // Given the tensors of one (unit, dtype) as (numel, granule) pairs, a world size W and an
 // alignment of `align` elements, choose an order, offsets and a shard size S that minimise
@@ -46,7 +46,7 @@ struct UnitSolution {
   int feasibility_tests = 0;
 };
 
-// Lower bounds (DESIGN.md): LB1 = max(ceil(sum/W), largest granule) rounded up to `align`;
+// Lower bounds (docs/design.md): LB1 = max(ceil(sum/W), largest granule) rounded up to `align`;
 // LB2 = the smallest S >= LB1 that is a multiple of lcm(align, granules of tensors with
 // numel >= 2S).
 int64_t LowerBound1(const std::vector<UnitItem>& items, int64_t world, int64_t align);

@@ -1,4 +1,4 @@
-// Checks the five plan invariants of DESIGN.md on a RaggedShard plan.
+// Checks the five plan invariants of docs/design.md on a RaggedShard plan.
 //   1. Every element of every tensor is owned by exactly one rank (the sparse split agrees with
 //      offset, numel and S), and tensors do not overlap.
 //   2. Every cut k*S strictly inside a tensor is a multiple of its granule from its start.

@@ -8,7 +8,7 @@
 // over p (S_p = the plan's shard_elems), gradients over g (S_g, the "g" factor plan), optimizer
 // state over os (S_os). Create() returns UNIMPLEMENTED for a mesh the transport does not run.
 //
-// Buffers (DESIGN.md, "Data plane"). Persistent, per local rank: the parameter shard (S_p of the
+// Buffers (docs/design.md). Persistent, per local rank: the parameter shard (S_p of the
 // unit's dtype) and the gradient shard (S_g fp32), one block for the node's ranks where the
 // transport works on node blocks: A slots of the factor where local replicas share one
 // (host memory), a slot per rank otherwise. Transient, per unit:
@@ -26,7 +26,7 @@
 // buffer is a view that maps the shard block beside a transient (F - k) * S rest
 // (common/unsharded_view.h), and the all-gather only receives the other nodes' shards.
 // `staging_bytes()` counts every write into pool buffers outside the collectives' own transfers and
-// reductions (DESIGN.md's copy-in/copy-out); on the host none exist and the counter proves it.
+// reductions (docs/design.md's copy-in/copy-out); on the host none exist and the counter proves it.
 //
 // An allocation the memory cannot serve fails the operation with RESOURCE_EXHAUSTED naming the
 // unit, the buffer and the bytes; nothing waits for memory.

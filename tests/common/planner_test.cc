@@ -207,7 +207,7 @@ TEST(PlannerTest, OwnersAreBalancedByTheOptimizersCost) {
 }
 
 TEST(PlannerTest, PaddingMatchesTheLowerBoundFiguresOfTheDesign) {
-  // DESIGN.md: DeepSeek-V3 with rows:128 and one layer per unit pads about 1.6 % at W=64,
+  // docs/design.md: DeepSeek-V3 with rows:128 and one layer per unit pads about 1.6 % at W=64,
   // 9.9 % at W=256 and 42 % at W=1024, and that padding is LB2 itself. (The zoo's model has a
   // dense layer's attention as a unit of its own, "attn.<i>"; one layer per unit joins it back.)
   Inventory split = Model("deepseek-v3", "rows:128");
