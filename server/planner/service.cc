@@ -290,19 +290,26 @@ std::vector<prometheus::MetricFamily> PlannerService::ScrapeFigures() const {
     nodes[state(v1::NodeStatus_Name(s), "NODE_")] = 0;
   }
   double watch_streams = 0;
+  std::map<std::string, double> parked = {{"get", 0}, {"registration", 0}};
   {
     absl::MutexLock lock(&mu_);
     for (const auto& [id, js] : jobs_) {
       jobs[state(v1::JobStatus_Name(js.job.status()), "JOB_")] += 1;
       watch_streams += static_cast<double>(js.watchers.size());
+      parked["registration"] += static_cast<double>(js.pending_hash.size());
     }
+    parked["get"] = static_cast<double>(pending_gets_.size());
     for (const auto& [id, node] : nodes_)
       nodes[state(v1::NodeStatus_Name(node.status()), "NODE_")] += 1;
   }
   return {GaugeFamily("ragshard_planner_jobs", "Jobs by state", "state", jobs),
           GaugeFamily("ragshard_planner_nodes", "Nodes by state", "state", nodes),
           GaugeFamily("ragshard_planner_watch_streams", "Open WatchPlan streams", "",
-                      {{"", watch_streams}})};
+                      {{"", watch_streams}}),
+          GaugeFamily("ragshard_planner_parked_calls",
+                      "Calls waiting: rendezvous gets for their keys, hash-only registrations for "
+                      "a full inventory",
+                      "call", parked)};
 }
 
 }  // namespace ragshard::planner

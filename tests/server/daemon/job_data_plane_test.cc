@@ -373,18 +373,21 @@ TEST(JobDataPlaneFailureTest, AKilledNodeIsAnErrorWithinTheDeadline) {
   o.world = 2;
   auto plan = BuildPlan(inv, o);
   ASSERT_TRUE(plan.ok());
+  // Node 1 is killed once node 0 has finished one all-gather with it and started the next.
+  testing::Marks started;
   UcxGroup g = UcxGroup::Spawn(2, [&](int node, Comm& comm) {
     auto pool = Pool::Create(128 << 20);
     auto dp = JobDataPlane::Create(*plan, {node}, pool->get(), &comm);
     if (!dp.ok()) return 50;
     for (int i = 0; i < 1000000; ++i) {
+      if (i == 1 && node == 0) started.Mark();
       absl::Status s = (*dp)->Unshard(0, absl::Now() + absl::Seconds(10));
       if (!s.ok()) return std::string(s.message()).find("peer 1") != std::string::npos ? 0 : 51;
     }
     return 52;
   });
-  g.WaitConnected();
-  usleep(200 * 1000);
+  started.Spawned();
+  EXPECT_TRUE(started.Await(1)) << "node 0 ended before its second all-gather";
   kill(g.pids[1], SIGKILL);
   EXPECT_EQ(UcxGroup::ExitCode(g.pids[1]), 128 + SIGKILL);
   EXPECT_EQ(UcxGroup::ExitCode(g.pids[0]), 0);

@@ -122,12 +122,15 @@ TEST(UcxCommTest, PipelinedReduceScatterMatchesTheReferenceAcrossProcesses) {
 TEST(UcxCommTest, AKilledPeerIsAnErrorNamingItWithinTheDeadline) {
   const int n = 3;
   // Ranks 0 and 1 loop over large all-gathers until one fails; the parent kills rank 2 with -9
-  // in the middle. Exit code 0 means the failure named peer 2 or was reported in time.
-  UcxGroup g = UcxGroup::Spawn(n, [](int r, Comm& comm) {
+  // once both have finished one all-gather with it and started the next. Exit code 0 means the
+  // failure named peer 2 or was reported in time.
+  testing::Marks started;
+  UcxGroup g = UcxGroup::Spawn(n, [&started](int r, Comm& comm) {
     const size_t block = 8 << 20;
     std::vector<char> buf(block * 3, static_cast<char>(r));
     const absl::Time start = absl::Now();
     for (int iter = 0; iter < 100000; ++iter) {
+      if (iter == 1 && r != 2) started.Mark();
       absl::Status s =
           AllGather(comm, buf.data(), block, absl::Now() + absl::Seconds(10), iter * 8);
       if (!s.ok()) {
@@ -140,8 +143,8 @@ TEST(UcxCommTest, AKilledPeerIsAnErrorNamingItWithinTheDeadline) {
     }
     return 32;  // never failed
   });
-  g.WaitConnected();
-  usleep(300 * 1000);
+  started.Spawned();
+  EXPECT_TRUE(started.Await(2)) << "ranks 0 and 1 ended before their second all-gather";
   kill(g.pids[2], SIGKILL);
   EXPECT_EQ(ExitCode(g.pids[2]), 128 + SIGKILL);
   EXPECT_EQ(ExitCode(g.pids[0]), 0);

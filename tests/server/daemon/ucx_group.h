@@ -16,6 +16,47 @@
 
 namespace ragshard::daemon::testing {
 
+// Marks from the bodies to the parent, for a test that acts once the children have reached a
+// point (an operation under way) rather than after a delay. Make it before Spawn, so that the
+// children inherit it, and call Spawned() after: a body calls Mark(), the parent Await(n).
+class Marks {
+ public:
+  Marks() {
+    if (pipe(fds_) != 0) fds_[0] = fds_[1] = -1;
+  }
+  ~Marks() {
+    for (int fd : fds_) {
+      if (fd >= 0) close(fd);
+    }
+  }
+  Marks(const Marks&) = delete;
+  Marks& operator=(const Marks&) = delete;
+  // In a child: one mark.
+  void Mark() {
+    const char one = 1;
+    if (write(fds_[1], &one, 1) != 1) {
+      // the parent is gone; nothing waits for the mark
+    }
+  }
+  // In the parent, once the children are forked: closes its own write end, so that Await ends
+  // when every child has exited without marking.
+  void Spawned() {
+    if (fds_[1] >= 0) close(fds_[1]);
+    fds_[1] = -1;
+  }
+  // In the parent: true once `n` marks came; false when every child ended first.
+  bool Await(int n) {
+    char c;
+    for (int got = 0; got < n; ++got) {
+      if (read(fds_[0], &c, 1) != 1) return false;
+    }
+    return true;
+  }
+
+ private:
+  int fds_[2];
+};
+
 struct UcxGroup {
   std::vector<pid_t> pids;
   std::vector<int> ready_fds;  // each child writes one byte once connected

@@ -1,12 +1,19 @@
 // A planner service on its real gRPC server (127.0.0.1:0, a temporary data directory) and a
-// client of it, with helpers to create jobs and register ranks; restartable (Start after
-// server_.reset()).
+// client of it, with helpers to create jobs, register ranks and read the planner's figures;
+// restartable (Start after server_.reset()).
 #pragma once
 
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
+#include <chrono>
+#include <cstdlib>
 #include <memory>
 #include <string>
+#include <thread>
 
 #include "common/models.h"
 #include "common/planner_client.h"
@@ -29,6 +36,7 @@ class PlannerFixture : public ::testing::Test {
     o.service.tick = 20ms;
     o.service.default_registration_timeout = 30s;
     o.service.cluster_profile = profile_;
+    if (with_metrics_) o.metrics_listen = "127.0.0.1:0";
     auto server = planner::PlannerServer::Start(o);
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = std::move(*server);
@@ -82,6 +90,62 @@ class PlannerFixture : public ::testing::Test {
     return client_->RegisterRank(req);
   }
 
+  // Restarts the planner (nothing created yet) with its metrics endpoint on 127.0.0.1:0, for the
+  // tests that read its figures. Off by default: stopping the endpoint takes up to 2 s.
+  void RestartWithMetrics() {
+    server_.reset();
+    with_metrics_ = true;
+    Start();
+  }
+
+  // The series of the planner's parked calls (server/planner/service.cc ScrapeFigures): a Get
+  // or GetKeys waiting for its keys, a hash-only registration waiting for a full inventory.
+  static constexpr char kParkedGets[] = "ragshard_planner_parked_calls{call=\"get\"}";
+  static constexpr char kParkedRegistrations[] =
+      "ragshard_planner_parked_calls{call=\"registration\"}";
+
+  // The value of `series` (its name and labels as /metrics writes them) in one scrape of the
+  // planner's metrics endpoint; -1 when the scrape does not have it.
+  double Figure(const std::string& series) {
+    const std::string url = server_->metrics_url();  // http://127.0.0.1:PORT/metrics
+    const std::string prefix = "http://127.0.0.1:";
+    const size_t slash = url.find('/', prefix.size());
+    if (url.rfind(prefix, 0) != 0 || slash == std::string::npos) {
+      ADD_FAILURE() << "no metrics endpoint: '" << url << "'";
+      return -1;
+    }
+    const int port = std::atoi(url.substr(prefix.size(), slash - prefix.size()).c_str());
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    std::string response;
+    if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
+      const std::string request = "GET " + url.substr(slash) + " HTTP/1.0\r\n\r\n";
+      if (::write(fd, request.data(), request.size()) == static_cast<ssize_t>(request.size())) {
+        char buf[4096];
+        for (ssize_t n; (n = ::read(fd, buf, sizeof(buf))) > 0;) response.append(buf, n);
+      }
+    }
+    ::close(fd);
+    const size_t at = response.find("\n" + series + " ");
+    if (at == std::string::npos) return -1;
+    return std::atof(response.c_str() + at + 1 + series.size() + 1);
+  }
+
+  // Until `series` reads `value`: the planner's own report of the state a test waits for. The
+  // bound is for a hang, not a delay; false when it passes.
+  bool AwaitFigure(const std::string& series, double value) {
+    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (Figure(series) != value) {
+      if (std::chrono::steady_clock::now() > give_up) return false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    return true;
+  }
+
+  bool with_metrics_ = false;
   TempDir dir_;
   std::shared_ptr<const ClusterProfile> profile_;
   std::unique_ptr<planner::PlannerServer> server_;

@@ -221,14 +221,18 @@ TEST_F(PlannerServiceTest, OneFullInventoryAndHashesMakeTheJobReady) {
 }
 
 TEST_F(PlannerServiceTest, HashBeforeAnyFullInventoryWaitsForIt) {
+  RestartWithMetrics();
   Create("j", 2);
   Inventory inv = SmallInventory();
   auto waiting =
       std::async(std::launch::async, [&] { return RegisterHash("j", 1, InventorySha256(inv)); });
-  EXPECT_EQ(waiting.wait_for(200ms), std::future_status::timeout);
+  // The planner reports the hash-only registration parked before the full inventory comes.
+  ASSERT_TRUE(AwaitFigure(kParkedRegistrations, 1));
+  EXPECT_EQ(waiting.wait_for(0ms), std::future_status::timeout);
   ASSERT_TRUE(RegisterFull("j", 0, inv).ok());
   auto r = waiting.get();
   ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(Figure(kParkedRegistrations), 0);
   EXPECT_TRUE(client_->WaitForPlan("j", 10s).ok());
 }
 
@@ -305,7 +309,8 @@ TEST_F(PlannerServiceTest, ASilentNodeBecomesLostAndItsJobsDegraded) {
   ASSERT_TRUE(RegisterFull("j", 0, inv, "n0").ok());
   ASSERT_TRUE(RegisterFull("j", 1, inv, "n1").ok());
   ASSERT_TRUE(client_->WaitForPlan("j", 10s).ok());
-  // Heartbeats keep it up.
+  // Heartbeats keep it up: five, 100 ms apart, span more than the node timeout (300 ms). The
+  // sleep is the passing time under test, not a wait for an event.
   for (int i = 0; i < 5; ++i) {
     v1::HeartbeatRequest hb;
     hb.set_node_id("n1");
@@ -318,7 +323,7 @@ TEST_F(PlannerServiceTest, ASilentNodeBecomesLostAndItsJobsDegraded) {
   auto nodes = client_->ListNodes();
   ASSERT_EQ(nodes->size(), 1u);
   EXPECT_EQ((*nodes)[0].figures().pool_used_bytes(), 4096);
-  // Then silence.
+  // Then silence, until the planner reports the node lost (polled, 2 s at least).
   for (int i = 0; i < 100 && client_->GetJob("j")->status() != v1::JOB_DEGRADED; ++i) {
     std::this_thread::sleep_for(20ms);
   }
@@ -373,14 +378,19 @@ TEST_F(PlannerServiceTest, HeartbeatsTellADaemonWhichOfItsJobsCannotGoOn) {
 }
 
 TEST_F(PlannerServiceTest, RendezvousPutAndWaitingGet) {
+  RestartWithMetrics();
   Create("j", 2);
   EXPECT_EQ(client_->Get("j", "nccl-id", 0ms).status().code(), absl::StatusCode::kNotFound);
-  auto waiting = std::async(std::launch::async, [&] { return client_->Get("j", "nccl-id", 5s); });
-  std::this_thread::sleep_for(100ms);
+  auto waiting = std::async(std::launch::async, [&] { return client_->Get("j", "nccl-id", 60s); });
+  // The planner reports the Get parked before the Put: the Put answers a waiting Get.
+  ASSERT_TRUE(AwaitFigure(kParkedGets, 1));
+  EXPECT_EQ(waiting.wait_for(0ms), std::future_status::timeout);
   ASSERT_TRUE(client_->Put("j", "nccl-id", std::string("\0\1\2", 3)).ok());
   auto got = waiting.get();
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_EQ(*got, std::string("\0\1\2", 3));
+  EXPECT_EQ(Figure(kParkedGets), 0);
+  // A wait that ends without the key: the 200 ms is the timeout under test.
   auto late = client_->Get("j", "absent", 200ms);
   EXPECT_EQ(late.status().code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_EQ(client_->Put("nope", "k", "v").code(), absl::StatusCode::kNotFound);
