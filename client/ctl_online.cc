@@ -69,15 +69,17 @@ void AddOnlineFlags(CLI::App* app, Online* o) {
   const char* env = std::getenv("RAGSHARD_PLANNER");
   o->planner = env != nullptr ? env : "127.0.0.1:7070";
   app->add_option("--planner", o->planner, "planner address HOST:PORT (env RAGSHARD_PLANNER)");
-  if (const char* t = std::getenv("RAGSHARD_TOKEN_FILE"); t != nullptr) o->security.token_file = t;
+  o->security = ClientSecurityFromEnv();  // the flags' defaults
   app->add_option("--token-file", o->security.token_file,
                   "bearer token file (env RAGSHARD_TOKEN_FILE)");
   app->add_option("--tls-ca", o->security.tls_ca_file,
-                  "CA of the planner's certificate (enables TLS)");
-  app->add_option("--tls-cert", o->security.tls_cert_file, "client certificate (mutual TLS)");
-  app->add_option("--tls-key", o->security.tls_key_file, "client key (mutual TLS)");
+                  "CA of the planner's certificate (enables TLS; env RAGSHARD_TLS_CA)");
+  app->add_option("--tls-cert", o->security.tls_cert_file,
+                  "client certificate (mutual TLS; env RAGSHARD_TLS_CERT)");
+  app->add_option("--tls-key", o->security.tls_key_file,
+                  "client key (mutual TLS; env RAGSHARD_TLS_KEY)");
   app->add_option("--tls-server-name", o->security.tls_server_name,
-                  "name to check in the planner's certificate");
+                  "name to check in the planner's certificate (env RAGSHARD_TLS_SERVER_NAME)");
   app->add_option("--retry-s", o->retry_s,
                   "seconds to keep retrying a planner that is unavailable (restarting)")
       ->check(CLI::Range(0.0, 3600.0))

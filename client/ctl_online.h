@@ -19,7 +19,8 @@ struct Online {
   double retry_s = 5;  // a planner restart is ridden through for this long
 };
 
-// The global flags, with RAGSHARD_PLANNER and RAGSHARD_TOKEN_FILE as their defaults.
+// The global flags, with RAGSHARD_PLANNER, RAGSHARD_TOKEN_FILE and RAGSHARD_TLS_CA, _CERT, _KEY
+// and _SERVER_NAME as their defaults.
 void AddOnlineFlags(CLI::App* app, Online* o);
 
 int RunHealth(const Online& o, std::ostream& out, std::ostream& err);

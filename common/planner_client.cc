@@ -198,10 +198,35 @@ void GrpcPlannerClient::Prepare(grpc::ClientContext* ctx, std::chrono::milliseco
 absl::Status GrpcPlannerClient::Wrap(const grpc::Status& status) const {
   if (status.ok()) return absl::OkStatus();
   if (status.error_code() == grpc::StatusCode::UNAVAILABLE) {
-    return absl::UnavailableError(
-        absl::StrCat("planner at ", options_.address, " unreachable: ", status.error_message()));
+    // A refused TLS handshake looks like a planner that is down: say how this client connected.
+    const std::string& ca = options_.security.tls_ca_file;
+    const std::string how =
+        ca.empty() ? " (this client connects without TLS: a planner that serves TLS needs its CA, "
+                     "--tls-ca or RAGSHARD_TLS_CA)"
+                   : absl::StrCat(" (over TLS, the planner's certificate checked against ", ca,
+                                  options_.security.tls_cert_file.empty()
+                                      ? ""
+                                      : absl::StrCat(", client certificate ",
+                                                     options_.security.tls_cert_file),
+                                  ")");
+    return absl::UnavailableError(absl::StrCat("planner at ", options_.address,
+                                               " unreachable: ", status.error_message(), how));
   }
   return FromGrpcStatus(status);
+}
+
+ClientSecurityOptions ClientSecurityFromEnv() {
+  auto env = [](const char* name) {
+    const char* v = std::getenv(name);
+    return std::string(v == nullptr ? "" : v);
+  };
+  ClientSecurityOptions o;
+  o.token_file = env("RAGSHARD_TOKEN_FILE");
+  o.tls_ca_file = env("RAGSHARD_TLS_CA");
+  o.tls_cert_file = env("RAGSHARD_TLS_CERT");
+  o.tls_key_file = env("RAGSHARD_TLS_KEY");
+  o.tls_server_name = env("RAGSHARD_TLS_SERVER_NAME");
+  return o;
 }
 
 absl::StatusOr<std::chrono::milliseconds> RetryWindowFromEnv(std::chrono::milliseconds fallback) {

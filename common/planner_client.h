@@ -102,7 +102,9 @@ class PlannerClient {
 struct PlannerClientOptions {
   std::string address;
   // An empty token_file means RAGSHARD_TOKEN_FILE's, where that is set: every client (ranks,
-  // daemons, ragshardctl, the benchmarks) finds the planner's token the same way.
+  // daemons, ragshardctl, the benchmarks) finds the planner's token the same way. The TLS fields
+  // are taken as given: the programs and the C ABI default them from the environment
+  // (ClientSecurityFromEnv), so that an explicit empty one can mean plaintext.
   ClientSecurityOptions security;
   // Deadline of each unary call (Get adds its wait).
   std::chrono::milliseconds rpc_timeout{30'000};
@@ -125,6 +127,11 @@ struct PlannerClientOptions {
   // shuts down does not wait out the window.
   std::shared_ptr<const std::atomic<bool>> stop_retrying;
 };
+
+// What every client program starts from before its flags: RAGSHARD_TOKEN_FILE, RAGSHARD_TLS_CA,
+// RAGSHARD_TLS_CERT, RAGSHARD_TLS_KEY and RAGSHARD_TLS_SERVER_NAME, the defaults of --token-file,
+// --tls-ca, --tls-cert, --tls-key and --tls-server-name (an unset or empty variable: none).
+ClientSecurityOptions ClientSecurityFromEnv();
 
 // The retry window a client library takes from RAGSHARD_PLANNER_RETRY_S (seconds, >= 0), or
 // `fallback`. INVALID_ARGUMENT naming the variable when it is not a number.

@@ -8,6 +8,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -17,6 +18,7 @@
 #include "common/dtype.h"
 #include "common/inventory.h"
 #include "common/planner.h"
+#include "common/planner_client.h"
 #include "common/proto_text.h"
 
 // The C++ Client is thread-compatible, and ctypes releases the GIL around every call: `mu`
@@ -37,7 +39,8 @@ struct rs_handle {
 namespace ragshard {
 namespace {
 
-constexpr int kAbiVersion = 2;
+// 3: the _secure functions (TLS); version 2's functions remain.
+constexpr int kAbiVersion = 3;
 
 thread_local std::string last_error;
 thread_local std::string last_string;
@@ -57,11 +60,29 @@ int Out(std::string value, const char** out) {
 }
 std::string Str(const char* s) { return s == nullptr ? std::string() : std::string(s); }
 
+// rs_security's fields: NULL takes the environment's (ClientSecurityFromEnv), else as given.
+ClientSecurityOptions Security(const rs_security* s) {
+  ClientSecurityOptions o = ClientSecurityFromEnv();
+  if (s == nullptr) return o;
+  for (auto [field, value] :
+       {std::pair{&o.token_file, s->token_file}, std::pair{&o.tls_ca_file, s->tls_ca},
+        std::pair{&o.tls_cert_file, s->tls_cert}, std::pair{&o.tls_key_file, s->tls_key},
+        std::pair{&o.tls_server_name, s->tls_server_name}}) {
+    if (value != nullptr) *field = value;
+  }
+  return o;
+}
+
+// Version 2's token_file alone: TLS from the environment.
+rs_security TokenOnly(const char* token_file) {
+  return rs_security{token_file, nullptr, nullptr, nullptr, nullptr};
+}
+
 absl::StatusOr<std::shared_ptr<PlannerClient>> Planner(const char* address,
-                                                       const char* token_file) {
+                                                       const rs_security* security) {
   PlannerClientOptions o;
   o.address = Str(address);
-  o.security.token_file = Str(token_file);
+  o.security = Security(security);  // an empty token_file is RAGSHARD_TOKEN_FILE's (Create)
   auto window = RetryWindowFromEnv(o.retry_window);  // RAGSHARD_PLANNER_RETRY_S, else 60 s
   if (!window.ok()) return window.status();
   o.retry_window = *window;
@@ -108,7 +129,15 @@ const char* rs_last_error(void) { return last_error.c_str(); }
 int rs_client_create(const char* planner, const char* socket, const char* job, int64_t rank,
                      const char* node, int64_t timeout_ms, const char* token_file, int fake_device,
                      rs_client** out) {
-  auto p = Planner(planner, token_file);
+  const rs_security s = TokenOnly(token_file);
+  return rs_client_create_secure(planner, socket, job, rank, node, timeout_ms, &s, fake_device,
+                                 out);
+}
+
+int rs_client_create_secure(const char* planner, const char* socket, const char* job, int64_t rank,
+                            const char* node, int64_t timeout_ms, const rs_security* security,
+                            int fake_device, rs_client** out) {
+  auto p = Planner(planner, security);
   if (!p.ok()) return Fail(p.status());
   ClientOptions o;
   o.planner = std::move(*p);
@@ -323,6 +352,16 @@ int rs_create_job(const char* planner, const char* job, int64_t shard_size, int6
                   const char* policy, const char* default_granule, const char* token_file,
                   const char* strategy, int64_t memory_budget_bytes, const char* optimizer,
                   int64_t tokens_per_step, const char** job_id) {
+  const rs_security s = TokenOnly(token_file);
+  return rs_create_job_secure(planner, job, shard_size, replicate_size, policy, default_granule, &s,
+                              strategy, memory_budget_bytes, optimizer, tokens_per_step, job_id);
+}
+
+int rs_create_job_secure(const char* planner, const char* job, int64_t shard_size,
+                         int64_t replicate_size, const char* policy, const char* default_granule,
+                         const rs_security* security, const char* strategy,
+                         int64_t memory_budget_bytes, const char* optimizer,
+                         int64_t tokens_per_step, const char** job_id) {
   JobSpec spec;
   spec.job_id = Str(job);
   spec.shard_size = shard_size;
@@ -333,7 +372,7 @@ int rs_create_job(const char* planner, const char* job, int64_t shard_size, int6
   spec.memory_budget_bytes = memory_budget_bytes;
   spec.optimizer = Str(optimizer);
   spec.tokens_per_step = tokens_per_step;
-  auto p = Planner(planner, token_file);
+  auto p = Planner(planner, security);
   if (!p.ok()) return Fail(p.status());
   auto j = (*p)->CreateJob(
       MakeCreateJobRequest(spec));  // ALREADY_EXISTS is an error too: the caller decides
@@ -342,7 +381,12 @@ int rs_create_job(const char* planner, const char* job, int64_t shard_size, int6
 }
 
 int rs_delete_job(const char* planner, const char* job, const char* token_file) {
-  auto p = Planner(planner, token_file);
+  const rs_security s = TokenOnly(token_file);
+  return rs_delete_job_secure(planner, job, &s);
+}
+
+int rs_delete_job_secure(const char* planner, const char* job, const rs_security* security) {
+  auto p = Planner(planner, security);
   if (!p.ok()) return Fail(p.status());
   const absl::Status s = (*p)->DeleteJob(Str(job));
   return s.ok() ? 0 : Fail(s);
@@ -350,7 +394,13 @@ int rs_delete_job(const char* planner, const char* job, const char* token_file) 
 
 int rs_job_world_size(const char* planner, const char* job, const char* token_file,
                       int64_t* world_size) {
-  auto p = Planner(planner, token_file);
+  const rs_security s = TokenOnly(token_file);
+  return rs_job_world_size_secure(planner, job, &s, world_size);
+}
+
+int rs_job_world_size_secure(const char* planner, const char* job, const rs_security* security,
+                             int64_t* world_size) {
+  auto p = Planner(planner, security);
   if (!p.ok()) return Fail(p.status());
   auto j = (*p)->GetJob(Str(job));
   if (!j.ok()) return Fail(j.status());

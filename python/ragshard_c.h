@@ -28,7 +28,27 @@ typedef struct rs_handle rs_handle;
 int rs_abi_version(void);
 const char* rs_last_error(void);
 
+/* How a client reaches its planner: the bearer token file and TLS, as ragshardctl's --token-file,
+ * --tls-ca (the planner's CA: enables TLS), --tls-cert and --tls-key (mutual TLS) and
+ * --tls-server-name. A NULL field (or a NULL rs_security) takes its environment variable:
+ * RAGSHARD_TOKEN_FILE, RAGSHARD_TLS_CA, RAGSHARD_TLS_CERT, RAGSHARD_TLS_KEY,
+ * RAGSHARD_TLS_SERVER_NAME. An empty TLS field is none (plaintext when tls_ca is empty); an empty
+ * token_file is RAGSHARD_TOKEN_FILE's, as in the functions that take a token_file alone. */
+typedef struct rs_security {
+  const char* token_file;
+  const char* tls_ca;
+  const char* tls_cert;
+  const char* tls_key;
+  const char* tls_server_name;
+} rs_security;
+
+/* The functions below that take a token_file (ABI version 2) take TLS from the environment; their
+ * _secure forms (version 3) take an rs_security. */
+
 /* fake_device: 1 puts the device path's buffers over the host arena (tests without a GPU). */
+int rs_client_create_secure(const char* planner, const char* socket, const char* job, int64_t rank,
+                            const char* node, int64_t timeout_ms, const rs_security* security,
+                            int fake_device, rs_client** out);
 int rs_client_create(const char* planner, const char* socket, const char* job, int64_t rank,
                      const char* node, int64_t timeout_ms, const char* token_file, int fake_device,
                      rs_client** out);
@@ -65,10 +85,18 @@ int rs_create_job(const char* planner, const char* job, int64_t shard_size, int6
                   const char* policy, const char* default_granule, const char* token_file,
                   const char* strategy, int64_t memory_budget_bytes, const char* optimizer,
                   int64_t tokens_per_step, const char** job_id);
+int rs_create_job_secure(const char* planner, const char* job, int64_t shard_size,
+                         int64_t replicate_size, const char* policy, const char* default_granule,
+                         const rs_security* security, const char* strategy,
+                         int64_t memory_budget_bytes, const char* optimizer,
+                         int64_t tokens_per_step, const char** job_id);
 int rs_delete_job(const char* planner, const char* job, const char* token_file);
+int rs_delete_job_secure(const char* planner, const char* job, const rs_security* security);
 // The world size of an existing job (NOT_FOUND where there is none).
 int rs_job_world_size(const char* planner, const char* job, const char* token_file,
                       int64_t* world_size);
+int rs_job_world_size_secure(const char* planner, const char* job, const rs_security* security,
+                             int64_t* world_size);
 int rs_plan_local(const char* inventory_json, int64_t world, const char* policy,
                   int32_t align_bytes, const char** out);
 /* common/data_plane_memory.h for n units; out: shards, grad_shards, unsharded, grads. */

@@ -29,8 +29,11 @@ class Env:
     names it). Started by Slurm's `srun` (one task per rank): SLURM_PROCID, SLURM_NTASKS,
     SLURM_LOCALID, SLURM_STEP_TASKS_PER_NODE with SLURM_NODEID (this node's task count), and
     SLURMD_NODENAME (the node, unless RAGSHARD_NODE names it). Either way RAGSHARD_PLANNER,
-    RAGSHARD_JOB and RAGSHARD_SOCKET name the planner, the job and the node's daemon socket, and
-    RAGSHARD_TOKEN_FILE the planner's token.
+    RAGSHARD_JOB and RAGSHARD_SOCKET name the planner, the job and the node's daemon socket,
+    RAGSHARD_TOKEN_FILE the planner's token, and RAGSHARD_TLS_CA the planner's CA where it
+    serves TLS (with RAGSHARD_TLS_CERT and RAGSHARD_TLS_KEY, this rank's certificate for mutual
+    TLS, and RAGSHARD_TLS_SERVER_NAME, the name to check in the planner's certificate): `tls_ca`,
+    `tls_cert`, `tls_key` and `tls_server_name`, "" where unset.
 
     Under torchrun only RAGSHARD_PLANNER is needed: the job defaults to torchrun's run id
     (TORCHELASTIC_RUN_ID, which `torchrun --standalone` makes up and `--rdzv-id` names; its
@@ -61,6 +64,10 @@ class Env:
         self.world_size = _int(e, world_var)
         self.socket = e.get("RAGSHARD_SOCKET") or (DEFAULT_SOCKET if torchrun else "")
         self.token_file = e.get("RAGSHARD_TOKEN_FILE", "")
+        self.tls_ca = e.get("RAGSHARD_TLS_CA", "")
+        self.tls_cert = e.get("RAGSHARD_TLS_CERT", "")
+        self.tls_key = e.get("RAGSHARD_TLS_KEY", "")
+        self.tls_server_name = e.get("RAGSHARD_TLS_SERVER_NAME", "")
         local_var = "SLURM_LOCALID" if slurm else "LOCAL_RANK"
         self.local_rank = _int(e, local_var) if local_var in e else None
         self.local_world_size = (_slurm_tasks_here(e) if slurm else
@@ -124,7 +131,14 @@ def connect(env=None, timeout_ms=120000):
     if env.launcher == "torchrun":
         ensure_job(env)
     return Client(env.planner, env.socket, env.job, env.rank, env.node, timeout_ms,
-                  env.token_file)
+                  env.token_file, **_tls(env))
+
+
+def _tls(env):
+    """The TLS options of an Env, as Client, create_job and job_world_size take them (None,
+    the process's environment, for an object that lacks one)."""
+    return {k: getattr(env, k, None) for k in ("tls_ca", "tls_cert", "tls_key",
+                                                 "tls_server_name")}
 
 
 def ensure_job(env):
@@ -133,12 +147,13 @@ def ensure_job(env):
     others ALREADY_EXISTS, so ranks that start together create exactly one job. A job that
     exists with another world size is refused, naming both sizes."""
     try:
-        create_job(env.planner, env.job, env.world_size, 1, token_file=env.token_file)
+        create_job(env.planner, env.job, env.world_size, 1, token_file=env.token_file,
+                   **_tls(env))
         return
     except Error as e:
         if not str(e).startswith("ALREADY_EXISTS"):
             raise
-    world = job_world_size(env.planner, env.job, env.token_file)
+    world = job_world_size(env.planner, env.job, env.token_file, **_tls(env))
     if world != env.world_size:
         raise Error(f"FAILED_PRECONDITION: job '{env.job}' exists with world size {world}, but "
                     f"this rank's world size is {env.world_size} (WORLD_SIZE): start as many "

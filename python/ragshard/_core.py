@@ -16,7 +16,7 @@ import json
 import os
 import time
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 _BAD_ARGUMENT, _OUT_OF_RANGE = -1, -2
 
 
@@ -55,6 +55,21 @@ class Error(RuntimeError):
     """A failed call of the client library: "CODE: message" (absl's status code names)."""
 
 
+class _Security(ctypes.Structure):
+    """rs_security (python/ragshard_c.h): a NULL field takes its environment variable."""
+    _fields_ = [("token_file", ctypes.c_char_p), ("tls_ca", ctypes.c_char_p),
+                ("tls_cert", ctypes.c_char_p), ("tls_key", ctypes.c_char_p),
+                ("tls_server_name", ctypes.c_char_p)]
+
+
+def _security(token_file, tls_ca, tls_cert, tls_key, tls_server_name):
+    """How a client reaches the planner. token_file "" is RAGSHARD_TOKEN_FILE's; a TLS option
+    None is its variable's (RAGSHARD_TLS_CA, RAGSHARD_TLS_CERT, RAGSHARD_TLS_KEY,
+    RAGSHARD_TLS_SERVER_NAME; unset: none), "" none: without tls_ca the client speaks plaintext.
+    The structure refers to its strings' bytes: keep it alive for the call."""
+    return _Security(_b(token_file), _b(tls_ca), _b(tls_cert), _b(tls_key), _b(tls_server_name))
+
+
 def _load():
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "libragshard_c.so")
     try:
@@ -66,8 +81,8 @@ def _load():
     sigs = {
         "rs_abi_version": (i32, []),
         "rs_last_error": (cstr, []),
-        "rs_client_create": (i32, [cstr, cstr, cstr, i64, cstr, i64, cstr, i32,
-                                   ctypes.POINTER(c_p)]),
+        "rs_client_create_secure": (i32, [cstr, cstr, cstr, i64, cstr, i64,
+                                          ctypes.POINTER(_Security), i32, ctypes.POINTER(c_p)]),
         "rs_client_destroy": (None, [c_p]),
         "rs_client_register": (i32, [c_p, cstr, i32]),
         "rs_client_attach": (i32, [c_p]),
@@ -85,10 +100,11 @@ def _load():
         "rs_handle_poll": (i32, [c_p, ctypes.POINTER(i32)]),
         "rs_handle_times": (None, [c_p, ctypes.POINTER(i64), ctypes.POINTER(i64)]),
         "rs_handle_destroy": (None, [c_p]),
-        "rs_create_job": (i32, [cstr, cstr, i64, i64, cstr, cstr, cstr, cstr, i64, cstr, i64,
-                                out_str]),
-        "rs_delete_job": (i32, [cstr, cstr, cstr]),
-        "rs_job_world_size": (i32, [cstr, cstr, cstr, ctypes.POINTER(i64)]),
+        "rs_create_job_secure": (i32, [cstr, cstr, i64, i64, cstr, cstr,
+                                       ctypes.POINTER(_Security), cstr, i64, cstr, i64, out_str]),
+        "rs_delete_job_secure": (i32, [cstr, cstr, ctypes.POINTER(_Security)]),
+        "rs_job_world_size_secure": (i32, [cstr, cstr, ctypes.POINTER(_Security),
+                                           ctypes.POINTER(i64)]),
         "rs_plan_local": (i32, [cstr, i64, cstr, ctypes.c_int32, out_str]),
         "rs_data_plane_peak": (None, [ctypes.POINTER(i64), ctypes.POINTER(i64),
                                       ctypes.POINTER(ctypes.c_double), ctypes.POINTER(i64), i64,
@@ -217,17 +233,25 @@ BUFFER_PLACES_KEPT = 4
 
 
 class Client(_NoCopy):
-    """One rank's connection to its planner and its node's daemon."""
+    """One rank's connection to its planner and its node's daemon.
+
+    The planner is reached with the bearer token in `token_file` ("": RAGSHARD_TOKEN_FILE's)
+    and, where `tls_ca` names the planner's CA, over TLS: `tls_cert` and `tls_key` are this
+    client's certificate for mutual TLS, `tls_server_name` the name to check in the planner's
+    certificate (default: the host of `planner`). A TLS option left None takes RAGSHARD_TLS_CA,
+    RAGSHARD_TLS_CERT, RAGSHARD_TLS_KEY or RAGSHARD_TLS_SERVER_NAME; "" is none."""
 
     def __init__(self, planner, socket, job, rank, node="", timeout_ms=60000, token_file="",
-                 device_memory="auto"):
+                 device_memory="auto", tls_ca=None, tls_cert=None, tls_key=None,
+                 tls_server_name=None):
         self._c = None
         if device_memory not in ("auto", "fake"):
             raise ValueError(f"device_memory: '{device_memory}' is not one of auto, fake")
         c = ctypes.c_void_p()
-        _check(_lib.rs_client_create(_b(planner), _b(socket), _b(job), int(rank), _b(node),
-                                     int(timeout_ms), _b(token_file),
-                                     int(device_memory == "fake"), ctypes.byref(c)))
+        security = _security(token_file, tls_ca, tls_cert, tls_key, tls_server_name)
+        _check(_lib.rs_client_create_secure(_b(planner), _b(socket), _b(job), int(rank), _b(node),
+                                            int(timeout_ms), ctypes.byref(security),
+                                            int(device_memory == "fake"), ctypes.byref(c)))
         self._c = c
         # (unit, kind) -> {(address, count, typestr): the array over it}: a buffer the daemon
         # places at an address it had before is the same memory, and its array is reused (a
@@ -363,21 +387,29 @@ class Client(_NoCopy):
 
 def create_job(planner, job, shard_size, replicate_size=1, policy="ragged", default_granule="",
                token_file="", strategy="", memory_budget_bytes=0, optimizer="",
-               tokens_per_step=0):
-    """Creates a job (ALREADY_EXISTS is an error too: the caller decides); returns its id."""
-    return _string(_lib.rs_create_job, _b(planner), _b(job), int(shard_size),
-                   int(replicate_size), _b(policy), _b(default_granule), _b(token_file),
+               tokens_per_step=0, tls_ca=None, tls_cert=None, tls_key=None,
+               tls_server_name=None):
+    """Creates a job (ALREADY_EXISTS is an error too: the caller decides); returns its id. The
+    token and TLS options are Client's."""
+    security = _security(token_file, tls_ca, tls_cert, tls_key, tls_server_name)
+    return _string(_lib.rs_create_job_secure, _b(planner), _b(job), int(shard_size),
+                   int(replicate_size), _b(policy), _b(default_granule), ctypes.byref(security),
                    _b(strategy), int(memory_budget_bytes), _b(optimizer), int(tokens_per_step))
 
 
-def delete_job(planner, job, token_file=""):
-    _check(_lib.rs_delete_job(_b(planner), _b(job), _b(token_file)))
+def delete_job(planner, job, token_file="", tls_ca=None, tls_cert=None, tls_key=None,
+               tls_server_name=None):
+    security = _security(token_file, tls_ca, tls_cert, tls_key, tls_server_name)
+    _check(_lib.rs_delete_job_secure(_b(planner), _b(job), ctypes.byref(security)))
 
 
-def job_world_size(planner, job, token_file=""):
+def job_world_size(planner, job, token_file="", tls_ca=None, tls_cert=None, tls_key=None,
+                   tls_server_name=None):
     """The world size of an existing job (Error NOT_FOUND where there is none)."""
     out = ctypes.c_int64(0)
-    _check(_lib.rs_job_world_size(_b(planner), _b(job), _b(token_file), ctypes.byref(out)))
+    security = _security(token_file, tls_ca, tls_cert, tls_key, tls_server_name)
+    _check(_lib.rs_job_world_size_secure(_b(planner), _b(job), ctypes.byref(security),
+                                         ctypes.byref(out)))
     return out.value
 
 

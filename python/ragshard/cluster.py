@@ -18,6 +18,14 @@ from then on, so that the daemons, the clients of this process and every program
 `token_file` names it too. With default_token=True the planner makes its own instead
 (DATA_DIR/token), which `token_file` and RAGSHARD_TOKEN_FILE then name until stop() (one such
 cluster at a time).
+
+With tls=... the planner serves TLS only (no plaintext listener): a dict of PEM files, "cert" and
+"key" the planner's certificate (valid for 127.0.0.1) and "ca" its CA; for mutual TLS,
+"client_ca" (the planner requires client certificates it signed) and "client_cert" and
+"client_key" (the clients'). The daemons find them in RAGSHARD_TLS_CA, RAGSHARD_TLS_CERT and
+RAGSHARD_TLS_KEY, which `tls_env` holds for other clients (ranks, ragshard-launch, ragshardctl);
+`tls_options` are Client's and create_job's. A cluster without TLS gives its daemons those
+variables empty: plaintext whatever this process's environment says.
 """
 import atexit
 import json
@@ -51,7 +59,7 @@ def process_token_file():
 class LocalCluster:
     def __init__(self, build_dir, daemons=2, pool_bytes=256 << 20, workdir=None,
                  node_timeout_ms=5000, log=None, cluster_profile=None, backend="host",
-                 metrics=False, default_token=False):
+                 metrics=False, default_token=False, tls=None):
         self.build = os.path.abspath(build_dir) if build_dir is not None else None
         self.cluster_profile = cluster_profile
         self.n = daemons
@@ -75,6 +83,19 @@ class LocalCluster:
         self.token_file = (os.path.join(self.dir, "planner-data", "token") if default_token
                            else process_token_file())
         self._saved_token_env = None
+        self.tls = dict(tls or {})
+        unknown = set(self.tls) - {"cert", "key", "ca", "client_ca", "client_cert", "client_key"}
+        if unknown or (self.tls and not {"cert", "key", "ca"} <= set(self.tls)):
+            raise ValueError(f"tls: {sorted(self.tls)} is not cert, key and ca (and client_ca, "
+                             "client_cert, client_key for mutual TLS)")
+        # How clients reach the planner: the variables and Client's options.
+        self.tls_env = {"RAGSHARD_TLS_CA": self.tls.get("ca", ""),
+                        "RAGSHARD_TLS_CERT": self.tls.get("client_cert", ""),
+                        "RAGSHARD_TLS_KEY": self.tls.get("client_key", ""),
+                        "RAGSHARD_TLS_SERVER_NAME": ""}
+        self.tls_options = {"tls_ca": self.tls_env["RAGSHARD_TLS_CA"],
+                            "tls_cert": self.tls_env["RAGSHARD_TLS_CERT"],
+                            "tls_key": self.tls_env["RAGSHARD_TLS_KEY"], "tls_server_name": ""}
 
     def _bin(self, rel):
         if self.build is None:
@@ -95,7 +116,7 @@ class LocalCluster:
         # GLOG_logtostderr: the servers' first log line (before their main turns it on) goes to
         # this log too, not to a file of its own in /tmp.
         p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                             env=dict(os.environ, GLOG_logtostderr="1"))
+                             env=dict(os.environ, GLOG_logtostderr="1", **self.tls_env))
         out.close()  # the server holds it
         self.procs.append(p)
         return p
@@ -140,7 +161,12 @@ class LocalCluster:
             os.unlink(port_file)
         os.makedirs(os.path.join(self.dir, "planner-data"), mode=0o700, exist_ok=True)
         token = [] if self.default_token else ["--token-file", self.token_file]
-        p = self._spawn([self._bin("server/ragshard-planner"), "--listen", listen] + token + [
+        tls = []
+        if self.tls:
+            tls = ["--tls-cert", self.tls["cert"], "--tls-key", self.tls["key"]]
+            if self.tls.get("client_ca"):
+                tls += ["--tls-client-ca", self.tls["client_ca"]]
+        p = self._spawn([self._bin("server/ragshard-planner"), "--listen", listen] + token + tls + [
                          "--data-dir", os.path.join(self.dir, "planner-data"),
                          "--port-file", port_file,
                          "--node-timeout-ms", str(self.node_timeout_ms)] + metrics +
@@ -214,8 +240,9 @@ class LocalCluster:
         per rank (`inventory` a dict; `client_options` go to Client). The ranks attach in
         threads, since each attach waits for the others; the first error is raised."""
         from . import Client, create_job  # the package imports this module's users, not it
-        create_job(self.planner, job, ranks)
+        create_job(self.planner, job, ranks, **self.tls_options)
         where = [daemon if daemon is not None else r * self.n // ranks for r in range(ranks)]
+        client_options = dict(self.tls_options, **client_options)
         clients = [Client(self.planner, self.sockets[where[r]], job, r, self.nodes[where[r]],
                           timeout_ms, **client_options) for r in range(ranks)]
         errors = []

@@ -17,11 +17,14 @@ for its logs). A program missing from PATH is named, with PATH, before anything 
 Ranks are spread over the daemons in order: with N ranks and D sockets, daemon i gets ranks
 [i*N/D, (i+1)*N/D). Each rank runs `script.py` under the same interpreter with RAGSHARD_PLANNER,
 RAGSHARD_JOB, RAGSHARD_RANK, RAGSHARD_WORLD_SIZE, RAGSHARD_SOCKET and RAGSHARD_NODE set (read
-them with `ragshard.Env()`). `--create-job` creates the job first (mesh N/R x R with --replicate R).
-When a rank fails the others are stopped, and the launcher exits with the first failing rank's
-code; when the launcher gets SIGINT, SIGTERM or SIGHUP, it stops the ranks (SIGTERM, then
-SIGKILL after 10 s) and exits with 128 + the signal. (`python -m ragshard.launch` is the same
-program.)
+them with `ragshard.Env()`), and the planner's token and TLS settings as RAGSHARD_TOKEN_FILE,
+RAGSHARD_TLS_CA, RAGSHARD_TLS_CERT, RAGSHARD_TLS_KEY and RAGSHARD_TLS_SERVER_NAME (from
+--token-file, --tls-ca, --tls-cert, --tls-key and --tls-server-name, whose defaults are those
+variables: a planner that serves TLS needs --tls-ca, its CA). `--create-job` creates the job
+first (mesh N/R x R with --replicate R). When a rank fails the others are stopped, and the
+launcher exits with the first failing rank's code; when the launcher gets SIGINT, SIGTERM or
+SIGHUP, it stops the ranks (SIGTERM, then SIGKILL after 10 s) and exits with 128 + the signal.
+(`python -m ragshard.launch` is the same program.)
 
 As torchrun does, when more than one rank shares a daemon (a node) and OMP_NUM_THREADS is not
 set, each rank gets OMP_NUM_THREADS=1 (`--threads-per-rank` sets another number): several ranks'
@@ -83,6 +86,16 @@ def parse(argv):
     p.add_argument("--token-file", default=os.environ.get("RAGSHARD_TOKEN_FILE", ""),
                    help="bearer token file for the planner (default: RAGSHARD_TOKEN_FILE; "
                         "--standalone: the private planner's own)")
+    for flag, var, what in (("--tls-ca", "RAGSHARD_TLS_CA",
+                             "the planner's CA: connect over TLS"),
+                            ("--tls-cert", "RAGSHARD_TLS_CERT",
+                             "client certificate for mutual TLS (with --tls-key)"),
+                            ("--tls-key", "RAGSHARD_TLS_KEY", "client key for mutual TLS"),
+                            ("--tls-server-name", "RAGSHARD_TLS_SERVER_NAME",
+                             "name to check in the planner's certificate")):
+        p.add_argument(flag, default=os.environ.get(var, ""),
+                       help=f"{what} (default: {var}; the ranks get it as {var}; --standalone: "
+                            "none, its private planner is on loopback without TLS)")
     p.add_argument("--threads-per-rank", type=int, default=0,
                    help="OMP_NUM_THREADS for each rank (default: OMP_NUM_THREADS if set, else 1 "
                         "when several ranks share a daemon, as torchrun does)")
@@ -140,7 +153,9 @@ def rank_envs(a, threads):
         env = dict(os.environ)
         env.update(RAGSHARD_PLANNER=a.planner, RAGSHARD_JOB=a.job, RAGSHARD_RANK=str(r),
                    RAGSHARD_WORLD_SIZE=str(a.nproc), RAGSHARD_SOCKET=a.sockets[r // per_node],
-                   RAGSHARD_NODE=a.nodes[r // per_node], RAGSHARD_TOKEN_FILE=a.token_file)
+                   RAGSHARD_NODE=a.nodes[r // per_node], RAGSHARD_TOKEN_FILE=a.token_file,
+                   RAGSHARD_TLS_CA=a.tls_ca, RAGSHARD_TLS_CERT=a.tls_cert,
+                   RAGSHARD_TLS_KEY=a.tls_key, RAGSHARD_TLS_SERVER_NAME=a.tls_server_name)
         if a.strategy:
             env["RAGSHARD_STRATEGY"] = a.strategy
         if threads:
@@ -152,7 +167,9 @@ def create_job(a):
     if a.create_job:
         from ragshard import create_job as create
         create(a.planner, a.job, a.nproc // a.replicate, a.replicate, a.policy, "",
-               a.token_file, strategy=a.strategy, tokens_per_step=a.tokens_per_step)
+               a.token_file, strategy=a.strategy, tokens_per_step=a.tokens_per_step,
+               tls_ca=a.tls_ca, tls_cert=a.tls_cert, tls_key=a.tls_key,
+               tls_server_name=a.tls_server_name)
 
 
 class _Stopped(BaseException):
@@ -267,6 +284,7 @@ def run_standalone(a):
             return 1
         a.planner, a.sockets, a.nodes = cluster.planner, cluster.sockets, cluster.nodes
         a.token_file = cluster.token_file
+        a.tls_ca = a.tls_cert = a.tls_key = a.tls_server_name = ""  # plaintext on loopback
         return run(a)
     finally:
         _shielded(cluster.stop)

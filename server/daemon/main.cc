@@ -45,14 +45,17 @@ int main(int argc, char** argv) try {
                  "(default: the daemon's user alone, 0600)");
   app.add_option("--pool-bytes", options.pool_bytes, "size of the shared-memory pool")->required();
   app.add_option("--data-listen", data_listen, "HOST:PORT for data-plane listeners");
-  if (const char* t = std::getenv("RAGSHARD_TOKEN_FILE"); t != nullptr) {
-    planner.security.token_file = t;
-  }
+  planner.security = ragshard::ClientSecurityFromEnv();  // the flags' defaults
   app.add_option("--token-file", planner.security.token_file,
                  "planner bearer token file (env RAGSHARD_TOKEN_FILE)");
-  app.add_option("--tls-ca", planner.security.tls_ca_file, "planner CA (enables TLS)");
-  app.add_option("--tls-cert", planner.security.tls_cert_file, "client certificate (mutual TLS)");
-  app.add_option("--tls-key", planner.security.tls_key_file, "client key (mutual TLS)");
+  app.add_option("--tls-ca", planner.security.tls_ca_file,
+                 "planner CA (enables TLS; env RAGSHARD_TLS_CA)");
+  app.add_option("--tls-cert", planner.security.tls_cert_file,
+                 "client certificate (mutual TLS; env RAGSHARD_TLS_CERT)");
+  app.add_option("--tls-key", planner.security.tls_key_file,
+                 "client key (mutual TLS; env RAGSHARD_TLS_KEY)");
+  app.add_option("--tls-server-name", planner.security.tls_server_name,
+                 "name to check in the planner's certificate (env RAGSHARD_TLS_SERVER_NAME)");
   app.add_option("--heartbeat-ms", heartbeat_ms, "heartbeat interval")->capture_default_str();
   app.add_option("--planner-retry-s", retry_s,
                  "retry a call that finds the planner unavailable (a restart) for this long")

@@ -139,7 +139,15 @@ def test_kubernetes_manifests_parse_and_hang_together():
     for p in service["spec"]["ports"]:
         assert p["targetPort"] in ports, (p, ports)
     for probe in ("readinessProbe", "livenessProbe"):
-        assert planner["containers"][0][probe]["grpc"]["port"] in ports.values()
+        # TLS: the kubelet's gRPC probes speak plaintext, so `ragshardctl health` asks the port.
+        command = planner["containers"][0][probe]["exec"]["command"]
+        assert command[0] == "ragshardctl" and command[-1] == "health", command
+        check_flags("ragshardctl", command[1:-1])
+        asked = next(a for a in command if a.startswith("--planner="))
+        assert int(asked.rsplit(":", 1)[1]) in ports.values(), command
+    # The planner serves TLS only, and its clients are given its CA.
+    args = planner["containers"][0]["args"]
+    assert "--insecure" not in args and any(a.startswith("--tls-cert=") for a in args), args
     listen = next(a for a in planner["containers"][0]["args"] if a.startswith("--listen="))
     assert listen.endswith(f":{service['spec']['ports'][0]['port']}")
     # The daemon's socket lies in the host directory the training pods mount, at the path
@@ -151,6 +159,8 @@ def test_kubernetes_manifests_parse_and_hang_together():
     sockets = next(a.split("=", 1)[1] for a in job["containers"][0]["args"]
                    if a.startswith("--sockets="))
     assert sockets == sock
+    for pod in (daemon, job):
+        assert any(a.startswith("--tls-ca=") for a in pod["containers"][0]["args"])
 
     def host_dir(pod, mount_path):
         mount = next(m for c in pod["containers"] for m in c["volumeMounts"]
@@ -176,6 +186,7 @@ def test_slurm_script_and_container_recipe_name_what_exists():
     recipe = open(os.path.join(DEPLOY, "container", "Dockerfile")).read()
     for src in re.findall(r"^COPY (?!--from)(\S+) ", recipe, re.M):
         assert os.path.exists(os.path.join(ROOT, src)), src
+
 
 # -- The container recipe (deploy/container/Dockerfile) against the build and Debian 12 ---------
 # Base images cannot be pulled here, so no image is built: its recipe is checked instead.
