@@ -41,7 +41,7 @@ import sys
 import tempfile
 import threading
 
-from session import run_in_session
+from session import descendants, run_in_session
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "train_tiny.py")
@@ -65,21 +65,6 @@ def proc_figures(pid):
     except OSError:
         return None
     return None if pss is None else (pss, rss)
-
-
-def descendants(pid):
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            for task in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{task}/children") as f:
-                    kids = [int(x) for x in f.read().split()]
-                out += kids
-                todo += kids
-        except OSError:
-            pass
-    return out
 
 
 def environ(pid):

@@ -1,5 +1,6 @@
 """Running a benchmark's command in a process session of its own, so that on a timeout the
-command and every process it started are killed together."""
+command and every process it started are killed together; and the processes a command started
+(`descendants`, from /proc)."""
 import os
 import signal
 import subprocess
@@ -20,3 +21,19 @@ def run_in_session(cmd, env, timeout, on_start=None):
             os.killpg(p.pid, signal.SIGKILL)
             p.communicate()
     return p.returncode, text
+
+
+def descendants(pid):
+    """Pids of the live processes under `pid` (children, theirs, ...), from /proc."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    kids = [int(x) for x in f.read().split()]
+                out += kids
+                todo += kids
+        except OSError:
+            pass
+    return out

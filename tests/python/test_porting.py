@@ -14,7 +14,8 @@ clipping at 1.0, fp32) under torch's FSDP2 (gloo on a CPU mesh) and under ragsha
 Six runs cover the tests: the 8-step Llama runs of each backend at W=4 also write the
 checkpoints after step 4 and are the references of the runs that continue them. Each run is one
 process group: FSDP2's ranks are forked from one launcher that imported torch and transformers
-once (tests/python/test_porting.py --fsdp2-launch), ragshard's by ragshard.launch --preload.
+once (tests/python/test_porting.py --fsdp2-launch, through tests/python/fsdp2_launcher.py),
+ragshard's by ragshard.launch --preload.
 Every run has a timeout and its whole process group is killed on the way out."""
 import json
 import os
@@ -28,6 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 BUILD = os.environ.get("RAGSHARD_BUILD", os.path.join(ROOT, "build"))
 sys.path.insert(0, os.path.join(BUILD, "python"))
 
+from fsdp2_launcher import fsdp2_launch  # noqa: E402  (--fsdp2-launch below)
 from test_fsdp2 import env  # noqa: E402  (ranks' environment: no torchrun variables)
 
 EXAMPLE = os.path.join(ROOT, "examples", "train_hf.py")
@@ -198,29 +200,5 @@ def test_fsdp2_checkpoint_continues_under_ragshard(runs):
     check_continuation(cont, writer, "ragshard 1x2 from FSDP2 W=4's checkpoint")
 
 
-def fsdp2_launch(world, script, args):
-    """The FSDP2 ranks of one run: `world` processes forked from this one once it has imported
-    PRELOAD (ragshard.launch --preload's mechanism), with RANK and WORLD_SIZE set; when a rank
-    fails the others are stopped. Returns the first failing rank's exit code, else 0."""
-    from ragshard import _preload
-    _preload.import_modules(PRELOAD)
-    procs = [_preload.fork_rank(script, args, dict(os.environ, RANK=str(r),
-                                                   WORLD_SIZE=str(world), OMP_NUM_THREADS="1"),
-                                "1") for r in range(world)]
-    for p in procs:
-        p.start()
-    running, code = {p.pid: p for p in procs}, 0
-    while running:
-        pid, status = os.waitpid(-1, 0)  # the next rank to end
-        if running.pop(pid, None) is None:
-            continue
-        rc = os.waitstatus_to_exitcode(status)
-        if rc != 0 and code == 0:
-            code = rc if rc > 0 else 128 - rc
-            for p in running.values():  # the others may wait for it in a collective
-                os.kill(p.pid, signal.SIGKILL)
-    return code
-
-
 if __name__ == "__main__" and sys.argv[1:2] == ["--fsdp2-launch"]:
-    sys.exit(fsdp2_launch(int(sys.argv[2]), sys.argv[3], sys.argv[4:]))
+    sys.exit(fsdp2_launch(int(sys.argv[2]), sys.argv[3], sys.argv[4:], PRELOAD))
