@@ -19,6 +19,8 @@ import statistics
 import subprocess
 import tempfile
 
+import provenance
+
 # Figures of planner_bench's CSV: DeepSeek-V3, ragged policy, rows:128.
 PLAN_CASES = [(1024, "rows:128"), (65536, "rows:128"), (1024, "element")]
 EXACT = ["padding_elems", "imbalance", "blocks128_split", "matrices_split", "lb2_gap_pct"]
@@ -75,7 +77,9 @@ def main():
     ap.add_argument("--label", default="old", help="the old commit, for the report")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default="docs/benchmarks/refactor_ab.md")
+    provenance.add_flag(ap)
     a = ap.parse_args()
+    provenance.require(a)
     samples = {"old": {}, "new": {}}
     exact = {"old": None, "new": None}
     with tempfile.TemporaryDirectory() as work:
@@ -119,8 +123,7 @@ def main():
                f"**differ**: old {exact['old']}, new {exact['new']}."), "",
               "Verdict: " + ("every timed figure within noise." if ok else
                              "**some figures moved beyond noise** (rows marked no)."), ""]
-    with open(a.out, "w") as f:
-        f.write("\n".join(lines))
+    provenance.write(a.out, "\n".join(lines), a.provenance)
     plot(rows, os.path.splitext(a.out)[0] + ".png", a.label)
     print(f"wrote {a.out}")
 

@@ -6,6 +6,8 @@ import os
 import re
 import statistics
 
+import provenance
+
 RANK_FAULTS = ["rank-kill", "daemon-stop", "daemon-kill"]
 TRAINING_FAULTS = ["planner-kill-registration", "planner-kill-ready"]
 ALL_FAULTS = RANK_FAULTS + TRAINING_FAULTS + ["soak"]
@@ -411,8 +413,12 @@ def write_report(docs, doc):
             L.extend(fault_section(fault, doc["faults"][fault]))
     if "soak" in doc["faults"]:
         L.extend(soak_section(doc["faults"]["soak"]))
-    with open(os.path.join(docs, "reliability.md"), "w") as f:
-        f.write("\n".join(L).rstrip() + "\n")
+    # The header: each run's commit (its date is under "How it was run"); runs from before
+    # the commit was recorded in full (40 hex digits) leave the report's header as it is.
+    commits = sorted({m["commit"] for m, _ in runs.values()})
+    header = [x for c in commits for x in ("", f"commit: {c}")][1:] \
+        if all(re.match(r"[0-9a-f]{40} \(", c) for c in commits) else None
+    provenance.write(os.path.join(docs, "reliability.md"), "\n".join(L).rstrip() + "\n", header)
 
 
 def load_json(path):

@@ -49,6 +49,7 @@ DOCS = os.path.join(ROOT, "docs", "benchmarks")
 
 from chaos_render import (ALL_FAULTS, DEFAULT_FAULTS, LIMIT_TEXT, LIMITS, NAMES,  # noqa: E402
                           RANK_FAULTS, TRAINING_FAULTS, brief, load_json, save)
+import provenance  # noqa: E402
 from chaos_procs import (Interrupted, _live, _on_signal, error_line, keep_logs,  # noqa: E402
                          kill_session, read_from, session_members, stop_cluster_checked, sweep)
 WATCH = {"rank-kill": 60.0, "daemon-stop": 120.0, "daemon-kill": 60.0}  # give up after
@@ -327,18 +328,6 @@ def run_soak(build, jobs=40000, kills=20, timeout=3600):
 
 # --------------------------------------------------------------------------------- report
 
-def git_commit():
-    try:
-        h = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                           capture_output=True, text=True, timeout=30).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=ROOT, capture_output=True, text=True, timeout=60).stdout
-        n = len([ln for ln in dirty.splitlines() if ln.strip()])
-        return h + (f" (+{n} uncommitted modified files in the tree)" if n else "")
-    except Exception as e:
-        return f"unknown ({e})"
-
-
 def machine():
     model = ""
     try:
@@ -372,7 +361,7 @@ def run_meta(args):
                                           sys.executable, os.path.relpath(
                                               os.path.abspath(sys.argv[0]), ROOT)] + sys.argv[1:])
     return {"command": cmd, "date": datetime.datetime.now().astimezone().isoformat(
-        timespec="seconds"), "commit": git_commit(), "machine": machine(),
+        timespec="seconds"), "commit": provenance.state(), "machine": machine(),
         "build": args.build, "trials_requested": args.trials}
 
 
@@ -402,6 +391,7 @@ def main():
                          "(kept in reliability.json; repeatable)")
     ap.add_argument("--clear-notes", action="store_true",
                     help="with --report-only: drop the notes kept so far")
+    provenance.add_flag(ap)
     args = ap.parse_args()
     args.build = os.path.abspath(args.build)
     args.env_snapshot = {k: os.environ[k] for k in ("RAGSHARD_BUILD", "PYTHONPATH")
@@ -422,6 +412,7 @@ def main():
         save(args.docs, doc)
         return 0
 
+    provenance.require(args)
     setup_imports(args.build)
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)

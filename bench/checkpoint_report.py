@@ -25,6 +25,8 @@ import tempfile
 import threading
 import time
 
+import provenance
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "train_tiny.py")
 PROFILE = os.path.join(ROOT, "profiles", "host-2x2-loopback.json")
@@ -209,7 +211,9 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "benchmarks", "checkpoint.md"))
     ap.add_argument("--work", default="", help="scratch directory (default: a new one in /tmp)")
+    provenance.add_flag(ap)
     a = ap.parse_args()
+    provenance.require(a)
     build = os.path.abspath(a.build)
     sys.path.insert(0, os.path.join(build, "python"))
     from ragshard.cluster import LocalCluster
@@ -384,8 +388,7 @@ def write(a, rows, m, sizes, torch_bytes, can_drop, png):
               "with 4 ranks on 2 cores these passes, not the disk, bound the load, which is why "
               "it stays far below the page cache's read bandwidth; torch.load is one process "
               "with the machine to itself and no checksum.", ""]
-    with open(a.out, "w") as f:
-        f.write("\n".join(lines))
+    provenance.write(a.out, "\n".join(lines), a.provenance)
     print(f"wrote {a.out}")
 
 

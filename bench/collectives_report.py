@@ -20,6 +20,8 @@ import statistics
 import subprocess
 import sys
 
+import provenance
+
 REPS = 5  # repetitions of each variant for the message-check comparison
 
 
@@ -103,6 +105,8 @@ BEFORE = "before-sharded-memory"
 AFTER = "sharded-memory"
 BEGIN_MARK = "<!-- before/after sharded memory: begin -->"
 END_MARK = "<!-- before/after sharded memory: end -->"
+BEFORE_TITLE = "Sharded memory's cost, one rank per daemon (side by side, this run)"
+BEFORE_HEADING = "## " + BEFORE_TITLE  # --before-only stamps its commit under it
 
 
 def before_after(build, before_build, max_mib, outdir):
@@ -130,7 +134,7 @@ def before_after(build, before_build, max_mib, outdir):
                     samples[(variant, op, n, size)].append(bus)
     md = noise_section(
         samples, (AFTER, BEFORE),
-        "Sharded memory's cost, one rank per daemon (side by side, this run)",
+        BEFORE_TITLE,
         f"`bench/daemon_bench --config 2x1` with this build's daemons ({AFTER}: persistent "
         f"shards, the unsharded buffer allocated at each unshard (a view over the shard and a "
         f"transient lease for the rest) and released at reshard, the "
@@ -176,7 +180,9 @@ def main():
                     "the one-rank-per-daemon comparison against it")
     ap.add_argument("--before-only", action="store_true",
                     help="run only that comparison and replace its section in --out")
+    provenance.add_flag(ap)
     args = ap.parse_args()
+    provenance.require(args)
     outdir = os.path.dirname(args.out)
     if args.before_only:
         if not args.before_build:
@@ -190,8 +196,7 @@ def main():
         else:
             at = text.index("\n## No-op latency")
             text = text[:at] + "\n" + section + "\n" + text[at:]
-        with open(args.out, "w") as f:
-            f.write(text)
+        provenance.write(args.out, text, args.provenance, BEFORE_HEADING)
         print("wrote", args.out, file=sys.stderr)
         return
     b = os.path.join(args.build, "bench")
@@ -493,8 +498,7 @@ def main():
               "server/ragshard-planner bench/daemon_bench\n.venv/bin/python "
               "bench/collectives_report.py --before-build /tmp/before-build --before-only\n"
               "```\n")
-    with open(args.out, "w") as f:
-        f.write("\n".join(md) + "\n")
+    provenance.write(args.out, "\n".join(md) + "\n", args.provenance)
     print("wrote", args.out, file=sys.stderr)
 
 

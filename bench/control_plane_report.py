@@ -16,6 +16,8 @@ import os
 import subprocess
 import sys
 
+import provenance
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "docs", "benchmarks")
 NODES = [64, 128, 256, 512, 1024, 2048]
@@ -82,6 +84,7 @@ def main():
     ap.add_argument("--replot", action="store_true",
                     help="run nothing: write the report and the plot again from "
                          "docs/benchmarks/control_plane.json")
+    provenance.add_flag(ap)
     args = ap.parse_args()
     figures = os.path.join(OUT, "control_plane.json")
     if args.replot:
@@ -89,15 +92,17 @@ def main():
             saved = json.load(f)
         runs, one, beats = saved["runs"], saved["one_rank_per_node"], saved["heartbeats"]
         day = saved.get("date", str(datetime.date.today()))
+        header = saved.get("provenance")  # None: the report keeps its header
     else:
+        header = provenance.require(args)
         build = os.path.abspath(args.build)
         runs = [bench(build, n, 8) for n in NODES]
         one = bench(build, 2048, 1)
         beats = bench(build, 2048, 8, args.heartbeat_s)
         day = str(datetime.date.today())
         with open(figures, "w") as f:
-            json.dump({"date": day, "runs": runs, "one_rank_per_node": one, "heartbeats": beats},
-                      f, indent=1)
+            json.dump({"date": day, "provenance": header, "runs": runs,
+                       "one_rank_per_node": one, "heartbeats": beats}, f, indent=1)
     plot(runs, os.path.join(OUT, "control_plane.png"))
 
     big = runs[-1]
@@ -206,8 +211,7 @@ def main():
         "```",
         "",
     ]
-    with open(os.path.join(OUT, "control_plane.md"), "w") as f:
-        f.write("\n".join(lines))
+    provenance.write(os.path.join(OUT, "control_plane.md"), "\n".join(lines), header)
     print("wrote docs/benchmarks/control_plane.md")
 
 

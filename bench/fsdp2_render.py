@@ -6,6 +6,7 @@ import platform
 import statistics
 import sys
 
+import provenance
 from fsdp2_runs import SAMPLE_S, WORLD, sh
 
 RTOL = 1e-5  # |ragshard - FSDP2| <= RTOL * max(1, |FSDP2|), as tests/python/test_porting.py
@@ -456,8 +457,7 @@ def render(args, configs, precisions, model, runs, commands, started, elapsed, l
         md.append("* **Smoke run** (`--smoke`): the tests' tiny model; step times and memory "
                   "say nothing at this size.")
     md.append("")
-    with open(args.out, "w") as f:
-        f.write("\n".join(md))
+    provenance.write(args.out, "\n".join(md), args.provenance)
     print(f"wrote {args.out} and {png} in {elapsed / 60:.1f} min; raw figures in {work}",
           file=sys.stderr)
     return failed

@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 
+import provenance
 from fsdp2_rank import fsdp2_launch, rank_main
 from fsdp2_render import render, step_time
 from fsdp2_runs import WORLD, Runner, reference_norm
@@ -68,6 +69,7 @@ def main():
                     help="write the report again from an earlier run's runs.json (its figures, "
                          "command and date), running nothing")
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "benchmarks", "fsdp2.md"))
+    provenance.add_flag(ap)
     args = ap.parse_args()
     saved = None
     if args.from_json:  # the earlier run's own arguments, this call's --out
@@ -75,6 +77,9 @@ def main():
         out = args.out
         args = ap.parse_args(saved["argv"][1:])
         args.out, args.from_json = out, "yes"
+        args.provenance = saved.get("provenance")  # None: the report keeps its header
+    else:
+        provenance.require(args)
     precisions = [p for p in args.precisions.split(",") if p]
     if not set(precisions) <= {"fp32", "bf16"} or "fp32" not in precisions:
         ap.error("--precisions: fp32, optionally with bf16")
@@ -121,7 +126,7 @@ def main():
         ref_norm = reference_norm(os.path.abspath(args.example), model, WORLD)
         json.dump({"runs": runs, "commands": run.commands, "elapsed": elapsed,
                    "started": started.isoformat(), "argv": sys.argv, "load": load,
-                   "ref_norm": ref_norm},
+                   "ref_norm": ref_norm, "provenance": args.provenance},
                   open(os.path.join(work, "runs.json"), "w"))
 
     failed = render(args, configs, precisions, model, runs, run.commands, started, elapsed, load,

@@ -41,6 +41,7 @@ import sys
 import tempfile
 import threading
 
+import provenance
 from session import descendants, run_in_session
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -292,7 +293,9 @@ def main():
     ap.add_argument("--configs", default=",".join(f"{d}x{k}" for d, k in CONFIGS),
                     help="daemons x ranks, comma-separated (a smoke run takes one)")
     ap.add_argument("--model", default=" ".join(MODEL), help="train_tiny.py model flags")
+    provenance.add_flag(ap)
     a = ap.parse_args()
+    provenance.require(a)
     MODEL[:] = a.model.split()
     CONFIGS[:] = [tuple(int(x) for x in c.split("x")) for c in a.configs.split(",")]
     sys.path.insert(0, os.path.join(a.build, "python"))
@@ -301,10 +304,12 @@ def main():
     if a.strategies_only:
         replace_section(a.out, STRATEGY_HEADING,
                         "\n".join(strategy_section(strategy_rows(r), separate=True)))
+        provenance.restamp(a.out, a.provenance, STRATEGY_HEADING)
         return
     if a.optimizer_state_only:
         replace_section(a.out, OPTSTATE_HEADING, "\n".join(optimizer_state_section(
             optimizer_state_rows(r), a.steps, separate=True)))
+        provenance.restamp(a.out, a.provenance, OPTSTATE_HEADING)
         return
     if a.long_only:
         with open(a.out) as f:
@@ -312,8 +317,7 @@ def main():
         head, rest = text.split(LONG_HEADING, 1)
         tail = rest[rest.index("\n## "):]
         section = long_section(long_run_of(r), separate=True)
-        with open(a.out, "w") as f:
-            f.write(head + "\n".join(section) + tail)
+        provenance.write(a.out, head + "\n".join(section) + tail, a.provenance, LONG_HEADING)
         return
     rows = {}
     for backend in BACKENDS:
@@ -573,8 +577,7 @@ def write(a, rows, long_run, strategies, optimizer_states):
               "Optimizer state (AdamW's two fp32 moments) and activations live in the training "
               "processes: they are in the summed PSS and the rank RSS, not in the pool.", "",
               "![memory per node](memory.png)", ""]
-    with open(a.out, "w") as f:
-        f.write("\n".join(lines))
+    provenance.write(a.out, "\n".join(lines), a.provenance)
     plot(rows, os.path.join(os.path.dirname(a.out), "memory.png"))
     print("targets met" if ok_all else "some targets NOT met", file=sys.stderr)
 

@@ -13,6 +13,8 @@ import sys
 import tempfile
 import time
 
+import provenance
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 H100 = os.path.join(ROOT, "profiles", "h100-8x-nvlink-ib400.json")
 HOST = os.path.join(ROOT, "profiles", "host-2x2-loopback.json")
@@ -354,7 +356,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--build", default=os.path.join(ROOT, "build"))
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "benchmarks", "strategy.md"))
+    provenance.add_flag(p)
     a = p.parse_args()
+    provenance.require(a)
     build = os.path.abspath(a.build)
     lines = ["# Sharding strategy search", "",
              f"Run on {datetime.date.today()} by `bench/strategy_report.py` on this repository's "
@@ -378,8 +382,7 @@ def main():
               "pink):", "", "![timeline](strategy_timeline.png)", ""] if "error" not in sim else []
     amsp_section(build, lines)
     calibration_section(build, lines)
-    with open(a.out, "w") as f:
-        f.write("\n".join(lines) + "\n")
+    provenance.write(a.out, "\n".join(lines) + "\n", a.provenance)
     print("wrote", a.out)
 
 

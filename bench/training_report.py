@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 
+import provenance
 import timeline
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -144,11 +145,13 @@ def main():
     ap.add_argument("--reps", type=int, default=5,
                     help="alternated runs of ragshard-adamw, DDP and the independent processes")
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "benchmarks", "training.md"))
+    provenance.add_flag(ap)
     args = ap.parse_args()
     if args.reps < 1:
         ap.error(f"--reps {args.reps}: at least 1 alternated run is needed")
     if args.steps < 4:
         ap.error(f"--steps {args.steps}: the medians leave out the first two steps; at least 4")
+    provenance.require(args)
     build = os.path.abspath(args.build)
     sys.path.insert(0, os.path.join(build, "python"))
     from ragshard.cluster import LocalCluster
@@ -340,8 +343,7 @@ def main():
            "Both run 4 training processes on 2 cores with one intra-op thread each (`OMP_NUM_THREADS=1`: ragshard.launch's default where ranks share a node, and given to the DDP ranks as torchrun would), and this virtual machine's cores run at speeds that vary from run to run (DDP's own median step ranged from 187 to 250 ms over six runs on 2026-11-26), so only ratios within one run mean anything, and even they move by several percent between runs. What differs: DDP all-reduces gradient buckets while backward runs; ragshard re-gathers each unit before its backward (`reshard_after_forward`), reduce-scatters each unit as its gradients complete, goes through the daemon for every operation (a command through the shared-memory queue per rank, and the daemon's hand-off to its job thread; `docs/benchmarks/collectives.md`), and steps the optimizer on shards (a quarter of the parameters per rank). Muon adds, per unit and step, a gather to the owners, Newton-Schulz on each owner (the other ranks wait for the most loaded owner) and a scatter back, plus masked element updates in Python. The quantized runs quantize and dequantize in Python on every gather; their ranks also keep an fp32 master copy of their shard and the dequantization temporaries, hence the larger RSS, and the daemon holds the byte units.\n",
            "## Reproduce\n", "```\nbash scripts/test.sh\n.venv/bin/python "
            "bench/training_report.py --build build\n```\n"]
-    with open(args.out, "w") as f:
-        f.write("\n".join(md))
+    provenance.write(args.out, "\n".join(md), args.provenance)
     print("wrote", args.out, "and", png, file=sys.stderr)
 
 
