@@ -113,13 +113,8 @@ RESUMES = {
 }
 
 
-# Every resume with AdamW; Muon's and Shampoo's states (whole matrices on their owners) under
-# a smaller world, another cut and another strategy.
-RESUME_CASES = [(w, "adamw") for w in RESUMES] + [
-    (w, opt) for opt in ("muon", "shampoo") for w in ("1x2", "2x2-rows1", "2x2-auto")]
-
-
-@pytest.mark.parametrize("where,opt", RESUME_CASES)
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+@pytest.mark.parametrize("where", list(RESUMES))
 def test_resume_under_another_plan_equals_the_reference(cluster, saved, tmp_path, opt, where):
     spec = dict(RESUMES[where])
     args = ["--steps", "6", "--resume", saved[opt]["root"]] + spec.pop("args", []) + \

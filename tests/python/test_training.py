@@ -109,9 +109,6 @@ def compare(sharded, reference, rtol=1e-5, param_rtol=None):
     ("reshard-node", ["--steps", "10", "--reshard-after-forward", "2"]),
 ])
 def test_training_matches_single_process(backend_cluster, tmp_path, name, extra):
-    if name in ("no-reshard", "no-prefetch") and backend_cluster.backend == "host":
-        # fully_shard's knobs, the same code on either data plane: the device shape runs them.
-        pytest.skip("run on the device-shaped backend")
     job = f"train-{name}-{backend_cluster.backend}"
     losses = compare(run_sharded(backend_cluster, tmp_path, job, extra),
                      run_reference(tmp_path, name, extra))
