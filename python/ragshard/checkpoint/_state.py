@@ -237,3 +237,5 @@ def place(model, optimizer, reader, meta):
         _place_shampoo(optimizer, reader, meta, steps)
     if kind == "adam8bit":
         _place_adam8bit(optimizer, reader, steps)
+    if adamw is not None:
+        adamw._home()  # the moments just read go into the module's state tensors

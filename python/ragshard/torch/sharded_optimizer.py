@@ -150,10 +150,13 @@ class ShardedOptimizer(ModuleOptimizer):
         """Each piece's place in the module's state tensors: its unit's pieces of this optimizer
         back to back."""
         self._home_at, self._unit_numel = [], {}
-        for ui, lo, hi in self.where:
+        self._by_index = {}  # parameter index -> [(piece, its unit, lo, hi)], in tensor order
+        for (index, piece, _), (ui, lo, hi) in zip(self.pieces, self.where):
             at = self._unit_numel.get(ui, 0)
             self._home_at.append(at)
             self._unit_numel[ui] = at + hi - lo
+            self._by_index.setdefault(index, []).append((piece, ui, lo, hi))
+        self._homed = -1  # the pieces with state when they were last homed (-1: not yet)
 
     def _home(self):
         """Moves every elementwise state tensor of the pieces into the module's state tensors
@@ -161,6 +164,7 @@ class ShardedOptimizer(ModuleOptimizer):
         place."""
         if self.opt is None:
             return
+        self._homed = len(self.opt.state)
         for (_, piece, _), (ui, lo, hi), at in zip(self.pieces, self.where, self._home_at):
             st = self.opt.state.get(piece)
             if not st:
@@ -195,7 +199,8 @@ class ShardedOptimizer(ModuleOptimizer):
                         if k not in ("params", "param_names"):
                             target[k] = v
             self.opt.step()
-            self._home()
+            if len(self.opt.state) != self._homed:
+                self._home()  # pieces stepped for the first time (their state is then CLS's)
         copy_masters(self.copies)
         if gather:
             self.model.gather_updates()
@@ -203,8 +208,7 @@ class ShardedOptimizer(ModuleOptimizer):
     # -- state -------------------------------------------------------------------------------
 
     def _pieces_of(self, index):
-        return [(piece, hi - lo) for (i, piece, _), (_, lo, hi) in zip(self.pieces, self.where)
-                if i == index]
+        return [(piece, hi - lo) for piece, _, lo, hi in self._by_index.get(index, ())]
 
     def param_state(self, index):
         pieces = self._pieces_of(index)
@@ -242,8 +246,8 @@ class ShardedOptimizer(ModuleOptimizer):
         state on this rank (views of the state: a checkpoint reads and writes them in place),
         and {key: scalar tensor} of its scalars (the step count), or ({}, {})."""
         elementwise, scalars = {}, {}
-        for (i, piece, _), (ui, lo, hi) in zip(self.pieces, self.where):
-            st = self.opt.state.get(piece) if i == index else None
+        for piece, ui, lo, _ in self._by_index.get(index, ()):
+            st = self.opt.state.get(piece)
             if not st:
                 continue
             start = self.model.piece_start(ui, lo, index)
@@ -257,8 +261,8 @@ class ShardedOptimizer(ModuleOptimizer):
 
     def dcp_set_scalars(self, index, scalars):
         """Sets the scalars of parameter `index` (what dcp_state gave, loaded) on its pieces."""
-        for i, piece, _ in self.pieces:
-            st = self.opt.state.get(piece) if i == index else None
+        for piece, _, _, _ in self._by_index.get(index, ()):
+            st = self.opt.state.get(piece)
             for key, v in scalars.items() if st else ():
                 st[key] = v.clone() if torch.is_tensor(st.get(key)) else type(st[key])(v)
 
