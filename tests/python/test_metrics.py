@@ -102,7 +102,9 @@ def test_a_stranger_on_the_side_channel_is_refused_by_its_credentials():
         probe = ("import socket, sys; s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])\n"
                  "try:\n    s.sendall(b'x')\nexcept BrokenPipeError:\n    pass\n"
                  "sys.stdout.write(s.recv(4096).decode(errors='replace'))")
-        r = subprocess.run([sys.executable, "-c", probe, c.sockets[0] + ".fd"],
+        # The system's interpreter (the probe needs only the standard library): the stranger
+        # may not be able to reach the project's .venv (a clone in a mode-0700 folder).
+        r = subprocess.run(["/usr/bin/python3", "-c", probe, c.sockets[0] + ".fd"],
                            capture_output=True, text=True, timeout=60,
                            preexec_fn=lambda: (os.setgroups([]), os.setgid(65534),
                                                os.setuid(65534)))
