@@ -5,8 +5,9 @@
 //     node's figures and its K ranks' progress, as ragshardd sends them;
 //   * one WatchPlan stream per node, taking the plan compact (zstd), as ragshardd does; the
 //     node's ranks get the plan from their daemon (Attach), never from the planner;
-//   * one RegisterNodeRanks call per node for its K ranks: node 0 sends the model's inventory,
-//     the others its SHA-256;
+//   * each node's K ranks register through the daemon's registration code
+//     (server/daemon/node_registration.h, as ragshardd runs it): one RegisterNodeRanks call per
+//     node, node 0's carrying the model's inventory (rank 0's), the others its SHA-256;
 //   * then the daemon's rendezvous: GetJob (the data secret), ListJobNodes, Put of its data
 //     address and one GetKeys for every node's address.
 // The first node to get the plan decodes and checks it; every other node compares the frame it
@@ -32,6 +33,7 @@
 #include "common/open_files.h"
 #include "common/plan_codec.h"
 #include "common/planner_client.h"
+#include "server/daemon/node_registration.h"
 #include "nlohmann/json.hpp"
 #include "tests/testing/test_util.h"
 
@@ -270,17 +272,40 @@ int Run(const Options& o) {
   const int64_t sent0 = bench::TcpBytesSent(port);
   const double cpu0 = bench::CpuSeconds(pid), self0 = bench::CpuSeconds(getpid());
   const auto t0 = Clock::now();
+  // Each node registers its ranks through the daemon's own code (server/daemon/
+  // node_registration.h): every rank's request is held until the node's K ranks have asked, then
+  // one RegisterNodeRanks goes out. Rank 0 sends the model's inventory, the other ranks its hash
+  // (a rank that sends its inventory in full costs its own daemon a hash of it, not the planner).
   auto register_node = [&](int64_t n) {
-    v1::RegisterNodeRanksRequest req;
-    req.set_job_id(kJob);
-    req.set_node_id(NodeId(n));
-    for (int64_t r = 0; r < o.ranks_per_node; ++r) req.add_ranks(n * o.ranks_per_node + r);
-    if (n == 0) {
-      *req.mutable_inventory() = *inv;
-    } else {
-      req.set_inventory_sha256(sha);
+    daemon::NodeRegistrations node(NodeId(n));
+    std::vector<daemon::NodeRegistrationBatch> ready;
+    std::atomic<int64_t> answered{0};
+    for (int64_t r = 0; r < o.ranks_per_node; ++r) {
+      v1::RegisterRequest req;
+      req.set_job_id(kJob);
+      req.set_rank(n * o.ranks_per_node + r);
+      req.set_node_id(NodeId(n));
+      req.set_local_ranks(o.ranks_per_node);
+      req.set_timeout_ms(600'000);
+      if (req.rank() == 0) {
+        *req.mutable_inventory() = *inv;
+      } else {
+        req.set_inventory_sha256(sha);
+      }
+      auto batches =
+          node.Add(req, absl::InfiniteFuture(), [&](const absl::StatusOr<v1::Job>& job) {
+            if (!job.ok()) failures.fetch_add(1);
+            answered.fetch_add(1);
+          });
+      if (!batches.ok()) {
+        failures.fetch_add(1);
+        return;
+      }
+      for (auto& b : *batches) ready.push_back(std::move(b));
     }
-    if (!clients[n % o.channels]->RegisterNodeRanks(req).ok()) failures.fetch_add(1);
+    if (ready.size() != 1) failures.fetch_add(1);  // one call per node
+    for (auto& b : ready) daemon::SendNodeRegistration(*clients[n % o.channels], std::move(b));
+    if (answered.load() != o.ranks_per_node) failures.fetch_add(1);
   };
   register_node(0);
   ParallelFor(o.nodes - 1, 32, [&](int64_t i) { register_node(i + 1); });

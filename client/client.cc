@@ -60,17 +60,46 @@ Client::~Client() {
   }
 }
 
-absl::Status Client::Register(const Inventory& inventory, bool send_full) {
-  v1::RegisterRankRequest req;
+absl::Status Client::Register(const Inventory& inventory, bool send_full, int64_t local_ranks) {
+  if (local_ranks < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("local_ranks: must not be negative (0: not known), got ", local_ranks));
+  }
+  v1::RegisterRequest req;
   req.set_job_id(options_.job_id);
   req.set_rank(options_.rank);
   req.set_node_id(options_.node_id);
+  req.set_local_ranks(local_ranks);
+  req.set_timeout_ms(options_.timeout.count());
   if (send_full) {
     *req.mutable_inventory() = inventory;
   } else {
     req.set_inventory_sha256(InventorySha256(inventory));
   }
-  return options_.planner->RegisterRank(req).status();
+  v1::RegisterResponse resp;
+  grpc::ClientContext ctx;
+  // The node's other ranks, then the planner's answer (which may wait for another node's
+  // inventory, and retries a restarting planner for a minute).
+  ctx.set_deadline(std::chrono::system_clock::now() + options_.timeout + std::chrono::seconds(90));
+  const grpc::Status st = daemon_->Register(&ctx, req, &resp);
+  if (st.error_code() == grpc::StatusCode::UNIMPLEMENTED) {
+    v1::RegisterRankRequest direct;
+    direct.set_job_id(options_.job_id);
+    direct.set_rank(options_.rank);
+    direct.set_node_id(options_.node_id);
+    if (send_full) {
+      *direct.mutable_inventory() = std::move(*req.mutable_inventory());
+    } else {
+      direct.set_inventory_sha256(req.inventory_sha256());
+    }
+    return options_.planner->RegisterRank(direct).status();
+  }
+  if (!st.ok()) {
+    absl::Status s = FromGrpcStatus(st);
+    return absl::Status(s.code(), absl::StrCat("register through the daemon at ",
+                                               options_.daemon_socket, ": ", s.message()));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status Client::Attach() {

@@ -74,8 +74,13 @@ class Client {
   static absl::StatusOr<std::unique_ptr<Client>> Create(ClientOptions options);
   ~Client();
 
-  // Registers this rank's inventory with the planner: in full, or only its canonical hash.
-  absl::Status Register(const Inventory& inventory, bool send_full);
+  // Registers this rank's inventory with the planner, in full or only its canonical hash,
+  // through the node's daemon, which registers the node's ranks in one call (docs/daemon.md,
+  // "Registration"): answers once that call has. `local_ranks` is this job's ranks on this node
+  // (torchrun's LOCAL_WORLD_SIZE): the daemon calls once they all have asked; 0, not known,
+  // registers this rank alone. A daemon without Register (an older one) has the rank register
+  // with the planner itself (RegisterRank).
+  absl::Status Register(const Inventory& inventory, bool send_full, int64_t local_ranks = 0);
   // Attaches to the daemon (which waits for the plan), receives the arena's memfd and maps it.
   absl::Status Attach();
 

@@ -39,8 +39,9 @@ struct rs_handle {
 namespace ragshard {
 namespace {
 
-// 3: the _secure functions (TLS); version 2's functions remain.
-constexpr int kAbiVersion = 3;
+// 3: the _secure functions (TLS); version 2's functions remain. 4: rs_client_register takes
+// local_ranks (registration through the daemon).
+constexpr int kAbiVersion = 4;
 
 thread_local std::string last_error;
 thread_local std::string last_string;
@@ -156,10 +157,11 @@ int rs_client_create_secure(const char* planner, const char* socket, const char*
 
 void rs_client_destroy(rs_client* c) { delete c; }
 
-int rs_client_register(rs_client* c, const char* inventory_json, int send_full) {
+int rs_client_register(rs_client* c, const char* inventory_json, int send_full,
+                       int64_t local_ranks) {
   auto inv = ParseInventoryJson(Str(inventory_json));
   if (!inv.ok()) return Fail(inv.status());
-  const absl::Status s = c->client->Register(*inv, send_full != 0);
+  const absl::Status s = c->client->Register(*inv, send_full != 0, local_ranks);
   return s.ok() ? 0 : Fail(s);
 }
 

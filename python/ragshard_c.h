@@ -53,7 +53,10 @@ int rs_client_create(const char* planner, const char* socket, const char* job, i
                      const char* node, int64_t timeout_ms, const char* token_file, int fake_device,
                      rs_client** out);
 void rs_client_destroy(rs_client* c);
-int rs_client_register(rs_client* c, const char* inventory_json, int send_full);
+/* Through the node's daemon (ABI version 4): local_ranks is the job's ranks on this node, which
+ * the daemon registers in one call once they all have asked; 0: not known (registered alone). */
+int rs_client_register(rs_client* c, const char* inventory_json, int send_full,
+                       int64_t local_ranks);
 int rs_client_attach(rs_client* c);
 int rs_client_plan_json(rs_client* c, const char** out);
 /* units, world_size, replicas, rank, cuda_device; *on_device: 1 when buffers are device memory. */

@@ -24,7 +24,8 @@ class Env:
     """Who this rank is, from its environment.
 
     Started by `ragshard.launch` (or `ragshard-launch`): RAGSHARD_RANK, RAGSHARD_WORLD_SIZE and
-    RAGSHARD_NODE. Started by `torchrun`: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and
+    RAGSHARD_NODE, with RAGSHARD_LOCAL_RANK and RAGSHARD_LOCAL_WORLD_SIZE (this node's ranks).
+    Started by `torchrun`: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and
     GROUP_RANK (the node's index; the node is called node-<GROUP_RANK> unless RAGSHARD_NODE
     names it). Started by Slurm's `srun` (one task per rank): SLURM_PROCID, SLURM_NTASKS,
     SLURM_LOCALID, SLURM_STEP_TASKS_PER_NODE with SLURM_NODEID (this node's task count), and
@@ -39,7 +40,9 @@ class Env:
     (TORCHELASTIC_RUN_ID, which `torchrun --standalone` makes up and `--rdzv-id` names; its
     default "none" is refused, naming RAGSHARD_JOB) and the socket to DEFAULT_SOCKET, and
     `connect()` creates the job from WORLD_SIZE where it does not exist. `launcher` says which
-    of "ragshard-launch", "torchrun" and "srun" started the rank.
+    of "ragshard-launch", "torchrun" and "srun" started the rank. `local_world_size` (None where
+    the launcher does not say) lets the node's daemon register the node's ranks with the
+    planner in one call (docs/daemon.md, "Registration").
     """
 
     def __init__(self, environ=None):
@@ -68,11 +71,12 @@ class Env:
         self.tls_cert = e.get("RAGSHARD_TLS_CERT", "")
         self.tls_key = e.get("RAGSHARD_TLS_KEY", "")
         self.tls_server_name = e.get("RAGSHARD_TLS_SERVER_NAME", "")
-        local_var = "SLURM_LOCALID" if slurm else "LOCAL_RANK"
+        local_var, local_size_var = (("SLURM_LOCALID", None) if slurm else
+                                     ("LOCAL_RANK", "LOCAL_WORLD_SIZE") if torchrun else
+                                     ("RAGSHARD_LOCAL_RANK", "RAGSHARD_LOCAL_WORLD_SIZE"))
         self.local_rank = _int(e, local_var) if local_var in e else None
         self.local_world_size = (_slurm_tasks_here(e) if slurm else
-                                 _int(e, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in e
-                                 else None)
+                                 _int(e, local_size_var) if local_size_var in e else None)
         default_node = (f"node-{_int(e, 'GROUP_RANK')}" if torchrun and "GROUP_RANK" in e
                         else e.get("SLURMD_NODENAME", "") if slurm else "")
         self.node = e.get("RAGSHARD_NODE", default_node)
@@ -131,7 +135,7 @@ def connect(env=None, timeout_ms=120000):
     if env.launcher == "torchrun":
         ensure_job(env)
     return Client(env.planner, env.socket, env.job, env.rank, env.node, timeout_ms,
-                  env.token_file, **_tls(env))
+                  env.token_file, local_ranks=env.local_world_size or 0, **_tls(env))
 
 
 def _tls(env):

@@ -16,7 +16,7 @@ import json
 import os
 import time
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 _BAD_ARGUMENT, _OUT_OF_RANGE = -1, -2
 
 
@@ -84,7 +84,7 @@ def _load():
         "rs_client_create_secure": (i32, [cstr, cstr, cstr, i64, cstr, i64,
                                           ctypes.POINTER(_Security), i32, ctypes.POINTER(c_p)]),
         "rs_client_destroy": (None, [c_p]),
-        "rs_client_register": (i32, [c_p, cstr, i32]),
+        "rs_client_register": (i32, [c_p, cstr, i32, i64]),
         "rs_client_attach": (i32, [c_p]),
         "rs_client_plan_json": (i32, [c_p, out_str]),
         "rs_client_shape": (None, [c_p, ctypes.POINTER(i64), ctypes.POINTER(i32)]),
@@ -239,12 +239,17 @@ class Client(_NoCopy):
     and, where `tls_ca` names the planner's CA, over TLS: `tls_cert` and `tls_key` are this
     client's certificate for mutual TLS, `tls_server_name` the name to check in the planner's
     certificate (default: the host of `planner`). A TLS option left None takes RAGSHARD_TLS_CA,
-    RAGSHARD_TLS_CERT, RAGSHARD_TLS_KEY or RAGSHARD_TLS_SERVER_NAME; "" is none."""
+    RAGSHARD_TLS_CERT, RAGSHARD_TLS_KEY or RAGSHARD_TLS_SERVER_NAME; "" is none. `local_ranks`
+    is the job's ranks on this node (LOCAL_WORLD_SIZE): the daemon registers them with the
+    planner in one call once they all have registered (0: not known, this rank alone)."""
 
     def __init__(self, planner, socket, job, rank, node="", timeout_ms=60000, token_file="",
                  device_memory="auto", tls_ca=None, tls_cert=None, tls_key=None,
-                 tls_server_name=None):
+                 tls_server_name=None, local_ranks=0):
         self._c = None
+        if int(local_ranks) < 0:
+            raise ValueError(f"local_ranks: {local_ranks} must not be negative (0: not known)")
+        self.local_ranks = int(local_ranks)
         if device_memory not in ("auto", "fake"):
             raise ValueError(f"device_memory: '{device_memory}' is not one of auto, fake")
         c = ctypes.c_void_p()
@@ -267,7 +272,10 @@ class Client(_NoCopy):
             self._c = None
 
     def register(self, inventory_json, send_full=True):
-        _check(_lib.rs_client_register(self._c, _b(inventory_json), int(bool(send_full))))
+        """Registers this rank through its node's daemon, which registers the node's ranks with
+        the planner in one call once `local_ranks` of them have asked (0: this rank alone)."""
+        _check(_lib.rs_client_register(self._c, _b(inventory_json), int(bool(send_full)),
+                                       self.local_ranks))
 
     def attach(self):
         _check(_lib.rs_client_attach(self._c))

@@ -234,17 +234,21 @@ class LocalCluster:
         if self._own_dir and os.environ.get("RAGSHARD_KEEP_LOGS") != "1":
             shutil.rmtree(self.dir, ignore_errors=True)
 
-    def attach(self, job, inventory, ranks=2, daemon=0, timeout_ms=30000, **client_options):
+    def attach(self, job, inventory, ranks=2, daemon=0, timeout_ms=30000, local_ranks=None,
+               **client_options):
         """Creates job `job` of `ranks` ranks, all on daemon `daemon` (None: spread over the
         daemons in order, ranks // daemons each), and returns a registered and attached Client
-        per rank (`inventory` a dict; `client_options` go to Client). The ranks attach in
+        per rank (`inventory` a dict; `client_options` go to Client; `local_ranks`, by default
+        each daemon's count of the ranks, is what the ranks tell their daemon). The ranks attach in
         threads, since each attach waits for the others; the first error is raised."""
         from . import Client, create_job  # the package imports this module's users, not it
         create_job(self.planner, job, ranks, **self.tls_options)
         where = [daemon if daemon is not None else r * self.n // ranks for r in range(ranks)]
         client_options = dict(self.tls_options, **client_options)
         clients = [Client(self.planner, self.sockets[where[r]], job, r, self.nodes[where[r]],
-                          timeout_ms, **client_options) for r in range(ranks)]
+                          timeout_ms, local_ranks=where.count(where[r]) if local_ranks is None
+                          else local_ranks, **client_options)
+                   for r in range(ranks)]
         errors = []
 
         def go(client):

@@ -16,8 +16,8 @@ for its logs). A program missing from PATH is named, with PATH, before anything 
 
 Ranks are spread over the daemons in order: with N ranks and D sockets, daemon i gets ranks
 [i*N/D, (i+1)*N/D). Each rank runs `script.py` under the same interpreter with RAGSHARD_PLANNER,
-RAGSHARD_JOB, RAGSHARD_RANK, RAGSHARD_WORLD_SIZE, RAGSHARD_SOCKET and RAGSHARD_NODE set (read
-them with `ragshard.Env()`), and the planner's token and TLS settings as RAGSHARD_TOKEN_FILE,
+RAGSHARD_JOB, RAGSHARD_RANK, RAGSHARD_WORLD_SIZE, RAGSHARD_SOCKET, RAGSHARD_NODE,
+RAGSHARD_LOCAL_RANK and RAGSHARD_LOCAL_WORLD_SIZE set (read them with `ragshard.Env()`), and the planner's token and TLS settings as RAGSHARD_TOKEN_FILE,
 RAGSHARD_TLS_CA, RAGSHARD_TLS_CERT, RAGSHARD_TLS_KEY and RAGSHARD_TLS_SERVER_NAME (from
 --token-file, --tls-ca, --tls-cert, --tls-key and --tls-server-name, whose defaults are those
 variables: a planner that serves TLS needs --tls-ca, its CA). `--create-job` creates the job
@@ -153,7 +153,8 @@ def rank_envs(a, threads):
         env = dict(os.environ)
         env.update(RAGSHARD_PLANNER=a.planner, RAGSHARD_JOB=a.job, RAGSHARD_RANK=str(r),
                    RAGSHARD_WORLD_SIZE=str(a.nproc), RAGSHARD_SOCKET=a.sockets[r // per_node],
-                   RAGSHARD_NODE=a.nodes[r // per_node], RAGSHARD_TOKEN_FILE=a.token_file,
+                   RAGSHARD_NODE=a.nodes[r // per_node], RAGSHARD_LOCAL_RANK=str(r % per_node),
+                   RAGSHARD_LOCAL_WORLD_SIZE=str(per_node), RAGSHARD_TOKEN_FILE=a.token_file,
                    RAGSHARD_TLS_CA=a.tls_ca, RAGSHARD_TLS_CERT=a.tls_cert,
                    RAGSHARD_TLS_KEY=a.tls_key, RAGSHARD_TLS_SERVER_NAME=a.tls_server_name)
         if a.strategy:

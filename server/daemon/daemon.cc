@@ -140,9 +140,18 @@ void NodeDaemon::Shutdown() {
     attaching.swap(attach_threads_);
   }
   endpoint_.reset();  // no scrape reads the daemon from here on
+  // Held registrations are answered (again after the server stops: one may come in between).
+  auto answer_held = [this] {
+    for (auto& done : registrations_.TakeAll()) {
+      done(absl::UnavailableError(
+          absl::StrCat("the daemon of node '", options_.node_id, "' is shutting down")));
+    }
+  };
+  answer_held();
   for (auto& t : attaching) t.thread.join();
   stop_.Notify();
   if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  answer_held();
   if (side_channel_.joinable()) side_channel_.join();
   if (heartbeats_.joinable()) heartbeats_.join();
   if (waiter_clock_.joinable()) waiter_clock_.join();

@@ -12,6 +12,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <list>
 #include <map>
 #include <memory>
@@ -28,6 +29,7 @@
 #include "server/daemon/command_poller.h"
 #include "server/daemon/data_backend.h"
 #include "server/daemon/metrics.h"
+#include "server/daemon/node_registration.h"
 #include "server/daemon/pool.h"
 
 namespace ragshard::daemon {
@@ -79,6 +81,9 @@ class NodeDaemon final : public v1::Daemon::CallbackService {
   using Ctx = grpc::CallbackServerContext;
   using Unary = grpc::ServerUnaryReactor;
 
+  // A rank registers with the planner through its node's daemon, which sends the node's ranks in
+  // one call (node_registration.h); answers when that call has.
+  Unary* Register(Ctx* ctx, const v1::RegisterRequest* req, v1::RegisterResponse* resp) override;
   // A rank joins its job on this node. The job is set up (plan, peers, shards) on one of at most
   // kMaxAttaching setup threads; RESOURCE_EXHAUSTED beyond that.
   Unary* Attach(Ctx* ctx, const v1::AttachRequest* req, v1::AttachResponse* resp) override;
@@ -105,6 +110,12 @@ class NodeDaemon final : public v1::Daemon::CallbackService {
   // The job and local index of an attachment; NOT_FOUND names an unknown one.
   absl::StatusOr<std::pair<std::shared_ptr<JobRuntime>, int>> FindAttachment(
       const std::string& id) const;
+  // Runs `work` on a thread of its own (a job setup, a node's registration call: each waits on
+  // others), joined at a later Spawn or at Shutdown; RESOURCE_EXHAUSTED beyond kMaxAttaching
+  // at once, UNAVAILABLE once shut down.
+  absl::Status Spawn(std::function<void()> work);
+  // Sends a node's registration calls (NodeRegistrations' batches), each on a thread.
+  void SendRegistrations(std::vector<NodeRegistrationBatch> batches);
   absl::Status DoAttach(const v1::AttachRequest& request, v1::AttachResponse* resp);
   void ReleaseAttachment(const std::string& id);
   void RunSideChannel();
@@ -130,15 +141,17 @@ class NodeDaemon final : public v1::Daemon::CallbackService {
   ScopedFd fd_listener_;
   // The ranks' command queues (docs/daemon.md): one per attachment whose side channel is open.
   std::unique_ptr<CommandPoller> poller_;
+  // The node's ranks' registrations, held until the node's call (node_registration.h).
+  NodeRegistrations registrations_{options_.node_id};
 
   absl::Mutex setup_mu_;  // serializes job setup (connecting to peers can take a while)
   mutable absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<JobRuntime>> jobs_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Attachment> attachments_ ABSL_GUARDED_BY(mu_);
   uint64_t next_attachment_ ABSL_GUARDED_BY(mu_) = 1;
-  // Job setups in flight, one thread each (a setup waits for the plan and the node's other
-  // ranks, which attach concurrently, so a fixed pool could deadlock). A finished one is joined
-  // at the next Attach; at most kMaxAttaching at once.
+  // Job setups and registration calls in flight, one thread each (a setup waits for the plan
+  // and the node's other ranks, which attach concurrently, so a fixed pool could deadlock). A
+  // finished one is joined at the next Spawn; at most kMaxAttaching at once.
   struct AttachThread {
     std::thread thread;
     std::shared_ptr<std::atomic<bool>> done;

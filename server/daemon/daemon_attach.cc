@@ -19,12 +19,19 @@ grpc::ServerUnaryReactor* NodeDaemon::Attach(Ctx* ctx, const v1::AttachRequest* 
   // Setting a job up waits for the plan and for the peers, so it runs on a thread of its own
   // rather than blocking one of gRPC's callback threads.
   auto* reactor = ctx->DefaultReactor();
+  const absl::Status s = Spawn([this, req, resp, reactor] {
+    const absl::Status s = DoAttach(*req, resp);
+    if (!s.ok()) metrics_->Error(s);
+    reactor->Finish(ToGrpcStatus(s));
+  });
+  if (!s.ok()) reactor->Finish(ToGrpcStatus(s));
+  return reactor;
+}
+
+absl::Status NodeDaemon::Spawn(std::function<void()> work) {
   absl::MutexLock lock(&mu_);
-  if (shut_down_) {
-    reactor->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "daemon shutting down"));
-    return reactor;
-  }
-  // Join the setups that have finished (their threads only return after setting `done`).
+  if (shut_down_) return absl::UnavailableError("daemon shutting down");
+  // Join the threads that have finished (they only return after setting `done`).
   for (auto it = attach_threads_.begin(); it != attach_threads_.end();) {
     if (it->done->load()) {
       it->thread.join();
@@ -34,21 +41,17 @@ grpc::ServerUnaryReactor* NodeDaemon::Attach(Ctx* ctx, const v1::AttachRequest* 
     }
   }
   if (attach_threads_.size() >= kMaxAttaching) {
-    reactor->Finish(
-        grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                     absl::StrCat(attach_threads_.size(), " attaches are in progress on node '",
-                                  options_.node_id, "', the most it sets up at once; retry")));
-    return reactor;
+    return absl::ResourceExhaustedError(
+        absl::StrCat(attach_threads_.size(), " attaches and registrations are in progress on node '",
+                     options_.node_id, "', the most it runs at once; retry"));
   }
   auto done = std::make_shared<std::atomic<bool>>(false);
-  attach_threads_.push_back({std::thread([this, req, resp, reactor, done] {
-                               const absl::Status s = DoAttach(*req, resp);
-                               if (!s.ok()) metrics_->Error(s);
-                               reactor->Finish(ToGrpcStatus(s));
+  attach_threads_.push_back({std::thread([work = std::move(work), done] {
+                               work();
                                done->store(true);
                              }),
                              done});
-  return reactor;
+  return absl::OkStatus();
 }
 
 absl::Status NodeDaemon::DoAttach(const v1::AttachRequest& request, v1::AttachResponse* resp) {

@@ -176,6 +176,8 @@ void NodeDaemon::RunWaiterClock() {
       for (const auto& [id, job] : jobs_) jobs.push_back(job);
     }
     for (const auto& job : jobs) job->ServeWaiters();
+    // Registrations whose wait for the node's other ranks ran out go with the ranks that came.
+    SendRegistrations(registrations_.Expire(absl::Now()));
   }
 }
 

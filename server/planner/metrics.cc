@@ -8,6 +8,13 @@ PlannerMetrics::PlannerMetrics() : registry_(std::make_shared<prometheus::Regist
                         .Help("Rank registrations the planner recorded")
                         .Register(*registry_)
                         .Add({});
+  auto& calls = prometheus::BuildCounter()
+                    .Name("ragshard_planner_registration_calls_total")
+                    .Help("Registration calls admitted, by method: node (RegisterNodeRanks, a "
+                          "node's ranks through its daemon) or rank (RegisterRank)")
+                    .Register(*registry_);
+  node_calls_ = &calls.Add({{"method", "node"}});
+  rank_calls_ = &calls.Add({{"method", "rank"}});
   auto& plans = prometheus::BuildCounter()
                     .Name("ragshard_planner_plan_computations_total")
                     .Help("Plan computations, by result (ok, failed)")

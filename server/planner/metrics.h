@@ -22,6 +22,9 @@ class PlannerMetrics {
 
   // A rank's registration was recorded (a repeat by the same rank counts again).
   void RankRegistered() { registrations_->Increment(); }
+  // A registration call was admitted: a node's ranks through its daemon (RegisterNodeRanks) or
+  // one rank of its own (RegisterRank, older clients).
+  void RegistrationCall(bool node) { (node ? node_calls_ : rank_calls_)->Increment(); }
   // A plan computation ended, with its result and its wall time.
   void PlanComputed(bool ok, double seconds);
   // A watch stream was handed a plan version, `bytes` of it on the wire (compact or plain).
@@ -33,6 +36,8 @@ class PlannerMetrics {
  private:
   std::shared_ptr<prometheus::Registry> registry_;
   prometheus::Counter* registrations_ = nullptr;
+  prometheus::Counter* node_calls_ = nullptr;
+  prometheus::Counter* rank_calls_ = nullptr;
   prometheus::Counter* plans_ok_ = nullptr;
   prometheus::Counter* plans_failed_ = nullptr;
   prometheus::Histogram* plan_seconds_ = nullptr;

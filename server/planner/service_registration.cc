@@ -29,6 +29,7 @@ grpc::ServerUnaryReactor* PlannerService::RegisterRank(Ctx* ctx, const v1::Regis
   absl::Status s =
       Admit(ctx, Access::kUser, [&] { return ValidateRegisterRank(*req, options_.limits); });
   if (!s.ok()) return ReplyUnary(ctx, s);
+  metrics_.RegistrationCall(/*node=*/false);
   Registration reg;
   reg.job_id = req->job_id();
   reg.node_id = req->node_id();
@@ -44,6 +45,7 @@ grpc::ServerUnaryReactor* PlannerService::RegisterNodeRanks(Ctx* ctx,
   absl::Status s =
       Admit(ctx, Access::kUser, [&] { return ValidateRegisterNodeRanks(*req, options_.limits); });
   if (!s.ok()) return ReplyUnary(ctx, s);
+  metrics_.RegistrationCall(/*node=*/true);
   Registration reg;
   reg.job_id = req->job_id();
   reg.node_id = req->node_id();

@@ -19,6 +19,21 @@ def test_launch_variables():
     e = ragshard.Env({**JOB, "RAGSHARD_RANK": "3", "RAGSHARD_WORLD_SIZE": "4",
                       "RAGSHARD_NODE": "node-1", "RANK": "9"})
     assert (e.rank, e.world_size, e.node, e.socket) == (3, 4, "node-1", "/tmp/d0.sock")
+    assert (e.local_rank, e.local_world_size) == (None, None)  # not said: registered alone
+    e = ragshard.Env({**JOB, "RAGSHARD_RANK": "3", "RAGSHARD_WORLD_SIZE": "4",
+                      "RAGSHARD_LOCAL_RANK": "1", "RAGSHARD_LOCAL_WORLD_SIZE": "2",
+                      "LOCAL_WORLD_SIZE": "8"})
+    assert (e.local_rank, e.local_world_size) == (1, 2)
+
+
+def test_launch_tells_each_rank_its_nodes_ranks():
+    from ragshard import launch
+    a = launch.parse(["--planner", "127.0.0.1:1", "--job", "j", "--nproc", "4", "--sockets",
+                      "/tmp/a.sock,/tmp/b.sock", __file__])
+    envs = list(launch.rank_envs(a, 0))
+    assert [(e["RAGSHARD_NODE"], e["RAGSHARD_LOCAL_RANK"], e["RAGSHARD_LOCAL_WORLD_SIZE"])
+            for e in envs] == [("node-0", "0", "2"), ("node-0", "1", "2"),
+                               ("node-1", "0", "2"), ("node-1", "1", "2")]
 
 
 def test_torchrun_defaults_the_job_to_its_run_id_and_the_socket_to_the_daemons():

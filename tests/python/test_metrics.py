@@ -80,6 +80,23 @@ def test_bad_metrics_addresses_are_named_and_leave_nothing_behind(program):
         assert not os.path.exists(os.path.join(tmp, "d.sock"))
 
 
+def test_a_nodes_ranks_register_in_one_call_through_their_daemon():
+    """A 2 x 2 job: each daemon registers its node's 2 ranks with one RegisterNodeRanks, and no
+    rank calls RegisterRank; ranks that do not say how many share their node go one by one."""
+    inventory = {"units": [{"name": "u", "tensors": [
+        {"name": "u.w", "shape": [64, 32], "dtype": "fp32"}]}]}
+    with LocalCluster(BUILD, daemons=2, metrics=True) as c:
+        c.attach("two-by-two", inventory, ranks=4, daemon=None)
+        planner = scrape(c.metrics_urls["planner"])
+        assert series(planner, "ragshard_planner_registration_calls_total", method="node") == 2
+        assert series(planner, "ragshard_planner_registration_calls_total", method="rank") == 0
+        assert series(planner, "ragshard_planner_rank_registrations_total") == 4
+        c.attach("unsaid", inventory, ranks=2, daemon=0, local_ranks=0)
+        planner = scrape(c.metrics_urls["planner"])
+        assert series(planner, "ragshard_planner_registration_calls_total", method="node") == 4
+        assert series(planner, "ragshard_planner_registration_calls_total", method="rank") == 0
+
+
 def test_a_failed_attach_is_counted_by_its_cause():
     with LocalCluster(BUILD, daemons=1, metrics=True) as c:
         client = Client(c.planner, c.sockets[0], "no-such-job", 0, c.nodes[0], 5000)
@@ -133,6 +150,11 @@ def test_demo_scrapes_both_endpoints_and_prints_their_nonzero_series():
     assert series(planner, "ragshard_planner_jobs", state="ready") == 1
     assert series(planner, "ragshard_planner_nodes", state="up") == 2
     assert series(planner, "ragshard_planner_rank_registrations_total") == 4
+    # Each node's daemon registered its 2 ranks in one call; no rank called the planner itself
+    # (a zero series is not printed).
+    assert series(planner, "ragshard_planner_registration_calls_total", method="node") == 2
+    assert not [l for n, l, _ in planner
+                if n == "ragshard_planner_registration_calls_total" and l["method"] == "rank"]
     assert series(planner, "ragshard_planner_plan_computations_total", result="ok") == 1
     assert series(planner, "ragshard_planner_plan_seconds_count") == 1
     # Each node's daemon took the plan once, compact; the 4 ranks took it from their daemon.

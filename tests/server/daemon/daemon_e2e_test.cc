@@ -90,11 +90,14 @@ class DaemonE2E : public ::testing::Test {
     ASSERT_TRUE(client_->CreateJob(req).ok());
   }
 
-  std::vector<testing::Child> SpawnRanks(const std::string& job, const std::string& mode) {
+  // `direct_mode`, where given, is node-1's ranks' (2 and 3).
+  std::vector<testing::Child> SpawnRanks(const std::string& job, const std::string& mode,
+                                         const std::string& direct_mode = "") {
     std::vector<testing::Child> out;
     for (int r = 0; r < 4; ++r) {
+      const std::string m = r >= 2 && !direct_mode.empty() ? direct_mode : mode;
       out.emplace_back(std::vector<std::string>{E2E_RANK_PATH, planner_.address, dir_.path(), job,
-                                                std::to_string(r), mode},
+                                                std::to_string(r), m},
                        dir_.path() + "/rank" + std::to_string(r) + ".log");
     }
     return out;
@@ -110,6 +113,22 @@ class DaemonE2E : public ::testing::Test {
   std::shared_ptr<PlannerClient> client_;
   testing::Child daemons_[2];
 };
+
+// Node 0's ranks register through their daemon (one RegisterNodeRanks), node 1's as older
+// clients do, each with RegisterRank: the job plans and runs all the same.
+TEST_F(DaemonE2E, RanksThatRegisterThemselvesStillJoin) {
+  CreateJob("mixed");
+  auto ranks = SpawnRanks("mixed", "check", "check-direct");
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_EQ(Exit(ranks[r]), 0) << "rank " << r << ": "
+                                 << testing::ReadAll(dir_.path() + "/rank" + std::to_string(r) +
+                                                     ".log");
+  }
+  auto listed = client_->ListRanks("mixed");
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  ASSERT_EQ(listed->size(), 4u);
+  for (const auto& r : *listed) EXPECT_EQ(r.node_id(), "node-" + std::to_string(r.rank() / 2));
+}
 
 TEST_F(DaemonE2E, AllGatherAndReduceScatterMatchTheReference) {
   CreateJob("train");

@@ -57,10 +57,24 @@ std::unique_ptr<Client> Connect(const std::string& job, int rank) {
 // Runs in a forked rank process; returns its exit code.
 int Check(Client& client, int rank);
 
-int Rank(const std::string& job, int rank) {
+// `direct`: as an older client does, the rank registers with the planner itself
+// (RegisterRank); else through its daemon, which registers the node's 2 ranks in one call.
+int Rank(const std::string& job, int rank, bool direct = false) {
   auto c = Connect(job, rank);
   Inventory inv = TestInventory();
-  if (!c->Register(inv, rank == 0).ok()) return 60;
+  if (direct) {
+    PlannerClientOptions o;
+    o.address = g_planner;
+    auto planner = GrpcPlannerClient::Create(o);
+    v1::RegisterRankRequest req;
+    req.set_job_id(job);
+    req.set_rank(rank);
+    req.set_node_id("node-" + std::to_string(rank / 2));
+    *req.mutable_inventory() = inv;
+    if (!planner.ok() || !(*planner)->RegisterRank(req).ok()) return 62;
+  } else if (!c->Register(inv, rank == 0, /*local_ranks=*/2).ok()) {
+    return 60;
+  }
   absl::Status a = c->Attach();
   if (!a.ok()) {
     fprintf(stderr, "attach: %s\n", std::string(a.message()).c_str());
@@ -281,6 +295,7 @@ int main(int argc, char** argv) {
   const std::string job = argv[3], mode = argv[5];
   const int rank = std::atoi(argv[4]);
   if (mode == "check") return ragshard::Rank(job, rank);
+  if (mode == "check-direct") return ragshard::Rank(job, rank, /*direct=*/true);
   if (mode == "loop") return ragshard::Loop(job, rank);
   if (mode == "disagree") return ragshard::Disagree(job, rank);
   if (mode == "pause") {
