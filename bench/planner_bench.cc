@@ -3,7 +3,11 @@
 // Writes a Markdown report (tables, targets met or missed) and a CSV of every figure.
 //
 //   planner_bench [--out docs/benchmarks/planner.md] [--csv docs/benchmarks/planner.csv]
-//                 [--models a,b] [--worlds 8,64]
+//                 [--models a,b] [--worlds 8,64] [--allow-dirty]
+//
+// Like the Python report scripts (bench/provenance.py), it refuses a tree with uncommitted
+// changes (exit 2, naming them) unless given --allow-dirty, and writes the commit and the date
+// under the report's title.
 //
 // Single-threaded: plan times are for one core.
 #include <sys/resource.h>
@@ -20,10 +24,12 @@
 #include <vector>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "bench/bench_common.h"
+#include "bench/provenance.h"
 #include "common/models.h"
 #include "common/planner.h"
 #include "common/validator.h"
@@ -83,12 +89,13 @@ int RssChild(const std::string& model, const std::string& world, const std::stri
 int Main(int argc, char** argv) {
   if (argc == 5 && std::string(argv[1]) == "--rss-child")
     return RssChild(argv[2], argv[3], argv[4]);
-  if (int rc = bench::UsageCheck(
-          argc, argv,
-          "usage: planner_bench [--out docs/benchmarks/planner.md] [--csv "
-          "docs/benchmarks/planner.csv] [--models a,b] [--worlds 8,64]\n"
-          "Every policy over the model zoo; writes a Markdown report and a CSV\n");
-      rc >= 0) {
+  const bool allow_dirty = bench::TakeAllowDirty(&argc, argv);
+  const std::string usage = absl::StrCat(
+      "usage: planner_bench [--out docs/benchmarks/planner.md] [--csv "
+      "docs/benchmarks/planner.csv] [--models a,b] [--worlds 8,64] [--allow-dirty]\n"
+      "Every policy over the model zoo; writes a Markdown report and a CSV\n",
+      bench::kAllowDirtyUsage);
+  if (int rc = bench::UsageCheck(argc, argv, usage.c_str()); rc >= 0) {
     return rc;
   }
   std::string out_path = "docs/benchmarks/planner.md", csv_path = "docs/benchmarks/planner.csv";
@@ -119,6 +126,8 @@ int Main(int argc, char** argv) {
       return 2;
     }
   }
+  std::vector<std::string> header;  // taken before the run writes anything
+  if (!bench::RequireProvenance(argv[0], out_path, allow_dirty, &header)) return 2;
 
   std::vector<Row> rows;
   int invalid = 0;
@@ -312,9 +321,11 @@ int Main(int argc, char** argv) {
 
   md << "\n## Reproduce\n\n```\nbash scripts/test.sh            # builds everything\n"
         "./build/bench/planner_bench --out docs/benchmarks/planner.md --csv "
-        "docs/benchmarks/planner.csv\n```\n\nOne case at a time: `./build/client/ragshardctl "
-        "compare --model deepseek-v3 --world 1024 --granule rows:128`.\n";
-  std::ofstream(out_path) << md.str();
+        "docs/benchmarks/planner.csv\n```\n\nIt refuses a tree with uncommitted changes "
+        "(`--allow-dirty` runs anyway; the header above then says dirty). One case at a time: "
+        "`./build/client/ragshardctl compare --model deepseek-v3 --world 1024 --granule "
+        "rows:128`.\n";
+  std::ofstream(out_path) << bench::Stamp(md.str(), header);
   std::cerr << "wrote " << out_path << " and " << csv_path << "\n";
   return invalid == 0 ? 0 : 1;
 }
