@@ -334,14 +334,16 @@ def sharded(args, model, chain):
             # False: another local rank loads this range into the memory both share.
             "steps": fsdp.steps}
     pending = []
-    # Private memory (smaps_rollup) from the model's construction to the end of the sharding:
-    # the full model where it was built, else the largest tensor while its pieces are copied.
+    # Private memory (smaps_rollup) from the model's construction to the end of the sharding
+    # (the optimizer built, whose torch.optim constructor imports torch._dynamo): the full model
+    # where it was built, else the largest tensor while its pieces are copied.
     sharding = {"private_bytes_after": private_bytes(),
                 "model_bytes": sum(p.numel() * 4 for p in model.parameters()),
                 "largest_tensor_bytes": max(p.numel() * 4 for p in model.parameters())}
     sharding["private_peak_bytes"] = max(peak[0], sharding["private_bytes_after"])
-    # Private memory at each stage: imports done (with the meta kernels for --meta-init), the
-    # model built, connected to the daemon, sharded.
+    # Private memory at each stage: imports done, torch._dynamo loaded by the first meta
+    # initialization (--meta-init only), the model built, connected to the daemon, fully_shard
+    # done, sharded (the optimizer built; a resume's load done), and below, trained.
     sharding["stages"] = dict(args.private_stages, sharded=sharding["private_bytes_after"])
     ops_before = unit_operations(client, fsdp)
     losses, step_seconds, step_cpu_seconds, optimizer_cpu_seconds, pool_trace = [], [], [], [], []
@@ -396,6 +398,7 @@ def sharded(args, model, chain):
         ts = time.time()
         handle.result()
         ckpt["save_seconds"].append(time.time() - ts)  # what the asynchronous saves left
+    sharding["stages"]["trained"] = private_bytes()  # the steps done, before the full state
     train_rss = max_rss()  # the peak through training, before gathering the full state
     # This rank's optimizer state after the last step, measured from the optimizer's own
     # tensors (each storage once), beside its optimizer range (tiny_optim.state_bytes).
@@ -529,12 +532,19 @@ def main():
     through_ragshard = not (args.reference or args.ddp or args.fsdp2)
     if through_ragshard:
         importlib.import_module("ragshard.torch")  # here, so the figure below holds it
-        if args.meta_init:
-            # torch loads its meta-device kernels (about 900 modules, ~115 MB) at the first
-            # meta initialization: part of what such a process imports, before any model.
-            with torch.device("meta"):
-                torch.nn.Embedding(1, 1)
+    # Imports done: through ragshard, torch, ragshard and ragshard.torch, with --meta-init or not.
     args.private_stages = {"imports": private_bytes()}
+    if through_ragshard and args.meta_init:
+        # The first normal_ on a meta tensor (an Embedding's init) runs torch's Python
+        # reference (torch._refs.normal_), whose torch._disable_dynamo wrapper imports
+        # torch._dynamo, with sympy and triton: ~880 modules, ~65 MiB of a rank's private
+        # memory (~114 MiB in a process alone). A model of Linear and LayerNorm alone would not
+        # load it, and torch.optim's add_param_group loads it anyway (so a run without --meta-init
+        # pays it right after fully_shard). Loaded here, before the model, so that the model's
+        # figures hold only the model; its own figure is the stage below.
+        with torch.device("meta"):
+            torch.nn.Embedding(1, 1)
+        args.private_stages["meta_first_init"] = private_bytes()
     torch.manual_seed(args.seed)
     meta = args.meta_init and not args.reference
     with torch.device("meta") if meta else _null():
