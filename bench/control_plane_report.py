@@ -2,7 +2,8 @@
 speaking the real protocol to a real ragshard-planner process on this machine) for DeepSeek-V3 at
 rows:128, 8 ranks per node, from 64 to 2,048 nodes; then 2,048 nodes of 1 rank (the same nodes,
 an eighth of the ranks) and 60 s of heartbeats from 2,048 nodes. One run, one machine: the
-simulators share its cores with the planner, and the CPU split is reported.
+simulators share its cores with the planner, and the CPU split is reported. Then
+bench/plan_encodings: the same plan (16,384 ranks) in the other encodings issue 51 names.
 
 Writes docs/benchmarks/control_plane.md, docs/benchmarks/control_plane.png and
 docs/benchmarks/control_plane.json (every run's figures).
@@ -37,6 +38,50 @@ def bench(build, nodes, rpn, heartbeat_s=0):
     fig = json.loads(r.stdout.strip().splitlines()[-1])
     print(json.dumps(fig), flush=True)
     return fig
+
+
+def encodings(build, world):
+    """bench/plan_encodings' JSON: the plan's sizes, plain and zstd, in each encoding."""
+    cmd = [os.path.join(build, "bench", "plan_encodings"), "--model", "deepseek-v3",
+           "--granule", "rows:128", "--world", str(world)]
+    print("+", " ".join(cmd[1:]), flush=True)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        sys.exit(f"plan_encodings failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
+    fig = json.loads(r.stdout.strip().splitlines()[-1])
+    print(json.dumps(fig), flush=True)
+    return fig
+
+
+def than(a, b):
+    return f"{abs(100 * (a - b) / b):.1f} % {'smaller' if a < b else 'larger'} than {b:,}"
+
+
+def encodings_paragraph(enc, wire):
+    """The "Compact plans" paragraph on the other encodings, from plan_encodings' JSON."""
+    if not enc:
+        return ("The other encodings the issue names are not in control_plane.json; "
+                "`bench/plan_encodings` measures them (run this report again, not --replot).")
+    plain, delta, refs, bare = (enc[k]["zstd_bytes"] for k in
+                                ("plain", "delta_offsets", "shape_refs", "no_names"))
+    same = ("the frame the planner sent above" if plain == wire else
+            f"against the {wire:,} bytes the planner sent above")
+    saved = max(0.0, 100 * (plain - min(delta, refs)) / plain)
+    return (
+        f"The other encodings the issue names, measured on the same plan ({enc['world']:,} "
+        "ranks) by `bench/plan_encodings`, which plans it as the planner does and rewrites a "
+        f"copy of the message before compressing it at the same level (the plain frame is "
+        f"{plain:,} bytes, {same}): offsets delta-coded within each unit (a tensor's offset "
+        f"less the end of the one before it), {enc['delta_offsets']['bytes']:,} bytes plain and "
+        f"{delta:,} compressed ({than(delta, plain)}); tensors whose shape, split and granule "
+        "equal an earlier tensor's stored as a reference to it "
+        f"({enc['shape_refs']['references']:,} of {enc['tensors']:,} tensors), "
+        f"{enc['shape_refs']['bytes']:,} bytes plain and {refs:,} compressed "
+        f"({than(refs, plain)}). Neither saves more than {saved:.1f} % of the frame: zstd "
+        "already finds that redundancy, so the wire form is the plain message compressed, "
+        "which any client decodes with stock zstd. What zstd cannot remove is the names: "
+        f"without them the frame would be {bare:,} bytes ({100 * bare / plain:.0f} % of it), "
+        "but a daemon does not hold the inventory that would name the tensors.")
 
 
 def plot(runs, path):
@@ -91,6 +136,7 @@ def main():
         with open(figures) as f:
             saved = json.load(f)
         runs, one, beats = saved["runs"], saved["one_rank_per_node"], saved["heartbeats"]
+        enc = saved.get("encodings")
         day = saved.get("date", str(datetime.date.today()))
         header = saved.get("provenance")  # None: the report keeps its header
     else:
@@ -99,10 +145,12 @@ def main():
         runs = [bench(build, n, 8) for n in NODES]
         one = bench(build, 2048, 1)
         beats = bench(build, 2048, 8, args.heartbeat_s)
+        enc = encodings(build, runs[-1]["ranks"])
         day = str(datetime.date.today())
         with open(figures, "w") as f:
             json.dump({"date": day, "provenance": header, "runs": runs,
-                       "one_rank_per_node": one, "heartbeats": beats}, f, indent=1)
+                       "one_rank_per_node": one, "heartbeats": beats, "encodings": enc}, f,
+                      indent=1)
     plot(runs, os.path.join(OUT, "control_plane.png"))
 
     big = runs[-1]
@@ -151,15 +199,7 @@ def main():
         "compresses it in about 8 ms, once per plan version; the frame is serialized into one "
         "event that every watcher's stream shares.",
         "",
-        "The other encodings the issue names were measured on the same plan (16,384 ranks) with a "
-        "one-off program that rewrote the message before compressing it (not kept in the tree): "
-        "offsets delta-coded within each unit, 3,969,069 bytes plain and 109,937 compressed "
-        "(1.1 % smaller than 111,122); tensors whose shape, split and granule equal an earlier "
-        "tensor's stored as a reference (44,604 of 45,395 tensors), 3,205,018 plain but 112,256 "
-        "compressed (1 % larger). zstd already finds that redundancy, so the wire form is the "
-        "plain message compressed, which any client decodes with stock zstd. What zstd cannot "
-        "remove is the names: without them the frame would be 55,958 bytes, half, but a daemon "
-        "does not hold the inventory that would name the tensors.",
+        encodings_paragraph(enc, wire),
         "",
         "## Growth in nodes, not ranks",
         "",
@@ -215,6 +255,8 @@ def main():
         ".venv/bin/python bench/control_plane_report.py --replot",
         "# one point:",
         "./build/bench/control_plane_bench --nodes 2048 --ranks-per-node 8 --json",
+        "# the plan's encodings:",
+        "./build/bench/plan_encodings --model deepseek-v3 --granule rows:128 --world 16384",
         "```",
         "",
     ]
