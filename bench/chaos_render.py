@@ -26,7 +26,8 @@ WHAT = {
                                  "restarted 1 s later",
     "planner-kill-ready": "kill -9 of the planner once the job is READY and rank 0 printed "
                           "step 1; restarted 1 s later",
-    "soak": "bench/planner_soak: 40,000 jobs, then 20 planner kills under load",
+    "soak": "bench/planner_soak: 40,000 jobs, then 20 planner kills under load, then large "
+            "refused requests",
 }
 LIMIT_TEXT = {
     "rank-kill": "every survivor (ranks 0-2) exits non-zero within 10 s, naming \"rank 3\"",
@@ -214,8 +215,28 @@ def fault_section(fault, entry):
     return L
 
 
+def reject_text(doc):
+    """planner_soak --mode reject's figures as a sentence."""
+    def mb(k):
+        return f"{doc[k] / 1e6:,.1f} MB" if isinstance(doc.get(k), (int, float)) else "—"
+
+    def refused(k):
+        return "refused" if doc.get(k) else "**not refused**"
+
+    return (f"Large refused requests: a {doc.get('put_bytes', 0) / 2**20:,.0f} MiB `Put` "
+            f"({refused('put_refused')}: `{doc.get('put_error', '')}`) and a "
+            f"{doc.get('register_tensors', 0):,}-tensor `RegisterRank` "
+            f"({refused('register_refused')}: `{doc.get('register_error', '')}`). The planner's "
+            f"RSS was {mb('rss_start_bytes')} before them, {mb('rss_after_put_bytes')} a second "
+            f"after the refused Put and {mb('rss_after_register_bytes')} a second after the "
+            f"refused RegisterRank (a refused request makes the planner return freed memory "
+            f"with malloc_trim at its next tick); the peak, while gRPC buffers the "
+            f"{doc.get('put_bytes', 0) / 2**20:,.0f} MiB request, is {mb('rss_peak_bytes')}. "
+            f"It answered afterwards: {'yes' if doc.get('healthy_after') else '**no**'}.\n")
+
+
 def soak_section(entry):
-    L = ["## Planner soak and kill bursts (bench/planner_soak)\n"]
+    L = ["## Planner soak, kill bursts and large refused requests (bench/planner_soak)\n"]
     meta = entry["run"]
     res = entry["result"]
     if not res.get("present"):
@@ -225,7 +246,7 @@ def soak_section(entry):
                  f"replaced and the rest of the report kept.\n")
         return L
     L.append(f"Run {meta['date']} at commit {meta['commit']}.\n")
-    for mode in ("soak", "kills"):
+    for mode in ("soak", "kills", "reject"):
         e = res["modes"].get(mode)
         if not e:
             continue
@@ -235,7 +256,9 @@ def soak_section(entry):
         if e.get("error"):
             L.append(f"Error: {brief(e['error'], 600)}\n")
         doc = e.get("result") or {}
-        if doc:
+        if doc and mode == "reject":
+            L.append(reject_text(doc))
+        elif doc:
             L.append("| key | value | limit | within |")
             L.append("|---|---:|---|---|")
             for k, v in doc.items():

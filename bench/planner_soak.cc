@@ -284,7 +284,11 @@ int Reject(Planner& planner, nlohmann::json* out) {
     std::this_thread::sleep_for(1s);  // the ticker trims at its next tick (50 ms)
     (*out)[key] = ProcStatus(pid, "VmRSS") * 1024;
   };
-  absl::Status put = client->Put("big", "k", std::string(200 << 20, 'x'));
+  constexpr int64_t kPutBytes = 200 << 20;
+  constexpr int kTensors = 1'000'001;
+  (*out)["put_bytes"] = kPutBytes;
+  (*out)["register_tensors"] = kTensors;
+  absl::Status put = client->Put("big", "k", std::string(kPutBytes, 'x'));
   (*out)["put_refused"] = !put.ok();
   (*out)["put_error"] = put.ToString().substr(0, 200);
   settled("rss_after_put_bytes");
@@ -293,7 +297,7 @@ int Reject(Planner& planner, nlohmann::json* out) {
   reg.set_node_id("n0");
   UnitSpec* unit = reg.mutable_inventory()->add_units();
   unit->set_name("u");
-  for (int i = 0; i < 1'000'001; ++i) {
+  for (int i = 0; i < kTensors; ++i) {
     TensorSpec* t = unit->add_tensors();
     t->set_name(absl::StrCat("t", i));
     t->add_shape(1);
