@@ -65,7 +65,7 @@ def _decode_fast(codes, kind):
             every = torch.arange(256, dtype=torch.uint8, device=codes.device)
             _FP8_VALUES[key] = decode(every, kind)
         return _FP8_VALUES[key].index_select(0, codes.view(torch.uint8).reshape(-1).int())
-    v = decode(codes, kind)
+    v = decode(codes, kind).contiguous()
     return v.clone() if v.data_ptr() == codes.data_ptr() else v
 
 
@@ -134,6 +134,7 @@ class Layout:
 
     def quantize(self, x, blocks, kind):
         chunks, generic = self._on(x.device)
+        x = x.contiguous()
         xa = x.abs()
         amax = torch.zeros(max(blocks, 1), device=x.device)
         for pos, nb, h, cols, cw, b0, tiles, _ in chunks:

@@ -130,3 +130,15 @@ def test_a_changed_ids_tensor_is_not_taken_for_its_old_layout():
     c, s = quant.quantize(x, ids, n, "int8")
     rc, rs = ref.quantize(x, ids, n, "int8")
     assert torch.equal(c, rc) and torch.equal(s, rs)
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_strided_inputs(kind):
+    unit, total = _unit(UNITS["mixed"])
+    ids, n = quant.shard_block_ids(unit, 0, total)
+    x = _values(2 * total, 3).view(total, 2)[:, 1]  # every other element: not contiguous
+    c, s = quant.quantize(x, ids, n, kind)
+    rc, rs = ref.quantize(x, ids, n, kind)
+    assert torch.equal(c.view(torch.uint8), rc.view(torch.uint8)) and torch.equal(s, rs)
+    cs = torch.stack([c.view(torch.uint8), c.view(torch.uint8)], 1)[:, 0]
+    assert torch.equal(quant.dequantize(cs, s, ids, kind), ref.dequantize(cs, s, ids, kind))
