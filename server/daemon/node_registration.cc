@@ -64,7 +64,7 @@ absl::StatusOr<std::vector<NodeRegistrationBatch>> NodeRegistrations::Add(
   // The planner needs the inventory once, from the job's rank 0; every other rank's hash is
   // checked against it.
   if (request.has_inventory() && rank == 0) {
-    h.inventory = std::make_shared<const v1::Inventory>(request.inventory());
+    h.inventory = std::make_shared<v1::Inventory>(request.inventory());
   }
   const bool again = entry.sent.count(rank) != 0;
   entry.held.emplace(rank, std::move(h));
@@ -91,7 +91,7 @@ std::vector<NodeRegistrationBatch> NodeRegistrations::Flush(const std::string& j
     }
     b.request.add_ranks(rank);  // in rank order: the map's
     if (h.inventory != nullptr && !b.request.has_inventory()) {
-      *b.request.mutable_inventory() = *h.inventory;
+      b.request.mutable_inventory()->Swap(h.inventory.get());  // held once: no second copy
     }
     b.waiters.push_back(std::move(h.done));
     entry.sent.insert(rank);

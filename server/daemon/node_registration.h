@@ -67,7 +67,7 @@ class NodeRegistrations {
  private:
   struct Held {
     std::string sha256;
-    std::shared_ptr<const v1::Inventory> inventory;  // rank 0's, where it sent it in full
+    std::shared_ptr<v1::Inventory> inventory;  // rank 0's, where it sent it in full
     RegistrationDone done;
   };
   struct JobEntry {

@@ -264,13 +264,19 @@ void PlannerService::Tick() {
 
 void PlannerService::RunTicker() {
   // Freed memory returns to the system after a refused request, and every 10 s in any case
-  // (a request gRPC refuses by its size never reaches a handler).
-  auto last_trim = std::chrono::steady_clock::now();
+  // (a request gRPC refuses by its size never reaches a handler). gRPC frees a refused request
+  // after its answer is sent, which may be after the next tick: for a second after a refusal
+  // the ticker trims every 200 ms.
+  using std::chrono::steady_clock;
+  auto last_trim = steady_clock::now();
+  auto trim_until = last_trim;
   while (!stop_.WaitForNotificationWithTimeout(absl::FromChrono(options_.tick))) {
     Tick();
-    const auto now = std::chrono::steady_clock::now();
-    if (trim_memory_.exchange(false, std::memory_order_relaxed) ||
-        now - last_trim > std::chrono::seconds(10)) {
+    const auto now = steady_clock::now();
+    const bool refused = trim_memory_.exchange(false, std::memory_order_relaxed);
+    if (refused) trim_until = now + std::chrono::seconds(1);
+    if (refused || now - last_trim > std::chrono::seconds(10) ||
+        (now < trim_until && now - last_trim >= std::chrono::milliseconds(200))) {
       malloc_trim(0);
       last_trim = now;
     }
