@@ -304,7 +304,7 @@ int Run(const Options& o) {
       for (auto& b : *batches) ready.push_back(std::move(b));
     }
     if (ready.size() != 1) failures.fetch_add(1);  // one call per node
-    for (auto& b : ready) daemon::SendNodeRegistration(*clients[n % o.channels], std::move(b));
+    for (const auto& b : ready) daemon::SendNodeRegistration(*clients[n % o.channels], b);
     if (answered.load() != o.ranks_per_node) failures.fetch_add(1);
   };
   register_node(0);

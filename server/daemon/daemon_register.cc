@@ -38,7 +38,7 @@ void NodeDaemon::SendRegistrations(std::vector<NodeRegistrationBatch> batches) {
   for (auto& b : batches) {
     auto batch = std::make_shared<NodeRegistrationBatch>(std::move(b));
     const absl::Status s =
-        Spawn([planner = planner_, batch] { SendNodeRegistration(*planner, std::move(*batch)); });
+        Spawn([planner = planner_, batch] { SendNodeRegistration(*planner, *batch); });
     if (!s.ok()) {
       for (auto& done : batch->waiters) done(s);
     }

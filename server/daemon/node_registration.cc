@@ -147,7 +147,7 @@ int64_t NodeRegistrations::held() const {
   return n;
 }
 
-void SendNodeRegistration(PlannerClient& planner, NodeRegistrationBatch batch) {
+void SendNodeRegistration(PlannerClient& planner, const NodeRegistrationBatch& batch) {
   const absl::StatusOr<v1::Job> job = planner.RegisterNodeRanks(batch.request);
   for (auto& done : batch.waiters) done(job);
 }

@@ -90,6 +90,6 @@ class NodeRegistrations {
 
 // Sends one batch (RegisterNodeRanks) and answers its ranks. Blocks for the planner's answer,
 // which waits, for a node that sent only the hash, until some node has sent the inventory.
-void SendNodeRegistration(PlannerClient& planner, NodeRegistrationBatch batch);
+void SendNodeRegistration(PlannerClient& planner, const NodeRegistrationBatch& batch);
 
 }  // namespace ragshard::daemon
