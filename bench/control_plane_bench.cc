@@ -33,8 +33,8 @@
 #include "common/open_files.h"
 #include "common/plan_codec.h"
 #include "common/planner_client.h"
-#include "server/daemon/node_registration.h"
 #include "nlohmann/json.hpp"
+#include "server/daemon/node_registration.h"
 #include "tests/testing/test_util.h"
 
 namespace ragshard {
@@ -292,11 +292,10 @@ int Run(const Options& o) {
       } else {
         req.set_inventory_sha256(sha);
       }
-      auto batches =
-          node.Add(req, absl::InfiniteFuture(), [&](const absl::StatusOr<v1::Job>& job) {
-            if (!job.ok()) failures.fetch_add(1);
-            answered.fetch_add(1);
-          });
+      auto batches = node.Add(req, absl::InfiniteFuture(), [&](const absl::StatusOr<v1::Job>& job) {
+        if (!job.ok()) failures.fetch_add(1);
+        answered.fetch_add(1);
+      });
       if (!batches.ok()) {
         failures.fetch_add(1);
         return;

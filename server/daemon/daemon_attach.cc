@@ -41,9 +41,9 @@ absl::Status NodeDaemon::Spawn(std::function<void()> work) {
     }
   }
   if (attach_threads_.size() >= kMaxAttaching) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat(attach_threads_.size(), " attaches and registrations are in progress on node '",
-                     options_.node_id, "', the most it runs at once; retry"));
+    return absl::ResourceExhaustedError(absl::StrCat(
+        attach_threads_.size(), " attaches and registrations are in progress on node '",
+        options_.node_id, "', the most it runs at once; retry"));
   }
   auto done = std::make_shared<std::atomic<bool>>(false);
   attach_threads_.push_back({std::thread([work = std::move(work), done] {

@@ -13,18 +13,18 @@ grpc::ServerUnaryReactor* NodeDaemon::Register(Ctx* ctx, const v1::RegisterReque
                                                v1::RegisterResponse* resp) {
   auto* reactor = ctx->DefaultReactor();
   // The wait for the node's other ranks: the rank's, at most a day (as the rank's own timeout).
-  const int64_t wait_ms = std::clamp<int64_t>(req->timeout_ms() > 0 ? req->timeout_ms() : 60000,
-                                              1, int64_t{86400} * 1000);
-  auto batches = registrations_.Add(
-      *req, absl::Now() + absl::Milliseconds(wait_ms),
-      [reactor, resp, metrics = metrics_](const absl::StatusOr<v1::Job>& job) {
-        if (job.ok()) {
-          *resp->mutable_job() = *job;
-        } else {
-          metrics->Error(job.status());
-        }
-        reactor->Finish(ToGrpcStatus(job.status()));
-      });
+  const int64_t wait_ms = std::clamp<int64_t>(req->timeout_ms() > 0 ? req->timeout_ms() : 60000, 1,
+                                              int64_t{86400} * 1000);
+  auto batches =
+      registrations_.Add(*req, absl::Now() + absl::Milliseconds(wait_ms),
+                         [reactor, resp, metrics = metrics_](const absl::StatusOr<v1::Job>& job) {
+                           if (job.ok()) {
+                             *resp->mutable_job() = *job;
+                           } else {
+                             metrics->Error(job.status());
+                           }
+                           reactor->Finish(ToGrpcStatus(job.status()));
+                         });
   if (!batches.ok()) {
     metrics_->Error(batches.status());
     reactor->Finish(ToGrpcStatus(batches.status()));

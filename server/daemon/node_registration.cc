@@ -18,9 +18,9 @@ absl::StatusOr<std::vector<NodeRegistrationBatch>> NodeRegistrations::Add(
   }
   if (!request.node_id().empty() && request.node_id() != node_id_) {
     return absl::InvalidArgumentError(
-        absl::StrCat("node_id: rank ", rank, " of job '", request.job_id(), "' says it is on node '",
-                     request.node_id(), "', but its daemon is node '", node_id_,
-                     "' (RAGSHARD_NODE or RAGSHARD_SOCKET names the wrong one)"));
+        absl::StrCat("node_id: rank ", rank, " of job '", request.job_id(),
+                     "' says it is on node '", request.node_id(), "', but its daemon is node '",
+                     node_id_, "' (RAGSHARD_NODE or RAGSHARD_SOCKET names the wrong one)"));
   }
   if (request.local_ranks() < 0 || request.local_ranks() > kMaxLocalRanks) {
     return absl::InvalidArgumentError(absl::StrCat("local_ranks: must be in [0, ", kMaxLocalRanks,
@@ -36,8 +36,7 @@ absl::StatusOr<std::vector<NodeRegistrationBatch>> NodeRegistrations::Add(
           absl::StrCat("inventory_sha256: must be 32 bytes, got ", sha.size()));
     }
   } else {
-    return absl::InvalidArgumentError(
-        "inventory_or_hash: send the inventory or its SHA-256");
+    return absl::InvalidArgumentError("inventory_or_hash: send the inventory or its SHA-256");
   }
 
   absl::MutexLock lock(&mu_);
@@ -110,7 +109,8 @@ void NodeRegistrations::ForgetOldJobs() {
   while (jobs_.size() > kMaxJobs) {
     auto oldest = jobs_.end();
     for (auto it = jobs_.begin(); it != jobs_.end(); ++it) {
-      if (it->second.held.empty() && (oldest == jobs_.end() || it->second.used < oldest->second.used)) {
+      if (it->second.held.empty() &&
+          (oldest == jobs_.end() || it->second.used < oldest->second.used)) {
         oldest = it;
       }
     }

@@ -10,8 +10,9 @@ PlannerMetrics::PlannerMetrics() : registry_(std::make_shared<prometheus::Regist
                         .Add({});
   auto& calls = prometheus::BuildCounter()
                     .Name("ragshard_planner_registration_calls_total")
-                    .Help("Registration calls admitted, by method: node (RegisterNodeRanks, a "
-                          "node's ranks through its daemon) or rank (RegisterRank)")
+                    .Help(
+                        "Registration calls admitted, by method: node (RegisterNodeRanks, a "
+                        "node's ranks through its daemon) or rank (RegisterRank)")
                     .Register(*registry_);
   node_calls_ = &calls.Add({{"method", "node"}});
   rank_calls_ = &calls.Add({{"method", "rank"}});

@@ -1,12 +1,11 @@
 // NodeRegistrations: a node's ranks held until the node's call, one call per node (per distinct
 // inventory), rank 0's inventory in full and the others' hash, deadlines, restarted ranks, and
 // the requests it refuses.
-#include "server/daemon/node_registration.h"
-
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include "common/inventory.h"
+#include "server/daemon/node_registration.h"
 
 namespace ragshard::daemon {
 namespace {
