@@ -10,7 +10,10 @@ daemon_bench); the report then compares one rank per daemon before and after, an
 
 Rows come from bench/collectives_bench (ragshard over UCX), bench/mpi_collectives under
 mpirun (OpenMPI, tcp or its default shared memory) and bench/gloo_collectives (Gloo tcp),
-all with nccl-tests' bus-bandwidth definitions (bench/bench_common.h).
+all with nccl-tests' bus-bandwidth definitions (bench/bench_common.h). bench/exchange_bound
+gives the exchange bound beside every collective between daemons: the collectives' own
+messages over the daemons' UCX settings with no reduction and no daemon, REPS runs alternated
+with collectives_bench's, their median.
 """
 import argparse
 import collections
@@ -23,6 +26,9 @@ import sys
 import provenance
 
 REPS = 5  # repetitions of each variant for the message-check comparison
+# The exchange-bound configurations (daemons, ranks per daemon) run beside collectives_bench's
+# runs of n processes: 2 daemons x 1 and x 2 ranks beside n = 2, 4 daemons x 1 beside n = 4.
+BOUND_CONFIGS = {2: ((2, 1), (2, 2)), 4: ((4, 1),)}
 
 
 def run(cmd, env=None):
@@ -235,7 +241,10 @@ def main():
                              float(bus)))
     rows += run([f"{b}/collectives_bench", "--members", "1", "--max-mib", args.max_mib])
     # The message checks' cost: checked and unchecked runs alternated, REPS of each.
+    # The exchange bound (bench/exchange_bound) alternated with them: REPS runs of each
+    # configuration, its median time per (op, size).
     checks = collections.defaultdict(list)  # (impl, op, n, size) -> bus bandwidths
+    bounds = collections.defaultdict(list)  # (impl, op, n, size) -> seconds
     for n in (2, 4):
         for rep in range(REPS):
             for unchecked in ("0", "1"):
@@ -244,6 +253,15 @@ def main():
                          args.max_mib, "--unchecked", unchecked]):
                     if impl.startswith("ragshard-ucx"):
                         checks[(impl, op, m, size)].append(bus)
+            for d, k in BOUND_CONFIGS[n]:
+                for impl, op, m, size, sec, alg, bus in run(
+                        [f"{b}/exchange_bound", "--daemons", str(d), "--ranks", str(k),
+                         "--max-mib", args.max_mib]):
+                    bounds[(impl, op, m, size)].append(sec)
+    for (impl, op, m, size), secs in sorted(bounds.items()):
+        sec = statistics.median(secs)
+        alg = size / sec / 1e9
+        rows.append((impl, op, m, size, sec, round(alg, 4), round(alg * (m - 1) / m, 4)))
     for n in (2, 4):
         rows += run([f"{b}/collectives_bench", "--members", str(n), "--max-mib", args.max_mib])
         rows += run(mpirun + ["-np", str(n), "--mca", "btl", "tcp,self", f"{b}/mpi_collectives",
@@ -281,17 +299,40 @@ def main():
               "* **gloo-tcp**: Gloo's allgather and ReduceScatterHalvingDoubling over its tcp "
               "transport.\n"
               "* **memcpy**: single-process copy bandwidth, the physical limit of any host "
-              "collective here. **ucx-p2p**: one UCX tagged transfer from process 0 to process 1.\n")
+              "collective here. **ucx-p2p**: one UCX tagged transfer from process 0 to process 1.\n"
+              "* **exchange bound** (`bench/exchange_bound`, exchange-bound-DxK): exactly the "
+              "messages each collective sends between daemons, with both directions in flight, "
+              "over the daemons' UCX settings (ucp tag API, client endpoints with peer error "
+              "handling, tcp, tcp puts off, the daemon's spin-then-sleep wait), one process per "
+              "daemon on 127.0.0.1, with no reduction, no placement, no message checks and no "
+              "daemon. All-gather: the ring of D − 1 steps (at 2 daemons one exchange of the "
+              "daemon's block both ways, in one message; the direct exchange at ≤ 64 KiB per "
+              "block); reduce-scatter: D − 1 ring steps, each in pieces of ≥ 1 MiB (at most 16), "
+              "forwarded unreduced. A daemon's block is its K ranks' shards, so at 2 × 2 the "
+              "same bytes cross between the daemons as at 2 × 1 of the same size. The median of "
+              f"{REPS} runs alternated with collectives_bench's in this run; *ours ÷ bound* is "
+              "the row's bandwidth over the bound's (the bound's time over ours), where it is "
+              "> 1 the row was faster than its bound's median in this run (noise).\n")
     targets = []
+    bound_targets = []  # (title, fraction of the exchange bound, worst measured)
 
-    def section(title, op, n, ours_key, base_keys, target):
+    bound_sec = {(impl, op, n, bucket(size)): sec for impl, op, n, size, sec, alg, bus in rows
+                 if impl.startswith("exchange-bound-")}
+
+    def section(title, op, n, ours_key, base_keys, target, bound_key=None, bound_target=None):
+        """A table of `ours_key` against the baselines; with `bound_key`, the exchange bound's
+        median time and bus bandwidth beside each row and ours ÷ bound."""
         sizes = sorted(s for (o, m, s) in table if o == op and m == n and ours_key in table[(o, m, s)])
         if not sizes:
             return
+        with_bound = bound_key is not None and any(
+            bound_key in table[(op, n, s)] for s in sizes)
         md.append(f"\n### {title}\n")
-        md.append("| size | " + ours_key + " | " + " | ".join(base_keys) + " | ours ÷ best baseline |")
-        md.append("|---:|---:|" + "---:|" * len(base_keys) + "---:|")
-        worst = None
+        md.append("| size | " + ours_key + " | " + " | ".join(base_keys) + " | ours ÷ best baseline |"
+                  + (" bound ms | bound GB/s | ours ÷ bound |" if with_bound else ""))
+        md.append("|---:|---:|" + "---:|" * len(base_keys) + "---:|"
+                  + ("---:|---:|---:|" if with_bound else ""))
+        worst = worst_bound = None
         for s in sizes:
             r = table[(op, n, s)]
             ours = r.get(ours_key)
@@ -300,9 +341,22 @@ def main():
             if ratio is not None:
                 worst = ratio if worst is None else min(worst, ratio)
             cells = " | ".join(f"{r[k]:.3f}" if k in r else "–" for k in base_keys)
-            md.append(f"| {s >> 20} MiB | {ours:.3f} | {cells} | " + (f"{ratio:.2f}×" if ratio else "–") + " |")
+            line = (f"| {s >> 20} MiB | {ours:.3f} | {cells} | "
+                    + (f"{ratio:.2f}×" if ratio else "–") + " |")
+            if with_bound:
+                bound = r.get(bound_key)
+                if bound and ours:
+                    b_ratio = ours / bound
+                    worst_bound = b_ratio if worst_bound is None else min(worst_bound, b_ratio)
+                    line += (f" {bound_sec[(bound_key, op, n, s)] * 1e3:.3f} | {bound:.3f} | "
+                             f"{b_ratio:.2f}× |")
+                else:
+                    line += " – | – | – |"
+            md.append(line)
         if target and worst is not None:
             targets.append((title, target, worst))
+        if bound_target and worst_bound is not None:
+            bound_targets.append((title, bound_target, worst_bound))
 
     def memcpy_section(title, op, n, ours_key):
         """The node's all-gather copies each local shard into the transient unsharded buffer,
@@ -341,13 +395,13 @@ def main():
               "calls `unshard` / `reduce_scatter` through the client library and waits. The "
               "full buffer is W × S (fp32), S from the plan.\n")
     section("all-gather across 2 daemons × 1 rank (UCX tcp)", "allgather", 2,
-            "ragshard-daemons-2x1", ["openmpi-tcp", "gloo-tcp"], 1.5)
+            "ragshard-daemons-2x1", ["openmpi-tcp", "gloo-tcp"], 1.5, "exchange-bound-2x1", 0.8)
     section("all-gather across 2 daemons × 2 ranks", "allgather", 4,
-            "ragshard-daemons-2x2", ["openmpi-tcp", "gloo-tcp"], 1.5)
+            "ragshard-daemons-2x2", ["openmpi-tcp", "gloo-tcp"], 1.5, "exchange-bound-2x2")
     section("reduce-scatter across 2 daemons × 1 rank", "reducescatter", 2,
-            "ragshard-daemons-2x1", ["openmpi-tcp", "gloo-tcp"], 1.5)
+            "ragshard-daemons-2x1", ["openmpi-tcp", "gloo-tcp"], 1.5, "exchange-bound-2x1", 0.8)
     section("reduce-scatter across 2 daemons × 2 ranks", "reducescatter", 4,
-            "ragshard-daemons-2x2", ["openmpi-tcp", "gloo-tcp"], 1.5)
+            "ragshard-daemons-2x2", ["openmpi-tcp", "gloo-tcp"], 1.5, "exchange-bound-2x2")
     section("all-gather within 1 daemon, 2 ranks (shared memory)", "allgather", 2,
             "ragshard-1daemon-2ranks", ["openmpi-shm"], 2.0)
     memcpy_section("all-gather within 1 daemon, 2 ranks, against memcpy", "allgather", 2,
@@ -363,7 +417,8 @@ def main():
     md.append("\n## Transport level: the collectives over UCX between processes, no daemon\n")
     for op in ("allgather", "reducescatter"):
         for n in (2, 4):
-            section(f"{op}, {n} processes", op, n, "ragshard-ucx", ["openmpi-tcp", "gloo-tcp"], None)
+            section(f"{op}, {n} processes", op, n, "ragshard-ucx", ["openmpi-tcp", "gloo-tcp"], None,
+                    f"exchange-bound-{n}x1")
     md += check_section(checks, outdir)
     if args.before_build:
         md += before_after(args.build, args.before_build, args.max_mib, outdir)
@@ -413,6 +468,9 @@ def main():
     for title, target, worst in targets:
         md.append(f"| {title} ≥ {target}× the better baseline | {worst:.2f}× | "
                   + ("**met**" if worst >= target else "**missed**") + " |")
+    for title, frac, worst in bound_targets:
+        md.append(f"| {title} ≥ {frac}× the exchange bound | {worst:.2f}× | "
+                  + ("**met**" if worst >= frac else "**missed**") + " |")
     # Against the transport's own bandwidth (one UCX tagged transfer between two processes):
     # the daemons' bus bandwidth at 16 MiB and above.
     p2p = {s: table.get(("sendrecv", 2, s), {}).get("ucx-p2p") for (o, m, s) in table}
@@ -485,6 +543,19 @@ def main():
         p2p = table.get(("sendrecv", 2, s), {}).get("ucx-p2p")
         md.append(f"| {s >> 20} MiB | {table[('copy', 1, s)]['memcpy']:.2f} | "
                   f"{p2p:.2f} |" if p2p else f"| {s >> 20} MiB | {table[('copy', 1, s)]['memcpy']:.2f} | – |")
+    if bounds:
+        md.append("\n## The exchange bound's runs\n")
+        md.append(f"`bench/exchange_bound`, {REPS} runs of each configuration alternated with "
+                  "collectives_bench's in this run: time per collective-equivalent exchange, "
+                  "median (min–max), and the median's bus bandwidth (the tables above use the "
+                  "median).\n")
+        md.append("| configuration | op | size | ms, median (min–max) | busbw GB/s |\n"
+                  "|---|---|---:|---:|---:|")
+        for (impl, op, m, size), secs in sorted(bounds.items()):
+            med = statistics.median(secs)
+            md.append(f"| {impl[len('exchange-bound-'):]} | {op} | {size >> 20} MiB | "
+                      f"{med * 1e3:.3f} ({min(secs) * 1e3:.3f}–{max(secs) * 1e3:.3f}) | "
+                      f"{size / med / 1e9 * (m - 1) / m:.3f} |")
     md.append("\n## Raw rows\n\n```\nimpl,op,members,bytes,seconds,algbw_GBps,busbw_GBps")
     for row in rows:
         md.append(",".join(str(x) for x in row))
