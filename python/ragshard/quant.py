@@ -57,7 +57,7 @@ _FP8_VALUES = {}  # device -> the 256 fp32 values of the e4m3fn bytes
 
 
 def _decode_fast(codes, kind):
-    """decode(codes, kind) as a new tensor, the same bits: FP8 through a table of its 256
+    """decode(codes, kind) as a new flat tensor, the same bits: FP8 through a table of its 256
     values (torch's CPU conversion from float8 is several times slower than a lookup)."""
     if kind == "fp8" and codes.device.type == "cpu":
         key = str(codes.device)
@@ -65,7 +65,7 @@ def _decode_fast(codes, kind):
             every = torch.arange(256, dtype=torch.uint8, device=codes.device)
             _FP8_VALUES[key] = decode(every, kind)
         return _FP8_VALUES[key].index_select(0, codes.view(torch.uint8).reshape(-1).int())
-    v = decode(codes, kind).contiguous()
+    v = decode(codes, kind).reshape(-1).contiguous()
     return v.clone() if v.data_ptr() == codes.data_ptr() else v
 
 
@@ -165,16 +165,22 @@ class Layout:
             y[a:b] = 0.0
         return _encode_(y, kind), scale[:blocks]
 
-    def dequantize(self, codes, scales, kind):
+    def dequantize(self, codes, scales, kind, out=None):
+        """The values of codes, into `out` when given. `out` may be a buffer that other
+        processes write the same values into at the same time (a node's shared unsharded
+        buffer): each of its elements is written once, with its final value."""
         chunks, generic = self._on(codes.device)
         v = _decode_fast(codes, kind)
+        dst = v if out is None else out
         for pos, nb, h, cols, cw, b0, tiles, colmap in chunks:
-            self._views(v, pos, nb, h, cols).mul_(self._cols(scales, b0, nb, tiles, colmap, cols))
+            torch.mul(self._views(v, pos, nb, h, cols),
+                      self._cols(scales, b0, nb, tiles, colmap, cols),
+                      out=self._views(dst, pos, nb, h, cols))
         for pos, g in generic:
-            v[pos:pos + g.numel()].mul_(scales[g])
+            torch.mul(v[pos:pos + g.numel()], scales[g], out=dst[pos:pos + g.numel()])
         for a, b in self.pads:
-            v[a:b] = 0.0
-        return v
+            dst[a:b] = 0.0
+        return dst
 
 
 def _merge(ranges):
@@ -361,11 +367,14 @@ def quantize(x, ids, blocks, kind):
     return encode(y, kind), scale[:blocks]
 
 
-def dequantize(codes, scales, ids, kind):
-    """fp32 values: decode(codes) * scales[ids], 0 where ids < 0."""
+def dequantize(codes, scales, ids, kind, out=None):
+    """fp32 values: decode(codes) * scales[ids], 0 where ids < 0; written into `out` (a
+    contiguous fp32 tensor of codes.numel() elements) when given, and returned."""
     lay = layout_of(ids)
-    if lay is not None and lay.n == codes.numel():
-        return lay.dequantize(codes, scales, kind)
+    if lay is not None and lay.n == codes.numel() and (out is None or out.is_contiguous()):
+        v = lay.dequantize(codes, scales, kind, None if out is None else out.view(-1))
+        return v if out is None else out
     ids = ids.to(codes.device)
     v = decode(codes, kind) * scales[ids.clamp_min(0)]
-    return torch.where(ids >= 0, v, torch.zeros_like(v))
+    v = torch.where(ids >= 0, v, torch.zeros_like(v))
+    return v if out is None else out.copy_(v.view(out.shape))

@@ -104,6 +104,10 @@ def test_tiles_and_runs_give_the_reference_bits(case, kind):
     w = ref.dequantize(ca, sa, all_ids, kind)
     assert torch.equal(v, w)
     assert torch.equal(v.view(torch.int32), w.view(torch.int32))  # signs of zeros too
+    # into the unsharded buffer, as the gather does: every slot overwritten, padding included
+    out = torch.full((ca.numel(),), float("nan"))
+    assert quant.dequantize(ca, sa, all_ids, kind, out=out) is out
+    assert torch.equal(out.view(torch.int32), w.view(torch.int32))
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
@@ -117,6 +121,9 @@ def test_ids_it_does_not_know_take_the_generic_path(kind):
     rc, rs = ref.quantize(x, ids, int(ids.max()) + 1, kind)
     assert torch.equal(c.view(torch.uint8), rc.view(torch.uint8)) and torch.equal(s, rs)
     assert torch.equal(quant.dequantize(c, s, ids, kind), ref.dequantize(rc, rs, ids, kind))
+    out = torch.empty(x.numel())
+    quant.dequantize(c, s, ids, kind, out=out)
+    assert torch.equal(out, ref.dequantize(rc, rs, ids, kind))
 
 
 def test_a_changed_ids_tensor_is_not_taken_for_its_old_layout():

@@ -99,8 +99,11 @@ class BuffersMixin:
         self._bind(ui)
 
     def _prefetch(self, ui):
-        if self._q or not self.prefetch:
-            return  # quantized gathers run when the unit needs them
-        if 0 <= ui < len(self._units) and ui != self._root and ui not in self._full and \
-                ("unshard", ui) not in self._handles:
+        if not self.prefetch or not 0 <= ui < len(self._units) or ui == self._root or \
+                ui in self._full or ("unshard", ui) in self._handles or \
+                ("qgather", ui) in self._handles:
+            return
+        if ui in self._q:
+            self._handles[("qgather", ui)] = self._q_start(ui)
+        else:
             self._handles[("unshard", ui)] = self.client.unshard(ui)

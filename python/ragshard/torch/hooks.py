@@ -208,9 +208,10 @@ class HooksMixin:
             self._handles.pop(key).wait()
             self._bind(key[1])
             self._reshard(key[1])
+        self._q_drop_started()
         if not self._no_sync:
             self._reduce_used_flags()
-        for key in [k for k in self._handles if k[0] in ("reduce", "replicas")]:
+        for key in [k for k in self._handles if k[0] in ("reduce", "replicas", "qreshard")]:
             self._handles.pop(key).wait()
 
     def _reduce_used_flags(self):

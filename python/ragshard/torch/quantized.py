@@ -88,21 +88,48 @@ class QuantizedGatherMixin:
             return
         if quantize != self.quantize:
             raise ValueError(f"quantize: this module gathers {self.quantize}, not {quantize}")
-        codes, scales = quant.quantize(self.masters[ui], q["own_ids"], q["B"], quantize)
-        qi = q["index"]
-        mine = as_tensor(self.client.param_shard(qi))
+        started = self._handles.pop(("qgather", ui), None) or self._q_start(ui)
+        self._q_finish(ui, started)
+
+    def _q_start(self, ui):
+        """Starts unit `ui`'s quantized gather (at once, or as a prefetch): this rank's shard
+        quantized from its fp32 master into its slice of the byte unit, then the byte unit's
+        all-gather and the unit's unsharded buffer, both in flight. Returns their handles."""
+        q = self._q[ui]
+        pending = self._handles.pop(("qreshard", ui), None)
+        if pending is not None:
+            pending.wait()  # the last gather's release of the byte unit
+        codes, scales = quant.quantize(self.masters[ui], q["own_ids"], q["B"], self.quantize)
+        mine = as_tensor(self.client.param_shard(q["index"]))
         mine[:q["S"]] = codes.view(torch.uint8)
         if q["B"]:
             mine[q["S4"]:q["S4"] + 4 * q["B"]] = scales.contiguous().view(torch.uint8)
-        self.client.unshard(qi).wait()
+        return self.client.unshard(q["index"]), self.client.allocate_unsharded(ui)
+
+    def _q_finish(self, ui, started):
+        """Waits for a started quantized gather, dequantizes every rank's codes into the
+        unit's unsharded buffer and binds the unit. The byte unit's release is started and
+        waited for later (the daemon runs a job's operations in order): at the unit's next
+        gather or at the end of the backward."""
+        q, qi = self._q[ui], self._q[ui]["index"]
+        for h in started:
+            h.wait()
         allq = as_tensor(self.client.unsharded(qi)).view(self.world, q["SQ"])
         codes_all = allq[:, :q["S"]].reshape(-1)
         scales_all = allq[:, q["S4"]:q["S4"] + 4 * q["B"]].contiguous().view(
             torch.float32).reshape(-1)
-        self.client.allocate_unsharded(ui).wait()
         full = as_tensor(self.client.unsharded(ui))
-        full.copy_(quant.dequantize(codes_all, scales_all, q["all_ids"], quantize))
-        self.client.reshard(qi).wait()
+        quant.dequantize(codes_all, scales_all, q["all_ids"], self.quantize, out=full)
+        self._handles[("qreshard", ui)] = self.client.reshard(qi)
         self._bind(ui)
         self.gathered_bytes["quantized"] += self.world * q["SQ"]
         self.gathered_bytes["full"] += self.world * q["S"] * 4
+
+    def _q_drop_started(self):
+        """Quantized prefetches that no forward or backward used: waited for, and their
+        buffers released."""
+        for key in [k for k in self._handles if k[0] == "qgather"]:
+            for h in self._handles.pop(key):
+                h.wait()
+            self.client.reshard(self._q[key[1]]["index"]).wait()
+            self.client.reshard(key[1]).wait()
