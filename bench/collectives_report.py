@@ -39,7 +39,10 @@ def run(cmd, env=None):
         parts = line.strip().split(",")
         if len(parts) == 7:
             impl, op, n, size, sec, alg, bus = parts
-            rows.append((impl, op, int(n), int(size), float(sec), float(alg), float(bus)))
+            try:
+                rows.append((impl, op, int(n), int(size), float(sec), float(alg), float(bus)))
+            except ValueError:
+                continue  # another line of 7 fields (daemon_bench's daemon-ran), not a row
     return rows
 
 
@@ -258,10 +261,32 @@ def main():
                         [f"{b}/exchange_bound", "--daemons", str(d), "--ranks", str(k),
                          "--max-mib", args.max_mib]):
                     bounds[(impl, op, m, size)].append(sec)
-    for (impl, op, m, size), secs in sorted(bounds.items()):
+    # Between daemons (2x1, 2x2): REPS runs of daemon_bench for the configuration alone, each
+    # followed by the exchange bound's; the daemon tables use their medians (the full run's
+    # figures of these configurations are replaced; its control-path and no-op figures stay).
+    daemon_secs = collections.defaultdict(list)  # (impl, op, n, size) -> seconds
+    for rep in range(REPS):
+        for d, k in BOUND_CONFIGS[2]:
+            cfg = f"{d}x{k}"
+            for impl, op, m, size, sec, alg, bus in run(
+                    [f"{b}/daemon_bench", "--config", cfg, "--max-mib", args.max_mib]):
+                if impl == f"ragshard-daemons-{cfg}":
+                    daemon_secs[(impl, op, m, size)].append(sec)
+            for impl, op, m, size, sec, alg, bus in run(
+                    [f"{b}/exchange_bound", "--daemons", str(d), "--ranks", str(k), "--max-mib",
+                     args.max_mib]):
+                bounds[(impl, op, m, size)].append(sec)
+
+    def median_row(key, secs):
+        impl, op, m, size = key
         sec = statistics.median(secs)
         alg = size / sec / 1e9
-        rows.append((impl, op, m, size, sec, round(alg, 4), round(alg * (m - 1) / m, 4)))
+        return (impl, op, m, size, sec, round(alg, 4), round(alg * (m - 1) / m, 4))
+
+    if daemon_secs:
+        rows = [row for row in rows if row[0] not in {k[0] for k in daemon_secs}]
+        rows += [median_row(key, secs) for key, secs in sorted(daemon_secs.items())]
+    rows += [median_row(key, secs) for key, secs in sorted(bounds.items())]
     for n in (2, 4):
         rows += run([f"{b}/collectives_bench", "--members", str(n), "--max-mib", args.max_mib])
         rows += run(mpirun + ["-np", str(n), "--mca", "btl", "tcp,self", f"{b}/mpi_collectives",
@@ -312,7 +337,10 @@ def main():
               "same bytes cross between the daemons as at 2 × 1 of the same size. The median of "
               f"{REPS} runs alternated with collectives_bench's in this run; *ours ÷ bound* is "
               "the row's bandwidth over the bound's (the bound's time over ours), where it is "
-              "> 1 the row was faster than its bound's median in this run (noise).\n")
+              "> 1 the row was faster than its bound's median in this run (noise). The daemon rows "
+              f"across 2 daemons are the median of {REPS} runs of `daemon_bench --config DxK` "
+              "alternated with the bound's (the bound's runs pool those with the ones alternated "
+              "with collectives_bench).\n")
     targets = []
     bound_targets = []  # (title, fraction of the exchange bound, worst measured)
 
@@ -545,15 +573,17 @@ def main():
                   f"{p2p:.2f} |" if p2p else f"| {s >> 20} MiB | {table[('copy', 1, s)]['memcpy']:.2f} | – |")
     if bounds:
         md.append("\n## The exchange bound's runs\n")
-        md.append(f"`bench/exchange_bound`, {REPS} runs of each configuration alternated with "
-                  "collectives_bench's in this run: time per collective-equivalent exchange, "
-                  "median (min–max), and the median's bus bandwidth (the tables above use the "
-                  "median).\n")
-        md.append("| configuration | op | size | ms, median (min–max) | busbw GB/s |\n"
-                  "|---|---|---:|---:|---:|")
+        md.append(f"`bench/exchange_bound` in this run: {REPS} runs of each configuration "
+                  "alternated with collectives_bench's, and for 2x1 and 2x2 another "
+                  f"{REPS} alternated with daemon_bench's; time per collective-equivalent "
+                  "exchange, median (min–max) over all its runs, and the median's bus "
+                  "bandwidth (the tables above use the median).\n")
+        md.append("| configuration | op | size | runs | ms, median (min–max) | busbw GB/s |\n"
+                  "|---|---|---:|---:|---:|---:|")
         for (impl, op, m, size), secs in sorted(bounds.items()):
             med = statistics.median(secs)
             md.append(f"| {impl[len('exchange-bound-'):]} | {op} | {size >> 20} MiB | "
+                      f"{len(secs)} | "
                       f"{med * 1e3:.3f} ({min(secs) * 1e3:.3f}–{max(secs) * 1e3:.3f}) | "
                       f"{size / med / 1e9 * (m - 1) / m:.3f} |")
     md.append("\n## Raw rows\n\n```\nimpl,op,members,bytes,seconds,algbw_GBps,busbw_GBps")
