@@ -65,6 +65,13 @@ std::string AdviceJson(const Advice& advice, const StrategyModel& model, int max
   j["memory_budget_bytes"] = model.budget_bytes();
   j["recommendation"] = EvalJson(advice.recommendation, p);
   j["padding_target_met"] = advice.padding_target_met;
+  j["best_padding_pct"] = advice.best_padding_pct;
+  j["padding_bound_pct"] = advice.padding_bound_pct;
+  if (!advice.padding_bound_why.empty()) j["padding_bound_why"] = advice.padding_bound_why;
+  if (!advice.padding_target_met) {
+    j["any_grouping_bound_pct"] = advice.any_grouping_bound_pct;
+    j["any_grouping_bound_why"] = advice.any_grouping_bound_why;
+  }
   j["candidates"] = json::array();
   for (const Evaluation& e : advice.top) j["candidates"].push_back(EvalJson(e, p));
   j["considered"] = advice.considered;
@@ -125,6 +132,18 @@ std::string AdviceTable(const Advice& advice, const StrategyModel& model, int ma
       StrategyName(r.strategy), r.step_seconds, r.compute_seconds, r.exposed_comm_seconds,
       FormatBytes(r.memory.total()), r.padding_pct,
       advice.padding_target_met ? "" : " (no fitting candidate meets the padding target)");
+  if (!advice.padding_target_met) {
+    absl::StrAppend(
+        &out, absl::StrFormat(
+                  "padding target %.2f%% %s within the budget: best reachable padding "
+                  "%.3f%%, lower bound %.3f%% over the search's candidates, %.3f%% over "
+                  "any grouping\n  why: %s\n  beyond the search: %s\n",
+                  model.options().max_padding_pct,
+                  advice.padding_bound_pct > model.options().max_padding_pct ? "cannot be met"
+                                                                             : "not met",
+                  advice.best_padding_pct, advice.padding_bound_pct, advice.any_grouping_bound_pct,
+                  advice.padding_bound_why, advice.any_grouping_bound_why));
+  }
   absl::StrAppend(&out,
                   absl::StrFormat("\n%-32s %10s %10s %12s %9s %12s %12s\n", "candidate", "step s",
                                   "exposed s", "memory", "padding", "AG/step", "RS/step"));

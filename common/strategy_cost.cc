@@ -155,7 +155,23 @@ absl::StatusOr<Evaluation> StrategyModel::Evaluate(const Strategy& s, bool detai
   }
   const DataPlaneMemory dp = DataPlanePeak(dp_units, /*ranks=*/1, /*shared=*/false, s.prefetch);
   mem.transient = dp.unsharded + dp.grads + muon_transient;
+  // The same with every unit at its LB2 shard (the p and g plans coarsen the os plan).
+  const double ratio_p = static_cast<double>(s.os.size()) / static_cast<double>(s.p.size());
+  const double ratio_g = static_cast<double>(s.os.size()) / static_cast<double>(s.g.size());
+  std::vector<DataPlaneUnit> lb_units;
+  e.memory_at_bound = mem.activations + muon_transient;
+  for (size_t u = 0; u < dp_units.size(); ++u) {
+    const double lb2 = so->lb2_elems[u];
+    const double per_elem =
+        muon ? frac[u] * kMuonStateBytes + (1 - frac[u]) * kAdamStateBytes : kAdamStateBytes;
+    e.memory_at_bound += lb2 * per_elem;
+    lb_units.push_back({static_cast<int64_t>(lb2 * ratio_p), dp_units[u].group,
+                        dp_units[u].param_bytes, static_cast<int64_t>(lb2 * ratio_g)});
+  }
+  const DataPlaneMemory lb_dp = DataPlanePeak(lb_units, 1, false, s.prefetch);
+  e.memory_at_bound += lb_dp.shards + lb_dp.grad_shards + lb_dp.unsharded + lb_dp.grads;
   e.padding_pct = sp->total_elems > 0 ? 100.0 * sp->padding_elems / sp->total_elems : 0;
+  e.padding_bound_pct = so->total_elems > 0 ? 100.0 * so->lb_padding_elems / so->total_elems : 0;
   e.grad_padding_pct = sg->total_elems > 0 ? 100.0 * sg->padding_elems / sg->total_elems : 0;
 
   double overlapped_end = 0;
@@ -232,7 +248,12 @@ absl::StatusOr<Evaluation> StrategyModel::Evaluate(const Strategy& s, bool detai
 }
 
 MemoryBreakdown StrategyModel::UnpaddedMemory(const Strategy& s) const {
-  const int64_t k = s.grouping();
+  const auto [total, largest] = unpadded_.at(s.grouping());
+  return UnpaddedMemoryOf(s, total, largest);
+}
+
+MemoryBreakdown StrategyModel::UnpaddedMemoryOf(const Strategy& s, double total,
+                                                double largest) const {
   const bool muon = options_.optimizer == OptimizerKind::kMuon;
   MemoryBreakdown m;
   // Activations with checkpointing at layer boundaries: a bf16 [tokens, H] per layer, plus one
@@ -241,7 +262,6 @@ MemoryBreakdown StrategyModel::UnpaddedMemory(const Strategy& s) const {
   const double h = static_cast<double>(shape_.hidden);
   m.activations = static_cast<double>(options_.micro_batch_tokens) *
                   (static_cast<double>(shape_.layers) * 2 * h + 34 * h);
-  const auto [total, largest] = unpadded_.at(k);
   const double elems = inventory_elems_;
   m.params = total / static_cast<double>(s.p.size());
   m.grads = elems * options_.grad_shard_bytes / static_cast<double>(s.g.size());

@@ -127,6 +127,12 @@ absl::StatusOr<std::unique_ptr<StrategyModel>> StrategyModel::Create(const Inven
     }
     m->unit_active_.push_back(a);
     m->active_ += a;
+    double bytes = 0;
+    for (const TensorSpec& t : u.tensors()) {
+      bytes += Numel(t) * static_cast<double>(DTypeSize(t.dtype()));
+    }
+    m->unit_bytes_.push_back(bytes);
+    m->skeleton_.add_units()->set_name(u.name());
   }
   m->flops_per_token_ = options.flops_per_token > 0 ? options.flops_per_token : 6 * m->active_;
   m->tokens_per_device_ =
@@ -141,6 +147,7 @@ absl::StatusOr<std::unique_ptr<StrategyModel>> StrategyModel::Create(const Inven
   }
   for (int64_t lead : leads) {
     if (lead > 0 && shape.layers > 0 && lead >= shape.layers) continue;
+    m->leads_.push_back(lead);
     for (int64_t k : options.layer_groupings) {
       const int64_t key = lead * 100000 + k;
       if (m->grouped_.count(key)) continue;
@@ -179,18 +186,6 @@ void StrategyModel::AddGrouping(int64_t key) {
   unpadded_[key] = {total, largest_unit};
   grouped_[key] = &g;
 }
-
-// The distinct units of a grouping: units with the same (dtype, numel, granule) lists plan the
-// same, so each is solved once per group size.
-struct StrategyModel::Signatures {
-  struct Group {
-    v1::DType dtype = v1::DTYPE_UNSPECIFIED;
-    std::vector<UnitItem> items;
-  };
-  std::vector<std::vector<Group>> distinct;
-  std::vector<int> of_unit;
-  std::vector<double> unit_numel;
-};
 
 void StrategyModel::PrepareSignatures(int64_t k) {
   const Inventory& g = *grouped_.at(k);
@@ -231,7 +226,7 @@ absl::Status StrategyModel::PrecomputeStats(const std::set<std::pair<int64_t, in
   struct Task {
     int64_t k, n;
     size_t sig;
-    absl::StatusOr<std::pair<double, double>> result = std::make_pair(0.0, 0.0);
+    absl::StatusOr<std::array<double, 3>> result = std::array<double, 3>{};  // S, bytes, LB2
   };
   std::vector<Task> tasks;
   for (const auto& [k, n] : pairs) {
@@ -244,7 +239,7 @@ absl::Status StrategyModel::PrecomputeStats(const std::set<std::pair<int64_t, in
   auto work = [&] {
     for (size_t t = next++; t < tasks.size(); t = next++) {
       Task& task = tasks[t];
-      double elems = 0, bytes = 0;
+      double elems = 0, bytes = 0, lb2 = 0;
       for (const auto& grp : signatures_.at(task.k)->distinct[task.sig]) {
         auto sol = SolveUnit(grp.items, task.n, AlignElems(options_.align_bytes, grp.dtype),
                              SolverMode::kRagged);
@@ -254,8 +249,9 @@ absl::Status StrategyModel::PrecomputeStats(const std::set<std::pair<int64_t, in
         }
         elems += static_cast<double>(sol->shard_elems);
         bytes += static_cast<double>(sol->shard_elems * DTypeSize(grp.dtype));
+        lb2 += static_cast<double>(sol->lb2);
       }
-      if (task.result.ok()) task.result = std::make_pair(elems, bytes);
+      if (task.result.ok()) task.result = std::array<double, 3>{elems, bytes, lb2};
     }
   };
   const unsigned threads =
@@ -265,7 +261,7 @@ absl::Status StrategyModel::PrecomputeStats(const std::set<std::pair<int64_t, in
   work();
   for (auto& t : pool) t.join();
   planner_runs_ += static_cast<int64_t>(tasks.size());
-  std::map<std::pair<int64_t, int64_t>, std::vector<std::pair<double, double>>> solved;
+  std::map<std::pair<int64_t, int64_t>, std::vector<std::array<double, 3>>> solved;
   for (const Task& t : tasks) {
     if (!t.result.ok()) {
       return absl::Status(t.result.status().code(),
@@ -281,13 +277,15 @@ absl::Status StrategyModel::PrecomputeStats(const std::set<std::pair<int64_t, in
     const double n = static_cast<double>(key.second);
     auto stats = std::make_unique<GroupStats>();
     for (size_t u = 0; u < sig.of_unit.size(); ++u) {
-      const auto [elems, bytes] = per_sig[static_cast<size_t>(sig.of_unit[u])];
+      const auto [elems, bytes, lb2] = per_sig[static_cast<size_t>(sig.of_unit[u])];
       const double numel = sig.unit_numel[u];
       stats->shard_elems.push_back(elems);
       stats->shard_bytes.push_back(bytes);
+      stats->lb2_elems.push_back(lb2);
       stats->numel.push_back(numel);
       stats->total_elems += numel;
       stats->padding_elems += n * elems - numel;
+      stats->lb_padding_elems += n * lb2 - numel;
       stats->max_unsharded_bytes = std::max(stats->max_unsharded_bytes, n * bytes);
     }
     stats_[key] = std::move(stats);
@@ -326,12 +324,67 @@ absl::Status StrategyModel::PrecomputeFor(const std::vector<Strategy>& candidate
   return PrecomputeStats(pairs);
 }
 
-std::vector<Strategy> StrategyModel::Candidates() const {
+std::pair<double, double> StrategyModel::GroupedBytes(int64_t key) const {
+  if (auto it = unpadded_.find(key); it != unpadded_.end()) return it->second;
+  std::vector<std::vector<std::string>> members;
+  Inventory grouped;
+  GroupUnitsInto(skeleton_, key % 100000, &members, key / 100000, &grouped);
+  double total = 0, largest = 0;
+  size_t next = 0;
+  for (const auto& names : members) {
+    double bytes = 0;
+    for (size_t j = 0; j < names.size(); ++j) bytes += unit_bytes_[next++];
+    total += bytes;
+    largest = std::max(largest, bytes);
+  }
+  return {total, largest};
+}
+
+double StrategyModel::LeastUnpaddedMemory(int64_t key) const {
+  Strategy s;
+  s.layers_per_unit = key % 100000;
+  s.lead = key / 100000;
+  s.p = s.g = s.os = {profile_.devices_per_node, profile_.nodes};
+  s.prefetch = *std::min_element(options_.prefetch_depths.begin(), options_.prefetch_depths.end());
+  const auto [total, largest] = GroupedBytes(key);
+  return UnpaddedMemoryOf(s, total, largest).total();
+}
+
+std::vector<Strategy> StrategyModel::WidenGroupings() {
+  std::vector<int64_t> added;
+  const int64_t widest =
+      *std::max_element(options_.layer_groupings.begin(), options_.layer_groupings.end());
+  for (int64_t lead : leads_) {
+    for (int64_t k = widest + 1; k <= shape_.layers - lead; ++k) {
+      const int64_t key = lead * 100000 + k;
+      if (grouped_.count(key)) continue;
+      // Larger units only need more: the first k that cannot fit ends this lead's groupings.
+      if (LeastUnpaddedMemory(key) > static_cast<double>(budget_)) break;
+      groupings_.push_back(key);
+      AddGrouping(key);
+      added.push_back(key);
+    }
+  }
+  return CandidatesOf(added);
+}
+
+int64_t StrategyModel::MaxFittingLayersPerUnit() const {
+  int64_t best = 0;
+  for (int64_t k = 1; k <= std::max<int64_t>(shape_.layers, 1); ++k) {
+    if (LeastUnpaddedMemory(k) > static_cast<double>(budget_)) break;
+    best = k;
+  }
+  return best;
+}
+
+std::vector<Strategy> StrategyModel::Candidates() const { return CandidatesOf(groupings_); }
+
+std::vector<Strategy> StrategyModel::CandidatesOf(const std::vector<int64_t>& keys) const {
   std::vector<Strategy> out;
   const int64_t d = profile_.devices_per_node, nodes = profile_.nodes;
   const auto intra = Chains(d, options_.whole_nodes);
   const auto inter = Chains(nodes, false);
-  for (int64_t key : groupings_) {
+  for (int64_t key : keys) {
     const int64_t k = key % 100000, lead = key / 100000;
     if (shape_.layers > 0 && k > 1 && k > shape_.layers - lead) continue;
     for (const auto& a : intra) {

@@ -87,7 +87,13 @@ struct Evaluation {
   double step_seconds = 0;
   double compute_seconds = 0;
   double exposed_comm_seconds = 0;
-  double padding_pct = 0;       // of the parameter plan (p)
+  double padding_pct = 0;  // of the parameter plan (p)
+  // No plan of this candidate's units over |os| positions pads less (the planner's LB2 per
+  // unit; the p and g plans are coarsenings of the os plan and pad the same).
+  double padding_bound_pct = 0;
+  // The memory per device with every unit at its LB2 shard: no plan of this candidate needs
+  // less.
+  double memory_at_bound = 0;
   double grad_padding_pct = 0;  // of the gradient shards (g)
   MemoryBreakdown memory;
   // Per device and step, bytes each collective moves in total (the nccl-tests "size").
@@ -121,9 +127,35 @@ class StrategyModel {
   // Every strategy the rules allow, in a fixed order.
   std::vector<Strategy> Candidates() const;
 
+  // Adds the unit groupings beyond the options' (more layers per unit, up to the model's
+  // layers, with each lead grouping) that could fit the budget unpadded, and returns their
+  // candidates. The search widens so when no candidate meets the padding target.
+  std::vector<Strategy> WidenGroupings();
+  // The most layers per unit (without a lead block) that could fit the budget unpadded, over
+  // every grouping up to the model's layers: larger units need more even without padding.
+  int64_t MaxFittingLayersPerUnit() const;
+
+  // Why no plan of s's units over |os| positions pads less than s's padding bound: the units
+  // that pad most, the shard size their LB2 forces and the tensors whose granules force it
+  // (common/strategy_bound.cc).
+  absl::StatusOr<std::string> ExplainPaddingBound(const Strategy& s);
+
+  // A bound beyond the search's groupings: the least padding of any grouping of consecutive
+  // layer units ("layers.<i>", "attn.<i>") into FSDP units of any sizes, each small enough to
+  // fit the budget unpadded (the other units alone), over every |os| the rules allow; the LB2
+  // of each unit, minimised over the groupings exactly by dynamic programming. `pct` is -1 when
+  // no |os| leaves room for the units; `why` lists the figure at each |os|.
+  struct GroupingBound {
+    double pct = -1;
+    int64_t os = 0;
+    std::string why;
+  };
+  GroupingBound PaddingBoundAnyGrouping() const;
+
   int64_t budget_bytes() const { return budget_; }
   const ClusterProfile& profile() const { return profile_; }
   const CostOptions& options() const { return options_; }
+  const ModelShape& shape() const { return shape_; }
   int64_t planner_runs() const { return planner_runs_; }
 
   // Plans, on all cores, every (grouping, group size) the candidates that may fit need.
@@ -137,6 +169,15 @@ class StrategyModel {
   void AddGrouping(int64_t key);
   absl::Status PrecomputeStats(const std::set<std::pair<int64_t, int64_t>>& pairs);
   MemoryBreakdown UnpaddedMemory(const Strategy& s) const;
+  // UnpaddedMemory with the grouping's total and largest unit bytes given.
+  MemoryBreakdown UnpaddedMemoryOf(const Strategy& s, double total, double largest) const;
+  // The total and largest unit bytes of a grouping, from the units' sizes alone (cheap: no
+  // tensor is copied).
+  std::pair<double, double> GroupedBytes(int64_t key) const;
+  // The least unpadded memory any candidate of a grouping needs: every factor over the whole
+  // cluster, the smallest prefetch depth.
+  double LeastUnpaddedMemory(int64_t key) const;
+  std::vector<Strategy> CandidatesOf(const std::vector<int64_t>& keys) const;
   absl::StatusOr<const GroupStats*> Stats(int64_t k, int64_t n);
   // The stats of a group of n devices whose plan is the coarsening of the finest factor's
   // (common/plan_nesting.h), as the data plane executes separate factors.
@@ -152,6 +193,9 @@ class StrategyModel {
   double flops_per_token_ = 0;
   double tokens_per_device_ = 0;
   std::vector<int64_t> groupings_;  // grouping keys the search tries
+  std::vector<int64_t> leads_;      // lead groupings tried (0: none)
+  Inventory skeleton_;              // the units' names without tensors, for GroupedBytes
+  std::vector<double> unit_bytes_;  // per inventory unit
   // The grouped inventories live on the arena: built and freed in bulk (each grouping copies
   // every tensor's spec, thousands per candidate k on the largest models).
   google::protobuf::Arena arena_;

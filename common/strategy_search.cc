@@ -28,6 +28,19 @@ absl::StatusOr<Advice> Advise(StrategyModel* model) {
     RAGSHARD_ASSIGN_OR_RETURN(Evaluation e, model->Evaluate(s, false, /*budget_check=*/true));
     evaluated.push_back(std::move(e));
   }
+  auto meets_target = [&](const Evaluation& e) {
+    return e.memory.total() <= budget && e.padding_pct <= o.max_padding_pct;
+  };
+  if (std::none_of(evaluated.begin(), evaluated.end(), meets_target)) {
+    // Padding is the first term of the objective: before settling for more, try every larger
+    // unit grouping that could fit.
+    const std::vector<Strategy> wider = model->WidenGroupings();
+    RAGSHARD_RETURN_IF_ERROR(model->PrecomputeFor(wider));
+    for (const Strategy& s : wider) {
+      RAGSHARD_ASSIGN_OR_RETURN(Evaluation e, model->Evaluate(s, false, /*budget_check=*/true));
+      evaluated.push_back(std::move(e));
+    }
+  }
   advice.considered = static_cast<int64_t>(evaluated.size());
   for (const Evaluation& e : evaluated) {
     if (smallest == nullptr || e.memory.total() < smallest->memory.total()) smallest = &e;
@@ -66,11 +79,41 @@ absl::StatusOr<Advice> Advise(StrategyModel* model) {
         FormatBytes(smallest->memory.grads), FormatBytes(smallest->memory.optimizer),
         FormatBytes(smallest->memory.transient), FormatBytes(smallest->memory.activations)));
   }
-  bool any_good = false;
-  for (const Evaluation& e : evaluated) {
-    any_good |= e.memory.total() <= budget && e.padding_pct <= o.max_padding_pct;
-  }
+  const bool any_good = std::any_of(evaluated.begin(), evaluated.end(), meets_target);
   advice.padding_target_met = any_good;
+  // Every candidate that could fit was planned; none of them pads less than its LB2 bound.
+  const Evaluation* bound = nullptr;
+  int64_t could_fit = 0, widest_k = 0, narrowest_os = 0;
+  advice.best_padding_pct = -1;
+  for (const Evaluation& e : evaluated) {
+    if (e.memory_lower_bound || e.memory_at_bound > budget) continue;
+    ++could_fit;
+    widest_k = std::max(widest_k, e.strategy.layers_per_unit);
+    narrowest_os =
+        narrowest_os == 0 ? e.strategy.os.size() : std::min(narrowest_os, e.strategy.os.size());
+    if (bound == nullptr || e.padding_bound_pct < bound->padding_bound_pct) bound = &e;
+    if (e.memory.total() <= budget &&
+        (advice.best_padding_pct < 0 || e.padding_pct < advice.best_padding_pct)) {
+      advice.best_padding_pct = e.padding_pct;
+    }
+  }
+  if (bound != nullptr) advice.padding_bound_pct = bound->padding_bound_pct;
+  if (!any_good && bound != nullptr) {
+    RAGSHARD_ASSIGN_OR_RETURN(std::string why, model->ExplainPaddingBound(bound->strategy));
+    advice.padding_bound_why = absl::StrFormat(
+        "%d candidates could fit %s per device with their units at the planner's lower bound "
+        "LB2 (at most %d layers per unit fit unpadded, of any grouping up to the model's %d "
+        "layers; optimizer states over at least %d devices); the least padding any of them can "
+        "have is %.3f%%, by %s",
+        could_fit, FormatBytes(budget), model->MaxFittingLayersPerUnit(), model->shape().layers,
+        narrowest_os, bound->padding_bound_pct, why);
+    const StrategyModel::GroupingBound any = model->PaddingBoundAnyGrouping();
+    advice.any_grouping_bound_pct = any.pct;
+    advice.any_grouping_bound_why = absl::StrFormat(
+        "any grouping of consecutive layer units into units that fit unpadded, other units "
+        "alone: %s",
+        any.why);
+  }
   std::vector<Evaluation> accepted;
   accepted.reserve(evaluated.size());
   advice.rejected.reserve(evaluated.size());
@@ -85,9 +128,14 @@ absl::StatusOr<Advice> Advise(StrategyModel* model) {
     }
     (e.rejected.empty() ? accepted : advice.rejected).push_back(std::move(e));
   }
+  // The objective's first term: padding above the target, to 0.01 percentage points (below the
+  // model's resolution: a hundredth of a percent more padding does not outweigh a faster step).
+  auto excess = [&](const Evaluation& e) {
+    return std::llround(std::max(0.0, e.padding_pct - o.max_padding_pct) * 100);
+  };
   auto better = [&](const Evaluation& a, const Evaluation& b) {
     // Without a candidate under the padding target, the least padding wins.
-    if (!any_good && a.padding_pct != b.padding_pct) return a.padding_pct < b.padding_pct;
+    if (excess(a) != excess(b)) return excess(a) < excess(b);
     if (a.step_seconds != b.step_seconds) return a.step_seconds < b.step_seconds;
     if (a.memory.total() != b.memory.total()) return a.memory.total() < b.memory.total();
     return StrategyName(a.strategy) < StrategyName(b.strategy);
@@ -100,7 +148,7 @@ absl::StatusOr<Advice> Advise(StrategyModel* model) {
     auto band_end = std::find_if(accepted.begin(), accepted.end(),
                                  [&](const Evaluation& e) { return e.step_seconds > limit; });
     std::stable_sort(accepted.begin(), band_end, [&](const Evaluation& a, const Evaluation& b) {
-      if (!any_good && a.padding_pct != b.padding_pct) return a.padding_pct < b.padding_pct;
+      if (excess(a) != excess(b)) return excess(a) < excess(b);
       if (a.wire_bytes != b.wire_bytes) return a.wire_bytes < b.wire_bytes;
       if (a.memory.total() != b.memory.total()) return a.memory.total() < b.memory.total();
       return StrategyName(a.strategy) < StrategyName(b.strategy);

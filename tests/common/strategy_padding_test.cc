@@ -1,0 +1,122 @@
+// Padding in the strategy search: on the model zoo at W = 1024 on 8 x H100 nodes with 128-row
+// granules and 80 GiB, every recommendation fits and pads under 1 %, or the search proves that
+// no strategy can (its lower bounds, over its candidates and over any grouping of the units),
+// and the bounds hold for every candidate and are reached.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <set>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "common/models.h"
+#include "common/strategy_search.h"
+#include "common/unit_grouping.h"
+
+namespace ragshard {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr double kBudget = 80.0 * (int64_t{1} << 30);
+
+struct Searched {
+  absl::StatusOr<Advice> advice;
+  double wall_seconds = 0;
+};
+
+Searched AdviseZoo(const std::string& name, int64_t world, int64_t budget) {
+  auto inv = GenerateModel(name);
+  EXPECT_TRUE(inv.ok()) << inv.status();
+  ApplyGranule(&*inv, {v1::GRANULE_ROWS, 128});
+  auto profile =
+      LoadClusterProfile(absl::StrCat(RAGSHARD_SOURCE_DIR, "/profiles/h100-8x-nvlink-ib400.json"));
+  EXPECT_TRUE(profile.ok()) << profile.status();
+  auto sized = WithWorld(*profile, world);
+  EXPECT_TRUE(sized.ok()) << sized.status();
+  CostOptions o;
+  o.memory_budget_bytes = budget;
+  o.tokens_per_step = world * 4096;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto model = StrategyModel::Create(*inv, DeriveModelShape(*inv, name), *sized, o);
+  EXPECT_TRUE(model.ok()) << model.status();
+  Searched s{Advise(model->get())};
+  s.wall_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return s;
+}
+
+// The three models whose executable recommendations padded 7.59 %, 9.40 % and 1.93 % when
+// padding was only a filter: each now meets the target or carries a bound above it that its
+// recommendation reaches.
+TEST(StrategyPaddingTest, EveryZooModelAtW1024PadsUnderOnePercentOrProvesItCannot) {
+  const std::set<std::string> bounded = {"deepseek-v3", "llama3.1-405b", "gpt3-175b"};
+  for (const ModelInfo& info : ModelZoo()) {
+    SCOPED_TRACE(info.name);
+    const Searched s = AdviseZoo(info.name, 1024, static_cast<int64_t>(kBudget));
+    ASSERT_TRUE(s.advice.ok()) << s.advice.status();
+    const Advice& a = *s.advice;
+    const Evaluation& r = a.recommendation;
+    EXPECT_LE(r.memory.total(), kBudget);
+    EXPECT_LT(s.wall_seconds, 2.0);
+    if (!bounded.count(info.name)) {
+      EXPECT_TRUE(a.padding_target_met);
+      EXPECT_LT(r.padding_pct, 1.0);
+      continue;
+    }
+    if (a.padding_target_met) {
+      EXPECT_LT(r.padding_pct, 1.0);
+      continue;
+    }
+    // Unreachable: both bounds are above the target, the recommendation is the least padding
+    // that fits and reaches the bound over any grouping, and the reason names the granules.
+    EXPECT_GE(a.padding_bound_pct, 1.0);
+    EXPECT_GE(a.any_grouping_bound_pct, 1.0);
+    EXPECT_LE(a.any_grouping_bound_pct, a.padding_bound_pct + 1e-9);
+    EXPECT_NEAR(a.best_padding_pct, r.padding_pct, 0.01);
+    EXPECT_GE(r.padding_pct, a.padding_bound_pct - 1e-9);
+    EXPECT_LT(r.padding_pct, a.any_grouping_bound_pct + 0.01);
+    EXPECT_THAT(a.padding_bound_why, HasSubstr("LB2"));
+    EXPECT_THAT(a.padding_bound_why, HasSubstr("granule"));
+    EXPECT_THAT(a.any_grouping_bound_why, HasSubstr("|os| = 1024"));
+    // No candidate that fits pads less than the bound over the search's candidates.
+    for (const Evaluation& e : a.rejected) {
+      if (e.memory_lower_bound || e.memory.total() > kBudget) continue;
+      EXPECT_GE(e.padding_pct, a.padding_bound_pct - 1e-9) << StrategyName(e.strategy);
+    }
+  }
+}
+
+TEST(StrategyPaddingTest, TheBoundsNameWhyEachModelPads) {
+  // llama3.1-405b: down_proj's 128-row granule (2^19 x 13) and the others' 2^21 force every
+  // shard of a layer to a multiple of 2^21 x 13 = 27,262,976 elements.
+  Searched s = AdviseZoo("llama3.1-405b", 1024, static_cast<int64_t>(kBudget));
+  ASSERT_TRUE(s.advice.ok()) << s.advice.status();
+  EXPECT_THAT(s.advice->padding_bound_why, HasSubstr("a multiple of 27262976"));
+  EXPECT_THAT(s.advice->padding_bound_why, HasSubstr("down_proj"));
+  // gpt3-175b: fc2's granule 2^21 x 3 with the others' 2^19 x 3.
+  s = AdviseZoo("gpt3-175b", 1024, static_cast<int64_t>(kBudget));
+  ASSERT_TRUE(s.advice.ok()) << s.advice.status();
+  EXPECT_THAT(s.advice->padding_bound_why, HasSubstr("a multiple of 6291456"));
+  // deepseek-v3: the MoE layers' o_proj (granule 2^21) at 512 positions.
+  s = AdviseZoo("deepseek-v3", 1024, static_cast<int64_t>(kBudget));
+  ASSERT_TRUE(s.advice.ok()) << s.advice.status();
+  EXPECT_THAT(s.advice->padding_bound_why, HasSubstr("o_proj"));
+  EXPECT_THAT(s.advice->padding_bound_why, HasSubstr("|os| = 512"));
+}
+
+TEST(StrategyPaddingTest, ABudgetBelowEveryNeedNamesTheSmallest) {
+  for (const char* name : {"deepseek-v3", "llama3.1-405b", "gpt3-175b"}) {
+    SCOPED_TRACE(name);
+    const Searched s = AdviseZoo(name, 1024, int64_t{20} << 30);
+    ASSERT_EQ(s.advice.status().code(), absl::StatusCode::kFailedPrecondition);
+    const std::string msg(s.advice.status().message());
+    EXPECT_THAT(msg, HasSubstr("no strategy fits the memory budget of 20.00 GiB"));
+    const int64_t need = std::stoll(msg.substr(msg.find('(', msg.find("the smallest needs")) + 1));
+    EXPECT_GT(need, int64_t{20} << 30);
+    EXPECT_TRUE(AdviseZoo(name, 1024, need).advice.ok());
+  }
+}
+
+}  // namespace
+}  // namespace ragshard
