@@ -213,6 +213,32 @@ TEST_F(CtlTest, AdvisePrintsTheRecommendationAsJson) {
   EXPECT_THAT(r.out, HasSubstr("candidates considered"));
 }
 
+TEST_F(CtlTest, AdviseSaysWhenThePaddingTargetCannotBeMetAndWhy) {
+  const std::string h100 = std::string(RAGSHARD_SOURCE_DIR) + "/profiles/h100-8x-nvlink-ib400.json";
+  const std::string args = "advise --model llama3.1-405b --cluster " + h100 +
+                           " --world 1024 --granule rows:128 --memory-budget 80GiB";
+  Result r = Run(args);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("padding target 1.00% cannot be met within the budget: best "
+                               "reachable padding 9.397%, lower bound 9.397%"));
+  EXPECT_THAT(r.out, HasSubstr("a multiple of 27262976"));
+  EXPECT_THAT(r.out, HasSubstr("beyond the search: any grouping"));
+  r = Run(args + " --json");
+  ASSERT_EQ(r.code, 0) << r.err;
+  auto j = nlohmann::json::parse(r.out);
+  EXPECT_FALSE(j["padding_target_met"].get<bool>());
+  EXPECT_GE(j["padding_bound_pct"].get<double>(), 1.0);
+  EXPECT_GE(j["any_grouping_bound_pct"].get<double>(), 1.0);
+  EXPECT_NEAR(j["best_padding_pct"].get<double>(), j["recommendation"]["padding_pct"].get<double>(),
+              1e-9);
+  // A budget below every strategy's need: exit code 1, naming the smallest need in bytes.
+  r = Run("advise --model llama3.1-405b --cluster " + h100 +
+          " --world 1024 --granule rows:128 --memory-budget 10GiB");
+  EXPECT_EQ(r.code, 1);
+  EXPECT_THAT(r.err, HasSubstr("no strategy fits the memory budget of 10.00 GiB"));
+  EXPECT_THAT(r.err, HasSubstr("the smallest needs"));
+}
+
 TEST_F(CtlTest, SimulatePrintsBreakdownTimelineAndPng) {
   const std::string h100 = std::string(RAGSHARD_SOURCE_DIR) + "/profiles/h100-8x-nvlink-ib400.json";
   const std::string png = dir_ + "/step.png";
