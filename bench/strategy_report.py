@@ -60,7 +60,8 @@ def zoo_section(build, lines, rows):
               "`ragshardctl simulate ... --strategy k=1,shard=8x(W/8)` (every unit sharded over "
               "all W: FSDP/ZeRO-3 on per-layer units). Memory is per device; the step time is the "
               "cost model's prediction for one 4096-token sequence per device. Targets: padding "
-              "< 1 % and memory ≤ 80 GiB where any candidate fits; search < 2 s.", "",
+              "< 1 % (or a lower bound above 1 % that proves it unreachable) and memory ≤ 80 GiB "
+              "where any candidate fits; search < 2 s.", "",
               "| model | W | advised strategy | padding | memory | step s | all-W padding | "
               "all-W memory | all-W step s | search s | padding < 1 % | fits 80 GiB | "
               "search < 2 s |",
@@ -80,27 +81,90 @@ def zoo_section(build, lines, rows):
             rec = a["recommendation"]
             rows.append((model, w, a, base, wall))
             pad_ok = rec["padding_pct"] < 1.0
+            proved = a.get("any_grouping_bound_pct", 0) >= 1.0
             fits = rec["memory_bytes"] <= 80 * GIB
             lines.append(
                 f"| {model} | {w} | `{rec['strategy']['spec']}` | {rec['padding_pct']:.3f} % | "
                 f"{rec['memory_bytes'] / GIB:.1f} GiB | {rec['predicted_step_seconds']:.3f} | "
                 f"{base['padding_pct']:.3f} % | {base['memory_bytes'] / GIB:.1f} GiB | "
                 f"{base['predicted_step_seconds']:.3f} | {a['search_seconds']:.2f} "
-                f"({wall:.2f} wall) | {'met' if pad_ok else 'missed'} | "
+                f"({wall:.2f} wall) | "
+                f"{'met' if pad_ok else 'unreachable (bound)' if proved else 'missed'} | "
                 f"{'met' if fits else 'missed'} | {'met' if wall < 2 else 'missed'} |")
     missed = sorted({m for m, w, a, b, _ in rows
                      if not a or a["recommendation"]["padding_pct"] >= 1.0})
     lines += ["", f"Padding target missed for: {', '.join(missed) or 'none'}.", "",
-              "* **llama3.1-405b** cannot pad under 1 % within 80 GiB at any W. Its down_proj "
-              "[16384, 53248] has a 128-row granule of 6,815,744 elements (2^19·13) and its other "
-              "matrices 2^21, so a shard that such a tensor contains whole must be a multiple of "
-              "2^21·13 = 27,262,976 elements; a layer holds 116.9 of them. k layers over n "
-              "devices pad ⌈116.9k/n⌉·n/(116.9k) − 1, under 1 % only when n ≤ 2k, and then a "
-              "device holds at least 810 GB / n of parameters plus (prefetch + 2) unsharded units "
-              "of k layers: far more than 80 GiB. The search returns the least padding that fits "
-              "(9.4 %) and says the target is missed. Per-unit shard groups, or a granule that "
-              "does not cut down_proj's 128-row bands, would be needed.",
-              deepseek_note(rows), ""]
+              "Padding is the first term of the search's objective (padding above the target, "
+              "then the predicted step). When no candidate that fits pads under 1 %, the search "
+              "widens the unit groupings to every k that could fit and proves a lower bound "
+              "(`advise` prints it; `--json` gives `best_padding_pct`, `padding_bound_pct`, "
+              "`any_grouping_bound_pct` and the reasons): (1) over the search's candidates, the "
+              "least padding of any candidate that fits 80 GiB with every unit at the planner's "
+              "lower bound LB2 (the smallest shard that is a multiple of the 128-row granules of "
+              "the unit's tensors long enough to hold two cuts: two cuts inside a tensor both "
+              "fall on its granules); (2) beyond them, the least LB2 padding of any grouping of "
+              "consecutive layer units into FSDP units of any sizes that fit, at every |os| the "
+              "rules allow (dynamic programming over the groupings; embeddings and head alone). "
+              "The p and g plans are coarsenings of the os plan, so padding depends on |os| "
+              "only. For these three models both bounds equal the padding the search reaches: "
+              "no strategy the data plane executes, on these FSDP units, pads under 1 % within "
+              "80 GiB.", ""]
+    lines += bound_notes(rows)
+    lines += ["", deepseek_note(rows), ""]
+
+
+# Why each model's shards are multiples of what they are, from the shapes in common/models.cc
+# (the figures advise prints in padding_bound_why).
+WHY = {
+    "llama3.1-405b": (
+        "Its down_proj [16384, 53248] has a 128-row granule of 6,815,744 elements (2^19·13) and "
+        "its other matrices 2^21, so every shard of a unit holding a layer is a multiple of "
+        "2^21·13 = 27,262,976 elements; a layer holds 116.92 of them. 80 GiB needs optimizer "
+        "states over at least 256 devices, where a unit's unsharded buffer leaves room for at "
+        "most 2 layers: 233.85 multiples over 256 positions take 256 (9.4 %); over 512 or 1024 "
+        "positions even one multiple per position no longer fits."),
+    "gpt3-175b": (
+        "Its fc2 [12288, 49152] has a 128-row granule of 6,291,456 elements (2^21·3), the other "
+        "matrices 2^19·3, so every shard is a multiple of 6,291,456; a layer holds 288 of them "
+        "plus 159,744 elements of biases and norms. Over a power-of-two group, units whose "
+        "matrices would share out exactly need one more multiple per position for the biases, "
+        "and the others round up: the least is 7 layers over 256 or 512 positions "
+        "(2016.18 multiples take 2048: 1.58 %), with the 5-layer tail unit and the embedding "
+        "table padding more (1.93 % in all)."),
+    "deepseek-v3": (
+        "80 GiB needs optimizer states over at least 512 devices and one MoE layer per unit "
+        "(two are 46 GB unsharded). A MoE layer's o_proj [7168, 16384] (granule 2^21 = "
+        "2,097,152) spans several shards, so its shard is a multiple of 2,097,152: 11.5 G "
+        "elements over 512 positions are 10.72 multiples, rounded to 11 (2.64 % on 97 % of the "
+        "model; over 1024 positions q_b_proj's 2^16·3 joins and it is 12 %). The dense layers' "
+        "MLP matrices (granules 2^17·7 and 2^18·9) make their shards multiples of 16,515,072, "
+        "24 per MLP over 512 positions, and their attention's 6,291,456: about 20 times their "
+        "size (7.59 % in all)."),
+}
+
+
+def bound_notes(rows):
+    """One line per model that misses the padding target: advise's best padding, its bounds
+    at each W, and why at W = 1024."""
+    out = []
+    for model in sorted({m for m, w, a, b, _ in rows
+                         if a and a["recommendation"]["padding_pct"] >= 1.0}):
+        per_w = [(w, a) for m, w, a, _, _ in rows if m == model and a]
+        figures = "; ".join(
+            f"W = {w}: best {a.get('best_padding_pct', float('nan')):.3f} % "
+            f"(`{a['recommendation']['strategy']['spec']}`, "
+            f"{a['recommendation']['memory_bytes'] / GIB:.1f} GiB), lower bound "
+            f"{a.get('padding_bound_pct', float('nan')):.3f} % over the search's candidates, "
+            f"{a.get('any_grouping_bound_pct', float('nan')):.3f} % over any grouping"
+            for w, a in per_w)
+        proved = all(a.get("any_grouping_bound_pct", 0) >= 1.0 for _, a in per_w)
+        at1024 = next((a for w, a in per_w if w == 1024), per_w[0][1])
+        out.append(
+            f"* **{model}** {'cannot pad under 1 %' if proved else 'pads 1 % or more'} within "
+            f"80 GiB: {figures}. {WHY.get(model, '')} advise at W = 1024: "
+            f"\"{at1024.get('padding_bound_why', '')}\"; beyond the search: "
+            f"\"{at1024.get('any_grouping_bound_why', '')}\".")
+    return out
 
 
 def deepseek_note(rows):

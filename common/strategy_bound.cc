@@ -224,8 +224,8 @@ StrategyModel::GroupingBound StrategyModel::PaddingBoundAnyGrouping() const {
       continue;
     }
     const double pct = inventory_elems_ > 0 ? 100 * pad / inventory_elems_ : 0;
-    lines.push_back(absl::StrFormat("|os| = %d: at least %.3f%% (units of up to %d layer units)", n,
-                                    pct, largest));
+    lines.push_back(absl::StrFormat("|os| = %d: at least %.3f%% (at most %d layer units per unit)",
+                                    n, pct, largest));
     if (best.pct < 0 || pct < best.pct) {
       best.pct = pct;
       best.os = n;

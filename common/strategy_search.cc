@@ -102,16 +102,16 @@ absl::StatusOr<Advice> Advise(StrategyModel* model) {
     RAGSHARD_ASSIGN_OR_RETURN(std::string why, model->ExplainPaddingBound(bound->strategy));
     advice.padding_bound_why = absl::StrFormat(
         "%d candidates could fit %s per device with their units at the planner's lower bound "
-        "LB2 (at most %d layers per unit fit unpadded, of any grouping up to the model's %d "
-        "layers; optimizer states over at least %d devices); the least padding any of them can "
-        "have is %.3f%%, by %s",
+        "LB2 (units of more than %d layers do not fit even unpadded, of any grouping up to the "
+        "model's %d layers; optimizer states over at least %d devices); the least padding any "
+        "of them can have is %.3f%%, by %s",
         could_fit, FormatBytes(budget), model->MaxFittingLayersPerUnit(), model->shape().layers,
         narrowest_os, bound->padding_bound_pct, why);
     const StrategyModel::GroupingBound any = model->PaddingBoundAnyGrouping();
     advice.any_grouping_bound_pct = any.pct;
     advice.any_grouping_bound_why = absl::StrFormat(
-        "any grouping of consecutive layer units into units that fit unpadded, other units "
-        "alone: %s",
+        "any grouping of consecutive layer units into units whose LB2-padded buffers fit, "
+        "other units alone: %s",
         any.why);
   }
   std::vector<Evaluation> accepted;
