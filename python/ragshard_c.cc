@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "client/block_dequant.h"
 #include "client/client.h"
 #include "client/device_memory.h"
 #include "common/data_plane_memory.h"
@@ -40,8 +41,8 @@ namespace ragshard {
 namespace {
 
 // 3: the _secure functions (TLS); version 2's functions remain. 4: rs_client_register takes
-// local_ranks (registration through the daemon).
-constexpr int kAbiVersion = 4;
+// local_ranks (registration through the daemon). 5: rs_dequantize_chunks.
+constexpr int kAbiVersion = 5;
 
 thread_local std::string last_error;
 thread_local std::string last_string;
@@ -440,6 +441,23 @@ void rs_data_plane_peak(const int64_t* shard_elems, const int64_t* group, const 
   out[2] = m.unsharded;
   out[3] = m.grads;
   out[4] = m.scratch;
+}
+
+int rs_dequantize_chunks(const uint8_t* codes, int64_t n_codes, const float* scales,
+                         int64_t n_scales, const float* values, const int64_t* chunks,
+                         int64_t n_chunks, float* out, int64_t n_out) {
+  if (n_codes < 0 || n_scales < 0 || n_chunks < 0 || n_out < 0) {
+    return Fail(absl::InvalidArgumentError("dequantize: a negative count"));
+  }
+  std::vector<BlockChunk> parsed(static_cast<size_t>(n_chunks));
+  for (int64_t i = 0; i < n_chunks; ++i) {
+    const int64_t* f = chunks + i * kBlockChunkFields;
+    parsed[i] = {f[0], f[1], f[2], f[3], f[4], f[5], f[6]};
+  }
+  const absl::Status s =
+      DequantizeChunks(absl::MakeConstSpan(codes, n_codes), absl::MakeConstSpan(scales, n_scales),
+                       absl::MakeConstSpan(values, 256), parsed, absl::MakeSpan(out, n_out));
+  return s.ok() ? 0 : Fail(s);
 }
 
 }  // extern "C"

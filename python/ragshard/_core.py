@@ -16,7 +16,7 @@ import json
 import os
 import time
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 _BAD_ARGUMENT, _OUT_OF_RANGE = -1, -2
 
 
@@ -110,6 +110,7 @@ def _load():
                                       ctypes.POINTER(ctypes.c_double), ctypes.POINTER(i64), i64,
                                       i64, i32, i64, i64, i64, i64, i64,
                                       ctypes.POINTER(ctypes.c_double)]),
+        "rs_dequantize_chunks": (i32, [c_p, i64, c_p, i64, c_p, c_p, i64, c_p, i64]),
     }
     for name, (res, args) in sigs.items():
         f = getattr(lib, name)
@@ -427,6 +428,15 @@ def plan_local(inventory_json, world, policy="ragged", align_bytes=16):
     registering."""
     return _string(_lib.rs_plan_local, _b(inventory_json), int(world), _b(policy),
                    int(align_bytes))
+
+
+def dequantize_chunks(codes, n_codes, scales, n_scales, values, chunks, n_chunks, out, n_out):
+    """client/block_dequant.h over raw addresses (ints): out[e] = values[codes[e]] * scale of
+    e's block, for the elements of the n_chunks chunks (7 int64 each: pos, bands, rows, cols,
+    width, first_block, tiles). ragshard.quant calls it with its tensors' data_ptr()s; the GIL
+    is released for the call."""
+    _check(_lib.rs_dequantize_chunks(codes, int(n_codes), scales, int(n_scales), values, chunks,
+                                     int(n_chunks), out, int(n_out)))
 
 
 def data_plane_peak(units, ranks, shared, prefetch, p_slots=-1, g_slots=-1, g_ring_nodes=1,

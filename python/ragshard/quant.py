@@ -14,12 +14,17 @@ of those ids, so that the concatenation of every rank's ids that the gather dequ
 recognized once and cached). `quantize` and `dequantize` then reduce and scale by reshaped views
 (128 x 128 tiles: a band of 128 rows x the columns, reduced over its rows, then per 128 columns;
 runs: 16,384 elements per row), with no per-element block ids. Ids they do not recognize take
-the generic per-element path; both give the same bits.
+the generic per-element path; both give the same bits. On the CPU, `dequantize` runs the layout's
+whole tiles and runs through the client library's kernel (client/block_dequant.h): one pass,
+each element written once (the gather's destination is a node's shared unsharded buffer); on
+other devices, the same layout through torch ops.
 """
 import hashlib
 import weakref
 
 import torch
+
+from . import _core as core
 
 
 BLOCK = 128
@@ -54,6 +59,14 @@ def decode(codes, kind):
 
 
 _FP8_VALUES = {}  # device -> the 256 fp32 values of the e4m3fn bytes
+_CODE_VALUES = {}  # kind -> the 256 fp32 values of its code bytes, on the CPU
+
+
+def _code_values(kind):
+    if kind not in _CODE_VALUES:
+        every = torch.arange(256, dtype=torch.uint8)
+        _CODE_VALUES[kind] = decode(every, kind).contiguous()
+    return _CODE_VALUES[kind]
 
 
 def _decode_fast(codes, kind):
@@ -82,6 +95,7 @@ class Layout:
     def __init__(self, n, chunks, generic, pads):
         self.n, self.chunks, self.generic, self.pads = n, chunks, generic, pads
         self._dev = {}
+        self._packed = None  # the chunks as the native kernel's int64 array, once needed
 
     def _on(self, device):
         """(chunks, generic) with their index tensors on `device` (cached)."""
@@ -165,13 +179,37 @@ class Layout:
             y[a:b] = 0.0
         return _encode_(y, kind), scale[:blocks]
 
+    def _native(self, codes, scales, kind, out):
+        """dequantize's chunks through the client library's kernel (CPU tensors), or False
+        where it does not apply."""
+        if codes.device.type != "cpu" or scales.device.type != "cpu" or \
+                not codes.is_contiguous() or not scales.is_contiguous() or \
+                scales.dtype != torch.float32 or (out is not None and not out.is_contiguous()):
+            return False
+        if self._packed is None:
+            self._packed = torch.tensor([list(c[:7]) for c in self.chunks],
+                                        dtype=torch.int64).reshape(-1, 7)
+        values = _code_values(kind)
+        core.dequantize_chunks(codes.data_ptr(), codes.numel(), scales.data_ptr(),
+                               scales.numel(), values.data_ptr(), self._packed.data_ptr(),
+                               self._packed.shape[0], out.data_ptr(), out.numel())
+        return True
+
     def dequantize(self, codes, scales, kind, out=None):
         """The values of codes, into `out` when given. `out` may be a buffer that other
         processes write the same values into at the same time (a node's shared unsharded
         buffer): each of its elements is written once, with its final value."""
         chunks, generic = self._on(codes.device)
+        dst = out if out is not None else torch.empty(codes.numel(), device=codes.device)
+        if self._native(codes.reshape(-1), scales, kind, dst):
+            for pos, g in generic:
+                n = g.numel()
+                torch.mul(_decode_fast(codes[pos:pos + n], kind), scales[g], out=dst[pos:pos + n])
+            for a, b in self.pads:
+                dst[a:b] = 0.0
+            return dst
         v = _decode_fast(codes, kind)
-        dst = v if out is None else out
+        dst = v if out is None else dst
         for pos, nb, h, cols, cw, b0, tiles, colmap in chunks:
             torch.mul(self._views(v, pos, nb, h, cols),
                       self._cols(scales, b0, nb, tiles, colmap, cols),

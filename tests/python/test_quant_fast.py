@@ -108,6 +108,7 @@ def test_tiles_and_runs_give_the_reference_bits(case, kind):
     out = torch.full((ca.numel(),), float("nan"))
     assert quant.dequantize(ca, sa, all_ids, kind, out=out) is out
     assert torch.equal(out.view(torch.int32), w.view(torch.int32))
+    assert quant.layout_of(all_ids)._packed is not None  # the client library's kernel ran
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
