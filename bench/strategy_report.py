@@ -136,7 +136,8 @@ WHY = {
         "(two are 46 GB unsharded). A MoE layer's o_proj [7168, 16384] (granule 2^21 = "
         "2,097,152) spans several shards, so its shard is a multiple of 2,097,152: 11.5 G "
         "elements over 512 positions are 10.72 multiples, rounded to 11 (2.64 % on 97 % of the "
-        "model; over 1024 positions q_b_proj's 2^16·3 joins and it is 12 %). The dense layers' "
+        "model; over 1024 positions q_b_proj's 2^16·3 joins, 12 %, and the padded shards no longer "
+        "fit). The dense layers' "
         "MLP matrices (granules 2^17·7 and 2^18·9) make their shards multiples of 16,515,072, "
         "24 per MLP over 512 positions, and their attention's 6,291,456: about 20 times their "
         "size (7.59 % in all)."),

@@ -177,55 +177,93 @@ StrategyModel::GroupingBound StrategyModel::PaddingBoundAnyGrouping() const {
   GroupingBound best;
   std::vector<std::string> lines;
   const int units = inventory_.units_size();
+  // Shard bytes per element of padding, at least: fp32 gradients and optimizer state (Muon's
+  // matrices keep 8 bytes, Adam 12), over n.
+  const double state_bytes =
+      options_.grad_shard_bytes + (options_.optimizer == OptimizerKind::kMuon ? 8.0 : 12.0);
+  struct Window {
+    int first, last;  // within the run
+    double padding, bytes;
+  };
   for (int64_t n : sizes) {
     Strategy s;
     s.p = s.g = s.os = {n, 1};
     s.prefetch = prefetch;
-    // What every unit may hold: the budget less the shards, activations and Muon's owner
-    // buffer, over the unsharded buffers in flight and the gradient buffer.
-    const double room =
-        (static_cast<double>(budget_) - UnpaddedMemoryOf(s, total_bytes, 0).total()) /
-        (prefetch + 2);
-    bool fits = room > 0;
-    double pad = 0;
-    int64_t largest = 0;
-    for (int u = 0; u < units && fits;) {
+    // The unpadded shards, activations and Muon's owner buffer; what is left is for the
+    // unsharded buffers in flight and the gradient buffer of the largest unit, and for the
+    // padding of the shards.
+    const double base = UnpaddedMemoryOf(s, total_bytes, 0).total();
+    const double room = (static_cast<double>(budget_) - base) / (prefetch + 2);
+    double alone_padding = 0, alone_bytes = 0;
+    std::vector<std::vector<Window>> runs;  // per run of layer units: the windows that may fit
+    std::vector<int> run_length;
+    for (int u = 0; u < units && room > 0;) {
       int64_t index = 0;
       if (!IsLayerPart(inventory_.units(u).name(), &index)) {
         const auto [x, bytes] = padding(u, u, n);
-        fits = bytes <= room;
-        pad += x;
+        alone_padding += x;
+        alone_bytes = std::max(alone_bytes, bytes);
         ++u;
         continue;
       }
       int end = u;  // the run of layer units [u, end)
       while (end < units && IsLayerPart(inventory_.units(end).name(), &index)) ++end;
-      // best[j]: the least padding of units [u, u + j) grouped into units that fit.
-      std::vector<double> least(static_cast<size_t>(end - u + 1), -1);
-      least[0] = 0;
+      std::vector<Window>& w = runs.emplace_back();
+      run_length.push_back(end - u);
       for (int i = 0; i < end - u; ++i) {
-        if (least[i] < 0) continue;
         double bytes = 0;
         for (int j = i; j < end - u; ++j) {
           bytes += unit_bytes_[u + j];
           if (bytes > room) break;  // larger units need more even unpadded
           const auto [x, padded_bytes] = padding(u + i, u + j, n);
-          if (padded_bytes > room) continue;
-          largest = std::max<int64_t>(largest, j - i + 1);
-          if (least[j + 1] < 0 || least[i] + x < least[j + 1]) least[j + 1] = least[i] + x;
+          if (padded_bytes <= room) w.push_back({i, j, x, padded_bytes});
         }
       }
-      fits = least.back() >= 0;
-      pad += least.back();
       u = end;
     }
-    if (!fits) {
+    // For each cap on a unit's padded bytes, the least padding of groupings within it (dynamic
+    // programming over each run); a cap is possible when the padded shards and buffers of that
+    // size fit. Any grouping that fits passes at the cap of its largest unit, so the least
+    // padding over the caps that pass bounds them all.
+    std::vector<double> caps = {alone_bytes};
+    for (const auto& w : runs) {
+      for (const Window& x : w) caps.push_back(std::max(x.bytes, alone_bytes));
+    }
+    std::sort(caps.begin(), caps.end());
+    caps.erase(std::unique(caps.begin(), caps.end()), caps.end());
+    double least_padding = -1;
+    int64_t largest = 0;
+    for (double cap : caps) {
+      if (room <= 0 || cap > room) break;
+      double total = alone_padding;
+      int64_t widest = 0;
+      for (size_t r = 0; r < runs.size() && total >= 0; ++r) {
+        std::vector<double> least(static_cast<size_t>(run_length[r] + 1), -1);
+        least[0] = 0;
+        for (const Window& x : runs[r]) {  // in order of their first unit
+          if (x.bytes > cap || least[x.first] < 0) continue;
+          widest = std::max<int64_t>(widest, x.last - x.first + 1);
+          double& to = least[x.last + 1];
+          if (to < 0 || least[x.first] + x.padding < to) to = least[x.first] + x.padding;
+        }
+        total = least.back() < 0 ? -1 : total + least.back();
+      }
+      if (total < 0) continue;
+      const double memory =
+          base + total * state_bytes / static_cast<double>(n) + (prefetch + 2) * cap;
+      if (memory > static_cast<double>(budget_)) continue;
+      if (least_padding < 0 || total < least_padding) {
+        least_padding = total;
+        largest = widest;
+      }
+    }
+    if (least_padding < 0) {
       lines.push_back(absl::StrFormat("|os| = %d: no grouping fits", n));
       continue;
     }
-    const double pct = inventory_elems_ > 0 ? 100 * pad / inventory_elems_ : 0;
-    lines.push_back(absl::StrFormat("|os| = %d: at least %.3f%% (at most %d layer units per unit)",
-                                    n, pct, largest));
+    const double pct = inventory_elems_ > 0 ? 100 * least_padding / inventory_elems_ : 0;
+    lines.push_back(absl::StrFormat("|os| = %d: at least %.3f%% (units of at most %d layer unit%s)",
+                                    n, pct, largest, largest == 1 ? "" : "s"));
     if (best.pct < 0 || pct < best.pct) {
       best.pct = pct;
       best.os = n;

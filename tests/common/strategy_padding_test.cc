@@ -105,6 +105,79 @@ TEST(StrategyPaddingTest, TheBoundsNameWhyEachModelPads) {
   EXPECT_THAT(s.advice->padding_bound_why, HasSubstr("|os| = 512"));
 }
 
+// 2 nodes x 2 devices, flat curves.
+constexpr char kTinyProfile[] = R"({
+  "name": "tiny", "nodes": 2, "devices_per_node": 2,
+  "device_memory_bytes": {"value": 1000000, "assumption": "test"},
+  "peak_flops": {"value": 1e9, "assumption": "test"},
+  "mfu": {"value": 1.0, "assumption": "test"},
+  "collectives": {
+    "all_gather": {"intra_node": [{"bytes": 1, "gbps": 1.0, "source": "test"}],
+                   "inter_node": {"1": [{"bytes": 1, "gbps": 0.5, "source": "test"}],
+                                  "2": [{"bytes": 1, "gbps": 0.5, "source": "test"}]}},
+    "reduce_scatter": {"intra_node": [{"bytes": 1, "gbps": 1.0, "source": "test"}],
+                       "inter_node": {"1": [{"bytes": 1, "gbps": 0.5, "source": "test"}],
+                                      "2": [{"bytes": 1, "gbps": 0.5, "source": "test"}]}},
+    "all_reduce": {"intra_node": [{"bytes": 1, "gbps": 1.0, "source": "test"}],
+                   "inter_node": {"1": [{"bytes": 1, "gbps": 0.5, "source": "test"}]}},
+    "broadcast": {"intra_node": [{"bytes": 1, "gbps": 1.0, "source": "test"}],
+                  "inter_node": {"1": [{"bytes": 1, "gbps": 0.5, "source": "test"}]}}}})";
+
+// Four layers of one [704, 64] bf16 matrix with 64-row granules (4,096 elements: 11 per
+// matrix), 1,100,000 bytes per device, Adam, no prefetch, one token of activations. By hand:
+// optimizer states over 4 devices are needed (18 bytes per element of 180,224 over 2 devices
+// is 1,622,016). At 4 positions a layer's even share, 11,264, is under half the matrix, so two
+// cuts fall inside it and the shard is a multiple of 4,096: 12,288, padding 4,096 per layer
+// (9.09 %). Two layers per unit could pad nothing as far as LB2 knows (an even share of
+// 22,528 holds one cut), but their unsharded buffers, 2 x 180,224 bytes, do not fit beside the
+// 811,008 bytes of shards.
+// So the search reaches 9.09 % (k = 1 over 2 x 2) and both bounds prove nothing pads less.
+TEST(StrategyPaddingTest, TheBoundsOnAHandComputedModel) {
+  Inventory inv;
+  for (int l = 0; l < 4; ++l) {
+    UnitSpec* u = inv.add_units();
+    u->set_name(absl::StrCat("layers.", l));
+    TensorSpec* t = u->add_tensors();
+    t->set_name(absl::StrCat("layers.", l, ".w"));
+    t->add_shape(704);
+    t->add_shape(64);
+    t->set_dtype(v1::DTYPE_BF16);
+    t->set_granule_kind(v1::GRANULE_ROWS);
+    t->set_granule_rows(64);
+    t->set_optimizer(v1::OPTIMIZER_ELEMENTWISE);
+  }
+  auto profile = ParseClusterProfile(kTinyProfile);
+  ASSERT_TRUE(profile.ok()) << profile.status();
+  CostOptions o;
+  o.memory_budget_bytes = 1100000;
+  o.prefetch_depths = {0};
+  o.micro_batch_tokens = 1;
+  auto model = StrategyModel::Create(inv, {/*hidden=*/1, /*layers=*/4, 1}, *profile, o);
+  ASSERT_TRUE(model.ok()) << model.status();
+  auto advice = Advise(model->get());
+  ASSERT_TRUE(advice.ok()) << advice.status();
+  const double want = 100.0 * 4 * 4096 / (4 * 45056);
+  EXPECT_FALSE(advice->padding_target_met);
+  EXPECT_EQ(StrategyName(advice->recommendation.strategy), "k=1,shard=2x2,prefetch=0");
+  EXPECT_NEAR(advice->recommendation.padding_pct, want, 1e-9);
+  EXPECT_NEAR(advice->best_padding_pct, want, 1e-9);
+  EXPECT_NEAR(advice->padding_bound_pct, want, 1e-9);
+  EXPECT_NEAR(advice->any_grouping_bound_pct, want, 1e-9);
+  EXPECT_THAT(advice->padding_bound_why, HasSubstr("a multiple of 4096"));
+  EXPECT_THAT(advice->padding_bound_why, HasSubstr("at least 12288 elements"));
+  EXPECT_THAT(advice->any_grouping_bound_why, HasSubstr("|os| = 2: no grouping fits"));
+  EXPECT_THAT(advice->any_grouping_bound_why,
+              HasSubstr("|os| = 4: at least 9.091% (units of at most 1 layer unit)"));
+  // With room for four layers per unit (each matrix one whole shard) the target is met.
+  o.memory_budget_bytes = 1600000;
+  model = StrategyModel::Create(inv, {1, 4, 1}, *profile, o);
+  ASSERT_TRUE(model.ok()) << model.status();
+  advice = Advise(model->get());
+  ASSERT_TRUE(advice.ok()) << advice.status();
+  EXPECT_TRUE(advice->padding_target_met);
+  EXPECT_LT(advice->recommendation.padding_pct, 1.0);
+}
+
 TEST(StrategyPaddingTest, ABudgetBelowEveryNeedNamesTheSmallest) {
   for (const char* name : {"deepseek-v3", "llama3.1-405b", "gpt3-175b"}) {
     SCOPED_TRACE(name);
