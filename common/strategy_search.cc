@@ -83,12 +83,11 @@ absl::StatusOr<Advice> Advise(StrategyModel* model) {
   advice.padding_target_met = any_good;
   // Every candidate that could fit was planned; none of them pads less than its LB2 bound.
   const Evaluation* bound = nullptr;
-  int64_t could_fit = 0, widest_k = 0, narrowest_os = 0;
+  int64_t could_fit = 0, narrowest_os = 0;
   advice.best_padding_pct = -1;
   for (const Evaluation& e : evaluated) {
     if (e.memory_lower_bound || e.memory_at_bound > budget) continue;
     ++could_fit;
-    widest_k = std::max(widest_k, e.strategy.layers_per_unit);
     narrowest_os =
         narrowest_os == 0 ? e.strategy.os.size() : std::min(narrowest_os, e.strategy.os.size());
     if (bound == nullptr || e.padding_bound_pct < bound->padding_bound_pct) bound = &e;
