@@ -281,7 +281,7 @@ def main():
         impl, op, m, size = key
         sec = statistics.median(secs)
         alg = size / sec / 1e9
-        return (impl, op, m, size, sec, round(alg, 4), round(alg * (m - 1) / m, 4))
+        return (impl, op, m, size, round(sec, 6), round(alg, 4), round(alg * (m - 1) / m, 4))
 
     if daemon_secs:
         rows = [row for row in rows if row[0] not in {k[0] for k in daemon_secs}]
