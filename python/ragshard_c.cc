@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "client/block_dequant.h"
+#include "client/block_quant.h"
 #include "client/client.h"
 #include "client/device_memory.h"
 #include "common/data_plane_memory.h"
@@ -41,7 +41,8 @@ namespace ragshard {
 namespace {
 
 // 3: the _secure functions (TLS); version 2's functions remain. 4: rs_client_register takes
-// local_ranks (registration through the daemon). 5: rs_dequantize_chunks.
+// local_ranks (registration through the daemon). 5: rs_dequantize_chunks, rs_block_amax,
+// rs_encode_chunks.
 constexpr int kAbiVersion = 5;
 
 thread_local std::string last_error;
@@ -94,6 +95,16 @@ absl::StatusOr<std::shared_ptr<PlannerClient>> Planner(const char* address,
 }
 
 std::string ToJson(const google::protobuf::Message& m) { return ProtoJson(m, true, false); }
+
+// n_chunks BlockChunks from their int64 fields, in order.
+std::vector<BlockChunk> ParseChunks(const int64_t* chunks, int64_t n_chunks) {
+  std::vector<BlockChunk> parsed(static_cast<size_t>(n_chunks));
+  for (int64_t i = 0; i < n_chunks; ++i) {
+    const int64_t* f = chunks + i * kBlockChunkFields;
+    parsed[i] = {f[0], f[1], f[2], f[3], f[4], f[5], f[6]};
+  }
+  return parsed;
+}
 
 int CheckUnit(const rs_client* c, int unit) {
   if (unit >= 0 && unit < c->client->units()) return 0;
@@ -449,14 +460,32 @@ int rs_dequantize_chunks(const uint8_t* codes, int64_t n_codes, const float* sca
   if (n_codes < 0 || n_scales < 0 || n_chunks < 0 || n_out < 0) {
     return Fail(absl::InvalidArgumentError("dequantize: a negative count"));
   }
-  std::vector<BlockChunk> parsed(static_cast<size_t>(n_chunks));
-  for (int64_t i = 0; i < n_chunks; ++i) {
-    const int64_t* f = chunks + i * kBlockChunkFields;
-    parsed[i] = {f[0], f[1], f[2], f[3], f[4], f[5], f[6]};
+  const absl::Status s = DequantizeChunks(
+      absl::MakeConstSpan(codes, n_codes), absl::MakeConstSpan(scales, n_scales),
+      absl::MakeConstSpan(values, 256), ParseChunks(chunks, n_chunks), absl::MakeSpan(out, n_out));
+  return s.ok() ? 0 : Fail(s);
+}
+
+int rs_block_amax(const float* x, int64_t n, const int64_t* chunks, int64_t n_chunks, float* amax,
+                  int64_t n_blocks) {
+  if (n < 0 || n_chunks < 0 || n_blocks < 0) {
+    return Fail(absl::InvalidArgumentError("quantize: a negative count"));
+  }
+  const absl::Status s = BlockAmax(absl::MakeConstSpan(x, n), ParseChunks(chunks, n_chunks),
+                                   absl::MakeSpan(amax, n_blocks));
+  return s.ok() ? 0 : Fail(s);
+}
+
+int rs_encode_chunks(const float* x, int64_t n, const float* scales, int64_t n_scales,
+                     const int64_t* chunks, int64_t n_chunks, int fp8, uint8_t* codes,
+                     int64_t n_codes) {
+  if (n < 0 || n_scales < 0 || n_chunks < 0 || n_codes < 0) {
+    return Fail(absl::InvalidArgumentError("quantize: a negative count"));
   }
   const absl::Status s =
-      DequantizeChunks(absl::MakeConstSpan(codes, n_codes), absl::MakeConstSpan(scales, n_scales),
-                       absl::MakeConstSpan(values, 256), parsed, absl::MakeSpan(out, n_out));
+      EncodeChunks(absl::MakeConstSpan(x, n), absl::MakeConstSpan(scales, n_scales),
+                   ParseChunks(chunks, n_chunks), fp8 != 0 ? CodeKind::kFp8E4m3fn : CodeKind::kInt8,
+                   absl::MakeSpan(codes, n_codes));
   return s.ok() ? 0 : Fail(s);
 }
 

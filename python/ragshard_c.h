@@ -107,12 +107,20 @@ void rs_data_plane_peak(const int64_t* shard_elems, const int64_t* group, const 
                         const int64_t* grad_shard_elems, int64_t n, int64_t ranks, int shared,
                         int64_t prefetch, int64_t p_slots, int64_t g_slots, int64_t g_ring_nodes,
                         int64_t g_ring_slots, double out[5]);
-/* Dequantizes block-quantized codes into fp32 (client/block_dequant.h): chunks holds
+/* Dequantizes block-quantized codes into fp32 (client/block_quant.h): chunks holds
    n_chunks x 7 int64 (pos, bands, rows, cols, width, first_block, tiles), values the 256 fp32
    values of the code bytes. Elements outside the chunks are not written. */
 int rs_dequantize_chunks(const uint8_t* codes, int64_t n_codes, const float* scales,
                          int64_t n_scales, const float* values, const int64_t* chunks,
                          int64_t n_chunks, float* out, int64_t n_out);
+/* The quantizer's passes (client/block_quant.h): each block's largest |x| folded into amax,
+   then the codes of x / scales (fp8: e4m3fn, else int8). Elements outside the chunks are not
+   written. */
+int rs_block_amax(const float* x, int64_t n, const int64_t* chunks, int64_t n_chunks, float* amax,
+                  int64_t n_blocks);
+int rs_encode_chunks(const float* x, int64_t n, const float* scales, int64_t n_scales,
+                     const int64_t* chunks, int64_t n_chunks, int fp8, uint8_t* codes,
+                     int64_t n_codes);
 
 #pragma GCC visibility pop
 #ifdef __cplusplus

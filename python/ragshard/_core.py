@@ -111,6 +111,8 @@ def _load():
                                       i64, i32, i64, i64, i64, i64, i64,
                                       ctypes.POINTER(ctypes.c_double)]),
         "rs_dequantize_chunks": (i32, [c_p, i64, c_p, i64, c_p, c_p, i64, c_p, i64]),
+        "rs_block_amax": (i32, [c_p, i64, c_p, i64, c_p, i64]),
+        "rs_encode_chunks": (i32, [c_p, i64, c_p, i64, c_p, i64, i32, c_p, i64]),
     }
     for name, (res, args) in sigs.items():
         f = getattr(lib, name)
@@ -431,12 +433,25 @@ def plan_local(inventory_json, world, policy="ragged", align_bytes=16):
 
 
 def dequantize_chunks(codes, n_codes, scales, n_scales, values, chunks, n_chunks, out, n_out):
-    """client/block_dequant.h over raw addresses (ints): out[e] = values[codes[e]] * scale of
+    """client/block_quant.h over raw addresses (ints): out[e] = values[codes[e]] * scale of
     e's block, for the elements of the n_chunks chunks (7 int64 each: pos, bands, rows, cols,
     width, first_block, tiles). ragshard.quant calls it with its tensors' data_ptr()s; the GIL
     is released for the call."""
     _check(_lib.rs_dequantize_chunks(codes, int(n_codes), scales, int(n_scales), values, chunks,
                                      int(n_chunks), out, int(n_out)))
+
+
+def block_amax(x, n, chunks, n_chunks, amax, n_blocks):
+    """client/block_quant.h's BlockAmax over raw addresses: each block's largest |x| over the
+    chunks, folded into the fp32 amax."""
+    _check(_lib.rs_block_amax(x, int(n), chunks, int(n_chunks), amax, int(n_blocks)))
+
+
+def encode_chunks(x, n, scales, n_scales, chunks, n_chunks, fp8, codes, n_codes):
+    """client/block_quant.h's EncodeChunks over raw addresses: the codes (int8, or FP8 e4m3fn
+    where fp8) of x / its block's scale, clamped, for the elements of the chunks."""
+    _check(_lib.rs_encode_chunks(x, int(n), scales, int(n_scales), chunks, int(n_chunks),
+                                 1 if fp8 else 0, codes, int(n_codes)))
 
 
 def data_plane_peak(units, ranks, shared, prefetch, p_slots=-1, g_slots=-1, g_ring_nodes=1,

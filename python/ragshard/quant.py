@@ -15,9 +15,11 @@ recognized once and cached). `quantize` and `dequantize` then reduce and scale b
 (128 x 128 tiles: a band of 128 rows x the columns, reduced over its rows, then per 128 columns;
 runs: 16,384 elements per row), with no per-element block ids. Ids they do not recognize take
 the generic per-element path; both give the same bits. On the CPU, `dequantize` runs the layout's
-whole tiles and runs through the client library's kernel (client/block_dequant.h): one pass,
+whole tiles and runs through the client library's kernel (client/block_quant.h): one pass,
 each element written once (the gather's destination is a node's shared unsharded buffer); on
-other devices, the same layout through torch ops.
+other devices, the same layout through torch ops; `quantize` likewise (a pass for the blocks'
+amax, a pass for the codes, with torch's rounding: int8 to nearest even, FP8 as
+c10::Float8_e4m3fn converts).
 """
 import hashlib
 import weakref
@@ -147,6 +149,9 @@ class Layout:
         return sc.index_select(1, colmap).view(nb, 1, cols)
 
     def quantize(self, x, blocks, kind):
+        native = self._quantize_native(x, blocks, kind)
+        if native is not None:
+            return native
         chunks, generic = self._on(x.device)
         x = x.contiguous()
         xa = x.abs()
@@ -179,6 +184,38 @@ class Layout:
             y[a:b] = 0.0
         return _encode_(y, kind), scale[:blocks]
 
+    def _chunks_packed(self):
+        """The chunks as the client library's kernels take them (7 int64 each), made once."""
+        if self._packed is None:
+            self._packed = torch.tensor([list(c[:7]) for c in self.chunks],
+                                        dtype=torch.int64).reshape(-1, 7)
+        return self._packed
+
+    def _quantize_native(self, x, blocks, kind):
+        """quantize through the client library's kernels (fp32 CPU tensors: one pass for the
+        blocks' amax, one for the codes), or None where they do not apply."""
+        if x.device.type != "cpu" or x.dtype != torch.float32:
+            return None
+        x = x.contiguous().view(-1)
+        packed = self._chunks_packed()
+        amax = torch.zeros(max(blocks, 1))
+        core.block_amax(x.data_ptr(), x.numel(), packed.data_ptr(), packed.shape[0],
+                        amax.data_ptr(), amax.numel())
+        for pos, g in self.generic:
+            amax.scatter_reduce_(0, g, x[pos:pos + g.numel()].abs(), "amax")
+        scale = amax / QMAX[kind]
+        scale[scale == 0] = 1.0
+        codes = torch.empty(x.numel(), dtype=torch.uint8)
+        core.encode_chunks(x.data_ptr(), x.numel(), scale.data_ptr(), scale.numel(),
+                           packed.data_ptr(), packed.shape[0], kind == "fp8", codes.data_ptr(),
+                           codes.numel())
+        for pos, g in self.generic:
+            n = g.numel()
+            codes[pos:pos + n] = encode(x[pos:pos + n] / scale[g], kind).view(torch.uint8)
+        for a, b in self.pads:
+            codes[a:b] = 0
+        return codes.view(CODE_DTYPE[kind]), scale[:blocks]
+
     def _native(self, codes, scales, kind, out):
         """dequantize's chunks through the client library's kernel (CPU tensors), or False
         where it does not apply."""
@@ -186,13 +223,11 @@ class Layout:
                 not codes.is_contiguous() or not scales.is_contiguous() or \
                 scales.dtype != torch.float32 or (out is not None and not out.is_contiguous()):
             return False
-        if self._packed is None:
-            self._packed = torch.tensor([list(c[:7]) for c in self.chunks],
-                                        dtype=torch.int64).reshape(-1, 7)
+        packed = self._chunks_packed()
         values = _code_values(kind)
         core.dequantize_chunks(codes.data_ptr(), codes.numel(), scales.data_ptr(),
-                               scales.numel(), values.data_ptr(), self._packed.data_ptr(),
-                               self._packed.shape[0], out.data_ptr(), out.numel())
+                               scales.numel(), values.data_ptr(), packed.data_ptr(),
+                               packed.shape[0], out.data_ptr(), out.numel())
         return True
 
     def dequantize(self, codes, scales, kind, out=None):

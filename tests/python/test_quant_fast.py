@@ -150,3 +150,42 @@ def test_strided_inputs(kind):
     assert torch.equal(c.view(torch.uint8), rc.view(torch.uint8)) and torch.equal(s, rs)
     cs = torch.stack([c.view(torch.uint8), c.view(torch.uint8)], 1)[:, 0]
     assert torch.equal(quant.dequantize(cs, s, ids, kind), ref.dequantize(cs, s, ids, kind))
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_the_native_encoder_rounds_as_torch_at_every_tie(kind):
+    """The client library's encoder against torch's conversion (round to nearest even) on
+    every code's value, every midpoint between neighbouring codes and one ulp either side, the
+    clamp's edges and random values; scale 1, one run."""
+    from ragshard import _core as core
+    if kind == "fp8":
+        codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+        codes = codes[torch.isfinite(codes)].unique()
+    else:
+        codes = torch.arange(-128, 128, dtype=torch.float32)
+    mids = (codes[1:] + codes[:-1]) / 2
+    edges = torch.tensor([449.0, -449.0, 1e30, -1e30, 128.0, -128.0, 127.5, -127.5, 0.0, -0.0])
+    x = torch.cat([codes, mids, torch.nextafter(mids, torch.full_like(mids, float("inf"))),
+                   torch.nextafter(mids, torch.full_like(mids, float("-inf"))), edges,
+                   torch.randn(100_003) * 100]).contiguous()
+    n = x.numel()
+    chunks = torch.tensor([[0, 1, 1, n, n, 0, 1]], dtype=torch.int64)
+    scales = torch.ones(1)
+    got = torch.empty(n, dtype=torch.uint8)
+    core.encode_chunks(x.data_ptr(), n, scales.data_ptr(), 1, chunks.data_ptr(), 1,
+                       kind == "fp8", got.data_ptr(), n)
+    want = quant.encode(x.clone(), kind).view(torch.uint8)
+    bad = torch.nonzero(got != want).flatten()[:5]
+    assert bad.numel() == 0, [(x[i].item(), got[i].item(), want[i].item()) for i in bad]
+    amax = torch.zeros(1)
+    core.block_amax(x.data_ptr(), n, chunks.data_ptr(), 1, amax.data_ptr(), 1)
+    assert amax.item() == x.abs().max().item()
+
+
+def test_the_native_kernels_refuse_chunks_that_do_not_fit():
+    from ragshard import _core as core
+    x = torch.zeros(100)
+    chunks = torch.tensor([[60, 1, 1, 50, 50, 0, 1]], dtype=torch.int64)
+    amax = torch.zeros(1)
+    with pytest.raises(core.Error, match="block chunk 0 .* past the 100 elements"):
+        core.block_amax(x.data_ptr(), 100, chunks.data_ptr(), 1, amax.data_ptr(), 1)

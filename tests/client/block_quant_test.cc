@@ -1,6 +1,8 @@
-#include "client/block_dequant.h"
+#include "client/block_quant.h"
 
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -60,7 +62,7 @@ TEST(BlockDequantTest, ChunksThatDoNotFitAreRefusedByNameAndNothingIsWritten) {
     BlockChunk chunk;
     const char* says;
   } cases[] = {
-      {{60, 1, 1, 50, 50, 0, 1}, "past the 100 codes"},
+      {{60, 1, 1, 50, 50, 0, 1}, "past the 100 elements"},
       {{0, 1, 1, 50, 50, 4, 1}, "past the 4 given"},
       {{0, 1, 1, 50, 0, 0, 1}, "not positive"},
       {{-1, 1, 1, 50, 50, 0, 1}, "negative"},
@@ -82,6 +84,68 @@ TEST(BlockDequantTest, ChunksThatDoNotFitAreRefusedByNameAndNothingIsWritten) {
   EXPECT_THAT(
       DequantizeChunks(codes, scales, values, {fits}, absl::MakeSpan(out.data(), 99)).message(),
       HasSubstr("99 output elements for 100 codes"));
+}
+
+// One run of n elements, one block.
+BlockChunk OneRun(int64_t n) { return {0, 1, 1, n, n, 0, 1}; }
+
+TEST(BlockQuantTest, AmaxFoldsEachBlocksLargestMagnitudeAndNaNWins) {
+  // 37 elements: the SIMD lanes and the tail both see the largest.
+  std::vector<float> x(37, 0.5f);
+  x[35] = -9.0f;
+  std::vector<float> amax = {2.0f};
+  ASSERT_TRUE(BlockAmax(x, {OneRun(37)}, absl::MakeSpan(amax)).ok());
+  EXPECT_EQ(amax[0], 9.0f);
+  amax = {20.0f};  // folded: a larger maximum already there stays
+  ASSERT_TRUE(BlockAmax(x, {OneRun(37)}, absl::MakeSpan(amax)).ok());
+  EXPECT_EQ(amax[0], 20.0f);
+  x[3] = std::numeric_limits<float>::quiet_NaN();
+  ASSERT_TRUE(BlockAmax(x, {OneRun(37)}, absl::MakeSpan(amax)).ok());
+  EXPECT_TRUE(std::isnan(amax[0]));
+}
+
+TEST(BlockQuantTest, Int8CodesRoundTiesToEvenAndClamp) {
+  // 20 elements: 16 through the SIMD lanes, 4 through the tail, the same cases in both.
+  const std::vector<float> base = {0.5f,   1.5f,  -2.5f, 300.0f, -300.0f,
+                                   126.6f, -0.4f, 3.0f,  2.5f,   -0.5f};
+  std::vector<float> x;
+  for (int i = 0; i < 2; ++i) x.insert(x.end(), base.begin(), base.end());
+  const std::vector<int8_t> want = {0, 2, -2, 127, -127, 127, 0, 3, 2, 0};
+  std::vector<uint8_t> codes(x.size());
+  const std::vector<float> scale = {1.0f};
+  ASSERT_TRUE(EncodeChunks(x, scale, {OneRun(static_cast<int64_t>(x.size()))}, CodeKind::kInt8,
+                           absl::MakeSpan(codes))
+                  .ok());
+  for (size_t i = 0; i < x.size(); ++i) {
+    EXPECT_EQ(static_cast<int8_t>(codes[i]), want[i % want.size()]) << "x = " << x[i];
+  }
+}
+
+TEST(BlockQuantTest, Fp8CodesAreE4m3fnBytes) {
+  // 1 = 0x38, 448 (the largest) = 0x7e, past it clamps to 448, 2^-9 (the least subnormal) =
+  // 0x01, -2 = 0xc0, 0 = 0x00; twice, through the lanes and the tail.
+  const std::vector<float> base = {1.0f, 448.0f, 1000.0f, 0.001953125f, -2.0f,
+                                   0.0f, 1.0f,   1.0f,    1.0f,         1.0f};
+  const std::vector<uint8_t> want = {0x38, 0x7e, 0x7e, 0x01, 0xc0, 0x00, 0x38, 0x38, 0x38, 0x38};
+  std::vector<float> x;
+  for (int i = 0; i < 2; ++i) x.insert(x.end(), base.begin(), base.end());
+  std::vector<uint8_t> codes(x.size());
+  const std::vector<float> scale = {1.0f};
+  ASSERT_TRUE(EncodeChunks(x, scale, {OneRun(static_cast<int64_t>(x.size()))}, CodeKind::kFp8E4m3fn,
+                           absl::MakeSpan(codes))
+                  .ok());
+  for (size_t i = 0; i < x.size(); ++i) EXPECT_EQ(codes[i], want[i % want.size()]) << x[i];
+}
+
+TEST(BlockQuantTest, QuantizerPassesRefuseChunksThatDoNotFit) {
+  const std::vector<float> x(10, 1.0f);
+  std::vector<float> amax(1);
+  std::vector<uint8_t> codes(10);
+  EXPECT_THAT(BlockAmax(x, {OneRun(11)}, absl::MakeSpan(amax)).message(),
+              HasSubstr("past the 10 elements"));
+  EXPECT_THAT(EncodeChunks(x, amax, {OneRun(10)}, CodeKind::kInt8, absl::MakeSpan(codes.data(), 9))
+                  .message(),
+              HasSubstr("9 codes for 10 elements"));
 }
 
 }  // namespace

@@ -1,8 +1,8 @@
-// Dequantization of block-quantized codes (python/ragshard/quant.py's layout) into fp32: the
-// quantized all-gather's hot loop, one pass over memory where the torch ops it replaces make
-// three (decode, gather the scales, multiply).
-#ifndef RAGSHARD_CLIENT_BLOCK_DEQUANT_H_
-#define RAGSHARD_CLIENT_BLOCK_DEQUANT_H_
+// Block quantization kernels (python/ragshard/quant.py's layout: 128 x 128 tiles and runs of
+// 16,384): the quantized all-gather's hot loops, one pass over memory each where the torch ops
+// they replace make several.
+#ifndef RAGSHARD_CLIENT_BLOCK_QUANT_H_
+#define RAGSHARD_CLIENT_BLOCK_QUANT_H_
 
 #include <cstdint>
 
@@ -35,6 +35,21 @@ absl::Status DequantizeChunks(absl::Span<const uint8_t> codes, absl::Span<const 
                               absl::Span<const float> values, absl::Span<const BlockChunk> chunks,
                               absl::Span<float> out);
 
+// The largest |x| of each block's elements in the chunks, folded into amax (NaN wins): the
+// quantizer's first pass. A chunk that does not fit `x` or `amax` is INVALID_ARGUMENT.
+absl::Status BlockAmax(absl::Span<const float> x, absl::Span<const BlockChunk> chunks,
+                       absl::Span<float> amax);
+
+enum class CodeKind { kInt8, kFp8E4m3fn };
+
+// codes[e] = the code of x[e] / scales[block of e], clamped to the format's range (±127, ±448),
+// for every element e of the chunks: int8 rounded to nearest even, or FP8 e4m3fn rounded to
+// nearest even (torch's conversions, bit for bit). Elements outside the chunks are not
+// touched. A chunk that does not fit is INVALID_ARGUMENT, naming it, and nothing is written.
+absl::Status EncodeChunks(absl::Span<const float> x, absl::Span<const float> scales,
+                          absl::Span<const BlockChunk> chunks, CodeKind kind,
+                          absl::Span<uint8_t> codes);
+
 }  // namespace ragshard
 
-#endif  // RAGSHARD_CLIENT_BLOCK_DEQUANT_H_
+#endif  // RAGSHARD_CLIENT_BLOCK_QUANT_H_
