@@ -68,9 +68,8 @@ class QuantizedGatherMixin:
                     "which ragshard.launch --strategy sets)")
             ids = [quant.shard_block_ids(self.plan["units"][ui], r, q["S"])[0]
                    for r in range(self.world)]
+            q["ids"] = ids
             q["own_ids"] = ids[self.pos]
-            q["all_ids"] = torch.cat([torch.where(i >= 0, i + r * q["B"], i)
-                                      for r, i in enumerate(ids)])
             # The exact fp32 master of this rank's shard: the unsharded buffer's slots hold
             # dequantized values once a quantized gather has run.
             self.masters[ui] = as_tensor(self.client.param_shard(ui)).clone()
@@ -99,11 +98,17 @@ class QuantizedGatherMixin:
         pending = self._handles.pop(("qreshard", ui), None)
         if pending is not None:
             pending.wait()  # the last gather's release of the byte unit
-        codes, scales = quant.quantize(self.masters[ui], q["own_ids"], q["B"], self.quantize)
-        mine = as_tensor(self.client.param_shard(q["index"]))
-        mine[:q["S"]] = codes.view(torch.uint8)
-        if q["B"]:
-            mine[q["S4"]:q["S4"] + 4 * q["B"]] = scales.contiguous().view(torch.uint8)
+        master = self.masters[ui]
+        # The byte unit's shard persists: where the master has not changed since it was
+        # quantized (a backward's gather after its forward's), its codes are still there. Every
+        # write to the master (the optimizer's, through views, a load's) moves its version.
+        if q.get("quantized") != (id(master), master.data_ptr(), master._version):
+            codes, scales = quant.quantize(master, q["own_ids"], q["B"], self.quantize)
+            mine = as_tensor(self.client.param_shard(q["index"]))
+            mine[:q["S"]] = codes.view(torch.uint8)
+            if q["B"]:
+                mine[q["S4"]:q["S4"] + 4 * q["B"]] = scales.contiguous().view(torch.uint8)
+            q["quantized"] = (id(master), master.data_ptr(), master._version)
         return self.client.unshard(q["index"]), self.client.allocate_unsharded(ui)
 
     def _q_finish(self, ui, started):
@@ -115,11 +120,13 @@ class QuantizedGatherMixin:
         for h in started:
             h.wait()
         allq = as_tensor(self.client.unsharded(qi)).view(self.world, q["SQ"])
-        codes_all = allq[:, :q["S"]].reshape(-1)
-        scales_all = allq[:, q["S4"]:q["S4"] + 4 * q["B"]].contiguous().view(
-            torch.float32).reshape(-1)
         full = as_tensor(self.client.unsharded(ui))
-        quant.dequantize(codes_all, scales_all, q["all_ids"], self.quantize, out=full)
+        s, s4, b = q["S"], q["S4"], q["B"]
+        for r, ids in enumerate(q["ids"]):
+            # Rank r's codes and scales where the gather put them (no copy: S4 and SQ keep the
+            # scales 4-byte aligned), into rank r's slots of the unit.
+            quant.dequantize(allq[r, :s], allq[r, s4:s4 + 4 * b].view(torch.float32), ids,
+                             self.quantize, out=full[r * s:(r + 1) * s])
         self._handles[("qreshard", ui)] = self.client.reshard(qi)
         self._bind(ui)
         self.gathered_bytes["quantized"] += self.world * q["SQ"]
