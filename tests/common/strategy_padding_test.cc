@@ -13,6 +13,7 @@
 #include "common/models.h"
 #include "common/strategy_search.h"
 #include "common/unit_grouping.h"
+#include "tests/common/tiny_profile.h"
 
 namespace ragshard {
 namespace {
@@ -104,24 +105,6 @@ TEST(StrategyPaddingTest, TheBoundsNameWhyEachModelPads) {
   EXPECT_THAT(s.advice->padding_bound_why, HasSubstr("o_proj"));
   EXPECT_THAT(s.advice->padding_bound_why, HasSubstr("|os| = 512"));
 }
-
-// 2 nodes x 2 devices, flat curves.
-constexpr char kTinyProfile[] = R"({
-  "name": "tiny", "nodes": 2, "devices_per_node": 2,
-  "device_memory_bytes": {"value": 1000000, "assumption": "test"},
-  "peak_flops": {"value": 1e9, "assumption": "test"},
-  "mfu": {"value": 1.0, "assumption": "test"},
-  "collectives": {
-    "all_gather": {"intra_node": [{"bytes": 1, "gbps": 1.0, "source": "test"}],
-                   "inter_node": {"1": [{"bytes": 1, "gbps": 0.5, "source": "test"}],
-                                  "2": [{"bytes": 1, "gbps": 0.5, "source": "test"}]}},
-    "reduce_scatter": {"intra_node": [{"bytes": 1, "gbps": 1.0, "source": "test"}],
-                       "inter_node": {"1": [{"bytes": 1, "gbps": 0.5, "source": "test"}],
-                                      "2": [{"bytes": 1, "gbps": 0.5, "source": "test"}]}},
-    "all_reduce": {"intra_node": [{"bytes": 1, "gbps": 1.0, "source": "test"}],
-                   "inter_node": {"1": [{"bytes": 1, "gbps": 0.5, "source": "test"}]}},
-    "broadcast": {"intra_node": [{"bytes": 1, "gbps": 1.0, "source": "test"}],
-                  "inter_node": {"1": [{"bytes": 1, "gbps": 0.5, "source": "test"}]}}}})";
 
 // Four layers of one [704, 64] bf16 matrix with 64-row granules (4,096 elements: 11 per
 // matrix), 1,100,000 bytes per device, Adam, no prefetch, one token of activations. By hand:
