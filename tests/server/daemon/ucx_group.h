@@ -1,5 +1,8 @@
 // Test helper: runs a body in N forked processes connected by a UCX communicator. UCX state is
-// created only in the children (it must not be inherited across fork).
+// created only in the children (it must not be inherited across fork), and the parent forks only
+// while it runs no other thread: a thread of the parent that was exiting at a fork (its stack's
+// madvise, hooked by UCX's memory events) left the children a UCM lock that nobody would release,
+// and both children hung in ucp_init.
 #pragma once
 
 #include <signal.h>
@@ -58,8 +61,22 @@ class Marks {
 };
 
 struct UcxGroup {
+  // A child still running after this long has hung (every body's operations have deadlines far
+  // shorter); SIGALRM ends it, and its exit code (128 + 14) names the hang instead of a test
+  // that waits for ctest's timeout.
+  static constexpr unsigned kWatchdogSeconds = 300;
+
   std::vector<pid_t> pids;
   std::vector<int> ready_fds;  // each child writes one byte once connected
+  std::thread releaser;        // releases the children once every body has returned
+
+  UcxGroup() = default;
+  UcxGroup(UcxGroup&&) = default;
+  UcxGroup& operator=(UcxGroup&&) = delete;
+  // Joined, so that no thread of this group is running (or exiting) when the next group forks.
+  ~UcxGroup() {
+    if (releaser.joinable()) releaser.join();
+  }
 
   // body(rank, comm) runs in child `rank`; its return value is the exit code. Child `rank`
   // connects for job job_of(rank) ("" when not given); a failed connect exits with
@@ -80,6 +97,7 @@ struct UcxGroup {
       }
       pid_t pid = fork();
       if (pid == 0) {
+        alarm(kWatchdogSeconds);
         auto w = UcxWorker::Create("127.0.0.1", 0);
         if (!w.ok()) _exit(10);
         (*w)->AllowPeerHosts({"127.0.0.1"});
@@ -152,7 +170,7 @@ struct UcxGroup {
       close(go_fds[r]);
     }
     // Releases the children once every one has finished its body or died.
-    std::thread([fin_fds, release_fds] {
+    g.releaser = std::thread([fin_fds, release_fds] {
       for (int fd : fin_fds) {
         char c;
         if (read(fd, &c, 1) != 1) {
@@ -161,7 +179,7 @@ struct UcxGroup {
         close(fd);
       }
       for (int fd : release_fds) close(fd);  // end of file releases every child
-    }).detach();
+    });
     return g;
   }
 
