@@ -14,6 +14,7 @@
 #include "absl/types/span.h"
 #include "ragshard/v1/plan.pb.h"
 #include "server/daemon/comm.h"
+#include "server/daemon/reduce_kernels.h"  // the element kernels, for the collectives' users
 
 namespace ragshard::daemon {
 
@@ -81,16 +82,5 @@ absl::Status AllReduce(Comm& comm, float* data, size_t count, ReduceOp op, absl:
 
 absl::Status AllReduceInPlace(Comm& comm, float* data, size_t count, ReduceOp op, float* scratch,
                               absl::Time deadline, uint64_t tag_base);
-
-// Element conversions used by the reductions.
-float Bf16ToFloat(uint16_t v);
-uint16_t FloatToBf16(float f);  // round to nearest even
-float Fp16ToFloat(uint16_t v);
-// Adds `count` elements of `dtype` at `src` into `acc`.
-void Accumulate(const void* src, v1::DType dtype, size_t count, float* acc);
-// out = src as fp32; out = base + src. `out` may be `base` or `src` (fp32): each element is read
-// before it is written.
-void Convert(const void* src, v1::DType dtype, size_t count, float* out);
-void Add(const float* base, const void* src, v1::DType dtype, size_t count, float* out);
 
 }  // namespace ragshard::daemon

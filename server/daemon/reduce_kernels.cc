@@ -1,0 +1,138 @@
+#include "server/daemon/reduce_kernels.h"
+
+#include <algorithm>
+#include <cstring>
+
+namespace ragshard::daemon {
+namespace {
+
+// Elements per block: each block's results are formed in registers (a local array) before any is
+// stored, so `out` may be an input, and the compiler vectorizes the block without alias checks.
+constexpr size_t kBlock = 16;
+
+inline float Bf16(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+inline float Fp16(uint16_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t mant = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {  // subnormal
+      exp = 127 - 15 + 1;
+      while ((mant & 0x400u) == 0) {
+        mant <<= 1;
+        --exp;
+      }
+      bits = sign | (exp << 23) | ((mant & 0x3ffu) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// out[i] = f(i) for i in [0, count), by blocks: all of a block's values before its stores.
+template <typename F>
+inline void Blocks(size_t count, float* out, F f) {
+  size_t i = 0;
+  for (; i + kBlock <= count; i += kBlock) {
+    float v[kBlock];
+    for (size_t k = 0; k < kBlock; ++k) v[k] = f(i + k);
+    for (size_t k = 0; k < kBlock; ++k) out[i + k] = v[k];
+  }
+  for (; i < count; ++i) out[i] = f(i);
+}
+
+}  // namespace
+
+float Bf16ToFloat(uint16_t v) { return Bf16(v); }
+
+uint16_t FloatToBf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  if ((bits & 0x7f800000u) == 0x7f800000u && (bits & 0x007fffffu)) return 0x7fc0;  // NaN
+  const uint32_t rounding = 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>((bits + rounding) >> 16);
+}
+
+float Fp16ToFloat(uint16_t h) { return Fp16(h); }
+
+void Accumulate(const void* src, v1::DType dtype, size_t count, float* acc) {
+  switch (dtype) {
+    case v1::DTYPE_FP32: {
+      const float* s = static_cast<const float*>(src);
+      Blocks(count, acc, [&](size_t i) { return acc[i] + s[i]; });
+      break;
+    }
+    case v1::DTYPE_BF16: {
+      const uint16_t* s = static_cast<const uint16_t*>(src);
+      Blocks(count, acc, [&](size_t i) { return acc[i] + Bf16(s[i]); });
+      break;
+    }
+    case v1::DTYPE_FP16: {
+      const uint16_t* s = static_cast<const uint16_t*>(src);
+      for (size_t i = 0; i < count; ++i) acc[i] += Fp16(s[i]);
+      break;
+    }
+    default:
+      break;
+  }
+}
+
+void Convert(const void* src, v1::DType dtype, size_t count, float* out) {
+  switch (dtype) {
+    case v1::DTYPE_FP32: {
+      const float* s = static_cast<const float*>(src);
+      if (s != out) std::copy(s, s + count, out);
+      break;
+    }
+    case v1::DTYPE_BF16: {
+      const uint16_t* s = static_cast<const uint16_t*>(src);
+      Blocks(count, out, [&](size_t i) { return Bf16(s[i]); });
+      break;
+    }
+    case v1::DTYPE_FP16: {
+      const uint16_t* s = static_cast<const uint16_t*>(src);
+      for (size_t i = 0; i < count; ++i) out[i] = Fp16(s[i]);
+      break;
+    }
+    default:
+      break;
+  }
+}
+
+void Add(const float* base, const void* src, v1::DType dtype, size_t count, float* out) {
+  switch (dtype) {
+    case v1::DTYPE_FP32: {
+      const float* s = static_cast<const float*>(src);
+      Blocks(count, out, [&](size_t i) { return base[i] + s[i]; });
+      break;
+    }
+    case v1::DTYPE_BF16: {
+      const uint16_t* s = static_cast<const uint16_t*>(src);
+      Blocks(count, out, [&](size_t i) { return base[i] + Bf16(s[i]); });
+      break;
+    }
+    case v1::DTYPE_FP16: {
+      const uint16_t* s = static_cast<const uint16_t*>(src);
+      for (size_t i = 0; i < count; ++i) out[i] = base[i] + Fp16(s[i]);
+      break;
+    }
+    default:
+      break;
+  }
+}
+
+}  // namespace ragshard::daemon
