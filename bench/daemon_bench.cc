@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <iostream>
 #include <sstream>
@@ -84,15 +85,20 @@ int RankMain(char** argv) {
     *ran /= iters;
     return (Now() - t0) / iters;
   };
+  // --only OP (passed down in RAGSHARD_DAEMON_BENCH_ONLY): one operation and no latency, for a
+  // profile of the daemons running that operation alone.
+  const char* only_env = std::getenv("RAGSHARD_DAEMON_BENCH_ONLY");
+  const std::string only = only_env == nullptr ? "" : only_env;
   double ag_ran = 0, rs_ran = 0;
-  const double ag = run(true, &ag_ran), rs = run(false, &rs_ran);
+  const double ag = only == "reducescatter" ? 0 : run(true, &ag_ran);
+  const double rs = only == "allgather" ? 0 : run(false, &rs_ran);
   if (ag < 0 || rs < 0) return 4;
   // The full buffer is W * S elements (S may be padded up by the plan's alignment).
   const int64_t full = c->plan().world_size() * c->plan().units(0).shard_elems() * 4;
   std::printf("allgather,%ld,%.6f\nreducescatter,%ld,%.6f\n", static_cast<long>(full), ag,
               static_cast<long>(full), rs);
   std::printf("ran,%.6f,%.6f\n", ag_ran, rs_ran);
-  if (rank == 0) {
+  if (rank == 0 && only.empty()) {
     // The no-op's round trip: back to back through the command queue (the daemon's poller is
     // awake), the same after 1 ms idle each (the poller sleeps and is rung), and over gRPC.
     const auto latency = [&](const char* name, int n, bool idle, bool rpc) {
@@ -171,12 +177,14 @@ int Main(int argc, char** argv) {
     const std::string flag = argv[i];
     if (flag == "--help" || flag == "-h") {
       std::cout << "usage: daemon_bench [--max-mib N] [--bytes N] [--config DxK] [--views B]\n"
+                   "                    [--only allgather|reducescatter]\n"
                    "  A planner, D ragshardd daemons and D*K rank processes on loopback: unshard\n"
                    "  and reduce_scatter through ragshard (CSV rows), and the no-op latency.\n"
                    "  --max-mib N   largest size, MiB (default 256)\n"
                    "  --bytes N     one size only (>= 4096)\n"
                    "  --config DxK  one (daemons x ranks per daemon) pair only\n"
-                   "  --views B     the daemons' --unsharded-views (default true)\n";
+                   "  --views B     the daemons' --unsharded-views (default true)\n"
+                   "  --only OP     that operation alone and no latency (for a profile)\n";
       return 0;
     }
     if (i + 1 >= argc) {
@@ -195,9 +203,14 @@ int Main(int argc, char** argv) {
       views = argv[i + 1];
       continue;
     }
+    if (flag == "--only" &&
+        (std::string(argv[i + 1]) == "allgather" || std::string(argv[i + 1]) == "reducescatter")) {
+      ::setenv("RAGSHARD_DAEMON_BENCH_ONLY", argv[i + 1], 1);  // for the rank processes
+      continue;
+    }
     std::cerr << "error: " << flag << " " << argv[i + 1]
               << ": flags are --max-mib N (>= 1), --bytes N (>= 4096), --config DxK, "
-                 "--views true|false\n";
+                 "--views true|false, --only allgather|reducescatter\n";
     return 2;
   }
   char self[4096] = {0};
