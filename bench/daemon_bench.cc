@@ -28,6 +28,12 @@ namespace {
 
 using namespace std::chrono_literals;
 
+int64_t SteadyNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
 std::string Dir(const std::string& p) { return p.substr(0, p.rfind('/')); }
 
 Inventory OneTensor(int64_t elems) {
@@ -67,31 +73,73 @@ int RankMain(char** argv) {
   // Each operation as training issues it: the unshard allocates the unsharded buffer where it
   // was released; a reduce-scatter follows the allocation of the gradient buffer it releases.
   // `ran` adds up how long the daemon's job thread ran the collective (the command queue says).
+  // Per operation, on the steady clock the daemon stamps too: issued -> the job thread starts it
+  // (the command queue and the hand-off), started -> finished (the daemon's run), finished ->
+  // the rank holds the answer (completion and wake-up). Medians, in microseconds, printed as the
+  // `phases` row.
+  std::vector<double> queued_us, run_us, answered_us;
+  // The collective's time is from its call to its answer. A reduce-scatter's gradient buffer is
+  // allocated (zero-filled by the daemon) and waited for before it: the allocation is timed
+  // apart (`alloc_s`), as training issues it before backward, not with the collective.
+  double alloc_s = 0;
   auto run = [&](bool gather, double* ran) -> double {
+    double total = 0;
     auto once = [&] {
-      auto a = gather ? c->Unshard(0) : c->AllocateGrad(0);
-      if (!a.ok()) return false;
-      auto h = gather ? std::move(a) : c->ReduceScatter(0, v1::REDUCE_SUM);
-      if (!h.ok() || !h->Wait(120s).ok() || (!gather && !a->Wait(120s).ok())) return false;
+      if (!gather) {
+        const double a0 = Now();
+        auto a = c->AllocateGrad(0);
+        if (!a.ok() || !a->Wait(120s).ok()) return false;
+        alloc_s += Now() - a0;
+      }
+      const int64_t issued = SteadyNs();
+      auto h = gather ? c->Unshard(0) : c->ReduceScatter(0, v1::REDUCE_SUM);
+      if (!h.ok() || !h->Wait(120s).ok()) return false;
+      const int64_t answered = SteadyNs();
+      total += static_cast<double>(answered - issued) * 1e-9;
       *ran += static_cast<double>(h->finished_ns() - h->started_ns()) * 1e-9;
+      queued_us.push_back(static_cast<double>(h->started_ns() - issued) * 1e-3);
+      run_us.push_back(static_cast<double>(h->finished_ns() - h->started_ns()) * 1e-3);
+      answered_us.push_back(static_cast<double>(answered - h->finished_ns()) * 1e-3);
       return true;
     };
-    if (!once()) return -1;
+    if (!once()) return -1;  // a warm-up, not counted
     *ran = 0;
-    const double t0 = Now();
+    total = 0;
+    alloc_s = 0;
+    queued_us.clear();
+    run_us.clear();
+    answered_us.clear();
     for (int i = 0; i < iters; ++i) {
       if (!once()) return -1;
     }
     *ran /= iters;
-    return (Now() - t0) / iters;
+    alloc_s /= iters;
+    return total / iters;
   };
   // --only OP (passed down in RAGSHARD_DAEMON_BENCH_ONLY): one operation and no latency, for a
   // profile of the daemons running that operation alone.
   const char* only_env = std::getenv("RAGSHARD_DAEMON_BENCH_ONLY");
   const std::string only = only_env == nullptr ? "" : only_env;
+  const auto median = [](std::vector<double> v) {
+    if (v.empty()) return 0.0;
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  const auto phases = [&](const char* op) {
+    std::printf("phases,%s,%.1f,%.1f,%.1f\n", op, median(queued_us), median(run_us),
+                median(answered_us));
+    queued_us.clear();
+    run_us.clear();
+    answered_us.clear();
+  };
   double ag_ran = 0, rs_ran = 0;
   const double ag = only == "reducescatter" ? 0 : run(true, &ag_ran);
+  if (only != "reducescatter") phases("allgather");
   const double rs = only == "allgather" ? 0 : run(false, &rs_ran);
+  if (only != "allgather") {
+    phases("reducescatter");
+    std::printf("alloc,%.6f\n", alloc_s);
+  }
   if (ag < 0 || rs < 0) return 4;
   // The full buffer is W * S elements (S may be padded up by the plan's alignment).
   const int64_t full = c->plan().world_size() * c->plan().units(0).shard_elems() * 4;
@@ -304,6 +352,11 @@ int Main(int argc, char** argv) {
           } else if (f.size() == 3 && f[0].rfind("noop", 0) == 0 && bytes == (size_t{1} << 20)) {
             std::printf("%s-latency-us,%dx%d,p50=%s,p99=%s\n", f[0].c_str(), nd, k, f[1].c_str(),
                         f[2].c_str());
+          } else if (f.size() == 2 && f[0] == "alloc" && first) {
+            std::printf("grad-alloc-s,%dx%d,%zu,%s\n", nd, k, bytes, f[1].c_str());
+          } else if (f.size() == 5 && f[0] == "phases" && first) {
+            std::printf("phases-us,%dx%d,%zu,%s,%s,%s,%s\n", nd, k, bytes, f[1].c_str(),
+                        f[2].c_str(), f[3].c_str(), f[4].c_str());
           } else if (f.size() == 3 && f[0] == "ran" && first) {
             // Rank 0's mean end-to-end time of each operation beside the daemon's run of it.
             ag_ran = std::stod(f[1]);

@@ -151,7 +151,7 @@ void JobRuntime::FillProgress(std::vector<v1::RankProgress>* out) {
     p.set_job_id(job_id_);
     p.set_rank(local_ranks_[i]);
     p.set_done_seq(last_done_seq_);
-    p.set_done(last_done_);
+    if (last_done_seq_ != 0) p.set_done(Describe(last_done_));
     // The first operation this rank started that has not completed.
     for (const auto& [seq, op] : ops_) {
       if (op.done || seq >= next_seq_[i]) continue;
@@ -328,9 +328,8 @@ void JobRuntime::Run() {
     times.started_ns = SteadyNanos();
     const absl::Status s = Execute(op);
     times.finished_ns = SteadyNanos();
-    const std::string kind = absl::AsciiStrToLower(v1::OpKind_Name(op.kind).substr(3));  // OP_
-    metrics_->OperationDone(kind, absl::ToDoubleSeconds(absl::Now() - started), s);
-    if (comm_ != nullptr) metrics_->BytesSent(kind, "ucx", comm_->sent_bytes() - sent_before);
+    metrics_->OperationDone(op.kind, absl::ToDoubleSeconds(absl::Now() - started), s,
+                            comm_ != nullptr ? comm_->sent_bytes() - sent_before : 0);
     std::vector<v1::UnitBuffers> placements;
     if (s.ok()) {
       placements.resize(local_ranks_.size());
@@ -358,7 +357,8 @@ void JobRuntime::Run() {
       if (fatal && failed_.ok()) failed_ = s;
       running_seq_ = 0;
       last_done_seq_ = seq;
-      last_done_ = Describe(op);
+      last_done_.kind = op.kind;  // described when progress is asked for
+      last_done_.unit = op.unit;
       // An operation the job's failure (Fail, a departed rank) already answered keeps that answer.
       auto it = ops_.find(seq);
       if (it != ops_.end() && !it->second.done) {

@@ -149,7 +149,7 @@ class JobRuntime final : public OpTarget {
   int64_t staging_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t running_seq_ ABSL_GUARDED_BY(mu_) = 0;  // the operation on the job's thread, or 0
   uint64_t last_done_seq_ ABSL_GUARDED_BY(mu_) = 0;
-  std::string last_done_ ABSL_GUARDED_BY(mu_);
+  Op last_done_ ABSL_GUARDED_BY(mu_);  // its kind and unit only
   std::thread thread_;
 };
 

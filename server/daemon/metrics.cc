@@ -1,5 +1,7 @@
 #include "server/daemon/metrics.h"
 
+#include "absl/strings/ascii.h"
+
 namespace ragshard::daemon {
 
 const char* ErrorCause(const absl::Status& status) {
@@ -45,14 +47,57 @@ DaemonMetrics::DaemonMetrics() : registry_(std::make_shared<prometheus::Registry
                  .Register(*registry_);
 }
 
+namespace {
+
+// From an allocation's microseconds to a large unit's gather across nodes.
+const prometheus::Histogram::BucketBoundaries& Buckets() {
+  static const prometheus::Histogram::BucketBoundaries kBuckets = {
+      1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1, 5, 30};
+  return kBuckets;
+}
+
+}  // namespace
+
+std::string DaemonMetrics::KindLabel(v1::OpKind kind) {
+  std::string name = v1::OpKind_Name(kind);
+  if (name.rfind("OP_", 0) == 0) name = name.substr(3);
+  return absl::AsciiStrToLower(name);
+}
+
 void DaemonMetrics::OperationDone(const std::string& kind, double seconds,
                                   const absl::Status& status) {
   operations_->Add({{"kind", kind}, {"result", status.ok() ? "ok" : "error"}}).Increment();
-  // From an allocation's microseconds to a large unit's gather across nodes.
-  static const prometheus::Histogram::BucketBoundaries kBuckets = {
-      1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1, 5, 30};
-  seconds_->Add({{"kind", kind}}, kBuckets).Observe(seconds);
+  seconds_->Add({{"kind", kind}}, Buckets()).Observe(seconds);
   if (!status.ok()) Error(status);
+}
+
+void DaemonMetrics::OperationDone(v1::OpKind kind, double seconds, const absl::Status& status,
+                                  int64_t ucx_bytes) {
+  const int k = static_cast<int>(kind);
+  if (!status.ok() || k < 0 || k >= kKinds) {  // rare: by label
+    const std::string label = KindLabel(kind);
+    OperationDone(label, seconds, status);
+    BytesSent(label, "ucx", ucx_bytes);
+    return;
+  }
+  KindSeries* series = nullptr;
+  {
+    absl::MutexLock lock(&kinds_mu_);
+    std::unique_ptr<KindSeries>& slot = kinds_[static_cast<size_t>(k)];
+    if (slot == nullptr) {
+      slot = std::make_unique<KindSeries>();
+      slot->label = KindLabel(kind);
+      slot->ok = &operations_->Add({{"kind", slot->label}, {"result", "ok"}});
+      slot->seconds = &seconds_->Add({{"kind", slot->label}}, Buckets());
+    }
+    if (ucx_bytes > 0 && slot->ucx_bytes == nullptr) {
+      slot->ucx_bytes = &bytes_->Add({{"collective", slot->label}, {"transport", "ucx"}});
+    }
+    series = slot.get();
+  }
+  series->ok->Increment();
+  series->seconds->Observe(seconds);
+  if (ucx_bytes > 0) series->ucx_bytes->Increment(static_cast<double>(ucx_bytes));
 }
 
 void DaemonMetrics::BytesSent(const std::string& kind, const std::string& transport,

@@ -56,5 +56,27 @@ TEST(DaemonMetricsTest, OperationsBytesAndErrorsAreCountedByTheirLabels) {
             (std::map<std::string, double>{{"cause=peer_lost", 1}, {"cause=deadline", 1}}));
 }
 
+TEST(DaemonMetricsTest, TheJobThreadsKindsLandInTheSameSeriesAsTheirLabels) {
+  DaemonMetrics m;
+  EXPECT_EQ(DaemonMetrics::KindLabel(v1::OP_REDUCE_SCATTER), "reduce_scatter");
+  m.OperationDone(v1::OP_UNSHARD, 0.002, absl::OkStatus(), 0);  // nothing sent yet: no series
+  m.OperationDone(v1::OP_UNSHARD, 0.004, absl::OkStatus(), 1 << 20);
+  m.OperationDone("unshard", 0.001, absl::OkStatus());  // the series the kind keeps
+  m.OperationDone(v1::OP_REDUCE_SCATTER, 0.5, absl::UnavailableError("peer 1 lost"), 4096);
+  m.OperationDone(v1::OP_RESHARD, 0.001, absl::OkStatus(), 0);
+  EXPECT_EQ(Samples(m, "ragshard_daemon_operations_total"),
+            (std::map<std::string, double>{{"kind=unshard,result=ok", 3},
+                                           {"kind=reduce_scatter,result=error", 1},
+                                           {"kind=reshard,result=ok", 1}}));
+  EXPECT_EQ(Samples(m, "ragshard_daemon_operation_seconds", true),
+            (std::map<std::string, double>{
+                {"kind=unshard", 3}, {"kind=reduce_scatter", 1}, {"kind=reshard", 1}}));
+  EXPECT_EQ(Samples(m, "ragshard_daemon_sent_bytes_total"),
+            (std::map<std::string, double>{{"collective=unshard,transport=ucx", 1 << 20},
+                                           {"collective=reduce_scatter,transport=ucx", 4096}}));
+  EXPECT_EQ(Samples(m, "ragshard_daemon_errors_total"),
+            (std::map<std::string, double>{{"cause=peer_lost", 1}}));
+}
+
 }  // namespace
 }  // namespace ragshard::daemon
