@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 
+import collectives_profile
 import provenance
 
 REPS = 5  # repetitions of each variant for the message-check comparison
@@ -264,18 +265,36 @@ def main():
     # Between daemons (2x1, 2x2): REPS runs of daemon_bench for the configuration alone, each
     # followed by the exchange bound's; the daemon tables use their medians (the full run's
     # figures of these configurations are replaced; its control-path and no-op figures stay).
+    # The baselines of 2 members (OpenMPI and Gloo over tcp) run in the same alternation, so
+    # that 2x1's targets compare medians of the same runs' neighbours.
     daemon_secs = collections.defaultdict(list)  # (impl, op, n, size) -> seconds
+    phases = collections.defaultdict(list)  # (bytes, op) -> 2x1 rank 0's (queued, run, answered)
+    allocs = collections.defaultdict(list)  # bytes -> 2x1 gradient allocation seconds
     for rep in range(REPS):
         for d, k in BOUND_CONFIGS[2]:
             cfg = f"{d}x{k}"
-            for impl, op, m, size, sec, alg, bus in run(
-                    [f"{b}/daemon_bench", "--config", cfg, "--max-mib", args.max_mib]):
+            cmd = [f"{b}/daemon_bench", "--config", cfg, "--max-mib", args.max_mib]
+            print("+", " ".join(cmd), file=sys.stderr, flush=True)
+            bench_rows, bench_phases, bench_alloc = collectives_profile.parse_daemon_bench(
+                subprocess.run(cmd, check=True, capture_output=True, text=True,
+                               timeout=1800).stdout)
+            for impl, op, m, size, sec, alg, bus in bench_rows:
                 if impl == f"ragshard-daemons-{cfg}":
                     daemon_secs[(impl, op, m, size)].append(sec)
+            if cfg == "2x1":
+                for (_, size, op), figures in bench_phases.items():
+                    phases[(size, op)].append(figures)
+                for (_, size), sec in bench_alloc.items():
+                    allocs[size].append(sec)
             for impl, op, m, size, sec, alg, bus in run(
                     [f"{b}/exchange_bound", "--daemons", str(d), "--ranks", str(k), "--max-mib",
                      args.max_mib]):
                 bounds[(impl, op, m, size)].append(sec)
+        for impl, op, m, size, sec, alg, bus in (
+                run(mpirun + ["-np", "2", "--mca", "btl", "tcp,self", f"{b}/mpi_collectives",
+                              "openmpi-tcp", args.max_mib])
+                + run([f"{b}/gloo_collectives", "--members", "2", "--max-mib", args.max_mib])):
+            daemon_secs[(impl, op, m, size)].append(sec)
 
     def median_row(key, secs):
         impl, op, m, size = key
@@ -289,9 +308,11 @@ def main():
     rows += [median_row(key, secs) for key, secs in sorted(bounds.items())]
     for n in (2, 4):
         rows += run([f"{b}/collectives_bench", "--members", str(n), "--max-mib", args.max_mib])
-        rows += run(mpirun + ["-np", str(n), "--mca", "btl", "tcp,self", f"{b}/mpi_collectives",
-                              "openmpi-tcp", args.max_mib])
-        rows += run([f"{b}/gloo_collectives", "--members", str(n), "--max-mib", args.max_mib])
+        if n != 2:  # 2 members' tcp baselines are the alternated runs' medians above
+            rows += run(mpirun + ["-np", str(n), "--mca", "btl", "tcp,self",
+                                  f"{b}/mpi_collectives", "openmpi-tcp", args.max_mib])
+            rows += run([f"{b}/gloo_collectives", "--members", str(n), "--max-mib",
+                         args.max_mib])
         rows += run(mpirun + ["-np", str(n), f"{b}/mpi_collectives", "openmpi-shm", args.max_mib])
 
     def bucket(size):
@@ -340,7 +361,10 @@ def main():
               "> 1 the row was faster than its bound's median in this run (noise). The daemon rows "
               f"across 2 daemons are the median of {REPS} runs of `daemon_bench --config DxK` "
               "alternated with the bound's (the bound's runs pool those with the ones alternated "
-              "with collectives_bench).\n")
+              "with collectives_bench), and so are, at 2 members, OpenMPI's and Gloo's tcp rows "
+              f"({REPS} runs each in the same alternation). A reduce-scatter through the daemons "
+              "is timed from its call to its answer; the gradient buffer's allocation before it "
+              "(the daemon zero-fills it) is timed apart (*Where the time goes*).\n")
     targets = []
     bound_targets = []  # (title, fraction of the exchange bound, worst measured)
 
@@ -580,11 +604,16 @@ def main():
         f"{against_bound('reducescatter')}. At 2 daemons the all-gather's exchange is the whole "
         "of its transfer, so any gap is what the daemon adds around it (the command queue, "
         "the hand-off to the job's thread, its waits); the reduce-scatter also sums in that "
-        "thread.\n"
+        "thread. *Where the time goes* below splits each size into the control path, the job "
+        "thread's run and the reduction, with the CPU the exchange alone uses and the "
+        "daemons' profile.\n"
         "* **Where the design wins** it is for its structural reason: ranks of a node share one "
         "unsharded buffer and one gradient sum, so across 2 × 2 each node's data crosses the "
         "network once (see the 2 daemons × 2 ranks tables above), and within a node the "
         "all-gather maps the shards instead of copying them.\n")
+    bound_2x1 = {(op, size): statistics.median(secs)
+                 for (impl, op, m, size), secs in bounds.items() if impl == "exchange-bound-2x1"}
+    md += collectives_profile.where_the_time_goes(b, phases, allocs, bound_2x1)
     md.append("\n## Physical limits\n")
     md.append("| size | memcpy GB/s | ucx-p2p GB/s |\n|---:|---:|---:|")
     for s in sorted(s for (o, m, s) in table if o == "copy"):

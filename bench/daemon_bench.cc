@@ -69,7 +69,11 @@ int RankMain(char** argv) {
                  std::string(st.message()).c_str());
     return 3;
   }
-  const int iters = Iterations(static_cast<size_t>(bytes));
+  // --iters N (passed down in RAGSHARD_DAEMON_BENCH_ITERS) in place of the size's default.
+  int iters = Iterations(static_cast<size_t>(bytes));
+  if (const char* env = std::getenv("RAGSHARD_DAEMON_BENCH_ITERS"); env != nullptr) {
+    if (!absl::SimpleAtoi(env, &iters) || iters < 1) return 2;
+  }
   // Each operation as training issues it: the unshard allocates the unsharded buffer where it
   // was released; a reduce-scatter follows the allocation of the gradient buffer it releases.
   // `ran` adds up how long the daemon's job thread ran the collective (the command queue says).
@@ -225,14 +229,15 @@ int Main(int argc, char** argv) {
     const std::string flag = argv[i];
     if (flag == "--help" || flag == "-h") {
       std::cout << "usage: daemon_bench [--max-mib N] [--bytes N] [--config DxK] [--views B]\n"
-                   "                    [--only allgather|reducescatter]\n"
+                   "                    [--only allgather|reducescatter] [--iters N]\n"
                    "  A planner, D ragshardd daemons and D*K rank processes on loopback: unshard\n"
                    "  and reduce_scatter through ragshard (CSV rows), and the no-op latency.\n"
                    "  --max-mib N   largest size, MiB (default 256)\n"
                    "  --bytes N     one size only (>= 4096)\n"
                    "  --config DxK  one (daemons x ranks per daemon) pair only\n"
                    "  --views B     the daemons' --unsharded-views (default true)\n"
-                   "  --only OP     that operation alone and no latency (for a profile)\n";
+                   "  --only OP     that operation alone and no latency (for a profile)\n"
+                   "  --iters N     timed operations per size (default: 20, 5 or 3 by size)\n";
       return 0;
     }
     if (i + 1 >= argc) {
@@ -251,6 +256,12 @@ int Main(int argc, char** argv) {
       views = argv[i + 1];
       continue;
     }
+    int64_t iters = 0;
+    if (flag == "--iters" && absl::SimpleAtoi(argv[i + 1], &iters) && iters >= 1 &&
+        iters <= 1000000) {
+      ::setenv("RAGSHARD_DAEMON_BENCH_ITERS", argv[i + 1], 1);  // for the rank processes
+      continue;
+    }
     if (flag == "--only" &&
         (std::string(argv[i + 1]) == "allgather" || std::string(argv[i + 1]) == "reducescatter")) {
       ::setenv("RAGSHARD_DAEMON_BENCH_ONLY", argv[i + 1], 1);  // for the rank processes
@@ -258,7 +269,7 @@ int Main(int argc, char** argv) {
     }
     std::cerr << "error: " << flag << " " << argv[i + 1]
               << ": flags are --max-mib N (>= 1), --bytes N (>= 4096), --config DxK, "
-                 "--views true|false, --only allgather|reducescatter\n";
+                 "--views true|false, --only allgather|reducescatter, --iters N (1..1000000)\n";
     return 2;
   }
   char self[4096] = {0};
