@@ -222,7 +222,7 @@ def main():
         parts = line.strip().split(",")
         if parts[0] == "daemon-ran":
             ran.append((parts[1], int(parts[2])) + tuple(float(x) for x in parts[3:]))
-        elif len(parts) == 7:
+        elif len(parts) == 7 and parts[0].startswith("ragshard-"):
             impl, op, n, size, sec, alg, bus = parts
             rows.append((impl, op, int(n), int(size), float(sec), float(alg), float(bus)))
         elif parts[0] in ("noop-latency-us", "noop-idle-latency-us", "noop-rpc-latency-us"):
