@@ -16,6 +16,18 @@ Each repetition runs, for each build,
         (registrations_answered_s), READY (ready_s), every node holds the plan
         (all_nodes_hold_plan_s), the planner's CPU seconds (planner_cpu_s)
 
+and, with --data-path (the collectives and the no-op latency),
+
+    collectives_bench --members 2 --max-mib 16
+        the data plane's collectives between 2 processes over UCX (each build's own program):
+        all-gather and reduce-scatter seconds at 1 and 16 MiB
+    daemon_bench --config 2x1 --bytes S (S = 1 MiB, 64 MiB)
+        2 daemons x 1 rank through the command queue: all-gather and reduce-scatter seconds,
+        and at 1 MiB the no-op's p50 (back to back, after 1 ms idle, over gRPC). The NEW
+        build's daemon_bench drives both builds' ragshardd and ragshard-planner (it runs the
+        servers beside it, so the script links each build's servers into a folder with a copy
+        of it): the rank side and the way it times are the same, the daemons differ.
+
 Both builds' control_plane_bench must have the node CLI (--nodes, --ranks-per-node, --json:
 commit 301ec96 on), read from its --help; an older one (--ranks, a Markdown table of one watcher
 per rank) measures another setup, so the script stops and says so rather than compare them.
@@ -34,6 +46,7 @@ import datetime
 import json
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import tempfile
@@ -125,6 +138,55 @@ def control(build):
             {k: j.get(k) for k in CONTROL_EXACT})
 
 
+# The data path (--data-path): collectives_bench's rows and daemon_bench's sizes.
+COLLECTIVE_CASES = [(op, size) for op in ("allgather", "reducescatter")
+                    for size in (1 << 20, 16 << 20)]
+DAEMON_SIZES = [1 << 20, 64 << 20]
+NOOPS = {"noop-latency-us": "no-op p50 µs", "noop-idle-latency-us": "no-op after idle p50 µs",
+         "noop-rpc-latency-us": "no-op over gRPC p50 µs"}
+
+
+def servers_with(build, daemon_bench, work, side):
+    """A folder holding a copy of `daemon_bench` and links to `build`'s servers, which that
+    daemon_bench runs (it looks beside itself first)."""
+    folder = os.path.join(work, f"servers-{side}")
+    os.makedirs(folder, exist_ok=True)
+    for name in ("ragshardd", "ragshard-planner"):
+        target = os.path.abspath(os.path.join(build, "server", name))
+        if not os.access(target, os.X_OK):
+            raise SystemExit(f"{target}: no such program (build the target {name} in {build})")
+        link = os.path.join(folder, name)
+        if not os.path.lexists(link):
+            os.symlink(target, link)
+    copy = os.path.join(folder, "daemon_bench")
+    if not os.path.exists(copy):
+        shutil.copy2(daemon_bench, copy)
+    return copy
+
+
+def data_path(build, daemon_bench):
+    """collectives_bench's and daemon_bench's figures of one build: {name: seconds or µs}."""
+    out = {}
+    rows = run([binary(build, "collectives_bench"), "--members", "2", "--max-mib", "16"]).stdout
+    for line in rows.splitlines():
+        f = line.split(",")
+        if len(f) == 7 and f[0] == "ragshard-ucx" and (f[1], int(f[3])) in COLLECTIVE_CASES:
+            out[f"ucx {f[1]} {int(f[3]) >> 20} MiB s"] = float(f[4])
+    for size in DAEMON_SIZES:
+        text = run([daemon_bench, "--config", "2x1", "--bytes", str(size)]).stdout
+        for line in text.splitlines():
+            f = line.split(",")
+            if len(f) == 7 and f[0] == "ragshard-daemons-2x1":
+                out[f"daemons 2x1 {f[1]} {size >> 20} MiB s"] = float(f[4])
+            elif len(f) == 4 and f[0] in NOOPS:
+                out[NOOPS[f[0]]] = float(f[2].split("=")[1])
+    want = len(COLLECTIVE_CASES) + 2 * len(DAEMON_SIZES) + len(NOOPS)
+    if len(out) != want:
+        raise SystemExit(f"{build}: the data-path benchmarks gave {sorted(out)}, not {want} "
+                         "figures")
+    return out
+
+
 def verdict(old, new):
     mo, mn = statistics.median(old), statistics.median(new)
     spread = max(max(old) - min(old), max(new) - min(new))
@@ -142,6 +204,9 @@ def main():
                     help="what changed between the old commit and this one, for the report's "
                          "title and first paragraph (\"... before and after WHAT\")")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--data-path", action="store_true",
+                    help="also the collectives (collectives_bench) and, through the daemons, "
+                         "all-gather, reduce-scatter and the no-op latency (daemon_bench)")
     ap.add_argument("--out", default="docs/benchmarks/refactor_ab.md")
     provenance.add_flag(ap)
     a = ap.parse_args()
@@ -151,12 +216,18 @@ def main():
     exact = {"old": None, "new": None}
     rep_s = []
     with tempfile.TemporaryDirectory() as work:
+        benches = {}
+        if a.data_path:
+            daemon_bench = binary(a.new, "daemon_bench")
+            benches = {side: servers_with(build, daemon_bench, work, side)
+                       for side, build in (("old", a.old), ("new", a.new))}
         for rep in range(a.reps):
             t0 = time.monotonic()
             for side, build in (("old", a.old), ("new", a.new)):
                 t, e1 = planner(build, work, flags[side])
                 c, e2 = control(build)
-                for k, v in {**t, **c}.items():
+                d = data_path(build, benches[side]) if a.data_path else {}
+                for k, v in {**t, **c, **d}.items():
                     samples[side].setdefault(k, []).append(v)
                 e = (sorted(e1.items()), sorted(e2.items()))
                 if exact[side] is not None and exact[side] != e:
@@ -171,15 +242,20 @@ def main():
         ok &= within
         rows.append((k, o, n, mo, mn, within))
     same = exact["old"] == exact["new"]
-    what = f" --what {shlex.quote(a.what)}" if a.what != "a refactor" else ""
+    what = (f" --what {shlex.quote(a.what)}" if a.what != "a refactor" else "") + (
+        " --data-path" if a.data_path else "")
+    paths = "control and data paths" if a.data_path else "control path"
     lines = [
-        f"# Control path before and after {a.what}", "",
-        f"The control path before and after {a.what}: commit {a.label} (old) against this "
+        f"# {paths.capitalize()} before and after {a.what}", "",
+        f"The {paths} before and after {a.what}: commit {a.label} (old) against this "
         f"commit (new). Run on {datetime.date.today()} on this repository's 2-core development "
         f"machine by `.venv/bin/python bench/ab_compare.py --old OLD_BUILD --new build --label "
         f"{a.label}{what} --reps {a.reps}`: `planner_bench {' '.join(PLANNER_ARGS)}` and "
-        f"`control_plane_bench {' '.join(CONTROL_ARGS)}` (1,024 ranks on 128 simulated nodes) "
-        f"of both builds, alternated, {a.reps} repetition{'s' * (a.reps != 1)} each in one run "
+        f"`control_plane_bench {' '.join(CONTROL_ARGS)}` (1,024 ranks on 128 simulated nodes)"
+        + (", `collectives_bench --members 2 --max-mib 16` and `daemon_bench --config 2x1 "
+           "--bytes S` (S = 1 and 64 MiB; the new build's daemon_bench driving each build's "
+           "daemons and planner)" if a.data_path else "") +
+        f" of both builds, alternated, {a.reps} repetition{'s' * (a.reps != 1)} each in one run "
         f"({statistics.median(rep_s):.0f} s a repetition of both). Within noise: the median "
         "moved by less than the larger of 5 % and the spread (max − min, the larger of the "
         "two builds').", "",
@@ -194,7 +270,13 @@ def main():
               "control_plane_bench's seconds from the first registration until every "
               "registration was answered, until the job was READY (plan computed, stored, the "
               "first node holds it) and until every node held the plan, and the planner "
-              "process's CPU seconds over that span (counted in 0.01 s ticks).", "",
+              "process's CPU seconds over that span (counted in 0.01 s ticks)."
+              + (" Data path: collectives_bench's slowest member's mean seconds per "
+                 "collective; daemon_bench's all-gather and reduce-scatter from call to answer "
+                 "(the slowest rank's mean; the reduce-scatter's gradient allocation is timed "
+                 "apart and not shown), and rank 0's no-op p50 through the command queue, "
+                 "back to back and after 1 ms idle, and over gRPC." if a.data_path else ""),
+              "",
               "Deterministic figures (padding, imbalance, split 128×128 blocks, split "
               "matrices and the LB2 gap of each planned case; the ranks, tensors, the plan's "
               "size and compressed size, the nodes holding it, mismatched plans, failed calls "
