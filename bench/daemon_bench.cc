@@ -237,7 +237,7 @@ int Main(int argc, char** argv) {
                    "  --config DxK  one (daemons x ranks per daemon) pair only\n"
                    "  --views B     the daemons' --unsharded-views (default true)\n"
                    "  --only OP     that operation alone and no latency (for a profile)\n"
-                   "  --iters N     timed operations per size (default: 20, 5 or 3 by size)\n";
+                   "  --iters N     timed operations per size (default: 200, 50, 5 or 3 by size)\n";
       return 0;
     }
     if (i + 1 >= argc) {

@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -78,6 +79,28 @@ TEST_P(ReduceKernelsTest, MatchTheElementByElementSumsAtEveryCount) {
     Accumulate(src.data(), dtype, count, acc.data());
     EXPECT_EQ(acc, expect);
   }
+}
+
+// Long enough for the streamed output (kStreamMinBytes, 256 KiB), with a tail past the last
+// 16-element block; out apart from both inputs, and in place (then not streamed).
+TEST(ReduceKernelsFp32Test, ALongSumIsTheSameStreamedOrInPlace) {
+  const size_t count = (size_t{256} << 10) / sizeof(float) + 37;
+  std::vector<float> base(count), src(count), expect(count);
+  for (size_t i = 0; i < count; ++i) {
+    base[i] = Value(i, 4);
+    src[i] = Value(i, 6);
+    expect[i] = base[i] + src[i];
+  }
+  std::vector<float> out(count, -1.0f);
+  Add(base.data(), src.data(), v1::DTYPE_FP32, count, out.data());
+  EXPECT_EQ(out, expect);
+  std::vector<float> in_place = base;
+  Add(in_place.data(), src.data(), v1::DTYPE_FP32, count, in_place.data());
+  EXPECT_EQ(in_place, expect);
+  // An output 4 bytes off a 16-byte boundary takes the cached path.
+  std::vector<float> shifted(count + 1, -1.0f);
+  Add(base.data(), src.data(), v1::DTYPE_FP32, count, shifted.data() + 1);
+  EXPECT_TRUE(std::equal(expect.begin(), expect.end(), shifted.begin() + 1));
 }
 
 TEST(ReduceKernelsFp32Test, AddAndConvertMayWriteOverTheirSource) {
