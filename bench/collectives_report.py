@@ -170,7 +170,7 @@ def before_after(build, before_build, max_mib, outdir):
         "* Before, the shard was a slice of a persistent unsharded buffer and nothing moved "
         "locally. Now the unsharded buffer is transient, and where the node's shard block is a "
         "whole number of pages (every size here) it is a view (docs/daemon.md, "
-        "common/unsharded_view.h): a transient lease for the other node's shard and the "
+        "protocol/unsharded_view.h): a transient lease for the other node's shard and the "
         "persistent shard block mapped side by side, so again nothing moves locally and the "
         "ring sends from the shard and receives into the lease. An earlier form of this build "
         "copied the shard into the buffer during the ring instead; on this machine, whose "

@@ -29,11 +29,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "bench/proc_stats.h"
-#include "common/models.h"
-#include "common/open_files.h"
-#include "common/plan_codec.h"
-#include "common/planner_client.h"
+#include "engine/models.h"
+#include "engine/plan_codec.h"
+#include "infra/open_files.h"
 #include "nlohmann/json.hpp"
+#include "protocol/planner_client.h"
 #include "server/daemon/node_registration.h"
 #include "tests/testing/test_util.h"
 
@@ -427,7 +427,7 @@ int Main(int argc, char** argv) {
   app.add_option("--nodes", o.nodes, "simulated nodes")->check(CLI::Range(1, 65536));
   app.add_option("--ranks-per-node", o.ranks_per_node, "ranks of each node")
       ->check(CLI::Range(1, 4096));
-  app.add_option("--model", o.model, "zoo model (common/models.h)");
+  app.add_option("--model", o.model, "zoo model (engine/models.h)");
   app.add_option("--granule", o.granule, "granule of 2-D+ tensors: element, rows:K or whole");
   app.add_option("--heartbeat-s", o.heartbeat_s,
                  "then measure this many seconds of heartbeats alone (0: none)")

@@ -150,7 +150,7 @@ class Runner:
             if "error" in run:
                 return run
             run["daemon_hwm"] = [vm("VmHWM", p.pid) for p in c.procs[1:]]
-            ctl = subprocess.run([os.path.join(self.build, "client", "ragshardctl"), "--planner",
+            ctl = subprocess.run([os.path.join(self.build, "ctl", "ragshardctl"), "--planner",
                                   c.planner, "nodes", "--json"], capture_output=True, text=True,
                                  timeout=60)
             run["ctl_pool_peak"] = {}

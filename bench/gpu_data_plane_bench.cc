@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "CLI/CLI.hpp"
-#include "common/planner.h"
+#include "engine/planner.h"
 #include "server/daemon/cuda/cuda_device.h"
 #include "server/daemon/cuda/gpu_data_plane.h"
 

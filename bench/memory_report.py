@@ -18,7 +18,7 @@ Ideal per node for k local ranks, prefetch P, shard size S per unit, U the large
 p = 4 parameter bytes, g = 4 gradient bytes:
 * host: k*sum(S)*(p + 4) + (P + 1)*U*(p + k*g)   (the prefetch-1 form is the issue's 2*U*...)
 * device-shaped: k*sum(S)*(p + 4) + (P + 1)*U*k*(p + g)
-Target: pool peak <= 1.10 * ideal + 16 MiB. The model figure is common/data_plane_memory.h's
+Target: pool peak <= 1.10 * ideal + 16 MiB. The model figure is engine/data_plane_memory.h's
 DataPlanePeak (what the strategy model counts), for the node (host) or k devices.
 
 Optimizer state per rank (also alone with --optimizer-state-only, which rewrites only its
@@ -159,7 +159,7 @@ class Runner:
             code, text = run_command(cmd, env, sampler, timeout)
             if code != 0:
                 return {"error": text[-3000:]}
-            ctl = os.path.join(self.build, "client", "ragshardctl")
+            ctl = os.path.join(self.build, "ctl", "ragshardctl")
             nodes = json.loads(subprocess.run([ctl, "--planner", c.planner, "nodes", "--json"],
                                               capture_output=True, text=True, check=True,
                                               timeout=60).stdout)["nodes"]
@@ -359,7 +359,7 @@ def strategy_section(rows, separate=False):
              "profiles/host-2x2-loopback.json"
              + (f" (a separate run of `bench/memory_report.py --strategies-only` on "
                 f"{datetime.date.today()})" if separate else "") + ". The model is the cost "
-             "model's data-plane figure for the node (`DataPlanePeak`, common/data_plane_memory.h, "
+             "model's data-plane figure for the node (`DataPlanePeak`, engine/data_plane_memory.h, "
              "with the plan's shard sizes per factor: parameter shards, gradient shards, the "
              "unsharded parameters in flight, one unit's unsharded gradients and the reduce-"
              "scatter ring's scratch between nodes; a node's blocks hold A_p and A_g slots on the "
@@ -535,7 +535,7 @@ def write(a, rows, long_run, strategies, optimizer_states):
              f"{a.steps} steps. Every figure in one table comes from one run of the script.", "",
              "Columns: the pool peak of the node (the larger of the nodes), the ideal (formulas "
              "below) and the target (1.10 x ideal + 16 MiB), the strategy model's data-plane "
-             "figure (`DataPlanePeak`, common/data_plane_memory.h) and its distance to the pool "
+             "figure (`DataPlanePeak`, engine/data_plane_memory.h) and its distance to the pool "
              "peak, the node's peak summed PSS (ranks and daemon, /proc/PID/smaps_rollup), the "
              "largest rank RSS; then FSDP2's and DDP's summed PSS per node (their ranks grouped "
              "k to a node) in the same run. MiB throughout.", ""]

@@ -1,7 +1,7 @@
 // The plan's encodings (docs/benchmarks/control_plane.md, "Compact plans"): plans a zoo model the
 // way ragshard-planner plans control_plane_bench's job (policy ragged, align 16 bytes, job
 // "bench", version 1) and prints, as one JSON object, the deterministic serialization's size and
-// its zstd frame's (common/plan_codec.h, the planner's level) for the plan and for copies of it
+// its zstd frame's (engine/plan_codec.h, the planner's level) for the plan and for copies of it
 // rewritten in the encodings issue 51 names:
 //
 //   plain         the plan as the planner stores and sends it (compressed);
@@ -21,9 +21,9 @@
 #include <vector>
 
 #include "CLI/CLI.hpp"
-#include "common/models.h"
-#include "common/plan_codec.h"
-#include "common/planner.h"
+#include "engine/models.h"
+#include "engine/plan_codec.h"
+#include "engine/planner.h"
 #include "google/protobuf/unknown_field_set.h"
 #include "nlohmann/json.hpp"
 
@@ -95,7 +95,7 @@ int Main(int argc, char** argv) {
   CLI::App app("A plan's size in the encodings issue 51 names; prints JSON");
   std::string model = "deepseek-v3", granule = "rows:128";
   int64_t world = 16384;
-  app.add_option("--model", model, "zoo model (common/models.h)");
+  app.add_option("--model", model, "zoo model (engine/models.h)");
   app.add_option("--granule", granule, "granule of 2-D+ tensors: element, rows:K or whole");
   app.add_option("--world", world, "ranks")->check(CLI::Range(int64_t{1}, kMaxWorld));
   CLI11_PARSE(app, argc, argv);

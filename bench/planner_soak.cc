@@ -27,9 +27,9 @@
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_cat.h"
 #include "bench/proc_stats.h"
-#include "common/inventory.h"
-#include "common/planner_client.h"
+#include "engine/inventory.h"
 #include "nlohmann/json.hpp"
+#include "protocol/planner_client.h"
 #include "tests/testing/test_util.h"
 
 namespace ragshard {

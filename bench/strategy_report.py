@@ -27,7 +27,7 @@ REPEATS = 5
 
 def ctl(build, *args):
     t0 = time.perf_counter()
-    r = subprocess.run([os.path.join(build, "client", "ragshardctl"), *args],
+    r = subprocess.run([os.path.join(build, "ctl", "ragshardctl"), *args],
                        capture_output=True, text=True, timeout=600)
     return r, time.perf_counter() - t0
 
@@ -113,7 +113,7 @@ def zoo_section(build, lines, rows):
     lines += ["", deepseek_note(rows), ""]
 
 
-# Why each model's shards are multiples of what they are, from the shapes in common/models.cc
+# Why each model's shards are multiples of what they are, from the shapes in engine/models.cc
 # (the figures advise prints in padding_bound_why).
 WHY = {
     "llama3.1-405b": (

@@ -10,9 +10,9 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "common/dtype.h"
-#include "common/fd_passing.h"
-#include "common/rpc.h"
+#include "engine/dtype.h"
+#include "infra/rpc.h"
+#include "protocol/fd_passing.h"
 
 namespace ragshard {
 

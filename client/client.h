@@ -14,10 +14,10 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "client/rank_queue.h"
-#include "common/fd.h"
-#include "common/inventory.h"
-#include "common/planner_client.h"
-#include "common/unsharded_view.h"
+#include "engine/inventory.h"
+#include "infra/fd.h"
+#include "protocol/planner_client.h"
+#include "protocol/unsharded_view.h"
 #include "ragshard/v1/daemon.grpc.pb.h"
 
 namespace ragshard {
@@ -90,7 +90,7 @@ class Client {
   // The gradients' replicas, W / |g| (HSDP's replicas of the shard group when p = g = os; 1 for
   // plain FSDP): where it is above 1, AllReduce sums the gradient shards over them.
   int64_t replicas() const { return replicas_; }
-  // This rank's positions in the layouts of the job's factors (common/sharding.h): its
+  // This rank's positions in the layouts of the job's factors (engine/sharding.h): its
   // parameter shard is position p of plan().world_size(), and so on.
   const v1::RankPositions& positions() const { return positions_; }
   // "host" or "device-shaped" (views below map the daemon's memfd arena) or "cuda" (the buffers
@@ -112,7 +112,7 @@ class Client {
   // The transient buffers move between allocations: a view is valid until the operation that
   // releases it (reshard, the end of reduce_scatter), and FAILED_PRECONDITION says so outside.
   // On the host backend the unsharded buffer may be a view that maps the node's shards
-  // (common/unsharded_view.h): its pointer then lies outside arena(), is the same for the unit
+  // (protocol/unsharded_view.h): its pointer then lies outside arena(), is the same for the unit
   // at every unshard, and this rank's writes over its own shards are discarded at reshard.
   template <typename T>
   absl::StatusOr<absl::Span<T>> Unsharded(int unit) {

@@ -1,4 +1,4 @@
-// The rank's end of its command queue to the daemon (common/command_queue.h): starts an
+// The rank's end of its command queue to the daemon (protocol/command_queue.h): starts an
 // operation with one write into shared memory and sees its start and its result in a completion
 // slot, without a round trip of its own. A dead daemon is seen when its side channel closes, a
 // hung or stopped one when its clock in the queue stands still for the peer timeout.
@@ -17,8 +17,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "common/command_queue.h"
-#include "common/fd.h"
+#include "infra/fd.h"
+#include "protocol/command_queue.h"
 
 namespace ragshard {
 

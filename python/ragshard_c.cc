@@ -15,12 +15,12 @@
 #include "client/block_quant.h"
 #include "client/client.h"
 #include "client/device_memory.h"
-#include "common/data_plane_memory.h"
-#include "common/dtype.h"
-#include "common/inventory.h"
-#include "common/planner.h"
-#include "common/planner_client.h"
-#include "common/proto_text.h"
+#include "engine/data_plane_memory.h"
+#include "engine/dtype.h"
+#include "engine/inventory.h"
+#include "engine/planner.h"
+#include "infra/proto_text.h"
+#include "protocol/planner_client.h"
 
 // The C++ Client is thread-compatible, and ctypes releases the GIL around every call: `mu`
 // serialises the calls that do not wait (what the GIL serialised under the pybind11 module),
@@ -289,7 +289,7 @@ int rs_client_buffer(rs_client* c, int unit, int kind, uintptr_t* ptr, int64_t* 
     return Fail(absl::UnimplementedError(absl::StrCat("no array view for dtype ", DTypeName(d))));
   }
   if (kind == 1 && b.has_unsharded_view()) {
-    // The host backend's view over the node's shards (common/unsharded_view.h).
+    // The host backend's view over the node's shards (protocol/unsharded_view.h).
     *ptr = reinterpret_cast<uintptr_t>(c->client->UnshardedData(unit));
     return 0;
   }

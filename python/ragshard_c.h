@@ -63,7 +63,7 @@ int rs_client_plan_json(rs_client* c, const char** out);
 void rs_client_shape(rs_client* c, int64_t out[5], int* on_device);
 int rs_client_unit_dtype(rs_client* c, int unit, const char** out);
 int rs_client_shard_elems(rs_client* c, int unit, int64_t* out);
-/* This rank's layout of `unit` (common/sharding.h): its p, g and os positions, whether it steps
+/* This rank's layout of `unit` (engine/sharding.h): its p, g and os positions, whether it steps
  * the optimizer, the gradient shard's and the optimizer range's elements, where that range
  * starts in the parameter shard and in the gradient shard, and its os group's index. */
 int rs_client_layout(rs_client* c, int unit, int64_t out[9]);
@@ -102,7 +102,7 @@ int rs_job_world_size_secure(const char* planner, const char* job, const rs_secu
                              int64_t* world_size);
 int rs_plan_local(const char* inventory_json, int64_t world, const char* policy,
                   int32_t align_bytes, const char** out);
-/* common/data_plane_memory.h for n units; out: shards, grad_shards, unsharded, grads. */
+/* engine/data_plane_memory.h for n units; out: shards, grad_shards, unsharded, grads. */
 void rs_data_plane_peak(const int64_t* shard_elems, const int64_t* group, const double* bytes,
                         const int64_t* grad_shard_elems, int64_t n, int64_t ranks, int shared,
                         int64_t prefetch, int64_t p_slots, int64_t g_slots, int64_t g_ring_nodes,

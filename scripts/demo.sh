@@ -26,7 +26,7 @@ from ragshard.cluster import LocalCluster
 from ragshard.metrics import format_series, nonzero, scrape
 
 build, steps, optimizer, policy = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
-ctl = [f"{build}/client/ragshardctl"]
+ctl = [f"{build}/ctl/ragshardctl"]
 with LocalCluster(build, daemons=2, pool_bytes=512 << 20, metrics=True,
                   cluster_profile="profiles/host-2x2-loopback.json") as c:
     print(f"== planner at {c.planner}; daemons node-0, node-1 on {c.dir}", flush=True)

@@ -24,7 +24,7 @@ build=${1:-build}
 bundle=${2:-$build/gpu-bundle}
 max_mib=48
 
-programs=(server/ragshardd server/ragshard-planner client/ragshardctl
+programs=(server/ragshardd server/ragshard-planner ctl/ragshardctl
   tests/gpu_test tests/gpu_data_plane_test tests/nccl_api_test
   bench/daemon_bench bench/collectives_bench bench/gpu_data_plane_bench)
 pylib=python/ragshard/libragshard_c.so

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Runs clang-tidy (the checks .clang-tidy enables) on every C++ source under common/, server/ and
-# client/, and on python/ragshard_c.cc, with the build's compile database. CUDA sources (.cu)
+# Runs clang-tidy (the checks .clang-tidy enables) on every C++ source under infra/, engine/,
+# protocol/, client/, ctl/ and server/, and on python/ragshard_c.cc, with the build's compile database. CUDA sources (.cu)
 # are not checked. Exits 1 naming the count when any check warns.
 #
 #   scripts/lint.sh [BUILD_DIR]      (default: build; configure it first, as scripts/test.sh does)
@@ -15,7 +15,7 @@ command -v clang-tidy > /dev/null || { echo "lint: clang-tidy not found (scripts
 mapfile -t files < <(python3 - "$db" "$PWD" <<'PY'
 import json, os, re, sys
 db, root = sys.argv[1], sys.argv[2]
-wanted = re.compile(r'^(common|server|client)/.*\.cc$|^python/ragshard_c\.cc$')
+wanted = re.compile(r'^(infra|engine|protocol|client|ctl|server)/.*\.cc$|^python/ragshard_c\.cc$')
 seen = set()
 for entry in json.load(open(db)):
     path = os.path.relpath(os.path.join(entry['directory'], entry['file']), root)

@@ -305,7 +305,7 @@ class Client(_NoCopy):
         return out.value
 
     def layout(self, unit):
-        """This rank's layout of `unit` under the job's AMSP factors (common/sharding.h): a
+        """This rank's layout of `unit` under the job's AMSP factors (engine/sharding.h): a
         dict of its positions p, g and os, whether it steps the optimizer (`steps`: False where
         another local rank steps the same range in shared memory), the gradient shard's
         elements (`grad_elems`), and its optimizer range: `os_elems` elements at `os_param`
@@ -456,7 +456,7 @@ def encode_chunks(x, n, scales, n_scales, chunks, n_chunks, fp8, codes, n_codes)
 
 def data_plane_peak(units, ranks, shared, prefetch, p_slots=-1, g_slots=-1, g_ring_nodes=1,
                     g_ring_slots=-1):
-    """The data plane's peak bytes (common/data_plane_memory.h), as the strategy model counts it:
+    """The data plane's peak bytes (engine/data_plane_memory.h), as the strategy model counts it:
     units as (shard_elems, |p|, parameter bytes per element[, gradient shard elements]); the
     node's blocks hold p_slots parameter and g_slots gradient shards (-1: one per rank); the
     gradients' reduce-scatter rings between g_ring_nodes nodes, chunks of g_ring_slots shards."""

@@ -50,7 +50,7 @@ absl::Status ReduceScatter(Comm& comm, const void* input, v1::DType dtype, size_
                            float* output, ReduceOp op, float* scratch, absl::Time deadline,
                            uint64_t tag_base);
 // Where each member's chunk lies in the inputs when chunks are not consecutive (a node's slots
-// of a factor whose positions are not adjacent, common/sharding.h): `runs` runs of `run_elems`
+// of a factor whose positions are not adjacent, engine/sharding.h): `runs` runs of `run_elems`
 // elements each, run t of member c at element `offsets[c * runs + t]` of every input. The
 // chunk's elements (and `output`) are its runs in order: count = runs * run_elems.
 struct ChunkRuns {

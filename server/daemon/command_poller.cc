@@ -173,24 +173,11 @@ void CommandPoller::Handle(Queue& q, const QueueCommand& c) {
     RingRank(l);
     return;
   }
-  if (!v1::OpKind_IsValid(c.kind) || c.kind == v1::OP_KIND_UNSPECIFIED) {
-    return fail(absl::InvalidArgumentError(
-        absl::StrCat("kind: ", c.kind, " is not an operation (ragshard.v1.OpKind)")));
-  }
-  if (!v1::ReduceKind_IsValid(c.reduce)) {
-    return fail(absl::InvalidArgumentError(
-        absl::StrCat("reduce: ", c.reduce, " is not a ragshard.v1.ReduceKind")));
-  }
+  auto req = MakeOpRequest(c.kind, c.unit, c.reduce, c.keep_ranks, c.timeout_ms);
+  if (!req.ok()) return fail(req.status());
   std::shared_ptr<OpTarget> target = q.target.lock();
   if (target == nullptr) return fail(absl::NotFoundError("the job was released"));
-  v1::StartRequest req;
-  req.set_attachment_id(q.id);
-  req.set_kind(static_cast<v1::OpKind>(c.kind));
-  req.set_unit_index(c.unit);
-  req.set_reduce(static_cast<v1::ReduceKind>(c.reduce));
-  req.set_keep_ranks(c.keep_ranks);
-  req.set_timeout_ms(c.timeout_ms);
-  auto seq = target->StartOp(q.local, req);
+  auto seq = target->StartOp(q.local, *req);
   if (!seq.ok()) return fail(seq.status());
   slot->seq = *seq;
   slot->state.store(kSlotStarted, std::memory_order_seq_cst);

@@ -1,4 +1,4 @@
-// The daemon's end of the ranks' command queues (common/command_queue.h, docs/daemon.md): one
+// The daemon's end of the ranks' command queues (protocol/command_queue.h, docs/daemon.md): one
 // thread reads every attachment's ring, starts each operation on its job (OpTarget::StartOp),
 // and publishes the start and, through a waiter, the result into the rank's completion slot.
 // It spins for `spin` after its last command and then sleeps in epoll on the queues' doorbells
@@ -24,8 +24,8 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "common/command_queue.h"
-#include "common/fd.h"
+#include "infra/fd.h"
+#include "protocol/command_queue.h"
 #include "server/daemon/op_target.h"
 
 namespace ragshard::daemon {

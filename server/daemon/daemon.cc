@@ -10,11 +10,11 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "common/fd_passing.h"
-#include "common/ids.h"
-#include "common/rpc.h"
-#include "common/unsharded_view.h"
 #include "glog/logging.h"
+#include "infra/ids.h"
+#include "infra/rpc.h"
+#include "protocol/fd_passing.h"
+#include "protocol/unsharded_view.h"
 #include "server/daemon/job_runtime.h"
 
 namespace ragshard::daemon {
@@ -171,7 +171,9 @@ grpc::ServerUnaryReactor* NodeDaemon::Start(Ctx* ctx, const v1::StartRequest* re
                                             v1::StartResponse* resp) {
   auto found = FindAttachment(req->attachment_id());
   if (!found.ok()) return ReplyUnary(ctx, found.status());
-  auto seq = found->first->StartOp(found->second, *req);
+  auto op = MakeOpRequest(*req);
+  if (!op.ok()) return ReplyUnary(ctx, op.status());
+  auto seq = found->first->StartOp(found->second, *op);
   if (!seq.ok()) return ReplyUnary(ctx, seq.status());
   resp->set_handle(*seq);
   return ReplyUnary(ctx, absl::OkStatus());

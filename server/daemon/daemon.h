@@ -22,9 +22,9 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
-#include "common/fd.h"
-#include "common/metrics.h"
-#include "common/planner_client.h"
+#include "infra/fd.h"
+#include "infra/metrics.h"
+#include "protocol/planner_client.h"
 #include "ragshard/v1/daemon.grpc.pb.h"
 #include "server/daemon/command_poller.h"
 #include "server/daemon/data_backend.h"
@@ -53,10 +53,10 @@ struct DaemonOptions {
   std::string backend = "host";
   // Bytes of the CUDA slab per local GPU (cuda backend).
   int64_t gpu_pool_bytes = int64_t{1} << 30;
-  // Host backend: unsharded buffers as views over the node's shards (common/unsharded_view.h),
+  // Host backend: unsharded buffers as views over the node's shards (protocol/unsharded_view.h),
   // which needs page-aligned pool leases; false: every lease 256-aligned and shards copied.
   bool unsharded_views = true;
-  // Where to serve Prometheus metrics (common/metrics.h: HOST:PORT, or PORT on loopback); empty:
+  // Where to serve Prometheus metrics (infra/metrics.h: HOST:PORT, or PORT on loopback); empty:
   // no endpoint. It serves before the daemon appears ready.
   std::string metrics_listen;
   // The command-queue poller's spin after a rank's last command (CommandPoller::Options).
@@ -105,8 +105,13 @@ class NodeDaemon final : public v1::Daemon::CallbackService {
   };
   NodeDaemon(DaemonOptions options, std::shared_ptr<PlannerClient> planner,
              std::unique_ptr<Pool> pool);
+  // The job, set up by the first of its ranks to attach; its other ranks wait for that setup,
+  // other jobs' attaches do not.
   absl::StatusOr<std::shared_ptr<JobRuntime>> GetOrCreateJob(const std::string& job_id,
                                                              int64_t rank, absl::Time deadline);
+  // The setup itself (the plan, the peers' addresses, the data plane), under the job's lock.
+  absl::StatusOr<std::shared_ptr<JobRuntime>> SetUpJob(const std::string& job_id, int64_t rank,
+                                                       absl::Time deadline);
   // The job and local index of an attachment; NOT_FOUND names an unknown one.
   absl::StatusOr<std::pair<std::shared_ptr<JobRuntime>, int>> FindAttachment(
       const std::string& id) const;
@@ -144,8 +149,10 @@ class NodeDaemon final : public v1::Daemon::CallbackService {
   // The node's ranks' registrations, held until the node's call (node_registration.h).
   NodeRegistrations registrations_{options_.node_id};
 
-  absl::Mutex setup_mu_;  // serializes job setup (connecting to peers can take a while)
   mutable absl::Mutex mu_;
+  // Each job's setup lock, while an attach sets the job up (connecting to peers can take a
+  // while): a job's attaches wait for its one setup, other jobs' do not.
+  std::map<std::string, std::shared_ptr<absl::Mutex>> job_setups_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::shared_ptr<JobRuntime>> jobs_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Attachment> attachments_ ABSL_GUARDED_BY(mu_);
   uint64_t next_attachment_ ABSL_GUARDED_BY(mu_) = 1;

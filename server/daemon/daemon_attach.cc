@@ -3,9 +3,9 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "common/ids.h"
-#include "common/rpc.h"
 #include "glog/logging.h"
+#include "infra/ids.h"
+#include "infra/rpc.h"
 #include "server/daemon/daemon.h"
 #include "server/daemon/job_runtime.h"
 

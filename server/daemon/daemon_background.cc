@@ -10,9 +10,9 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "common/command_queue.h"
-#include "common/fd_passing.h"
 #include "glog/logging.h"
+#include "protocol/command_queue.h"
+#include "protocol/fd_passing.h"
 #include "server/daemon/daemon.h"
 #include "server/daemon/job_runtime.h"
 #include "server/daemon/peer_check.h"

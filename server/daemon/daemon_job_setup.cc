@@ -5,8 +5,8 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "common/secrets.h"
 #include "glog/logging.h"
+#include "infra/secrets.h"
 #include "server/daemon/daemon.h"
 #include "server/daemon/job_runtime.h"
 #include "server/daemon/ucx_comm.h"
@@ -22,11 +22,39 @@ std::string HostOf(const std::string& address) { return address.substr(0, addres
 absl::StatusOr<std::shared_ptr<JobRuntime>> NodeDaemon::GetOrCreateJob(const std::string& job_id,
                                                                        int64_t rank,
                                                                        absl::Time deadline) {
-  absl::MutexLock setup(&setup_mu_);
+  // One setup per job at a time, and jobs independently: a job waiting for its plan or for its
+  // peers' addresses holds only its own setup lock.
+  std::shared_ptr<absl::Mutex> setup;
   {
     absl::MutexLock lock(&mu_);
     auto it = jobs_.find(job_id);
     if (it != jobs_.end()) return it->second;
+    std::shared_ptr<absl::Mutex>& slot = job_setups_[job_id];
+    if (slot == nullptr) slot = std::make_shared<absl::Mutex>();
+    setup = slot;
+  }
+  absl::StatusOr<std::shared_ptr<JobRuntime>> job;
+  {
+    absl::MutexLock job_setup(setup.get());
+    job = SetUpJob(job_id, rank, deadline);
+  }
+  absl::MutexLock lock(&mu_);
+  auto it = job_setups_.find(job_id);
+  // Dropped once no other attach holds it: the job is set up (later attaches find it), or its
+  // setup failed and nobody waits to try again.
+  if (it != job_setups_.end() && it->second == setup && setup.use_count() == 2) {
+    job_setups_.erase(it);
+  }
+  return job;
+}
+
+absl::StatusOr<std::shared_ptr<JobRuntime>> NodeDaemon::SetUpJob(const std::string& job_id,
+                                                                 int64_t rank,
+                                                                 absl::Time deadline) {
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = jobs_.find(job_id);
+    if (it != jobs_.end()) return it->second;  // set up by the attach this one waited for
   }
   auto plan = planner_->WaitForPlan(job_id, absl::ToChronoMilliseconds(deadline - absl::Now()));
   if (!plan.ok()) return plan.status();

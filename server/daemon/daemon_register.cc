@@ -4,7 +4,7 @@
 #include <memory>
 #include <utility>
 
-#include "common/rpc.h"
+#include "infra/rpc.h"
 #include "server/daemon/daemon.h"
 
 namespace ragshard::daemon {

@@ -3,7 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
-#include "common/inventory.h"
+#include "engine/inventory.h"
 
 namespace ragshard::daemon {
 

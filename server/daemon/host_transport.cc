@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <cstring>
 
-#include "common/dtype.h"
-#include "common/unsharded_view.h"
+#include "engine/dtype.h"
+#include "protocol/unsharded_view.h"
 #include "server/daemon/stream_copy.h"
 
 namespace ragshard::daemon {

@@ -3,7 +3,7 @@
 // gradients in memory and only the node's sum crosses the network; across nodes it runs the
 // ring collectives (collectives.h) over a Comm whose members are the job's nodes.
 //
-// Every factor (common/sharding.h) is a group of A ranks in each of B nodes. The node's A slots
+// Every factor (engine/sharding.h) is a group of A ranks in each of B nodes. The node's A slots
 // of a factor are one block; the collectives of a factor run between the B nodes of the node's
 // group, each node contributing its block:
 //   * the all-gather of the parameters over p (blocks of A_p shards, adjacent positions);

@@ -5,7 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "common/dtype.h"
+#include "engine/dtype.h"
 #include "glog/logging.h"
 
 namespace ragshard::daemon {

@@ -4,7 +4,7 @@
 // one (host_transport.h: the memfd pool, node-level reduction, UCX between nodes, in the node
 // shape or the device shape) or the CUDA one (cuda/cuda_transport.h: a slab per GPU, NCCL).
 //
-// Mesh: NodeMesh (transport.h), with the AMSP factors of common/sharding.h: parameters sharded
+// Mesh: NodeMesh (transport.h), with the AMSP factors of engine/sharding.h: parameters sharded
 // over p (S_p = the plan's shard_elems), gradients over g (S_g, the "g" factor plan), optimizer
 // state over os (S_os). Create() returns UNIMPLEMENTED for a mesh the transport does not run.
 //
@@ -24,7 +24,7 @@
 // ncclAllGather with separate send and receive buffers). Where the node shares the buffer
 // (the host backend) and its shard block is a whole number of pages, nothing is placed: the
 // buffer is a view that maps the shard block beside a transient (F - k) * S rest
-// (common/unsharded_view.h), and the all-gather only receives the other nodes' shards.
+// (protocol/unsharded_view.h), and the all-gather only receives the other nodes' shards.
 // `staging_bytes()` counts every write into pool buffers outside the collectives' own transfers and
 // reductions (docs/design.md's copy-in/copy-out); on the host none exist and the counter proves it.
 //
@@ -40,7 +40,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "common/unsharded_view.h"
+#include "protocol/unsharded_view.h"
 #include "ragshard/v1/plan.pb.h"
 #include "server/daemon/collectives.h"
 #include "server/daemon/comm.h"

@@ -65,10 +65,10 @@ void JobRuntime::FillStats(v1::JobStats* out) {
   }
 }
 
-absl::StatusOr<uint64_t> JobRuntime::StartOp(int local, const v1::StartRequest& req) {
+absl::StatusOr<uint64_t> JobRuntime::StartOp(int local, const OpRequest& req) {
   absl::MutexLock lock(&mu_);
   if (!failed_.ok()) return failed_;
-  if (req.kind() == v1::OP_NOOP) return uint64_t{0};
+  if (req.kind == v1::OP_NOOP) return uint64_t{0};
   if (!departed_.empty()) {
     absl::Status error = absl::UnavailableError(absl::StrCat(
         "rank ", departed_.begin()->second, " of job '", job_id_, "' on node '", node_id_,
@@ -81,26 +81,25 @@ absl::StatusOr<uint64_t> JobRuntime::StartOp(int local, const v1::StartRequest& 
     }
     return error;
   }
-  if (req.unit_index() < 0 || req.unit_index() >= dp_->units()) {
-    return absl::InvalidArgumentError(absl::StrCat("unit_index: ", req.unit_index(),
+  if (req.unit < 0 || req.unit >= dp_->units()) {
+    return absl::InvalidArgumentError(absl::StrCat("unit_index: ", req.unit,
                                                    " is not a unit of job '", job_id_, "' (it has ",
                                                    dp_->units(), ")"));
   }
   const uint64_t seq = next_seq_[local]++;
   Op& op = ops_[seq];
   if (op.started == 0) {
-    op.kind = req.kind();
-    op.unit = req.unit_index();
-    op.reduce = req.reduce();
-    op.keep = req.keep_ranks();
+    op.kind = req.kind;
+    op.unit = req.unit;
+    op.reduce = req.reduce;
+    op.keep = req.keep_ranks;
     op.first_start = absl::Now();
-    op.deadline =
-        op.first_start + absl::Milliseconds(req.timeout_ms() > 0 ? req.timeout_ms() : 60000);
-  } else if (op.kind != req.kind() || op.unit != req.unit_index() || op.reduce != req.reduce() ||
-             op.keep != req.keep_ranks()) {
+    op.deadline = op.first_start + absl::Milliseconds(req.timeout_ms > 0 ? req.timeout_ms : 60000);
+  } else if (op.kind != req.kind || op.unit != req.unit || op.reduce != req.reduce ||
+             op.keep != req.keep_ranks) {
     op.status = absl::FailedPreconditionError(absl::StrCat(
         "local ranks disagree on operation ", seq, ": ", v1::OpKind_Name(op.kind), " of unit ",
-        op.unit, " against ", v1::OpKind_Name(req.kind()), " of unit ", req.unit_index()));
+        op.unit, " against ", v1::OpKind_Name(req.kind), " of unit ", req.unit));
     op.done = true;
     // The job cannot go on: the job thread tells the other nodes and the planner.
     if (abort_.ok()) abort_ = op.status;

@@ -21,7 +21,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "common/planner_client.h"
+#include "protocol/planner_client.h"
 #include "ragshard/v1/daemon.pb.h"
 #include "server/daemon/comm.h"
 #include "server/daemon/data_backend.h"
@@ -53,7 +53,7 @@ class JobRuntime final : public OpTarget {
   // Local rank `local` starts the operation `req` names: its sequence number, shared by the
   // node's local ranks, which must agree on it (else the job stops, naming both). The job thread
   // runs it once every local rank has started it.
-  absl::StatusOr<uint64_t> StartOp(int local, const v1::StartRequest& req) override;
+  absl::StatusOr<uint64_t> StartOp(int local, const OpRequest& req) override;
 
   // A local rank detached (its process exited or called Detach): the operations that wait for
   // it to start can never run. They fail now, naming the rank, and the planner hears of it.

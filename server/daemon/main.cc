@@ -7,10 +7,10 @@
 
 #include "CLI/CLI.hpp"
 #include "absl/synchronization/mutex.h"
-#include "common/open_files.h"
-#include "common/planner_client.h"
-#include "common/termination.h"
 #include "glog/logging.h"
+#include "infra/open_files.h"
+#include "infra/termination.h"
+#include "protocol/planner_client.h"
 #include "server/daemon/daemon.h"
 
 // Nothing below throws by design; a library exception (CLI11, the standard library) ends the

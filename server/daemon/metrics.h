@@ -1,4 +1,4 @@
-// The daemon's Prometheus figures (served by --metrics-listen, common/metrics.h): operations by
+// The daemon's Prometheus figures (served by --metrics-listen, infra/metrics.h): operations by
 // kind and result with their latency, bytes sent to other daemons per collective and transport,
 // and errors by cause, counted as the daemon works; the pool's capacity, use, peak and
 // fragmentation, the jobs and the attachments, read when a scrape comes (NodeDaemon).

@@ -4,8 +4,8 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "common/ids.h"
-#include "common/inventory.h"
+#include "engine/inventory.h"
+#include "infra/ids.h"
 
 namespace ragshard::daemon {
 

@@ -25,7 +25,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "common/planner_client.h"
+#include "protocol/planner_client.h"
 #include "ragshard/v1/daemon.pb.h"
 #include "ragshard/v1/planner.pb.h"
 

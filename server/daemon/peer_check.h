@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "common/fd_passing.h"
+#include "protocol/fd_passing.h"
 
 namespace ragshard::daemon {
 

@@ -6,8 +6,8 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "common/command_queue.h"
 #include "glog/logging.h"
+#include "protocol/command_queue.h"
 
 namespace ragshard::daemon {
 

@@ -15,7 +15,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
-#include "common/fd.h"
+#include "infra/fd.h"
 
 namespace ragshard::daemon {
 

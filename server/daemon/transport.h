@@ -13,7 +13,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
-#include "common/sharding.h"
+#include "engine/sharding.h"
 #include "ragshard/v1/daemon.pb.h"
 #include "ragshard/v1/plan.pb.h"
 #include "server/daemon/collectives.h"
@@ -21,7 +21,7 @@
 
 namespace ragshard::daemon {
 
-// The job's sharding as one node sees it (common/sharding.h): N nodes of k ranks, node i
+// The job's sharding as one node sees it (engine/sharding.h): N nodes of k ranks, node i
 // holding ranks [i*k, (i+1)*k). For each factor x (p: parameters, g: gradients, os: optimizer
 // state) of shape A x B the node holds A "slots": slot t serves its local ranks l with
 // l mod A == t, which are replicas of each other in x. Without separate factors p = g = os is a
@@ -94,7 +94,7 @@ class Transport {
   virtual absl::Status Copy(int dst_local, char* dst, int src_local, const char* src, int64_t bytes,
                             absl::Time deadline) = 0;
   // The memfd of the node's shared memory, into which the data plane may map unsharded views
-  // (common/unsharded_view.h), or -1 where buffers cannot be composed so.
+  // (protocol/unsharded_view.h), or -1 where buffers cannot be composed so.
   virtual int view_fd() const { return -1; }
   // Offset 0 of local rank `local`'s arena: Placement's offsets are from it.
   virtual const char* base(int local) const = 0;

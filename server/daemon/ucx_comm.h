@@ -2,7 +2,7 @@
 // data port, client endpoints to every peer with peer error handling (which limits UCX to
 // network transports: tcp here, RDMA where present), tagged sends and receives.
 //
-// The data port is authenticated: a worker made with a job's credential (common/secrets.h)
+// The data port is authenticated: a worker made with a job's credential (infra/secrets.h)
 // presents it with each connection it makes (UCX's client id) and accepts only connections that
 // present it, from the job's peer hosts. Others are rejected before they have an endpoint, so no
 // message of theirs ever reaches a receive; each rejection is counted and reported.

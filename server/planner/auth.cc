@@ -9,7 +9,7 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
-#include "common/secrets.h"
+#include "infra/secrets.h"
 #include "server/planner/store.h"
 
 namespace ragshard::planner {

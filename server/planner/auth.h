@@ -21,7 +21,7 @@ absl::Status CheckBearerToken(const grpc::CallbackServerContext& ctx, const std:
 
 // Secure by default (issue 26): DATA_DIR/token, created at the first start with 32 random bytes
 // (64 hex digits), mode 0600, in a data directory of mode 0700 (created if missing). Returns its
-// path; its token is read like any --token-file (common/rpc.h ReadTokenFile), so a file others
+// path; its token is read like any --token-file (infra/rpc.h ReadTokenFile), so a file others
 // may read is refused.
 absl::StatusOr<std::string> DefaultTokenFile(const std::string& data_dir);
 

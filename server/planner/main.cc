@@ -6,10 +6,10 @@
 
 #include "CLI/CLI.hpp"
 #include "absl/synchronization/mutex.h"
-#include "common/open_files.h"
-#include "common/rpc.h"
-#include "common/termination.h"
 #include "glog/logging.h"
+#include "infra/open_files.h"
+#include "infra/rpc.h"
+#include "infra/termination.h"
 #include "server/planner/server.h"
 
 // Nothing below throws by design; a library exception (CLI11, the standard library) ends the

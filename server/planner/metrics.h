@@ -1,4 +1,4 @@
-// The planner's Prometheus figures (served by --metrics-listen, common/metrics.h). Counters and
+// The planner's Prometheus figures (served by --metrics-listen, infra/metrics.h). Counters and
 // the planning-time histogram are updated as the planner works; jobs by state, nodes by state
 // and the watch streams are read from the service's state when a scrape comes.
 #pragma once

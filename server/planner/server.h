@@ -5,9 +5,9 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "common/metrics.h"
-#include "common/rpc.h"
 #include "grpcpp/grpcpp.h"
+#include "infra/metrics.h"
+#include "infra/rpc.h"
 #include "server/planner/service.h"
 
 namespace ragshard::planner {
@@ -21,7 +21,7 @@ struct PlannerServerOptions {
   // Listening beyond loopback without TLS is refused unless this is set (--insecure): a bearer
   // token must not cross a network in clear text.
   bool insecure = false;
-  // Where to serve Prometheus metrics (common/metrics.h: HOST:PORT, or PORT on loopback); empty:
+  // Where to serve Prometheus metrics (infra/metrics.h: HOST:PORT, or PORT on loopback); empty:
   // no endpoint.
   std::string metrics_listen;
   // With no service.token: take DATA_DIR/token, creating it at the first start (auth.h

@@ -7,11 +7,11 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "common/metrics.h"
-#include "common/plan_codec.h"
-#include "common/rpc.h"
-#include "common/secrets.h"
+#include "engine/plan_codec.h"
 #include "glog/logging.h"
+#include "infra/metrics.h"
+#include "infra/rpc.h"
+#include "infra/secrets.h"
 #include "server/planner/auth.h"
 
 namespace ragshard::planner {

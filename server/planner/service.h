@@ -27,8 +27,8 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
-#include "common/cluster.h"
-#include "common/strategy_search.h"
+#include "engine/cluster.h"
+#include "engine/strategy_search.h"
 #include "prometheus/metric_family.h"
 #include "ragshard/v1/planner.grpc.pb.h"
 #include "server/planner/metrics.h"
@@ -74,7 +74,7 @@ class PlannerService final
   // before shutting the grpc::Server down. Idempotent.
   void Shutdown();
 
-  // The Prometheus figures (common/metrics.h): the counters and histograms kept as the service
+  // The Prometheus figures (infra/metrics.h): the counters and histograms kept as the service
   // works, and ScrapeFigures, which reads jobs by state, nodes by state and the watch streams
   // under mu_ when a scrape comes.
   const std::shared_ptr<prometheus::Registry>& metrics_registry() const {
@@ -152,7 +152,7 @@ class PlannerService final
     v1::Job job;
     std::optional<Inventory> inventory;  // the reference
     std::optional<v1::Plan> plan;
-    std::string plan_zstd;  // the plan's compact form (common/plan_codec.h), as stored
+    std::string plan_zstd;  // the plan's compact form (engine/plan_codec.h), as stored
     // The event that carries the plan, serialized once for every watcher that needs it, plain and
     // compact; rebuilt when the status, error or version it was made for changes.
     struct PlanEvents {

@@ -2,10 +2,10 @@
 #include <memory>
 
 #include "absl/strings/str_cat.h"
-#include "common/rpc.h"
-#include "common/secrets.h"
-#include "common/status_macros.h"
 #include "glog/logging.h"
+#include "infra/rpc.h"
+#include "infra/secrets.h"
+#include "infra/status_macros.h"
 #include "server/planner/service.h"
 
 namespace ragshard::planner {

@@ -1,7 +1,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "common/rpc.h"
 #include "glog/logging.h"
+#include "infra/rpc.h"
 #include "server/planner/service.h"
 
 namespace ragshard::planner {

@@ -4,12 +4,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "common/plan_codec.h"
-#include "common/planner.h"
-#include "common/proto_text.h"
-#include "common/rpc.h"
-#include "common/status_macros.h"
+#include "engine/plan_codec.h"
+#include "engine/planner.h"
 #include "glog/logging.h"
+#include "infra/proto_text.h"
+#include "infra/rpc.h"
+#include "infra/status_macros.h"
 #include "server/planner/service.h"
 
 namespace ragshard::planner {

@@ -4,9 +4,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "common/planner.h"
-#include "common/status_macros.h"
-#include "common/strategy.h"
+#include "engine/planner.h"
+#include "engine/strategy.h"
+#include "infra/status_macros.h"
 
 namespace ragshard::planner {
 namespace {

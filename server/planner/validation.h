@@ -6,8 +6,8 @@
 #include <string>
 
 #include "absl/status/status.h"
-#include "common/ids.h"
-#include "common/inventory.h"
+#include "engine/inventory.h"
+#include "infra/ids.h"
 #include "ragshard/v1/planner.pb.h"
 
 namespace ragshard::planner {
@@ -37,7 +37,7 @@ struct ServiceLimits {
   InventoryLimits inventory;
 };
 
-// Ids: common/ids.h, shared with the daemon.
+// Ids: infra/ids.h, shared with the daemon.
 using ragshard::ValidateId;
 
 absl::Status ValidateCreateJob(const v1::CreateJobRequest& req, const ServiceLimits& limits);

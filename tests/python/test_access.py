@@ -14,7 +14,7 @@ from ragshard.cluster import LocalCluster
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BUILD = os.environ.get("RAGSHARD_BUILD", os.path.join(ROOT, "build"))
-CTL = os.path.join(BUILD, "client", "ragshardctl")
+CTL = os.path.join(BUILD, "ctl", "ragshardctl")
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
 
 

@@ -25,7 +25,7 @@ from ragshard.cluster import LocalCluster  # noqa: E402
 from test_training import LAUNCH  # noqa: E402
 
 EXAMPLE = os.path.join(ROOT, "examples", "train_tiny.py")
-CTL = os.path.join(BUILD, "client", "ragshardctl")
+CTL = os.path.join(BUILD, "ctl", "ragshardctl")
 PROFILE = os.path.join(ROOT, "profiles", "host-2x2-loopback.json")
 SMALL = ["--layers", "2", "--dim", "64", "--heads", "4", "--seq", "16", "--vocab", "32",
          "--global-batch", "8", "--quiet"]

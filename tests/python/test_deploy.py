@@ -20,7 +20,7 @@ BUILD = os.environ.get("RAGSHARD_BUILD", os.path.join(ROOT, "build"))
 DEPLOY = os.path.join(ROOT, "deploy")
 PROGRAMS = {"ragshard-planner": [os.path.join(BUILD, "server", "ragshard-planner")],
             "ragshardd": [os.path.join(BUILD, "server", "ragshardd")],
-            "ragshardctl": [os.path.join(BUILD, "client", "ragshardctl")],
+            "ragshardctl": [os.path.join(BUILD, "ctl", "ragshardctl")],
             "ragshard-launch": [sys.executable, "-m", "ragshard.launch"]}
 
 
@@ -418,7 +418,7 @@ def test_container_build_stage_installs_each_dependency_of_the_build():
 def runtime_libraries():
     programs = [os.path.join(BUILD, "server", "ragshard-planner"),
                 os.path.join(BUILD, "server", "ragshardd"),
-                os.path.join(BUILD, "client", "ragshardctl"),
+                os.path.join(BUILD, "ctl", "ragshardctl"),
                 os.path.join(BUILD, "python", "ragshard", "libragshard_c.so")]
     libs = {}
     for prog in programs:

@@ -162,7 +162,7 @@ def test_job_why_shows_where_each_rank_of_a_hung_job_stands():
     with LocalCluster(BUILD, daemons=2) as c:
         clients = c.attach("hung", inventory, ranks=4, daemon=None, timeout_ms=60000)
         handles = [clients[r].unshard(0) for r in (0, 1, 2)]  # rank 3 never starts it
-        ctl = [os.path.join(BUILD, "client", "ragshardctl"), "--planner", c.planner]
+        ctl = [os.path.join(BUILD, "ctl", "ragshardctl"), "--planner", c.planner]
         deadline = time.time() + 60
         while True:
             r = subprocess.run(ctl + ["job", "why", "hung"], capture_output=True, text=True,

@@ -275,7 +275,7 @@ def torchrun_env(cluster, **extra):
 
 
 def jobs_of(cluster):
-    r = subprocess.run([os.path.join(BUILD, "client", "ragshardctl"), "--planner",
+    r = subprocess.run([os.path.join(BUILD, "ctl", "ragshardctl"), "--planner",
                         cluster.planner, "--token-file", cluster.token_file, "jobs", "--json"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr

@@ -153,7 +153,7 @@ def test_the_sbatch_script_trains_the_example(slurm, tmp_path):
     out = str(tmp_path / "run")
     bindir = tmp_path / "bin"  # the programs as installed: one directory
     bindir.mkdir()
-    for prog in ("server/ragshard-planner", "server/ragshardd", "client/ragshardctl"):
+    for prog in ("server/ragshard-planner", "server/ragshardd", "ctl/ragshardctl"):
         os.symlink(os.path.join(BUILD, prog), bindir / os.path.basename(prog))
     env = dict(slurm.env, RAGSHARD_BIN=str(bindir),
                RAGSHARD_RUN_DIR=str(tmp_path / "rs"), RAGSHARD_DATA_LISTEN="127.0.0.1:0",

@@ -52,7 +52,7 @@ def strategy_run(clusters, backend, tmp_path, job, strategy, extra):
 
 
 def plan_show(cluster, job, *args):
-    ctl = os.path.join(BUILD, "client", "ragshardctl")
+    ctl = os.path.join(BUILD, "ctl", "ragshardctl")
     r = subprocess.run([ctl, "plan", "show", job, "--planner", cluster.planner, *args],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
@@ -130,7 +130,7 @@ def test_deepseek_v3s_strategy_scaled_down_matches_single_process(tmp_path):
     over 16 whole nodes, gradients and optimizer state over 64 (two replicas), no prefetch.
     Scaled down to 4 daemons x 2 ranks (p = 2x1 inside a node, g = os = 2x2: two replicas) and
     6 smaller layers, it runs and equals the reference."""
-    ctl = os.path.join(BUILD, "client", "ragshardctl")
+    ctl = os.path.join(BUILD, "ctl", "ragshardctl")
     r = subprocess.run([ctl, "advise", "--model", "deepseek-v3", "--cluster",
                         os.path.join(ROOT, "profiles", "h100-8x-nvlink-ib400.json"), "--world",
                         "1024", "--granule", "rows:128", "--memory-budget", "80GiB",

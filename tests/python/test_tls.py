@@ -121,7 +121,7 @@ def test_mutual_tls(certs, monkeypatch):
         for var, value in c.tls_env.items():
             monkeypatch.setenv(var, value)
         assert ragshard.job_world_size(c.planner, "mtls") == 2
-        ctl = os.path.join(BUILD, "client", "ragshardctl")
+        ctl = os.path.join(BUILD, "ctl", "ragshardctl")
         r = subprocess.run([ctl, "jobs", "--planner", c.planner], env=env(**c.tls_env),
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 0 and "mtls" in r.stdout, r.stdout + r.stderr

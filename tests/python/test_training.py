@@ -125,7 +125,7 @@ def test_hsdp_matches_single_process(backend_cluster, tmp_path):
 
 
 def plan_show(cluster, job):
-    ctl = os.path.join(BUILD, "client", "ragshardctl")
+    ctl = os.path.join(BUILD, "ctl", "ragshardctl")
     r = subprocess.run([ctl, "plan", "show", job, "--planner", cluster.planner, "--json"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
@@ -275,7 +275,7 @@ def test_views_are_zero_copy_and_operations_work(cluster):
 
 def test_a_view_over_the_shards_keeps_them_from_writes_to_unsharded_parameters(cluster):
     """Shards of whole pages: the unsharded buffer maps them instead of a copy
-    (common/unsharded_view.h). A rank's write to its unsharded parameters stays its own and is
+    (protocol/unsharded_view.h). A rank's write to its unsharded parameters stays its own and is
     gone at reshard, as with FSDP2's separate all-gather output; the shard never sees it."""
     inv = {"units": [{"name": "u", "tensors": [
         {"name": "w", "shape": [1024, 4], "dtype": "fp32", "granule": "rows:8"}]}]}

@@ -150,7 +150,7 @@ def test_a_tie_across_units_is_gathered_per_use_and_reduced_once(cluster, tmp_pa
     # shows, for node-0, at least this job's operations (the jobs it holds add up).
     job_unshards = sum(u.get("OP_UNSHARD", 0) for u in json.load(
         open(f"{out}.rank0.json"))["daemon_unit_operations"].values())
-    ctl = [os.path.join(BUILD, "client", "ragshardctl"), "--planner", cluster.planner, "node",
+    ctl = [os.path.join(BUILD, "ctl", "ragshardctl"), "--planner", cluster.planner, "node",
            "stats", "node-0", "--json"]
     deadline = time.monotonic() + 60
     while True:  # until a heartbeat after the run arrives (one a second)

@@ -129,7 +129,7 @@ class ShardedModule(BuffersMixin, HooksMixin, QuantizedGatherMixin, StateMixin, 
             raise ValueError(f"prefetch: {self.prefetch} is negative")
         self.world = client.world_size
         self.rank = client.rank
-        # The job's AMSP factors (common/sharding.h): the parameter shard is position `pos` of
+        # The job's AMSP factors (engine/sharding.h): the parameter shard is position `pos` of
         # the plan's `world` (p); the gradient shard is position `gpos` of the g layout, and
         # this rank's optimizer range position `ospos` of the os layout, inside both. With
         # p = g = os (HSDP or FSDP) the three are one shard of a group repeated `replicas`

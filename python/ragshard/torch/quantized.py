@@ -32,7 +32,7 @@ def strategy_sizes(strategy, world):
 def plan_quantized_units(inventory, n_units, world, strategy=None):
     """Adds one byte unit per module unit to `inventory`, sized from the plan the planner will
     make (planning is deterministic): the parameters' plan over |p| positions, the coarsening of
-    the os plan under a pinned AMSP strategy (common/plan_nesting.h). Position r's slice holds
+    the os plan under a pinned AMSP strategy (engine/plan_nesting.h). Position r's slice holds
     the codes of its shard (a byte per element) and then one fp32 scale per block of its shard;
     the slice is a multiple of 16 * |os| / |p| bytes, so that the byte unit nests as well.
     Returns {unit: sizes}."""

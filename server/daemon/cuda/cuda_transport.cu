@@ -12,7 +12,7 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
-#include "common/dtype.h"
+#include "engine/dtype.h"
 #include "server/daemon/cuda/cuda_device.h"
 #include "server/daemon/cuda/cuda_status.h"
 #include "server/daemon/cuda/gpu_data_plane.h"

@@ -28,11 +28,11 @@ class FakeJob final : public OpTarget {
  public:
   explicit FakeJob(bool immediate) : immediate_(immediate) {}
 
-  absl::StatusOr<uint64_t> StartOp(int local, const v1::StartRequest& req) override {
+  absl::StatusOr<uint64_t> StartOp(int local, const OpRequest& req) override {
     absl::MutexLock lock(&mu_);
-    if (req.unit_index() < 0) {
+    if (req.unit < 0) {
       return absl::InvalidArgumentError(
-          absl::StrCat("unit_index: ", req.unit_index(), " is not a unit of job 'fake'"));
+          absl::StrCat("unit_index: ", req.unit, " is not a unit of job 'fake'"));
     }
     last_ = req;
     last_local_ = local;
@@ -58,7 +58,7 @@ class FakeJob final : public OpTarget {
     return true;
   }
 
-  v1::StartRequest last() {
+  OpRequest last() {
     absl::MutexLock lock(&mu_);
     return last_;
   }
@@ -82,7 +82,7 @@ class FakeJob final : public OpTarget {
   const bool immediate_;
   absl::Mutex mu_;
   uint64_t next_seq_ ABSL_GUARDED_BY(mu_) = 1;
-  v1::StartRequest last_ ABSL_GUARDED_BY(mu_);
+  OpRequest last_ ABSL_GUARDED_BY(mu_);
   int last_local_ ABSL_GUARDED_BY(mu_) = -1;
   std::deque<std::pair<uint64_t, WaitCallback>> waiting_ ABSL_GUARDED_BY(mu_);
 };
@@ -155,14 +155,13 @@ TEST_F(CommandQueueTest, AnOperationStartsAndCompletesWithItsPlacement) {
   ASSERT_TRUE(t.ok()) << t.status();
   EXPECT_EQ(t->seq, 1u);
   // What the job was asked, as the rank wrote it.
-  const v1::StartRequest req = job->last();
-  EXPECT_EQ(req.kind(), v1::OP_UNSHARD);
-  EXPECT_EQ(req.unit_index(), 5);
-  EXPECT_EQ(req.reduce(), v1::REDUCE_AVG);
-  EXPECT_EQ(req.keep_ranks(), 2);
-  EXPECT_EQ(req.timeout_ms(), 1234);
-  EXPECT_EQ(req.attachment_id(), "a1");
-  EXPECT_EQ(job->last_local(), 3);
+  const OpRequest req = job->last();
+  EXPECT_EQ(req.kind, v1::OP_UNSHARD);
+  EXPECT_EQ(req.unit, 5);
+  EXPECT_EQ(req.reduce, v1::REDUCE_AVG);
+  EXPECT_EQ(req.keep_ranks, 2);
+  EXPECT_EQ(req.timeout_ms, 1234);
+  EXPECT_EQ(job->last_local(), 3);  // attachment a1's local rank
 
   QueueResult r;
   auto done = q->Wait(*t, 0us, &r);  // a poll: still running

@@ -9,11 +9,14 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstdio>
 #include <fstream>
 #include <functional>
+#include <mutex>
+#include <thread>
 
 #include "client/client.h"
-#include "common/planner.h"
+#include "engine/planner.h"
 #include "tests/testing/test_util.h"
 
 namespace ragshard {
@@ -188,6 +191,78 @@ TEST_F(DaemonE2E, ManyJobsLeaveNoSetupThreadsBehind) {
   // 12 jobs set up 24 threads per daemon, each leaving a stack and its guard page when kept
   // unjoined (+51 maps measured before); joined, the maps stay put (+0 to +3).
   for (int n = 0; n < 2; ++n) EXPECT_LT(maps(n) - before[n], 12) << "daemon " << n;
+}
+
+// Two jobs whose setups start in opposite orders on the two daemons: job A's on node 0 first,
+// job B's on node 1 first (B's ranks 0 and 1 are on node 1). A setup waits for the plan and
+// then for its peers' data addresses; when one daemon set up one job at a time, node 0 held A's
+// setup waiting for node 1's address of A while node 1 held B's waiting for node 0's of B, and
+// both stalled until their deadlines (60 s). Each job's setup is its own now: both attach in
+// seconds.
+TEST_F(DaemonE2E, TwoJobsSetUpInOppositeOrdersOnTwoNodesBothAttachInSeconds) {
+  CreateJob("a");
+  CreateJob("b");
+  Inventory inv;
+  auto* unit = inv.add_units();
+  unit->set_name("layer");
+  auto* t = unit->add_tensors();
+  t->set_name("layer.w");
+  t->add_shape(4096);
+  t->set_dtype(v1::DTYPE_FP32);
+  // (job, rank, node): the first wave sets up A on node 0 and B on node 1.
+  struct Member {
+    std::string job;
+    int64_t rank;
+    int node;
+  };
+  const std::vector<std::vector<Member>> waves = {
+      {{"a", 0, 0}, {"a", 1, 0}, {"b", 0, 1}, {"b", 1, 1}},
+      {{"a", 2, 1}, {"a", 3, 1}, {"b", 2, 0}, {"b", 3, 0}}};
+  std::mutex mu;
+  std::vector<std::string> errors;
+  std::vector<std::thread> threads;
+  std::vector<std::unique_ptr<Client>> clients(8);
+  const auto start = std::chrono::steady_clock::now();
+  auto attach = [&](const Member& m, std::unique_ptr<Client>* slot) {
+    ClientOptions o;
+    o.daemon_socket = Socket(m.node);
+    o.planner = client_;
+    o.job_id = m.job;
+    o.rank = m.rank;
+    o.node_id = "node-" + std::to_string(m.node);
+    o.timeout = 60s;
+    auto c = Client::Create(o);
+    absl::Status st = c.ok() ? (*c)->Register(inv, m.rank == 0, /*local_ranks=*/2) : c.status();
+    if (st.ok()) st = (*c)->Attach();
+    std::lock_guard<std::mutex> lock(mu);
+    if (!st.ok()) {
+      errors.push_back(m.job + " rank " + std::to_string(m.rank) + ": " + st.ToString());
+    } else {
+      *slot = std::move(*c);
+    }
+  };
+  int slot = 0;
+  for (const Member& m : waves[0]) threads.emplace_back(attach, m, &clients[slot++]);
+  // The second wave once the first has registered (each attaches right after registering).
+  ASSERT_TRUE(Eventually([&] {
+    auto a = client_->ListRanks("a");
+    auto b = client_->ListRanks("b");
+    return a.ok() && b.ok() && a->size() == 2 && b->size() == 2;
+  })) << "the first wave did not register";
+  for (const Member& m : waves[1]) threads.emplace_back(attach, m, &clients[slot++]);
+  for (std::thread& th : threads) th.join();
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_THAT(errors, ::testing::IsEmpty());
+  // Alone it takes well under 5 s (printed); the bound is a third of the deadline, so that a
+  // loaded machine does not fail it while a setup that waits for the other job's still does.
+  std::printf("both jobs attached in %.2f s\n", seconds);
+  EXPECT_LT(seconds, 20.0) << "the two jobs' setups waited for each other";
+  for (const std::string job : {"a", "b"}) {
+    auto j = client_->GetJob(job);
+    ASSERT_TRUE(j.ok()) << j.status();
+    EXPECT_EQ(j->status(), v1::JOB_READY) << job;
+  }
 }
 
 TEST_F(DaemonE2E, HsdpShardGroupPerDaemonMatchesTheReference) {

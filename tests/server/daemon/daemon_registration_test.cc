@@ -4,7 +4,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "common/inventory.h"
+#include "engine/inventory.h"
 #include "server/daemon/node_registration.h"
 
 namespace ragshard::daemon {

@@ -12,11 +12,11 @@
 #include <memory>
 #include <string>
 
-#include "common/cluster.h"
-#include "common/inventory.h"
-#include "common/models.h"
-#include "common/strategy_search.h"
-#include "common/validator.h"
+#include "engine/cluster.h"
+#include "engine/inventory.h"
+#include "engine/models.h"
+#include "engine/strategy_search.h"
+#include "engine/validator.h"
 #include "nlohmann/json.hpp"
 #include "server/daemon/host_transport.h"
 #include "server/daemon/transport.h"

@@ -85,7 +85,7 @@ int Rank(const std::string& job, int rank, bool direct = false) {
 
 int Check(Client& client, int rank) {
   Client* c = &client;
-  // The rank's place in the job's AMSP factors (common/sharding.h; p = g = os with HSDP's or
+  // The rank's place in the job's AMSP factors (engine/sharding.h; p = g = os with HSDP's or
   // FSDP's plans): its parameter shard is p position pp of the plan's world, its gradient shard
   // g position pg, its optimizer range os position po. Values are defined over the unit's flat
   // layout, so what every operation must leave follows from the layout alone.

@@ -11,10 +11,10 @@
 #include <cstring>
 #include <random>
 
-#include "common/dtype.h"
-#include "common/planner.h"
-#include "common/unsharded_view.h"
-#include "common/validator.h"
+#include "engine/dtype.h"
+#include "engine/planner.h"
+#include "engine/validator.h"
+#include "protocol/unsharded_view.h"
 #include "tests/server/daemon/ucx_group.h"
 
 namespace ragshard::daemon {
@@ -91,7 +91,7 @@ float ShardValue(int64_t r, int64_t e) { return static_cast<float>(r * 1000 + e 
 // Runs the checks of one node of a mesh of `replicas` shard groups of plan.world_size() ranks;
 // returns 0 when everything matched.
 // `pool_alignment` a multiple of the page: the host shape maps the shards into unsharded views
-// where the sizes allow (common/unsharded_view.h), which is checked too.
+// where the sizes allow (protocol/unsharded_view.h), which is checked too.
 int CheckNode(const v1::Plan& plan, int node, int ranks_per_node, Comm* comm, int64_t replicas = 1,
               JobDataPlane::Shape shape = JobDataPlane::Shape::kNode,
               int64_t pool_alignment = 256) {

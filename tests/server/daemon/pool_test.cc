@@ -11,7 +11,7 @@
 #include <cstring>
 #include <random>
 
-#include "common/fd_passing.h"
+#include "protocol/fd_passing.h"
 
 namespace ragshard::daemon {
 namespace {

@@ -1,4 +1,4 @@
-// The data plane with separate AMSP factors (common/sharding.h): every sharding of 2 nodes x 2
+// The data plane with separate AMSP factors (engine/sharding.h): every sharding of 2 nodes x 2
 // ranks (processes over UCX) and of 1 node x 4 ranks, in the host's node shape and the device
 // shape, against what each operation must leave, computed from the flat layout alone:
 //   * the all-gather over p: every rank's unsharded buffer is the unit's values;
@@ -15,10 +15,10 @@
 #include <cmath>
 #include <cstring>
 
-#include "common/dtype.h"
-#include "common/plan_nesting.h"
-#include "common/planner.h"
-#include "common/validator.h"
+#include "engine/dtype.h"
+#include "engine/plan_nesting.h"
+#include "engine/planner.h"
+#include "engine/validator.h"
 #include "server/daemon/job_data_plane.h"
 #include "tests/server/daemon/ucx_group.h"
 

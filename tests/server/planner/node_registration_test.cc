@@ -6,8 +6,8 @@
 
 #include <future>
 
-#include "common/plan_codec.h"
-#include "common/proto_text.h"
+#include "engine/plan_codec.h"
+#include "infra/proto_text.h"
 #include "ragshard/v1/planner.grpc.pb.h"
 #include "server/planner/store.h"
 #include "tests/server/planner/planner_fixture.h"

@@ -3,7 +3,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "common/planner_client.h"
+#include "protocol/planner_client.h"
 #include "server/planner/server.h"
 #include "tests/testing/test_util.h"
 

@@ -15,8 +15,8 @@
 #include <string>
 #include <thread>
 
-#include "common/models.h"
-#include "common/planner_client.h"
+#include "engine/models.h"
+#include "protocol/planner_client.h"
 #include "server/planner/server.h"
 #include "tests/testing/test_util.h"
 

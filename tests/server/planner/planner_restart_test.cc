@@ -13,12 +13,12 @@
 #include <future>
 #include <string>
 
-#include "common/fd.h"
-#include "common/models.h"
-#include "common/planner.h"
-#include "common/planner_client.h"
-#include "common/proto_text.h"
-#include "common/validator.h"
+#include "engine/models.h"
+#include "engine/planner.h"
+#include "engine/validator.h"
+#include "infra/fd.h"
+#include "infra/proto_text.h"
+#include "protocol/planner_client.h"
 #include "tests/testing/test_util.h"
 
 namespace ragshard {

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
-#include "common/planner_client.h"
+#include "protocol/planner_client.h"
 #include "tests/server/planner/planner_fixture.h"
 #include "tests/testing/test_util.h"
 

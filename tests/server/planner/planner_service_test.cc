@@ -8,11 +8,11 @@
 #include <future>
 #include <thread>
 
-#include "common/models.h"
-#include "common/planner_client.h"
-#include "common/proto_text.h"
-#include "common/strategy_search.h"
-#include "common/validator.h"
+#include "engine/models.h"
+#include "engine/strategy_search.h"
+#include "engine/validator.h"
+#include "infra/proto_text.h"
+#include "protocol/planner_client.h"
 #include "server/planner/server.h"
 #include "server/planner/store.h"
 #include "tests/server/planner/planner_fixture.h"

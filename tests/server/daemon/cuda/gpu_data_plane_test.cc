@@ -11,7 +11,7 @@
 #include <map>
 #include <string>
 
-#include "common/planner.h"
+#include "engine/planner.h"
 #include "server/daemon/cuda/cuda_device.h"
 
 namespace ragshard::gpu {

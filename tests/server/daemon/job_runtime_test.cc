@@ -1,0 +1,226 @@
+// JobRuntime in the test's process: one node of two local ranks on the host backend, with a fake
+// planner. Operations run once every local rank has started them; a wait ends at its deadline;
+// ranks that disagree, a rank that leaves and the planner's failure stop the job, name the cause
+// and answer every waiter; the planner hears of a failure the node found.
+#include "server/daemon/job_runtime.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <vector>
+
+#include "absl/synchronization/notification.h"
+#include "engine/planner.h"
+#include "server/daemon/data_backend.h"
+#include "server/daemon/pool.h"
+#include "tests/testing/fake_planner_client.h"
+
+namespace ragshard::daemon {
+namespace {
+
+using ::testing::HasSubstr;
+
+Inventory TwoUnits() {
+  Inventory inv;
+  for (int u = 0; u < 2; ++u) {
+    UnitSpec* unit = inv.add_units();
+    unit->set_name("layers." + std::to_string(u));
+    TensorSpec* t = unit->add_tensors();
+    t->set_name(unit->name() + ".w");
+    t->add_shape(1024);
+    t->set_dtype(v1::DTYPE_FP32);
+  }
+  return inv;
+}
+
+OpRequest Op(v1::OpKind kind, int unit) {
+  OpRequest r;
+  r.kind = kind;
+  r.unit = unit;
+  return r;
+}
+
+// One waiter's answer, once it came.
+struct Answer {
+  absl::Notification came;
+  bool done = false;
+  absl::Status status;
+  OpTimes times;
+};
+
+class JobRuntimeTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    PlanOptions o;
+    o.world = 2;
+    auto plan = BuildPlan(TwoUnits(), o);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    auto pool = Pool::Create(16 << 20);
+    ASSERT_TRUE(pool.ok()) << pool.status();
+    pool_ = std::move(*pool);
+    BackendContext context;
+    context.plan = &*plan;
+    context.local_ranks = {0, 1};
+    context.host_pool = pool_.get();
+    auto dp = CreateDataBackend(BackendKind::kHost, context);
+    ASSERT_TRUE(dp.ok()) << dp.status();
+    job_ = std::make_unique<JobRuntime>("job", "node-0", *plan, std::vector<int64_t>{0, 1}, nullptr,
+                                        nullptr, std::move(*dp), planner_,
+                                        std::make_shared<DaemonMetrics>());
+  }
+
+  // Registers a waiter of `local` for `seq`, ending at `deadline` from now.
+  std::shared_ptr<Answer> Wait(uint64_t seq, int local, absl::Duration deadline) {
+    auto answer = std::make_shared<Answer>();
+    job_->AddWaiter(
+        seq, local, absl::Now() + deadline,
+        [answer](bool done, const absl::Status& status, const v1::UnitBuffers*, OpTimes times) {
+          answer->done = done;
+          answer->status = status;
+          answer->times = times;
+          answer->came.Notify();
+        });
+    return answer;
+  }
+
+  // Both local ranks start `req`; the sequence number they agree on.
+  uint64_t StartBoth(const OpRequest& req) {
+    auto a = job_->StartOp(0, req);
+    auto b = job_->StartOp(1, req);
+    EXPECT_TRUE(a.ok() && b.ok()) << a.status() << " " << b.status();
+    EXPECT_EQ(*a, *b);
+    return *a;
+  }
+
+  const std::shared_ptr<testing::FakePlannerClient> planner_ =
+      std::make_shared<testing::FakePlannerClient>();
+  std::unique_ptr<Pool> pool_;
+  std::unique_ptr<JobRuntime> job_;
+};
+
+TEST_F(JobRuntimeTest, AnOperationRunsOnceEveryLocalRankStartedItAndAnswersBothWaiters) {
+  auto first = job_->StartOp(0, Op(v1::OP_UNSHARD, 0));
+  ASSERT_TRUE(first.ok()) << first.status();
+  auto early = Wait(*first, 0, absl::Seconds(30));
+  // One rank of two has started it: nothing runs, so the waiter is not answered.
+  job_->ServeWaiters();
+  EXPECT_FALSE(early->came.HasBeenNotified());
+  auto second = job_->StartOp(1, Op(v1::OP_UNSHARD, 0));
+  ASSERT_TRUE(second.ok());
+  EXPECT_EQ(*second, *first);
+  auto late = Wait(*second, 1, absl::Seconds(30));
+  for (const auto& a : {early, late}) {
+    ASSERT_TRUE(a->came.WaitForNotificationWithTimeout(absl::Seconds(30)));
+    EXPECT_TRUE(a->done);
+    EXPECT_TRUE(a->status.ok()) << a->status;
+    EXPECT_GT(a->times.finished_ns, 0);
+    EXPECT_LE(a->times.started_ns, a->times.finished_ns);
+  }
+  // The next operation has the next number, for both ranks.
+  EXPECT_EQ(StartBoth(Op(v1::OP_RESHARD, 0)), *first + 1);
+  EXPECT_TRUE(planner_->failures().empty());
+}
+
+TEST_F(JobRuntimeTest, AWaitEndsAtItsDeadlineWhileTheOperationCannotRun) {
+  auto seq = job_->StartOp(0, Op(v1::OP_UNSHARD, 1));  // local rank 1 never starts it
+  ASSERT_TRUE(seq.ok());
+  auto answer = Wait(*seq, 0, absl::Milliseconds(20));
+  // The daemon's clock serves the waits (NodeDaemon::RunWaiterClock); here the test does, until
+  // the deadline has passed.
+  while (!answer->came.HasBeenNotified()) {
+    job_->ServeWaiters();
+    answer->came.WaitForNotificationWithTimeout(absl::Milliseconds(5));
+  }
+  EXPECT_FALSE(answer->done);
+  EXPECT_TRUE(answer->status.ok());
+}
+
+TEST_F(JobRuntimeTest, RanksThatDisagreeStopTheJobNamingBothAndThePlannerHears) {
+  auto a = job_->StartOp(0, Op(v1::OP_UNSHARD, 0));
+  auto b = job_->StartOp(1, Op(v1::OP_UNSHARD, 1));
+  ASSERT_TRUE(a.ok() && b.ok());
+  ASSERT_EQ(*a, *b);
+  auto answer = Wait(*a, 0, absl::Seconds(30));
+  ASSERT_TRUE(answer->came.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  EXPECT_TRUE(answer->done);
+  EXPECT_EQ(answer->status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(answer->status.message()),
+              HasSubstr("OP_UNSHARD of unit 0 against OP_UNSHARD of unit 1"));
+  ASSERT_TRUE(planner_->AwaitFailures(1));
+  const v1::ReportFailureRequest failure = planner_->failures()[0];
+  EXPECT_EQ(failure.job_id(), "job");
+  EXPECT_EQ(failure.reporter_node_id(), "node-0");
+  EXPECT_THAT(failure.message(), HasSubstr("local ranks disagree"));
+  // Later operations fail the same way.
+  auto later = job_->StartOp(0, Op(v1::OP_RESHARD, 0));
+  EXPECT_FALSE(later.ok());
+  EXPECT_THAT(std::string(later.status().message()), HasSubstr("local ranks disagree"));
+}
+
+TEST_F(JobRuntimeTest, ARankThatLeavesFailsTheOperationsWaitingForItNamingIt) {
+  auto seq = job_->StartOp(0, Op(v1::OP_UNSHARD, 0));
+  ASSERT_TRUE(seq.ok());
+  auto answer = Wait(*seq, 0, absl::Seconds(30));
+  job_->LocalRankLeft(1, 7);
+  ASSERT_TRUE(answer->came.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  EXPECT_TRUE(answer->done);
+  EXPECT_EQ(answer->status.code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(answer->status.message()), HasSubstr("rank 7 of job 'job'"));
+  ASSERT_TRUE(planner_->AwaitFailures(1));
+  EXPECT_THAT(planner_->failures()[0].message(), HasSubstr("rank 7"));
+  // Until it attaches again, nothing starts; then operations run again.
+  EXPECT_FALSE(job_->StartOp(0, Op(v1::OP_RESHARD, 0)).ok());
+}
+
+TEST_F(JobRuntimeTest, ThePlannersFailureAnswersEveryPendingWaiterAndEveryLaterStart) {
+  auto seq = job_->StartOp(0, Op(v1::OP_UNSHARD, 0));
+  ASSERT_TRUE(seq.ok());
+  auto answer = Wait(*seq, 0, absl::Seconds(30));
+  job_->Fail(absl::UnavailableError("node 'node-1' lost"));
+  ASSERT_TRUE(answer->came.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  EXPECT_TRUE(answer->done);
+  EXPECT_THAT(std::string(answer->status.message()), HasSubstr("node 'node-1' lost"));
+  auto later = job_->StartOp(1, Op(v1::OP_UNSHARD, 0));
+  EXPECT_FALSE(later.ok());
+  EXPECT_THAT(std::string(later.status().message()), HasSubstr("node 'node-1' lost"));
+  // The planner said it: nothing is reported back to it.
+  EXPECT_TRUE(planner_->failures().empty());
+}
+
+TEST(OpRequestTest, KindsAndReduceKindsThatAreNotOnesAreRefusedAtTheBoundary) {
+  EXPECT_TRUE(MakeOpRequest(v1::OP_UNSHARD, 0, v1::REDUCE_AVG, 0, 0).ok());
+  EXPECT_TRUE(MakeOpRequest(v1::OP_NOOP, 0, v1::REDUCE_SUM, 0, 0).ok());
+  auto unspecified = MakeOpRequest(v1::OP_KIND_UNSPECIFIED, 0, v1::REDUCE_SUM, 0, 0);
+  EXPECT_THAT(std::string(unspecified.status().message()), HasSubstr("kind: 0 is not"));
+  auto unknown = MakeOpRequest(99, 0, v1::REDUCE_SUM, 0, 0);
+  EXPECT_EQ(unknown.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(unknown.status().message()), HasSubstr("kind: 99"));
+  auto reduce = MakeOpRequest(v1::OP_REDUCE_SCATTER, 0, 42, 0, 0);
+  EXPECT_THAT(std::string(reduce.status().message()), HasSubstr("reduce: 42"));
+  v1::StartRequest start;
+  start.set_kind(v1::OP_RESHARD);
+  start.set_unit_index(3);
+  start.set_keep_ranks(2);
+  start.set_timeout_ms(1500);
+  auto from_start = MakeOpRequest(start);
+  ASSERT_TRUE(from_start.ok());
+  EXPECT_EQ(from_start->kind, v1::OP_RESHARD);
+  EXPECT_EQ(from_start->unit, 3);
+  EXPECT_EQ(from_start->keep_ranks, 2);
+  EXPECT_EQ(from_start->timeout_ms, 1500);
+}
+
+TEST_F(JobRuntimeTest, AUnitThatIsNotTheJobsIsRefusedNamingIt) {
+  auto bad = job_->StartOp(0, Op(v1::OP_UNSHARD, 5));
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad.status().message()), HasSubstr("unit_index: 5"));
+  // The job goes on.
+  const uint64_t seq = StartBoth(Op(v1::OP_UNSHARD, 0));
+  auto answer = Wait(seq, 0, absl::Seconds(30));
+  ASSERT_TRUE(answer->came.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  EXPECT_TRUE(answer->status.ok()) << answer->status;
+}
+
+}  // namespace
+}  // namespace ragshard::daemon
