@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "protocol/unsharded_view.h"
+#include "engine/layout.h"
 
 namespace ragshard {
 

@@ -68,4 +68,15 @@ absl::Status ComputeLayoutMetrics(const Layout& layout, v1::LayoutMetrics* out);
 // Per-group figures, in group order.
 absl::Status ComputeGroupMetrics(const Layout& layout, size_t group, v1::LayoutMetrics* out);
 
+// The page of a node's unsharded views (protocol/unsharded_view.h).
+inline constexpr int64_t kViewPageBytes = 4096;
+
+// True when a node's k shards of S elements of `item` bytes can be mapped into its unsharded
+// view (k * S * item a whole number of pages): the daemon's rule for composing a view, which the
+// data plane's memory model (data_plane_memory.h) and the strategy model follow.
+inline bool AliasesShards(int64_t local_ranks, int64_t shard_elems, int64_t item_bytes) {
+  const int64_t own = local_ranks * shard_elems * item_bytes;
+  return own > 0 && own % kViewPageBytes == 0;
+}
+
 }  // namespace ragshard

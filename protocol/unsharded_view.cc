@@ -14,11 +14,6 @@ bool PageAligned(int64_t v) { return v % kViewPageBytes == 0; }
 
 }  // namespace
 
-bool AliasesShards(int64_t local_ranks, int64_t shard_elems, int64_t item_bytes) {
-  const int64_t own = local_ranks * shard_elems * item_bytes;
-  return own > 0 && PageAligned(own);
-}
-
 UnshardedView::~UnshardedView() { Release(); }
 
 void UnshardedView::Release() {

@@ -22,14 +22,9 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "engine/layout.h"  // kViewPageBytes, AliasesShards: the rule the memory model shares
 
 namespace ragshard {
-
-inline constexpr int64_t kViewPageBytes = 4096;
-
-// True when a node's k shards of S elements of `item` bytes can be mapped into its unsharded
-// view (k * S * item a whole number of pages). The strategy model uses the same rule.
-bool AliasesShards(int64_t local_ranks, int64_t shard_elems, int64_t item_bytes);
 
 struct ViewLayout {
   int64_t bytes = 0;        // F * S * item

@@ -4,7 +4,7 @@ any other plan reads the ranges its own pieces need.
 """
 import torch
 
-from ..torch.pieces import tensor_pieces
+from ..torch.pieces import param_values, set_param_values, tensor_pieces  # noqa: F401
 from ._format import CheckpointError
 
 _TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
@@ -24,23 +24,6 @@ def from_bytes(data, dtype):
     if len(data) == 0:
         return torch.empty(0, dtype=_TORCH[dtype])
     return torch.frombuffer(data, dtype=_TORCH[dtype])
-
-
-def param_values(model, pc):
-    """The exact values of piece `pc`: the fp32 master where the module keeps one (bf16
-    parameters, quantized gathers), else the parameter shard."""
-    shard, _ = model.shard(pc.unit)
-    master = model.master_of(pc.unit)
-    return (shard if master is None else master)[pc.lo:pc.hi]
-
-
-def set_param_values(model, pc, values):
-    """Writes `values` (any float dtype) into piece `pc`: the fp32 master and the shard."""
-    shard, _ = model.shard(pc.unit)
-    master = model.master_of(pc.unit)
-    if master is not None:
-        master[pc.lo:pc.hi].copy_(values.to(master.dtype))
-    shard[pc.lo:pc.hi].copy_(values.to(shard.dtype))
 
 
 def adamw_of(optimizer):

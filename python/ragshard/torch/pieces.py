@@ -28,3 +28,20 @@ def tensor_pieces(model):
             out.append(Piece(name, shape, pc.index, ui, pc.lo, pc.hi, base + pc.lo - off,
                              pc.matrix))
     return out
+
+
+def param_values(model, pc):
+    """The exact values of piece `pc`: the fp32 master where the module keeps one (bf16
+    parameters, quantized gathers), else the parameter shard."""
+    shard, _ = model.shard(pc.unit)
+    master = model.master_of(pc.unit)
+    return (shard if master is None else master)[pc.lo:pc.hi]
+
+
+def set_param_values(model, pc, values):
+    """Writes `values` (any float dtype) into piece `pc`: the fp32 master and the shard."""
+    shard, _ = model.shard(pc.unit)
+    master = model.master_of(pc.unit)
+    if master is not None:
+        master[pc.lo:pc.hi].copy_(values.to(master.dtype))
+    shard[pc.lo:pc.hi].copy_(values.to(shard.dtype))

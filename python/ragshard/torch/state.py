@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from .pieces import tensor_pieces
+from .pieces import set_param_values, tensor_pieces
 from .views import as_tensor
 
 
@@ -76,7 +76,6 @@ class StateMixin:
         if assign:
             raise ValueError("load_state_dict: assign=True is not supported (the parameters "
                              "live in the daemon's buffers)")
-        from ..checkpoint import _state
         self.wait_for_checkpoint_write()
         names = {pc.name for pc in tensor_pieces(self)} | \
             {n for ui in self.units() for n, _ in self.unit_params(ui)}
@@ -101,7 +100,7 @@ class StateMixin:
         for pc in tensor_pieces(self):
             if pc.name in state_dict:
                 flat = state_dict[pc.name].detach().reshape(-1)
-                _state.set_param_values(self, pc, flat[pc.start:pc.start + pc.hi - pc.lo].cpu())
+                set_param_values(self, pc, flat[pc.start:pc.start + pc.hi - pc.lo].cpu())
         self.gather_updates()
         for n, b in buffers.items():
             if n in state_dict and b is not None:

@@ -220,7 +220,15 @@ TEST_F(DaemonE2E, TwoJobsSetUpInOppositeOrdersOnTwoNodesBothAttachInSeconds) {
       {{"a", 2, 1}, {"a", 3, 1}, {"b", 2, 0}, {"b", 3, 0}}};
   std::mutex mu;
   std::vector<std::string> errors;
-  std::vector<std::thread> threads;
+  // Joined on every way out, an assertion's too (an attach ends by its 60 s timeout at worst).
+  struct Threads {
+    std::vector<std::thread> list;
+    ~Threads() {
+      for (std::thread& t : list) {
+        if (t.joinable()) t.join();
+      }
+    }
+  } threads;
   std::vector<std::unique_ptr<Client>> clients(8);
   const auto start = std::chrono::steady_clock::now();
   auto attach = [&](const Member& m, std::unique_ptr<Client>* slot) {
@@ -242,15 +250,18 @@ TEST_F(DaemonE2E, TwoJobsSetUpInOppositeOrdersOnTwoNodesBothAttachInSeconds) {
     }
   };
   int slot = 0;
-  for (const Member& m : waves[0]) threads.emplace_back(attach, m, &clients[slot++]);
+  for (const Member& m : waves[0]) threads.list.emplace_back(attach, m, &clients[slot++]);
   // The second wave once the first has registered (each attaches right after registering).
-  ASSERT_TRUE(Eventually([&] {
-    auto a = client_->ListRanks("a");
-    auto b = client_->ListRanks("b");
-    return a.ok() && b.ok() && a->size() == 2 && b->size() == 2;
-  })) << "the first wave did not register";
-  for (const Member& m : waves[1]) threads.emplace_back(attach, m, &clients[slot++]);
-  for (std::thread& th : threads) th.join();
+  const auto registered = [&](const std::string& job) {
+    auto ranks = client_->ListRanks(job);
+    int n = 0;
+    for (const auto& r : ranks.ok() ? *ranks : std::vector<v1::RankState>()) n += r.registered();
+    return n;
+  };
+  ASSERT_TRUE(Eventually([&] { return registered("a") == 2 && registered("b") == 2; }))
+      << "the first wave did not register";
+  for (const Member& m : waves[1]) threads.list.emplace_back(attach, m, &clients[slot++]);
+  for (std::thread& th : threads.list) th.join();
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   EXPECT_THAT(errors, ::testing::IsEmpty());
