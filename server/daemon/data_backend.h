@@ -4,6 +4,12 @@
 // or the GPU one (CUDA slabs exported as IPC handles, NCCL communicators per process group;
 // cuda/gpu_data_plane.h), all one JobDataPlane over a Transport (transport.h). CreateDataBackend
 // picks one. The daemon's job thread calls one operation at a time.
+//
+// JobDataPlane is its one production implementation, and Transport is where the backends
+// differ; the interface stays as the job layer's seam: JobRuntime runs any DataBackend, and
+// tests/server/daemon/job_runtime_test.cc drives it with a fake one that fails or blocks on cue
+// (a lost peer, an operation stuck on the job thread), which no Transport below JobDataPlane's
+// unit bookkeeping could express.
 #pragma once
 
 #include <cstdint>

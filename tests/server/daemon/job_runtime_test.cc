@@ -49,27 +49,9 @@ struct Answer {
   OpTimes times;
 };
 
-class JobRuntimeTest : public ::testing::Test {
+// A job of one node of two local ranks, with a fake planner, and the tests' ways to drive it.
+class JobRuntimeFixture : public ::testing::Test {
  protected:
-  void SetUp() override {
-    PlanOptions o;
-    o.world = 2;
-    auto plan = BuildPlan(TwoUnits(), o);
-    ASSERT_TRUE(plan.ok()) << plan.status();
-    auto pool = Pool::Create(16 << 20);
-    ASSERT_TRUE(pool.ok()) << pool.status();
-    pool_ = std::move(*pool);
-    BackendContext context;
-    context.plan = &*plan;
-    context.local_ranks = {0, 1};
-    context.host_pool = pool_.get();
-    auto dp = CreateDataBackend(BackendKind::kHost, context);
-    ASSERT_TRUE(dp.ok()) << dp.status();
-    job_ = std::make_unique<JobRuntime>("job", "node-0", *plan, std::vector<int64_t>{0, 1}, nullptr,
-                                        nullptr, std::move(*dp), planner_,
-                                        std::make_shared<DaemonMetrics>());
-  }
-
   // Registers a waiter of `local` for `seq`, ending at `deadline` from now.
   std::shared_ptr<Answer> Wait(uint64_t seq, int local, absl::Duration deadline) {
     auto answer = std::make_shared<Answer>();
@@ -95,8 +77,30 @@ class JobRuntimeTest : public ::testing::Test {
 
   const std::shared_ptr<testing::FakePlannerClient> planner_ =
       std::make_shared<testing::FakePlannerClient>();
-  std::unique_ptr<Pool> pool_;
+  std::unique_ptr<Pool> pool_;  // before job_, which returns its leases to it when destroyed
   std::unique_ptr<JobRuntime> job_;
+};
+
+class JobRuntimeTest : public JobRuntimeFixture {
+ protected:
+  void SetUp() override {
+    PlanOptions o;
+    o.world = 2;
+    auto plan = BuildPlan(TwoUnits(), o);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    auto pool = Pool::Create(16 << 20);
+    ASSERT_TRUE(pool.ok()) << pool.status();
+    pool_ = std::move(*pool);
+    BackendContext context;
+    context.plan = &*plan;
+    context.local_ranks = {0, 1};
+    context.host_pool = pool_.get();
+    auto dp = CreateDataBackend(BackendKind::kHost, context);
+    ASSERT_TRUE(dp.ok()) << dp.status();
+    job_ = std::make_unique<JobRuntime>("job", "node-0", *plan, std::vector<int64_t>{0, 1}, nullptr,
+                                        nullptr, std::move(*dp), planner_,
+                                        std::make_shared<DaemonMetrics>());
+  }
 };
 
 TEST_F(JobRuntimeTest, AnOperationRunsOnceEveryLocalRankStartedItAndAnswersBothWaiters) {
@@ -220,6 +224,83 @@ TEST_F(JobRuntimeTest, AUnitThatIsNotTheJobsIsRefusedNamingIt) {
   auto answer = Wait(seq, 0, absl::Seconds(30));
   ASSERT_TRUE(answer->came.WaitForNotificationWithTimeout(absl::Seconds(30)));
   EXPECT_TRUE(answer->status.ok()) << answer->status;
+}
+
+// A backend whose unshard fails with `result`, after waiting for `release` where given: what a
+// lost peer or a transfer stuck past its deadline looks like to the job layer.
+class FakeBackend final : public DataBackend {
+ public:
+  FakeBackend(absl::Status result, absl::Notification* release)
+      : result_(std::move(result)), release_(release) {}
+  const char* name() const override { return "fake"; }
+  int units() const override { return 2; }
+  int64_t replicas() const override { return 1; }
+  int64_t staging_bytes() const override { return 0; }
+  absl::Status Unshard(int, absl::Time) override {
+    if (release_ != nullptr) release_->WaitForNotification();
+    return result_;
+  }
+  absl::Status AllocateUnsharded(int) override { return absl::OkStatus(); }
+  absl::Status Reshard(int, int64_t) override { return absl::OkStatus(); }
+  absl::Status AllocateGrad(int) override { return absl::OkStatus(); }
+  absl::Status ReduceScatter(int, ReduceOp, absl::Time) override { return absl::OkStatus(); }
+  absl::Status AllReduce(int, ReduceOp, absl::Time) override { return absl::OkStatus(); }
+  absl::Status GatherToOwner(int, absl::Time) override { return absl::OkStatus(); }
+  absl::Status ScatterFromOwner(int, absl::Time) override { return absl::OkStatus(); }
+  absl::Status UpdateGather(int, absl::Time) override { return absl::OkStatus(); }
+  void Placement(int, int, v1::UnitBuffers*) const override {}
+  void Describe(int, const v1::Plan&, v1::AttachResponse*) const override {}
+
+ private:
+  const absl::Status result_;
+  absl::Notification* const release_;
+};
+
+// The job layer over a fake backend (the seam DataBackend keeps: data_backend.h).
+class JobRuntimeFaultTest : public JobRuntimeFixture {
+ protected:
+  void Start(absl::Status unshard_result, absl::Notification* release = nullptr) {
+    PlanOptions o;
+    o.world = 2;
+    auto plan = BuildPlan(TwoUnits(), o);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    job_ = std::make_unique<JobRuntime>(
+        "job", "node-0", *plan, std::vector<int64_t>{0, 1}, nullptr, nullptr,
+        std::make_unique<FakeBackend>(std::move(unshard_result), release), planner_,
+        std::make_shared<DaemonMetrics>());
+  }
+};
+
+TEST_F(JobRuntimeFaultTest, ALostPeerStopsTheJobReportsItAndFailsEveryLaterOperation) {
+  Start(absl::UnavailableError("peer 1 (node 'node-1') lost (connection closed)"));
+  const uint64_t seq = StartBoth(Op(v1::OP_UNSHARD, 0));
+  auto answer = Wait(seq, 1, absl::Seconds(30));
+  ASSERT_TRUE(answer->came.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  EXPECT_TRUE(answer->done);
+  EXPECT_EQ(answer->status.code(), absl::StatusCode::kUnavailable);
+  ASSERT_TRUE(planner_->AwaitFailures(1));
+  EXPECT_THAT(planner_->failures()[0].message(), HasSubstr("node 'node-1'"));
+  auto later = job_->StartOp(0, Op(v1::OP_RESHARD, 0));
+  EXPECT_EQ(later.status().code(), absl::StatusCode::kUnavailable);
+}
+
+TEST_F(JobRuntimeFaultTest, AWaitEndsAtItsDeadlineWhileTheOperationBlocksTheJobThread) {
+  absl::Notification release;
+  Start(absl::OkStatus(), &release);
+  const uint64_t seq = StartBoth(Op(v1::OP_UNSHARD, 0));
+  auto answer = Wait(seq, 0, absl::Milliseconds(20));
+  // The job thread is inside the operation; the daemon's clock (here the test) serves the waits.
+  while (!answer->came.HasBeenNotified()) {
+    job_->ServeWaiters();
+    answer->came.WaitForNotificationWithTimeout(absl::Milliseconds(5));
+  }
+  EXPECT_FALSE(answer->done);
+  release.Notify();
+  auto finished = Wait(seq, 0, absl::Seconds(30));
+  ASSERT_TRUE(finished->came.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  EXPECT_TRUE(finished->done);
+  EXPECT_TRUE(finished->status.ok()) << finished->status;
+  EXPECT_TRUE(planner_->failures().empty());
 }
 
 }  // namespace
