@@ -20,6 +20,7 @@
 namespace ragshard::daemon {
 namespace {
 
+using testing::Fail;
 using testing::UcxGroup;
 
 // A random inventory: 3 units, mixed dtypes and granules.
@@ -89,27 +90,24 @@ float Load(const char* base, v1::DType dt, int64_t i) {
 float ShardValue(int64_t r, int64_t e) { return static_cast<float>(r * 1000 + e % 997) * 0.5f; }
 
 // Runs the checks of one node of a mesh of `replicas` shard groups of plan.world_size() ranks;
-// returns 0 when everything matched.
+// returns 0 when everything matched, else 1 after Fail named the first difference.
 // `pool_alignment` a multiple of the page: the host shape maps the shards into unsharded views
 // where the sizes allow (protocol/unsharded_view.h), which is checked too.
 int CheckNode(const v1::Plan& plan, int node, int ranks_per_node, Comm* comm, int64_t replicas = 1,
               JobDataPlane::Shape shape = JobDataPlane::Shape::kNode,
               int64_t pool_alignment = 256) {
   auto pool = Pool::Create(64 << 20, pool_alignment);
-  if (!pool.ok()) return 40;
+  if (!pool.ok()) return Fail("pool: " + pool.status().ToString());
   std::vector<int64_t> local;
   for (int i = 0; i < ranks_per_node; ++i) local.push_back(node * ranks_per_node + i);
   auto dp = JobDataPlane::Create(plan, local, pool->get(), comm, replicas, shape);
-  if (!dp.ok()) {
-    std::fprintf(stderr, "create: %s\n", std::string(dp.status().message()).c_str());
-    return 41;
-  }
+  if (!dp.ok()) return Fail("create: " + dp.status().ToString());
   const int64_t f = plan.world_size(), w = f * replicas;
   const absl::Time deadline = absl::Now() + absl::Seconds(20);
   // A canary right after the job's buffers: no operation may write past its own buffers (the
   // pool rounds leases up, so an operation sized by a lease instead of its buffer would).
   auto canary = (*pool)->Allocate(4096);
-  if (!canary.ok()) return 55;
+  if (!canary.ok()) return Fail("canary: " + canary.status().ToString());
   std::memset(canary->data(), 0xA5, 4096);
   // What persists: the shards. Every transient buffer is back in the pool after each unit.
   const int64_t persistent = (*pool)->Stats().used;
@@ -117,20 +115,30 @@ int CheckNode(const v1::Plan& plan, int node, int ranks_per_node, Comm* comm, in
     const v1::UnitPlan& up = plan.units(u);
     const int64_t s = up.shard_elems();
     for (int i = 0; i < ranks_per_node; ++i) {
-      if ((*dp)->unsharded(u, i) != nullptr || (*dp)->grad(u, i) != nullptr) return 57;
+      if ((*dp)->unsharded(u, i) != nullptr || (*dp)->grad(u, i) != nullptr) {
+        return Fail(absl::StrCat("unit ", u, ": transient buffers held before its unshard"));
+      }
       for (int64_t e = 0; e < s; ++e)
         Store((*dp)->param_shard(u, i), up.dtype(), e, ParamValue(local[i], e));
     }
-    if (!(*dp)->Unshard(u, deadline).ok()) return 42;
+    if (auto st = (*dp)->Unshard(u, deadline); !st.ok()) {
+      return Fail(absl::StrCat("unit ", u, ": unshard: ", st.ToString()));
+    }
     const int64_t item = DTypeSize(up.dtype());
     if (shape == JobDataPlane::Shape::kNode && pool_alignment % kViewPageBytes == 0 &&
         AliasesShards(ranks_per_node, s, item)) {
       // A view: only the other nodes' shards take pool memory, and the buffer is not a lease.
-      if ((*pool)->Stats().used - persistent != (f - ranks_per_node) * s * item) return 68;
+      if ((*pool)->Stats().used - persistent != (f - ranks_per_node) * s * item) {
+        return Fail(absl::StrCat("unit ", u, ": a view took ", (*pool)->Stats().used - persistent,
+                                 " pool bytes, not the other nodes' ",
+                                 (f - ranks_per_node) * s * item));
+      }
       const char* at = (*dp)->unsharded(u, 0);
-      if (at >= (*pool)->base() && at < (*pool)->base() + (*pool)->Stats().capacity) return 69;
+      if (at >= (*pool)->base() && at < (*pool)->base() + (*pool)->Stats().capacity) {
+        return Fail(absl::StrCat("unit ", u, ": the unsharded view is a pool lease"));
+      }
     } else if ((*pool)->Stats().used - persistent < f * s * item) {
-      return 70;  // copied into a buffer of F * S
+      return Fail(absl::StrCat("unit ", u, ": no buffer of F * S was allocated for the copy"));
     }
     // Every element of each rank's unsharded buffer, hence every tensor view [offset, offset +
     // numel), holds the value of the rank of this replica that holds it.
@@ -138,61 +146,85 @@ int CheckNode(const v1::Plan& plan, int node, int ranks_per_node, Comm* comm, in
     for (int i = 0; i < ranks_per_node; ++i) {
       for (int64_t x = 0; x < f * s; ++x) {
         if (Load((*dp)->unsharded(u, i), up.dtype(), x) != ParamValue(first + x / s, x % s)) {
-          return 43;
+          return Fail(absl::StrCat("unit ", u, ": unsharded element ", x, " of local rank ", i,
+                                   " is ", Load((*dp)->unsharded(u, i), up.dtype(), x),
+                                   ", not rank ", first + x / s, "'s ",
+                                   ParamValue(first + x / s, x % s)));
         }
       }
     }
     // One buffer per node, or one per rank in the device shape.
     if (((*dp)->unsharded(u, 0) == (*dp)->unsharded(u, ranks_per_node - 1)) !=
         (shape == JobDataPlane::Shape::kNode || ranks_per_node == 1)) {
-      return 58;
+      return Fail(absl::StrCat("unit ", u, ": one unsharded buffer per ",
+                               shape == JobDataPlane::Shape::kNode ? "node" : "rank", " expected"));
     }
     // Resharded to groups of the node's ranks, the unit is rebuilt within the node.
-    if (!(*dp)->Reshard(u, ranks_per_node).ok()) return 64;
+    if (auto st = (*dp)->Reshard(u, ranks_per_node); !st.ok()) {
+      return Fail(absl::StrCat("unit ", u, ": reshard to the node's ranks: ", st.ToString()));
+    }
     if ((*dp)->unsharded(u, 0) != nullptr && shape == JobDataPlane::Shape::kDevice &&
         ranks_per_node > 1) {
-      return 65;  // each rank keeps only its part
+      return Fail(absl::StrCat("unit ", u, ": a device-shaped rank kept the whole unit"));
     }
-    if (!(*dp)->Unshard(u, deadline).ok()) return 66;
+    if (auto st = (*dp)->Unshard(u, deadline); !st.ok()) {
+      return Fail(absl::StrCat("unit ", u, ": unshard after a kept reshard: ", st.ToString()));
+    }
     for (int i = 0; i < ranks_per_node; ++i) {
       for (int64_t x = 0; x < f * s; ++x) {
         if (Load((*dp)->unsharded(u, i), up.dtype(), x) != ParamValue(first + x / s, x % s)) {
-          return 67;
+          return Fail(
+              absl::StrCat("unit ", u, ": rebuilt element ", x, " of local rank ", i, " differs"));
         }
       }
     }
-    if (!(*dp)->Reshard(u, 0).ok() || (*dp)->unsharded(u, 0) != nullptr) return 59;
+    if (!(*dp)->Reshard(u, 0).ok() || (*dp)->unsharded(u, 0) != nullptr) {
+      return Fail(absl::StrCat("unit ", u, ": reshard did not release the unsharded buffer"));
+    }
     for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg}) {
-      if (!(*dp)->AllocateGrad(u).ok()) return 60;
+      if (auto st = (*dp)->AllocateGrad(u); !st.ok()) {
+        return Fail(absl::StrCat("unit ", u, ": allocate_grad: ", st.ToString()));
+      }
       for (int i = 0; i < ranks_per_node; ++i) {
         for (int64_t x = 0; x < f * s; ++x) {
-          if (Load((*dp)->grad(u, i), up.dtype(), x) != 0.0f) return 61;  // zero-filled
+          if (Load((*dp)->grad(u, i), up.dtype(), x) != 0.0f) {
+            return Fail(absl::StrCat("unit ", u, ": gradient element ", x, " not zero-filled"));
+          }
           Store((*dp)->grad(u, i), up.dtype(), x, GradValue(local[i], x));
         }
       }
       if (auto st = (*dp)->ReduceScatter(u, op, deadline); !st.ok()) {
-        std::fprintf(stderr, "reduce_scatter: %s\n", st.ToString().c_str());
-        return 44;
+        return Fail(absl::StrCat("unit ", u, ": reduce_scatter: ", st.ToString()));
       }
-      if ((*dp)->grad(u, 0) != nullptr) return 62;  // released
+      if ((*dp)->grad(u, 0) != nullptr) {
+        return Fail(absl::StrCat("unit ", u, ": the reduce-scatter did not release the gradients"));
+      }
       for (int i = 0; i < ranks_per_node; ++i) {
         const int64_t pos = local[i] % f;
         for (int64_t e = 0; e < s; ++e) {
           double expect = 0;
           for (int64_t q = first; q < first + f; ++q) expect += GradValue(q, pos * s + e);
           if (op == ReduceOp::kAvg) expect /= static_cast<double>(f);
-          if (std::abs((*dp)->grad_shard(u, i)[e] - expect) > 1e-5) return 45;
+          if (std::abs((*dp)->grad_shard(u, i)[e] - expect) > 1e-5) {
+            return Fail(absl::StrCat("unit ", u, ": reduced element ", e, " of local rank ", i,
+                                     " is ", (*dp)->grad_shard(u, i)[e], ", not ", expect));
+          }
         }
       }
       // Over the replicas: the sum (mean) over all W ranks.
-      if (!(*dp)->AllReduce(u, op, deadline).ok()) return 46;
+      if (auto st = (*dp)->AllReduce(u, op, deadline); !st.ok()) {
+        return Fail(absl::StrCat("unit ", u, ": all_reduce: ", st.ToString()));
+      }
       for (int i = 0; i < ranks_per_node; ++i) {
         const int64_t pos = local[i] % f;
         for (int64_t e = 0; e < s; ++e) {
           double expect = 0;
           for (int64_t q = 0; q < w; ++q) expect += GradValue(q, pos * s + e);
           if (op == ReduceOp::kAvg) expect /= static_cast<double>(w);
-          if (std::abs((*dp)->grad_shard(u, i)[e] - expect) > 1e-4) return 47;
+          if (std::abs((*dp)->grad_shard(u, i)[e] - expect) > 1e-4) {
+            return Fail(absl::StrCat("unit ", u, ": all-reduced element ", e, " of local rank ", i,
+                                     " is ", (*dp)->grad_shard(u, i)[e], ", not ", expect));
+          }
         }
       }
     }
@@ -200,13 +232,17 @@ int CheckNode(const v1::Plan& plan, int node, int ranks_per_node, Comm* comm, in
     for (int i = 0; i < ranks_per_node; ++i) {
       for (int64_t e = 0; e < s; ++e) (*dp)->grad_shard(u, i)[e] = ShardValue(local[i], e);
     }
-    if (!(*dp)->GatherToOwner(u, deadline).ok()) return 48;
+    if (auto st = (*dp)->GatherToOwner(u, deadline); !st.ok()) {
+      return Fail(absl::StrCat("unit ", u, ": gather_to_owner: ", st.ToString()));
+    }
     for (const v1::TensorPlacement& t : up.tensors()) {
       if (t.optimizer() != v1::OPTIMIZER_MATRIX) continue;
       const int64_t owner_local = first + t.owner_rank() - local[0];
       if (owner_local < 0 || owner_local >= ranks_per_node) continue;
       float* whole = (*dp)->owner_buffer(u, static_cast<int>(owner_local));
-      if (whole == nullptr) return 49;
+      if (whole == nullptr) {
+        return Fail(absl::StrCat("unit ", u, ": the owner of ", t.name(), " has no buffer"));
+      }
       // The owner's matrices, packed in plan order.
       int64_t packed = 0;
       for (const v1::TensorPlacement& o : up.tensors()) {
@@ -217,13 +253,21 @@ int CheckNode(const v1::Plan& plan, int node, int ranks_per_node, Comm* comm, in
       }
       for (int64_t x = t.offset(); x < t.offset() + t.numel(); ++x) {
         float& v = whole[packed + x - t.offset()];
-        if (v != ShardValue(first + x / s, x % s)) return 50;
+        if (v != ShardValue(first + x / s, x % s)) {
+          return Fail(absl::StrCat("unit ", u, ": element ", x, " of ", t.name(),
+                                   " at its owner is ", v, ", not ",
+                                   ShardValue(first + x / s, x % s)));
+        }
         v = -v;  // the owner's "update"
       }
     }
-    if (!(*dp)->ScatterFromOwner(u, deadline).ok()) return 51;
+    if (auto st = (*dp)->ScatterFromOwner(u, deadline); !st.ok()) {
+      return Fail(absl::StrCat("unit ", u, ": scatter_from_owner: ", st.ToString()));
+    }
     for (int i = 0; i < ranks_per_node; ++i) {
-      if ((*dp)->owner_buffer(u, i) != nullptr) return 63;  // released
+      if ((*dp)->owner_buffer(u, i) != nullptr) {
+        return Fail(absl::StrCat("unit ", u, ": scatter_from_owner did not release the buffer"));
+      }
     }
     for (int i = 0; i < ranks_per_node; ++i) {
       const int64_t pos = local[i] % f;
@@ -235,14 +279,24 @@ int CheckNode(const v1::Plan& plan, int node, int ranks_per_node, Comm* comm, in
                     x < t.offset() + t.numel();
         }
         const float expect = matrix ? -ShardValue(local[i], e) : ShardValue(local[i], e);
-        if ((*dp)->grad_shard(u, i)[e] != expect) return 52;
+        if ((*dp)->grad_shard(u, i)[e] != expect) {
+          return Fail(absl::StrCat("unit ", u, ": scattered element ", e, " of local rank ", i,
+                                   " is ", (*dp)->grad_shard(u, i)[e], ", not ", expect));
+        }
       }
     }
-    if ((*pool)->Stats().used != persistent) return 53;
+    if ((*pool)->Stats().used != persistent) {
+      return Fail(absl::StrCat("unit ", u, ": ", (*pool)->Stats().used - persistent,
+                               " transient bytes still held"));
+    }
   }
-  if ((*dp)->staging_bytes() != 0) return 54;
+  if ((*dp)->staging_bytes() != 0) {
+    return Fail(absl::StrCat((*dp)->staging_bytes(), " bytes staged outside the collectives"));
+  }
   for (int64_t i = 0; i < 4096; ++i) {
-    if (static_cast<unsigned char>(canary->data()[i]) != 0xA5) return 56;
+    if (static_cast<unsigned char>(canary->data()[i]) != 0xA5) {
+      return Fail(absl::StrCat("byte ", i, " past the job's buffers was written"));
+    }
   }
   return 0;
 }
@@ -267,7 +321,7 @@ TEST_P(JobDataPlaneTest, TwoNodesOfTwoRanksMatchTheReference) {
   EXPECT_GT(MatrixTensors(*plan), 0);  // the owner operations have something to move
   UcxGroup g =
       UcxGroup::Spawn(2, [&](int node, Comm& comm) { return CheckNode(*plan, node, 2, &comm); });
-  for (pid_t pid : g.pids) EXPECT_EQ(UcxGroup::ExitCode(pid), 0);
+  g.ExpectSucceeded();
 }
 
 TEST_P(JobDataPlaneTest, DeviceShapedTwoNodesOfTwoRanksMatchTheReference) {
@@ -279,7 +333,7 @@ TEST_P(JobDataPlaneTest, DeviceShapedTwoNodesOfTwoRanksMatchTheReference) {
   UcxGroup g = UcxGroup::Spawn(2, [&](int node, Comm& comm) {
     return CheckNode(*plan, node, 2, &comm, 1, JobDataPlane::Shape::kDevice);
   });
-  for (pid_t pid : g.pids) EXPECT_EQ(UcxGroup::ExitCode(pid), 0);
+  g.ExpectSucceeded();
 }
 
 TEST_P(JobDataPlaneTest, DeviceShapedOneNodeOfFourRanksMatchesTheReference) {
@@ -308,7 +362,7 @@ TEST_P(JobDataPlaneTest, HsdpTwoReplicasOfTwoNodesOfOneRankMatchTheReference) {
   ASSERT_TRUE(plan.ok()) << plan.status();
   UcxGroup g = UcxGroup::Spawn(
       4, [&](int node, Comm& comm) { return CheckNode(*plan, node, 1, &comm, /*replicas=*/2); });
-  for (pid_t pid : g.pids) EXPECT_EQ(UcxGroup::ExitCode(pid), 0);
+  g.ExpectSucceeded();
 }
 
 TEST_P(JobDataPlaneTest, HsdpOneShardGroupPerNodeMatchesTheReference) {
@@ -319,7 +373,7 @@ TEST_P(JobDataPlaneTest, HsdpOneShardGroupPerNodeMatchesTheReference) {
   ASSERT_TRUE(plan.ok()) << plan.status();
   UcxGroup g = UcxGroup::Spawn(
       2, [&](int node, Comm& comm) { return CheckNode(*plan, node, 2, &comm, /*replicas=*/2); });
-  for (pid_t pid : g.pids) EXPECT_EQ(UcxGroup::ExitCode(pid), 0);
+  g.ExpectSucceeded();
 }
 
 // Shards of whole pages (the planner's alignment) in a pool of page-aligned leases, as ragshardd
@@ -338,7 +392,7 @@ TEST_P(JobDataPlaneTest, ViewsTwoNodesOfTwoRanksMatchTheReference) {
   UcxGroup g = UcxGroup::Spawn(2, [&](int node, Comm& comm) {
     return CheckNode(*plan, node, 2, &comm, 1, JobDataPlane::Shape::kNode, kViewPageBytes);
   });
-  for (pid_t pid : g.pids) EXPECT_EQ(UcxGroup::ExitCode(pid), 0);
+  g.ExpectSucceeded();
 }
 
 TEST_P(JobDataPlaneTest, ViewsHsdpTwoReplicasOfTwoNodesOfOneRankMatchTheReference) {
@@ -348,7 +402,7 @@ TEST_P(JobDataPlaneTest, ViewsHsdpTwoReplicasOfTwoNodesOfOneRankMatchTheReferenc
   UcxGroup g = UcxGroup::Spawn(4, [&](int node, Comm& comm) {
     return CheckNode(*plan, node, 1, &comm, 2, JobDataPlane::Shape::kNode, kViewPageBytes);
   });
-  for (pid_t pid : g.pids) EXPECT_EQ(UcxGroup::ExitCode(pid), 0);
+  g.ExpectSucceeded();
 }
 
 TEST_P(JobDataPlaneTest, ViewsOneNodeOfFourRanksMatchesTheReference) {
@@ -378,13 +432,13 @@ TEST(JobDataPlaneFailureTest, AKilledNodeIsAnErrorWithinTheDeadline) {
   UcxGroup g = UcxGroup::Spawn(2, [&](int node, Comm& comm) {
     auto pool = Pool::Create(128 << 20);
     auto dp = JobDataPlane::Create(*plan, {node}, pool->get(), &comm);
-    if (!dp.ok()) return 50;
+    if (!dp.ok()) return Fail("create: " + dp.status().ToString());
     for (int i = 0; i < 1000000; ++i) {
       if (i == 1 && node == 0) started.Mark();
       absl::Status s = (*dp)->Unshard(0, absl::Now() + absl::Seconds(10));
       if (!s.ok()) return std::string(s.message()).find("peer 1") != std::string::npos ? 0 : 51;
     }
-    return 52;
+    return Fail("a million all-gathers ran, none of them failing on the peer's loss");
   });
   started.Spawned();
   EXPECT_TRUE(started.Await(1)) << "node 0 ended before its second all-gather";
@@ -415,24 +469,26 @@ TEST(JobDataPlaneMismatchTest, NodesRunningDifferentUnitsOfEqualSizeFailNamingBo
   const absl::Time start = absl::Now();
   UcxGroup g = UcxGroup::Spawn(2, [&](int node, Comm& comm) {
     auto pool = Pool::Create(64 << 20);
-    if (!pool.ok()) return 50;
+    if (!pool.ok()) return Fail("pool: " + pool.status().ToString());
     auto dp = JobDataPlane::Create(*plan, {node * 2, node * 2 + 1}, pool->get(), &comm);
-    if (!dp.ok()) return 51;
+    if (!dp.ok()) return Fail("create: " + dp.status().ToString());
     const absl::Time deadline = absl::Now() + absl::Seconds(60);
     // Both nodes agree on unit 0, then node 1 skips to unit 1.
-    if (!(*dp)->Unshard(0, deadline).ok()) return 52;
+    if (auto st = (*dp)->Unshard(0, deadline); !st.ok()) return Fail("unshard: " + st.ToString());
     absl::Status s = (*dp)->Unshard(node == 0 ? 0 : 1, deadline);
-    std::fprintf(stderr, "node %d: %s\n", node, s.ToString().c_str());
     const std::string m(s.message());
-    if (s.code() != absl::StatusCode::kAborted) return 53;
-    if (m.find("OP_UNSHARD of unit 0 'layers.0'") == std::string::npos ||
+    if (s.code() != absl::StatusCode::kAborted ||
+        m.find("OP_UNSHARD of unit 0 'layers.0'") == std::string::npos ||
         m.find("OP_UNSHARD of unit 1 'layers.1'") == std::string::npos) {
-      return 54;
+      return Fail("the mismatched unshard should be ABORTED naming both units, not " +
+                  s.ToString());
     }
-    if ((*dp)->unsharded(1, 0) != nullptr) return 55;  // nothing left allocated by the failure
+    if ((*dp)->unsharded(1, 0) != nullptr) {
+      return Fail("the failed unshard left its buffer allocated");
+    }
     return 0;
   });
-  for (pid_t pid : g.pids) EXPECT_EQ(UcxGroup::ExitCode(pid), 0);
+  g.ExpectSucceeded();
   EXPECT_LT(absl::Now() - start, absl::Seconds(30));
 }
 

@@ -25,6 +25,7 @@
 namespace ragshard::daemon {
 namespace {
 
+using testing::Fail;
 using testing::UcxGroup;
 
 Inventory Model() {
@@ -79,19 +80,17 @@ v1::Plan NestedPlan(const Sharding& s) {
   return *plan;
 }
 
-// The checks of one node; 0 when everything matched, else the number of the failed check.
+// The checks of one node; 0 when everything matched, else 1 after Fail named the first
+// difference.
 int CheckNode(const v1::Plan& plan, const Sharding& s, int node, Comm* comm,
               JobDataPlane::Shape shape) {
   const int64_t k = s.devices, w = s.world();
   auto pool = Pool::Create(32 << 20, 256);
-  if (!pool.ok()) return 40;
+  if (!pool.ok()) return Fail("pool: " + pool.status().ToString());
   std::vector<int64_t> local;
   for (int64_t i = 0; i < k; ++i) local.push_back(node * k + i);
   auto dp = JobDataPlane::Create(plan, local, pool->get(), comm, w / plan.world_size(), shape);
-  if (!dp.ok()) {
-    std::fprintf(stderr, "create: %s\n", dp.status().ToString().c_str());
-    return 41;
-  }
+  if (!dp.ok()) return Fail("create: " + dp.status().ToString());
   const absl::Time deadline = absl::Now() + absl::Seconds(30);
   const int64_t persistent = (*pool)->Stats().used;
   std::vector<v1::AttachResponse> desc(k);
@@ -101,15 +100,29 @@ int CheckNode(const v1::Plan& plan, const Sharding& s, int node, Comm* comm,
     const v1::DType dt = plan.units(u).dtype();
     const int64_t sp = (*dp)->shard_elems(u), sg = (*dp)->grad_elems(u), so = (*dp)->os_elems(u);
     const int64_t total = plan.world_size() * sp;
-    if (sg * s.g.size() != total || so * s.os.size() != total) return 42;
+    if (sg * s.g.size() != total || so * s.os.size() != total) {
+      return Fail(absl::StrCat("unit ", u, ": g and os shards of ", sg, " and ", so,
+                               " elements do not cover the unit's ", total));
+    }
     for (int i = 0; i < k; ++i) {
       // The ranges nest: os inside g inside p.
       const v1::RankPositions& pos = desc[i].positions();
       const v1::UnitBuffers& b = desc[i].units(u);
       const int64_t p0 = pos.p() * sp, g0 = pos.g() * sg, o0 = pos.os() * so;
-      if (b.os_elems() != so || b.grad_shard_elems() != sg) return 43;
-      if (o0 < g0 || o0 + so > g0 + sg || g0 < p0 || g0 + sg > p0 + sp) return 44;
-      if (b.os_param_offset() != o0 - p0 || b.os_grad_offset() != o0 - g0) return 45;
+      if (b.os_elems() != so || b.grad_shard_elems() != sg) {
+        return Fail(absl::StrCat("unit ", u, ": local rank ", i, " describes os ", b.os_elems(),
+                                 " and g ", b.grad_shard_elems(), " elements, not ", so, " and ",
+                                 sg));
+      }
+      if (o0 < g0 || o0 + so > g0 + sg || g0 < p0 || g0 + sg > p0 + sp) {
+        return Fail(absl::StrCat("unit ", u, ": local rank ", i, "'s ranges do not nest: os at ",
+                                 o0, ", g at ", g0, ", p at ", p0));
+      }
+      if (b.os_param_offset() != o0 - p0 || b.os_grad_offset() != o0 - g0) {
+        return Fail(absl::StrCat("unit ", u, ": local rank ", i, "'s os offsets ",
+                                 b.os_param_offset(), " and ", b.os_grad_offset(), ", not ",
+                                 o0 - p0, " and ", o0 - g0));
+      }
     }
     // The all-gather over p.
     for (int i = 0; i < k; ++i) {
@@ -117,28 +130,33 @@ int CheckNode(const v1::Plan& plan, const Sharding& s, int node, Comm* comm,
       for (int64_t e = 0; e < sp; ++e) Store((*dp)->param_shard(u, i), dt, e, Truth(u, p0 + e));
     }
     if (absl::Status st = (*dp)->Unshard(u, deadline); !st.ok()) {
-      std::fprintf(stderr, "unshard: %s\n", st.ToString().c_str());
-      return 46;
+      return Fail(absl::StrCat("unit ", u, ": unshard: ", st.ToString()));
     }
     for (int i = 0; i < k; ++i) {
       for (int64_t x = 0; x < total; ++x) {
-        if (Load((*dp)->unsharded(u, i), dt, x) != Truth(u, x)) return 47;
+        if (Load((*dp)->unsharded(u, i), dt, x) != Truth(u, x)) {
+          return Fail(absl::StrCat("unit ", u, ": unsharded element ", x, " of local rank ", i,
+                                   " is ", Load((*dp)->unsharded(u, i), dt, x), ", not ",
+                                   Truth(u, x)));
+        }
       }
     }
-    if (!(*dp)->Reshard(u, 0).ok()) return 48;
+    if (auto st = (*dp)->Reshard(u, 0); !st.ok()) {
+      return Fail(absl::StrCat("unit ", u, ": reshard: ", st.ToString()));
+    }
     // The reduce-scatter over g and the all-reduce over the gradients' replicas.
     for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg}) {
-      if (!(*dp)->AllocateGrad(u).ok()) return 49;
+      if (auto st = (*dp)->AllocateGrad(u); !st.ok()) {
+        return Fail(absl::StrCat("unit ", u, ": allocate_grad: ", st.ToString()));
+      }
       for (int i = 0; i < k; ++i) {
         for (int64_t x = 0; x < total; ++x) Store((*dp)->grad(u, i), dt, x, Grad(local[i], x));
       }
       if (absl::Status st = (*dp)->ReduceScatter(u, op, deadline); !st.ok()) {
-        std::fprintf(stderr, "reduce_scatter: %s\n", st.ToString().c_str());
-        return 50;
+        return Fail(absl::StrCat("unit ", u, ": reduce_scatter: ", st.ToString()));
       }
       if (absl::Status st = (*dp)->AllReduce(u, op, deadline); !st.ok()) {
-        std::fprintf(stderr, "all_reduce: %s\n", st.ToString().c_str());
-        return 51;
+        return Fail(absl::StrCat("unit ", u, ": all_reduce: ", st.ToString()));
       }
       for (int i = 0; i < k; ++i) {
         const int64_t g0 = desc[i].positions().g() * sg;
@@ -146,7 +164,10 @@ int CheckNode(const v1::Plan& plan, const Sharding& s, int node, Comm* comm,
           double expect = 0;
           for (int64_t q = 0; q < w; ++q) expect += Grad(q, g0 + e);
           if (op == ReduceOp::kAvg) expect /= static_cast<double>(w);
-          if (std::abs((*dp)->grad_shard(u, i)[e] - expect) > 1e-5) return 52;
+          if (std::abs((*dp)->grad_shard(u, i)[e] - expect) > 1e-5) {
+            return Fail(absl::StrCat("unit ", u, ": reduced element ", e, " of local rank ", i,
+                                     " is ", (*dp)->grad_shard(u, i)[e], ", not ", expect));
+          }
         }
       }
     }
@@ -160,13 +181,16 @@ int CheckNode(const v1::Plan& plan, const Sharding& s, int node, Comm* comm,
       }
     }
     if (absl::Status st = (*dp)->UpdateGather(u, deadline); !st.ok()) {
-      std::fprintf(stderr, "update_gather: %s\n", st.ToString().c_str());
-      return 53;
+      return Fail(absl::StrCat("unit ", u, ": update_gather: ", st.ToString()));
     }
     for (int i = 0; i < k; ++i) {
       const int64_t p0 = desc[i].positions().p() * sp;
       for (int64_t e = 0; e < sp; ++e) {
-        if (Load((*dp)->param_shard(u, i), dt, e) != Update(u, p0 + e)) return 54;
+        if (Load((*dp)->param_shard(u, i), dt, e) != Update(u, p0 + e)) {
+          return Fail(absl::StrCat("unit ", u, ": updated shard element ", e, " of local rank ", i,
+                                   " is ", Load((*dp)->param_shard(u, i), dt, e), ", not ",
+                                   Update(u, p0 + e)));
+        }
       }
     }
     // The matrix pieces of the os layout to their owners and back.
@@ -175,8 +199,7 @@ int CheckNode(const v1::Plan& plan, const Sharding& s, int node, Comm* comm,
       for (int64_t e = 0; e < sg; ++e) (*dp)->grad_shard(u, i)[e] = Held(g0 + e);
     }
     if (absl::Status st = (*dp)->GatherToOwner(u, deadline); !st.ok()) {
-      std::fprintf(stderr, "gather_to_owner: %s\n", st.ToString().c_str());
-      return 55;
+      return Fail(absl::StrCat("unit ", u, ": gather_to_owner: ", st.ToString()));
     }
     const v1::UnitPlan& ou = os_units.Get(u);
     std::map<int64_t, int64_t> packed;  // owner -> elements so far
@@ -187,14 +210,22 @@ int CheckNode(const v1::Plan& plan, const Sharding& s, int node, Comm* comm,
       for (int i = 0; i < k; ++i) {
         if (desc[i].positions().os() != t.owner_rank() || (*dp)->owner_elems(u, i) == 0) continue;
         float* whole = (*dp)->owner_buffer(u, i);
-        if (whole == nullptr) return 56;
+        if (whole == nullptr) {
+          return Fail(absl::StrCat("unit ", u, ": the owner of ", t.name(), " has no buffer"));
+        }
         for (int64_t x = 0; x < t.numel(); ++x) {
-          if (whole[at + x] != Held(t.offset() + x)) return 57;
+          if (whole[at + x] != Held(t.offset() + x)) {
+            return Fail(absl::StrCat("unit ", u, ": element ", x, " of ", t.name(),
+                                     " at its owner is ", whole[at + x], ", not ",
+                                     Held(t.offset() + x)));
+          }
           whole[at + x] = -whole[at + x];
         }
       }
     }
-    if (!(*dp)->ScatterFromOwner(u, deadline).ok()) return 58;
+    if (auto st = (*dp)->ScatterFromOwner(u, deadline); !st.ok()) {
+      return Fail(absl::StrCat("unit ", u, ": scatter_from_owner: ", st.ToString()));
+    }
     for (int i = 0; i < k; ++i) {
       const v1::UnitBuffers& b = desc[i].units(u);
       const int64_t o0 = desc[i].positions().os() * so;
@@ -206,13 +237,21 @@ int CheckNode(const v1::Plan& plan, const Sharding& s, int node, Comm* comm,
                     x < t.offset() + t.numel();
         }
         if ((*dp)->grad_shard(u, i)[b.os_grad_offset() + e] != (matrix ? -Held(x) : Held(x))) {
-          return 59;
+          return Fail(absl::StrCat("unit ", u, ": scattered element ", x, " of local rank ", i,
+                                   " is ", (*dp)->grad_shard(u, i)[b.os_grad_offset() + e],
+                                   ", not ", matrix ? -Held(x) : Held(x)));
         }
       }
     }
-    if ((*pool)->Stats().used != persistent) return 60;
+    if ((*pool)->Stats().used != persistent) {
+      return Fail(absl::StrCat("unit ", u, ": ", (*pool)->Stats().used - persistent,
+                               " transient bytes still held"));
+    }
   }
-  return (*dp)->staging_bytes() == 0 ? 0 : 61;
+  if ((*dp)->staging_bytes() != 0) {
+    return Fail(absl::StrCat((*dp)->staging_bytes(), " bytes staged outside the collectives"));
+  }
+  return 0;
 }
 
 class ShardingDataPlaneTest : public ::testing::TestWithParam<JobDataPlane::Shape> {};
@@ -224,14 +263,14 @@ TEST_P(ShardingDataPlaneTest, EveryShardingOfTwoNodesOfTwoRanksMatchesTheLayout)
     ASSERT_TRUE(ValidatePlan(plan).ok()) << ValidatePlan(plan);
     UcxGroup g = UcxGroup::Spawn(
         2, [&](int node, Comm& comm) { return CheckNode(plan, s, node, &comm, GetParam()); });
-    for (pid_t pid : g.pids) EXPECT_EQ(UcxGroup::ExitCode(pid), 0);
+    g.ExpectSucceeded();
   }
 }
 
 TEST_P(ShardingDataPlaneTest, EveryShardingOfOneNodeOfFourRanksMatchesTheLayout) {
   for (const Sharding& s : AllowedShardings(1, 4)) {
     SCOPED_TRACE(s.Describe());
-    EXPECT_EQ(CheckNode(NestedPlan(s), s, 0, nullptr, GetParam()), 0);
+    EXPECT_EQ(CheckNode(NestedPlan(s), s, 0, nullptr, GetParam()), 0);  // Fail said what differed
   }
 }
 

@@ -15,6 +15,8 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
 #include "server/daemon/ucx_comm.h"
 
 namespace ragshard::daemon::testing {
@@ -60,6 +62,24 @@ class Marks {
   int fds_[2];
 };
 
+// A data-plane check's failure, as a message: in a child of a UcxGroup it goes to the parent
+// through the group's pipe (UcxGroup::ExpectSucceeded reports it as a gtest failure naming the
+// child); in the test's own process it is a gtest failure at once. Returns 1, for the body's
+// exit code: `if (bad) return Fail("what differed");`.
+inline int g_failure_fd = -1;    // the group's pipe, in a child
+inline int g_failure_rank = -1;  // the child's rank
+inline int Fail(const std::string& what) {
+  if (g_failure_fd < 0) {
+    ADD_FAILURE() << what;
+    return 1;
+  }
+  const std::string line = absl::StrCat("rank ", g_failure_rank, ": ", what, "\n");
+  if (write(g_failure_fd, line.data(), line.size()) < 0) {
+    // the parent is gone; the exit code still says it
+  }
+  return 1;
+}
+
 struct UcxGroup {
   // A child still running after this long has hung (every body's operations have deadlines far
   // shorter); SIGALRM ends it, and its exit code (128 + 14) names the hang instead of a test
@@ -69,6 +89,7 @@ struct UcxGroup {
   std::vector<pid_t> pids;
   std::vector<int> ready_fds;  // each child writes one byte once connected
   std::thread releaser;        // releases the children once every body has returned
+  int failure_fd = -1;         // the read end of the children's failure messages (Fail)
 
   UcxGroup() = default;
   UcxGroup(UcxGroup&&) = default;
@@ -76,6 +97,25 @@ struct UcxGroup {
   // Joined, so that no thread of this group is running (or exiting) when the next group forks.
   ~UcxGroup() {
     if (releaser.joinable()) releaser.join();
+    if (failure_fd >= 0) close(failure_fd);
+  }
+
+  // Waits for every child: each message a child sent with Fail, and each exit code other than
+  // 0, is a gtest failure naming the child.
+  void ExpectSucceeded() {
+    for (size_t r = 0; r < pids.size(); ++r) {
+      EXPECT_EQ(ExitCode(pids[r]), 0) << "rank " << r << "'s exit code";
+    }
+    std::string messages;
+    char buf[4096];
+    for (ssize_t n; failure_fd >= 0 && (n = read(failure_fd, buf, sizeof(buf))) > 0;) {
+      messages.append(buf, static_cast<size_t>(n));
+    }
+    for (size_t at = 0; at < messages.size();) {
+      const size_t end = messages.find('\n', at);
+      ADD_FAILURE() << messages.substr(at, end - at);
+      at = end == std::string::npos ? messages.size() : end + 1;
+    }
   }
 
   // body(rank, comm) runs in child `rank`; its return value is the exit code. Child `rank`
@@ -89,6 +129,8 @@ struct UcxGroup {
                         std::function<int(int, const absl::Status&)> connect_failed = nullptr) {
     UcxGroup g;
     std::vector<int> to_parent(n), from_parent(n), go_fds(n), fin_fds(n), release_fds(n);
+    int failures[2];
+    if (pipe(failures) != 0) return g;
     for (int r = 0; r < n; ++r) {
       int up[2], down[2], ready[2], go[2], fin[2], release[2];
       if (pipe(up) != 0 || pipe(down) != 0 || pipe(ready) != 0 || pipe(go) != 0 || pipe(fin) != 0 ||
@@ -98,6 +140,9 @@ struct UcxGroup {
       pid_t pid = fork();
       if (pid == 0) {
         alarm(kWatchdogSeconds);
+        close(failures[0]);
+        g_failure_fd = failures[1];
+        g_failure_rank = r;
         auto w = UcxWorker::Create("127.0.0.1", 0);
         if (!w.ok()) _exit(10);
         (*w)->AllowPeerHosts({"127.0.0.1"});
@@ -147,6 +192,8 @@ struct UcxGroup {
       g.pids.push_back(pid);
       g.ready_fds.push_back(ready[0]);
     }
+    close(failures[1]);  // the children hold the write ends: end of file once all exited
+    g.failure_fd = failures[0];
     std::string all;
     for (int r = 0; r < n; ++r) {
       char c;
