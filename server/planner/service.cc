@@ -21,68 +21,63 @@ absl::StatusOr<std::unique_ptr<PlannerService>> PlannerService::Create(std::uniq
   auto state = store->Load();
   if (!state.ok()) return state.status();
   std::unique_ptr<PlannerService> svc(new PlannerService(std::move(store), std::move(options)));
-  {
-    absl::MutexLock lock(&svc->mu_);
-    for (v1::Job& job : state->jobs) {
-      JobState& js = svc->jobs_[job.job_id()];
-      js.job = std::move(job);
+  // Nothing else runs yet: the entries are filled without their locks' contention.
+  std::map<std::string, JobState> loaded;
+  for (v1::Job& job : state->jobs) loaded[job.job_id()].job = std::move(job);
+  for (auto& [id, rank] : state->ranks) {
+    auto it = loaded.find(id);
+    if (it == loaded.end() || rank.rank() < 0 || rank.rank() >= it->second.job.world_size())
+      continue;
+    it->second.ranks[rank.rank()] = std::move(rank);
+  }
+  for (auto& [id, js] : loaded) {
+    js.job.set_registered_ranks(static_cast<int64_t>(js.ranks.size()));
+    if (js.job.data_secret().empty()) {
+      // A job stored by a planner before data-plane secrets: it gets one now.
+      js.job.set_data_secret(RandomBytes(32));
+      if (absl::Status s = svc->store_->PutJob(js.job); !s.ok()) return s;
     }
-    for (auto& [id, rank] : state->ranks) {
-      auto it = svc->jobs_.find(id);
-      if (it == svc->jobs_.end() || rank.rank() < 0 || rank.rank() >= it->second.job.world_size())
-        continue;
-      it->second.ranks[rank.rank()] = std::move(rank);
-    }
-    for (auto& [id, js] : svc->jobs_) {
-      js.job.set_registered_ranks(static_cast<int64_t>(js.ranks.size()));
-      if (js.job.data_secret().empty()) {
-        // A job stored by a planner before data-plane secrets: it gets one now.
-        js.job.set_data_secret(RandomBytes(32));
-        if (absl::Status s = svc->store_->PutJob(js.job); !s.ok()) return s;
-      }
-    }
-    for (auto& [id, bytes] : state->inventories) {
-      auto it = svc->jobs_.find(id);
-      if (it == svc->jobs_.end()) continue;
-      Inventory inv;
-      if (!inv.ParseFromString(bytes))
-        return absl::DataLossError("corrupt stored inventory of " + id);
-      it->second.inventory = std::move(inv);
-    }
-    for (auto& [id, bytes] : state->plans) {
-      auto it = svc->jobs_.find(id);
-      if (it == svc->jobs_.end()) continue;
-      auto decoded = DecodePlan(bytes, "stored plan of job '" + id + "'");
-      if (!decoded.ok()) return decoded.status();
-      v1::Plan& plan = *decoded;
-      // A plan newer than its job's record was stored by an older planner killed between the
-      // two writes (they are one transaction now): the job is planned again, to the same plan.
-      if (plan.version() != it->second.job.plan_version()) continue;
-      // Stores written before plans were compressed hold them plain.
-      it->second.plan_zstd = IsZstdFrame(bytes) ? std::move(bytes) : CompressPlan(plan);
-      it->second.plan = std::move(plan);
-    }
-    for (auto& kv : state->kv) {
-      auto it = svc->jobs_.find(kv.job_id);
-      if (it != svc->jobs_.end()) it->second.kv[kv.key] = kv.value;
-    }
-    // Nodes get a fresh heartbeat grace period after a restart.
-    const int64_t now = NowMs();
-    for (v1::Node& node : state->nodes) {
-      node.set_last_heartbeat_unix_ms(now);
-      svc->nodes_[node.node_id()] = std::move(node);
-    }
+  }
+  for (auto& [id, bytes] : state->inventories) {
+    auto it = loaded.find(id);
+    if (it == loaded.end()) continue;
+    Inventory inv;
+    if (!inv.ParseFromString(bytes))
+      return absl::DataLossError("corrupt stored inventory of " + id);
+    it->second.inventory = std::move(inv);
+  }
+  for (auto& [id, bytes] : state->plans) {
+    auto it = loaded.find(id);
+    if (it == loaded.end()) continue;
+    auto decoded = DecodePlan(bytes, "stored plan of job '" + id + "'");
+    if (!decoded.ok()) return decoded.status();
+    v1::Plan& plan = *decoded;
+    // A plan newer than its job's record was stored by an older planner killed between the
+    // two writes (they are one transaction now): the job is planned again, to the same plan.
+    if (plan.version() != it->second.job.plan_version()) continue;
+    // Stores written before plans were compressed hold them plain.
+    it->second.plan_zstd = IsZstdFrame(bytes) ? std::move(bytes) : CompressPlan(plan);
+    it->second.plan = std::move(plan);
+  }
+  std::vector<StoredState::Kv> kv;
+  for (auto& k : state->kv) {
+    if (loaded.count(k.job_id)) kv.push_back(std::move(k));
+  }
+  svc->rendezvous_.Load(kv);
+  // Nodes get a fresh heartbeat grace period after a restart.
+  svc->nodes_.Load(std::move(state->nodes), NowMs());
+  const size_t jobs = loaded.size();
+  for (auto& [id, js] : loaded) {
+    EntryPtr e = svc->Entry(id, /*create=*/true);
+    absl::MutexLock lock(&e->mu);
+    e->state = std::move(js);
     // A job whose ranks all registered but whose plan was not stored before a crash is planned
     // now; a stored plan is never recomputed.
-    std::vector<std::string> replan;
-    for (auto& [id, js] : svc->jobs_) {
-      if (js.job.status() == v1::JOB_REGISTERING && !js.plan && js.inventory) replan.push_back(id);
+    if (e->state.job.status() == v1::JOB_REGISTERING && !e->state.plan && e->state.inventory) {
+      svc->MaybePlan(id, &e->state);
     }
-    Deferred deferred;
-    for (const std::string& id : replan) svc->MaybePlan(id, &svc->jobs_[id], &deferred);
-    LOG(INFO) << "planner state loaded: " << svc->jobs_.size() << " jobs, " << svc->nodes_.size()
-              << " nodes";
   }
+  LOG(INFO) << "planner state loaded: " << jobs << " jobs, " << svc->nodes_.size() << " nodes";
   svc->ticker_ = std::thread([s = svc.get()] { s->RunTicker(); });
   return svc;
 }
@@ -96,22 +91,20 @@ PlannerService::~PlannerService() {
 }
 
 void PlannerService::Shutdown() {
+  if (shutdown_.exchange(true)) return;
   Deferred deferred;
-  {
-    absl::MutexLock lock(&mu_);
-    if (shutdown_) return;
-    shutdown_ = true;
-    const grpc::Status unavailable(grpc::StatusCode::UNAVAILABLE, "planner shutting down");
-    for (auto& [id, js] : jobs_) {
-      for (PendingHash& p : js.pending_hash) Finish(&deferred, p.parked.reactor, unavailable);
-      js.pending_hash.clear();
-      for (auto& w : js.watchers) deferred.push_back([w, unavailable] { w->Close(unavailable); });
-      js.watchers.clear();
-    }
-    for (PendingGet& g : pending_gets_) Finish(&deferred, g.parked.reactor, unavailable);
-    pending_gets_.clear();
+  const grpc::Status unavailable(grpc::StatusCode::UNAVAILABLE, "planner shutting down");
+  for (auto& [id, e] : Entries()) {
+    absl::MutexLock lock(&e->mu);
+    for (PendingHash& p : e->state.pending_hash)
+      FinishLater(&deferred, p.parked.reactor, unavailable);
+    e->state.pending_hash.clear();
   }
-  for (auto& f : deferred) f();
+  // Once closed, the registries refuse new watchers and waits (UNAVAILABLE), so a call that
+  // found its job live before the flag was set leaves nothing open.
+  watchers_.CloseAll(unavailable, &deferred);
+  rendezvous_.AbortAll(unavailable, &deferred);
+  RunDeferred(&deferred);
   stop_.Notify();
   if (ticker_.joinable()) ticker_.join();
 }
@@ -121,9 +114,19 @@ int64_t PlannerService::NowMs() {
       .count();
 }
 
-void PlannerService::Finish(Deferred* deferred, grpc::ServerUnaryReactor* reactor,
-                            const grpc::Status& status) {
-  deferred->push_back([reactor, status] { reactor->Finish(status); });
+PlannerService::EntryPtr PlannerService::Entry(const std::string& id, bool create) {
+  absl::MutexLock lock(&jobs_mu_);
+  auto it = jobs_.find(id);
+  if (it != jobs_.end()) return it->second;
+  if (!create) return nullptr;
+  return jobs_.emplace(id, std::make_shared<JobEntry>()).first->second;
+}
+
+std::vector<std::pair<std::string, PlannerService::EntryPtr>> PlannerService::Entries(
+    const std::string& after) const {
+  absl::MutexLock lock(&jobs_mu_);
+  auto it = after.empty() ? jobs_.begin() : jobs_.upper_bound(after);
+  return {it, jobs_.end()};
 }
 
 absl::Status PlannerService::Admit(grpc::CallbackServerContext* ctx, Access access,
@@ -137,26 +140,23 @@ absl::Status PlannerService::Admit(grpc::CallbackServerContext* ctx, Access acce
   return s;
 }
 
-absl::StatusOr<PlannerService::JobState*> PlannerService::FindJob(const std::string& id) {
-  if (shutdown_) return absl::UnavailableError("planner shutting down");
-  auto it = jobs_.find(id);
-  if (it == jobs_.end() || it->second.job.status() == v1::JOB_DELETED) {
+absl::StatusOr<PlannerService::JobState*> PlannerService::LiveJob(const std::string& id,
+                                                                  JobState* state) const {
+  if (shutdown_.load()) return absl::UnavailableError("planner shutting down");
+  if (state == nullptr || state->job.job_id().empty() || state->job.status() == v1::JOB_DELETED) {
     return absl::NotFoundError(absl::StrCat("job '", id, "' not found"));
   }
-  return &it->second;
+  return state;
 }
 
-grpc::ServerUnaryReactor* PlannerService::Locked(
+grpc::ServerUnaryReactor* PlannerService::Unlocked(
     Ctx* ctx, Access access, const std::function<absl::Status()>& validate,
     const std::function<absl::Status(Deferred*)>& body) {
   absl::Status s = Admit(ctx, access, validate);
   if (!s.ok()) return ReplyUnary(ctx, s);
   Deferred deferred;
-  {
-    absl::MutexLock lock(&mu_);
-    s = body(&deferred);
-  }
-  for (auto& f : deferred) f();
+  s = body(&deferred);
+  RunDeferred(&deferred);
   return ReplyUnary(ctx, s);
 }
 
@@ -165,9 +165,11 @@ grpc::ServerUnaryReactor* PlannerService::OnJob(
     const std::function<absl::Status()>& validate,
     const std::function<absl::Status(JobState&, Deferred*)>& body) {
   auto check = [&] { return validate ? validate() : ValidateJobId(job_id, options_.limits); };
-  return Locked(ctx, access, check, [&](Deferred* deferred) {
-    mu_.AssertHeld();
-    auto job = FindJob(job_id);
+  return Unlocked(ctx, access, check, [&](Deferred* deferred) {
+    EntryPtr e = Entry(job_id);
+    if (e == nullptr) return LiveJob(job_id, nullptr).status();
+    absl::MutexLock lock(&e->mu);
+    auto job = LiveJob(job_id, &e->state);
     return job.ok() ? body(**job, deferred) : job.status();
   });
 }
@@ -200,7 +202,12 @@ WatchChannel::Event PlannerService::PlanEvent(JobState* js, bool zstd) {
   return ev;
 }
 
+void PlannerService::BeforeJobWrite(const std::string& job_id) const {
+  if (options_.before_job_write) options_.before_job_write(job_id);
+}
+
 absl::Status PlannerService::JobChanged(JobState* js, Deferred* deferred) {
+  BeforeJobWrite(js->job.job_id());
   absl::Status s = store_->PutJob(js->job);
   if (!s.ok()) LOG(ERROR) << "store job " << js->job.job_id() << ": " << s;
   NotifyWatchers(js, deferred);
@@ -215,11 +222,7 @@ v1::Job PlannerService::Summary(const v1::Job& job) {
 
 void PlannerService::NotifyWatchers(JobState* js, Deferred* deferred) {
   // Every watcher gets the new status; the plan itself only with a version it has not seen.
-  std::vector<std::shared_ptr<WatchChannel>> live;
-  for (auto& w : js->watchers) {
-    if (!w->done()) live.push_back(w);
-  }
-  js->watchers = live;
+  const std::vector<WatchRegistry::Channel> live = watchers_.Live(js->job.job_id());
   if (live.empty()) return;
   if (js->notified_status == js->job.status() && js->notified_error == js->job.error() &&
       js->notified_version == js->job.plan_version()) {
@@ -229,7 +232,7 @@ void PlannerService::NotifyWatchers(JobState* js, Deferred* deferred) {
   js->notified_error = js->job.error();
   js->notified_version = js->job.plan_version();
   const WatchChannel::Event without_plan = ToBuffer(StatusEvent(*js));
-  for (auto& w : live) {
+  for (const auto& w : live) {
     WatchChannel::Event ev = without_plan;
     if (w->sent_version < js->job.plan_version() && js->plan) {
       ev = PlanEvent(js, w->zstd);
@@ -244,22 +247,22 @@ void PlannerService::FailJob(JobState* js, const std::string& error, Deferred* d
   js->job.set_error(error);
   LOG(WARNING) << "job " << js->job.job_id() << " failed: " << error;
   const grpc::Status failed(grpc::StatusCode::FAILED_PRECONDITION, error);
-  for (PendingHash& p : js->pending_hash) Finish(deferred, p.parked.reactor, failed);
+  for (PendingHash& p : js->pending_hash) FinishLater(deferred, p.parked.reactor, failed);
   js->pending_hash.clear();
   (void)JobChanged(js, deferred);
 }
 
 void PlannerService::Tick() {
+  if (shutdown_.load()) return;
   Deferred deferred;
-  {
-    absl::MutexLock lock(&mu_);
-    if (shutdown_) return;
-    ExpireGets(Clock::now(), &deferred);
-    const int64_t now_ms = NowMs();
-    ExpireRegistrations(now_ms, &deferred);
-    ExpireNodes(now_ms, &deferred);
+  rendezvous_.ExpireWaits(Clock::now(), &deferred);
+  const int64_t now_ms = NowMs();
+  for (auto& [id, e] : Entries()) {
+    absl::MutexLock lock(&e->mu);
+    ExpireRegistration(&e->state, now_ms, &deferred);
   }
-  for (auto& f : deferred) f();
+  DegradeJobsOn(nodes_.ExpireSilent(now_ms, options_.node_timeout), &deferred);
+  RunDeferred(&deferred);
 }
 
 void PlannerService::RunTicker() {
@@ -295,19 +298,19 @@ std::vector<prometheus::MetricFamily> PlannerService::ScrapeFigures() const {
   for (int s = v1::NODE_UP; s <= v1::NODE_LOST; ++s) {
     nodes[state(v1::NodeStatus_Name(s), "NODE_")] = 0;
   }
-  double watch_streams = 0;
-  std::map<std::string, double> parked = {{"get", 0}, {"registration", 0}};
-  {
-    absl::MutexLock lock(&mu_);
-    for (const auto& [id, js] : jobs_) {
-      jobs[state(v1::JobStatus_Name(js.job.status()), "JOB_")] += 1;
-      watch_streams += static_cast<double>(js.watchers.size());
-      parked["registration"] += static_cast<double>(js.pending_hash.size());
-    }
-    parked["get"] = static_cast<double>(pending_gets_.size());
-    for (const auto& [id, node] : nodes_)
-      nodes[state(v1::NodeStatus_Name(node.status()), "NODE_")] += 1;
+  double registrations = 0;
+  for (const auto& [id, e] : Entries()) {
+    absl::MutexLock lock(&e->mu);
+    if (e->state.job.job_id().empty()) continue;  // never stored
+    jobs[state(v1::JobStatus_Name(e->state.job.status()), "JOB_")] += 1;
+    registrations += static_cast<double>(e->state.pending_hash.size());
   }
+  for (const auto& [status, count] : nodes_.CountByStatus()) {
+    nodes[state(v1::NodeStatus_Name(status), "NODE_")] += static_cast<double>(count);
+  }
+  const double watch_streams = static_cast<double>(watchers_.size());
+  const std::map<std::string, double> parked = {{"get", static_cast<double>(rendezvous_.waiting())},
+                                                {"registration", registrations}};
   return {GaugeFamily("ragshard_planner_jobs", "Jobs by state", "state", jobs),
           GaugeFamily("ragshard_planner_nodes", "Nodes by state", "state", nodes),
           GaugeFamily("ragshard_planner_watch_streams", "Open WatchPlan streams", "",

@@ -1,15 +1,20 @@
 // The ragshard-planner gRPC service (callback API). Its handlers are defined by responsibility:
-// service.cc (state, the handler prologue, job changes, the ticker), service_jobs.cc (the job
-// lifecycle and plan reads), service_registration.cc (rank registration and planning),
-// service_nodes.cc (the node registry and failure reports), service_rendezvous.cc (Put/Get);
-// WatchPlan's streams are watch_channel.h, the token check auth.h.
+// service.cc (the job table, the handler prologue, job changes, the ticker), service_jobs.cc (the
+// job lifecycle and plan reads), service_registration.cc (rank registration and planning),
+// service_nodes.cc (node calls and failure reports), service_rendezvous.cc (Put/Get). The state
+// has four owners, each with its own lock: the job table and each job (below), the nodes
+// (node_registry.h), the rendezvous keys and waiting gets (rendezvous.h), the watch streams
+// (watch_registry.h; a stream is watch_channel.h). The token check is auth.h.
 //
-// Threading (docs/threading.md): handlers run on gRPC's callback threads, validate the request,
-// then take `mu_`, which guards all state. Store writes happen under `mu_`, so the database and
-// memory never disagree. Plans are computed outside `mu_`. Reactors of parked calls (hash-only
-// registrations waiting for a full inventory, rendezvous gets waiting for a key) and watch
-// streams are completed after `mu_` is released. One ticker thread of our own expires
-// deadlines and marks nodes LOST.
+// Threading (docs/threading.md): handlers run on gRPC's callback threads and validate the
+// request without locks. `jobs_mu_` guards only the table of jobs (id -> entry) and is held just
+// to look an entry up or add one; each job's entry has its own mutex, held while a call reads or
+// changes that job, including the job's store writes, so the database and memory agree and
+// calls on different jobs run in parallel. Lock order: job -> rendezvous or watchers; the node
+// registry is locked alone; `jobs_mu_` is never taken under a job's lock. Plans are computed
+// outside every lock. Reactors of parked calls (hash-only registrations waiting for a full
+// inventory, rendezvous gets waiting for a key) and watch streams are completed after the locks
+// are released. One ticker thread of our own expires deadlines and marks nodes LOST.
 #pragma once
 
 #include <atomic>
@@ -32,10 +37,14 @@
 #include "prometheus/metric_family.h"
 #include "ragshard/v1/planner.grpc.pb.h"
 #include "server/planner/metrics.h"
+#include "server/planner/node_registry.h"
+#include "server/planner/parked.h"
 #include "server/planner/plan_executor.h"
+#include "server/planner/rendezvous.h"
 #include "server/planner/store.h"
 #include "server/planner/validation.h"
 #include "server/planner/watch_channel.h"
+#include "server/planner/watch_registry.h"
 
 namespace ragshard::planner {
 
@@ -57,6 +66,9 @@ struct PlannerOptions {
   int plan_threads = 2;
   // The cluster jobs of policy auto are planned for; without one such jobs are refused.
   std::shared_ptr<const ClusterProfile> cluster_profile;
+  // Tests only: called with the job's id before each store write of a job, under the job's lock
+  // (tests/server/planner/planner_locks_test.cc stalls one there).
+  std::function<void(const std::string& job_id)> before_job_write;
 };
 
 // WatchPlan is a raw (ByteBuffer) method: an event is serialized once and its slices are shared
@@ -76,7 +88,7 @@ class PlannerService final
 
   // The Prometheus figures (infra/metrics.h): the counters and histograms kept as the service
   // works, and ScrapeFigures, which reads jobs by state, nodes by state and the watch streams
-  // under mu_ when a scrape comes.
+  // from their owners when a scrape comes.
   const std::shared_ptr<prometheus::Registry>& metrics_registry() const {
     return metrics_.registry();
   }
@@ -132,15 +144,6 @@ class PlannerService final
                        v1::ReportFailureResponse* resp) override;
 
  private:
-  using Clock = std::chrono::system_clock;
-
-  // A unary call parked until an event or its deadline.
-  struct Parked {
-    grpc::ServerUnaryReactor* reactor = nullptr;
-    Clock::time_point deadline;
-    // Called with mu_ held; returns the status to finish with (it may fill the response).
-    std::function<grpc::Status(const absl::Status&)> complete;
-  };
   struct PendingHash {
     std::vector<int64_t> ranks;  // sorted
     std::string node_id;
@@ -149,7 +152,7 @@ class PlannerService final
     Parked parked;
   };
   struct JobState {
-    v1::Job job;
+    v1::Job job;                         // empty (no job id) until CreateJob has stored it
     std::optional<Inventory> inventory;  // the reference
     std::optional<v1::Plan> plan;
     std::string plan_zstd;  // the plan's compact form (engine/plan_codec.h), as stored
@@ -167,23 +170,18 @@ class PlannerService final
     std::optional<v1::ListJobNodesResponse> nodes;
     bool planning = false;
     std::vector<PendingHash> pending_hash;
-    std::vector<std::shared_ptr<WatchChannel>> watchers;
-    std::map<std::string, std::string> kv;
     // What watchers were last told, so that rank registrations do not wake them.
     v1::JobStatus notified_status = v1::JOB_STATUS_UNSPECIFIED;
     std::string notified_error;
     uint64_t notified_version = 0;
   };
-  // A Get or GetKeys waiting for keys to be put.
-  struct PendingGet {
-    std::string job_id;
-    std::set<std::string> missing;
-    // Fills the response from the job's keys once none is missing.
-    std::function<void(const std::map<std::string, std::string>& kv)> answer;
-    Parked parked;
+  // One job's state and the lock that guards it (and its store rows). Entries are never removed
+  // (a deleted job's stays as its tombstone), so a pointer to one stays valid.
+  struct JobEntry {
+    absl::Mutex mu;
+    JobState state ABSL_GUARDED_BY(mu);
   };
-  // Work to run after mu_ is released.
-  using Deferred = std::vector<std::function<void()>>;
+  using EntryPtr = std::shared_ptr<JobEntry>;
 
   PlannerService(std::unique_ptr<Store> store, PlannerOptions options);
   // The job a valid CreateJobRequest describes, with the defaults filled in, registering.
@@ -192,25 +190,32 @@ class PlannerService final
                                           const std::vector<std::string>& rank_nodes,
                                           const PlanOptions& options) const;
 
+  // The entry of job `id`, or null; with `create`, a new empty entry when there is none.
+  EntryPtr Entry(const std::string& id, bool create = false) ABSL_LOCKS_EXCLUDED(jobs_mu_);
+  // The entries, by job id, from after `after` (all when empty).
+  std::vector<std::pair<std::string, EntryPtr>> Entries(const std::string& after = "") const
+      ABSL_LOCKS_EXCLUDED(jobs_mu_);
+
   // Who may make a call: any holder of the token, or (DeleteJob) of the admin token.
   enum class Access { kUser, kAdmin };
   // The prologue of every handler: authenticates, then (for an authenticated caller only)
   // validates the request. A non-OK status is the call's answer.
   absl::Status Admit(grpc::CallbackServerContext* ctx, Access access,
                      const std::function<absl::Status()>& validate) const;
-  // A unary call on the service's state: Admit, then run `body` under mu_; the work body defers
-  // runs once mu_ is released, and body's status answers.
-  grpc::ServerUnaryReactor* Locked(grpc::CallbackServerContext* ctx, Access access,
-                                   const std::function<absl::Status()>& validate,
-                                   const std::function<absl::Status(Deferred*)>& body);
-  // Locked, on one job: under mu_ find the live job (FindJob) and run `body` on it. A null
-  // `validate` validates `job_id` alone.
+  // A unary call that needs no job: Admit, then `body`; the work body defers runs after it, and
+  // body's status answers.
+  grpc::ServerUnaryReactor* Unlocked(grpc::CallbackServerContext* ctx, Access access,
+                                     const std::function<absl::Status()>& validate,
+                                     const std::function<absl::Status(Deferred*)>& body);
+  // A unary call on one job: Admit, then under the job's lock find it live (LiveJob) and run
+  // `body` on it. A null `validate` validates `job_id` alone.
   grpc::ServerUnaryReactor* OnJob(grpc::CallbackServerContext* ctx, Access access,
                                   const std::string& job_id,
                                   const std::function<absl::Status()>& validate,
                                   const std::function<absl::Status(JobState&, Deferred*)>& body);
-  // The live job (not deleted), or NOT_FOUND naming it; UNAVAILABLE once shutting down.
-  absl::StatusOr<JobState*> FindJob(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `state` (its entry's lock held) when its job lives (created, not deleted), else NOT_FOUND
+  // naming `id`; UNAVAILABLE once shutting down.
+  absl::StatusOr<JobState*> LiveJob(const std::string& id, JobState* state) const;
   static bool Terminal(v1::JobStatus s) { return s == v1::JOB_FAILED || s == v1::JOB_DELETED; }
   // The job as answered: without its data secret (GetJob adds it where asked).
   static v1::Job Summary(const v1::Job& job);
@@ -219,16 +224,18 @@ class PlannerService final
   static v1::WatchPlanEvent StatusEvent(const JobState& js);
   // The serialized event with the job's plan (which it must have), plain or compact, for one
   // watcher: counted as a plan sent.
-  WatchChannel::Event PlanEvent(JobState* js, bool zstd) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  WatchChannel::Event PlanEvent(JobState* js, bool zstd);
   // Adds `channel` to the watchers of the job `req` names, with `first` the event it starts
   // with; not OK (NOT_FOUND, RESOURCE_EXHAUSTED past max_watchers): why it closes at once.
   grpc::Status AddWatcher(const v1::WatchPlanRequest& req,
-                          const std::shared_ptr<WatchChannel>& channel, WatchChannel::Event* first)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                          const std::shared_ptr<WatchChannel>& channel, WatchChannel::Event* first);
+  // The functions below take a job's state with its entry's lock held.
+  // Runs options_.before_job_write, if any.
+  void BeforeJobWrite(const std::string& job_id) const;
   // Persists the job and tells its watchers.
-  absl::Status JobChanged(JobState* js, Deferred* deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status JobChanged(JobState* js, Deferred* deferred);
   // Tells the job's watchers what changed (JobChanged without the store write).
-  void NotifyWatchers(JobState* js, Deferred* deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void NotifyWatchers(JobState* js, Deferred* deferred);
   // A registration of one rank (RegisterRank) or of a node's ranks (RegisterNodeRanks).
   struct Registration {
     std::string job_id, node_id;
@@ -238,44 +245,46 @@ class PlannerService final
   };
   // Registers (or parks, until a reference inventory) and answers `job_out`.
   Unary* Register(Ctx* ctx, Registration reg, v1::Job* job_out);
+  // Registers or parks on the job's state; std::nullopt when parked.
+  std::optional<grpc::Status> RegisterOnJob(JobState& js, const Registration& reg, v1::Job* job_out,
+                                            grpc::ServerUnaryReactor* reactor, Deferred* deferred);
   // Records ranks' registration: their rows, the job's summary and (the first full one) the
   // reference inventory in one store transaction, then in memory. Nothing changes when the
   // store fails, and the error answers the registration: an acknowledged one is durable.
-  absl::Status RegisterRanksLocked(JobState* js, const std::vector<int64_t>& ranks,
-                                   const std::string& node, const std::string& sha,
-                                   const std::string* inventory_bytes = nullptr)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status RecordRanks(JobState* js, const std::vector<int64_t>& ranks, const std::string& node,
+                           const std::string& sha, const std::string* inventory_bytes = nullptr);
   // Starts planning when every rank is registered.
-  void MaybePlan(const std::string& job_id, JobState* js, Deferred* deferred)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void MaybePlan(const std::string& job_id, JobState* js);
   void ComputePlan(const std::string& job_id);
-  void FailJob(JobState* js, const std::string& error, Deferred* deferred)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void ResolvePendingHashes(JobState* js, Deferred* deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  static void Finish(Deferred* deferred, grpc::ServerUnaryReactor* reactor,
-                     const grpc::Status& status);
+  // What ComputePlan reads of the job, under its lock; false when there is nothing to plan.
+  bool PlanInputs(JobState& js, Inventory* inventory, PlanOptions* options,
+                  v1::JobOptions* job_options, std::vector<std::string>* rank_nodes) const;
+  // Records a computed plan (or the failure) on the job.
+  void PlanDone(JobState* js, absl::StatusOr<v1::Plan> plan, std::string bytes, int64_t shard,
+                int64_t replicate, uint64_t version, Deferred* deferred);
+  void FailJob(JobState* js, const std::string& error, Deferred* deferred);
+  void ResolvePendingHashes(JobState* js, Deferred* deferred);
+  // Marks DEGRADED the live jobs with a rank on a lost node.
+  void DegradeJobsOn(const std::vector<std::string>& lost_nodes, Deferred* deferred);
   // The ticker's checks, each in the file of its responsibility.
   void Tick();
-  void ExpireGets(Clock::time_point now, Deferred* deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Answers `keys` of a job from its stored keys at once, or parks the call until they are all
   // put (`answer` fills the response).
   Unary* GetOrWait(Ctx* ctx, const std::string& job_id, const std::vector<std::string>& keys,
-                   int64_t wait_ms,
-                   std::function<void(const std::map<std::string, std::string>& kv)> answer);
-  void ExpireRegistrations(int64_t now_ms, Deferred* deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void ExpireNodes(int64_t now_ms, Deferred* deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                   int64_t wait_ms, const Rendezvous::Answer& answer);
+  void ExpireRegistration(JobState* js, int64_t now_ms, Deferred* deferred);
   void RunTicker();
 
   const PlannerOptions options_;
   std::unique_ptr<Store> store_;
   PlannerMetrics metrics_;
+  NodeRegistry nodes_{store_.get()};
+  Rendezvous rendezvous_{store_.get()};
+  WatchRegistry watchers_{options_.max_watchers};
 
-  mutable absl::Mutex mu_;
-  std::map<std::string, JobState> jobs_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, v1::Node> nodes_ ABSL_GUARDED_BY(mu_);
-  std::vector<PendingGet> pending_gets_ ABSL_GUARDED_BY(mu_);
-  int64_t watchers_ ABSL_GUARDED_BY(mu_) = 0;
-  bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
+  mutable absl::Mutex jobs_mu_;
+  std::map<std::string, EntryPtr> jobs_ ABSL_GUARDED_BY(jobs_mu_);
+  std::atomic<bool> shutdown_{false};
 
   absl::Notification stop_;
   std::thread ticker_;

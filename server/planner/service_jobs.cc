@@ -32,21 +32,25 @@ v1::Job PlannerService::NewJob(const v1::CreateJobRequest& req) const {
 
 grpc::ServerUnaryReactor* PlannerService::CreateJob(Ctx* ctx, const v1::CreateJobRequest* req,
                                                     v1::CreateJobResponse* resp) {
-  return Locked(
+  return Unlocked(
       ctx, Access::kUser, [&] { return ValidateCreateJob(*req, options_.limits); },
       [&](Deferred*) {
-        const auto it = jobs_.find(req->job_id());
-        const bool existed = it != jobs_.end();
-        if (existed && it->second.job.status() != v1::JOB_DELETED) {
-          return absl::AlreadyExistsError(absl::StrCat("job '", req->job_id(), "' exists"));
-        }
+        if (shutdown_.load()) return absl::UnavailableError("planner shutting down");
         if (req->options().policy() == "auto" && options_.cluster_profile == nullptr) {
           return absl::FailedPreconditionError(
               "policy auto needs the planner started with --cluster-profile FILE");
         }
+        EntryPtr e = Entry(req->job_id(), /*create=*/true);
+        absl::MutexLock lock(&e->mu);
+        JobState& old = e->state;
+        const bool existed = !old.job.job_id().empty();
+        if (existed && old.job.status() != v1::JOB_DELETED) {
+          return absl::AlreadyExistsError(absl::StrCat("job '", req->job_id(), "' exists"));
+        }
         JobState js;
         js.job = NewJob(*req);
         // A job of a deleted one's id starts clean, in the same transaction as its row.
+        BeforeJobWrite(req->job_id());
         absl::Status s = store_->Atomically([&] {
           if (existed) RAGSHARD_RETURN_IF_ERROR(store_->PurgeJobData(req->job_id()));
           return store_->PutJob(js.job);
@@ -55,7 +59,7 @@ grpc::ServerUnaryReactor* PlannerService::CreateJob(Ctx* ctx, const v1::CreateJo
         *resp->mutable_job() = Summary(js.job);
         LOG(INFO) << "job " << req->job_id() << " created: world " << js.job.world_size()
                   << ", policy " << js.job.options().policy();
-        jobs_[req->job_id()] = std::move(js);
+        e->state = std::move(js);
         return absl::OkStatus();
       });
 }
@@ -70,19 +74,20 @@ grpc::ServerUnaryReactor* PlannerService::GetJob(Ctx* ctx, const v1::GetJobReque
 
 grpc::ServerUnaryReactor* PlannerService::ListJobs(Ctx* ctx, const v1::ListJobsRequest* req,
                                                    v1::ListJobsResponse* resp) {
-  return Locked(
+  return Unlocked(
       ctx, Access::kUser, [&] { return ValidateListJobs(*req, options_.limits); },
       [&](Deferred*) {
         const int size = req->page_size() > 0 ? req->page_size() : kDefaultJobsPage;
         // The token is the last job id of the previous page.
-        auto it = req->page_token().empty() ? jobs_.begin() : jobs_.upper_bound(req->page_token());
-        for (; it != jobs_.end(); ++it) {
-          if (it->second.job.status() == v1::JOB_DELETED) continue;
+        for (const auto& [id, e] : Entries(req->page_token())) {
+          absl::MutexLock lock(&e->mu);
+          const v1::Job& job = e->state.job;
+          if (job.job_id().empty() || job.status() == v1::JOB_DELETED) continue;
           if (resp->jobs_size() == size) {
             resp->set_next_page_token(resp->jobs(size - 1).job_id());
             break;
           }
-          *resp->add_jobs() = Summary(it->second.job);
+          *resp->add_jobs() = Summary(job);
         }
         return absl::OkStatus();
       });
@@ -146,26 +151,17 @@ grpc::ServerUnaryReactor* PlannerService::DeleteJob(Ctx* ctx, const v1::DeleteJo
     js.job.set_status(v1::JOB_DELETED);
     js.job.set_error("deleted");
     const grpc::Status aborted(grpc::StatusCode::ABORTED, "job deleted");
-    for (PendingHash& p : js.pending_hash) Finish(deferred, p.parked.reactor, aborted);
+    for (PendingHash& p : js.pending_hash) FinishLater(deferred, p.parked.reactor, aborted);
     js.pending_hash.clear();
-    for (auto g = pending_gets_.begin(); g != pending_gets_.end();) {
-      if (g->job_id == req->job_id()) {
-        Finish(deferred, g->parked.reactor, aborted);
-        g = pending_gets_.erase(g);
-      } else {
-        ++g;
-      }
-    }
+    rendezvous_.DropJob(req->job_id(), aborted, deferred);
     absl::Status s = JobChanged(&js, deferred);
-    for (auto& w : js.watchers) deferred->push_back([w] { w->Close(grpc::Status::OK); });
-    js.watchers.clear();
+    watchers_.CloseJob(req->job_id(), grpc::Status::OK, deferred);
     js.inventory.reset();
     js.plan.reset();
     js.plan_zstd.clear();
     js.plan_events = {};
     js.ranks.clear();
     js.nodes.reset();
-    js.kv.clear();
     absl::Status purge = store_->PurgeJobData(req->job_id());
     LOG(INFO) << "job " << req->job_id() << " deleted";
     return s.ok() ? purge : s;
@@ -188,22 +184,19 @@ grpc::ServerUnaryReactor* PlannerService::GetPlan(Ctx* ctx, const v1::GetPlanReq
 grpc::Status PlannerService::AddWatcher(const v1::WatchPlanRequest& req,
                                         const std::shared_ptr<WatchChannel>& channel,
                                         WatchChannel::Event* first) {
-  auto job = FindJob(req.job_id());
+  EntryPtr e = Entry(req.job_id());
+  if (e == nullptr) return ToGrpcStatus(LiveJob(req.job_id(), nullptr).status());
+  absl::MutexLock lock(&e->mu);
+  auto job = LiveJob(req.job_id(), &e->state);
   if (!job.ok()) return ToGrpcStatus(job.status());
   JobState& js = **job;
-  auto& w = js.watchers;
-  w.erase(std::remove_if(w.begin(), w.end(), [](const auto& c) { return c->done(); }), w.end());
-  watchers_ = 0;
-  for (const auto& [id, other] : jobs_) watchers_ += static_cast<int64_t>(other.watchers.size());
-  if (watchers_ >= options_.max_watchers) {
-    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "too many watchers");
-  }
   channel->zstd = req.accept_zstd();
+  channel->sent_version = std::max(req.after_plan_version(), js.job.plan_version());
+  // Added under the job's lock: no change of the job falls between its first event and the next.
+  if (grpc::Status s = watchers_.Add(req.job_id(), channel); !s.ok()) return s;
   *first = js.plan && js.job.plan_version() > req.after_plan_version()
                ? PlanEvent(&js, req.accept_zstd())
                : ToBuffer(StatusEvent(js));
-  channel->sent_version = std::max(req.after_plan_version(), js.job.plan_version());
-  w.push_back(channel);
   return grpc::Status::OK;
 }
 
@@ -230,11 +223,7 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* PlannerService::WatchPlan(
     return reactor;
   }
   WatchChannel::Event first;
-  grpc::Status close;
-  {
-    absl::MutexLock lock(&mu_);
-    close = AddWatcher(*req, channel, &first);
-  }
+  const grpc::Status close = AddWatcher(*req, channel, &first);
   if (!close.ok()) {
     channel->Close(close);
   } else {

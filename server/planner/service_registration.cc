@@ -58,93 +58,96 @@ grpc::ServerUnaryReactor* PlannerService::RegisterNodeRanks(Ctx* ctx,
 
 grpc::ServerUnaryReactor* PlannerService::Register(Ctx* ctx, Registration reg, v1::Job* job_out) {
   // Hash outside the lock: a DeepSeek-V3 inventory is several MB.
-  const bool full = reg.inventory != nullptr;
-  if (full) reg.sha = InventorySha256(*reg.inventory);
-  const std::string& sha = reg.sha;
-  const std::string who = RanksName(reg.ranks, reg.node_id);
+  if (reg.inventory != nullptr) reg.sha = InventorySha256(*reg.inventory);
   Deferred deferred;
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  grpc::Status result = grpc::Status::OK;
-  bool parked = false;
-  {
-    absl::MutexLock lock(&mu_);
-    auto found = FindJob(reg.job_id);
-    if (!found.ok()) {
-      result = ToGrpcStatus(found.status());
-    } else {
-      JobState& js = **found;
-      v1::Job& job = js.job;
-      auto registered_alike = [&] {
-        return std::all_of(reg.ranks.begin(), reg.ranks.end(), [&](int64_t rank) {
-          const auto r = js.ranks.find(rank);
-          return r != js.ranks.end() && r->second.inventory_sha256() == sha;
-        });
-      };
-      if (reg.ranks.back() >= job.world_size()) {
-        result = ToGrpcStatus(absl::InvalidArgumentError(
-            absl::StrCat("rank: ", reg.ranks.back(), " is outside [0, ", job.world_size(),
-                         ") of job '", job.job_id(), "'")));
-      } else if (job.status() != v1::JOB_REGISTERING || js.planning) {
-        // Registration is closed; an identical re-registration (a restarted rank) is fine.
-        if (registered_alike() && !Terminal(job.status())) {
-          result = grpc::Status::OK;
-        } else {
-          result = grpc::Status(
-              grpc::StatusCode::FAILED_PRECONDITION,
-              absl::StrCat("job '", job.job_id(), "' is ", v1::JobStatus_Name(job.status()),
-                           job.error().empty() ? "" : absl::StrCat(" (", job.error(), ")"),
-                           "; registration is closed"));
-        }
-      } else if (!job.inventory_sha256().empty() && sha != job.inventory_sha256()) {
-        std::string error;
-        if (full && js.inventory) {
-          error = absl::StrCat(who, ": inventory differs from the reference: ",
-                               FirstInventoryDifference(*js.inventory, *reg.inventory));
-        } else {
-          error = absl::StrCat(who, ": inventory hash ", HexString(sha),
-                               " differs from the reference ", HexString(job.inventory_sha256()));
-        }
-        job.set_error(error);
-        (void)JobChanged(&js, &deferred);
-        result = grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, error);
-      } else if (job.inventory_sha256().empty() && !full) {
-        // Wait for the first full inventory (or the registration deadline).
-        PendingHash p;
-        p.ranks = reg.ranks;
-        p.node_id = reg.node_id;
-        p.sha256 = sha;
-        p.job_out = job_out;
-        p.parked.reactor = reactor;
-        js.pending_hash.push_back(std::move(p));
-        parked = true;
-      } else {
-        // The first full inventory becomes the reference, stored with the registration.
-        const bool reference = job.inventory_sha256().empty();
-        const std::string bytes = reference ? DeterministicBytes(*reg.inventory) : "";
-        absl::Status s =
-            RegisterRanksLocked(&js, reg.ranks, reg.node_id, sha, reference ? &bytes : nullptr);
-        if (!s.ok()) {
-          result = ToGrpcStatus(s);
-        } else {
-          if (reference) {
-            js.inventory = *reg.inventory;
-            ResolvePendingHashes(&js, &deferred);
-          }
-          NotifyWatchers(&js, &deferred);
-          MaybePlan(job.job_id(), &js, &deferred);
-        }
-      }
-      *job_out = Summary(job);
-    }
+  std::optional<grpc::Status> result;
+  if (EntryPtr e = Entry(reg.job_id); e == nullptr) {
+    result = ToGrpcStatus(LiveJob(reg.job_id, nullptr).status());
+  } else {
+    absl::MutexLock lock(&e->mu);
+    auto found = LiveJob(reg.job_id, &e->state);
+    result = found.ok() ? RegisterOnJob(**found, reg, job_out, reactor, &deferred)
+                        : ToGrpcStatus(found.status());
   }
-  for (auto& f : deferred) f();
-  if (!parked) reactor->Finish(result);
+  RunDeferred(&deferred);
+  if (result) reactor->Finish(*result);  // else parked until a full inventory or the deadline
   return reactor;
 }
 
-absl::Status PlannerService::RegisterRanksLocked(JobState* js, const std::vector<int64_t>& ranks,
-                                                 const std::string& node, const std::string& sha,
-                                                 const std::string* inventory_bytes) {
+std::optional<grpc::Status> PlannerService::RegisterOnJob(JobState& js, const Registration& reg,
+                                                          v1::Job* job_out,
+                                                          grpc::ServerUnaryReactor* reactor,
+                                                          Deferred* deferred) {
+  const bool full = reg.inventory != nullptr;
+  const std::string& sha = reg.sha;
+  v1::Job& job = js.job;
+  auto registered_alike = [&] {
+    return std::all_of(reg.ranks.begin(), reg.ranks.end(), [&](int64_t rank) {
+      const auto r = js.ranks.find(rank);
+      return r != js.ranks.end() && r->second.inventory_sha256() == sha;
+    });
+  };
+  std::optional<grpc::Status> result = grpc::Status::OK;
+  if (reg.ranks.back() >= job.world_size()) {
+    result = ToGrpcStatus(absl::InvalidArgumentError(
+        absl::StrCat("rank: ", reg.ranks.back(), " is outside [0, ", job.world_size(), ") of job '",
+                     job.job_id(), "'")));
+  } else if (job.status() != v1::JOB_REGISTERING || js.planning) {
+    // Registration is closed; an identical re-registration (a restarted rank) is fine.
+    if (!registered_alike() || Terminal(job.status())) {
+      result = grpc::Status(
+          grpc::StatusCode::FAILED_PRECONDITION,
+          absl::StrCat("job '", job.job_id(), "' is ", v1::JobStatus_Name(job.status()),
+                       job.error().empty() ? "" : absl::StrCat(" (", job.error(), ")"),
+                       "; registration is closed"));
+    }
+  } else if (!job.inventory_sha256().empty() && sha != job.inventory_sha256()) {
+    const std::string who = RanksName(reg.ranks, reg.node_id);
+    std::string error;
+    if (full && js.inventory) {
+      error = absl::StrCat(who, ": inventory differs from the reference: ",
+                           FirstInventoryDifference(*js.inventory, *reg.inventory));
+    } else {
+      error = absl::StrCat(who, ": inventory hash ", HexString(sha), " differs from the reference ",
+                           HexString(job.inventory_sha256()));
+    }
+    job.set_error(error);
+    (void)JobChanged(&js, deferred);
+    result = grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, error);
+  } else if (job.inventory_sha256().empty() && !full) {
+    // Wait for the first full inventory (or the registration deadline).
+    PendingHash p;
+    p.ranks = reg.ranks;
+    p.node_id = reg.node_id;
+    p.sha256 = sha;
+    p.job_out = job_out;
+    p.parked.reactor = reactor;
+    js.pending_hash.push_back(std::move(p));
+    result = std::nullopt;
+  } else {
+    // The first full inventory becomes the reference, stored with the registration.
+    const bool reference = job.inventory_sha256().empty();
+    const std::string bytes = reference ? DeterministicBytes(*reg.inventory) : "";
+    absl::Status s = RecordRanks(&js, reg.ranks, reg.node_id, sha, reference ? &bytes : nullptr);
+    if (!s.ok()) {
+      result = ToGrpcStatus(s);
+    } else {
+      if (reference) {
+        js.inventory = *reg.inventory;
+        ResolvePendingHashes(&js, deferred);
+      }
+      NotifyWatchers(&js, deferred);
+      MaybePlan(job.job_id(), &js);
+    }
+  }
+  *job_out = Summary(job);
+  return result;
+}
+
+absl::Status PlannerService::RecordRanks(JobState* js, const std::vector<int64_t>& ranks,
+                                         const std::string& node, const std::string& sha,
+                                         const std::string* inventory_bytes) {
   std::vector<v1::RankState> rows;
   v1::Job job = js->job;  // a summary: O(1) in the world size
   int64_t fresh = 0;
@@ -158,6 +161,7 @@ absl::Status PlannerService::RegisterRanksLocked(JobState* js, const std::vector
   }
   job.set_registered_ranks(job.registered_ranks() + fresh);
   if (inventory_bytes != nullptr) job.set_inventory_sha256(sha);
+  BeforeJobWrite(job.job_id());
   absl::Status s = store_->Atomically([&] {
     if (inventory_bytes != nullptr) {
       RAGSHARD_RETURN_IF_ERROR(store_->PutInventory(job.job_id(), *inventory_bytes));
@@ -182,7 +186,7 @@ void PlannerService::ResolvePendingHashes(JobState* js, Deferred* deferred) {
   for (PendingHash& p : js->pending_hash) {
     grpc::Status status;
     if (p.sha256 == js->job.inventory_sha256()) {
-      status = ToGrpcStatus(RegisterRanksLocked(js, p.ranks, p.node_id, p.sha256));
+      status = ToGrpcStatus(RecordRanks(js, p.ranks, p.node_id, p.sha256));
     } else {
       std::string error =
           absl::StrCat("rank ", p.ranks.front(), ": inventory hash ", HexString(p.sha256),
@@ -191,16 +195,46 @@ void PlannerService::ResolvePendingHashes(JobState* js, Deferred* deferred) {
       status = grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, error);
     }
     *p.job_out = Summary(js->job);
-    Finish(deferred, p.parked.reactor, status);
+    FinishLater(deferred, p.parked.reactor, status);
   }
   js->pending_hash.clear();
 }
 
-void PlannerService::MaybePlan(const std::string& job_id, JobState* js, Deferred* deferred) {
+void PlannerService::MaybePlan(const std::string& job_id, JobState* js) {
   if (js->planning || js->plan || js->job.status() != v1::JOB_REGISTERING || !js->inventory) return;
   if (js->job.registered_ranks() < js->job.world_size()) return;
   js->planning = true;
   executor_.Submit([this, job_id] { ComputePlan(job_id); });
+}
+
+bool PlannerService::PlanInputs(JobState& js, Inventory* inventory, PlanOptions* options,
+                                v1::JobOptions* job_options,
+                                std::vector<std::string>* rank_nodes) const {
+  if (!js.inventory) return false;
+  const v1::Job& job = js.job;
+  *inventory = *js.inventory;
+  *job_options = job.options();
+  for (int64_t r = 0; r < job.world_size(); ++r) {
+    const auto state = js.ranks.find(r);
+    rank_nodes->push_back(state == js.ranks.end() ? "" : state->second.node_id());
+  }
+  if (job.options().policy() != "auto") options->policy = *ParsePolicy(job.options().policy());
+  options->world = job.mesh().shard_size();
+  options->align_bytes = job.options().align_bytes();
+  options->job_id = job.job_id();
+  options->version = job.plan_version() + 1;
+  if (!job.options().default_granule().empty()) {
+    auto g = *ParseGranule(job.options().default_granule());
+    for (UnitSpec& unit : *inventory->mutable_units()) {
+      for (TensorSpec& t : *unit.mutable_tensors()) {
+        if (t.shape_size() >= 2 && t.granule_kind() == v1::GRANULE_ELEMENT) {
+          t.set_granule_kind(g.kind);
+          t.set_granule_rows(g.rows);
+        }
+      }
+    }
+  }
+  return true;
 }
 
 void PlannerService::ComputePlan(const std::string& job_id) {
@@ -208,33 +242,11 @@ void PlannerService::ComputePlan(const std::string& job_id) {
   PlanOptions options;
   v1::JobOptions job_options;
   std::vector<std::string> rank_nodes;
+  EntryPtr e = Entry(job_id);
+  if (e == nullptr) return;
   {
-    absl::MutexLock lock(&mu_);
-    auto it = jobs_.find(job_id);
-    if (it == jobs_.end() || !it->second.inventory) return;
-    const v1::Job& job = it->second.job;
-    inventory = *it->second.inventory;
-    job_options = job.options();
-    for (int64_t r = 0; r < job.world_size(); ++r) {
-      const auto state = it->second.ranks.find(r);
-      rank_nodes.push_back(state == it->second.ranks.end() ? "" : state->second.node_id());
-    }
-    if (job.options().policy() != "auto") options.policy = *ParsePolicy(job.options().policy());
-    options.world = job.mesh().shard_size();
-    options.align_bytes = job.options().align_bytes();
-    options.job_id = job_id;
-    options.version = job.plan_version() + 1;
-    if (!job.options().default_granule().empty()) {
-      auto g = *ParseGranule(job.options().default_granule());
-      for (UnitSpec& unit : *inventory.mutable_units()) {
-        for (TensorSpec& t : *unit.mutable_tensors()) {
-          if (t.shape_size() >= 2 && t.granule_kind() == v1::GRANULE_ELEMENT) {
-            t.set_granule_kind(g.kind);
-            t.set_granule_rows(g.rows);
-          }
-        }
-      }
-    }
+    absl::MutexLock lock(&e->mu);
+    if (!PlanInputs(e->state, &inventory, &options, &job_options, &rank_nodes)) return;
   }
   const auto started = std::chrono::steady_clock::now();
   absl::StatusOr<v1::Plan> plan;
@@ -257,50 +269,56 @@ void PlannerService::ComputePlan(const std::string& job_id) {
   std::string bytes = plan.ok() ? CompressPlan(*plan) : "";
   Deferred deferred;
   {
-    absl::MutexLock lock(&mu_);
-    auto it = jobs_.find(job_id);
-    if (it == jobs_.end()) return;
-    JobState& js = it->second;
-    js.planning = false;
-    if (js.job.status() != v1::JOB_REGISTERING) {
-      // Deleted or failed while planning.
-    } else if (!plan.ok()) {
-      FailJob(&js, absl::StrCat("planning failed: ", plan.status().message()), &deferred);
-    } else {
-      v1::Job ready = js.job;
-      if (shard > 0) {
-        // Policy auto chose the shard group: the mesh becomes replicate x shard.
-        ready.mutable_mesh()->set_shard_size(shard);
-        ready.mutable_mesh()->set_replicate_size(replicate);
-      }
-      ready.set_plan_version(options.version);
-      ready.set_status(v1::JOB_READY);
-      ready.clear_error();
-      // The plan and the job that names it are one transaction: a kill between two writes once
-      // left a stored plan beside a job still registering, which no restart planned again.
-      absl::Status s = store_->Atomically([&] {
-        RAGSHARD_RETURN_IF_ERROR(store_->PutPlan(job_id, options.version, bytes));
-        return store_->PutJob(ready);
-      });
-      if (!s.ok()) {
-        FailJob(&js, absl::StrCat("storing the plan failed: ", s.message()), &deferred);
-      } else {
-        js.plan = std::move(*plan);
-        js.plan_zstd = std::move(bytes);
-        js.job = std::move(ready);
-        if (shard > 0) {
-          LOG(INFO) << "job " << job_id << " strategy " << js.plan->strategy().executed()
-                    << " (recommended " << js.plan->strategy().recommended() << ", predicted "
-                    << js.plan->strategy().predicted_step_seconds() << " s/step)";
-        }
-        NotifyWatchers(&js, &deferred);
-        LOG(INFO) << "job " << job_id << " READY: plan v" << options.version << ", "
-                  << js.plan->units_size() << " unit plans, padding "
-                  << js.plan->metrics().padding_pct() << " %";
-      }
-    }
+    absl::MutexLock lock(&e->mu);
+    PlanDone(&e->state, std::move(plan), std::move(bytes), shard, replicate, options.version,
+             &deferred);
   }
-  for (auto& f : deferred) f();
+  RunDeferred(&deferred);
+}
+
+void PlannerService::PlanDone(JobState* js, absl::StatusOr<v1::Plan> plan, std::string bytes,
+                              int64_t shard, int64_t replicate, uint64_t version,
+                              Deferred* deferred) {
+  const std::string job_id = js->job.job_id();
+  // Not planning: the job was deleted (and perhaps created again) meanwhile.
+  if (!js->planning) return;
+  js->planning = false;
+  if (js->job.status() != v1::JOB_REGISTERING) return;  // failed while planning
+  if (!plan.ok()) {
+    FailJob(js, absl::StrCat("planning failed: ", plan.status().message()), deferred);
+    return;
+  }
+  v1::Job ready = js->job;
+  if (shard > 0) {
+    // Policy auto chose the shard group: the mesh becomes replicate x shard.
+    ready.mutable_mesh()->set_shard_size(shard);
+    ready.mutable_mesh()->set_replicate_size(replicate);
+  }
+  ready.set_plan_version(version);
+  ready.set_status(v1::JOB_READY);
+  ready.clear_error();
+  // The plan and the job that names it are one transaction: a kill between two writes once left
+  // a stored plan beside a job still registering, which no restart planned again.
+  BeforeJobWrite(job_id);
+  absl::Status s = store_->Atomically([&] {
+    RAGSHARD_RETURN_IF_ERROR(store_->PutPlan(job_id, version, bytes));
+    return store_->PutJob(ready);
+  });
+  if (!s.ok()) {
+    FailJob(js, absl::StrCat("storing the plan failed: ", s.message()), deferred);
+    return;
+  }
+  js->plan = std::move(*plan);
+  js->plan_zstd = std::move(bytes);
+  js->job = std::move(ready);
+  if (shard > 0) {
+    LOG(INFO) << "job " << job_id << " strategy " << js->plan->strategy().executed()
+              << " (recommended " << js->plan->strategy().recommended() << ", predicted "
+              << js->plan->strategy().predicted_step_seconds() << " s/step)";
+  }
+  NotifyWatchers(js, deferred);
+  LOG(INFO) << "job " << job_id << " READY: plan v" << version << ", " << js->plan->units_size()
+            << " unit plans, padding " << js->plan->metrics().padding_pct() << " %";
 }
 
 absl::StatusOr<AutoPlan> PlannerService::PlanAutoForJob(const Inventory& inventory,
@@ -339,31 +357,28 @@ absl::StatusOr<AutoPlan> PlannerService::PlanAutoForJob(const Inventory& invento
                   options);
 }
 
-void PlannerService::ExpireRegistrations(int64_t now_ms, Deferred* deferred) {
-  for (auto& [id, js] : jobs_) {
-    if (js.job.status() != v1::JOB_REGISTERING || js.planning ||
-        js.job.registration_deadline_unix_ms() > now_ms) {
-      continue;
-    }
-    if (js.job.inventory_sha256().empty()) {
-      FailJob(&js,
-              absl::StrCat("no rank sent a full inventory within the registration deadline (",
-                           js.job.options().registration_timeout_ms(), " ms)"),
-              deferred);
-    } else {
-      std::vector<int64_t> missing;
-      for (int64_t r = 0; r < js.job.world_size() && missing.size() < 9; ++r) {
-        if (!js.ranks.count(r)) missing.push_back(r);
-      }
-      if (missing.size() > 8) missing.resize(8);
-      FailJob(
-          &js,
+void PlannerService::ExpireRegistration(JobState* js, int64_t now_ms, Deferred* deferred) {
+  if (js->job.status() != v1::JOB_REGISTERING || js->planning ||
+      js->job.registration_deadline_unix_ms() > now_ms) {
+    return;
+  }
+  if (js->job.inventory_sha256().empty()) {
+    FailJob(js,
+            absl::StrCat("no rank sent a full inventory within the registration deadline (",
+                         js->job.options().registration_timeout_ms(), " ms)"),
+            deferred);
+    return;
+  }
+  std::vector<int64_t> missing;
+  for (int64_t r = 0; r < js->job.world_size() && missing.size() < 9; ++r) {
+    if (!js->ranks.count(r)) missing.push_back(r);
+  }
+  if (missing.size() > 8) missing.resize(8);
+  FailJob(js,
           absl::StrCat("ranks [", absl::StrJoin(missing, ", "), missing.size() == 8 ? ", ..." : "",
                        "] did not register within the registration deadline (",
-                       js.job.options().registration_timeout_ms(), " ms)"),
+                       js->job.options().registration_timeout_ms(), " ms)"),
           deferred);
-    }
-  }
 }
 
 }  // namespace ragshard::planner

@@ -10,53 +10,28 @@ grpc::ServerUnaryReactor* PlannerService::Put(Ctx* ctx, const v1::PutRequest* re
                                               v1::PutResponse*) {
   return OnJob(
       ctx, Access::kUser, req->job_id(), [&] { return ValidatePut(*req, options_.limits); },
-      [&](JobState& js, Deferred* deferred) {
-        absl::Status s = store_->PutKv(req->job_id(), req->key(), req->value());
-        if (!s.ok()) return s;
-        js.kv[req->key()] = req->value();
-        for (auto g = pending_gets_.begin(); g != pending_gets_.end();) {
-          if (g->job_id == req->job_id() && g->missing.erase(req->key()) > 0 &&
-              g->missing.empty()) {
-            g->answer(js.kv);
-            Finish(deferred, g->parked.reactor, grpc::Status::OK);
-            g = pending_gets_.erase(g);
-          } else {
-            ++g;
-          }
-        }
-        return absl::OkStatus();
+      [&](JobState&, Deferred* deferred) {
+        return rendezvous_.Put(req->job_id(), req->key(), req->value(), deferred);
       });
 }
 
-grpc::ServerUnaryReactor* PlannerService::GetOrWait(
-    Ctx* ctx, const std::string& job_id, const std::vector<std::string>& keys, int64_t wait_ms,
-    std::function<void(const std::map<std::string, std::string>& kv)> answer) {
-  absl::MutexLock lock(&mu_);
-  auto job = FindJob(job_id);
-  if (!job.ok()) return ReplyUnary(ctx, job.status());
-  const auto& kv = (*job)->kv;
-  PendingGet g;
-  g.job_id = job_id;
-  for (const std::string& key : keys) {
-    if (!kv.count(key)) g.missing.insert(key);
+grpc::ServerUnaryReactor* PlannerService::GetOrWait(Ctx* ctx, const std::string& job_id,
+                                                    const std::vector<std::string>& keys,
+                                                    int64_t wait_ms,
+                                                    const Rendezvous::Answer& answer) {
+  EntryPtr e = Entry(job_id);
+  if (e == nullptr) return ReplyUnary(ctx, LiveJob(job_id, nullptr).status());
+  std::optional<absl::Status> answered;
+  {
+    // Under the job's lock: a job deleted meanwhile parks nothing.
+    absl::MutexLock lock(&e->mu);
+    auto job = LiveJob(job_id, &e->state);
+    answered = job.ok()
+                   ? rendezvous_.GetOrPark(job_id, keys, wait_ms, ctx->DefaultReactor(), answer)
+                   : job.status();
   }
-  if (g.missing.empty()) {
-    answer(kv);
-    return ReplyUnary(ctx, absl::OkStatus());
-  }
-  if (wait_ms == 0) {
-    return ReplyUnary(
-        ctx,
-        absl::NotFoundError(absl::StrCat(
-            "key '", *g.missing.begin(), "' of job '", job_id, "' not found",
-            g.missing.size() > 1 ? absl::StrCat(" (nor ", g.missing.size() - 1, " more)") : "")));
-  }
-  g.answer = std::move(answer);
-  g.parked.reactor = ctx->DefaultReactor();
-  g.parked.deadline = Clock::now() + std::chrono::milliseconds(wait_ms);
-  auto* reactor = g.parked.reactor;
-  pending_gets_.push_back(std::move(g));
-  return reactor;
+  // Parked: the reactor is finished by a Put, the job's deletion, the deadline or shutdown.
+  return answered ? ReplyUnary(ctx, *answered) : ctx->DefaultReactor();
 }
 
 grpc::ServerUnaryReactor* PlannerService::Get(Ctx* ctx, const v1::GetRequest* req,
@@ -79,22 +54,6 @@ grpc::ServerUnaryReactor* PlannerService::GetKeys(Ctx* ctx, const v1::GetKeysReq
                    [resp, keys](const std::map<std::string, std::string>& kv) {
                      for (const std::string& key : keys) resp->add_values(kv.at(key));
                    });
-}
-
-void PlannerService::ExpireGets(Clock::time_point now, Deferred* deferred) {
-  for (auto g = pending_gets_.begin(); g != pending_gets_.end();) {
-    if (g->parked.deadline <= now) {
-      const std::string more =
-          g->missing.size() > 1 ? absl::StrCat(" (nor ", g->missing.size() - 1, " more keys)") : "";
-      Finish(deferred, g->parked.reactor,
-             grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
-                          absl::StrCat("key '", *g->missing.begin(), "' of job '", g->job_id,
-                                       "' was not put before the wait ended", more)));
-      g = pending_gets_.erase(g);
-    } else {
-      ++g;
-    }
-  }
 }
 
 }  // namespace ragshard::planner

@@ -131,6 +131,7 @@ Store::~Store() {
 }
 
 absl::Status Store::Exec(const std::string& sql) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
   char* err = nullptr;
   if (sqlite3_exec(db_, sql.c_str(), nullptr, nullptr, &err) != SQLITE_OK) {
     absl::Status s = absl::InternalError(absl::StrCat("sqlite: ", sql, ": ", err ? err : "?"));
@@ -142,6 +143,7 @@ absl::Status Store::Exec(const std::string& sql) {
 
 absl::Status Store::Upsert(const std::string& sql, const std::vector<std::string>& texts,
                            const std::string* blob, const int64_t* number) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
   Statement st(db_, sql);
   if (!st.ok()) return SqliteError(db_, sql);
   int i = 1;
@@ -158,6 +160,7 @@ absl::Status Store::Upsert(const std::string& sql, const std::vector<std::string
 }
 
 absl::StatusOr<StoredState> Store::Load() {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
   StoredState out;
   {
     Statement st(db_, "SELECT job FROM jobs ORDER BY job_id");
@@ -219,6 +222,7 @@ absl::StatusOr<StoredState> Store::Load() {
 }
 
 absl::Status Store::Atomically(const std::function<absl::Status()>& writes) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
   if (absl::Status s = Exec("BEGIN IMMEDIATE"); !s.ok()) return s;
   absl::Status s = writes();
   if (s.ok()) s = Exec("COMMIT");
@@ -253,6 +257,7 @@ absl::Status Store::PutPlan(const std::string& job_id, uint64_t version,
 }
 
 absl::Status Store::PurgeJobData(const std::string& job_id) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
   for (const char* table : {"ranks", "inventories", "plans", "kv"}) {
     absl::Status s =
         Upsert(absl::StrCat("DELETE FROM ", table, " WHERE job_id = ?"), {job_id}, nullptr);

@@ -1,13 +1,17 @@
 // Durable planner state in SQLite (WAL mode) under --data-dir. The data directory must be on a
 // local disk: SQLite's WAL mode does not work over NFS.
 //
-// Thread-compatible: the service calls it under its own mutex.
+// Thread-safe: one connection, its calls serialized by the store's own (recursive) mutex, which
+// Atomically holds across its writes. The service writes a job's rows under that job's lock, the
+// nodes' under the node registry's and the keys' under the rendezvous', never under a lock of
+// the whole service, so the store serializes only the writes themselves.
 #pragma once
 
 #include <sqlite3.h>
 
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -69,6 +73,8 @@ class Store {
                       const std::string* blob, const int64_t* number = nullptr);
 
   sqlite3* db_;
+  // Recursive: Atomically holds it while `writes` call the Put methods, which take it too.
+  std::recursive_mutex mu_;
 };
 
 }  // namespace ragshard::planner

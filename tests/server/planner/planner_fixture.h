@@ -11,6 +11,7 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -36,6 +37,7 @@ class PlannerFixture : public ::testing::Test {
     o.service.tick = 20ms;
     o.service.default_registration_timeout = 30s;
     o.service.cluster_profile = profile_;
+    o.service.before_job_write = before_job_write_;
     if (with_metrics_) o.metrics_listen = "127.0.0.1:0";
     auto server = planner::PlannerServer::Start(o);
     ASSERT_TRUE(server.ok()) << server.status();
@@ -150,6 +152,8 @@ class PlannerFixture : public ::testing::Test {
   std::shared_ptr<const ClusterProfile> profile_;
   std::unique_ptr<planner::PlannerServer> server_;
   std::unique_ptr<GrpcPlannerClient> client_;
+  // PlannerOptions::before_job_write of the next Start (set it in a fixture's constructor).
+  std::function<void(const std::string& job_id)> before_job_write_;
 };
 
 }  // namespace ragshard::testing

@@ -1,0 +1,85 @@
+#include "server/planner/node_registry.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "glog/logging.h"
+
+namespace ragshard::planner {
+
+void NodeRegistry::Load(std::vector<v1::Node> nodes, int64_t now_ms) {
+  absl::MutexLock lock(&mu_);
+  for (v1::Node& node : nodes) {
+    node.set_last_heartbeat_unix_ms(now_ms);
+    nodes_[node.node_id()] = std::move(node);
+  }
+}
+
+absl::Status NodeRegistry::Register(const v1::RegisterNodeRequest& req, int64_t now_ms) {
+  absl::MutexLock lock(&mu_);
+  v1::Node& node = nodes_[req.node_id()];
+  node.set_node_id(req.node_id());
+  node.set_data_address(req.data_address());
+  node.set_capacity_bytes(req.capacity_bytes());
+  node.set_status(v1::NODE_UP);
+  node.set_last_heartbeat_unix_ms(now_ms);
+  LOG(INFO) << "node " << req.node_id() << " registered at '" << req.data_address() << "'";
+  return store_->PutNode(node);
+}
+
+absl::Status NodeRegistry::Heartbeat(const v1::HeartbeatRequest& req, int64_t now_ms) {
+  absl::MutexLock lock(&mu_);
+  auto it = nodes_.find(req.node_id());
+  if (it == nodes_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("node '", req.node_id(), "' is not registered; call RegisterNode"));
+  }
+  v1::Node& node = it->second;
+  *node.mutable_figures() = req.figures();
+  node.set_last_heartbeat_unix_ms(now_ms);
+  if (node.status() != v1::NODE_UP) {
+    node.set_status(v1::NODE_UP);
+    (void)store_->PutNode(node);
+    LOG(INFO) << "node " << node.node_id() << " is back";
+  }
+  return absl::OkStatus();
+}
+
+std::vector<v1::Node> NodeRegistry::List() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<v1::Node> out;
+  out.reserve(nodes_.size());
+  for (const auto& [id, node] : nodes_) out.push_back(node);
+  return out;
+}
+
+std::vector<std::string> NodeRegistry::ExpireSilent(int64_t now_ms,
+                                                    std::chrono::milliseconds timeout) {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::string> lost;
+  for (auto& [node_id, node] : nodes_) {
+    if (node.status() != v1::NODE_UP || now_ms - node.last_heartbeat_unix_ms() <= timeout.count()) {
+      continue;
+    }
+    node.set_status(v1::NODE_LOST);
+    (void)store_->PutNode(node);
+    LOG(WARNING) << "node " << node_id << " LOST: no heartbeat for "
+                 << now_ms - node.last_heartbeat_unix_ms() << " ms";
+    lost.push_back(node_id);
+  }
+  return lost;
+}
+
+std::map<v1::NodeStatus, int64_t> NodeRegistry::CountByStatus() const {
+  absl::MutexLock lock(&mu_);
+  std::map<v1::NodeStatus, int64_t> out;
+  for (const auto& [id, node] : nodes_) ++out[node.status()];
+  return out;
+}
+
+size_t NodeRegistry::size() const {
+  absl::MutexLock lock(&mu_);
+  return nodes_.size();
+}
+
+}  // namespace ragshard::planner

@@ -1,0 +1,45 @@
+// The planner's node registry: every daemon's node, its data address, figures and liveness.
+//
+// Thread-safe: its own mutex guards the nodes, and a node's store row is written under it, so
+// the database and memory agree; it is a leaf lock (nothing else is locked under it).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "ragshard/v1/planner.pb.h"
+#include "server/planner/store.h"
+
+namespace ragshard::planner {
+
+class NodeRegistry {
+ public:
+  explicit NodeRegistry(Store* store) : store_(store) {}
+
+  // The stored nodes, each with a fresh heartbeat grace period from `now_ms`.
+  void Load(std::vector<v1::Node> nodes, int64_t now_ms);
+  // Records (again) a node, UP; the store's error if it could not be written.
+  absl::Status Register(const v1::RegisterNodeRequest& req, int64_t now_ms);
+  // Refreshes a registered node's figures (UP again if it was LOST); NOT_FOUND naming it when it
+  // never registered.
+  absl::Status Heartbeat(const v1::HeartbeatRequest& req, int64_t now_ms);
+  std::vector<v1::Node> List() const;
+  // Marks LOST every UP node silent for longer than `timeout` and returns their ids.
+  std::vector<std::string> ExpireSilent(int64_t now_ms, std::chrono::milliseconds timeout);
+  // How many nodes are in each state.
+  std::map<v1::NodeStatus, int64_t> CountByStatus() const;
+  size_t size() const;
+
+ private:
+  Store* const store_;
+  mutable absl::Mutex mu_;
+  std::map<std::string, v1::Node> nodes_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace ragshard::planner

@@ -1,0 +1,114 @@
+#include "server/planner/rendezvous.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace ragshard::planner {
+
+namespace {
+
+// " (nor N more<noun>)" when more than one key is missing.
+std::string More(const std::set<std::string>& missing, const char* noun) {
+  return missing.size() > 1 ? absl::StrCat(" (nor ", missing.size() - 1, " more", noun, ")") : "";
+}
+
+}  // namespace
+
+void Rendezvous::Load(const std::vector<StoredState::Kv>& kv) {
+  absl::MutexLock lock(&mu_);
+  for (const StoredState::Kv& k : kv) keys_[k.job_id][k.key] = k.value;
+}
+
+absl::Status Rendezvous::Put(const std::string& job_id, const std::string& key,
+                             const std::string& value, Deferred* deferred) {
+  absl::MutexLock lock(&mu_);
+  if (absl::Status s = store_->PutKv(job_id, key, value); !s.ok()) return s;
+  Keys& kv = keys_[job_id];
+  kv[key] = value;
+  for (auto w = waiting_.begin(); w != waiting_.end();) {
+    if (w->job_id == job_id && w->missing.erase(key) > 0 && w->missing.empty()) {
+      w->answer(kv);
+      FinishLater(deferred, w->parked.reactor, grpc::Status::OK);
+      w = waiting_.erase(w);
+    } else {
+      ++w;
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::optional<absl::Status> Rendezvous::GetOrPark(const std::string& job_id,
+                                                  const std::vector<std::string>& keys,
+                                                  int64_t wait_ms,
+                                                  grpc::ServerUnaryReactor* reactor,
+                                                  const Answer& answer) {
+  absl::MutexLock lock(&mu_);
+  const Keys& kv = keys_[job_id];
+  Waiting w;
+  w.job_id = job_id;
+  for (const std::string& key : keys) {
+    if (!kv.count(key)) w.missing.insert(key);
+  }
+  if (w.missing.empty()) {
+    answer(kv);
+    return absl::OkStatus();
+  }
+  if (wait_ms == 0) {
+    return absl::NotFoundError(absl::StrCat("key '", *w.missing.begin(), "' of job '", job_id,
+                                            "' not found", More(w.missing, "")));
+  }
+  if (closed_) {
+    return absl::Status(static_cast<absl::StatusCode>(closed_->error_code()),
+                        closed_->error_message());
+  }
+  w.answer = answer;
+  w.parked.reactor = reactor;
+  w.parked.deadline = Clock::now() + std::chrono::milliseconds(wait_ms);
+  waiting_.push_back(std::move(w));
+  return std::nullopt;
+}
+
+void Rendezvous::ExpireWaits(Clock::time_point now, Deferred* deferred) {
+  absl::MutexLock lock(&mu_);
+  for (auto w = waiting_.begin(); w != waiting_.end();) {
+    if (w->parked.deadline <= now) {
+      FinishLater(deferred, w->parked.reactor,
+                  grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                               absl::StrCat("key '", *w->missing.begin(), "' of job '", w->job_id,
+                                            "' was not put before the wait ended",
+                                            More(w->missing, " keys"))));
+      w = waiting_.erase(w);
+    } else {
+      ++w;
+    }
+  }
+}
+
+void Rendezvous::DropJob(const std::string& job_id, const grpc::Status& status,
+                         Deferred* deferred) {
+  absl::MutexLock lock(&mu_);
+  keys_.erase(job_id);
+  for (auto w = waiting_.begin(); w != waiting_.end();) {
+    if (w->job_id == job_id) {
+      FinishLater(deferred, w->parked.reactor, status);
+      w = waiting_.erase(w);
+    } else {
+      ++w;
+    }
+  }
+}
+
+void Rendezvous::AbortAll(const grpc::Status& status, Deferred* deferred) {
+  absl::MutexLock lock(&mu_);
+  for (Waiting& w : waiting_) FinishLater(deferred, w.parked.reactor, status);
+  waiting_.clear();
+  closed_ = status;
+}
+
+size_t Rendezvous::waiting() const {
+  absl::MutexLock lock(&mu_);
+  return waiting_.size();
+}
+
+}  // namespace ragshard::planner
