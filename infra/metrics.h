@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "prometheus/collectable.h"
 #include "prometheus/metric_family.h"
+#include "prometheus/registry.h"
 
 namespace prometheus {
 class Exposer;
@@ -42,6 +43,22 @@ class MetricsEndpoint {
   MetricsEndpoint() = default;
   std::unique_ptr<prometheus::Exposer> exposer_;
   std::string url_;
+};
+
+// The registry of a program's counters and histograms, kept as the program works: its metrics
+// class derives from this and registers its families in its constructor.
+class MetricsSet {
+ public:
+  MetricsSet(const MetricsSet&) = delete;
+  MetricsSet& operator=(const MetricsSet&) = delete;
+  const std::shared_ptr<prometheus::Registry>& registry() const { return registry_; }
+
+ protected:
+  MetricsSet() : registry_(std::make_shared<prometheus::Registry>()) {}
+  ~MetricsSet() = default;
+
+ private:
+  std::shared_ptr<prometheus::Registry> registry_;
 };
 
 // Figures computed when a scrape comes: `collect` returns the families (build them with

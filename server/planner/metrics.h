@@ -5,20 +5,16 @@
 
 #include <memory>
 
+#include "infra/metrics.h"
 #include "prometheus/counter.h"
 #include "prometheus/family.h"
 #include "prometheus/histogram.h"
-#include "prometheus/registry.h"
 
 namespace ragshard::planner {
 
-class PlannerMetrics {
+class PlannerMetrics : public MetricsSet {
  public:
   PlannerMetrics();
-  PlannerMetrics(const PlannerMetrics&) = delete;
-  PlannerMetrics& operator=(const PlannerMetrics&) = delete;
-
-  const std::shared_ptr<prometheus::Registry>& registry() const { return registry_; }
 
   // A rank's registration was recorded (a repeat by the same rank counts again).
   void RankRegistered() { registrations_->Increment(); }
@@ -34,7 +30,6 @@ class PlannerMetrics {
   }
 
  private:
-  std::shared_ptr<prometheus::Registry> registry_;
   prometheus::Counter* registrations_ = nullptr;
   prometheus::Counter* node_calls_ = nullptr;
   prometheus::Counter* rank_calls_ = nullptr;

@@ -242,9 +242,22 @@ class PlannerService final
     std::vector<int64_t> ranks;            // sorted, distinct
     const Inventory* inventory = nullptr;  // the full inventory, or
     std::string sha;                       // its SHA-256
+    // The registration `req` (either request) makes for `ranks`; it points into `req`.
+    template <typename Request>
+    static Registration Of(const Request& req, std::vector<int64_t> ranks) {
+      Registration r;
+      r.job_id = req.job_id();
+      r.node_id = req.node_id();
+      r.ranks = std::move(ranks);
+      r.inventory = req.has_inventory() ? &req.inventory() : nullptr;
+      r.sha = req.inventory_sha256();
+      return r;
+    }
   };
-  // Registers (or parks, until a reference inventory) and answers `job_out`.
-  Unary* Register(Ctx* ctx, Registration reg, v1::Job* job_out);
+  // Admits a registration call (`node`: RegisterNodeRanks), then registers what `make` makes,
+  // or parks it until a reference inventory, and answers `job_out`.
+  Unary* Register(Ctx* ctx, bool node, const std::function<absl::Status()>& validate,
+                  const std::function<Registration()>& make, v1::Job* job_out);
   // Registers or parks on the job's state; std::nullopt when parked.
   std::optional<grpc::Status> RegisterOnJob(JobState& js, const Registration& reg, v1::Job* job_out,
                                             grpc::ServerUnaryReactor* reactor, Deferred* deferred);

@@ -26,37 +26,31 @@ std::string RanksName(const std::vector<int64_t>& ranks, const std::string& node
 
 grpc::ServerUnaryReactor* PlannerService::RegisterRank(Ctx* ctx, const v1::RegisterRankRequest* req,
                                                        v1::RegisterRankResponse* resp) {
-  absl::Status s =
-      Admit(ctx, Access::kUser, [&] { return ValidateRegisterRank(*req, options_.limits); });
-  if (!s.ok()) return ReplyUnary(ctx, s);
-  metrics_.RegistrationCall(/*node=*/false);
-  Registration reg;
-  reg.job_id = req->job_id();
-  reg.node_id = req->node_id();
-  reg.ranks = {req->rank()};
-  reg.inventory = req->has_inventory() ? &req->inventory() : nullptr;
-  reg.sha = req->inventory_sha256();
-  return Register(ctx, std::move(reg), resp->mutable_job());
+  return Register(
+      ctx, /*node=*/false, [&] { return ValidateRegisterRank(*req, options_.limits); },
+      [&] { return Registration::Of(*req, {req->rank()}); }, resp->mutable_job());
 }
 
 grpc::ServerUnaryReactor* PlannerService::RegisterNodeRanks(Ctx* ctx,
                                                             const v1::RegisterNodeRanksRequest* req,
                                                             v1::RegisterNodeRanksResponse* resp) {
-  absl::Status s =
-      Admit(ctx, Access::kUser, [&] { return ValidateRegisterNodeRanks(*req, options_.limits); });
-  if (!s.ok()) return ReplyUnary(ctx, s);
-  metrics_.RegistrationCall(/*node=*/true);
-  Registration reg;
-  reg.job_id = req->job_id();
-  reg.node_id = req->node_id();
-  reg.ranks.assign(req->ranks().begin(), req->ranks().end());
-  std::sort(reg.ranks.begin(), reg.ranks.end());
-  reg.inventory = req->has_inventory() ? &req->inventory() : nullptr;
-  reg.sha = req->inventory_sha256();
-  return Register(ctx, std::move(reg), resp->mutable_job());
+  return Register(
+      ctx, /*node=*/true, [&] { return ValidateRegisterNodeRanks(*req, options_.limits); },
+      [&] {
+        std::vector<int64_t> ranks(req->ranks().begin(), req->ranks().end());
+        std::sort(ranks.begin(), ranks.end());
+        return Registration::Of(*req, std::move(ranks));
+      },
+      resp->mutable_job());
 }
 
-grpc::ServerUnaryReactor* PlannerService::Register(Ctx* ctx, Registration reg, v1::Job* job_out) {
+grpc::ServerUnaryReactor* PlannerService::Register(Ctx* ctx, bool node,
+                                                   const std::function<absl::Status()>& validate,
+                                                   const std::function<Registration()>& make,
+                                                   v1::Job* job_out) {
+  if (absl::Status s = Admit(ctx, Access::kUser, validate); !s.ok()) return ReplyUnary(ctx, s);
+  metrics_.RegistrationCall(node);
+  Registration reg = make();
   // Hash outside the lock: a DeepSeek-V3 inventory is several MB.
   if (reg.inventory != nullptr) reg.sha = InventorySha256(*reg.inventory);
   Deferred deferred;

@@ -126,14 +126,14 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& data_dir) 
   return store;
 }
 
-Store::~Store() {
-  if (sqlite3_close(db_) != SQLITE_OK) LOG(ERROR) << "sqlite close: " << sqlite3_errmsg(db_);
+void Store::CloseDatabase::operator()(sqlite3* db) const {
+  if (sqlite3_close(db) != SQLITE_OK) LOG(ERROR) << "sqlite close: " << sqlite3_errmsg(db);
 }
 
 absl::Status Store::Exec(const std::string& sql) {
   std::lock_guard<std::recursive_mutex> lock(mu_);
   char* err = nullptr;
-  if (sqlite3_exec(db_, sql.c_str(), nullptr, nullptr, &err) != SQLITE_OK) {
+  if (sqlite3_exec(db(), sql.c_str(), nullptr, nullptr, &err) != SQLITE_OK) {
     absl::Status s = absl::InternalError(absl::StrCat("sqlite: ", sql, ": ", err ? err : "?"));
     sqlite3_free(err);
     return s;
@@ -144,8 +144,8 @@ absl::Status Store::Exec(const std::string& sql) {
 absl::Status Store::Upsert(const std::string& sql, const std::vector<std::string>& texts,
                            const std::string* blob, const int64_t* number) {
   std::lock_guard<std::recursive_mutex> lock(mu_);
-  Statement st(db_, sql);
-  if (!st.ok()) return SqliteError(db_, sql);
+  Statement st(db(), sql);
+  if (!st.ok()) return SqliteError(db(), sql);
   int i = 1;
   for (const std::string& t : texts) {
     sqlite3_bind_text(st.get(), i++, t.data(), static_cast<int>(t.size()), SQLITE_TRANSIENT);
@@ -155,7 +155,7 @@ absl::Status Store::Upsert(const std::string& sql, const std::vector<std::string
     sqlite3_bind_blob(st.get(), i++, blob->data(), static_cast<int>(blob->size()),
                       SQLITE_TRANSIENT);
   }
-  if (sqlite3_step(st.get()) != SQLITE_DONE) return SqliteError(db_, sql);
+  if (sqlite3_step(st.get()) != SQLITE_DONE) return SqliteError(db(), sql);
   return absl::OkStatus();
 }
 
@@ -163,8 +163,8 @@ absl::StatusOr<StoredState> Store::Load() {
   std::lock_guard<std::recursive_mutex> lock(mu_);
   StoredState out;
   {
-    Statement st(db_, "SELECT job FROM jobs ORDER BY job_id");
-    if (!st.ok()) return SqliteError(db_, "load jobs");
+    Statement st(db(), "SELECT job FROM jobs ORDER BY job_id");
+    if (!st.ok()) return SqliteError(db(), "load jobs");
     while (sqlite3_step(st.get()) == SQLITE_ROW) {
       v1::Job job;
       if (!job.ParseFromString(Column(st.get(), 0))) return absl::DataLossError("corrupt job row");
@@ -176,8 +176,8 @@ absl::StatusOr<StoredState> Store::Load() {
     }
   }
   {
-    Statement st(db_, "SELECT job_id, state FROM ranks ORDER BY job_id, rank");
-    if (!st.ok()) return SqliteError(db_, "load ranks");
+    Statement st(db(), "SELECT job_id, state FROM ranks ORDER BY job_id, rank");
+    if (!st.ok()) return SqliteError(db(), "load ranks");
     while (sqlite3_step(st.get()) == SQLITE_ROW) {
       v1::RankState r;
       if (!r.ParseFromString(Column(st.get(), 1))) return absl::DataLossError("corrupt rank row");
@@ -185,25 +185,25 @@ absl::StatusOr<StoredState> Store::Load() {
     }
   }
   {
-    Statement st(db_, "SELECT job_id, inventory FROM inventories");
-    if (!st.ok()) return SqliteError(db_, "load inventories");
+    Statement st(db(), "SELECT job_id, inventory FROM inventories");
+    if (!st.ok()) return SqliteError(db(), "load inventories");
     while (sqlite3_step(st.get()) == SQLITE_ROW) {
       out.inventories.push_back({Column(st.get(), 0), Column(st.get(), 1)});
     }
   }
   {
     // The latest version of each job's plan.
-    Statement st(db_,
+    Statement st(db(),
                  "SELECT p.job_id, p.plan FROM plans p JOIN (SELECT job_id, MAX(version) v FROM "
                  "plans GROUP BY job_id) m ON p.job_id = m.job_id AND p.version = m.v");
-    if (!st.ok()) return SqliteError(db_, "load plans");
+    if (!st.ok()) return SqliteError(db(), "load plans");
     while (sqlite3_step(st.get()) == SQLITE_ROW) {
       out.plans.push_back({Column(st.get(), 0), Column(st.get(), 1)});
     }
   }
   {
-    Statement st(db_, "SELECT node FROM nodes ORDER BY node_id");
-    if (!st.ok()) return SqliteError(db_, "load nodes");
+    Statement st(db(), "SELECT node FROM nodes ORDER BY node_id");
+    if (!st.ok()) return SqliteError(db(), "load nodes");
     while (sqlite3_step(st.get()) == SQLITE_ROW) {
       v1::Node node;
       if (!node.ParseFromString(Column(st.get(), 0)))
@@ -212,8 +212,8 @@ absl::StatusOr<StoredState> Store::Load() {
     }
   }
   {
-    Statement st(db_, "SELECT job_id, key, value FROM kv");
-    if (!st.ok()) return SqliteError(db_, "load kv");
+    Statement st(db(), "SELECT job_id, key, value FROM kv");
+    if (!st.ok()) return SqliteError(db(), "load kv");
     while (sqlite3_step(st.get()) == SQLITE_ROW) {
       out.kv.push_back({Column(st.get(), 0), Column(st.get(), 1), Column(st.get(), 2)});
     }

@@ -46,9 +46,6 @@ class Store {
   // its missing parents, mode 0700. Fails with FAILED_PRECONDITION, saying why, when data_dir
   // cannot be created or the file's schema version is newer than this binary's.
   static absl::StatusOr<std::unique_ptr<Store>> Open(const std::string& data_dir);
-  ~Store();
-  Store(const Store&) = delete;
-  Store& operator=(const Store&) = delete;
 
   absl::StatusOr<StoredState> Load();
 
@@ -67,12 +64,17 @@ class Store {
   absl::Status PutKv(const std::string& job_id, const std::string& key, const std::string& value);
 
  private:
+  struct CloseDatabase {
+    void operator()(sqlite3* db) const;
+  };
   explicit Store(sqlite3* db) : db_(db) {}
+  sqlite3* db() const { return db_.get(); }
   absl::Status Exec(const std::string& sql);
   absl::Status Upsert(const std::string& sql, const std::vector<std::string>& texts,
                       const std::string* blob, const int64_t* number = nullptr);
 
-  sqlite3* db_;
+  // Closed with the store; the mutex makes the store neither copyable nor movable.
+  std::unique_ptr<sqlite3, CloseDatabase> db_;
   // Recursive: Atomically holds it while `writes` call the Put methods, which take it too.
   std::recursive_mutex mu_;
 };

@@ -50,8 +50,7 @@ absl::Status ValidateListRanks(const v1::ListRanksRequest& req, const ServiceLim
 }
 
 absl::Status ValidateCreateJob(const v1::CreateJobRequest& req, const ServiceLimits& limits) {
-  absl::Status s = ValidateJobId(req.job_id(), limits);
-  if (!s.ok()) return s;
+  RAGSHARD_RETURN_IF_ERROR(ValidateJobId(req.job_id(), limits));
   const int64_t shard = req.mesh().shard_size(), rep = req.mesh().replicate_size();
   if (shard < 1 || shard > limits.max_world) {
     return Bad("mesh.shard_size",
@@ -128,23 +127,19 @@ absl::Status ValidateInventoryOrHash(bool full, bool hash, const Inventory& inve
 }  // namespace
 
 absl::Status ValidateRegisterRank(const v1::RegisterRankRequest& req, const ServiceLimits& limits) {
-  absl::Status s = ValidateJobId(req.job_id(), limits);
-  if (!s.ok()) return s;
+  RAGSHARD_RETURN_IF_ERROR(ValidateJobId(req.job_id(), limits));
   if (req.rank() < 0 || req.rank() >= limits.max_world) {
     return Bad("rank", absl::StrCat("must be in [0, ", limits.max_world, "), got ", req.rank()));
   }
-  s = ValidateId("node_id", req.node_id(), limits.max_id_length);
-  if (!s.ok()) return s;
+  RAGSHARD_RETURN_IF_ERROR(ValidateId("node_id", req.node_id(), limits.max_id_length));
   return ValidateInventoryOrHash(req.has_inventory(), req.has_inventory_sha256(), req.inventory(),
                                  req.inventory_sha256(), limits);
 }
 
 absl::Status ValidateRegisterNodeRanks(const v1::RegisterNodeRanksRequest& req,
                                        const ServiceLimits& limits) {
-  absl::Status s = ValidateJobId(req.job_id(), limits);
-  if (!s.ok()) return s;
-  s = ValidateId("node_id", req.node_id(), limits.max_id_length);
-  if (!s.ok()) return s;
+  RAGSHARD_RETURN_IF_ERROR(ValidateJobId(req.job_id(), limits));
+  RAGSHARD_RETURN_IF_ERROR(ValidateId("node_id", req.node_id(), limits.max_id_length));
   if (req.ranks().empty() || req.ranks_size() > limits.max_node_ranks) {
     return Bad("ranks", absl::StrCat("must name 1 to ", limits.max_node_ranks, " ranks, got ",
                                      req.ranks_size()));
@@ -165,10 +160,9 @@ absl::Status ValidateRegisterNodeRanks(const v1::RegisterNodeRanksRequest& req,
 }
 
 absl::Status ValidateRegisterNode(const v1::RegisterNodeRequest& req, const ServiceLimits& limits) {
-  absl::Status s = ValidateId("node_id", req.node_id(), limits.max_id_length);
-  if (!s.ok()) return s;
-  s = CheckText("data_address", req.data_address(), limits.max_address_length);
-  if (!s.ok()) return s;
+  RAGSHARD_RETURN_IF_ERROR(ValidateId("node_id", req.node_id(), limits.max_id_length));
+  RAGSHARD_RETURN_IF_ERROR(
+      CheckText("data_address", req.data_address(), limits.max_address_length));
   if (req.capacity_bytes() < 0) {
     return Bad("capacity_bytes", absl::StrCat("must not be negative, got ", req.capacity_bytes()));
   }
@@ -176,14 +170,13 @@ absl::Status ValidateRegisterNode(const v1::RegisterNodeRequest& req, const Serv
 }
 
 absl::Status ValidateHeartbeat(const v1::HeartbeatRequest& req, const ServiceLimits& limits) {
-  absl::Status s = ValidateId("node_id", req.node_id(), limits.max_id_length);
-  if (!s.ok()) return s;
+  RAGSHARD_RETURN_IF_ERROR(ValidateId("node_id", req.node_id(), limits.max_id_length));
   if (req.jobs_size() > limits.max_heartbeat_jobs) {
     return Bad("jobs", absl::StrCat("more than ", limits.max_heartbeat_jobs, " jobs"));
   }
   for (int i = 0; i < req.jobs_size(); ++i) {
-    s = ValidateId(absl::StrCat("jobs[", i, "]"), req.jobs(i), limits.max_id_length);
-    if (!s.ok()) return s;
+    RAGSHARD_RETURN_IF_ERROR(
+        ValidateId(absl::StrCat("jobs[", i, "]"), req.jobs(i), limits.max_id_length));
   }
   const auto& f = req.figures();
   if (f.pool_capacity_bytes() < 0 || f.pool_used_bytes() < 0 || f.pool_peak_bytes() < 0 ||
@@ -197,9 +190,8 @@ absl::Status ValidateHeartbeat(const v1::HeartbeatRequest& req, const ServiceLim
   }
   for (int i = 0; i < f.operations_by_kind_size(); ++i) {
     const v1::KindCount& k = f.operations_by_kind(i);
-    s = ValidateId(absl::StrCat("figures.operations_by_kind[", i, "].kind"), k.kind(),
-                   limits.max_id_length);
-    if (!s.ok()) return s;
+    RAGSHARD_RETURN_IF_ERROR(ValidateId(absl::StrCat("figures.operations_by_kind[", i, "].kind"),
+                                        k.kind(), limits.max_id_length));
     if (k.count() < 0) {
       return Bad(absl::StrCat("figures.operations_by_kind[", i, "].count"), "must not be negative");
     }
@@ -211,8 +203,7 @@ absl::Status ValidateHeartbeat(const v1::HeartbeatRequest& req, const ServiceLim
   for (int i = 0; i < f.ranks_size(); ++i) {
     const v1::RankProgress& r = f.ranks(i);
     const std::string field = absl::StrCat("figures.ranks[", i, "]");
-    s = ValidateId(field + ".job_id", r.job_id(), limits.max_id_length);
-    if (!s.ok()) return s;
+    RAGSHARD_RETURN_IF_ERROR(ValidateId(field + ".job_id", r.job_id(), limits.max_id_length));
     if (r.rank() < 0 || r.pending_ms() < 0)
       return Bad(field, "rank and pending_ms must not be negative");
     for (const auto& [name, text] : {std::pair<const char*, const std::string*>{"done", &r.done()},
@@ -239,8 +230,7 @@ absl::Status ValidateJobKey(const std::string& job_id, const std::string& key,
 }  // namespace
 
 absl::Status ValidatePut(const v1::PutRequest& req, const ServiceLimits& limits) {
-  absl::Status s = ValidateJobKey(req.job_id(), req.key(), limits);
-  if (!s.ok()) return s;
+  RAGSHARD_RETURN_IF_ERROR(ValidateJobKey(req.job_id(), req.key(), limits));
   if (static_cast<int64_t>(req.value().size()) > limits.max_value_bytes) {
     return Bad("value", absl::StrCat("larger than ", limits.max_value_bytes, " bytes"));
   }
@@ -248,8 +238,7 @@ absl::Status ValidatePut(const v1::PutRequest& req, const ServiceLimits& limits)
 }
 
 absl::Status ValidateGet(const v1::GetRequest& req, const ServiceLimits& limits) {
-  absl::Status s = ValidateJobKey(req.job_id(), req.key(), limits);
-  if (!s.ok()) return s;
+  RAGSHARD_RETURN_IF_ERROR(ValidateJobKey(req.job_id(), req.key(), limits));
   if (req.wait_ms() < 0 || req.wait_ms() > limits.max_wait_ms) {
     return Bad("wait_ms",
                absl::StrCat("must be in [0, ", limits.max_wait_ms, "], got ", req.wait_ms()));
@@ -263,8 +252,7 @@ absl::Status ValidateGetKeys(const v1::GetKeysRequest& req, const ServiceLimits&
                                     req.keys_size()));
   }
   for (const std::string& key : req.keys()) {
-    absl::Status s = ValidateJobKey(req.job_id(), key, limits);
-    if (!s.ok()) return s;
+    RAGSHARD_RETURN_IF_ERROR(ValidateJobKey(req.job_id(), key, limits));
   }
   if (req.wait_ms() < 0 || req.wait_ms() > limits.max_wait_ms) {
     return Bad("wait_ms",
@@ -275,12 +263,10 @@ absl::Status ValidateGetKeys(const v1::GetKeysRequest& req, const ServiceLimits&
 
 absl::Status ValidateReportFailure(const v1::ReportFailureRequest& req,
                                    const ServiceLimits& limits) {
-  absl::Status s = ValidateJobId(req.job_id(), limits);
-  if (!s.ok()) return s;
-  s = ValidateId("reporter_node_id", req.reporter_node_id(), limits.max_id_length);
-  if (!s.ok()) return s;
-  s = CheckText("lost_peer", req.lost_peer(), limits.max_address_length);
-  if (!s.ok()) return s;
+  RAGSHARD_RETURN_IF_ERROR(ValidateJobId(req.job_id(), limits));
+  RAGSHARD_RETURN_IF_ERROR(
+      ValidateId("reporter_node_id", req.reporter_node_id(), limits.max_id_length));
+  RAGSHARD_RETURN_IF_ERROR(CheckText("lost_peer", req.lost_peer(), limits.max_address_length));
   return CheckText("message", req.message(), limits.max_message_length);
 }
 
