@@ -97,7 +97,7 @@ def state_bytes(opt, fsdp):
       torch optimizer's state on this rank's pieces (`opt.opt.state`: the moments, views of the
       module's state tensors, and each piece's 0-dim step count), each storage counted once;
       `storages` and `tensors` count them; `scalar_bytes` and `scalar_storages`: the 0-dim ones;
-    * `module_bytes`: the same over the module's state tensors (`fsdp._optimizer_state`);
+    * `module_bytes`: the same over the module's state tensors (`fsdp.optimizer_state_tensors()`);
     * `master_bytes`: the fp32 masters the module keeps apart from the shards (bf16 parameters,
       quantized gathers), which the optimizer steps but which are not its state;
     * `range_elems`: this rank's optimizer range, S_os summed over the units
@@ -118,7 +118,7 @@ def state_bytes(opt, fsdp):
                 if v.dim() == 0:
                     scalars[s.data_ptr()] = s.nbytes()
     module = {}
-    for t in fsdp._optimizer_state.values():
+    for t in fsdp.optimizer_state_tensors():
         s = t.untyped_storage()
         module[s.data_ptr()] = s.nbytes()
     masters = {}

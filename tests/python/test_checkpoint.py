@@ -424,7 +424,8 @@ def test_the_optimizer_step_waits_for_an_asynchronous_write():
     p = torch.nn.Parameter(torch.zeros(1))  # a parameter with no piece on this rank
     model = types.SimpleNamespace(units=lambda: [], masters={}, has_grad=[False], steps=True,
                                   gather_updates=lambda: None, checkpoint_writing=handle,
-                                  parameters=lambda: [p], _index={id(p): 0})
+                                  parameters=lambda: [p], is_param=lambda q: q is p,
+                                  param_index=lambda q: 0)
     model.wait_for_checkpoint_write = lambda: ShardedModule.wait_for_checkpoint_write(model)
     opt = ShardedAdamW(model)
     stepped = threading.Thread(target=opt.step)

@@ -154,7 +154,7 @@ def test_options_and_state_round_trip(one_rank):
     step(fsdp, opt)
     sched.step()
     # The moments are views of the module's state tensors.
-    homes = {t.untyped_storage().data_ptr() for t in fsdp._optimizer_state.values()}
+    homes = {t.untyped_storage().data_ptr() for t in fsdp.optimizer_state_tensors()}
     st = opt.state_dict()
     assert set(st) == {"state", "param_groups"}
     assert [g["params"] for g in st["param_groups"]] == [[0, 1], [2, 3, 4, 5, 6, 7]]

@@ -353,7 +353,7 @@ def load(model, optimizer, root, step=None):
             data, dt = reader.read(name, "buffer", 0, b.numel())
             b.data.copy_(_state.from_bytes(data, dt).view(b.shape))
         model.checkpoint_bytes_read = reader.bytes_read
-    model._needs_load = False  # every piece was read (fully_shard(init="empty"))
+    model.mark_loaded()  # every piece was read (fully_shard(init="empty"))
     return int(meta["step"])
 
 

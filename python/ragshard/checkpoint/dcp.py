@@ -387,7 +387,7 @@ def load_dcp(model, optimizer, path, extra=None):
         _apply_optim(model, optimizer, target["optim"])
     for k, v in stateful.items():
         v.load_state_dict(target[k])
-    model._needs_load = False
+    model.mark_loaded()
 
 
 def _apply_optim(model, optimizer, loaded):

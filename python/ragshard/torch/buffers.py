@@ -1,12 +1,30 @@
 """fully_shard's buffers: parameters and gradients bound to a unit's unsharded buffers while
 it is unsharded, and saved activations that refer to a unit by place, not address."""
+import collections
+
 from .._core import BUFFER_PLACES_KEPT
 from .params import Saved, set_live
 from .views import tensor_of
 
 
-class BuffersMixin:
-    """ShardedModule's binding of parameters and gradients to the daemon's buffers."""
+class UnitBuffers:
+    """The binding of a ShardedModule's parameters and gradients to the daemon's buffers.
+
+    It binds and frees; the operations that fill and release the buffers (unshard, reshard,
+    allocate_grad) are the caller's, except `allocate_grads`. `client`: the attached
+    ragshard.Client; `param_dtype`: "fp32" or "bf16"; `units`: the ModuleUnits.
+
+    Attributes: `gathers`, a Counter of the units bound to their unsharded buffer (each a
+    gather) by unit name; `peak_unsharded`, the most units bound at once so far."""
+
+    def __init__(self, client, param_dtype, units):
+        self._client, self._dtype, self._units = client, param_dtype, units
+        self._view_cache = {}  # (kind, unit) -> [(array, tensor, views)] (_views_of)
+        self._full = {}  # unit -> its unsharded buffer, while bound
+        self._by_storage = {}  # the data address of a bound unsharded buffer -> its unit
+        self._grads = set()  # units whose gradient buffers are allocated
+        self.gathers = collections.Counter()
+        self.peak_unsharded = 0
 
     def _views_of(self, ui, array, kind):
         """(the tensor over `array`, unit `ui`'s parameters' views of it), built once per place
@@ -16,58 +34,70 @@ class BuffersMixin:
         for cached, full, views in places:
             if cached is array:
                 return full, views
-        full = tensor_of(array, self.param_dtype)
+        full = tensor_of(array, self._dtype)
         views = [full[off:off + numel].view(empty.shape)
-                 for (_, off, numel), empty in zip(self._views[ui], self._empty[ui])]
+                 for (_, off, numel), empty in zip(self._units.views[ui], self._units.empty[ui])]
         if len(places) >= BUFFER_PLACES_KEPT:
             places.pop(0)
         places.append((array, full, views))
         return full, views
 
-    def _bind(self, ui):
+    def is_bound(self, ui):
+        """True while unit `ui`'s parameters are views of its unsharded buffer."""
+        return ui in self._full
+
+    def bind(self, ui):
         """Points unit `ui`'s parameters into its unsharded buffer (once it is unsharded)."""
-        full, views = self._views_of(ui, self.client.unsharded(ui), "unsharded")
-        self.op_counts["gather"][self._units[ui][0]] += 1
+        full, views = self._views_of(ui, self._client.unsharded(ui), "unsharded")
+        self.gathers[self._units.name(ui)] += 1
         self._full[ui] = full
         self.peak_unsharded = max(self.peak_unsharded, len(self._full))
         self._by_storage[full.untyped_storage().data_ptr()] = ui
-        for (p, _, _), view in zip(self._views[ui], views):
+        for (p, _, _), view in zip(self._units.views[ui], views):
             set_live(p, True)  # first: the assignment below then runs no __torch_function__
             p.data = view
 
-    def _free(self, ui):
+    def free(self, ui):
         """Leaves unit `ui`'s parameters without storage (once it is resharded)."""
         full = self._full.pop(ui, None)
         if full is not None:
             self._by_storage.pop(full.untyped_storage().data_ptr(), None)
-        for (p, _, _), empty in zip(self._views[ui], self._empty[ui]):
+        for (p, _, _), empty in zip(self._units.views[ui], self._units.empty[ui]):
             p.data = empty
             set_live(p, False)
 
     def _bind_grads(self, ui):
         """Points unit `ui`'s .grad into this rank's gradient buffer (once allocated)."""
-        _, views = self._views_of(ui, self.client.grad(ui), "grad")
+        _, views = self._views_of(ui, self._client.grad(ui), "grad")
         self._grads.add(ui)
-        for (p, _, _), view in zip(self._views[ui], views):
+        for (p, _, _), view in zip(self._units.views[ui], views):
             if p.requires_grad:
                 p.grad = view
 
-    def _drop_grads(self, ui):
-        self._grads.discard(ui)
-        for p, _, _ in self._views[ui]:
-            p.grad = None
-
-    def _allocate_grads(self, ui):
+    def allocate_grads(self, ui):
+        """Allocates unit `ui`'s gradient buffer where it is not, and binds the .grad of its
+        parameters that require gradients to it."""
         if ui not in self._grads:
-            self.client.allocate_grad(ui).wait()
+            self._client.allocate_grad(ui).wait()
         self._bind_grads(ui)  # again after zero_grad(set_to_none=True) under no_sync
 
-    def _reshard(self, ui, keep=0):
-        if ui in self._full:
-            self.client.reshard(ui, 0 if ui in self._q else keep).wait()
-            self._free(ui)
+    def drop_grads(self, ui):
+        """Forgets unit `ui`'s gradient buffer (its reduce-scatter releases it): .grad None."""
+        self._grads.discard(ui)
+        for p, _, _ in self._units.views[ui]:
+            p.grad = None
 
-    def _pack(self, t):
+    def zero_grads(self, set_to_none):
+        """Zeroes the gradients bound now (accumulated under no_sync); `set_to_none`: the
+        parameters' .grad become None too, bound again when a backward reaches their unit."""
+        for ui in self._grads:
+            for p, _, _ in self._units.views[ui]:
+                if p.grad is not None:
+                    p.grad.zero_()
+                    if set_to_none:
+                        p.grad = None
+
+    def pack(self, t):
         """saved_tensors_hooks: a tensor that lies in a unit's unsharded buffer is saved as its
         place in the unit, since backward may find the unit unsharded at another address."""
         try:
@@ -78,32 +108,12 @@ class BuffersMixin:
             return t
         return Saved(ui, t.storage_offset(), tuple(t.size()), tuple(t.stride()))
 
-    def _unpack(self, x):
+    def unpack(self, x):
         if not isinstance(x, Saved):
             return x
         full = self._full.get(x.unit)
         if full is None:
             raise RuntimeError(f"ragshard: backward needs the parameters of unit "
-                               f"'{self._units[x.unit][0]}' while it is resharded (was its "
+                               f"'{self._units.name(x.unit)}' while it is resharded (was its "
                                "backward reached without its forward's outputs?)")
         return full.as_strided(x.size, x.stride, x.offset)
-
-    def _unshard(self, ui):
-        if ui in self._full:
-            return
-        if ui in self._q:
-            self.unshard(ui, self.quantize)
-            return
-        h = self._handles.pop(("unshard", ui), None) or self.client.unshard(ui)
-        h.wait()
-        self._bind(ui)
-
-    def _prefetch(self, ui):
-        if not self.prefetch or not 0 <= ui < len(self._units) or ui == self._root or \
-                ui in self._full or ("unshard", ui) in self._handles or \
-                ("qgather", ui) in self._handles:
-            return
-        if ui in self._q:
-            self._handles[("qgather", ui)] = self._q_start(ui)
-        else:
-            self._handles[("unshard", ui)] = self.client.unshard(ui)

@@ -82,13 +82,13 @@ class ModuleOptimizer(torch.optim.Optimizer):
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"{self._owner_name}: param group {len(self.param_groups)} holds "
                                 f"a {type(p).__name__}, not a parameter")
-            index = self.model._index.get(id(p))
-            if index is None:
+            if not self.model.is_param(p):
                 raise ValueError(
                     f"{self._owner_name}: param group {len(self.param_groups)} holds a parameter "
                     f"that is not the sharded module's ({_name(self.model, p)}); pass the "
                     "module's own parameters (model.parameters() or model.named_parameters() "
                     "after fully_shard)")
+            index = self.model.param_index(p)
             if index in self._grouped or index in here:
                 where = self._grouped.get(index, len(self.param_groups))
                 raise ValueError(f"{self._owner_name}: parameter '{_name(self.model, p)}' is in "
@@ -98,7 +98,7 @@ class ModuleOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         gi = len(self.param_groups) - 1
         for p in self.param_groups[-1]["params"]:
-            self._grouped[self.model._index[id(p)]] = gi
+            self._grouped[self.model.param_index(p)] = gi
         self._groups_changed()
 
     def _groups_changed(self):
@@ -114,7 +114,7 @@ class ModuleOptimizer(torch.optim.Optimizer):
         ids = {}
         for g in self.param_groups:
             for p in g["params"]:
-                ids[self.model._index[id(p)]] = len(ids)
+                ids[self.model.param_index(p)] = len(ids)
         return ids
 
     # -- state dicts in torch's layout -------------------------------------------------------
@@ -138,7 +138,7 @@ class ModuleOptimizer(torch.optim.Optimizer):
         groups = []
         for g in self.param_groups:
             out = {k: v for k, v in g.items() if k != "params"}
-            out["params"] = [ids[self.model._index[id(p)]] for p in g["params"]]
+            out["params"] = [ids[self.model.param_index(p)] for p in g["params"]]
             groups.append(out)
         return {"state": state, "param_groups": groups}
 

@@ -1,7 +1,6 @@
 """ShardedModule: a module whose parameters live in ragshard's buffers (see the package
-docstring). Its parts: buffers.py (binding), hooks.py (FSDP2's hooks), quantized.py (quantized
-gathers), state.py (clipping and state dicts)."""
-import collections
+docstring), made of parts that it owns and builds with what each needs (ShardedModule's
+docstring lists them); its public methods delegate to them."""
 import contextlib
 import json
 import os
@@ -10,13 +9,19 @@ import torch
 
 from .. import Client, Env, Error, connect, plan_of
 from . import clip
-from .buffers import BuffersMixin
-from .meta import adopt_meta, release_freed_memory, values
-from .hooks import HooksMixin
-from .params import WHOLE_MATRIX, Matrix, Piece, adopt, storageless
-from .quantized import QuantizedGatherMixin, plan_quantized_units
-from .state import StateMixin
-from .views import DTYPES, as_tensor, tensor_of
+from .buffers import UnitBuffers
+from .control import ControlUnits, GradUse, control_inventory
+from .gathers import UnitGathers
+from .hooks import UnitHooks
+from .layout import ShardLayout
+from .meta import adopt_meta
+from .params import adopt
+from .quantized import QuantizedGathers, plan_quantized_units
+from .shards import RankShards
+from .state import ModuleState
+from .trace import Trace
+from .units import ModuleUnits, find_ties, group_units, policy_units, unit_inventory
+from .views import DTYPES
 
 
 def _world_from_environment():
@@ -29,271 +34,122 @@ def _world_from_environment():
                    0) or None
 
 
-class ShardedModule(BuffersMixin, HooksMixin, QuantizedGatherMixin, StateMixin, torch.nn.Module):
-    """`module` with its parameters in ragshard buffers; see the package docstring."""
+class ShardedModule(torch.nn.Module):
+    """`module` with its parameters in ragshard buffers; see the package docstring.
+
+    Its parts, each an object built with what it needs (attributes are private; the public API
+    below delegates to them):
+    * `layout` (ShardLayout, layout.py): this rank's place in the job's plan, read once;
+    * `_units` (ModuleUnits, units.py): the units as the plan groups them, and the parameters;
+    * `_shards` (RankShards, shards.py): this rank's shards, pieces, masters and optimizer state;
+    * `_binding` (UnitBuffers, buffers.py): parameters and gradients bound to the buffers;
+    * `_quantized` (QuantizedGathers, quantized.py) and `_gathers` (UnitGathers, gathers.py):
+      unshard, prefetch and reshard;
+    * `_control` (ControlUnits) and `_grad_use` (GradUse), control.py: sums over ranks, and
+      which parameters have a gradient;
+    * `_unit_hooks` (UnitHooks, hooks.py) with `_trace` (Trace, trace.py): the forward and
+      backward hooks;
+    * `_state` (ModuleState, state.py): clipping and state dicts."""
 
     def __init__(self, module, client, units, granule=None, optimizer=None, param_dtype="fp32",
                  reshard_after_forward=True, prefetch=None, register=True, quantize=None,
                  world=None, init=None, strategy=None):
         super().__init__()
-        if param_dtype not in DTYPES:
-            raise ValueError(f"param_dtype: '{param_dtype}' is not one of fp32, bf16")
-        if quantize not in (None, "int8", "fp8"):
-            raise ValueError(f"quantize: '{quantize}' is not one of None, int8, fp8")
-        if quantize and param_dtype != "fp32":
-            raise ValueError("quantize: needs param_dtype fp32 (fp32 masters, quantized gathers)")
-        self.quantize = quantize
+        _check_options(param_dtype, quantize, reshard_after_forward)
         self.module = module
-        self.client = client
-        self.param_dtype = param_dtype
+        self.param_dtype, self.quantize = param_dtype, quantize
         # FSDP2's meanings: True reshards after forward, False keeps the unit unsharded until
         # its backward, an int n > 1 reshards to groups of n local ranks (the ranks per node:
         # the backward's unshard then stays within the node).
-        if reshard_after_forward is not True and reshard_after_forward is not False and (
-                not isinstance(reshard_after_forward, int) or reshard_after_forward < 1):
-            raise ValueError(f"reshard_after_forward: {reshard_after_forward!r} is not True, "
-                             "False or a positive int")
         self.reshard_after_forward = reshard_after_forward
-        self.prefetch = prefetch
-        self._no_sync = False
-        granule = granule or (lambda name, p: "rows:128" if p.dim() >= 2 else "element")
-        optimizer = optimizer or (lambda name, p: "elementwise")
         # A model built on the meta device: its values come from `init`, one tensor at a time.
         meta = adopt_meta(module, init)
         self._needs_load = bool(meta) and init == "empty"
-        names = {id(p): n for n, p in module.named_parameters()}
-        # Units: the policy's submodules, then "root" for the parameters left over.
-        seen = set()
-        self._units = []  # (name, module or None, [(fqn, param)])
-        self._borrowers = []  # tied weights: (module, [other units' parameters], in a unit)
-        for sub in units(module):
-            sub_name = next((n for n, m in module.named_modules() if m is sub), None)
-            if sub_name is None:
-                raise ValueError(f"fully_shard: unit {type(sub).__name__} is not a submodule of "
-                                 "the module")
-            if type(sub).forward is torch.nn.Module.forward:
-                # A container (ModuleList, ModuleDict): its forward is never called, so its
-                # hooks would never gather it.
-                raise ValueError(
-                    f"fully_shard: unit '{sub_name}' is a {type(sub).__name__}, whose forward is "
-                    f"never called (its children are called one by one); pass its children as "
-                    f"units instead, e.g. units=lambda m: list(m.{sub_name or 'layers'})")
-            params = [(names[id(p)], p) for p in sub.parameters() if id(p) not in seen]
-            seen.update(id(p) for _, p in params)
-            if params:
-                self._units.append((sub_name, sub, params))
-        rest = [(n, p) for n, p in module.named_parameters() if id(p) not in seen]
-        if rest:
-            self._units.append(("root", None, rest))
-        self._find_ties(module)
-        # A unit of W fp32 elements for scalar all-reductions (gradient clipping), and one of
-        # W x P for the used-parameter flags of P parameters (each rank's shard of the sum is
-        # the count of ranks that used each parameter).
+        found = policy_units(module, units)
         world = world or _world_from_environment()
-        self._nparams = sum(len(params) for _, _, params in self._units)
         if quantize and not world:
             raise ValueError("quantize: the world size is needed before registering (world=)")
-        inventory = {"units": []}
-        for uname, _, params in self._units:
-            inventory["units"].append({"name": uname, "tensors": [
-                {"name": n, "shape": list(p.shape), "dtype": param_dtype,
-                 "granule": granule(n, p),
-                 "optimizer": optimizer(n, p) if p.dim() == 2 else "elementwise"}
-                for n, p in params]})
-        inventory["units"].append({"name": "__ragshard_scalars__", "tensors": [
-            {"name": "__ragshard_scalars__.norm", "shape": [world or 1], "dtype": "fp32"}]})
-        inventory["units"].append({"name": "__ragshard_used__", "tensors": [
-            {"name": "__ragshard_used__.flags", "shape": [(world or 1) * max(self._nparams, 1)],
-             "dtype": "fp32"}]})
-        # Quantized gathers: one byte unit per module unit (quantized.py).
-        # Under a pinned AMSP strategy the byte units follow its plans (quantized.py).
-        strategy = strategy if strategy is not None else os.environ.get("RAGSHARD_STRATEGY")
-        self._q = plan_quantized_units(inventory, len(self._units), world,
-                                       strategy) if quantize else {}
-        if client is None:
-            # Connected from the environment once the module is known to be shardable.
-            client = self.client = connect()
+        inventory, qsizes = _inventory(found, world, param_dtype, quantize, granule, optimizer,
+                                       strategy)
+        self.client = self._attach(client, inventory, register)
+        self.layout = ShardLayout.read(self.client, plan_of(self.client))
+        self.prefetch = _prefetch_depth(prefetch, self.layout.plan)
+        self._units = ModuleUnits(group_units(self.layout.plan, found, bool(qsizes)),
+                                  find_ties(module, found), self.layout.places, param_dtype)
+        self._shards = RankShards(self.client, param_dtype, self.layout, self._units)
+        self._binding = UnitBuffers(self.client, param_dtype, self._units)
+        self._shard_values(meta, init)
+        self._control = ControlUnits(self.client, self.layout, len(self._units),
+                                     self._units.nparams)
+        self._build_parts(qsizes)
+        self.checkpoint_writing = None  # an asynchronous checkpoint save writing the state
+
+    def _attach(self, client, inventory, register):
+        """Registers `inventory` (unless `register` is False) and attaches; without a client,
+        connects from the environment, once the module is known to be shardable."""
+        client = client if client is not None else connect()
         if register:
             client.register(json.dumps(inventory), True)
         client.attach()
-        self.plan = plan_of(client)
-        self._group_units()
-        if self.prefetch is None:
-            # Policy auto chose a prefetch depth with the rest of the strategy; else 1.
-            executed = self.plan.get("strategy", {}).get("executed", "")
-            self.prefetch = 0 if "prefetch=0" in executed.split(",") else 1
-        # The number of units unsharded ahead of the one in use (True is 1): with the unit in
-        # use, the bound on units in flight.
-        self.prefetch = int(self.prefetch)
-        if self.prefetch < 0:
-            raise ValueError(f"prefetch: {self.prefetch} is negative")
-        self.world = client.world_size
-        self.rank = client.rank
-        # The job's AMSP factors (engine/sharding.h): the parameter shard is position `pos` of
-        # the plan's `world` (p); the gradient shard is position `gpos` of the g layout, and
-        # this rank's optimizer range position `ospos` of the os layout, inside both. With
-        # p = g = os (HSDP or FSDP) the three are one shard of a group repeated `replicas`
-        # times. `replicas` is W / |g|: the gradients' replicas, all-reduced.
-        self.replicas = client.replicas
-        nunits = len(self.plan["units"])
-        layouts = [client.layout(u) for u in range(nunits)]
-        self.pos, self.gpos, self.ospos = (layouts[0][k] for k in ("p", "g", "os"))
-        # False where another local rank steps this rank's optimizer range in the same memory.
-        self.steps = layouts[0]["steps"]
-        self.os_group = layouts[0]["os_group"]  # group 0 holds every os position once
-        self.shard_elems = [client.shard_elems(u) for u in range(nunits)]
-        self.grad_elems = [lay["grad_elems"] for lay in layouts]
-        # This rank's optimizer range of each unit: os_elems[u] elements at os_at[u] =
-        # (offset in the parameter shard, offset in the gradient shard).
-        self.os_elems = [lay["os_elems"] for lay in layouts]
-        self.os_at = [(lay["os_param"], lay["os_grad"]) for lay in layouts]
-        self.factored = self.os_elems != self.shard_elems
-        sizes = {f["component"]: int(f["world_size"]) for f in self.plan.get("factors", [])}
-        # |p|, |g|, |os|
-        self.group_sizes = (self.world, sizes.get("g", self.world), sizes.get("os", self.world))
-        by_name, packed = {}, {}
-        os_units = next((f["units"] for f in self.plan.get("factors", [])
-                         if f["component"] == "os"), self.plan["units"])
-        for ui, (up, ou) in enumerate(zip(self.plan["units"], os_units)):
-            owned = {}  # an owner's matrices, packed in plan order in its owner buffer
-            for t, ot in zip(up["tensors"], ou["tensors"]):
-                by_name[t["name"]] = (ui, int(t["offset"]), int(t["numel"]), ot)
-                if ot.get("optimizer") in WHOLE_MATRIX:
-                    owner = int(ot.get("owner_rank", -1))  # an os position
-                    packed[t["name"]] = owned.get(owner, 0)
-                    owned[owner] = packed[t["name"]] + int(t["numel"])
-        self._scalar_unit = len(self._units)
-        self._flags_unit = len(self._units) + 1
-        # This rank writes its own shard; the parameters become views of the unsharded buffers
-        # while their unit is unsharded.
-        self.matrices = []  # Matrix of each whole-matrix tensor (Muon's and Shampoo's)
-        self._pieces = {}  # unit -> [_Piece]: the parameters' pieces in this rank's shard
-        # Which parameters have a gradient, by index in unit order (PyTorch's grad not None),
-        # the same on every rank; and those this rank's backward reached since the last
-        # reduction of the flags.
-        self.has_grad = [False] * self._nparams
-        self._used = set()
-        self._views = {}  # unit -> [(param, offset, numel)]
-        self._full = {}  # unit -> its unsharded buffer, while unsharded
-        self.peak_unsharded = 0  # the most units unsharded at once on this rank so far
-        # Gathers (unshards bound to the parameters) and gradient reduce-scatters by unit name.
-        self.op_counts = {"gather": collections.Counter(), "reduce_scatter": collections.Counter()}
-        self._by_storage = {}  # the data address of an unsharded buffer -> its unit
-        self._grads = set()  # units whose gradient buffers are allocated
-        self._empty = {}  # unit -> its parameters' shapes as tensors with no storage
-        self._view_cache = {}  # (kind, unit) -> [(array, tensor, views)] (_views_of)
-        # fp32 master shards kept by the module: bf16 parameters, or quantized gathers (whose
-        # unsharded buffer holds dequantized values). The optimizers step them.
-        masters = {}
-        self._index = {}  # id(parameter) -> its index in unit order
-        self._names = []  # index -> the parameter's name
-        self._offsets = []  # index -> the parameter's offset in its unit
-        self._optimizer_state = {}  # (optimizer, key, unit) -> tensor (optimizer_state)
-        for ui, (uname, _, params) in enumerate(self._units):
-            if self.plan["units"][ui]["unit"] != uname:
-                raise RuntimeError(f"plan unit {ui} is {self.plan['units'][ui]['unit']}, "
-                                   f"expected {uname}")
-            shard = tensor_of(client.param_shard(ui), param_dtype)
-            s = self.shard_elems[ui]
-            lo, hi = self.pos * s, (self.pos + 1) * s
-            # The optimizer range (the whole shard unless the factors differ).
-            olo = self.ospos * self.os_elems[ui]
-            ohi = olo + self.os_elems[ui]
-            # With a parameter dtype below fp32, the optimizer's fp32 master of its range starts
-            # from the exact initial values (as FSDP2's sharded parameters), not their rounding.
-            exact = torch.zeros(ohi - olo) if param_dtype != "fp32" else None
-            self._views[ui] = []
-            self._pieces[ui] = []
-            for n, p in params:
-                _, off, numel, t = by_name[n]
-                index = len(self._index)
-                self._index[id(p)] = index
-                self._names.append(n)
-                self._offsets.append(off)
-                matrix = t.get("optimizer") in WHOLE_MATRIX
-                a, b = max(off, lo), min(off + numel, hi)
-                if a < b:
-                    if id(p) not in meta:
-                        mine = p.detach().reshape(-1)[a - off:b - off]
-                    elif callable(init):  # the whole tensor, only while its pieces are copied
-                        mine = values(init, n, p).reshape(-1)[a - off:b - off]
-                    else:
-                        mine = torch.zeros(b - a)  # init="empty": a load follows
-                    shard[a - lo:b - lo].copy_(mine.to(shard.dtype))
-                    oa, ob = max(a, olo), min(b, ohi)
-                    if oa < ob:
-                        if exact is not None:
-                            exact[oa - olo:ob - olo] = mine[oa - a:ob - a].float()
-                        self._pieces[ui].append(Piece(index, oa - olo, ob - olo, matrix))
-                    if id(p) in meta:
-                        del mine
-                        release_freed_memory()  # the whole tensor's pages, back to the system
-                self._views[ui].append((p, off, numel))
+        return client
+
+    def _shard_values(self, meta, init):
+        """Each unit's initial values into this rank's shards; its parameters then belong to
+        the unit (named for errors, clipped with the module) and hold no storage."""
+        for ui in range(len(self._units)):
+            self._shards.fill(ui, meta, init)
+            for n, p in self._units.params(ui):
                 p.grad = None
-                adopt(p, n, uname)
+                adopt(p, n, self._units.name(ui))
                 clip.own(p, self)
-                if matrix:
-                    self.matrices.append(Matrix(
-                        ui, off, numel, tuple(p.shape), int(t.get("owner_rank", -1)), packed[n],
-                        index, n, WHOLE_MATRIX[t["optimizer"]], int(t.get("shampoo_block", 0))))
-            if exact is not None:
-                masters[ui] = exact
-            self._empty[ui] = [storageless(p.shape, DTYPES[param_dtype]) for p, _, _ in
-                               self._views[ui]]
-            self._free(ui)
-        self.masters = masters
-        if self.grad_elems[self._flags_unit] < self._nparams:
-            raise ValueError("fully_shard: the world size is needed before registering (pass "
-                             "world=, or set RAGSHARD_WORLD_SIZE)")
-        self._check_quantized_units()
-        self.gathered_bytes = {"quantized": 0, "full": 0}
-        self.checkpoint_writing = None  # an asynchronous checkpoint save writing the state
-        self._handles = {}
-        self._backward_started = False
-        self._install_hooks()
-        self._start_trace(os.environ.get("RAGSHARD_TRACE"))
+            self._binding.free(ui)
 
-    def _find_ties(self, module):
-        """Tied weights: every module that holds, as its own parameter, one that a unit outside
-        it owns (an output head holding the embedding's weight). Such a module gathers that
-        unit for its forward and its backward. Inside a unit it reshards it after its forward
-        as the unit does; outside every unit (in the root) it keeps it until the unit's
-        post-backward, since its backward comes next (FSDP2 keeps its root unsharded after
-        forward for the same reason)."""
-        owner = {id(p): sub for _, sub, params in self._units if sub is not None
-                 for _, p in params}
-        subs = [sub for _, sub, _ in self._units if sub is not None]
-        for m in module.modules():
-            tied = [p for p in m.parameters(recurse=False)
-                    if id(p) in owner and not _nested(m, owner[id(p)])]
-            if tied:
-                inside = any(any(x is m for x in sub.modules()) for sub in subs)
-                self._borrowers.append((m, tied, inside))
+    def _build_parts(self, qsizes):
+        """The gathers, hooks and whole-model operations over the shards and their binding."""
+        client, layout, units = self.client, self.layout, self._units
+        self._quantized = QuantizedGathers(client, self.quantize, qsizes, layout, self._binding,
+                                           self._shards)
+        self._gathers = UnitGathers(client, self._binding, self._quantized, units,
+                                    self.prefetch)
+        self._grad_use = GradUse(self._control, units.nparams)
+        self._trace = Trace(client, [name for name, _, _ in units.groups],
+                            os.environ.get("RAGSHARD_TRACE"))
+        self._unit_hooks = UnitHooks(self.module, units, self._gathers, self._binding, client,
+                                     self._grad_use, self._trace, self.reshard_after_forward,
+                                     self.prefetch, layout.replicas)
+        self._state = ModuleState(self.module, units, layout, self._shards, self._gathers,
+                                  self._control)
+        # Gathers (unshards bound to the parameters) and gradient reduce-scatters by unit name.
+        self.op_counts = {"gather": self._binding.gathers,
+                          "reduce_scatter": self._unit_hooks.reduce_scatters}
 
-    def _group_units(self):
-        """Policy auto may cover several consecutive units with one plan unit (its "members"):
-        such a group is gathered before its first member's forward, resharded after its last
-        member's, and reduce-scattered once every parameter of the group has its gradient."""
-        groups, i = [], 0
-        plan_units = self.plan["units"]
-        for up in plan_units:
-            if i >= len(self._units):
-                break
-            members = list(up.get("members") or [up["unit"]])
-            here = [u[0] for u in self._units[i:i + len(members)]]
-            if here != members:
-                raise RuntimeError(f"plan unit {up['unit']} covers {members}; this module's units "
-                                   f"there are {here} (do all ranks wrap the same model?)")
-            if len(members) > 1 and self._q:
-                raise ValueError("quantize: needs one plan unit per module unit; create the job "
-                                 "with policy ragged")
-            subs = [u[1] for u in self._units[i:i + len(members)]]
-            params = [p for u in self._units[i:i + len(members)] for p in u[2]]
-            groups.append((up["unit"], None if subs[0] is None else subs, params))
-            i += len(members)
-        if i != len(self._units):
-            raise RuntimeError(f"the plan covers {i} of this module's {len(self._units)} units")
-        self._units = groups
+    # -- the layout and the parts' figures, read-only ----------------------------------------
+
+    plan = property(lambda self: self.layout.plan, doc="The job's plan.")
+    world = property(lambda self: self.layout.world, doc="The job's world size W.")
+    rank = property(lambda self: self.layout.rank, doc="This rank.")
+    replicas = property(lambda self: self.layout.replicas, doc="W / |g| (ShardLayout).")
+    pos = property(lambda self: self.layout.pos, doc="The parameter shard's position.")
+    gpos = property(lambda self: self.layout.gpos, doc="The gradient shard's position.")
+    ospos = property(lambda self: self.layout.ospos, doc="The optimizer range's position.")
+    steps = property(lambda self: self.layout.steps, doc="Whether this rank steps its range.")
+    os_group = property(lambda self: self.layout.os_group, doc="This rank's os group.")
+    shard_elems = property(lambda self: self.layout.shard_elems, doc="Each unit's shard.")
+    grad_elems = property(lambda self: self.layout.grad_elems, doc="Each gradient shard.")
+    os_elems = property(lambda self: self.layout.os_elems, doc="Each optimizer range's size.")
+    os_at = property(lambda self: self.layout.os_at, doc="Each range's place (ShardLayout).")
+    factored = property(lambda self: self.layout.factored, doc="Whether the factors differ.")
+    group_sizes = property(lambda self: self.layout.group_sizes, doc="(|p|, |g|, |os|).")
+    masters = property(lambda self: self._shards.masters,
+                       doc="{unit: fp32 master} kept apart from the shards (RankShards).")
+    matrices = property(lambda self: self._shards.matrices,
+                        doc="A Matrix per whole-matrix tensor (Muon's and Shampoo's).")
+    has_grad = property(lambda self: self._grad_use.has_grad,
+                        doc="Whether each parameter has a gradient, by index (GradUse).")
+    peak_unsharded = property(lambda self: self._binding.peak_unsharded,
+                              doc="The most units unsharded at once on this rank so far.")
+    gathered_bytes = property(lambda self: self._quantized.gathered_bytes,
+                              doc="Bytes the quantized gathers moved, and the fp32 figure.")
 
     # -- user API ----------------------------------------------------------------------------
 
@@ -301,114 +157,161 @@ class ShardedModule(BuffersMixin, HooksMixin, QuantizedGatherMixin, StateMixin, 
         if self._needs_load:
             raise RuntimeError("fully_shard(init='empty'): the shards hold no values yet; load a "
                                "checkpoint (ragshard.checkpoint.load) or a state_dict first")
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+        with torch.autograd.graph.saved_tensors_hooks(self._binding.pack, self._binding.unpack):
             out = self.module(*args, **kwargs)
-        if torch.is_grad_enabled() and self._root is not None:
-            # The root's gradients are allocated before the first of them is computed.
-            self._hook_backward(self._root, out)
+        if torch.is_grad_enabled():
+            self._unit_hooks.after_root_forward(out)
         return out
 
     @contextlib.contextmanager
     def no_sync(self):
         """Gradient accumulation: backward passes inside add into the gradient buffers without
         reduce-scattering; the first backward outside reduces the accumulated sum."""
-        self._no_sync = True
+        self._unit_hooks.reduce_gradients = False
         try:
             yield
         finally:
-            self._no_sync = False
+            self._unit_hooks.reduce_gradients = True
 
     def zero_grad(self, set_to_none=True):
         """PyTorch's zero_grad: zeroes the gradient shards' optimizer ranges and the gradients
         accumulated under no_sync (outside a backward the unsharded gradients are released and
-        .grad is None). With set_to_none (the default), parameters also stop having a gradient until a backward
-        reaches them (`has_grad`), so the optimizers leave them alone; without, they keep a zero
-        gradient and are stepped with it."""
-        for ui in self._grads:
-            for p, _, _ in self._views[ui]:
-                if p.grad is not None:
-                    p.grad.zero_()
-                    if set_to_none:
-                        p.grad = None  # bound again when the next backward reaches the unit
+        .grad is None). With set_to_none (the default), parameters also stop having a gradient
+        until a backward reaches them (`has_grad`), so the optimizers leave them alone;
+        without, they keep a zero gradient and are stepped with it."""
+        self._binding.zero_grads(set_to_none)
         if self.steps:  # else the local rank that steps this memory zeroes it
             for ui in self.units():
                 # The optimizer range (the whole shard when p = g = os): another local rank may
                 # step the rest of a gradient shard it shares.
                 self.shard(ui)[1].zero_()
         if set_to_none:
-            self.has_grad = [False] * self._nparams
-            self._used = set()
+            self._grad_use.forget()
+
+    def unshard(self, ui, quantize=None):
+        """All-gathers unit `ui`; with quantize="int8" or "fp8" each rank sends its shard as
+        block-quantized codes and scales (about a quarter of the bytes) and every rank
+        dequantizes the whole unit into the unsharded buffer."""
+        self._gathers.gather(ui, quantize)
+
+    def all_reduce_scalar(self, value):
+        """The sum over ranks of one float per rank (through the scalar unit's reduce-scatter:
+        every element of this rank's gradient holds `value`, so every element of the reduced
+        shard holds the sum)."""
+        return self._control.all_reduce_scalar(value)
+
+    def clip_grad_norm_(self, max_norm):
+        """Clips the gradient shards by the global norm over all shards; returns that norm
+        (ModuleState.clip_grad_norm_)."""
+        return self._state.clip_grad_norm_(max_norm)
+
+    def state_dict(self, *args, **kwargs):
+        """The full state dict for export (save_pretrained, torch.save), as FSDP2's
+        get_model_state_dict with full_state_dict=True and cpu_offload=True gives it: a
+        collective (every rank calls it; one unit unsharded at a time), after which rank 0 holds
+        every parameter as an fp32 CPU tensor under each of its names in the module's own
+        state_dict (tied aliases too) and the persistent buffers, and the other ranks hold
+        nothing ({}), not a copy of the whole model."""
+        return self._state.state_dict()
+
+    def load_state_dict(self, state_dict, strict=True, assign=False):
+        """Loads a plain (unsharded) state_dict, as `state_dict()` returns or torch.save of the
+        plain model holds: each rank copies its pieces of every parameter into its optimizer
+        range (and fp32 masters), and the buffers whole; with separate factors the update
+        gather then fills the rest of each parameter shard. Every rank calls it. Returns
+        (missing_keys, unexpected_keys), as torch's."""
+        if assign:
+            raise ValueError("load_state_dict: assign=True is not supported (the parameters "
+                             "live in the daemon's buffers)")
+        self.wait_for_checkpoint_write()
+        keys, complete = self._state.load_state_dict(state_dict, strict)
+        if complete:
+            self.mark_loaded()
+        return keys
+
+    def full_state(self, rank0_only=False):
+        """{name: fp32 tensor} of every parameter, unsharded (one all-gather per unit, one unit
+        at a time; every rank calls it). The values are those the forward computes with: with
+        param_dtype bf16, the bf16 rounding of the fp32 masters. `rank0_only`: the other ranks
+        keep nothing and get {}."""
+        return self._state.full_state(rank0_only)
+
+    def mark_loaded(self):
+        """Every parameter has its values (a checkpoint or state_dict loaded): a module made
+        with init="empty" may run from now on."""
+        self._needs_load = False
+
+    def wait_for_checkpoint_write(self):
+        """Waits until an asynchronous checkpoint save has written this rank's part: the
+        shards, masters and optimizer state must not change before (the optimizers' step calls
+        it). Raises the save's error if it failed."""
+        handle = self.checkpoint_writing
+        if handle is not None:
+            self.checkpoint_writing = None
+            handle.wait_written()
+
+    # -- the optimizers' and checkpoints' interface (RankShards) -------------------------------
 
     def pieces(self, ui):
         """The parameters' pieces in this rank's optimizer range of unit `ui` (Piece: parameter
         index, elements [lo, hi) of the range, whether a matrix)."""
-        return self._pieces[ui]
+        return self._shards.pieces(ui)
 
     def shard(self, ui):
         """This rank's optimizer range of unit `ui`: its parameters (fp32 or bf16, in the
         parameter shard) and its fp32 gradients (in the gradient shard). With p = g = os that is
         the whole of both shards."""
-        (at_p, at_g), n = self.os_at[ui], self.os_elems[ui]
-        return (tensor_of(self.client.param_shard(ui), self.param_dtype)[at_p:at_p + n],
-                as_tensor(self.client.grad_shard(ui))[at_g:at_g + n])
+        return self._shards.shard(ui)
 
     def master_of(self, ui):
         """The fp32 master of this rank's optimizer range of unit `ui` where the module keeps
         one apart from the shard (bf16 parameters, quantized gathers), else None."""
-        m = self.masters.get(ui)
-        if m is None or m.numel() == self.os_elems[ui]:
-            return m
-        at_p = self.os_at[ui][0]  # a master of the whole parameter shard (quantized gathers)
-        return m[at_p:at_p + self.os_elems[ui]]
+        return self._shards.master_of(ui)
 
     def gather_updates(self):
         """AMSP's update gather after an optimizer step (or a load) with separate factors: each
         rank's optimizer range reaches every parameter shard that holds it. Every rank calls
         it; nothing runs when p = g = os."""
-        if not self.factored:
-            return
-        handles = [self.client.update_gather(ui) for ui in self.units()]
-        for h in handles:
-            h.wait()
-        for ui in self._q:
-            # Quantized gathers quantize the whole shard: its exact values, before any
-            # dequantized gather writes into the unsharded buffer that may map it.
-            self.masters[ui].copy_(as_tensor(self.client.param_shard(ui)))
+        self._shards.gather_updates()
 
     def units(self):
-        return range(len(self._units))
+        return self._shards.units()
 
     def unit_params(self, ui):
         """[(name, parameter)] of unit `ui`, in plan order."""
-        return self._units[ui][2]
+        return self._shards.unit_params(ui)
 
     def unit_views(self, ui):
         """[(parameter, offset, numel)] of unit `ui`: where each lies in the unit."""
-        return self._views[ui]
+        return self._shards.unit_views(ui)
 
     def param_index(self, p):
         """The index of parameter `p` in unit order (that of `has_grad` and of the pieces)."""
-        return self._index[id(p)]
+        return self._shards.param_index(p)
+
+    def is_param(self, p):
+        """True when `p` is one of the module's (sharded) parameters."""
+        return self._units.index_of(p) is not None
 
     def piece_start(self, ui, lo, index):
         """The flat element of parameter `index` at element `lo` of this rank's optimizer range
         of unit `ui`."""
-        return self.ospos * self.os_elems[ui] + lo - self._offsets[index]
+        return self._shards.piece_start(ui, lo, index)
 
     def unit_param_name(self, index):
         """The name of parameter `index` (unit order)."""
-        return self._names[index]
+        return self._units.names[index]
 
     def optimizer_state(self, owner, key, ui, numel, dtype=torch.float32):
         """The module's tensor of `numel` elements that holds state `key` of optimizer `owner`
         for unit `ui` (zeros when new). The optimizers keep their state of this rank's pieces
         here rather than in tensors of their own, so that where it lives is the module's
         choice."""
-        k = (owner, key, ui)
-        t = self._optimizer_state.get(k)
-        if t is None or t.numel() != numel or t.dtype != dtype:
-            t = self._optimizer_state[k] = torch.zeros(numel, dtype=dtype)
-        return t
+        return self._shards.optimizer_state(owner, key, ui, numel, dtype)
+
+    def optimizer_state_tensors(self):
+        """Every tensor that optimizer_state has made (what the optimizers' state occupies)."""
+        return self._shards.optimizer_state_tensors()
 
     def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
         """The wrapped module's parameters under their own names (as FSDP2, which wraps in
@@ -419,9 +322,44 @@ class ShardedModule(BuffersMixin, HooksMixin, QuantizedGatherMixin, StateMixin, 
         return self.module.named_buffers(prefix, recurse, remove_duplicate)
 
 
-def _nested(a, b):
-    """True when module a contains module b or b contains a."""
-    return any(m is b for m in a.modules()) or any(m is a for m in b.modules())
+def _check_options(param_dtype, quantize, reshard_after_forward):
+    if param_dtype not in DTYPES:
+        raise ValueError(f"param_dtype: '{param_dtype}' is not one of fp32, bf16")
+    if quantize not in (None, "int8", "fp8"):
+        raise ValueError(f"quantize: '{quantize}' is not one of None, int8, fp8")
+    if quantize and param_dtype != "fp32":
+        raise ValueError("quantize: needs param_dtype fp32 (fp32 masters, quantized gathers)")
+    if reshard_after_forward is not True and reshard_after_forward is not False and (
+            not isinstance(reshard_after_forward, int) or reshard_after_forward < 1):
+        raise ValueError(f"reshard_after_forward: {reshard_after_forward!r} is not True, "
+                         "False or a positive int")
+
+
+def _inventory(units, world, param_dtype, quantize, granule, optimizer, strategy):
+    """(the inventory fully_shard registers, the quantized units' sizes): the module's units
+    (policy_units), the two control units, and with `quantize` a byte unit per module unit,
+    which follow the plans of a pinned AMSP strategy (`strategy`, else RAGSHARD_STRATEGY)."""
+    granule = granule or (lambda name, p: "rows:128" if p.dim() >= 2 else "element")
+    optimizer = optimizer or (lambda name, p: "elementwise")
+    nparams = sum(len(params) for _, _, params in units)
+    inventory = {"units": unit_inventory(units, param_dtype, granule, optimizer) +
+                 control_inventory(world, nparams)}
+    strategy = strategy if strategy is not None else os.environ.get("RAGSHARD_STRATEGY")
+    qsizes = plan_quantized_units(inventory, len(units), world, strategy) if quantize else {}
+    return inventory, qsizes
+
+
+def _prefetch_depth(prefetch, plan):
+    """The number of units unsharded ahead of the one in use (True is 1): with the unit in use,
+    the bound on units in flight. None: policy auto's choice with the rest of the strategy,
+    else 1."""
+    if prefetch is None:
+        executed = plan.get("strategy", {}).get("executed", "")
+        prefetch = 0 if "prefetch=0" in executed.split(",") else 1
+    prefetch = int(prefetch)
+    if prefetch < 0:
+        raise ValueError(f"prefetch: {prefetch} is negative")
+    return prefetch
 
 
 def fully_shard(module, client=None, units=None, **kwargs):

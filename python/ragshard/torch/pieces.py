@@ -16,7 +16,9 @@ Piece = collections.namedtuple("Piece", "name shape index unit lo hi start matri
 
 
 def tensor_pieces(model):
-    """This rank's pieces of every parameter of `model` (a ShardedModule), in unit order."""
+    """This rank's pieces of every parameter of `model` (a ShardedModule, or its RankShards:
+    what this module reads of either is units(), unit_params, unit_views, param_index, pieces,
+    ospos and os_elems; and shard and master_of below), in unit order."""
     out = []
     for ui in model.units():
         base = model.ospos * model.os_elems[ui]

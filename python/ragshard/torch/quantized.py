@@ -51,67 +51,78 @@ def plan_quantized_units(inventory, n_units, world, strategy=None):
     return q
 
 
-class QuantizedGatherMixin:
-    """ShardedModule's quantized all-gather."""
+class QuantizedGathers:
+    """A ShardedModule's quantized all-gathers of the units that `sizes` (plan_quantized_units)
+    covers; none where it is empty (no quantize=).
 
-    def _check_quantized_units(self):
-        """Checks the job's plan against the local one and sets up the block ids and the fp32
-        masters of the quantized units."""
-        for ui, q in self._q.items():
-            if self.shard_elems[ui] != q["S"] or \
-                    self.shard_elems[q["index"]] != q["SQ"]:
+    `client`: the attached ragshard.Client; `mode`: "int8" or "fp8" (None without units);
+    `layout`: the ShardLayout; `binding`: the UnitBuffers that bind a gathered unit; `shards`:
+    the RankShards, which keep the exact fp32 master of each quantized unit's whole shard.
+    Checks the job's plan against the local one. A gather's byte-unit release is started when
+    the gather ends and waited for at the unit's next gather or in `wait_releases`.
+
+    Attribute `gathered_bytes`: {"quantized": bytes the quantized gathers moved, "full": what
+    fp32 gathers of the same units would have}."""
+
+    def __init__(self, client, mode, sizes, layout, binding, shards):
+        self._client, self.mode, self._q = client, mode, sizes
+        self._world, self._binding, self._shards = layout.world, binding, shards
+        self._started = {}  # unit -> the handles of a gather started ahead (a prefetch)
+        self._releases = {}  # unit -> the handle of its byte unit's release
+        self.gathered_bytes = {"quantized": 0, "full": 0}
+        for ui, q in sizes.items():
+            if layout.shard_elems[ui] != q["S"] or layout.shard_elems[q["index"]] != q["SQ"]:
                 raise RuntimeError(
                     f"quantize: the job's plan differs from the local plan for unit {ui} "
-                    f"(shard {self.shard_elems[ui]} vs {q['S']}); create the job with the "
+                    f"(shard {layout.shard_elems[ui]} vs {q['S']}); create the job with the "
                     "default policy (ragged) and alignment, or with policy auto and a pinned "
                     "strategy of k=1 that fully_shard knows (strategy=, or RAGSHARD_STRATEGY, "
                     "which ragshard.launch --strategy sets)")
-            ids = [quant.shard_block_ids(self.plan["units"][ui], r, q["S"])[0]
-                   for r in range(self.world)]
+            ids = [quant.shard_block_ids(layout.plan["units"][ui], r, q["S"])[0]
+                   for r in range(layout.world)]
             q["ids"] = ids
-            q["own_ids"] = ids[self.pos]
-            # The exact fp32 master of this rank's shard: the unsharded buffer's slots hold
-            # dequantized values once a quantized gather has run.
-            self.masters[ui] = as_tensor(self.client.param_shard(ui)).clone()
+            q["own_ids"] = ids[layout.pos]
+            shards.keep_whole_master(ui)
 
-    def unshard(self, ui, quantize=None):
-        """All-gathers unit `ui`; with quantize="int8" or "fp8" each rank sends its shard as
-        block-quantized codes and scales (about a quarter of the bytes) and every rank
-        dequantizes the whole unit into the unsharded buffer."""
-        q = self._q.get(ui)
-        if quantize is None or q is None:
-            if quantize is not None:
-                raise ValueError(f"unit {ui} was not set up for quantized gathers")
-            self.client.unshard(ui).wait()
-            self._bind(ui)
-            return
-        if quantize != self.quantize:
-            raise ValueError(f"quantize: this module gathers {self.quantize}, not {quantize}")
-        started = self._handles.pop(("qgather", ui), None) or self._q_start(ui)
-        self._q_finish(ui, started)
+    def covers(self, ui):
+        """True where unit `ui` is gathered quantized."""
+        return ui in self._q
 
-    def _q_start(self, ui):
-        """Starts unit `ui`'s quantized gather (at once, or as a prefetch): this rank's shard
-        quantized from its fp32 master into its slice of the byte unit, then the byte unit's
-        all-gather and the unit's unsharded buffer, both in flight. Returns their handles."""
+    def is_started(self, ui):
+        return ui in self._started
+
+    def gather(self, ui):
+        """Gathers unit `ui` (taking a gather started ahead) and binds it."""
+        started = self._started.pop(ui, None) or self._start(ui)
+        self._finish(ui, started)
+
+    def prefetch(self, ui):
+        """Starts unit `ui`'s gather ahead of its use (`gather` finishes it)."""
+        if ui not in self._started:
+            self._started[ui] = self._start(ui)
+
+    def _start(self, ui):
+        """Starts unit `ui`'s quantized gather: this rank's shard quantized from its fp32
+        master into its slice of the byte unit, then the byte unit's all-gather and the unit's
+        unsharded buffer, both in flight. Returns their handles."""
         q = self._q[ui]
-        pending = self._handles.pop(("qreshard", ui), None)
+        pending = self._releases.pop(ui, None)
         if pending is not None:
             pending.wait()  # the last gather's release of the byte unit
-        master = self.masters[ui]
+        master = self._shards.masters[ui]
         # The byte unit's shard persists: where the master has not changed since it was
         # quantized (a backward's gather after its forward's), its codes are still there. Every
         # write to the master (the optimizer's, through views, a load's) moves its version.
         if q.get("quantized") != (id(master), master.data_ptr(), master._version):
-            codes, scales = quant.quantize(master, q["own_ids"], q["B"], self.quantize)
-            mine = as_tensor(self.client.param_shard(q["index"]))
+            codes, scales = quant.quantize(master, q["own_ids"], q["B"], self.mode)
+            mine = as_tensor(self._client.param_shard(q["index"]))
             mine[:q["S"]] = codes.view(torch.uint8)
             if q["B"]:
                 mine[q["S4"]:q["S4"] + 4 * q["B"]] = scales.contiguous().view(torch.uint8)
             q["quantized"] = (id(master), master.data_ptr(), master._version)
-        return self.client.unshard(q["index"]), self.client.allocate_unsharded(ui)
+        return self._client.unshard(q["index"]), self._client.allocate_unsharded(ui)
 
-    def _q_finish(self, ui, started):
+    def _finish(self, ui, started):
         """Waits for a started quantized gather, dequantizes every rank's codes into the
         unit's unsharded buffer and binds the unit. The byte unit's release is started and
         waited for later (the daemon runs a job's operations in order): at the unit's next
@@ -119,24 +130,34 @@ class QuantizedGatherMixin:
         q, qi = self._q[ui], self._q[ui]["index"]
         for h in started:
             h.wait()
-        allq = as_tensor(self.client.unsharded(qi)).view(self.world, q["SQ"])
-        full = as_tensor(self.client.unsharded(ui))
+        allq = as_tensor(self._client.unsharded(qi)).view(self._world, q["SQ"])
+        full = as_tensor(self._client.unsharded(ui))
         s, s4, b = q["S"], q["S4"], q["B"]
         for r, ids in enumerate(q["ids"]):
             # Rank r's codes and scales where the gather put them (no copy: S4 and SQ keep the
             # scales 4-byte aligned), into rank r's slots of the unit.
             quant.dequantize(allq[r, :s], allq[r, s4:s4 + 4 * b].view(torch.float32), ids,
-                             self.quantize, out=full[r * s:(r + 1) * s])
-        self._handles[("qreshard", ui)] = self.client.reshard(qi)
-        self._bind(ui)
-        self.gathered_bytes["quantized"] += self.world * q["SQ"]
-        self.gathered_bytes["full"] += self.world * q["S"] * 4
+                             self.mode, out=full[r * s:(r + 1) * s])
+        self._releases[ui] = self._client.reshard(qi)
+        self._binding.bind(ui)
+        self.gathered_bytes["quantized"] += self._world * q["SQ"]
+        self.gathered_bytes["full"] += self._world * q["S"] * 4
 
-    def _q_drop_started(self):
-        """Quantized prefetches that no forward or backward used: waited for, and their
+    def drop_started(self):
+        """Gathers started ahead that no forward or backward used: waited for, and their
         buffers released."""
-        for key in [k for k in self._handles if k[0] == "qgather"]:
-            for h in self._handles.pop(key):
+        for ui in list(self._started):
+            for h in self._started.pop(ui):
                 h.wait()
-            self.client.reshard(self._q[key[1]]["index"]).wait()
-            self.client.reshard(key[1]).wait()
+            self._client.reshard(self._q[ui]["index"]).wait()
+            self._client.reshard(ui).wait()
+
+    def wait_releases(self):
+        """Waits for the byte units' releases started so far."""
+        for ui in list(self._releases):
+            self._releases.pop(ui).wait()
+
+    def restore_exact(self, ui):
+        """Puts the exact fp32 values back into quantized unit `ui`'s parameter shard (not the
+        last dequantized ones), for a gather of the unit's exact values."""
+        as_tensor(self._client.param_shard(ui)).copy_(self._shards.masters[ui])

@@ -134,7 +134,7 @@ class ShardedOptimizer(ModuleOptimizer):
         group = self.param_groups[gi]
         tensors = []
         for p in group["params"]:
-            index = self.model._index[id(p)]
+            index = self.model.param_index(p)
             for ui, lo, hi in self._ranges.get(index, ()):
                 piece = torch.nn.Parameter(master_of_unit(self.model, ui)[lo:hi],
                                            requires_grad=False)

@@ -1,0 +1,89 @@
+"""The two small units fully_shard registers after the module's own, and what runs through
+them: sums of one float per rank (gradient clipping's norm), and the used-parameter flags that
+decide which parameters have a gradient."""
+import torch
+
+from .views import as_tensor
+
+SCALARS = "__ragshard_scalars__"
+USED = "__ragshard_used__"
+
+
+def control_inventory(world, nparams):
+    """The inventory entries of the two units: W fp32 elements for scalar all-reductions, and
+    W x P for the used-parameter flags of P parameters (each rank's shard of the sum is the
+    count of ranks that used each parameter). `world`: W, or None where unknown (1)."""
+    world = world or 1
+    return [{"name": SCALARS, "tensors": [
+                {"name": f"{SCALARS}.norm", "shape": [world], "dtype": "fp32"}]},
+            {"name": USED, "tensors": [
+                {"name": f"{USED}.flags", "shape": [world * max(nparams, 1)],
+                 "dtype": "fp32"}]}]
+
+
+class ControlUnits:
+    """Sums over ranks through the two units, which the plan puts right after the module's
+    units (`first`: the scalar unit's index). `client`: the attached ragshard.Client;
+    `layout`: the ShardLayout; `nparams`: the module's parameters. Every rank calls each method
+    in the same order (they are collectives). Raises ValueError where the flags unit is too
+    small (registered without the world size)."""
+
+    def __init__(self, client, layout, first, nparams):
+        self._client, self._replicas = client, layout.replicas
+        self._scalar, self._flags, self._nparams = first, first + 1, nparams
+        self._flag_elems = layout.grad_elems[self._flags]
+        if self._flag_elems < nparams:
+            raise ValueError("fully_shard: the world size is needed before registering (pass "
+                             "world=, or set RAGSHARD_WORLD_SIZE)")
+
+    def _sum(self, unit, write):
+        """The reduced gradient shard of `unit` after `write`(this rank's gradient buffer):
+        its sum over every rank (replicas included)."""
+        self._client.allocate_grad(unit).wait()
+        write(as_tensor(self._client.grad(unit)))
+        self._client.reduce_scatter(unit, "sum").wait()
+        if self._replicas > 1:
+            self._client.all_reduce(unit, "sum").wait()
+        return as_tensor(self._client.grad_shard(unit))
+
+    def all_reduce_scalar(self, value):
+        """The sum over ranks of one float per rank (every element of this rank's gradient
+        holds `value`, so every element of the reduced shard holds the sum)."""
+        return float(self._sum(self._scalar, lambda g: g.fill_(float(value)))[0])
+
+    def ranks_using(self, used):
+        """For each parameter, the number of ranks whose set `used` holds its index: each rank
+        writes 1.0 for its used parameters into every rank's slot of the flags unit."""
+        def write(g):
+            slots = g.view(-1, self._flag_elems)
+            if used:
+                slots[:, list(used)] = 1.0
+        return self._sum(self._flags, write)[:self._nparams]
+
+
+class GradUse:
+    """Which parameters have a gradient, PyTorch's `.grad is not None`, the same on every rank
+    (DDP's rule for unused parameters): a parameter has one once any rank's backward reached
+    it, until zero_grad(set_to_none=True).
+
+    Attributes: `has_grad`, by parameter index (unit order), which the optimizers read; `used`,
+    the indices this rank's backward reached since the last reduction."""
+
+    def __init__(self, control, nparams):
+        self._control, self._nparams = control, nparams
+        self.forget()
+
+    def forget(self):
+        self.has_grad = [False] * self._nparams
+        self.used = set()
+
+    def mark(self, index):
+        self.used.add(index)
+
+    def reduce(self):
+        """Every rank learns which parameters any rank's backward reached since the last
+        reduction (a collective)."""
+        counts = self._control.ranks_using(self.used)
+        for i in torch.nonzero(counts > 0).flatten().tolist():
+            self.has_grad[i] = True
+        self.used = set()
