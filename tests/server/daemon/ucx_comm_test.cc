@@ -15,12 +15,14 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "server/daemon/collectives.h"
 #include "tests/server/daemon/ucx_group.h"
 
 namespace ragshard::daemon {
 namespace {
 
+using testing::Fail;
 using testing::UcxGroup;
 
 int ExitCode(pid_t pid) { return UcxGroup::ExitCode(pid); }
@@ -37,12 +39,13 @@ TEST(UcxCommTest, RingAllGatherAndReduceScatterAcrossProcesses) {
       if (absl::Status s =
               AllGather(comm, buf.data(), block, absl::Now() + absl::Seconds(20), 1 << 20);
           !s.ok()) {
-        fprintf(stderr, "rank %d: %s\n", r, s.ToString().c_str());
-        return 20;
+        return Fail(s.ToString());
       }
       for (int b = 0; b < n; ++b) {
         for (size_t i = 0; i < block; i += 61) {
-          if (buf[b * block + i] != Pattern(b, i)) return 21;
+          if (buf[b * block + i] != Pattern(b, i)) {
+            return Fail(absl::StrCat("block ", b, " byte ", i, " of ", block, " differs"));
+          }
         }
       }
     }
@@ -56,8 +59,7 @@ TEST(UcxCommTest, RingAllGatherAndReduceScatterAcrossProcesses) {
             ReduceScatter(comm, grad.data(), v1::DTYPE_BF16, count, out.data(), ReduceOp::kAvg,
                           scratch.data(), absl::Now() + absl::Seconds(20), 1 << 21);
         !s.ok()) {
-      fprintf(stderr, "rank %d: %s\n", r, s.ToString().c_str());
-      return 22;
+      return Fail(s.ToString());
     }
     for (size_t i = 0; i < count; ++i) {
       const size_t g = r * count + i;
@@ -65,11 +67,14 @@ TEST(UcxCommTest, RingAllGatherAndReduceScatterAcrossProcesses) {
       for (int k = 0; k < n; ++k)
         expect += Bf16ToFloat(FloatToBf16(static_cast<float>((g % 97) * (k + 1)) / 64.0f));
       expect /= n;
-      if (std::abs(out[i] - expect) > 1e-4) return 23;
+      if (std::abs(out[i] - expect) > 1e-4) {
+        return Fail(
+            absl::StrCat("reduce-scatter element ", i, ": ", out[i], ", expected ", expect));
+      }
     }
     return 0;
   });
-  for (pid_t pid : g.pids) EXPECT_EQ(ExitCode(pid), 0);
+  g.ExpectSucceeded();
 }
 
 TEST(UcxCommTest, PipelinedReduceScatterMatchesTheReferenceAcrossProcesses) {
@@ -79,7 +84,7 @@ TEST(UcxCommTest, PipelinedReduceScatterMatchesTheReferenceAcrossProcesses) {
   const int n = 3;
   UcxGroup g = UcxGroup::Spawn(n, [](int r, Comm& comm) {
     const size_t count = 1000003;
-    if (PiecesFor(count * 4, n) < 2) return 24;
+    if (PiecesFor(count * 4, n) < 2) return Fail("one piece per step: nothing is pipelined");
     auto value = [](int member, int input, size_t i) {
       return static_cast<float>((i * 7 + member * 13 + input * 5) % 101) * 0.125f - 6.0f;
     };
@@ -94,29 +99,31 @@ TEST(UcxCommTest, PipelinedReduceScatterMatchesTheReferenceAcrossProcesses) {
         ReduceScatter(comm, one.data(), v1::DTYPE_FP32, count, out.data(), ReduceOp::kSum,
                       scratch.data(), absl::Now() + absl::Seconds(60), 1 << 20);
     if (!s.ok()) {
-      fprintf(stderr, "rank %d: %s\n", r, s.ToString().c_str());
-      return 20;
+      return Fail(s.ToString());
     }
     for (size_t i = 0; i < count; ++i) {
       double expect = 0;
       for (int k = 0; k < n; ++k) expect += value(k, 0, r * count + i);
-      if (out[i] != static_cast<float>(expect)) return 21;
+      if (out[i] != static_cast<float>(expect)) {
+        return Fail(absl::StrCat("fp32 element ", i, ": ", out[i], ", expected ", expect));
+      }
     }
     const void* inputs[] = {a.data(), b.data()};
     s = ReduceScatter(comm, absl::MakeConstSpan(inputs), v1::DTYPE_BF16, count, out.data(),
                       ReduceOp::kSum, scratch.data(), absl::Now() + absl::Seconds(60), 1 << 21);
     if (!s.ok()) {
-      fprintf(stderr, "rank %d: %s\n", r, s.ToString().c_str());
-      return 22;
+      return Fail(s.ToString());
     }
     for (size_t i = 0; i < count; ++i) {
       double expect = 0;
       for (int k = 0; k < n; ++k) expect += value(k, 1, r * count + i) + value(k, 2, r * count + i);
-      if (out[i] != static_cast<float>(expect)) return 23;
+      if (out[i] != static_cast<float>(expect)) {
+        return Fail(absl::StrCat("bf16 pair element ", i, ": ", out[i], ", expected ", expect));
+      }
     }
     return 0;
   });
-  for (pid_t pid : g.pids) EXPECT_EQ(ExitCode(pid), 0);
+  g.ExpectSucceeded();
 }
 
 TEST(UcxCommTest, AKilledPeerIsAnErrorNamingItWithinTheDeadline) {
@@ -134,21 +141,24 @@ TEST(UcxCommTest, AKilledPeerIsAnErrorNamingItWithinTheDeadline) {
       absl::Status s =
           AllGather(comm, buf.data(), block, absl::Now() + absl::Seconds(10), iter * 8);
       if (!s.ok()) {
-        fprintf(stderr, "rank %d: %s\n", r, std::string(s.message()).c_str());
-        const bool named = std::string(s.message()).find("peer") != std::string::npos;
-        const bool in_time = absl::Now() - start < absl::Seconds(30);
-        return named && in_time ? 0 : 31;
+        if (std::string(s.message()).find("peer") == std::string::npos) {
+          return Fail("the error names no peer: " + s.ToString());
+        }
+        if (absl::Now() - start >= absl::Seconds(30)) {
+          return Fail("the error came after 30 s: " + s.ToString());
+        }
+        return 0;
       }
       if (r == 2) continue;
     }
-    return 32;  // never failed
+    return Fail("no all-gather failed though a peer was killed");
   });
   started.Spawned();
   EXPECT_TRUE(started.Await(2)) << "ranks 0 and 1 ended before their second all-gather";
   kill(g.pids[2], SIGKILL);
   EXPECT_EQ(ExitCode(g.pids[2]), 128 + SIGKILL);
-  EXPECT_EQ(ExitCode(g.pids[0]), 0);
-  EXPECT_EQ(ExitCode(g.pids[1]), 0);
+  g.pids.pop_back();  // the killed one; the survivors must have succeeded, naming the peer
+  g.ExpectSucceeded();
 }
 
 TEST(UcxCommTest, AllGatherFromAPersistentShardPlacesItWhileTheRingRuns) {
@@ -162,26 +172,28 @@ TEST(UcxCommTest, AllGatherFromAPersistentShardPlacesItWhileTheRingRuns) {
       if (absl::Status s = AllGather(comm, own.data(), buf.data(), block,
                                      absl::Now() + absl::Seconds(20), 1 << 20);
           !s.ok()) {
-        fprintf(stderr, "rank %d: %s\n", r, s.ToString().c_str());
-        return 20;
+        return Fail(s.ToString());
       }
       for (int b = 0; b < n; ++b) {
         for (size_t i = 0; i < block; ++i) {
-          if (buf[b * block + i] != Pattern(b, i)) return 21;
+          if (buf[b * block + i] != Pattern(b, i)) {
+            return Fail(absl::StrCat("block ", b, " byte ", i, " of ", block, " differs"));
+          }
         }
       }
     }
     return 0;
   });
-  for (pid_t pid : g.pids) EXPECT_EQ(ExitCode(pid), 0);
+  g.ExpectSucceeded();
 }
 
-// Exit code 0 when `s` is ABORTED and names every one of `words`.
-int AbortedNaming(int r, const absl::Status& s, std::vector<std::string> words) {
-  fprintf(stderr, "rank %d: %s\n", r, s.ToString().c_str());
-  if (s.code() != absl::StatusCode::kAborted) return 40;
+// Exit code 0 when `s` is ABORTED and names every one of `words`; else a failure saying which.
+int AbortedNaming(const absl::Status& s, const std::vector<std::string>& words) {
+  if (s.code() != absl::StatusCode::kAborted) return Fail("not ABORTED: " + s.ToString());
   for (const std::string& w : words) {
-    if (std::string(s.message()).find(w) == std::string::npos) return 41;
+    if (std::string(s.message()).find(w) == std::string::npos) {
+      return Fail("'" + w + "' not named: " + s.ToString());
+    }
   }
   return 0;
 }
@@ -197,9 +209,10 @@ TEST(UcxCommTest, MembersRunningDifferentUnitsOfEqualSizeAllFailNamingBoth) {
       const MessageStamp stamp{12, r == 0 ? 3u : 4u, MessageStamp::kAllGather, 0};
       absl::Status s =
           AllGather(comm, buf.data(), block, absl::Now() + absl::Seconds(60), stamp.Tag());
-      return AbortedNaming(r, s, {"unit 3", "unit 4"});
+      return AbortedNaming(s, {"unit 3", "unit 4"});
     });
-    for (pid_t pid : g.pids) EXPECT_EQ(ExitCode(pid), 0) << "block " << block;
+    SCOPED_TRACE(absl::StrCat("block ", block));
+    g.ExpectSucceeded();
     EXPECT_LT(absl::Now() - start, absl::Seconds(30));
   }
 }
@@ -218,9 +231,9 @@ TEST(UcxCommTest, AReduceScatterAgainstAnAllGatherIsNamedBothWays) {
                     absl::Now() + absl::Seconds(60),
                     MessageStamp{5, 1, MessageStamp::kAllGather, 0}.Tag());
     }
-    return AbortedNaming(r, s, {"reduce-scatter of unit 1", "all-gather of unit 1"});
+    return AbortedNaming(s, {"reduce-scatter of unit 1", "all-gather of unit 1"});
   });
-  for (pid_t pid : g.pids) EXPECT_EQ(ExitCode(pid), 0);
+  g.ExpectSucceeded();
 }
 
 TEST(UcxCommTest, DaemonsOfAnotherJobAreRefusedAtConnect) {
