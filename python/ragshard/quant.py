@@ -148,6 +148,17 @@ class Layout:
             return sc.view(nb, 1, 1)
         return sc.index_select(1, colmap).view(nb, 1, cols)
 
+    def _by_block(self, op, src, scales, dst, chunks, generic):
+        """dst = op(src, the scale of each element's block) (torch.div to quantize, torch.mul
+        to dequantize) over the chunks and the generic blocks, and 0 in the padding."""
+        for pos, nb, h, cols, cw, b0, tiles, colmap in chunks:
+            op(self._views(src, pos, nb, h, cols), self._cols(scales, b0, nb, tiles, colmap, cols),
+               out=self._views(dst, pos, nb, h, cols))
+        for pos, g in generic:
+            op(src[pos:pos + g.numel()], scales[g], out=dst[pos:pos + g.numel()])
+        for a, b in self.pads:
+            dst[a:b] = 0.0
+
     def quantize(self, x, blocks, kind):
         native = self._quantize_native(x, blocks, kind)
         if native is not None:
@@ -174,14 +185,7 @@ class Layout:
         scale = amax / QMAX[kind]
         scale[scale == 0] = 1.0
         y = xa  # reused as the scratch tensor of the scaled values
-        for pos, nb, h, cols, cw, b0, tiles, colmap in chunks:
-            torch.div(self._views(x, pos, nb, h, cols),
-                      self._cols(scale, b0, nb, tiles, colmap, cols),
-                      out=self._views(y, pos, nb, h, cols))
-        for pos, g in generic:
-            torch.div(x[pos:pos + g.numel()], scale[g], out=y[pos:pos + g.numel()])
-        for a, b in self.pads:
-            y[a:b] = 0.0
+        self._by_block(torch.div, x, scale, y, chunks, generic)
         return _encode_(y, kind), scale[:blocks]
 
     def _chunks_packed(self):
@@ -245,14 +249,7 @@ class Layout:
             return dst
         v = _decode_fast(codes, kind)
         dst = v if out is None else dst
-        for pos, nb, h, cols, cw, b0, tiles, colmap in chunks:
-            torch.mul(self._views(v, pos, nb, h, cols),
-                      self._cols(scales, b0, nb, tiles, colmap, cols),
-                      out=self._views(dst, pos, nb, h, cols))
-        for pos, g in generic:
-            torch.mul(v[pos:pos + g.numel()], scales[g], out=dst[pos:pos + g.numel()])
-        for a, b in self.pads:
-            dst[a:b] = 0.0
+        self._by_block(torch.mul, v, scales, dst, chunks, generic)
         return dst
 
 
