@@ -39,6 +39,8 @@ import sys
 
 import torch
 
+from example_flags import add_numbers  # beside this script
+
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -55,10 +57,7 @@ def parse(argv=None):
     p.add_argument("--top-k", type=int, default=2, help="mixtral: experts per token")
     p.add_argument("--global-batch", type=int, default=8, help="sequences per step, all ranks")
     p.add_argument("--steps", type=int, default=8, help="the schedule's length and the last step")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--clip", type=float, default=1.0)
+    add_numbers(p, lr=3e-3, warmup=2, weight_decay=0.1, clip=1.0)
     p.add_argument("--bf16", action="store_true", help="bf16 parameters, fp32 reductions")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="", help="write OUT.json (rank 0)")

@@ -32,8 +32,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_tiny import batch, bigram_chain  # noqa: E402
 import reference_optim  # noqa: E402  (beside this script)
+from example_flags import add_numbers  # noqa: E402
+from tiny_model import batch, bigram_chain  # noqa: E402
 
 CASES = ["plain", "skip-odd", "expert-unused", "expert-unused-one-rank", "eval-no-grad",
          "two-forwards", "frozen"]
@@ -100,16 +101,9 @@ def parse():
     p.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw")
     p.add_argument("--set-to-none", type=int, choices=[0, 1], default=1,
                    help="zero_grad(set_to_none=...) after each step")
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--dim", type=int, default=32)
-    p.add_argument("--heads", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=32)
-    p.add_argument("--seq", type=int, default=8)
+    add_numbers(p, steps=6, dim=32, heads=2, vocab=32, seq=8)
     p.add_argument("--batch", type=int, default=2, help="sequences per rank")
-    p.add_argument("--lr", type=float, default=1e-2)
-    p.add_argument("--muon-lr", type=float, default=0.02)
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--seed", type=int, default=0)
+    add_numbers(p, lr=1e-2, muon_lr=0.02, weight_decay=0.1, seed=0)
     p.add_argument("--reference", action="store_true", help="one process, plain PyTorch")
     p.add_argument("--world", type=int, default=0, help="W for --reference")
     p.add_argument("--reference-order", choices=["batch", "ranks"], default="batch",
