@@ -13,6 +13,7 @@
 #include "glog/logging.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "infra/status_macros.h"
 
 namespace ragshard {
 
@@ -268,22 +269,29 @@ grpc::Status GrpcPlannerClient::Retry(const std::function<grpc::Status(grpc::Cli
   }
 }
 
-// `method` names a stub method, which parentheses would break.
-// NOLINTBEGIN(bugprone-macro-parentheses)
-#define RAGSHARD_UNARY(method, req, resp)                                                         \
-  int attempts = 0;                                                                               \
-  grpc::Status st =                                                                               \
-      Retry([&](grpc::ClientContext* ctx) { return stub_->method(ctx, req, &resp); }, &attempts); \
-  (void)attempts;                                                                                 \
-  if (!st.ok()) return Wrap(st)
-// One attempt: the daemon's node calls, which repeat anyway (heartbeats, and the registration
-// they renew) or are best effort (a failure report), and must not hold its job thread.
-#define RAGSHARD_UNARY_ONCE(method, req, resp)             \
-  grpc::ClientContext ctx;                                 \
-  Prepare(&ctx);                                           \
-  const grpc::Status st = stub_->method(&ctx, req, &resp); \
-  if (!st.ok()) return Wrap(st)
-// NOLINTEND(bugprone-macro-parentheses)
+template <typename Request, typename Response>
+absl::StatusOr<Response> GrpcPlannerClient::Call(UnaryMethod<Request, Response> method,
+                                                 const Request& request,
+                                                 std::chrono::milliseconds extra) const {
+  Response response;
+  int attempts = 0;
+  const grpc::Status st = Retry(
+      [&](grpc::ClientContext* ctx) { return (stub_.get()->*method)(ctx, request, &response); },
+      &attempts, extra);
+  if (!st.ok()) return Wrap(st);
+  return response;
+}
+
+template <typename Request, typename Response>
+absl::StatusOr<Response> GrpcPlannerClient::CallOnce(UnaryMethod<Request, Response> method,
+                                                     const Request& request) const {
+  Response response;
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  const grpc::Status st = (stub_.get()->*method)(&ctx, request, &response);
+  if (!st.ok()) return Wrap(st);
+  return response;
+}
 
 absl::StatusOr<v1::Job> GrpcPlannerClient::CreateJob(const v1::CreateJobRequest& request) {
   v1::CreateJobResponse resp;
@@ -310,8 +318,8 @@ absl::StatusOr<v1::Job> GrpcPlannerClient::CreateJob(const v1::CreateJobRequest&
 }
 
 absl::StatusOr<v1::Job> GrpcPlannerClient::GetJob(const std::string& job_id) {
-  v1::GetJobResponse resp;
-  RAGSHARD_UNARY(GetJob, ForJob<v1::GetJobRequest>(job_id), resp);
+  RAGSHARD_ASSIGN_OR_RETURN(v1::GetJobResponse resp,
+                            Call(&Stub::GetJob, ForJob<v1::GetJobRequest>(job_id)));
   return resp.job();
 }
 
@@ -319,27 +327,12 @@ absl::StatusOr<std::string> GrpcPlannerClient::GetDataSecret(const std::string& 
   v1::GetJobRequest req;
   req.set_job_id(job_id);
   req.set_include_data_secret(true);
-  v1::GetJobResponse resp;
-  RAGSHARD_UNARY(GetJob, req, resp);
+  RAGSHARD_ASSIGN_OR_RETURN(v1::GetJobResponse resp, Call(&Stub::GetJob, req));
   if (resp.job().data_secret().empty()) {
     return absl::FailedPreconditionError(
         absl::StrCat("the planner gave job '", job_id, "' no data-plane secret"));
   }
   return resp.job().data_secret();
-}
-
-absl::StatusOr<v1::ListJobsResponse> GrpcPlannerClient::ListJobsPage(
-    const v1::ListJobsRequest& request) {
-  v1::ListJobsResponse resp;
-  RAGSHARD_UNARY(ListJobs, request, resp);
-  return resp;
-}
-
-absl::StatusOr<v1::ListRanksResponse> GrpcPlannerClient::ListRanksPage(
-    const v1::ListRanksRequest& request) {
-  v1::ListRanksResponse resp;
-  RAGSHARD_UNARY(ListRanks, request, resp);
-  return resp;
 }
 
 absl::StatusOr<std::vector<v1::Job>> PlannerClient::ListJobs() {
@@ -352,6 +345,11 @@ absl::StatusOr<std::vector<v1::Job>> PlannerClient::ListJobs() {
     req.set_page_token(page->next_page_token());
   } while (!req.page_token().empty());
   return jobs;
+}
+
+absl::StatusOr<v1::ListJobsResponse> GrpcPlannerClient::ListJobsPage(
+    const v1::ListJobsRequest& request) {
+  return Call(&Stub::ListJobs, request);
 }
 
 absl::StatusOr<std::vector<v1::RankState>> PlannerClient::ListRanks(const std::string& job_id) {
@@ -368,22 +366,24 @@ absl::StatusOr<std::vector<v1::RankState>> PlannerClient::ListRanks(const std::s
   }
 }
 
+absl::StatusOr<v1::ListRanksResponse> GrpcPlannerClient::ListRanksPage(
+    const v1::ListRanksRequest& request) {
+  return Call(&Stub::ListRanks, request);
+}
+
 absl::Status GrpcPlannerClient::DeleteJob(const std::string& job_id) {
-  v1::DeleteJobResponse resp;
-  RAGSHARD_UNARY(DeleteJob, ForJob<v1::DeleteJobRequest>(job_id), resp);
-  return absl::OkStatus();
+  return Call(&Stub::DeleteJob, ForJob<v1::DeleteJobRequest>(job_id)).status();
 }
 
 absl::StatusOr<v1::Job> GrpcPlannerClient::RegisterRank(const v1::RegisterRankRequest& request) {
-  v1::RegisterRankResponse resp;
-  RAGSHARD_UNARY(RegisterRank, request, resp);
+  RAGSHARD_ASSIGN_OR_RETURN(v1::RegisterRankResponse resp, Call(&Stub::RegisterRank, request));
   return resp.job();
 }
 
 absl::StatusOr<v1::ListJobNodesResponse> GrpcPlannerClient::ListJobNodes(
     const std::string& job_id) {
-  v1::ListJobNodesResponse resp;
-  RAGSHARD_UNARY(ListJobNodes, ForJob<v1::ListJobNodesRequest>(job_id), resp);
+  RAGSHARD_ASSIGN_OR_RETURN(v1::ListJobNodesResponse resp,
+                            Call(&Stub::ListJobNodes, ForJob<v1::ListJobNodesRequest>(job_id)));
   if (resp.run_node_size() != resp.run_first_size() ||
       resp.run_node_size() != resp.run_count_size()) {
     return absl::InternalError("ListJobNodes: the planner's runs are not of one length");
@@ -399,14 +399,14 @@ absl::StatusOr<v1::ListJobNodesResponse> GrpcPlannerClient::ListJobNodes(
 
 absl::StatusOr<v1::Job> GrpcPlannerClient::RegisterNodeRanks(
     const v1::RegisterNodeRanksRequest& request) {
-  v1::RegisterNodeRanksResponse resp;
-  RAGSHARD_UNARY(RegisterNodeRanks, request, resp);
+  RAGSHARD_ASSIGN_OR_RETURN(v1::RegisterNodeRanksResponse resp,
+                            Call(&Stub::RegisterNodeRanks, request));
   return resp.job();
 }
 
 absl::StatusOr<v1::Plan> GrpcPlannerClient::GetPlan(const std::string& job_id) {
-  v1::GetPlanResponse resp;
-  RAGSHARD_UNARY(GetPlan, ForJob<v1::GetPlanRequest>(job_id), resp);
+  RAGSHARD_ASSIGN_OR_RETURN(v1::GetPlanResponse resp,
+                            Call(&Stub::GetPlan, ForJob<v1::GetPlanRequest>(job_id)));
   return std::move(*resp.mutable_plan());
 }
 
@@ -418,21 +418,17 @@ std::unique_ptr<PlanWatch> GrpcPlannerClient::WatchPlan(const std::string& job_i
 
 absl::StatusOr<v1::RegisterNodeResponse> GrpcPlannerClient::RegisterNode(
     const v1::RegisterNodeRequest& request) {
-  v1::RegisterNodeResponse resp;
-  RAGSHARD_UNARY_ONCE(RegisterNode, request, resp);
-  return resp;
+  return CallOnce(&Stub::RegisterNode, request);
 }
 
 absl::StatusOr<v1::HeartbeatResponse> GrpcPlannerClient::Heartbeat(
     const v1::HeartbeatRequest& request) {
-  v1::HeartbeatResponse resp;
-  RAGSHARD_UNARY_ONCE(Heartbeat, request, resp);
-  return resp;
+  return CallOnce(&Stub::Heartbeat, request);
 }
 
 absl::StatusOr<std::vector<v1::Node>> GrpcPlannerClient::ListNodes() {
-  v1::ListNodesResponse resp;
-  RAGSHARD_UNARY(ListNodes, v1::ListNodesRequest(), resp);
+  RAGSHARD_ASSIGN_OR_RETURN(v1::ListNodesResponse resp,
+                            Call(&Stub::ListNodes, v1::ListNodesRequest()));
   return std::vector<v1::Node>(resp.nodes().begin(), resp.nodes().end());
 }
 
@@ -442,9 +438,7 @@ absl::Status GrpcPlannerClient::Put(const std::string& job_id, const std::string
   req.set_job_id(job_id);
   req.set_key(key);
   req.set_value(value);
-  v1::PutResponse resp;
-  RAGSHARD_UNARY(Put, req, resp);
-  return absl::OkStatus();
+  return Call(&Stub::Put, req).status();
 }
 
 absl::StatusOr<std::string> GrpcPlannerClient::Get(const std::string& job_id,
@@ -454,11 +448,7 @@ absl::StatusOr<std::string> GrpcPlannerClient::Get(const std::string& job_id,
   req.set_job_id(job_id);
   req.set_key(key);
   req.set_wait_ms(wait.count());
-  v1::GetResponse resp;
-  int attempts = 0;
-  grpc::Status st =
-      Retry([&](grpc::ClientContext* ctx) { return stub_->Get(ctx, req, &resp); }, &attempts, wait);
-  if (!st.ok()) return Wrap(st);
+  RAGSHARD_ASSIGN_OR_RETURN(v1::GetResponse resp, Call(&Stub::Get, req, wait));
   return resp.value();
 }
 
@@ -469,11 +459,7 @@ absl::StatusOr<std::vector<std::string>> GrpcPlannerClient::GetKeys(
   req.set_job_id(job_id);
   for (const std::string& key : keys) req.add_keys(key);
   req.set_wait_ms(wait.count());
-  v1::GetKeysResponse resp;
-  int attempts = 0;
-  grpc::Status st = Retry([&](grpc::ClientContext* ctx) { return stub_->GetKeys(ctx, req, &resp); },
-                          &attempts, wait);
-  if (!st.ok()) return Wrap(st);
+  RAGSHARD_ASSIGN_OR_RETURN(v1::GetKeysResponse resp, Call(&Stub::GetKeys, req, wait));
   if (resp.values_size() != req.keys_size()) {
     return absl::InternalError(absl::StrCat("the planner answered ", resp.values_size(),
                                             " values for ", req.keys_size(), " keys"));
@@ -482,9 +468,7 @@ absl::StatusOr<std::vector<std::string>> GrpcPlannerClient::GetKeys(
 }
 
 absl::Status GrpcPlannerClient::ReportFailure(const v1::ReportFailureRequest& request) {
-  v1::ReportFailureResponse resp;
-  RAGSHARD_UNARY_ONCE(ReportFailure, request, resp);
-  return absl::OkStatus();
+  return CallOnce(&Stub::ReportFailure, request).status();
 }
 
 absl::Status GrpcPlannerClient::Health() {
@@ -500,8 +484,6 @@ absl::Status GrpcPlannerClient::Health() {
   }
   return absl::OkStatus();
 }
-
-#undef RAGSHARD_UNARY
 
 v1::CreateJobRequest MakeCreateJobRequest(const JobSpec& spec) {
   v1::CreateJobRequest req;

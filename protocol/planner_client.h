@@ -176,6 +176,18 @@ class GrpcPlannerClient final : public PlannerClient {
   // window is spent; *attempts counts the attempts. `extra` lengthens each attempt's deadline.
   grpc::Status Retry(const std::function<grpc::Status(grpc::ClientContext*)>& call, int* attempts,
                      std::chrono::milliseconds extra = {}) const;
+  using Stub = v1::Planner::Stub;
+  template <typename Request, typename Response>
+  using UnaryMethod = grpc::Status (Stub::*)(grpc::ClientContext*, const Request&, Response*);
+  // A unary call of the stub's `method`, retried (Retry) with `extra` added to each attempt's
+  // deadline; its error wrapped (Wrap).
+  template <typename Request, typename Response>
+  absl::StatusOr<Response> Call(UnaryMethod<Request, Response> method, const Request& request,
+                                std::chrono::milliseconds extra = {}) const;
+  // The same in one attempt: the node calls (PlannerClientOptions::retry_window says why).
+  template <typename Request, typename Response>
+  absl::StatusOr<Response> CallOnce(UnaryMethod<Request, Response> method,
+                                    const Request& request) const;
 
   const PlannerClientOptions options_;
   const ClientSecurity security_;
