@@ -29,22 +29,10 @@ void Futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* 
 
 }  // namespace
 
-QueueMapping::QueueMapping(QueueMapping&& other) noexcept
-    : layout_(std::exchange(other.layout_, nullptr)) {}
-
-QueueMapping& QueueMapping::operator=(QueueMapping&& other) noexcept {
-  if (this != &other) {
-    this->~QueueMapping();
-    layout_ = std::exchange(other.layout_, nullptr);
-  }
-  return *this;
-}
-
-QueueMapping::~QueueMapping() {
-  if (layout_ != nullptr && ::munmap(layout_, sizeof(QueueLayout)) != 0) {
+void QueueMapping::Unmap::operator()(QueueLayout* layout) const {
+  if (::munmap(layout, sizeof(QueueLayout)) != 0) {
     LOG(WARNING) << "munmap of a command queue: " << std::strerror(errno);
   }
-  layout_ = nullptr;
 }
 
 absl::StatusOr<QueueMapping> QueueMapping::Map(int fd) {

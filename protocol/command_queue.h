@@ -15,6 +15,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "absl/status/status.h"
@@ -94,26 +95,25 @@ inline constexpr std::chrono::milliseconds kQueueClockPeriod{50};
 // arena (a rank that sends the id alone gets the arena alone, and stays on gRPC).
 inline constexpr char kQueueRequest[] = "queue ";
 
-// One mapping of a queue's memory (either end); unmaps on destruction. Move-only.
+// One mapping of a queue's memory (either end); unmaps on destruction (logging a failure).
+// Move-only.
 class QueueMapping {
  public:
   QueueMapping() = default;
-  QueueMapping(QueueMapping&& other) noexcept;
-  QueueMapping& operator=(QueueMapping&& other) noexcept;
-  QueueMapping(const QueueMapping&) = delete;
-  QueueMapping& operator=(const QueueMapping&) = delete;
-  ~QueueMapping();
 
-  QueueLayout* get() const { return layout_; }
-  QueueLayout* operator->() const { return layout_; }
+  QueueLayout* get() const { return layout_.get(); }
+  QueueLayout* operator->() const { return layout_.get(); }
 
   // Maps the queue in memfd `fd`, checking its size and header (INVALID_ARGUMENT names what is
   // wrong: a daemon of another version, or not a queue).
   static absl::StatusOr<QueueMapping> Map(int fd);
 
  private:
+  struct Unmap {
+    void operator()(QueueLayout* layout) const;
+  };
   explicit QueueMapping(QueueLayout* layout) : layout_(layout) {}
-  QueueLayout* layout_ = nullptr;
+  std::unique_ptr<QueueLayout, Unmap> layout_;
 };
 
 // A memfd of `bytes` whose size is sealed (F_SEAL_SHRINK, F_SEAL_GROW, F_SEAL_SEAL): a process
