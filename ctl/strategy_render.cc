@@ -53,6 +53,20 @@ json EvalJson(const Evaluation& e, const ClusterProfile& p) {
   return j;
 }
 
+// A unit's traffic of each kind, as "<kind>_bytes" and "<kind>_seconds" in its JSON.
+struct UnitTraffic {
+  const char* kind;
+  double UnitCost::*bytes;
+  double UnitCost::*seconds;
+};
+constexpr UnitTraffic kUnitTraffic[] = {
+    {"all_gather", &UnitCost::ag_bytes, &UnitCost::ag_seconds},
+    {"reduce_scatter", &UnitCost::rs_bytes, &UnitCost::rs_seconds},
+    {"all_reduce", &UnitCost::ar_bytes, &UnitCost::ar_seconds},
+    {"owner", &UnitCost::owner_bytes, &UnitCost::owner_seconds},
+    {"update", &UnitCost::update_bytes, &UnitCost::update_seconds},
+};
+
 }  // namespace
 
 std::string AdviceJson(const Advice& advice, const StrategyModel& model, int max_rejected) {
@@ -98,20 +112,15 @@ std::string EvaluationJson(const Evaluation& e) {
          {"memory", MemoryJson(e.memory)}};
   j["units"] = json::array();
   for (const UnitCost& c : e.units) {
-    j["units"].push_back(json{{"name", c.name},
-                              {"numel", c.numel},
-                              {"forward_seconds", c.fwd_seconds},
-                              {"backward_seconds", c.bwd_seconds},
-                              {"all_gather_bytes", c.ag_bytes},
-                              {"all_gather_seconds", c.ag_seconds},
-                              {"reduce_scatter_bytes", c.rs_bytes},
-                              {"reduce_scatter_seconds", c.rs_seconds},
-                              {"all_reduce_bytes", c.ar_bytes},
-                              {"all_reduce_seconds", c.ar_seconds},
-                              {"owner_bytes", c.owner_bytes},
-                              {"owner_seconds", c.owner_seconds},
-                              {"update_bytes", c.update_bytes},
-                              {"update_seconds", c.update_seconds}});
+    json unit{{"name", c.name},
+              {"numel", c.numel},
+              {"forward_seconds", c.fwd_seconds},
+              {"backward_seconds", c.bwd_seconds}};
+    for (const UnitTraffic& t : kUnitTraffic) {
+      unit[absl::StrCat(t.kind, "_bytes")] = c.*t.bytes;
+      unit[absl::StrCat(t.kind, "_seconds")] = c.*t.seconds;
+    }
+    j["units"].push_back(std::move(unit));
   }
   j["timeline"] = json::array();
   for (const TimelineEvent& t : e.timeline) {

@@ -7,28 +7,15 @@
 
 namespace ragshard {
 
+// Indexed by Factor, whose values are 0, 1, 2 in the order p, g, os.
 const char* FactorName(Factor f) {
-  switch (f) {
-    case Factor::kP:
-      return "p";
-    case Factor::kG:
-      return "g";
-    case Factor::kOs:
-      return "os";
-  }
-  return "?";
+  static constexpr const char* kNames[] = {"p", "g", "os"};
+  return kNames[static_cast<int>(f)];
 }
 
 const GroupShape& Sharding::shape(Factor f) const {
-  switch (f) {
-    case Factor::kP:
-      return p;
-    case Factor::kG:
-      return g;
-    case Factor::kOs:
-      break;
-  }
-  return os;
+  static constexpr GroupShape Sharding::*kShapes[] = {&Sharding::p, &Sharding::g, &Sharding::os};
+  return this->*kShapes[static_cast<int>(f)];
 }
 
 int64_t Sharding::Position(Factor f, int64_t node, int64_t local) const {
