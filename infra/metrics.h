@@ -12,6 +12,9 @@
 
 #include "absl/status/statusor.h"
 #include "prometheus/collectable.h"
+#include "prometheus/counter.h"
+#include "prometheus/family.h"
+#include "prometheus/histogram.h"
 #include "prometheus/metric_family.h"
 #include "prometheus/registry.h"
 
@@ -72,6 +75,15 @@ class ScrapeCollectable final : public prometheus::Collectable {
  private:
   std::function<std::vector<prometheus::MetricFamily>()> collect_;
 };
+
+// A counter or histogram family registered in `registry` under `name` with `help`: the figures
+// a server updates as it works. The registry owns it and outlives the reference.
+prometheus::Family<prometheus::Counter>& CounterFamily(prometheus::Registry& registry,
+                                                       const std::string& name,
+                                                       const std::string& help);
+prometheus::Family<prometheus::Histogram>& HistogramFamily(prometheus::Registry& registry,
+                                                           const std::string& name,
+                                                           const std::string& help);
 
 // A gauge family: one series per entry of `values`, labelled `label`=key (or one unlabelled
 // series under the key "" when `label` is empty).

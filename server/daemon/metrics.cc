@@ -1,50 +1,41 @@
 #include "server/daemon/metrics.h"
 
+#include <utility>
+
 #include "absl/strings/ascii.h"
+#include "infra/metrics.h"
 
 namespace ragshard::daemon {
 
 const char* ErrorCause(const absl::Status& status) {
-  switch (status.code()) {
-    case absl::StatusCode::kUnavailable:
-      return "peer_lost";
-    case absl::StatusCode::kDeadlineExceeded:
-      return "deadline";
-    case absl::StatusCode::kAborted:
-      return "aborted";
-    case absl::StatusCode::kResourceExhausted:
-      return "out_of_memory";
-    case absl::StatusCode::kPermissionDenied:
-      return "permission_denied";
-    case absl::StatusCode::kUnauthenticated:
-      return "unauthenticated";
-    case absl::StatusCode::kInvalidArgument:
-    case absl::StatusCode::kFailedPrecondition:
-    case absl::StatusCode::kNotFound:
-    case absl::StatusCode::kOutOfRange:
-      return "bad_request";
-    default:
-      return "other";
+  using Code = absl::StatusCode;
+  // Each cause and a code counted under it (metrics.h); any other code is "other".
+  static constexpr std::pair<const char*, Code> kCauses[] = {
+      {"peer_lost", Code::kUnavailable},
+      {"deadline", Code::kDeadlineExceeded},
+      {"aborted", Code::kAborted},
+      {"out_of_memory", Code::kResourceExhausted},
+      {"permission_denied", Code::kPermissionDenied},
+      {"unauthenticated", Code::kUnauthenticated},
+      {"bad_request", Code::kInvalidArgument},
+      {"bad_request", Code::kFailedPrecondition},
+      {"bad_request", Code::kNotFound},
+      {"bad_request", Code::kOutOfRange}};
+  for (const auto& [cause, code] : kCauses) {
+    if (status.code() == code) return cause;
   }
+  return "other";
 }
 
 DaemonMetrics::DaemonMetrics() : registry_(std::make_shared<prometheus::Registry>()) {
-  operations_ = &prometheus::BuildCounter()
-                     .Name("ragshard_daemon_operations_total")
-                     .Help("Operations the daemon ran, by kind and result (ok, error)")
-                     .Register(*registry_);
-  seconds_ = &prometheus::BuildHistogram()
-                  .Name("ragshard_daemon_operation_seconds")
-                  .Help("Time an operation took on the job's thread (seconds), by kind")
-                  .Register(*registry_);
-  bytes_ = &prometheus::BuildCounter()
-                .Name("ragshard_daemon_sent_bytes_total")
-                .Help("Bytes sent to other daemons, by collective and transport")
-                .Register(*registry_);
-  errors_ = &prometheus::BuildCounter()
-                 .Name("ragshard_daemon_errors_total")
-                 .Help("Failed operations and attaches, by cause")
-                 .Register(*registry_);
+  operations_ = &CounterFamily(*registry_, "ragshard_daemon_operations_total",
+                               "Operations the daemon ran, by kind and result (ok, error)");
+  seconds_ = &HistogramFamily(*registry_, "ragshard_daemon_operation_seconds",
+                              "Time an operation took on the job's thread (seconds), by kind");
+  bytes_ = &CounterFamily(*registry_, "ragshard_daemon_sent_bytes_total",
+                          "Bytes sent to other daemons, by collective and transport");
+  errors_ = &CounterFamily(*registry_, "ragshard_daemon_errors_total",
+                           "Failed operations and attaches, by cause");
 }
 
 namespace {
