@@ -113,10 +113,9 @@ void CommandPoller::Remove(const std::string& id) {
   std::shared_ptr<Queue> gone;
   {
     absl::MutexLock lock(&mu_);
-    auto it = queues_.find(id);
-    if (it == queues_.end()) return;
-    gone = std::move(it->second);
-    queues_.erase(it);
+    auto entry = queues_.extract(id);
+    if (entry.empty()) return;
+    gone = std::move(entry.mapped());
     generation_.fetch_add(1);
   }
   // Out of the epoll set before its descriptor can close (the thread may still hold the queue).

@@ -149,10 +149,9 @@ void NodeDaemon::RunHeartbeats() {
       std::shared_ptr<JobRuntime> gone;
       {
         absl::MutexLock lock(&mu_);
-        auto it = jobs_.find(job);
-        if (it == jobs_.end()) continue;
-        gone = std::move(it->second);
-        jobs_.erase(it);
+        auto entry = jobs_.extract(job);
+        if (entry.empty()) continue;
+        gone = std::move(entry.mapped());
         for (auto a = attachments_.begin(); a != attachments_.end();) {
           if (a->second.job_id != job) {
             ++a;

@@ -78,6 +78,13 @@ void HostTransport::CopyToReplicas(Factor f, const std::function<char*(int)>& at
   for (int l = a; l < mesh_.local; ++l) StreamCopy(at(l) + offset, at(l % a) + offset, bytes);
 }
 
+void HostTransport::CopyGradShardsToReplicas(const std::vector<float*>& shards,
+                                             int64_t shard_elems) const {
+  CopyToReplicas(
+      Factor::kG, [&](int l) { return reinterpret_cast<char*>(shards[l]); }, 0,
+      static_cast<size_t>(shard_elems) * sizeof(float));
+}
+
 absl::Status HostTransport::AllGather(const std::vector<const char*>& shards,
                                       const std::vector<char*>& out, int64_t shard_elems,
                                       v1::DType dtype, absl::Time deadline, uint64_t tag) {
@@ -151,11 +158,7 @@ absl::Status HostTransport::ReduceScatter(const std::vector<const void*>& grads,
     const float scale = 1.0f / static_cast<float>(mesh_.local * mesh_.sharding.g.inter);
     for (int64_t e = 0; e < n; ++e) block[e] *= scale;
   }
-  if (st.ok()) {
-    CopyToReplicas(
-        Factor::kG, [&](int l) { return reinterpret_cast<char*>(out[l]); }, 0,
-        static_cast<size_t>(shard_elems) * sizeof(float));
-  }
+  if (st.ok()) CopyGradShardsToReplicas(out, shard_elems);
   return st;
 }
 
@@ -171,11 +174,7 @@ absl::Status HostTransport::AllReduce(const std::vector<float*>& shards, int64_t
   if (!s.ok()) return s.status();
   absl::Status st = AllReduceInPlace(*grad_replicas_, shards[0], static_cast<size_t>(block), op,
                                      reinterpret_cast<float*>(s->data()), deadline, tag);
-  if (st.ok()) {
-    CopyToReplicas(
-        Factor::kG, [&](int l) { return reinterpret_cast<char*>(shards[l]); }, 0,
-        static_cast<size_t>(shard_elems) * sizeof(float));
-  }
+  if (st.ok()) CopyGradShardsToReplicas(shards, shard_elems);
   return st;
 }
 

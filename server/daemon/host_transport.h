@@ -78,6 +78,8 @@ class HostTransport final : public Transport {
   // l >= A) of factor f; `at(l)` is local rank l's slot. Nothing to do in the node shape.
   void CopyToReplicas(Factor f, const std::function<char*(int)>& at, size_t offset,
                       size_t bytes) const;
+  // The reduced gradient shards (fp32, `shard_elems` each) into their replica slots of g.
+  void CopyGradShardsToReplicas(const std::vector<float*>& shards, int64_t shard_elems) const;
 
   NodeMesh mesh_;
   Pool* pool_;
