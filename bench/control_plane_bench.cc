@@ -197,6 +197,7 @@ int Run(const Options& o) {
   for (int i = 0; i < o.channels; ++i) {
     PlannerClientOptions c;
     c.address = planner.address;
+    c.security.token_file = planner.token_file;
     c.retry_window = std::chrono::milliseconds(0);  // measure; never retry
     c.rpc_timeout = std::chrono::seconds(300);
     c.decode_plans = false;

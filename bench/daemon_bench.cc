@@ -53,8 +53,15 @@ int RankMain(char** argv) {
   if (!absl::SimpleAtoi(argv[3], &rank) || !absl::SimpleAtoi(argv[5], &bytes)) return 2;
   PlannerClientOptions po;
   po.address = planner;
-  po.retry_window = std::chrono::milliseconds(0);  // measure; never retry
-  ClientOptions co;
+  po.security = ClientSecurityFromEnv();             // the parent's RAGSHARD_TOKEN_FILE
+  po.retry_window = std::chrono::milliseconds(0);    // measure; never retry
+  auto from_env = ClientOptions::FromEnvironment();  // RAGSHARD_COMMAND_QUEUE=0 measures gRPC
+  if (!from_env.ok()) {
+    std::fprintf(stderr, "rank %ld: %s\n", static_cast<long>(rank),
+                 std::string(from_env.status().message()).c_str());
+    return 2;
+  }
+  ClientOptions co = std::move(*from_env);
   co.planner = std::shared_ptr<PlannerClient>(std::move(*GrpcPlannerClient::Create(po)));
   co.daemon_socket = socket;
   co.job_id = job;
@@ -294,6 +301,7 @@ int Main(int argc, char** argv) {
   ::setenv("RAGSHARD_TOKEN_FILE", (dir + "/token").c_str(), 1);
   PlannerClientOptions po;
   po.address = address;
+  po.security.token_file = dir + "/token";
   po.retry_window = std::chrono::milliseconds(0);  // measure; never retry
   auto created = GrpcPlannerClient::Create(po);
   if (address.empty() || !created.ok()) {

@@ -83,6 +83,7 @@ std::unique_ptr<GrpcPlannerClient> Connect(const std::string& address,
                                            std::chrono::milliseconds retry) {
   PlannerClientOptions o;
   o.address = address;
+  o.security = ClientSecurityFromEnv();
   o.retry_window = retry;
   auto c = GrpcPlannerClient::Create(o);
   if (!c.ok()) {

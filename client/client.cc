@@ -16,10 +16,8 @@
 
 namespace ragshard {
 
-absl::StatusOr<std::unique_ptr<Client>> Client::Create(ClientOptions options) {
-  if (options.daemon_socket.empty()) return absl::InvalidArgumentError("daemon socket: required");
-  if (!options.planner) return absl::InvalidArgumentError("planner client: required");
-  if (options.rank < 0) return absl::InvalidArgumentError("rank: must not be negative");
+absl::StatusOr<ClientOptions> ClientOptions::FromEnvironment() {
+  ClientOptions options;
   if (const char* s = std::getenv("RAGSHARD_PEER_TIMEOUT_S"); s != nullptr) {
     double seconds = 0;
     if (!absl::SimpleAtod(s, &seconds) || !(seconds > 0) || seconds > 86400) {
@@ -35,6 +33,13 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Create(ClientOptions options) {
     }
     options.command_queue = std::string(q) == "1";
   }
+  return options;
+}
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Create(ClientOptions options) {
+  if (options.daemon_socket.empty()) return absl::InvalidArgumentError("daemon socket: required");
+  if (!options.planner) return absl::InvalidArgumentError("planner client: required");
+  if (options.rank < 0) return absl::InvalidArgumentError("rank: must not be negative");
   if (options.peer_timeout <= std::chrono::milliseconds(0)) {
     return absl::InvalidArgumentError("peer_timeout: must be positive");
   }

@@ -30,12 +30,18 @@ struct ClientOptions {
   std::string node_id;
   std::chrono::milliseconds timeout{60'000};
   // A daemon that answers nothing for this long is hung (or stopped): the rank's call fails
-  // naming it. A live daemon answers a wait at least every kWaitSlice. Env
-  // RAGSHARD_PEER_TIMEOUT_S overrides it (Client::Create).
+  // naming it. A live daemon answers a wait at least every kWaitSlice. A program's
+  // RAGSHARD_PEER_TIMEOUT_S sets it (FromEnvironment).
   std::chrono::milliseconds peer_timeout{30'000};
   // Start and wait through the shared-memory command queue the daemon offers at attach
-  // (docs/daemon.md); false, or env RAGSHARD_COMMAND_QUEUE=0, keeps every call on gRPC.
+  // (docs/daemon.md); false (a program's RAGSHARD_COMMAND_QUEUE=0) keeps every call on gRPC.
   bool command_queue = true;
+
+  // The defaults with what this process's environment sets: RAGSHARD_PEER_TIMEOUT_S (seconds in
+  // (0, 86400]) and RAGSHARD_COMMAND_QUEUE (0: gRPC only, or 1). INVALID_ARGUMENT names a
+  // variable whose value is neither. Read once where a program (or the C ABI's
+  // rs_client_create) starts: Client::Create takes its options as given.
+  static absl::StatusOr<ClientOptions> FromEnvironment();
 };
 
 class Client;

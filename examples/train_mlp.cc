@@ -67,6 +67,7 @@ int main(int argc, char** argv) {
 
   ragshard::PlannerClientOptions po;
   po.address = planner;
+  po.security = ragshard::ClientSecurityFromEnv();  // RAGSHARD_TOKEN_FILE, RAGSHARD_TLS_*
   auto pc = ragshard::GrpcPlannerClient::Create(po);
   if (!pc.ok()) return Fail(pc.status(), "planner");
   std::shared_ptr<ragshard::PlannerClient> planner_client(std::move(*pc));
@@ -78,7 +79,9 @@ int main(int argc, char** argv) {
     auto j = planner_client->CreateJob(req);
     if (!j.ok()) return Fail(j.status(), "create job");
   }
-  ragshard::ClientOptions co;
+  auto from_env = ragshard::ClientOptions::FromEnvironment();  // RAGSHARD_PEER_TIMEOUT_S, ...
+  if (!from_env.ok()) return Fail(from_env.status(), "environment");
+  ragshard::ClientOptions co = *from_env;
   co.planner = planner_client;
   co.daemon_socket = socket;
   co.job_id = job;

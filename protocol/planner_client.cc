@@ -174,11 +174,6 @@ Request ForJob(const std::string& job_id) {
 absl::StatusOr<std::unique_ptr<GrpcPlannerClient>> GrpcPlannerClient::Create(
     PlannerClientOptions options) {
   if (options.address.empty()) return absl::InvalidArgumentError("--planner: address required");
-  if (options.security.token_file.empty()) {
-    if (const char* env = std::getenv("RAGSHARD_TOKEN_FILE"); env != nullptr && *env != '\0') {
-      options.security.token_file = env;
-    }
-  }
   auto security = LoadClientSecurity(options.security);
   if (!security.ok()) return security.status();
   return std::unique_ptr<GrpcPlannerClient>(

@@ -101,10 +101,10 @@ class PlannerClient {
 
 struct PlannerClientOptions {
   std::string address;
-  // An empty token_file means RAGSHARD_TOKEN_FILE's, where that is set: every client (ranks,
-  // daemons, ragshardctl, the benchmarks) finds the planner's token the same way. The TLS fields
-  // are taken as given: the programs and the C ABI default them from the environment
-  // (ClientSecurityFromEnv), so that an explicit empty one can mean plaintext.
+  // Taken as given (an empty token_file: no token; an empty tls_ca_file: plaintext). The
+  // programs and the C ABI start from the environment (ClientSecurityFromEnv: RAGSHARD_TOKEN_FILE
+  // and the TLS variables), so that every client (ranks, daemons, ragshardctl, the benchmarks)
+  // finds the planner's token the same way.
   ClientSecurityOptions security;
   // Deadline of each unary call (Get adds its wait).
   std::chrono::milliseconds rpc_timeout{30'000};

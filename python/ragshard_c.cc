@@ -63,13 +63,15 @@ int Out(std::string value, const char** out) {
 }
 std::string Str(const char* s) { return s == nullptr ? std::string() : std::string(s); }
 
-// rs_security's fields: NULL takes the environment's (ClientSecurityFromEnv), else as given.
+// rs_security's fields: NULL takes the environment's (ClientSecurityFromEnv), else as given;
+// an empty token_file is the environment's too (ragshard_c.h).
 ClientSecurityOptions Security(const rs_security* s) {
   ClientSecurityOptions o = ClientSecurityFromEnv();
   if (s == nullptr) return o;
+  if (s->token_file != nullptr && *s->token_file != '\0') o.token_file = s->token_file;
   for (auto [field, value] :
-       {std::pair{&o.token_file, s->token_file}, std::pair{&o.tls_ca_file, s->tls_ca},
-        std::pair{&o.tls_cert_file, s->tls_cert}, std::pair{&o.tls_key_file, s->tls_key},
+       {std::pair{&o.tls_ca_file, s->tls_ca}, std::pair{&o.tls_cert_file, s->tls_cert},
+        std::pair{&o.tls_key_file, s->tls_key},
         std::pair{&o.tls_server_name, s->tls_server_name}}) {
     if (value != nullptr) *field = value;
   }
@@ -85,7 +87,7 @@ absl::StatusOr<std::shared_ptr<PlannerClient>> Planner(const char* address,
                                                        const rs_security* security) {
   PlannerClientOptions o;
   o.address = Str(address);
-  o.security = Security(security);  // an empty token_file is RAGSHARD_TOKEN_FILE's (Create)
+  o.security = Security(security);
   auto window = RetryWindowFromEnv(o.retry_window);  // RAGSHARD_PLANNER_RETRY_S, else 60 s
   if (!window.ok()) return window.status();
   o.retry_window = *window;
@@ -152,7 +154,9 @@ int rs_client_create_secure(const char* planner, const char* socket, const char*
                             int fake_device, rs_client** out) {
   auto p = Planner(planner, security);
   if (!p.ok()) return Fail(p.status());
-  ClientOptions o;
+  auto from_env = ClientOptions::FromEnvironment();  // RAGSHARD_PEER_TIMEOUT_S, _COMMAND_QUEUE
+  if (!from_env.ok()) return Fail(from_env.status());
+  ClientOptions o = std::move(*from_env);
   o.planner = std::move(*p);
   o.daemon_socket = Str(socket);
   o.job_id = Str(job);

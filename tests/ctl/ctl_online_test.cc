@@ -42,6 +42,7 @@ TEST_F(CtlOnlineTest, ShowsJobsPlansAndNodes) {
   // Register four ranks through the library.
   PlannerClientOptions o;
   o.address = p_.address;
+  o.security.token_file = p_.token_file;
   auto client = std::move(*GrpcPlannerClient::Create(o));
   auto inv = ParseInventoryJson(R"({"units": [{"name": "layers.0", "tensors": [
       {"name": "w", "shape": [512, 64], "dtype": "bf16", "optimizer": "matrix"},

@@ -46,6 +46,7 @@ class DaemonE2E : public ::testing::Test {
     ASSERT_FALSE(planner_.address.empty());
     PlannerClientOptions o;
     o.address = planner_.address;
+    o.security.token_file = planner_.token_file;
     client_ = std::shared_ptr<PlannerClient>(std::move(*GrpcPlannerClient::Create(o)));
     for (int n = 0; n < 2; ++n) StartDaemon(n);
   }

@@ -44,6 +44,7 @@ float GV(int64_t r, int64_t x) { return static_cast<float>((r * 3 + x * 5) % 29 
 std::unique_ptr<Client> Connect(const std::string& job, int rank) {
   PlannerClientOptions o;
   o.address = g_planner;
+  o.security = ClientSecurityFromEnv();  // the planner's token (testing::PlannerProcess)
   ClientOptions co;
   co.planner = std::shared_ptr<PlannerClient>(std::move(*GrpcPlannerClient::Create(o)));
   co.daemon_socket = Socket(rank / 2);
@@ -65,6 +66,7 @@ int Rank(const std::string& job, int rank, bool direct = false) {
   if (direct) {
     PlannerClientOptions o;
     o.address = g_planner;
+    o.security = ClientSecurityFromEnv();
     auto planner = GrpcPlannerClient::Create(o);
     v1::RegisterRankRequest req;
     req.set_job_id(job);

@@ -164,7 +164,8 @@ TEST_F(TlsTest, ServerTlsAndMutualTls) {
                                            F("server.key"), "--tls-client-ca", F("ca.pem")});
   ASSERT_FALSE(p.address.empty()) << testing::ReadAll(dir_.path() + "/planner.log");
 
-  ClientSecurityOptions mtls;
+  // Each client presents the planner's own token (DATA_DIR/token): what it lacks is TLS's.
+  ClientSecurityOptions mtls = TokenOnly(p.token_file);
   mtls.tls_ca_file = F("ca.pem");
   mtls.tls_cert_file = F("client.pem");
   mtls.tls_key_file = F("client.key");
@@ -172,10 +173,11 @@ TEST_F(TlsTest, ServerTlsAndMutualTls) {
   ASSERT_TRUE(good->CreateJob(Job("tls")).ok());
   EXPECT_TRUE(good->Health().ok());
 
-  ClientSecurityOptions no_cert;
+  ClientSecurityOptions no_cert = TokenOnly(p.token_file);
   no_cert.tls_ca_file = F("ca.pem");
   EXPECT_FALSE(Connect(p.address, no_cert)->ListJobs().ok());
-  EXPECT_FALSE(Connect(p.address, {})->ListJobs().ok());  // plaintext to a TLS port
+  // Plaintext to a TLS port.
+  EXPECT_FALSE(Connect(p.address, TokenOnly(p.token_file))->ListJobs().ok());
 
   Ctl ok = RunCtl(dir_, "jobs --planner " + p.address + " --tls-ca " + F("ca.pem") +
                             " --tls-cert " + F("client.pem") + " --tls-key " + F("client.key"));
@@ -188,10 +190,10 @@ TEST_F(TlsTest, ServerOnlyTls) {
       testing::PlannerProcess::Start(RAGSHARD_PLANNER_PATH, dir_.path(),
                                      {"--tls-cert", F("server.pem"), "--tls-key", F("server.key")});
   ASSERT_FALSE(p.address.empty());
-  ClientSecurityOptions tls;
+  ClientSecurityOptions tls = TokenOnly(p.token_file);  // the planner's own token
   tls.tls_ca_file = F("ca.pem");
   EXPECT_TRUE(Connect(p.address, tls)->ListJobs().ok());
-  ClientSecurityOptions wrong_ca;
+  ClientSecurityOptions wrong_ca = TokenOnly(p.token_file);
   wrong_ca.tls_ca_file = F("client.pem");  // not the CA that signed the server
   EXPECT_FALSE(Connect(p.address, wrong_ca)->ListJobs().ok());
 }

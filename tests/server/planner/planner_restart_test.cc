@@ -31,6 +31,7 @@ std::string Bytes(const v1::Plan& plan) { return DeterministicBytes(plan); }
 std::unique_ptr<GrpcPlannerClient> Connect(const std::string& address) {
   PlannerClientOptions o;
   o.address = address;
+  o.security = ClientSecurityFromEnv();  // the planner's token (testing::PlannerProcess)
   o.rpc_timeout = 20s;
   o.watch_initial_backoff = 50ms;
   o.watch_max_backoff = 200ms;
@@ -155,6 +156,7 @@ TEST(PlannerRestartTest, CallsRideThroughARestartAndSayHowLongTheyTried) {
   const std::string listen = p.address;
   PlannerClientOptions o;
   o.address = listen;
+  o.security.token_file = p.token_file;
   o.retry_window = 120s;
   auto client = std::move(*GrpcPlannerClient::Create(o));
   v1::CreateJobRequest create;
