@@ -31,6 +31,7 @@
 #include "server/daemon/metrics.h"
 #include "server/daemon/node_registration.h"
 #include "server/daemon/pool.h"
+#include "server/daemon/ucx_comm.h"
 
 namespace ragshard::daemon {
 
@@ -61,6 +62,8 @@ struct DaemonOptions {
   std::string metrics_listen;
   // The command-queue poller's spin after a rank's last command (CommandPoller::Options).
   std::chrono::microseconds queue_spin{0};
+  // How long a job's UCX worker polls before it sleeps (UcxWorker::Create).
+  std::chrono::microseconds ucx_spin = kUcxDefaultSpin;
 };
 
 class JobRuntime;

@@ -86,7 +86,8 @@ absl::StatusOr<std::shared_ptr<JobRuntime>> NodeDaemon::SetUpJob(const std::stri
     // secret the planner hands its daemons over the authenticated control channel.
     auto secret = planner_->GetDataSecret(job_id);
     if (!secret.ok()) return secret.status();
-    auto w = UcxWorker::Create(options_.data_host, 0, DataPlaneCredential(*secret, job_id));
+    auto w = UcxWorker::Create(options_.data_host, 0, DataPlaneCredential(*secret, job_id),
+                               options_.ucx_spin);
     if (!w.ok()) return w.status();
     worker = std::move(*w);
     worker->set_on_reject([metrics = metrics_](const absl::Status& why) { metrics->Error(why); });

@@ -1,8 +1,10 @@
 // ragshardd: the node daemon. Flags are defined here only.
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
+#include <string>
 #include <thread>
 
 #include "CLI/CLI.hpp"
@@ -12,6 +14,19 @@
 #include "infra/termination.h"
 #include "protocol/planner_client.h"
 #include "server/daemon/daemon.h"
+
+namespace {
+
+// A flag of microseconds in [0, 1e6] into `*spin`, whose value is the default it shows.
+void AddSpinFlag(CLI::App* app, const std::string& name, std::chrono::microseconds* spin,
+                 const std::string& help) {
+  app->add_option_function<int64_t>(
+         name, [spin](int64_t us) { *spin = std::chrono::microseconds(us); }, help)
+      ->check(CLI::Range(int64_t{0}, int64_t{1'000'000}))
+      ->default_str(std::to_string(spin->count()));
+}
+
+}  // namespace
 
 // Nothing below throws by design; a library exception (CLI11, the standard library) ends the
 // process with its message instead of std::terminate.
@@ -75,13 +90,14 @@ int main(int argc, char** argv) try {
                  "host backend: map a node's shards into unsharded buffers where they are whole "
                  "pages (docs/daemon.md); false places them by copying")
       ->capture_default_str();
-  int64_t queue_spin_us = options.queue_spin.count();
-  app.add_option("--queue-spin-us", queue_spin_us,
-                 "how long the command-queue poller keeps reading after a rank's last command "
-                 "before it sleeps (a sleeping poller is woken, which costs a thread wake-up per "
-                 "start, tens of microseconds); 0 sleeps at once (docs/daemon.md)")
-      ->check(CLI::Range(int64_t{0}, int64_t{1'000'000}))
-      ->capture_default_str();
+  AddSpinFlag(&app, "--queue-spin-us", &options.queue_spin,
+              "how long the command-queue poller keeps reading after a rank's last command "
+              "before it sleeps (a sleeping poller is woken, which costs a thread wake-up per "
+              "start, tens of microseconds); 0 sleeps at once (docs/daemon.md)");
+  options.ucx_spin = ragshard::daemon::UcxSpinFromEnvironment();  // the flag's default
+  AddSpinFlag(&app, "--ucx-spin-us", &options.ucx_spin,
+              "how long a job's UCX worker polls for the next event, yielding the core, before "
+              "it sleeps on its event fd (docs/collectives.md; env RAGSHARD_UCX_SPIN_US)");
   app.add_option("--metrics-listen", options.metrics_listen,
                  "serve Prometheus metrics on http://ADDR/metrics (HOST:PORT, or PORT on "
                  "127.0.0.1; port 0 picks one); off unless given");
@@ -96,7 +112,6 @@ int main(int argc, char** argv) try {
   }
   options.data_host = data_listen.substr(0, data_listen.rfind(':'));
   options.heartbeat_interval = std::chrono::milliseconds(heartbeat_ms);
-  options.queue_spin = std::chrono::microseconds(queue_spin_us);
   planner.rpc_timeout = std::chrono::seconds(10);
   planner.retry_window = std::chrono::milliseconds(static_cast<int64_t>(retry_s * 1000));
   auto client = ragshard::GrpcPlannerClient::Create(planner);

@@ -13,6 +13,7 @@
 
 #include <ucp/api/ucp.h>
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <set>
@@ -29,12 +30,23 @@ namespace ragshard::daemon {
 // The one place where ucs_status_t becomes a Status.
 absl::Status UcsStatus(ucs_status_t status, absl::string_view what);
 
+// How long a worker's progress polls, yielding the core, before it sleeps on its event fd
+// (docs/collectives.md: 50 us, measured).
+inline constexpr std::chrono::microseconds kUcxDefaultSpin{50};
+
+// RAGSHARD_UCX_SPIN_US (microseconds in [0, 1e6], for measuring), else kUcxDefaultSpin; another
+// value is logged and ignored. For programs to read once at their top (ragshardd's
+// --ucx-spin-us default, the benchmarks).
+std::chrono::microseconds UcxSpinFromEnvironment();
+
 class UcxWorker {
  public:
   // Listens on `ip`:`port` (0 picks a free port). A nonzero `credential` is presented and
-  // required on every connection; 0 (tests, benchmarks) checks the peer hosts only.
-  static absl::StatusOr<std::unique_ptr<UcxWorker>> Create(const std::string& ip, int port = 0,
-                                                           uint64_t credential = 0);
+  // required on every connection; 0 (tests, benchmarks) checks the peer hosts only. `spin`: how
+  // long progress polls before it sleeps.
+  static absl::StatusOr<std::unique_ptr<UcxWorker>> Create(
+      const std::string& ip, int port = 0, uint64_t credential = 0,
+      std::chrono::microseconds spin = kUcxDefaultSpin);
   ~UcxWorker();
   UcxWorker(const UcxWorker&) = delete;
   UcxWorker& operator=(const UcxWorker&) = delete;

@@ -49,15 +49,16 @@ absl::StatusOr<sockaddr_in> ParseAddress(const std::string& address) {
   return sa;
 }
 
-absl::Duration SpinFromEnvironment() {
-  int64_t us = 50;
-  if (const char* s = std::getenv("RAGSHARD_UCX_SPIN_US"); s != nullptr) {
-    if (!absl::SimpleAtoi(s, &us) || us < 0 || us > 1'000'000) {
-      LOG(WARNING) << "RAGSHARD_UCX_SPIN_US='" << s << "' is not microseconds in [0, 1e6]; 50";
-      us = 50;
-    }
+std::chrono::microseconds UcxSpinFromEnvironment() {
+  const char* s = std::getenv("RAGSHARD_UCX_SPIN_US");
+  if (s == nullptr) return kUcxDefaultSpin;
+  int64_t us = 0;
+  if (!absl::SimpleAtoi(s, &us) || us < 0 || us > 1'000'000) {
+    LOG(WARNING) << "RAGSHARD_UCX_SPIN_US='" << s << "' is not microseconds in [0, 1e6]; "
+                 << kUcxDefaultSpin.count();
+    return kUcxDefaultSpin;
   }
-  return absl::Microseconds(us);
+  return std::chrono::microseconds(us);
 }
 
 void UcxWorker::Impl::OnConnRequest(ucp_conn_request_h req, void* arg) {
@@ -115,12 +116,14 @@ void UcxWorker::Impl::OnEpError(void* arg, ucp_ep_h ep, ucs_status_t status) {
 }
 
 absl::StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(const std::string& ip, int port,
-                                                             uint64_t credential) {
+                                                             uint64_t credential,
+                                                             std::chrono::microseconds spin) {
   std::unique_ptr<UcxWorker> w(new UcxWorker());
   w->credential_ = credential;
   w->impl_ = std::make_unique<Impl>();
   Impl& impl = *w->impl_;
   impl.owner = w.get();
+  impl.spin = absl::FromChrono(spin);
   ucp_config_t* config = nullptr;
   absl::Status s = UcsStatus(ucp_config_read(nullptr, nullptr, &config), "ucp_config_read");
   if (!s.ok()) return s;

@@ -20,8 +20,6 @@ namespace ragshard::daemon {
 
 // "IPv4:port" as a socket address (ucx_worker.cc).
 absl::StatusOr<sockaddr_in> ParseAddress(const std::string& address);
-// RAGSHARD_UCX_SPIN_US, 50 us by default (ucx_worker.cc).
-absl::Duration SpinFromEnvironment();
 
 struct UcxWorker::Impl {
   UcxWorker* owner = nullptr;
@@ -29,8 +27,8 @@ struct UcxWorker::Impl {
   ucp_worker_h worker = nullptr;
   ucp_listener_h listener = nullptr;
   int efd = -1;
-  // How long Progress polls before it sleeps (env RAGSHARD_UCX_SPIN_US, for measuring).
-  absl::Duration spin = SpinFromEnvironment();
+  // How long Progress polls before it sleeps (UcxWorker::Create's `spin`).
+  absl::Duration spin = absl::FromChrono(kUcxDefaultSpin);
   std::vector<ucp_ep_h> accepted;  // server-side endpoints
   // Peers whose endpoint reported an error, by rank of the current comm.
   std::set<int> failed;
