@@ -4,9 +4,13 @@
 // busbw = algbw * (n - 1) / n for all-gather and reduce-scatter.
 #pragma once
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -57,6 +61,85 @@ inline void PrintRow(const std::string& impl, const std::string& op, int n, size
   std::printf("%s,%s,%d,%zu,%.6f,%.4f,%.4f\n", impl.c_str(), op.c_str(), n, bytes, seconds, alg,
               bus);
   std::fflush(stdout);
+}
+
+// `n` lines from `fd`, without their newlines (fewer where it ends first).
+inline std::vector<std::string> ReadLines(int fd, int n) {
+  std::vector<std::string> lines;
+  std::string cur;
+  char c;
+  while (static_cast<int>(lines.size()) < n && read(fd, &c, 1) == 1) {
+    if (c == '\n') {
+      lines.push_back(cur);
+      cur.clear();
+    } else {
+      cur.push_back(c);
+    }
+  }
+  return lines;
+}
+
+// The processes of a benchmark's group, one per member (ForkMembers).
+struct Members {
+  std::vector<pid_t> pids;
+  std::vector<int> up;  // the read end of each member's pipe to the parent
+};
+
+// Forks `n` members: member r exits with `run(r, up, down)`, `up` its pipe to the parent and
+// `down` the parent's to it. Each member first writes its address, one line, up; once all have,
+// every member gets all of them in rank order down (ReadLines(down, n)), which then closes. What
+// members write up after their address stays for the parent to read (Members::up). False when a
+// pipe cannot be made.
+inline bool ForkMembers(int n, const std::function<int(int rank, int up, int down)>& run,
+                        Members* out) {
+  std::vector<int> down(n);
+  out->up.assign(n, -1);
+  for (int r = 0; r < n; ++r) {
+    int u[2], d[2];
+    if (pipe(u) != 0 || pipe(d) != 0) return false;
+    std::fflush(stdout);
+    const pid_t pid = fork();
+    if (pid == 0) {
+      close(u[0]);
+      close(d[1]);
+      for (int q = 0; q < r; ++q) {
+        close(out->up[q]);
+        close(down[q]);
+      }
+      _exit(run(r, u[1], d[0]));
+    }
+    close(u[1]);
+    close(d[0]);
+    out->up[r] = u[0];
+    down[r] = d[1];
+    out->pids.push_back(pid);
+  }
+  std::string addresses;
+  for (int r = 0; r < n; ++r) {
+    for (const std::string& line : ReadLines(out->up[r], 1)) addresses += line + "\n";
+  }
+  bool written = true;
+  for (int r = 0; r < n; ++r) {
+    written &= write(down[r], addresses.data(), addresses.size()) >= 0;
+    close(down[r]);
+  }
+  return written;
+}
+
+// Waits for every member: 0 when each exited 0, else 1, naming each failure on stderr.
+inline int WaitMembers(const Members& members) {
+  int rc = 0;
+  for (size_t r = 0; r < members.pids.size(); ++r) {
+    int status = 0;
+    waitpid(members.pids[r], &status, 0);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+      std::fprintf(stderr, "error: member %zu failed (%s %d)\n", r,
+                   WIFEXITED(status) ? "exit" : "signal",
+                   WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status));
+      rc = 1;
+    }
+  }
+  return rc;
 }
 
 }  // namespace ragshard::bench

@@ -5,9 +5,9 @@
 // ragshard-ucx-unchecked, so that a report can measure the checks' cost side by side.
 // Prints CSV rows (bench_common.h). Members are forked processes that exchange addresses
 // through pipes; rank 0 reports the slowest member's time of each size.
-#include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstring>
 #include <iostream>
 #include <string>
@@ -138,59 +138,22 @@ int Main(int argc, char** argv) {
     Memcpy(max_bytes);
     return 0;
   }
-  std::vector<int> up(n), down(n);
-  std::vector<pid_t> pids;
-  for (int r = 0; r < n; ++r) {
-    int u[2], d[2];
-    if (pipe(u) != 0 || pipe(d) != 0) return 1;
-    pid_t pid = fork();
-    if (pid == 0) {
-      auto w = daemon::UcxWorker::Create("127.0.0.1", 0);
-      if (!w.ok()) _exit(10);
-      (*w)->AllowPeerHosts({"127.0.0.1"});
-      (*w)->set_message_checks(unchecked == 0);
-      std::string addr = (*w)->address() + "\n";
-      if (write(u[1], addr.data(), addr.size()) < 0) _exit(11);
-      std::vector<std::string> addrs;
-      std::string cur;
-      char c;
-      while (static_cast<int>(addrs.size()) < n && read(d[0], &c, 1) == 1) {
-        if (c == '\n') {
-          addrs.push_back(cur);
-          cur.clear();
-        } else {
-          cur.push_back(c);
-        }
-      }
-      auto comm = (*w)->Connect(r, addrs, absl::Now() + absl::Seconds(30));
-      if (!comm.ok()) _exit(12);
-      _exit(Member(r, n, **comm, max_bytes, unchecked ? "ragshard-ucx-unchecked" : "ragshard-ucx"));
-    }
-    close(u[1]);
-    close(d[0]);
-    up[r] = u[0];
-    down[r] = d[1];
-    pids.push_back(pid);
-  }
-  std::string all;
-  for (int r = 0; r < n; ++r) {
-    char c;
-    while (read(up[r], &c, 1) == 1) {
-      all.push_back(c);
-      if (c == '\n') break;
-    }
-  }
-  for (int r = 0; r < n; ++r) {
-    if (write(down[r], all.data(), all.size()) < 0) return 1;
-    close(down[r]);
-  }
-  int rc = 0;
-  for (pid_t pid : pids) {
-    int status = 0;
-    waitpid(pid, &status, 0);
-    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) rc = 1;
-  }
-  return rc;
+  const std::chrono::microseconds spin = daemon::UcxSpinFromEnvironment();  // as ragshardd's
+  // A member: its UCX worker's address up, its peers' down, then its rows.
+  const auto member = [&](int r, int up, int down) {
+    auto w = daemon::UcxWorker::Create("127.0.0.1", 0, 0, spin);
+    if (!w.ok()) return 10;
+    (*w)->AllowPeerHosts({"127.0.0.1"});
+    (*w)->set_message_checks(unchecked == 0);
+    const std::string addr = (*w)->address() + "\n";
+    if (write(up, addr.data(), addr.size()) < 0) return 11;
+    auto comm = (*w)->Connect(r, ReadLines(down, n), absl::Now() + absl::Seconds(30));
+    if (!comm.ok()) return 12;
+    return Member(r, n, **comm, max_bytes, unchecked ? "ragshard-ucx-unchecked" : "ragshard-ucx");
+  };
+  Members members;
+  if (!ForkMembers(n, member, &members)) return 1;
+  return WaitMembers(members);
 }
 
 }  // namespace

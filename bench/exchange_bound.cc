@@ -25,7 +25,6 @@
 // daemon_bench's rows count them), bytes the collective's full buffer, the slowest member's
 // mean. Members are forked processes that exchange their listeners' addresses (127.0.0.1, port
 // 0) through pipes with the parent, which prints the rows.
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -153,41 +152,18 @@ int Main(int argc, char** argv) {
   if (!transport.empty()) {
     if (std::string why = CheckTransport(transport); !why.empty()) return bad(why);
   }
+  // The daemon's spin (50 us), or RAGSHARD_UCX_SPIN_US's as ragshardd takes it.
+  long spin_us = 50;
+  if (const char* env = std::getenv("RAGSHARD_UCX_SPIN_US"); env != nullptr) {
+    const long us = std::atol(env);
+    if (us >= 0 && us <= 1'000'000) spin_us = us;
+  }
   const int n = static_cast<int>(members);
-  std::vector<int> up(n), down(n);
-  std::vector<pid_t> pids;
-  for (int r = 0; r < n; ++r) {
-    int u[2], d[2];
-    if (pipe(u) != 0 || pipe(d) != 0) return 1;
-    std::fflush(stdout);
-    const pid_t pid = fork();
-    if (pid == 0) {
-      close(u[0]);
-      close(d[1]);
-      for (int q = 0; q < r; ++q) {
-        close(up[q]);
-        close(down[q]);
-      }
-      _exit(RunMember(r, n, sizes, transport, u[1], d[0]));
-    }
-    close(u[1]);
-    close(d[0]);
-    up[r] = u[0];
-    down[r] = d[1];
-    pids.push_back(pid);
-  }
-  std::string ports;
-  for (int r = 0; r < n; ++r) {
-    char c;
-    while (read(up[r], &c, 1) == 1) {
-      ports.push_back(c);
-      if (c == '\n') break;
-    }
-  }
-  for (int r = 0; r < n; ++r) {
-    if (write(down[r], ports.data(), ports.size()) < 0) return 1;
-    close(down[r]);
-  }
+  const auto member = [&](int r, int up, int down) {
+    return RunMember(r, n, sizes, transport, spin_us, up, down);
+  };
+  Members forked;
+  if (!ForkMembers(n, member, &forked)) return 1;
   // Each member's lines, then the slowest member's mean of each (op, size), in order.
   std::vector<std::tuple<std::string, size_t>> order;
   std::map<std::tuple<std::string, size_t>, double> slowest;
@@ -195,8 +171,8 @@ int Main(int argc, char** argv) {
     std::string text;
     char chunk[4096];
     ssize_t got;
-    while ((got = read(up[r], chunk, sizeof(chunk))) > 0) text.append(chunk, got);
-    close(up[r]);
+    while ((got = read(forked.up[r], chunk, sizeof(chunk))) > 0) text.append(chunk, got);
+    close(forked.up[r]);
     std::stringstream ss(text);
     std::string line;
     while (std::getline(ss, line)) {
@@ -208,17 +184,7 @@ int Main(int argc, char** argv) {
       slowest[key] = std::max(slowest[key], sec);
     }
   }
-  int rc = 0;
-  for (size_t r = 0; r < pids.size(); ++r) {
-    int status = 0;
-    waitpid(pids[r], &status, 0);
-    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-      std::fprintf(stderr, "error: member %zu failed (%s %d)\n", r,
-                   WIFEXITED(status) ? "exit" : "signal",
-                   WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status));
-      rc = 1;
-    }
-  }
+  const int rc = WaitMembers(forked);
   if (rc != 0) return rc;
   const std::string impl =
       "exchange-bound-" + std::to_string(members) + "x" + std::to_string(ranks);

@@ -90,7 +90,8 @@ struct Req {
 
 class Member {
  public:
-  Member(int rank, int n, const std::string& transport) : rank_(rank), n_(n) {
+  Member(int rank, int n, const std::string& transport, long spin_us)
+      : rank_(rank), n_(n), spin_us_(spin_us) {
     ucs_status_t s = InitContext(transport, &context_);
     if (s != UCS_OK) Die("transport '" + TransportName(transport) + "': ucp_init: " + Str(s));
     ucp_worker_params_t wp{};
@@ -115,10 +116,6 @@ class Member {
     la.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
     if ((s = ucp_listener_query(listener_, &la)) != UCS_OK) Die("listener: " + Str(s));
     port_ = ntohs(reinterpret_cast<const sockaddr_in*>(&la.sockaddr)->sin_port);
-    if (const char* env = std::getenv("RAGSHARD_UCX_SPIN_US"); env != nullptr) {
-      const long us = std::atol(env);
-      if (us >= 0 && us <= 1'000'000) spin_us_ = us;
-    }
   }
 
   int port() const { return port_; }
@@ -407,7 +404,7 @@ class Member {
   ucp_listener_h listener_ = nullptr;
   int efd_ = -1;
   int port_ = 0;
-  long spin_us_ = 50;
+  const long spin_us_;
   ucs_status_t lost_ = UCS_OK;
   std::vector<ucp_ep_h> eps_, accepted_;
   std::deque<Req> reqs_;  // stable addresses for the callbacks
@@ -443,21 +440,12 @@ std::string CheckTransport(const std::string& list) {
 // One member's run: "op,bytes,seconds" lines (its mean per operation) to the pipe `up`, once
 // every size is done; its peers' ports come from the pipe `down`.
 int RunMember(int rank, int n, const std::vector<size_t>& sizes, const std::string& transport,
-              int up, int down) {
-  Member m(rank, n, transport);
+              long spin_us, int up, int down) {
+  Member m(rank, n, transport, spin_us);
   const std::string mine = std::to_string(m.port()) + "\n";
   if (write(up, mine.data(), mine.size()) < 0) return 11;
   std::vector<int> ports;
-  std::string cur;
-  char c;
-  while (static_cast<int>(ports.size()) < n && read(down, &c, 1) == 1) {
-    if (c == '\n') {
-      ports.push_back(std::atoi(cur.c_str()));
-      cur.clear();
-    } else {
-      cur.push_back(c);
-    }
-  }
+  for (const std::string& line : ReadLines(down, n)) ports.push_back(std::atoi(line.c_str()));
   close(down);
   if (static_cast<int>(ports.size()) != n) return 12;
   m.Connect(ports, transport);

@@ -14,8 +14,9 @@ namespace ragshard::bench {
 std::string CheckTransport(const std::string& list);
 
 // One member's run: "op,bytes,seconds" lines (its mean per operation) to the pipe `up`, once
-// every size is done; its peers' ports come from the pipe `down`. Returns its exit code.
+// every size is done; its peers' ports come from the pipe `down`. `spin_us`: how long its
+// progress polls before it sleeps, as the daemon's. Returns its exit code.
 int RunMember(int rank, int n, const std::vector<size_t>& sizes, const std::string& transport,
-              int up, int down);
+              long spin_us, int up, int down);
 
 }  // namespace ragshard::bench
