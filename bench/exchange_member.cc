@@ -240,14 +240,7 @@ class Member {
 
   void Close() {
     ucp_request_param_t fp{};
-    void* flush = ucp_worker_flush_nbx(worker_, &fp);
-    if (UCS_PTR_IS_PTR(flush)) {
-      const double until = Now() + 2;
-      while (ucp_request_check_status(flush) == UCS_INPROGRESS && Now() < until) {
-        ucp_worker_progress(worker_);
-      }
-      ucp_request_free(flush);
-    }
+    Finish(ucp_worker_flush_nbx(worker_, &fp), 2);
     for (ucp_ep_h ep : eps_) CloseEp(ep);
     for (ucp_ep_h ep : accepted_) CloseEp(ep);
     ucp_listener_destroy(listener_);
@@ -280,14 +273,18 @@ class Member {
     ucp_request_param_t param{};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     param.flags = UCP_EP_CLOSE_FLAG_FORCE;
-    void* req = ucp_ep_close_nbx(ep, &param);
-    if (UCS_PTR_IS_PTR(req)) {
-      const double until = Now() + 1;
-      while (ucp_request_check_status(req) == UCS_INPROGRESS && Now() < until) {
-        ucp_worker_progress(worker_);
-      }
-      ucp_request_free(req);
+    Finish(ucp_ep_close_nbx(ep, &param), 1);
+  }
+
+  // Progresses the worker until `request` (what a *_nbx call answered) completes or `seconds`
+  // pass, then frees it; nothing where the call answered a status instead.
+  void Finish(void* request, double seconds) {
+    if (!UCS_PTR_IS_PTR(request)) return;
+    const double until = Now() + seconds;
+    while (ucp_request_check_status(request) == UCS_INPROGRESS && Now() < until) {
+      ucp_worker_progress(worker_);
     }
+    ucp_request_free(request);
   }
 
   // The tag of a message: the sender in the top 16 bits (as the daemon's), an operation number
