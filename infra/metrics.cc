@@ -52,16 +52,14 @@ void MetricsEndpoint::Register(const std::weak_ptr<prometheus::Collectable>& col
   exposer_->RegisterCollectable(collectable);
 }
 
-prometheus::Family<prometheus::Counter>& CounterFamily(prometheus::Registry& registry,
-                                                       const std::string& name,
-                                                       const std::string& help) {
-  return prometheus::BuildCounter().Name(name).Help(help).Register(registry);
+prometheus::Family<prometheus::Counter>& MetricsSet::CounterFamily(const std::string& name,
+                                                                   const std::string& help) {
+  return prometheus::BuildCounter().Name(name).Help(help).Register(*registry_);
 }
 
-prometheus::Family<prometheus::Histogram>& HistogramFamily(prometheus::Registry& registry,
-                                                           const std::string& name,
-                                                           const std::string& help) {
-  return prometheus::BuildHistogram().Name(name).Help(help).Register(registry);
+prometheus::Family<prometheus::Histogram>& MetricsSet::HistogramFamily(const std::string& name,
+                                                                       const std::string& help) {
+  return prometheus::BuildHistogram().Name(name).Help(help).Register(*registry_);
 }
 
 prometheus::MetricFamily GaugeFamily(const std::string& name, const std::string& help,

@@ -60,6 +60,12 @@ class MetricsSet {
   MetricsSet() : registry_(std::make_shared<prometheus::Registry>()) {}
   ~MetricsSet() = default;
 
+  // A counter or histogram family registered under `name` with `help`; the registry owns it.
+  prometheus::Family<prometheus::Counter>& CounterFamily(const std::string& name,
+                                                         const std::string& help);
+  prometheus::Family<prometheus::Histogram>& HistogramFamily(const std::string& name,
+                                                             const std::string& help);
+
  private:
   std::shared_ptr<prometheus::Registry> registry_;
 };
@@ -75,15 +81,6 @@ class ScrapeCollectable final : public prometheus::Collectable {
  private:
   std::function<std::vector<prometheus::MetricFamily>()> collect_;
 };
-
-// A counter or histogram family registered in `registry` under `name` with `help`: the figures
-// a server updates as it works. The registry owns it and outlives the reference.
-prometheus::Family<prometheus::Counter>& CounterFamily(prometheus::Registry& registry,
-                                                       const std::string& name,
-                                                       const std::string& help);
-prometheus::Family<prometheus::Histogram>& HistogramFamily(prometheus::Registry& registry,
-                                                           const std::string& name,
-                                                           const std::string& help);
 
 // A gauge family: one series per entry of `values`, labelled `label`=key (or one unlabelled
 // series under the key "" when `label` is empty).

@@ -8,9 +8,7 @@
 #include <thread>
 
 #include "CLI/CLI.hpp"
-#include "absl/synchronization/mutex.h"
-#include "glog/logging.h"
-#include "infra/open_files.h"
+#include "infra/server_process.h"
 #include "infra/termination.h"
 #include "protocol/planner_client.h"
 #include "server/daemon/daemon.h"
@@ -31,13 +29,7 @@ void AddSpinFlag(CLI::App* app, const std::string& name, std::chrono::microsecon
 // Nothing below throws by design; a library exception (CLI11, the standard library) ends the
 // process with its message instead of std::terminate.
 int main(int argc, char** argv) try {
-  // To stderr from the first line: glog would otherwise leave a log file in /tmp for it.
-  FLAGS_logtostderr = true;
-  google::InitGoogleLogging(argv[0]);
-  // Debian's Abseil is built with mutex deadlock detection on, which records every lock order in
-  // a graph: a tenth of the planner's CPU under 2,048 heartbeats a second. The tests keep it.
-  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
-  LOG(INFO) << "open-file limit " << ragshard::RaiseOpenFileLimit();
+  ragshard::StartServerProcess(argv[0]);
   ragshard::daemon::DaemonOptions options;
   ragshard::PlannerClientOptions planner;
   // Calls that find the planner restarting retry for the window (a job set up meanwhile waits

@@ -27,15 +27,15 @@ const char* ErrorCause(const absl::Status& status) {
   return "other";
 }
 
-DaemonMetrics::DaemonMetrics() : registry_(std::make_shared<prometheus::Registry>()) {
-  operations_ = &CounterFamily(*registry_, "ragshard_daemon_operations_total",
+DaemonMetrics::DaemonMetrics() {
+  operations_ = &CounterFamily("ragshard_daemon_operations_total",
                                "Operations the daemon ran, by kind and result (ok, error)");
-  seconds_ = &HistogramFamily(*registry_, "ragshard_daemon_operation_seconds",
+  seconds_ = &HistogramFamily("ragshard_daemon_operation_seconds",
                               "Time an operation took on the job's thread (seconds), by kind");
-  bytes_ = &CounterFamily(*registry_, "ragshard_daemon_sent_bytes_total",
+  bytes_ = &CounterFamily("ragshard_daemon_sent_bytes_total",
                           "Bytes sent to other daemons, by collective and transport");
-  errors_ = &CounterFamily(*registry_, "ragshard_daemon_errors_total",
-                           "Failed operations and attaches, by cause");
+  errors_ =
+      &CounterFamily("ragshard_daemon_errors_total", "Failed operations and attaches, by cause");
 }
 
 namespace {

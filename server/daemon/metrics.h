@@ -11,10 +11,10 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
+#include "infra/metrics.h"
 #include "prometheus/counter.h"
 #include "prometheus/family.h"
 #include "prometheus/histogram.h"
-#include "prometheus/registry.h"
 #include "ragshard/v1/daemon.pb.h"
 
 namespace ragshard::daemon {
@@ -26,13 +26,9 @@ namespace ragshard::daemon {
 // FAILED_PRECONDITION, NOT_FOUND, OUT_OF_RANGE), other.
 const char* ErrorCause(const absl::Status& status);
 
-class DaemonMetrics {
+class DaemonMetrics final : public MetricsSet {
  public:
   DaemonMetrics();
-  DaemonMetrics(const DaemonMetrics&) = delete;
-  DaemonMetrics& operator=(const DaemonMetrics&) = delete;
-
-  const std::shared_ptr<prometheus::Registry>& registry() const { return registry_; }
 
   // An operation (kind: "unshard", "reduce_scatter", ...) ran for `seconds`; a failure also
   // counts as an error of its cause.
@@ -60,7 +56,6 @@ class DaemonMetrics {
   };
   static constexpr int kKinds = 32;  // OpKind values below this are kept
 
-  std::shared_ptr<prometheus::Registry> registry_;
   prometheus::Family<prometheus::Counter>* operations_ = nullptr;
   prometheus::Family<prometheus::Histogram>* seconds_ = nullptr;
   prometheus::Family<prometheus::Counter>* bytes_ = nullptr;
