@@ -30,7 +30,7 @@ start=$SECONDS
 status=0
 printf '%s\n' "${files[@]}" | xargs -P "$(nproc)" -n 1 clang-tidy -p "$build" --quiet \
     --warnings-as-errors='*' > "$log" 2>&1 || status=$?
-warnings=$(grep -cE '(warning|error): .*\[[a-z0-9.,-]+\]$' "$log" || true)
+warnings=$(grep -cE '(warning|error): .*\[[A-Za-z0-9.,-]+\]$' "$log" || true)
 echo "lint: ${warnings} finding(s) in $((SECONDS - start)) s"
 if [[ $status -ne 0 || $warnings -ne 0 ]]; then
   grep -E '(warning|error): ' "$log" | sort -u | head -100

@@ -82,6 +82,7 @@ std::optional<grpc::Status> PlannerService::RegisterOnJob(JobState& js, const Re
       return r != js.ranks.end() && r->second.inventory_sha256() == sha;
     });
   };
+  const bool has_reference = !job.inventory_sha256().empty();
   std::optional<grpc::Status> result = grpc::Status::OK;
   if (reg.ranks.back() >= job.world_size()) {
     result = ToGrpcStatus(absl::InvalidArgumentError(
@@ -96,7 +97,7 @@ std::optional<grpc::Status> PlannerService::RegisterOnJob(JobState& js, const Re
                        job.error().empty() ? "" : absl::StrCat(" (", job.error(), ")"),
                        "; registration is closed"));
     }
-  } else if (!job.inventory_sha256().empty() && sha != job.inventory_sha256()) {
+  } else if (has_reference && sha != job.inventory_sha256()) {
     const std::string who = RanksName(reg.ranks, reg.node_id);
     std::string error;
     if (full && js.inventory) {
@@ -109,7 +110,7 @@ std::optional<grpc::Status> PlannerService::RegisterOnJob(JobState& js, const Re
     job.set_error(error);
     (void)JobChanged(&js, deferred);
     result = grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, error);
-  } else if (job.inventory_sha256().empty() && !full) {
+  } else if (!has_reference && !full) {
     // Wait for the first full inventory (or the registration deadline).
     PendingHash p;
     p.ranks = reg.ranks;
@@ -120,15 +121,17 @@ std::optional<grpc::Status> PlannerService::RegisterOnJob(JobState& js, const Re
     js.pending_hash.push_back(std::move(p));
     result = std::nullopt;
   } else {
-    // The first full inventory becomes the reference, stored with the registration.
-    const bool reference = job.inventory_sha256().empty();
-    const std::string bytes = reference ? DeterministicBytes(*reg.inventory) : "";
-    absl::Status s = RecordRanks(&js, reg.ranks, reg.node_id, sha, reference ? &bytes : nullptr);
+    // The first full inventory becomes the reference, stored with the registration (a job
+    // without one gets here only with a full registration).
+    const Inventory* reference = has_reference ? nullptr : reg.inventory;
+    const std::string bytes = reference != nullptr ? DeterministicBytes(*reference) : "";
+    absl::Status s =
+        RecordRanks(&js, reg.ranks, reg.node_id, sha, reference != nullptr ? &bytes : nullptr);
     if (!s.ok()) {
       result = ToGrpcStatus(s);
     } else {
-      if (reference) {
-        js.inventory = *reg.inventory;
+      if (reference != nullptr) {
+        js.inventory = *reference;
         ResolvePendingHashes(&js, deferred);
       }
       NotifyWatchers(&js, deferred);
