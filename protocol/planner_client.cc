@@ -462,8 +462,14 @@ absl::StatusOr<std::vector<std::string>> GrpcPlannerClient::GetKeys(
   return std::vector<std::string>(resp.values().begin(), resp.values().end());
 }
 
-absl::Status GrpcPlannerClient::ReportFailure(const v1::ReportFailureRequest& request) {
-  return CallOnce(&Stub::ReportFailure, request).status();
+absl::StatusOr<v1::ReportFailureResponse> GrpcPlannerClient::ReportFailure(
+    const v1::ReportFailureRequest& request) {
+  return CallOnce(&Stub::ReportFailure, request);
+}
+
+absl::StatusOr<v1::ReportRecoveredResponse> GrpcPlannerClient::ReportRecovered(
+    const v1::ReportRecoveredRequest& request) {
+  return Call(&Stub::ReportRecovered, request);
 }
 
 absl::Status GrpcPlannerClient::Health() {

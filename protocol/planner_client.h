@@ -86,7 +86,12 @@ class PlannerClient {
   virtual absl::StatusOr<std::vector<std::string>> GetKeys(const std::string& job_id,
                                                            const std::vector<std::string>& keys,
                                                            std::chrono::milliseconds wait) = 0;
-  virtual absl::Status ReportFailure(const v1::ReportFailureRequest& request) = 0;
+  // The answer says whether the job now recovers in place (recovery_epoch > 0).
+  virtual absl::StatusOr<v1::ReportFailureResponse> ReportFailure(
+      const v1::ReportFailureRequest& request) = 0;
+  // This node's ranks of the job re-attached in the recovery epoch (docs/recovery.md).
+  virtual absl::StatusOr<v1::ReportRecoveredResponse> ReportRecovered(
+      const v1::ReportRecoveredRequest& request) = 0;
   // SERVING according to the gRPC health service.
   virtual absl::Status Health() = 0;
 
@@ -164,7 +169,10 @@ class GrpcPlannerClient final : public PlannerClient {
   absl::StatusOr<std::vector<std::string>> GetKeys(const std::string& job_id,
                                                    const std::vector<std::string>& keys,
                                                    std::chrono::milliseconds wait) override;
-  absl::Status ReportFailure(const v1::ReportFailureRequest& request) override;
+  absl::StatusOr<v1::ReportFailureResponse> ReportFailure(
+      const v1::ReportFailureRequest& request) override;
+  absl::StatusOr<v1::ReportRecoveredResponse> ReportRecovered(
+      const v1::ReportRecoveredRequest& request) override;
   absl::Status Health() override;
 
  private:

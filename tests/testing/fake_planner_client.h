@@ -4,6 +4,7 @@
 // of the planner than the test gave it.
 #pragma once
 
+#include <algorithm>
 #include <map>
 #include <string>
 #include <vector>
@@ -28,10 +29,37 @@ class FakePlannerClient final : public PlannerClient {
     return mu_.AwaitWithTimeout(absl::Condition(&reached), wait);
   }
 
-  absl::Status ReportFailure(const v1::ReportFailureRequest& request) override {
+  // With recovery on, a recoverable report answers a recovery of the epoch after the
+  // reporter's (as the planner does for a job with recovery_deadline_ms), `deadline` from now.
+  void EnableRecovery(absl::Duration deadline) {
+    absl::MutexLock lock(&mu_);
+    recovery_deadline_ = deadline;
+  }
+  // The nodes' ReportRecovered calls so far.
+  std::vector<v1::ReportRecoveredRequest> recovered() const {
+    absl::MutexLock lock(&mu_);
+    return recovered_;
+  }
+
+  absl::StatusOr<v1::ReportFailureResponse> ReportFailure(
+      const v1::ReportFailureRequest& request) override {
     absl::MutexLock lock(&mu_);
     failures_.push_back(request);
-    return absl::OkStatus();
+    v1::ReportFailureResponse resp;
+    if (request.recoverable() && recovery_deadline_ > absl::ZeroDuration()) {
+      epoch_ = std::max(epoch_, request.epoch() + 1);
+      resp.set_recovery_epoch(epoch_);
+      resp.set_recovery_deadline_unix_ms(absl::ToUnixMillis(absl::Now() + recovery_deadline_));
+    }
+    return resp;
+  }
+  absl::StatusOr<v1::ReportRecoveredResponse> ReportRecovered(
+      const v1::ReportRecoveredRequest& request) override {
+    absl::MutexLock lock(&mu_);
+    recovered_.push_back(request);
+    v1::ReportRecoveredResponse resp;
+    resp.set_status(v1::JOB_READY);
+    return resp;
   }
   absl::Status Put(const std::string& job_id, const std::string& key,
                    const std::string& value) override {
@@ -105,6 +133,9 @@ class FakePlannerClient final : public PlannerClient {
 
   mutable absl::Mutex mu_;
   std::vector<v1::ReportFailureRequest> failures_ ABSL_GUARDED_BY(mu_);
+  std::vector<v1::ReportRecoveredRequest> recovered_ ABSL_GUARDED_BY(mu_);
+  absl::Duration recovery_deadline_ ABSL_GUARDED_BY(mu_) = absl::ZeroDuration();
+  int64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<std::string, std::string> keys_ ABSL_GUARDED_BY(mu_);
 };
 
