@@ -129,6 +129,9 @@ absl::Status Client::Attach() {
   backend_ = resp.backend().empty() ? "host" : resp.backend();
   cuda_device_ = resp.cuda_device();
   cuda_ipc_handle_ = resp.cuda_ipc_handle();
+  recovery_epoch_ = resp.recovery_epoch();
+  adopted_ = resp.adopted();
+  recoverable_ = resp.recoverable();
   auto conn = ConnectUnix(options_.daemon_socket + ".fd");
   if (!conn.ok()) return conn.status();
   side_channel_ = std::move(*conn);
@@ -363,6 +366,27 @@ absl::StatusOr<v1::StatsResponse> Client::DaemonStats() {
   grpc::Status st = daemon_->Stats(&ctx, req, &resp);
   if (!st.ok()) return DaemonCallError(ctx, st, "a stats request");
   return resp;
+}
+
+absl::StatusOr<Client::StateBuffer> Client::GetStateBuffer(const std::string& name,
+                                                           int64_t bytes) {
+  if (absl::Status s = CheckHostBuffers(); !s.ok()) return s;
+  v1::StateBufferRequest req;
+  req.set_attachment_id(attachment_);
+  req.set_name(name);
+  req.set_bytes(bytes);
+  v1::StateBufferResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + options_.peer_timeout);
+  grpc::Status st = daemon_->StateBuffer(&ctx, req, &resp);
+  if (!st.ok()) return DaemonCallError(ctx, st, "a state buffer request");
+  if (resp.offset() < 0 || resp.bytes() != bytes ||
+      static_cast<uint64_t>(resp.offset() + resp.bytes()) > arena_bytes_) {
+    return absl::InternalError(absl::StrCat("the daemon answered state buffer '", name, "' at [",
+                                            resp.offset(), ", +", resp.bytes(),
+                                            ") of an arena of ", arena_bytes_, " bytes"));
+  }
+  return StateBuffer{arena_ + resp.offset(), resp.bytes(), resp.existed()};
 }
 
 absl::Status Client::NoOp() {

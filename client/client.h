@@ -172,6 +172,21 @@ class Client {
   absl::StatusOr<OpHandle> UpdateGather(int unit);
   // The daemon's pool and job counters.
   absl::StatusOr<v1::StatsResponse> DaemonStats();
+
+  // A buffer of this rank's own in the daemon's pool, kept by name for the job's life: a later
+  // process of the same rank gets it back (docs/recovery.md). `existed`: it was there before
+  // this call, with what was written into it; else its bytes are zero. Host backends only.
+  struct StateBuffer {
+    char* data = nullptr;
+    int64_t bytes = 0;
+    bool existed = false;
+  };
+  absl::StatusOr<StateBuffer> GetStateBuffer(const std::string& name, int64_t bytes);
+  // The job's recovery epoch this attachment runs in, and whether this rank's state was in the
+  // daemon before it attached (a process of this rank had attached: it adopts that state).
+  int64_t recovery_epoch() const { return recovery_epoch_; }
+  bool adopted() const { return adopted_; }
+  bool recoverable() const { return recoverable_; }
   // A round trip to the daemon that does nothing (control-path latency): through the command
   // queue when there is one, else gRPC. NoOpRpc is always gRPC, for comparison.
   absl::Status NoOp();
@@ -221,6 +236,9 @@ class Client {
   ScopedFd arena_fd_;
   std::vector<std::unique_ptr<UnshardedView>> views_;  // per unit, once it has had one
   std::unique_ptr<RankQueue> queue_;                   // after Attach, where the daemon offered one
+  int64_t recovery_epoch_ = 0;
+  bool adopted_ = false;
+  bool recoverable_ = false;
 };
 
 template <typename T>

@@ -19,10 +19,12 @@ ragshard is imported from the installed package (`pip install .`) or from the bu
 (PYTHONPATH=build/python).
 """
 import argparse
+import contextlib
 import importlib
 import json
 import os
 import resource
+import signal
 import sys
 import time
 
@@ -109,6 +111,11 @@ def parse():
     p.add_argument("--world", type=int, default=0, help="W for --reference")
     p.add_argument("--out", default="", help="write losses (JSON) and final parameters (.pt)")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--kill-at", default="", metavar="RANK:STEP:PHASE:MARK",
+                   help="fault injection for the recovery tests: rank RANK sends itself SIGKILL "
+                        "in step STEP (1-based) at PHASE (forward, backward, step: inside the "
+                        "optimizer's update, between: after zero_grad), once: only while the "
+                        "file MARK does not exist (it is created first)")
     a = p.parse_args()
     tiny_optim.check_arguments(p, a)
     try:
@@ -214,8 +221,11 @@ def sharded(args, model, chain):
     args.private_stages["fully_shard"] = private_bytes()
     opt = tiny_optim.sharded_optimizer(args, fsdp)
     from ragshard import checkpoint
-    first = 0
+    # A job that recovers lost ranks in place (ragshard-launch --max-restarts): a restarted
+    # process goes on from the last step every rank completed; its data is seeded per step.
+    first = fsdp.resume_step
     ckpt = {"save_seconds": [], "load_seconds": 0.0}
+    kill = Kill(args.kill_at, env.rank)
     if args.load_state:
         fsdp.load_state_dict(torch.load(args.load_state))
     if args.resume:
@@ -262,6 +272,9 @@ def sharded(args, model, chain):
             sync = micro == args.accum - 1
             with (fsdp.no_sync() if not sync else _null()):
                 logits = fsdp(x[rows])
+                kill.at(step, "forward")
+                if kill.armed(step, "backward"):
+                    logits.register_hook(lambda g: kill.at(step, "backward") or g)
                 loss = torch.nn.functional.cross_entropy(
                     logits.float().reshape(-1, args.vocab), y[rows].reshape(-1))
                 (loss / args.accum).backward()
@@ -270,8 +283,10 @@ def sharded(args, model, chain):
         if args.clip > 0:
             fsdp.clip_grad_norm_(args.clip)
         co = time.process_time()
-        opt.step()
+        with kill.inside_optimizer(step):
+            opt.step()
         opt.zero_grad()
+        kill.at(step, "between")
         step_seconds.append(time.time() - ts)
         step_cpu_seconds.append(time.process_time() - cs)  # this process's threads, all of them
         optimizer_cpu_seconds.append(time.process_time() - co)
@@ -328,6 +343,42 @@ def sharded(args, model, chain):
              if args.optimizer == "shampoo" else {},
              "first_step": first + 1, "checkpoint": ckpt, "optimizer_state": optimizer_state}
     return losses, state, extra
+
+
+class Kill:
+    """--kill-at: this rank's SIGKILL at one point of one step, once (the mark file)."""
+
+    def __init__(self, spec, rank):
+        self.step = self.phase = self.mark = None
+        if spec:
+            r, step, phase, mark = spec.split(":", 3)
+            if phase not in ("forward", "backward", "step", "between"):
+                raise SystemExit(f"--kill-at: phase '{phase}' is not one of forward, backward, "
+                                 "step, between")
+            if int(r) == rank:
+                self.step, self.phase, self.mark = int(step) - 1, phase, mark
+
+    def armed(self, step, phase):
+        return self.step == step and self.phase == phase and not os.path.exists(self.mark)
+
+    def at(self, step, phase):
+        if self.armed(step, phase):
+            open(self.mark, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    @contextlib.contextmanager
+    def inside_optimizer(self, step):
+        """During the optimizer step: after the first torch optimizer inside has updated its
+        pieces, before the step completes."""
+        if not self.armed(step, "step"):
+            yield
+            return
+        hook = torch.optim.optimizer.register_optimizer_step_post_hook(
+            lambda *_: self.at(step, "step"))
+        try:
+            yield
+        finally:
+            hook.remove()
 
 
 def unit_operations(client, fsdp):

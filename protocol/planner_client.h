@@ -43,6 +43,8 @@ struct JobSpec {
   std::string optimizer;
   int64_t memory_budget_bytes = 0;
   int64_t tokens_per_step = 0;
+  // > 0: a lost rank is recovered in place within this many ms (docs/recovery.md).
+  int64_t recovery_deadline_ms = 0;
 };
 v1::CreateJobRequest MakeCreateJobRequest(const JobSpec& spec);
 

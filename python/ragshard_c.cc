@@ -43,7 +43,7 @@ namespace {
 // 3: the _secure functions (TLS); version 2's functions remain. 4: rs_client_register takes
 // local_ranks (registration through the daemon). 5: rs_dequantize_chunks, rs_block_amax,
 // rs_encode_chunks.
-constexpr int kAbiVersion = 5;
+constexpr int kAbiVersion = 6;
 
 thread_local std::string last_error;
 thread_local std::string last_string;
@@ -324,6 +324,24 @@ int rs_client_noop(rs_client* c) {
   return s.ok() ? 0 : Fail(s);
 }
 
+int rs_client_state_buffer(rs_client* c, const char* name, int64_t bytes, uintptr_t* ptr,
+                           int* existed) {
+  const std::lock_guard<std::mutex> lock(c->mu);
+  if (name == nullptr) return Fail(absl::InvalidArgumentError("name: must not be NULL"));
+  auto b = c->client->GetStateBuffer(name, bytes);
+  if (!b.ok()) return Fail(b.status());
+  *ptr = reinterpret_cast<uintptr_t>(b->data);
+  *existed = b->existed ? 1 : 0;
+  return 0;
+}
+
+void rs_client_recovery(rs_client* c, int64_t* epoch, int* adopted, int* recoverable) {
+  const std::lock_guard<std::mutex> lock(c->mu);
+  *epoch = c->client->recovery_epoch();
+  *adopted = c->client->adopted() ? 1 : 0;
+  *recoverable = c->client->recoverable() ? 1 : 0;
+}
+
 int rs_client_stats(rs_client* c, const char** out) {
   const std::lock_guard<std::mutex> lock(c->mu);
   auto s = c->client->DaemonStats();
@@ -372,15 +390,18 @@ int rs_create_job(const char* planner, const char* job, int64_t shard_size, int6
                   int64_t tokens_per_step, const char** job_id) {
   const rs_security s = TokenOnly(token_file);
   return rs_create_job_secure(planner, job, shard_size, replicate_size, policy, default_granule, &s,
-                              strategy, memory_budget_bytes, optimizer, tokens_per_step, job_id);
+                              strategy, memory_budget_bytes, optimizer, tokens_per_step, 0,
+                              job_id);
 }
 
 int rs_create_job_secure(const char* planner, const char* job, int64_t shard_size,
                          int64_t replicate_size, const char* policy, const char* default_granule,
                          const rs_security* security, const char* strategy,
                          int64_t memory_budget_bytes, const char* optimizer,
-                         int64_t tokens_per_step, const char** job_id) {
+                         int64_t tokens_per_step, int64_t recovery_deadline_ms,
+                         const char** job_id) {
   JobSpec spec;
+  spec.recovery_deadline_ms = recovery_deadline_ms;
   spec.job_id = Str(job);
   spec.shard_size = shard_size;
   spec.replicate_size = replicate_size;

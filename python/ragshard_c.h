@@ -77,6 +77,14 @@ int rs_client_op(rs_client* c, int kind, int unit, int reduce, int keep, rs_hand
 int rs_client_noop(rs_client* c);
 /* The daemon's pool and this job's figures, as a JSON object. */
 int rs_client_stats(rs_client* c, const char** out);
+/* A buffer of this rank's own in the daemon's pool, kept by name for the job's life
+ * (docs/recovery.md): *existed is 1 when it was there before (a restarted process adopts it),
+ * else 0 and its bytes are zero. Host backends only. */
+int rs_client_state_buffer(rs_client* c, const char* name, int64_t bytes, uintptr_t* ptr,
+                           int* existed);
+/* The job's recovery epoch of this attachment, 1 when the rank adopted state that a previous
+ * process of it left in the daemon, and 1 when the job recovers lost ranks in place. */
+void rs_client_recovery(rs_client* c, int64_t* epoch, int* adopted, int* recoverable);
 
 int rs_handle_wait(rs_handle* h, int64_t timeout_ms);
 int rs_handle_poll(rs_handle* h, int* done);
@@ -92,7 +100,8 @@ int rs_create_job_secure(const char* planner, const char* job, int64_t shard_siz
                          int64_t replicate_size, const char* policy, const char* default_granule,
                          const rs_security* security, const char* strategy,
                          int64_t memory_budget_bytes, const char* optimizer,
-                         int64_t tokens_per_step, const char** job_id);
+                         int64_t tokens_per_step, int64_t recovery_deadline_ms,
+                         const char** job_id);
 int rs_delete_job(const char* planner, const char* job, const char* token_file);
 int rs_delete_job_secure(const char* planner, const char* job, const rs_security* security);
 // The world size of an existing job (NOT_FOUND where there is none).

@@ -10,13 +10,15 @@ __cuda_array_interface__ torch turns into CUDA tensors without a copy. Errors ra
 (a RuntimeError) with the status code's name first; a unit out of range raises IndexError and a
 bad argument ValueError.
 """
+import atexit
 import ctypes
 import enum
 import json
 import os
 import time
+import weakref
 
-ABI_VERSION = 5
+ABI_VERSION = 6
 _BAD_ARGUMENT, _OUT_OF_RANGE = -1, -2
 
 
@@ -53,6 +55,33 @@ _BUFFER_KINDS = {"param_shard": 0, "unsharded": 1, "grad": 2, "grad_shard": 3, "
 
 class Error(RuntimeError):
     """A failed call of the client library: "CODE: message" (absl's status code names)."""
+
+
+# The daemon's notice that the job is recovering in place (server/daemon/job_recovery.cc).
+RECOVERY_NOTICE = "ragshard recovery in progress"
+# A rank's exit status when its job recovers in place (EX_TEMPFAIL): ragshard-launch restarts it
+# without counting a restart, and the new process attaches to the same state (docs/recovery.md).
+RECOVERY_EXIT = 75
+
+
+class RecoveryInProgress(Error):
+    """The job is recovering in place from a lost rank: every rank's process exits
+    (RECOVERY_EXIT) and a new one attaches again, to redo the interrupted step."""
+
+
+def _recovery_exit(message):
+    """What a rank does on the daemon's recovery notice: by default it exits at once with
+    RECOVERY_EXIT (its step cannot go on, and nothing of it needs saving: the state is in the
+    daemon); RAGSHARD_RECOVERY_EXIT=raise raises RecoveryInProgress instead (tests)."""
+    if os.environ.get("RAGSHARD_RECOVERY_EXIT", "exit") == "raise":
+        raise RecoveryInProgress(message)
+    import sys
+    print(f"ragshard: {message}; exiting with {RECOVERY_EXIT} to attach again", file=sys.stderr,
+          flush=True)
+    try:
+        sys.stdout.flush()
+    finally:
+        os._exit(RECOVERY_EXIT)
 
 
 class _Security(ctypes.Structure):
@@ -96,12 +125,17 @@ def _load():
         "rs_client_op": (i32, [c_p, i32, i32, i32, i32, ctypes.POINTER(c_p)]),
         "rs_client_noop": (i32, [c_p]),
         "rs_client_stats": (i32, [c_p, out_str]),
+        "rs_client_state_buffer": (i32, [c_p, cstr, i64, ctypes.POINTER(ctypes.c_size_t),
+                                         ctypes.POINTER(i32)]),
+        "rs_client_recovery": (None, [c_p, ctypes.POINTER(i64), ctypes.POINTER(i32),
+                                      ctypes.POINTER(i32)]),
         "rs_handle_wait": (i32, [c_p, i64]),
         "rs_handle_poll": (i32, [c_p, ctypes.POINTER(i32)]),
         "rs_handle_times": (None, [c_p, ctypes.POINTER(i64), ctypes.POINTER(i64)]),
         "rs_handle_destroy": (None, [c_p]),
         "rs_create_job_secure": (i32, [cstr, cstr, i64, i64, cstr, cstr,
-                                       ctypes.POINTER(_Security), cstr, i64, cstr, i64, out_str]),
+                                       ctypes.POINTER(_Security), cstr, i64, cstr, i64, i64,
+                                       out_str]),
         "rs_delete_job_secure": (i32, [cstr, cstr, ctypes.POINTER(_Security)]),
         "rs_job_world_size_secure": (i32, [cstr, cstr, ctypes.POINTER(_Security),
                                            ctypes.POINTER(i64)]),
@@ -138,6 +172,8 @@ def _check(code):
         raise ValueError(message)
     if code == _OUT_OF_RANGE:
         raise IndexError(message)
+    if RECOVERY_NOTICE in message:
+        _recovery_exit(message)
     raise Error(message)
 
 
@@ -261,6 +297,7 @@ class Client(_NoCopy):
                                             int(timeout_ms), ctypes.byref(security),
                                             int(device_memory == "fake"), ctypes.byref(c)))
         self._c = c
+        _OPEN.add(self)
         # (unit, kind) -> {(address, count, typestr): the array over it}: a buffer the daemon
         # places at an address it had before is the same memory, and its array is reused (a
         # unit's unsharded buffer usually alternates between two places, forward and backward).
@@ -270,6 +307,12 @@ class Client(_NoCopy):
         self.trace = None
 
     def __del__(self):
+        self.close()
+
+    def close(self):
+        """Detaches from the daemon (a rank that leaves, rather than one lost: in a job that
+        recovers in place only a lost process starts a recovery). Also at the interpreter's
+        exit, for every client still open."""
         if getattr(self, "_c", None):
             _lib.rs_client_destroy(self._c)
             self._c = None
@@ -395,17 +438,55 @@ class Client(_NoCopy):
     def stats(self):
         return json.loads(_string(_lib.rs_client_stats, self._c))
 
+    def state_buffer(self, name, nbytes):
+        """(a uint8 numpy array over a buffer of this rank's own in the daemon's pool, whether
+        it existed): kept by `name` for the job's life, so that a restarted process of this rank
+        gets it back with what was written (docs/recovery.md); a new one is zeros."""
+        import numpy as np
+        ptr, existed = ctypes.c_size_t(), ctypes.c_int()
+        _check(_lib.rs_client_state_buffer(self._c, _b(name), int(nbytes), ctypes.byref(ptr),
+                                           ctypes.byref(existed)))
+        return np.asarray(_HostView(self, ptr.value, int(nbytes), "|u1")), bool(existed.value)
+
+    def _recovery(self):
+        epoch, adopted, recoverable = ctypes.c_int64(), ctypes.c_int(), ctypes.c_int()
+        _lib.rs_client_recovery(self._c, ctypes.byref(epoch), ctypes.byref(adopted),
+                                ctypes.byref(recoverable))
+        return epoch.value, bool(adopted.value), bool(recoverable.value)
+
+    recovery_epoch = property(lambda self: self._recovery()[0],
+                              doc="The job's recovery epoch this attachment runs in.")
+    adopted = property(lambda self: self._recovery()[1],
+                       doc="Whether this rank adopted the state a previous process of it left "
+                           "in the daemon (a recovery in place): its shards hold trained "
+                           "values, not to be initialized again.")
+    recoverable = property(lambda self: self._recovery()[2],
+                           doc="Whether the job recovers lost rank processes in place.")
+
+
+_OPEN = weakref.WeakSet()  # the clients not yet closed
+
+
+@atexit.register
+def _close_open_clients():
+    for client in list(_OPEN):
+        client.close()
+
 
 def create_job(planner, job, shard_size, replicate_size=1, policy="ragged", default_granule="",
                token_file="", strategy="", memory_budget_bytes=0, optimizer="",
                tokens_per_step=0, tls_ca=None, tls_cert=None, tls_key=None,
-               tls_server_name=None):
+               tls_server_name=None, recovery_deadline_ms=0):
     """Creates a job (ALREADY_EXISTS is an error too: the caller decides); returns its id. The
-    token and TLS options are Client's."""
+    token and TLS options are Client's. `recovery_deadline_ms` > 0: a lost rank process is
+    recovered in place within that many ms (docs/recovery.md)."""
+    if int(recovery_deadline_ms) < 0:
+        raise ValueError(f"recovery_deadline_ms: {recovery_deadline_ms} must not be negative")
     security = _security(token_file, tls_ca, tls_cert, tls_key, tls_server_name)
     return _string(_lib.rs_create_job_secure, _b(planner), _b(job), int(shard_size),
                    int(replicate_size), _b(policy), _b(default_granule), ctypes.byref(security),
-                   _b(strategy), int(memory_budget_bytes), _b(optimizer), int(tokens_per_step))
+                   _b(strategy), int(memory_budget_bytes), _b(optimizer), int(tokens_per_step),
+                   int(recovery_deadline_ms))
 
 
 def delete_job(planner, job, token_file="", tls_ca=None, tls_cert=None, tls_key=None,

@@ -52,6 +52,7 @@ import sys
 import time
 
 STANDALONE_JOB = "standalone"
+RECOVERY_EXIT = 75  # ragshard._core.RECOVERY_EXIT: a rank leaving for a recovery in place
 
 
 def parse(argv):
@@ -103,6 +104,13 @@ def parse(argv):
                    help="comma-separated modules (e.g. torch) imported once by the launcher, "
                         "which forks the ranks from itself instead of starting an interpreter "
                         "per rank (each rank's torch import is seconds of CPU)")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="restart a rank whose process dies, up to this many times per rank; the "
+                        "job (created here) then recovers it in place (docs/recovery.md): the "
+                        "new process attaches to the state its daemon kept")
+    p.add_argument("--recovery-deadline", type=float, default=None,
+                   help="with --max-restarts: seconds a recovery in place may take before the "
+                        "job fails, named (default 120)")
     p.add_argument("script", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
     a = p.parse_args(argv)
@@ -140,6 +148,18 @@ def parse(argv):
     if a.threads_per_rank < 0:
         p.error(f"--threads-per-rank {a.threads_per_rank}: must be at least 1 "
                 "(0 takes the default)")
+    if a.max_restarts < 0:
+        p.error(f"--max-restarts {a.max_restarts}: must not be negative")
+    if a.recovery_deadline is not None and not a.max_restarts:
+        p.error("--recovery-deadline needs --max-restarts: nothing restarts a lost rank without "
+                "it")
+    if a.recovery_deadline is None:
+        a.recovery_deadline = 120.0
+    if not 0 < a.recovery_deadline <= 86400:
+        p.error(f"--recovery-deadline {a.recovery_deadline}: must be in (0, 86400] seconds")
+    if a.max_restarts and not a.create_job:
+        p.error("--max-restarts needs a job this launcher creates (--create-job or "
+                "--standalone), with its recovery deadline")
     if a.pool_bytes < 0:
         p.error(f"--pool-bytes {a.pool_bytes}: must be positive (0 takes the default)")
     if not os.path.exists(a.script):
@@ -170,7 +190,8 @@ def create_job(a):
         create(a.planner, a.job, a.nproc // a.replicate, a.replicate, a.policy, "",
                a.token_file, strategy=a.strategy, tokens_per_step=a.tokens_per_step,
                tls_ca=a.tls_ca, tls_cert=a.tls_cert, tls_key=a.tls_key,
-               tls_server_name=a.tls_server_name)
+               tls_server_name=a.tls_server_name,
+               recovery_deadline_ms=int(a.recovery_deadline * 1000) if a.max_restarts else 0)
 
 
 class _Stopped(BaseException):
@@ -213,6 +234,16 @@ def _stop(procs, grace_s=10.0):
         time.sleep(0.02)
 
 
+def start_rank(a, env, threads):
+    """One rank's process, running (a restart: the job exists)."""
+    if not a.preload:
+        return subprocess.Popen([sys.executable, a.script] + a.args, env=env)
+    from ragshard import _preload
+    p = _preload.fork_rank(a.script, a.args, env, threads)
+    p.start()
+    return p
+
+
 def start_ranks(a, threads):
     """The ranks, started once the job exists (with --preload forked before that, waiting);
     if anything fails on the way, those already begun are stopped."""
@@ -245,20 +276,35 @@ def run(a):
     per_node = a.nproc // len(a.sockets)
     threads = a.threads_per_rank or (os.environ.get("OMP_NUM_THREADS") or
                                      ("1" if per_node > 1 else ""))
-    procs = start_ranks(a, threads)
+    envs = list(rank_envs(a, threads))
+    live = dict(enumerate(start_ranks(a, threads)))
+    restarts, recoveries = [0] * a.nproc, [0] * a.nproc
     code = 0
     try:
-        while procs and code == 0:
-            for p in list(procs):
+        while live and code == 0:
+            for r, p in list(live.items()):
                 rc = p.poll()
                 if rc is None:
                     continue
-                procs.remove(p)
-                if rc != 0:
-                    code = rc if rc > 0 else 128 - rc
-                    print(f"ragshard.launch: a rank exited with {rc}; stopping the others",
-                          file=sys.stderr)
-                    break
+                del live[r]
+                if rc == 0:
+                    continue
+                if a.max_restarts and rc == RECOVERY_EXIT and \
+                        recoveries[r] < 10 * (a.max_restarts + 1):
+                    # The rank left for its job's recovery in place: not a failure of its own.
+                    recoveries[r] += 1
+                    live[r] = start_rank(a, envs[r], threads)
+                    continue
+                if restarts[r] < a.max_restarts:
+                    restarts[r] += 1
+                    print(f"ragshard.launch: rank {r} exited with {rc}; restarting it "
+                          f"({restarts[r]} of {a.max_restarts})", file=sys.stderr, flush=True)
+                    live[r] = start_rank(a, envs[r], threads)
+                    continue
+                code = rc if rc > 0 else 128 - rc
+                print(f"ragshard.launch: rank {r} exited with {rc}; stopping the others",
+                      file=sys.stderr)
+                break
             else:
                 time.sleep(0.05)
     except _Stopped as e:
@@ -266,7 +312,7 @@ def run(a):
         print(f"ragshard.launch: {signal.Signals(e.signum).name}; stopping the ranks",
               file=sys.stderr)
     finally:
-        _shielded(_stop, procs)
+        _shielded(_stop, list(live.values()))
     return code
 
 

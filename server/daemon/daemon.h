@@ -99,12 +99,16 @@ class NodeDaemon final : public v1::Daemon::CallbackService {
   Unary* NoOp(Ctx* ctx, const v1::NoOpRequest* req, v1::NoOpResponse* resp) override;
   // The pool's and the jobs' figures.
   Unary* Stats(Ctx* ctx, const v1::StatsRequest* req, v1::StatsResponse* resp) override;
+  // A buffer of the attachment's rank, kept by name for the job's life (docs/recovery.md).
+  Unary* StateBuffer(Ctx* ctx, const v1::StateBufferRequest* req,
+                     v1::StateBufferResponse* resp) override;
 
  private:
   struct Attachment {
     std::string job_id;
     int64_t rank = 0;
     int local = 0;
+    uint64_t generation = 0;  // JobRuntime::Rejoined's
   };
   NodeDaemon(DaemonOptions options, std::shared_ptr<PlannerClient> planner,
              std::unique_ptr<Pool> pool);
@@ -125,7 +129,14 @@ class NodeDaemon final : public v1::Daemon::CallbackService {
   // Sends a node's registration calls (NodeRegistrations' batches), each on a thread.
   void SendRegistrations(std::vector<NodeRegistrationBatch> batches);
   absl::Status DoAttach(const v1::AttachRequest& request, v1::AttachResponse* resp);
-  void ReleaseAttachment(const std::string& id);
+  // `clean`: the rank detached (Detach); else its process was lost (the side channel closed).
+  void ReleaseAttachment(const std::string& id, bool clean);
+  // The job's data plane to the other nodes in recovery epoch `epoch` (docs/recovery.md):
+  // publishes this node's address under "data/<node>" (epoch 0) or "data/<node>@<epoch>" and
+  // connects to every other node's.
+  absl::StatusOr<std::pair<std::unique_ptr<UcxWorker>, std::unique_ptr<Comm>>> ConnectNodes(
+      const std::string& job_id, const std::vector<std::string>& nodes, int64_t epoch,
+      absl::Time deadline);
   void RunSideChannel();
   void RunHeartbeats();
   // Every 50 ms, answers the waits whose deadline passed, also while an operation blocks its

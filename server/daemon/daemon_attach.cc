@@ -1,7 +1,10 @@
 // NodeDaemon's attachments: a training process attaches for one rank of a job, and detaches (or
 // dies, which the side channel notices).
+#include <algorithm>
+#include <cstring>
 #include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "glog/logging.h"
 #include "infra/ids.h"
@@ -68,13 +71,21 @@ absl::Status NodeDaemon::DoAttach(const v1::AttachRequest& request, v1::AttachRe
                                                       options_.node_id, "'"));
   }
   const int li = static_cast<int>(it - local.begin());
-  (*job)->Rejoined(li);
+  const JobRuntime::Joined joined = (*job)->Rejoined(li);
   std::string id;
   {
     absl::MutexLock lock(&mu_);
     id = absl::StrCat("a", next_attachment_++, "-", req->job_id(), "-", req->rank());
-    attachments_[id] = {req->job_id(), req->rank(), li};
+    attachments_[id] = {req->job_id(), req->rank(), li, joined.generation};
   }
+  // In a recovery, the rank runs once every rank of the job has attached again.
+  if (absl::Status s = (*job)->AwaitRunning(deadline); !s.ok()) {
+    ReleaseAttachment(id, /*clean=*/false);
+    return s;
+  }
+  resp->set_recovery_epoch((*job)->epoch());
+  resp->set_adopted(joined.adopted);
+  resp->set_recoverable((*job)->recoverable());
   resp->set_attachment_id(id);
   resp->set_arena_bytes(static_cast<int64_t>(pool_->arena().size()));
   *resp->mutable_plan() = (*job)->plan();
@@ -82,7 +93,7 @@ absl::Status NodeDaemon::DoAttach(const v1::AttachRequest& request, v1::AttachRe
   return absl::OkStatus();
 }
 
-void NodeDaemon::ReleaseAttachment(const std::string& id) {
+void NodeDaemon::ReleaseAttachment(const std::string& id, bool clean) {
   std::shared_ptr<JobRuntime> job;
   Attachment a;
   {
@@ -96,7 +107,7 @@ void NodeDaemon::ReleaseAttachment(const std::string& id) {
     if (j != jobs_.end()) job = j->second;
   }
   if (poller_ != nullptr) poller_->Remove(id);
-  if (job != nullptr) job->LocalRankLeft(a.local, a.rank);
+  if (job != nullptr) job->LocalRankLeft(a.local, a.rank, a.generation, clean);
 }
 
 grpc::ServerUnaryReactor* NodeDaemon::Detach(Ctx* ctx, const v1::DetachRequest* req,
@@ -108,7 +119,45 @@ grpc::ServerUnaryReactor* NodeDaemon::Detach(Ctx* ctx, const v1::DetachRequest* 
                                  absl::StrCat("unknown attachment '", req->attachment_id(), "'")));
     }
   }
-  ReleaseAttachment(req->attachment_id());
+  ReleaseAttachment(req->attachment_id(), /*clean=*/true);
+  return ReplyUnary(ctx, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* NodeDaemon::StateBuffer(Ctx* ctx, const v1::StateBufferRequest* req,
+                                                  v1::StateBufferResponse* resp) {
+  const std::string& name = req->name();
+  const bool name_ok = !name.empty() && name.size() <= 256 &&
+                       std::all_of(name.begin(), name.end(), [](char c) {
+                         return absl::ascii_isalnum(static_cast<unsigned char>(c)) ||
+                                std::strchr("._:/-", c) != nullptr;
+                       });
+  if (!name_ok) {
+    return ReplyUnary(ctx, absl::InvalidArgumentError(
+                               "name: must be 1 to 256 characters of [A-Za-z0-9._:/-]"));
+  }
+  if (req->bytes() <= 0 || req->bytes() > static_cast<int64_t>(pool_->arena().size())) {
+    return ReplyUnary(ctx, absl::InvalidArgumentError(absl::StrCat(
+                               "bytes: ", req->bytes(), " is not in [1, ",
+                               pool_->arena().size(), "] (the pool's size)")));
+  }
+  if (backend_ == BackendKind::kCuda) {
+    return ReplyUnary(ctx, absl::FailedPreconditionError(
+                               "state buffers are host memory of the pool; the cuda backend's "
+                               "state stays in the rank (docs/recovery.md)"));
+  }
+  int64_t rank = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = attachments_.find(req->attachment_id());
+    if (it != attachments_.end()) rank = it->second.rank;
+  }
+  auto found = FindAttachment(req->attachment_id());
+  if (!found.ok()) return ReplyUnary(ctx, found.status());
+  auto b = found->first->StateBuffer(rank, name, req->bytes(), pool_.get());
+  if (!b.ok()) return ReplyUnary(ctx, b.status());
+  resp->set_offset(b->first->offset());
+  resp->set_bytes(req->bytes());
+  resp->set_existed(b->second);
   return ReplyUnary(ctx, absl::OkStatus());
 }
 

@@ -81,7 +81,7 @@ void NodeDaemon::RunSideChannel() {
         char buf[64];
         if (::recv(fds[i].fd, buf, sizeof(buf), MSG_DONTWAIT) <= 0) {
           auto it = clients.find(fds[i].fd);
-          ReleaseAttachment(it->second.second);
+          ReleaseAttachment(it->second.second, /*clean=*/false);
           clients.erase(it);
         }
       }
@@ -143,6 +143,17 @@ void NodeDaemon::RunHeartbeats() {
       if (job != nullptr) {
         job->Fail(absl::UnavailableError(
             absl::StrCat("job '", f.job_id(), "' stopped by the planner: ", f.error())));
+      }
+    }
+    for (const v1::JobRecovery& r : resp->recovering_jobs()) {
+      std::shared_ptr<JobRuntime> job;
+      {
+        absl::MutexLock lock(&mu_);
+        auto it = jobs_.find(r.job_id());
+        if (it != jobs_.end()) job = it->second;
+      }
+      if (job != nullptr) {
+        job->BeginRecovery(r.epoch(), absl::FromUnixMillis(r.deadline_unix_ms()), r.lost());
       }
     }
     for (const std::string& job : resp->release_jobs()) {

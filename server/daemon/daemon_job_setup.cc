@@ -79,49 +79,18 @@ absl::StatusOr<std::shared_ptr<JobRuntime>> NodeDaemon::SetUpJob(const std::stri
     return absl::FailedPreconditionError(
         absl::StrCat("job '", job_id, "' has no ranks on node '", options_.node_id, "'"));
   }
-  std::unique_ptr<UcxWorker> worker;
-  std::unique_ptr<Comm> comm;
+  std::unique_ptr<RelayComm> relay;
   if (nodes.size() > 1) {
-    // The data port accepts only daemons that present the job's credential, derived from the
-    // secret the planner hands its daemons over the authenticated control channel.
-    auto secret = planner_->GetDataSecret(job_id);
-    if (!secret.ok()) return secret.status();
-    auto w = UcxWorker::Create(options_.data_host, 0, DataPlaneCredential(*secret, job_id),
-                               options_.ucx_spin);
-    if (!w.ok()) return w.status();
-    worker = std::move(*w);
-    worker->set_on_reject([metrics = metrics_](const absl::Status& why) { metrics->Error(why); });
-    absl::Status s = planner_->Put(job_id, "data/" + options_.node_id, worker->address());
-    if (!s.ok()) return s;
-    // Every node's address in one call: a rendezvous of N nodes costs the planner N calls.
-    std::vector<std::string> keys;
-    int me = 0;
-    for (size_t i = 0; i < nodes.size(); ++i) {
-      if (nodes[i] == options_.node_id) me = static_cast<int>(i);
-      keys.push_back("data/" + nodes[i]);
-    }
-    auto addresses = planner_->GetKeys(
-        job_id, keys,
-        absl::ToChronoMilliseconds(std::max(deadline - absl::Now(), absl::Milliseconds(1))));
-    if (!addresses.ok()) {
-      return absl::Status(addresses.status().code(),
-                          absl::StrCat("waiting for the job's nodes to publish their data "
-                                       "addresses: ",
-                                       addresses.status().message()));
-    }
-    std::set<std::string> hosts;
-    for (const std::string& a : *addresses) hosts.insert(HostOf(a));
-    worker->AllowPeerHosts(hosts);  // only the job's peers may connect
-    auto c = worker->Connect(me, *addresses, deadline, job_id, nodes);
-    if (!c.ok()) return c.status();
-    comm = std::move(*c);
+    auto connected = ConnectNodes(job_id, nodes, job->recovery_epoch(), deadline);
+    if (!connected.ok()) return connected.status();
+    relay = std::make_unique<RelayComm>(std::move(connected->first), std::move(connected->second));
   }
   BackendContext context;
   context.plan = &*plan;
   context.local_ranks = local;
   context.replicas = std::max<int64_t>(job->mesh().replicate_size(), 1);
   context.host_pool = pool_.get();
-  context.nodes = comm.get();
+  context.nodes = relay.get();
   context.node_count = static_cast<int>(nodes.size());
   context.put = [this, &job_id](const std::string& key, const std::string& value) {
     return planner_->Put(job_id, key, value);
@@ -135,14 +104,67 @@ absl::StatusOr<std::shared_ptr<JobRuntime>> NodeDaemon::SetUpJob(const std::stri
   context.gpu_pool_bytes = options_.gpu_pool_bytes;
   auto dp = CreateDataBackend(backend_, context);
   if (!dp.ok()) return dp.status();
+  RelayComm* relay_ptr = relay.get();
   auto runtime = std::make_shared<JobRuntime>(job_id, options_.node_id, std::move(*plan), local,
-                                              std::move(worker), std::move(comm), std::move(*dp),
-                                              planner_, metrics_);
+                                              nullptr, std::move(relay), std::move(*dp), planner_,
+                                              metrics_);
+  if (job->options().recovery_deadline_ms() > 0) {
+    JobRuntime::Reconnect reconnect;
+    if (relay_ptr != nullptr) {
+      reconnect = [this, job_id, nodes](int64_t epoch, absl::Time until) {
+        return ConnectNodes(job_id, nodes, epoch, until);
+      };
+    }
+    runtime->EnableRecovery(job->recovery_epoch(),
+                            absl::Milliseconds(job->options().recovery_deadline_ms()),
+                            std::move(reconnect), relay_ptr);
+  }
   absl::MutexLock lock(&mu_);
   jobs_[job_id] = runtime;
   LOG(INFO) << "job " << job_id << ": " << local.size() << " local rank(s), " << nodes.size()
             << " node(s), " << runtime->dp().name() << " backend, buffers allocated";
   return runtime;
+}
+
+absl::StatusOr<std::pair<std::unique_ptr<UcxWorker>, std::unique_ptr<Comm>>>
+NodeDaemon::ConnectNodes(const std::string& job_id, const std::vector<std::string>& nodes,
+                         int64_t epoch, absl::Time deadline) {
+  // The data port accepts only daemons that present the job's credential, derived from the
+  // secret the planner hands its daemons over the authenticated control channel.
+  auto secret = planner_->GetDataSecret(job_id);
+  if (!secret.ok()) return secret.status();
+  auto w = UcxWorker::Create(options_.data_host, 0, DataPlaneCredential(*secret, job_id),
+                             options_.ucx_spin);
+  if (!w.ok()) return w.status();
+  std::unique_ptr<UcxWorker> worker = std::move(*w);
+  worker->set_on_reject([metrics = metrics_](const absl::Status& why) { metrics->Error(why); });
+  auto key = [epoch](const std::string& node) {
+    return epoch > 0 ? absl::StrCat("data/", node, "@", epoch) : absl::StrCat("data/", node);
+  };
+  absl::Status s = planner_->Put(job_id, key(options_.node_id), worker->address());
+  if (!s.ok()) return s;
+  // Every node's address in one call: a rendezvous of N nodes costs the planner N calls.
+  std::vector<std::string> keys;
+  int me = 0;
+  for (size_t i = 0; i < nodes.size(); ++i) {
+    if (nodes[i] == options_.node_id) me = static_cast<int>(i);
+    keys.push_back(key(nodes[i]));
+  }
+  auto addresses = planner_->GetKeys(
+      job_id, keys,
+      absl::ToChronoMilliseconds(std::max(deadline - absl::Now(), absl::Milliseconds(1))));
+  if (!addresses.ok()) {
+    return absl::Status(addresses.status().code(),
+                        absl::StrCat("waiting for the job's nodes to publish their data "
+                                     "addresses: ",
+                                     addresses.status().message()));
+  }
+  std::set<std::string> hosts;
+  for (const std::string& a : *addresses) hosts.insert(HostOf(a));
+  worker->AllowPeerHosts(hosts);  // only the job's peers may connect
+  auto c = worker->Connect(me, *addresses, deadline, job_id, nodes);
+  if (!c.ok()) return c.status();
+  return std::make_pair(std::move(worker), std::move(*c));
 }
 
 }  // namespace ragshard::daemon

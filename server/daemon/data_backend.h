@@ -54,6 +54,11 @@ class DataBackend {
   // AMSP's update gather after an optimizer step on separate factors (OP_UPDATE_GATHER).
   virtual absl::Status UpdateGather(int unit, absl::Time deadline) = 0;
 
+  // A recovery in place (docs/recovery.md): every transient buffer (unsharded parameters, kept
+  // parts, gradients, owner buffers) goes back to the pool and the operation count restarts,
+  // as at setup; the persistent shards keep their contents.
+  virtual void ResetTransient() = 0;
+
   // Where local rank `local`'s buffers of `unit` are now (transient ones -1 while released).
   virtual void Placement(int unit, int local, v1::UnitBuffers* out) const = 0;
   // The buffers of local rank `local` (and whatever a client needs to map them) for Attach.

@@ -330,6 +330,18 @@ absl::Status JobDataPlane::Unshard(int unit, absl::Time deadline) {
   return st;
 }
 
+void JobDataPlane::ResetTransient() {
+  for (Unit& u : units_) {
+    u.unsharded.clear();
+    u.composed = false;
+    u.parts.clear();
+    u.kept = 0;
+    u.grad.clear();
+    u.owner.clear();
+  }
+  op_seq_ = 0;  // the daemons' next operation tags agree again
+}
+
 absl::Status JobDataPlane::Reshard(int unit, int64_t keep) {
   if (auto s = CheckUnit(unit); !s.ok()) return s;
   Unit& u = units_[unit];

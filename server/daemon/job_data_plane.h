@@ -122,6 +122,7 @@ class JobDataPlane final : public DataBackend {
   // AMSP's update gather: each local rank stepped its os range of its parameter shard; the
   // ranges reach the other shards that hold them (transport.h). Nothing to do when p = g = os.
   absl::Status UpdateGather(int unit, absl::Time deadline) override;
+  void ResetTransient() override;
 
  private:
   using Piece = MatrixPiece;

@@ -34,7 +34,9 @@ JobRuntime::JobRuntime(std::string job_id, std::string node_id, v1::Plan plan,
       dp_(std::move(dp)),
       planner_(std::move(planner)),
       metrics_(metrics != nullptr ? std::move(metrics) : std::make_shared<DaemonMetrics>()),
-      next_seq_(local_ranks_.size(), 1) {
+      next_seq_(local_ranks_.size(), 1),
+      generation_(local_ranks_.size(), 0),
+      rejoined_(local_ranks_.size(), false) {
   thread_ = std::thread([this] { Run(); });
 }
 
@@ -69,6 +71,7 @@ absl::StatusOr<uint64_t> JobRuntime::StartOp(int local, const OpRequest& req) {
   absl::MutexLock lock(&mu_);
   if (!failed_.ok()) return failed_;
   if (req.kind == v1::OP_NOOP) return uint64_t{0};
+  if (phase_ != Phase::kRunning) return notice_;
   if (!departed_.empty()) {
     absl::Status error = absl::UnavailableError(absl::StrCat(
         "rank ", departed_.begin()->second, " of job '", job_id_, "' on node '", node_id_,
@@ -109,25 +112,42 @@ absl::StatusOr<uint64_t> JobRuntime::StartOp(int local, const OpRequest& req) {
   return seq;
 }
 
-void JobRuntime::LocalRankLeft(int local, int64_t rank) {
+void JobRuntime::LocalRankLeft(int local, int64_t rank, uint64_t generation, bool clean) {
   absl::Status error;
+  bool recovering = false;
   {
     absl::MutexLock lock(&mu_);
+    if (generation != generation_[local]) return;  // a process this rank has replaced already
     departed_[local] = rank;
+    rejoined_[local] = false;
     // After the job's first failure, a rank leaving is its consequence: the others keep hearing
     // the first failure (Fail and FailPending answered their operations with it already).
     if (!failed_.ok()) return;
-    for (auto& [seq, op] : ops_) {
-      if (op.done || op.started == 0 || seq < next_seq_[local]) continue;
-      if (error.ok()) {
-        departure_reported_ = true;
-        error = absl::UnavailableError(
-            absl::StrCat("rank ", rank, " of job '", job_id_, "' on node '", node_id_,
-                         "' detached (its process exited) before starting operation ", seq));
+    if (recoverable_ && (!clean || phase_ != Phase::kRunning)) {
+      // A lost process (or any departure during a recovery) is recovered: the job's thread
+      // reports it and every rank attaches again.
+      if (phase_ == Phase::kRunning) {
+        StartRecovery(absl::StrCat("rank ", rank, " of job '", job_id_, "' on node '", node_id_,
+                                   "' was lost (its process exited without detaching)"));
       }
-      op.done = true;
-      op.status = error;
+      recovering = true;
+    } else {
+      for (auto& [seq, op] : ops_) {
+        if (op.done || op.started == 0 || seq < next_seq_[local]) continue;
+        if (error.ok()) {
+          departure_reported_ = true;
+          error = absl::UnavailableError(
+              absl::StrCat("rank ", rank, " of job '", job_id_, "' on node '", node_id_,
+                           "' detached (its process exited) before starting operation ", seq));
+        }
+        op.done = true;
+        op.status = error;
+      }
     }
+  }
+  if (recovering) {
+    ServeWaiters();
+    return;
   }
   if (error.ok()) return;
   LOG(ERROR) << error;
@@ -290,10 +310,17 @@ void JobRuntime::Run() {
     {
       absl::MutexLock lock(&mu_);
       auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return stopping_ || !queue_.empty() || (!abort_.ok() && failed_.ok());
+        return stopping_ || !queue_.empty() || (!abort_.ok() && failed_.ok()) ||
+               (phase_ != Phase::kRunning && failed_.ok());
       };
       mu_.AwaitWithTimeout(absl::Condition(&ready), absl::Milliseconds(50));
       if (stopping_) break;  // the waiters left are answered below
+      if (phase_ != Phase::kRunning && failed_.ok()) {
+        mu_.Unlock();
+        Recover();
+        mu_.Lock();
+        continue;
+      }
       // The other nodes first (a notice over the data plane, at once), then the planner (a round
       // trip that tells every daemon, at its next heartbeat).
       if (!abort_.ok() && failed_.ok()) {
@@ -340,11 +367,19 @@ void JobRuntime::Run() {
     const bool fatal =
         !s.ok() && (absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s) || absl::IsAborted(s));
     bool known = false;  // the job failed already (the planner told us): nothing new to report
+    bool recover = false;  // a job that recovers in place: the failure starts (or is) a recovery
     {
       absl::MutexLock lock(&mu_);
       known = !failed_.ok();
+      if (fatal && !known && recoverable_) {
+        recover = true;
+        if (phase_ == Phase::kRunning) {
+          StartRecovery(absl::StrCat("node '", node_id_, "' lost ", Describe(op), ": ",
+                                     s.message()));
+        }
+      }
     }
-    if (fatal && !known) {
+    if (fatal && !known && !recover) {
       LOG(ERROR) << "job " << job_id_ << ": " << s;
       Report(s);
     }
@@ -353,7 +388,7 @@ void JobRuntime::Run() {
       ++operations_;
       ++unit_operations_[{op.unit, op.kind}];
       staging_bytes_ = dp_->staging_bytes();
-      if (fatal && failed_.ok()) failed_ = s;
+      if (fatal && failed_.ok() && !recover) failed_ = s;
       running_seq_ = 0;
       last_done_seq_ = seq;
       last_done_.kind = op.kind;  // described when progress is asked for

@@ -27,6 +27,8 @@
 #include "server/daemon/data_backend.h"
 #include "server/daemon/metrics.h"
 #include "server/daemon/op_target.h"
+#include "server/daemon/pool.h"
+#include "server/daemon/relay_comm.h"
 #include "server/daemon/ucx_comm.h"
 
 namespace ragshard::daemon {
@@ -57,7 +59,39 @@ class JobRuntime final : public OpTarget {
 
   // A local rank detached (its process exited or called Detach): the operations that wait for
   // it to start can never run. They fail now, naming the rank, and the planner hears of it.
-  void LocalRankLeft(int local, int64_t rank);
+  // In a job that recovers in place, a process lost without Detach (`clean` false) starts a
+  // recovery instead (EnableRecovery). `generation`: the attachment's (Rejoined); an older
+  // attachment of a rank that has attached again since is ignored.
+  void LocalRankLeft(int local, int64_t rank, uint64_t generation = 0, bool clean = true);
+
+  // Recovery in place (docs/recovery.md). The job runs in recovery epoch `epoch`; a lost rank
+  // process (or a peer's notice) fails every pending and later operation with a recovery
+  // notice (ABORTED, "ragshard recovery in progress"), the planner names the next epoch, and
+  // once every local rank has attached again the job's thread returns the transient buffers,
+  // connects the next epoch through `reconnect` (null for a job on one node) into `relay`, and
+  // runs again from operation 1. `deadline`: how long that may take.
+  using Reconnect = std::function<absl::StatusOr<
+      std::pair<std::unique_ptr<UcxWorker>, std::unique_ptr<Comm>>>(int64_t epoch,
+                                                                      absl::Time deadline)>;
+  void EnableRecovery(int64_t epoch, absl::Duration deadline, Reconnect reconnect,
+                      RelayComm* relay);
+  // The planner says the job recovers in epoch `epoch` until `deadline` (a heartbeat).
+  void BeginRecovery(int64_t epoch, absl::Time deadline, const std::string& lost);
+  // Waits until no recovery is in progress: OK, the job's failure, or DEADLINE_EXCEEDED.
+  absl::Status AwaitRunning(absl::Time deadline);
+  int64_t epoch() {
+    absl::MutexLock lock(&mu_);
+    return epoch_;
+  }
+  bool recoverable() {
+    absl::MutexLock lock(&mu_);
+    return recoverable_;
+  }
+
+  // A buffer of rank `rank`'s own, kept by name for the job's life (StateBuffer RPC): the
+  // lease, and whether it existed. FAILED_PRECONDITION when it exists with another size.
+  absl::StatusOr<std::pair<const Lease*, bool>> StateBuffer(int64_t rank, const std::string& name,
+                                                            int64_t bytes, Pool* pool);
 
   // Tells the planner that the job cannot proceed (it turns the job DEGRADED).
   void Report(const absl::Status& error);
@@ -72,12 +106,13 @@ class JobRuntime final : public OpTarget {
   // deadline while an operation blocks the job thread.
   void ServeWaiters();
 
-  // A new process attached for local rank `local`.
-  void Rejoined(int local) {
-    absl::MutexLock lock(&mu_);
-    departed_.erase(local);
-    if (departed_.empty()) departure_reported_ = false;
-  }
+  // A new process attached for local rank `local`: its attachment's generation, and whether a
+  // process of this rank had attached before (it adopts the rank's state).
+  struct Joined {
+    uint64_t generation = 0;
+    bool adopted = false;
+  };
+  Joined Rejoined(int local);
 
   // Calls `done(true, status, placement, times)` once the operation completes (placement: where
   // local rank `local`'s buffers of the operation's unit are then, or nullptr), or `done(false,
@@ -122,6 +157,14 @@ class JobRuntime final : public OpTarget {
   }
 
   void Run();
+  enum class Phase { kRunning, kReporting, kRecovering };
+  // A recovery starts: every operation not done fails with `notice_`, and the job's thread
+  // aborts the connection (telling the other nodes). Returns false where one runs already.
+  void StartRecovery(const std::string& lost) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The job thread's part of a recovery (without mu_): asks the planner for the epoch, waits for
+  // the local ranks, reconnects, and runs again; or fails the job, named.
+  void Recover();
+  void FailRecovery(const absl::Status& error);
   // Runs one operation on the data plane (the job thread, without mu_).
   absl::Status Execute(const Op& op);
 
@@ -149,6 +192,23 @@ class JobRuntime final : public OpTarget {
   int64_t staging_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t running_seq_ ABSL_GUARDED_BY(mu_) = 0;  // the operation on the job's thread, or 0
   uint64_t last_done_seq_ ABSL_GUARDED_BY(mu_) = 0;
+  // Recovery in place (EnableRecovery).
+  bool recoverable_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Duration recovery_deadline_ ABSL_GUARDED_BY(mu_);
+  Reconnect reconnect_;
+  RelayComm* relay_ = nullptr;
+  int64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;
+  Phase phase_ ABSL_GUARDED_BY(mu_) = Phase::kRunning;
+  int64_t target_ ABSL_GUARDED_BY(mu_) = 0;  // the epoch being recovered
+  absl::Time deadline_ ABSL_GUARDED_BY(mu_);
+  absl::Status notice_ ABSL_GUARDED_BY(mu_);     // what operations get while recovering
+  std::string lost_ ABSL_GUARDED_BY(mu_);        // what was lost, for the planner and errors
+  bool comm_aborted_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<uint64_t> generation_ ABSL_GUARDED_BY(mu_);  // per local rank
+  std::vector<bool> rejoined_ ABSL_GUARDED_BY(mu_);        // attached since the recovery began
+  // (rank, name) -> the buffer and the bytes asked for (the lease may be larger: aligned).
+  std::map<std::pair<int64_t, std::string>, std::pair<Lease, int64_t>> state_
+      ABSL_GUARDED_BY(mu_);
   Op last_done_ ABSL_GUARDED_BY(mu_);  // its kind and unit only
   std::thread thread_;
 };

@@ -36,7 +36,12 @@ DaemonMetrics::DaemonMetrics() {
                           "Bytes sent to other daemons, by collective and transport");
   errors_ =
       &CounterFamily("ragshard_daemon_errors_total", "Failed operations and attaches, by cause");
+  recoveries_ = &CounterFamily("ragshard_daemon_recoveries_total",
+                               "Recoveries in place this daemon completed (docs/recovery.md)")
+                     .Add({});
 }
+
+void DaemonMetrics::Recovered() { recoveries_->Increment(); }
 
 namespace {
 

@@ -42,6 +42,8 @@ class DaemonMetrics final : public MetricsSet {
                      int64_t ucx_bytes);
   // An error outside the operations (a failed attach, a refused peer), by cause.
   void Error(const absl::Status& status);
+  // A job's recovery in place completed on this node.
+  void Recovered();
 
   // "unshard" for OP_UNSHARD: the label value of an operation kind.
   static std::string KindLabel(v1::OpKind kind);
@@ -60,6 +62,7 @@ class DaemonMetrics final : public MetricsSet {
   prometheus::Family<prometheus::Histogram>* seconds_ = nullptr;
   prometheus::Family<prometheus::Counter>* bytes_ = nullptr;
   prometheus::Family<prometheus::Counter>* errors_ = nullptr;
+  prometheus::Counter* recoveries_ = nullptr;
   absl::Mutex kinds_mu_;
   std::array<std::unique_ptr<KindSeries>, kKinds> kinds_ ABSL_GUARDED_BY(kinds_mu_);
 };

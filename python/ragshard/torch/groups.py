@@ -43,9 +43,19 @@ class ModuleOptimizer(torch.optim.Optimizer):
     options (every key a group may set), `params` torch's params or param groups (None: every
     parameter of the module, in one group)."""
 
+    # Whether the optimizer keeps all of its state in the module's state tensors, so that a job
+    # that recovers lost ranks in place (docs/recovery.md) can run it.
+    recovers = False
+
     def __init__(self, model, params, defaults):
         self.model = model
         self._owner_name = type(self).__name__
+        if getattr(model, "recoverable", False) and not self.recovers:
+            raise ValueError(
+                f"{self._owner_name}: the job recovers lost ranks in place, which needs every "
+                "optimizer state in the daemon's pool; this optimizer keeps some in the rank "
+                "process (docs/recovery.md: ShardedOptimizer's torch optimizers and ShardedMuon "
+                "do not): create the job without a recovery deadline to use it")
         if params is None:
             params = list(model.parameters())
         if isinstance(params, torch.Tensor):

@@ -17,11 +17,12 @@ from .layout import ShardLayout
 from .meta import adopt_meta
 from .params import adopt
 from .quantized import QuantizedGathers, plan_quantized_units
+from .recovery import PoolState, StepJournal, agree_on_committed, shard_tensors
 from .shards import RankShards
 from .state import ModuleState
 from .trace import Trace
 from .units import ModuleUnits, find_ties, group_units, policy_units, unit_inventory
-from .views import DTYPES
+from .views import DTYPES, as_tensor
 
 
 def _world_from_environment():
@@ -78,10 +79,23 @@ class ShardedModule(torch.nn.Module):
                                   find_ties(module, found), self.layout.places, param_dtype)
         self._shards = RankShards(self.client, param_dtype, self.layout, self._units)
         self._binding = UnitBuffers(self.client, param_dtype, self._units)
-        self._shard_values(meta, init)
+        self.recoverable = self.client.recoverable
+        adopted = self.recoverable and self.client.adopted
+        if self.recoverable:
+            _check_recoverable(param_dtype, quantize)
+            self._shards.pool = PoolState(self.client)
+        self._shard_values(meta, init, write=not adopted)
         self._control = ControlUnits(self.client, self.layout, len(self._units),
                                      self._units.nparams)
         self._build_parts(qsizes)
+        # Completed optimizer steps that this rank's state holds: 0 for a new job; after a
+        # recovery in place, the last step every rank completed (the script resumes there).
+        self.resume_step = 0
+        self._journal = None
+        if self.recoverable:
+            self._journal = StepJournal(self._shards.pool, self._journaled)
+            if adopted:
+                self._recover()
         self.checkpoint_writing = None  # an asynchronous checkpoint save writing the state
 
     def _attach(self, client, inventory, register):
@@ -93,16 +107,48 @@ class ShardedModule(torch.nn.Module):
         client.attach()
         return client
 
-    def _shard_values(self, meta, init):
-        """Each unit's initial values into this rank's shards; its parameters then belong to
-        the unit (named for errors, clipped with the module) and hold no storage."""
+    def _shard_values(self, meta, init, write=True):
+        """Each unit's initial values into this rank's shards (unless `write` is False: an
+        adopted rank's shards hold its trained values); its parameters then belong to the unit
+        (named for errors, clipped with the module) and hold no storage."""
         for ui in range(len(self._units)):
-            self._shards.fill(ui, meta, init)
+            self._shards.fill(ui, meta, init, write)
             for n, p in self._units.params(ui):
                 p.grad = None
                 adopt(p, n, self._units.name(ui))
                 clip.own(p, self)
             self._binding.free(ui)
+
+    def _journaled(self):
+        """{name: tensor} of the state an optimizer step changes on this rank: its parameter
+        shards (where it steps them) and the optimizers' state."""
+        out = shard_tensors(self.client, self.units()) if self.steps else {}
+        out.update(self._shards.named_state())
+        return out
+
+    def _recover(self):
+        """A recovered rank (docs/recovery.md): agrees with the others on the last step all of
+        them completed, brings its state back to it, and drops the interrupted step's
+        gradients."""
+        self.resume_step = agree_on_committed(self._control, self._journal.committed, self.world)
+        self._journal.roll_back(self.resume_step)
+        for ui in self.units():
+            as_tensor(self.client.grad_shard(ui)).zero_()
+
+    @contextlib.contextmanager
+    def optimizer_step(self):
+        """An optimizer step as one transaction over this rank's state (StepJournal) where the
+        job recovers lost ranks in place; nothing otherwise. The optimizers step inside it."""
+        if self._journal is None:
+            yield
+            return
+        self._journal.begin()
+        try:
+            yield
+        except BaseException:
+            self._journal.abandon()
+            raise
+        self._journal.commit()
 
     def _build_parts(self, qsizes):
         """The gathers, hooks and whole-model operations over the shards and their binding."""
@@ -320,6 +366,18 @@ class ShardedModule(torch.nn.Module):
 
     def named_buffers(self, prefix="", recurse=True, remove_duplicate=True):
         return self.module.named_buffers(prefix, recurse, remove_duplicate)
+
+
+def _check_recoverable(param_dtype, quantize):
+    """Recovery in place keeps the state of fp32 training in the pool; bf16 parameters and
+    quantized gathers keep fp32 masters in the rank, which a lost process would take along."""
+    if param_dtype != "fp32" or quantize:
+        raise ValueError(
+            f"fully_shard: the job recovers lost ranks in place, which keeps every rank's "
+            f"state in its daemon's pool; param_dtype '{param_dtype}'"
+            f"{' with quantize ' + repr(quantize) if quantize else ''} keeps fp32 masters in "
+            "the rank process (docs/recovery.md): train in fp32, or create the job without a "
+            "recovery deadline")
 
 
 def _check_options(param_dtype, quantize, reshard_after_forward):

@@ -7,6 +7,8 @@ would be None (zero_grad(set_to_none=True) and no rank's backward reached it sin
 is not stepped at all: no moment update, no weight decay, no step count. The module decides
 which parameters have a gradient with the same rule on every rank (`ShardedModule.has_grad`).
 """
+import contextlib
+
 import torch
 
 from .groups import ModuleOptimizer
@@ -87,6 +89,10 @@ class OwnerOptimizer(ModuleOptimizer):
             raise ValueError(f"{type(self).__name__}: step(closure) is not supported")
         m = self.model
         m.wait_for_checkpoint_write()  # an asynchronous save may be reading the state
+        with getattr(m, "optimizer_step", contextlib.nullcontext)():
+            self._step_all(m)
+
+    def _step_all(self, m):
         has = m.has_grad
         for g, base, ag in zip(self.param_groups, self._base_lr, self.adamw.param_groups):
             for key, option in ADAMW_OPTIONS.items():
@@ -195,6 +201,8 @@ class ShardedMuon(OwnerOptimizer):
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
             ns_steps=ns_steps, adamw_lr=adamw_lr, adamw_betas=adamw_betas,
             adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay), "muon_momentum")
+
+    recovers = True  # its momentum is the module's state tensors; its AdamW's too
 
     @staticmethod
     def _orthogonalized(mx, g, group):

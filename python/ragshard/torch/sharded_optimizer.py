@@ -21,6 +21,7 @@ The state of the pieces lives in tensors that the module provides
 optimizer's pieces of that unit back to back: whatever CLS allocates at its first step is moved
 there, and CLS updates it in place from then on. Only this rank's pieces have state.
 """
+import contextlib
 import inspect
 
 import torch
@@ -44,6 +45,20 @@ def options_of(cls):
             continue
         out[name] = None if prm.default is prm.empty else prm.default
     return out
+
+
+def state_keys(cls, given):
+    """([elementwise state keys], [other state keys than the step count]) of torch optimizer
+    `cls` with options `given`, from one step of a two-element probe."""
+    p = torch.zeros(2, requires_grad=True)
+    probe = cls([p], **given)
+    p.grad = torch.zeros(2)
+    probe.step()
+    st = probe.state[p]
+    elementwise = sorted(k for k, v in st.items() if torch.is_tensor(v) and v.shape == p.shape)
+    other = sorted(k for k, v in st.items()
+                   if k not in elementwise and k != "step" and v is not None)
+    return elementwise, other
 
 
 def master_of_unit(model, ui):
@@ -115,6 +130,41 @@ class ShardedOptimizer(ModuleOptimizer):
         self._inner_of = [None if g is None else next(at) for g in inner]
         self._built = True
         self._layout()
+        self._steps = None  # each piece's step count, in the pool (recovery in place)
+        if getattr(model, "recoverable", False):
+            self._pool_steps()
+
+    recovers = True
+
+    def _pool_steps(self):
+        """Where the job recovers lost ranks in place: each piece's step count in a state
+        tensor, and after a recovery, CLS's state of each piece made from the module's state
+        tensors (the pool's) and that count."""
+        keys, other = state_keys(self.cls, self._given)
+        if other:
+            raise ValueError(f"{self._tag}: state {', '.join(other)} is neither elementwise nor "
+                             "the step count, so a recovery in place could not restore it "
+                             "(docs/recovery.md); use another optimizer or no recovery")
+        m = self.model
+        self._steps = m.optimizer_state(self._tag, "step", -1, max(len(self.pieces), 1),
+                                        torch.float64)
+        if m.resume_step <= 0 or self.opt is None:
+            return
+        for i, ((_, piece, _), (ui, lo, hi), at) in enumerate(
+                zip(self.pieces, self.where, self._home_at)):
+            n = float(self._steps[i])
+            if n <= 0:
+                continue
+            st = {key: m.optimizer_state(self._tag, key, ui, self._unit_numel[ui],
+                                         piece.dtype)[at:at + hi - lo] for key in keys}
+            st["step"] = torch.tensor(n, dtype=torch.float32)
+            self.opt.state[piece] = st
+        self._homed = len(self.opt.state)
+
+    def _count_steps(self):
+        for i, (_, piece, _) in enumerate(self.pieces):
+            st = self.opt.state.get(piece)
+            self._steps[i] = float(st["step"]) if st and "step" in st else 0.0
 
     # -- pieces ------------------------------------------------------------------------------
 
@@ -188,6 +238,11 @@ class ShardedOptimizer(ModuleOptimizer):
             raise ValueError(f"{self._tag}: step(closure) is not supported: an elementwise "
                              "optimizer needs no re-evaluation of the loss")
         self.model.wait_for_checkpoint_write()  # an asynchronous save may be reading the state
+        transaction = getattr(self.model, "optimizer_step", contextlib.nullcontext)
+        with transaction():
+            self._step(gather)
+
+    def _step(self, gather):
         if self.opt is not None:
             has = self.model.has_grad
             for index, piece, grad in self.pieces:
@@ -201,6 +256,8 @@ class ShardedOptimizer(ModuleOptimizer):
             self.opt.step()
             if len(self.opt.state) != self._homed:
                 self._home()  # pieces stepped for the first time (their state is then CLS's)
+            if self._steps is not None:
+                self._count_steps()
         copy_masters(self.copies)
         if gather:
             self.model.gather_updates()

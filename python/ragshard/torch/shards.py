@@ -31,6 +31,9 @@ class RankShards:
         self._whole = set()
         self.matrices = []  # Matrix of each whole-matrix tensor (Muon's and Shampoo's)
         self._optimizer_state = {}  # (optimizer, key, unit) -> tensor (optimizer_state)
+        # Where the optimizers' state lives: a PoolState (recovery.py) in a job that recovers
+        # lost ranks in place, else tensors of this process.
+        self.pool = None
 
     @property
     def ospos(self):
@@ -40,12 +43,13 @@ class RankShards:
     def os_elems(self):
         return self._layout.os_elems
 
-    def fill(self, ui, meta, init):
+    def fill(self, ui, meta, init, write=True):
         """Writes unit `ui`'s initial values into this rank's parameter shard, and notes the
         unit's pieces, its whole-matrix tensors and, with a parameter dtype below fp32, the
         exact fp32 master of its optimizer range. A parameter whose id is in `meta` (built on
         the meta device) takes its values from `init` (a function; "empty": zeros, a load
-        follows), built whole only while its pieces are copied."""
+        follows), built whole only while its pieces are copied. `write` False: the shard keeps
+        what it holds (a recovered rank's adopted values)."""
         lay = self._layout
         shard = tensor_of(self._client.param_shard(ui), self._dtype)
         s = lay.shard_elems[ui]
@@ -63,7 +67,11 @@ class RankShards:
             index = self._units.index_of(p)
             matrix = place.kind is not None
             a, b = max(off, lo), min(off + numel, hi)
-            if a < b:
+            if a < b and not write:
+                oa, ob = max(a, olo), min(b, ohi)
+                if oa < ob:
+                    pieces.append(Piece(index, oa - olo, ob - olo, matrix))
+            elif a < b:
                 if id(p) not in meta:
                     mine = p.detach().reshape(-1)[a - off:b - off]
                 elif callable(init):  # the whole tensor, only while its pieces are copied
@@ -162,9 +170,23 @@ class RankShards:
         k = (owner, key, ui)
         t = self._optimizer_state.get(k)
         if t is None or t.numel() != numel or t.dtype != dtype:
-            t = self._optimizer_state[k] = torch.zeros(numel, dtype=dtype)
+            if self.pool is None:
+                t = torch.zeros(numel, dtype=dtype)
+            else:  # the daemon's: a restarted process of this rank gets it back
+                t, _ = self.pool.tensor(state_name(k), numel, dtype)
+            self._optimizer_state[k] = t
         return t
+
+    def named_state(self):
+        """{name: tensor} of what optimizer_state has made (StepJournal's names)."""
+        return {state_name(k): t for k, t in self._optimizer_state.items()}
 
     def optimizer_state_tensors(self):
         """Every tensor optimizer_state has made, in the order made."""
         return list(self._optimizer_state.values())
+
+
+def state_name(key):
+    """The state buffer of optimizer state (owner, key, unit)."""
+    owner, name, ui = key
+    return f"opt/{owner}/{name}/{ui}"

@@ -248,6 +248,7 @@ class FakeBackend final : public DataBackend {
   absl::Status GatherToOwner(int, absl::Time) override { return absl::OkStatus(); }
   absl::Status ScatterFromOwner(int, absl::Time) override { return absl::OkStatus(); }
   absl::Status UpdateGather(int, absl::Time) override { return absl::OkStatus(); }
+  void ResetTransient() override {}
   void Placement(int, int, v1::UnitBuffers*) const override {}
   void Describe(int, const v1::Plan&, v1::AttachResponse*) const override {}
 

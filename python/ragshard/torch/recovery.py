@@ -1,0 +1,141 @@
+"""A rank's training state in its daemon's pool, stepped atomically (docs/recovery.md).
+
+In a job that recovers lost rank processes in place (`Client.recoverable`), everything a rank
+keeps from one step to the next lives in the daemon's pool: the parameter shards (the daemon's
+own buffers), and the optimizers' state (`ShardedModule.optimizer_state`) and step counts in
+state buffers, named buffers of the rank's own that a restarted process of the rank gets back
+(`Client.state_buffer`). The rank process then holds only model code, activations and views.
+
+An optimizer step is a transaction over that state (`StepJournal`): before it changes anything,
+the step copies the state into undo buffers and marks the step begun; once done, it marks the
+step committed. A process lost in the middle leaves the mark begun: the restarted rank puts the
+undo copy back. Ranks agree on the last step every one of them committed (`resume`), since a
+rank may have committed a step that another did not finish; those ahead roll back one step too
+(their undo copy is that step's start, since no rank can begin the next step's update before
+every rank has finished this one: the next forward's gathers need them all). The script then
+redoes the interrupted step from its start (`ShardedModule.resume_step`).
+"""
+import json
+
+import numpy as np
+import torch
+
+from .views import as_tensor
+
+__all__ = ["PoolState", "StepJournal"]
+
+_MANIFEST_BYTES = 1 << 16
+
+
+class PoolState:
+    """State buffers of this rank in the daemon's pool, as torch tensors."""
+
+    def __init__(self, client):
+        self.client = client
+
+    def tensor(self, name, numel, dtype=torch.float32):
+        """(a flat tensor of `numel` elements of `dtype` in state buffer `name`, whether it
+        existed before: a restarted process adopts its values; a new one is zeros)."""
+        item = torch.empty((), dtype=dtype).element_size()
+        raw, existed = self.client.state_buffer(name, max(int(numel), 1) * item)
+        return torch.from_numpy(raw).view(dtype)[:int(numel)], existed
+
+
+class StepJournal:
+    """Begin and commit marks of the optimizer steps over `tensors()` (name -> tensor, the
+    state a step changes), with an undo copy of each in the pool."""
+
+    def __init__(self, pool, tensors):
+        self.pool, self._tensors = pool, tensors
+        self.meta, _ = pool.tensor("journal/meta", 2, torch.int64)  # committed, begun
+        raw, _ = pool.client.state_buffer("journal/manifest", _MANIFEST_BYTES)
+        self._manifest_raw = raw
+        self._undo = {}  # name -> its undo tensor
+        self._recorded = None  # the names in the manifest as last written
+        self._depth = 0
+
+    committed = property(lambda self: int(self.meta[0]))
+
+    def _undo_of(self, name, t):
+        u = self._undo.get(name)
+        if u is None:
+            u, _ = self.pool.tensor(f"journal/undo/{name}", t.numel(), t.dtype)
+            self._undo[name] = u
+        return u
+
+    def _record(self, names):
+        """The names the undo copies cover, in the pool (a restarted process reads them)."""
+        if names == self._recorded:
+            return
+        data = json.dumps(names).encode()
+        if len(data) + 8 > _MANIFEST_BYTES:
+            raise ValueError(f"StepJournal: {len(names)} state tensors do not fit the journal's "
+                             f"manifest of {_MANIFEST_BYTES} bytes")
+        raw = self._manifest_raw
+        raw[8:8 + len(data)] = np.frombuffer(data, dtype=np.uint8)
+        raw[:8] = np.frombuffer(np.int64(len(data)).tobytes(), dtype=np.uint8)
+        self._recorded = list(names)
+
+    def _recorded_names(self):
+        raw = self._manifest_raw
+        n = int(np.frombuffer(raw[:8].tobytes(), dtype=np.int64)[0])
+        return json.loads(raw[8:8 + n].tobytes()) if n > 0 else []
+
+    def begin(self):
+        """Before a step changes the state: the undo copies, then the mark. Nested calls (an
+        optimizer stepping another inside) are one transaction."""
+        self._depth += 1
+        if self._depth > 1:
+            return
+        tensors = self._tensors()
+        self._record(sorted(tensors))
+        for name, t in tensors.items():
+            self._undo_of(name, t).copy_(t)
+        self.meta[1] = self.meta[0] + 1
+
+    def commit(self):
+        self._depth -= 1
+        if self._depth == 0:
+            self.meta[0] = self.meta[1]
+
+    def abandon(self):
+        """A step that raised: its transaction stays begun (a restart undoes it)."""
+        self._depth = 0
+
+    def roll_back(self, to):
+        """Brings this rank's state to the start of step `to` + 1: where it began a later step
+        (or committed one), the undo copies go back."""
+        committed, begun = int(self.meta[0]), int(self.meta[1])
+        if begun > committed or committed > to:
+            if committed - to > 1 or begun - to > 1:
+                raise RuntimeError(
+                    f"ragshard recovery: this rank committed step {committed} (began {begun}), "
+                    f"more than one past step {to} that every rank completed; its undo copy "
+                    "holds only the start of the last step")
+            tensors = self._tensors()
+            for name in self._recorded_names():
+                if name in tensors:
+                    tensors[name].copy_(self._undo_of(name, tensors[name]))
+        self.meta[0] = to
+        self.meta[1] = to
+
+
+def agree_on_committed(control, committed, world):
+    """The last step every rank committed: the least `committed` over the ranks, which differ by
+    at most one (StepJournal). Two sums of one float per rank; exact while world * steps is
+    below 2^24, which is checked."""
+    if committed * world >= 1 << 24:
+        raise RuntimeError(f"ragshard recovery: {committed} steps at {world} ranks is past what "
+                           "the agreement's fp32 sums hold exactly (2^24)")
+    total = control.all_reduce_scalar(float(committed))
+    low = int(total // world)
+    spread = control.all_reduce_scalar(float((committed - low) * (committed - low - 1)))
+    if spread != 0.0 or committed not in (low, low + 1):
+        raise RuntimeError(f"ragshard recovery: the ranks' committed steps differ by more than "
+                           f"one (this rank {committed}, their sum {total:.0f} over {world})")
+    return low
+
+
+def shard_tensors(client, units):
+    """{name: tensor} of this rank's parameter shards (the daemon's buffers)."""
+    return {f"shard/{ui}": as_tensor(client.param_shard(ui)) for ui in units}

@@ -1,0 +1,75 @@
+// The communicator a job's data plane holds: it relays every call to the job's current
+// connection to the other nodes' daemons, which a recovery in place replaces with a new one of
+// the next epoch (docs/recovery.md). The old connection's messages die with it, so an operation
+// cut short by the recovery leaves nothing behind for the next epoch's operations to match.
+//
+// Thread-compatible like every Comm: the job's thread calls it and replaces the connection;
+// waiting_for() may be called from any thread (ragshardctl job why).
+#pragma once
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "server/daemon/comm.h"
+#include "server/daemon/ucx_comm.h"
+
+namespace ragshard::daemon {
+
+class RelayComm final : public Comm {
+ public:
+  // `worker` (may be null for in-memory comms) must outlive `comm`; both are kept.
+  RelayComm(std::unique_ptr<UcxWorker> worker, std::unique_ptr<Comm> comm)
+      : worker_(std::move(worker)), comm_(std::move(comm)) {}
+  ~RelayComm() override {
+    comm_.reset();  // before its worker
+    worker_.reset();
+  }
+
+  // The next epoch's connection (same members, same ranks); the old one closes first.
+  void Replace(std::unique_ptr<UcxWorker> worker, std::unique_ptr<Comm> comm) {
+    absl::MutexLock lock(&mu_);
+    sent_before_ += comm_->sent_bytes();
+    comm_.reset();
+    worker_.reset();
+    worker_ = std::move(worker);
+    comm_ = std::move(comm);
+    if (describe_) comm_->SetDescriber(describe_);
+  }
+
+  int rank() const override { return comm_->rank(); }
+  int size() const override { return comm_->size(); }
+  absl::StatusOr<uint64_t> PostSend(int peer, uint64_t tag, const void* data,
+                                    size_t bytes) override {
+    return comm_->PostSend(peer, tag, data, bytes);
+  }
+  absl::StatusOr<uint64_t> PostRecv(int peer, uint64_t tag, void* data, size_t bytes) override {
+    return comm_->PostRecv(peer, tag, data, bytes);
+  }
+  using Comm::WaitAll;
+  absl::Status WaitAll(const std::vector<uint64_t>& requests, absl::Time deadline,
+                       const IdleWork& idle) override {
+    return comm_->WaitAll(requests, deadline, idle);
+  }
+  void Abort(const std::string& why) override { comm_->Abort(why); }
+  void SetDescriber(TagDescriber describe) override {
+    describe_ = describe;
+    comm_->SetDescriber(std::move(describe));
+  }
+  int64_t sent_bytes() const override { return sent_before_ + comm_->sent_bytes(); }
+  std::string waiting_for() const override {
+    absl::MutexLock lock(&mu_);
+    return comm_->waiting_for();
+  }
+
+ private:
+  mutable absl::Mutex mu_;  // held by Replace and by calls from other threads
+  std::unique_ptr<UcxWorker> worker_;
+  std::unique_ptr<Comm> comm_;
+  TagDescriber describe_;
+  int64_t sent_before_ = 0;
+};
+
+}  // namespace ragshard::daemon
