@@ -69,6 +69,10 @@ int RunCtl(int argc, const char* const* argv, std::ostream& out, std::ostream& e
   job_create->add_option("--strategy", spec.strategy,
                          "policy auto: use k=K,shard=AxB instead of searching");
   job_create->add_option("--memory-budget", job_budget, "policy auto: bytes per device (80GiB)");
+  std::string recovery_deadline;
+  job_create->add_option("--recovery-deadline", recovery_deadline,
+                         "SECONDS: a lost rank is recovered in place if every node's ranks "
+                         "re-attach within this long (0 or absent: a lost rank degrades the job)");
   job_create->add_option("--optimizer", spec.optimizer, "policy auto: adam or muon");
   job_create->add_option("--tokens-per-step", spec.tokens_per_step,
                          "policy auto: global batch in tokens");
@@ -133,7 +137,7 @@ int RunCtl(int argc, const char* const* argv, std::ostream& out, std::ostream& e
   if (job_why->parsed()) return RunJobWhy(online, job_id, out, err);
   if (job_create->parsed()) {
     spec.job_id = job_id;
-    return RunJobCreate(online, spec, job_budget, out, err);
+    return RunJobCreate(online, spec, job_budget, recovery_deadline, out, err);
   }
   if (plan_show->parsed()) return RunPlanShow(online, job_id, unit, factor, out, err);
   if (plan_metrics->parsed()) return RunPlanMetrics(online, job_id, out, err);

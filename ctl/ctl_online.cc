@@ -1,17 +1,21 @@
 #include "ctl/ctl_online.h"
 
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <map>
 #include <memory>
+#include <set>
 #include <sstream>
 #include <utility>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "ctl/ctl_format.h"
+#include "ctl/ctl_recovery.h"
 #include "ctl/ctl_strategy.h"
 #include "engine/dtype.h"
 #include "engine/models.h"
@@ -63,6 +67,22 @@ std::string StatusName(v1::JobStatus s) {
   return n.rfind("JOB_", 0) == 0 ? n.substr(4) : n;
 }
 
+int64_t NowMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+// The nodes of the registered ranks, in the order of their first rank.
+std::vector<std::string> NodesOf(const std::vector<v1::RankState>& ranks) {
+  std::vector<std::string> nodes;
+  std::set<std::string> seen;
+  for (const auto& r : ranks) {
+    if (r.registered() && seen.insert(r.node_id()).second) nodes.push_back(r.node_id());
+  }
+  return nodes;
+}
+
 }  // namespace
 
 void AddOnlineFlags(CLI::App* app, Online* o) {
@@ -98,13 +118,18 @@ int RunJobs(const Online& o, std::ostream& out, std::ostream& err) {
   if (!jobs.ok()) return Fail(err, jobs.status());
   if (o.json) return PrintList(*jobs, &v1::ListJobsResponse::mutable_jobs, out);
   out << absl::StrFormat("%-24s %-12s %12s %-13s %11s %5s  %s\n", "JOB", "STATUS", "WORLD",
-                         "POLICY", "REGISTERED", "PLAN", "ERROR");
+                         "POLICY", "REGISTERED", "PLAN", "DETAIL");
+  const int64_t now = NowMs();
   for (const auto& j : *jobs) {
+    // The recovery (in progress, or those before) and the error.
+    std::vector<std::string> detail;
+    if (std::string note = RecoveryNote(j, now); !note.empty()) detail.push_back(note);
+    if (!j.error().empty()) detail.push_back(OneLine(j.error()));
     out << absl::StrFormat(
         "%-24s %-12s %12s %-13s %11s %5s  %s\n", j.job_id(), StatusName(j.status()),
         absl::StrCat(j.mesh().replicate_size(), "x", j.mesh().shard_size()), j.options().policy(),
         absl::StrCat(j.registered_ranks(), "/", j.world_size()),
-        j.plan_version() ? absl::StrCat("v", j.plan_version()) : "-", OneLine(j.error()));
+        j.plan_version() ? absl::StrCat("v", j.plan_version()) : "-", absl::StrJoin(detail, "; "));
   }
   return kExitOk;
 }
@@ -116,6 +141,8 @@ int RunJobShow(const Online& o, const std::string& id, std::ostream& out, std::o
     out << ToJson(*job) << "\n";
     return kExitOk;
   }
+  auto ranks = Ask(o, [&](PlannerClient& c) { return c.ListRanks(id); });
+  if (!ranks.ok()) return Fail(err, ranks.status());
   const v1::Job& j = *job;
   out << "job:          " << j.job_id() << "\n"
       << "status:       " << StatusName(j.status()) << "\n"
@@ -123,14 +150,18 @@ int RunJobShow(const Online& o, const std::string& id, std::ostream& out, std::o
       << " ranks (world " << j.world_size() << ")\n"
       << "policy:       " << j.options().policy() << ", align " << j.options().align_bytes() << " B"
       << (j.options().default_granule().empty() ? "" : ", granule ")
-      << j.options().default_granule() << "\n"
+      << j.options().default_granule()
+      << (j.options().recovery_deadline_ms() > 0
+              ? absl::StrFormat(", recovers in place within %g s",
+                                static_cast<double>(j.options().recovery_deadline_ms()) / 1000.0)
+              : "")
+      << "\n"
       << "registered:   " << j.registered_ranks() << "/" << j.world_size() << "\n"
       << "inventory:    " << (j.inventory_sha256().empty() ? "-" : HexString(j.inventory_sha256()))
       << "\n"
       << "plan version: " << j.plan_version() << "\n"
-      << "error:        " << (j.error().empty() ? "-" : OneLine(j.error())) << "\n";
-  auto ranks = Ask(o, [&](PlannerClient& c) { return c.ListRanks(id); });
-  if (!ranks.ok()) return Fail(err, ranks.status());
+      << "error:        " << (j.error().empty() ? "-" : OneLine(j.error())) << "\n"
+      << RecoveryLines(j, NodesOf(*ranks), NowMs());
   std::map<std::string, int> per_node;
   for (const auto& r : *ranks) {
     if (r.registered()) ++per_node[r.node_id()];
@@ -224,8 +255,18 @@ int RunPlanShow(const Online& o, const std::string& id, const std::string& unit,
 }
 
 int RunJobCreate(const Online& o, const JobSpec& spec, const std::string& memory_budget,
-                 std::ostream& out, std::ostream& err) {
+                 const std::string& recovery_deadline, std::ostream& out, std::ostream& err) {
   v1::CreateJobRequest create = MakeCreateJobRequest(spec);
+  if (!recovery_deadline.empty()) {
+    double seconds = 0;
+    if (!absl::SimpleAtod(recovery_deadline, &seconds) || !std::isfinite(seconds) || seconds < 0 ||
+        seconds > kMaxRecoveryDeadlineS) {
+      err << "error: --recovery-deadline: '" << recovery_deadline
+          << "' is not a number of seconds in [0, " << kMaxRecoveryDeadlineS << "]\n";
+      return kExitBadInput;
+    }
+    create.mutable_options()->set_recovery_deadline_ms(std::llround(seconds * 1000));
+  }
   if (!memory_budget.empty()) {
     int64_t b = 0;
     if (!ParseByteSize(memory_budget, &b)) {
@@ -251,9 +292,7 @@ int RunNodes(const Online& o, std::ostream& out, std::ostream& err) {
   auto nodes = Ask(o, [&](PlannerClient& c) { return c.ListNodes(); });
   if (!nodes.ok()) return Fail(err, nodes.status());
   if (o.json) return PrintList(*nodes, &v1::ListNodesResponse::mutable_nodes, out);
-  const int64_t now = std::chrono::duration_cast<std::chrono::milliseconds>(
-                          std::chrono::system_clock::now().time_since_epoch())
-                          .count();
+  const int64_t now = NowMs();
   out << absl::StrFormat("%-20s %-6s %-24s %12s %12s %12s %7s %8s %10s\n", "NODE", "STATUS",
                          "DATA ADDRESS", "POOL CAP", "POOL USED", "POOL PEAK", "FRAG", "BUFFERS",
                          "HEARTBEAT");
@@ -287,9 +326,7 @@ int RunNodeStats(const Online& o, const std::string& node_id, std::ostream& out,
     out << ToJson(*node) << "\n";
     return kExitOk;
   }
-  const int64_t now = std::chrono::duration_cast<std::chrono::milliseconds>(
-                          std::chrono::system_clock::now().time_since_epoch())
-                          .count();
+  const int64_t now = NowMs();
   const auto& f = node->figures();
   out << absl::StrFormat("node %s: %s, data address %s, last heartbeat %.1fs ago\n",
                          node->node_id(), node->status() == v1::NODE_UP ? "UP" : "LOST",
@@ -331,11 +368,10 @@ int RunJobWhy(const Online& o, const std::string& id, std::ostream& out, std::os
     out << "{\"job\": " << ToJson(*job) << ", \"ranks\": [" << absl::StrJoin(ranks, ", ") << "]}\n";
     return kExitOk;
   }
-  const int64_t now = std::chrono::duration_cast<std::chrono::milliseconds>(
-                          std::chrono::system_clock::now().time_since_epoch())
-                          .count();
+  const int64_t now = NowMs();
   out << "job " << id << ": " << StatusName(job->status())
-      << (job->error().empty() ? "" : absl::StrCat(" (", job->error(), ")")) << "\n";
+      << (job->error().empty() ? "" : absl::StrCat(" (", job->error(), ")")) << "\n"
+      << RecoveryLines(*job, NodesOf(*ranks), now);
   out << absl::StrFormat("%-5s %-16s %-12s %-36s %-36s %8s  %s\n", "RANK", "NODE", "HEARD",
                          "LAST DONE", "PENDING", "FOR", "WAITING ON");
   for (const auto& r : *ranks) {

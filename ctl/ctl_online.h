@@ -1,7 +1,8 @@
-// ragshardctl's commands that talk to a planner: health, jobs, job show/create/delete, plan
-// show/metrics and nodes. Each connects with the global flags (--planner, the token and TLS
-// flags, --retry-s), prints a table or (--json) the protobuf as JSON, and returns the exit code
-// (ctl/ctl_format.h) with one-line errors on `err`.
+// ragshardctl's commands that talk to a planner: health, jobs, job show/create/delete/why, plan
+// show/metrics and nodes. A job's status shows its recovery in place (ctl/ctl_recovery.h). Each
+// connects with the global flags (--planner, the token and TLS flags, --retry-s), prints a table or
+// (--json) the protobuf as JSON, and returns the exit code (ctl/ctl_format.h) with one-line errors
+// on `err`.
 #pragma once
 
 #include <ostream>
@@ -26,9 +27,12 @@ void AddOnlineFlags(CLI::App* app, Online* o);
 int RunHealth(const Online& o, std::ostream& out, std::ostream& err);
 int RunJobs(const Online& o, std::ostream& out, std::ostream& err);
 int RunJobShow(const Online& o, const std::string& id, std::ostream& out, std::ostream& err);
-// `memory_budget` is a byte size ("80GiB"), parsed here so that a bad one names the flag.
+// The most --recovery-deadline accepts (the planner's own limit: 24 h).
+inline constexpr double kMaxRecoveryDeadlineS = 24 * 3600;
+// `memory_budget` is a byte size ("80GiB") and `recovery_deadline` seconds ("120", "0.5"; empty:
+// none), parsed here so that a bad one names its flag.
 int RunJobCreate(const Online& o, const JobSpec& spec, const std::string& memory_budget,
-                 std::ostream& out, std::ostream& err);
+                 const std::string& recovery_deadline, std::ostream& out, std::ostream& err);
 int RunJobDelete(const Online& o, const std::string& id, std::ostream& out, std::ostream& err);
 int RunPlanShow(const Online& o, const std::string& id, const std::string& unit,
                 const std::string& factor, std::ostream& out, std::ostream& err);
@@ -36,7 +40,8 @@ int RunPlanMetrics(const Online& o, const std::string& id, std::ostream& out, st
 int RunNodes(const Online& o, std::ostream& out, std::ostream& err);
 // Where each rank of a job stands, from its daemon's latest heartbeat: the last operation done,
 // the one it waits on, for how long and on whom (a local rank, a peer node). Answers while the
-// job hangs: the planner holds the figures.
+// job hangs: the planner holds the figures. A RECOVERING job also says what was lost, which
+// nodes have recovered, which are still rejoining, and the deadline.
 int RunJobWhy(const Online& o, const std::string& id, std::ostream& out, std::ostream& err);
 // One node's figures, from its daemon's latest heartbeat to the planner.
 int RunNodeStats(const Online& o, const std::string& node_id, std::ostream& out, std::ostream& err);

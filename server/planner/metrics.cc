@@ -28,11 +28,45 @@ PlannerMetrics::PlannerMetrics() {
   plan_bytes_sent_ = &CounterFamily("ragshard_planner_plan_bytes_sent_total",
                                     "Bytes of the plan events handed to WatchPlan streams")
                           .Add({});
+  auto& recoveries = CounterFamily(
+      "ragshard_planner_recoveries_total",
+      "Recoveries in place that ended, by outcome: recovered (every node's ranks re-attached), "
+      "deadline (JobOptions.recovery_deadline_ms passed first), second_failure (another failure "
+      "was reported during it), node_lost (a node of the job stopped heartbeating)");
+  recovered_ = &recoveries.Add({{"outcome", "recovered"}});
+  recovery_deadline_ = &recoveries.Add({{"outcome", "deadline"}});
+  recovery_second_failure_ = &recoveries.Add({{"outcome", "second_failure"}});
+  recovery_node_lost_ = &recoveries.Add({{"outcome", "node_lost"}});
+  // From a restarted rank's re-attachment in a second to a slow restart near a long deadline.
+  recovery_seconds_ =
+      &HistogramFamily("ragshard_planner_recovery_seconds",
+                       "Seconds from a recovery's start to its last node's recovery (recovered "
+                       "ones)")
+           .Add({},
+                prometheus::Histogram::BucketBoundaries{0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300});
 }
 
 void PlannerMetrics::PlanComputed(bool ok, double seconds) {
   (ok ? plans_ok_ : plans_failed_)->Increment();
   plan_seconds_->Observe(seconds);
+}
+
+void PlannerMetrics::RecoveryEnded(RecoveryOutcome outcome, double seconds) {
+  switch (outcome) {
+    case RecoveryOutcome::kRecovered:
+      recovered_->Increment();
+      recovery_seconds_->Observe(seconds);
+      return;
+    case RecoveryOutcome::kDeadline:
+      recovery_deadline_->Increment();
+      return;
+    case RecoveryOutcome::kSecondFailure:
+      recovery_second_failure_->Increment();
+      return;
+    case RecoveryOutcome::kNodeLost:
+      recovery_node_lost_->Increment();
+      return;
+  }
 }
 
 }  // namespace ragshard::planner

@@ -1,6 +1,6 @@
 // The planner's Prometheus figures (served by --metrics-listen, infra/metrics.h). Counters and
-// the planning-time histogram are updated as the planner works; jobs by state, nodes by state
-// and the watch streams are read from the service's state when a scrape comes.
+// the planning-time and recovery-time histograms are updated as the planner works; jobs by state,
+// nodes by state and the watch streams are read from the service's state when a scrape comes.
 #pragma once
 
 #include <memory>
@@ -11,6 +11,10 @@
 #include "prometheus/histogram.h"
 
 namespace ragshard::planner {
+
+// How a recovery in place ended (ragshard_planner_recoveries_total's outcome label): every node
+// recovered, the deadline passed first, another failure came during it, or a node was lost.
+enum class RecoveryOutcome { kRecovered, kDeadline, kSecondFailure, kNodeLost };
 
 class PlannerMetrics : public MetricsSet {
  public:
@@ -28,6 +32,8 @@ class PlannerMetrics : public MetricsSet {
     plans_sent_->Increment();
     plan_bytes_sent_->Increment(static_cast<double>(bytes));
   }
+  // A recovery in place ended; `seconds` from its start is observed for recovered ones only.
+  void RecoveryEnded(RecoveryOutcome outcome, double seconds);
 
  private:
   prometheus::Counter* registrations_ = nullptr;
@@ -38,6 +44,11 @@ class PlannerMetrics : public MetricsSet {
   prometheus::Histogram* plan_seconds_ = nullptr;
   prometheus::Counter* plans_sent_ = nullptr;
   prometheus::Counter* plan_bytes_sent_ = nullptr;
+  prometheus::Counter* recovered_ = nullptr;
+  prometheus::Counter* recovery_deadline_ = nullptr;
+  prometheus::Counter* recovery_second_failure_ = nullptr;
+  prometheus::Counter* recovery_node_lost_ = nullptr;
+  prometheus::Histogram* recovery_seconds_ = nullptr;
 };
 
 }  // namespace ragshard::planner

@@ -260,6 +260,7 @@ void PlannerService::Tick() {
   for (auto& [id, e] : Entries()) {
     absl::MutexLock lock(&e->mu);
     ExpireRegistration(&e->state, now_ms, &deferred);
+    ExpireRecovery(&e->state, now_ms, &deferred);
   }
   DegradeJobsOn(nodes_.ExpireSilent(now_ms, options_.node_timeout), &deferred);
   RunDeferred(&deferred);
@@ -292,7 +293,7 @@ std::vector<prometheus::MetricFamily> PlannerService::ScrapeFigures() const {
   auto state = [](const std::string& name, const char* prefix) {
     return absl::AsciiStrToLower(name.substr(std::string(prefix).size()));
   };
-  for (int s = v1::JOB_REGISTERING; s <= v1::JOB_DELETED; ++s) {
+  for (int s = v1::JOB_REGISTERING; s <= v1::JobStatus_MAX; ++s) {
     jobs[state(v1::JobStatus_Name(s), "JOB_")] = 0;
   }
   for (int s = v1::NODE_UP; s <= v1::NODE_LOST; ++s) {

@@ -1,8 +1,9 @@
 // The ragshard-planner gRPC service (callback API). Its handlers are defined by responsibility:
 // service.cc (the job table, the handler prologue, job changes, the ticker), service_jobs.cc (the
 // job lifecycle and plan reads), service_registration.cc (rank registration and planning),
-// service_nodes.cc (node calls and failure reports), service_rendezvous.cc (Put/Get). The state
-// has four owners, each with its own lock: the job table and each job (below), the nodes
+// service_nodes.cc (node calls and failure reports), service_recovery.cc (recovery in place:
+// recoverable reports, ReportRecovered, the recovery deadline), service_rendezvous.cc (Put/Get).
+// The state has four owners, each with its own lock: the job table and each job (below), the nodes
 // (node_registry.h), the rendezvous keys and waiting gets (rendezvous.h), the watch streams
 // (watch_registry.h; a stream is watch_channel.h). The token check is auth.h.
 //
@@ -139,9 +140,16 @@ class PlannerService final
   // Get for many keys at once: answers when every one is put (DEADLINE_EXCEEDED naming the
   // missing ones after wait_ms).
   Unary* GetKeys(Ctx* ctx, const v1::GetKeysRequest* req, v1::GetKeysResponse* resp) override;
-  // A daemon's report of a lost peer marks a live job DEGRADED with the message.
+  // A daemon's report of a lost peer marks a live job DEGRADED with the message; a recoverable
+  // one, on a job with a recovery deadline, starts (or joins) a recovery in place instead
+  // (RECOVERING, service_recovery.cc), and the answer names its epoch and deadline.
   Unary* ReportFailure(Ctx* ctx, const v1::ReportFailureRequest* req,
                        v1::ReportFailureResponse* resp) override;
+  // A node's ranks re-attached in the recovery's epoch; the last of the job's nodes to say so
+  // makes it READY. FAILED_PRECONDITION naming the job's status and epoch for a job that is not
+  // recovering that epoch, or a node that holds none of its ranks.
+  Unary* ReportRecovered(Ctx* ctx, const v1::ReportRecoveredRequest* req,
+                         v1::ReportRecoveredResponse* resp) override;
 
  private:
   struct PendingHash {
@@ -279,6 +287,23 @@ class PlannerService final
   void ResolvePendingHashes(JobState* js, Deferred* deferred);
   // Marks DEGRADED the live jobs with a rank on a lost node.
   void DegradeJobsOn(const std::vector<std::string>& lost_nodes, Deferred* deferred);
+  // The nodes of the job's registered ranks, with the ranks as runs (ListJobNodes' answer),
+  // built at the first call after the ranks changed.
+  static const v1::ListJobNodesResponse& JobNodes(JobState* js);
+  // What a failure report says, as a job's error ("node 'n0' reports: ...").
+  static std::string ReportText(const v1::ReportFailureRequest& req);
+  // Recovery in place (service_recovery.cc). A failure report that starts a recovery (a
+  // recoverable one, on a READY job with a recovery deadline, of its epoch), joins the one in
+  // progress (a recoverable one of an earlier epoch) or ends it (any other: a second failure);
+  // false when it concerns no recovery (the job turns DEGRADED as for any report).
+  bool RecoveryReport(JobState* js, const v1::ReportFailureRequest& req,
+                      v1::ReportFailureResponse* resp, Deferred* deferred);
+  // Ends the job's recovery: DEGRADED with `error`, counted by `outcome`.
+  void EndRecovery(JobState* js, RecoveryOutcome outcome, const std::string& error,
+                   Deferred* deferred);
+  // A RECOVERING job whose deadline has passed turns DEGRADED, naming the nodes that did not
+  // recover.
+  void ExpireRecovery(JobState* js, int64_t now_ms, Deferred* deferred);
   // The ticker's checks, each in the file of its responsibility.
   void Tick();
   // Answers `keys` of a job from its stored keys at once, or parks the call until they are all

@@ -119,28 +119,32 @@ grpc::ServerUnaryReactor* PlannerService::ListRanks(Ctx* ctx, const v1::ListRank
       });
 }
 
+const v1::ListJobNodesResponse& PlannerService::JobNodes(JobState* js) {
+  // Built once per change of the ranks: every daemon of a job asks for the same answer.
+  if (!js->nodes) {
+    v1::ListJobNodesResponse& out = js->nodes.emplace();
+    std::map<std::string, int32_t> index;
+    for (const auto& [rank, state] : js->ranks) {
+      auto [it, fresh] = index.emplace(state.node_id(), out.node_ids_size());
+      if (fresh) out.add_node_ids(state.node_id());
+      const int n = out.run_node_size();
+      if (n > 0 && out.run_node(n - 1) == it->second &&
+          out.run_first(n - 1) + out.run_count(n - 1) == rank) {
+        out.set_run_count(n - 1, out.run_count(n - 1) + 1);
+      } else {
+        out.add_run_node(it->second);
+        out.add_run_first(rank);
+        out.add_run_count(1);
+      }
+    }
+  }
+  return *js->nodes;
+}
+
 grpc::ServerUnaryReactor* PlannerService::ListJobNodes(Ctx* ctx, const v1::ListJobNodesRequest* req,
                                                        v1::ListJobNodesResponse* resp) {
   return OnJob(ctx, Access::kUser, req->job_id(), nullptr, [&](JobState& js, Deferred*) {
-    // Built once per change of the ranks: every daemon of a job asks for the same answer.
-    if (!js.nodes) {
-      v1::ListJobNodesResponse& out = js.nodes.emplace();
-      std::map<std::string, int32_t> index;
-      for (const auto& [rank, state] : js.ranks) {
-        auto [it, fresh] = index.emplace(state.node_id(), out.node_ids_size());
-        if (fresh) out.add_node_ids(state.node_id());
-        const int n = out.run_node_size();
-        if (n > 0 && out.run_node(n - 1) == it->second &&
-            out.run_first(n - 1) + out.run_count(n - 1) == rank) {
-          out.set_run_count(n - 1, out.run_count(n - 1) + 1);
-        } else {
-          out.add_run_node(it->second);
-          out.add_run_first(rank);
-          out.add_run_count(1);
-        }
-      }
-    }
-    *resp = *js.nodes;
+    *resp = JobNodes(&js);
     return absl::OkStatus();
   });
 }

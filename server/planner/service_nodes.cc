@@ -21,8 +21,9 @@ grpc::ServerUnaryReactor* PlannerService::Heartbeat(Ctx* ctx, const v1::Heartbea
                                                     v1::HeartbeatResponse* resp) {
   return Unlocked(
       ctx, Access::kUser, [&] { return ValidateHeartbeat(*req, options_.limits); },
-      [&](Deferred*) {
+      [&](Deferred* deferred) {
         RAGSHARD_RETURN_IF_ERROR(nodes_.Heartbeat(*req, NowMs()));
+        const int64_t now_ms = NowMs();
         for (const std::string& job : req->jobs()) {
           EntryPtr e = Entry(job);
           if (e == nullptr) {
@@ -30,6 +31,8 @@ grpc::ServerUnaryReactor* PlannerService::Heartbeat(Ctx* ctx, const v1::Heartbea
             continue;
           }
           absl::MutexLock lock(&e->mu);
+          // A recovery past its deadline ends here too, not only at the next tick.
+          ExpireRecovery(&e->state, now_ms, deferred);
           const v1::Job& j = e->state.job;
           if (j.job_id().empty() || j.status() == v1::JOB_DELETED) {
             resp->add_release_jobs(job);
@@ -37,6 +40,20 @@ grpc::ServerUnaryReactor* PlannerService::Heartbeat(Ctx* ctx, const v1::Heartbea
             v1::JobFailure* f = resp->add_failed_jobs();
             f->set_job_id(job);
             f->set_error(j.error());
+          } else if (j.status() == v1::JOB_RECOVERING) {
+            // Of the nodes recovered, only this one (if it is): every node of a large job
+            // heartbeats, and the whole list in each answer would cost O(nodes^2) a round.
+            const v1::JobRecovery& recovery = j.recovery();
+            v1::JobRecovery* r = resp->add_recovering_jobs();
+            r->set_job_id(job);
+            r->set_epoch(recovery.epoch());
+            r->set_lost(recovery.lost());
+            r->set_reporter_node_id(recovery.reporter_node_id());
+            r->set_started_unix_ms(recovery.started_unix_ms());
+            r->set_deadline_unix_ms(recovery.deadline_unix_ms());
+            for (const std::string& node : recovery.recovered_node_ids()) {
+              if (node == req->node_id()) r->add_recovered_node_ids(node);
+            }
           }
         }
         return absl::OkStatus();
@@ -57,34 +74,50 @@ void PlannerService::DegradeJobsOn(const std::vector<std::string>& lost_nodes, D
     absl::MutexLock lock(&e->mu);
     JobState& js = e->state;
     for (const std::string& node_id : lost_nodes) {
-      if (js.job.status() != v1::JOB_READY && js.job.status() != v1::JOB_REGISTERING) break;
+      const v1::JobStatus status = js.job.status();
+      if (status != v1::JOB_READY && status != v1::JOB_REGISTERING &&
+          status != v1::JOB_RECOVERING) {
+        break;
+      }
       bool has_rank = false;
       for (const auto& [rank, r] : js.ranks) has_rank |= r.node_id() == node_id;
       if (!has_rank) continue;
+      const std::string lost = absl::StrCat("node '", node_id, "' lost (no heartbeat for ",
+                                            options_.node_timeout.count(), " ms)");
+      if (status == v1::JOB_RECOVERING) {
+        EndRecovery(&js, RecoveryOutcome::kNodeLost,
+                    absl::StrCat(lost, " during the recovery of epoch ", js.job.recovery_epoch(),
+                                 " (from ", js.job.recovery().lost(), ")"),
+                    deferred);
+        continue;
+      }
       js.job.set_status(v1::JOB_DEGRADED);
-      js.job.set_error(absl::StrCat("node '", node_id, "' lost (no heartbeat for ",
-                                    options_.node_timeout.count(), " ms)"));
+      js.job.set_error(lost);
       (void)JobChanged(&js, deferred);
     }
   }
 }
 
+std::string PlannerService::ReportText(const v1::ReportFailureRequest& req) {
+  // A daemon's message usually names the lost peer itself (the daemon's errors do).
+  return absl::StrContains(req.message(), req.lost_peer())
+             ? absl::StrCat("node '", req.reporter_node_id(), "' reports: ", req.message())
+             : absl::StrCat("node '", req.reporter_node_id(), "' reports peer '", req.lost_peer(),
+                            "' lost: ", req.message());
+}
+
 grpc::ServerUnaryReactor* PlannerService::ReportFailure(Ctx* ctx,
                                                         const v1::ReportFailureRequest* req,
-                                                        v1::ReportFailureResponse*) {
+                                                        v1::ReportFailureResponse* resp) {
   return OnJob(
       ctx, Access::kUser, req->job_id(),
       [&] { return ValidateReportFailure(*req, options_.limits); },
       [&](JobState& js, Deferred* deferred) {
+        if (RecoveryReport(&js, *req, resp, deferred)) return absl::OkStatus();
         // The first failure is the cause; the reports it provokes elsewhere do not replace it.
         if (!Terminal(js.job.status()) && js.job.status() != v1::JOB_DEGRADED) {
           js.job.set_status(v1::JOB_DEGRADED);
-          // A daemon's message usually names the lost peer itself (the daemon's errors do).
-          js.job.set_error(
-              absl::StrContains(req->message(), req->lost_peer())
-                  ? absl::StrCat("node '", req->reporter_node_id(), "' reports: ", req->message())
-                  : absl::StrCat("node '", req->reporter_node_id(), "' reports peer '",
-                                 req->lost_peer(), "' lost: ", req->message()));
+          js.job.set_error(ReportText(*req));
           LOG(WARNING) << "job " << req->job_id() << " DEGRADED: " << js.job.error();
           (void)JobChanged(&js, deferred);
         }

@@ -91,11 +91,21 @@ std::optional<grpc::Status> PlannerService::RegisterOnJob(JobState& js, const Re
   } else if (job.status() != v1::JOB_REGISTERING || js.planning) {
     // Registration is closed; an identical re-registration (a restarted rank) is fine.
     if (!registered_alike() || Terminal(job.status())) {
-      result = grpc::Status(
-          grpc::StatusCode::FAILED_PRECONDITION,
+      std::string error =
           absl::StrCat("job '", job.job_id(), "' is ", v1::JobStatus_Name(job.status()),
                        job.error().empty() ? "" : absl::StrCat(" (", job.error(), ")"),
-                       "; registration is closed"));
+                       "; registration is closed");
+      // A rank that registered before and now brings another model: name both hashes.
+      for (int64_t rank : reg.ranks) {
+        const auto r = js.ranks.find(rank);
+        if (Terminal(job.status()) || r == js.ranks.end() || r->second.inventory_sha256() == sha)
+          continue;
+        absl::StrAppend(&error, ": rank ", rank, " registers inventory hash ", HexString(sha),
+                        " but registered with ", HexString(r->second.inventory_sha256()),
+                        "; a restarted rank must run the same model");
+        break;
+      }
+      result = grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, error);
     }
   } else if (has_reference && sha != job.inventory_sha256()) {
     const std::string who = RanksName(reg.ranks, reg.node_id);

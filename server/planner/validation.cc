@@ -104,6 +104,11 @@ absl::Status ValidateCreateJob(const v1::CreateJobRequest& req, const ServiceLim
                absl::StrCat("must be in [0, ", limits.max_registration_timeout_ms, "], got ",
                             o.registration_timeout_ms()));
   }
+  if (o.recovery_deadline_ms() < 0 || o.recovery_deadline_ms() > limits.max_recovery_deadline_ms) {
+    return Bad("options.recovery_deadline_ms",
+               absl::StrCat("must be in [0, ", limits.max_recovery_deadline_ms, "], got ",
+                            o.recovery_deadline_ms()));
+  }
   return absl::OkStatus();
 }
 
@@ -267,7 +272,18 @@ absl::Status ValidateReportFailure(const v1::ReportFailureRequest& req,
   RAGSHARD_RETURN_IF_ERROR(
       ValidateId("reporter_node_id", req.reporter_node_id(), limits.max_id_length));
   RAGSHARD_RETURN_IF_ERROR(CheckText("lost_peer", req.lost_peer(), limits.max_address_length));
+  if (req.epoch() < 0) return Bad("epoch", absl::StrCat("must be >= 0, got ", req.epoch()));
   return CheckText("message", req.message(), limits.max_message_length);
+}
+
+absl::Status ValidateReportRecovered(const v1::ReportRecoveredRequest& req,
+                                     const ServiceLimits& limits) {
+  RAGSHARD_RETURN_IF_ERROR(ValidateJobId(req.job_id(), limits));
+  RAGSHARD_RETURN_IF_ERROR(ValidateId("node_id", req.node_id(), limits.max_id_length));
+  if (req.epoch() < 1) {
+    return Bad("epoch", absl::StrCat("must be >= 1 (a recovery's epoch), got ", req.epoch()));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace ragshard::planner

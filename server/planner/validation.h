@@ -26,6 +26,7 @@ struct ServiceLimits {
   int64_t max_address_length = 512;
   int64_t max_message_length = 4096;
   int64_t max_registration_timeout_ms = 24LL * 3600 * 1000;
+  int64_t max_recovery_deadline_ms = 24LL * 3600 * 1000;
   int64_t max_wait_ms = 10LL * 60 * 1000;
   int64_t max_heartbeat_jobs = 10000;
   // Local ranks a heartbeat reports the progress of (ragshardctl job why).
@@ -54,5 +55,7 @@ absl::Status ValidatePut(const v1::PutRequest& req, const ServiceLimits& limits)
 absl::Status ValidateGet(const v1::GetRequest& req, const ServiceLimits& limits);
 absl::Status ValidateReportFailure(const v1::ReportFailureRequest& req,
                                    const ServiceLimits& limits);
+absl::Status ValidateReportRecovered(const v1::ReportRecoveredRequest& req,
+                                     const ServiceLimits& limits);
 
 }  // namespace ragshard::planner

@@ -1,4 +1,5 @@
-// ragshardctl against a running planner: jobs, job show, plan show, plan metrics, nodes, health.
+// ragshardctl against a running planner: jobs, job show, plan show, plan metrics, nodes, health,
+// and a job's recovery in place.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -120,6 +121,70 @@ TEST_F(CtlOnlineTest, ShowsJobsPlansAndNodes) {
   EXPECT_THAT(bad_id.err, HasSubstr("job_id"));
   Result deleted = Ctl("job delete demo");
   EXPECT_EQ(deleted.code, 0) << deleted.err;
+}
+
+TEST_F(CtlOnlineTest, ShowsARecoveryInPlace) {
+  Result bad = Ctl("job create r --shard 2 --recovery-deadline -1");
+  EXPECT_EQ(bad.code, 2);
+  EXPECT_THAT(bad.err, HasSubstr("--recovery-deadline: '-1' is not a number of seconds"));
+  EXPECT_EQ(Ctl("job create r --shard 2 --recovery-deadline soon").code, 2);
+  Result created = Ctl("job create r --shard 2 --recovery-deadline 120");
+  ASSERT_EQ(created.code, 0) << created.err;
+  PlannerClientOptions o;
+  o.address = p_.address;
+  o.security.token_file = p_.token_file;
+  auto client = std::move(*GrpcPlannerClient::Create(o));
+  EXPECT_EQ(client->GetJob("r")->options().recovery_deadline_ms(), 120'000);
+  auto inv = ParseInventoryJson(R"({"units": [{"name": "layers.0", "tensors": [
+      {"name": "w", "shape": [512, 64], "dtype": "bf16"}]}]})");
+  for (int r = 0; r < 2; ++r) {
+    v1::RegisterRankRequest req;
+    req.set_job_id("r");
+    req.set_rank(r);
+    req.set_node_id(r == 0 ? "node-a" : "node-b");
+    *req.mutable_inventory() = *inv;
+    ASSERT_TRUE(client->RegisterRank(req).ok());
+  }
+  ASSERT_TRUE(client->WaitForPlan("r", 10s).ok());
+  v1::ReportFailureRequest report;
+  report.set_job_id("r");
+  report.set_reporter_node_id("node-b");
+  report.set_lost_peer("rank 1");
+  report.set_message("rank 1 of job 'r' on node 'node-b' exited");
+  report.set_recoverable(true);
+  ASSERT_EQ(client->ReportFailure(report)->recovery_epoch(), 1);
+  v1::ReportRecoveredRequest recovered;
+  recovered.set_job_id("r");
+  recovered.set_node_id("node-a");
+  recovered.set_epoch(1);
+  ASSERT_TRUE(client->ReportRecovered(recovered).ok());
+
+  Result jobs = Ctl("jobs");
+  EXPECT_THAT(jobs.out, HasSubstr("RECOVERING"));
+  EXPECT_THAT(jobs.out, HasSubstr("epoch 1, 1 node(s) recovered"));
+  Result show = Ctl("job show r");
+  ASSERT_EQ(show.code, 0) << show.err;
+  EXPECT_THAT(show.out, HasSubstr("status:       RECOVERING"));
+  EXPECT_THAT(show.out, HasSubstr("recovers in place within 120 s"));
+  EXPECT_THAT(show.out, HasSubstr("recovery:     epoch 1, reported by node 'node-b'"));
+  EXPECT_THAT(show.out, HasSubstr("lost:         rank 1 of job 'r' on node 'node-b' exited"));
+  EXPECT_THAT(show.out, HasSubstr("recovered:    node-a (1/2 nodes)"));
+  EXPECT_THAT(show.out, HasSubstr("rejoining:    node-b"));
+  EXPECT_THAT(show.out, HasSubstr("deadline:     in 1"));  // 119.x s
+  Result why = Ctl("job why r");
+  ASSERT_EQ(why.code, 0) << why.err;
+  EXPECT_THAT(why.out, HasSubstr("job r: RECOVERING"));
+  EXPECT_THAT(why.out, HasSubstr("lost:         rank 1 of job 'r' on node 'node-b' exited"));
+  EXPECT_THAT(why.out, HasSubstr("rejoining:    node-b"));
+  EXPECT_THAT(why.out, HasSubstr("deadline:     in "));
+
+  recovered.set_node_id("node-b");
+  ASSERT_EQ(client->ReportRecovered(recovered)->status(), v1::JOB_READY);
+  show = Ctl("job show r");
+  EXPECT_THAT(show.out, HasSubstr("status:       READY"));
+  EXPECT_THAT(show.out, HasSubstr("recoveries:   1 recovery, "));
+  EXPECT_THAT(show.out, HasSubstr("the last: epoch 1, from rank 1 of job 'r'"));
+  EXPECT_THAT(Ctl("jobs").out, HasSubstr("1 recovery, "));
 }
 
 TEST_F(CtlOnlineTest, UnreachablePlannerIsOneLineAndExitCodeOne) {

@@ -10,6 +10,7 @@
 #include <sstream>
 #include <string>
 
+#include "ctl/ctl_recovery.h"
 #include "nlohmann/json.hpp"
 
 namespace ragshard {
@@ -272,6 +273,36 @@ TEST_F(CtlTest, StrategyCommandsRejectBadInput) {
   Result r = Run("advise --model llama-7b --cluster " + h100 + " --memory-budget 1GiB");
   EXPECT_EQ(r.code, 1);
   EXPECT_THAT(r.err, HasSubstr("the smallest needs"));
+}
+
+TEST(CtlRecoveryTest, ARecoveryReadsAsLostRecoveredRejoiningAndTheDeadline) {
+  v1::Job job;
+  job.set_status(v1::JOB_RECOVERING);
+  job.set_recoveries(1);
+  job.set_recovery_seconds(2.5);
+  v1::JobRecovery& r = *job.mutable_recovery();
+  r.set_epoch(2);
+  r.set_lost("rank 3 of job 'j' on node 'n1' exited");
+  r.set_reporter_node_id("n1");
+  r.set_started_unix_ms(10'000);
+  r.set_deadline_unix_ms(130'000);
+  r.add_recovered_node_ids("n0");
+  const std::string lines = RecoveryLines(job, {"n0", "n1", "n2"}, 40'000);
+  EXPECT_THAT(lines, HasSubstr("recovery:     epoch 2, reported by node 'n1' 30.0 s ago\n"));
+  EXPECT_THAT(lines, HasSubstr("lost:         rank 3 of job 'j' on node 'n1' exited\n"));
+  EXPECT_THAT(lines, HasSubstr("recovered:    n0 (1/3 nodes)\n"));
+  EXPECT_THAT(lines, HasSubstr("rejoining:    n1, n2 (their ranks re-attach"));
+  EXPECT_THAT(lines, HasSubstr("deadline:     in 90.0 s\n"));
+  EXPECT_THAT(lines, HasSubstr("recoveries:   1 recovery, 2.5 s lost before\n"));
+  EXPECT_EQ(RecoveryNote(job, 40'000), "epoch 2, 1 node(s) recovered, 90.0 s left");
+  EXPECT_THAT(RecoveryLines(job, {"n0", "n1"}, 131'000), HasSubstr("passed 1.0 s ago"));
+  EXPECT_THAT(RecoveryNote(job, 131'000), HasSubstr("deadline passed"));
+  job.set_status(v1::JOB_READY);
+  EXPECT_EQ(RecoveryNote(job, 0), "1 recovery, 2.5 s lost");
+  EXPECT_THAT(RecoveryLines(job, {}, 0), HasSubstr("(the last: epoch 2, from rank 3"));
+  job.set_recoveries(0);
+  EXPECT_EQ(RecoveryNote(job, 0), "");
+  EXPECT_EQ(RecoveryLines(job, {}, 0), "");
 }
 
 }  // namespace

@@ -33,7 +33,7 @@ class PlannerFixture : public ::testing::Test {
     planner::PlannerServerOptions o;
     o.listen = "127.0.0.1:0";
     o.data_dir = dir_.path();
-    o.service.node_timeout = 300ms;
+    o.service.node_timeout = node_timeout_;
     o.service.tick = 20ms;
     o.service.default_registration_timeout = 30s;
     o.service.cluster_profile = profile_;
@@ -148,6 +148,8 @@ class PlannerFixture : public ::testing::Test {
   }
 
   bool with_metrics_ = false;
+  // A node silent this long is LOST (PlannerOptions::node_timeout) in the next Start.
+  std::chrono::milliseconds node_timeout_ = 300ms;
   TempDir dir_;
   std::shared_ptr<const ClusterProfile> profile_;
   std::unique_ptr<planner::PlannerServer> server_;

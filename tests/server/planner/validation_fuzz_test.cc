@@ -80,8 +80,10 @@ TEST(ValidationFuzzTest, ValidatorsNeverCrashAndAcceptOnlySaneRequests) {
       r.mutable_options()->set_default_granule(f.Int(0, 1) ? f.String() : "rows:4");
       r.mutable_options()->set_align_bytes(static_cast<int32_t>(f.Number()));
       r.mutable_options()->set_registration_timeout_ms(f.Number());
+      r.mutable_options()->set_recovery_deadline_ms(f.Int(0, 1) ? 0 : f.Number());
       if (ValidateCreateJob(r, limits).ok()) {
         ++accepted;
+        ASSERT_GE(r.options().recovery_deadline_ms(), 0);
         ASSERT_GE(r.mesh().shard_size(), 1);
         ASSERT_LE(r.mesh().shard_size() * r.mesh().replicate_size(), limits.max_world);
         ASSERT_FALSE(r.job_id().empty());
@@ -138,7 +140,18 @@ TEST(ValidationFuzzTest, ValidatorsNeverCrashAndAcceptOnlySaneRequests) {
       rf.set_job_id(f.String());
       rf.set_reporter_node_id(f.String());
       rf.set_message(f.String());
-      (void)ValidateReportFailure(rf, limits);
+      rf.set_recoverable(f.Int(0, 1) == 1);
+      rf.set_epoch(f.Number());
+      if (ValidateReportFailure(rf, limits).ok()) ASSERT_GE(rf.epoch(), 0);
+      v1::ReportRecoveredRequest rr;
+      rr.set_job_id(f.Int(0, 3) ? "job" : f.String());
+      rr.set_node_id(f.Int(0, 3) ? "node" : f.String());
+      rr.set_epoch(f.Number());
+      if (ValidateReportRecovered(rr, limits).ok()) {
+        ++accepted;
+        ASSERT_GE(rr.epoch(), 1);
+        ASSERT_FALSE(rr.node_id().empty());
+      }
     }
     {
       // Random bytes as wire messages.

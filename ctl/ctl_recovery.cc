@@ -1,0 +1,70 @@
+#include "ctl/ctl_recovery.h"
+
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "ctl/ctl_format.h"
+
+namespace ragshard {
+namespace {
+
+std::string Seconds(int64_t ms) {
+  return absl::StrFormat("%.1f s", static_cast<double>(ms) / 1000.0);
+}
+
+// "in 95.3 s" or, once it passed (the planner ends the recovery at its next check), "passed
+// 0.3 s ago".
+std::string Deadline(const v1::JobRecovery& r, int64_t now_ms) {
+  const int64_t left = r.deadline_unix_ms() - now_ms;
+  return left >= 0 ? absl::StrCat("in ", Seconds(left))
+                   : absl::StrCat("passed ", Seconds(-left), " ago");
+}
+
+std::string Recoveries(const v1::Job& job) {
+  return absl::StrFormat("%d recover%s, %.1f s lost", job.recoveries(),
+                         job.recoveries() == 1 ? "y" : "ies", job.recovery_seconds());
+}
+
+}  // namespace
+
+std::string RecoveryNote(const v1::Job& job, int64_t now_ms) {
+  if (job.status() == v1::JOB_RECOVERING) {
+    const v1::JobRecovery& r = job.recovery();
+    const int64_t left = r.deadline_unix_ms() - now_ms;
+    return absl::StrCat("epoch ", r.epoch(), ", ", r.recovered_node_ids_size(),
+                        " node(s) recovered, ",
+                        left >= 0 ? absl::StrCat(Seconds(left), " left") : "deadline passed");
+  }
+  return job.recoveries() > 0 ? Recoveries(job) : "";
+}
+
+std::string RecoveryLines(const v1::Job& job, const std::vector<std::string>& nodes,
+                          int64_t now_ms) {
+  const v1::JobRecovery& r = job.recovery();
+  if (job.status() != v1::JOB_RECOVERING) {
+    if (job.recoveries() == 0) return "";
+    return absl::StrCat("recoveries:   ", Recoveries(job), " (the last: epoch ", r.epoch(),
+                        ", from ", OneLine(r.lost()), ")\n");
+  }
+  const std::set<std::string> recovered(r.recovered_node_ids().begin(),
+                                        r.recovered_node_ids().end());
+  std::vector<std::string> rejoining;
+  for (const std::string& n : nodes) {
+    if (recovered.count(n) == 0) rejoining.push_back(n);
+  }
+  std::string out =
+      absl::StrCat("recovery:     epoch ", r.epoch(), ", reported by node '", r.reporter_node_id(),
+                   "' ", Seconds(now_ms - r.started_unix_ms()), " ago\n",
+                   "lost:         ", OneLine(r.lost()), "\n", "recovered:    ",
+                   recovered.empty() ? "none yet" : absl::StrJoin(r.recovered_node_ids(), ", "),
+                   " (", recovered.size(), "/", nodes.size(), " nodes)\n",
+                   "rejoining:    ", rejoining.empty() ? "none" : absl::StrJoin(rejoining, ", "),
+                   rejoining.empty() ? "" : " (their ranks re-attach to their daemons)", "\n",
+                   "deadline:     ", Deadline(r, now_ms), "\n");
+  if (job.recoveries() > 0) absl::StrAppend(&out, "recoveries:   ", Recoveries(job), " before\n");
+  return out;
+}
+
+}  // namespace ragshard

@@ -1,0 +1,26 @@
+// How ragshardctl shows a job's recovery in place (planner.proto Job.recovery_epoch, recovery,
+// recoveries, recovery_seconds; docs/recovery.md): pure formatting, tested without a planner.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ragshard/v1/planner.pb.h"
+
+namespace ragshard {
+
+// One line for a table cell: for a RECOVERING job its epoch, the nodes recovered so far and the
+// seconds left ("epoch 2, 1 node(s) recovered, 95.3 s left"); for a job that recovered before,
+// how often and the seconds lost ("2 recoveries, 3.4 s lost"); else empty. `now_ms`: the wall
+// clock, in Unix ms.
+std::string RecoveryNote(const v1::Job& job, int64_t now_ms);
+
+// The lines `job show` and `job why` print, labels padded to 14 columns, each ending in '\n'. A
+// RECOVERING job: its epoch and who reported the loss, what was lost, the nodes recovered and
+// those still rejoining (of `nodes`, the nodes of its ranks), and the deadline. A job that
+// recovered before: the count, the seconds lost, and the last recovery. Else empty.
+std::string RecoveryLines(const v1::Job& job, const std::vector<std::string>& nodes,
+                          int64_t now_ms);
+
+}  // namespace ragshard
