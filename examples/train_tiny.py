@@ -373,8 +373,8 @@ class Kill:
         if not self.armed(step, "step"):
             yield
             return
-        hook = torch.optim.optimizer.register_optimizer_step_post_hook(
-            lambda *_: self.at(step, "step"))
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+        hook = register_optimizer_step_post_hook(lambda *_: self.at(step, "step"))
         try:
             yield
         finally:

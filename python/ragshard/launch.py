@@ -234,14 +234,11 @@ def _stop(procs, grace_s=10.0):
         time.sleep(0.02)
 
 
-def start_rank(a, env, threads):
-    """One rank's process, running (a restart: the job exists)."""
-    if not a.preload:
-        return subprocess.Popen([sys.executable, a.script] + a.args, env=env)
-    from ragshard import _preload
-    p = _preload.fork_rank(a.script, a.args, env, threads)
-    p.start()
-    return p
+def start_rank(a, env):
+    """One rank's process again (a restart: the job exists). A fresh interpreter even with
+    --preload: the launcher has talked to the planner since it forked the first ranks, and a
+    child forked from a process with gRPC's threads may hang in its first call."""
+    return subprocess.Popen([sys.executable, a.script] + a.args, env=env)
 
 
 def start_ranks(a, threads):
@@ -293,13 +290,13 @@ def run(a):
                         recoveries[r] < 10 * (a.max_restarts + 1):
                     # The rank left for its job's recovery in place: not a failure of its own.
                     recoveries[r] += 1
-                    live[r] = start_rank(a, envs[r], threads)
+                    live[r] = start_rank(a, envs[r])
                     continue
                 if restarts[r] < a.max_restarts:
                     restarts[r] += 1
                     print(f"ragshard.launch: rank {r} exited with {rc}; restarting it "
                           f"({restarts[r]} of {a.max_restarts})", file=sys.stderr, flush=True)
-                    live[r] = start_rank(a, envs[r], threads)
+                    live[r] = start_rank(a, envs[r])
                     continue
                 code = rc if rc > 0 else 128 - rc
                 print(f"ragshard.launch: rank {r} exited with {rc}; stopping the others",

@@ -132,7 +132,7 @@ class NodeDaemon final : public v1::Daemon::CallbackService {
   // `clean`: the rank detached (Detach); else its process was lost (the side channel closed).
   void ReleaseAttachment(const std::string& id, bool clean);
   // The job's data plane to the other nodes in recovery epoch `epoch` (docs/recovery.md):
-  // publishes this node's address under "data/<node>" (epoch 0) or "data/<node>@<epoch>" and
+  // publishes this node's address under "data/<node>" (epoch 0) or "data/epoch-<epoch>/<node>" and
   // connects to every other node's.
   absl::StatusOr<std::pair<std::unique_ptr<UcxWorker>, std::unique_ptr<Comm>>> ConnectNodes(
       const std::string& job_id, const std::vector<std::string>& nodes, int64_t epoch,

@@ -139,7 +139,7 @@ NodeDaemon::ConnectNodes(const std::string& job_id, const std::vector<std::strin
   std::unique_ptr<UcxWorker> worker = std::move(*w);
   worker->set_on_reject([metrics = metrics_](const absl::Status& why) { metrics->Error(why); });
   auto key = [epoch](const std::string& node) {
-    return epoch > 0 ? absl::StrCat("data/", node, "@", epoch) : absl::StrCat("data/", node);
+    return epoch > 0 ? absl::StrCat("data/epoch-", epoch, "/", node) : absl::StrCat("data/", node);
   };
   absl::Status s = planner_->Put(job_id, key(options_.node_id), worker->address());
   if (!s.ok()) return s;

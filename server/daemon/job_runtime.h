@@ -70,9 +70,9 @@ class JobRuntime final : public OpTarget {
   // once every local rank has attached again the job's thread returns the transient buffers,
   // connects the next epoch through `reconnect` (null for a job on one node) into `relay`, and
   // runs again from operation 1. `deadline`: how long that may take.
-  using Reconnect = std::function<absl::StatusOr<
-      std::pair<std::unique_ptr<UcxWorker>, std::unique_ptr<Comm>>>(int64_t epoch,
-                                                                      absl::Time deadline)>;
+  using Reconnect =
+      std::function<absl::StatusOr<std::pair<std::unique_ptr<UcxWorker>, std::unique_ptr<Comm>>>(
+          int64_t epoch, absl::Time deadline)>;
   void EnableRecovery(int64_t epoch, absl::Duration deadline, Reconnect reconnect,
                       RelayComm* relay);
   // The planner says the job recovers in epoch `epoch` until `deadline` (a heartbeat).
@@ -201,14 +201,13 @@ class JobRuntime final : public OpTarget {
   Phase phase_ ABSL_GUARDED_BY(mu_) = Phase::kRunning;
   int64_t target_ ABSL_GUARDED_BY(mu_) = 0;  // the epoch being recovered
   absl::Time deadline_ ABSL_GUARDED_BY(mu_);
-  absl::Status notice_ ABSL_GUARDED_BY(mu_);     // what operations get while recovering
-  std::string lost_ ABSL_GUARDED_BY(mu_);        // what was lost, for the planner and errors
+  absl::Status notice_ ABSL_GUARDED_BY(mu_);  // what operations get while recovering
+  std::string lost_ ABSL_GUARDED_BY(mu_);     // what was lost, for the planner and errors
   bool comm_aborted_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<uint64_t> generation_ ABSL_GUARDED_BY(mu_);  // per local rank
   std::vector<bool> rejoined_ ABSL_GUARDED_BY(mu_);        // attached since the recovery began
   // (rank, name) -> the buffer and the bytes asked for (the lease may be larger: aligned).
-  std::map<std::pair<int64_t, std::string>, std::pair<Lease, int64_t>> state_
-      ABSL_GUARDED_BY(mu_);
+  std::map<std::pair<int64_t, std::string>, std::pair<Lease, int64_t>> state_ ABSL_GUARDED_BY(mu_);
   Op last_done_ ABSL_GUARDED_BY(mu_);  // its kind and unit only
   std::thread thread_;
 };

@@ -63,8 +63,11 @@ class StepJournal:
             self._undo[name] = u
         return u
 
-    def _record(self, names):
-        """The names the undo copies cover, in the pool (a restarted process reads them)."""
+    def _record(self, tensors):
+        """What the undo copies cover, in the pool: [name, elements, dtype] of each (a
+        restarted process reads it, before its optimizers have asked for their state)."""
+        names = [[n, t.numel(), str(t.dtype).removeprefix("torch.")]
+                 for n, t in sorted(tensors.items())]
         if names == self._recorded:
             return
         data = json.dumps(names).encode()
@@ -88,7 +91,7 @@ class StepJournal:
         if self._depth > 1:
             return
         tensors = self._tensors()
-        self._record(sorted(tensors))
+        self._record(tensors)
         for name, t in tensors.items():
             self._undo_of(name, t).copy_(t)
         self.meta[1] = self.meta[0] + 1
@@ -112,10 +115,12 @@ class StepJournal:
                     f"ragshard recovery: this rank committed step {committed} (began {begun}), "
                     f"more than one past step {to} that every rank completed; its undo copy "
                     "holds only the start of the last step")
-            tensors = self._tensors()
-            for name in self._recorded_names():
-                if name in tensors:
-                    tensors[name].copy_(self._undo_of(name, tensors[name]))
+            tensors = self._tensors()  # the shards (the optimizers' state is not asked for yet)
+            for name, numel, dtype in self._recorded_names():
+                t = tensors.get(name)
+                if t is None:
+                    t, _ = self.pool.tensor(name, numel, getattr(torch, dtype))
+                t.copy_(self._undo_of(name, t))
         self.meta[0] = to
         self.meta[1] = to
 
