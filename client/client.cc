@@ -368,8 +368,7 @@ absl::StatusOr<v1::StatsResponse> Client::DaemonStats() {
   return resp;
 }
 
-absl::StatusOr<Client::StateBuffer> Client::GetStateBuffer(const std::string& name,
-                                                           int64_t bytes) {
+absl::StatusOr<Client::StateBuffer> Client::GetStateBuffer(const std::string& name, int64_t bytes) {
   if (absl::Status s = CheckHostBuffers(); !s.ok()) return s;
   v1::StateBufferRequest req;
   req.set_attachment_id(attachment_);
@@ -383,8 +382,8 @@ absl::StatusOr<Client::StateBuffer> Client::GetStateBuffer(const std::string& na
   if (resp.offset() < 0 || resp.bytes() != bytes ||
       static_cast<uint64_t>(resp.offset() + resp.bytes()) > arena_bytes_) {
     return absl::InternalError(absl::StrCat("the daemon answered state buffer '", name, "' at [",
-                                            resp.offset(), ", +", resp.bytes(),
-                                            ") of an arena of ", arena_bytes_, " bytes"));
+                                            resp.offset(), ", +", resp.bytes(), ") of an arena of ",
+                                            arena_bytes_, " bytes"));
   }
   return StateBuffer{arena_ + resp.offset(), resp.bytes(), resp.existed()};
 }

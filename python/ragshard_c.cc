@@ -390,8 +390,7 @@ int rs_create_job(const char* planner, const char* job, int64_t shard_size, int6
                   int64_t tokens_per_step, const char** job_id) {
   const rs_security s = TokenOnly(token_file);
   return rs_create_job_secure(planner, job, shard_size, replicate_size, policy, default_granule, &s,
-                              strategy, memory_budget_bytes, optimizer, tokens_per_step, 0,
-                              job_id);
+                              strategy, memory_budget_bytes, optimizer, tokens_per_step, 0, job_id);
 }
 
 int rs_create_job_secure(const char* planner, const char* job, int64_t shard_size,

@@ -126,19 +126,19 @@ grpc::ServerUnaryReactor* NodeDaemon::Detach(Ctx* ctx, const v1::DetachRequest* 
 grpc::ServerUnaryReactor* NodeDaemon::StateBuffer(Ctx* ctx, const v1::StateBufferRequest* req,
                                                   v1::StateBufferResponse* resp) {
   const std::string& name = req->name();
-  const bool name_ok = !name.empty() && name.size() <= 256 &&
-                       std::all_of(name.begin(), name.end(), [](char c) {
-                         return absl::ascii_isalnum(static_cast<unsigned char>(c)) ||
-                                std::strchr("._:/-", c) != nullptr;
-                       });
+  const bool name_ok =
+      !name.empty() && name.size() <= 256 && std::all_of(name.begin(), name.end(), [](char c) {
+        return absl::ascii_isalnum(static_cast<unsigned char>(c)) ||
+               std::strchr("._:/-", c) != nullptr;
+      });
   if (!name_ok) {
-    return ReplyUnary(ctx, absl::InvalidArgumentError(
-                               "name: must be 1 to 256 characters of [A-Za-z0-9._:/-]"));
+    return ReplyUnary(
+        ctx, absl::InvalidArgumentError("name: must be 1 to 256 characters of [A-Za-z0-9._:/-]"));
   }
   if (req->bytes() <= 0 || req->bytes() > static_cast<int64_t>(pool_->arena().size())) {
-    return ReplyUnary(ctx, absl::InvalidArgumentError(absl::StrCat(
-                               "bytes: ", req->bytes(), " is not in [1, ",
-                               pool_->arena().size(), "] (the pool's size)")));
+    return ReplyUnary(ctx, absl::InvalidArgumentError(
+                               absl::StrCat("bytes: ", req->bytes(), " is not in [1, ",
+                                            pool_->arena().size(), "] (the pool's size)")));
   }
   if (backend_ == BackendKind::kCuda) {
     return ReplyUnary(ctx, absl::FailedPreconditionError(

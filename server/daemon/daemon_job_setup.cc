@@ -105,9 +105,9 @@ absl::StatusOr<std::shared_ptr<JobRuntime>> NodeDaemon::SetUpJob(const std::stri
   auto dp = CreateDataBackend(backend_, context);
   if (!dp.ok()) return dp.status();
   RelayComm* relay_ptr = relay.get();
-  auto runtime = std::make_shared<JobRuntime>(job_id, options_.node_id, std::move(*plan), local,
-                                              nullptr, std::move(relay), std::move(*dp), planner_,
-                                              metrics_);
+  auto runtime =
+      std::make_shared<JobRuntime>(job_id, options_.node_id, std::move(*plan), local, nullptr,
+                                   std::move(relay), std::move(*dp), planner_, metrics_);
   if (job->options().recovery_deadline_ms() > 0) {
     JobRuntime::Reconnect reconnect;
     if (relay_ptr != nullptr) {

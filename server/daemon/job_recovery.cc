@@ -76,9 +76,9 @@ absl::Status JobRuntime::AwaitRunning(absl::Time deadline) {
     return phase_ == Phase::kRunning || !failed_.ok() || stopping_;
   };
   if (!mu_.AwaitWithDeadline(absl::Condition(&running), deadline)) {
-    return absl::DeadlineExceededError(absl::StrCat(
-        "job '", job_id_, "' is recovering (epoch ", target_,
-        "): the other ranks have not all attached again yet; ", notice_.message()));
+    return absl::DeadlineExceededError(
+        absl::StrCat("job '", job_id_, "' is recovering (epoch ", target_,
+                     "): the other ranks have not all attached again yet; ", notice_.message()));
   }
   if (stopping_) return absl::AbortedError("the job was released");
   return failed_;
@@ -104,8 +104,8 @@ absl::StatusOr<std::pair<const Lease*, bool>> JobRuntime::StateBuffer(int64_t ra
                                      " bytes): ", lease.status().message()));
   }
   std::memset(lease->data(), 0, static_cast<size_t>(bytes));
-  auto [at, added] = state_.emplace(std::make_pair(rank, name),
-                                    std::make_pair(std::move(*lease), bytes));
+  auto [at, added] =
+      state_.emplace(std::make_pair(rank, name), std::make_pair(std::move(*lease), bytes));
   return std::make_pair(&at->second.first, false);
 }
 
@@ -177,15 +177,16 @@ void JobRuntime::Recover() {
       mu_.Unlock();
       if (resp.ok()) {
         FailRecovery(absl::UnavailableError(absl::StrCat(
-            lost, "; the planner did not start a recovery in place (the job is not READY, or "
-                  "another failure came first: ragshardctl job why)")));
+            lost,
+            "; the planner did not start a recovery in place (the job is not READY, or "
+            "another failure came first: ragshardctl job why)")));
         mu_.Lock();
         return;
       }
       if (late) {
-        FailRecovery(absl::UnavailableError(absl::StrCat(
-            lost, "; the planner could not be told within the recovery deadline: ",
-            resp.status().message())));
+        FailRecovery(absl::UnavailableError(
+            absl::StrCat(lost, "; the planner could not be told within the recovery deadline: ",
+                         resp.status().message())));
         mu_.Lock();
         return;
       }
@@ -203,10 +204,10 @@ void JobRuntime::Recover() {
     }
     if (missing.empty()) break;
     if (late) {
-      FailRecovery(absl::DeadlineExceededError(absl::StrCat(
-          "the recovery of job '", job_id_, "' in epoch ", target, " (", lost, ") ran past its ",
-          "deadline: rank(s) ", absl::StrJoin(missing, ", "), " of node '", node_id_,
-          "' did not attach again")));
+      FailRecovery(absl::DeadlineExceededError(
+          absl::StrCat("the recovery of job '", job_id_, "' in epoch ", target, " (", lost,
+                       ") ran past its ", "deadline: rank(s) ", absl::StrJoin(missing, ", "),
+                       " of node '", node_id_, "' did not attach again")));
       return;
     }
   }

@@ -366,7 +366,7 @@ void JobRuntime::Run() {
     // A lost peer, the deadline, or ranks that disagree (ABORTED) end the job.
     const bool fatal =
         !s.ok() && (absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s) || absl::IsAborted(s));
-    bool known = false;  // the job failed already (the planner told us): nothing new to report
+    bool known = false;    // the job failed already (the planner told us): nothing new to report
     bool recover = false;  // a job that recovers in place: the failure starts (or is) a recovery
     {
       absl::MutexLock lock(&mu_);
@@ -374,8 +374,8 @@ void JobRuntime::Run() {
       if (fatal && !known && recoverable_) {
         recover = true;
         if (phase_ == Phase::kRunning) {
-          StartRecovery(absl::StrCat("node '", node_id_, "' lost ", Describe(op), ": ",
-                                     s.message()));
+          StartRecovery(
+              absl::StrCat("node '", node_id_, "' lost ", Describe(op), ": ", s.message()));
         }
       }
     }
