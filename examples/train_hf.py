@@ -210,6 +210,14 @@ def main(argv=None):
             set_optimizer_state_dict(model, opt, state["optim"])
         else:
             checkpoint.load_dcp(model, opt, a.load_dcp, extra={"sched": sched, "step": done})
+    elif not fsdp2 and model.resume_step:
+        # A recovery in place (docs/recovery.md): the job goes on from the last step every rank
+        # completed; the data is seeded per step, and the schedule resumes there.
+        done.step = model.resume_step
+        for g in opt.param_groups:
+            g.setdefault("initial_lr", g["lr"])
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(a),
+                                                  last_epoch=done.step - 1)
     first = done.step
 
     if a.global_batch % world:

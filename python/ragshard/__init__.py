@@ -8,10 +8,11 @@ import json
 import os
 import re
 
-from ._core import (Client, DeviceBuffer, Error, Handle, create_job, delete_job,  # noqa: F401
-                    job_world_size)
+from ._core import (RECOVERY_EXIT, Client, DeviceBuffer, Error, Handle,  # noqa: F401
+                    RecoveryInProgress, create_job, delete_job, job_world_size)
 
-__all__ = ["Client", "DeviceBuffer", "Error", "Handle", "create_job", "delete_job", "Env",
+__all__ = ["Client", "DeviceBuffer", "Error", "Handle", "RecoveryInProgress", "RECOVERY_EXIT",
+           "create_job", "delete_job", "Env",
            "connect", "ensure_job", "DEFAULT_SOCKET"]
 
 
@@ -39,7 +40,9 @@ class Env:
     Under torchrun only RAGSHARD_PLANNER is needed: the job defaults to torchrun's run id
     (TORCHELASTIC_RUN_ID, which `torchrun --standalone` makes up and `--rdzv-id` names; its
     default "none" is refused, naming RAGSHARD_JOB) and the socket to DEFAULT_SOCKET, and
-    `connect()` creates the job from WORLD_SIZE where it does not exist. `launcher` says which
+    `connect()` creates the job from WORLD_SIZE where it does not exist (with
+    RAGSHARD_RECOVERY_DEADLINE_S > 0, one that recovers lost ranks in place within that many
+    seconds: docs/recovery.md). `launcher` says which
     of "ragshard-launch", "torchrun" and "srun" started the rank. `local_world_size` (None where
     the launcher does not say) lets the node's daemon register the node's ranks with the
     planner in one call (docs/daemon.md, "Registration").
@@ -71,6 +74,9 @@ class Env:
         self.tls_cert = e.get("RAGSHARD_TLS_CERT", "")
         self.tls_key = e.get("RAGSHARD_TLS_KEY", "")
         self.tls_server_name = e.get("RAGSHARD_TLS_SERVER_NAME", "")
+        # A job created here (under torchrun) recovers lost ranks in place within this many
+        # seconds (docs/recovery.md); 0: it does not.
+        self.recovery_deadline_s = _seconds(e, "RAGSHARD_RECOVERY_DEADLINE_S")
         local_var, local_size_var = (("SLURM_LOCALID", None) if slurm else
                                      ("LOCAL_RANK", "LOCAL_WORLD_SIZE") if torchrun else
                                      ("RAGSHARD_LOCAL_RANK", "RAGSHARD_LOCAL_WORLD_SIZE"))
@@ -121,6 +127,17 @@ def _slurm_tasks_here(environ):
     return counts[i]
 
 
+def _seconds(environ, name):
+    try:
+        value = float(environ.get(name, "0") or "0")
+    except ValueError:
+        raise Error(f"INVALID_ARGUMENT: {name}='{environ[name]}' is not a number of "
+                    "seconds") from None
+    if not 0 <= value <= 86400:
+        raise Error(f"INVALID_ARGUMENT: {name}={value} is not in [0, 86400] seconds")
+    return value
+
+
 def _int(environ, name):
     try:
         return int(environ[name])
@@ -152,6 +169,7 @@ def ensure_job(env):
     exists with another world size is refused, naming both sizes."""
     try:
         create_job(env.planner, env.job, env.world_size, 1, token_file=env.token_file,
+                   recovery_deadline_ms=int(getattr(env, "recovery_deadline_s", 0) * 1000),
                    **_tls(env))
         return
     except Error as e:

@@ -26,6 +26,11 @@ launcher exits with the first failing rank's code; when the launcher gets SIGINT
 SIGHUP, it stops the ranks (SIGTERM, then SIGKILL after 10 s) and exits with 128 + the signal.
 (`python -m ragshard.launch` is the same program.)
 
+`--max-restarts N` restarts a rank whose process dies (up to N times per rank) and creates the
+job with a recovery deadline (`--recovery-deadline S`, default 120): the new process attaches to
+the state its daemon kept, and the other ranks, which exit with 75 on their daemons' recovery
+notice, are restarted without counting (docs/recovery.md). Restarts start a fresh interpreter.
+
 As torchrun does, when more than one rank shares a daemon (a node) and OMP_NUM_THREADS is not
 set, each rank gets OMP_NUM_THREADS=1 (`--threads-per-rank` sets another number): several ranks'
 intra-op thread pools on the same cores otherwise spin against each other and against the

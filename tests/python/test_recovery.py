@@ -111,3 +111,14 @@ def test_launcher_refuses_bad_recovery_flags(tmp_path):
         r = subprocess.run(base + flags + [EXAMPLE], env=env(), capture_output=True, text=True,
                            timeout=60)
         assert r.returncode == 2 and said in r.stderr, r.stderr
+
+
+def test_a_torchrun_job_recovers_when_the_environment_says_so():
+    import ragshard
+    base = {"RAGSHARD_PLANNER": "127.0.0.1:1", "RANK": "0", "WORLD_SIZE": "2",
+            "TORCHELASTIC_RUN_ID": "run"}
+    assert ragshard.Env(base).recovery_deadline_s == 0
+    assert ragshard.Env(dict(base, RAGSHARD_RECOVERY_DEADLINE_S="90")).recovery_deadline_s == 90
+    for bad in ("-1", "abc", "1e9"):
+        with pytest.raises(ragshard.Error, match="RAGSHARD_RECOVERY_DEADLINE_S"):
+            ragshard.Env(dict(base, RAGSHARD_RECOVERY_DEADLINE_S=bad))

@@ -35,9 +35,12 @@ class FakePlannerClient final : public PlannerClient {
     absl::MutexLock lock(&mu_);
     recovery_deadline_ = deadline;
   }
-  // The nodes' ReportRecovered calls so far.
-  std::vector<v1::ReportRecoveredRequest> recovered() const {
+  // The nodes' ReportRecovered calls so far, once there are `n` (or after `wait`).
+  std::vector<v1::ReportRecoveredRequest> recovered(size_t n = 0,
+                                                    absl::Duration wait = absl::Seconds(30)) const {
     absl::MutexLock lock(&mu_);
+    auto reached = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return recovered_.size() >= n; };
+    mu_.AwaitWithTimeout(absl::Condition(&reached), wait);
     return recovered_;
   }
 

@@ -192,6 +192,113 @@ TEST_F(JobRuntimeTest, ThePlannersFailureAnswersEveryPendingWaiterAndEveryLaterS
   EXPECT_TRUE(planner_->failures().empty());
 }
 
+// Recovery in place (docs/recovery.md): a job whose planner recovers lost ranks.
+class JobRecoveryTest : public JobRuntimeTest {
+ protected:
+  void Recoverable(absl::Duration deadline) {
+    planner_->EnableRecovery(deadline);
+    job_->EnableRecovery(0, deadline, nullptr, nullptr);
+    for (int local = 0; local < 2; ++local) generation_[local] = job_->Rejoined(local).generation;
+  }
+  uint64_t generation_[2] = {0, 0};
+};
+
+TEST_F(JobRecoveryTest, ALostRankStopsTheJobWithANoticeAndItRunsAgainOnceEveryRankIsBack) {
+  Recoverable(absl::Seconds(60));
+  const uint64_t ran = StartBoth(Op(v1::OP_UNSHARD, 0));
+  auto first = Wait(ran, 0, absl::Seconds(30));
+  ASSERT_TRUE(first->came.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  ASSERT_TRUE(first->status.ok()) << first->status;
+  // Rank 1 waits on an operation rank 0 never starts: rank 0's process is lost.
+  auto pending = job_->StartOp(1, Op(v1::OP_RESHARD, 0));
+  ASSERT_TRUE(pending.ok());
+  auto answer = Wait(*pending, 1, absl::Seconds(30));
+  job_->LocalRankLeft(0, 0, generation_[0], /*clean=*/false);
+  ASSERT_TRUE(answer->came.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  EXPECT_EQ(answer->status.code(), absl::StatusCode::kAborted);
+  EXPECT_THAT(std::string(answer->status.message()),
+              HasSubstr("ragshard recovery in progress: rank 0 of job 'job'"));
+  auto refused = job_->StartOp(1, Op(v1::OP_UNSHARD, 1));
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("recovery in progress"));
+  // The job's thread asks the planner for a recovery of the epoch after 0.
+  ASSERT_TRUE(planner_->AwaitFailures(1));
+  EXPECT_TRUE(planner_->failures()[0].recoverable());
+  EXPECT_EQ(planner_->failures()[0].epoch(), 0);
+  // Rank 0's new process attaches: it adopts the rank's state, and waits for rank 1's.
+  const JobRuntime::Joined again = job_->Rejoined(0);
+  EXPECT_TRUE(again.adopted);
+  EXPECT_EQ(job_->AwaitRunning(absl::Now() + absl::Milliseconds(100)).code(),
+            absl::StatusCode::kDeadlineExceeded);
+  job_->LocalRankLeft(1, 1, generation_[1], /*clean=*/false);  // left on the notice
+  job_->Rejoined(1);
+  ASSERT_TRUE(job_->AwaitRunning(absl::Now() + absl::Seconds(30)).ok());
+  EXPECT_EQ(job_->epoch(), 1);
+  // The job's thread tells the planner once the job runs again.
+  ASSERT_EQ(planner_->recovered(1).size(), 1u);
+  EXPECT_EQ(planner_->recovered()[0].epoch(), 1);
+  // Operations run again, numbered from 1.
+  const uint64_t next = StartBoth(Op(v1::OP_UNSHARD, 0));
+  EXPECT_EQ(next, 1u);
+  auto done = Wait(next, 0, absl::Seconds(30));
+  ASSERT_TRUE(done->came.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  EXPECT_TRUE(done->status.ok()) << done->status;
+}
+
+TEST_F(JobRecoveryTest, ARankThatDetachesIsNotRecovered) {
+  Recoverable(absl::Seconds(60));
+  auto pending = job_->StartOp(1, Op(v1::OP_UNSHARD, 0));
+  ASSERT_TRUE(pending.ok());
+  auto answer = Wait(*pending, 1, absl::Seconds(30));
+  job_->LocalRankLeft(0, 0, generation_[0], /*clean=*/true);
+  ASSERT_TRUE(answer->came.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  EXPECT_EQ(answer->status.code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(answer->status.message()), HasSubstr("detached"));
+  ASSERT_TRUE(planner_->AwaitFailures(1));
+  EXPECT_FALSE(planner_->failures()[0].recoverable());
+}
+
+TEST_F(JobRecoveryTest, AnOlderProcessOfARankThatAttachedAgainLeavesWithoutEffect) {
+  Recoverable(absl::Seconds(60));
+  job_->Rejoined(0);  // a new process of rank 0, before its old one's side channel closed
+  job_->LocalRankLeft(0, 0, generation_[0], /*clean=*/false);
+  const uint64_t seq = StartBoth(Op(v1::OP_UNSHARD, 0));
+  auto answer = Wait(seq, 0, absl::Seconds(30));
+  ASSERT_TRUE(answer->came.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  EXPECT_TRUE(answer->status.ok()) << answer->status;
+  EXPECT_TRUE(planner_->failures().empty());
+}
+
+TEST_F(JobRecoveryTest, ARecoveryWhoseRanksDoNotAttachAgainFailsAtItsDeadlineNamingThem) {
+  Recoverable(absl::Milliseconds(200));
+  job_->LocalRankLeft(0, 0, generation_[0], /*clean=*/false);
+  // Nothing attaches again: the job fails at the deadline, named, and the planner hears it.
+  const absl::Status s = job_->AwaitRunning(absl::Now() + absl::Seconds(30));
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("ran past its deadline: rank(s) 0, 1"));
+  ASSERT_TRUE(planner_->AwaitFailures(2));
+  EXPECT_FALSE(planner_->failures()[1].recoverable());
+  EXPECT_THAT(job_->StartOp(0, Op(v1::OP_UNSHARD, 0)).status().message(),
+              HasSubstr("did not attach again"));
+}
+
+TEST_F(JobRecoveryTest, StateBuffersKeepTheirBytesAndRefuseAnotherSize) {
+  auto a = job_->StateBuffer(3, "opt/adam/exp_avg/0", 100, pool_.get());
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_FALSE(a->second);
+  EXPECT_EQ(a->first->data()[99], 0);
+  a->first->data()[7] = 42;
+  auto again = job_->StateBuffer(3, "opt/adam/exp_avg/0", 100, pool_.get());
+  ASSERT_TRUE(again.ok());
+  EXPECT_TRUE(again->second);
+  EXPECT_EQ(again->first->data()[7], 42);
+  auto other_rank = job_->StateBuffer(2, "opt/adam/exp_avg/0", 100, pool_.get());
+  ASSERT_TRUE(other_rank.ok());
+  EXPECT_FALSE(other_rank->second);
+  auto resized = job_->StateBuffer(3, "opt/adam/exp_avg/0", 200, pool_.get());
+  EXPECT_EQ(resized.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(resized.status().message()), HasSubstr("has 100 bytes; asked for 200"));
+}
+
 TEST(OpRequestTest, KindsAndReduceKindsThatAreNotOnesAreRefusedAtTheBoundary) {
   EXPECT_TRUE(MakeOpRequest(v1::OP_UNSHARD, 0, v1::REDUCE_AVG, 0, 0).ok());
   EXPECT_TRUE(MakeOpRequest(v1::OP_NOOP, 0, v1::REDUCE_SUM, 0, 0).ok());
