@@ -5,10 +5,13 @@ On a small machine a rank's `import torch` is seconds of CPU, paid once per rank
 share the launcher's import. The ranks are forked before the launcher talks to the planner (no
 gRPC thread is ever forked) and wait on a pipe until it has created the job; each then runs the
 script as `__main__` with its own environment, argv and thread count, and exits through the
-interpreter's exit handlers.
+interpreter's exit handlers. With --max-restarts the launcher also forks spares then, which a
+restarted rank's process becomes (its environment sent through the pipe): a restart then costs
+a fork, not an interpreter and its imports.
 """
 import atexit
 import importlib
+import json
 import os
 import runpy
 import signal
@@ -25,9 +28,12 @@ class ForkedRank:
     def __init__(self, pid, go):
         self.pid, self._go, self.returncode = pid, go, None
 
-    def start(self):
-        """Lets the rank run its script."""
-        os.write(self._go, b"1")
+    def start(self, env=None):
+        """Lets the rank run its script, with `env` where given (a spare forked without one:
+        a restarted rank's)."""
+        data = b"1" if env is None else b"E" + json.dumps(dict(env)).encode()
+        while data:
+            data = data[os.write(self._go, data):]
         self._close()
 
     def poll(self):
@@ -61,7 +67,8 @@ def import_modules(names):
 
 
 def fork_rank(script, args, env, threads):
-    """Forks one rank; it runs `script` once ForkedRank.start() is called."""
+    """Forks one rank; it runs `script` once ForkedRank.start() is called (with `env`, or the
+    environment start() gives: a spare forked with env None)."""
     sys.stdout.flush()
     sys.stderr.flush()
     go_r, go_w = os.pipe()
@@ -85,9 +92,13 @@ def fork_rank(script, args, env, threads):
         # closes it.
         for fd in _unstarted | {go_w}:
             os.close(fd)
-        started = os.read(go_r, 1) == b"1"
+        data = b""
+        while chunk := os.read(go_r, 1 << 16):
+            data += chunk
         os.close(go_r)
-        code = _run(script, args, env, threads) if started else 0
+        if data[:1] == b"E":  # a spare, started as a rank that is restarted
+            env = json.loads(data[1:])
+        code = _run(script, args, env, threads) if data[:1] in (b"1", b"E") else 0
     finally:
         os._exit(code)
 

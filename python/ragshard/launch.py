@@ -58,6 +58,7 @@ import time
 
 STANDALONE_JOB = "standalone"
 RECOVERY_EXIT = 75  # ragshard._core.RECOVERY_EXIT: a rank leaving for a recovery in place
+MAX_SPARES = 64  # --preload --max-restarts: spare processes forked with the ranks, at most
 
 
 def parse(argv):
@@ -239,16 +240,22 @@ def _stop(procs, grace_s=10.0):
         time.sleep(0.02)
 
 
-def start_rank(a, env):
-    """One rank's process again (a restart: the job exists). A fresh interpreter even with
-    --preload: the launcher has talked to the planner since it forked the first ranks, and a
-    child forked from a process with gRPC's threads may hang in its first call."""
+def start_rank(a, env, spares):
+    """One rank's process again (a restart: the job exists): a spare forked with the ranks
+    (--preload), else a fresh interpreter. Never a new fork: the launcher has talked to the
+    planner since, and a child forked from a process with gRPC's threads may hang in its first
+    call."""
+    if spares:
+        p = spares.pop()
+        p.start(env)
+        return p
     return subprocess.Popen([sys.executable, a.script] + a.args, env=env)
 
 
-def start_ranks(a, threads):
-    """The ranks, started once the job exists (with --preload forked before that, waiting);
-    if anything fails on the way, those already begun are stopped."""
+def start_ranks(a, threads, spares):
+    """The ranks, started once the job exists (with --preload forked before that, waiting,
+    and with --max-restarts as many spares per restart, kept in `spares`); if anything fails on
+    the way, those already begun are stopped."""
     procs = []
     try:
         if not a.preload:
@@ -260,14 +267,18 @@ def start_ranks(a, threads):
         _preload.import_modules(a.preload)
         for env in rank_envs(a, threads):
             procs.append(_preload.fork_rank(a.script, a.args, env, threads))
+        # A recovery restarts every rank (the lost one, and the others on the notice).
+        for _ in range(min(a.nproc * a.max_restarts, MAX_SPARES)):
+            spares.append(_preload.fork_rank(a.script, a.args, None, threads))
         create_job(a)
         for p in procs:
             p.start()
         return procs
     except BaseException:
-        for p in procs:
+        for p in procs + spares:
             if hasattr(p, "abandon"):
                 p.abandon()
+        spares.clear()
         _shielded(_stop, procs)
         raise
 
@@ -279,7 +290,8 @@ def run(a):
     threads = a.threads_per_rank or (os.environ.get("OMP_NUM_THREADS") or
                                      ("1" if per_node > 1 else ""))
     envs = list(rank_envs(a, threads))
-    live = dict(enumerate(start_ranks(a, threads)))
+    spares = []
+    live = dict(enumerate(start_ranks(a, threads, spares)))
     restarts, recoveries = [0] * a.nproc, [0] * a.nproc
     code = 0
     try:
@@ -295,13 +307,13 @@ def run(a):
                         recoveries[r] < 10 * (a.max_restarts + 1):
                     # The rank left for its job's recovery in place: not a failure of its own.
                     recoveries[r] += 1
-                    live[r] = start_rank(a, envs[r])
+                    live[r] = start_rank(a, envs[r], spares)
                     continue
                 if restarts[r] < a.max_restarts:
                     restarts[r] += 1
                     print(f"ragshard.launch: rank {r} exited with {rc}; restarting it "
                           f"({restarts[r]} of {a.max_restarts})", file=sys.stderr, flush=True)
-                    live[r] = start_rank(a, envs[r])
+                    live[r] = start_rank(a, envs[r], spares)
                     continue
                 code = rc if rc > 0 else 128 - rc
                 print(f"ragshard.launch: rank {r} exited with {rc}; stopping the others",
@@ -314,7 +326,9 @@ def run(a):
         print(f"ragshard.launch: {signal.Signals(e.signum).name}; stopping the ranks",
               file=sys.stderr)
     finally:
-        _shielded(_stop, list(live.values()))
+        for p in spares:
+            p.abandon()  # the spares left exit without running
+        _shielded(_stop, list(live.values()) + spares)
     return code
 
 
