@@ -371,7 +371,7 @@ int RunJobWhy(const Online& o, const std::string& id, std::ostream& out, std::os
   const int64_t now = NowMs();
   out << "job " << id << ": " << StatusName(job->status())
       << (job->error().empty() ? "" : absl::StrCat(" (", job->error(), ")")) << "\n"
-      << RecoveryLines(*job, NodesOf(*ranks), now);
+      << RecoveryLines(*job, NodesOf(*ranks), now) << StepLines(*job, progress);
   out << absl::StrFormat("%-5s %-16s %-12s %-36s %-36s %8s  %s\n", "RANK", "NODE", "HEARD",
                          "LAST DONE", "PENDING", "FOR", "WAITING ON");
   for (const auto& r : *ranks) {

@@ -1,5 +1,6 @@
 #include "ctl/ctl_recovery.h"
 
+#include <algorithm>
 #include <set>
 
 #include "absl/strings/str_cat.h"
@@ -64,6 +65,36 @@ std::string RecoveryLines(const v1::Job& job, const std::vector<std::string>& no
                    rejoining.empty() ? "" : " (their ranks re-attach to their daemons)", "\n",
                    "deadline:     ", Deadline(r, now_ms), "\n");
   if (job.recoveries() > 0) absl::StrAppend(&out, "recoveries:   ", Recoveries(job), " before\n");
+  return out;
+}
+
+std::string StepLines(const v1::Job& job,
+                      const std::map<int64_t, const v1::RankProgress*>& progress) {
+  int64_t least = -1, most = -1;
+  std::vector<std::string> rejoining;
+  for (const auto& [rank, p] : progress) {
+    if (p->rejoining()) rejoining.push_back(absl::StrCat(rank));
+    if (p->committed_step() < 0) continue;
+    least = least < 0 ? p->committed_step() : std::min(least, p->committed_step());
+    most = std::max(most, std::max(p->committed_step(), p->begun_step()));
+  }
+  std::string out;
+  if (job.status() == v1::JOB_RECOVERING) {
+    if (least >= 0) {
+      absl::StrAppend(&out, "redoing:      step ", least + 1, " (every rank completed step ", least,
+                      most > least
+                          ? absl::StrCat("; some began or completed step ", most, ", rolled back")
+                          : "",
+                      ")\n");
+    }
+    absl::StrAppend(
+        &out, "not back:     ",
+        rejoining.empty() ? "none" : absl::StrCat("rank(s) ", absl::StrJoin(rejoining, ", ")),
+        "\n");
+  } else if (least >= 0) {
+    absl::StrAppend(&out, "steps:        ", least, " completed by every rank",
+                    most > least ? absl::StrCat(", ", most, " begun") : "", "\n");
+  }
   return out;
 }
 

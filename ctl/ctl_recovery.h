@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -22,5 +23,12 @@ std::string RecoveryNote(const v1::Job& job, int64_t now_ms);
 // recovered before: the count, the seconds lost, and the last recovery. Else empty.
 std::string RecoveryLines(const v1::Job& job, const std::vector<std::string>& nodes,
                           int64_t now_ms);
+
+// `job why`'s lines on the ranks' optimizer steps, from their daemons' heartbeats (`progress`
+// by rank; their step journals, docs/recovery.md): for a RECOVERING job, the step being redone
+// (one past the least committed) and the ranks not attached again yet; else, where the ranks
+// keep a journal, the steps committed. Empty where no rank reports a journal.
+std::string StepLines(const v1::Job& job,
+                      const std::map<int64_t, const v1::RankProgress*>& progress);
 
 }  // namespace ragshard

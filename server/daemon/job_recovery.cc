@@ -4,6 +4,7 @@
 // are restarted too, so that all of them redo the interrupted step from its start); the job's
 // thread returns the transient buffers, connects the epoch's data plane and runs again from
 // operation 1. The persistent shards and the ranks' state buffers stay in the pool throughout.
+#include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -107,6 +108,17 @@ absl::StatusOr<std::pair<const Lease*, bool>> JobRuntime::StateBuffer(int64_t ra
   auto [at, added] =
       state_.emplace(std::make_pair(rank, name), std::make_pair(std::move(*lease), bytes));
   return std::make_pair(&at->second.first, false);
+}
+
+void JobRuntime::JournalSteps(int64_t rank, v1::RankProgress* out) const {
+  // python/ragshard/torch/recovery.py's StepJournal: two int64 (committed, begun).
+  auto it = state_.find({rank, "journal/meta"});
+  int64_t steps[2] = {-1, -1};
+  if (it != state_.end() && it->second.second >= static_cast<int64_t>(sizeof(steps))) {
+    std::memcpy(steps, it->second.first.data(), sizeof(steps));
+  }
+  out->set_committed_step(steps[0]);
+  out->set_begun_step(steps[1]);
 }
 
 void JobRuntime::FailRecovery(const absl::Status& error) {

@@ -170,6 +170,8 @@ void JobRuntime::FillProgress(std::vector<v1::RankProgress>* out) {
     p.set_job_id(job_id_);
     p.set_rank(local_ranks_[i]);
     p.set_done_seq(last_done_seq_);
+    JournalSteps(local_ranks_[i], &p);
+    p.set_rejoining(phase_ != Phase::kRunning && !rejoined_[i]);
     if (last_done_seq_ != 0) p.set_done(Describe(last_done_));
     // The first operation this rank started that has not completed.
     for (const auto& [seq, op] : ops_) {

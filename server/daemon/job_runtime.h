@@ -165,6 +165,8 @@ class JobRuntime final : public OpTarget {
   // the local ranks, reconnects, and runs again; or fails the job, named.
   void Recover();
   void FailRecovery(const absl::Status& error);
+  // The rank's committed and begun steps from its journal's state buffer, or -1 and -1.
+  void JournalSteps(int64_t rank, v1::RankProgress* out) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Runs one operation on the data plane (the job thread, without mu_).
   absl::Status Execute(const Op& op);
 

@@ -305,5 +305,28 @@ TEST(CtlRecoveryTest, ARecoveryReadsAsLostRecoveredRejoiningAndTheDeadline) {
   EXPECT_EQ(RecoveryLines(job, {}, 0), "");
 }
 
+TEST(CtlRecoveryTest, TheRanksJournalsNameTheStepBeingRedoneAndWhoIsNotBack) {
+  v1::RankProgress a, b, c;
+  a.set_committed_step(6);
+  a.set_begun_step(7);
+  b.set_committed_step(7);
+  b.set_begun_step(7);
+  c.set_committed_step(6);
+  c.set_begun_step(6);
+  c.set_rejoining(true);
+  const std::map<int64_t, const v1::RankProgress*> progress = {{0, &a}, {1, &b}, {2, &c}};
+  v1::Job job;
+  job.set_status(v1::JOB_RECOVERING);
+  EXPECT_EQ(StepLines(job, progress),
+            "redoing:      step 7 (every rank completed step 6; some began or completed step 7, "
+            "rolled back)\nnot back:     rank(s) 2\n");
+  job.set_status(v1::JOB_READY);
+  EXPECT_EQ(StepLines(job, progress), "steps:        6 completed by every rank, 7 begun\n");
+  v1::RankProgress none;
+  none.set_committed_step(-1);
+  none.set_begun_step(-1);
+  EXPECT_EQ(StepLines(job, {{0, &none}}), "");
+}
+
 }  // namespace
 }  // namespace ragshard

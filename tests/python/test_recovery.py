@@ -7,6 +7,7 @@ parameters equal an uninterrupted run's within 1e-6."""
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -89,6 +90,14 @@ def test_a_killed_rank_recovers_in_place(cluster, tmp_path, optimizer, rank, ste
     show = ctl(cluster, "job", "show", job)
     assert show.returncode == 0, show.stderr
     assert "READY" in show.stdout and "recoveries:   1 recovery" in show.stdout, show.stdout
+    # Every rank's journal, through its daemon's heartbeats: all 6 steps completed.
+    deadline = time.time() + 30
+    while True:
+        why = ctl(cluster, "job", "why", job)
+        if "steps:        6 completed by every rank" in why.stdout or time.time() > deadline:
+            break
+        time.sleep(0.2)
+    assert "steps:        6 completed by every rank\n" in why.stdout, why.stdout + why.stderr
 
 
 def test_without_restarts_a_lost_rank_fails_the_job_named(cluster, tmp_path):
