@@ -111,11 +111,11 @@ def parse():
     p.add_argument("--world", type=int, default=0, help="W for --reference")
     p.add_argument("--out", default="", help="write losses (JSON) and final parameters (.pt)")
     p.add_argument("--quiet", action="store_true")
-    p.add_argument("--kill-at", default="", metavar="RANK:STEP:PHASE:MARK",
+    p.add_argument("--kill-at", action="append", default=[], metavar="RANK:STEP:PHASE:MARK",
                    help="fault injection for the recovery tests: rank RANK sends itself SIGKILL "
                         "in step STEP (1-based) at PHASE (forward, backward, step: inside the "
                         "optimizer's update, between: after zero_grad), once: only while the "
-                        "file MARK does not exist (it is created first)")
+                        "file MARK does not exist (it is created first); repeatable")
     a = p.parse_args()
     tiny_optim.check_arguments(p, a)
     try:
@@ -346,24 +346,26 @@ def sharded(args, model, chain):
 
 
 class Kill:
-    """--kill-at: this rank's SIGKILL at one point of one step, once (the mark file)."""
+    """--kill-at (repeatable): this rank's SIGKILL at points of its steps, each once (while its
+    mark file does not exist)."""
 
-    def __init__(self, spec, rank):
-        self.step = self.phase = self.mark = None
-        if spec:
+    def __init__(self, specs, rank):
+        self.points = {}  # (0-based step, phase) -> mark file
+        for spec in specs:
             r, step, phase, mark = spec.split(":", 3)
             if phase not in ("forward", "backward", "step", "between"):
                 raise SystemExit(f"--kill-at: phase '{phase}' is not one of forward, backward, "
                                  "step, between")
             if int(r) == rank:
-                self.step, self.phase, self.mark = int(step) - 1, phase, mark
+                self.points[(int(step) - 1, phase)] = mark
 
     def armed(self, step, phase):
-        return self.step == step and self.phase == phase and not os.path.exists(self.mark)
+        mark = self.points.get((step, phase))
+        return mark is not None and not os.path.exists(mark)
 
     def at(self, step, phase):
         if self.armed(step, phase):
-            open(self.mark, "w").close()
+            open(self.points[(step, phase)], "w").close()
             os.kill(os.getpid(), signal.SIGKILL)
 
     @contextlib.contextmanager

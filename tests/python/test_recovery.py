@@ -100,6 +100,23 @@ def test_a_killed_rank_recovers_in_place(cluster, tmp_path, optimizer, rank, ste
     assert "steps:        6 completed by every rank\n" in why.stdout, why.stdout + why.stderr
 
 
+def test_two_losses_are_two_recoveries(cluster, tmp_path):
+    """Rank 1 lost in step 2, then rank 2 in step 5 (epoch 1, then 2): --max-restarts 1 per
+    rank covers both, and the result is the uninterrupted run's."""
+    ref = reference(cluster, tmp_path, "adamw")
+    out, r = run(cluster, tmp_path, "twice", [
+        "--optimizer", "adamw", "--kill-at", f"1:2:backward:{tmp_path / 'k1'}",
+        "--kill-at", f"2:5:step:{tmp_path / 'k2'}"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "rank 1 exited with -9; restarting it" in r.stderr
+    assert "rank 2 exited with -9; restarting it" in r.stderr
+    a, b = params(out), params(ref)
+    for name in a:
+        assert torch.allclose(a[name], b[name], rtol=0, atol=1e-6), name
+    show = ctl(cluster, "job", "show", "twice")
+    assert "recoveries:   2 recoveries" in show.stdout, show.stdout
+
+
 def test_without_restarts_a_lost_rank_fails_the_job_named(cluster, tmp_path):
     out = str(tmp_path / "norestart")
     mark = str(tmp_path / "killed-nr")
