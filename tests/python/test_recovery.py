@@ -117,6 +117,36 @@ def test_two_losses_are_two_recoveries(cluster, tmp_path):
     assert "recoveries:   2 recoveries" in show.stdout, show.stdout
 
 
+def torchrun(cluster, tmp_path, job, extra):
+    """2 ranks on daemon 0 under torchrun --max-restarts 1 (which replaces both workers when
+    one fails), in a job created with a recovery deadline: one node, so the recovery has no
+    data plane to connect again."""
+    import ragshard
+    ragshard.create_job(cluster.planner, job, 2, recovery_deadline_ms=60000,
+                        token_file=cluster.token_file)
+    e = env()
+    for k in ("RAGSHARD_RANK", "RAGSHARD_WORLD_SIZE", "RAGSHARD_NODE"):
+        e.pop(k, None)
+    e.update(RAGSHARD_PLANNER=cluster.planner, RAGSHARD_JOB=job,
+             RAGSHARD_SOCKET=cluster.sockets[0], RAGSHARD_TOKEN_FILE=cluster.token_file)
+    out = str(tmp_path / job)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc-per-node", "2", "--max-restarts", "1", EXAMPLE, "--out", out] +
+                       SMALL + extra, env=e, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return out
+
+
+def test_torchrun_restarts_recover_in_place(cluster, tmp_path):
+    ref = torchrun(cluster, tmp_path, "tr-ref", [])
+    out = torchrun(cluster, tmp_path, "tr-kill", ["--kill-at", f"1:3:step:{tmp_path / 'k'}"])
+    assert os.path.exists(tmp_path / "k")
+    a, b = params(out), params(ref)
+    for name in a:
+        assert torch.allclose(a[name], b[name], rtol=0, atol=1e-6), name
+    assert "recoveries:   1 recovery" in ctl(cluster, "job", "show", "tr-kill").stdout
+
+
 def test_without_restarts_a_lost_rank_fails_the_job_named(cluster, tmp_path):
     out = str(tmp_path / "norestart")
     mark = str(tmp_path / "killed-nr")
