@@ -30,17 +30,23 @@ def cluster():
         yield c
 
 
+@pytest.fixture(scope="module")
+def device_cluster():
+    with LocalCluster(BUILD, daemons=2, pool_bytes=128 << 20, backend="device-shaped") as c:
+        yield c
+
+
 def env():
     e = dict(os.environ)
     e["PYTHONPATH"] = os.path.join(BUILD, "python") + os.pathsep + e.get("PYTHONPATH", "")
     return e
 
 
-def run(cluster, tmp_path, job, extra, restarts=1):
+def run(cluster, tmp_path, job, extra, restarts=1, launch=()):
     out = str(tmp_path / job)
     cmd = LAUNCH + ["--planner", cluster.planner, "--job", job, "--nproc", "4",
                     "--sockets", ",".join(cluster.sockets), "--create-job",
-                    "--max-restarts", str(restarts), "--recovery-deadline", "60",
+                    "--max-restarts", str(restarts), "--recovery-deadline", "60", *launch,
                     EXAMPLE, "--out", out] + SMALL + extra
     r = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=300)
     return out, r
@@ -98,6 +104,23 @@ def test_a_killed_rank_recovers_in_place(cluster, tmp_path, optimizer, rank, ste
             break
         time.sleep(0.2)
     assert "steps:        6 completed by every rank\n" in why.stdout, why.stdout + why.stderr
+
+
+@pytest.mark.parametrize("layout", ["hsdp", "device-shaped"])
+def test_hsdp_and_the_device_shape_recover_in_place(request, tmp_path, layout):
+    """Under HSDP (2 replicas of 2) the ranks agree over the replicas too; on the device-shaped
+    plane each rank's unsharded buffers are its own."""
+    c = request.getfixturevalue("cluster" if layout == "hsdp" else "device_cluster")
+    launch = ["--replicate", "2"] if layout == "hsdp" else []
+    ref, r = run(c, tmp_path, f"{layout}-ref", [], launch=launch)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out, r = run(c, tmp_path, f"{layout}-kill", ["--kill-at", f"2:3:backward:{tmp_path / 'k'}"],
+                 launch=launch)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "rank 2 exited with -9; restarting it" in r.stderr
+    a, b = params(out), params(ref)
+    for name in a:
+        assert torch.allclose(a[name], b[name], rtol=0, atol=1e-6), name
 
 
 def test_two_losses_are_two_recoveries(cluster, tmp_path):

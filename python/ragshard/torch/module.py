@@ -130,7 +130,7 @@ class ShardedModule(torch.nn.Module):
         """A recovered rank (docs/recovery.md): agrees with the others on the last step all of
         them completed, brings its state back to it, and drops the interrupted step's
         gradients."""
-        self.resume_step = agree_on_committed(self._control, self._journal.committed, self.world)
+        self.resume_step = agree_on_committed(self._control, self._journal.committed)
         self._journal.roll_back(self.resume_step)
         for ui in self.units():
             as_tensor(self.client.grad_shard(ui)).zero_()

@@ -125,10 +125,12 @@ class StepJournal:
         self.meta[1] = to
 
 
-def agree_on_committed(control, committed, world):
+def agree_on_committed(control, committed):
     """The last step every rank committed: the least `committed` over the ranks, which differ by
-    at most one (StepJournal). Two sums of one float per rank; exact while world * steps is
-    below 2^24, which is checked."""
+    at most one (StepJournal). Sums of one float per rank over every rank (HSDP's replicas
+    included: the ranks the sums cover are counted first); exact while ranks * steps is below
+    2^24, which is checked."""
+    world = int(round(control.all_reduce_scalar(1.0)))
     if committed * world >= 1 << 24:
         raise RuntimeError(f"ragshard recovery: {committed} steps at {world} ranks is past what "
                            "the agreement's fp32 sums hold exactly (2^24)")
