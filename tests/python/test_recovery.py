@@ -20,13 +20,14 @@ from ragshard.cluster import LocalCluster  # noqa: E402
 
 EXAMPLE = os.path.join(ROOT, "examples", "train_tiny.py")
 LAUNCH = [sys.executable, "-m", "ragshard.launch", "--preload", "torch"]
+PROFILE = os.path.join(ROOT, "profiles", "host-2x2-loopback.json")  # for policy auto
 SMALL = ["--layers", "2", "--dim", "64", "--heads", "4", "--seq", "16", "--batch", "2",
          "--vocab", "32", "--quiet", "--steps", "6"]
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    with LocalCluster(BUILD, daemons=2, pool_bytes=128 << 20) as c:
+    with LocalCluster(BUILD, daemons=2, pool_bytes=128 << 20, cluster_profile=PROFILE) as c:
         yield c
 
 
@@ -106,12 +107,18 @@ def test_a_killed_rank_recovers_in_place(cluster, tmp_path, optimizer, rank, ste
     assert "steps:        6 completed by every rank\n" in why.stdout, why.stdout + why.stderr
 
 
-@pytest.mark.parametrize("layout", ["hsdp", "device-shaped"])
-def test_hsdp_and_the_device_shape_recover_in_place(request, tmp_path, layout):
+LAYOUTS = {"hsdp": ["--replicate", "2"], "device-shaped": [],
+           # AMSP's separate factors: each rank steps its os range, the update gather spreads it.
+           "amsp": ["--policy", "auto", "--strategy", "k=1,p=1x1,g=2x1,os=2x2"]}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_other_layouts_recover_in_place(request, tmp_path, layout):
     """Under HSDP (2 replicas of 2) the ranks agree over the replicas too; on the device-shaped
-    plane each rank's unsharded buffers are its own."""
-    c = request.getfixturevalue("cluster" if layout == "hsdp" else "device_cluster")
-    launch = ["--replicate", "2"] if layout == "hsdp" else []
+    plane each rank's unsharded buffers are its own; under AMSP's factors the update gather
+    writes the parameter shards inside the step."""
+    c = request.getfixturevalue("device_cluster" if layout == "device-shaped" else "cluster")
+    launch = LAYOUTS[layout]
     ref, r = run(c, tmp_path, f"{layout}-ref", [], launch=launch)
     assert r.returncode == 0, r.stdout + r.stderr
     out, r = run(c, tmp_path, f"{layout}-kill", ["--kill-at", f"2:3:backward:{tmp_path / 'k'}"],
