@@ -34,8 +34,9 @@ std::string RecoveryNote(const v1::Job& job, int64_t now_ms) {
   if (job.status() == v1::JOB_RECOVERING) {
     const v1::JobRecovery& r = job.recovery();
     const int64_t left = r.deadline_unix_ms() - now_ms;
-    return absl::StrCat("epoch ", r.epoch(), ", ", r.recovered_node_ids_size(),
-                        " node(s) recovered, ",
+    // ListJobs gives the count only (recovered_nodes); GetJob the names.
+    const int64_t recovered = std::max<int64_t>(r.recovered_nodes(), r.recovered_node_ids_size());
+    return absl::StrCat("epoch ", r.epoch(), ", ", recovered, " node(s) recovered, ",
                         left >= 0 ? absl::StrCat(Seconds(left), " left") : "deadline passed");
   }
   return job.recoveries() > 0 ? Recoveries(job) : "";

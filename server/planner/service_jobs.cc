@@ -87,7 +87,12 @@ grpc::ServerUnaryReactor* PlannerService::ListJobs(Ctx* ctx, const v1::ListJobsR
             resp->set_next_page_token(resp->jobs(size - 1).job_id());
             break;
           }
-          *resp->add_jobs() = Summary(job);
+          v1::Job* out = resp->add_jobs();
+          *out = Summary(job);
+          // O(1) per job in a list: the count of the nodes recovered, not their names.
+          v1::JobRecovery* r = out->mutable_recovery();
+          r->set_recovered_nodes(r->recovered_node_ids_size());
+          r->clear_recovered_node_ids();
         }
         return absl::OkStatus();
       });

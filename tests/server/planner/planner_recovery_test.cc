@@ -147,6 +147,12 @@ TEST_F(PlannerRecoveryTest, ARecoverableReportStartsARecoveryThatEveryNodeEnds) 
   EXPECT_EQ(job->recovery_epoch(), 1);
   EXPECT_GE(job->recovery().finished_unix_ms(), job->recovery().started_unix_ms());
   EXPECT_THAT(Ids(job->recovery()), ElementsAre("n0", "n1"));
+  // A listed job stays O(1): the count of the nodes recovered, not their names.
+  auto listed = client_->ListJobs();
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  ASSERT_EQ(listed->size(), 1u);
+  EXPECT_EQ((*listed)[0].recovery().recovered_node_ids_size(), 0);
+  EXPECT_EQ((*listed)[0].recovery().recovered_nodes(), 2);
   // A repeat of a completed recovery's report answers READY; one for a later epoch is refused.
   EXPECT_EQ(Recovered("j", "n1", 1)->status(), v1::JOB_READY);
   auto ahead = Recovered("j", "n1", 2);
