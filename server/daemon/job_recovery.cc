@@ -144,6 +144,10 @@ void JobRuntime::Recover() {
   // The other nodes hear at once (a waiting collective of theirs with this node ends); the
   // planner's heartbeats tell the rest.
   if (abort_comm && comm_ != nullptr) comm_->Abort(absl::StrCat("recovery in place: ", lost));
+  // The old connection goes now, not at the reconnect: a peer's collective with this node that
+  // still sends to it (a rendezvous send nobody receives, which cannot be cancelled) fails at
+  // once instead of at its bound.
+  if (relay_ != nullptr) relay_->Close();
   int64_t target = 0;
   absl::Time deadline;
   while (true) {

@@ -379,6 +379,10 @@ void JobRuntime::Run() {
           StartRecovery(
               absl::StrCat("node '", node_id_, "' lost ", Describe(op), ": ", s.message()));
         }
+        // The connection failed already (a peer's notice, or a lost peer) and gave up its
+        // requests: the recovery replaces it without aborting it again, which would wait once
+        // more for sends that a peer that stopped never receives.
+        comm_aborted_ = true;
       }
     }
     if (fatal && !known && !recover) {

@@ -3,8 +3,10 @@
 // the next epoch (docs/recovery.md). The old connection's messages die with it, so an operation
 // cut short by the recovery leaves nothing behind for the next epoch's operations to match.
 //
-// Thread-compatible like every Comm: the job's thread calls it and replaces the connection;
-// waiting_for() may be called from any thread (ragshardctl job why).
+// Thread-compatible like every Comm: the job's thread calls it, closes the connection and
+// replaces it; waiting_for() may be called from any thread (ragshardctl job why). Between Close
+// and Replace no operation runs (the job is recovering): only Abort, SetDescriber, sent_bytes
+// and waiting_for are called then, and they do nothing.
 #pragma once
 
 #include <memory>
@@ -28,12 +30,19 @@ class RelayComm final : public Comm {
     worker_.reset();
   }
 
-  // The next epoch's connection (same members, same ranks); the old one closes first.
-  void Replace(std::unique_ptr<UcxWorker> worker, std::unique_ptr<Comm> comm) {
+  // Closes the connection (its endpoints: what the peers still send or wait for on it fails at
+  // once); only Replace may follow.
+  void Close() {
     absl::MutexLock lock(&mu_);
-    sent_before_ += comm_->sent_bytes();
+    if (comm_ != nullptr) sent_before_ += comm_->sent_bytes();
     comm_.reset();
     worker_.reset();
+  }
+
+  // The next epoch's connection (same members, same ranks); the old one closes first.
+  void Replace(std::unique_ptr<UcxWorker> worker, std::unique_ptr<Comm> comm) {
+    Close();
+    absl::MutexLock lock(&mu_);
     worker_ = std::move(worker);
     comm_ = std::move(comm);
     if (describe_) comm_->SetDescriber(describe_);
@@ -53,15 +62,19 @@ class RelayComm final : public Comm {
                        const IdleWork& idle) override {
     return comm_->WaitAll(requests, deadline, idle);
   }
-  void Abort(const std::string& why) override { comm_->Abort(why); }
+  void Abort(const std::string& why) override {
+    if (comm_ != nullptr) comm_->Abort(why);
+  }
   void SetDescriber(TagDescriber describe) override {
     describe_ = describe;
-    comm_->SetDescriber(std::move(describe));
+    if (comm_ != nullptr) comm_->SetDescriber(std::move(describe));
   }
-  int64_t sent_bytes() const override { return sent_before_ + comm_->sent_bytes(); }
+  int64_t sent_bytes() const override {
+    return sent_before_ + (comm_ != nullptr ? comm_->sent_bytes() : 0);
+  }
   std::string waiting_for() const override {
     absl::MutexLock lock(&mu_);
-    return comm_->waiting_for();
+    return comm_ != nullptr ? comm_->waiting_for() : "";
   }
 
  private:
