@@ -119,6 +119,29 @@ def plot(doc, s, png):
     plt.close(fig)
 
 
+def others_text(doc):
+    """The other processes on the machine: the waits for quiet, and what ran beside the runs."""
+    runs = [(i + 1, kind, r[kind]) for i, r in enumerate(doc["rounds"]) for kind in r
+            if "others_cores" in r[kind]]
+    if not runs:
+        return []
+    cores = [x["others_cores"] for _, _, x in runs]
+    worst = max(runs, key=lambda t: t[2]["others_cores"])
+    text = ("Other processes: during the measured launches, the processes other than the "
+            "report's (the machine's busy CPU time, /proc/stat, less the report's and its "
+            f"children's) used a median of {med(cores):.2f} cores, at most "
+            f"{worst[2]['others_cores']:.2f} (round {worst[0]}, {worst[1]}); the column "
+            "\"others\" below gives each trial's.")
+    if doc.get("quiet_wait"):
+        waits = [x.get("waited", 0) for _, _, x in runs]
+        text += (f" Before each measured launch the report waited until they used less than "
+                 f"{doc['quiet_cores']:g} cores over 2 s, or {doc['quiet_wait']:g} s passed "
+                 f"({doc.get('quiet_total', 0):g} s of waiting at most over the run): "
+                 f"{sum(waits):.0f} s of waiting in all, over "
+                 f"{sum(w > 3 for w in waits)} launches that waited more than 3 s.")
+    return [text + "\n"]
+
+
 def _f(x, fmt="{:.2f}"):
     return "—" if x is None else fmt.format(x)
 
@@ -149,8 +172,9 @@ def render(doc, out):
          f"{doc['save_every']} steps, and a trial of checkpoint-and-restart. "
          f"{len(doc['rounds'])} rounds. Wall times are the launcher's, from its start to its "
          "exit, so a run's start and its end (the final parameters gathered and written) are in "
-         "them.\n",
-         "## Summary\n",
+         "them.\n"]
+    L += others_text(doc)
+    L += ["## Summary\n",
          "| | seconds lost per rank failure, median | min–max | trials |",
          "|---|---:|---:|---:|",
          f"| recovery in place (`--max-restarts 1`) | {_f(s['lost'])} | "
@@ -213,8 +237,8 @@ def render(doc, out):
           "after it, less its seconds). Δ: the largest |difference| of any final parameter "
           f"against the same round's uninterrupted run (bound {PARAM_ATOL:g}).\n",
           "| trial | rank | step | phase | resumed at step | noticed (s) | all gone (s) "
-          "| back in training (s) | wall (s) | seconds lost | max abs Δ |",
-          "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+          "| back in training (s) | wall (s) | seconds lost | max abs Δ | others (cores) |",
+          "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for i, r in enumerate(doc["rounds"]):
         k = r.get("recovered", {})
         if "error" in k or not k:
@@ -224,7 +248,7 @@ def render(doc, out):
         gone = k["old_gone_at"] - k["killed_at"] if k.get("old_gone_at") is not None else None
         L.append(f"| {i + 1} | {k['rank']} | {k['step']} | {k['phase']} | {k['first_step']} | "
                  f"{_f(noticed)} | {_f(gone)} | {_f(k.get('back_in'))} | {k['wall']:.2f} | "
-                 f"{k['lost']:.2f} | {k['max_abs_diff']:.1e} |")
+                 f"{k['lost']:.2f} | {k['max_abs_diff']:.1e} | {_f(k.get('others_cores'))} |")
     worst = max([k["max_abs_diff"] for k in s["recovered"]], default=None)
     if worst is not None:
         L.append(f"\nLargest |Δ| over the trials: {worst:.1e} "
@@ -243,8 +267,8 @@ def render(doc, out):
           "Δ against the same round's uninterrupted run that saves.\n",
           "| trial | rank | step | phase | resumed from checkpoint of step | failed launch (s) "
           "| of it after the kill (s) | second launch (s) | load (s) | seconds lost "
-          "| max abs Δ |",
-          "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+          "| max abs Δ | others (cores) |",
+          "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for i, r in enumerate(doc["rounds"]):
         c = r.get("checkpointed", {})
         if "error" in c or not c:
@@ -253,7 +277,7 @@ def render(doc, out):
                  f"{c['resumed_from'] or '— (none yet)'} | {c['walls'][0]:.2f} | "
                  f"{c['walls'][0] - c['killed_at']:.2f} | "
                  f"{c['walls'][1]:.2f} | {c['load_seconds']:.3f} | {c['lost']:.2f} | "
-                 f"{c['max_abs_diff']:.1e} |")
+                 f"{c['max_abs_diff']:.1e} | {_f(c.get('others_cores'))} |")
     saves = [x for u in ok(doc["rounds"], "saved") for x in u["save_seconds"]]
     if saves:
         L.append(f"\nA save took {med(saves):.3f} s (median of {len(saves)}, "

@@ -14,7 +14,7 @@ one rank process's start and one step (the issue's target: median seconds lost <
 journaled) against without, alternated. Writes docs/benchmarks/recovery.md and recovery.png;
 the figures go to WORK/runs.json, from which --from-json writes the report again.
 
-    .venv/bin/python bench/recovery_report.py --build build              # ~12 min
+    .venv/bin/python bench/recovery_report.py --build build     # ~12 min on a quiet machine
     .venv/bin/python bench/recovery_report.py --build build --trials 1 --reps 1 --steps 6 \\
         --allow-dirty --out /tmp/recovery.md                               # a smoke run
     .venv/bin/python bench/recovery_report.py --from-json WORK/runs.json
@@ -29,6 +29,7 @@ import platform
 import random
 import shlex
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -77,7 +78,9 @@ def attempt(results, kind, what, fn, *args):
         results[kind] = fn(*args)
         r = results[kind]
         wall = sum(r["walls"]) if "walls" in r else r["wall"]
-        print(f"  {wall:.2f} s", file=sys.stderr, flush=True)
+        print(f"  {wall:.2f} s; other processes {r['others_cores']:.2f} cores"
+              + (f", after waiting {r['waited']:.0f} s for them" if r.get("waited", 0) > 3
+                 else ""), file=sys.stderr, flush=True)
     except RunFailed as e:
         results[kind] = {"error": str(e)[-3000:]}
         print(f"  FAILED: {str(e)[-1500:]}", file=sys.stderr, flush=True)
@@ -102,6 +105,13 @@ def main():
     ap.add_argument("--seed", type=int, default=0, help="the kills' RNG")
     ap.add_argument("--recovery-deadline", type=float, default=60.0)
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per launch")
+    ap.add_argument("--quiet-wait", type=float, default=60.0,
+                    help="before each measured launch, wait up to this many seconds for the "
+                         "other processes on the machine to use less than --quiet-cores (0: "
+                         "do not wait)")
+    ap.add_argument("--quiet-cores", type=float, default=0.3)
+    ap.add_argument("--quiet-total", type=float, default=600.0,
+                    help="seconds of such waiting over the whole run, at most")
     ap.add_argument("--work", default="", help="scratch directory (default: a new one in /tmp)")
     ap.add_argument("--from-json", default="", metavar="RUNS",
                     help="write the report again from an earlier run's runs.json, running "
@@ -120,13 +130,16 @@ def main():
         ap.error("--steps: at least 4 (the step times leave out the first two); --save-every "
                  "between 1 and --steps")
     provenance.require(args)
+    # SIGTERM as Ctrl-C: the launch under way and its cluster are stopped on the way out.
+    signal.signal(signal.SIGTERM, lambda signum, frame: (_ for _ in ()).throw(
+        KeyboardInterrupt(f"signal {signum}")))
     build = os.path.abspath(args.build)
     sys.path.insert(0, os.path.join(build, "python"))
     import torch  # here, so that a missing one fails before the runs
     work = args.work or tempfile.mkdtemp(prefix="ragshard-recovery-")
     os.makedirs(work, exist_ok=True)
     run = Runner(build, work, MODEL, args.steps, args.save_every, args.recovery_deadline,
-                 args.timeout)
+                 args.timeout, args.quiet_wait, args.quiet_cores, args.quiet_total)
     started, t0, load_start = datetime.datetime.now().astimezone(), time.time(), os.getloadavg()
     rounds = []
     for i, (rank, step, phase) in enumerate(kills(args.trials, args.steps, args.seed)):
@@ -155,7 +168,9 @@ def main():
            "load_start": load_start, "load_end": os.getloadavg(), "machine": machine(),
            "python": sys.version.split()[0], "torch": torch.__version__, "model": MODEL,
            "steps": args.steps, "save_every": args.save_every, "saves": run.saves,
-           "seed": args.seed, "reps": args.reps, "commands": run.commands, "rounds": rounds}
+           "seed": args.seed, "reps": args.reps, "commands": run.commands,
+           "quiet_wait": args.quiet_wait, "quiet_cores": args.quiet_cores,
+           "quiet_total": args.quiet_total, "rounds": rounds}
     path = os.path.join(work, "runs.json")
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)

@@ -7,6 +7,7 @@ started again from its last checkpoint (`Runner`). bench/chaos_recovery.py launc
 import json
 import os
 import re
+import resource
 import shlex
 import shutil
 import signal
@@ -33,6 +34,52 @@ def children(pid):
     except OSError:
         pass
     return out
+
+
+def _busy_seconds():
+    """The CPU seconds this machine's cores have run anything (user, nice, system, irq,
+    softirq; from /proc/stat), since boot."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:8]]
+    user, nice, system, _idle, _iowait, irq, softirq = fields
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_seconds():
+    """The CPU seconds of this process and of its children that it waited for (theirs and
+    their own waited-for children's: the launcher's ranks, the cluster's servers)."""
+    return sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
+                                                 resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
+def wait_quiet(limit, below, window=2.0):
+    """Between launches (nothing of ours runs): waits until the cores ran less than `below`
+    cores' worth over `window` seconds, or `limit` seconds passed. Returns (seconds waited,
+    the last window's busy cores)."""
+    t0 = time.time()
+    while True:
+        b0 = _busy_seconds()
+        time.sleep(window)
+        busy = (_busy_seconds() - b0) / window
+        if busy < below or time.time() - t0 >= limit:
+            return time.time() - t0, busy
+
+
+class Others:
+    """The CPU seconds that processes other than this one and its children ran while the
+    block ran (the machine's busy time less ours): how much else competed for the cores."""
+
+    def __enter__(self):
+        self.t, self.busy, self.own = time.time(), _busy_seconds(), _own_seconds()
+        return self
+
+    def __exit__(self, *exc):
+        self.wall = time.time() - self.t
+        self.seconds = max(0.0, (_busy_seconds() - self.busy) - (_own_seconds() - self.own))
+        return False
+
+    def cores(self):
+        return self.seconds / self.wall if self.wall > 0 else 0.0
 
 
 def sh(cmd):
@@ -118,8 +165,11 @@ class Runner:
     daemons) of `build`; `model` and `steps` are train_tiny's arguments. `commands` keeps one
     command line of each kind, as run."""
 
-    def __init__(self, build, work, model, steps, save_every, deadline, timeout):
+    def __init__(self, build, work, model, steps, save_every, deadline, timeout,
+                 quiet_wait=0.0, quiet_cores=0.3, quiet_total=0.0):
         self.build, self.work, self.model, self.steps = build, work, model, steps
+        self.quiet_wait, self.quiet_cores = quiet_wait, quiet_cores
+        self.quiet_left = quiet_total  # the waits' budget over the whole run
         self.saves = ",".join(str(s) for s in range(save_every, steps + 1, save_every))
         self.deadline, self.timeout = deadline, timeout
         self.commands = {}
@@ -144,6 +194,15 @@ class Runner:
         self.commands.setdefault(kind, sh(cmd).replace(ROOT + os.sep, ""))
         return Launch(cmd, self._env(), self.timeout, watch), out
 
+    def _quiet(self):
+        """Before a measured launch: wait_quiet (within what is left of the waits' budget),
+        with the wait and the machine's load kept."""
+        if self.quiet_wait <= 0 or self.quiet_left <= 0:
+            return {}
+        waited, busy = wait_quiet(min(self.quiet_wait, self.quiet_left), self.quiet_cores)
+        self.quiet_left -= waited
+        return {"waited": waited, "busy_before": busy}
+
     def _cluster(self):
         from ragshard.cluster import LocalCluster
         return LocalCluster(self.build, daemons=DAEMONS, pool_bytes=256 << 20)
@@ -166,13 +225,15 @@ class Runner:
                  self.saves] if save else []
         if save:
             shutil.rmtree(extra[1], ignore_errors=True)
-        with self._cluster() as c:
+        quiet = self._quiet()
+        with Others() as others, self._cluster() as c:
             launch, out = self._launch(c, "save" if save else
                                        "restarts" if restarts else "plain", job, restarts, extra)
         main, ranks = self._outputs(out, launch, job)
         first = launch.first(r"^step 1/")
         return {"job": job, "out": out, "wall": launch.wall, "restarts": restarts,
-                "save": save, "steps": main["step_seconds"],
+                "save": save, "others_cores": others.cores(), **quiet,
+                "steps": main["step_seconds"],
                 "start": None if first is None else first - main["step_seconds"][0],
                 "slowest_steps": slowest_step(ranks),
                 "save_seconds": main["checkpoint"]["save_seconds"]}
@@ -189,7 +250,8 @@ class Runner:
         notice and the first step after it came (seconds since the launch), and the step
         the ranks resumed from."""
         mark, extra = self._kill(job, rank, step, phase)
-        with self._cluster() as c:
+        quiet = self._quiet()
+        with Others() as others, self._cluster() as c:
             launch, out = self._launch(c, "recovered", job, True, extra, watch=True)
         main, _ = self._outputs(out, launch, job)
         if not os.path.exists(mark):
@@ -204,7 +266,7 @@ class Runner:
         old = [seen for seen in launch.children.values() if seen[0] < killed]
         new = [seen for seen in launch.children.values() if seen[0] >= killed]
         return {"job": job, "out": out, "wall": launch.wall, "rank": rank, "step": step,
-                "phase": phase, "killed_at": killed,
+                "phase": phase, "killed_at": killed, "others_cores": others.cores(), **quiet,
                 "noticed_at": launch.first(LOST_LINE.pattern, killed),
                 # The other ranks' lines that they leave on their daemons' recovery notice.
                 "notices_at": [t for t, text in launch.lines
@@ -224,7 +286,8 @@ class Runner:
         shutil.rmtree(ckpt, ignore_errors=True)
         mark, kill = self._kill(job, rank, step, phase)
         save = ["--save", ckpt, "--save-step", self.saves]
-        with self._cluster() as c:
+        quiet = self._quiet()
+        with Others() as others, self._cluster() as c:
             failed, _ = self._launch(c, "checkpointed-kill", job + "-a", False, save + kill)
             if failed.code in (0, None) or not os.path.exists(mark):
                 raise RunFailed(f"{job}-a: expected the kill to fail the launch; exit code "
@@ -234,7 +297,7 @@ class Runner:
                                       job + "-b", False, save + resume)
         main, _ = self._outputs(out, again, job + "-b")
         return {"job": job, "out": out, "rank": rank, "step": step, "phase": phase,
-                "walls": [failed.wall, again.wall],
+                "walls": [failed.wall, again.wall], "others_cores": others.cores(), **quiet,
                 "killed_at": os.path.getmtime(mark) - failed.start,
                 "resumed_from": main["first_step"] - 1 if resume else 0,
                 "load_seconds": main["checkpoint"]["load_seconds"]}
