@@ -134,11 +134,12 @@ def others_text(doc):
             "\"others\" below gives each trial's.")
     if doc.get("quiet_wait"):
         waits = [x.get("waited", 0) for _, _, x in runs]
-        text += (f" Before each measured launch the report waited until they used less than "
-                 f"{doc['quiet_cores']:g} cores over 2 s, or {doc['quiet_wait']:g} s passed "
-                 f"({doc.get('quiet_total', 0):g} s of waiting at most over the run): "
-                 f"{sum(waits):.0f} s of waiting in all, over "
-                 f"{sum(w > 3 for w in waits)} launches that waited more than 3 s.")
+        text += (f" Before each measured launch the report watched the machine for 2 s and "
+                 f"waited on until the others used less than {doc['quiet_cores']:g} cores over "
+                 f"2 s, or {doc['quiet_wait']:g} s passed ({doc.get('quiet_total', 0):g} s of "
+                 f"waiting at most over the run): {sum(waits):.0f} s in all over "
+                 f"{len(waits)} launches; {sum(w > 3 for w in waits)} of them waited more than "
+                 "the first 2 s.")
     return [text + "\n"]
 
 
@@ -249,6 +250,12 @@ def render(doc, out):
         L.append(f"| {i + 1} | {k['rank']} | {k['step']} | {k['phase']} | {k['first_step']} | "
                  f"{_f(noticed)} | {_f(gone)} | {_f(k.get('back_in'))} | {k['wall']:.2f} | "
                  f"{k['lost']:.2f} | {k['max_abs_diff']:.1e} | {_f(k.get('others_cores'))} |")
+    phases = {p: [k for k in s["recovered"] if k["phase"] == p] for p in PHASE_COLORS}
+    if any(phases.values()):
+        L.append("\nBy the phase of the kill, medians: " + "; ".join(
+            f"{p} ({len(ks)}): {med([k['lost'] for k in ks]):.2f} s lost, back in training "
+            f"{_f(med([k['back_in'] for k in ks if 'back_in' in k]))} s"
+            for p, ks in phases.items() if ks) + ".")
     worst = max([k["max_abs_diff"] for k in s["recovered"]], default=None)
     if worst is not None:
         L.append(f"\nLargest |Δ| over the trials: {worst:.1e} "
