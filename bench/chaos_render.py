@@ -7,14 +7,19 @@ import re
 import statistics
 
 import provenance
+from chaos_recovery import DEADLINE, PARAM_ATOL, RECOVERY_LIMIT, STEPS
 
 RANK_FAULTS = ["rank-kill", "daemon-stop", "daemon-kill"]
 TRAINING_FAULTS = ["planner-kill-registration", "planner-kill-ready"]
-ALL_FAULTS = RANK_FAULTS + TRAINING_FAULTS + ["soak"]
-DEFAULT_FAULTS = RANK_FAULTS + TRAINING_FAULTS
+RECOVERY_FAULTS = ["rank-recovery"]  # bench/chaos_recovery.py
+TRIAL_FAULTS = RANK_FAULTS + TRAINING_FAULTS + RECOVERY_FAULTS
+ALL_FAULTS = TRIAL_FAULTS + ["soak"]
+DEFAULT_FAULTS = TRIAL_FAULTS
 
-# The issue's limits (seconds from the fault to each surviving rank's exit).
-LIMITS = {"rank-kill": 10.0, "daemon-stop": 40.0, "daemon-kill": 10.0}
+# The issue's limits (seconds from the fault to each surviving rank's exit; rank-recovery: to
+# the recovered training's exit, the recovery deadline plus 30 s).
+LIMITS = {"rank-kill": 10.0, "daemon-stop": 40.0, "daemon-kill": 10.0,
+          "rank-recovery": RECOVERY_LIMIT}
 NAMES = {"rank-kill": "rank 3", "daemon-stop": "node-1", "daemon-kill": "node-1"}
 WHAT = {
     "rank-kill": "kill -9 of rank 3 at step 3",
@@ -26,6 +31,10 @@ WHAT = {
                                  "restarted 1 s later",
     "planner-kill-ready": "kill -9 of the planner once the job is READY and rank 0 printed "
                           "step 1; restarted 1 s later",
+    "rank-recovery": f"kill -9, from outside, of a random rank of a {STEPS}-step training under "
+                     f"ragshard.launch --max-restarts 1 --recovery-deadline {DEADLINE:g} (AdamW "
+                     "in odd trials, Muon in even ones), a random fraction of a step after rank "
+                     f"0 printed a random one of steps 1 to {STEPS - 5}",
     "soak": "bench/planner_soak: 40,000 jobs, then 20 planner kills under load, then large "
             "refused requests",
 }
@@ -35,6 +44,10 @@ LIMIT_TEXT = {
     "daemon-kill": "every rank exits non-zero within 10 s, naming \"node-1\"",
     "planner-kill-registration": "every trial completes (exit 0) with the reference losses",
     "planner-kill-ready": "every trial completes (exit 0) with the reference losses",
+    "rank-recovery": f"the training completes (exit 0) within {RECOVERY_LIMIT:g} s of the kill "
+                     "(no hang), the killed rank restarted and the job READY with one recovery, "
+                     f"every final parameter within {PARAM_ATOL:g} of an uninterrupted run's (no "
+                     "divergence)",
 }
 
 
@@ -77,6 +90,8 @@ def figures(fault, entry):
     if fault in RANK_FAULTS:
         return [row["seconds"] for t in entry["trials"] for row in t.get("ranks", [])
                 if row.get("seconds") is not None]
+    if fault in RECOVERY_FAULTS:
+        return [t["seconds"] for t in entry["trials"] if t.get("seconds") is not None]
     return [t["wall_seconds"] for t in entry["trials"] if t.get("wall_seconds") is not None]
 
 
@@ -88,6 +103,8 @@ def bad_points(fault, entry):
                 row.get("exit_code") == 0
                 for t in entry["trials"] for row in t.get("ranks", [])
                 if row.get("seconds") is not None]
+    if fault in RECOVERY_FAULTS:
+        return [not t["passed"] for t in entry["trials"] if t.get("seconds") is not None]
     return [not t["passed"] for t in entry["trials"] if t.get("wall_seconds") is not None]
 
 
@@ -100,6 +117,9 @@ def verdict(fault, entry):
     n, ok = len(trials), sum(t["passed"] for t in trials)
     if fault in RANK_FAULTS:
         within = f"within the limit ({LIMITS[fault]:g} s, naming \"{NAMES[fault]}\")"
+    elif fault in RECOVERY_FAULTS:
+        within = (f"recovered in place within {LIMITS[fault]:g} s of the kill, final "
+                  f"parameters within {PARAM_ATOL:g}")
     else:
         within = "completed with the reference losses"
     if ok == n:
@@ -117,7 +137,8 @@ def fault_section(fault, entry):
     xs = figures(fault, entry)
     s = pct(xs)
     what = "seconds from the fault to each surviving rank's exit, all trials" \
-        if fault in RANK_FAULTS else "the training's wall time in seconds (launch to exit)"
+        if fault in RANK_FAULTS else "seconds from the kill to the training's exit" \
+        if fault in RECOVERY_FAULTS else "the training's wall time in seconds (launch to exit)"
     if s:
         L.append(f"Spread of {what}: min {s['min']:.2f}, median {s['median']:.2f}, max "
                  f"{s['max']:.2f} (n = {s['n']}).\n")
@@ -161,6 +182,8 @@ def fault_section(fault, entry):
                 L.append(f"- {count} x (ranks {', '.join(map(str, sorted(rks)))}): "
                          f"`{brief(example, 260).replace('`', chr(39))}`")
             L.append("")
+    elif fault in RECOVERY_FAULTS:
+        L.extend(recovery_text(trials))
     else:
         extra = []
         run = [t for t in trials if "running_at_restart" in t]
@@ -204,6 +227,15 @@ def fault_section(fault, entry):
                               f"{'' if r.get('names') else ' (not named)'}"
                               for r in t.get("ranks", []))
             L.append(f"| {t['trial']} | {'pass' if t['passed'] else 'FAIL'} | {cells or '—'} |")
+    elif fault in RECOVERY_FAULTS:
+        L.append("| trial | result | optimizer | rank killed | after step | resumed at step | "
+                 "s from the kill to the exit | max abs Δ |")
+        L.append("|---:|---|---|---:|---:|---:|---:|---:|")
+        for t in trials:
+            d = t.get("max_abs_diff")
+            L.append(f"| {t['trial']} | {'pass' if t['passed'] else 'FAIL'} | {t['optimizer']} | "
+                     f"{t['rank']} | {t['after_step']} | {t.get('resumed_at_step', '—')} | "
+                     f"{fmt(t.get('seconds'))} | {'—' if d is None else f'{d:.1e}'} |")
     else:
         L.append("| trial | result | wall s | running at restart | final loss |")
         L.append("|---:|---|---:|---|---:|")
@@ -212,6 +244,25 @@ def fault_section(fault, entry):
                      f"{fmt(t.get('wall_seconds'))} | {t.get('running_at_restart', '—')} | "
                      f"{fmt(t.get('final_loss'), 6)} |")
     L.append("\n</details>\n")
+    return L
+
+
+def recovery_text(trials):
+    """rank-recovery's figures beyond the spread: the kills, and the parameters' distance."""
+    L = []
+    killed = [t for t in trials if "killed_at_seconds" in t]
+    if killed:
+        ranks = sorted({t["rank"] for t in killed})
+        steps = [t["after_step"] for t in killed]
+        after = f"step {min(steps)}" if min(steps) == max(steps) else \
+            f"steps {min(steps)} to {max(steps)}"
+        L.append(f"Killed: rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}, "
+                 f"after {after} ({sum(t['optimizer'] == 'adamw' for t in killed)} AdamW, "
+                 f"{sum(t['optimizer'] == 'muon' for t in killed)} Muon trials).\n")
+    diffs = [t["max_abs_diff"] for t in trials if "max_abs_diff" in t]
+    if diffs:
+        L.append(f"Largest |final parameter − the uninterrupted run's| over the trials: "
+                 f"{max(diffs):.1e} (limit {PARAM_ATOL:g}).\n")
     return L
 
 
@@ -330,7 +381,7 @@ def write_svg(path, data):
 
 def plot(docs, doc):
     data = []
-    for fault in RANK_FAULTS + TRAINING_FAULTS:
+    for fault in TRIAL_FAULTS:
         e = doc["faults"].get(fault)
         if e:
             data.append((fault, figures(fault, e), LIMITS.get(fault),
@@ -370,7 +421,9 @@ def plot(docs, doc):
         ax.set_xticklabels([f"n={len(xs)}" + (f"\n{fails} failed trial(s)" if fails else "")],
                            color="red" if fails else "black")
         ax.set_title(fault, fontsize=10)
-        ax.set_ylabel("seconds from the fault to each rank's exit" if limit else
+        ax.set_ylabel("seconds from the kill to the training's exit"
+                      if fault in RECOVERY_FAULTS else
+                      "seconds from the fault to each rank's exit" if limit else
                       "training wall time, s (limit: completes\nwith the reference losses)",
                       fontsize=8)
         ax.grid(axis="y", alpha=0.3)
@@ -396,6 +449,11 @@ def write_report(docs, doc):
          "single-process reference (`test_training.compare`, relative 1e-5), computed once "
          "per campaign.\n",
          "## How it was run\n"]
+    if any(f in doc["faults"] for f in RECOVERY_FAULTS):
+        L[1] = L[1][:-2] + ("; rank-recovery runs the training through `ragshard.launch "
+                            "--max-restarts 1`, kills a rank from outside and compares the final "
+                            "parameters with an uninterrupted run's (bench/chaos_recovery.py), "
+                            "one per optimizer per campaign.\n")
     runs = {}
     for fault in ALL_FAULTS:
         e = doc["faults"].get(fault)
@@ -414,13 +472,14 @@ def write_report(docs, doc):
     L.append("## Summary\n")
     L.append("| fault | trials | passes | min s | median s | max s | limit | verdict |")
     L.append("|---|---:|---:|---:|---:|---:|---|---|")
-    for fault in RANK_FAULTS + TRAINING_FAULTS:
+    for fault in TRIAL_FAULTS:
         e = doc["faults"].get(fault)
         if not e:
             continue
         s = pct(figures(fault, e)) or {}
         n, ok = len(e["trials"]), sum(t["passed"] for t in e["trials"])
-        lim = f"{LIMITS[fault]:g} s, names \"{NAMES[fault]}\"" if fault in LIMITS else \
+        lim = f"{LIMITS[fault]:g} s, names \"{NAMES[fault]}\"" if fault in NAMES else \
+            f"{LIMITS[fault]:g} s, Δ ≤ {PARAM_ATOL:g}" if fault in RECOVERY_FAULTS else \
             "completes with reference losses"
         L.append(f"| {fault} | {n} | {ok} | {fmt(s.get('min'))} | {fmt(s.get('median'))} | "
                  f"{fmt(s.get('max'))} | {lim} | "
@@ -428,10 +487,12 @@ def write_report(docs, doc):
     L.append("")
     L.append("Seconds: for the rank and daemon faults, from the fault to each surviving rank's "
              "exit, over all survivors of all trials; for the planner faults, the training's "
-             "wall time from launch to exit.\n")
+             "wall time from launch to exit"
+             + ("; for rank-recovery, from the kill to the recovered training's exit"
+                if any(f in doc["faults"] for f in RECOVERY_FAULTS) else "") + ".\n")
     if pic:
         L.append(f"![seconds per fault against the limit]({os.path.basename(pic)})\n")
-    for fault in RANK_FAULTS + TRAINING_FAULTS:
+    for fault in TRIAL_FAULTS:
         if fault in doc["faults"]:
             L.extend(fault_section(fault, doc["faults"][fault]))
     if "soak" in doc["faults"]:

@@ -8,7 +8,7 @@ from that JSON: a run of some faults replaces those faults' entries and keeps th
     RAGSHARD_BUILD=build PYTHONPATH=build/python:tests/python \\
         .venv/bin/python bench/chaos_report.py --build build [--trials 20] [--faults a,b]
 
-Faults (`--faults`, comma-separated; default the five below, `soak` only on request):
+Faults (`--faults`, comma-separated; default the six below, `soak` only on request):
   rank-kill                  kill -9 of rank 3 at step 3 (4 ranks of examples/train_tiny.py,
                              2 per daemon, each started on its own, no launcher): every
                              survivor exits non-zero within 10 s, its error naming "rank 3".
@@ -21,6 +21,12 @@ Faults (`--faults`, comma-separated; default the five below, `soak` only on requ
                              the training exits 0 with the single-process reference's losses.
   planner-kill-ready         as above, but the planner is killed once rank 0 printed step 1
                              (the job READY, training under way) and restarted 1 s later.
+  rank-recovery              kill -9 of a random rank of a 20-step training under
+                             ragshard.launch --max-restarts 1 (recovery in place, issue 54), a
+                             random fraction of a step after rank 0 printed a random step: the
+                             training exits 0 within 90 s of the kill (the recovery deadline
+                             60 s + 30 s), the job READY with one recovery, the final parameters
+                             within 1e-6 of an uninterrupted run's (bench/chaos_recovery.py).
   soak                       BUILD/bench/planner_soak --mode soak, --mode kills and --mode
                              reject (a refused 200 MiB Put and 1,000,001-tensor registration:
                              the planner's RSS after them; about 5 s), if built.
@@ -50,7 +56,9 @@ TESTS = os.path.join(ROOT, "tests", "python")
 DOCS = os.path.join(ROOT, "docs", "benchmarks")
 
 from chaos_render import (ALL_FAULTS, DEFAULT_FAULTS, LIMIT_TEXT, LIMITS, NAMES,  # noqa: E402
-                          RANK_FAULTS, TRAINING_FAULTS, brief, load_json, save)
+                          RANK_FAULTS, RECOVERY_FAULTS, TRAINING_FAULTS, brief, load_json,
+                          save)
+from chaos_recovery import Uninterrupted, recovery_trial  # noqa: E402
 import provenance  # noqa: E402
 from chaos_procs import (Interrupted, _live, _on_signal, error_line, keep_logs,  # noqa: E402
                          kill_session, read_from, session_members, stop_cluster_checked, sweep)
@@ -423,6 +431,7 @@ def main():
     print(f"chaos_report: {meta['command']}\n  {meta['machine']}\n  commit {meta['commit']}",
           flush=True)
     ref = Reference(args.steps)
+    uninterrupted = Uninterrupted(args.build)  # rank-recovery's
     try:
         for fault in faults:
             if fault == "soak":
@@ -438,6 +447,8 @@ def main():
                     t = time.monotonic()
                     if fault in RANK_FAULTS:
                         res = rank_fault_trial(fault, i, args.build, args.keep_failures)
+                    elif fault in RECOVERY_FAULTS:
+                        res = recovery_trial(i, args.build, uninterrupted, args.keep_failures)
                     else:
                         res = training_trial(fault, i, args.build, ref, args.steps,
                                              args.keep_failures)
@@ -445,6 +456,7 @@ def main():
                     sweep()  # the trial's own finally did it; this forgets them
                     entry["trials"].append(res)
                     figs = [r["seconds"] for r in res.get("ranks", [])] if fault in RANK_FAULTS \
+                        else [res.get("seconds")] if fault in RECOVERY_FAULTS \
                         else [res.get("wall_seconds")]
                     print(f"{fault} {i}/{args.trials}: {'pass' if res['passed'] else 'FAIL'} "
                           f"{figs} ({res['trial_seconds']} s)"
@@ -463,6 +475,7 @@ def main():
     finally:
         sweep()
         ref.cleanup()
+        uninterrupted.cleanup()
     return 0
 
 
