@@ -166,8 +166,10 @@ def render(doc, out):
          f"Configuration: `examples/train_tiny.py {model} --steps {doc['steps']}` (a decoder-only "
          "transformer, AdamW, fp32), W = 4 ranks through `ragshard.launch` over 2 daemons × 2 "
          "ranks, each launch on a fresh `LocalCluster` (a planner and 2 daemons on this "
-         "machine), each rank a fresh interpreter (no `--preload`: a restarted rank is one "
-         "too). Every round runs, in this order: an uninterrupted run with `--max-restarts 1`, "
+         "machine), with `--preload torch` (as the tests launch): the ranks are forked from the "
+         "launcher's one torch import, and under `--max-restarts` a restarted rank is one of "
+         "the spare processes forked with them; a whole-job restart is a new launcher, which "
+         "imports torch once again. Every round runs, in this order: an uninterrupted run with `--max-restarts 1`, "
          "a trial of recovery in place, an uninterrupted run without restarts (the first "
          f"{doc['reps']} rounds), an uninterrupted run that saves a checkpoint every "
          f"{doc['save_every']} steps, and a trial of checkpoint-and-restart. "
@@ -197,8 +199,8 @@ def render(doc, out):
                  "ranks leave on the recovery notice"
                  + (f" (the last of the old processes gone {gone:.2f} s after the kill)"
                     if gone is not None else "")
-                 + ", and all four start again as fresh interpreters and attach to the state "
-                 f"their daemons kept; a start of the whole job is {s['start']:.2f} s (below: it "
+                 + ", and all four start again (spares forked with the ranks) and attach to the "
+                 f"state their daemons kept; a start of the whole job is {s['start']:.2f} s (below: it "
                  "also holds the launcher's start and the job's creation).")
         if s["lost_checkpoint"] is not None:
             loads = [c["load_seconds"] for c in s["checkpointed"] if c["resumed_from"]]
@@ -293,9 +295,9 @@ def render(doc, out):
           "One rank process's start: in each uninterrupted run with `--max-restarts 1`, from "
           "the launch to rank 0's first step: the time of rank 0's line `step 1/N` (printed "
           "once step 1 is done) less that step's own seconds. It holds the launcher's start and "
-          "the job's creation, and 4 ranks starting at once on the machine's cores (each a "
-          "fresh interpreter importing torch, connecting, attaching and sharding the model), "
-          "as in a recovery, where all four start again. A step: the median, over those runs, "
+          "the job's creation (the launcher's torch import included), and 4 ranks starting at "
+          "once on the machine's cores (each forked from it, connecting, attaching and "
+          "sharding the model). A step: the median, over those runs, "
           "of each run's median step (slowest rank, the first two steps left out).\n",
           "| | median (s) | min–max (s) | runs |", "|---|---:|---:|---:|",
           f"| start (launch to the first step) | {_f(s['start'])} | {span(s['starts'])} | "

@@ -185,7 +185,10 @@ class Runner:
 
     def _launch(self, cluster, kind, job, restarts, extra, watch=False):
         out = os.path.join(self.work, job)
-        cmd = [sys.executable, "-m", "ragshard.launch", "--planner", cluster.planner, "--job",
+        # --preload torch, as the tests launch: the ranks (and, with --max-restarts, the spares
+        # that restarted ranks become) are forked from the launcher's one torch import.
+        cmd = [sys.executable, "-m", "ragshard.launch", "--preload", "torch", "--planner",
+               cluster.planner, "--job",
                job, "--nproc", str(WORLD), "--sockets", ",".join(cluster.sockets),
                "--create-job"]
         if restarts:
