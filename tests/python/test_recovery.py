@@ -37,9 +37,30 @@ def device_cluster():
         yield c
 
 
-def env():
+# Imported by every interpreter of a run (the launcher's and the ranks'): any checkpoint load
+# raises, so a run that recovers shows it read none.
+NO_LOADS = """import ragshard.checkpoint as c
+
+
+def _refused(*args, **kwargs):
+    raise RuntimeError("a checkpoint load during a recovery in place")
+
+
+c.load = c.load_dcp = _refused
+"""
+
+
+def env(no_loads=None):
+    """The ranks' environment; with `no_loads` (a directory), a sitecustomize there makes every
+    checkpoint load raise."""
     e = dict(os.environ)
-    e["PYTHONPATH"] = os.path.join(BUILD, "python") + os.pathsep + e.get("PYTHONPATH", "")
+    paths = [os.path.join(BUILD, "python")]
+    if no_loads is not None:
+        os.makedirs(no_loads, exist_ok=True)
+        with open(os.path.join(no_loads, "sitecustomize.py"), "w") as f:
+            f.write(NO_LOADS)
+        paths.append(str(no_loads))
+    e["PYTHONPATH"] = os.pathsep.join(paths + [e.get("PYTHONPATH", "")])
     return e
 
 
@@ -49,7 +70,9 @@ def run(cluster, tmp_path, job, extra, restarts=1, launch=()):
                     "--sockets", ",".join(cluster.sockets), "--create-job",
                     "--max-restarts", str(restarts), "--recovery-deadline", "60", *launch,
                     EXAMPLE, "--out", out] + SMALL + extra
-    r = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=300)
+    # No checkpoint is configured, and a load would raise.
+    r = subprocess.run(cmd, env=env(tmp_path / "no-loads"), capture_output=True, text=True,
+                       timeout=300)
     return out, r
 
 
