@@ -142,3 +142,15 @@ def keep_logs(keep_dir, fault, trial, dirs):
             if os.path.isfile(src) and name.endswith((".log", ".txt")):
                 shutil.copy(src, os.path.join(dest, name))
     return dest
+
+
+def end_trial(res, launch, cluster, log, keep_dir, fault, trial, workdir):
+    """A trial's way out, however it went: its launch's session killed, its cluster stopped
+    (what would not stop is recorded), and a failed trial's logs kept."""
+    if launch is not None:
+        kill_session(launch.pid)
+        launch.wait()
+    res["stuck_at_stop"] = stop_cluster_checked(cluster)
+    if not res["passed"] and log is not None:
+        log.flush()
+        res["logs"] = keep_logs(keep_dir, fault, trial, [workdir, cluster.dir])

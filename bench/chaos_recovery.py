@@ -20,7 +20,7 @@ import tempfile
 import time
 import traceback
 
-from chaos_procs import (_live, keep_logs, kill_session, read_from, session_members,
+from chaos_procs import (_live, end_trial, keep_logs, kill_session, read_from, session_members,
                          stop_cluster_checked)
 from recovery_runs import STEP_LINE, max_abs_diff
 
@@ -180,13 +180,7 @@ def recovery_trial(trial, build, ref, keep_dir):
                                        f"the uninterrupted run (> {PARAM_ATOL:g})")
                 res["passed"] = True
             finally:
-                if p is not None:
-                    kill_session(p.pid)
-                    p.wait()
-                res["stuck_at_stop"] = stop_cluster_checked(c)
-                if not res["passed"] and log is not None:
-                    log.flush()
-                    res["logs"] = keep_logs(keep_dir, "rank-recovery", trial, [workdir, c.dir])
+                end_trial(res, p, c, log, keep_dir, "rank-recovery", trial, workdir)
     except KeyboardInterrupt:
         raise
     except Exception as e:  # the trial fails; the campaign goes on

@@ -61,7 +61,8 @@ from chaos_render import (ALL_FAULTS, DEFAULT_FAULTS, LIMIT_TEXT, LIMITS, NAMES,
 from chaos_recovery import Uninterrupted, recovery_trial  # noqa: E402
 import provenance  # noqa: E402
 from chaos_procs import (Interrupted, _live, _on_signal, error_line, keep_logs,  # noqa: E402
-                         kill_session, read_from, session_members, stop_cluster_checked, sweep)
+                         end_trial, kill_session, read_from, session_members, stop_cluster_checked,
+                         sweep)
 WATCH = {"rank-kill": 60.0, "daemon-stop": 120.0, "daemon-kill": 60.0}  # give up after
 STOP_HOLD = 60.0  # how long daemon-stop keeps node-1 stopped at most
 TRAINING_TIMEOUT = 600.0
@@ -267,13 +268,7 @@ def training_trial(fault, trial, build, ref, steps, keep_dir):
                 res["final_loss"] = losses[-1]
                 res["passed"] = True
             finally:
-                if p is not None:
-                    kill_session(p.pid)
-                    p.wait()
-                res["stuck_at_stop"] = stop_cluster_checked(c)
-                if not res["passed"] and log is not None:
-                    log.flush()
-                    res["logs"] = keep_logs(keep_dir, fault, trial, [workdir, c.dir])
+                end_trial(res, p, c, log, keep_dir, fault, trial, workdir)
     except Interrupted:
         raise
     except Exception as e:
