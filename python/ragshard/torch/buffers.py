@@ -3,7 +3,7 @@ it is unsharded, and saved activations that refer to a unit by place, not addres
 import collections
 
 from .._core import BUFFER_PLACES_KEPT
-from .params import Saved, set_live
+from .params import Saved, set_live, storageless
 from .views import tensor_of
 
 
@@ -72,6 +72,10 @@ class UnitBuffers:
         self._grads.add(ui)
         for (p, _, _), view in zip(self._units.views[ui], views):
             if p.requires_grad:
+                if p.device != view.device:
+                    # A resharded parameter (a unit that got no gradient reduces zeros) holds a
+                    # storageless placeholder; torch takes a .grad only on the same device.
+                    p.data = storageless(p.shape, p.dtype, view.device)
                 p.grad = view
 
     def allocate_grads(self, ui):

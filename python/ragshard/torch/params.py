@@ -63,10 +63,10 @@ def set_live(p, live):
     p.__class__ = p._ragshard_class if live else ShardedParameter
 
 
-def storageless(shape, dtype):
+def storageless(shape, dtype, device=None):
     """A tensor of `shape` whose storage holds nothing: any computation on it raises instead of
     reading memory."""
-    t = torch.empty(shape, dtype=dtype)
+    t = torch.empty(shape, dtype=dtype, device=device)
     t.untyped_storage().resize_(0)
     return t
 

@@ -170,8 +170,9 @@ class RankShards:
         k = (owner, key, ui)
         t = self._optimizer_state.get(k)
         if t is None or t.numel() != numel or t.dtype != dtype:
-            if self.pool is None:
-                t = torch.zeros(numel, dtype=dtype)
+            if self.pool is None:  # on the device of the unit's shards (CUDA ones: cuda)
+                device = as_tensor(self._client.param_shard(ui)).device if ui >= 0 else None
+                t = torch.zeros(numel, dtype=dtype, device=device)
             else:  # the daemon's: a restarted process of this rank gets it back
                 t, _ = self.pool.tensor(state_name(k), numel, dtype)
             self._optimizer_state[k] = t
