@@ -131,6 +131,8 @@ absl::Status Client::Attach() {
   cuda_ipc_handle_ = resp.cuda_ipc_handle();
   recovery_epoch_ = resp.recovery_epoch();
   adopted_ = resp.adopted();
+  redundancy_ = resp.redundancy();
+  replacement_ = resp.replacement();
   recoverable_ = resp.recoverable();
   auto conn = ConnectUnix(options_.daemon_socket + ".fd");
   if (!conn.ok()) return conn.status();

@@ -186,6 +186,10 @@ class Client {
   // daemon before it attached (a process of this rank had attached: it adopts that state).
   int64_t recovery_epoch() const { return recovery_epoch_; }
   bool adopted() const { return adopted_; }
+  // The job's redundancy across nodes (JobOptions.redundancy; "" none), and whether this rank's
+  // daemon replaces a lost node: its state is then rebuilt by OP_REBUILD (docs/recovery.md).
+  const std::string& redundancy() const { return redundancy_; }
+  bool replacement() const { return replacement_; }
   bool recoverable() const { return recoverable_; }
   // A round trip to the daemon that does nothing (control-path latency): through the command
   // queue when there is one, else gRPC. NoOpRpc is always gRPC, for comparison.
@@ -238,6 +242,8 @@ class Client {
   std::unique_ptr<RankQueue> queue_;                   // after Attach, where the daemon offered one
   int64_t recovery_epoch_ = 0;
   bool adopted_ = false;
+  std::string redundancy_;
+  bool replacement_ = false;
   bool recoverable_ = false;
 };
 

@@ -501,6 +501,7 @@ v1::CreateJobRequest MakeCreateJobRequest(const JobSpec& spec) {
   o->set_memory_budget_bytes(spec.memory_budget_bytes);
   o->set_tokens_per_step(spec.tokens_per_step);
   o->set_recovery_deadline_ms(spec.recovery_deadline_ms);
+  o->set_redundancy(spec.redundancy);
   return req;
 }
 

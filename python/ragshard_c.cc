@@ -43,7 +43,7 @@ namespace {
 // 3: the _secure functions (TLS); version 2's functions remain. 4: rs_client_register takes
 // local_ranks (registration through the daemon). 5: rs_dequantize_chunks, rs_block_amax,
 // rs_encode_chunks.
-constexpr int kAbiVersion = 6;
+constexpr int kAbiVersion = 7;
 
 thread_local std::string last_error;
 thread_local std::string last_string;
@@ -342,6 +342,12 @@ void rs_client_recovery(rs_client* c, int64_t* epoch, int* adopted, int* recover
   *recoverable = c->client->recoverable() ? 1 : 0;
 }
 
+void rs_client_redundancy(rs_client* c, const char** text, int* replacement) {
+  const std::lock_guard<std::mutex> lock(c->mu);
+  *text = c->client->redundancy().c_str();
+  *replacement = c->client->replacement() ? 1 : 0;
+}
+
 int rs_client_stats(rs_client* c, const char** out) {
   const std::lock_guard<std::mutex> lock(c->mu);
   auto s = c->client->DaemonStats();
@@ -390,7 +396,8 @@ int rs_create_job(const char* planner, const char* job, int64_t shard_size, int6
                   int64_t tokens_per_step, const char** job_id) {
   const rs_security s = TokenOnly(token_file);
   return rs_create_job_secure(planner, job, shard_size, replicate_size, policy, default_granule, &s,
-                              strategy, memory_budget_bytes, optimizer, tokens_per_step, 0, job_id);
+                              strategy, memory_budget_bytes, optimizer, tokens_per_step, 0, "",
+                              job_id);
 }
 
 int rs_create_job_secure(const char* planner, const char* job, int64_t shard_size,
@@ -398,9 +405,10 @@ int rs_create_job_secure(const char* planner, const char* job, int64_t shard_siz
                          const rs_security* security, const char* strategy,
                          int64_t memory_budget_bytes, const char* optimizer,
                          int64_t tokens_per_step, int64_t recovery_deadline_ms,
-                         const char** job_id) {
+                         const char* redundancy, const char** job_id) {
   JobSpec spec;
   spec.recovery_deadline_ms = recovery_deadline_ms;
+  spec.redundancy = Str(redundancy);
   spec.job_id = Str(job);
   spec.shard_size = shard_size;
   spec.replicate_size = replicate_size;

@@ -85,6 +85,9 @@ int rs_client_state_buffer(rs_client* c, const char* name, int64_t bytes, uintpt
 /* The job's recovery epoch of this attachment, 1 when the rank adopted state that a previous
  * process of it left in the daemon, and 1 when the job recovers lost ranks in place. */
 void rs_client_recovery(rs_client* c, int64_t* epoch, int* adopted, int* recoverable);
+/* ABI 7: the job's redundancy across nodes ("" none, "parity:K", "replica"; valid while the
+ * client lives), and whether this rank's daemon replaces a lost node (docs/recovery.md). */
+void rs_client_redundancy(rs_client* c, const char** text, int* replacement);
 
 int rs_handle_wait(rs_handle* h, int64_t timeout_ms);
 int rs_handle_poll(rs_handle* h, int* done);
@@ -101,7 +104,7 @@ int rs_create_job_secure(const char* planner, const char* job, int64_t shard_siz
                          const rs_security* security, const char* strategy,
                          int64_t memory_budget_bytes, const char* optimizer,
                          int64_t tokens_per_step, int64_t recovery_deadline_ms,
-                         const char** job_id);
+                         const char* redundancy, const char** job_id);
 int rs_delete_job(const char* planner, const char* job, const char* token_file);
 int rs_delete_job_secure(const char* planner, const char* job, const rs_security* security);
 // The world size of an existing job (NOT_FOUND where there is none).

@@ -7,6 +7,7 @@ the node's `ragshardd`, and its numpy arrays view the daemon's buffers without c
 import json
 import os
 import re
+import time
 
 from ._core import (RECOVERY_EXIT, Client, DeviceBuffer, Error, Handle,  # noqa: F401
                     RecoveryInProgress, create_job, delete_job, job_world_size)
@@ -151,8 +152,44 @@ def connect(env=None, timeout_ms=120000):
     env = env or Env()
     if env.launcher == "torchrun":
         ensure_job(env)
+    _await_daemon(env.socket, _daemon_wait_s())
     return Client(env.planner, env.socket, env.job, env.rank, env.node, timeout_ms,
                   env.token_file, local_ranks=env.local_world_size or 0, **_tls(env))
+
+
+def _daemon_wait_s():
+    """RAGSHARD_DAEMON_WAIT_S: how long a rank waits for its daemon's socket (0: not at all)."""
+    text = os.environ.get("RAGSHARD_DAEMON_WAIT_S", "") or "0"
+    try:
+        wait = float(text)
+    except ValueError:
+        wait = -1.0
+    if not 0 <= wait <= 86400:
+        raise ValueError(f"RAGSHARD_DAEMON_WAIT_S: '{text}' is not a number of seconds in "
+                         "[0, 86400]")
+    return wait
+
+
+def _await_daemon(path, wait_s):
+    """Until the daemon at Unix socket `path` accepts a connection, for at most `wait_s` seconds
+    (a restarted rank of a lost node whose replacement daemon is still starting;
+    docs/recovery.md). Returns at once where it accepts, or where there is nothing to wait for."""
+    import socket as _socket
+    if wait_s <= 0 or not path:
+        return
+    deadline = time.monotonic() + wait_s
+    while True:
+        s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+        try:
+            s.connect(path)
+            return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise Error(f"UNAVAILABLE: no daemon at {path} after waiting {wait_s:g} s "
+                            f"(RAGSHARD_DAEMON_WAIT_S): {e}") from None
+        finally:
+            s.close()
+        time.sleep(0.05)
 
 
 def _tls(env):

@@ -18,7 +18,7 @@ import os
 import time
 import weakref
 
-ABI_VERSION = 6
+ABI_VERSION = 7
 _BAD_ARGUMENT, _OUT_OF_RANGE = -1, -2
 
 
@@ -34,6 +34,8 @@ class OpKind(enum.IntEnum):
     ALLOCATE_GRAD = 8
     ALLOCATE_UNSHARDED = 9
     UPDATE_GATHER = 10
+    PROTECT = 11
+    REBUILD = 12
 
 
 class ReduceKind(enum.IntEnum):
@@ -127,6 +129,7 @@ def _load():
         "rs_client_stats": (i32, [c_p, out_str]),
         "rs_client_state_buffer": (i32, [c_p, cstr, i64, ctypes.POINTER(ctypes.c_size_t),
                                          ctypes.POINTER(i32)]),
+        "rs_client_redundancy": (None, [c_p, ctypes.POINTER(cstr), ctypes.POINTER(i32)]),
         "rs_client_recovery": (None, [c_p, ctypes.POINTER(i64), ctypes.POINTER(i32),
                                       ctypes.POINTER(i32)]),
         "rs_handle_wait": (i32, [c_p, i64]),
@@ -135,7 +138,7 @@ def _load():
         "rs_handle_destroy": (None, [c_p]),
         "rs_create_job_secure": (i32, [cstr, cstr, i64, i64, cstr, cstr,
                                        ctypes.POINTER(_Security), cstr, i64, cstr, i64, i64,
-                                       out_str]),
+                                       cstr, out_str]),
         "rs_delete_job_secure": (i32, [cstr, cstr, ctypes.POINTER(_Security)]),
         "rs_job_world_size_secure": (i32, [cstr, cstr, ctypes.POINTER(_Security),
                                            ctypes.POINTER(i64)]),
@@ -463,6 +466,28 @@ class Client(_NoCopy):
     recoverable = property(lambda self: self._recovery()[2],
                            doc="Whether the job recovers lost rank processes in place.")
 
+    def _redundancy(self):
+        text, replacement = ctypes.c_char_p(), ctypes.c_int()
+        _lib.rs_client_redundancy(self._c, ctypes.byref(text), ctypes.byref(replacement))
+        return (text.value or b"").decode(), bool(replacement.value)
+
+    redundancy = property(lambda self: self._redundancy()[0],
+                          doc="The job's redundancy across nodes: '' (none), 'parity:K' or "
+                              "'replica' (docs/recovery.md, \"A lost node\").")
+    replacement = property(lambda self: self._redundancy()[1],
+                           doc="Whether this rank's daemon replaced a lost node: the rank's "
+                               "state is rebuilt from the other nodes (rebuild()).")
+
+    def protect(self):
+        """OP_PROTECT: this rank's persistent state into the job's redundancy (every rank,
+        inside each optimizer step's transaction)."""
+        return self._op(OpKind.PROTECT, 0)
+
+    def rebuild(self):
+        """OP_REBUILD: a replacement node's ranks' state from the other nodes (every rank,
+        once all are back at the step they agreed on)."""
+        return self._op(OpKind.REBUILD, 0)
+
 
 _OPEN = weakref.WeakSet()  # the clients not yet closed
 
@@ -476,17 +501,19 @@ def _close_open_clients():
 def create_job(planner, job, shard_size, replicate_size=1, policy="ragged", default_granule="",
                token_file="", strategy="", memory_budget_bytes=0, optimizer="",
                tokens_per_step=0, tls_ca=None, tls_cert=None, tls_key=None,
-               tls_server_name=None, recovery_deadline_ms=0):
+               tls_server_name=None, recovery_deadline_ms=0, redundancy=""):
     """Creates a job (ALREADY_EXISTS is an error too: the caller decides); returns its id. The
     token and TLS options are Client's. `recovery_deadline_ms` > 0: a lost rank process is
-    recovered in place within that many ms (docs/recovery.md)."""
+    recovered in place within that many ms (docs/recovery.md). `redundancy`: "" (none),
+    "parity:K" or "replica": a lost node is rebuilt on a replacement daemon (docs/recovery.md,
+    "A lost node"; it needs a recovery deadline)."""
     if int(recovery_deadline_ms) < 0:
         raise ValueError(f"recovery_deadline_ms: {recovery_deadline_ms} must not be negative")
     security = _security(token_file, tls_ca, tls_cert, tls_key, tls_server_name)
     return _string(_lib.rs_create_job_secure, _b(planner), _b(job), int(shard_size),
                    int(replicate_size), _b(policy), _b(default_granule), ctypes.byref(security),
                    _b(strategy), int(memory_budget_bytes), _b(optimizer), int(tokens_per_step),
-                   int(recovery_deadline_ms))
+                   int(recovery_deadline_ms), _b(redundancy or ""))
 
 
 def delete_job(planner, job, token_file="", tls_ca=None, tls_cert=None, tls_key=None,

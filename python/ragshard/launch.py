@@ -30,6 +30,11 @@ SIGHUP, it stops the ranks (SIGTERM, then SIGKILL after 10 s) and exits with 128
 job with a recovery deadline (`--recovery-deadline S`, default 120): the new process attaches to
 the state its daemon kept, and the other ranks, which exit with 75 on their daemons' recovery
 notice, are restarted without counting (docs/recovery.md). Restarts start a fresh interpreter.
+`--redundancy parity:K|replica` (with --max-restarts) also keeps every rank's state redundant
+across the daemons, so that a lost daemon is rebuilt on a replacement started with the same node
+id (docs/recovery.md, "A lost node"): parity:K needs the daemons in groups of K + 1, replica at
+least 2. A restarted rank whose daemon is not up yet waits for its socket within the recovery
+deadline (RAGSHARD_DAEMON_WAIT_S), which costs no restart.
 
 As torchrun does, when more than one rank shares a daemon (a node) and OMP_NUM_THREADS is not
 set, each rank gets OMP_NUM_THREADS=1 (`--threads-per-rank` sets another number): several ranks'
@@ -117,6 +122,10 @@ def parse(argv):
     p.add_argument("--recovery-deadline", type=float, default=None,
                    help="with --max-restarts: seconds a recovery in place may take before the "
                         "job fails, named (default 120)")
+    p.add_argument("--redundancy", default="",
+                   help="with --max-restarts: parity:K or replica, the job's redundancy across "
+                        "daemons, so that a lost daemon is rebuilt on a replacement "
+                        "(docs/recovery.md)")
     p.add_argument("script", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
     a = p.parse_args(argv)
@@ -163,6 +172,8 @@ def parse(argv):
         a.recovery_deadline = 120.0
     if not 0 < a.recovery_deadline <= 86400:
         p.error(f"--recovery-deadline {a.recovery_deadline}: must be in (0, 86400] seconds")
+    if a.redundancy:
+        _check_redundancy(p, a)
     if a.max_restarts and not a.create_job:
         p.error("--max-restarts needs a job this launcher creates (--create-job or "
                 "--standalone), with its recovery deadline")
@@ -171,6 +182,31 @@ def parse(argv):
     if not os.path.exists(a.script):
         p.error(f"script not found: {a.script}")
     return a
+
+
+def _check_redundancy(p, a):
+    """--redundancy: the form, --max-restarts, and enough daemons for its groups."""
+    if a.redundancy == "none":
+        a.redundancy = ""
+        return
+    nodes = len(a.sockets)
+    if a.redundancy == "replica":
+        need = 2
+    else:
+        k = a.redundancy.removeprefix("parity:")
+        if not a.redundancy.startswith("parity:") or not k.isdigit() or not 1 <= int(k) <= 16:
+            p.error(f"--redundancy {a.redundancy}: must be none, replica or parity:K with K in "
+                    "[1, 16]")
+        need = int(k) + 1
+        if nodes % need:
+            p.error(f"--redundancy {a.redundancy} needs the daemons in groups of {need}; "
+                    f"--sockets names {nodes}")
+    if not a.max_restarts:
+        p.error(f"--redundancy {a.redundancy} needs --max-restarts: nothing restarts the ranks of "
+                "a lost daemon without it")
+    if nodes < need:
+        p.error(f"--redundancy {a.redundancy} needs at least {need} daemons; --sockets names "
+                f"{nodes}")
 
 
 def rank_envs(a, threads):
@@ -185,6 +221,8 @@ def rank_envs(a, threads):
                    RAGSHARD_TLS_KEY=a.tls_key, RAGSHARD_TLS_SERVER_NAME=a.tls_server_name)
         if a.strategy:
             env["RAGSHARD_STRATEGY"] = a.strategy
+        if a.max_restarts:  # a restarted rank waits for its daemon, as long as a recovery may
+            env["RAGSHARD_DAEMON_WAIT_S"] = str(a.recovery_deadline)
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)
         yield env
@@ -197,7 +235,8 @@ def create_job(a):
                a.token_file, strategy=a.strategy, tokens_per_step=a.tokens_per_step,
                tls_ca=a.tls_ca, tls_cert=a.tls_cert, tls_key=a.tls_key,
                tls_server_name=a.tls_server_name,
-               recovery_deadline_ms=int(a.recovery_deadline * 1000) if a.max_restarts else 0)
+               recovery_deadline_ms=int(a.recovery_deadline * 1000) if a.max_restarts else 0,
+               redundancy=a.redundancy)
 
 
 class _Stopped(BaseException):

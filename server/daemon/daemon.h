@@ -16,6 +16,7 @@
 #include <list>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -131,6 +132,13 @@ class NodeDaemon final : public v1::Daemon::CallbackService {
   absl::Status DoAttach(const v1::AttachRequest& request, v1::AttachResponse* resp);
   // `clean`: the rank detached (Detach); else its process was lost (the side channel closed).
   void ReleaseAttachment(const std::string& id, bool clean);
+  // For a job with redundancy (docs/recovery.md, "A lost node"): where this daemon replaces a
+  // lost node of the job (the job is RECOVERING, or this node published a data address in the
+  // job's epoch before, by a daemon now gone), the job as it recovers, in an epoch this node has
+  // not joined yet (waiting for the recovery to start, until `deadline`); nullopt for a node's
+  // first setup of the job.
+  absl::StatusOr<std::optional<v1::Job>> AwaitReplacementEpoch(const v1::Job& job,
+                                                               absl::Time deadline);
   // The job's data plane to the other nodes in recovery epoch `epoch` (docs/recovery.md):
   // publishes this node's address under "data/<node>" (epoch 0) or "data/epoch-<epoch>/<node>" and
   // connects to every other node's.

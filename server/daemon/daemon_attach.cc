@@ -86,6 +86,8 @@ absl::Status NodeDaemon::DoAttach(const v1::AttachRequest& request, v1::AttachRe
   resp->set_recovery_epoch((*job)->epoch());
   resp->set_adopted(joined.adopted);
   resp->set_recoverable((*job)->recoverable());
+  resp->set_redundancy((*job)->redundancy());
+  resp->set_replacement((*job)->replacement());
   resp->set_attachment_id(id);
   resp->set_arena_bytes(static_cast<int64_t>(pool_->arena().size()));
   *resp->mutable_plan() = (*job)->plan();

@@ -1,12 +1,14 @@
 // NodeDaemon's job setup: the first rank of a job on this node to attach sets the job up (its
 // plan, its UCX worker and peers, its data plane); the node's other ranks wait for it.
 #include <algorithm>
+#include <optional>
 #include <set>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "glog/logging.h"
 #include "infra/secrets.h"
+#include "infra/status_macros.h"
 #include "server/daemon/daemon.h"
 #include "server/daemon/job_runtime.h"
 #include "server/daemon/ucx_comm.h"
@@ -79,6 +81,23 @@ absl::StatusOr<std::shared_ptr<JobRuntime>> NodeDaemon::SetUpJob(const std::stri
     return absl::FailedPreconditionError(
         absl::StrCat("job '", job_id, "' has no ranks on node '", options_.node_id, "'"));
   }
+  auto scheme = ParseRedundancy(job->options().redundancy());
+  if (!scheme.ok()) return scheme.status();
+  RAGSHARD_RETURN_IF_ERROR(CheckRedundancyNodes(*scheme, static_cast<int>(nodes.size())));
+  int me = 0;
+  for (size_t i = 0; i < nodes.size(); ++i) {
+    if (nodes[i] == options_.node_id) me = static_cast<int>(i);
+  }
+  // A daemon setting up a job whose node it never had, while the job recovers (or before the
+  // other nodes noticed that this node's daemon was lost), replaces the lost one: its ranks'
+  // state is rebuilt from the job's redundancy.
+  bool replacement = false;
+  if (scheme->enabled()) {
+    auto recovering = AwaitReplacementEpoch(*job, deadline);
+    if (!recovering.ok()) return recovering.status();
+    replacement = recovering->has_value();
+    if (replacement) *job = **recovering;
+  }
   std::unique_ptr<RelayComm> relay;
   if (nodes.size() > 1) {
     auto connected = ConnectNodes(job_id, nodes, job->recovery_epoch(), deadline);
@@ -118,12 +137,54 @@ absl::StatusOr<std::shared_ptr<JobRuntime>> NodeDaemon::SetUpJob(const std::stri
     runtime->EnableRecovery(job->recovery_epoch(),
                             absl::Milliseconds(job->options().recovery_deadline_ms()),
                             std::move(reconnect), relay_ptr);
+    if (scheme->enabled()) {
+      runtime->EnableRedundancy(*scheme, job->options().redundancy(), me, nodes, replacement,
+                                pool_.get());
+    }
   }
   absl::MutexLock lock(&mu_);
   jobs_[job_id] = runtime;
   LOG(INFO) << "job " << job_id << ": " << local.size() << " local rank(s), " << nodes.size()
             << " node(s), " << runtime->dp().name() << " backend, buffers allocated";
   return runtime;
+}
+
+absl::StatusOr<std::optional<v1::Job>> NodeDaemon::AwaitReplacementEpoch(const v1::Job& job,
+                                                                        absl::Time deadline) {
+  auto key = [&](int64_t epoch) {
+    return epoch > 0 ? absl::StrCat("data/epoch-", epoch, "/", options_.node_id)
+                     : absl::StrCat("data/", options_.node_id);
+  };
+  if (job.status() != v1::JOB_RECOVERING) {
+    // This node's data address in the job's epoch: published by a daemon of this node before,
+    // so this one replaces it (else it is the node's first setup).
+    auto before = planner_->Get(job.job_id(), key(job.recovery_epoch()),
+                                std::chrono::milliseconds(1));
+    if (!before.ok()) return std::optional<v1::Job>();
+  }
+  // Until the job recovers in an epoch this node has not published in: the other nodes notice
+  // the lost daemon at their next collective with it, or the planner at its node timeout.
+  while (true) {
+    auto now = planner_->GetJob(job.job_id());
+    if (!now.ok()) return now.status();
+    if (now->status() == v1::JOB_RECOVERING) {
+      auto published = planner_->Get(job.job_id(), key(now->recovery_epoch()),
+                                     std::chrono::milliseconds(1));
+      if (!published.ok()) return std::optional<v1::Job>(*now);
+    } else if (now->status() != v1::JOB_READY && now->status() != v1::JOB_REGISTERING) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("node '", options_.node_id, "' replaces a lost node of job '", job.job_id(),
+                       "', which is ", v1::JobStatus_Name(now->status()),
+                       now->error().empty() ? "" : absl::StrCat(": ", now->error())));
+    }
+    if (absl::Now() > deadline) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "node '", options_.node_id, "' replaces a lost node of job '", job.job_id(),
+          "' (a daemon of this node had joined it), but the job did not start recovering "
+          "before the attach's deadline"));
+    }
+    absl::SleepFor(absl::Milliseconds(100));
+  }
 }
 
 absl::StatusOr<std::pair<std::unique_ptr<UcxWorker>, std::unique_ptr<Comm>>>

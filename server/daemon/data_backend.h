@@ -59,6 +59,16 @@ class DataBackend {
   // as at setup; the persistent shards keep their contents.
   virtual void ResetTransient() = 0;
 
+  // Local rank `local`'s persistent parameter shard of `unit` in host memory, and its bytes
+  // (the redundancy of docs/recovery.md, "A lost node", reads and rebuilds it); nullptr where the
+  // backend keeps it elsewhere (the CUDA backend's device memory).
+  virtual char* HostParamShard(int unit, int local, int64_t* bytes) const {
+    (void)unit;
+    (void)local;
+    *bytes = 0;
+    return nullptr;
+  }
+
   // Where local rank `local`'s buffers of `unit` are now (transient ones -1 while released).
   virtual void Placement(int unit, int local, v1::UnitBuffers* out) const = 0;
   // The buffers of local rank `local` (and whatever a client needs to map them) for Attach.

@@ -82,6 +82,10 @@ class JobDataPlane final : public DataBackend {
   // Gradient: F * shard_elems of the unit's dtype (per local rank). Gradient shard: grad_elems
   // fp32 (per local rank). Owner buffer: owner_elems(unit, local) fp32.
   char* param_shard(int unit, int local) const;
+  char* HostParamShard(int unit, int local, int64_t* bytes) const override {
+    *bytes = units_[unit].shard_elems * units_[unit].item;
+    return param_shard(unit, local);
+  }
   char* unsharded(int unit, int local = 0) const;
   char* grad(int unit, int local) const;
   float* grad_shard(int unit, int local) const;

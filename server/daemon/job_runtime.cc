@@ -443,6 +443,10 @@ absl::Status JobRuntime::Execute(const Op& op) {
       return dp_->GatherToOwner(op.unit, op.deadline);
     case v1::OP_SCATTER_FROM_OWNER:
       return dp_->ScatterFromOwner(op.unit, op.deadline);
+    case v1::OP_PROTECT:
+      return Protect(op);
+    case v1::OP_REBUILD:
+      return Rebuild(op);
     case v1::OP_UPDATE_GATHER:
       return dp_->UpdateGather(op.unit, op.deadline);
     default:

@@ -28,6 +28,7 @@
 #include "server/daemon/metrics.h"
 #include "server/daemon/op_target.h"
 #include "server/daemon/pool.h"
+#include "server/daemon/redundancy.h"
 #include "server/daemon/relay_comm.h"
 #include "server/daemon/ucx_comm.h"
 
@@ -92,6 +93,22 @@ class JobRuntime final : public OpTarget {
   // lease, and whether it existed. FAILED_PRECONDITION when it exists with another size.
   absl::StatusOr<std::pair<const Lease*, bool>> StateBuffer(int64_t rank, const std::string& name,
                                                             int64_t bytes, Pool* pool);
+
+  // Redundancy of the local ranks' persistent state across the job's nodes (docs/recovery.md, "A
+  // lost node"; redundancy.h): OP_PROTECT and OP_REBUILD run with it. This node is `node` of
+  // `nodes`; `replacement`: this daemon replaces a lost node of the job, and its ranks' state is
+  // rebuilt by the next OP_REBUILD (after which it tells the planner, ReportRecovered).
+  // `text`: the job's JobOptions.redundancy, for the attaches.
+  void EnableRedundancy(RedundancyScheme scheme, const std::string& text, int node,
+                        std::vector<std::string> nodes, bool replacement, Pool* pool);
+  std::string redundancy() {
+    absl::MutexLock lock(&mu_);
+    return redundancy_text_;
+  }
+  bool replacement() {
+    absl::MutexLock lock(&mu_);
+    return replacement_;
+  }
 
   // Tells the planner that the job cannot proceed (it turns the job DEGRADED).
   void Report(const absl::Status& error);
@@ -169,6 +186,17 @@ class JobRuntime final : public OpTarget {
   void JournalSteps(int64_t rank, v1::RankProgress* out) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Runs one operation on the data plane (the job thread, without mu_).
   absl::Status Execute(const Op& op);
+  // OP_PROTECT and OP_REBUILD (job_redundancy.cc; the job thread, without mu_).
+  absl::Status Protect(const Op& op);
+  absl::Status Rebuild(const Op& op);
+  // The local ranks' protected segments: their parameter shards, then their state buffers by
+  // name, but the step journal's ("journal/...": its marks, which a commit or a rollback changes
+  // outside the step's state, its manifest, and the undo copies).
+  absl::StatusOr<std::vector<std::vector<StateSegment>>> ProtectedState() const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The local ranks' journal field (0: committed, 1: begun), which they must agree on.
+  absl::StatusOr<int64_t> LocalStep(int field, const char* what) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::string job_id_, node_id_;
   const v1::Plan plan_;
@@ -211,6 +239,11 @@ class JobRuntime final : public OpTarget {
   // (rank, name) -> the buffer and the bytes asked for (the lease may be larger: aligned).
   std::map<std::pair<int64_t, std::string>, std::pair<Lease, int64_t>> state_ ABSL_GUARDED_BY(mu_);
   Op last_done_ ABSL_GUARDED_BY(mu_);  // its kind and unit only
+  // Redundancy (EnableRedundancy); redundancy_ is used by the job's thread only.
+  std::unique_ptr<NodeRedundancy> redundancy_;
+  std::string redundancy_text_ ABSL_GUARDED_BY(mu_);
+  bool replacement_ ABSL_GUARDED_BY(mu_) = false;
+  Pool* state_pool_ = nullptr;
   std::thread thread_;
 };
 

@@ -39,9 +39,21 @@ DaemonMetrics::DaemonMetrics() {
   recoveries_ = &CounterFamily("ragshard_daemon_recoveries_total",
                                "Recoveries in place this daemon completed (docs/recovery.md)")
                      .Add({});
+  rebuilds_ = &CounterFamily("ragshard_daemon_rebuilds_total",
+                             "Lost nodes' state this daemon rebuilt as their replacement "
+                             "(docs/recovery.md, \"A lost node\")")
+                   .Add({});
+  rebuilt_bytes_ = &CounterFamily("ragshard_daemon_rebuilt_bytes_total",
+                                  "Bytes of ranks' state this daemon rebuilt from redundancy")
+                        .Add({});
 }
 
 void DaemonMetrics::Recovered() { recoveries_->Increment(); }
+
+void DaemonMetrics::Rebuilt(int64_t bytes) {
+  rebuilds_->Increment();
+  rebuilt_bytes_->Increment(static_cast<double>(bytes));
+}
 
 namespace {
 

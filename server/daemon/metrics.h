@@ -44,6 +44,8 @@ class DaemonMetrics final : public MetricsSet {
   void Error(const absl::Status& status);
   // A job's recovery in place completed on this node.
   void Recovered();
+  // This daemon, a replacement for a lost node, rebuilt `bytes` of its ranks' state.
+  void Rebuilt(int64_t bytes);
 
   // "unshard" for OP_UNSHARD: the label value of an operation kind.
   static std::string KindLabel(v1::OpKind kind);
@@ -63,6 +65,8 @@ class DaemonMetrics final : public MetricsSet {
   prometheus::Family<prometheus::Counter>* bytes_ = nullptr;
   prometheus::Family<prometheus::Counter>* errors_ = nullptr;
   prometheus::Counter* recoveries_ = nullptr;
+  prometheus::Counter* rebuilds_ = nullptr;
+  prometheus::Counter* rebuilt_bytes_ = nullptr;
   absl::Mutex kinds_mu_;
   std::array<std::unique_ptr<KindSeries>, kKinds> kinds_ ABSL_GUARDED_BY(kinds_mu_);
 };

@@ -17,7 +17,8 @@ from .layout import ShardLayout
 from .meta import adopt_meta
 from .params import adopt
 from .quantized import QuantizedGathers, plan_quantized_units
-from .recovery import PoolState, StepJournal, agree_on_committed, shard_tensors
+from .recovery import (PoolState, StepJournal, agree_on_committed, rebuild_state,
+                       shard_tensors)
 from .shards import RankShards
 from .state import ModuleState
 from .trace import Trace
@@ -81,10 +82,14 @@ class ShardedModule(torch.nn.Module):
         self._binding = UnitBuffers(self.client, param_dtype, self._units)
         self.recoverable = self.client.recoverable
         adopted = self.recoverable and self.client.adopted
+        # A lost node's replacement (docs/recovery.md, "A lost node"): its state is rebuilt from
+        # the other nodes' redundancy below, not initialized.
+        replacement = self.recoverable and self.client.replacement
+        self.redundancy = self.client.redundancy if self.recoverable else ""
         if self.recoverable:
             _check_recoverable(param_dtype, quantize)
             self._shards.pool = PoolState(self.client)
-        self._shard_values(meta, init, write=not adopted)
+        self._shard_values(meta, init, write=not (adopted or replacement))
         self._control = ControlUnits(self.client, self.layout, len(self._units),
                                      self._units.nparams)
         self._build_parts(qsizes)
@@ -94,8 +99,9 @@ class ShardedModule(torch.nn.Module):
         self._journal = None
         if self.recoverable:
             self._journal = StepJournal(self._shards.pool, self._journaled)
-            if adopted:
-                self._recover()
+            if adopted or replacement:
+                self._recover(replacement)
+        self._protected = False  # the redundancy holds step 0 (the state before any step)
         self.checkpoint_writing = None  # an asynchronous checkpoint save writing the state
 
     def _attach(self, client, inventory, register):
@@ -126,12 +132,16 @@ class ShardedModule(torch.nn.Module):
         out.update(self._shards.named_state())
         return out
 
-    def _recover(self):
+    def _recover(self, replacement=False):
         """A recovered rank (docs/recovery.md): agrees with the others on the last step all of
         them completed, brings its state back to it, and drops the interrupted step's
-        gradients."""
-        self.resume_step = agree_on_committed(self._control, self._journal.committed)
-        self._journal.roll_back(self.resume_step)
+        gradients. A replacement node's rank has no state: it takes no part in the agreement,
+        and its state is rebuilt from the others' redundancy (`rebuild_state`)."""
+        self.resume_step = agree_on_committed(self._control, self._journal.committed,
+                                              have=not replacement)
+        if not replacement:
+            self._journal.roll_back(self.resume_step)
+        rebuild_state(self.client, self._control, replacement, self._journal, self.resume_step)
         for ui in self.units():
             as_tensor(self.client.grad_shard(ui)).zero_()
 
@@ -142,9 +152,14 @@ class ShardedModule(torch.nn.Module):
         if self._journal is None:
             yield
             return
+        if self.redundancy and not self._protected and self._journal.committed == 0:
+            self.client.protect().wait()  # step 0: the state every rank starts from
+        self._protected = True
         self._journal.begin()
         try:
             yield
+            if self.redundancy:
+                self.client.protect().wait()  # this step's state, before it commits
         except BaseException:
             self._journal.abandon()
             raise

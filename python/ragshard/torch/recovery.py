@@ -125,22 +125,45 @@ class StepJournal:
         self.meta[1] = to
 
 
-def agree_on_committed(control, committed):
+def agree_on_committed(control, committed, have=True):
     """The last step every rank committed: the least `committed` over the ranks, which differ by
     at most one (StepJournal). Sums of one float per rank over every rank (HSDP's replicas
     included: the ranks the sums cover are counted first); exact while ranks * steps is below
-    2^24, which is checked."""
-    world = int(round(control.all_reduce_scalar(1.0)))
+    2^24, which is checked. A rank without state (`have` False: a replacement node's, rebuilt
+    afterwards) takes part in the sums but counts for nothing."""
+    world = int(round(control.all_reduce_scalar(1.0 if have else 0.0)))
+    if world == 0:
+        raise RuntimeError("ragshard recovery: no rank kept its state (every node was replaced)")
     if committed * world >= 1 << 24:
         raise RuntimeError(f"ragshard recovery: {committed} steps at {world} ranks is past what "
                            "the agreement's fp32 sums hold exactly (2^24)")
+    committed = committed if have else 0
     total = control.all_reduce_scalar(float(committed))
     low = int(total // world)
-    spread = control.all_reduce_scalar(float((committed - low) * (committed - low - 1)))
+    off = (committed - low) * (committed - low - 1) if have else 0
+    spread = control.all_reduce_scalar(float(off))
+    if not have:
+        if spread != 0.0:
+            raise RuntimeError(f"ragshard recovery: the ranks' committed steps differ by more "
+                               f"than one (their sum {total:.0f} over {world})")
+        return low
     if spread != 0.0 or committed not in (low, low + 1):
         raise RuntimeError(f"ragshard recovery: the ranks' committed steps differ by more than "
                            f"one (this rank {committed}, their sum {total:.0f} over {world})")
     return low
+
+
+def rebuild_state(client, control, replacement, journal, step):
+    """Where a node was replaced (docs/recovery.md, "A lost node"), every rank rebuilds: the
+    other nodes send what the replacement's ranks need (OP_REBUILD), and those ranks' state
+    buffers and parameter shards hold their state at `step` again; their journal then says so.
+    Nothing where no rank is a replacement (a sum over the ranks tells)."""
+    if control.all_reduce_scalar(1.0 if replacement else 0.0) == 0.0:
+        return
+    client.rebuild().wait()
+    if replacement:
+        journal.meta[0] = step
+        journal.meta[1] = step
 
 
 def shard_tensors(client, units):

@@ -1,0 +1,169 @@
+// JobRuntime's redundancy of the local ranks' persistent state (docs/recovery.md, "A lost node";
+// the algorithm is redundancy.h's): OP_PROTECT inside every optimizer step's transaction, and
+// OP_REBUILD once the ranks are back after a recovery, which rebuilds the state of a replacement
+// daemon's ranks from the other nodes.
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "glog/logging.h"
+#include "infra/status_macros.h"
+#include "server/daemon/job_runtime.h"
+
+namespace ragshard::daemon {
+
+namespace {
+
+constexpr char kShardPrefix[] = "shard/";
+constexpr char kJournalPrefix[] = "journal/";
+
+}  // namespace
+
+void JobRuntime::EnableRedundancy(RedundancyScheme scheme, const std::string& text, int node,
+                                  std::vector<std::string> nodes, bool replacement, Pool* pool) {
+  absl::MutexLock lock(&mu_);
+  redundancy_ = std::make_unique<NodeRedundancy>(scheme, node, std::move(nodes),
+                                                 static_cast<int>(local_ranks_.size()), pool);
+  redundancy_text_ = text;
+  replacement_ = replacement;
+  state_pool_ = pool;
+}
+
+absl::StatusOr<int64_t> JobRuntime::LocalStep(int field, const char* what) const {
+  int64_t step = -1;
+  for (size_t l = 0; l < local_ranks_.size(); ++l) {
+    v1::RankProgress p;
+    JournalSteps(local_ranks_[l], &p);
+    const int64_t s = field == 0 ? p.committed_step() : p.begun_step();
+    if (s < 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          what, ": rank ", local_ranks_[l], " of job '", job_id_,
+          "' has no step journal (state buffer 'journal/meta'; docs/recovery.md)"));
+    }
+    if (l > 0 && s != step) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(what, ": the ranks of job '", job_id_, "' on node '", node_id_,
+                       "' are at different steps (rank ", local_ranks_[0], " ", step, ", rank ",
+                       local_ranks_[l], " ", s, ")"));
+    }
+    step = s;
+  }
+  return step;
+}
+
+absl::StatusOr<std::vector<std::vector<StateSegment>>> JobRuntime::ProtectedState() const {
+  std::vector<std::vector<StateSegment>> out(local_ranks_.size());
+  for (size_t l = 0; l < local_ranks_.size(); ++l) {
+    for (int u = 0; u < dp_->units(); ++u) {
+      int64_t bytes = 0;
+      char* data = dp_->HostParamShard(u, static_cast<int>(l), &bytes);
+      if (data == nullptr) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "redundancy: the ", dp_->name(), " backend keeps parameter shards outside the host "
+            "pool; redundancy needs a host backend (docs/recovery.md)"));
+      }
+      out[l].push_back({absl::StrCat(kShardPrefix, u), data, bytes});
+    }
+    for (const auto& [key, buffer] : state_) {
+      if (key.first != local_ranks_[l] || absl::StartsWith(key.second, kJournalPrefix)) continue;
+      out[l].push_back({key.second, buffer.first.data(), buffer.second});
+    }
+  }
+  return out;
+}
+
+absl::Status JobRuntime::Protect(const Op& op) {
+  if (redundancy_ == nullptr || comm_ == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("OP_PROTECT: job '", job_id_,
+                     "' has no redundancy across nodes (JobOptions.redundancy)"));
+  }
+  std::vector<std::vector<StateSegment>> state;
+  int64_t step = 0;
+  uint64_t seq = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    RAGSHARD_ASSIGN_OR_RETURN(step, LocalStep(1, "OP_PROTECT"));
+    RAGSHARD_ASSIGN_OR_RETURN(state, ProtectedState());
+    seq = running_seq_;
+  }
+  return redundancy_->Protect(*comm_, state, step, op.deadline, seq);
+}
+
+absl::Status JobRuntime::Rebuild(const Op& op) {
+  if (redundancy_ == nullptr || comm_ == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("OP_REBUILD: job '", job_id_,
+                     "' has no redundancy across nodes (JobOptions.redundancy)"));
+  }
+  std::vector<std::vector<StateSegment>> state;
+  int64_t step = 0;
+  uint64_t seq = 0;
+  bool replacement = false;
+  int64_t epoch = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    replacement = replacement_;
+    epoch = epoch_;
+    if (!replacement) {
+      RAGSHARD_ASSIGN_OR_RETURN(step, LocalStep(0, "OP_REBUILD"));
+      RAGSHARD_ASSIGN_OR_RETURN(state, ProtectedState());
+    }
+    seq = running_seq_;
+  }
+  const PlaceSegment place = [this](int local, const std::string& name,
+                                    int64_t bytes) -> absl::StatusOr<char*> {
+    int unit = 0;
+    if (absl::StartsWith(name, kShardPrefix) &&
+        absl::SimpleAtoi(name.substr(sizeof(kShardPrefix) - 1), &unit)) {
+      int64_t have = 0;
+      char* data = unit >= 0 && unit < dp_->units() ? dp_->HostParamShard(unit, local, &have)
+                                                    : nullptr;
+      if (data == nullptr || have != bytes) {
+        return absl::DataLossError(absl::StrCat(
+            "the rebuilt state holds ", bytes, " bytes for the parameter shard of unit ", unit,
+            "; this node's plan has ", have, " (", dp_->units(), " units)"));
+      }
+      return data;
+    }
+    auto b = StateBuffer(local_ranks_[static_cast<size_t>(local)], name, bytes, state_pool_);
+    if (!b.ok()) return b.status();
+    return b->first->data();
+  };
+  auto rebuilt = redundancy_->Rebuild(*comm_, replacement, state, step, place, op.deadline, seq);
+  if (!rebuilt.ok()) {
+    const absl::Status& s = rebuilt.status();
+    // A state that cannot be rebuilt, or rebuilt wrong, stops the job (a lost peer or the
+    // deadline are the recovery's own failures, handled as every operation's).
+    if (!absl::IsUnavailable(s) && !absl::IsDeadlineExceeded(s) && !absl::IsAborted(s)) {
+      const absl::Status named = absl::Status(
+          s.code(), absl::StrCat("rebuilding job '", job_id_, "' from its redundancy: ",
+                                 s.message()));
+      Report(named);
+      Fail(named);
+      return named;
+    }
+    return s;
+  }
+  if (!replacement) return absl::OkStatus();
+  {
+    absl::MutexLock lock(&mu_);
+    replacement_ = false;
+  }
+  LOG(INFO) << "job " << job_id_ << ": node '" << node_id_ << "' rebuilt " << *rebuilt
+            << " bytes of its ranks' state from the other nodes (epoch " << epoch << ")";
+  metrics_->Rebuilt(*rebuilt);
+  v1::ReportRecoveredRequest done;
+  done.set_job_id(job_id_);
+  done.set_node_id(node_id_);
+  done.set_epoch(epoch);
+  done.set_replacement(true);
+  done.set_rebuilt_bytes(*rebuilt);
+  if (auto r = planner_->ReportRecovered(done); !r.ok()) {
+    LOG(WARNING) << "job " << job_id_ << ": telling the planner of the rebuild: " << r.status();
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace ragshard::daemon
