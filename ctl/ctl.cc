@@ -57,7 +57,7 @@ int RunCtl(int argc, const char* const* argv, std::ostream& out, std::ostream& e
   job->fallthrough();
   CLI::App* job_show = add_online(job, "show", "show one job", true);
   JobSpec spec;
-  std::string job_budget;
+  JobCreateFlags create_flags;
   CLI::App* job_create = add_online(job, "create", "create a job", true);
   job_create->add_option("--shard", spec.shard_size, "ranks per shard group")->required();
   job_create->add_option("--replicate", spec.replicate_size, "replicas of the shard group (HSDP)");
@@ -68,11 +68,15 @@ int RunCtl(int argc, const char* const* argv, std::ostream& out, std::ostream& e
                          "registration deadline");
   job_create->add_option("--strategy", spec.strategy,
                          "policy auto: use k=K,shard=AxB instead of searching");
-  job_create->add_option("--memory-budget", job_budget, "policy auto: bytes per device (80GiB)");
-  std::string recovery_deadline;
-  job_create->add_option("--recovery-deadline", recovery_deadline,
+  job_create->add_option("--memory-budget", create_flags.memory_budget,
+                         "policy auto: bytes per device (80GiB)");
+  job_create->add_option("--recovery-deadline", create_flags.recovery_deadline,
                          "SECONDS: a lost rank is recovered in place if every node's ranks "
                          "re-attach within this long (0 or absent: a lost rank degrades the job)");
+  job_create->add_option("--redundancy", create_flags.redundancy,
+                         "parity:K, replica or none (default): a lost node is rebuilt on a "
+                         "replacement daemon with its node id (needs --recovery-deadline); "
+                         "parity:K needs a multiple of K+1 nodes, replica at least 2");
   job_create->add_option("--optimizer", spec.optimizer, "policy auto: adam or muon");
   job_create->add_option("--tokens-per-step", spec.tokens_per_step,
                          "policy auto: global batch in tokens");
@@ -137,7 +141,7 @@ int RunCtl(int argc, const char* const* argv, std::ostream& out, std::ostream& e
   if (job_why->parsed()) return RunJobWhy(online, job_id, out, err);
   if (job_create->parsed()) {
     spec.job_id = job_id;
-    return RunJobCreate(online, spec, job_budget, recovery_deadline, out, err);
+    return RunJobCreate(online, spec, create_flags, out, err);
   }
   if (plan_show->parsed()) return RunPlanShow(online, job_id, unit, factor, out, err);
   if (plan_metrics->parsed()) return RunPlanMetrics(online, job_id, out, err);

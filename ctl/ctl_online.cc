@@ -24,6 +24,7 @@
 #include "engine/sharding.h"
 #include "engine/strategy.h"
 #include "infra/proto_text.h"
+#include "infra/redundancy.h"
 
 namespace ragshard {
 namespace {
@@ -123,6 +124,7 @@ int RunJobs(const Online& o, std::ostream& out, std::ostream& err) {
   for (const auto& j : *jobs) {
     // The recovery (in progress, or those before) and the error.
     std::vector<std::string> detail;
+    if (std::string note = RedundancyNote(j); !note.empty()) detail.push_back(note);
     if (std::string note = RecoveryNote(j, now); !note.empty()) detail.push_back(note);
     if (!j.error().empty()) detail.push_back(OneLine(j.error()));
     out << absl::StrFormat(
@@ -161,7 +163,7 @@ int RunJobShow(const Online& o, const std::string& id, std::ostream& out, std::o
       << "\n"
       << "plan version: " << j.plan_version() << "\n"
       << "error:        " << (j.error().empty() ? "-" : OneLine(j.error())) << "\n"
-      << RecoveryLines(j, NodesOf(*ranks), NowMs());
+      << RedundancyLines(j) << RecoveryLines(j, NodesOf(*ranks), NowMs());
   std::map<std::string, int> per_node;
   for (const auto& r : *ranks) {
     if (r.registered()) ++per_node[r.node_id()];
@@ -254,8 +256,10 @@ int RunPlanShow(const Online& o, const std::string& id, const std::string& unit,
   return kExitOk;
 }
 
-int RunJobCreate(const Online& o, const JobSpec& spec, const std::string& memory_budget,
-                 const std::string& recovery_deadline, std::ostream& out, std::ostream& err) {
+int RunJobCreate(const Online& o, const JobSpec& spec, const JobCreateFlags& flags,
+                 std::ostream& out, std::ostream& err) {
+  const std::string& memory_budget = flags.memory_budget;
+  const std::string& recovery_deadline = flags.recovery_deadline;
   v1::CreateJobRequest create = MakeCreateJobRequest(spec);
   if (!recovery_deadline.empty()) {
     double seconds = 0;
@@ -274,6 +278,17 @@ int RunJobCreate(const Online& o, const JobSpec& spec, const std::string& memory
       return kExitBadInput;
     }
     create.mutable_options()->set_memory_budget_bytes(b);
+  }
+  if (!flags.redundancy.empty()) {
+    auto r = ParseRedundancy("--redundancy", flags.redundancy);
+    if (!r.ok()) return Fail(err, r.status());
+    if (r->enabled() && create.options().recovery_deadline_ms() <= 0) {
+      err << "error: --redundancy " << r->name()
+          << " needs --recovery-deadline SECONDS > 0 (a lost node is rebuilt on a replacement "
+             "daemon within it)\n";
+      return kExitBadInput;
+    }
+    if (r->enabled()) create.mutable_options()->set_redundancy(r->name());
   }
   auto created = Ask(o, [&](PlannerClient& c) { return c.CreateJob(create); });
   if (!created.ok()) return Fail(err, created.status());
@@ -371,7 +386,8 @@ int RunJobWhy(const Online& o, const std::string& id, std::ostream& out, std::os
   const int64_t now = NowMs();
   out << "job " << id << ": " << StatusName(job->status())
       << (job->error().empty() ? "" : absl::StrCat(" (", job->error(), ")")) << "\n"
-      << RecoveryLines(*job, NodesOf(*ranks), now) << StepLines(*job, progress);
+      << RedundancyLines(*job) << RecoveryLines(*job, NodesOf(*ranks), now)
+      << StepLines(*job, progress);
   out << absl::StrFormat("%-5s %-16s %-12s %-36s %-36s %8s  %s\n", "RANK", "NODE", "HEARD",
                          "LAST DONE", "PENDING", "FOR", "WAITING ON");
   for (const auto& r : *ranks) {

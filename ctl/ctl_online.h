@@ -1,5 +1,6 @@
 // ragshardctl's commands that talk to a planner: health, jobs, job show/create/delete/why, plan
-// show/metrics and nodes. A job's status shows its recovery in place (ctl/ctl_recovery.h). Each
+// show/metrics and nodes. A job's status shows its recovery in place and its redundancy
+// (ctl/ctl_recovery.h). Each
 // connects with the global flags (--planner, the token and TLS flags, --retry-s), prints a table or
 // (--json) the protobuf as JSON, and returns the exit code (ctl/ctl_format.h) with one-line errors
 // on `err`.
@@ -29,10 +30,15 @@ int RunJobs(const Online& o, std::ostream& out, std::ostream& err);
 int RunJobShow(const Online& o, const std::string& id, std::ostream& out, std::ostream& err);
 // The most --recovery-deadline accepts (the planner's own limit: 24 h).
 inline constexpr double kMaxRecoveryDeadlineS = 24 * 3600;
-// `memory_budget` is a byte size ("80GiB") and `recovery_deadline` seconds ("120", "0.5"; empty:
-// none), parsed here so that a bad one names its flag.
-int RunJobCreate(const Online& o, const JobSpec& spec, const std::string& memory_budget,
-                 const std::string& recovery_deadline, std::ostream& out, std::ostream& err);
+// `job create`'s flags that are parsed here, so that a bad one names its flag.
+struct JobCreateFlags {
+  std::string memory_budget;      // a byte size ("80GiB"); empty: none
+  std::string recovery_deadline;  // seconds ("120", "0.5"); empty: none
+  // none, replica or parity:K (infra/redundancy.h); anything but none needs a recovery deadline.
+  std::string redundancy;
+};
+int RunJobCreate(const Online& o, const JobSpec& spec, const JobCreateFlags& flags,
+                 std::ostream& out, std::ostream& err);
 int RunJobDelete(const Online& o, const std::string& id, std::ostream& out, std::ostream& err);
 int RunPlanShow(const Online& o, const std::string& id, const std::string& unit,
                 const std::string& factor, std::ostream& out, std::ostream& err);

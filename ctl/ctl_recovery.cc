@@ -7,6 +7,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "ctl/ctl_format.h"
+#include "infra/redundancy.h"
 
 namespace ragshard {
 namespace {
@@ -28,7 +29,44 @@ std::string Recoveries(const v1::Job& job) {
                          job.recoveries() == 1 ? "y" : "ies", job.recovery_seconds());
 }
 
+// "rebuilding node 'n1' on a replacement daemon" while a lost node is rebuilt, else empty.
+std::string Rebuilding(const v1::JobRecovery& r) {
+  return r.lost_node_id().empty()
+             ? ""
+             : absl::StrCat("rebuilding node '", r.lost_node_id(), "' on a replacement daemon");
+}
+
+std::string Rebuilds(const v1::Job& job) {
+  return absl::StrCat("rebuilds: ", job.rebuilds(), " (", job.rebuilt_bytes(), " bytes)");
+}
+
 }  // namespace
+
+std::string RedundancyNote(const v1::Job& job) {
+  const auto r = ParseRedundancy("redundancy", job.options().redundancy());
+  std::vector<std::string> parts;
+  if (r.ok() && r->enabled()) parts.push_back(r->name());
+  if (job.rebuilds() > 0) parts.push_back(Rebuilds(job));
+  return absl::StrJoin(parts, ", ");
+}
+
+std::string RedundancyLines(const v1::Job& job) {
+  const auto r = ParseRedundancy("redundancy", job.options().redundancy());
+  std::string out;
+  if (r.ok() && r->kind == Redundancy::Kind::kParity) {
+    absl::StrAppend(&out, "redundancy:   ", r->name(), " (nodes in groups of ", r->k + 1,
+                    ", each node's state covered by parity on the others of its group; a lost "
+                    "node is rebuilt on a replacement daemon)\n");
+  } else if (r.ok() && r->kind == Redundancy::Kind::kReplica) {
+    absl::StrAppend(&out,
+                    "redundancy:   replica (each node's state copied on another node; a "
+                    "lost node is rebuilt on a replacement daemon)\n");
+  }
+  if (!out.empty() || job.rebuilds() > 0) {
+    absl::StrAppend(&out, "rebuilds:     ", job.rebuilds(), " (", job.rebuilt_bytes(), " bytes)\n");
+  }
+  return out;
+}
 
 std::string RecoveryNote(const v1::Job& job, int64_t now_ms) {
   if (job.status() == v1::JOB_RECOVERING) {
@@ -36,7 +74,9 @@ std::string RecoveryNote(const v1::Job& job, int64_t now_ms) {
     const int64_t left = r.deadline_unix_ms() - now_ms;
     // ListJobs gives the count only (recovered_nodes); GetJob the names.
     const int64_t recovered = std::max<int64_t>(r.recovered_nodes(), r.recovered_node_ids_size());
-    return absl::StrCat("epoch ", r.epoch(), ", ", recovered, " node(s) recovered, ",
+    const std::string rebuilding = Rebuilding(r);
+    return absl::StrCat("epoch ", r.epoch(), ", ", rebuilding, rebuilding.empty() ? "" : ", ",
+                        recovered, " node(s) recovered, ",
                         left >= 0 ? absl::StrCat(Seconds(left), " left") : "deadline passed");
   }
   return job.recoveries() > 0 ? Recoveries(job) : "";
@@ -56,15 +96,22 @@ std::string RecoveryLines(const v1::Job& job, const std::vector<std::string>& no
   for (const std::string& n : nodes) {
     if (recovered.count(n) == 0) rejoining.push_back(n);
   }
-  std::string out =
-      absl::StrCat("recovery:     epoch ", r.epoch(), ", reported by node '", r.reporter_node_id(),
-                   "' ", Seconds(now_ms - r.started_unix_ms()), " ago\n",
-                   "lost:         ", OneLine(r.lost()), "\n", "recovered:    ",
-                   recovered.empty() ? "none yet" : absl::StrJoin(r.recovered_node_ids(), ", "),
-                   " (", recovered.size(), "/", nodes.size(), " nodes)\n",
-                   "rejoining:    ", rejoining.empty() ? "none" : absl::StrJoin(rejoining, ", "),
-                   rejoining.empty() ? "" : " (their ranks re-attach to their daemons)", "\n",
-                   "deadline:     ", Deadline(r, now_ms), "\n");
+  std::string out = absl::StrCat(
+      "recovery:     epoch ", r.epoch(), ", reported by node '", r.reporter_node_id(), "' ",
+      Seconds(now_ms - r.started_unix_ms()), " ago\n", "lost:         ", OneLine(r.lost()), "\n",
+      r.lost_node_id().empty()
+          ? ""
+          : absl::StrCat("lost node:    ", Rebuilding(r),
+                         r.rebuilt_bytes() > 0
+                             ? absl::StrCat(" (", r.rebuilt_bytes(), " bytes rebuilt)")
+                             : "",
+                         "\n"),
+      "recovered:    ",
+      recovered.empty() ? "none yet" : absl::StrJoin(r.recovered_node_ids(), ", "), " (",
+      recovered.size(), "/", nodes.size(), " nodes)\n",
+      "rejoining:    ", rejoining.empty() ? "none" : absl::StrJoin(rejoining, ", "),
+      rejoining.empty() ? "" : " (their ranks re-attach to their daemons)", "\n",
+      "deadline:     ", Deadline(r, now_ms), "\n");
   if (job.recoveries() > 0) absl::StrAppend(&out, "recoveries:   ", Recoveries(job), " before\n");
   return out;
 }

@@ -44,6 +44,14 @@ PlannerMetrics::PlannerMetrics() {
                        "ones)")
            .Add({},
                 prometheus::Histogram::BucketBoundaries{0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300});
+  rebuilds_ = &CounterFamily("ragshard_planner_rebuilds_total",
+                             "Lost nodes rebuilt on a replacement daemon from their job's "
+                             "redundancy, counted when their recovery ended recovered")
+                   .Add({});
+  rebuilt_bytes_ = &CounterFamily("ragshard_planner_rebuilt_bytes_total",
+                                  "Bytes of persistent state the replacement daemons of lost "
+                                  "nodes rebuilt (their ReportRecovered)")
+                        .Add({});
 }
 
 void PlannerMetrics::PlanComputed(bool ok, double seconds) {

@@ -3,6 +3,7 @@
 // nodes by state and the watch streams are read from the service's state when a scrape comes.
 #pragma once
 
+#include <cstdint>
 #include <memory>
 
 #include "infra/metrics.h"
@@ -34,6 +35,12 @@ class PlannerMetrics : public MetricsSet {
   }
   // A recovery in place ended; `seconds` from its start is observed for recovered ones only.
   void RecoveryEnded(RecoveryOutcome outcome, double seconds);
+  // A recovery that ended recovered rebuilt a lost node on a replacement daemon, `bytes` of
+  // persistent state (JobOptions.redundancy).
+  void NodeRebuilt(int64_t bytes) {
+    rebuilds_->Increment();
+    rebuilt_bytes_->Increment(static_cast<double>(bytes));
+  }
 
  private:
   prometheus::Counter* registrations_ = nullptr;
@@ -49,6 +56,8 @@ class PlannerMetrics : public MetricsSet {
   prometheus::Counter* recovery_second_failure_ = nullptr;
   prometheus::Counter* recovery_node_lost_ = nullptr;
   prometheus::Histogram* recovery_seconds_ = nullptr;
+  prometheus::Counter* rebuilds_ = nullptr;
+  prometheus::Counter* rebuilt_bytes_ = nullptr;
 };
 
 }  // namespace ragshard::planner

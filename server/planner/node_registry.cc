@@ -17,7 +17,16 @@ void NodeRegistry::Load(std::vector<v1::Node> nodes, int64_t now_ms) {
 
 absl::Status NodeRegistry::Register(const v1::RegisterNodeRequest& req, int64_t now_ms) {
   absl::MutexLock lock(&mu_);
-  v1::Node& node = nodes_[req.node_id()];
+  auto [it, fresh] = nodes_.try_emplace(req.node_id());
+  v1::Node& node = it->second;
+  if (!fresh) {
+    // The same daemon again (it was forgotten, or it restarted), or a replacement daemon for a
+    // lost node: the new registration replaces the old one whole, its figures included.
+    LOG(INFO) << "node " << req.node_id() << " registers again (was "
+              << v1::NodeStatus_Name(node.status()) << " at '" << node.data_address()
+              << "'): its registration is replaced";
+    node = v1::Node();
+  }
   node.set_node_id(req.node_id());
   node.set_data_address(req.data_address());
   node.set_capacity_bytes(req.capacity_bytes());

@@ -24,7 +24,9 @@ class NodeRegistry {
 
   // The stored nodes, each with a fresh heartbeat grace period from `now_ms`.
   void Load(std::vector<v1::Node> nodes, int64_t now_ms);
-  // Records (again) a node, UP; the store's error if it could not be written.
+  // Records (again) a node, UP; the store's error if it could not be written. A node registered
+  // before, LOST or still UP (a restarted or replacement daemon with the same node id), is
+  // replaced whole: its old address and figures are dropped.
   absl::Status Register(const v1::RegisterNodeRequest& req, int64_t now_ms);
   // Refreshes a registered node's figures (UP again if it was LOST); NOT_FOUND naming it when it
   // never registered.

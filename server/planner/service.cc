@@ -74,7 +74,9 @@ absl::StatusOr<std::unique_ptr<PlannerService>> PlannerService::Create(std::uniq
     // A job whose ranks all registered but whose plan was not stored before a crash is planned
     // now; a stored plan is never recomputed.
     if (e->state.job.status() == v1::JOB_REGISTERING && !e->state.plan && e->state.inventory) {
-      svc->MaybePlan(id, &e->state);
+      Deferred deferred;  // nobody watches yet
+      (void)svc->MaybePlan(id, &e->state, &deferred);
+      RunDeferred(&deferred);
     }
   }
   LOG(INFO) << "planner state loaded: " << jobs << " jobs, " << svc->nodes_.size() << " nodes";

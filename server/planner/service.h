@@ -145,9 +145,11 @@ class PlannerService final
   // (RECOVERING, service_recovery.cc), and the answer names its epoch and deadline.
   Unary* ReportFailure(Ctx* ctx, const v1::ReportFailureRequest* req,
                        v1::ReportFailureResponse* resp) override;
-  // A node's ranks re-attached in the recovery's epoch; the last of the job's nodes to say so
-  // makes it READY. FAILED_PRECONDITION naming the job's status and epoch for a job that is not
-  // recovering that epoch, or a node that holds none of its ranks.
+  // A node's ranks re-attached in the recovery's epoch (a replacement daemon's: after it rebuilt
+  // the lost node's state); the last of the job's nodes to say so makes it READY.
+  // FAILED_PRECONDITION naming the job's status and epoch for a job that is not recovering that
+  // epoch, or a node that holds none of its ranks; naming why for a replacement the job cannot
+  // rebuild (which ends the recovery DEGRADED).
   Unary* ReportRecovered(Ctx* ctx, const v1::ReportRecoveredRequest* req,
                          v1::ReportRecoveredResponse* resp) override;
 
@@ -274,8 +276,9 @@ class PlannerService final
   // store fails, and the error answers the registration: an acknowledged one is durable.
   absl::Status RecordRanks(JobState* js, const std::vector<int64_t>& ranks, const std::string& node,
                            const std::string& sha, const std::string* inventory_bytes = nullptr);
-  // Starts planning when every rank is registered.
-  void MaybePlan(const std::string& job_id, JobState* js);
+  // Starts planning when every rank is registered, unless the job's nodes do not fit its
+  // redundancy (JobOptions.redundancy): the job then FAILS, and that error is returned.
+  absl::Status MaybePlan(const std::string& job_id, JobState* js, Deferred* deferred);
   void ComputePlan(const std::string& job_id);
   // What ComputePlan reads of the job, under its lock; false when there is nothing to plan.
   bool PlanInputs(JobState& js, Inventory* inventory, PlanOptions* options,
@@ -285,7 +288,8 @@ class PlannerService final
                 int64_t replicate, uint64_t version, Deferred* deferred);
   void FailJob(JobState* js, const std::string& error, Deferred* deferred);
   void ResolvePendingHashes(JobState* js, Deferred* deferred);
-  // Marks DEGRADED the live jobs with a rank on a lost node.
+  // Marks DEGRADED the live jobs with a rank on a lost node; a job with redundancy recovers
+  // instead (NodeLostRecovery).
   void DegradeJobsOn(const std::vector<std::string>& lost_nodes, Deferred* deferred);
   // The nodes of the job's registered ranks, with the ranks as runs (ListJobNodes' answer),
   // built at the first call after the ranks changed.
@@ -298,6 +302,27 @@ class PlannerService final
   // false when it concerns no recovery (the job turns DEGRADED as for any report).
   bool RecoveryReport(JobState* js, const v1::ReportFailureRequest& req,
                       v1::ReportFailureResponse* resp, Deferred* deferred);
+  // Starts recovery epoch E + 1 of a READY job: RECOVERING, with what was `lost`, who reported
+  // it ("" for the planner itself), the lost node a replacement daemon rebuilds ("" for lost rank
+  // processes), the deadline, and `error` as the job's error. Stored and told to its watchers.
+  void StartRecovery(JobState* js, const std::string& lost, const std::string& reporter,
+                     const std::string& lost_node_id, int64_t now_ms, const std::string& error,
+                     Deferred* deferred);
+  // The job rebuilds a lost node on a replacement daemon: it has redundancy and a recovery
+  // deadline (JobOptions.redundancy, recovery_deadline_ms).
+  static bool Rebuilds(const v1::Job& job);
+  // Node `node_id` of the job, `lost` (the words of its loss), in a job that Rebuilds: a READY
+  // job starts a recovery for it, a RECOVERING one names it the node being rebuilt, or ends
+  // DEGRADED when another node is being rebuilt. False where the job does not rebuild (it turns
+  // DEGRADED as before).
+  bool NodeLostRecovery(JobState* js, const std::string& node_id, const std::string& lost,
+                        Deferred* deferred);
+  // ReportRecovered's part on the lost node: a replacement's report names it and records the
+  // bytes rebuilt (`counted`: the node had already reported this epoch); the lost node's own
+  // daemon back with its state clears it. A replacement in a job without redundancy, or for a
+  // second node, ends the recovery DEGRADED and is that error (FAILED_PRECONDITION).
+  absl::Status CountReplacement(JobState* js, const v1::ReportRecoveredRequest& req, bool counted,
+                                Deferred* deferred);
   // Ends the job's recovery: DEGRADED with `error`, counted by `outcome`.
   void EndRecovery(JobState* js, RecoveryOutcome outcome, const std::string& error,
                    Deferred* deferred);

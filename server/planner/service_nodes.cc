@@ -49,6 +49,7 @@ grpc::ServerUnaryReactor* PlannerService::Heartbeat(Ctx* ctx, const v1::Heartbea
             r->set_epoch(recovery.epoch());
             r->set_lost(recovery.lost());
             r->set_reporter_node_id(recovery.reporter_node_id());
+            r->set_lost_node_id(recovery.lost_node_id());
             r->set_started_unix_ms(recovery.started_unix_ms());
             r->set_deadline_unix_ms(recovery.deadline_unix_ms());
             for (const std::string& node : recovery.recovered_node_ids()) {
@@ -84,6 +85,8 @@ void PlannerService::DegradeJobsOn(const std::vector<std::string>& lost_nodes, D
       if (!has_rank) continue;
       const std::string lost = absl::StrCat("node '", node_id, "' lost (no heartbeat for ",
                                             options_.node_timeout.count(), " ms)");
+      // A job with redundancy rebuilds the node on a replacement daemon instead.
+      if (NodeLostRecovery(&js, node_id, lost, deferred)) continue;
       if (status == v1::JOB_RECOVERING) {
         EndRecovery(&js, RecoveryOutcome::kNodeLost,
                     absl::StrCat(lost, " during the recovery of epoch ", js.job.recovery_epoch(),

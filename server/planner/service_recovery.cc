@@ -5,6 +5,12 @@
 // last of the job's nodes to say so makes the job READY again. The recovery ends DEGRADED when
 // its deadline passes first (checked by the ticker and by the heartbeats of the job's nodes), when
 // another failure is reported during it, or when a node of the job is lost (DegradeJobsOn).
+//
+// A job with redundancy (JobOptions.redundancy, issue 55) survives a lost node: the node's loss
+// (its heartbeats stopped) starts a recovery as a report does, or names the node in the one in
+// progress (JobRecovery.lost_node_id); a replacement daemon with the same node id rebuilds the
+// node's state from the other nodes and says ReportRecovered with `replacement`, which counts the
+// node and the bytes it rebuilt. A second node lost during the rebuild ends it DEGRADED.
 #include <algorithm>
 #include <set>
 #include <string>
@@ -14,6 +20,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "glog/logging.h"
+#include "infra/redundancy.h"
 #include "infra/rpc.h"
 #include "infra/status_macros.h"
 #include "server/planner/service.h"
@@ -72,22 +79,81 @@ bool PlannerService::RecoveryReport(JobState* js, const v1::ReportFailureRequest
       req.epoch() != job.recovery_epoch()) {
     return false;
   }
+  StartRecovery(
+      js, req.message().empty() ? req.lost_peer() : req.message(), req.reporter_node_id(), "", now,
+      absl::StrCat("recovering in place (epoch ", job.recovery_epoch() + 1, ") from ",
+                   ReportText(req), "; its ranks re-attach within ", Seconds(deadline_ms), " s"),
+      deferred);
+  resp->set_recovery_epoch(job.recovery().epoch());
+  resp->set_recovery_deadline_unix_ms(job.recovery().deadline_unix_ms());
+  return true;
+}
+
+void PlannerService::StartRecovery(JobState* js, const std::string& lost,
+                                   const std::string& reporter, const std::string& lost_node_id,
+                                   int64_t now_ms, const std::string& error, Deferred* deferred) {
+  v1::Job& job = js->job;
   job.set_recovery_epoch(job.recovery_epoch() + 1);
   job.set_status(v1::JOB_RECOVERING);
   v1::JobRecovery& r = *job.mutable_recovery();
   r.Clear();
   r.set_job_id(job.job_id());
   r.set_epoch(job.recovery_epoch());
-  r.set_lost(req.message().empty() ? req.lost_peer() : req.message());
-  r.set_reporter_node_id(req.reporter_node_id());
-  r.set_started_unix_ms(now);
-  r.set_deadline_unix_ms(now + deadline_ms);
-  job.set_error(absl::StrCat("recovering in place (epoch ", r.epoch(), ") from ", ReportText(req),
-                             "; its ranks re-attach within ", Seconds(deadline_ms), " s"));
+  r.set_lost(lost);
+  r.set_reporter_node_id(reporter);
+  r.set_lost_node_id(lost_node_id);
+  r.set_started_unix_ms(now_ms);
+  r.set_deadline_unix_ms(now_ms + job.options().recovery_deadline_ms());
+  job.set_error(error);
   LOG(WARNING) << "job " << job.job_id() << " RECOVERING: " << job.error();
   (void)JobChanged(js, deferred);
-  resp->set_recovery_epoch(r.epoch());
-  resp->set_recovery_deadline_unix_ms(r.deadline_unix_ms());
+}
+
+bool PlannerService::Rebuilds(const v1::Job& job) {
+  if (job.options().recovery_deadline_ms() <= 0) return false;
+  const auto r = ParseRedundancy("options.redundancy", job.options().redundancy());
+  return r.ok() && r->enabled();
+}
+
+bool PlannerService::NodeLostRecovery(JobState* js, const std::string& node_id,
+                                      const std::string& lost, Deferred* deferred) {
+  v1::Job& job = js->job;
+  if (!Rebuilds(job) || job.status() == v1::JOB_REGISTERING) return false;
+  const int64_t now = NowMs();
+  // A recovery past its deadline ends as such first.
+  ExpireRecovery(js, now, deferred);
+  const std::string rebuilt_within =
+      absl::StrCat("a replacement daemon with node id '", node_id, "' rebuilds it within ",
+                   Seconds(job.options().recovery_deadline_ms()), " s");
+  if (job.status() == v1::JOB_READY) {
+    StartRecovery(
+        js, lost, "", node_id, now,
+        absl::StrCat("recovering in place (epoch ", job.recovery_epoch() + 1, ") from ", lost, "; ",
+                     rebuilt_within, " (redundancy ", job.options().redundancy(), ")"),
+        deferred);
+    return true;
+  }
+  if (job.status() != v1::JOB_RECOVERING) return true;  // it ended just now
+  v1::JobRecovery& r = *job.mutable_recovery();
+  if (!r.lost_node_id().empty() && r.lost_node_id() != node_id) {
+    EndRecovery(js, RecoveryOutcome::kNodeLost,
+                absl::StrCat("a second node '", node_id, "' lost during the rebuild of node '",
+                             r.lost_node_id(), "' (recovery epoch ", r.epoch(), ", from ", r.lost(),
+                             "): ", lost, "; the job's redundancy (", job.options().redundancy(),
+                             ") rebuilds one lost node at a time"),
+                deferred);
+    return true;
+  }
+  // The recovery was started by a report (a survivor's, naming its lost peer, or a lost rank's):
+  // the node is now known lost, and only a replacement's report counts it as recovered, even if
+  // it had recovered this epoch before.
+  r.set_lost_node_id(node_id);
+  auto* done = r.mutable_recovered_node_ids();
+  done->erase(std::remove(done->begin(), done->end(), node_id), done->end());
+  job.set_error(absl::StrCat("recovering in place (epoch ", r.epoch(), ") from ", r.lost(), "; ",
+                             lost, ": ", rebuilt_within, " of the recovery's start"));
+  LOG(WARNING) << "job " << job.job_id() << " RECOVERING: " << job.error();
+  (void)JobChanged(js, deferred);
   return true;
 }
 
@@ -104,15 +170,64 @@ void PlannerService::ExpireRecovery(JobState* js, int64_t now_ms, Deferred* defe
   const v1::Job& job = js->job;
   if (job.status() != v1::JOB_RECOVERING || job.recovery().deadline_unix_ms() > now_ms) return;
   const v1::JobRecovery& r = job.recovery();
-  const std::vector<std::string> missing = NotRecovered(JobNodes(js), r);
-  const bool one = missing.size() == 1;
+  std::vector<std::string> missing = NotRecovered(JobNodes(js), r);
+  const std::string within = Seconds(r.deadline_unix_ms() - r.started_unix_ms());
+  std::vector<std::string> why;
+  const auto lost_node = std::find(missing.begin(), missing.end(), r.lost_node_id());
+  if (!r.lost_node_id().empty() && lost_node != missing.end()) {
+    why.push_back(absl::StrCat("node '", r.lost_node_id(),
+                               "' was lost and no replacement daemon rebuilt it within ", within,
+                               " s"));
+    missing.erase(lost_node);
+  }
+  if (!missing.empty()) {
+    const bool one = missing.size() == 1;
+    why.push_back(absl::StrCat(one ? "node " : "nodes ", NodeNames(missing), one ? " has" : " have",
+                               " not recovered (", one ? "its" : "their",
+                               " ranks did not re-attach within ", within, " s)"));
+  }
   EndRecovery(js, RecoveryOutcome::kDeadline,
               absl::StrCat("the recovery of epoch ", r.epoch(), " (from ", r.lost(),
-                           ") missed its deadline: ", one ? "node " : "nodes ", NodeNames(missing),
-                           one ? " has" : " have", " not recovered (", one ? "its" : "their",
-                           " ranks did not re-attach within ",
-                           Seconds(r.deadline_unix_ms() - r.started_unix_ms()), " s)"),
+                           ") missed its deadline: ", absl::StrJoin(why, "; ")),
               deferred);
+}
+
+absl::Status PlannerService::CountReplacement(JobState* js, const v1::ReportRecoveredRequest& req,
+                                              bool counted, Deferred* deferred) {
+  v1::Job& job = js->job;
+  v1::JobRecovery& r = *job.mutable_recovery();
+  const std::string& node = req.node_id();
+  if (!req.replacement()) {
+    // The lost node's own daemon came back with its state (its heartbeats had only stalled):
+    // nothing was rebuilt.
+    if (r.lost_node_id() == node) {
+      LOG(INFO) << "job " << job.job_id() << ": node " << node
+                << ", lost, recovered with its state; nothing rebuilt";
+      r.clear_lost_node_id();
+    }
+    return absl::OkStatus();
+  }
+  std::string error;
+  if (!Rebuilds(job)) {
+    error = absl::StrCat("node '", node, "' was replaced during the recovery of epoch ", r.epoch(),
+                         " (from ", r.lost(), "), but job '", job.job_id(),
+                         "' has no redundancy to rebuild its state from (options.redundancy '",
+                         job.options().redundancy(), "')");
+  } else if (!r.lost_node_id().empty() && r.lost_node_id() != node) {
+    error = absl::StrCat("a second node '", node, "' lost during the rebuild of node '",
+                         r.lost_node_id(), "' (recovery epoch ", r.epoch(), ", from ", r.lost(),
+                         "): a replacement daemon for it reported; the job's redundancy (",
+                         job.options().redundancy(), ") rebuilds one lost node at a time");
+  }
+  if (!error.empty()) {
+    EndRecovery(js, RecoveryOutcome::kNodeLost, error, deferred);
+    return absl::FailedPreconditionError(error);
+  }
+  // A replacement that came up before the planner saw the node's heartbeats stop: its report
+  // names the lost node.
+  r.set_lost_node_id(node);
+  if (!counted) r.set_rebuilt_bytes(req.rebuilt_bytes());
+  return absl::OkStatus();
 }
 
 grpc::ServerUnaryReactor* PlannerService::ReportRecovered(Ctx* ctx,
@@ -147,6 +262,7 @@ grpc::ServerUnaryReactor* PlannerService::ReportRecovered(Ctx* ctx,
               "node '", req->node_id(), "' holds no rank of job '", job.job_id(), "' (its nodes: ",
               NodeNames({nodes.node_ids().begin(), nodes.node_ids().end()}), ")"));
         }
+        RAGSHARD_RETURN_IF_ERROR(CountReplacement(&js, *req, counted, deferred));
         v1::JobRecovery& r = *job.mutable_recovery();
         if (!counted) r.add_recovered_node_ids(req->node_id());
         if (NotRecovered(nodes, r).empty()) {
@@ -157,8 +273,17 @@ grpc::ServerUnaryReactor* PlannerService::ReportRecovered(Ctx* ctx,
           job.set_recoveries(job.recoveries() + 1);
           job.set_recovery_seconds(job.recovery_seconds() + seconds);
           metrics_.RecoveryEnded(RecoveryOutcome::kRecovered, seconds);
+          if (!r.lost_node_id().empty()) {
+            job.set_rebuilds(job.rebuilds() + 1);
+            job.set_rebuilt_bytes(job.rebuilt_bytes() + r.rebuilt_bytes());
+            metrics_.NodeRebuilt(r.rebuilt_bytes());
+          }
           LOG(INFO) << "job " << job.job_id() << " READY: recovered epoch " << r.epoch() << " in "
-                    << seconds << " s (" << r.lost() << ")";
+                    << seconds << " s (" << r.lost() << ")"
+                    << (r.lost_node_id().empty()
+                            ? ""
+                            : absl::StrCat("; node '", r.lost_node_id(), "' rebuilt, ",
+                                           r.rebuilt_bytes(), " bytes"));
         }
         // Each node's recovery is stored: a planner restarted meanwhile goes on counting.
         RAGSHARD_RETURN_IF_ERROR(JobChanged(&js, deferred));

@@ -8,6 +8,7 @@
 #include "engine/planner.h"
 #include "glog/logging.h"
 #include "infra/proto_text.h"
+#include "infra/redundancy.h"
 #include "infra/rpc.h"
 #include "infra/status_macros.h"
 #include "server/planner/service.h"
@@ -145,7 +146,11 @@ std::optional<grpc::Status> PlannerService::RegisterOnJob(JobState& js, const Re
         ResolvePendingHashes(&js, deferred);
       }
       NotifyWatchers(&js, deferred);
-      MaybePlan(job.job_id(), &js);
+      // The registration that completes a job whose nodes do not fit its redundancy fails it,
+      // and is answered why.
+      if (absl::Status planned = MaybePlan(job.job_id(), &js, deferred); !planned.ok()) {
+        result = ToGrpcStatus(planned);
+      }
     }
   }
   *job_out = Summary(job);
@@ -207,11 +212,26 @@ void PlannerService::ResolvePendingHashes(JobState* js, Deferred* deferred) {
   js->pending_hash.clear();
 }
 
-void PlannerService::MaybePlan(const std::string& job_id, JobState* js) {
-  if (js->planning || js->plan || js->job.status() != v1::JOB_REGISTERING || !js->inventory) return;
-  if (js->job.registered_ranks() < js->job.world_size()) return;
+absl::Status PlannerService::MaybePlan(const std::string& job_id, JobState* js,
+                                       Deferred* deferred) {
+  if (js->planning || js->plan || js->job.status() != v1::JOB_REGISTERING || !js->inventory) {
+    return absl::OkStatus();
+  }
+  if (js->job.registered_ranks() < js->job.world_size()) return absl::OkStatus();
+  // Every rank is registered, so the job's nodes are known: they must fit its redundancy.
+  // CreateJob accepted the spelling, so it parses; a stored job of an older planner has none.
+  const auto redundancy = ParseRedundancy("options.redundancy", js->job.options().redundancy());
+  if (redundancy.ok()) {
+    const int64_t nodes = JobNodes(js).node_ids_size();
+    if (absl::Status fits = CheckRedundancyNodes(*redundancy, nodes); !fits.ok()) {
+      const std::string error = absl::StrCat("job '", job_id, "': ", fits.message());
+      FailJob(js, error, deferred);
+      return absl::FailedPreconditionError(error);
+    }
+  }
   js->planning = true;
   executor_.Submit([this, job_id] { ComputePlan(job_id); });
+  return absl::OkStatus();
 }
 
 bool PlannerService::PlanInputs(JobState& js, Inventory* inventory, PlanOptions* options,

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "engine/planner.h"
 #include "engine/strategy.h"
+#include "infra/redundancy.h"
 #include "infra/status_macros.h"
 
 namespace ragshard::planner {
@@ -108,6 +109,30 @@ absl::Status ValidateCreateJob(const v1::CreateJobRequest& req, const ServiceLim
     return Bad("options.recovery_deadline_ms",
                absl::StrCat("must be in [0, ", limits.max_recovery_deadline_ms, "], got ",
                             o.recovery_deadline_ms()));
+  }
+  return ValidateRedundancy(o, shard * rep);
+}
+
+absl::Status ValidateRedundancy(const v1::JobOptions& o, int64_t world_size) {
+  RAGSHARD_ASSIGN_OR_RETURN(const Redundancy r,
+                            ParseRedundancy("options.redundancy", o.redundancy()));
+  if (!r.enabled()) return absl::OkStatus();
+  if (o.recovery_deadline_ms() <= 0) {
+    return Bad("options.redundancy",
+               absl::StrCat("'", o.redundancy(),
+                            "' needs options.recovery_deadline_ms > 0 (a lost node is rebuilt on "
+                            "a replacement daemon within the recovery deadline)"));
+  }
+  // Every node holds at least one rank: fewer ranks than nodes needed is certain to be refused.
+  if (world_size < r.min_nodes()) {
+    return Bad("options.redundancy",
+               r.kind == Redundancy::Kind::kParity
+                   ? absl::StrCat("'", o.redundancy(), "' needs at least K + 1 = ", r.min_nodes(),
+                                  " nodes (K = ", r.k, "), but the job's world size is ",
+                                  world_size, ": fewer ranks than nodes")
+                   : absl::StrCat("'", o.redundancy(),
+                                  "' needs at least 2 nodes, but the job's world size is ",
+                                  world_size, ": fewer ranks than nodes"));
   }
   return absl::OkStatus();
 }
@@ -282,6 +307,14 @@ absl::Status ValidateReportRecovered(const v1::ReportRecoveredRequest& req,
   RAGSHARD_RETURN_IF_ERROR(ValidateId("node_id", req.node_id(), limits.max_id_length));
   if (req.epoch() < 1) {
     return Bad("epoch", absl::StrCat("must be >= 1 (a recovery's epoch), got ", req.epoch()));
+  }
+  if (req.rebuilt_bytes() < 0) {
+    return Bad("rebuilt_bytes", absl::StrCat("must not be negative, got ", req.rebuilt_bytes()));
+  }
+  if (req.rebuilt_bytes() > 0 && !req.replacement()) {
+    return Bad("rebuilt_bytes",
+               absl::StrCat("must be 0 from a node that kept its state (replacement false), got ",
+                            req.rebuilt_bytes()));
   }
   return absl::OkStatus();
 }

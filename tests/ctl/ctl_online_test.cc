@@ -187,6 +187,78 @@ TEST_F(CtlOnlineTest, ShowsARecoveryInPlace) {
   EXPECT_THAT(Ctl("jobs").out, HasSubstr("1 recovery, "));
 }
 
+TEST_F(CtlOnlineTest, CreatesARedundantJobAndShowsItsRebuilds) {
+  Result bad = Ctl("job create r --shard 2 --recovery-deadline 60 --redundancy raid5");
+  EXPECT_EQ(bad.code, 2);
+  EXPECT_THAT(bad.err, HasSubstr("--redundancy: 'raid5' is not a redundancy: use none, replica or "
+                                 "parity:K (K in [1, 16])"));
+  EXPECT_EQ(Ctl("job create r --shard 2 --recovery-deadline 60 --redundancy parity:17").code, 2);
+  Result no_deadline = Ctl("job create r --shard 2 --redundancy replica");
+  EXPECT_EQ(no_deadline.code, 2);
+  EXPECT_THAT(no_deadline.err, HasSubstr("--redundancy replica needs --recovery-deadline SECONDS"));
+  Result few = Ctl("job create r --shard 2 --recovery-deadline 60 --redundancy parity:2");
+  EXPECT_EQ(few.code, 2);
+  EXPECT_THAT(few.err, HasSubstr("'parity:2' needs at least K + 1 = 3 nodes (K = 2), but the "
+                                 "job's world size is 2"));
+  Result created = Ctl("job create r --shard 2 --recovery-deadline 60 --redundancy replica");
+  ASSERT_EQ(created.code, 0) << created.err;
+  PlannerClientOptions o;
+  o.address = p_.address;
+  o.security.token_file = p_.token_file;
+  auto client = std::move(*GrpcPlannerClient::Create(o));
+  EXPECT_EQ(client->GetJob("r")->options().redundancy(), "replica");
+  auto inv = ParseInventoryJson(R"({"units": [{"name": "layers.0", "tensors": [
+      {"name": "w", "shape": [512, 64], "dtype": "bf16"}]}]})");
+  for (int r = 0; r < 2; ++r) {
+    v1::RegisterRankRequest req;
+    req.set_job_id("r");
+    req.set_rank(r);
+    req.set_node_id(r == 0 ? "node-a" : "node-b");
+    *req.mutable_inventory() = *inv;
+    ASSERT_TRUE(client->RegisterRank(req).ok());
+  }
+  ASSERT_TRUE(client->WaitForPlan("r", 10s).ok());
+  Result show = Ctl("job show r");
+  ASSERT_EQ(show.code, 0) << show.err;
+  EXPECT_THAT(show.out, HasSubstr("redundancy:   replica (each node's state copied"));
+  EXPECT_THAT(show.out, HasSubstr("rebuilds:     0 (0 bytes)\n"));
+  EXPECT_THAT(Ctl("jobs").out, HasSubstr("replica"));
+
+  // node-a's daemon reports its peer lost; node-b's replacement rebuilds it and reports first.
+  v1::ReportFailureRequest report;
+  report.set_job_id("r");
+  report.set_reporter_node_id("node-a");
+  report.set_lost_peer("node-b");
+  report.set_message("peer node 'node-b' closed the connection");
+  report.set_recoverable(true);
+  ASSERT_EQ(client->ReportFailure(report)->recovery_epoch(), 1);
+  v1::ReportRecoveredRequest recovered;
+  recovered.set_job_id("r");
+  recovered.set_node_id("node-b");
+  recovered.set_epoch(1);
+  recovered.set_replacement(true);
+  recovered.set_rebuilt_bytes(4096);
+  ASSERT_EQ(client->ReportRecovered(recovered)->status(), v1::JOB_RECOVERING);
+  EXPECT_THAT(Ctl("jobs").out, HasSubstr("rebuilding node 'node-b' on a replacement daemon"));
+  show = Ctl("job show r");
+  EXPECT_THAT(show.out, HasSubstr("lost node:    rebuilding node 'node-b' on a replacement daemon "
+                                  "(4096 bytes rebuilt)"));
+  Result why = Ctl("job why r");
+  ASSERT_EQ(why.code, 0) << why.err;
+  EXPECT_THAT(why.out, HasSubstr("redundancy:   replica"));
+  EXPECT_THAT(why.out, HasSubstr("lost node:    rebuilding node 'node-b' on a replacement daemon"));
+
+  recovered.set_node_id("node-a");
+  recovered.set_replacement(false);
+  recovered.set_rebuilt_bytes(0);
+  ASSERT_EQ(client->ReportRecovered(recovered)->status(), v1::JOB_READY);
+  show = Ctl("job show r");
+  EXPECT_THAT(show.out, HasSubstr("status:       READY"));
+  EXPECT_THAT(show.out, HasSubstr("rebuilds:     1 (4096 bytes)\n"));
+  EXPECT_THAT(Ctl("job why r").out, HasSubstr("rebuilds:     1 (4096 bytes)\n"));
+  EXPECT_THAT(Ctl("jobs").out, HasSubstr("replica, rebuilds: 1 (4096 bytes); 1 recovery, "));
+}
+
 TEST_F(CtlOnlineTest, UnreachablePlannerIsOneLineAndExitCodeOne) {
   const std::string out = dir_.path() + "/o", err = dir_.path() + "/e";
   int status = std::system((std::string(RAGSHARDCTL_PATH) +

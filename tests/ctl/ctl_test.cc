@@ -305,6 +305,54 @@ TEST(CtlRecoveryTest, ARecoveryReadsAsLostRecoveredRejoiningAndTheDeadline) {
   EXPECT_EQ(RecoveryLines(job, {}, 0), "");
 }
 
+TEST(CtlRecoveryTest, ARedundantJobShowsItsRedundancyTheNodeBeingRebuiltAndItsRebuilds) {
+  v1::Job job;
+  job.set_status(v1::JOB_RECOVERING);
+  job.mutable_options()->set_redundancy("parity:2");
+  v1::JobRecovery& r = *job.mutable_recovery();
+  r.set_epoch(1);
+  r.set_lost("node 'n1' lost (no heartbeat for 5000 ms)");
+  r.set_lost_node_id("n1");
+  r.set_started_unix_ms(10'000);
+  r.set_deadline_unix_ms(130'000);
+  r.add_recovered_node_ids("n0");
+  EXPECT_EQ(RedundancyNote(job), "parity:2");
+  EXPECT_EQ(RedundancyLines(job),
+            "redundancy:   parity:2 (nodes in groups of 3, each node's state covered by parity on "
+            "the others of its group; a lost node is rebuilt on a replacement daemon)\n"
+            "rebuilds:     0 (0 bytes)\n");
+  EXPECT_EQ(RecoveryNote(job, 40'000),
+            "epoch 1, rebuilding node 'n1' on a replacement daemon, 1 node(s) recovered, 90.0 s "
+            "left");
+  const std::string lines = RecoveryLines(job, {"n0", "n1", "n2"}, 40'000);
+  EXPECT_THAT(lines, HasSubstr("lost:         node 'n1' lost (no heartbeat for 5000 ms)\n"
+                               "lost node:    rebuilding node 'n1' on a replacement daemon\n"));
+  EXPECT_THAT(lines, HasSubstr("rejoining:    n1, n2"));
+  r.set_rebuilt_bytes(4096);
+  EXPECT_THAT(RecoveryLines(job, {"n0", "n1"}, 40'000),
+              HasSubstr("lost node:    rebuilding node 'n1' on a replacement daemon (4096 bytes "
+                        "rebuilt)\n"));
+
+  job.set_status(v1::JOB_READY);
+  job.set_recoveries(1);
+  job.set_recovery_seconds(3);
+  job.set_rebuilds(1);
+  job.set_rebuilt_bytes(4096);
+  job.mutable_options()->set_redundancy("replica");
+  EXPECT_EQ(RedundancyNote(job), "replica, rebuilds: 1 (4096 bytes)");
+  EXPECT_EQ(RedundancyLines(job),
+            "redundancy:   replica (each node's state copied on another node; a lost node is "
+            "rebuilt on a replacement daemon)\nrebuilds:     1 (4096 bytes)\n");
+  EXPECT_THAT(RecoveryLines(job, {}, 0), HasSubstr("recoveries:   1 recovery, 3.0 s lost"));
+  // A job without redundancy shows none of it.
+  job.clear_options();
+  job.set_rebuilds(0);
+  EXPECT_EQ(RedundancyNote(job), "");
+  EXPECT_EQ(RedundancyLines(job), "");
+  job.mutable_options()->set_redundancy("none");
+  EXPECT_EQ(RedundancyLines(job), "");
+}
+
 TEST(CtlRecoveryTest, TheRanksJournalsNameTheStepBeingRedoneAndWhoIsNotBack) {
   v1::RankProgress a, b, c;
   a.set_committed_step(6);

@@ -1,0 +1,38 @@
+// A job's redundancy across nodes (planner.proto JobOptions.redundancy; docs/recovery.md, "A
+// lost node"), parsed and checked as the planner, the daemon and ragshardctl all do.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace ragshard {
+
+// The most K of "parity:K".
+inline constexpr int kMaxParityK = 16;
+
+struct Redundancy {
+  enum class Kind { kNone, kParity, kReplica };
+  Kind kind = Kind::kNone;
+  int k = 0;  // parity:K's K; 0 for the others
+
+  bool enabled() const { return kind != Kind::kNone; }
+  // The fewest nodes a job of this redundancy runs on: K + 1 (parity:K), 2 (replica), 1 (none).
+  int64_t min_nodes() const;
+  // Its canonical spelling: "none", "parity:K" or "replica".
+  std::string name() const;
+};
+
+// "" or "none" (none), "parity:K" with 1 <= K <= kMaxParityK, or "replica". Anything else is
+// INVALID_ARGUMENT naming `field` and the value.
+absl::StatusOr<Redundancy> ParseRedundancy(absl::string_view field, absl::string_view value);
+
+// Whether a job of redundancy `r` can run on `nodes` nodes: parity:K needs a positive multiple
+// of K + 1 (its groups), replica at least 2. FAILED_PRECONDITION naming the redundancy, the node
+// count and what it needs; OK for none.
+absl::Status CheckRedundancyNodes(const Redundancy& r, int64_t nodes);
+
+}  // namespace ragshard
