@@ -116,6 +116,10 @@ def parse():
                         "in step STEP (1-based) at PHASE (forward, backward, step: inside the "
                         "optimizer's update, between: after zero_grad), once: only while the "
                         "file MARK does not exist (it is created first); repeatable")
+    p.add_argument("--hold-at", action="append", default=[], metavar="RANK:STEP:PHASE:MARK",
+                   help="as --kill-at, but the rank writes its pid into MARK and waits there "
+                        "until something kills it (a test that kills a whole node: its daemon "
+                        "and its ranks); repeatable")
     a = p.parse_args()
     tiny_optim.check_arguments(p, a)
     try:
@@ -225,7 +229,7 @@ def sharded(args, model, chain):
     # process goes on from the last step every rank completed; its data is seeded per step.
     first = fsdp.resume_step
     ckpt = {"save_seconds": [], "load_seconds": 0.0}
-    kill = Kill(args.kill_at, env.rank)
+    kill = Kill(args.kill_at, env.rank, args.hold_at)
     if args.load_state:
         fsdp.load_state_dict(torch.load(args.load_state))
     if args.resume:
@@ -349,15 +353,18 @@ class Kill:
     """--kill-at (repeatable): this rank's SIGKILL at points of its steps, each once (while its
     mark file does not exist)."""
 
-    def __init__(self, specs, rank):
+    def __init__(self, specs, rank, holds=()):
         self.points = {}  # (0-based step, phase) -> mark file
-        for spec in specs:
+        self.holds = set()  # the points of --hold-at
+        for spec, hold in [(s, False) for s in specs] + [(s, True) for s in holds]:
             r, step, phase, mark = spec.split(":", 3)
             if phase not in ("forward", "backward", "step", "between"):
                 raise SystemExit(f"--kill-at: phase '{phase}' is not one of forward, backward, "
                                  "step, between")
             if int(r) == rank:
                 self.points[(int(step) - 1, phase)] = mark
+                if hold:
+                    self.holds.add((int(step) - 1, phase))
 
     def armed(self, step, phase):
         mark = self.points.get((step, phase))
@@ -365,6 +372,12 @@ class Kill:
 
     def at(self, step, phase):
         if self.armed(step, phase):
+            if (step, phase) in self.holds:
+                with open(self.points[(step, phase)] + ".tmp", "w") as f:
+                    f.write(str(os.getpid()))
+                os.replace(self.points[(step, phase)] + ".tmp", self.points[(step, phase)])
+                while True:  # until the test kills this process (and its node's daemon)
+                    time.sleep(3600)
             open(self.points[(step, phase)], "w").close()
             os.kill(os.getpid(), signal.SIGKILL)
 

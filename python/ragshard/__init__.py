@@ -171,9 +171,10 @@ def _daemon_wait_s():
 
 
 def _await_daemon(path, wait_s):
-    """Until the daemon at Unix socket `path` accepts a connection, for at most `wait_s` seconds
-    (a restarted rank of a lost node whose replacement daemon is still starting;
-    docs/recovery.md). Returns at once where it accepts, or where there is nothing to wait for."""
+    """Until the daemon at Unix socket `path` accepts a connection and its side channel
+    (`path`.fd, which a daemon makes last) is there, for at most `wait_s` seconds (a restarted
+    rank of a lost node whose replacement daemon is still starting; docs/recovery.md). Returns at
+    once where the daemon is up, or where there is nothing to wait for."""
     import socket as _socket
     if wait_s <= 0 or not path:
         return
@@ -182,13 +183,16 @@ def _await_daemon(path, wait_s):
         s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
         try:
             s.connect(path)
-            return
-        except OSError as e:
-            if time.monotonic() >= deadline:
-                raise Error(f"UNAVAILABLE: no daemon at {path} after waiting {wait_s:g} s "
-                            f"(RAGSHARD_DAEMON_WAIT_S): {e}") from None
+            if os.path.exists(path + ".fd"):
+                return
+            e = "its side channel is not there yet"
+        except OSError as err:
+            e = err
         finally:
             s.close()
+        if time.monotonic() >= deadline:
+            raise Error(f"UNAVAILABLE: no daemon at {path} after waiting {wait_s:g} s "
+                        f"(RAGSHARD_DAEMON_WAIT_S): {e}")
         time.sleep(0.05)
 
 

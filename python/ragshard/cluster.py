@@ -71,6 +71,7 @@ class LocalCluster:
         self._own_dir = workdir is None
         self.dir = workdir or tempfile.mkdtemp(prefix="ragshard-")
         self.procs = []
+        self._daemons = {}  # index -> its process (the latest, after start_daemon)
         self.planner = None
         self.sockets = [os.path.join(self.dir, f"d{i}.sock") for i in range(daemons)]
         self.nodes = [f"node-{i}" for i in range(daemons)]
@@ -200,17 +201,33 @@ class LocalCluster:
         if self.default_token:
             self._saved_token_env = (os.environ.get("RAGSHARD_TOKEN_FILE"),)
         os.environ["RAGSHARD_TOKEN_FILE"] = self.token_file
-        metrics = ["--metrics-listen", "127.0.0.1:0"] if self.metrics else []
         for i in range(self.n):
-            d = self._spawn([self._bin("server/ragshardd"), "--planner", self.planner,
-                             "--node-id", self.nodes[i], "--socket", self.sockets[i],
-                             "--pool-bytes", str(self.pool_bytes), "--backend", self.backend] +
-                            metrics, f"daemon{i}")
-            self._wait_for(self.sockets[i] + ".fd", d, f"ragshardd {self.nodes[i]}", f"daemon{i}")
-            if self.metrics:
-                self.metrics_urls[self.nodes[i]] = self._wait_metrics_url(
-                    d, f"ragshardd {self.nodes[i]}", f"daemon{i}")
+            self.start_daemon(i)
         return self
+
+    def start_daemon(self, i, log_suffix=""):
+        """Starts daemon `i` (node id and socket as at start): at start, and as the replacement
+        of a daemon kill_daemon stopped (docs/recovery.md, "A lost node")."""
+        metrics = ["--metrics-listen", "127.0.0.1:0"] if self.metrics else []
+        name = f"daemon{i}{log_suffix}"
+        for stale in (self.sockets[i] + ".fd",):
+            if os.path.exists(stale):
+                os.unlink(stale)
+        d = self._spawn([self._bin("server/ragshardd"), "--planner", self.planner,
+                         "--node-id", self.nodes[i], "--socket", self.sockets[i],
+                         "--pool-bytes", str(self.pool_bytes), "--backend", self.backend] +
+                        metrics, name)
+        self._daemons[i] = d
+        self._wait_for(self.sockets[i] + ".fd", d, f"ragshardd {self.nodes[i]}", name)
+        if self.metrics:
+            self.metrics_urls[self.nodes[i]] = self._wait_metrics_url(
+                d, f"ragshardd {self.nodes[i]}", name)
+        return d
+
+    def kill_daemon(self, i):
+        """kill -9 of daemon `i` (its pool is lost with it)."""
+        self._daemons[i].kill()
+        self._daemons[i].wait()
 
     def stop(self):
         for p in reversed(self.procs):

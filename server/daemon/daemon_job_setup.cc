@@ -81,9 +81,10 @@ absl::StatusOr<std::shared_ptr<JobRuntime>> NodeDaemon::SetUpJob(const std::stri
     return absl::FailedPreconditionError(
         absl::StrCat("job '", job_id, "' has no ranks on node '", options_.node_id, "'"));
   }
-  auto scheme = ParseRedundancy(job->options().redundancy());
-  if (!scheme.ok()) return scheme.status();
-  RAGSHARD_RETURN_IF_ERROR(CheckRedundancyNodes(*scheme, static_cast<int>(nodes.size())));
+  auto redundancy = ParseRedundancy("redundancy", job->options().redundancy());
+  if (!redundancy.ok()) return redundancy.status();
+  RAGSHARD_RETURN_IF_ERROR(CheckRedundancyNodes(*redundancy, static_cast<int64_t>(nodes.size())));
+  const RedundancyScheme scheme = SchemeOf(*redundancy);
   int me = 0;
   for (size_t i = 0; i < nodes.size(); ++i) {
     if (nodes[i] == options_.node_id) me = static_cast<int>(i);
@@ -92,7 +93,7 @@ absl::StatusOr<std::shared_ptr<JobRuntime>> NodeDaemon::SetUpJob(const std::stri
   // other nodes noticed that this node's daemon was lost), replaces the lost one: its ranks'
   // state is rebuilt from the job's redundancy.
   bool replacement = false;
-  if (scheme->enabled()) {
+  if (scheme.enabled()) {
     auto recovering = AwaitReplacementEpoch(*job, deadline);
     if (!recovering.ok()) return recovering.status();
     replacement = recovering->has_value();
@@ -137,8 +138,8 @@ absl::StatusOr<std::shared_ptr<JobRuntime>> NodeDaemon::SetUpJob(const std::stri
     runtime->EnableRecovery(job->recovery_epoch(),
                             absl::Milliseconds(job->options().recovery_deadline_ms()),
                             std::move(reconnect), relay_ptr);
-    if (scheme->enabled()) {
-      runtime->EnableRedundancy(*scheme, job->options().redundancy(), me, nodes, replacement,
+    if (scheme.enabled()) {
+      runtime->EnableRedundancy(scheme, job->options().redundancy(), me, nodes, replacement,
                                 pool_.get());
     }
   }

@@ -156,6 +156,9 @@ void JobRuntime::LocalRankLeft(int local, int64_t rank, uint64_t generation, boo
 }
 
 std::string JobRuntime::Describe(const Op& op) const {
+  if (op.kind == v1::OP_PROTECT || op.kind == v1::OP_REBUILD) {
+    return absl::StrCat(v1::OpKind_Name(op.kind), " (the ranks' state across nodes)");
+  }
   const std::string name =
       op.unit >= 0 && op.unit < plan_.units_size() ? plan_.units(op.unit).unit() : "";
   return absl::StrCat(v1::OpKind_Name(op.kind), " of unit ", op.unit,

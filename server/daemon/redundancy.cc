@@ -19,7 +19,6 @@ namespace ragshard::daemon {
 
 namespace {
 
-constexpr int kMaxK = 16;
 constexpr char kDirectoryMagic[] = "ragshard-state 1\n";
 
 // The stamps of a redundancy operation's messages: unit field 0xFF00 + phase (no unit of a plan
@@ -108,37 +107,11 @@ absl::StatusOr<std::vector<std::pair<std::string, std::pair<int64_t, int64_t>>>>
 
 }  // namespace
 
-absl::StatusOr<RedundancyScheme> ParseRedundancy(const std::string& text) {
+RedundancyScheme SchemeOf(const Redundancy& redundancy) {
   RedundancyScheme s;
-  if (text.empty() || text == "none") return s;
-  if (text == "replica") {
-    s.k = 1;
-    s.replica = true;
-    return s;
-  }
-  int k = 0;
-  if (absl::StartsWith(text, "parity:") && absl::SimpleAtoi(text.substr(7), &k) && k >= 1 &&
-      k <= kMaxK) {
-    s.k = k;
-    return s;
-  }
-  return absl::InvalidArgumentError(absl::StrCat("redundancy: '", text,
-                                                 "' is not none, replica or parity:K with K in "
-                                                 "[1, ",
-                                                 kMaxK, "]"));
-}
-
-absl::Status CheckRedundancyNodes(const RedundancyScheme& scheme, int nodes) {
-  if (!scheme.enabled()) return absl::OkStatus();
-  if (scheme.replica) {
-    if (nodes >= 2) return absl::OkStatus();
-    return absl::FailedPreconditionError(
-        absl::StrCat("redundancy replica needs at least 2 nodes; the job has ", nodes));
-  }
-  if (nodes >= scheme.k + 1 && nodes % (scheme.k + 1) == 0) return absl::OkStatus();
-  return absl::FailedPreconditionError(
-      absl::StrCat("redundancy parity:", scheme.k, " needs nodes in groups of ", scheme.k + 1,
-                   " (a multiple of ", scheme.k + 1, "); the job has ", nodes));
+  s.replica = redundancy.kind == Redundancy::Kind::kReplica;
+  s.k = s.replica ? 1 : redundancy.k;
+  return s;
 }
 
 std::vector<ChunkRef> ParitySources(const RedundancyScheme& scheme, int nodes, int holder) {
@@ -315,16 +288,18 @@ absl::StatusOr<int64_t> NodeRedundancy::Rebuild(
     int64_t step, const PlaceSegment& place, absl::Time deadline, uint64_t seq) {
   const int k = scheme_.k;
   const size_t L = static_cast<size_t>(locals_);
-  // Each node's block: [replacement] then per local rank [blob bytes, has the step's parity,
-  // parity bytes, k source blob bytes, k source CRCs].
+  // Each node's block: [replacement, its pool's free bytes] then per local rank [blob bytes, has
+  // the step's parity, parity bytes, k source blob bytes, k source CRCs].
   const size_t per_local = 3 + 2 * static_cast<size_t>(k);
-  const size_t block = 1 + L * per_local;
+  const size_t block = 2 + L * per_local;
   std::vector<int64_t> blocks(static_cast<size_t>(nodes_) * block, 0);
   auto at = [&](int node, size_t l, size_t field) -> int64_t& {
-    return blocks[static_cast<size_t>(node) * block + 1 + l * per_local + field];
+    return blocks[static_cast<size_t>(node) * block + 2 + l * per_local + field];
   };
   std::vector<std::vector<char>> blobs(L);
+  const PoolStats pool = pool_->Stats();
   blocks[static_cast<size_t>(node_) * block] = replacement ? 1 : 0;
+  blocks[static_cast<size_t>(node_) * block + 1] = pool.capacity - pool.used;
   if (!replacement) {
     for (size_t l = 0; l < L; ++l) {
       auto mine = AsProtected(static_cast<int>(l), state[l], step);
@@ -348,7 +323,7 @@ absl::StatusOr<int64_t> NodeRedundancy::Rebuild(
   std::vector<bool> replaced(static_cast<size_t>(nodes_));
   std::vector<int> rebuilt_nodes;
   for (int n = 0; n < nodes_; ++n) {
-    replaced[n] = blocks[static_cast<size_t>(n) * block] != 0;
+    replaced[n] = blocks[static_cast<size_t>(n) * block] == 1;
     if (replaced[n]) rebuilt_nodes.push_back(n);
   }
   if (rebuilt_nodes.empty()) return 0;
@@ -397,6 +372,28 @@ absl::StatusOr<int64_t> NodeRedundancy::Rebuild(
               "step ", step, ": the parity node ", name(x), " kept cannot be rebuilt"));
         }
       }
+    }
+  }
+  for (int x : rebuilt_nodes) {
+    // What the replacement's pool must take: each rank's blob and its own parity. A smaller
+    // pool than the lost one's is refused up front, naming the bytes, on every node alike.
+    int64_t need = 0;
+    for (size_t l = 0; l < L; ++l) {
+      const int h = ParityHolder(scheme_, nodes_, x, 0);
+      const std::vector<ChunkRef> s = ParitySources(scheme_, nodes_, h);
+      for (size_t i = 0; i < s.size(); ++i) {
+        if (s[i].node == x && s[i].chunk == 0) need += at(h, l, 3 + i);
+      }
+      for (const ChunkRef& src : ParitySources(scheme_, nodes_, x)) {
+        need += ChunkBytes(at(src.node, l, 0), k);
+      }
+    }
+    const int64_t free_bytes = blocks[static_cast<size_t>(x) * block + 1];
+    if (need > free_bytes) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the replacement daemon of node ", name(x), " has ", free_bytes,
+          " bytes free in its pool; the lost node's ranks' state and parity need ", need,
+          ": start it with a larger --pool-bytes"));
     }
   }
   // The messages: to replacement x, index (1 + c) * L + l for what rebuilds its chunk c, and l

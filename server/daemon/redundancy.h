@@ -28,6 +28,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "infra/redundancy.h"
 #include "server/daemon/comm.h"
 #include "server/daemon/pool.h"
 
@@ -39,10 +40,8 @@ struct RedundancyScheme {
   bool enabled() const { return k > 0; }
 };
 
-// "" or "none", "replica", "parity:K" (1 <= K <= 16); INVALID_ARGUMENT names anything else.
-absl::StatusOr<RedundancyScheme> ParseRedundancy(const std::string& text);
-// FAILED_PRECONDITION where `nodes` cannot form the scheme's groups, naming what it needs.
-absl::Status CheckRedundancyNodes(const RedundancyScheme& scheme, int nodes);
+// The scheme of a job's JobOptions.redundancy (infra/redundancy.h parses and checks it).
+RedundancyScheme SchemeOf(const Redundancy& redundancy);
 
 // A chunk of a node's blob: which node, which of its chunks.
 struct ChunkRef {

@@ -18,30 +18,10 @@ namespace {
 
 using ::testing::HasSubstr;
 
-TEST(RedundancySchemeTest, ParsesAndRefusesByName) {
-  EXPECT_FALSE(ParseRedundancy("")->enabled());
-  EXPECT_FALSE(ParseRedundancy("none")->enabled());
-  EXPECT_EQ(ParseRedundancy("parity:2")->k, 2);
-  EXPECT_TRUE(ParseRedundancy("replica")->replica);
-  for (const char* bad : {"parity:0", "parity:17", "parity:", "raid5", "parity:2x"}) {
-    auto s = ParseRedundancy(bad);
-    ASSERT_FALSE(s.ok()) << bad;
-    EXPECT_THAT(s.status().message(), HasSubstr(absl::StrCat("'", bad, "'")));
-  }
-  EXPECT_THAT(CheckRedundancyNodes(*ParseRedundancy("parity:2"), 2).message(),
-              HasSubstr("groups of 3"));
-  EXPECT_THAT(CheckRedundancyNodes(*ParseRedundancy("parity:2"), 4).message(),
-              HasSubstr("the job has 4"));
-  EXPECT_TRUE(CheckRedundancyNodes(*ParseRedundancy("parity:2"), 6).ok());
-  EXPECT_THAT(CheckRedundancyNodes(*ParseRedundancy("replica"), 1).message(),
-              HasSubstr("at least 2"));
-  EXPECT_TRUE(CheckRedundancyNodes(*ParseRedundancy("replica"), 3).ok());
-}
-
 TEST(RedundancySchemeTest, EveryChunkHasOneHolderOnAnotherNode) {
   for (auto [text, nodes] : std::vector<std::pair<std::string, int>>{
            {"parity:1", 2}, {"parity:2", 3}, {"parity:2", 6}, {"parity:3", 8}, {"replica", 3}}) {
-    const RedundancyScheme s = *ParseRedundancy(text);
+    const RedundancyScheme s = SchemeOf(*ParseRedundancy("redundancy", text));
     std::map<std::pair<int, int>, int> held;  // (node, chunk) -> holders
     for (int h = 0; h < nodes; ++h) {
       const std::vector<ChunkRef> sources = ParitySources(s, nodes, h);
@@ -107,7 +87,7 @@ class RedundancyTest : public ::testing::TestWithParam<std::pair<std::string, in
     auto pool = Pool::Create(int64_t{64} << 20);
     ASSERT_TRUE(pool.ok());
     pool_ = std::move(*pool);
-    scheme_ = *ParseRedundancy(GetParam().first);
+    scheme_ = SchemeOf(*ParseRedundancy("redundancy", GetParam().first));
     nodes_ = GetParam().second;
     for (int n = 0; n < nodes_; ++n) names_.push_back(absl::StrCat("n", n));
     for (int n = 0; n < nodes_; ++n) {
@@ -128,9 +108,11 @@ class RedundancyTest : public ::testing::TestWithParam<std::pair<std::string, in
   // segments, and each node's result.
   std::vector<absl::StatusOr<int64_t>> RebuildAll(std::vector<NodeState>& states,
                                                   const std::vector<int>& lost, int64_t step,
-                                                  std::vector<NodeState>* placed) {
+                                                  std::vector<NodeState>* placed,
+                                                  Pool* replacement_pool = nullptr) {
     for (int x : lost) {
-      node_[x] = std::make_unique<NodeRedundancy>(scheme_, x, names_, kLocals, pool_.get());
+      node_[x] = std::make_unique<NodeRedundancy>(
+          scheme_, x, names_, kLocals, replacement_pool ? replacement_pool : pool_.get());
     }
     placed->assign(static_cast<size_t>(nodes_), NodeState());
     for (NodeState& p : *placed) p.ranks.resize(kLocals);
@@ -213,6 +195,22 @@ TEST_P(RedundancyTest, TwoLostNodesOfOneGroupFailOnEveryNodeNamingBoth) {
     ASSERT_FALSE(results[n].ok()) << n;
     EXPECT_EQ(results[n].status().code(), absl::StatusCode::kFailedPrecondition);
     EXPECT_THAT(results[n].status().message(), HasSubstr("were both lost"));
+  }
+}
+
+TEST_P(RedundancyTest, AReplacementWithASmallerPoolIsRefusedOnEveryNodeNamingTheBytes) {
+  std::vector<NodeState> st;
+  for (int n = 0; n < nodes_; ++n) st.push_back(MakeState(n, kLocals, 8));
+  ProtectAll(st, 1, 1);
+  auto small = Pool::Create(4096);
+  ASSERT_TRUE(small.ok());
+  std::vector<NodeState> placed;
+  auto results = RebuildAll(st, {1}, 1, &placed, small->get());
+  for (int n = 0; n < nodes_; ++n) {
+    ASSERT_FALSE(results[n].ok()) << n;
+    EXPECT_EQ(results[n].status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_THAT(results[n].status().message(), HasSubstr("4096 bytes free in its pool"));
+    EXPECT_THAT(results[n].status().message(), HasSubstr("larger --pool-bytes"));
   }
 }
 
