@@ -358,7 +358,9 @@ int rs_client_stats(rs_client* c, const char** out) {
   for (const auto& j : s->jobs()) {
     if (j.job_id() == c->client->job_id()) {
       absl::StrAppend(&json, ", \"staging_bytes\": ", j.staging_bytes(),
-                      ", \"operations\": ", j.operations(), ", \"unit_operations\": [");
+                      ", \"operations\": ", j.operations(),
+                      ", \"protected_bytes\": ", j.protected_bytes(),
+                      ", \"parity_bytes\": ", j.parity_bytes(), ", \"unit_operations\": [");
       for (int i = 0; i < j.unit_operations_size(); ++i) {
         const auto& u = j.unit_operations(i);
         absl::StrAppend(&json, i ? ", " : "", "{\"unit\": ", u.unit_index(), ", \"kind\": \"",

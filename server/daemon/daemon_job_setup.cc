@@ -151,7 +151,7 @@ absl::StatusOr<std::shared_ptr<JobRuntime>> NodeDaemon::SetUpJob(const std::stri
 }
 
 absl::StatusOr<std::optional<v1::Job>> NodeDaemon::AwaitReplacementEpoch(const v1::Job& job,
-                                                                        absl::Time deadline) {
+                                                                         absl::Time deadline) {
   auto key = [&](int64_t epoch) {
     return epoch > 0 ? absl::StrCat("data/epoch-", epoch, "/", options_.node_id)
                      : absl::StrCat("data/", options_.node_id);
@@ -159,8 +159,8 @@ absl::StatusOr<std::optional<v1::Job>> NodeDaemon::AwaitReplacementEpoch(const v
   if (job.status() != v1::JOB_RECOVERING) {
     // This node's data address in the job's epoch: published by a daemon of this node before,
     // so this one replaces it (else it is the node's first setup).
-    auto before = planner_->Get(job.job_id(), key(job.recovery_epoch()),
-                                std::chrono::milliseconds(1));
+    auto before =
+        planner_->Get(job.job_id(), key(job.recovery_epoch()), std::chrono::milliseconds(1));
     if (!before.ok()) return std::optional<v1::Job>();
   }
   // Until the job recovers in an epoch this node has not published in: the other nodes notice
@@ -169,8 +169,8 @@ absl::StatusOr<std::optional<v1::Job>> NodeDaemon::AwaitReplacementEpoch(const v
     auto now = planner_->GetJob(job.job_id());
     if (!now.ok()) return now.status();
     if (now->status() == v1::JOB_RECOVERING) {
-      auto published = planner_->Get(job.job_id(), key(now->recovery_epoch()),
-                                     std::chrono::milliseconds(1));
+      auto published =
+          planner_->Get(job.job_id(), key(now->recovery_epoch()), std::chrono::milliseconds(1));
       if (!published.ok()) return std::optional<v1::Job>(*now);
     } else if (now->status() != v1::JOB_READY && now->status() != v1::JOB_REGISTERING) {
       return absl::FailedPreconditionError(

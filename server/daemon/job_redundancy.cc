@@ -37,9 +37,9 @@ absl::StatusOr<int64_t> JobRuntime::LocalStep(int field, const char* what) const
     JournalSteps(local_ranks_[l], &p);
     const int64_t s = field == 0 ? p.committed_step() : p.begun_step();
     if (s < 0) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          what, ": rank ", local_ranks_[l], " of job '", job_id_,
-          "' has no step journal (state buffer 'journal/meta'; docs/recovery.md)"));
+      return absl::FailedPreconditionError(
+          absl::StrCat(what, ": rank ", local_ranks_[l], " of job '", job_id_,
+                       "' has no step journal (state buffer 'journal/meta'; docs/recovery.md)"));
     }
     if (l > 0 && s != step) {
       return absl::FailedPreconditionError(
@@ -59,9 +59,10 @@ absl::StatusOr<std::vector<std::vector<StateSegment>>> JobRuntime::ProtectedStat
       int64_t bytes = 0;
       char* data = dp_->HostParamShard(u, static_cast<int>(l), &bytes);
       if (data == nullptr) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "redundancy: the ", dp_->name(), " backend keeps parameter shards outside the host "
-            "pool; redundancy needs a host backend (docs/recovery.md)"));
+        return absl::FailedPreconditionError(
+            absl::StrCat("redundancy: the ", dp_->name(),
+                         " backend keeps parameter shards outside the host "
+                         "pool; redundancy needs a host backend (docs/recovery.md)"));
       }
       out[l].push_back({absl::StrCat(kShardPrefix, u), data, bytes});
     }
@@ -75,9 +76,8 @@ absl::StatusOr<std::vector<std::vector<StateSegment>>> JobRuntime::ProtectedStat
 
 absl::Status JobRuntime::Protect(const Op& op) {
   if (redundancy_ == nullptr || comm_ == nullptr) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("OP_PROTECT: job '", job_id_,
-                     "' has no redundancy across nodes (JobOptions.redundancy)"));
+    return absl::FailedPreconditionError(absl::StrCat(
+        "OP_PROTECT: job '", job_id_, "' has no redundancy across nodes (JobOptions.redundancy)"));
   }
   std::vector<std::vector<StateSegment>> state;
   int64_t step = 0;
@@ -93,9 +93,8 @@ absl::Status JobRuntime::Protect(const Op& op) {
 
 absl::Status JobRuntime::Rebuild(const Op& op) {
   if (redundancy_ == nullptr || comm_ == nullptr) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("OP_REBUILD: job '", job_id_,
-                     "' has no redundancy across nodes (JobOptions.redundancy)"));
+    return absl::FailedPreconditionError(absl::StrCat(
+        "OP_REBUILD: job '", job_id_, "' has no redundancy across nodes (JobOptions.redundancy)"));
   }
   std::vector<std::vector<StateSegment>> state;
   int64_t step = 0;
@@ -118,8 +117,8 @@ absl::Status JobRuntime::Rebuild(const Op& op) {
     if (absl::StartsWith(name, kShardPrefix) &&
         absl::SimpleAtoi(name.substr(sizeof(kShardPrefix) - 1), &unit)) {
       int64_t have = 0;
-      char* data = unit >= 0 && unit < dp_->units() ? dp_->HostParamShard(unit, local, &have)
-                                                    : nullptr;
+      char* data =
+          unit >= 0 && unit < dp_->units() ? dp_->HostParamShard(unit, local, &have) : nullptr;
       if (data == nullptr || have != bytes) {
         return absl::DataLossError(absl::StrCat(
             "the rebuilt state holds ", bytes, " bytes for the parameter shard of unit ", unit,
@@ -138,8 +137,8 @@ absl::Status JobRuntime::Rebuild(const Op& op) {
     // deadline are the recovery's own failures, handled as every operation's).
     if (!absl::IsUnavailable(s) && !absl::IsDeadlineExceeded(s) && !absl::IsAborted(s)) {
       const absl::Status named = absl::Status(
-          s.code(), absl::StrCat("rebuilding job '", job_id_, "' from its redundancy: ",
-                                 s.message()));
+          s.code(),
+          absl::StrCat("rebuilding job '", job_id_, "' from its redundancy: ", s.message()));
       Report(named);
       Fail(named);
       return named;

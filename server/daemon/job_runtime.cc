@@ -59,6 +59,10 @@ void JobRuntime::FillStats(v1::JobStats* out) {
   out->set_replicas(dp_->replicas());
   out->set_staging_bytes(staging_bytes_);
   out->set_operations(operations_);
+  if (redundancy_ != nullptr) {
+    out->set_protected_bytes(redundancy_->protected_bytes());
+    out->set_parity_bytes(redundancy_->parity_bytes());
+  }
   for (const auto& [key, count] : unit_operations_) {
     v1::UnitOperations* u = out->add_unit_operations();
     u->set_unit_index(key.first);

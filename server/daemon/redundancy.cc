@@ -6,8 +6,8 @@
 #include <cstring>
 #include <utility>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -46,8 +46,7 @@ void XorInto(char* dst, const char* src, int64_t bytes) {
 }
 
 uint32_t Crc(const char* data, int64_t bytes) {
-  return static_cast<uint32_t>(crc32_z(crc32(0L, Z_NULL, 0),
-                                       reinterpret_cast<const Bytef*>(data),
+  return static_cast<uint32_t>(crc32_z(crc32(0L, Z_NULL, 0), reinterpret_cast<const Bytef*>(data),
                                        static_cast<z_size_t>(bytes)));
 }
 
@@ -86,14 +85,16 @@ absl::StatusOr<std::vector<std::pair<std::string, std::pair<int64_t, int64_t>>>>
     return absl::DataLossError("the rebuilt state does not start with its directory");
   }
   const char* text = blob.data() + magic.size();
-  const char* end = static_cast<const char*>(
-      std::memchr(text, '\0', static_cast<size_t>(blob_bytes) - magic.size()));
-  if (end == nullptr) return absl::DataLossError("the rebuilt state's directory has no end");
+  const char* end = std::find(text, blob.data() + blob_bytes, '\0');
+  if (end == blob.data() + blob_bytes) {
+    return absl::DataLossError("the rebuilt state's directory has no end");
+  }
   std::vector<std::pair<std::string, std::pair<int64_t, int64_t>>> out;
   int64_t at = (static_cast<int64_t>(end - blob.data()) + 63) / 64 * 64;
   for (absl::string_view line : absl::StrSplit(absl::string_view(text, end - text), '\n')) {
     if (line.empty()) continue;
-    std::pair<absl::string_view, absl::string_view> f = absl::StrSplit(line, absl::MaxSplits(' ', 1));
+    std::pair<absl::string_view, absl::string_view> f =
+        absl::StrSplit(line, absl::MaxSplits(' ', 1));
     int64_t bytes = 0;
     if (!absl::SimpleAtoi(f.first, &bytes) || bytes < 0 || at + bytes > blob_bytes) {
       return absl::DataLossError(absl::StrCat("the rebuilt state's directory line '", line,
@@ -152,9 +153,9 @@ NodeRedundancy::NodeRedundancy(RedundancyScheme scheme, int node,
 
 void NodeRedundancy::Record(int local, const std::vector<StateSegment>& state, int64_t step) {
   std::array<Own, 2>& own = own_[static_cast<size_t>(local)];
-  Own& o = own[0].step == step ? own[0]
+  Own& o = own[0].step == step   ? own[0]
            : own[1].step == step ? own[1]
-           : (own[0].step <= own[1].step ? own[0] : own[1]);
+                                 : (own[0].step <= own[1].step ? own[0] : own[1]);
   o.step = step;
   o.segments.clear();
   for (const StateSegment& s : state) o.segments.push_back({s.name, s.bytes});
@@ -165,23 +166,25 @@ absl::StatusOr<std::vector<StateSegment>> NodeRedundancy::AsProtected(
   for (const Own& o : own_[static_cast<size_t>(local)]) {
     if (o.step != step) continue;
     std::vector<StateSegment> out;
-    for (const auto& [name, bytes] : o.segments) {
+    for (const std::pair<std::string, int64_t>& segment : o.segments) {
+      const std::string& name = segment.first;
+      const int64_t bytes = segment.second;
       auto it = std::find_if(state.begin(), state.end(),
-                             [&](const StateSegment& s) { return s.name == name; });
+                             [&name](const StateSegment& s) { return s.name == name; });
       if (it == state.end() || it->bytes != bytes) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "local rank ", local, "'s state segment '", name, "' (", bytes,
-            " bytes at step ", step, ") is ", it == state.end() ? "gone" : "resized",
-            " on node '", node_names_[node_], "'"));
+        return absl::FailedPreconditionError(
+            absl::StrCat("local rank ", local, "'s state segment '", name, "' (", bytes,
+                         " bytes at step ", step, ") is ", it == state.end() ? "gone" : "resized",
+                         " on node '", node_names_[node_], "'"));
       }
       out.push_back(*it);
     }
     return out;
   }
-  return absl::FailedPreconditionError(absl::StrCat(
-      "node '", node_names_[node_], "' did not protect local rank ", local, "'s state at step ",
-      step, " (its last two protected steps are ", own_[local][0].step, " and ",
-      own_[local][1].step, ")"));
+  return absl::FailedPreconditionError(
+      absl::StrCat("node '", node_names_[node_], "' did not protect local rank ", local,
+                   "'s state at step ", step, " (its last two protected steps are ",
+                   own_[local][0].step, " and ", own_[local][1].step, ")"));
 }
 
 NodeRedundancy::Slot& NodeRedundancy::SlotFor(int local, int64_t step) {
@@ -204,9 +207,9 @@ absl::Status NodeRedundancy::Fill(Slot* slot, int64_t bytes) {
     slot->lease.Release();
     auto lease = pool_->Allocate(std::max<int64_t>(bytes, 64));
     if (!lease.ok()) {
-      return absl::Status(lease.status().code(),
-                          absl::StrCat("the parity of ", bytes, " bytes (redundancy): ",
-                                       lease.status().message()));
+      return absl::Status(
+          lease.status().code(),
+          absl::StrCat("the parity of ", bytes, " bytes (redundancy): ", lease.status().message()));
     }
     slot->lease = std::move(*lease);
   }
@@ -222,15 +225,18 @@ void NodeRedundancy::FlipParityByteForTest(int local, int64_t step, int64_t at) 
   if (s != nullptr && at < s->bytes) s->lease.data()[at] ^= 0x5a;
 }
 
-int64_t NodeRedundancy::parity_bytes() const {
+int64_t NodeRedundancy::parity_bytes() const { return parity_bytes_.load(); }
+
+void NodeRedundancy::CountParities() {
   int64_t total = 0;
   for (const auto& pair : slots_) {
     for (const Slot& s : pair) total += s.lease.valid() ? s.lease.size() : 0;
   }
-  return total;
+  parity_bytes_.store(total);
 }
 
-absl::Status NodeRedundancy::Protect(Comm& comm, const std::vector<std::vector<StateSegment>>& state,
+absl::Status NodeRedundancy::Protect(Comm& comm,
+                                     const std::vector<std::vector<StateSegment>>& state,
                                      int64_t step, absl::Time deadline, uint64_t seq) {
   const int k = scheme_.k;
   const size_t L = static_cast<size_t>(locals_);
@@ -240,15 +246,18 @@ absl::Status NodeRedundancy::Protect(Comm& comm, const std::vector<std::vector<S
   RAGSHARD_RETURN_IF_ERROR(AllGather(comm, reinterpret_cast<char*>(sizes.data()),
                                      L * sizeof(int64_t), deadline, Stamp(seq, 0, 0)));
   for (size_t l = 0; l < L; ++l) Record(static_cast<int>(l), state[l], step);
+  int64_t mine = 0;
+  for (size_t l = 0; l < L; ++l) mine += sizes[node_ * L + l];
+  protected_bytes_.store(mine);
   std::vector<uint64_t> requests;  // the receives, then the sends (waited for in that order)
   std::vector<uint64_t> sends;
   for (int c = 0; c < k; ++c) {
     const int holder = ParityHolder(scheme_, nodes_, node_, c);
     for (size_t l = 0; l < L; ++l) {
       const int64_t chunk = ChunkBytes(sizes[node_ * L + l], k);
-      RAGSHARD_ASSIGN_OR_RETURN(
-          uint64_t r, comm.PostSend(holder, Stamp(seq, 1, l), blobs[l].data() + c * chunk,
-                                    static_cast<size_t>(chunk)));
+      RAGSHARD_ASSIGN_OR_RETURN(uint64_t r,
+                                comm.PostSend(holder, Stamp(seq, 1, l), blobs[l].data() + c * chunk,
+                                              static_cast<size_t>(chunk)));
       sends.push_back(r);
     }
   }
@@ -280,12 +289,14 @@ absl::Status NodeRedundancy::Protect(Comm& comm, const std::vector<std::vector<S
     }
     slot.step = step;
   }
+  CountParities();
   return absl::OkStatus();
 }
 
-absl::StatusOr<int64_t> NodeRedundancy::Rebuild(
-    Comm& comm, bool replacement, const std::vector<std::vector<StateSegment>>& state,
-    int64_t step, const PlaceSegment& place, absl::Time deadline, uint64_t seq) {
+absl::StatusOr<int64_t> NodeRedundancy::Rebuild(Comm& comm, bool replacement,
+                                                const std::vector<std::vector<StateSegment>>& state,
+                                                int64_t step, const PlaceSegment& place,
+                                                absl::Time deadline, uint64_t seq) {
   const int k = scheme_.k;
   const size_t L = static_cast<size_t>(locals_);
   // Each node's block: [replacement, its pool's free bytes] then per local rank [blob bytes, has
@@ -334,28 +345,32 @@ absl::StatusOr<int64_t> NodeRedundancy::Rebuild(
       const int h = ParityHolder(scheme_, nodes_, x, c);
       if (replaced[h]) {
         return absl::FailedPreconditionError(absl::StrCat(
-            "nodes ", name(x), " and ", name(h), " were both lost: chunk ", c, " of node ",
-            name(x), "'s state has its parity on ", name(h), ", so neither can be rebuilt"));
+            "nodes ", name(x), " and ", name(h), " were both lost: chunk ", c, " of node ", name(x),
+            "'s state has its parity on ", name(h), ", so neither can be rebuilt"));
       }
       for (const ChunkRef& src : ParitySources(scheme_, nodes_, h)) {
         if (src.node != x && replaced[src.node]) {
-          return absl::FailedPreconditionError(absl::StrCat(
-              "nodes ", name(x), " and ", name(src.node), " of one parity group were both lost: "
-              "chunk ", c, " of node ", name(x), "'s state cannot be rebuilt"));
+          return absl::FailedPreconditionError(
+              absl::StrCat("nodes ", name(x), " and ", name(src.node),
+                           " of one parity group were both lost: "
+                           "chunk ",
+                           c, " of node ", name(x), "'s state cannot be rebuilt"));
         }
         for (size_t l = 0; src.node != x && l < L; ++l) {
           if (at(src.node, l, 0) < 0) {
-            return absl::FailedPreconditionError(absl::StrCat(
-                "node ", name(src.node), " has not kept local rank ", l, "'s state as it was at "
-                "step ", step, ": chunk ", c, " of node ", name(x), " cannot be rebuilt"));
+            return absl::FailedPreconditionError(
+                absl::StrCat("node ", name(src.node), " has not kept local rank ", l,
+                             "'s state as it was at "
+                             "step ",
+                             step, ": chunk ", c, " of node ", name(x), " cannot be rebuilt"));
           }
         }
       }
       for (size_t l = 0; l < L; ++l) {
         if (at(h, l, 1) == 0) {
-          return absl::FailedPreconditionError(absl::StrCat(
-              "node ", name(h), " holds no parity of step ", step, " for local rank ", l,
-              " of node ", name(x), ": chunk ", c, " cannot be rebuilt"));
+          return absl::FailedPreconditionError(
+              absl::StrCat("node ", name(h), " holds no parity of step ", step, " for local rank ",
+                           l, " of node ", name(x), ": chunk ", c, " cannot be rebuilt"));
         }
       }
     }
@@ -367,9 +382,11 @@ absl::StatusOr<int64_t> NodeRedundancy::Rebuild(
       }
       for (size_t l = 0; l < L; ++l) {
         if (at(src.node, l, 0) < 0) {
-          return absl::FailedPreconditionError(absl::StrCat(
-              "node ", name(src.node), " has not kept local rank ", l, "'s state as it was at "
-              "step ", step, ": the parity node ", name(x), " kept cannot be rebuilt"));
+          return absl::FailedPreconditionError(
+              absl::StrCat("node ", name(src.node), " has not kept local rank ", l,
+                           "'s state as it was at "
+                           "step ",
+                           step, ": the parity node ", name(x), " kept cannot be rebuilt"));
         }
       }
     }
@@ -390,10 +407,10 @@ absl::StatusOr<int64_t> NodeRedundancy::Rebuild(
     }
     const int64_t free_bytes = blocks[static_cast<size_t>(x) * block + 1];
     if (need > free_bytes) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "the replacement daemon of node ", name(x), " has ", free_bytes,
-          " bytes free in its pool; the lost node's ranks' state and parity need ", need,
-          ": start it with a larger --pool-bytes"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("the replacement daemon of node ", name(x), " has ", free_bytes,
+                       " bytes free in its pool; the lost node's ranks' state and parity need ",
+                       need, ": start it with a larger --pool-bytes"));
     }
   }
   // The messages: to replacement x, index (1 + c) * L + l for what rebuilds its chunk c, and l
@@ -435,13 +452,12 @@ absl::StatusOr<int64_t> NodeRedundancy::Rebuild(
           if (src.node == x) continue;
           const int64_t chunk = ChunkBytes(at(src.node, l, 0), k);
           if (node_ == src.node) {
-            RAGSHARD_ASSIGN_OR_RETURN(
-                uint64_t r, comm.PostSend(x, tag, blobs[l].data() + src.chunk * chunk,
-                                          static_cast<size_t>(chunk)));
+            RAGSHARD_ASSIGN_OR_RETURN(uint64_t r,
+                                      comm.PostSend(x, tag, blobs[l].data() + src.chunk * chunk,
+                                                    static_cast<size_t>(chunk)));
             requests.push_back(r);
           } else if (node_ == x) {
-            incoming.push_back(
-                {src.node, slot, l, std::vector<char>(static_cast<size_t>(chunk))});
+            incoming.push_back({src.node, slot, l, std::vector<char>(static_cast<size_t>(chunk))});
           }
         }
       }
@@ -462,8 +478,7 @@ absl::StatusOr<int64_t> NodeRedundancy::Rebuild(
   for (size_t l = 0; l < L; ++l) {
     // The blob's size and each chunk's CRC, as its holders recorded them.
     const int h0 = ParityHolder(scheme_, nodes_, node_, 0);
-    const int64_t blob_bytes =
-        at(h0, l, 3 + source_index(h0, node_, 0));
+    const int64_t blob_bytes = at(h0, l, 3 + source_index(h0, node_, 0));
     const int64_t chunk = ChunkBytes(blob_bytes, k);
     std::vector<char> blob(static_cast<size_t>(chunk * k), '\0');
     for (const Incoming& in : incoming) {
@@ -514,6 +529,7 @@ absl::StatusOr<int64_t> NodeRedundancy::Rebuild(
     slot.step = step;
     rebuilt += longest;
   }
+  CountParities();
   return rebuilt;
 }
 

@@ -20,6 +20,7 @@
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -71,8 +72,8 @@ class NodeRedundancy {
  public:
   // This node is `node` of `node_names.size()`, with `locals` local ranks (the job's nodes hold
   // the same number of ranks). Parities are leased from `pool`.
-  NodeRedundancy(RedundancyScheme scheme, int node, std::vector<std::string> node_names,
-                 int locals, Pool* pool);
+  NodeRedundancy(RedundancyScheme scheme, int node, std::vector<std::string> node_names, int locals,
+                 Pool* pool);
 
   // Every node, inside optimizer step `step`'s transaction: `state[l]` is local rank l's
   // protected segments. `seq`: the operation's sequence number (message stamps).
@@ -87,20 +88,21 @@ class NodeRedundancy {
   // without the step's parity) is FAILED_PRECONDITION, and a rebuilt chunk whose CRC differs is
   // DATA_LOSS, naming the chunk.
   absl::StatusOr<int64_t> Rebuild(Comm& comm, bool replacement,
-                                  const std::vector<std::vector<StateSegment>>& state,
-                                  int64_t step, const PlaceSegment& place, absl::Time deadline,
-                                  uint64_t seq);
+                                  const std::vector<std::vector<StateSegment>>& state, int64_t step,
+                                  const PlaceSegment& place, absl::Time deadline, uint64_t seq);
 
-  // Bytes of the pool this node's parities hold.
+  // Bytes of the pool this node's parities hold, and of the local ranks' blobs the last Protect
+  // covered. Thread-safe (the stats read them while the job's thread protects).
   int64_t parity_bytes() const;
+  int64_t protected_bytes() const { return protected_bytes_.load(); }
   // Tests: flips byte `at` of local rank `local`'s parity of `step` (where it has one).
   void FlipParityByteForTest(int local, int64_t step, int64_t at);
 
  private:
   struct Slot {
     Lease lease;
-    int64_t bytes = 0;   // the parity's length: the largest source chunk
-    int64_t step = -1;   // the step it protects; -1 while unused
+    int64_t bytes = 0;                 // the parity's length: the largest source chunk
+    int64_t step = -1;                 // the step it protects; -1 while unused
     std::vector<int64_t> source_blob;  // by ParitySources order: the source's blob bytes
     std::vector<uint32_t> source_crc;  // and the CRC-32 of its chunk
   };
@@ -116,6 +118,7 @@ class NodeRedundancy {
                                                         int64_t step) const;
   void Record(int local, const std::vector<StateSegment>& state, int64_t step);
   Slot& SlotFor(int local, int64_t step);
+  void CountParities();
   const Slot* FindSlot(int local, int64_t step) const;
   absl::Status Fill(Slot* slot, int64_t bytes);
 
@@ -126,6 +129,8 @@ class NodeRedundancy {
   Pool* const pool_;
   std::vector<std::array<Slot, 2>> slots_;  // by local rank
   std::vector<std::array<Own, 2>> own_;     // by local rank
+  std::atomic<int64_t> protected_bytes_{0};
+  std::atomic<int64_t> parity_bytes_{0};
 };
 
 }  // namespace ragshard::daemon

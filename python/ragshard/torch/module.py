@@ -101,7 +101,10 @@ class ShardedModule(torch.nn.Module):
             self._journal = StepJournal(self._shards.pool, self._journaled)
             if adopted or replacement:
                 self._recover(replacement)
-        self._protected = False  # the redundancy holds step 0 (the state before any step)
+            if self.redundancy and self._journal.committed == 0:
+                # Step 0, the state every rank starts from (a node lost before the first step
+                # commits is rebuilt to it).
+                self.client.protect().wait()
         self.checkpoint_writing = None  # an asynchronous checkpoint save writing the state
 
     def _attach(self, client, inventory, register):
@@ -152,9 +155,6 @@ class ShardedModule(torch.nn.Module):
         if self._journal is None:
             yield
             return
-        if self.redundancy and not self._protected and self._journal.committed == 0:
-            self.client.protect().wait()  # step 0: the state every rank starts from
-        self._protected = True
         self._journal.begin()
         try:
             yield

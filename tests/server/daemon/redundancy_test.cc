@@ -58,7 +58,9 @@ NodeState MakeState(int node, int locals, uint32_t seed) {
   for (int l = 0; l < locals; ++l) {
     // Sizes differ by node and rank (a Muon owner keeps more state than the others).
     for (auto [name, size] : std::vector<std::pair<std::string, int>>{
-             {"shard/0", 1000 + 8 * node}, {"shard/1", 333}, {"opt/0/exp_avg/0", 1000 + 8 * node},
+             {"shard/0", 1000 + 8 * node},
+             {"shard/1", 333},
+             {"opt/0/exp_avg/0", 1000 + 8 * node},
              {absl::StrCat("opt/0/momentum/", node), 77 * (node + 1) + l}}) {
       std::string bytes(static_cast<size_t>(size), '\0');
       for (char& c : bytes) c = static_cast<char>(rng());
@@ -98,8 +100,8 @@ class RedundancyTest : public ::testing::TestWithParam<std::pair<std::string, in
   void ProtectAll(std::vector<NodeState>& states, int64_t step, uint64_t seq) {
     testing::MemFabric fabric(nodes_);
     OnEveryNode(&fabric, nodes_, [&](int n, Comm& comm) {
-      const absl::Status s = node_[n]->Protect(comm, states[n].Segments(), step,
-                                               absl::Now() + absl::Seconds(30), seq);
+      const absl::Status s =
+          node_[n]->Protect(comm, states[n].Segments(), step, absl::Now() + absl::Seconds(30), seq);
       EXPECT_TRUE(s.ok()) << "node " << n << ": " << s;
     });
   }
@@ -127,10 +129,10 @@ class RedundancyTest : public ::testing::TestWithParam<std::pair<std::string, in
         b.assign(static_cast<size_t>(bytes), '\0');
         return b.data();
       };
-      results[n] = node_[n]->Rebuild(comm, replaced,
-                                     replaced ? std::vector<std::vector<StateSegment>>(kLocals)
-                                              : states[n].Segments(),
-                                     step, place, absl::Now() + absl::Seconds(30), 9);
+      results[n] = node_[n]->Rebuild(
+          comm, replaced,
+          replaced ? std::vector<std::vector<StateSegment>>(kLocals) : states[n].Segments(), step,
+          place, absl::Now() + absl::Seconds(30), 9);
     });
     return results;
   }
@@ -151,8 +153,10 @@ TEST_P(RedundancyTest, ALostNodeIsRebuiltBitForBitAtTheAgreedStep) {
   ProtectAll(at2, 2, 2);
   // Each holder keeps the parity of the last two steps: 1/K of a blob each (and a bit).
   int64_t largest_blob = 0;
-  for (auto& [name, bytes] : at1.back().ranks[1]) largest_blob += static_cast<int64_t>(bytes.size());
-  EXPECT_LE(node_[0]->parity_bytes(), 2 * kLocals * (ChunkBytes(largest_blob + 256, scheme_.k) + 256));
+  for (auto& [name, bytes] : at1.back().ranks[1])
+    largest_blob += static_cast<int64_t>(bytes.size());
+  EXPECT_LE(node_[0]->parity_bytes(),
+            2 * kLocals * (ChunkBytes(largest_blob + 256, scheme_.k) + 256));
 
   // Node 1 is lost while the others are back at step 1 (they roll back): its state at step 1.
   std::vector<NodeState> placed;
@@ -226,20 +230,18 @@ TEST_P(RedundancyTest, ARebuildAtAStepNobodyProtectedIsRefused) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Schemes, RedundancyTest,
-                         ::testing::Values(std::make_pair("parity:2", 3),
-                                           std::make_pair("parity:2", 6),
-                                           std::make_pair("replica", 3),
-                                           std::make_pair("replica", 2),
-                                           std::make_pair("parity:1", 2)),
-                         [](const auto& info) {
-                           std::string name = info.param.first + "_" +
-                                              std::to_string(info.param.second);
-                           for (char& c : name) {
-                             if (c == ':') c = '_';
-                           }
-                           return name;
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Schemes, RedundancyTest,
+    ::testing::Values(std::make_pair("parity:2", 3), std::make_pair("parity:2", 6),
+                      std::make_pair("replica", 3), std::make_pair("replica", 2),
+                      std::make_pair("parity:1", 2)),
+    [](const auto& info) {
+      std::string name = info.param.first + "_" + std::to_string(info.param.second);
+      for (char& c : name) {
+        if (c == ':') c = '_';
+      }
+      return name;
+    });
 
 }  // namespace
 }  // namespace ragshard::daemon
