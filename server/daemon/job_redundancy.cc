@@ -136,7 +136,7 @@ absl::Status JobRuntime::Rebuild(const Op& op) {
     // A state that cannot be rebuilt, or rebuilt wrong, stops the job (a lost peer or the
     // deadline are the recovery's own failures, handled as every operation's).
     if (!absl::IsUnavailable(s) && !absl::IsDeadlineExceeded(s) && !absl::IsAborted(s)) {
-      const absl::Status named = absl::Status(
+      absl::Status named = absl::Status(
           s.code(),
           absl::StrCat("rebuilding job '", job_id_, "' from its redundancy: ", s.message()));
       Report(named);
