@@ -74,11 +74,14 @@ absl::StatusOr<std::vector<std::vector<StateSegment>>> JobRuntime::ProtectedStat
   return out;
 }
 
+absl::Status JobRuntime::HasRedundancy(const char* what) const {
+  if (redundancy_ != nullptr && comm_ != nullptr) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      what, ": job '", job_id_, "' has no redundancy across nodes (JobOptions.redundancy)"));
+}
+
 absl::Status JobRuntime::Protect(const Op& op) {
-  if (redundancy_ == nullptr || comm_ == nullptr) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "OP_PROTECT: job '", job_id_, "' has no redundancy across nodes (JobOptions.redundancy)"));
-  }
+  RAGSHARD_RETURN_IF_ERROR(HasRedundancy("OP_PROTECT"));
   std::vector<std::vector<StateSegment>> state;
   int64_t step = 0;
   uint64_t seq = 0;
@@ -92,10 +95,7 @@ absl::Status JobRuntime::Protect(const Op& op) {
 }
 
 absl::Status JobRuntime::Rebuild(const Op& op) {
-  if (redundancy_ == nullptr || comm_ == nullptr) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "OP_REBUILD: job '", job_id_, "' has no redundancy across nodes (JobOptions.redundancy)"));
-  }
+  RAGSHARD_RETURN_IF_ERROR(HasRedundancy("OP_REBUILD"));
   std::vector<std::vector<StateSegment>> state;
   int64_t step = 0;
   uint64_t seq = 0;

@@ -189,6 +189,8 @@ class JobRuntime final : public OpTarget {
   // OP_PROTECT and OP_REBUILD (job_redundancy.cc; the job thread, without mu_).
   absl::Status Protect(const Op& op);
   absl::Status Rebuild(const Op& op);
+  // FAILED_PRECONDITION naming `what` where the job has no redundancy across nodes.
+  absl::Status HasRedundancy(const char* what) const;
   // The local ranks' protected segments: their parameter shards, then their state buffers by
   // name, but the step journal's ("journal/...": its marks, which a commit or a rollback changes
   // outside the step's state, its manifest, and the undo copies).
