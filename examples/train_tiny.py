@@ -339,6 +339,10 @@ def sharded(args, model, chain):
              "optimizer_cpu_seconds": optimizer_cpu_seconds, "train_max_rss_bytes": train_rss,
              "pool_used_bytes": stats["pool_used"],
              "pool_peak_bytes": stats["pool_peak"], "node": env.node,
+             # This node's daemon under --redundancy (issue 55): the bytes of its local ranks'
+             # state the last protection covered, and of its pool that parities (or copies) hold.
+             "protected_bytes": stats.get("protected_bytes", 0),
+             "parity_bytes": stats.get("parity_bytes", 0),
              "staging_bytes": stats.get("staging_bytes", 0),
              "gathered_bytes": fsdp.gathered_bytes, "pool_trace": pool_trace,
              "peak_units_unsharded": fsdp.peak_unsharded,
