@@ -31,15 +31,13 @@ REBUILDS = re.compile(r"rebuilds:\s+(\d+) \((\d+) bytes\)")
 
 
 def node_kills(trials, steps, seed):
-    """Each trial's (node, step, phase): the phases in shuffled blocks of four; the step from 2
-    on (a node lost in step 1's forward or backward, before its first protection, cannot be
-    rebuilt: the node-rebuild trials of docs/benchmarks/reliability.md)."""
+    """Each trial's (node, step, phase): the phases in shuffled blocks of four."""
     rng = random.Random(f"node-{seed}")
     out, phases = [], []
     for _ in range(trials):
         if not phases:
             phases = rng.sample(PHASES, len(PHASES))
-        out.append((rng.randrange(DAEMONS), rng.randint(2, steps - 1), phases.pop()))
+        out.append((rng.randrange(DAEMONS), rng.randint(1, steps - 1), phases.pop()))
     return out
 
 
