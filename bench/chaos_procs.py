@@ -108,8 +108,10 @@ def stop_cluster_checked(c):
     SIGKILL) and returns the ones that needed SIGKILL, for the report."""
     stuck = []
     names = {}
-    for i, p in enumerate(c.procs):  # planner, daemons node-0.., restarted planners
-        names[p.pid] = f"daemon {c.nodes[i - 1]}" if 1 <= i <= c.n else "planner"
+    for p in c.procs:  # planner, daemons node-0.., restarted planners, replacement daemons
+        args = list(p.args) if isinstance(p.args, (list, tuple)) else []
+        names[p.pid] = f"daemon {args[args.index('--node-id') + 1]}" \
+            if "--node-id" in args[:-1] else "planner"
     for p in c.procs:
         if p.poll() is None:
             try:

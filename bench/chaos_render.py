@@ -7,19 +7,20 @@ import re
 import statistics
 
 import provenance
+import chaos_node
 from chaos_recovery import DEADLINE, PARAM_ATOL, RECOVERY_LIMIT, STEPS
 
 RANK_FAULTS = ["rank-kill", "daemon-stop", "daemon-kill"]
 TRAINING_FAULTS = ["planner-kill-registration", "planner-kill-ready"]
-RECOVERY_FAULTS = ["rank-recovery"]  # bench/chaos_recovery.py
+RECOVERY_FAULTS = ["rank-recovery", "node-rebuild"]  # chaos_recovery.py, chaos_node.py
 TRIAL_FAULTS = RANK_FAULTS + TRAINING_FAULTS + RECOVERY_FAULTS
 ALL_FAULTS = TRIAL_FAULTS + ["soak"]
-DEFAULT_FAULTS = TRIAL_FAULTS
+DEFAULT_FAULTS = [f for f in TRIAL_FAULTS if f != "node-rebuild"]  # on request
 
 # The limits (seconds from the fault to each surviving rank's exit; rank-recovery: to
 # the recovered training's exit, the recovery deadline plus 30 s).
 LIMITS = {"rank-kill": 10.0, "daemon-stop": 40.0, "daemon-kill": 10.0,
-          "rank-recovery": RECOVERY_LIMIT}
+          "rank-recovery": RECOVERY_LIMIT, "node-rebuild": chaos_node.RECOVERY_LIMIT}
 NAMES = {"rank-kill": "rank 3", "daemon-stop": "node-1", "daemon-kill": "node-1"}
 WHAT = {
     "rank-kill": "kill -9 of rank 3 at step 3",
@@ -35,6 +36,13 @@ WHAT = {
                      f"ragshard.launch --max-restarts 1 --recovery-deadline {DEADLINE:g} (AdamW "
                      "in odd trials, Muon in even ones), a random fraction of a step after rank "
                      f"0 printed a random one of steps 1 to {STEPS - 5}",
+    "node-rebuild": f"a whole node lost: SIGKILL of a random daemon (of 3) and of its 2 ranks, "
+                    f"held (--hold-at) at a random phase of a random one of steps 1 to "
+                    f"{chaos_node.STEPS - 1} of a {chaos_node.STEPS}-step AdamW training of 6 "
+                    f"ranks under ragshard.launch --max-restarts 1 --recovery-deadline "
+                    f"{chaos_node.DEADLINE:g} --redundancy R (parity:2 in trials 1 to "
+                    f"{chaos_node.PARITY_TRIALS}, replica after), and a replacement daemon "
+                    f"started with the lost node's id",
     "soak": "bench/planner_soak: 40,000 jobs, then 20 planner kills under load, then large "
             "refused requests",
 }
@@ -48,6 +56,11 @@ LIMIT_TEXT = {
                      "(no hang), the killed rank restarted and the job READY with one recovery, "
                      f"every final parameter within {PARAM_ATOL:g} of an uninterrupted run's (no "
                      "divergence)",
+    "node-rebuild": f"the training completes (exit 0) within {chaos_node.RECOVERY_LIMIT:g} s of "
+                    "the daemon's kill (no hang), the job READY with `rebuilds:     1` in "
+                    "`ragshardctl job show`, every final parameter within "
+                    f"{chaos_node.PARAM_ATOL:g} of an uninterrupted run's with the same "
+                    "redundancy (no divergence)",
 }
 
 
@@ -117,6 +130,9 @@ def verdict(fault, entry):
     n, ok = len(trials), sum(t["passed"] for t in trials)
     if fault in RANK_FAULTS:
         within = f"within the limit ({LIMITS[fault]:g} s, naming \"{NAMES[fault]}\")"
+    elif fault == "node-rebuild":
+        within = (f"rebuilt on the replacement and completed within {LIMITS[fault]:g} s of "
+                  f"the kill, final parameters within {PARAM_ATOL:g}")
     elif fault in RECOVERY_FAULTS:
         within = (f"recovered in place within {LIMITS[fault]:g} s of the kill, final "
                   f"parameters within {PARAM_ATOL:g}")
@@ -182,6 +198,8 @@ def fault_section(fault, entry):
                 L.append(f"- {count} x (ranks {', '.join(map(str, sorted(rks)))}): "
                          f"`{brief(example, 260).replace('`', chr(39))}`")
             L.append("")
+    elif fault == "node-rebuild":
+        L.extend(chaos_node.node_text(trials))
     elif fault in RECOVERY_FAULTS:
         L.extend(recovery_text(trials))
     else:
@@ -227,6 +245,8 @@ def fault_section(fault, entry):
                               f"{'' if r.get('names') else ' (not named)'}"
                               for r in t.get("ranks", []))
             L.append(f"| {t['trial']} | {'pass' if t['passed'] else 'FAIL'} | {cells or '—'} |")
+    elif fault == "node-rebuild":
+        L.extend(chaos_node.node_table(trials))
     elif fault in RECOVERY_FAULTS:
         L.append("| trial | result | optimizer | rank killed | after step | resumed at step | "
                  "s from the kill to the exit | max abs Δ |")
@@ -427,7 +447,9 @@ def plot(docs, doc):
                       "training wall time, s (limit: completes\nwith the reference losses)",
                       fontsize=8)
         ax.grid(axis="y", alpha=0.3)
-    fig.suptitle("ragshard under faults: each trial on a fresh planner + 2 daemons, 4 ranks",
+    fig.suptitle("ragshard under faults: each trial on a fresh planner + 2 daemons, 4 ranks"
+                 + (" (node-rebuild: 3 daemons, 6 ranks)" if "node-rebuild" in doc["faults"]
+                    else ""),
                  fontsize=10)
     fig.tight_layout()
     path = os.path.join(docs, "reliability.png")
@@ -454,6 +476,12 @@ def write_report(docs, doc):
                             "--max-restarts 1`, kills a rank from outside and compares the final "
                             "parameters with an uninterrupted run's (bench/chaos_recovery.py), "
                             "one per optimizer per campaign.\n")
+    if "node-rebuild" in doc["faults"]:
+        L[1] = L[1][:-2] + ("; node-rebuild starts 3 daemons and 6 ranks (2 per daemon) under "
+                            "`ragshard.launch --max-restarts 1 --redundancy R`, kills a daemon "
+                            "and its ranks, starts a replacement daemon with the node's id and "
+                            "compares the final parameters with an uninterrupted run's "
+                            "(bench/chaos_node.py), one per redundancy per campaign.\n")
     runs = {}
     for fault in ALL_FAULTS:
         e = doc["faults"].get(fault)
@@ -488,8 +516,9 @@ def write_report(docs, doc):
     L.append("Seconds: for the rank and daemon faults, from the fault to each surviving rank's "
              "exit, over all survivors of all trials; for the planner faults, the training's "
              "wall time from launch to exit"
-             + ("; for rank-recovery, from the kill to the recovered training's exit"
-                if any(f in doc["faults"] for f in RECOVERY_FAULTS) else "") + ".\n")
+             + ("; for rank-recovery and node-rebuild, from the kill to the recovered "
+               "training's exit" if any(f in doc["faults"] for f in RECOVERY_FAULTS) else "")
+             + ".\n")
     if pic:
         L.append(f"![seconds per fault against the limit]({os.path.basename(pic)})\n")
     for fault in TRIAL_FAULTS:

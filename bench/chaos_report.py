@@ -8,7 +8,8 @@ from that JSON: a run of some faults replaces those faults' entries and keeps th
     RAGSHARD_BUILD=build PYTHONPATH=build/python:tests/python \\
         .venv/bin/python bench/chaos_report.py --build build [--trials 20] [--faults a,b]
 
-Faults (`--faults`, comma-separated; default the six below, `soak` only on request):
+Faults (`--faults`, comma-separated; default the six below, `node-rebuild` and `soak` only on
+request):
   rank-kill                  kill -9 of rank 3 at step 3 (4 ranks of examples/train_tiny.py,
                              2 per daemon, each started on its own, no launcher): every
                              survivor exits non-zero within 10 s, its error naming "rank 3".
@@ -27,6 +28,14 @@ Faults (`--faults`, comma-separated; default the six below, `soak` only on reque
                              training exits 0 within 90 s of the kill (the recovery deadline
                              60 s + 30 s), the job READY with one recovery, the final parameters
                              within 1e-6 of an uninterrupted run's (bench/chaos_recovery.py).
+  node-rebuild               (on request; --trials default 15 for it alone) a whole node lost:
+                             a random daemon of 3 and its 2 ranks (6 ranks of an 8-step AdamW
+                             training under ragshard.launch --max-restarts 1 --redundancy
+                             parity:2 in trials 1-10, replica in 11-15) killed with SIGKILL at
+                             a random step and phase, a replacement daemon started with its
+                             node id: the training exits 0 within 90 s of the kill, the job
+                             READY with one rebuild, the final parameters within 1e-6 of an
+                             uninterrupted run's (bench/chaos_node.py).
   soak                       BUILD/bench/planner_soak --mode soak, --mode kills and --mode
                              reject (a refused 200 MiB Put and 1,000,001-tensor registration:
                              the planner's RSS after them; about 5 s), if built.
@@ -59,6 +68,7 @@ from chaos_render import (ALL_FAULTS, DEFAULT_FAULTS, LIMIT_TEXT, LIMITS, NAMES,
                           RANK_FAULTS, RECOVERY_FAULTS, TRAINING_FAULTS, brief, load_json,
                           save)
 from chaos_recovery import Uninterrupted, recovery_trial  # noqa: E402
+import chaos_node  # noqa: E402
 import provenance  # noqa: E402
 from chaos_procs import (Interrupted, _live, _on_signal, error_line, keep_logs,  # noqa: E402
                          end_trial, kill_session, read_from, session_members, stop_cluster_checked,
@@ -379,7 +389,8 @@ def main():
                                  epilog=__doc__)
     ap.add_argument("--build", default=os.path.join(ROOT, "build"),
                     help="CMake build folder (server/, client/, python/, bench/)")
-    ap.add_argument("--trials", type=int, default=20, help="trials per fault (default 20)")
+    ap.add_argument("--trials", type=int, default=None,
+                    help="trials per fault (default 20; 15 where node-rebuild is the only fault)")
     ap.add_argument("--faults", default=",".join(DEFAULT_FAULTS),
                     help=f"comma-separated, of {', '.join(ALL_FAULTS)}")
     ap.add_argument("--steps", type=int, default=6,
@@ -403,6 +414,8 @@ def main():
     args.env_snapshot = {k: os.environ[k] for k in ("RAGSHARD_BUILD", "PYTHONPATH")
                          if k in os.environ}
     faults = [f.strip() for f in args.faults.split(",") if f.strip()]
+    if args.trials is None:
+        args.trials = 15 if faults == ["node-rebuild"] else 20
     bad = [f for f in faults if f not in ALL_FAULTS]
     if bad:
         ap.error(f"unknown fault(s) {bad}; known: {ALL_FAULTS}")
@@ -427,6 +440,7 @@ def main():
           flush=True)
     ref = Reference(args.steps)
     uninterrupted = Uninterrupted(args.build)  # rank-recovery's
+    node_refs = chaos_node.Uninterrupted(args.build)  # node-rebuild's
     try:
         for fault in faults:
             if fault == "soak":
@@ -442,6 +456,9 @@ def main():
                     t = time.monotonic()
                     if fault in RANK_FAULTS:
                         res = rank_fault_trial(fault, i, args.build, args.keep_failures)
+                    elif fault == "node-rebuild":
+                        res = chaos_node.node_trial(i, args.build, node_refs,
+                                                    args.keep_failures)
                     elif fault in RECOVERY_FAULTS:
                         res = recovery_trial(i, args.build, uninterrupted, args.keep_failures)
                     else:
@@ -471,6 +488,7 @@ def main():
         sweep()
         ref.cleanup()
         uninterrupted.cleanup()
+        node_refs.cleanup()
     return 0
 
 

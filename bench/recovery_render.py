@@ -5,6 +5,7 @@ import os
 import statistics
 
 import provenance
+import recovery_node_render
 from recovery_runs import WATCH_S
 
 PARAM_ATOL = 1e-6  # the bound on |final parameters - the uninterrupted run's|
@@ -155,7 +156,8 @@ def render(doc, out):
     plot(doc, s, png)
     model = " ".join(doc["model"])
     n_with, n_without = len(s["with"]), len(s["without"])
-    L = ["# Recovery in place: what a lost rank costs\n",
+    L = ["# Recovery in place: what a lost rank costs" +
+         (", and a lost node\n" if "node" in doc else "\n"),
          f"Run by `bench/recovery_report.py` on {doc['started'][:10]} in {doc['elapsed'] / 60:.1f} "
          f"minutes, every figure from that one run. Command (in the repository root):\n",
          f"```\n{doc['command']}\n```\n",
@@ -339,8 +341,18 @@ def render(doc, out):
         for i, kind, err in bad:
             L.append(f"- round {i}, {kind}: `{' '.join(err.split())[:600]}`")
         L.append("")
+    if doc.get("rank_from"):
+        old = doc["rank_from"]
+        L.append(f"The sections above (a lost rank) are from an earlier run, `{old['command']}`, "
+                 f"started {old['started']} ({' '.join(old.get('provenance') or [])}); the "
+                 "node-loss section below is this run's.\n")
+    if "node" in doc:
+        node_lines, s["node"] = recovery_node_render.lines(doc, out)
+        L += node_lines
+    commands = dict(doc["commands"], **{f"node {k}": v for k, v in
+                                         doc.get("node", {}).get("commands", {}).items()})
     L += ["## Reproduce\n",
-          "```\n" + "\n".join(f"{k}: {v}" for k, v in doc["commands"].items()) + "\n```\n",
+          "```\n" + "\n".join(f"{k}: {v}" for k, v in commands.items()) + "\n```\n",
           "(one command of each kind as run; the planner address, the sockets and the paths are "
           "those of that run.) The whole report:\n",
           "```\n.venv/bin/python bench/recovery_report.py --build build\n```\n"]

@@ -11,13 +11,19 @@ SIGKILL at a random step and phase
 
 one rank process's start and one step (the issue's target: median seconds lost <= 2 x (start
 + step)), and the step time with --max-restarts 1 (optimizer state in the pool, each step
-journaled) against without, alternated. Writes docs/benchmarks/recovery.md and recovery.png;
-the figures go to WORK/runs.json, from which --from-json writes the report again.
+journaled) against without, alternated. Then a lost node (issue 55; bench/recovery_node.py) at 3
+daemons x 2 ranks: the memory of --redundancy parity:2 and replica against the state they
+protect, their step time against --redundancy none, alternated, and the seconds a node's loss
+costs rebuilt on a replacement daemon against checkpoint-and-restart. Writes
+docs/benchmarks/recovery.md, recovery.png and recovery_node.png; the figures go to
+WORK/runs.json, from which --from-json writes the report again.
 
     .venv/bin/python bench/recovery_report.py --build build     # ~12 min on a quiet machine
     .venv/bin/python bench/recovery_report.py --build build --trials 1 --reps 1 --steps 6 \\
         --allow-dirty --out /tmp/recovery.md                               # a smoke run
     .venv/bin/python bench/recovery_report.py --from-json WORK/runs.json
+    .venv/bin/python bench/recovery_report.py --build build --sections node \
+        --rank-from OLD/runs.json        # the node-loss runs only; the rank figures from OLD
 
 The runs are bench/recovery_runs.py, the report and its plot bench/recovery_render.py.
 """
@@ -36,6 +42,7 @@ import time
 
 import provenance
 from recovery_render import render
+from recovery_node import SCHEMES, NodeRunner, node_kills
 from recovery_runs import ROOT, Runner, RunFailed, max_abs_diff
 
 # The report's model: a step of about 0.1 s at 2 daemons x 2 ranks on a 2-core machine.
@@ -92,6 +99,55 @@ def diff(results, kind, against, key="max_abs_diff"):
         a[key] = max_abs_diff(a["out"], b["out"])
 
 
+RANK_KEYS = ("save_every", "saves", "seed", "reps", "rounds", "commands", "quiet_wait",
+             "quiet_cores", "quiet_total")
+
+
+def run_node(args, build, work):
+    """The node-loss runs (bench/recovery_node.py): `reps` alternated rounds of uninterrupted
+    runs per redundancy, then `trials` rounds of a node lost under parity:2 and replica, an
+    uninterrupted run that saves, and the same loss under checkpoints."""
+    run = NodeRunner(build, work, MODEL, args.steps, args.save_every, args.recovery_deadline,
+                     args.timeout, args.quiet_wait, args.quiet_cores, args.quiet_total)
+    node = {"reps": args.node_reps, "trials": args.node_trials,
+            "uninterrupted": {k: [] for k in SCHEMES},
+            "rebuilt": {k: [] for k in ("parity:2", "replica")}, "saved": [],
+            "checkpointed": [], "seed": args.seed, "commands": run.commands}
+    t0 = time.time()
+
+    def one(what, fn, *a):
+        r = {}
+        attempt(r, "x", f"node ({(time.time() - t0) / 60:.1f} min): {what}", fn, *a)
+        return r["x"]
+
+    for i in range(args.node_reps):
+        for k in SCHEMES[i % 3:] + SCHEMES[:i % 3]:  # each scheme first in turn
+            node["uninterrupted"][k].append(one(f"rep {i + 1}: uninterrupted, --redundancy {k}",
+                                                run.uninterrupted, f"n{i}-{k[:6]}", k))
+    refs = {k: next((u for u in v if "error" not in u), None)
+            for k, v in node["uninterrupted"].items()}
+    for i, (n, step, phase) in enumerate(node_kills(args.node_trials, args.steps, args.seed)):
+        for k in ("parity:2", "replica"):
+            r = one(f"trial {i + 1}: node {n} lost at step {step}, {phase}; rebuilt from {k}",
+                    run.rebuilt, f"n{i}-lost-{k[:6]}", k, n, step, phase)
+            if "out" in r and refs[k]:
+                r["max_abs_diff"] = max_abs_diff(r["out"], refs[k]["out"])
+            node["rebuilt"][k].append(r)
+        saved = one(f"trial {i + 1}: uninterrupted, checkpoints every {args.save_every} steps",
+                    run.uninterrupted, f"n{i}-saved", None, True)
+        node["saved"].append(saved)
+        c = one(f"trial {i + 1}: the same loss under checkpoints; restart, load",
+                run.checkpoint_restart, f"n{i}-checkpointed", n, step, phase)
+        if "out" in c and "out" in saved:
+            c["max_abs_diff"] = max_abs_diff(c["out"], saved["out"])
+        node["checkpointed"].append(c)
+        for name in os.listdir(work):
+            if name.endswith(".ckpt"):
+                shutil.rmtree(os.path.join(work, name), ignore_errors=True)
+    node["elapsed"] = time.time() - t0
+    return node
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -116,6 +172,14 @@ def main():
     ap.add_argument("--from-json", default="", metavar="RUNS",
                     help="write the report again from an earlier run's runs.json, running "
                          "nothing")
+    ap.add_argument("--sections", default="rank,node",
+                    help="rank (a lost rank), node (a lost node), or both (default)")
+    ap.add_argument("--rank-from", default="", metavar="RUNS",
+                    help="with --sections node: the rank figures from an earlier runs.json")
+    ap.add_argument("--node-reps", type=int, default=5,
+                    help="alternated rounds of uninterrupted runs per redundancy")
+    ap.add_argument("--node-trials", type=int, default=3,
+                    help="rounds of a node lost (parity:2, replica, checkpoint-and-restart)")
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "benchmarks", "recovery.md"))
     provenance.add_flag(ap)
     args = ap.parse_args()
@@ -129,6 +193,11 @@ def main():
     if args.steps < 4 or args.save_every < 1 or args.save_every > args.steps:
         ap.error("--steps: at least 4 (the step times leave out the first two); --save-every "
                  "between 1 and --steps")
+    sections = set(args.sections.split(","))
+    if not sections or sections - {"rank", "node"}:
+        ap.error("--sections: rank, node or rank,node")
+    if "rank" not in sections and not args.rank_from:
+        ap.error("--sections node needs --rank-from RUNS (the report keeps the rank figures)")
     provenance.require(args)
     # SIGTERM as Ctrl-C: the launch under way and its cluster are stopped on the way out.
     signal.signal(signal.SIGTERM, lambda signum, frame: (_ for _ in ()).throw(
@@ -142,7 +211,8 @@ def main():
                  args.timeout, args.quiet_wait, args.quiet_cores, args.quiet_total)
     started, t0, load_start = datetime.datetime.now().astimezone(), time.time(), os.getloadavg()
     rounds = []
-    for i, (rank, step, phase) in enumerate(kills(args.trials, args.steps, args.seed)):
+    for i, (rank, step, phase) in enumerate(kills(args.trials, args.steps, args.seed)
+                                            if "rank" in sections else []):
         r = {}
         rounds.append(r)
         at = f"round {i + 1}/{args.trials} ({(time.time() - t0) / 60:.1f} min)"
@@ -171,14 +241,27 @@ def main():
            "seed": args.seed, "reps": args.reps, "commands": run.commands,
            "quiet_wait": args.quiet_wait, "quiet_cores": args.quiet_cores,
            "quiet_total": args.quiet_total, "rounds": rounds}
+    if "rank" not in sections:
+        old = json.load(open(args.rank_from))
+        doc.update({k: old[k] for k in RANK_KEYS})
+        doc["rank_from"] = {k: old.get(k) for k in ("command", "started", "provenance",
+                                                    "load_start", "load_end", "elapsed")}
+    if "node" in sections:
+        doc["node"] = run_node(args, build, work)
+        doc["load_end"] = os.getloadavg()
+        doc["elapsed"] = time.time() - t0
     path = os.path.join(work, "runs.json")
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
     print("figures in", path, file=sys.stderr)
     s = render(doc, args.out)
     print("wrote", args.out, file=sys.stderr)
+    node_failed = any("error" in r for v in doc.get("node", {}).get("uninterrupted", {}).values()
+                      for r in v) or any("error" in r for k in ("rebuilt",)
+                                         for v in doc.get("node", {}).get(k, {}).values()
+                                         for r in v)
     return 0 if not any("error" in x for r in rounds for x in r.values()) and s["recovered"] \
-        else 1
+        and not node_failed else 1
 
 
 if __name__ == "__main__":

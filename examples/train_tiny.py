@@ -229,7 +229,7 @@ def sharded(args, model, chain):
     # process goes on from the last step every rank completed; its data is seeded per step.
     first = fsdp.resume_step
     ckpt = {"save_seconds": [], "load_seconds": 0.0}
-    kill = Kill(args.kill_at, env.rank, args.hold_at)
+    kill = Kill(args.kill_at, env.rank, args.hold_at, client)
     if args.load_state:
         fsdp.load_state_dict(torch.load(args.load_state))
     if args.resume:
@@ -339,6 +339,10 @@ def sharded(args, model, chain):
              "optimizer_cpu_seconds": optimizer_cpu_seconds, "train_max_rss_bytes": train_rss,
              "pool_used_bytes": stats["pool_used"],
              "pool_peak_bytes": stats["pool_peak"], "node": env.node,
+             # This node's daemon under --redundancy (issue 55): the bytes of its local ranks'
+             # state the last protection covered, and of its pool that parities (or copies) hold.
+             "protected_bytes": stats.get("protected_bytes", 0),
+             "parity_bytes": stats.get("parity_bytes", 0),
              "staging_bytes": stats.get("staging_bytes", 0),
              "gathered_bytes": fsdp.gathered_bytes, "pool_trace": pool_trace,
              "peak_units_unsharded": fsdp.peak_unsharded,
@@ -353,7 +357,8 @@ class Kill:
     """--kill-at (repeatable): this rank's SIGKILL at points of its steps, each once (while its
     mark file does not exist)."""
 
-    def __init__(self, specs, rank, holds=()):
+    def __init__(self, specs, rank, holds=(), client=None):
+        self.client = client  # the rank's Client: its protection (--redundancy) ends a step
         self.points = {}  # (0-based step, phase) -> mark file
         self.holds = set()  # the points of --hold-at
         for spec, hold in [(s, False) for s in specs] + [(s, True) for s in holds]:
@@ -384,16 +389,23 @@ class Kill:
     @contextlib.contextmanager
     def inside_optimizer(self, step):
         """During the optimizer step: after the first torch optimizer inside has updated its
-        pieces, before the step completes."""
+        pieces, before the step completes; on a rank with no pieces to update (no torch
+        optimizer inside), before the step's protection (--redundancy), if it has one."""
         if not self.armed(step, "step"):
             yield
             return
         from torch.optim.optimizer import register_optimizer_step_post_hook
         hook = register_optimizer_step_post_hook(lambda *_: self.at(step, "step"))
+        protect = None
+        if self.client is not None:
+            protect = self.client.protect
+            self.client.protect = lambda: self.at(step, "step") or protect()
         try:
             yield
         finally:
             hook.remove()
+            if protect is not None:
+                del self.client.protect  # the class's method again
 
 
 def unit_operations(client, fsdp):

@@ -1,0 +1,237 @@
+"""The node-rebuild fault of bench/chaos_report.py: a whole node lost (its daemon and both its
+ranks killed with SIGKILL) in the middle of a training under ragshard.launch --max-restarts 1
+--redundancy R (6 ranks of examples/train_tiny.py over 3 daemons, AdamW), and a replacement
+daemon started with the lost node's id, which rebuilds its ranks' state from the other nodes'
+parity (parity:2) or copy (replica) (issue 55; docs/recovery.md, "A lost node").
+
+Each trial (its own LocalCluster) draws the node (0 to 2), the step (1 to STEPS - 1) and the
+phase (forward, backward, step, between) from a seeded RNG; both ranks of that node are held
+there (train_tiny.py --hold-at: each writes its pid into a mark file and sleeps), then the
+daemon is killed, the two ranks are killed, and the replacement daemon is started, as
+tests/python/test_node_loss.py does. The scheme: parity:2 in trials 1 to PARITY_TRIALS, replica
+after. A trial passes when the launcher exits 0 within RECOVERY_LIMIT seconds of the daemon's
+kill (the recovery deadline plus 30 s; past it the trial is a hang, and everything it started
+is killed), the job is READY with `rebuilds:     1` in `ragshardctl job show`, and every final
+parameter is within PARAM_ATOL of an uninterrupted run's with the same redundancy
+(`Uninterrupted`, one per scheme per campaign)."""
+import os
+import random
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+from chaos_procs import _live, end_trial, keep_logs, kill_session, read_from, session_members
+from recovery_runs import max_abs_diff
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "examples", "train_tiny.py")
+# tests/python/test_node_loss.py's small model, with 8 steps.
+MODEL = ["--layers", "2", "--dim", "64", "--heads", "4", "--seq", "16", "--batch", "2",
+         "--vocab", "32", "--quiet", "--optimizer", "adamw"]
+STEPS = 8
+DAEMONS, PER_NODE = 3, 2
+PHASES = ["forward", "backward", "step", "between"]
+PARITY_TRIALS = 10  # parity:2 in trials 1..10, replica after
+DEADLINE = 60.0  # the job's recovery deadline (s)
+RECOVERY_LIMIT = DEADLINE + 30.0  # from the daemon's kill to the launcher's exit
+HOLD_LIMIT = 300.0  # from the launch to both held ranks' marks
+PARAM_ATOL = 1e-6
+NODE_TIMEOUT_MS = 2000  # the planner's heartbeat timeout (as the test's cluster)
+POOL_BYTES = 128 << 20
+REBUILDS = re.compile(r"rebuilds:\s+(\d+) \((\d+) bytes\)")
+POLL = 0.01
+
+
+def scheme(trial):
+    return "parity:2" if trial <= PARITY_TRIALS else "replica"
+
+
+def draw(trial):
+    """The trial's (node, step, phase), from a seeded RNG."""
+    rng = random.Random(f"node-rebuild-{trial}")
+    return rng.randrange(DAEMONS), rng.randint(1, STEPS - 1), rng.choice(PHASES)
+
+
+def brief_tail(path, n=1500):
+    return " ".join(read_from(path).split())[-n:]
+
+
+def _cluster(build):
+    from ragshard.cluster import LocalCluster
+    return LocalCluster(build, daemons=DAEMONS, pool_bytes=POOL_BYTES,
+                        node_timeout_ms=NODE_TIMEOUT_MS)
+
+
+def _launch(cluster, job, out, redundancy, log, extra=()):
+    cmd = [sys.executable, "-m", "ragshard.launch", "--preload", "torch", "--planner",
+           cluster.planner, "--job", job, "--nproc", str(DAEMONS * PER_NODE), "--sockets",
+           ",".join(cluster.sockets), "--create-job", "--max-restarts", "1",
+           "--recovery-deadline", f"{DEADLINE:g}", "--redundancy", redundancy, EXAMPLE, "--out",
+           out, "--steps", str(STEPS)] + MODEL + list(extra)
+    p = subprocess.Popen(cmd, env=dict(os.environ), stdout=log, stderr=subprocess.STDOUT,
+                         stdin=subprocess.DEVNULL, start_new_session=True)
+    _live["sessions"].append(p.pid)
+    return p
+
+
+def job_show(build, cluster, job):
+    return subprocess.run([os.path.join(build, "ctl", "ragshardctl"), "--planner",
+                           cluster.planner, "--token-file", cluster.token_file, "job", "show",
+                           job], capture_output=True, text=True, timeout=60)
+
+
+class Uninterrupted:
+    """Each scheme's uninterrupted run (same launch, no fault), once per campaign."""
+
+    def __init__(self, build):
+        self.build, self.dir, self.outs = build, None, {}
+
+    def get(self, redundancy):
+        if redundancy not in self.outs:
+            self.dir = self.dir or tempfile.mkdtemp(prefix="ragshard-chaos-node-ref-")
+            out = os.path.join(self.dir, redundancy.replace(":", ""))
+            with open(out + ".log", "w") as log, _cluster(self.build) as c:
+                p = _launch(c, f"uninterrupted-{redundancy.replace(':', '')}", out, redundancy,
+                            log)
+                try:
+                    p.wait(timeout=600)
+                finally:
+                    kill_session(p.pid)
+                    p.wait()
+            if p.returncode != 0:
+                raise RuntimeError(f"the uninterrupted {redundancy} run exited {p.returncode}: "
+                                   f"{brief_tail(out + '.log')}")
+            self.outs[redundancy] = out
+        return self.outs[redundancy]
+
+    def cleanup(self):
+        if self.dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def node_trial(trial, build, ref, keep_dir):
+    """One trial: node `node`'s ranks held at `phase` of `step`, the node killed (daemon, then
+    its ranks) and a replacement daemon started."""
+    node, step, phase = draw(trial)
+    redundancy = scheme(trial)
+    ranks = [node * PER_NODE + i for i in range(PER_NODE)]
+    res = {"trial": trial, "passed": False, "error": None, "scheme": redundancy, "node": node,
+           "step": step, "phase": phase, "stuck_at_stop": [], "leftover_after_launcher": []}
+    workdir = tempfile.mkdtemp(prefix="ragshard-chaos-")
+    out, log_path = os.path.join(workdir, "train"), os.path.join(workdir, "launcher.log")
+    marks = [os.path.join(workdir, f"hold{r}") for r in ranks]
+    p, c, log = None, None, None
+    try:
+        reference = ref.get(redundancy)
+        with _cluster(build) as c:
+            _live["clusters"].append(c)
+            try:
+                job = f"node-rebuild-{trial}"
+                log = open(log_path, "w")
+                t0 = time.monotonic()
+                p = _launch(c, job, out, redundancy, log,
+                            [f"--hold-at={r}:{step}:{phase}:{m}" for r, m in zip(ranks, marks)])
+                while not all(os.path.exists(m) for m in marks):
+                    if p.poll() is not None:
+                        raise RuntimeError(f"the training exited ({p.returncode}) before node "
+                                           f"{node}'s ranks reached the hold: "
+                                           f"{brief_tail(log_path)}")
+                    if time.monotonic() - t0 > HOLD_LIMIT:
+                        raise TimeoutError(f"node {node}'s ranks not at the hold in "
+                                           f"{HOLD_LIMIT:g} s: {brief_tail(log_path)}")
+                    time.sleep(POLL)
+                pids = [int(read_from(m)) for m in marks]
+                c.kill_daemon(node)
+                tk = time.monotonic()
+                res["killed_at_seconds"] = round(tk - t0, 3)
+                for pid in pids:
+                    os.kill(pid, signal.SIGKILL)
+                c.start_daemon(node, log_suffix=f"-replacement-{trial}")
+                res["replacement_up_seconds"] = round(time.monotonic() - tk, 3)
+                while p.poll() is None and time.monotonic() - tk < RECOVERY_LIMIT:
+                    time.sleep(POLL)
+                if p.poll() is None:
+                    raise TimeoutError(f"a hang: the training still running {RECOVERY_LIMIT:g} "
+                                       f"s after the kill: {brief_tail(log_path)}")
+                res["seconds"] = round(time.monotonic() - tk, 3)
+                res["exit_code"] = p.returncode
+                res["leftover_after_launcher"] = session_members(p.pid)
+                if p.returncode != 0:
+                    raise RuntimeError(f"the training exited {p.returncode}: "
+                                       f"{brief_tail(log_path)}")
+                show = job_show(build, c, job)
+                m = REBUILDS.search(show.stdout)
+                res["rebuilds"] = int(m.group(1)) if m else 0
+                res["rebuilt_bytes"] = int(m.group(2)) if m else None
+                if "READY" not in show.stdout or "rebuilds:     1 " not in show.stdout:
+                    raise RuntimeError(f"the job is not READY with one rebuild: "
+                                       f"{' '.join((show.stdout + show.stderr).split())[:600]}")
+                res["max_abs_diff"] = max_abs_diff(out, reference)
+                if res["max_abs_diff"] > PARAM_ATOL:
+                    raise RuntimeError(f"diverged: max |delta| {res['max_abs_diff']:.3g} against "
+                                       f"the uninterrupted {redundancy} run (> {PARAM_ATOL:g})")
+                res["passed"] = True
+            finally:
+                end_trial(res, p, c, log, keep_dir, "node-rebuild", trial, workdir)
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:  # the trial fails; the campaign goes on
+        res["passed"] = False
+        res["error"] = " ".join(f"{type(e).__name__}: {e}".split())[:1500]
+        res["traceback"] = traceback.format_exc()[-3000:]
+        if keep_dir and "logs" not in res:
+            res["logs"] = keep_logs(keep_dir, "node-rebuild", trial,
+                                    [workdir] + ([c.dir] if c else []))
+    finally:
+        if log is not None:
+            log.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+    return res
+
+
+# ------------------------------------------------------------------------------- the report
+
+def node_text(trials):
+    """node-rebuild's figures beyond the spread: the kills, the bytes rebuilt, the distance."""
+    L = []
+    killed = [t for t in trials if "killed_at_seconds" in t]
+    if killed:
+        by = {s: sum(t["scheme"] == s for t in killed) for s in ("parity:2", "replica")}
+        nodes, phases = sorted({t["node"] for t in killed}), sorted({t["phase"] for t in killed})
+        steps = sorted({t["step"] for t in killed})
+        L.append(f"Killed: node{'s' * (len(nodes) > 1)} {', '.join(map(str, nodes))}, at "
+                 f"step{'s' * (len(steps) > 1)} {', '.join(map(str, steps))}, in "
+                 f"{', '.join(phases)} ({by['parity:2']} parity:2, {by['replica']} replica "
+                 f"trials).\n")
+    for s in ("parity:2", "replica"):
+        xs = [t["seconds"] for t in trials if t["scheme"] == s and t.get("seconds") is not None]
+        if xs:
+            L.append(f"{s}: seconds from the kill to the exit {min(xs):.2f} to {max(xs):.2f} "
+                     f"(median {statistics.median(xs):.2f}, n = {len(xs)}).\n")
+    nb = sorted({t["rebuilt_bytes"] for t in trials if t.get("rebuilt_bytes") is not None})
+    if nb:
+        L.append(f"Bytes rebuilt per lost node (job show): "
+                 f"{', '.join(f'{b:,}' for b in nb)}.\n")
+    diffs = [t["max_abs_diff"] for t in trials if "max_abs_diff" in t]
+    if diffs:
+        L.append(f"Largest |final parameter − the uninterrupted run's| over the trials: "
+                 f"{max(diffs):.1e} (limit {PARAM_ATOL:g}).\n")
+    return L
+
+
+def node_table(trials):
+    L = ["| trial | result | scheme | node | step | phase | s from the kill to the exit | "
+         "bytes rebuilt | max abs Δ |", "|---:|---|---|---:|---:|---|---:|---:|---:|"]
+    for t in trials:
+        d, b, s = t.get("max_abs_diff"), t.get("rebuilt_bytes"), t.get("seconds")
+        L.append(f"| {t['trial']} | {'pass' if t['passed'] else 'FAIL'} | {t['scheme']} | "
+                 f"{t['node']} | {t['step']} | {t['phase']} | "
+                 f"{'—' if s is None else f'{s:.2f}'} | {'—' if b is None else f'{b:,}'} | "
+                 f"{'—' if d is None else f'{d:.1e}'} |")
+    return L
