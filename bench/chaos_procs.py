@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 import time
+import traceback
 
 
 # ---------------------------------------------------------------------------------- signals
@@ -156,3 +157,13 @@ def end_trial(res, launch, cluster, log, keep_dir, fault, trial, workdir):
     if not res["passed"] and log is not None:
         log.flush()
         res["logs"] = keep_logs(keep_dir, fault, trial, [workdir, cluster.dir])
+
+
+def failed_trial(res, e, keep_dir, fault, trial, dirs):
+    """A trial that raised `e` (inside its except): failed, with the error, its traceback and,
+    unless end_trial kept them already, its logs. The campaign goes on."""
+    res["passed"] = False
+    res["error"] = " ".join(f"{type(e).__name__}: {e}".split())[:1500]
+    res["traceback"] = traceback.format_exc()[-3000:]
+    if keep_dir and "logs" not in res:
+        res["logs"] = keep_logs(keep_dir, fault, trial, dirs)

@@ -18,10 +18,9 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 
-from chaos_procs import (_live, end_trial, keep_logs, kill_session, read_from, session_members,
-                         stop_cluster_checked)
+from chaos_procs import (_live, end_trial, failed_trial, kill_session, read_from,
+                         session_members, stop_cluster_checked)
 from recovery_runs import STEP_LINE, max_abs_diff
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -184,12 +183,7 @@ def recovery_trial(trial, build, ref, keep_dir):
     except KeyboardInterrupt:
         raise
     except Exception as e:  # the trial fails; the campaign goes on
-        res["passed"] = False
-        res["error"] = " ".join(f"{type(e).__name__}: {e}".split())[:1500]
-        res["traceback"] = traceback.format_exc()[-3000:]
-        if keep_dir and "logs" not in res:
-            res["logs"] = keep_logs(keep_dir, "rank-recovery", trial,
-                                    [workdir] + ([c.dir] if c else []))
+        failed_trial(res, e, keep_dir, "rank-recovery", trial, [workdir] + ([c.dir] if c else []))
     finally:
         if log is not None:
             log.close()
