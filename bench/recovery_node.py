@@ -11,7 +11,6 @@
   checkpoint (`checkpoint_restart`).
 
 `NodeRunner` shares recovery_runs.Runner's waits for a quiet machine and its bookkeeping."""
-import json
 import os
 import random
 import re
@@ -74,6 +73,8 @@ class _NodeKiller(threading.Thread):
 class NodeRunner(Runner):
     """Runner's launches at 3 daemons x 2 ranks, with --redundancy."""
 
+    world = WORLD
+
     def _cluster(self):
         from ragshard.cluster import LocalCluster
         return LocalCluster(self.build, daemons=DAEMONS, pool_bytes=256 << 20,
@@ -91,16 +92,6 @@ class NodeRunner(Runner):
         cmd += [EXAMPLE, "--out", out, "--steps", str(self.steps)] + self.model + extra
         self.commands.setdefault(kind, sh(cmd).replace(ROOT + os.sep, ""))
         return Launch(cmd, self._env(), self.timeout, watch), out
-
-    @staticmethod
-    def _outputs(out, launch, what):
-        if launch.code != 0:
-            raise RunFailed(f"{what}: exited with {launch.code}:\n{launch.tail()}")
-        try:
-            return json.load(open(out + ".json")), [
-                json.load(open(f"{out}.rank{r}.json")) for r in range(WORLD)]
-        except (OSError, ValueError) as e:
-            raise RunFailed(f"{what}: no output: {e}\n{launch.tail()}")
 
     @staticmethod
     def _memory(ranks):

@@ -210,13 +210,14 @@ class Runner:
         from ragshard.cluster import LocalCluster
         return LocalCluster(self.build, daemons=DAEMONS, pool_bytes=256 << 20)
 
-    @staticmethod
-    def _outputs(out, launch, what):
+    world = WORLD  # the ranks of a launch
+
+    def _outputs(self, out, launch, what):
         if launch.code != 0:
             raise RunFailed(f"{what}: exited with {launch.code}:\n{launch.tail()}")
         try:
             return json.load(open(out + ".json")), [
-                json.load(open(f"{out}.rank{r}.json")) for r in range(WORLD)]
+                json.load(open(f"{out}.rank{r}.json")) for r in range(self.world)]
         except (OSError, ValueError) as e:
             raise RunFailed(f"{what}: no output: {e}\n{launch.tail()}")
 
