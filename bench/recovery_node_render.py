@@ -9,8 +9,7 @@ from recovery_node import DAEMONS, PER_NODE, SCHEMES
 PHASE_COLORS = {"forward": "tab:blue", "backward": "tab:orange", "step": "tab:red",
                 "between": "tab:green"}
 NOISE_FLOOR = 0.05
-TARGET = {"parity:2": 0.5, "replica": 1.0}  # the issue's: of the protected state, per step kept
-STEPS_KEPT = 2  # the parities of the last two steps (the ranks' committed steps may differ by 1)
+TARGET = {"parity:2": 0.5, "replica": 1.0}  # the issue's: of the protected state
 
 
 def med(xs):
@@ -45,12 +44,11 @@ def summarize(node):
         if not m or not m["protected"]:
             continue
         m["of_protected"] = m["parity"] / m["protected"]
-        m["per_step"] = m["of_protected"] / STEPS_KEPT
         m["persistent"] = m["pool_between"] - m["parity"]  # protected + the journal's copies
         m["of_persistent"] = m["parity"] / m["persistent"] if m["persistent"] else None
         if base:
             m["pool_growth"] = m["pool_between"] - base
-        m["within_5pct"] = abs(m["per_step"] - TARGET[k]) <= 0.05 * TARGET[k]
+        m["within_5pct"] = abs(m["of_protected"] - TARGET[k]) <= 0.05 * TARGET[k]
     none = s["step"].get("none") or []
     for k in ("parity:2", "replica"):
         xs = s["step"].get(k) or []
@@ -167,19 +165,18 @@ def lines(doc, out):
          f"{DAEMONS} daemons. Two ratios: **against the protected state** (parity ÷ protected), "
          "and **against the pool's persistent state of a recoverable job** (parity ÷ the pool in "
          "use between steps less the parity: the protected state, the step journal's undo "
-         "copies, and whatever else the daemon keeps allocated for the job between steps). The "
-         "daemons keep the parities of the last "
-         f"{STEPS_KEPT} steps on purpose (at a loss the ranks' committed steps can differ by "
-         "one), so the per-step figure is the first ratio ÷ 2.\n",
-         "| redundancy | protected | parity / copies | ÷ protected | per step kept | target "
-         "(per step) | within 5 % | persistent state | ÷ persistent | pool growth over none |",
-         "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
+         "copies, and whatever else the daemon keeps allocated for the job between steps). "
+         "Between steps a daemon holds one step's parity (a second only inside a protect, "
+         "until its barrier: docs/recovery.md, \"One parity held\").\n",
+         "| redundancy | protected | parity / copies | ÷ protected | target | within 5 % | "
+         "persistent state | ÷ persistent | pool growth over none |",
+         "|---|---:|---:|---:|---:|---|---:|---:|---:|"]
     for k in ("parity:2", "replica"):
         m = s["mem"].get(k)
         if not m or "of_protected" not in m:
             continue
         L.append(f"| {k} | {mib(m['protected'])} | {mib(m['parity'])} | "
-                 f"{m['of_protected']:.3f}× | {m['per_step']:.3f}× | {TARGET[k]:g}× | "
+                 f"{m['of_protected']:.3f}× | {TARGET[k]:g}× | "
                  f"{'yes' if m['within_5pct'] else 'no'} | {mib(m['persistent'])} | "
                  f"{_f(m['of_persistent'], '{:.3f}')}× | "
                  f"{mib(m['pool_growth']) if 'pool_growth' in m else '—'} |")
@@ -195,10 +192,10 @@ def lines(doc, out):
         L[-1] += (f" The persistent state is {m['persistent'] / m['protected']:.2f}× the "
                   "protected state. Per node, protected / parity: " + "; ".join(
                       f"{n} {mib(v['protected'])} / {mib(v['parity'])}"
-                      for n, v in sorted(per.items())) + " (parity:2). A parity is as large as "
-                  "the largest of the chunks it XORs (redundancy.h: each blob cut into K chunks, "
-                  "ceil(blob / K) rounded up to 64 bytes), so nodes whose ranks hold state of "
-                  "different sizes (the ragged plan) pay for the largest.")
+                      for n, v in sorted(per.items())) + " (parity:2). The nodes' ranks hold state "
+                  "of different sizes (the ragged plan); the chunks of a stripe have one length "
+                  "(redundancy.h, StripeBytes), so the parities still add up to 1/K of the "
+                  "group's state, but they sit unevenly on the nodes.")
     L.append("")
     L += ["### Step time\n",
           "Each run's figure: its median step (slowest rank), the first two steps left out; "

@@ -114,7 +114,8 @@ def parse():
     p.add_argument("--kill-at", action="append", default=[], metavar="RANK:STEP:PHASE:MARK",
                    help="fault injection for the recovery tests: rank RANK sends itself SIGKILL "
                         "in step STEP (1-based) at PHASE (forward, backward, step: inside the "
-                        "optimizer's update, between: after zero_grad), once: only while the "
+                        "optimizer's update, protected: after the step's protection, before it "
+                        "commits (--redundancy), between: after zero_grad), once: only while the "
                         "file MARK does not exist (it is created first); repeatable")
     p.add_argument("--hold-at", action="append", default=[], metavar="RANK:STEP:PHASE:MARK",
                    help="as --kill-at, but the rank writes its pid into MARK and waits there "
@@ -363,9 +364,9 @@ class Kill:
         self.holds = set()  # the points of --hold-at
         for spec, hold in [(s, False) for s in specs] + [(s, True) for s in holds]:
             r, step, phase, mark = spec.split(":", 3)
-            if phase not in ("forward", "backward", "step", "between"):
+            if phase not in ("forward", "backward", "step", "protected", "between"):
                 raise SystemExit(f"--kill-at: phase '{phase}' is not one of forward, backward, "
-                                 "step, between")
+                                 "step, protected, between")
             if int(r) == rank:
                 self.points[(int(step) - 1, phase)] = mark
                 if hold:
@@ -388,10 +389,12 @@ class Kill:
 
     @contextlib.contextmanager
     def inside_optimizer(self, step):
-        """During the optimizer step: after the first torch optimizer inside has updated its
-        pieces, before the step completes; on a rank with no pieces to update (no torch
-        optimizer inside), before the step's protection (--redundancy), if it has one."""
-        if not self.armed(step, "step"):
+        """During the optimizer step: at "step", after the first torch optimizer inside has
+        updated its pieces, before the step completes (on a rank with no pieces to update, no
+        torch optimizer inside, before the step's protection, --redundancy, if it has one); at
+        "protected", once the step's protection has returned, before the step commits."""
+        armed = [p for p in ("step", "protected") if self.armed(step, p)]
+        if not armed:
             yield
             return
         from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -399,13 +402,29 @@ class Kill:
         protect = None
         if self.client is not None:
             protect = self.client.protect
-            self.client.protect = lambda: self.at(step, "step") or protect()
+
+            def protected():
+                self.at(step, "step")
+                return _Then(protect(), lambda: self.at(step, "protected"))
+            self.client.protect = protected
         try:
             yield
         finally:
             hook.remove()
             if protect is not None:
                 del self.client.protect  # the class's method again
+
+
+class _Then:
+    """A handle whose wait() runs `then` once the operation is done."""
+
+    def __init__(self, handle, then):
+        self.handle, self.then = handle, then
+
+    def wait(self, *args, **kwargs):
+        out = self.handle.wait(*args, **kwargs)
+        self.then()
+        return out
 
 
 def unit_operations(client, fsdp):

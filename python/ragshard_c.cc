@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "client/block_quant.h"
 #include "client/client.h"
 #include "client/device_memory.h"
@@ -360,7 +361,8 @@ int rs_client_stats(rs_client* c, const char** out) {
       absl::StrAppend(&json, ", \"staging_bytes\": ", j.staging_bytes(),
                       ", \"operations\": ", j.operations(),
                       ", \"protected_bytes\": ", j.protected_bytes(),
-                      ", \"parity_bytes\": ", j.parity_bytes(), ", \"unit_operations\": [");
+                      ", \"parity_bytes\": ", j.parity_bytes(), ", \"parity_steps\": [",
+                      absl::StrJoin(j.parity_steps(), ", "), "], \"unit_operations\": [");
       for (int i = 0; i < j.unit_operations_size(); ++i) {
         const auto& u = j.unit_operations(i);
         absl::StrAppend(&json, i ? ", " : "", "{\"unit\": ", u.unit_index(), ", \"kind\": \"",

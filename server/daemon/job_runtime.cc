@@ -62,6 +62,7 @@ void JobRuntime::FillStats(v1::JobStats* out) {
   if (redundancy_ != nullptr) {
     out->set_protected_bytes(redundancy_->protected_bytes());
     out->set_parity_bytes(redundancy_->parity_bytes());
+    for (int64_t step : redundancy_->parity_steps()) out->add_parity_steps(step);
   }
   for (const auto& [key, count] : unit_operations_) {
     v1::UnitOperations* u = out->add_unit_operations();

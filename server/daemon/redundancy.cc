@@ -60,13 +60,13 @@ std::string Directory(const std::vector<StateSegment>& segments) {
   return d;
 }
 
-// The blob of `segments`, zero-padded to k chunks; `blob_bytes` gets its unpadded size.
-std::vector<char> MakeBlob(const std::vector<StateSegment>& segments, int k, int64_t* blob_bytes) {
+// The blob of `segments`; `blob_bytes` gets its size.
+std::vector<char> MakeBlob(const std::vector<StateSegment>& segments, int64_t* blob_bytes) {
   const std::string dir = Directory(segments);
   int64_t size = static_cast<int64_t>(dir.size());
   for (const StateSegment& s : segments) size += s.bytes;
   *blob_bytes = size;
-  std::vector<char> blob(static_cast<size_t>(ChunkBytes(size, k) * k), '\0');
+  std::vector<char> blob(static_cast<size_t>(size), '\0');
   std::memcpy(blob.data(), dir.data(), dir.size());
   int64_t at = static_cast<int64_t>(dir.size());
   for (const StateSegment& s : segments) {
@@ -135,9 +135,53 @@ int ParityHolder(const RedundancyScheme& scheme, int nodes, int node, int chunk)
   return base + (chunk < p ? chunk : chunk + 1);
 }
 
-int64_t ChunkBytes(int64_t blob_bytes, int k) {
-  const int64_t c = (blob_bytes + k - 1) / k;
-  return (c + 63) / 64 * 64;
+std::vector<int64_t> StripeBytes(const RedundancyScheme& scheme, const std::vector<int64_t>& blob) {
+  const int nodes = static_cast<int>(blob.size());
+  std::vector<int64_t> out(blob.size(), 0);
+  if (scheme.replica) {
+    for (int h = 0; h < nodes; ++h) out[h] = blob[(h + nodes - 1) % nodes];
+    return out;
+  }
+  const int g = scheme.k + 1;
+  for (int base = 0; base + g <= nodes; base += g) {
+    int64_t sum = 0;
+    int64_t most = 0;
+    for (int q = base; q < base + g; ++q) sum += blob[q], most = std::max(most, blob[q]);
+    // Whether stripes max(0, p - blob[h]) cover every node's blob with its K chunks.
+    auto covers = [&](int64_t p) {
+      for (int q = base; q < base + g; ++q) {
+        int64_t have = 0;
+        for (int h = base; h < base + g; ++h) {
+          if (h != q) have += std::max<int64_t>(0, p - blob[h]);
+        }
+        if (have < blob[q]) return false;
+      }
+      return true;
+    };
+    int64_t lo = 0;
+    int64_t hi = most + sum;  // covers: each of K stripes is at least sum / K there
+    while (lo < hi) {
+      const int64_t mid = lo + (hi - lo) / 2;
+      if (covers(mid)) {
+        hi = mid;
+      } else {
+        lo = mid + 1;
+      }
+    }
+    for (int h = base; h < base + g; ++h) out[h] = std::max<int64_t>(0, lo - blob[h]);
+  }
+  return out;
+}
+
+ChunkSpan ChunkOf(const RedundancyScheme& scheme, const std::vector<int64_t>& stripes,
+                  const std::vector<int64_t>& blob, int node, int chunk) {
+  const int nodes = static_cast<int>(blob.size());
+  if (scheme.replica) return {0, blob[node]};
+  int64_t offset = 0;
+  for (int c = 0; c < chunk; ++c) offset += stripes[ParityHolder(scheme, nodes, node, c)];
+  const int64_t stripe = stripes[ParityHolder(scheme, nodes, node, chunk)];
+  offset = std::min(offset, blob[node]);
+  return {offset, std::min(blob[node] - offset, stripe)};
 }
 
 NodeRedundancy::NodeRedundancy(RedundancyScheme scheme, int node,
@@ -189,9 +233,27 @@ absl::StatusOr<std::vector<StateSegment>> NodeRedundancy::AsProtected(
 
 NodeRedundancy::Slot& NodeRedundancy::SlotFor(int local, int64_t step) {
   std::array<Slot, 2>& s = slots_[static_cast<size_t>(local)];
-  if (s[0].step == step) return s[0];
-  if (s[1].step == step) return s[1];
+  auto keep = [step](const Slot& x) {
+    if (!x.lease.valid() || x.step < 0) return 0;
+    return x.step == step - 1 ? 3 : x.step == step ? 2 : 1;
+  };
+  const int a = keep(s[0]);
+  const int b = keep(s[1]);
+  if (a != b) return a < b ? s[0] : s[1];
   return s[0].step <= s[1].step ? s[0] : s[1];
+}
+
+void NodeRedundancy::DropAllBut(int64_t step) {
+  for (std::array<Slot, 2>& pair : slots_) {
+    for (Slot& x : pair) {
+      if (x.step == step) continue;
+      x.lease.Release();
+      x.step = -1;
+      x.bytes = 0;
+      x.source_blob.clear();
+      x.source_crc.clear();
+    }
+  }
 }
 
 const NodeRedundancy::Slot* NodeRedundancy::FindSlot(int local, int64_t step) const {
@@ -203,7 +265,7 @@ const NodeRedundancy::Slot* NodeRedundancy::FindSlot(int local, int64_t step) co
 
 absl::Status NodeRedundancy::Fill(Slot* slot, int64_t bytes) {
   slot->step = -1;
-  if (slot->lease.size() < bytes) {
+  if (!slot->lease.valid() || slot->lease.size() < bytes) {
     slot->lease.Release();
     auto lease = pool_->Allocate(std::max<int64_t>(bytes, 64));
     if (!lease.ok()) {
@@ -227,12 +289,28 @@ void NodeRedundancy::FlipParityByteForTest(int local, int64_t step, int64_t at) 
 
 int64_t NodeRedundancy::parity_bytes() const { return parity_bytes_.load(); }
 
+std::vector<int64_t> NodeRedundancy::parity_steps() const {
+  std::vector<int64_t> out;
+  for (const std::atomic<int64_t>& s : parity_steps_) {
+    if (s.load() >= 0) out.push_back(s.load());
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
 void NodeRedundancy::CountParities() {
   int64_t total = 0;
   for (const auto& pair : slots_) {
     for (const Slot& s : pair) total += s.lease.valid() ? s.lease.size() : 0;
   }
   parity_bytes_.store(total);
+  // The steps every local rank has a parity of.
+  for (size_t i = 0; i < parity_steps_.size(); ++i) {
+    const int64_t step = slots_.empty() ? -1 : slots_[0][i].step;
+    bool all = step >= 0;
+    for (int l = 0; all && l < locals_; ++l) all = FindSlot(l, step) != nullptr;
+    parity_steps_[i].store(all ? step : -1);
+  }
 }
 
 absl::Status NodeRedundancy::Protect(Comm& comm,
@@ -242,22 +320,30 @@ absl::Status NodeRedundancy::Protect(Comm& comm,
   const size_t L = static_cast<size_t>(locals_);
   std::vector<std::vector<char>> blobs(L);
   std::vector<int64_t> sizes(static_cast<size_t>(nodes_) * L, 0);
-  for (size_t l = 0; l < L; ++l) blobs[l] = MakeBlob(state[l], k, &sizes[node_ * L + l]);
+  for (size_t l = 0; l < L; ++l) blobs[l] = MakeBlob(state[l], &sizes[node_ * L + l]);
   RAGSHARD_RETURN_IF_ERROR(AllGather(comm, reinterpret_cast<char*>(sizes.data()),
                                      L * sizeof(int64_t), deadline, Stamp(seq, 0, 0)));
   for (size_t l = 0; l < L; ++l) Record(static_cast<int>(l), state[l], step);
   int64_t mine = 0;
   for (size_t l = 0; l < L; ++l) mine += sizes[node_ * L + l];
   protected_bytes_.store(mine);
+  // Per local rank: every node's blob bytes, and the stripes they make.
+  std::vector<std::vector<int64_t>> blob(L, std::vector<int64_t>(static_cast<size_t>(nodes_)));
+  std::vector<std::vector<int64_t>> stripes(L);
+  for (size_t l = 0; l < L; ++l) {
+    for (int n = 0; n < nodes_; ++n) blob[l][n] = sizes[n * L + l];
+    stripes[l] = StripeBytes(scheme_, blob[l]);
+  }
   std::vector<uint64_t> requests;  // the receives, then the sends (waited for in that order)
   std::vector<uint64_t> sends;
   for (int c = 0; c < k; ++c) {
     const int holder = ParityHolder(scheme_, nodes_, node_, c);
     for (size_t l = 0; l < L; ++l) {
-      const int64_t chunk = ChunkBytes(sizes[node_ * L + l], k);
-      RAGSHARD_ASSIGN_OR_RETURN(uint64_t r,
-                                comm.PostSend(holder, Stamp(seq, 1, l), blobs[l].data() + c * chunk,
-                                              static_cast<size_t>(chunk)));
+      const ChunkSpan span = ChunkOf(scheme_, stripes[l], blob[l], node_, c);
+      if (span.bytes == 0) continue;
+      RAGSHARD_ASSIGN_OR_RETURN(
+          uint64_t r, comm.PostSend(holder, Stamp(seq, 1, l), blobs[l].data() + span.offset,
+                                    static_cast<size_t>(span.bytes)));
       sends.push_back(r);
     }
   }
@@ -266,7 +352,10 @@ absl::Status NodeRedundancy::Protect(Comm& comm,
                                                   std::vector<std::vector<char>>(L));
   for (size_t i = 0; i < sources.size(); ++i) {
     for (size_t l = 0; l < L; ++l) {
-      got[i][l].resize(static_cast<size_t>(ChunkBytes(sizes[sources[i].node * L + l], k)));
+      const ChunkSpan span =
+          ChunkOf(scheme_, stripes[l], blob[l], sources[i].node, sources[i].chunk);
+      got[i][l].resize(static_cast<size_t>(span.bytes));
+      if (span.bytes == 0) continue;
       RAGSHARD_ASSIGN_OR_RETURN(uint64_t r, comm.PostRecv(sources[i].node, Stamp(seq, 1, l),
                                                           got[i][l].data(), got[i][l].size()));
       requests.push_back(r);
@@ -275,20 +364,25 @@ absl::Status NodeRedundancy::Protect(Comm& comm,
   requests.insert(requests.end(), sends.begin(), sends.end());
   RAGSHARD_RETURN_IF_ERROR(comm.WaitAll(requests, deadline));
   for (size_t l = 0; l < L; ++l) {
-    int64_t longest = 0;
-    for (size_t i = 0; i < sources.size(); ++i) {
-      longest = std::max<int64_t>(longest, static_cast<int64_t>(got[i][l].size()));
-    }
     Slot& slot = SlotFor(static_cast<int>(l), step);
-    RAGSHARD_RETURN_IF_ERROR(Fill(&slot, longest));
+    RAGSHARD_RETURN_IF_ERROR(Fill(&slot, stripes[l][node_]));
     for (size_t i = 0; i < sources.size(); ++i) {
       const std::vector<char>& chunk = got[i][l];
       XorInto(slot.lease.data(), chunk.data(), static_cast<int64_t>(chunk.size()));
-      slot.source_blob.push_back(sizes[sources[i].node * L + l]);
+      slot.source_blob.push_back(blob[l][sources[i].node]);
       slot.source_crc.push_back(Crc(chunk.data(), static_cast<int64_t>(chunk.size())));
     }
     slot.step = step;
   }
+  CountParities();
+  if (before_barrier_) RAGSHARD_RETURN_IF_ERROR(before_barrier_());
+  // Every node has its parity of `step` before any drops that of the step before: a node lost
+  // from here on leaves the others holding one step's parity in common (redundancy.h).
+  std::vector<int64_t> arrived(static_cast<size_t>(nodes_), 0);
+  arrived[static_cast<size_t>(node_)] = step;
+  RAGSHARD_RETURN_IF_ERROR(AllGather(comm, reinterpret_cast<char*>(arrived.data()), sizeof(int64_t),
+                                     deadline, Stamp(seq, 4, 0)));
+  DropAllBut(step);
   CountParities();
   return absl::OkStatus();
 }
@@ -315,7 +409,7 @@ absl::StatusOr<int64_t> NodeRedundancy::Rebuild(Comm& comm, bool replacement,
     for (size_t l = 0; l < L; ++l) {
       auto mine = AsProtected(static_cast<int>(l), state[l], step);
       if (mine.ok()) {
-        blobs[l] = MakeBlob(*mine, k, &at(node_, l, 0));
+        blobs[l] = MakeBlob(*mine, &at(node_, l, 0));
       } else {
         at(node_, l, 0) = -1;  // every node fails below, naming it, if a replacement needs it
       }
@@ -337,7 +431,11 @@ absl::StatusOr<int64_t> NodeRedundancy::Rebuild(Comm& comm, bool replacement,
     replaced[n] = blocks[static_cast<size_t>(n) * block] == 1;
     if (replaced[n]) rebuilt_nodes.push_back(n);
   }
-  if (rebuilt_nodes.empty()) return 0;
+  if (rebuilt_nodes.empty()) {
+    DropAllBut(step);
+    CountParities();
+    return 0;
+  }
   // Every node decides the same from the same blocks: all fail alike, or none does.
   auto name = [&](int n) { return absl::StrCat("'", node_names_[n], "'"); };
   for (int x : rebuilt_nodes) {
@@ -391,20 +489,37 @@ absl::StatusOr<int64_t> NodeRedundancy::Rebuild(Comm& comm, bool replacement,
       }
     }
   }
+  auto source_index = [&](int holder, int node, int chunk) {
+    const std::vector<ChunkRef> s = ParitySources(scheme_, nodes_, holder);
+    for (size_t i = 0; i < s.size(); ++i) {
+      if (s[i].node == node && s[i].chunk == chunk) return i;
+    }
+    return s.size();
+  };
+  // Every node's blob bytes at the step, by local rank: the survivors' own, a replaced node's as
+  // the holder of its chunk 0 recorded it; and the stripes they make, which each holder's parity
+  // must have.
+  std::vector<std::vector<int64_t>> blob(L, std::vector<int64_t>(static_cast<size_t>(nodes_)));
+  std::vector<std::vector<int64_t>> stripes(L);
+  for (size_t l = 0; l < L; ++l) {
+    for (int n = 0; n < nodes_; ++n) {
+      const int h0 = ParityHolder(scheme_, nodes_, n, 0);
+      blob[l][n] = replaced[n] ? at(h0, l, 3 + source_index(h0, n, 0)) : at(n, l, 0);
+    }
+    stripes[l] = StripeBytes(scheme_, blob[l]);
+    for (int n = 0; n < nodes_; ++n) {
+      if (!replaced[n] && at(n, l, 1) == 1 && at(n, l, 2) != stripes[l][n]) {
+        return absl::DataLossError(absl::StrCat(
+            "node ", name(n), "'s parity of step ", step, " for local rank ", l, " has ",
+            at(n, l, 2), " bytes; the blobs it covers make its stripe ", stripes[l][n]));
+      }
+    }
+  }
   for (int x : rebuilt_nodes) {
     // What the replacement's pool must take: each rank's blob and its own parity. A smaller
     // pool than the lost one's is refused up front, naming the bytes, on every node alike.
     int64_t need = 0;
-    for (size_t l = 0; l < L; ++l) {
-      const int h = ParityHolder(scheme_, nodes_, x, 0);
-      const std::vector<ChunkRef> s = ParitySources(scheme_, nodes_, h);
-      for (size_t i = 0; i < s.size(); ++i) {
-        if (s[i].node == x && s[i].chunk == 0) need += at(h, l, 3 + i);
-      }
-      for (const ChunkRef& src : ParitySources(scheme_, nodes_, x)) {
-        need += ChunkBytes(at(src.node, l, 0), k);
-      }
-    }
+    for (size_t l = 0; l < L; ++l) need += blob[l][x] + stripes[l][x];
     const int64_t free_bytes = blocks[static_cast<size_t>(x) * block + 1];
     if (need > free_bytes) {
       return absl::FailedPreconditionError(
@@ -414,7 +529,7 @@ absl::StatusOr<int64_t> NodeRedundancy::Rebuild(Comm& comm, bool replacement,
     }
   }
   // The messages: to replacement x, index (1 + c) * L + l for what rebuilds its chunk c, and l
-  // for a source of its own parity.
+  // for a source of its own parity. Empty chunks are not sent.
   struct Incoming {
     int from;
     int slot;  // 0: x's own parity; 1 + c: x's chunk c
@@ -423,13 +538,6 @@ absl::StatusOr<int64_t> NodeRedundancy::Rebuild(Comm& comm, bool replacement,
   };
   std::vector<Incoming> incoming;
   std::vector<uint64_t> requests;  // the sends; the receives go first when waiting
-  auto source_index = [&](int holder, int node, int chunk) {
-    const std::vector<ChunkRef> s = ParitySources(scheme_, nodes_, holder);
-    for (size_t i = 0; i < s.size(); ++i) {
-      if (s[i].node == node && s[i].chunk == chunk) return i;
-    }
-    return s.size();
-  };
   for (int x : rebuilt_nodes) {
     for (int c = 0; c <= k; ++c) {
       // slot 0 (c == k here): x's own parity; otherwise x's chunk c.
@@ -438,7 +546,7 @@ absl::StatusOr<int64_t> NodeRedundancy::Rebuild(Comm& comm, bool replacement,
       const int h = own ? x : ParityHolder(scheme_, nodes_, x, c);
       for (size_t l = 0; l < L; ++l) {
         const uint64_t tag = Stamp(seq, 3, static_cast<uint64_t>(slot) * L + l);
-        if (!own) {
+        if (!own && stripes[l][h] > 0) {
           if (node_ == h) {
             const Slot* p = FindSlot(static_cast<int>(l), step);
             RAGSHARD_ASSIGN_OR_RETURN(
@@ -450,14 +558,16 @@ absl::StatusOr<int64_t> NodeRedundancy::Rebuild(Comm& comm, bool replacement,
         }
         for (const ChunkRef& src : ParitySources(scheme_, nodes_, h)) {
           if (src.node == x) continue;
-          const int64_t chunk = ChunkBytes(at(src.node, l, 0), k);
+          const ChunkSpan span = ChunkOf(scheme_, stripes[l], blob[l], src.node, src.chunk);
+          if (span.bytes == 0) continue;
           if (node_ == src.node) {
             RAGSHARD_ASSIGN_OR_RETURN(uint64_t r,
-                                      comm.PostSend(x, tag, blobs[l].data() + src.chunk * chunk,
-                                                    static_cast<size_t>(chunk)));
+                                      comm.PostSend(x, tag, blobs[l].data() + span.offset,
+                                                    static_cast<size_t>(span.bytes)));
             requests.push_back(r);
           } else if (node_ == x) {
-            incoming.push_back({src.node, slot, l, std::vector<char>(static_cast<size_t>(chunk))});
+            incoming.push_back(
+                {src.node, slot, l, std::vector<char>(static_cast<size_t>(span.bytes))});
           }
         }
       }
@@ -472,63 +582,66 @@ absl::StatusOr<int64_t> NodeRedundancy::Rebuild(Comm& comm, bool replacement,
   }
   receives.insert(receives.end(), requests.begin(), requests.end());
   RAGSHARD_RETURN_IF_ERROR(comm.WaitAll(receives, deadline));
-  if (!replacement) return 0;
+  if (!replacement) {
+    DropAllBut(step);
+    CountParities();
+    return 0;
+  }
 
   int64_t rebuilt = 0;
   for (size_t l = 0; l < L; ++l) {
-    // The blob's size and each chunk's CRC, as its holders recorded them.
-    const int h0 = ParityHolder(scheme_, nodes_, node_, 0);
-    const int64_t blob_bytes = at(h0, l, 3 + source_index(h0, node_, 0));
-    const int64_t chunk = ChunkBytes(blob_bytes, k);
-    std::vector<char> blob(static_cast<size_t>(chunk * k), '\0');
-    for (const Incoming& in : incoming) {
-      if (in.l != l || in.slot == 0) continue;
-      XorInto(blob.data() + (in.slot - 1) * chunk, in.bytes.data(),
-              std::min<int64_t>(chunk, static_cast<int64_t>(in.bytes.size())));
-    }
+    // The blob, chunk by chunk: its holder's parity XOR the other sources' chunks of the stripe
+    // (beyond the chunk's end, all of them XOR to zeros); each chunk's CRC as its holder
+    // recorded it.
+    const int64_t blob_bytes = blob[l][node_];
+    std::vector<char> mine(static_cast<size_t>(blob_bytes), '\0');
     for (int c = 0; c < k; ++c) {
+      const ChunkSpan span = ChunkOf(scheme_, stripes[l], blob[l], node_, c);
+      for (const Incoming& in : incoming) {
+        if (in.l != l || in.slot != 1 + c) continue;
+        XorInto(mine.data() + span.offset, in.bytes.data(),
+                std::min<int64_t>(span.bytes, static_cast<int64_t>(in.bytes.size())));
+      }
       const int h = ParityHolder(scheme_, nodes_, node_, c);
       const size_t i = source_index(h, node_, c);
       const uint32_t want = static_cast<uint32_t>(at(h, l, 3 + k + i));
-      const uint32_t have = Crc(blob.data() + c * chunk, chunk);
+      const uint32_t have = Crc(mine.data() + span.offset, span.bytes);
       if (have != want) {
         return absl::DataLossError(absl::StrFormat(
             "rebuilt chunk %d of local rank %d's state on node %s (bytes [%d, %d) of %d) does not "
             "match its checksum: CRC-32 %08x, node %s recorded %08x at step %d",
-            c, l, name(node_), c * chunk, (c + 1) * chunk, blob_bytes, have, name(h), want, step));
+            c, l, name(node_), span.offset, span.offset + span.bytes, blob_bytes, have, name(h),
+            want, step));
       }
     }
-    RAGSHARD_ASSIGN_OR_RETURN(auto segments, ReadDirectory(blob, blob_bytes));
+    RAGSHARD_ASSIGN_OR_RETURN(auto segments, ReadDirectory(mine, blob_bytes));
     std::vector<StateSegment> placed;
     for (const auto& [segment, where] : segments) {
       RAGSHARD_ASSIGN_OR_RETURN(char* to, place(static_cast<int>(l), segment, where.second));
       if (where.second > 0) {
-        std::memcpy(to, blob.data() + where.first, static_cast<size_t>(where.second));
+        std::memcpy(to, mine.data() + where.first, static_cast<size_t>(where.second));
       }
       placed.push_back({segment, to, where.second});
     }
     Record(static_cast<int>(l), placed, step);
     rebuilt += blob_bytes;
     // This node's own parity, from its sources' chunks as they are now.
-    int64_t longest = 0;
-    for (const Incoming& in : incoming) {
-      if (in.l == l && in.slot == 0) {
-        longest = std::max<int64_t>(longest, static_cast<int64_t>(in.bytes.size()));
-      }
-    }
     Slot& slot = SlotFor(static_cast<int>(l), step);
-    RAGSHARD_RETURN_IF_ERROR(Fill(&slot, longest));
+    RAGSHARD_RETURN_IF_ERROR(Fill(&slot, stripes[l][node_]));
     for (const ChunkRef& src : ParitySources(scheme_, nodes_, node_)) {
+      const Incoming* from = nullptr;
       for (const Incoming& in : incoming) {
-        if (in.l != l || in.slot != 0 || in.from != src.node) continue;
-        XorInto(slot.lease.data(), in.bytes.data(), static_cast<int64_t>(in.bytes.size()));
-        slot.source_blob.push_back(at(src.node, l, 0));
-        slot.source_crc.push_back(Crc(in.bytes.data(), static_cast<int64_t>(in.bytes.size())));
+        if (in.l == l && in.slot == 0 && in.from == src.node) from = &in;
       }
+      const int64_t bytes = from == nullptr ? 0 : static_cast<int64_t>(from->bytes.size());
+      if (from != nullptr) XorInto(slot.lease.data(), from->bytes.data(), bytes);
+      slot.source_blob.push_back(blob[l][src.node]);
+      slot.source_crc.push_back(Crc(from == nullptr ? "" : from->bytes.data(), bytes));
     }
     slot.step = step;
-    rebuilt += longest;
+    rebuilt += stripes[l][node_];
   }
+  DropAllBut(step);
   CountParities();
   return rebuilt;
 }

@@ -7,14 +7,18 @@
 // read as one blob: a directory naming each segment and its size, then the segments. With
 // "parity:K", the job's nodes form groups of K + 1; each node's blob (per local rank) is cut into K
 // chunks, and chunk c of the node at position p of its group is covered by the XOR parity that the
-// node at position s = (c < p ? c : c + 1) holds for stripe s: each node holds one stripe's
-// parity, 1/K of a blob. "replica" is K = 1 on a ring: node n's whole blob is copied on node n + 1.
+// node at position s = (c < p ? c : c + 1) holds for stripe s. The chunks of one stripe have one
+// length (StripeBytes), so that the group's parities add up to 1/K of its blobs even where the
+// blobs differ in size. "replica" is K = 1 on a ring: node n's whole blob is copied on node n + 1.
 //
 // Protect runs inside every optimizer step's transaction: each node sends its chunks to their
-// holders, which keep the XOR of what they receive with a CRC-32 of each chunk, tagged with the
-// step. A holder keeps the parity of the last two steps it protected, since the ranks' committed
-// steps may differ by one when a node is lost (docs/recovery.md, "One consistent step"): the
-// rebuild uses the one of the step every rank agreed on.
+// holders, which XOR what they receive into a new parity with a CRC-32 of each chunk, tagged with
+// the step; once every node has its new parity (a barrier), each drops its parity of the step
+// before. A node so holds one parity, and two only between a step's protect and that barrier.
+// A rank's committed step commits after the barrier, so where a node is lost, either some node
+// holds no parity of the step before any more, and then every node holds the new one and every
+// rank's state is that step's (the ranks roll forward to it), or every node still holds the one
+// before (they roll back): docs/recovery.md, "One consistent step".
 //
 // Thread-compatible: the job's thread calls Protect and Rebuild, one at a time.
 #pragma once
@@ -53,8 +57,20 @@ struct ChunkRef {
 std::vector<ChunkRef> ParitySources(const RedundancyScheme& scheme, int nodes, int holder);
 // The node that keeps the parity covering chunk `chunk` of node `node`.
 int ParityHolder(const RedundancyScheme& scheme, int nodes, int node, int chunk);
-// Bytes of each of the k chunks of a blob of `blob_bytes`: ceil(blob / k), rounded up to 64.
-int64_t ChunkBytes(int64_t blob_bytes, int k);
+// The parity bytes each node holds (by node) for one local rank, from every node's blob bytes at
+// the step (`blob`, by node). With parity:K, per group: the least P such that every node's K
+// chunks, of lengths max(0, P - blob[h]) over its chunks' holders h, cover its blob; the stripe of
+// holder h is that length. P = ceil(sum / K) where no blob exceeds sum / K, and then the
+// parities add up to 1/K of the group's blobs. With replica: the blob of the node before.
+std::vector<int64_t> StripeBytes(const RedundancyScheme& scheme, const std::vector<int64_t>& blob);
+// Where chunk `chunk` of node `node`'s blob lies in it: [offset, offset + bytes), clipped to the
+// blob (its stripe's parity is longer where the chunk ends early: zeros beyond).
+struct ChunkSpan {
+  int64_t offset = 0;
+  int64_t bytes = 0;
+};
+ChunkSpan ChunkOf(const RedundancyScheme& scheme, const std::vector<int64_t>& stripes,
+                  const std::vector<int64_t>& blob, int node, int chunk);
 
 // One segment of a rank's protected state: "shard/<unit>" (a parameter shard) or a state
 // buffer's name.
@@ -83,25 +99,34 @@ class NodeRedundancy {
   // Every node, once every rank is back at step `step` (the one all agreed on): where a node is a
   // replacement (`replacement`, its `state` ignored), the others send it what it needs, and it
   // rebuilds each local rank's blob, checks each chunk's CRC and writes the segments through
-  // `place`. Returns the bytes this node rebuilt (0 on the others, and where no node is a
-  // replacement). A lost chunk that cannot be rebuilt (two nodes of one group replaced, a holder
-  // without the step's parity) is FAILED_PRECONDITION, and a rebuilt chunk whose CRC differs is
-  // DATA_LOSS, naming the chunk.
+  // `place`. Every node then keeps only its parity of `step` (another step's would cover state
+  // the ranks no longer hold). Returns the bytes this node rebuilt (0 on the others, and where
+  // no node is a replacement). A lost chunk that cannot be rebuilt (two nodes of one group
+  // replaced, a holder without the step's parity) is FAILED_PRECONDITION, and a rebuilt chunk whose
+  // CRC differs is DATA_LOSS, naming the chunk.
   absl::StatusOr<int64_t> Rebuild(Comm& comm, bool replacement,
                                   const std::vector<std::vector<StateSegment>>& state, int64_t step,
                                   const PlaceSegment& place, absl::Time deadline, uint64_t seq);
 
   // Bytes of the pool this node's parities hold, and of the local ranks' blobs the last Protect
-  // covered. Thread-safe (the stats read them while the job's thread protects).
+  // covered, and the steps this node holds every local rank's parity of (one, or two between a
+  // protect and its barrier or after a failed one). Thread-safe (the stats read them while the
+  // job's thread protects).
   int64_t parity_bytes() const;
   int64_t protected_bytes() const { return protected_bytes_.load(); }
+  std::vector<int64_t> parity_steps() const;
   // Tests: flips byte `at` of local rank `local`'s parity of `step` (where it has one).
   void FlipParityByteForTest(int local, int64_t step, int64_t at);
+  // Tests: runs inside Protect once this node's new parity is whole, before the barrier; an error
+  // ends the Protect there (a node lost at that point).
+  void SetBeforeBarrierForTest(std::function<absl::Status()> hook) {
+    before_barrier_ = std::move(hook);
+  }
 
  private:
   struct Slot {
     Lease lease;
-    int64_t bytes = 0;                 // the parity's length: the largest source chunk
+    int64_t bytes = 0;                 // the parity's length: its stripe's
     int64_t step = -1;                 // the step it protects; -1 while unused
     std::vector<int64_t> source_blob;  // by ParitySources order: the source's blob bytes
     std::vector<uint32_t> source_crc;  // and the CRC-32 of its chunk
@@ -117,7 +142,11 @@ class NodeRedundancy {
                                                         const std::vector<StateSegment>& state,
                                                         int64_t step) const;
   void Record(int local, const std::vector<StateSegment>& state, int64_t step);
+  // Where a new parity of `step` goes: not the slot of the step before (the fallback until the
+  // barrier), nor that of `step` itself where there is another.
   Slot& SlotFor(int local, int64_t step);
+  // After a protect's barrier: every parity but that of `step` goes back to the pool.
+  void DropAllBut(int64_t step);
   void CountParities();
   const Slot* FindSlot(int local, int64_t step) const;
   absl::Status Fill(Slot* slot, int64_t bytes);
@@ -131,6 +160,8 @@ class NodeRedundancy {
   std::vector<std::array<Own, 2>> own_;     // by local rank
   std::atomic<int64_t> protected_bytes_{0};
   std::atomic<int64_t> parity_bytes_{0};
+  std::array<std::atomic<int64_t>, 2> parity_steps_{-1, -1};
+  std::function<absl::Status()> before_barrier_;
 };
 
 }  // namespace ragshard::daemon

@@ -59,13 +59,15 @@ def same(out, ref):
             f"{name}: max |delta| {float((a[name] - b[name]).abs().max()):.3g}"
 
 
-def lose_node(cluster, tmp_path, job, redundancy, step, phase):
-    """Runs the training; when both ranks of node 1 (ranks 2 and 3) are held at `phase` of
-    `step`, kills its daemon and them with SIGKILL and starts a replacement daemon. Returns the
-    output path and the launcher's stderr."""
-    marks = [str(tmp_path / f"{job}-hold{r}") for r in (2, 3)]
+def lose_node(cluster, tmp_path, job, redundancy, step, phase, also=()):
+    """Runs the training; when both ranks of node 1 (ranks 2 and 3), and the ranks `also` of
+    the other nodes, are held at `phase` of `step`, kills node 1's daemon and all of them with
+    SIGKILL and starts a replacement daemon. Returns the output path and the launcher's
+    stderr."""
+    ranks = (2, 3) + tuple(also)
+    marks = [str(tmp_path / f"{job}-hold{r}") for r in ranks]
     out, cmd = command(cluster, tmp_path, job, redundancy,
-                       [f"--hold-at={r}:{step}:{phase}:{m}" for r, m in zip((2, 3), marks)])
+                       [f"--hold-at={r}:{step}:{phase}:{m}" for r, m in zip(ranks, marks)])
     p = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True)
     try:
@@ -100,14 +102,19 @@ def reference(cluster, tmp_path, redundancy):
     return _REFERENCES[redundancy]
 
 
-@pytest.mark.parametrize("redundancy,step,phase", [
-    ("parity:2", 3, "step"), ("replica", 3, "between"),
+@pytest.mark.parametrize("redundancy,step,phase,also", [
+    ("parity:2", 3, "step", ()), ("replica", 3, "between", ()),
     # Lost before the first step commits: rebuilt to the state every rank started from.
-    ("parity:2", 1, "forward")])
-def test_a_lost_node_is_rebuilt_on_a_replacement(cluster, tmp_path, redundancy, step, phase):
+    ("parity:2", 1, "forward", ()),
+    # Lost once step 3's protection is done everywhere, with rank 0 (node 0) lost before it
+    # committed step 3 while the other survivors did: the nodes hold step 3's parity only, and
+    # rank 0 rolls forward to step 3 (docs/recovery.md, "One parity held").
+    ("parity:2", 3, "protected", (0,))])
+def test_a_lost_node_is_rebuilt_on_a_replacement(cluster, tmp_path, redundancy, step, phase,
+                                                 also):
     ref = reference(cluster, tmp_path, redundancy)
     job = f"lost-{redundancy[:6]}-{step}-{phase}"
-    out, stderr = lose_node(cluster, tmp_path, job, redundancy, step, phase)
+    out, stderr = lose_node(cluster, tmp_path, job, redundancy, step, phase, also)
     assert "rank 2 exited with -9; restarting it" in stderr
     same(out, ref)
     show = ctl(cluster, "job", "show", job)

@@ -18,7 +18,7 @@ from .meta import adopt_meta
 from .params import adopt
 from .quantized import QuantizedGathers, plan_quantized_units
 from .recovery import (PoolState, StepJournal, agree_on_committed, rebuild_state,
-                       shard_tensors)
+                       redundancy_step, shard_tensors)
 from .shards import RankShards
 from .state import ModuleState
 from .trace import Trace
@@ -139,12 +139,17 @@ class ShardedModule(torch.nn.Module):
         """A recovered rank (docs/recovery.md): agrees with the others on the last step all of
         them completed, brings its state back to it, and drops the interrupted step's
         gradients. A replacement node's rank has no state: it takes no part in the agreement,
-        and its state is rebuilt from the others' redundancy (`rebuild_state`)."""
-        self.resume_step = agree_on_committed(self._control, self._journal.committed,
-                                              have=not replacement)
-        if not replacement:
-            self._journal.roll_back(self.resume_step)
-        rebuild_state(self.client, self._control, replacement, self._journal, self.resume_step)
+        and its state is rebuilt from the others' redundancy (`rebuild_state`). With redundancy,
+        the ranks may roll forward one step instead (`redundancy_step`)."""
+        have = not replacement
+        step = agree_on_committed(self._control, self._journal.committed, have=have)
+        if self.redundancy:
+            step = redundancy_step(self.client, self._control, self._journal, step, have=have)
+        if have:
+            self._journal.roll_to(step)
+        if self.redundancy:
+            rebuild_state(self.client, replacement, self._journal, step)
+        self.resume_step = step
         for ui in self.units():
             as_tensor(self.client.grad_shard(ui)).zero_()
 

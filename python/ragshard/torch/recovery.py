@@ -105,6 +105,18 @@ class StepJournal:
         """A step that raised: its transaction stays begun (a restart undoes it)."""
         self._depth = 0
 
+    def roll_to(self, to):
+        """Brings this rank's state to the end of step `to`: forward where the rank began step
+        `to` and its state is that step's already (redundancy_step says when), else back."""
+        committed, begun = int(self.meta[0]), int(self.meta[1])
+        if committed < to:
+            if begun != to:
+                raise RuntimeError(f"ragshard recovery: this rank committed step {committed} "
+                                   f"(began {begun}); it cannot roll forward to step {to}")
+            self.meta[0] = to
+            return
+        self.roll_back(to)
+
     def roll_back(self, to):
         """Brings this rank's state to the start of step `to` + 1: where it began a later step
         (or committed one), the undo copies go back."""
@@ -153,13 +165,28 @@ def agree_on_committed(control, committed, have=True):
     return low
 
 
-def rebuild_state(client, control, replacement, journal, step):
-    """Where a node was replaced (docs/recovery.md, "A lost node"), every rank rebuilds: the
-    other nodes send what the replacement's ranks need (OP_REBUILD), and those ranks' state
-    buffers and parameter shards hold their state at `step` again; their journal then says so.
-    Nothing where no rank is a replacement (a sum over the ranks tells)."""
-    if control.all_reduce_scalar(1.0 if replacement else 0.0) == 0.0:
-        return
+def redundancy_step(client, control, journal, low, have=True):
+    """The step the ranks resume at where the job keeps redundancy across nodes
+    (docs/recovery.md, "One consistent step"), `low` being the last step every rank committed:
+    `low` + 1 where every node holds its parity of that step and every rank with state began it,
+    else `low`. A node drops a step's parity only once every node holds the next one (a barrier
+    ends each OP_PROTECT), and each rank's OP_PROTECT comes after its optimizers: so where some
+    node dropped `low`'s, every rank's state is `low` + 1's and every node holds its parity (the
+    ranks roll forward); otherwise every node still holds `low`'s (they roll back). A rank
+    without state (`have` False) counts for nothing."""
+    miss = 0.0
+    if have:
+        steps = client.stats().get("parity_steps", [])
+        miss = 0.0 if int(journal.meta[1]) > low and low + 1 in steps else 1.0
+    return low + 1 if control.all_reduce_scalar(miss) == 0.0 else low
+
+
+def rebuild_state(client, replacement, journal, step):
+    """Every rank of a job with redundancy, once every rank is at `step` (OP_REBUILD): where a
+    node was replaced (docs/recovery.md, "A lost node"), the other nodes send what its ranks
+    need, and their state buffers and parameter shards hold their state at `step` again (their
+    journal then says so); and every node keeps only `step`'s parity (another step's, from a
+    protect that did not finish everywhere, covers state the ranks no longer hold)."""
     client.rebuild().wait()
     if replacement:
         journal.meta[0] = step

@@ -37,6 +37,35 @@ TEST(RedundancySchemeTest, EveryChunkHasOneHolderOnAnotherNode) {
   }
 }
 
+TEST(RedundancyStripesTest, UnevenBlobsMakeParitiesOfOneKthOfTheGroupsState) {
+  const RedundancyScheme parity2 = SchemeOf(*ParseRedundancy("redundancy", "parity:2"));
+  // Node 2 holds much less than the others (a ragged plan's last ranks): the stripes even it out.
+  const std::vector<int64_t> blob = {5200, 5200, 2070, 64, 64, 64};
+  const std::vector<int64_t> stripes = StripeBytes(parity2, blob);
+  EXPECT_EQ(stripes[0] + stripes[1] + stripes[2], (5200 + 5200 + 2070 + 1) / 2);
+  EXPECT_EQ(stripes[3] + stripes[4] + stripes[5], 96);
+  // A node holding more than the rest of its group together: its blob sets the parities.
+  const std::vector<int64_t> lopsided = StripeBytes(parity2, {10000, 100, 100});
+  EXPECT_EQ(lopsided, (std::vector<int64_t>{0, 5000, 5000}));
+  // Replica: each node holds the blob of the one before.
+  const RedundancyScheme replica = SchemeOf(*ParseRedundancy("redundancy", "replica"));
+  EXPECT_EQ(StripeBytes(replica, {10, 20, 30}), (std::vector<int64_t>{30, 10, 20}));
+  // Every node's chunks tile its blob, each no longer than the parity that covers it.
+  for (const std::vector<int64_t>& b : {blob, std::vector<int64_t>{10000, 100, 100, 0, 0, 7}}) {
+    const std::vector<int64_t> st = StripeBytes(parity2, b);
+    for (int n = 0; n < static_cast<int>(b.size()); ++n) {
+      int64_t at = 0;
+      for (int c = 0; c < parity2.k; ++c) {
+        const ChunkSpan span = ChunkOf(parity2, st, b, n, c);
+        EXPECT_EQ(span.offset, at) << n << " " << c;
+        EXPECT_LE(span.bytes, st[ParityHolder(parity2, 6, n, c)]);
+        at += span.bytes;
+      }
+      EXPECT_EQ(at, b[n]) << n;
+    }
+  }
+}
+
 // One node's ranks' state: segments of its own sizes, with values from a seed.
 struct NodeState {
   std::vector<std::map<std::string, std::string>> ranks;  // by local rank: name -> bytes
@@ -145,34 +174,85 @@ class RedundancyTest : public ::testing::TestWithParam<std::pair<std::string, in
   std::vector<std::unique_ptr<NodeRedundancy>> node_;
 };
 
-TEST_P(RedundancyTest, ALostNodeIsRebuiltBitForBitAtTheAgreedStep) {
-  std::vector<NodeState> at1, at2;
+TEST_P(RedundancyTest, ALostNodeIsRebuiltBitForBitFromOneStepsParity) {
+  std::vector<NodeState> at1, at2, at3;
   for (int n = 0; n < nodes_; ++n) at1.push_back(MakeState(n, kLocals, 1));
   for (int n = 0; n < nodes_; ++n) at2.push_back(MakeState(n, kLocals, 2));
+  for (int n = 0; n < nodes_; ++n) at3.push_back(MakeState(n, kLocals, 3));
   ProtectAll(at1, 1, 1);
   ProtectAll(at2, 2, 2);
-  // Each holder keeps the parity of the last two steps: 1/K of a blob each (and a bit).
-  int64_t largest_blob = 0;
-  for (auto& [name, bytes] : at1.back().ranks[1])
-    largest_blob += static_cast<int64_t>(bytes.size());
-  EXPECT_LE(node_[0]->parity_bytes(),
-            2 * kLocals * (ChunkBytes(largest_blob + 256, scheme_.k) + 256));
+  // One step's parity is kept: 1/K of the state (replica: 1x), up to the pool's rounding of each
+  // lease (to 256 bytes).
+  int64_t state = 0;
+  int64_t parity = 0;
+  for (int n = 0; n < nodes_; ++n) {
+    state += node_[n]->protected_bytes();
+    parity += node_[n]->parity_bytes();
+    EXPECT_EQ(node_[n]->parity_steps(), std::vector<int64_t>{2}) << n;
+  }
+  EXPECT_GE(parity, state / scheme_.k);
+  EXPECT_LE(parity, state / scheme_.k + nodes_ * kLocals * 256);
 
-  // Node 1 is lost while the others are back at step 1 (they roll back): its state at step 1.
+  // Step 1's parity is gone: a rebuild there is refused, on every node alike.
   std::vector<NodeState> placed;
-  auto results = RebuildAll(at1, {1}, 1, &placed);
+  auto refused = RebuildAll(at1, {1}, 1, &placed);
+  for (int n = 0; n < nodes_; ++n) {
+    ASSERT_FALSE(refused[n].ok()) << n;
+    EXPECT_THAT(refused[n].status().message(), HasSubstr("no parity of step 1")) << n;
+  }
+  auto results = RebuildAll(at2, {1}, 2, &placed);
   for (int n = 0; n < nodes_; ++n) ASSERT_TRUE(results[n].ok()) << n << results[n].status();
   EXPECT_GT(*results[1], 0);
   EXPECT_EQ(*results[0], 0);
-  EXPECT_EQ(placed[1].ranks, at1[1].ranks);
+  EXPECT_EQ(placed[1].ranks, at2[1].ranks);
 
-  // The replacement's own parity was rebuilt too: protect step 2 and lose another node.
-  at1[1] = placed[1];
-  ProtectAll(at2, 2, 3);
+  // The replacement's own parity was rebuilt too: protect step 3 and lose another node.
+  ProtectAll(at3, 3, 3);
   const int other = nodes_ - 1 == 1 ? 0 : nodes_ - 1;
-  auto again = RebuildAll(at2, {other}, 2, &placed);
+  auto again = RebuildAll(at3, {other}, 3, &placed);
   for (int n = 0; n < nodes_; ++n) ASSERT_TRUE(again[n].ok()) << n << again[n].status();
-  EXPECT_EQ(placed[other].ranks, at2[other].ranks);
+  EXPECT_EQ(placed[other].ranks, at3[other].ranks);
+}
+
+TEST_P(RedundancyTest, ANodeLostBeforeTheBarrierLeavesBothStepsRebuildable) {
+  std::vector<NodeState> at1, at2;
+  for (int n = 0; n < nodes_; ++n) at1.push_back(MakeState(n, kLocals, 1));
+  for (int n = 0; n < nodes_; ++n) at2.push_back(MakeState(n, kLocals, 2));
+  // The ranks roll forward to step 2 (rebuilt there), or back to step 1; either way every node
+  // then keeps only that step's parity.
+  for (int64_t target : {2, 1}) {
+    for (int n = 0; n < nodes_; ++n) {
+      node_[n] = std::make_unique<NodeRedundancy>(scheme_, n, names_, kLocals, pool_.get());
+    }
+    ProtectAll(at1, 1, 1);
+    // Node 1 is lost once every node has step 2's parity, before the barrier: the others keep
+    // step 1's too (none could know that every other has step 2's).
+    {
+      testing::MemFabric fabric(nodes_);
+      node_[1]->SetBeforeBarrierForTest([&fabric] {
+        fabric.Lose(1);
+        return absl::UnavailableError("node 1 lost");
+      });
+      OnEveryNode(&fabric, nodes_, [&](int n, Comm& comm) {
+        const absl::Status s =
+            node_[n]->Protect(comm, at2[n].Segments(), 2, absl::Now() + absl::Seconds(30), 2);
+        EXPECT_FALSE(s.ok()) << n;
+      });
+    }
+    for (int n = 0; n < nodes_; ++n) {
+      if (n != 1) {
+        EXPECT_EQ(node_[n]->parity_steps(), (std::vector<int64_t>{1, 2})) << n;
+      }
+    }
+    std::vector<NodeState>& state = target == 2 ? at2 : at1;
+    std::vector<NodeState> placed;
+    auto results = RebuildAll(state, {1}, target, &placed);
+    for (int n = 0; n < nodes_; ++n) {
+      ASSERT_TRUE(results[n].ok()) << n << results[n].status();
+      EXPECT_EQ(node_[n]->parity_steps(), std::vector<int64_t>{target}) << n;
+    }
+    EXPECT_EQ(placed[1].ranks, state[1].ranks) << target;
+  }
 }
 
 TEST_P(RedundancyTest, AChunkRebuiltFromChangedDataFailsItsChecksumNamingIt) {
