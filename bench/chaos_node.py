@@ -5,7 +5,8 @@ daemon started with the lost node's id, which rebuilds its ranks' state from the
 parity (parity:2) or copy (replica) (issue 55; docs/recovery.md, "A lost node").
 
 Each trial (its own LocalCluster) draws the node (0 to 2), the step (1 to STEPS - 1) and the
-phase (forward, backward, step, between) from a seeded RNG; both ranks of that node are held
+phase (forward, backward, step, protected: after the step's protection and before it commits,
+between) from a seeded RNG; both ranks of that node are held
 there (train_tiny.py --hold-at: each writes its pid into a mark file and sleeps), then the
 daemon is killed, the two ranks are killed, and the replacement daemon is started, as
 tests/python/test_node_loss.py does. The scheme: parity:2 in trials 1 to PARITY_TRIALS, replica
@@ -36,7 +37,7 @@ MODEL = ["--layers", "2", "--dim", "64", "--heads", "4", "--seq", "16", "--batch
          "--vocab", "32", "--quiet", "--optimizer", "adamw"]
 STEPS = 8
 DAEMONS, PER_NODE = 3, 2
-PHASES = ["forward", "backward", "step", "between"]
+PHASES = ["forward", "backward", "step", "protected", "between"]
 PARITY_TRIALS = 10  # parity:2 in trials 1..10, replica after
 DEADLINE = 60.0  # the job's recovery deadline (s)
 RECOVERY_LIMIT = DEADLINE + 30.0  # from the daemon's kill to the launcher's exit

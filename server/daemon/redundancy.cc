@@ -244,9 +244,10 @@ NodeRedundancy::Slot& NodeRedundancy::SlotFor(int local, int64_t step) {
 }
 
 void NodeRedundancy::DropAllBut(int64_t step) {
-  for (std::array<Slot, 2>& pair : slots_) {
-    for (Slot& x : pair) {
-      if (x.step == step) continue;
+  for (size_t l = 0; l < slots_.size(); ++l) {
+    const Slot* keep = FindSlot(static_cast<int>(l), step);
+    for (Slot& x : slots_[l]) {
+      if (&x == keep) continue;
       x.lease.Release();
       x.step = -1;
       x.bytes = 0;
@@ -257,10 +258,13 @@ void NodeRedundancy::DropAllBut(int64_t step) {
 }
 
 const NodeRedundancy::Slot* NodeRedundancy::FindSlot(int local, int64_t step) const {
+  const Slot* newest = nullptr;
   for (const Slot& s : slots_[static_cast<size_t>(local)]) {
-    if (s.step == step && s.lease.valid()) return &s;
+    if (s.step == step && s.lease.valid() && (newest == nullptr || s.made > newest->made)) {
+      newest = &s;
+    }
   }
-  return nullptr;
+  return newest;
 }
 
 absl::Status NodeRedundancy::Fill(Slot* slot, int64_t bytes) {
@@ -292,7 +296,8 @@ int64_t NodeRedundancy::parity_bytes() const { return parity_bytes_.load(); }
 std::vector<int64_t> NodeRedundancy::parity_steps() const {
   std::vector<int64_t> out;
   for (const std::atomic<int64_t>& s : parity_steps_) {
-    if (s.load() >= 0) out.push_back(s.load());
+    const int64_t step = s.load();
+    if (step >= 0) out.push_back(step);
   }
   std::sort(out.begin(), out.end());
   return out;
@@ -306,8 +311,8 @@ void NodeRedundancy::CountParities() {
   parity_bytes_.store(total);
   // The steps every local rank has a parity of.
   for (size_t i = 0; i < parity_steps_.size(); ++i) {
-    const int64_t step = slots_.empty() ? -1 : slots_[0][i].step;
-    bool all = step >= 0;
+    const int64_t step = slots_.empty() || !slots_[0][i].lease.valid() ? -1 : slots_[0][i].step;
+    bool all = step >= 0 && (i == 0 || step != slots_[0][0].step);
     for (int l = 0; all && l < locals_; ++l) all = FindSlot(l, step) != nullptr;
     parity_steps_[i].store(all ? step : -1);
   }
@@ -316,6 +321,14 @@ void NodeRedundancy::CountParities() {
 absl::Status NodeRedundancy::Protect(Comm& comm,
                                      const std::vector<std::vector<StateSegment>>& state,
                                      int64_t step, absl::Time deadline, uint64_t seq) {
+  const absl::Status done = ProtectBlobs(comm, state, step, deadline, seq);
+  CountParities();
+  return done;
+}
+
+absl::Status NodeRedundancy::ProtectBlobs(Comm& comm,
+                                          const std::vector<std::vector<StateSegment>>& state,
+                                          int64_t step, absl::Time deadline, uint64_t seq) {
   const int k = scheme_.k;
   const size_t L = static_cast<size_t>(locals_);
   std::vector<std::vector<char>> blobs(L);
@@ -363,6 +376,7 @@ absl::Status NodeRedundancy::Protect(Comm& comm,
   }
   requests.insert(requests.end(), sends.begin(), sends.end());
   RAGSHARD_RETURN_IF_ERROR(comm.WaitAll(requests, deadline));
+  const uint64_t made = ++made_;
   for (size_t l = 0; l < L; ++l) {
     Slot& slot = SlotFor(static_cast<int>(l), step);
     RAGSHARD_RETURN_IF_ERROR(Fill(&slot, stripes[l][node_]));
@@ -373,6 +387,7 @@ absl::Status NodeRedundancy::Protect(Comm& comm,
       slot.source_crc.push_back(Crc(chunk.data(), static_cast<int64_t>(chunk.size())));
     }
     slot.step = step;
+    slot.made = made;
   }
   CountParities();
   if (before_barrier_) RAGSHARD_RETURN_IF_ERROR(before_barrier_());
@@ -383,7 +398,6 @@ absl::Status NodeRedundancy::Protect(Comm& comm,
   RAGSHARD_RETURN_IF_ERROR(AllGather(comm, reinterpret_cast<char*>(arrived.data()), sizeof(int64_t),
                                      deadline, Stamp(seq, 4, 0)));
   DropAllBut(step);
-  CountParities();
   return absl::OkStatus();
 }
 
@@ -507,11 +521,14 @@ absl::StatusOr<int64_t> NodeRedundancy::Rebuild(Comm& comm, bool replacement,
       blob[l][n] = replaced[n] ? at(h0, l, 3 + source_index(h0, n, 0)) : at(n, l, 0);
     }
     stripes[l] = StripeBytes(scheme_, blob[l]);
-    for (int n = 0; n < nodes_; ++n) {
-      if (!replaced[n] && at(n, l, 1) == 1 && at(n, l, 2) != stripes[l][n]) {
-        return absl::DataLossError(absl::StrCat(
-            "node ", name(n), "'s parity of step ", step, " for local rank ", l, " has ",
-            at(n, l, 2), " bytes; the blobs it covers make its stripe ", stripes[l][n]));
+    for (int x : rebuilt_nodes) {
+      for (int c = 0; c < k; ++c) {
+        const int n = ParityHolder(scheme_, nodes_, x, c);
+        if (at(n, l, 2) != stripes[l][n]) {
+          return absl::DataLossError(absl::StrCat(
+              "node ", name(n), "'s parity of step ", step, " for local rank ", l, " has ",
+              at(n, l, 2), " bytes; the blobs it covers make its stripe ", stripes[l][n]));
+        }
       }
     }
   }
@@ -639,6 +656,7 @@ absl::StatusOr<int64_t> NodeRedundancy::Rebuild(Comm& comm, bool replacement,
       slot.source_crc.push_back(Crc(from == nullptr ? "" : from->bytes.data(), bytes));
     }
     slot.step = step;
+    slot.made = ++made_;
     rebuilt += stripes[l][node_];
   }
   DropAllBut(step);

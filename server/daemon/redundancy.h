@@ -128,6 +128,7 @@ class NodeRedundancy {
     Lease lease;
     int64_t bytes = 0;                 // the parity's length: its stripe's
     int64_t step = -1;                 // the step it protects; -1 while unused
+    uint64_t made = 0;                 // when it was made whole (Protect's count): newest wins
     std::vector<int64_t> source_blob;  // by ParitySources order: the source's blob bytes
     std::vector<uint32_t> source_crc;  // and the CRC-32 of its chunk
   };
@@ -145,8 +146,12 @@ class NodeRedundancy {
   // Where a new parity of `step` goes: not the slot of the step before (the fallback until the
   // barrier), nor that of `step` itself where there is another.
   Slot& SlotFor(int local, int64_t step);
-  // After a protect's barrier: every parity but that of `step` goes back to the pool.
+  // After a protect's barrier, or a rebuild: every parity but the newest of `step` goes back to
+  // the pool.
   void DropAllBut(int64_t step);
+  // Protect's body (Protect counts the parities after it, however it ends).
+  absl::Status ProtectBlobs(Comm& comm, const std::vector<std::vector<StateSegment>>& state,
+                            int64_t step, absl::Time deadline, uint64_t seq);
   void CountParities();
   const Slot* FindSlot(int local, int64_t step) const;
   absl::Status Fill(Slot* slot, int64_t bytes);
@@ -161,6 +166,7 @@ class NodeRedundancy {
   std::atomic<int64_t> protected_bytes_{0};
   std::atomic<int64_t> parity_bytes_{0};
   std::array<std::atomic<int64_t>, 2> parity_steps_{-1, -1};
+  uint64_t made_ = 0;  // parities made whole so far
   std::function<absl::Status()> before_barrier_;
 };
 

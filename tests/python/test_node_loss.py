@@ -59,14 +59,14 @@ def same(out, ref):
             f"{name}: max |delta| {float((a[name] - b[name]).abs().max()):.3g}"
 
 
-def lose_node(cluster, tmp_path, job, redundancy, step, phase, also=()):
+def lose_node(cluster, tmp_path, job, redundancy, step, phase, also=(), extra=()):
     """Runs the training; when both ranks of node 1 (ranks 2 and 3), and the ranks `also` of
     the other nodes, are held at `phase` of `step`, kills node 1's daemon and all of them with
     SIGKILL and starts a replacement daemon. Returns the output path and the launcher's
     stderr."""
     ranks = (2, 3) + tuple(also)
     marks = [str(tmp_path / f"{job}-hold{r}") for r in ranks]
-    out, cmd = command(cluster, tmp_path, job, redundancy,
+    out, cmd = command(cluster, tmp_path, job, redundancy, list(extra) +
                        [f"--hold-at={r}:{step}:{phase}:{m}" for r, m in zip(ranks, marks)])
     p = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True)
@@ -90,31 +90,37 @@ def lose_node(cluster, tmp_path, job, redundancy, step, phase, also=()):
     return out, stderr
 
 
-_REFERENCES = {}  # redundancy -> the uninterrupted run's output, once per session
+_REFERENCES = {}  # (redundancy, arguments) -> the uninterrupted run's output, once per session
 
 
-def reference(cluster, tmp_path, redundancy):
-    if redundancy not in _REFERENCES:
-        ref, cmd = command(cluster, tmp_path, f"ref-{redundancy[:6]}", redundancy)
+def reference(cluster, tmp_path, redundancy, extra=()):
+    key = (redundancy, tuple(extra))
+    if key not in _REFERENCES:
+        ref, cmd = command(cluster, tmp_path, f"ref-{redundancy[:6]}-{len(_REFERENCES)}",
+                           redundancy, extra)
         r = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stdout + r.stderr
-        _REFERENCES[redundancy] = ref
-    return _REFERENCES[redundancy]
+        _REFERENCES[key] = ref
+    return _REFERENCES[key]
 
 
-@pytest.mark.parametrize("redundancy,step,phase,also", [
-    ("parity:2", 3, "step", ()), ("replica", 3, "between", ()),
+@pytest.mark.parametrize("redundancy,step,phase,also,extra", [
+    ("parity:2", 3, "step", (), ()), ("replica", 3, "between", (), ()),
     # Lost before the first step commits: rebuilt to the state every rank started from.
-    ("parity:2", 1, "forward", ()),
+    ("parity:2", 1, "forward", (), ()),
     # Lost once step 3's protection is done everywhere, with rank 0 (node 0) lost before it
     # committed step 3 while the other survivors did: the nodes hold step 3's parity only, and
     # rank 0 rolls forward to step 3 (docs/recovery.md, "One parity held").
-    ("parity:2", 3, "protected", (0,))])
+    ("parity:2", 3, "protected", (0,), ()),
+    # Muon's step holds AdamW's inside it: the step is protected once, whole, after Muon's part
+    # too (a protect after AdamW's part alone would let the ranks roll forward to a step half
+    # done).
+    ("replica", 3, "protected", (0,), ("--optimizer", "muon"))])
 def test_a_lost_node_is_rebuilt_on_a_replacement(cluster, tmp_path, redundancy, step, phase,
-                                                 also):
-    ref = reference(cluster, tmp_path, redundancy)
-    job = f"lost-{redundancy[:6]}-{step}-{phase}"
-    out, stderr = lose_node(cluster, tmp_path, job, redundancy, step, phase, also)
+                                                 also, extra):
+    ref = reference(cluster, tmp_path, redundancy, extra)
+    job = f"lost-{redundancy[:6]}-{step}-{phase}{'-' + extra[-1] if extra else ''}"
+    out, stderr = lose_node(cluster, tmp_path, job, redundancy, step, phase, also, extra)
     assert "rank 2 exited with -9; restarting it" in stderr
     same(out, ref)
     show = ctl(cluster, "job", "show", job)

@@ -101,9 +101,11 @@ class ShardedModule(torch.nn.Module):
             self._journal = StepJournal(self._shards.pool, self._journaled)
             if adopted or replacement:
                 self._recover(replacement)
-            if self.redundancy and self._journal.committed == 0:
+            if self.redundancy and self._journal.committed == 0 and \
+                    self._control.all_reduce_scalar(self._lacks_parity(0)) > 0:
                 # Step 0, the state every rank starts from (a node lost before the first step
-                # commits is rebuilt to it).
+                # commits is rebuilt to it), unless every node holds it already (a recovery
+                # back to step 0: protecting it again would put a second parity beside it).
                 self.client.protect().wait()
         self.checkpoint_writing = None  # an asynchronous checkpoint save writing the state
 
@@ -135,6 +137,10 @@ class ShardedModule(torch.nn.Module):
         out.update(self._shards.named_state())
         return out
 
+    def _lacks_parity(self, step):
+        """1.0 where this rank's node holds no parity of `step` (JobStats.parity_steps)."""
+        return 0.0 if step in self.client.stats().get("parity_steps", []) else 1.0
+
     def _recover(self, replacement=False):
         """A recovered rank (docs/recovery.md): agrees with the others on the last step all of
         them completed, brings its state back to it, and drops the interrupted step's
@@ -161,10 +167,13 @@ class ShardedModule(torch.nn.Module):
             yield
             return
         self._journal.begin()
+        outermost = self._journal.depth == 1
         try:
             yield
-            if self.redundancy:
-                self.client.protect().wait()  # this step's state, before it commits
+            if self.redundancy and outermost:
+                # This step's state once whole (a nested step, ShardedMuon's AdamW, is part of
+                # it), before it commits: docs/recovery.md, "One parity held".
+                self.client.protect().wait()
         except BaseException:
             self._journal.abandon()
             raise

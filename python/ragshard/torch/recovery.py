@@ -12,7 +12,8 @@ step committed. A process lost in the middle leaves the mark begun: the restarte
 undo copy back. Ranks agree on the last step every one of them committed (`resume`), since a
 rank may have committed a step that another did not finish; those ahead roll back one step too
 (their undo copy is that step's start, since no rank can begin the next step's update before
-every rank has finished this one: the next forward's gathers need them all). The script then
+every rank has finished this one: the next forward's gathers need them all). With redundancy
+across nodes they may roll forward one step instead (`redundancy_step`). The script then
 redoes the interrupted step from its start (`ShardedModule.resume_step`).
 """
 import json
@@ -55,6 +56,7 @@ class StepJournal:
         self._depth = 0
 
     committed = property(lambda self: int(self.meta[0]))
+    depth = property(lambda self: self._depth, doc="Open transactions (nested ones count).")
 
     def _undo_of(self, name, t):
         u = self._undo.get(name)

@@ -255,6 +255,25 @@ TEST_P(RedundancyTest, ANodeLostBeforeTheBarrierLeavesBothStepsRebuildable) {
   }
 }
 
+TEST_P(RedundancyTest, AStepProtectedTwiceKeepsItsNewestParityOnly) {
+  std::vector<NodeState> first, second;
+  for (int n = 0; n < nodes_; ++n) first.push_back(MakeState(n, kLocals, 4));
+  for (int n = 0; n < nodes_; ++n) second.push_back(MakeState(n, kLocals, 5));
+  ProtectAll(first, 0, 1);
+  const int64_t once = node_[0]->parity_bytes();
+  // Step 0 again (a recovery back to it), with the state as it is now: one parity of it stays,
+  // the newest, and a rebuild uses it.
+  ProtectAll(second, 0, 2);
+  for (int n = 0; n < nodes_; ++n) {
+    EXPECT_EQ(node_[n]->parity_steps(), std::vector<int64_t>{0}) << n;
+  }
+  EXPECT_EQ(node_[0]->parity_bytes(), once);
+  std::vector<NodeState> placed;
+  auto results = RebuildAll(second, {1}, 0, &placed);
+  for (int n = 0; n < nodes_; ++n) ASSERT_TRUE(results[n].ok()) << n << results[n].status();
+  EXPECT_EQ(placed[1].ranks, second[1].ranks);
+}
+
 TEST_P(RedundancyTest, AChunkRebuiltFromChangedDataFailsItsChecksumNamingIt) {
   std::vector<NodeState> st;
   for (int n = 0; n < nodes_; ++n) st.push_back(MakeState(n, kLocals, 3));
