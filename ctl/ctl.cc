@@ -74,9 +74,11 @@ int RunCtl(int argc, const char* const* argv, std::ostream& out, std::ostream& e
                          "SECONDS: a lost rank is recovered in place if every node's ranks "
                          "re-attach within this long (0 or absent: a lost rank degrades the job)");
   job_create->add_option("--redundancy", create_flags.redundancy,
-                         "parity:K, replica or none (default): a lost node is rebuilt on a "
+                         "parity:K, replica, hsdp or none: a lost node is rebuilt on a "
                          "replacement daemon with its node id (needs --recovery-deadline); "
-                         "parity:K needs a multiple of K+1 nodes, replica at least 2");
+                         "parity:K needs a multiple of K+1 nodes, replica at least 2, hsdp "
+                         "--replicate 2 or more (its default there, where the replicas are on "
+                         "other nodes; else none)");
   job_create->add_option("--optimizer", spec.optimizer, "policy auto: adam or muon");
   job_create->add_option("--tokens-per-step", spec.tokens_per_step,
                          "policy auto: global batch in tokens");

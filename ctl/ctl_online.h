@@ -34,7 +34,8 @@ inline constexpr double kMaxRecoveryDeadlineS = 24 * 3600;
 struct JobCreateFlags {
   std::string memory_budget;      // a byte size ("80GiB"); empty: none
   std::string recovery_deadline;  // seconds ("120", "0.5"); empty: none
-  // none, replica or parity:K (infra/redundancy.h); anything but none needs a recovery deadline.
+  // none, replica, hsdp or parity:K (infra/redundancy.h); anything but none needs a recovery
+  // deadline.
   std::string redundancy;
 };
 int RunJobCreate(const Online& o, const JobSpec& spec, const JobCreateFlags& flags,

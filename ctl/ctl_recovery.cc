@@ -61,6 +61,10 @@ std::string RedundancyLines(const v1::Job& job) {
     absl::StrAppend(&out,
                     "redundancy:   replica (each node's state copied on another node; a "
                     "lost node is rebuilt on a replacement daemon)\n");
+  } else if (r.ok() && r->kind == Redundancy::Kind::kHsdp) {
+    absl::StrAppend(&out,
+                    "redundancy:   hsdp (each rank's shards held by its HSDP replicas on other "
+                    "nodes; a lost node is rebuilt on a replacement daemon from them)\n");
   }
   if (!out.empty() || job.rebuilds() > 0) {
     absl::StrAppend(&out, "rebuilds:     ", job.rebuilds(), " (", job.rebuilt_bytes(), " bytes)\n");

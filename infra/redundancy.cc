@@ -11,6 +11,7 @@ int64_t Redundancy::min_nodes() const {
     case Kind::kParity:
       return k + 1;
     case Kind::kReplica:
+    case Kind::kHsdp:
       return 2;
     case Kind::kNone:
       break;
@@ -24,6 +25,8 @@ std::string Redundancy::name() const {
       return absl::StrCat("parity:", k);
     case Kind::kReplica:
       return "replica";
+    case Kind::kHsdp:
+      return "hsdp";
     case Kind::kNone:
       break;
   }
@@ -35,6 +38,10 @@ absl::StatusOr<Redundancy> ParseRedundancy(absl::string_view field, absl::string
   if (value.empty() || value == "none") return r;
   if (value == "replica") {
     r.kind = Redundancy::Kind::kReplica;
+    return r;
+  }
+  if (value == "hsdp") {
+    r.kind = Redundancy::Kind::kHsdp;
     return r;
   }
   constexpr absl::string_view kParity = "parity:";
@@ -51,7 +58,7 @@ absl::StatusOr<Redundancy> ParseRedundancy(absl::string_view field, absl::string
     }
   }
   return absl::InvalidArgumentError(absl::StrCat(
-      field, ": '", value, "' is not a redundancy: use none, replica or parity:K (K in [1, ",
+      field, ": '", value, "' is not a redundancy: use none, replica, hsdp or parity:K (K in [1, ",
       kMaxParityK, "])"));
 }
 
@@ -65,6 +72,12 @@ absl::Status CheckRedundancyNodes(const Redundancy& r, int64_t nodes) {
           "redundancy replica needs at least 2 nodes (each node's state copied on another), but "
           "the job's ranks are on ",
           nodes, " node", nodes == 1 ? "" : "s"));
+    case Redundancy::Kind::kHsdp:
+      if (nodes >= 2) return absl::OkStatus();
+      return absl::FailedPreconditionError(absl::StrCat(
+          "redundancy hsdp needs the HSDP replicas on at least 2 nodes, but the job's ranks are "
+          "on ",
+          nodes, " node", nodes == 1 ? "" : "s"));
     case Redundancy::Kind::kParity:
       break;
   }
@@ -73,6 +86,30 @@ absl::Status CheckRedundancyNodes(const Redundancy& r, int64_t nodes) {
   return absl::FailedPreconditionError(absl::StrCat(
       "redundancy parity:", r.k, " needs a multiple of K + 1 = ", group, " nodes (groups of ",
       group, "), but the job's ranks are on ", nodes, " node", nodes == 1 ? "" : "s"));
+}
+
+absl::Status CheckHsdpLayout(int64_t shard, const std::vector<std::string>& rank_nodes) {
+  const int64_t world = static_cast<int64_t>(rank_nodes.size());
+  if (shard <= 0 || world % shard != 0) {
+    return absl::FailedPreconditionError(absl::StrCat("redundancy hsdp: a shard group of ", shard,
+                                                      " ranks does not divide the ", world,
+                                                      " ranks"));
+  }
+  for (int64_t q = 0; q < world; ++q) {
+    bool covered = false;
+    for (int64_t other = (q + shard) % world; other != q && !covered;
+         other = (other + shard) % world) {
+      covered = rank_nodes[other] != rank_nodes[q];
+    }
+    if (!covered) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "redundancy hsdp: rank ", q, " on node '", rank_nodes[q],
+          "' has no HSDP replica on another node (shard groups of ", shard, " ranks over ", world,
+          " ranks): losing that node would lose its shards; place the replica groups on "
+          "different nodes, or give another redundancy"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace ragshard

@@ -33,7 +33,9 @@ notice, are restarted without counting (docs/recovery.md). Restarts start a fres
 `--redundancy parity:K|replica` (with --max-restarts) also keeps every rank's state redundant
 across the daemons, so that a lost daemon is rebuilt on a replacement started with the same node
 id (docs/recovery.md, "A lost node"): parity:K needs the daemons in groups of K + 1, replica at
-least 2. A restarted rank whose daemon is not up yet waits for its socket within the recovery
+least 2. With --replicate R >= 2 the default is `hsdp` (where each rank has an HSDP replica on
+another daemon): a lost daemon is rebuilt from the other replica groups, at no memory of its
+own. A restarted rank whose daemon is not up yet waits for its socket within the recovery
 deadline (RAGSHARD_DAEMON_WAIT_S), which costs no restart.
 
 As torchrun does, when more than one rank shares a daemon (a node) and OMP_NUM_THREADS is not
@@ -123,9 +125,10 @@ def parse(argv):
                    help="with --max-restarts: seconds a recovery in place may take before the "
                         "job fails, named (default 120)")
     p.add_argument("--redundancy", default="",
-                   help="with --max-restarts: parity:K or replica, the job's redundancy across "
-                        "daemons, so that a lost daemon is rebuilt on a replacement "
-                        "(docs/recovery.md)")
+                   help="with --max-restarts: parity:K, replica or hsdp, the job's redundancy "
+                        "across daemons, so that a lost daemon is rebuilt on a replacement "
+                        "(docs/recovery.md; default: hsdp with --replicate 2 or more where "
+                        "the replicas are on different daemons, else none)")
     p.add_argument("script", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
     a = p.parse_args(argv)
@@ -190,13 +193,18 @@ def _check_redundancy(p, a):
         a.redundancy = ""
         return
     nodes = len(a.sockets)
-    if a.redundancy == "replica":
+    if a.redundancy == "hsdp":
+        need = 2
+        if a.replicate < 2:
+            p.error("--redundancy hsdp rebuilds a lost daemon from another HSDP replica group: "
+                    f"it needs --replicate 2 or more (got {a.replicate})")
+    elif a.redundancy == "replica":
         need = 2
     else:
         k = a.redundancy.removeprefix("parity:")
         if not a.redundancy.startswith("parity:") or not k.isdigit() or not 1 <= int(k) <= 16:
-            p.error(f"--redundancy {a.redundancy}: must be none, replica or parity:K with K in "
-                    "[1, 16]")
+            p.error(f"--redundancy {a.redundancy}: must be none, replica, hsdp or parity:K with K "
+                    "in [1, 16]")
         need = int(k) + 1
         if nodes % need:
             p.error(f"--redundancy {a.redundancy} needs the daemons in groups of {need}; "

@@ -84,7 +84,14 @@ absl::StatusOr<std::shared_ptr<JobRuntime>> NodeDaemon::SetUpJob(const std::stri
   auto redundancy = ParseRedundancy("redundancy", job->options().redundancy());
   if (!redundancy.ok()) return redundancy.status();
   RAGSHARD_RETURN_IF_ERROR(CheckRedundancyNodes(*redundancy, static_cast<int64_t>(nodes.size())));
-  const RedundancyScheme scheme = SchemeOf(*redundancy);
+  RedundancyScheme scheme = SchemeOf(*redundancy);
+  if (scheme.hsdp) {
+    // Node i holds ranks [i * k, (i + 1) * k) (NodeMesh): each rank needs a replica elsewhere.
+    scheme.shard_ranks = job->mesh().shard_size();
+    std::vector<std::string> rank_nodes;
+    for (const std::string& n : nodes) rank_nodes.insert(rank_nodes.end(), local.size(), n);
+    RAGSHARD_RETURN_IF_ERROR(CheckHsdpLayout(scheme.shard_ranks, rank_nodes));
+  }
   int me = 0;
   for (size_t i = 0; i < nodes.size(); ++i) {
     if (nodes[i] == options_.node_id) me = static_cast<int>(i);

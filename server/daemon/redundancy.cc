@@ -111,7 +111,8 @@ absl::StatusOr<std::vector<std::pair<std::string, std::pair<int64_t, int64_t>>>>
 RedundancyScheme SchemeOf(const Redundancy& redundancy) {
   RedundancyScheme s;
   s.replica = redundancy.kind == Redundancy::Kind::kReplica;
-  s.k = s.replica ? 1 : redundancy.k;
+  s.hsdp = redundancy.kind == Redundancy::Kind::kHsdp;
+  s.k = s.replica || s.hsdp ? 1 : redundancy.k;
   return s;
 }
 
@@ -321,6 +322,7 @@ void NodeRedundancy::CountParities() {
 absl::Status NodeRedundancy::Protect(Comm& comm,
                                      const std::vector<std::vector<StateSegment>>& state,
                                      int64_t step, absl::Time deadline, uint64_t seq) {
+  if (scheme_.hsdp) return absl::OkStatus();  // the replicas are the redundancy
   const absl::Status done = ProtectBlobs(comm, state, step, deadline, seq);
   CountParities();
   return done;
@@ -405,6 +407,8 @@ absl::StatusOr<int64_t> NodeRedundancy::Rebuild(Comm& comm, bool replacement,
                                                 const std::vector<std::vector<StateSegment>>& state,
                                                 int64_t step, const PlaceSegment& place,
                                                 absl::Time deadline, uint64_t seq) {
+  if (scheme_.hsdp)
+    return RebuildFromReplicas(comm, replacement, state, step, place, deadline, seq);
   const int k = scheme_.k;
   const size_t L = static_cast<size_t>(locals_);
   // Each node's block: [replacement, its pool's free bytes] then per local rank [blob bytes, has
@@ -661,6 +665,114 @@ absl::StatusOr<int64_t> NodeRedundancy::Rebuild(Comm& comm, bool replacement,
   }
   DropAllBut(step);
   CountParities();
+  return rebuilt;
+}
+
+absl::StatusOr<int64_t> NodeRedundancy::RebuildFromReplicas(
+    Comm& comm, bool replacement, const std::vector<std::vector<StateSegment>>& state, int64_t step,
+    const PlaceSegment& place, absl::Time deadline, uint64_t seq) {
+  const size_t L = static_cast<size_t>(locals_);
+  // Each node's block: [replacement, its pool's free bytes] then per local rank [blob bytes, its
+  // CRC-32].
+  const size_t block = 2 + 2 * L;
+  std::vector<int64_t> blocks(static_cast<size_t>(nodes_) * block, 0);
+  std::vector<std::vector<char>> blobs(L);
+  const PoolStats pool = pool_->Stats();
+  int64_t* mine = &blocks[static_cast<size_t>(node_) * block];
+  mine[0] = replacement ? 1 : 0;
+  mine[1] = pool.capacity - pool.used;
+  for (size_t l = 0; !replacement && l < L; ++l) {
+    blobs[l] = MakeBlob(state[l], &mine[2 + 2 * l]);
+    mine[3 + 2 * l] = Crc(blobs[l].data(), static_cast<int64_t>(blobs[l].size()));
+  }
+  RAGSHARD_RETURN_IF_ERROR(AllGather(comm, reinterpret_cast<char*>(blocks.data()),
+                                     block * sizeof(int64_t), deadline, Stamp(seq, 2, 0)));
+  auto field = [&](int n, size_t f) { return blocks[static_cast<size_t>(n) * block + f]; };
+  std::vector<bool> replaced(static_cast<size_t>(nodes_));
+  std::vector<int> rebuilt_nodes;
+  for (int n = 0; n < nodes_; ++n) {
+    replaced[n] = field(n, 0) == 1;
+    if (replaced[n]) rebuilt_nodes.push_back(n);
+  }
+  if (rebuilt_nodes.empty()) return 0;
+  auto name = [&](int n) { return absl::StrCat("'", node_names_[n], "'"); };
+  // The replica each replaced rank copies: the next rank of its shard position (q + shard,
+  // q + 2 shard, ...) on a node that kept its state. Every node picks the same.
+  const int64_t world = static_cast<int64_t>(nodes_) * locals_;
+  const int64_t shard = scheme_.shard_ranks;
+  struct Copy {
+    int to, to_local, from, from_local;
+  };
+  std::vector<Copy> copies;
+  for (int x : rebuilt_nodes) {
+    int64_t need = 0;
+    for (int l = 0; l < locals_; ++l) {
+      const int64_t q = static_cast<int64_t>(x) * locals_ + l;
+      int64_t other = shard > 0 && world % shard == 0 ? (q + shard) % world : q;
+      while (other != q && replaced[other / locals_]) other = (other + shard) % world;
+      if (other == q) {
+        std::vector<std::string> lost;
+        for (int n : rebuilt_nodes) lost.push_back(name(n));
+        return absl::FailedPreconditionError(
+            absl::StrCat("every HSDP replica of rank ", q, "'s shards was lost (nodes ",
+                         absl::StrJoin(lost, ", "), " replaced; shard groups of ", shard,
+                         " ranks over ", world, "): node ", name(x), " cannot be rebuilt"));
+      }
+      const int from = static_cast<int>(other / locals_);
+      const int from_local = static_cast<int>(other % locals_);
+      copies.push_back({x, l, from, from_local});
+      need += field(from, 2 + 2 * static_cast<size_t>(from_local));
+    }
+    if (need > field(x, 1)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("the replacement daemon of node ", name(x), " has ", field(x, 1),
+                       " bytes free in its pool; the lost node's ranks' state needs ", need,
+                       ": start it with a larger --pool-bytes"));
+    }
+  }
+  std::vector<std::vector<char>> got(L);
+  std::vector<uint64_t> receives;
+  std::vector<uint64_t> sends;
+  for (const Copy& c : copies) {
+    const uint64_t tag = Stamp(seq, 3, static_cast<uint64_t>(c.to_local));
+    const int64_t bytes = field(c.from, 2 + 2 * static_cast<size_t>(c.from_local));
+    if (node_ == c.from) {
+      RAGSHARD_ASSIGN_OR_RETURN(uint64_t r, comm.PostSend(c.to, tag, blobs[c.from_local].data(),
+                                                          static_cast<size_t>(bytes)));
+      sends.push_back(r);
+    } else if (node_ == c.to) {
+      got[c.to_local].resize(static_cast<size_t>(bytes));
+      RAGSHARD_ASSIGN_OR_RETURN(
+          uint64_t r, comm.PostRecv(c.from, tag, got[c.to_local].data(), got[c.to_local].size()));
+      receives.push_back(r);
+    }
+  }
+  receives.insert(receives.end(), sends.begin(), sends.end());
+  RAGSHARD_RETURN_IF_ERROR(comm.WaitAll(receives, deadline));
+  if (!replacement) return 0;
+  int64_t rebuilt = 0;
+  for (const Copy& c : copies) {
+    if (c.to != node_) continue;
+    const std::vector<char>& blob = got[c.to_local];
+    const int64_t bytes = static_cast<int64_t>(blob.size());
+    const uint32_t want =
+        static_cast<uint32_t>(field(c.from, 3 + 2 * static_cast<size_t>(c.from_local)));
+    const uint32_t have = Crc(blob.data(), bytes);
+    if (have != want) {
+      return absl::DataLossError(absl::StrFormat(
+          "the state of local rank %d copied from node %s's local rank %d (%d bytes) does not "
+          "match its checksum: CRC-32 %08x, the sender's %08x, at step %d",
+          c.to_local, name(c.from), c.from_local, bytes, have, want, step));
+    }
+    RAGSHARD_ASSIGN_OR_RETURN(auto segments, ReadDirectory(blob, bytes));
+    for (const auto& [segment, where] : segments) {
+      RAGSHARD_ASSIGN_OR_RETURN(char* to, place(c.to_local, segment, where.second));
+      if (where.second > 0) {
+        std::memcpy(to, blob.data() + where.first, static_cast<size_t>(where.second));
+      }
+    }
+    rebuilt += bytes;
+  }
   return rebuilt;
 }
 

@@ -20,6 +20,10 @@
 // rank's state is that step's (the ranks roll forward to it), or every node still holds the one
 // before (they roll back): docs/recovery.md, "One consistent step".
 //
+// "hsdp" keeps nothing: each rank's state is the same as its HSDP replicas' (every replica
+// group steps the same shards with the same gradients), so a lost node's ranks are rebuilt by
+// copying the state of a replica on another node, as it is at the step every rank agreed on.
+//
 // Thread-compatible: the job's thread calls Protect and Rebuild, one at a time.
 #pragma once
 
@@ -42,6 +46,10 @@ namespace ragshard::daemon {
 struct RedundancyScheme {
   int k = 0;             // chunks per blob; 0: no redundancy
   bool replica = false;  // k = 1 on a ring of all the job's nodes
+  // "hsdp": no parity; a lost rank's state is copied from an HSDP replica of it (rank q and
+  // q + shard_ranks hold the same shards) on another node, as it is at the rebuild's step.
+  bool hsdp = false;
+  int64_t shard_ranks = 0;  // hsdp: the shard group's size
   bool enabled() const { return k > 0; }
 };
 
@@ -149,6 +157,11 @@ class NodeRedundancy {
   // After a protect's barrier, or a rebuild: every parity but the newest of `step` goes back to
   // the pool.
   void DropAllBut(int64_t step);
+  // Rebuild's "hsdp" way: from the replicas' live state.
+  absl::StatusOr<int64_t> RebuildFromReplicas(Comm& comm, bool replacement,
+                                              const std::vector<std::vector<StateSegment>>& state,
+                                              int64_t step, const PlaceSegment& place,
+                                              absl::Time deadline, uint64_t seq);
   // Protect's body (Protect counts the parities after it, however it ends).
   absl::Status ProtectBlobs(Comm& comm, const std::vector<std::vector<StateSegment>>& state,
                             int64_t step, absl::Time deadline, uint64_t seq);

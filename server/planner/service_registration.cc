@@ -220,10 +220,29 @@ absl::Status PlannerService::MaybePlan(const std::string& job_id, JobState* js,
   if (js->job.registered_ranks() < js->job.world_size()) return absl::OkStatus();
   // Every rank is registered, so the job's nodes are known: they must fit its redundancy.
   // CreateJob accepted the spelling, so it parses; a stored job of an older planner has none.
-  const auto redundancy = ParseRedundancy("options.redundancy", js->job.options().redundancy());
+  auto redundancy = ParseRedundancy("options.redundancy", js->job.options().redundancy());
   if (redundancy.ok()) {
     const int64_t nodes = JobNodes(js).node_ids_size();
-    if (absl::Status fits = CheckRedundancyNodes(*redundancy, nodes); !fits.ok()) {
+    const int64_t shard = js->job.mesh().shard_size();
+    std::vector<std::string> rank_nodes;
+    for (int64_t r = 0; r < js->job.world_size(); ++r) {
+      const auto state = js->ranks.find(r);
+      rank_nodes.push_back(state == js->ranks.end() ? "" : state->second.node_id());
+    }
+    // HSDP's default, where it covers the loss of any one node: the other replica groups'
+    // copy of the same shards (docs/recovery.md, "A lost node"), decided once and kept.
+    if (js->job.options().redundancy().empty() && js->job.mesh().replicate_size() >= 2 &&
+        js->job.options().recovery_deadline_ms() > 0 && nodes >= 2 &&
+        CheckHsdpLayout(shard, rank_nodes).ok()) {
+      js->job.mutable_options()->set_redundancy("hsdp");
+      redundancy->kind = Redundancy::Kind::kHsdp;
+      LOG(INFO) << "job " << job_id << ": redundancy hsdp (its replica groups, by default)";
+    }
+    absl::Status fits = CheckRedundancyNodes(*redundancy, nodes);
+    if (fits.ok() && redundancy->kind == Redundancy::Kind::kHsdp) {
+      fits = CheckHsdpLayout(shard, rank_nodes);
+    }
+    if (!fits.ok()) {
       const std::string error = absl::StrCat("job '", job_id, "': ", fits.message());
       FailJob(js, error, deferred);
       return absl::FailedPreconditionError(error);

@@ -110,13 +110,19 @@ absl::Status ValidateCreateJob(const v1::CreateJobRequest& req, const ServiceLim
                absl::StrCat("must be in [0, ", limits.max_recovery_deadline_ms, "], got ",
                             o.recovery_deadline_ms()));
   }
-  return ValidateRedundancy(o, shard * rep);
+  return ValidateRedundancy(o, shard * rep, rep);
 }
 
-absl::Status ValidateRedundancy(const v1::JobOptions& o, int64_t world_size) {
+absl::Status ValidateRedundancy(const v1::JobOptions& o, int64_t world_size, int64_t replicas) {
   RAGSHARD_ASSIGN_OR_RETURN(const Redundancy r,
                             ParseRedundancy("options.redundancy", o.redundancy()));
   if (!r.enabled()) return absl::OkStatus();
+  if (r.kind == Redundancy::Kind::kHsdp && replicas < 2) {
+    return Bad("options.redundancy",
+               absl::StrCat("'hsdp' rebuilds a lost node from another HSDP replica group; the "
+                            "job has mesh.replicate_size ",
+                            replicas, " (give at least 2, or another redundancy)"));
+  }
   if (o.recovery_deadline_ms() <= 0) {
     return Bad("options.redundancy",
                absl::StrCat("'", o.redundancy(),

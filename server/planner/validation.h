@@ -45,7 +45,7 @@ absl::Status ValidateCreateJob(const v1::CreateJobRequest& req, const ServiceLim
 // A job's redundancy (part of ValidateCreateJob): a known one (infra/redundancy.h), a recovery
 // deadline where it is not none, and a world size of at least the nodes it needs. Whether the
 // nodes the ranks register from fit it is checked when they have all registered.
-absl::Status ValidateRedundancy(const v1::JobOptions& o, int64_t world_size);
+absl::Status ValidateRedundancy(const v1::JobOptions& o, int64_t world_size, int64_t replicas = 1);
 absl::Status ValidateJobId(const std::string& job_id, const ServiceLimits& limits);
 absl::Status ValidateListJobs(const v1::ListJobsRequest& req, const ServiceLimits& limits);
 absl::Status ValidateListRanks(const v1::ListRanksRequest& req, const ServiceLimits& limits);

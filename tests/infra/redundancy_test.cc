@@ -54,6 +54,24 @@ TEST(RedundancyTest, NamesTheNodesEachNeeds) {
   EXPECT_THAT(CheckRedundancyNodes(replica, 1).message(),
               HasSubstr("redundancy replica needs at least 2 nodes"));
   EXPECT_TRUE(CheckRedundancyNodes(Redundancy(), 1).ok());
+  const Redundancy hsdp = *ParseRedundancy("f", "hsdp");
+  EXPECT_EQ(hsdp.name(), "hsdp");
+  EXPECT_TRUE(CheckRedundancyNodes(hsdp, 2).ok());
+  EXPECT_THAT(CheckRedundancyNodes(hsdp, 1).message(),
+              HasSubstr("redundancy hsdp needs the HSDP replicas on at least 2 nodes"));
+}
+
+TEST(RedundancyTest, HsdpNeedsEachRanksReplicaOnAnotherNode) {
+  // Shard groups of 2, a node per group: covered.
+  EXPECT_TRUE(CheckHsdpLayout(2, {"a", "a", "b", "b"}).ok());
+  // Ranks 0 and 2 (one position) on different nodes, and ranks 1 and 3: covered too.
+  EXPECT_TRUE(CheckHsdpLayout(2, {"a", "b", "b", "a"}).ok());
+  // Both replicas of rank 0's position on node a: named.
+  const absl::Status s = CheckHsdpLayout(2, {"a", "b", "a", "b"});
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(s.message(), HasSubstr("rank 0 on node 'a' has no HSDP replica on another node"));
+  EXPECT_THAT(CheckHsdpLayout(3, {"a", "a", "b", "b"}).message(),
+              HasSubstr("a shard group of 3 ranks does not divide the 4 ranks"));
 }
 
 }  // namespace

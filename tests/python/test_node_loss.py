@@ -38,11 +38,17 @@ def env():
 
 
 def command(cluster, tmp_path, job, redundancy, extra=()):
+    """The launch of `job` over the cluster's 3 daemons x 2 ranks; `redundancy` "hsdp+": over
+    2 daemons, 2 HSDP replica groups of 2 ranks and no --redundancy (hsdp is the default)."""
     out = str(tmp_path / job)
-    return out, LAUNCH + ["--planner", cluster.planner, "--job", job, "--nproc", "6",
-                          "--sockets", ",".join(cluster.sockets), "--create-job",
-                          "--max-restarts", "1", "--recovery-deadline", "90",
-                          "--redundancy", redundancy, EXAMPLE, "--out", out] + SMALL + list(extra)
+    if redundancy == "hsdp+":
+        layout = ["--nproc", "4", "--sockets", ",".join(cluster.sockets[:2]), "--replicate", "2"]
+    else:
+        layout = ["--nproc", "6", "--sockets", ",".join(cluster.sockets),
+                  "--redundancy", redundancy]
+    return out, LAUNCH + ["--planner", cluster.planner, "--job", job, "--create-job", *layout,
+                          "--max-restarts", "1", "--recovery-deadline", "90", EXAMPLE,
+                          "--out", out] + SMALL + list(extra)
 
 
 def ctl(cluster, *args):
@@ -96,7 +102,7 @@ _REFERENCES = {}  # (redundancy, arguments) -> the uninterrupted run's output, o
 def reference(cluster, tmp_path, redundancy, extra=()):
     key = (redundancy, tuple(extra))
     if key not in _REFERENCES:
-        ref, cmd = command(cluster, tmp_path, f"ref-{redundancy[:6]}-{len(_REFERENCES)}",
+        ref, cmd = command(cluster, tmp_path, f"ref-{redundancy[:4]}-{len(_REFERENCES)}",
                            redundancy, extra)
         r = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stdout + r.stderr
@@ -115,11 +121,13 @@ def reference(cluster, tmp_path, redundancy, extra=()):
     # Muon's step holds AdamW's inside it: the step is protected once, whole, after Muon's part
     # too (a protect after AdamW's part alone would let the ranks roll forward to a step half
     # done).
-    ("replica", 3, "protected", (0,), ("--optimizer", "muon"))])
+    ("replica", 3, "protected", (0,), ("--optimizer", "muon")),
+    # HSDP's default: node 1's ranks copied from their replicas on node 0, no parity kept.
+    ("hsdp+", 3, "step", (), ())])
 def test_a_lost_node_is_rebuilt_on_a_replacement(cluster, tmp_path, redundancy, step, phase,
                                                  also, extra):
     ref = reference(cluster, tmp_path, redundancy, extra)
-    job = f"lost-{redundancy[:6]}-{step}-{phase}{'-' + extra[-1] if extra else ''}"
+    job = f"lost-{redundancy[:4]}-{step}-{phase}{'-' + extra[-1] if extra else ''}"
     out, stderr = lose_node(cluster, tmp_path, job, redundancy, step, phase, also, extra)
     assert "rank 2 exited with -9; restarting it" in stderr
     same(out, ref)
@@ -127,6 +135,8 @@ def test_a_lost_node_is_rebuilt_on_a_replacement(cluster, tmp_path, redundancy, 
     assert show.returncode == 0, show.stderr
     assert "READY" in show.stdout, show.stdout
     assert "rebuilds:     1" in show.stdout, show.stdout
+    if redundancy == "hsdp+":
+        assert "redundancy:   hsdp" in show.stdout, show.stdout
 
 
 def test_redundancy_is_refused_without_the_nodes_it_needs(cluster, tmp_path):

@@ -86,6 +86,9 @@ class ShardedModule(torch.nn.Module):
         # the other nodes' redundancy below, not initialized.
         replacement = self.recoverable and self.client.replacement
         self.redundancy = self.client.redundancy if self.recoverable else ""
+        # Whether each step's state is protected into parity or copies ("hsdp": the other
+        # replica groups hold it already).
+        self._protects = self.redundancy not in ("", "hsdp")
         if self.recoverable:
             _check_recoverable(param_dtype, quantize)
             self._shards.pool = PoolState(self.client)
@@ -101,7 +104,7 @@ class ShardedModule(torch.nn.Module):
             self._journal = StepJournal(self._shards.pool, self._journaled)
             if adopted or replacement:
                 self._recover(replacement)
-            if self.redundancy and self._journal.committed == 0 and \
+            if self._protects and self._journal.committed == 0 and \
                     self._control.all_reduce_scalar(self._lacks_parity(0)) > 0:
                 # Step 0, the state every rank starts from (a node lost before the first step
                 # commits is rebuilt to it), unless every node holds it already (a recovery
@@ -149,7 +152,7 @@ class ShardedModule(torch.nn.Module):
         the ranks may roll forward one step instead (`redundancy_step`)."""
         have = not replacement
         step = agree_on_committed(self._control, self._journal.committed, have=have)
-        if self.redundancy:
+        if self._protects:
             step = redundancy_step(self.client, self._control, self._journal, step, have=have)
         if have:
             self._journal.roll_to(step)
@@ -170,7 +173,7 @@ class ShardedModule(torch.nn.Module):
         outermost = self._journal.depth == 1
         try:
             yield
-            if self.redundancy and outermost:
+            if self._protects and outermost:
                 # This step's state once whole (a nested step, ShardedMuon's AdamW, is part of
                 # it), before it commits: docs/recovery.md, "One parity held".
                 self.client.protect().wait()

@@ -329,6 +329,69 @@ TEST_P(RedundancyTest, ARebuildAtAStepNobodyProtectedIsRefused) {
   }
 }
 
+// "hsdp": rank q's state is the same as rank q + shard's; a lost node's ranks are copied from
+// replicas on other nodes, as they are.
+TEST(HsdpRedundancyTest, ALostNodeIsCopiedFromReplicasElsewhereAndLosingEveryCopyIsNamed) {
+  auto pool = Pool::Create(int64_t{64} << 20);
+  ASSERT_TRUE(pool.ok());
+  for (auto [nodes, locals] : std::vector<std::pair<int, int>>{{2, 2}, {4, 1}}) {
+    RedundancyScheme scheme = SchemeOf(*ParseRedundancy("redundancy", "hsdp"));
+    scheme.shard_ranks = 2;
+    std::vector<std::string> names;
+    for (int n = 0; n < nodes; ++n) names.push_back(absl::StrCat("n", n));
+    // Rank q holds its shard position's state (q mod 2).
+    std::vector<NodeState> states(static_cast<size_t>(nodes));
+    for (int n = 0; n < nodes; ++n) {
+      for (int l = 0; l < locals; ++l) {
+        states[n].ranks.push_back(MakeState((n * locals + l) % 2, 1, 11).ranks[0]);
+      }
+    }
+    auto rebuild = [&](const std::vector<int>& lost, std::vector<NodeState>* placed) {
+      placed->assign(static_cast<size_t>(nodes), NodeState());
+      std::vector<absl::StatusOr<int64_t>> results(static_cast<size_t>(nodes), int64_t{0});
+      testing::MemFabric fabric(nodes);
+      OnEveryNode(&fabric, nodes, [&](int n, Comm& comm) {
+        NodeRedundancy node(scheme, n, names, locals, pool->get());
+        const bool replaced = std::find(lost.begin(), lost.end(), n) != lost.end();
+        NodeState& mine = (*placed)[n];
+        mine.ranks.resize(static_cast<size_t>(locals));
+        EXPECT_TRUE(node.Protect(comm, states[n].Segments(), 1, absl::Now(), 1).ok());
+        EXPECT_EQ(node.parity_bytes(), 0);
+        const PlaceSegment place = [&](int l, const std::string& name,
+                                       int64_t bytes) -> absl::StatusOr<char*> {
+          std::string& b = mine.ranks[static_cast<size_t>(l)][name];
+          b.assign(static_cast<size_t>(bytes), '\0');
+          return b.data();
+        };
+        results[n] = node.Rebuild(
+            comm, replaced,
+            replaced ? std::vector<std::vector<StateSegment>>(static_cast<size_t>(locals))
+                     : states[n].Segments(),
+            1, place, absl::Now() + absl::Seconds(30), 2);
+      });
+      return results;
+    };
+    std::vector<NodeState> placed;
+    auto one = rebuild({1}, &placed);
+    for (int n = 0; n < nodes; ++n) ASSERT_TRUE(one[n].ok()) << nodes << " " << one[n].status();
+    EXPECT_GT(*one[1], 0);
+    EXPECT_EQ(placed[1].ranks, states[1].ranks) << nodes;
+    if (nodes == 4) {
+      // Nodes 1 and 3 hold the only copies of position 1.
+      auto both = rebuild({1, 3}, &placed);
+      for (int n = 0; n < nodes; ++n) {
+        ASSERT_FALSE(both[n].ok()) << n;
+        EXPECT_THAT(both[n].status().message(),
+                    HasSubstr("every HSDP replica of rank 1's shards was lost"));
+      }
+      // Nodes 1 and 2: each has its copy on a node that kept it.
+      auto two = rebuild({1, 2}, &placed);
+      for (int n = 0; n < nodes; ++n) ASSERT_TRUE(two[n].ok()) << n << two[n].status();
+      EXPECT_EQ(placed[2].ranks, states[2].ranks);
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Schemes, RedundancyTest,
     ::testing::Values(std::make_pair("parity:2", 3), std::make_pair("parity:2", 6),

@@ -123,7 +123,8 @@ TEST_F(PlannerRedundancyTest, CreateJobRefusesARedundancyItCannotKeep) {
     EXPECT_EQ(job.status().code(), absl::StatusCode::kInvalidArgument) << bad;
     EXPECT_THAT(job.status().message(),
                 HasSubstr(std::string("options.redundancy: '") + bad + "' is not a redundancy"));
-    EXPECT_THAT(job.status().message(), HasSubstr("none, replica or parity:K (K in [1, 16])"));
+    EXPECT_THAT(job.status().message(),
+                HasSubstr("none, replica, hsdp or parity:K (K in [1, 16])"));
   }
   auto no_deadline = client_->CreateJob(Request("j", 8, "parity:2", 0));
   EXPECT_EQ(no_deadline.status().code(), absl::StatusCode::kInvalidArgument);
@@ -176,6 +177,41 @@ TEST_F(PlannerRedundancyTest, TheRegisteredNodesMustFitTheRedundancy) {
 
   // parity:1 on 2 nodes of 2 ranks each plans.
   CreateReady("fits", {"n0", "n0", "n1", "n1"}, "parity:1");
+}
+
+TEST_F(PlannerRedundancyTest, HsdpIsTheDefaultWhereItsReplicasAreOnOtherNodes) {
+  // hsdp needs replicas; given without them, CreateJob refuses it.
+  auto flat = client_->CreateJob(Request("flat", 4, "hsdp", 60'000));
+  EXPECT_EQ(flat.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(flat.status().message(), HasSubstr("job has mesh.replicate_size 1"));
+  auto hsdp = [&](const std::string& id, const std::string& redundancy,
+                  const std::vector<std::string>& nodes) {
+    v1::CreateJobRequest req = Request(id, 2, redundancy, 60'000);
+    req.mutable_mesh()->set_replicate_size(2);
+    EXPECT_TRUE(client_->CreateJob(req).ok()) << id;
+    absl::Status last;
+    for (size_t r = 0; r < nodes.size(); ++r) {
+      last = RegisterFull(id, static_cast<int64_t>(r), SmallInventory(), nodes[r]).status();
+    }
+    return last;
+  };
+  // Shard groups of 2 ranks, one per node: the default is hsdp, kept with the job.
+  ASSERT_TRUE(hsdp("two", "", {"n0", "n0", "n1", "n1"}).ok());
+  ASSERT_TRUE(client_->WaitForPlan("two", 30s).ok());
+  EXPECT_EQ(client_->GetJob("two")->options().redundancy(), "hsdp");
+  // Both replica groups on one node: no default (it would not cover a lost node) ...
+  ASSERT_TRUE(hsdp("together", "", {"n0", "n0", "n0", "n0"}).ok());
+  ASSERT_TRUE(client_->WaitForPlan("together", 30s).ok());
+  EXPECT_EQ(client_->GetJob("together")->options().redundancy(), "");
+  // ... and, asked for, it fails the job naming a rank without a replica elsewhere.
+  auto asked = hsdp("asked", "hsdp", {"n0", "n0", "n1", "n0"});
+  EXPECT_EQ(asked.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(asked.message(), HasSubstr("has no HSDP replica on another node"));
+  EXPECT_EQ(client_->GetJob("asked")->status(), v1::JOB_FAILED);
+  // "none" keeps it off.
+  ASSERT_TRUE(hsdp("off", "none", {"n0", "n0", "n1", "n1"}).ok());
+  ASSERT_TRUE(client_->WaitForPlan("off", 30s).ok());
+  EXPECT_EQ(client_->GetJob("off")->options().redundancy(), "none");
 }
 
 TEST_F(PlannerRedundancyTest, ALostNodeIsRebuiltOnAReplacementAndCounted) {
