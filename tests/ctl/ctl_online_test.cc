@@ -190,8 +190,8 @@ TEST_F(CtlOnlineTest, ShowsARecoveryInPlace) {
 TEST_F(CtlOnlineTest, CreatesARedundantJobAndShowsItsRebuilds) {
   Result bad = Ctl("job create r --shard 2 --recovery-deadline 60 --redundancy raid5");
   EXPECT_EQ(bad.code, 2);
-  EXPECT_THAT(bad.err, HasSubstr("--redundancy: 'raid5' is not a redundancy: use none, replica or "
-                                 "parity:K (K in [1, 16])"));
+  EXPECT_THAT(bad.err, HasSubstr("--redundancy: 'raid5' is not a redundancy: use none, replica, "
+                                 "hsdp or parity:K (K in [1, 16])"));
   EXPECT_EQ(Ctl("job create r --shard 2 --recovery-deadline 60 --redundancy parity:17").code, 2);
   Result no_deadline = Ctl("job create r --shard 2 --redundancy replica");
   EXPECT_EQ(no_deadline.code, 2);
