@@ -3,7 +3,9 @@
 daemon 1 and both its ranks to SIGKILL in the middle of a step; a replacement daemon starts with
 the same node id, the ranks restart and wait for it, it rebuilds their state from the other
 nodes' parity (or copy), and the job goes on from the last completed step with no checkpoint.
-The final parameters equal an uninterrupted run's within 1e-6."""
+The final parameters equal an uninterrupted run's within 1e-6. Also Muon under replica, a loss
+after the step's protection (ranks roll forward), and HSDP's default (2 daemons x 2 ranks,
+--replicate 2: node 1 rebuilt from its replicas on node 0)."""
 import os
 import signal
 import subprocess
@@ -140,7 +142,8 @@ def test_a_lost_node_is_rebuilt_on_a_replacement(cluster, tmp_path, redundancy, 
 
 
 def test_redundancy_is_refused_without_the_nodes_it_needs(cluster, tmp_path):
-    """parity:2 over 2 daemons, and without --max-restarts: refused by name, nothing starts."""
+    """parity:2 over 2 daemons, without --max-restarts, and hsdp without replicas: refused by
+    name, nothing starts."""
     base = LAUNCH + ["--planner", cluster.planner, "--job", "refused", "--nproc", "4",
                      "--sockets", ",".join(cluster.sockets[:2]), "--create-job"]
     r = subprocess.run(base + ["--max-restarts", "1", "--redundancy", "parity:2", EXAMPLE],
@@ -149,3 +152,6 @@ def test_redundancy_is_refused_without_the_nodes_it_needs(cluster, tmp_path):
     r = subprocess.run(base + ["--redundancy", "replica", EXAMPLE], env=env(),
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "needs --max-restarts" in r.stderr, r.stderr
+    r = subprocess.run(base + ["--max-restarts", "1", "--redundancy", "hsdp", EXAMPLE],
+                       env=env(), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "needs --replicate 2 or more" in r.stderr, r.stderr
