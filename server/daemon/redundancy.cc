@@ -323,7 +323,7 @@ absl::Status NodeRedundancy::Protect(Comm& comm,
                                      const std::vector<std::vector<StateSegment>>& state,
                                      int64_t step, absl::Time deadline, uint64_t seq) {
   if (scheme_.hsdp) return absl::OkStatus();  // the replicas are the redundancy
-  const absl::Status done = ProtectBlobs(comm, state, step, deadline, seq);
+  absl::Status done = ProtectBlobs(comm, state, step, deadline, seq);
   CountParities();
   return done;
 }
@@ -712,6 +712,7 @@ absl::StatusOr<int64_t> NodeRedundancy::RebuildFromReplicas(
       while (other != q && replaced[other / locals_]) other = (other + shard) % world;
       if (other == q) {
         std::vector<std::string> lost;
+        lost.reserve(rebuilt_nodes.size());
         for (int n : rebuilt_nodes) lost.push_back(name(n));
         return absl::FailedPreconditionError(
             absl::StrCat("every HSDP replica of rank ", q, "'s shards was lost (nodes ",
