@@ -98,11 +98,13 @@ def lose_node(cluster, tmp_path, job, redundancy, step, phase, also=(), extra=()
     return out, stderr
 
 
-_REFERENCES = {}  # (redundancy, arguments) -> the uninterrupted run's output, once per session
+_REFERENCES = {}  # (layout, arguments) -> the uninterrupted run's output, once per session
 
 
 def reference(cluster, tmp_path, redundancy, extra=()):
-    key = (redundancy, tuple(extra))
+    """The uninterrupted run of the same layout and arguments. Redundancy only copies state,
+    so parity:2 and replica share one (it runs under the first asked for)."""
+    key = (redundancy == "hsdp+", tuple(extra))
     if key not in _REFERENCES:
         ref, cmd = command(cluster, tmp_path, f"ref-{redundancy[:4]}-{len(_REFERENCES)}",
                            redundancy, extra)
