@@ -107,11 +107,12 @@ absl::Status Client::Register(const Inventory& inventory, bool send_full, int64_
   return absl::OkStatus();
 }
 
-absl::Status Client::Attach() {
+absl::Status Client::Attach(bool salvage) {
   v1::AttachRequest req;
   req.set_job_id(options_.job_id);
   req.set_rank(options_.rank);
   req.set_timeout_ms(options_.timeout.count());
+  req.set_salvage(salvage);
   v1::AttachResponse resp;
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + options_.timeout + std::chrono::seconds(5));
@@ -139,7 +140,8 @@ absl::Status Client::Attach() {
   side_channel_ = std::move(*conn);
   absl::Status s = SendWithFds(
       side_channel_.get(),
-      options_.command_queue ? absl::StrCat(kQueueRequest, attachment_) : attachment_, {});
+      options_.command_queue && !salvage ? absl::StrCat(kQueueRequest, attachment_) : attachment_,
+      {});
   if (!s.ok()) return s;
   // The arena's memfd; then, from a daemon that offers one, the command queue's memfd and the
   // daemon's doorbell.

@@ -88,7 +88,9 @@ class Client {
   // with the planner itself (RegisterRank).
   absl::Status Register(const Inventory& inventory, bool send_full, int64_t local_ranks = 0);
   // Attaches to the daemon (which waits for the plan), receives the arena's memfd and maps it.
-  absl::Status Attach();
+  // `salvage`: only to read this rank's state of a job that cannot go on (a shrunk job's, whose
+  // successor takes it over: docs/recovery.md, "Shrinking in place"); no operation runs.
+  absl::Status Attach(bool salvage = false);
 
   const v1::Plan& plan() const { return plan_; }
   const std::string& job_id() const { return options_.job_id; }

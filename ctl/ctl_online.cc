@@ -124,6 +124,7 @@ int RunJobs(const Online& o, std::ostream& out, std::ostream& err) {
   for (const auto& j : *jobs) {
     // The recovery (in progress, or those before) and the error.
     std::vector<std::string> detail;
+    if (std::string note = ShrinkNote(j); !note.empty()) detail.push_back(note);
     if (std::string note = RedundancyNote(j); !note.empty()) detail.push_back(note);
     if (std::string note = RecoveryNote(j, now); !note.empty()) detail.push_back(note);
     if (!j.error().empty()) detail.push_back(OneLine(j.error()));
@@ -163,7 +164,7 @@ int RunJobShow(const Online& o, const std::string& id, std::ostream& out, std::o
       << "\n"
       << "plan version: " << j.plan_version() << "\n"
       << "error:        " << (j.error().empty() ? "-" : OneLine(j.error())) << "\n"
-      << RedundancyLines(j) << RecoveryLines(j, NodesOf(*ranks), NowMs());
+      << ShrinkLines(j) << RedundancyLines(j) << RecoveryLines(j, NodesOf(*ranks), NowMs());
   std::map<std::string, int> per_node;
   for (const auto& r : *ranks) {
     if (r.registered()) ++per_node[r.node_id()];
@@ -386,7 +387,7 @@ int RunJobWhy(const Online& o, const std::string& id, std::ostream& out, std::os
   const int64_t now = NowMs();
   out << "job " << id << ": " << StatusName(job->status())
       << (job->error().empty() ? "" : absl::StrCat(" (", job->error(), ")")) << "\n"
-      << RedundancyLines(*job) << RecoveryLines(*job, NodesOf(*ranks), now)
+      << ShrinkLines(*job) << RedundancyLines(*job) << RecoveryLines(*job, NodesOf(*ranks), now)
       << StepLines(*job, progress);
   out << absl::StrFormat("%-5s %-16s %-12s %-36s %-36s %8s  %s\n", "RANK", "NODE", "HEARD",
                          "LAST DONE", "PENDING", "FOR", "WAITING ON");

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <set>
+#include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -40,7 +42,45 @@ std::string Rebuilds(const v1::Job& job) {
   return absl::StrCat("rebuilds: ", job.rebuilds(), " (", job.rebuilt_bytes(), " bytes)");
 }
 
+// Sorted ranks as runs: "0, 1", "0-7, 16-23"; the first 8 pieces and how many more.
+std::string RankList(const google::protobuf::RepeatedField<int64_t>& ranks) {
+  constexpr size_t kShown = 8;
+  std::vector<std::string> pieces;
+  int shown = 0;
+  for (int i = 0; i < ranks.size() && pieces.size() < kShown;) {
+    int j = i;
+    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
+    if (j - i < 2) j = i;  // one piece per rank, but for runs of 3 or more
+    pieces.push_back(j > i ? absl::StrCat(ranks[i], "-", ranks[j]) : absl::StrCat(ranks[i]));
+    shown += j - i + 1;
+    i = j + 1;
+  }
+  std::string out = absl::StrJoin(pieces, ", ");
+  if (shown < ranks.size()) absl::StrAppend(&out, " and ", ranks.size() - shown, " more");
+  return out;
+}
+
 }  // namespace
+
+std::string ShrinkLines(const v1::Job& job) {
+  std::string out;
+  if (!job.predecessor_job_id().empty()) {
+    absl::StrAppend(&out, "shrunk from:  ", job.predecessor_job_id(), " (shrinks: ", job.shrinks(),
+                    ")\n");
+  }
+  if (job.status() == v1::JOB_SHRUNK || !job.successor_job_id().empty()) {
+    const int n = job.survivor_ranks_size();
+    absl::StrAppend(&out, "shrunk to:    ", job.successor_job_id(), " (",
+                    n == 1 ? "rank " : "ranks ", RankList(job.survivor_ranks()),
+                    n == 1 ? " goes on)\n" : " go on)\n");
+  }
+  return out;
+}
+
+std::string ShrinkNote(const v1::Job& job) {
+  if (job.predecessor_job_id().empty()) return "";
+  return absl::StrCat("shrunk from ", job.predecessor_job_id(), " (shrinks: ", job.shrinks(), ")");
+}
 
 std::string RedundancyNote(const v1::Job& job) {
   const auto r = ParseRedundancy("redundancy", job.options().redundancy());

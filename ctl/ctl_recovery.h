@@ -35,6 +35,16 @@ std::string RedundancyNote(const v1::Job& job);
 // ("rebuilds:     N (B bytes)"). Empty for a job without redundancy that rebuilt none.
 std::string RedundancyLines(const v1::Job& job);
 
+// The lines `job show` and `job why` print on a shrink (JobOptions.on_node_loss "shrink"): on a
+// SHRUNK job its successor and the ranks that go on there ("shrunk to:    tiny/shrink-1 (ranks
+// 0, 1 go on)"), on a successor the job it came from ("shrunk from:  tiny (shrinks: 1)"); each
+// ending in '\n'. Empty for a job that never shrank.
+std::string ShrinkLines(const v1::Job& job);
+
+// One cell for the jobs table on a successor: "shrunk from tiny (shrinks: 1)"; else empty (a
+// SHRUNK job's error names its successor).
+std::string ShrinkNote(const v1::Job& job);
+
 // `job why`'s lines on the ranks' optimizer steps, from their daemons' heartbeats (`progress`
 // by rank; their step journals, docs/recovery.md): for a RECOVERING job, the step being redone
 // (one past the least committed) and the ranks not attached again yet; else, where the ranks

@@ -223,6 +223,10 @@ def sharded(args, model, chain):
         reshard_after_forward=args.reshard_after_forward if args.reshard_groups is None
         else args.reshard_groups,
         prefetch=args.prefetch)
+    if fsdp.shrink:
+        # The job shrank (docs/recovery.md, "Shrinking in place"): this rank goes on in the
+        # successor job, with its rank and world size, and the same global batch.
+        client, w, r = fsdp.client, fsdp.shrink["world"], fsdp.shrink["rank"]
     args.private_stages["fully_shard"] = private_bytes()
     opt = tiny_optim.sharded_optimizer(args, fsdp)
     from ragshard import checkpoint
@@ -350,7 +354,11 @@ def sharded(args, model, chain):
              "op_counts": op_counts, "daemon_unit_operations": daemon_ops,
              "sharding": sharding, "shampoo": tiny_optim.shampoo_report(opt)
              if args.optimizer == "shampoo" else {},
-             "first_step": first + 1, "checkpoint": ckpt, "optimizer_state": optimizer_state}
+             "first_step": first + 1, "checkpoint": ckpt, "optimizer_state": optimizer_state,
+             # The world size of every step: those before `first_step` ran in the job this
+             # run's state came from (a shrink's predecessor).
+             "world_sizes": [fsdp.shrink["from_world"] if fsdp.shrink else w] * first +
+             [w] * (args.steps - first), "shrink": fsdp.shrink, "rank": r}
     return losses, state, extra
 
 
@@ -575,7 +583,7 @@ def main():
         rank = int(os.environ["RANK"])
     else:
         losses, state, extra = sharded(args, model, chain)
-        rank = __import__("ragshard").Env().rank  # ragshard-launch or torchrun
+        rank = extra["rank"]  # ragshard-launch's or torchrun's, or after a shrink the new one
     extra["start_rss_bytes"] = start_rss
     extra["start_private_bytes"] = start_private
     extra["max_rss_bytes"] = max_rss()

@@ -502,6 +502,7 @@ v1::CreateJobRequest MakeCreateJobRequest(const JobSpec& spec) {
   o->set_tokens_per_step(spec.tokens_per_step);
   o->set_recovery_deadline_ms(spec.recovery_deadline_ms);
   o->set_redundancy(spec.redundancy);
+  o->set_on_node_loss(spec.on_node_loss);
   return req;
 }
 

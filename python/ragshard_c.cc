@@ -44,7 +44,7 @@ namespace {
 // 3: the _secure functions (TLS); version 2's functions remain. 4: rs_client_register takes
 // local_ranks (registration through the daemon). 5: rs_dequantize_chunks, rs_block_amax,
 // rs_encode_chunks.
-constexpr int kAbiVersion = 7;
+constexpr int kAbiVersion = 8;
 
 thread_local std::string last_error;
 thread_local std::string last_string;
@@ -182,8 +182,8 @@ int rs_client_register(rs_client* c, const char* inventory_json, int send_full,
   return s.ok() ? 0 : Fail(s);
 }
 
-int rs_client_attach(rs_client* c) {
-  const absl::Status s = c->client->Attach();
+int rs_client_attach(rs_client* c, int salvage) {
+  const absl::Status s = c->client->Attach(salvage != 0);
   return s.ok() ? 0 : Fail(s);
 }
 
@@ -401,7 +401,7 @@ int rs_create_job(const char* planner, const char* job, int64_t shard_size, int6
   const rs_security s = TokenOnly(token_file);
   return rs_create_job_secure(planner, job, shard_size, replicate_size, policy, default_granule, &s,
                               strategy, memory_budget_bytes, optimizer, tokens_per_step, 0, "",
-                              job_id);
+                              "", job_id);
 }
 
 int rs_create_job_secure(const char* planner, const char* job, int64_t shard_size,
@@ -409,10 +409,12 @@ int rs_create_job_secure(const char* planner, const char* job, int64_t shard_siz
                          const rs_security* security, const char* strategy,
                          int64_t memory_budget_bytes, const char* optimizer,
                          int64_t tokens_per_step, int64_t recovery_deadline_ms,
-                         const char* redundancy, const char** job_id) {
+                         const char* redundancy, const char* on_node_loss,
+                         const char** job_id) {
   JobSpec spec;
   spec.recovery_deadline_ms = recovery_deadline_ms;
   spec.redundancy = Str(redundancy);
+  spec.on_node_loss = Str(on_node_loss);
   spec.job_id = Str(job);
   spec.shard_size = shard_size;
   spec.replicate_size = replicate_size;
@@ -456,6 +458,15 @@ int rs_job_world_size_secure(const char* planner, const char* job, const rs_secu
   if (!j.ok()) return Fail(j.status());
   *world_size = j->world_size();
   return 0;
+}
+
+int rs_job_json(const char* planner, const char* job, const rs_security* security,
+                const char** out) {
+  auto p = Planner(planner, security);
+  if (!p.ok()) return Fail(p.status());
+  auto j = (*p)->GetJob(Str(job));
+  if (!j.ok()) return Fail(j.status());
+  return Out(ToJson(*j), out);
 }
 
 int rs_plan_local(const char* inventory_json, int64_t world, const char* policy,

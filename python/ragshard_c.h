@@ -57,7 +57,8 @@ void rs_client_destroy(rs_client* c);
  * the daemon registers in one call once they all have asked; 0: not known (registered alone). */
 int rs_client_register(rs_client* c, const char* inventory_json, int send_full,
                        int64_t local_ranks);
-int rs_client_attach(rs_client* c);
+/* salvage != 0: only to read this rank's state of a job that cannot go on (a shrunk job's). */
+int rs_client_attach(rs_client* c, int salvage);
 int rs_client_plan_json(rs_client* c, const char** out);
 /* units, world_size, replicas, rank, cuda_device; *on_device: 1 when buffers are device memory. */
 void rs_client_shape(rs_client* c, int64_t out[5], int* on_device);
@@ -104,7 +105,7 @@ int rs_create_job_secure(const char* planner, const char* job, int64_t shard_siz
                          const rs_security* security, const char* strategy,
                          int64_t memory_budget_bytes, const char* optimizer,
                          int64_t tokens_per_step, int64_t recovery_deadline_ms,
-                         const char* redundancy, const char** job_id);
+                         const char* redundancy, const char* on_node_loss, const char** job_id);
 int rs_delete_job(const char* planner, const char* job, const char* token_file);
 int rs_delete_job_secure(const char* planner, const char* job, const rs_security* security);
 // The world size of an existing job (NOT_FOUND where there is none).
@@ -112,6 +113,10 @@ int rs_job_world_size(const char* planner, const char* job, const char* token_fi
                       int64_t* world_size);
 int rs_job_world_size_secure(const char* planner, const char* job, const rs_security* security,
                              int64_t* world_size);
+// The job as the planner answers GetJob (protobuf JSON with the proto's field names; NOT_FOUND
+// where there is none): its status, and a shrunk job's successor and survivor ranks.
+int rs_job_json(const char* planner, const char* job, const rs_security* security,
+                const char** out);
 int rs_plan_local(const char* inventory_json, int64_t world, const char* policy,
                   int32_t align_bytes, const char** out);
 /* engine/data_plane_memory.h for n units; out: shards, grad_shards, unsharded, grads. */

@@ -10,9 +10,11 @@ import re
 import time
 
 from ._core import (RECOVERY_EXIT, Client, DeviceBuffer, Error, Handle,  # noqa: F401
-                    RecoveryInProgress, create_job, delete_job, job_world_size)
+                    RecoveryInProgress, create_job, delete_job, job_info, job_world_size)
+from ._shrink import SHRINK_EXIT, left_in_shrink  # noqa: F401
 
 __all__ = ["Client", "DeviceBuffer", "Error", "Handle", "RecoveryInProgress", "RECOVERY_EXIT",
+           "SHRINK_EXIT", "job_info",
            "create_job", "delete_job", "Env",
            "connect", "ensure_job", "DEFAULT_SOCKET"]
 
@@ -152,7 +154,7 @@ def connect(env=None, timeout_ms=120000):
     env = env or Env()
     if env.launcher == "torchrun":
         ensure_job(env)
-    _await_daemon(env.socket, _daemon_wait_s())
+    _await_daemon(env.socket, _daemon_wait_s(), lambda: _leave_if_shrunk_without(env))
     return Client(env.planner, env.socket, env.job, env.rank, env.node, timeout_ms,
                   env.token_file, local_ranks=env.local_world_size or 0, **_tls(env))
 
@@ -170,15 +172,29 @@ def _daemon_wait_s():
     return wait
 
 
-def _await_daemon(path, wait_s):
+def _leave_if_shrunk_without(env):
+    """A restarted rank of a lost node, waiting for its daemon: where the planner says the job
+    shrank without this rank (docs/recovery.md, "Shrinking in place"), it exits with
+    SHRINK_EXIT, which ragshard-launch lets go."""
+    said = left_in_shrink(lambda job: job_info(env.planner, job, env.token_file, **_tls(env)),
+                          env.job, env.rank)
+    if said:
+        import sys
+        print(f"ragshard: {said}; exiting with {SHRINK_EXIT}", file=sys.stderr, flush=True)
+        sys.exit(SHRINK_EXIT)
+
+
+def _await_daemon(path, wait_s, waiting=None):
     """Until the daemon at Unix socket `path` accepts a connection and its side channel
     (`path`.fd, which a daemon makes last) is there, for at most `wait_s` seconds (a restarted
-    rank of a lost node whose replacement daemon is still starting; docs/recovery.md). Returns at
-    once where the daemon is up, or where there is nothing to wait for."""
+    rank of a lost node whose replacement daemon is still starting; docs/recovery.md), calling
+    `waiting()` about once a second meanwhile. Returns at once where the daemon is up, or where
+    there is nothing to wait for."""
     import socket as _socket
     if wait_s <= 0 or not path:
         return
     deadline = time.monotonic() + wait_s
+    asked = time.monotonic()
     while True:
         s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
         try:
@@ -193,6 +209,9 @@ def _await_daemon(path, wait_s):
         if time.monotonic() >= deadline:
             raise Error(f"UNAVAILABLE: no daemon at {path} after waiting {wait_s:g} s "
                         f"(RAGSHARD_DAEMON_WAIT_S): {e}")
+        if waiting is not None and time.monotonic() - asked >= 1.0:
+            waiting()
+            asked = time.monotonic()
         time.sleep(0.05)
 
 

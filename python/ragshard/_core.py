@@ -18,7 +18,7 @@ import os
 import time
 import weakref
 
-ABI_VERSION = 7
+ABI_VERSION = 8
 _BAD_ARGUMENT, _OUT_OF_RANGE = -1, -2
 
 
@@ -116,7 +116,7 @@ def _load():
                                           ctypes.POINTER(_Security), i32, ctypes.POINTER(c_p)]),
         "rs_client_destroy": (None, [c_p]),
         "rs_client_register": (i32, [c_p, cstr, i32, i64]),
-        "rs_client_attach": (i32, [c_p]),
+        "rs_client_attach": (i32, [c_p, i32]),
         "rs_client_plan_json": (i32, [c_p, out_str]),
         "rs_client_shape": (None, [c_p, ctypes.POINTER(i64), ctypes.POINTER(i32)]),
         "rs_client_unit_dtype": (i32, [c_p, i32, out_str]),
@@ -138,10 +138,11 @@ def _load():
         "rs_handle_destroy": (None, [c_p]),
         "rs_create_job_secure": (i32, [cstr, cstr, i64, i64, cstr, cstr,
                                        ctypes.POINTER(_Security), cstr, i64, cstr, i64, i64,
-                                       cstr, out_str]),
+                                       cstr, cstr, out_str]),
         "rs_delete_job_secure": (i32, [cstr, cstr, ctypes.POINTER(_Security)]),
         "rs_job_world_size_secure": (i32, [cstr, cstr, ctypes.POINTER(_Security),
                                            ctypes.POINTER(i64)]),
+        "rs_job_json": (i32, [cstr, cstr, ctypes.POINTER(_Security), out_str]),
         "rs_plan_local": (i32, [cstr, i64, cstr, ctypes.c_int32, out_str]),
         "rs_data_plane_peak": (None, [ctypes.POINTER(i64), ctypes.POINTER(i64),
                                       ctypes.POINTER(ctypes.c_double), ctypes.POINTER(i64), i64,
@@ -301,6 +302,12 @@ class Client(_NoCopy):
                                             int(device_memory == "fake"), ctypes.byref(c)))
         self._c = c
         _OPEN.add(self)
+        self.job = job
+        # What `for_job` makes another client of (a shrink's successor or predecessor).
+        self._settings = dict(planner=planner, socket=socket, node=node, timeout_ms=timeout_ms,
+                              token_file=token_file, device_memory=device_memory, tls_ca=tls_ca,
+                              tls_cert=tls_cert, tls_key=tls_key,
+                              tls_server_name=tls_server_name, local_ranks=local_ranks)
         # (unit, kind) -> {(address, count, typestr): the array over it}: a buffer the daemon
         # places at an address it had before is the same memory, and its array is reused (a
         # unit's unsharded buffer usually alternates between two places, forward and backward).
@@ -311,6 +318,17 @@ class Client(_NoCopy):
 
     def __del__(self):
         self.close()
+
+    def for_job(self, job, rank):
+        """A new Client with this one's planner, daemon and settings, for rank `rank` of job
+        `job` (a shrunk job's successor, or its predecessor to salvage the state from)."""
+        return Client(job=job, rank=rank, **self._settings)
+
+    def job_info(self, job=None):
+        """The planner's answer for `job` (default: this client's), as `job_info` gives it."""
+        s = self._settings
+        return job_info(s["planner"], job or self.job, s["token_file"], s["tls_ca"],
+                        s["tls_cert"], s["tls_key"], s["tls_server_name"])
 
     def close(self):
         """Detaches from the daemon (a rank that leaves, rather than one lost: in a job that
@@ -326,8 +344,11 @@ class Client(_NoCopy):
         _check(_lib.rs_client_register(self._c, _b(inventory_json), int(bool(send_full)),
                                        self.local_ranks))
 
-    def attach(self):
-        _check(_lib.rs_client_attach(self._c))
+    def attach(self, salvage=False):
+        """Attaches to the daemon. `salvage`: only to read this rank's state of a job that cannot
+        go on (a shrunk job's, whose successor takes it over: docs/recovery.md, "Shrinking in
+        place"); no operation of the job runs."""
+        _check(_lib.rs_client_attach(self._c, 1 if salvage else 0))
 
     def plan_json(self):
         return _string(_lib.rs_client_plan_json, self._c)
@@ -501,19 +522,21 @@ def _close_open_clients():
 def create_job(planner, job, shard_size, replicate_size=1, policy="ragged", default_granule="",
                token_file="", strategy="", memory_budget_bytes=0, optimizer="",
                tokens_per_step=0, tls_ca=None, tls_cert=None, tls_key=None,
-               tls_server_name=None, recovery_deadline_ms=0, redundancy=""):
+               tls_server_name=None, recovery_deadline_ms=0, redundancy="", on_node_loss=""):
     """Creates a job (ALREADY_EXISTS is an error too: the caller decides); returns its id. The
     token and TLS options are Client's. `recovery_deadline_ms` > 0: a lost rank process is
     recovered in place within that many ms (docs/recovery.md). `redundancy`: "" (none),
     "parity:K" or "replica": a lost node is rebuilt on a replacement daemon (docs/recovery.md,
-    "A lost node"; it needs a recovery deadline)."""
+    "A lost node"; it needs a recovery deadline). `on_node_loss` "shrink": a node lost without a
+    replacement shrinks the job to the other nodes' ranks (docs/recovery.md, "Shrinking in
+    place")."""
     if int(recovery_deadline_ms) < 0:
         raise ValueError(f"recovery_deadline_ms: {recovery_deadline_ms} must not be negative")
     security = _security(token_file, tls_ca, tls_cert, tls_key, tls_server_name)
     return _string(_lib.rs_create_job_secure, _b(planner), _b(job), int(shard_size),
                    int(replicate_size), _b(policy), _b(default_granule), ctypes.byref(security),
                    _b(strategy), int(memory_budget_bytes), _b(optimizer), int(tokens_per_step),
-                   int(recovery_deadline_ms), _b(redundancy or ""))
+                   int(recovery_deadline_ms), _b(redundancy or ""), _b(on_node_loss or ""))
 
 
 def delete_job(planner, job, token_file="", tls_ca=None, tls_cert=None, tls_key=None,
@@ -530,6 +553,19 @@ def job_world_size(planner, job, token_file="", tls_ca=None, tls_cert=None, tls_
     _check(_lib.rs_job_world_size_secure(_b(planner), _b(job), ctypes.byref(security),
                                          ctypes.byref(out)))
     return out.value
+
+
+def job_info(planner, job, token_file="", tls_ca=None, tls_cert=None, tls_key=None,
+              tls_server_name=None):
+    """The job as the planner answers GetJob, a dict with the proto's field names (int64 values
+    as numbers here): its status ("JOB_SHRUNK", ...), and a shrunk job's successor_job_id and
+    survivor_ranks. Error NOT_FOUND where there is none."""
+    security = _security(token_file, tls_ca, tls_cert, tls_key, tls_server_name)
+    job = json.loads(_string(_lib.rs_job_json, _b(planner), _b(job), ctypes.byref(security)))
+    job["survivor_ranks"] = [int(r) for r in job.get("survivor_ranks", [])]
+    for key in ("world_size", "shrinks", "recovery_epoch"):
+        job[key] = int(job.get(key, 0))
+    return job
 
 
 def plan_local(inventory_json, world, policy="ragged", align_bytes=16):

@@ -36,7 +36,12 @@ id (docs/recovery.md, "A lost node"): parity:K needs the daemons in groups of K 
 least 2. With --replicate R >= 2 the default is `hsdp` (where each rank has an HSDP replica on
 another daemon): a lost daemon is rebuilt from the other replica groups, at no memory of its
 own. A restarted rank whose daemon is not up yet waits for its socket within the recovery
-deadline (RAGSHARD_DAEMON_WAIT_S), which costs no restart.
+deadline (RAGSHARD_DAEMON_WAIT_S), which costs no restart. `--on-node-loss shrink` (with
+--max-restarts) shrinks the job in place where a lost daemon gets no replacement within the
+recovery deadline (docs/recovery.md, "Shrinking in place"): the ranks of the other daemons go on
+as a successor job of fewer ranks (the same global batch; whole HSDP replica groups must have
+been lost, so --replicate 2 or more with each group on daemons of its own), and the lost
+daemon's restarted ranks leave with 76, which the launcher lets go.
 
 As torchrun does, when more than one rank shares a daemon (a node) and OMP_NUM_THREADS is not
 set, each rank gets OMP_NUM_THREADS=1 (`--threads-per-rank` sets another number): several ranks'
@@ -65,6 +70,7 @@ import time
 
 STANDALONE_JOB = "standalone"
 RECOVERY_EXIT = 75  # ragshard._core.RECOVERY_EXIT: a rank leaving for a recovery in place
+SHRINK_EXIT = 76  # ragshard._shrink.SHRINK_EXIT: a lost node's rank that a shrink left out
 MAX_SPARES = 64  # --preload --max-restarts: spare processes forked with the ranks, at most
 
 
@@ -129,6 +135,11 @@ def parse(argv):
                         "across daemons, so that a lost daemon is rebuilt on a replacement "
                         "(docs/recovery.md; default: hsdp with --replicate 2 or more where "
                         "the replicas are on different daemons, else none)")
+    p.add_argument("--on-node-loss", default="fail", choices=("fail", "shrink"),
+                   help="with --max-restarts: what a lost daemon without a replacement within "
+                        "the recovery deadline does: fail the job (default), or shrink it to the "
+                        "other daemons' ranks (docs/recovery.md, \"Shrinking in place\"; needs "
+                        "--replicate 2 or more, whole replica groups on daemons of their own)")
     p.add_argument("script", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
     a = p.parse_args(argv)
@@ -177,6 +188,12 @@ def parse(argv):
         p.error(f"--recovery-deadline {a.recovery_deadline}: must be in (0, 86400] seconds")
     if a.redundancy:
         _check_redundancy(p, a)
+    if a.on_node_loss == "shrink" and not a.max_restarts:
+        p.error("--on-node-loss shrink needs --max-restarts: the survivors' ranks go on through "
+                "a recovery in place")
+    if a.on_node_loss == "shrink" and a.replicate < 2:
+        p.error("--on-node-loss shrink keeps whole HSDP replica groups: it needs --replicate 2 or "
+                f"more (got {a.replicate})")
     if a.max_restarts and not a.create_job:
         p.error("--max-restarts needs a job this launcher creates (--create-job or "
                 "--standalone), with its recovery deadline")
@@ -230,7 +247,10 @@ def rank_envs(a, threads):
         if a.strategy:
             env["RAGSHARD_STRATEGY"] = a.strategy
         if a.max_restarts:  # a restarted rank waits for its daemon, as long as a recovery may
-            env["RAGSHARD_DAEMON_WAIT_S"] = str(a.recovery_deadline)
+            # (past a shrink's deadline, which it learns from the planner while it waits, and
+            # then leaves: its recovery began before the rank's restart)
+            wait = a.recovery_deadline * (2 if a.on_node_loss == "shrink" else 1)
+            env["RAGSHARD_DAEMON_WAIT_S"] = str(min(wait, 86400))
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)
         yield env
@@ -244,7 +264,8 @@ def create_job(a):
                tls_ca=a.tls_ca, tls_cert=a.tls_cert, tls_key=a.tls_key,
                tls_server_name=a.tls_server_name,
                recovery_deadline_ms=int(a.recovery_deadline * 1000) if a.max_restarts else 0,
-               redundancy=a.redundancy)
+               redundancy=a.redundancy,
+               on_node_loss="" if a.on_node_loss == "fail" else a.on_node_loss)
 
 
 class _Stopped(BaseException):
@@ -349,6 +370,10 @@ def run(a):
                     continue
                 del live[r]
                 if rc == 0:
+                    continue
+                if a.on_node_loss == "shrink" and rc == SHRINK_EXIT:
+                    print(f"ragshard.launch: rank {r} left: the job shrank without it (its "
+                          "daemon was lost)", file=sys.stderr, flush=True)
                     continue
                 if a.max_restarts and rc == RECOVERY_EXIT and \
                         recoveries[r] < 10 * (a.max_restarts + 1):

@@ -78,10 +78,26 @@ absl::Status NodeDaemon::DoAttach(const v1::AttachRequest& request, v1::AttachRe
     id = absl::StrCat("a", next_attachment_++, "-", req->job_id(), "-", req->rank());
     attachments_[id] = {req->job_id(), req->rank(), li, joined.generation};
   }
-  // In a recovery, the rank runs once every rank of the job has attached again.
-  if (absl::Status s = (*job)->AwaitRunning(deadline); !s.ok()) {
+  // In a recovery, the rank runs once every rank of the job has attached again. A salvage
+  // attach (a shrunk job's survivor, docs/recovery.md "Shrinking in place") reads the state of a
+  // job that cannot go on: it waits for the planner's failure instead, and runs nothing.
+  absl::Status running = (*job)->AwaitRunning(deadline);
+  if (req->salvage()) {
+    running = (*job)->Stopped();
+    if (running.ok() || absl::IsAborted(running)) {
+      ReleaseAttachment(id, /*clean=*/false);
+      return absl::FailedPreconditionError(absl::StrCat(
+          "a salvage attach of rank ", req->rank(), " of job '", req->job_id(), "' on node '",
+          options_.node_id, "': ",
+          running.ok() ? "the job can still run (only a job that cannot go on, a shrunk one, is "
+                         "salvaged)"
+                       : "the job's buffers were released"));
+    }
+    LOG(INFO) << "attachment " << id << " salvages rank " << req->rank() << " of job "
+              << req->job_id() << " (" << running.message() << ")";
+  } else if (!running.ok()) {
     ReleaseAttachment(id, /*clean=*/false);
-    return s;
+    return running;
   }
   resp->set_recovery_epoch((*job)->epoch());
   resp->set_adopted(joined.adopted);

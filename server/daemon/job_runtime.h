@@ -80,6 +80,12 @@ class JobRuntime final : public OpTarget {
   void BeginRecovery(int64_t epoch, absl::Time deadline, const std::string& lost);
   // Waits until no recovery is in progress: OK, the job's failure, or DEADLINE_EXCEEDED.
   absl::Status AwaitRunning(absl::Time deadline);
+  // The planner's failure of the job (its heartbeat's failed_jobs), while the job still holds
+  // its buffers (not released): OK while it may still run.
+  absl::Status Stopped() {
+    absl::MutexLock lock(&mu_);
+    return stopping_ ? absl::AbortedError("the job was released") : failed_;
+  }
   int64_t epoch() {
     absl::MutexLock lock(&mu_);
     return epoch_;

@@ -32,11 +32,14 @@ PlannerMetrics::PlannerMetrics() {
       "ragshard_planner_recoveries_total",
       "Recoveries in place that ended, by outcome: recovered (every node's ranks re-attached), "
       "deadline (JobOptions.recovery_deadline_ms passed first), second_failure (another failure "
-      "was reported during it), node_lost (a node of the job stopped heartbeating)");
+      "was reported during it), node_lost (a node of the job stopped heartbeating), shrunk (the "
+      "deadline passed with a node "
+      "lost, and the job shrank to its other nodes' ranks: JobOptions.on_node_loss shrink)");
   recovered_ = &recoveries.Add({{"outcome", "recovered"}});
   recovery_deadline_ = &recoveries.Add({{"outcome", "deadline"}});
   recovery_second_failure_ = &recoveries.Add({{"outcome", "second_failure"}});
   recovery_node_lost_ = &recoveries.Add({{"outcome", "node_lost"}});
+  recovery_shrunk_ = &recoveries.Add({{"outcome", "shrunk"}});
   // From a restarted rank's re-attachment in a second to a slow restart near a long deadline.
   recovery_seconds_ =
       &HistogramFamily("ragshard_planner_recovery_seconds",
@@ -52,6 +55,10 @@ PlannerMetrics::PlannerMetrics() {
                                   "Bytes of persistent state the replacement daemons of lost "
                                   "nodes rebuilt (their ReportRecovered)")
                         .Add({});
+  shrinks_ = &CounterFamily("ragshard_planner_shrinks_total",
+                            "Jobs shrunk in place to a successor job of their surviving ranks "
+                            "after a node was lost (JobOptions.on_node_loss shrink)")
+                  .Add({});
 }
 
 void PlannerMetrics::PlanComputed(bool ok, double seconds) {
@@ -73,6 +80,9 @@ void PlannerMetrics::RecoveryEnded(RecoveryOutcome outcome, double seconds) {
       return;
     case RecoveryOutcome::kNodeLost:
       recovery_node_lost_->Increment();
+      return;
+    case RecoveryOutcome::kShrunk:
+      recovery_shrunk_->Increment();
       return;
   }
 }

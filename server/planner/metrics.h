@@ -14,8 +14,10 @@
 namespace ragshard::planner {
 
 // How a recovery in place ended (ragshard_planner_recoveries_total's outcome label): every node
-// recovered, the deadline passed first, another failure came during it, or a node was lost.
-enum class RecoveryOutcome { kRecovered, kDeadline, kSecondFailure, kNodeLost };
+// recovered, the deadline passed first, another failure came during it, a node was lost, or the
+// deadline passed with a node lost and the job shrank to its other nodes' ranks
+// (JobOptions.on_node_loss "shrink").
+enum class RecoveryOutcome { kRecovered, kDeadline, kSecondFailure, kNodeLost, kShrunk };
 
 class PlannerMetrics : public MetricsSet {
  public:
@@ -35,6 +37,8 @@ class PlannerMetrics : public MetricsSet {
   }
   // A recovery in place ended; `seconds` from its start is observed for recovered ones only.
   void RecoveryEnded(RecoveryOutcome outcome, double seconds);
+  // A job shrank to a successor of its surviving ranks (JOB_SHRUNK).
+  void JobShrunk() { shrinks_->Increment(); }
   // A recovery that ended recovered rebuilt a lost node on a replacement daemon, `bytes` of
   // persistent state (JobOptions.redundancy).
   void NodeRebuilt(int64_t bytes) {
@@ -55,9 +59,11 @@ class PlannerMetrics : public MetricsSet {
   prometheus::Counter* recovery_deadline_ = nullptr;
   prometheus::Counter* recovery_second_failure_ = nullptr;
   prometheus::Counter* recovery_node_lost_ = nullptr;
+  prometheus::Counter* recovery_shrunk_ = nullptr;
   prometheus::Histogram* recovery_seconds_ = nullptr;
   prometheus::Counter* rebuilds_ = nullptr;
   prometheus::Counter* rebuilt_bytes_ = nullptr;
+  prometheus::Counter* shrinks_ = nullptr;
 };
 
 }  // namespace ragshard::planner

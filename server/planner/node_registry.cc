@@ -86,6 +86,12 @@ std::map<v1::NodeStatus, int64_t> NodeRegistry::CountByStatus() const {
   return out;
 }
 
+bool NodeRegistry::Up(const std::string& node_id) const {
+  absl::MutexLock lock(&mu_);
+  const auto it = nodes_.find(node_id);
+  return it != nodes_.end() && it->second.status() == v1::NODE_UP;
+}
+
 size_t NodeRegistry::size() const {
   absl::MutexLock lock(&mu_);
   return nodes_.size();

@@ -37,6 +37,8 @@ class NodeRegistry {
   // How many nodes are in each state.
   std::map<v1::NodeStatus, int64_t> CountByStatus() const;
   size_t size() const;
+  // Whether `node_id` is registered and UP (its heartbeats go on).
+  bool Up(const std::string& node_id) const;
 
  private:
   Store* const store_;

@@ -67,6 +67,14 @@ absl::StatusOr<std::unique_ptr<PlannerService>> PlannerService::Create(std::uniq
   // Nodes get a fresh heartbeat grace period after a restart.
   svc->nodes_.Load(std::move(state->nodes), NowMs());
   const size_t jobs = loaded.size();
+  // A planner stopped between a shrink's store write and its successor's: the successor now.
+  std::vector<v1::Job> successors;
+  for (const auto& [id, js] : loaded) {
+    const std::string& next = js.job.successor_job_id();
+    if (js.job.status() == v1::JOB_SHRUNK && !next.empty() && loaded.count(next) == 0) {
+      successors.push_back(svc->SuccessorOf(js.job));
+    }
+  }
   for (auto& [id, js] : loaded) {
     EntryPtr e = svc->Entry(id, /*create=*/true);
     absl::MutexLock lock(&e->mu);
@@ -79,6 +87,7 @@ absl::StatusOr<std::unique_ptr<PlannerService>> PlannerService::Create(std::uniq
       RunDeferred(&deferred);
     }
   }
+  for (const v1::Job& next : successors) svc->CreateSuccessor(next);
   LOG(INFO) << "planner state loaded: " << jobs << " jobs, " << svc->nodes_.size() << " nodes";
   svc->ticker_ = std::thread([s = svc.get()] { s->RunTicker(); });
   return svc;

@@ -2,7 +2,9 @@
 // service.cc (the job table, the handler prologue, job changes, the ticker), service_jobs.cc (the
 // job lifecycle and plan reads), service_registration.cc (rank registration and planning),
 // service_nodes.cc (node calls and failure reports), service_recovery.cc (recovery in place:
-// recoverable reports, ReportRecovered, the recovery deadline), service_rendezvous.cc (Put/Get).
+// recoverable reports, ReportRecovered, the recovery deadline), service_shrink.cc (a job that
+// shrinks to its surviving ranks when a lost node is not rebuilt in time), service_rendezvous.cc
+// (Put/Get).
 // The state has four owners, each with its own lock: the job table and each job (below), the nodes
 // (node_registry.h), the rendezvous keys and waiting gets (rendezvous.h), the watch streams
 // (watch_registry.h; a stream is watch_channel.h). The token check is auth.h.
@@ -327,8 +329,28 @@ class PlannerService final
   void EndRecovery(JobState* js, RecoveryOutcome outcome, const std::string& error,
                    Deferred* deferred);
   // A RECOVERING job whose deadline has passed turns DEGRADED, naming the nodes that did not
-  // recover.
+  // recover; or, where it shrinks on a node's loss and the nodes that did not recover include the
+  // lost node, SHRUNK (Shrink), else DEGRADED with why it could not shrink.
   void ExpireRecovery(JobState* js, int64_t now_ms, Deferred* deferred);
+  // Shrink in place (service_shrink.cc; JobOptions.on_node_loss "shrink", JOB_SHRUNK).
+  // The job recovers from a lost node (NodeLostRecovery) to shrink if it is not back in time.
+  static bool ShrinksOnNodeLoss(const v1::Job& job);
+  // The recovering job, its recovery past the deadline, without the ranks on the `lost` nodes:
+  // SHRUNK, with `why` (what was lost, in words) and its successor and survivors in its error;
+  // stored and told to its watchers, and its successor created once the locks are released
+  // (CreateSuccessor). FAILED_PRECONDITION saying why it cannot shrink (the lost nodes held part
+  // of a shard group, or every group; the successor's id is too long), with nothing changed.
+  absl::Status Shrink(JobState* js, const std::set<std::string>& lost, const std::string& why,
+                      Deferred* deferred);
+  // The successor a SHRUNK `job` names, as CreateJob would make it: REGISTERING, its survivors'
+  // mesh, the job's options (redundancy hsdp left to the default again), its predecessor named.
+  v1::Job SuccessorOf(const v1::Job& job) const;
+  // Stores and adds `successor` unless a job of its id lives (a restarted planner made it
+  // already). Takes jobs_mu_ and the successor's lock: call with no lock held.
+  void CreateSuccessor(const v1::Job& successor);
+  // What a call that would go on with a SHRUNK job is refused with (FAILED_PRECONDITION): the
+  // successor, the lost nodes and the ranks that go on there.
+  static std::string ShrunkText(const JobState& js);
   // The ticker's checks, each in the file of its responsibility.
   void Tick();
   // Answers `keys` of a job from its stored keys at once, or parks the call until they are all

@@ -36,7 +36,10 @@ grpc::ServerUnaryReactor* PlannerService::Heartbeat(Ctx* ctx, const v1::Heartbea
           const v1::Job& j = e->state.job;
           if (j.job_id().empty() || j.status() == v1::JOB_DELETED) {
             resp->add_release_jobs(job);
-          } else if (j.status() == v1::JOB_DEGRADED || j.status() == v1::JOB_FAILED) {
+          } else if (j.status() == v1::JOB_DEGRADED || j.status() == v1::JOB_FAILED ||
+                     j.status() == v1::JOB_SHRUNK) {
+            // A SHRUNK job's operations fail, naming its successor (its error); its buffers stay
+            // until it is deleted: the successor's ranks take their state from them.
             v1::JobFailure* f = resp->add_failed_jobs();
             f->set_job_id(job);
             f->set_error(j.error());
@@ -117,8 +120,10 @@ grpc::ServerUnaryReactor* PlannerService::ReportFailure(Ctx* ctx,
       [&] { return ValidateReportFailure(*req, options_.limits); },
       [&](JobState& js, Deferred* deferred) {
         if (RecoveryReport(&js, *req, resp, deferred)) return absl::OkStatus();
-        // The first failure is the cause; the reports it provokes elsewhere do not replace it.
-        if (!Terminal(js.job.status()) && js.job.status() != v1::JOB_DEGRADED) {
+        // The first failure is the cause; the reports it provokes elsewhere do not replace it,
+        // nor do they undo a shrink (the failures of its survivors' last operations).
+        if (!Terminal(js.job.status()) && js.job.status() != v1::JOB_DEGRADED &&
+            js.job.status() != v1::JOB_SHRUNK) {
           js.job.set_status(v1::JOB_DEGRADED);
           js.job.set_error(ReportText(*req));
           LOG(WARNING) << "job " << req->job_id() << " DEGRADED: " << js.job.error();

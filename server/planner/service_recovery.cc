@@ -11,6 +11,11 @@
 // progress (JobRecovery.lost_node_id); a replacement daemon with the same node id rebuilds the
 // node's state from the other nodes and says ReportRecovered with `replacement`, which counts the
 // node and the bytes it rebuilt. A second node lost during the rebuild ends it DEGRADED.
+//
+// A job that shrinks on a node's loss (JobOptions.on_node_loss "shrink") recovers from a lost
+// node the same way, with or without redundancy; if the deadline passes with the node not back,
+// it shrinks to its other nodes' ranks (service_shrink.cc) rather than ending DEGRADED, and a
+// second node lost meanwhile is lost with it.
 #include <algorithm>
 #include <set>
 #include <string>
@@ -118,23 +123,40 @@ bool PlannerService::Rebuilds(const v1::Job& job) {
 bool PlannerService::NodeLostRecovery(JobState* js, const std::string& node_id,
                                       const std::string& lost, Deferred* deferred) {
   v1::Job& job = js->job;
-  if (!Rebuilds(job) || job.status() == v1::JOB_REGISTERING) return false;
+  const bool rebuilds = Rebuilds(job), shrinks = ShrinksOnNodeLoss(job);
+  if ((!rebuilds && !shrinks) || job.status() == v1::JOB_REGISTERING) return false;
   const int64_t now = NowMs();
   // A recovery past its deadline ends as such first.
   ExpireRecovery(js, now, deferred);
+  const std::string within = absl::StrCat(Seconds(job.options().recovery_deadline_ms()), " s");
   const std::string rebuilt_within =
-      absl::StrCat("a replacement daemon with node id '", node_id, "' rebuilds it within ",
-                   Seconds(job.options().recovery_deadline_ms()), " s");
+      rebuilds ? absl::StrCat("a replacement daemon with node id '", node_id,
+                              "' rebuilds it within ", within)
+               : absl::StrCat("node '", node_id, "' comes back within ", within);
+  const std::string or_shrinks =
+      shrinks ? ", else the job shrinks to the ranks on its other nodes (on_node_loss shrink)" : "";
   if (job.status() == v1::JOB_READY) {
-    StartRecovery(
-        js, lost, "", node_id, now,
-        absl::StrCat("recovering in place (epoch ", job.recovery_epoch() + 1, ") from ", lost, "; ",
-                     rebuilt_within, " (redundancy ", job.options().redundancy(), ")"),
-        deferred);
+    const std::string redundancy =
+        rebuilds ? absl::StrCat(" (redundancy ", job.options().redundancy(), ")") : "";
+    StartRecovery(js, lost, "", node_id, now,
+                  absl::StrCat("recovering in place (epoch ", job.recovery_epoch() + 1, ") from ",
+                               lost, "; ", rebuilt_within, redundancy, or_shrinks),
+                  deferred);
     return true;
   }
   if (job.status() != v1::JOB_RECOVERING) return true;  // it ended just now
   v1::JobRecovery& r = *job.mutable_recovery();
+  auto* done = r.mutable_recovered_node_ids();
+  if (!r.lost_node_id().empty() && r.lost_node_id() != node_id && shrinks) {
+    // A job that shrinks loses this node too if it is not back by the deadline.
+    done->erase(std::remove(done->begin(), done->end(), node_id), done->end());
+    job.set_error(absl::StrCat(job.error(), "; ", lost, " too (after node '", r.lost_node_id(),
+                               "'): the job shrinks without both unless they recover by the "
+                               "deadline"));
+    LOG(WARNING) << "job " << job.job_id() << " RECOVERING: " << job.error();
+    (void)JobChanged(js, deferred);
+    return true;
+  }
   if (!r.lost_node_id().empty() && r.lost_node_id() != node_id) {
     EndRecovery(js, RecoveryOutcome::kNodeLost,
                 absl::StrCat("a second node '", node_id, "' lost during the rebuild of node '",
@@ -148,10 +170,9 @@ bool PlannerService::NodeLostRecovery(JobState* js, const std::string& node_id,
   // the node is now known lost, and only a replacement's report counts it as recovered, even if
   // it had recovered this epoch before.
   r.set_lost_node_id(node_id);
-  auto* done = r.mutable_recovered_node_ids();
   done->erase(std::remove(done->begin(), done->end(), node_id), done->end());
   job.set_error(absl::StrCat("recovering in place (epoch ", r.epoch(), ") from ", r.lost(), "; ",
-                             lost, ": ", rebuilt_within, " of the recovery's start"));
+                             lost, ": ", rebuilt_within, " of the recovery's start", or_shrinks));
   LOG(WARNING) << "job " << job.job_id() << " RECOVERING: " << job.error();
   (void)JobChanged(js, deferred);
   return true;
@@ -171,13 +192,22 @@ void PlannerService::ExpireRecovery(JobState* js, int64_t now_ms, Deferred* defe
   if (job.status() != v1::JOB_RECOVERING || job.recovery().deadline_unix_ms() > now_ms) return;
   const v1::JobRecovery& r = job.recovery();
   std::vector<std::string> missing = NotRecovered(JobNodes(js), r);
+  // A job that shrinks does so without the lost node and every other node that did not recover
+  // and is not UP; a node UP that did not recover (its ranks could not re-attach: the lost node's
+  // data plane is gone) holds survivors.
+  std::set<std::string> gone;
+  for (const std::string& node : missing) {
+    if (node == r.lost_node_id() || !nodes_.Up(node)) gone.insert(node);
+  }
   const std::string within = Seconds(r.deadline_unix_ms() - r.started_unix_ms());
   std::vector<std::string> why;
   const auto lost_node = std::find(missing.begin(), missing.end(), r.lost_node_id());
-  if (!r.lost_node_id().empty() && lost_node != missing.end()) {
-    why.push_back(absl::StrCat("node '", r.lost_node_id(),
-                               "' was lost and no replacement daemon rebuilt it within ", within,
-                               " s"));
+  const bool lost = !r.lost_node_id().empty() && lost_node != missing.end();
+  if (lost) {
+    why.push_back(
+        absl::StrCat("node '", r.lost_node_id(), "' was lost and ",
+                     Rebuilds(job) ? "no replacement daemon rebuilt it" : "did not come back",
+                     " within ", within, " s"));
     missing.erase(lost_node);
   }
   if (!missing.empty()) {
@@ -186,10 +216,22 @@ void PlannerService::ExpireRecovery(JobState* js, int64_t now_ms, Deferred* defe
                                " not recovered (", one ? "its" : "their",
                                " ranks did not re-attach within ", within, " s)"));
   }
-  EndRecovery(js, RecoveryOutcome::kDeadline,
-              absl::StrCat("the recovery of epoch ", r.epoch(), " (from ", r.lost(),
-                           ") missed its deadline: ", absl::StrJoin(why, "; ")),
-              deferred);
+  std::string error = absl::StrCat("the recovery of epoch ", r.epoch(), " (from ", r.lost(),
+                                   ") missed its deadline: ", absl::StrJoin(why, "; "));
+  if (lost && ShrinksOnNodeLoss(job)) {
+    // What the shrink is for: the nodes it goes on without (a node UP that did not recover goes
+    // on).
+    std::vector<std::string> lost_why = {why.front()};
+    for (const std::string& node : gone) {
+      if (node != r.lost_node_id()) {
+        lost_why.push_back(absl::StrCat("node '", node, "' was lost too and did not come back"));
+      }
+    }
+    const absl::Status shrunk = Shrink(js, gone, absl::StrJoin(lost_why, "; "), deferred);
+    if (shrunk.ok()) return;
+    absl::StrAppend(&error, "; it cannot shrink: ", shrunk.message());
+  }
+  EndRecovery(js, RecoveryOutcome::kDeadline, error, deferred);
 }
 
 absl::Status PlannerService::CountReplacement(JobState* js, const v1::ReportRecoveredRequest& req,
@@ -240,6 +282,8 @@ grpc::ServerUnaryReactor* PlannerService::ReportRecovered(Ctx* ctx,
         v1::Job& job = js.job;
         const int64_t now = NowMs();
         ExpireRecovery(&js, now, deferred);
+        // A survivor's daemon goes on with the successor (just now, if the deadline passed).
+        if (job.status() == v1::JOB_SHRUNK) return absl::FailedPreconditionError(ShrunkText(js));
         const google::protobuf::RepeatedPtrField<std::string>& done =
             job.recovery().recovered_node_ids();
         const bool counted = std::find(done.begin(), done.end(), req->node_id()) != done.end();

@@ -85,7 +85,10 @@ std::optional<grpc::Status> PlannerService::RegisterOnJob(JobState& js, const Re
   };
   const bool has_reference = !job.inventory_sha256().empty();
   std::optional<grpc::Status> result = grpc::Status::OK;
-  if (reg.ranks.back() >= job.world_size()) {
+  if (job.status() == v1::JOB_SHRUNK) {
+    // A survivor's new process: it goes on with the successor.
+    result = grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, ShrunkText(js));
+  } else if (reg.ranks.back() >= job.world_size()) {
     result = ToGrpcStatus(absl::InvalidArgumentError(
         absl::StrCat("rank: ", reg.ranks.back(), " is outside [0, ", job.world_size(), ") of job '",
                      job.job_id(), "'")));

@@ -110,6 +110,16 @@ absl::Status ValidateCreateJob(const v1::CreateJobRequest& req, const ServiceLim
                absl::StrCat("must be in [0, ", limits.max_recovery_deadline_ms, "], got ",
                             o.recovery_deadline_ms()));
   }
+  if (!o.on_node_loss().empty() && o.on_node_loss() != "fail" && o.on_node_loss() != "shrink") {
+    return Bad("options.on_node_loss",
+               absl::StrCat("'", o.on_node_loss(),
+                            "' is not one of '' or 'fail' (the job turns DEGRADED) and 'shrink'"));
+  }
+  if (o.on_node_loss() == "shrink" && o.recovery_deadline_ms() <= 0) {
+    return Bad("options.on_node_loss",
+               "'shrink' needs options.recovery_deadline_ms > 0 (the job shrinks when a lost "
+               "node is not back or rebuilt within the recovery deadline)");
+  }
   return ValidateRedundancy(o, shard * rep, rep);
 }
 

@@ -353,6 +353,31 @@ TEST(CtlRecoveryTest, ARedundantJobShowsItsRedundancyTheNodeBeingRebuiltAndItsRe
   EXPECT_EQ(RedundancyLines(job), "");
 }
 
+TEST(CtlRecoveryTest, AShrunkJobNamesItsSuccessorAndTheSuccessorItsPredecessor) {
+  v1::Job job;
+  job.set_status(v1::JOB_SHRUNK);
+  job.set_successor_job_id("tiny/shrink-1");
+  job.add_survivor_ranks(0);
+  job.add_survivor_ranks(1);
+  EXPECT_EQ(ShrinkLines(job), "shrunk to:    tiny/shrink-1 (ranks 0, 1 go on)\n");
+  EXPECT_EQ(ShrinkNote(job), "");  // its error names the successor
+  job.clear_survivor_ranks();
+  for (int64_t r : {8, 9, 10, 11, 20}) job.add_survivor_ranks(r);
+  EXPECT_EQ(ShrinkLines(job), "shrunk to:    tiny/shrink-1 (ranks 8-11, 20 go on)\n");
+  job.clear_survivor_ranks();
+  job.add_survivor_ranks(3);
+  EXPECT_EQ(ShrinkLines(job), "shrunk to:    tiny/shrink-1 (rank 3 goes on)\n");
+
+  v1::Job next;
+  next.set_status(v1::JOB_READY);
+  next.set_predecessor_job_id("tiny");
+  next.set_shrinks(1);
+  EXPECT_EQ(ShrinkLines(next), "shrunk from:  tiny (shrinks: 1)\n");
+  EXPECT_EQ(ShrinkNote(next), "shrunk from tiny (shrinks: 1)");
+  EXPECT_EQ(ShrinkLines(v1::Job()), "");
+  EXPECT_EQ(ShrinkNote(v1::Job()), "");
+}
+
 TEST(CtlRecoveryTest, TheRanksJournalsNameTheStepBeingRedoneAndWhoIsNotBack) {
   v1::RankProgress a, b, c;
   a.set_committed_step(6);

@@ -6,6 +6,7 @@ nodes' parity (or copy), and the job goes on from the last completed step with n
 The final parameters equal an uninterrupted run's within 1e-6. Also Muon under replica, a loss
 after the step's protection (ranks roll forward), and HSDP's default (2 daemons x 2 ranks,
 --replicate 2: node 1 rebuilt from its replicas on node 0)."""
+import json
 import os
 import signal
 import subprocess
@@ -59,11 +60,11 @@ def ctl(cluster, *args):
                           capture_output=True, text=True, timeout=60)
 
 
-def same(out, ref):
+def same(out, ref, atol=1e-6):
     a, b = torch.load(out + ".pt"), torch.load(ref + ".pt")
     assert a.keys() == b.keys()
     for name in a:
-        assert torch.allclose(a[name], b[name], rtol=0, atol=1e-6), \
+        assert torch.allclose(a[name], b[name], rtol=0, atol=atol), \
             f"{name}: max |delta| {float((a[name] - b[name]).abs().max()):.3g}"
 
 
@@ -141,6 +142,80 @@ def test_a_lost_node_is_rebuilt_on_a_replacement(cluster, tmp_path, redundancy, 
     assert "rebuilds:     1" in show.stdout, show.stdout
     if redundancy == "hsdp+":
         assert "redundancy:   hsdp" in show.stdout, show.stdout
+
+
+SHRINK = ["--global-batch", "8"]  # the same global batch at 4 ranks and at 2
+
+
+def launch(cluster, tmp_path, job, nproc, daemons, layout, extra):
+    """One launch of train_tiny's `nproc` ranks over the first `daemons` daemons (a reference
+    run): `layout` for the launcher, `extra` for the script."""
+    out = str(tmp_path / job)
+    cmd = LAUNCH + ["--planner", cluster.planner, "--job", job, "--create-job", "--nproc",
+                    str(nproc), "--sockets", ",".join(cluster.sockets[:daemons]), *layout,
+                    EXAMPLE, "--out", out] + SMALL + SHRINK + list(extra)
+    r = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return out
+
+
+def test_a_lost_node_without_a_replacement_shrinks_the_job(cluster, tmp_path):
+    """--on-node-loss shrink over 2 daemons x 2 ranks, 2 HSDP replica groups: node 1 and both
+    its ranks are killed in step 3 and no replacement comes. At the recovery deadline the job
+    shrinks to node 0's ranks (a successor job of 2 ranks), which take their state over from
+    the old job's buffers in their daemon's pool; node 1's restarted ranks leave. The losses
+    after the shrink equal, within 1e-5, a reference that saves at 2 x 2 after the step the
+    shrink resumed from and resumes at 1 x 2, with the same global batch."""
+    job = "shrink-3"
+    marks = [str(tmp_path / f"{job}-hold{r}") for r in (2, 3)]
+    out = str(tmp_path / job)
+    cmd = LAUNCH + ["--planner", cluster.planner, "--job", job, "--create-job", "--nproc", "4",
+                    "--sockets", ",".join(cluster.sockets[:2]), "--replicate", "2",
+                    "--max-restarts", "1", "--recovery-deadline", "8", "--on-node-loss",
+                    "shrink", EXAMPLE, "--out", out] + SMALL + SHRINK + \
+        [f"--hold-at={r}:3:step:{m}" for r, m in zip((2, 3), marks)]
+    p = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    try:
+        deadline = time.time() + 240
+        while not all(os.path.exists(m) for m in marks):
+            assert p.poll() is None, p.communicate()
+            assert time.time() < deadline, "node 1's ranks did not reach the hold"
+            time.sleep(0.05)
+        cluster.kill_daemon(1)
+        for m in marks:
+            with open(m) as f:
+                os.kill(int(f.read()), signal.SIGKILL)
+        stdout, stderr = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+        cluster.start_daemon(1, log_suffix=f"-{job}")  # for the tests after this one
+    assert p.returncode == 0, stdout + stderr
+    assert "rank 2 left: the job shrank without it" in stderr, stderr
+    with open(out + ".json") as f:
+        shrunk = json.load(f)
+    resumed = shrunk["first_step"] - 1  # the last step every rank completed before the loss
+    assert resumed in (2, 3), shrunk["first_step"]
+    assert shrunk["world_sizes"] == [4] * resumed + [2] * (6 - resumed)
+    assert shrunk["shrink"]["job"] == f"{job}/shrink-1" and shrunk["shrink"]["bytes"] > 0
+    # The reference: 2 x 2 saved after that step, resumed at 1 x 2.
+    ckpt = str(tmp_path / "shrink-ckpt")
+    launch(cluster, tmp_path, "shrink-ref-a", 4, 2, ["--replicate", "2"],
+           ["--steps", str(resumed), "--save", ckpt, "--save-step", str(resumed)])
+    ref = launch(cluster, tmp_path, "shrink-ref-b", 2, 1, [], ["--resume", ckpt])
+    with open(ref + ".json") as f:
+        reference = json.load(f)
+    assert reference["first_step"] == shrunk["first_step"]
+    a, b = shrunk["losses"], reference["losses"]
+    assert len(a) == len(b) == 6 - resumed
+    assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-5, (a, b)
+    same(out, ref, atol=1e-5)
+    show = ctl(cluster, "job", "show", job)
+    assert show.returncode == 0 and "SHRUNK" in show.stdout, show.stdout + show.stderr
+    show = ctl(cluster, "job", "show", f"{job}/shrink-1")
+    assert show.returncode == 0 and "READY" in show.stdout, show.stdout + show.stderr
 
 
 def test_redundancy_is_refused_without_the_nodes_it_needs(cluster, tmp_path):

@@ -20,6 +20,8 @@ from .quantized import QuantizedGathers, plan_quantized_units
 from .recovery import (PoolState, StepJournal, agree_on_committed, rebuild_state,
                        redundancy_step, shard_tensors)
 from .shards import RankShards
+from .._shrink import follow
+from .shrink import take_over
 from .state import ModuleState
 from .trace import Trace
 from .units import ModuleUnits, find_ties, group_units, policy_units, unit_inventory
@@ -73,7 +75,12 @@ class ShardedModule(torch.nn.Module):
             raise ValueError("quantize: the world size is needed before registering (world=)")
         inventory, qsizes = _inventory(found, world, param_dtype, quantize, granule, optimizer,
                                        strategy)
-        self.client = self._attach(client, inventory, register)
+        # A shrunk job's survivor (shrink.py): `held` is its salvage attachment to the old job,
+        # and `shrink` says where the rank goes on (job, rank, world) and from where.
+        self.shrink = None
+        self.client, held = self._attach(
+            client, inventory, register,
+            lambda w: _inventory(found, w, param_dtype, quantize, granule, optimizer, strategy)[0])
         self.layout = ShardLayout.read(self.client, plan_of(self.client))
         self.prefetch = _prefetch_depth(prefetch, self.layout.plan)
         self._units = ModuleUnits(group_units(self.layout.plan, found, bool(qsizes)),
@@ -102,7 +109,12 @@ class ShardedModule(torch.nn.Module):
         self._journal = None
         if self.recoverable:
             self._journal = StepJournal(self._shards.pool, self._journaled)
-            if adopted or replacement:
+            if held is not None and not adopted:
+                self.resume_step, self.shrink["bytes"] = take_over(
+                    held, self.client, plan_of(held), self.layout.plan, self._control,
+                    self._journal, self.units())
+                self.shrink["step"] = self.resume_step
+            elif adopted or replacement:  # (a recovery in the successor itself: its own state)
                 self._recover(replacement)
             if self._protects and self._journal.committed == 0 and \
                     self._control.all_reduce_scalar(self._lacks_parity(0)) > 0:
@@ -110,16 +122,44 @@ class ShardedModule(torch.nn.Module):
                 # commits is rebuilt to it), unless every node holds it already (a recovery
                 # back to step 0: protecting it again would put a second parity beside it).
                 self.client.protect().wait()
+        if held is not None:
+            held.close()  # the shrunk job's buffers are the daemon's until the job is deleted
         self.checkpoint_writing = None  # an asynchronous checkpoint save writing the state
 
-    def _attach(self, client, inventory, register):
+    def _attach(self, client, inventory, register, inventory_at):
         """Registers `inventory` (unless `register` is False) and attaches; without a client,
-        connects from the environment, once the module is known to be shardable."""
+        connects from the environment, once the module is known to be shardable. Returns the
+        client and None; where the job shrank (shrink.py), a client of this rank in the job
+        that goes on (registered with `inventory_at(its world size)`) and a salvage attachment
+        to the job that holds the rank's state."""
         client = client if client is not None else connect()
-        if register:
-            client.register(json.dumps(inventory), True)
-        client.attach()
-        return client
+        try:
+            if register:
+                client.register(json.dumps(inventory), True)
+            client.attach()
+            return client, None
+        except Error as e:
+            refused = e
+        try:
+            live = follow(client.job_info, client.job, client.rank, decided=True)
+        except Error as e:
+            if "shrank without" in str(e):
+                raise
+            live = None  # the planner's answer is not a shrink's: the refusal stands
+        if live is None:
+            raise refused
+        job, rank, held_job, held_rank = live
+        held = client.for_job(held_job, held_rank)
+        held.attach(salvage=True)
+        world = client.job_info(job)["world_size"]
+        new = client.for_job(job, rank)
+        new.register(json.dumps(inventory_at(world)), True)
+        new.attach()
+        self.shrink = {"job": job, "rank": rank, "world": world, "from_job": held_job,
+                       "from_rank": held_rank,
+                       "from_world": client.job_info(held_job)["world_size"]}
+        client.close()
+        return new, held
 
     def _shard_values(self, meta, init, write=True):
         """Each unit's initial values into this rank's shards (unless `write` is False: an

@@ -81,7 +81,7 @@ class StepJournal:
         raw[:8] = np.frombuffer(np.int64(len(data)).tobytes(), dtype=np.uint8)
         self._recorded = list(names)
 
-    def _recorded_names(self):
+    def recorded_names(self):
         raw = self._manifest_raw
         n = int(np.frombuffer(raw[:8].tobytes(), dtype=np.int64)[0])
         return json.loads(raw[8:8 + n].tobytes()) if n > 0 else []
@@ -130,7 +130,7 @@ class StepJournal:
                     f"more than one past step {to} that every rank completed; its undo copy "
                     "holds only the start of the last step")
             tensors = self._tensors()  # the shards (the optimizers' state is not asked for yet)
-            for name, numel, dtype in self._recorded_names():
+            for name, numel, dtype in self.recorded_names():
                 t = tensors.get(name)
                 if t is None:
                     t, _ = self.pool.tensor(name, numel, getattr(torch, dtype))

@@ -1,0 +1,68 @@
+"""Shrinking in place (docs/recovery.md, "Shrinking in place").
+
+A job created with on_node_loss "shrink" (`ragshard-launch --on-node-loss shrink`) that loses a
+node and gets no replacement daemon within its recovery deadline turns SHRUNK: the planner
+creates its successor job (Job.successor_job_id) for the ranks of the other nodes
+(Job.survivor_ranks; the successor's rank i is the old job's survivor_ranks[i]), and training
+goes on there with the same global batch over fewer ranks.
+
+A survivor's process, restarted on the recovery notice as in any recovery in place, finds the
+old job unable to run. It follows the shrink (`follow`): it reads its state in the old job
+through a salvage attach (its daemon keeps the old job's buffers until the job is deleted), joins
+the successor as its new rank, and once the successor's plan is there takes the state over
+(`take_over`): the ranks agree on the last step all of them completed, roll back to it, and
+copy their shards and their optimizers' state into the successor's buffers, memory to memory in
+the node's pool. A shrink keeps whole shard groups (whole HSDP replica groups were lost, which
+the planner checks), so each survivor's shard is cut exactly as its new rank's (checked here
+unit by unit) and nothing crosses nodes. A restarted rank of the lost node leaves with
+SHRINK_EXIT once the planner says the job shrank without it (ragshard.connect)."""
+import torch
+
+from .._core import Error
+from .recovery import PoolState, StepJournal, agree_on_committed, shard_tensors
+from .views import as_tensor
+
+__all__ = ["take_over"]
+
+
+def _same_cuts(old, new, plan_old, plan_new, units):
+    """Each unit's shard of this rank is cut the same in both jobs (the same tensors, offsets,
+    sizes and position), else Error naming the first unit that is not."""
+    for ui in units:
+        a, b = plan_old["units"][ui], plan_new["units"][ui]
+        if a != b or old.layout(ui) != new.layout(ui) or \
+                old.shard_elems(ui) != new.shard_elems(ui):
+            raise Error(f"FAILED_PRECONDITION: the shrink's successor job '{new.job}' cuts unit "
+                        f"{ui} ('{a.get('name', ui)}') of rank {new.rank} unlike rank {old.rank} "
+                        f"of job '{old.job}': a shrink moves a shard only between the same cuts "
+                        "(whole shard groups lost)")
+
+
+def take_over(old, new, plan_old, plan_new, control, journal, units):
+    """The successor's rank `new` takes over the state of rank `old` (a salvage attachment to
+    the shrunk job): every rank agrees on the last step all of them completed there (over
+    `control`, the successor's), brings its old state back to it (its undo copies), and copies
+    its parameter shards and its optimizers' state into the successor's buffers; `journal`
+    (the successor's) then says that step. Returns the step and the bytes copied."""
+    _same_cuts(old, new, plan_old, plan_new, units)
+    pool = PoolState(old)
+    held = StepJournal(pool, lambda: shard_tensors(old, units))
+    step = agree_on_committed(control, held.committed)
+    held.roll_back(step)
+    moved = 0
+    for ui in units:
+        src, dst = as_tensor(old.param_shard(ui)), as_tensor(new.param_shard(ui))
+        dst.copy_(src)
+        moved += src.numel() * src.element_size()
+        as_tensor(new.grad_shard(ui)).zero_()
+    to = PoolState(new)
+    for name, numel, dtype in held.recorded_names():
+        if name.startswith("shard/"):
+            continue  # copied above, every unit's
+        src, _ = pool.tensor(name, numel, getattr(torch, dtype))
+        dst, _ = to.tensor(name, numel, getattr(torch, dtype))
+        dst.copy_(src)
+        moved += src.numel() * src.element_size()
+    journal.meta[0] = step
+    journal.meta[1] = step
+    return step, moved
