@@ -45,7 +45,7 @@ struct JobSpec {
   int64_t tokens_per_step = 0;
   // > 0: a lost rank is recovered in place within this many ms (docs/recovery.md).
   int64_t recovery_deadline_ms = 0;
-  std::string redundancy;  // JobOptions.redundancy
+  std::string redundancy;    // JobOptions.redundancy
   std::string on_node_loss;  // JobOptions.on_node_loss
 };
 v1::CreateJobRequest MakeCreateJobRequest(const JobSpec& spec);

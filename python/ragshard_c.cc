@@ -400,8 +400,8 @@ int rs_create_job(const char* planner, const char* job, int64_t shard_size, int6
                   int64_t tokens_per_step, const char** job_id) {
   const rs_security s = TokenOnly(token_file);
   return rs_create_job_secure(planner, job, shard_size, replicate_size, policy, default_granule, &s,
-                              strategy, memory_budget_bytes, optimizer, tokens_per_step, 0, "",
-                              "", job_id);
+                              strategy, memory_budget_bytes, optimizer, tokens_per_step, 0, "", "",
+                              job_id);
 }
 
 int rs_create_job_secure(const char* planner, const char* job, int64_t shard_size,
@@ -409,8 +409,7 @@ int rs_create_job_secure(const char* planner, const char* job, int64_t shard_siz
                          const rs_security* security, const char* strategy,
                          int64_t memory_budget_bytes, const char* optimizer,
                          int64_t tokens_per_step, int64_t recovery_deadline_ms,
-                         const char* redundancy, const char* on_node_loss,
-                         const char** job_id) {
+                         const char* redundancy, const char* on_node_loss, const char** job_id) {
   JobSpec spec;
   spec.recovery_deadline_ms = recovery_deadline_ms;
   spec.redundancy = Str(redundancy);
