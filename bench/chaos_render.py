@@ -8,19 +8,22 @@ import statistics
 
 import provenance
 import chaos_node
+import chaos_shrink
 from chaos_recovery import DEADLINE, PARAM_ATOL, RECOVERY_LIMIT, STEPS
 
 RANK_FAULTS = ["rank-kill", "daemon-stop", "daemon-kill"]
 TRAINING_FAULTS = ["planner-kill-registration", "planner-kill-ready"]
-RECOVERY_FAULTS = ["rank-recovery", "node-rebuild"]  # chaos_recovery.py, chaos_node.py
+# chaos_recovery.py, chaos_node.py, chaos_shrink.py
+RECOVERY_FAULTS = ["rank-recovery", "node-rebuild", "node-shrink"]
 TRIAL_FAULTS = RANK_FAULTS + TRAINING_FAULTS + RECOVERY_FAULTS
 ALL_FAULTS = TRIAL_FAULTS + ["soak"]
-DEFAULT_FAULTS = [f for f in TRIAL_FAULTS if f != "node-rebuild"]  # on request
+DEFAULT_FAULTS = [f for f in TRIAL_FAULTS if f not in ("node-rebuild", "node-shrink")]
 
 # The limits (seconds from the fault to each surviving rank's exit; rank-recovery: to
 # the recovered training's exit, the recovery deadline plus 30 s).
 LIMITS = {"rank-kill": 10.0, "daemon-stop": 40.0, "daemon-kill": 10.0,
-          "rank-recovery": RECOVERY_LIMIT, "node-rebuild": chaos_node.RECOVERY_LIMIT}
+          "rank-recovery": RECOVERY_LIMIT, "node-rebuild": chaos_node.RECOVERY_LIMIT,
+          "node-shrink": chaos_shrink.SHRINK_LIMIT}
 NAMES = {"rank-kill": "rank 3", "daemon-stop": "node-1", "daemon-kill": "node-1"}
 WHAT = {
     "rank-kill": "kill -9 of rank 3 at step 3",
@@ -43,6 +46,12 @@ WHAT = {
                     f"{chaos_node.DEADLINE:g} --redundancy R (parity:2 in trials 1 to "
                     f"{chaos_node.PARITY_TRIALS}, replica after), and a replacement daemon "
                     f"started with the lost node's id",
+    "node-shrink": f"a whole node lost for good: SIGKILL of a random daemon (of 2) and of its 2 "
+                   f"ranks, held (--hold-at) at a random phase of a random one of steps 1 to "
+                   f"{chaos_shrink.STEPS - 1} of a {chaos_shrink.STEPS}-step AdamW training of 4 "
+                   f"ranks (2 HSDP replica groups, --global-batch 8) under ragshard.launch "
+                   f"--max-restarts 1 --recovery-deadline {chaos_shrink.DEADLINE:g} "
+                   f"--on-node-loss shrink, and no replacement",
     "soak": "bench/planner_soak: 40,000 jobs, then 20 planner kills under load, then large "
             "refused requests",
 }
@@ -61,6 +70,12 @@ LIMIT_TEXT = {
                     "`ragshardctl job show`, every final parameter within "
                     f"{chaos_node.PARAM_ATOL:g} of an uninterrupted run's with the same "
                     "redundancy (no divergence)",
+    "node-shrink": f"the training completes (exit 0) within {chaos_shrink.SHRINK_LIMIT:g} s of "
+                   "the daemon's kill (no hang), the job SHRUNK and its successor READY in "
+                   "`ragshardctl job show`, `world_sizes` 4 up to the step it resumed from and 2 "
+                   "after, its losses after the shrink and final parameters within "
+                   f"{chaos_shrink.LOSS_ATOL:g} of a reference saved at 2 x 2 after that step "
+                   "and resumed at 1 x 2 with the same global batch (no divergence)",
 }
 
 
@@ -133,6 +148,10 @@ def verdict(fault, entry):
     elif fault == "node-rebuild":
         within = (f"rebuilt on the replacement and completed within {LIMITS[fault]:g} s of "
                   f"the kill, final parameters within {PARAM_ATOL:g}")
+    elif fault == "node-shrink":
+        within = (f"shrunk to 1 x 2 and completed within {LIMITS[fault]:g} s of the kill, "
+                  f"losses and final parameters within {chaos_shrink.LOSS_ATOL:g} of the "
+                  "reference")
     elif fault in RECOVERY_FAULTS:
         within = (f"recovered in place within {LIMITS[fault]:g} s of the kill, final "
                   f"parameters within {PARAM_ATOL:g}")
@@ -200,6 +219,8 @@ def fault_section(fault, entry):
             L.append("")
     elif fault == "node-rebuild":
         L.extend(chaos_node.node_text(trials))
+    elif fault == "node-shrink":
+        L.extend(chaos_shrink.shrink_text(trials))
     elif fault in RECOVERY_FAULTS:
         L.extend(recovery_text(trials))
     else:
@@ -247,6 +268,8 @@ def fault_section(fault, entry):
             L.append(f"| {t['trial']} | {'pass' if t['passed'] else 'FAIL'} | {cells or '—'} |")
     elif fault == "node-rebuild":
         L.extend(chaos_node.node_table(trials))
+    elif fault == "node-shrink":
+        L.extend(chaos_shrink.shrink_table(trials))
     elif fault in RECOVERY_FAULTS:
         L.append("| trial | result | optimizer | rank killed | after step | resumed at step | "
                  "s from the kill to the exit | max abs Δ |")
@@ -482,6 +505,13 @@ def write_report(docs, doc):
                             "and its ranks, starts a replacement daemon with the node's id and "
                             "compares the final parameters with an uninterrupted run's "
                             "(bench/chaos_node.py), one per redundancy per campaign.\n")
+    if "node-shrink" in doc["faults"]:
+        L[1] = L[1][:-2] + ("; node-shrink runs 4 ranks (2 HSDP replica groups) over 2 daemons "
+                            "under `ragshard.launch --max-restarts 1 --on-node-loss shrink`, "
+                            "kills a daemon and its ranks with no replacement, and compares the "
+                            "losses after the shrink and the final parameters with a reference "
+                            "saved at 2 x 2 after the step the shrink resumed from and resumed "
+                            "at 1 x 2 (bench/chaos_shrink.py), one per step per campaign.\n")
     runs = {}
     for fault in ALL_FAULTS:
         e = doc["faults"].get(fault)
@@ -516,8 +546,8 @@ def write_report(docs, doc):
     L.append("Seconds: for the rank and daemon faults, from the fault to each surviving rank's "
              "exit, over all survivors of all trials; for the planner faults, the training's "
              "wall time from launch to exit"
-             + ("; for rank-recovery and node-rebuild, from the kill to the recovered "
-               "training's exit" if any(f in doc["faults"] for f in RECOVERY_FAULTS) else "")
+             + ("; for rank-recovery, node-rebuild and node-shrink, from the kill to the "
+               "recovered training's exit" if any(f in doc["faults"] for f in RECOVERY_FAULTS) else "")
              + ".\n")
     if pic:
         L.append(f"![seconds per fault against the limit]({os.path.basename(pic)})\n")

@@ -8,8 +8,8 @@ from that JSON: a run of some faults replaces those faults' entries and keeps th
     RAGSHARD_BUILD=build PYTHONPATH=build/python:tests/python \\
         .venv/bin/python bench/chaos_report.py --build build [--trials 20] [--faults a,b]
 
-Faults (`--faults`, comma-separated; default the six below, `node-rebuild` and `soak` only on
-request):
+Faults (`--faults`, comma-separated; default the six below, `node-rebuild`, `node-shrink` and
+`soak` only on request):
   rank-kill                  kill -9 of rank 3 at step 3 (4 ranks of examples/train_tiny.py,
                              2 per daemon, each started on its own, no launcher): every
                              survivor exits non-zero within 10 s, its error naming "rank 3".
@@ -36,6 +36,14 @@ request):
                              node id: the training exits 0 within 90 s of the kill, the job
                              READY with one rebuild, the final parameters within 1e-6 of an
                              uninterrupted run's (bench/chaos_node.py).
+  node-shrink                (on request; --trials default 5 for it alone) a whole node lost
+                             for good: a random daemon of 2 and its 2 ranks (4 ranks, 2 HSDP
+                             replica groups, of a 6-step AdamW training under ragshard.launch
+                             --max-restarts 1 --on-node-loss shrink) killed with SIGKILL at a
+                             random step and phase, no replacement: the training exits 0 within
+                             40 s of the kill, the job SHRUNK to 1 x 2, its losses after the
+                             shrink within 1e-5 of a reference saved at 2 x 2 after that step
+                             and resumed at 1 x 2 (bench/chaos_shrink.py).
   soak                       BUILD/bench/planner_soak --mode soak, --mode kills and --mode
                              reject (a refused 200 MiB Put and 1,000,001-tensor registration:
                              the planner's RSS after them; about 5 s), if built.
@@ -69,6 +77,7 @@ from chaos_render import (ALL_FAULTS, DEFAULT_FAULTS, LIMIT_TEXT, LIMITS, NAMES,
                           save)
 from chaos_recovery import Uninterrupted, recovery_trial  # noqa: E402
 import chaos_node  # noqa: E402
+import chaos_shrink  # noqa: E402
 import provenance  # noqa: E402
 from chaos_procs import (Interrupted, _live, _on_signal, error_line, keep_logs,  # noqa: E402
                          end_trial, kill_session, read_from, session_members, stop_cluster_checked,
@@ -390,7 +399,8 @@ def main():
     ap.add_argument("--build", default=os.path.join(ROOT, "build"),
                     help="CMake build folder (server/, client/, python/, bench/)")
     ap.add_argument("--trials", type=int, default=None,
-                    help="trials per fault (default 20; 15 where node-rebuild is the only fault)")
+                    help="trials per fault (default 20; 15 where node-rebuild is the only fault, "
+                         "5 where node-shrink is)")
     ap.add_argument("--faults", default=",".join(DEFAULT_FAULTS),
                     help=f"comma-separated, of {', '.join(ALL_FAULTS)}")
     ap.add_argument("--steps", type=int, default=6,
@@ -415,7 +425,7 @@ def main():
                          if k in os.environ}
     faults = [f.strip() for f in args.faults.split(",") if f.strip()]
     if args.trials is None:
-        args.trials = 15 if faults == ["node-rebuild"] else 20
+        args.trials = {("node-rebuild",): 15, ("node-shrink",): 5}.get(tuple(faults), 20)
     bad = [f for f in faults if f not in ALL_FAULTS]
     if bad:
         ap.error(f"unknown fault(s) {bad}; known: {ALL_FAULTS}")
@@ -441,6 +451,7 @@ def main():
     ref = Reference(args.steps)
     uninterrupted = Uninterrupted(args.build)  # rank-recovery's
     node_refs = chaos_node.Uninterrupted(args.build)  # node-rebuild's
+    shrink_refs = chaos_shrink.References(args.build)  # node-shrink's
     try:
         for fault in faults:
             if fault == "soak":
@@ -459,6 +470,9 @@ def main():
                     elif fault == "node-rebuild":
                         res = chaos_node.node_trial(i, args.build, node_refs,
                                                     args.keep_failures)
+                    elif fault == "node-shrink":
+                        res = chaos_shrink.shrink_trial(i, args.build, shrink_refs,
+                                                        args.keep_failures)
                     elif fault in RECOVERY_FAULTS:
                         res = recovery_trial(i, args.build, uninterrupted, args.keep_failures)
                     else:
@@ -489,6 +503,7 @@ def main():
         ref.cleanup()
         uninterrupted.cleanup()
         node_refs.cleanup()
+        shrink_refs.cleanup()
     return 0
 
 

@@ -51,6 +51,10 @@ class StepJournal:
         self.meta, _ = pool.tensor("journal/meta", 2, torch.int64)  # committed, begun
         raw, _ = pool.client.state_buffer("journal/manifest", _MANIFEST_BYTES)
         self._manifest_raw = raw
+        # Every state tensor the rank held at its last commit (a shrink's successor takes them
+        # over: shrink.py); the manifest above has only those of a step's start.
+        raw, _ = pool.client.state_buffer("journal/held", _MANIFEST_BYTES)
+        self._held_raw, self._held = raw, None
         self._undo = {}  # name -> its undo tensor
         self._recorded = None  # the names in the manifest as last written
         self._depth = 0
@@ -68,23 +72,17 @@ class StepJournal:
     def _record(self, tensors):
         """What the undo copies cover, in the pool: [name, elements, dtype] of each (a
         restarted process reads it, before its optimizers have asked for their state)."""
-        names = [[n, t.numel(), str(t.dtype).removeprefix("torch.")]
-                 for n, t in sorted(tensors.items())]
-        if names == self._recorded:
-            return
-        data = json.dumps(names).encode()
-        if len(data) + 8 > _MANIFEST_BYTES:
-            raise ValueError(f"StepJournal: {len(names)} state tensors do not fit the journal's "
-                             f"manifest of {_MANIFEST_BYTES} bytes")
-        raw = self._manifest_raw
-        raw[8:8 + len(data)] = np.frombuffer(data, dtype=np.uint8)
-        raw[:8] = np.frombuffer(np.int64(len(data)).tobytes(), dtype=np.uint8)
-        self._recorded = list(names)
+        self._recorded = _write_names(self._manifest_raw, tensors, self._recorded)
 
     def recorded_names(self):
-        raw = self._manifest_raw
-        n = int(np.frombuffer(raw[:8].tobytes(), dtype=np.int64)[0])
-        return json.loads(raw[8:8 + n].tobytes()) if n > 0 else []
+        return _read_names(self._manifest_raw)
+
+    def held_names(self):
+        """[name, elements, dtype] of every state tensor the rank held at its last commit,
+        the undo copies' too (a journal of an older version recorded only those)."""
+        names = {n[0]: n for n in self.recorded_names()}
+        names.update({n[0]: n for n in _read_names(self._held_raw)})
+        return [names[k] for k in sorted(names)]
 
     def begin(self):
         """Before a step changes the state: the undo copies, then the mark. Nested calls (an
@@ -101,6 +99,7 @@ class StepJournal:
     def commit(self):
         self._depth -= 1
         if self._depth == 0:
+            self._held = _write_names(self._held_raw, self._tensors(), self._held)
             self.meta[0] = self.meta[1]
 
     def abandon(self):
@@ -137,6 +136,27 @@ class StepJournal:
                 t.copy_(self._undo_of(name, t))
         self.meta[0] = to
         self.meta[1] = to
+
+
+def _write_names(raw, tensors, last):
+    """[name, elements, dtype] of each of `tensors` into the state buffer `raw` (its length,
+    then JSON), unless they are `last`; returns them."""
+    names = [[n, t.numel(), str(t.dtype).removeprefix("torch.")]
+             for n, t in sorted(tensors.items())]
+    if names == last:
+        return last
+    data = json.dumps(names).encode()
+    if len(data) + 8 > _MANIFEST_BYTES:
+        raise ValueError(f"StepJournal: {len(names)} state tensors do not fit the journal's "
+                         f"manifest of {_MANIFEST_BYTES} bytes")
+    raw[8:8 + len(data)] = np.frombuffer(data, dtype=np.uint8)
+    raw[:8] = np.frombuffer(np.int64(len(data)).tobytes(), dtype=np.uint8)
+    return names
+
+
+def _read_names(raw):
+    n = int(np.frombuffer(raw[:8].tobytes(), dtype=np.int64)[0])
+    return json.loads(raw[8:8 + n].tobytes()) if n > 0 else []
 
 
 def agree_on_committed(control, committed, have=True):

@@ -30,7 +30,11 @@ def _same_cuts(old, new, plan_old, plan_new, units):
     sizes and position), else Error naming the first unit that is not."""
     for ui in units:
         a, b = plan_old["units"][ui], plan_new["units"][ui]
-        if a != b or old.layout(ui) != new.layout(ui) or \
+        # Which replica group the rank is in (os_group) may differ: the cut is the same.
+        cut_old, cut_new = old.layout(ui), new.layout(ui)
+        cut_old.pop("os_group")
+        cut_new.pop("os_group")
+        if a != b or cut_old != cut_new or \
                 old.shard_elems(ui) != new.shard_elems(ui):
             raise Error(f"FAILED_PRECONDITION: the shrink's successor job '{new.job}' cuts unit "
                         f"{ui} ('{a.get('name', ui)}') of rank {new.rank} unlike rank {old.rank} "
@@ -56,7 +60,7 @@ def take_over(old, new, plan_old, plan_new, control, journal, units):
         moved += src.numel() * src.element_size()
         as_tensor(new.grad_shard(ui)).zero_()
     to = PoolState(new)
-    for name, numel, dtype in held.recorded_names():
+    for name, numel, dtype in held.held_names():
         if name.startswith("shard/"):
             continue  # copied above, every unit's
         src, _ = pool.tensor(name, numel, getattr(torch, dtype))

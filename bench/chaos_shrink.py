@@ -1,0 +1,240 @@
+"""The node-shrink fault of bench/chaos_report.py: a whole node lost for good (its daemon and both
+its ranks killed with SIGKILL, no replacement) in the middle of a training under ragshard.launch
+--max-restarts 1 --on-node-loss shrink (4 ranks of examples/train_tiny.py over 2 daemons, 2 HSDP
+replica groups, AdamW), which shrinks the job in place from 2 x 2 to 1 x 2 at the recovery
+deadline (issue 55; docs/recovery.md, "Shrinking in place").
+
+Each trial (its own LocalCluster) draws the node (0 or 1), the step (1 to STEPS - 1) and the
+phase (forward, backward, step, between) from a seeded RNG; both ranks of that node are held
+there (train_tiny.py --hold-at), then the daemon and the two ranks are killed. A trial passes
+when the launcher exits 0 within SHRINK_LIMIT seconds of the daemon's kill (the recovery deadline
+plus 30 s; past it the trial is a hang, and everything it started is killed), the job is SHRUNK
+and its successor READY in `ragshardctl job show`, the run's `world_sizes` say 4 up to the step it
+resumed from and 2 after, and its losses after the shrink (and final parameters) are within
+LOSS_ATOL of a reference that changes the world size at the same step with the same global batch:
+saved at 2 x 2 after that step, resumed at 1 x 2 (`References`, one per step per campaign)."""
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from chaos_procs import _live, end_trial, failed_trial, kill_session, read_from
+from recovery_runs import max_abs_diff
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "examples", "train_tiny.py")
+# tests/python/test_node_loss.py's small model and global batch, with 6 steps.
+MODEL = ["--layers", "2", "--dim", "64", "--heads", "4", "--seq", "16", "--batch", "2",
+         "--global-batch", "8", "--vocab", "32", "--quiet", "--optimizer", "adamw"]
+STEPS = 6
+DAEMONS, PER_NODE = 2, 2
+PHASES = ["forward", "backward", "step", "between"]
+DEADLINE = 10.0  # the job's recovery deadline (s): the wait for a replacement before shrinking
+SHRINK_LIMIT = DEADLINE + 30.0  # from the daemon's kill to the launcher's exit
+HOLD_LIMIT = 300.0
+LOSS_ATOL = 1e-5
+NODE_TIMEOUT_MS = 2000
+POOL_BYTES = 128 << 20
+POLL = 0.01
+
+
+def draw(trial):
+    """The trial's (node, step, phase), from a seeded RNG."""
+    rng = random.Random(f"node-shrink-{trial}")
+    return rng.randrange(DAEMONS), rng.randint(1, STEPS - 1), rng.choice(PHASES)
+
+
+def brief_tail(path, n=1500):
+    return " ".join(read_from(path).split())[-n:]
+
+
+def _cluster(build):
+    from ragshard.cluster import LocalCluster
+    return LocalCluster(build, daemons=DAEMONS, pool_bytes=POOL_BYTES,
+                        node_timeout_ms=NODE_TIMEOUT_MS)
+
+
+def _launch(cluster, job, out, log, nproc, daemons, layout, extra=()):
+    cmd = [sys.executable, "-m", "ragshard.launch", "--preload", "torch", "--planner",
+           cluster.planner, "--job", job, "--nproc", str(nproc), "--sockets",
+           ",".join(cluster.sockets[:daemons]), "--create-job", *layout, EXAMPLE, "--out", out,
+           "--steps", str(STEPS)] + MODEL + list(extra)
+    p = subprocess.Popen(cmd, env=dict(os.environ), stdout=log, stderr=subprocess.STDOUT,
+                         stdin=subprocess.DEVNULL, start_new_session=True)
+    _live["sessions"].append(p.pid)
+    return p
+
+
+def _run(cluster, job, out, nproc, daemons, layout, extra):
+    with open(out + ".log", "w") as log:
+        p = _launch(cluster, job, out, log, nproc, daemons, layout, extra)
+        try:
+            p.wait(timeout=600)
+        finally:
+            kill_session(p.pid)
+            p.wait()
+    if p.returncode != 0:
+        raise RuntimeError(f"the reference run {job} exited {p.returncode}: "
+                           f"{brief_tail(out + '.log')}")
+
+
+def job_show(build, cluster, job):
+    return subprocess.run([os.path.join(build, "ctl", "ragshardctl"), "--planner",
+                           cluster.planner, "--token-file", cluster.token_file, "job", "show",
+                           job], capture_output=True, text=True, timeout=60)
+
+
+class References:
+    """Per resume step s: 2 x 2 (HSDP) saved after step s, resumed at 1 x 2 to STEPS; once per
+    step per campaign."""
+
+    def __init__(self, build):
+        self.build, self.dir, self.outs = build, None, {}
+
+    def get(self, step):
+        if step not in self.outs:
+            self.dir = self.dir or tempfile.mkdtemp(prefix="ragshard-chaos-shrink-ref-")
+            ckpt, out = os.path.join(self.dir, f"ckpt{step}"), os.path.join(self.dir, f"ref{step}")
+            with _cluster(self.build) as c:
+                _run(c, f"save-{step}", out + "-a", 4, 2, ["--replicate", "2"],
+                     ["--steps", str(step), "--save", ckpt, "--save-step", str(step)])
+                _run(c, f"resume-{step}", out, 2, 1, [], ["--resume", ckpt])
+            self.outs[step] = out
+        return self.outs[step]
+
+    def cleanup(self):
+        if self.dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _losses(out):
+    import json
+    with open(out + ".json") as f:
+        return json.load(f)
+
+
+def shrink_trial(trial, build, refs, keep_dir):
+    """One trial: node `node`'s ranks held at `phase` of `step`, the node killed (daemon, then
+    its ranks) and no replacement started."""
+    node, step, phase = draw(trial)
+    ranks = [node * PER_NODE + i for i in range(PER_NODE)]
+    res = {"trial": trial, "passed": False, "error": None, "node": node, "step": step,
+           "phase": phase, "stuck_at_stop": [], "leftover_after_launcher": []}
+    workdir = tempfile.mkdtemp(prefix="ragshard-chaos-")
+    out, log_path = os.path.join(workdir, "train"), os.path.join(workdir, "launcher.log")
+    marks = [os.path.join(workdir, f"hold{r}") for r in ranks]
+    p, c, log = None, None, None
+    try:
+        with _cluster(build) as c:
+            _live["clusters"].append(c)
+            try:
+                job = f"node-shrink-{trial}"
+                log = open(log_path, "w")
+                t0 = time.monotonic()
+                p = _launch(c, job, out, log, DAEMONS * PER_NODE, DAEMONS,
+                            ["--replicate", "2", "--max-restarts", "1", "--recovery-deadline",
+                             f"{DEADLINE:g}", "--on-node-loss", "shrink"],
+                            [f"--hold-at={r}:{step}:{phase}:{m}" for r, m in zip(ranks, marks)])
+                while not all(os.path.exists(m) for m in marks):
+                    if p.poll() is not None:
+                        raise RuntimeError(f"the training exited ({p.returncode}) before node "
+                                           f"{node}'s ranks reached the hold: "
+                                           f"{brief_tail(log_path)}")
+                    if time.monotonic() - t0 > HOLD_LIMIT:
+                        raise TimeoutError(f"node {node}'s ranks not at the hold in "
+                                           f"{HOLD_LIMIT:g} s: {brief_tail(log_path)}")
+                    time.sleep(POLL)
+                pids = [int(read_from(m)) for m in marks]
+                c.kill_daemon(node)
+                tk = time.monotonic()
+                res["killed_at_seconds"] = round(tk - t0, 3)
+                for pid in pids:
+                    os.kill(pid, signal.SIGKILL)
+                while p.poll() is None and time.monotonic() - tk < SHRINK_LIMIT:
+                    time.sleep(POLL)
+                if p.poll() is None:
+                    raise TimeoutError(f"a hang: the training still running {SHRINK_LIMIT:g} s "
+                                       f"after the kill: {brief_tail(log_path)}")
+                res["seconds"] = round(time.monotonic() - tk, 3)
+                res["exit_code"] = p.returncode
+                if p.returncode != 0:
+                    raise RuntimeError(f"the training exited {p.returncode}: "
+                                       f"{brief_tail(log_path)}")
+                shown = job_show(build, c, job).stdout + job_show(build, c, f"{job}/shrink-1").stdout
+                if "SHRUNK" not in shown or "READY" not in shown:
+                    raise RuntimeError(f"not SHRUNK with a READY successor: "
+                                       f"{' '.join(shown.split())[:600]}")
+                run = _losses(out)
+                resumed = run["first_step"] - 1
+                res["resumed_at_step"] = resumed
+                res["shrunk_bytes"] = (run.get("shrink") or {}).get("bytes")
+                if run.get("world_sizes") != [4] * resumed + [2] * (STEPS - resumed):
+                    raise RuntimeError(f"world_sizes {run.get('world_sizes')} after resuming at "
+                                       f"step {resumed}")
+                ref = refs.get(resumed)
+                a, b = run["losses"], _losses(ref)["losses"]
+                if len(a) != len(b):
+                    raise RuntimeError(f"{len(a)} losses after the shrink, {len(b)} in the "
+                                       "reference")
+                res["max_loss_diff"] = max(abs(x - y) for x, y in zip(a, b))
+                res["max_abs_diff"] = max_abs_diff(out, ref)
+                if max(res["max_loss_diff"], res["max_abs_diff"]) > LOSS_ATOL:
+                    raise RuntimeError(f"diverged: losses {res['max_loss_diff']:.3g}, parameters "
+                                       f"{res['max_abs_diff']:.3g} from the reference saved at "
+                                       f"2 x 2 after step {resumed} and resumed at 1 x 2 "
+                                       f"(> {LOSS_ATOL:g})")
+                res["passed"] = True
+            finally:
+                end_trial(res, p, c, log, keep_dir, "node-shrink", trial, workdir)
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:  # the trial fails; the campaign goes on
+        failed_trial(res, e, keep_dir, "node-shrink", trial, [workdir] + ([c.dir] if c else []))
+    finally:
+        if log is not None:
+            log.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+    return res
+
+
+# ------------------------------------------------------------------------------- the report
+
+def shrink_text(trials):
+    """node-shrink's figures beyond the spread."""
+    L = []
+    killed = [t for t in trials if "killed_at_seconds" in t]
+    if killed:
+        nodes, phases = sorted({t["node"] for t in killed}), sorted({t["phase"] for t in killed})
+        steps = sorted({t["step"] for t in killed})
+        L.append(f"Killed: node{'s' * (len(nodes) > 1)} {', '.join(map(str, nodes))}, at "
+                 f"step{'s' * (len(steps) > 1)} {', '.join(map(str, steps))}, in "
+                 f"{', '.join(phases)}.\n")
+    xs = [t["seconds"] for t in trials if t.get("seconds") is not None]
+    if xs:
+        L.append(f"Seconds from the kill to the exit {min(xs):.2f} to {max(xs):.2f} (median "
+                 f"{statistics.median(xs):.2f}, n = {len(xs)}), of which {DEADLINE:g} s are the "
+                 "recovery deadline (the wait for a replacement).\n")
+    d = [max(t["max_loss_diff"], t["max_abs_diff"]) for t in trials if "max_loss_diff" in t]
+    if d:
+        L.append(f"Largest |loss or final parameter − the reference's| over the trials: "
+                 f"{max(d):.1e} (limit {LOSS_ATOL:g}).\n")
+    return L
+
+
+def shrink_table(trials):
+    L = ["| trial | result | node | step | phase | resumed at step | s from the kill to the "
+         "exit | bytes taken over (rank 0) | max abs Δ loss | max abs Δ parameter |",
+         "|---:|---|---:|---:|---|---:|---:|---:|---:|---:|"]
+    for t in trials:
+        s, b = t.get("seconds"), t.get("shrunk_bytes")
+        dl, dp = t.get("max_loss_diff"), t.get("max_abs_diff")
+        L.append(f"| {t['trial']} | {'pass' if t['passed'] else 'FAIL'} | {t['node']} | "
+                 f"{t['step']} | {t['phase']} | {t.get('resumed_at_step', '—')} | "
+                 f"{'—' if s is None else f'{s:.2f}'} | {'—' if b is None else f'{b:,}'} | "
+                 f"{'—' if dl is None else f'{dl:.1e}'} | {'—' if dp is None else f'{dp:.1e}'} |")
+    return L
