@@ -8,7 +8,10 @@
   id, which rebuilds the node's state from the others' parity or copy (`rebuilt`);
 * the same loss in a job that saves a checkpoint every N steps and has no restarts: the launch
   fails, a replacement daemon comes up, and a second launch resumes all ranks from the newest
-  checkpoint (`checkpoint_restart`).
+  checkpoint (`checkpoint_restart`);
+* the same loss with no replacement in a job of 3 HSDP replica groups (--replicate 3, the same
+  global batch) under --on-node-loss shrink, which shrinks to the 2 other nodes' 4 ranks once
+  SHRINK_DEADLINE has passed (`shrunk`), and that job uninterrupted (redundancy "hsdp").
 
 `NodeRunner` shares recovery_runs.Runner's waits for a quiet machine and its bookkeeping."""
 import os
@@ -27,6 +30,8 @@ SCHEMES = ["none", "parity:2", "replica"]
 PHASES = ["forward", "backward", "step", "between"]
 NODE_TIMEOUT_MS = 2000  # the planner's heartbeat timeout (as tests/python/test_node_loss.py)
 REBUILDS = re.compile(r"rebuilds:\s+(\d+) \((\d+) bytes\)")
+REPLICAS = 3  # the shrink's layout: 3 HSDP replica groups of 2 ranks, one per daemon
+SHRINK_DEADLINE = 5.0  # how long the shrinking job waits for a replacement (its deadline, s)
 
 
 def node_kills(trials, steps, seed):
@@ -45,9 +50,10 @@ class _NodeKiller(threading.Thread):
     ranks (SIGKILL), and starts the replacement daemon with the node's id. `killed` is the
     wall-clock time of the daemon's kill; `error` what went wrong, if anything."""
 
-    def __init__(self, cluster, node, marks, timeout, suffix):
+    def __init__(self, cluster, node, marks, timeout, suffix, replace=True):
         super().__init__(daemon=True)
         self.cluster, self.node, self.marks, self.timeout = cluster, node, marks, timeout
+        self.replace = replace
         self.suffix, self.killed, self.replaced, self.error = suffix, None, None, None
         self.stop = threading.Event()
 
@@ -64,7 +70,8 @@ class _NodeKiller(threading.Thread):
             self.killed = time.time()
             for pid in pids:
                 os.kill(pid, signal.SIGKILL)
-            self.cluster.start_daemon(self.node, log_suffix=self.suffix)
+            if self.replace:
+                self.cluster.start_daemon(self.node, log_suffix=self.suffix)
             self.replaced = time.time()
         except Exception as e:  # reported by the run
             self.error = f"{type(e).__name__}: {e}"
@@ -81,12 +88,20 @@ class NodeRunner(Runner):
                             node_timeout_ms=NODE_TIMEOUT_MS)
 
     def _launch(self, cluster, kind, job, redundancy, extra, watch=False):
-        """redundancy None: no restarts; "none", "parity:2", "replica": --max-restarts 1 with it."""
+        """redundancy None: no restarts; "none", "parity:2", "replica": --max-restarts 1 with it;
+        "hsdp", "shrink": --replicate 3 and the same global batch, "shrink" with --on-node-loss
+        shrink and a deadline of SHRINK_DEADLINE."""
         out = os.path.join(self.work, job)
         cmd = [sys.executable, "-m", "ragshard.launch", "--preload", "torch", "--planner",
                cluster.planner, "--job", job, "--nproc", str(WORLD), "--sockets",
                ",".join(cluster.sockets), "--create-job"]
-        if redundancy is not None:
+        if redundancy in ("hsdp", "shrink"):
+            cmd += ["--replicate", str(REPLICAS), "--max-restarts", "1", "--recovery-deadline",
+                    str(SHRINK_DEADLINE if redundancy == "shrink" else self.deadline)]
+            cmd += ["--on-node-loss", "shrink"] if redundancy == "shrink" else []
+            batch = int(self.model[self.model.index("--batch") + 1])
+            extra = ["--global-batch", str(WORLD * batch)] + extra
+        elif redundancy is not None:
             cmd += ["--max-restarts", "1", "--recovery-deadline", str(self.deadline),
                     "--redundancy", redundancy]
         cmd += [EXAMPLE, "--out", out, "--steps", str(self.steps)] + self.model + extra
@@ -163,6 +178,37 @@ class NodeRunner(Runner):
                 "others_cores": others.cores(), **quiet, "rebuilt_bytes": int(m.group(2)),
                 "resumed_step_line_at": after[0][0] if after else None,
                 "first_step": main["first_step"],
+                "first_step_seconds": main["step_seconds"][0] if main["step_seconds"] else None}
+
+    def shrunk(self, job, node, step, phase):
+        """Node `node` lost at `phase` of step `step` with no replacement, in the --replicate 3
+        job that shrinks: the wall time, when the kill and the first step after it came, the
+        step the survivors resumed from, the world size of every step, the bytes rank 0 took
+        over (ShardedModule.shrink)."""
+        marks, extra = self._marks(job, node, step, phase)
+        quiet = self._quiet()
+        with Others() as others, self._cluster() as c:
+            killer = _NodeKiller(c, node, marks, self.timeout, f"-{job}", replace=False)
+            killer.start()
+            launch, out = self._launch(c, "shrunk", job, "shrink", extra)
+            killer.stop.set()
+            killer.join(timeout=60)
+            show = subprocess.run([os.path.join(self.build, "ctl", "ragshardctl"), "--planner",
+                                   c.planner, "--token-file", c.token_file, "job", "show",
+                                   job], capture_output=True, text=True, timeout=60)
+        if killer.error or killer.killed is None:
+            raise RunFailed(f"{job}: the node was not killed: {killer.error}\n{launch.tail()}")
+        main, _ = self._outputs(out, launch, job, WORLD - PER_NODE)  # the successor's ranks
+        if "SHRUNK" not in show.stdout:
+            raise RunFailed(f"{job}: the job is not SHRUNK:\n{show.stdout}{show.stderr}")
+        killed = killer.killed - launch.start
+        after = [(t, s) for t, s in launch.steps() if t > killed]
+        return {"job": job, "out": out, "wall": launch.wall, "redundancy": "shrink",
+                "node": node, "step": step, "phase": phase, "killed_at": killed,
+                "others_cores": others.cores(), **quiet,
+                "resumed_step_line_at": after[0][0] if after else None,
+                "first_step": main["first_step"], "world_sizes": main.get("world_sizes"),
+                "shrunk_bytes": (main.get("shrink") or {}).get("bytes"),
                 "first_step_seconds": main["step_seconds"][0] if main["step_seconds"] else None}
 
     def checkpoint_restart(self, job, node, step, phase):

@@ -4,7 +4,7 @@ lost node costs rebuilt against checkpoint-and-restart, and their plot recovery_
 import os
 import statistics
 
-from recovery_node import DAEMONS, PER_NODE, SCHEMES
+from recovery_node import REPLICAS, DAEMONS, PER_NODE, SCHEMES
 
 PHASE_COLORS = {"forward": "tab:blue", "backward": "tab:orange", "step": "tab:red",
                 "between": "tab:green"}
@@ -74,6 +74,15 @@ def summarize(node):
     for c in ck:
         c["lost"] = sum(c["walls"]) - s["base_saved"] if s["base_saved"] is not None else None
     s["lost"]["checkpoint"] = ck
+    # A shrink: against the same --replicate 3 job uninterrupted (whose steps after the kill ran
+    # at 6 ranks, not 4: "back in training" is the cleaner figure).
+    s["base_hsdp"] = med([u["wall"] for u in _ok(node.get("hsdp", []))])
+    sh = _ok(node.get("shrunk", []))
+    for r in sh:
+        r["lost"] = r["wall"] - s["base_hsdp"] if s["base_hsdp"] is not None else None
+        if r.get("resumed_step_line_at") is not None and r.get("first_step_seconds"):
+            r["back_in"] = r["resumed_step_line_at"] - r["first_step_seconds"] - r["killed_at"]
+    s["lost"]["shrink"] = sh
     s["lost_median"] = {k: med([r["lost"] for r in v if r.get("lost") is not None])
                         for k, v in s["lost"].items()}
     return s
@@ -114,7 +123,8 @@ def plot(doc, s, png):
     sx.set_title("step time, --max-restarts 1, alternated runs", fontsize=10)
     sx.grid(axis="y", alpha=0.3)
     kinds = [("parity:2", "rebuilt\nparity:2"), ("replica", "rebuilt\nreplica"),
-             ("checkpoint", f"checkpoint every\n{doc['save_every']} steps, restart all")]
+             ("checkpoint", f"checkpoint every\n{doc['save_every']} steps, restart all"),
+             ("shrink", "shrunk 6 → 4 ranks\n(no replacement)")]
     for x, (k, _) in enumerate(kinds):
         rs = [r for r in s["lost"].get(k, []) if r.get("lost") is not None]
         for i, r in enumerate(rs):
@@ -125,8 +135,8 @@ def plot(doc, s, png):
     for phase, color in PHASE_COLORS.items():
         lx.scatter([], [], color=color, s=28, label=f"lost in {phase}")
     lx.legend(fontsize=7, loc="upper left")
-    lx.set_xticks(range(3), [t for _, t in kinds], fontsize=8)
-    lx.set_xlim(-0.6, 2.6)
+    lx.set_xticks(range(len(kinds)), [t for _, t in kinds], fontsize=7)
+    lx.set_xlim(-0.6, len(kinds) - 0.4)
     top = max([r["lost"] for v in s["lost"].values() for r in v if r.get("lost") is not None]
               + [1.0])
     lx.set_ylim(min(0, min([r["lost"] for v in s["lost"].values() for r in v
@@ -155,7 +165,9 @@ def lines(doc, out):
          f"throughout (the checkpointing runs excepted). {node['reps']} alternated rounds of "
          "uninterrupted runs with `--redundancy none`, `parity:2` and `replica`, then "
          f"{node['trials']} rounds of: a node lost under parity:2, under replica, an "
-         "uninterrupted run that saves checkpoints, and the same loss under checkpoints.\n",
+         "uninterrupted run that saves checkpoints, the same loss under checkpoints, and (with "
+         f"`--replicate {REPLICAS}`) an uninterrupted run and the same loss with no replacement "
+         "under `--on-node-loss shrink`.\n",
          "![memory, step time and seconds lost per node failure](recovery_node.png)\n",
          "### Memory\n",
          "From each daemon's stats at the end of the uninterrupted runs (`client.stats()`: "
@@ -226,10 +238,20 @@ def lines(doc, out):
           f"**Checkpoint and restart**: a job that saves every {doc['save_every']} steps and "
           "has no restarts fails; with the replacement daemon up, a second launch (a job of its "
           "own) resumes all ranks from the newest checkpoint; seconds lost: both walls less the "
-          f"median of uninterrupted runs that save ({_f(s['base_saved'])} s).\n",
+          f"median of uninterrupted runs that save ({_f(s['base_saved'])} s). **Shrunk**: the "
+          f"same loss with no replacement, in a job of {REPLICAS} HSDP replica groups "
+          f"(`--replicate {REPLICAS}`, one per daemon, the same global batch) under "
+          "`--on-node-loss shrink` with a recovery deadline of "
+          f"{_f(node.get('shrink_deadline'), '{:g}')} s (the wait for a replacement): at the "
+          "deadline the job shrinks to the other 2 daemons' 4 ranks, which take their state over "
+          "and go on (docs/recovery.md, \"Shrinking in place\"); seconds lost: the wall time less "
+          f"the median of that job uninterrupted ({_f(s.get('base_hsdp'))} s), whose steps after "
+          "the kill ran at 6 ranks rather than 4; \"back in training\" (the kill to the first "
+          "step after it, less that step) holds no such difference.\n",
           "| | seconds lost, median | min–max | trials |", "|---|---:|---:|---:|"]
     names = {"parity:2": "rebuilt from parity:2", "replica": "rebuilt from replica",
-             "checkpoint": f"checkpoint every {doc['save_every']} steps, restart all, load"}
+             "checkpoint": f"checkpoint every {doc['save_every']} steps, restart all, load",
+             "shrink": "shrunk in place, no replacement (6 → 4 ranks)"}
     for k, name in names.items():
         xs = [r["lost"] for r in s["lost"].get(k, []) if r.get("lost") is not None]
         L.append(f"| {name} | {_f(med(xs))} | {span(xs)} | {len(xs)} |")
@@ -242,6 +264,13 @@ def lines(doc, out):
                      f"{r['first_step']} | {_f(r.get('back_in'))} | {r['wall']:.2f} | "
                      f"{_f(r.get('lost'))} | {r['rebuilt_bytes']:,} | "
                      f"{_f(r.get('max_abs_diff'), '{:.1e}')} | {_f(r.get('others_cores'))} |")
+    for i, r in enumerate(s["lost"].get("shrink", [])):
+        ws = r.get("world_sizes") or []
+        L.append(f"| {i + 1} | shrunk {ws[0] if ws else '?'} → {ws[-1] if ws else '?'} ranks | "
+                 f"{r['node']} | {r['step']} | {r['phase']} | {r['first_step']} | "
+                 f"{_f(r.get('back_in'))} | {r['wall']:.2f} | {_f(r.get('lost'))} | "
+                 f"{_f(r.get('shrunk_bytes'), '{:,}')} (taken over, rank 0) | — | "
+                 f"{_f(r.get('others_cores'))} |")
     for i, c in enumerate(s["lost"].get("checkpoint", [])):
         L.append(f"| {i + 1} | checkpoint (from step {c['resumed_from'] or '— none'}) | "
                  f"{c['node']} | {c['step']} | {c['phase']} | {c['resumed_from'] + 1} | — | "
@@ -253,7 +282,8 @@ def lines(doc, out):
            for r in v if "error" in r]
     bad += [(f"rebuilt {k}", r["error"]) for k, v in node["rebuilt"].items() for r in v
             if "error" in r]
-    bad += [(k, r["error"]) for k in ("saved", "checkpointed") for r in node[k] if "error" in r]
+    bad += [(k, r["error"]) for k in ("saved", "checkpointed", "hsdp", "shrunk")
+            for r in node.get(k, []) if "error" in r]
     if bad:
         L.append("Failed node-loss runs:\n")
         L += [f"- {k}: `{' '.join(e.split())[:600]}`" for k, e in bad]

@@ -42,7 +42,7 @@ import time
 
 import provenance
 from recovery_render import render
-from recovery_node import SCHEMES, NodeRunner, node_kills
+from recovery_node import REPLICAS, SCHEMES, SHRINK_DEADLINE, NodeRunner, node_kills
 from recovery_runs import ROOT, Runner, RunFailed, max_abs_diff
 
 # The report's model: a step of about 0.1 s at 2 daemons x 2 ranks on a 2-core machine.
@@ -112,7 +112,8 @@ def run_node(args, build, work):
     node = {"reps": args.node_reps, "trials": args.node_trials,
             "uninterrupted": {k: [] for k in SCHEMES},
             "rebuilt": {k: [] for k in ("parity:2", "replica")}, "saved": [],
-            "checkpointed": [], "seed": args.seed, "commands": run.commands}
+            "checkpointed": [], "hsdp": [], "shrunk": [], "seed": args.seed,
+            "commands": run.commands, "shrink_deadline": SHRINK_DEADLINE}
     t0 = time.time()
 
     def one(what, fn, *a):
@@ -141,6 +142,10 @@ def run_node(args, build, work):
         if "out" in c and "out" in saved:
             c["max_abs_diff"] = max_abs_diff(c["out"], saved["out"])
         node["checkpointed"].append(c)
+        node["hsdp"].append(one(f"trial {i + 1}: uninterrupted, --replicate {REPLICAS}",
+                                run.uninterrupted, f"n{i}-hsdp", "hsdp"))
+        node["shrunk"].append(one(f"trial {i + 1}: the same loss, no replacement: shrunk",
+                                  run.shrunk, f"n{i}-shrunk", n, step, phase))
         for name in os.listdir(work):
             if name.endswith(".ckpt"):
                 shutil.rmtree(os.path.join(work, name), ignore_errors=True)

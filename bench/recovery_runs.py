@@ -212,12 +212,13 @@ class Runner:
 
     world = WORLD  # the ranks of a launch
 
-    def _outputs(self, out, launch, what):
+    def _outputs(self, out, launch, what, world=None):
+        """rank 0's --out JSON and each rank's, of `world` ranks (default the runner's)."""
         if launch.code != 0:
             raise RunFailed(f"{what}: exited with {launch.code}:\n{launch.tail()}")
         try:
             return json.load(open(out + ".json")), [
-                json.load(open(f"{out}.rank{r}.json")) for r in range(self.world)]
+                json.load(open(f"{out}.rank{r}.json")) for r in range(world or self.world)]
         except (OSError, ValueError) as e:
             raise RunFailed(f"{what}: no output: {e}\n{launch.tail()}")
 
