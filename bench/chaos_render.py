@@ -537,7 +537,7 @@ def write_report(docs, doc):
         s = pct(figures(fault, e)) or {}
         n, ok = len(e["trials"]), sum(t["passed"] for t in e["trials"])
         lim = f"{LIMITS[fault]:g} s, names \"{NAMES[fault]}\"" if fault in NAMES else \
-            f"{LIMITS[fault]:g} s, Δ ≤ {PARAM_ATOL:g}" if fault in RECOVERY_FAULTS else \
+            f"{LIMITS[fault]:g} s, Δ ≤ {chaos_shrink.LOSS_ATOL if fault == 'node-shrink' else PARAM_ATOL:g}" if fault in RECOVERY_FAULTS else \
             "completes with reference losses"
         L.append(f"| {fault} | {n} | {ok} | {fmt(s.get('min'))} | {fmt(s.get('median'))} | "
                  f"{fmt(s.get('max'))} | {lim} | "
