@@ -79,6 +79,12 @@ int RunCtl(int argc, const char* const* argv, std::ostream& out, std::ostream& e
                          "parity:K needs a multiple of K+1 nodes, replica at least 2, hsdp "
                          "--replicate 2 or more (its default there, where the replicas are on "
                          "other nodes; else none)");
+  job_create
+      ->add_option("--on-node-loss", spec.on_node_loss,
+                   "fail (default) or shrink: a lost node without a replacement within the "
+                   "recovery deadline shrinks the job to its surviving HSDP replica groups "
+                   "(needs --recovery-deadline; docs/recovery.md)")
+      ->check(CLI::IsMember({"fail", "shrink"}));
   job_create->add_option("--optimizer", spec.optimizer, "policy auto: adam or muon");
   job_create->add_option("--tokens-per-step", spec.tokens_per_step,
                          "policy auto: global batch in tokens");

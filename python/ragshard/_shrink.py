@@ -4,7 +4,7 @@ import time
 
 from ._core import Error
 
-__all__ = ["SHRINK_EXIT", "follow", "left_in_shrink"]
+__all__ = ["SHRINK_EXIT", "follow", "left_in_shrink", "shrunk_ranks"]
 
 # A rank's exit status when its job shrank without it (its node was lost): ragshard-launch
 # lets it go, and the job goes on without it.
@@ -60,3 +60,19 @@ def left_in_shrink(info_of, job, rank):
     except Error as e:
         return str(e) if "shrank without" in str(e) else None
     return None
+
+
+def shrunk_ranks(info_of, job):
+    """Where `job` shrank (once or more): (the job that goes on, its world size, {each surviving
+    rank of `job`: its rank there}); None where it did not shrink (ragshard-launch restarts the
+    survivors there)."""
+    info = info_of(job)
+    if info.get("status") != "JOB_SHRUNK":
+        return None
+    ranks = {r: r for r in range(int(info["world_size"]))}
+    while info.get("status") == "JOB_SHRUNK":
+        place = {old: new for new, old in enumerate(info["survivor_ranks"])}
+        ranks = {r: place[at] for r, at in ranks.items() if at in place}
+        job = info["successor_job_id"]
+        info = _successor(info_of, job)
+    return job, int(info["world_size"]), ranks

@@ -374,6 +374,7 @@ def run(a):
                 if a.on_node_loss == "shrink" and rc == SHRINK_EXIT:
                     print(f"ragshard.launch: rank {r} left: the job shrank without it (its "
                           "daemon was lost)", file=sys.stderr, flush=True)
+                    _follow_shrink(a, envs)
                     continue
                 if a.max_restarts and rc == RECOVERY_EXIT and \
                         recoveries[r] < 10 * (a.max_restarts + 1):
@@ -402,6 +403,25 @@ def run(a):
             p.abandon()  # the spares left exit without running
         _shielded(_stop, list(live.values()) + spares)
     return code
+
+
+def _follow_shrink(a, envs):
+    """Once the job shrank, the survivors' later restarts go to the job that goes on, as their
+    rank there (a restarted process needs the shrunk job only to take its state over, once)."""
+    from ragshard import job_info
+    from ragshard._shrink import shrunk_ranks
+    try:
+        found = shrunk_ranks(lambda j: job_info(a.planner, j, a.token_file, a.tls_ca,
+                                                a.tls_cert, a.tls_key, a.tls_server_name),
+                             a.job)
+    except Exception as e:  # the ranks follow the shrink themselves (ragshard._shrink.follow)
+        print(f"ragshard.launch: reading the shrink from the planner: {e}", file=sys.stderr)
+        return
+    if found is None:
+        return
+    job, world, ranks = found
+    for r, new in ranks.items():
+        envs[r].update(RAGSHARD_JOB=job, RAGSHARD_RANK=str(new), RAGSHARD_WORLD_SIZE=str(world))
 
 
 def run_standalone(a):

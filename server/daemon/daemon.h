@@ -110,11 +110,16 @@ class NodeDaemon final : public v1::Daemon::CallbackService {
     int64_t rank = 0;
     int local = 0;
     uint64_t generation = 0;  // JobRuntime::Rejoined's
+    bool salvage = false;     // AttachRequest.salvage: reads a stopped job's state, nothing else
   };
   NodeDaemon(DaemonOptions options, std::shared_ptr<PlannerClient> planner,
              std::unique_ptr<Pool> pool);
   // The job, set up by the first of its ranks to attach; its other ranks wait for that setup,
   // other jobs' attaches do not.
+  // The job a salvage attach reads (AttachRequest.salvage): held here and stopped by the
+  // planner (waited for until `deadline`), else FAILED_PRECONDITION or NOT_FOUND naming why.
+  absl::StatusOr<std::shared_ptr<JobRuntime>> SalvagedJob(const v1::AttachRequest& req,
+                                                          absl::Time deadline);
   absl::StatusOr<std::shared_ptr<JobRuntime>> GetOrCreateJob(const std::string& job_id,
                                                              int64_t rank, absl::Time deadline);
   // The setup itself (the plan, the peers' addresses, the data plane), under the job's lock.

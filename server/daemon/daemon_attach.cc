@@ -61,7 +61,9 @@ absl::Status NodeDaemon::DoAttach(const v1::AttachRequest& request, v1::AttachRe
   const v1::AttachRequest* req = &request;
   const absl::Time deadline =
       absl::Now() + absl::Milliseconds(req->timeout_ms() > 0 ? req->timeout_ms() : 60000);
-  auto job = GetOrCreateJob(req->job_id(), req->rank(), deadline);
+  absl::StatusOr<std::shared_ptr<JobRuntime>> job =
+      req->salvage() ? SalvagedJob(*req, deadline)
+                     : GetOrCreateJob(req->job_id(), req->rank(), deadline);
   if (!job.ok()) return job.status();
   const auto& local = (*job)->local_ranks();
   auto it = std::find(local.begin(), local.end(), req->rank());
@@ -71,33 +73,20 @@ absl::Status NodeDaemon::DoAttach(const v1::AttachRequest& request, v1::AttachRe
                                                       options_.node_id, "'"));
   }
   const int li = static_cast<int>(it - local.begin());
-  const JobRuntime::Joined joined = (*job)->Rejoined(li);
+  // A salvage attach is no process of the rank: the job's recovery does not count it.
+  const JobRuntime::Joined joined = req->salvage() ? JobRuntime::Joined{} : (*job)->Rejoined(li);
   std::string id;
   {
     absl::MutexLock lock(&mu_);
     id = absl::StrCat("a", next_attachment_++, "-", req->job_id(), "-", req->rank());
-    attachments_[id] = {req->job_id(), req->rank(), li, joined.generation};
+    attachments_[id] = {req->job_id(), req->rank(), li, joined.generation, req->salvage()};
   }
-  // In a recovery, the rank runs once every rank of the job has attached again. A salvage
-  // attach (a shrunk job's survivor, docs/recovery.md "Shrinking in place") reads the state of a
-  // job that cannot go on: it waits for the planner's failure instead, and runs nothing.
-  absl::Status running = (*job)->AwaitRunning(deadline);
-  if (req->salvage()) {
-    running = (*job)->Stopped();
-    if (running.ok() || absl::IsAborted(running)) {
+  // In a recovery, the rank runs once every rank of the job has attached again.
+  if (!req->salvage()) {
+    if (absl::Status s = (*job)->AwaitRunning(deadline); !s.ok()) {
       ReleaseAttachment(id, /*clean=*/false);
-      return absl::FailedPreconditionError(absl::StrCat(
-          "a salvage attach of rank ", req->rank(), " of job '", req->job_id(), "' on node '",
-          options_.node_id, "': ",
-          running.ok() ? "the job can still run (only a job that cannot go on, a shrunk one, is "
-                         "salvaged)"
-                       : "the job's buffers were released"));
+      return s;
     }
-    LOG(INFO) << "attachment " << id << " salvages rank " << req->rank() << " of job "
-              << req->job_id() << " (" << running.message() << ")";
-  } else if (!running.ok()) {
-    ReleaseAttachment(id, /*clean=*/false);
-    return running;
   }
   resp->set_recovery_epoch((*job)->epoch());
   resp->set_adopted(joined.adopted);
@@ -109,6 +98,40 @@ absl::Status NodeDaemon::DoAttach(const v1::AttachRequest& request, v1::AttachRe
   *resp->mutable_plan() = (*job)->plan();
   (*job)->dp().Describe(li, (*job)->plan(), resp);
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<JobRuntime>> NodeDaemon::SalvagedJob(const v1::AttachRequest& req,
+                                                                    absl::Time deadline) {
+  // A shrunk job's survivor (docs/recovery.md, "Shrinking in place") reads the state this
+  // daemon holds: never a job set up anew (its buffers would be zeros), and only once the
+  // planner has stopped it (its heartbeat's failed_jobs), so that nothing runs on the state.
+  std::shared_ptr<JobRuntime> job;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = jobs_.find(req.job_id());
+    if (it != jobs_.end()) job = it->second;
+  }
+  const std::string what = absl::StrCat("a salvage attach of rank ", req.rank(), " of job '",
+                                        req.job_id(), "' on node '", options_.node_id, "'");
+  if (job == nullptr) {
+    return absl::NotFoundError(
+        absl::StrCat(what,
+                     ": this daemon holds no state of the job (it was released, or the "
+                     "daemon restarted since)"));
+  }
+  // A job the planner stops is failed by the next heartbeat; until then, or while its recovery
+  // goes on, it waits (AwaitRunning returns once the job runs again or fails).
+  (void)job->AwaitRunning(deadline);
+  const absl::Status stopped = job->Stopped();
+  if (stopped.ok() || absl::IsAborted(stopped)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        what, ": ",
+        stopped.ok() ? "the job can still run (only a job that cannot go on, a shrunk one, is "
+                       "salvaged)"
+                     : "the job's buffers were released"));
+  }
+  LOG(INFO) << what << " (" << stopped.message() << ")";
+  return job;
 }
 
 void NodeDaemon::ReleaseAttachment(const std::string& id, bool clean) {
@@ -125,7 +148,7 @@ void NodeDaemon::ReleaseAttachment(const std::string& id, bool clean) {
     if (j != jobs_.end()) job = j->second;
   }
   if (poller_ != nullptr) poller_->Remove(id);
-  if (job != nullptr) job->LocalRankLeft(a.local, a.rank, a.generation, clean);
+  if (job != nullptr && !a.salvage) job->LocalRankLeft(a.local, a.rank, a.generation, clean);
 }
 
 grpc::ServerUnaryReactor* NodeDaemon::Detach(Ctx* ctx, const v1::DetachRequest* req,

@@ -268,12 +268,14 @@ void PlannerService::Tick() {
   Deferred deferred;
   rendezvous_.ExpireWaits(Clock::now(), &deferred);
   const int64_t now_ms = NowMs();
+  // Silent nodes first: a recovery that ends in this tick knows every node lost by now (a
+  // shrink goes on without them).
+  DegradeJobsOn(nodes_.ExpireSilent(now_ms, options_.node_timeout), &deferred);
   for (auto& [id, e] : Entries()) {
     absl::MutexLock lock(&e->mu);
     ExpireRegistration(&e->state, now_ms, &deferred);
     ExpireRecovery(&e->state, now_ms, &deferred);
   }
-  DegradeJobsOn(nodes_.ExpireSilent(now_ms, options_.node_timeout), &deferred);
   RunDeferred(&deferred);
 }
 

@@ -73,6 +73,16 @@ bool PlannerService::RecoveryReport(JobState* js, const v1::ReportFailureRequest
       resp->set_recovery_deadline_unix_ms(job.recovery().deadline_unix_ms());
       return true;
     }
+    if (ShrinksOnNodeLoss(job) && !job.recovery().lost_node_id().empty()) {
+      // A survivor's daemon giving up on the lost node (its data plane cannot connect without
+      // it): the deadline decides, and a shrink goes on without the lost node.
+      LOG(INFO) << "job " << job.job_id() << ": during the recovery of epoch "
+                << job.recovery_epoch() << ", awaiting node '" << job.recovery().lost_node_id()
+                << "' or the shrink: " << ReportText(req);
+      resp->set_recovery_epoch(job.recovery_epoch());
+      resp->set_recovery_deadline_unix_ms(job.recovery().deadline_unix_ms());
+      return true;
+    }
     EndRecovery(js, RecoveryOutcome::kSecondFailure,
                 absl::StrCat("a second failure during the recovery of epoch ", job.recovery_epoch(),
                              " (from ", job.recovery().lost(), "): ", ReportText(req)),

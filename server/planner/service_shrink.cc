@@ -25,6 +25,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "glog/logging.h"
+#include "infra/redundancy.h"
 #include "infra/status_macros.h"
 #include "server/planner/service.h"
 
@@ -129,6 +130,19 @@ absl::Status PlannerService::Shrink(JobState* js, const std::set<std::string>& l
     return absl::FailedPreconditionError(
         absl::StrCat("the lost ", Nodes({lost.begin(), lost.end()}), " held all of its ", world,
                      " ranks: no shard group is left to go on"));
+  }
+  // An explicit redundancy goes on with the successor (SuccessorOf), so the nodes left must
+  // hold it; hsdp is decided again.
+  const auto redundancy = ParseRedundancy("options.redundancy", job.options().redundancy());
+  if (redundancy.ok() && redundancy->enabled() && redundancy->kind != Redundancy::Kind::kHsdp) {
+    std::set<std::string> left;
+    for (int64_t rank : survivors) left.insert(js->ranks.at(rank).node_id());
+    if (absl::Status fits = CheckRedundancyNodes(*redundancy, static_cast<int64_t>(left.size()));
+        !fits.ok()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "its redundancy '", job.options().redundancy(), "' would not hold on the nodes left (",
+          fits.message(), "); under HSDP leave the redundancy to its default, hsdp"));
+    }
   }
   const std::string successor = absl::StrCat(job.job_id(), "/shrink-", job.recovery_epoch());
   if (absl::Status id = ValidateId("job_id", successor, options_.limits.max_id_length); !id.ok()) {

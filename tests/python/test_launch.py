@@ -309,3 +309,33 @@ def test_a_torchrun_rank_of_another_world_size_than_the_job_is_refused(one_daemo
     ragshard.ensure_job(ragshard.Env(torchrun_env(one_daemon, RANK="0", WORLD_SIZE="2",
                                                   TORCHELASTIC_RUN_ID="fresh")))
     assert jobs_of(one_daemon)["fresh"] == 2
+
+
+def test_a_shrink_is_followed_to_the_job_that_goes_on():
+    """ragshard._shrink over the planner's answers (a job shrank twice: 6 ranks, node of ranks
+    2, 3 lost, then the node of the new ranks 0, 1): each survivor's rank in the job that goes
+    on, the job whose buffers hold its state, a lost rank named, and the launcher's mapping."""
+    from ragshard._shrink import follow, left_in_shrink, shrunk_ranks
+    jobs = {
+        "j": {"status": "JOB_SHRUNK", "world_size": 6, "survivor_ranks": [0, 1, 4, 5],
+              "successor_job_id": "j/shrink-1", "error": "node 'node-1' was lost"},
+        "j/shrink-1": {"status": "JOB_SHRUNK", "world_size": 4, "survivor_ranks": [2, 3],
+                       "successor_job_id": "j/shrink-1/shrink-1", "error": "node 'node-0'"},
+        "j/shrink-1/shrink-1": {"status": "JOB_READY", "world_size": 2},
+        "k": {"status": "JOB_READY", "world_size": 2}}
+    asked = []
+
+    def info_of(job):
+        asked.append(job)
+        if job not in jobs:
+            raise ragshard.Error(f"NOT_FOUND: job '{job}'")
+        return jobs[job]
+    assert follow(info_of, "j", 4) == ("j/shrink-1/shrink-1", 0, "j/shrink-1", 2)
+    assert follow(info_of, "j", 5) == ("j/shrink-1/shrink-1", 1, "j/shrink-1", 3)
+    assert follow(info_of, "k", 1) is None
+    with pytest.raises(ragshard.Error, match="job 'j' shrank without rank 2"):
+        follow(info_of, "j", 2)
+    assert "shrank without rank 0" in left_in_shrink(info_of, "j/shrink-1", 0)
+    assert left_in_shrink(info_of, "j", 5) is None
+    assert shrunk_ranks(info_of, "j") == ("j/shrink-1/shrink-1", 2, {4: 0, 5: 1})
+    assert shrunk_ranks(info_of, "k") is None

@@ -4,6 +4,7 @@ docstring lists them); its public methods delegate to them."""
 import contextlib
 import json
 import os
+import sys
 
 import torch
 
@@ -20,8 +21,8 @@ from .quantized import QuantizedGathers, plan_quantized_units
 from .recovery import (PoolState, StepJournal, agree_on_committed, rebuild_state,
                        redundancy_step, shard_tensors)
 from .shards import RankShards
-from .._shrink import follow
-from .shrink import take_over
+from .._shrink import SHRINK_EXIT, follow
+from .shrink import salvage, take_over
 from .state import ModuleState
 from .trace import Trace
 from .units import ModuleUnits, find_ties, group_units, policy_units, unit_inventory
@@ -109,21 +110,25 @@ class ShardedModule(torch.nn.Module):
         self._journal = None
         if self.recoverable:
             self._journal = StepJournal(self._shards.pool, self._journaled)
-            if held is not None and not adopted:
-                self.resume_step, self.shrink["bytes"] = take_over(
-                    held, self.client, plan_of(held), self.layout.plan, self._control,
-                    self._journal, self.units())
-                self.shrink["step"] = self.resume_step
-            elif adopted or replacement:  # (a recovery in the successor itself: its own state)
-                self._recover(replacement)
+            held = self._shrink_pending(held)
+            try:
+                if held is not None:
+                    self.resume_step, self.shrink["bytes"] = take_over(
+                        held, self.client, plan_of(held), self.layout.plan, self._control,
+                        self._journal, self.units())
+                    self.shrink["step"] = self.resume_step
+                    self._taken[0] = 1
+                elif adopted or replacement:  # (a successor's own recovery: its own state)
+                    self._recover(replacement)
+            finally:
+                if held is not None:
+                    held.close()  # the shrunk job's buffers are its daemons' until it is deleted
             if self._protects and self._journal.committed == 0 and \
                     self._control.all_reduce_scalar(self._lacks_parity(0)) > 0:
                 # Step 0, the state every rank starts from (a node lost before the first step
                 # commits is rebuilt to it), unless every node holds it already (a recovery
                 # back to step 0: protecting it again would put a second parity beside it).
                 self.client.protect().wait()
-        if held is not None:
-            held.close()  # the shrunk job's buffers are the daemon's until the job is deleted
         self.checkpoint_writing = None  # an asynchronous checkpoint save writing the state
 
     def _attach(self, client, inventory, register, inventory_at):
@@ -143,8 +148,9 @@ class ShardedModule(torch.nn.Module):
         try:
             live = follow(client.job_info, client.job, client.rank, decided=True)
         except Error as e:
-            if "shrank without" in str(e):
-                raise
+            if "shrank without" in str(e):  # this rank's node was lost, and came back late
+                print(f"ragshard: {e}; exiting with {SHRINK_EXIT}", file=sys.stderr, flush=True)
+                sys.exit(SHRINK_EXIT)
             live = None  # the planner's answer is not a shrink's: the refusal stands
         if live is None:
             raise refused
@@ -158,8 +164,26 @@ class ShardedModule(torch.nn.Module):
         self.shrink = {"job": job, "rank": rank, "world": world, "from_job": held_job,
                        "from_rank": held_rank,
                        "from_world": client.job_info(held_job)["world_size"]}
-        client.close()
+        client.close()  # (the caller's client of the shrunk job: self.client replaces it)
         return new, held
+
+    def _shrink_pending(self, held):
+        """In a shrink's successor job (shrink.py), the salvage attachment to take the state
+        over from until every rank has (a mark in each rank's pool, agreed by a sum): a rank
+        restarted in the middle of a take-over makes every rank do it again, from `held` (the
+        attachment `_attach` made) or one made here to the job the successor came from. None
+        once every rank took the state over, and in a job that is no shrink's successor."""
+        pred = self.client.job_info().get("predecessor_job_id")
+        if not pred:
+            return held
+        self._taken, _ = self._shards.pool.tensor("shrink/taken", 1, torch.int64)
+        if self._control.all_reduce_scalar(0.0 if int(self._taken[0]) else 1.0) == 0.0:
+            if held is not None:
+                held.close()
+            return None
+        if held is None:
+            held, self.shrink = salvage(self.client, pred)
+        return held
 
     def _shard_values(self, meta, init, write=True):
         """Each unit's initial values into this rank's shards (unless `write` is False: an

@@ -22,12 +22,34 @@ from .._core import Error
 from .recovery import PoolState, StepJournal, agree_on_committed, shard_tensors
 from .views import as_tensor
 
-__all__ = ["take_over"]
+__all__ = ["salvage", "take_over"]
+
+
+def salvage(client, pred):
+    """A salvage attachment of `client`'s rank of a shrink's successor job to the job `pred` it
+    came from (as that job's rank survivor_ranks[rank]), and the shrink's description
+    (ShardedModule.shrink). Error naming both where `pred` is gone (deleted)."""
+    try:
+        info = client.job_info(pred)
+    except Error as e:
+        raise Error(f"FAILED_PRECONDITION: rank {client.rank} of job '{client.job}' has not "
+                    f"taken its state over from job '{pred}' (the shrink it came from), which "
+                    f"is gone: {e}") from None
+    rank = info["survivor_ranks"][client.rank]
+    held = client.for_job(pred, rank)
+    held.attach(salvage=True)
+    return held, {"job": client.job, "rank": client.rank, "world": client.job_info()["world_size"],
+                  "from_job": pred, "from_rank": rank, "from_world": info["world_size"]}
 
 
 def _same_cuts(old, new, plan_old, plan_new, units):
     """Each unit's shard of this rank is cut the same in both jobs (the same tensors, offsets,
     sizes and position), else Error naming the first unit that is not."""
+    if len(plan_old["units"]) != len(plan_new["units"]):
+        raise Error(f"FAILED_PRECONDITION: the shrink's successor job '{new.job}' has "
+                    f"{len(plan_new['units'])} units, job '{old.job}' "
+                    f"{len(plan_old['units'])}: a shrink moves a shard only between the same "
+                    "cuts")
     for ui in units:
         a, b = plan_old["units"][ui], plan_new["units"][ui]
         # Which replica group the rank is in (os_group) may differ: the cut is the same.

@@ -56,8 +56,11 @@ class PlannerShrinkTest : public testing::PlannerFixture {
 
   // Job `id` of mesh replicate x shard with rank r on nodes[r], planned and READY.
   void CreateReady(const std::string& id, int64_t shard, int64_t replicate,
-                   const std::vector<std::string>& nodes, const std::string& on_node_loss) {
-    auto job = client_->CreateJob(Request(id, shard, replicate, on_node_loss, kDeadlineMs));
+                   const std::vector<std::string>& nodes, const std::string& on_node_loss,
+                   const std::string& redundancy = "") {
+    v1::CreateJobRequest req = Request(id, shard, replicate, on_node_loss, kDeadlineMs);
+    req.mutable_options()->set_redundancy(redundancy);
+    auto job = client_->CreateJob(req);
     ASSERT_TRUE(job.ok()) << job.status();
     for (size_t r = 0; r < nodes.size(); ++r) {
       ASSERT_TRUE(RegisterFull(id, static_cast<int64_t>(r), SmallInventory(), nodes[r]).ok());
@@ -313,6 +316,42 @@ TEST_F(PlannerShrinkTest, ASurvivorUpThatCouldNotReattachGoesOn) {
   EXPECT_EQ(job->error(),
             "node 'node-1' was lost and no replacement daemon rebuilt it within 2 s: shrunk to "
             "job 'up/shrink-1' of 2 ranks (was 4); ranks 0, 1 go on there as ranks 0, 1");
+}
+
+TEST_F(PlannerShrinkTest, ASurvivorGivingUpOnTheLostNodeDoesNotEndTheRecovery) {
+  RestartLosingNodes();
+  CreateReady("skew", 2, 2, {"node-0", "node-0", "node-1", "node-1"}, "shrink");
+  RegisterNode("node-1");
+  const v1::Job recovering = AwaitJob("skew", [](const v1::Job& j) {
+    return j.status() == v1::JOB_RECOVERING && j.recovery().lost_node_id() == "node-1";
+  });
+  // node-0's data plane cannot connect without node-1 and gives up (its clock a little ahead
+  // of the planner's): not a second failure of a job that shrinks at the deadline.
+  v1::ReportFailureRequest report;
+  report.set_job_id("skew");
+  report.set_reporter_node_id("node-0");
+  report.set_lost_peer("node-1");
+  report.set_message("connecting the other nodes: key 'data/epoch-1/node-1' was not put");
+  report.set_epoch(recovering.recovery_epoch());
+  ASSERT_TRUE(client_->ReportFailure(report).ok());
+  EXPECT_EQ(client_->GetJob("skew")->status(), v1::JOB_RECOVERING);
+  ASSERT_TRUE(Recovered("skew", "node-0", recovering.recovery_epoch()).ok());
+  const v1::Job shrunk =
+      AwaitJob("skew", [](const v1::Job& j) { return j.status() != v1::JOB_RECOVERING; });
+  EXPECT_EQ(shrunk.status(), v1::JOB_SHRUNK) << shrunk.error();
+  EXPECT_THAT(Survivors(shrunk), ElementsAre(0, 1));
+}
+
+TEST_F(PlannerShrinkTest, AnExplicitRedundancyTheNodesLeftCannotHoldDegradesNamingIt) {
+  RestartLosingNodes();
+  // replica needs 2 nodes; 1 is left: the successor could not plan, so the job does not shrink.
+  CreateReady("rep", 2, 2, {"node-0", "node-0", "node-1", "node-1"}, "shrink", "replica");
+  const v1::Job job = LoseNode("rep", "node-1", {"node-0"});
+  EXPECT_EQ(job.status(), v1::JOB_DEGRADED);
+  EXPECT_THAT(job.error(), HasSubstr("it cannot shrink: its redundancy 'replica' would not hold "
+                                     "on the nodes left ("));
+  EXPECT_THAT(job.error(), HasSubstr("under HSDP leave the redundancy to its default, hsdp"));
+  EXPECT_EQ(client_->GetJob("rep/shrink-1").status().code(), absl::StatusCode::kNotFound);
 }
 
 TEST_F(PlannerShrinkTest, ALostPartOfAShardGroupCannotShrinkAndDegradesNamingWhy) {
