@@ -116,6 +116,41 @@ class Uninterrupted:
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
+def kill_held_node(c, p, node, marks, log_path, t0, res, limit, replacement=None):
+    """Once the node's ranks are at the hold (their marks), kills the node (its daemon, then the
+    ranks, with SIGKILL), starts a replacement daemon with its id where `replacement` (a log
+    suffix) is given, and waits up to `limit` s for the launcher `p` to exit 0. Records the
+    kill's time, the replacement's start, the seconds to the exit, the exit code and what the
+    launcher left running in `res`; raises naming what went wrong (a hang, an early exit)."""
+    while not all(os.path.exists(m) for m in marks):
+        if p.poll() is not None:
+            raise RuntimeError(f"the training exited ({p.returncode}) before node {node}'s ranks "
+                               f"reached the hold: {brief_tail(log_path)}")
+        if time.monotonic() - t0 > HOLD_LIMIT:
+            raise TimeoutError(f"node {node}'s ranks not at the hold in {HOLD_LIMIT:g} s: "
+                               f"{brief_tail(log_path)}")
+        time.sleep(POLL)
+    pids = [int(read_from(m)) for m in marks]
+    c.kill_daemon(node)
+    tk = time.monotonic()
+    res["killed_at_seconds"] = round(tk - t0, 3)
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    if replacement is not None:
+        c.start_daemon(node, log_suffix=replacement)
+        res["replacement_up_seconds"] = round(time.monotonic() - tk, 3)
+    while p.poll() is None and time.monotonic() - tk < limit:
+        time.sleep(POLL)
+    if p.poll() is None:
+        raise TimeoutError(f"a hang: the training still running {limit:g} s after the kill: "
+                           f"{brief_tail(log_path)}")
+    res["seconds"] = round(time.monotonic() - tk, 3)
+    res["exit_code"] = p.returncode
+    res["leftover_after_launcher"] = session_members(p.pid)
+    if p.returncode != 0:
+        raise RuntimeError(f"the training exited {p.returncode}: {brief_tail(log_path)}")
+
+
 def node_trial(trial, build, ref, keep_dir):
     """One trial: node `node`'s ranks held at `phase` of `step`, the node killed (daemon, then
     its ranks) and a replacement daemon started."""
@@ -138,34 +173,8 @@ def node_trial(trial, build, ref, keep_dir):
                 t0 = time.monotonic()
                 p = _launch(c, job, out, redundancy, log,
                             [f"--hold-at={r}:{step}:{phase}:{m}" for r, m in zip(ranks, marks)])
-                while not all(os.path.exists(m) for m in marks):
-                    if p.poll() is not None:
-                        raise RuntimeError(f"the training exited ({p.returncode}) before node "
-                                           f"{node}'s ranks reached the hold: "
-                                           f"{brief_tail(log_path)}")
-                    if time.monotonic() - t0 > HOLD_LIMIT:
-                        raise TimeoutError(f"node {node}'s ranks not at the hold in "
-                                           f"{HOLD_LIMIT:g} s: {brief_tail(log_path)}")
-                    time.sleep(POLL)
-                pids = [int(read_from(m)) for m in marks]
-                c.kill_daemon(node)
-                tk = time.monotonic()
-                res["killed_at_seconds"] = round(tk - t0, 3)
-                for pid in pids:
-                    os.kill(pid, signal.SIGKILL)
-                c.start_daemon(node, log_suffix=f"-replacement-{trial}")
-                res["replacement_up_seconds"] = round(time.monotonic() - tk, 3)
-                while p.poll() is None and time.monotonic() - tk < RECOVERY_LIMIT:
-                    time.sleep(POLL)
-                if p.poll() is None:
-                    raise TimeoutError(f"a hang: the training still running {RECOVERY_LIMIT:g} "
-                                       f"s after the kill: {brief_tail(log_path)}")
-                res["seconds"] = round(time.monotonic() - tk, 3)
-                res["exit_code"] = p.returncode
-                res["leftover_after_launcher"] = session_members(p.pid)
-                if p.returncode != 0:
-                    raise RuntimeError(f"the training exited {p.returncode}: "
-                                       f"{brief_tail(log_path)}")
+                kill_held_node(c, p, node, marks, log_path, t0, res, RECOVERY_LIMIT,
+                               replacement=f"-replacement-{trial}")
                 show = job_show(build, c, job)
                 m = REBUILDS.search(show.stdout)
                 res["rebuilds"] = int(m.group(1)) if m else 0

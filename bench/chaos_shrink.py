@@ -16,14 +16,14 @@ saved at 2 x 2 after that step, resumed at 1 x 2 (`References`, one per step per
 import os
 import random
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-from chaos_procs import _live, end_trial, failed_trial, kill_session, read_from
+from chaos_node import brief_tail, job_show, kill_held_node
+from chaos_procs import _live, end_trial, failed_trial, kill_session
 from recovery_runs import max_abs_diff
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,21 +36,15 @@ DAEMONS, PER_NODE = 2, 2
 PHASES = ["forward", "backward", "step", "between"]
 DEADLINE = 10.0  # the job's recovery deadline (s): the wait for a replacement before shrinking
 SHRINK_LIMIT = DEADLINE + 30.0  # from the daemon's kill to the launcher's exit
-HOLD_LIMIT = 300.0
 LOSS_ATOL = 1e-5
 NODE_TIMEOUT_MS = 2000
 POOL_BYTES = 128 << 20
-POLL = 0.01
 
 
 def draw(trial):
     """The trial's (node, step, phase), from a seeded RNG."""
     rng = random.Random(f"node-shrink-{trial}")
     return rng.randrange(DAEMONS), rng.randint(1, STEPS - 1), rng.choice(PHASES)
-
-
-def brief_tail(path, n=1500):
-    return " ".join(read_from(path).split())[-n:]
 
 
 def _cluster(build):
@@ -81,12 +75,6 @@ def _run(cluster, job, out, nproc, daemons, layout, extra):
     if p.returncode != 0:
         raise RuntimeError(f"the reference run {job} exited {p.returncode}: "
                            f"{brief_tail(out + '.log')}")
-
-
-def job_show(build, cluster, job):
-    return subprocess.run([os.path.join(build, "ctl", "ragshardctl"), "--planner",
-                           cluster.planner, "--token-file", cluster.token_file, "job", "show",
-                           job], capture_output=True, text=True, timeout=60)
 
 
 class References:
@@ -140,31 +128,7 @@ def shrink_trial(trial, build, refs, keep_dir):
                             ["--replicate", "2", "--max-restarts", "1", "--recovery-deadline",
                              f"{DEADLINE:g}", "--on-node-loss", "shrink"],
                             [f"--hold-at={r}:{step}:{phase}:{m}" for r, m in zip(ranks, marks)])
-                while not all(os.path.exists(m) for m in marks):
-                    if p.poll() is not None:
-                        raise RuntimeError(f"the training exited ({p.returncode}) before node "
-                                           f"{node}'s ranks reached the hold: "
-                                           f"{brief_tail(log_path)}")
-                    if time.monotonic() - t0 > HOLD_LIMIT:
-                        raise TimeoutError(f"node {node}'s ranks not at the hold in "
-                                           f"{HOLD_LIMIT:g} s: {brief_tail(log_path)}")
-                    time.sleep(POLL)
-                pids = [int(read_from(m)) for m in marks]
-                c.kill_daemon(node)
-                tk = time.monotonic()
-                res["killed_at_seconds"] = round(tk - t0, 3)
-                for pid in pids:
-                    os.kill(pid, signal.SIGKILL)
-                while p.poll() is None and time.monotonic() - tk < SHRINK_LIMIT:
-                    time.sleep(POLL)
-                if p.poll() is None:
-                    raise TimeoutError(f"a hang: the training still running {SHRINK_LIMIT:g} s "
-                                       f"after the kill: {brief_tail(log_path)}")
-                res["seconds"] = round(time.monotonic() - tk, 3)
-                res["exit_code"] = p.returncode
-                if p.returncode != 0:
-                    raise RuntimeError(f"the training exited {p.returncode}: "
-                                       f"{brief_tail(log_path)}")
+                kill_held_node(c, p, node, marks, log_path, t0, res, SHRINK_LIMIT)
                 shown = job_show(build, c, job).stdout + job_show(build, c, f"{job}/shrink-1").stdout
                 if "SHRUNK" not in shown or "READY" not in shown:
                     raise RuntimeError(f"not SHRUNK with a READY successor: "
