@@ -148,16 +148,17 @@ class NodeRunner(Runner):
                 "start": None if first is None else first - main["step_seconds"][0],
                 "slowest_steps": slowest_step(ranks), "memory": self._memory(ranks)}
 
-    def rebuilt(self, job, redundancy, node, step, phase):
-        """Node `node` lost at `phase` of step `step` and rebuilt on a replacement daemon: the
-        wall time, when the kill and the first step after it came, the bytes rebuilt (job
-        show), the step the ranks resumed from."""
+    def _lose(self, job, kind, redundancy, node, step, phase, replace, world=WORLD):
+        """A launch in which node `node` is lost at `phase` of step `step` (with a replacement
+        daemon where `replace`): the launch, rank 0's output, `ragshardctl job show`, and what
+        every such run reports (the wall time, when the kill and the first step after it came,
+        the step the ranks resumed from, the machine's quiet)."""
         marks, extra = self._marks(job, node, step, phase)
         quiet = self._quiet()
         with Others() as others, self._cluster() as c:
-            killer = _NodeKiller(c, node, marks, self.timeout, f"-{job}")
+            killer = _NodeKiller(c, node, marks, self.timeout, f"-{job}", replace=replace)
             killer.start()
-            launch, out = self._launch(c, f"rebuilt {redundancy}", job, redundancy, extra)
+            launch, out = self._launch(c, kind, job, redundancy, extra)
             killer.stop.set()
             killer.join(timeout=60)
             show = subprocess.run([os.path.join(self.build, "ctl", "ragshardctl"), "--planner",
@@ -165,51 +166,40 @@ class NodeRunner(Runner):
                                    job], capture_output=True, text=True, timeout=60)
         if killer.error or killer.killed is None:
             raise RunFailed(f"{job}: the node was not killed: {killer.error}\n{launch.tail()}")
-        main, _ = self._outputs(out, launch, job)
+        main, _ = self._outputs(out, launch, job, world)
+        killed = killer.killed - launch.start
+        after = [(t, s) for t, s in launch.steps() if t > killed]
+        row = {"job": job, "out": out, "wall": launch.wall, "redundancy": redundancy,
+               "node": node, "step": step, "phase": phase, "killed_at": killed,
+               "others_cores": others.cores(), **quiet,
+               "resumed_step_line_at": after[0][0] if after else None,
+               "first_step": main["first_step"],
+               "first_step_seconds": main["step_seconds"][0] if main["step_seconds"] else None}
+        if replace:
+            row["replacement_up"] = killer.replaced - killer.killed
+        return main, show, row
+
+    def rebuilt(self, job, redundancy, node, step, phase):
+        """Node `node` lost at `phase` of step `step` and rebuilt on a replacement daemon:
+        `_lose`'s figures and the bytes rebuilt (job show)."""
+        _, show, row = self._lose(job, f"rebuilt {redundancy}", redundancy, node, step, phase,
+                                  True)
         m = REBUILDS.search(show.stdout)
         if "READY" not in show.stdout or not m or m.group(1) != "1":
             raise RunFailed(f"{job}: the job is not READY with one rebuild:\n{show.stdout}"
                             f"{show.stderr}")
-        killed = killer.killed - launch.start
-        after = [(t, s) for t, s in launch.steps() if t > killed]
-        return {"job": job, "out": out, "wall": launch.wall, "redundancy": redundancy,
-                "node": node, "step": step, "phase": phase, "killed_at": killed,
-                "replacement_up": killer.replaced - killer.killed,
-                "others_cores": others.cores(), **quiet, "rebuilt_bytes": int(m.group(2)),
-                "resumed_step_line_at": after[0][0] if after else None,
-                "first_step": main["first_step"],
-                "first_step_seconds": main["step_seconds"][0] if main["step_seconds"] else None}
+        return {**row, "rebuilt_bytes": int(m.group(2))}
 
     def shrunk(self, job, node, step, phase):
         """Node `node` lost at `phase` of step `step` with no replacement, in the --replicate 3
-        job that shrinks: the wall time, when the kill and the first step after it came, the
-        step the survivors resumed from, the world size of every step, the bytes rank 0 took
-        over (ShardedModule.shrink)."""
-        marks, extra = self._marks(job, node, step, phase)
-        quiet = self._quiet()
-        with Others() as others, self._cluster() as c:
-            killer = _NodeKiller(c, node, marks, self.timeout, f"-{job}", replace=False)
-            killer.start()
-            launch, out = self._launch(c, "shrunk", job, "shrink", extra)
-            killer.stop.set()
-            killer.join(timeout=60)
-            show = subprocess.run([os.path.join(self.build, "ctl", "ragshardctl"), "--planner",
-                                   c.planner, "--token-file", c.token_file, "job", "show",
-                                   job], capture_output=True, text=True, timeout=60)
-        if killer.error or killer.killed is None:
-            raise RunFailed(f"{job}: the node was not killed: {killer.error}\n{launch.tail()}")
-        main, _ = self._outputs(out, launch, job, WORLD - PER_NODE)  # the successor's ranks
+        job that shrinks: `_lose`'s figures, the world size of every step and the bytes rank 0
+        took over (ShardedModule.shrink)."""
+        main, show, row = self._lose(job, "shrunk", "shrink", node, step, phase, False,
+                                     WORLD - PER_NODE)  # the successor's ranks write outputs
         if "SHRUNK" not in show.stdout:
             raise RunFailed(f"{job}: the job is not SHRUNK:\n{show.stdout}{show.stderr}")
-        killed = killer.killed - launch.start
-        after = [(t, s) for t, s in launch.steps() if t > killed]
-        return {"job": job, "out": out, "wall": launch.wall, "redundancy": "shrink",
-                "node": node, "step": step, "phase": phase, "killed_at": killed,
-                "others_cores": others.cores(), **quiet,
-                "resumed_step_line_at": after[0][0] if after else None,
-                "first_step": main["first_step"], "world_sizes": main.get("world_sizes"),
-                "shrunk_bytes": (main.get("shrink") or {}).get("bytes"),
-                "first_step_seconds": main["step_seconds"][0] if main["step_seconds"] else None}
+        return {**row, "world_sizes": main.get("world_sizes"),
+                "shrunk_bytes": (main.get("shrink") or {}).get("bytes")}
 
     def checkpoint_restart(self, job, node, step, phase):
         """The same loss in a job that saves a checkpoint every N steps and has no restarts:
