@@ -40,9 +40,11 @@ def env():
     return e
 
 
-def command(cluster, tmp_path, job, redundancy, extra=()):
+def command(cluster, tmp_path, job, redundancy, extra=(),
+            launcher=("--recovery-deadline", "90")):
     """The launch of `job` over the cluster's 3 daemons x 2 ranks; `redundancy` "hsdp+": over
-    2 daemons, 2 HSDP replica groups of 2 ranks and no --redundancy (hsdp is the default)."""
+    2 daemons, 2 HSDP replica groups of 2 ranks and no --redundancy (hsdp is the default).
+    `launcher`: the launcher's recovery flags beside --max-restarts 1; `extra`: the script's."""
     out = str(tmp_path / job)
     if redundancy == "hsdp+":
         layout = ["--nproc", "4", "--sockets", ",".join(cluster.sockets[:2]), "--replicate", "2"]
@@ -50,8 +52,8 @@ def command(cluster, tmp_path, job, redundancy, extra=()):
         layout = ["--nproc", "6", "--sockets", ",".join(cluster.sockets),
                   "--redundancy", redundancy]
     return out, LAUNCH + ["--planner", cluster.planner, "--job", job, "--create-job", *layout,
-                          "--max-restarts", "1", "--recovery-deadline", "90", EXAMPLE,
-                          "--out", out] + SMALL + list(extra)
+                          "--max-restarts", "1", *launcher, EXAMPLE, "--out", out] + SMALL + \
+        list(extra)
 
 
 def ctl(cluster, *args):
@@ -68,33 +70,39 @@ def same(out, ref, atol=1e-6):
             f"{name}: max |delta| {float((a[name] - b[name]).abs().max()):.3g}"
 
 
-def lose_node(cluster, tmp_path, job, redundancy, step, phase, also=(), extra=()):
-    """Runs the training; when both ranks of node 1 (ranks 2 and 3), and the ranks `also` of
-    the other nodes, are held at `phase` of `step`, kills node 1's daemon and all of them with
-    SIGKILL and starts a replacement daemon. Returns the output path and the launcher's
-    stderr."""
-    ranks = (2, 3) + tuple(also)
+def lose_node(cluster, tmp_path, job, redundancy, step, phase, also=(), extra=(), node=1,
+              replace=True, launcher=("--recovery-deadline", "90")):
+    """Runs the training; when both ranks of `node` (ranks 2 and 3 of node 1), and the ranks
+    `also` of the other nodes, are held at `phase` of `step`, kills the node's daemon and all of
+    them with SIGKILL and starts a replacement daemon (unless `replace` is False: then it is
+    started again only once the training is over, for the tests after). Returns the output path
+    and the launcher's stderr."""
+    ranks = (2 * node, 2 * node + 1) + tuple(also)
     marks = [str(tmp_path / f"{job}-hold{r}") for r in ranks]
     out, cmd = command(cluster, tmp_path, job, redundancy, list(extra) +
-                       [f"--hold-at={r}:{step}:{phase}:{m}" for r, m in zip(ranks, marks)])
+                       [f"--hold-at={r}:{step}:{phase}:{m}" for r, m in zip(ranks, marks)],
+                       launcher)
     p = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True)
     try:
         deadline = time.time() + 240
         while not all(os.path.exists(m) for m in marks):
             assert p.poll() is None, p.communicate()
-            assert time.time() < deadline, "node 1's ranks did not reach the hold"
+            assert time.time() < deadline, f"node {node}'s ranks did not reach the hold"
             time.sleep(0.05)
-        cluster.kill_daemon(1)
+        cluster.kill_daemon(node)
         for m in marks:
             with open(m) as f:
                 os.kill(int(f.read()), signal.SIGKILL)
-        cluster.start_daemon(1, log_suffix=f"-{job}")
+        if replace:
+            cluster.start_daemon(node, log_suffix=f"-{job}")
         stdout, stderr = p.communicate(timeout=300)
     finally:
         if p.poll() is None:
             p.kill()
             p.communicate()
+        if not replace:
+            cluster.start_daemon(node, log_suffix=f"-{job}")  # for the tests after this one
     assert p.returncode == 0, stdout + stderr
     return out, stderr
 
@@ -172,32 +180,9 @@ def test_a_lost_node_without_a_replacement_shrinks_the_job(cluster, tmp_path):
     the shrink equal, within 1e-5, a reference that saves at 2 x 2 after step 1 (the survivors
     completed it) and resumes at 1 x 2, with the same global batch."""
     job = "shrink-1"
-    marks = [str(tmp_path / f"{job}-hold{r}") for r in (0, 1)]
-    out = str(tmp_path / job)
-    cmd = LAUNCH + ["--planner", cluster.planner, "--job", job, "--create-job", "--nproc", "4",
-                    "--sockets", ",".join(cluster.sockets[:2]), "--replicate", "2",
-                    "--max-restarts", "1", "--recovery-deadline", "8", "--on-node-loss",
-                    "shrink", EXAMPLE, "--out", out] + SMALL + SHRINK + \
-        [f"--hold-at={r}:1:step:{m}" for r, m in zip((0, 1), marks)]
-    p = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True)
-    try:
-        deadline = time.time() + 240
-        while not all(os.path.exists(m) for m in marks):
-            assert p.poll() is None, p.communicate()
-            assert time.time() < deadline, "node 0's ranks did not reach the hold"
-            time.sleep(0.05)
-        cluster.kill_daemon(0)
-        for m in marks:
-            with open(m) as f:
-                os.kill(int(f.read()), signal.SIGKILL)
-        stdout, stderr = p.communicate(timeout=300)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.communicate()
-        cluster.start_daemon(0, log_suffix=f"-{job}")  # for the tests after this one
-    assert p.returncode == 0, stdout + stderr
+    out, stderr = lose_node(cluster, tmp_path, job, "hsdp+", 1, "step", extra=SHRINK, node=0,
+                            replace=False, launcher=("--recovery-deadline", "8",
+                                                     "--on-node-loss", "shrink"))
     assert "rank 0 left: the job shrank without it" in stderr, stderr
     with open(out + ".json") as f:
         shrunk = json.load(f)
