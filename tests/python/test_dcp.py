@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+import preloaded  # beside this file: the launches forked from one torch import
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -37,7 +38,7 @@ def cluster():
 
 
 def launch(cluster, job, sockets, nproc, args, replicate=1):
-    r = subprocess.run(LAUNCH + ["--planner", cluster.planner, "--job", job, "--nproc",
+    r = preloaded.run(LAUNCH + ["--planner", cluster.planner, "--job", job, "--nproc",
                                  str(nproc), "--sockets", ",".join(sockets), "--create-job",
                                  "--replicate", str(replicate), RANKS] + args,
                        env=env(), capture_output=True, text=True, timeout=600)

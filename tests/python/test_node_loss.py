@@ -14,6 +14,7 @@ import sys
 import time
 
 import pytest
+import preloaded  # beside this file: the launches forked from one torch import
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -121,7 +122,7 @@ def reference(cluster, tmp_path, redundancy, extra=()):
                            redundancy, extra)
         if key == (True, ()):
             cmd += ["--save", ref + ".ckpt", "--save-step", "1"]
-        r = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=300)
+        r = preloaded.run(cmd, env=env(), capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stdout + r.stderr
         _REFERENCES[key] = ref
     return _REFERENCES[key]
@@ -166,7 +167,7 @@ def launch(cluster, tmp_path, job, nproc, daemons, layout, extra):
     cmd = LAUNCH + ["--planner", cluster.planner, "--job", job, "--create-job", "--nproc",
                     str(nproc), "--sockets", ",".join(cluster.sockets[:daemons]), *layout,
                     EXAMPLE, "--out", out] + SMALL + SHRINK + list(extra)
-    r = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=300)
+    r = preloaded.run(cmd, env=env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     return out
 
@@ -212,12 +213,12 @@ def test_redundancy_is_refused_without_the_nodes_it_needs(cluster, tmp_path):
     name, nothing starts."""
     base = LAUNCH + ["--planner", cluster.planner, "--job", "refused", "--nproc", "4",
                      "--sockets", ",".join(cluster.sockets[:2]), "--create-job"]
-    r = subprocess.run(base + ["--max-restarts", "1", "--redundancy", "parity:2", EXAMPLE],
+    r = preloaded.run(base + ["--max-restarts", "1", "--redundancy", "parity:2", EXAMPLE],
                        env=env(), capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "groups of 3" in r.stderr, r.stderr
-    r = subprocess.run(base + ["--redundancy", "replica", EXAMPLE], env=env(),
+    r = preloaded.run(base + ["--redundancy", "replica", EXAMPLE], env=env(),
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "needs --max-restarts" in r.stderr, r.stderr
-    r = subprocess.run(base + ["--max-restarts", "1", "--redundancy", "hsdp", EXAMPLE],
+    r = preloaded.run(base + ["--max-restarts", "1", "--redundancy", "hsdp", EXAMPLE],
                        env=env(), capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "needs --replicate 2 or more" in r.stderr, r.stderr

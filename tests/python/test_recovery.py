@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+import preloaded  # beside this file: the launches forked from one torch import
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -71,7 +72,7 @@ def run(cluster, tmp_path, job, extra, restarts=1, launch=()):
                     "--max-restarts", str(restarts), "--recovery-deadline", "60", *launch,
                     EXAMPLE, "--out", out] + SMALL + extra
     # No checkpoint is configured, and a load would raise.
-    r = subprocess.run(cmd, env=env(tmp_path / "no-loads"), capture_output=True, text=True,
+    r = preloaded.run(cmd, env=env(tmp_path / "no-loads"), capture_output=True, text=True,
                        timeout=300)
     return out, r
 
@@ -206,7 +207,7 @@ def test_without_restarts_a_lost_rank_fails_the_job_named(cluster, tmp_path):
     cmd = LAUNCH + ["--planner", cluster.planner, "--job", "norestart", "--nproc", "4",
                     "--sockets", ",".join(cluster.sockets), "--create-job", EXAMPLE,
                     "--out", out, "--kill-at", f"1:2:forward:{mark}"] + SMALL
-    r = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=300)
+    r = preloaded.run(cmd, env=env(), capture_output=True, text=True, timeout=300)
     assert r.returncode != 0
     assert "rank 1 exited with -9; stopping the others" in r.stderr
 
@@ -217,7 +218,7 @@ def test_launcher_refuses_bad_recovery_flags(tmp_path):
                         (["--recovery-deadline", "5"], "--recovery-deadline needs"),
                         (["--max-restarts", "1", "--recovery-deadline", "0"],
                          "--recovery-deadline 0")):
-        r = subprocess.run(base + flags + [EXAMPLE], env=env(), capture_output=True, text=True,
+        r = preloaded.run(base + flags + [EXAMPLE], env=env(), capture_output=True, text=True,
                            timeout=60)
         assert r.returncode == 2 and said in r.stderr, r.stderr
 

@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+import preloaded  # beside this file: the launches forked from one torch import
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -38,7 +39,7 @@ def env():
 
 
 def run(cmd):
-    r = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=600)
+    r = preloaded.run(cmd, env=env(), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     return r
 
@@ -119,7 +120,7 @@ def test_nodes_running_different_units_of_equal_size_fail_naming_both(cluster):
     so nothing but the message checks tells them apart): every rank's operation fails with
     ABORTED naming both units, long before the operations' 120 s deadline."""
     start = time.monotonic()
-    r = subprocess.run(
+    r = preloaded.run(
         LAUNCH + ["--planner", cluster.planner, "--job",
                   "sem-swapped", "--nproc", "4", "--sockets", ",".join(cluster.sockets),
                   "--create-job", EXAMPLE, "--case", "swapped-on-one-node"],

@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+import preloaded  # beside this file: the launches forked from one torch import
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BUILD = os.environ.get("RAGSHARD_BUILD", os.path.join(ROOT, "build"))
@@ -76,7 +77,7 @@ def test_training_through_a_tls_only_planner(certs, tmp_path, monkeypatch):
         launch = [sys.executable, "-m", "ragshard.launch", "--preload", "torch", "--planner",
                   c.planner, "--nproc", "4", "--sockets", ",".join(c.sockets), "--create-job"]
         # The launcher and its ranks take the CA from RAGSHARD_TLS_CA.
-        r = subprocess.run(launch + ["--job", "tls", EXAMPLE, "--out", str(tmp_path / "tls")] +
+        r = preloaded.run(launch + ["--job", "tls", EXAMPLE, "--out", str(tmp_path / "tls")] +
                            SMALL, env=env(**c.tls_env), capture_output=True, text=True,
                            timeout=600)
         assert r.returncode == 0, r.stdout + r.stderr
@@ -84,7 +85,7 @@ def test_training_through_a_tls_only_planner(certs, tmp_path, monkeypatch):
         # Without the CA the launcher's client speaks plaintext to a TLS port: refused within
         # RAGSHARD_PLANNER_RETRY_S, naming TLS, and no rank trains.
         start = time.time()
-        r = subprocess.run(launch + ["--job", "plain", EXAMPLE] + SMALL,
+        r = preloaded.run(launch + ["--job", "plain", EXAMPLE] + SMALL,
                            env=env(RAGSHARD_PLANNER_RETRY_S="1"), capture_output=True,
                            text=True, timeout=120)
         assert r.returncode != 0 and time.time() - start < 60

@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+import preloaded  # beside this file: the launches forked from one torch import
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -199,7 +200,7 @@ def test_meta_init_empty_runs_only_after_a_load(cluster, tmp_path):
     state_dict (or a checkpoint) is loaded, then computes with the loaded values."""
     script = tmp_path / "meta_script.py"
     script.write_text(META_SCRIPT)
-    r = subprocess.run(LAUNCH + ["--planner", cluster.planner,
+    r = preloaded.run(LAUNCH + ["--planner", cluster.planner,
                                  "--job", "feature-meta-empty", "--nproc", "2", "--sockets",
                                  cluster.sockets[0], "--create-job", str(script)],
                        env=env(), capture_output=True, text=True, timeout=300)
@@ -237,7 +238,7 @@ def test_adam8bit_refuses_a_plan_that_cuts_its_blocks(cluster, tmp_path):
                     "feature-cut", "--nproc", "4", "--sockets", ",".join(cluster.sockets),
                     "--create-job", EXAMPLE, "--out", out] + SMALL + STEPS + \
         ["--optimizer", "adam8bit", "--granule", "rows:1"]
-    r = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=600)
+    r = preloaded.run(cmd, env=env(), capture_output=True, text=True, timeout=600)
     assert r.returncode != 0
     assert "ShardedAdam8bit: parameter 'layers." in r.stderr, r.stderr
     assert "inside its 128x128 blocks; give matrices the granule rows:128" in r.stderr

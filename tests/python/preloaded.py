@@ -1,0 +1,240 @@
+"""`run(cmd, ...)`: subprocess.run for the tests' `python -m ragshard.launch ...` and `python
+script.py ...` commands, forked from one interpreter that has imported torch once per pytest
+process (a fork server) instead of a fresh interpreter per command.
+
+On CI's 2 cores a fresh interpreter's `import torch` (with torch._dynamo, which torch.optim's
+first param group loads, and torch.distributed.checkpoint) is about 2 s of one core, paid by
+every launcher and every one-process reference run before any rank starts: hundreds of times a
+suite. The launcher's own `--preload torch` shares that import with its ranks; this shares it
+with the launchers. What runs is the same code as `python -m ragshard.launch` (runpy, in a child
+that gets the command's argv, environment, working directory and standard streams, in a process
+group of its own); only the interpreter's start is shared. Commands of another interpreter or
+with other arguments (stdin, input, ...) go to subprocess.run unchanged.
+
+The server is this file run as a script; it exits when the pytest process that started it
+closes its stdin (or dies), killing the commands still running."""
+import atexit
+import json
+import os
+import runpy
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import traceback
+
+PRELOAD = ("torch", "torch._dynamo", "torch.distributed.checkpoint")
+_lock = threading.Lock()
+_server = None  # (Popen, socket path, its temporary directory)
+
+
+def _routable(cmd):
+    if not isinstance(cmd, (list, tuple)) or len(cmd) < 2 or cmd[0] != sys.executable:
+        return False
+    return (cmd[1] == "-m" and len(cmd) > 2 and cmd[2] == "ragshard.launch") or \
+        str(cmd[1]).endswith(".py")
+
+
+def _start():
+    global _server
+    with _lock:
+        if _server is None or _server[0].poll() is not None:
+            tmp = tempfile.TemporaryDirectory(prefix="ragshard-preloaded-")
+            path = os.path.join(tmp.name, "sock")
+            proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), path],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            line = proc.stdout.readline()
+            if line.strip() != b"ready":
+                proc.kill()
+                proc.wait()
+                raise RuntimeError(f"preloaded: the fork server did not start ({line!r})")
+            _server = (proc, path, tmp)
+            atexit.register(_stop)
+        return _server[1]
+
+
+def _stop():
+    global _server
+    with _lock:
+        if _server is not None:
+            proc, _, tmp = _server
+            proc.stdin.close()  # the server sees EOF, kills what still runs and exits
+            proc.wait()
+            tmp.cleanup()
+            _server = None
+
+
+def _read_line(conn):
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = conn.recv(4096)
+        if not chunk:
+            raise RuntimeError("preloaded: the fork server closed the connection")
+        data += chunk
+    return data
+
+
+def run(cmd, env=None, timeout=None, capture_output=False, text=False, cwd=None, check=False,
+        **kwargs):
+    """subprocess.run(cmd, ...), forked from the preloaded server where `cmd` is this
+    interpreter running ragshard.launch or a script; returns a subprocess.CompletedProcess."""
+    if kwargs or not _routable(cmd):
+        return subprocess.run(cmd, env=env, timeout=timeout, capture_output=capture_output,
+                              text=text, cwd=cwd, check=check, **kwargs)
+    path = _start()
+    request = json.dumps({"argv": [str(a) for a in cmd[1:]],
+                          "env": dict(os.environ if env is None else env),
+                          "cwd": os.path.abspath(cwd or os.getcwd())}).encode()
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
+            socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.connect(path)
+        fds = [out.fileno(), err.fileno()] if capture_output else \
+            [sys.stdout.fileno(), sys.stderr.fileno()]
+        sys.stdout.flush()
+        sys.stderr.flush()
+        socket.send_fds(conn, [struct.pack("!Q", len(request))], fds)
+        conn.sendall(request)
+        pid = int(_read_line(conn))
+        conn.settimeout(timeout)
+        try:
+            code = int(_read_line(conn))
+        except BaseException as e:  # a timeout, or the test interrupted: the command goes too
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            conn.settimeout(None)
+            _read_line(conn)
+            if isinstance(e, socket.timeout):
+                raise subprocess.TimeoutExpired(cmd, timeout) from None
+            raise
+        streams = []
+        for f in (out, err):
+            f.seek(0)
+            data = f.read() if capture_output else None
+            streams.append(data.decode(errors="replace") if text and data is not None else data)
+    result = subprocess.CompletedProcess(list(cmd), code, streams[0], streams[1])
+    if check:
+        result.check_returncode()
+    return result
+
+
+# The server.
+
+def _child(request, fds):
+    """Runs one command in the forked child; never returns."""
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.setpgid(0, 0)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(fds[0], 1)
+        os.dup2(fds[1], 2)
+        for fd in (null, *fds):
+            os.close(fd)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        # PYTHONPATH as a fresh interpreter would read it, ahead of the server's own path.
+        extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        argv = request["argv"]
+        if argv[0] == "-m":
+            sys.path[:] = [os.getcwd(), *extra] + [p for p in sys.path[1:] if p not in extra]
+            sys.argv = argv[1:]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            script = os.path.abspath(argv[0])
+            sys.path[:] = [os.path.dirname(script), *extra] + \
+                [p for p in sys.path[1:] if p not in extra]
+            sys.argv = argv
+            runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except BaseException:  # noqa: B036 - an uncaught error ends the command, as in an interpreter
+        traceback.print_exc()
+        code = 1
+    finally:
+        try:
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code & 0xFF)
+
+
+def _serve(path):
+    import importlib
+    for name in PRELOAD:
+        importlib.import_module(name)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    running = {}  # pid -> the connection its exit status goes to
+    print("ready", flush=True)
+    try:
+        while True:
+            readable, _, _ = select.select([listener, sys.stdin, wake_r], [], [])
+            if sys.stdin in readable and not os.read(sys.stdin.fileno(), 4096):
+                return
+            if wake_r in readable:
+                os.read(wake_r, 4096)
+            if listener in readable:
+                conn, _ = listener.accept()
+                conn.settimeout(60)
+                head, fds, _, _ = socket.recv_fds(conn, 8, 2)
+                (size,) = struct.unpack("!Q", head)
+                body = b""
+                while len(body) < size:
+                    body += conn.recv(size - len(body))
+                sys.stdout.flush()
+                pid = os.fork()
+                if pid == 0:
+                    listener.close()
+                    for other in running.values():
+                        other.close()
+                    conn.close()
+                    os.close(wake_r)
+                    os.close(wake_w)
+                    _child(json.loads(body), fds)
+                for fd in fds:
+                    os.close(fd)
+                conn.sendall(b"%d\n" % pid)
+                running[pid] = conn
+            while running:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+                if pid == 0:
+                    break
+                conn = running.pop(pid, None)
+                if conn is not None:
+                    try:
+                        conn.sendall(b"%d\n" % os.waitstatus_to_exitcode(status))
+                    except OSError:
+                        pass
+                    conn.close()
+    finally:
+        for pid in running:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1])
