@@ -391,6 +391,13 @@ def run(a):
                 code = rc if rc > 0 else 128 - rc
                 print(f"ragshard.launch: rank {r} exited with {rc}; stopping the others",
                       file=sys.stderr)
+                # Ranks that exited by now too are named: a rank killed, and another that
+                # failed on its absence first seen here, name the cause among them.
+                for q, other in live.items():
+                    orc = other.poll()
+                    if orc not in (None, 0):
+                        print(f"ragshard.launch: rank {q} exited with {orc} too",
+                              file=sys.stderr)
                 break
             else:
                 time.sleep(0.05)

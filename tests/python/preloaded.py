@@ -92,8 +92,8 @@ def run(cmd, env=None, timeout=None, capture_output=False, text=False, cwd=None,
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
             socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         conn.connect(path)
-        fds = [out.fileno(), err.fileno()] if capture_output else \
-            [sys.stdout.fileno(), sys.stderr.fileno()]
+        # Not captured: the test process's own descriptors 1 and 2, as a child would inherit.
+        fds = [out.fileno(), err.fileno()] if capture_output else [1, 2]
         sys.stdout.flush()
         sys.stderr.flush()
         socket.send_fds(conn, [struct.pack("!Q", len(request))], fds)
