@@ -26,8 +26,7 @@ import sys
 import tempfile
 import time
 
-from chaos_procs import (_live, end_trial, failed_trial, kill_session, read_from,
-                         session_members)
+from chaos_procs import TrialRun, _live, kill_session, read_from, session_members
 from recovery_runs import max_abs_diff
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -159,44 +158,28 @@ def node_trial(trial, build, ref, keep_dir):
     ranks = [node * PER_NODE + i for i in range(PER_NODE)]
     res = {"trial": trial, "passed": False, "error": None, "scheme": redundancy, "node": node,
            "step": step, "phase": phase, "stuck_at_stop": [], "leftover_after_launcher": []}
-    workdir = tempfile.mkdtemp(prefix="ragshard-chaos-")
-    out, log_path = os.path.join(workdir, "train"), os.path.join(workdir, "launcher.log")
-    marks = [os.path.join(workdir, f"hold{r}") for r in ranks]
-    p, c, log = None, None, None
-    try:
+    with TrialRun(res, "node-rebuild", trial, keep_dir) as t:
+        marks = [os.path.join(t.workdir, f"hold{r}") for r in ranks]
         reference = ref.get(redundancy)
-        with _cluster(build) as c:
-            _live["clusters"].append(c)
-            try:
-                job = f"node-rebuild-{trial}"
-                log = open(log_path, "w")
-                t0 = time.monotonic()
-                p = _launch(c, job, out, redundancy, log,
-                            [f"--hold-at={r}:{step}:{phase}:{m}" for r, m in zip(ranks, marks)])
-                kill_held_node(c, p, node, marks, log_path, t0, res, RECOVERY_LIMIT,
-                               replacement=f"-replacement-{trial}")
-                show = job_show(build, c, job)
-                m = REBUILDS.search(show.stdout)
-                res["rebuilds"] = int(m.group(1)) if m else 0
-                res["rebuilt_bytes"] = int(m.group(2)) if m else None
-                if "READY" not in show.stdout or "rebuilds:     1 " not in show.stdout:
-                    raise RuntimeError(f"the job is not READY with one rebuild: "
-                                       f"{' '.join((show.stdout + show.stderr).split())[:600]}")
-                res["max_abs_diff"] = max_abs_diff(out, reference)
-                if res["max_abs_diff"] > PARAM_ATOL:
-                    raise RuntimeError(f"diverged: max |delta| {res['max_abs_diff']:.3g} against "
-                                       f"the uninterrupted {redundancy} run (> {PARAM_ATOL:g})")
-                res["passed"] = True
-            finally:
-                end_trial(res, p, c, log, keep_dir, "node-rebuild", trial, workdir)
-    except KeyboardInterrupt:
-        raise
-    except Exception as e:  # the trial fails; the campaign goes on
-        failed_trial(res, e, keep_dir, "node-rebuild", trial, [workdir] + ([c.dir] if c else []))
-    finally:
-        if log is not None:
-            log.close()
-        shutil.rmtree(workdir, ignore_errors=True)
+        with t.cluster(_cluster(build)) as c:
+            job = f"node-rebuild-{trial}"
+            t0 = time.monotonic()
+            t.launch = _launch(c, job, t.out, redundancy, t.open_log(),
+                               [f"--hold-at={r}:{step}:{phase}:{m}" for r, m in zip(ranks, marks)])
+            kill_held_node(c, t.launch, node, marks, t.log_path, t0, res, RECOVERY_LIMIT,
+                           replacement=f"-replacement-{trial}")
+            show = job_show(build, c, job)
+            m = REBUILDS.search(show.stdout)
+            res["rebuilds"] = int(m.group(1)) if m else 0
+            res["rebuilt_bytes"] = int(m.group(2)) if m else None
+            if "READY" not in show.stdout or "rebuilds:     1 " not in show.stdout:
+                raise RuntimeError(f"the job is not READY with one rebuild: "
+                                   f"{' '.join((show.stdout + show.stderr).split())[:600]}")
+            res["max_abs_diff"] = max_abs_diff(t.out, reference)
+            if res["max_abs_diff"] > PARAM_ATOL:
+                raise RuntimeError(f"diverged: max |delta| {res['max_abs_diff']:.3g} against "
+                                   f"the uninterrupted {redundancy} run (> {PARAM_ATOL:g})")
+            res["passed"] = True
     return res
 
 

@@ -2,10 +2,12 @@
 (`_live`, swept by `sweep`), the signal handler that turns the first SIGINT/SIGTERM into
 `Interrupted`, and the helpers that read a trial's logs, kill a launcher's session and stop a
 LocalCluster, naming what needed SIGKILL."""
+import contextlib
 import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 import traceback
 
@@ -160,10 +162,56 @@ def end_trial(res, launch, cluster, log, keep_dir, fault, trial, workdir):
 
 
 def failed_trial(res, e, keep_dir, fault, trial, dirs):
-    """A trial that raised `e` (inside its except): failed, with the error, its traceback and,
+    """A trial that raised `e`: failed, with the error, its traceback and,
     unless end_trial kept them already, its logs. The campaign goes on."""
     res["passed"] = False
     res["error"] = " ".join(f"{type(e).__name__}: {e}".split())[:1500]
-    res["traceback"] = traceback.format_exc()[-3000:]
+    res["traceback"] = "".join(traceback.format_exception(type(e), e, e.__traceback__))[-3000:]
     if keep_dir and "logs" not in res:
         res["logs"] = keep_logs(keep_dir, fault, trial, dirs)
+
+
+class TrialRun:
+    """One trial's way in and out (`with TrialRun(res, fault, trial, keep_dir) as t:`): its work
+    directory (`t.workdir`, with `t.out` and `t.log_path`), its launcher log (`t.open_log()`),
+    its cluster (`with t.cluster(LocalCluster(...)) as c:`) and its launch (`t.launch`, a
+    Popen). However the trial goes, the launch's session is killed and the cluster stopped
+    (end_trial); an Exception fails the trial (failed_trial) and the campaign goes on, while an
+    interrupt goes through; the log is closed and the directory removed."""
+
+    def __init__(self, res, fault, trial, keep_dir):
+        self.res, self.fault, self.trial, self.keep_dir = res, fault, trial, keep_dir
+        self.workdir = tempfile.mkdtemp(prefix="ragshard-chaos-")
+        self.out = os.path.join(self.workdir, "train")
+        self.log_path = os.path.join(self.workdir, "launcher.log")
+        self.launch, self.log, self._cluster = None, None, None
+
+    def open_log(self):
+        self.log = open(self.log_path, "w")
+        return self.log
+
+    @contextlib.contextmanager
+    def cluster(self, cluster):
+        with cluster as c:
+            self._cluster = c
+            _live["clusters"].append(c)
+            try:
+                yield c
+            finally:
+                end_trial(self.res, self.launch, c, self.log, self.keep_dir, self.fault,
+                          self.trial, self.workdir)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, e, tb):
+        try:
+            if kind is not None and issubclass(kind, Exception):
+                failed_trial(self.res, e, self.keep_dir, self.fault, self.trial,
+                             [self.workdir] + ([self._cluster.dir] if self._cluster else []))
+                return True  # the trial failed; the campaign goes on
+            return False
+        finally:
+            if self.log is not None:
+                self.log.close()
+            shutil.rmtree(self.workdir, ignore_errors=True)

@@ -19,8 +19,7 @@ import sys
 import tempfile
 import time
 
-from chaos_procs import (_live, end_trial, failed_trial, kill_session, read_from,
-                         session_members, stop_cluster_checked)
+from chaos_procs import TrialRun, _live, kill_session, read_from, session_members
 from recovery_runs import STEP_LINE, max_abs_diff
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -117,77 +116,64 @@ def recovery_trial(trial, build, ref, keep_dir):
     opt = optimizer(trial)
     res = {"trial": trial, "passed": False, "error": None, "optimizer": opt, "rank": rank,
            "after_step": after, "stuck_at_stop": [], "leftover_after_launcher": []}
-    workdir = tempfile.mkdtemp(prefix="ragshard-chaos-")
-    out, log_path = os.path.join(workdir, "train"), os.path.join(workdir, "launcher.log")
-    p, c, log = None, None, None
-    try:
+    with TrialRun(res, "rank-recovery", trial, keep_dir) as t:
+        out, log_path = t.out, t.log_path
         reference = ref.get(opt)
-        with LocalCluster(build, daemons=2) as c:
-            _live["clusters"].append(c)
-            try:
-                job = f"rank-recovery-{trial}"
-                log = open(log_path, "w")
-                t0 = time.monotonic()
-                p = _launch(c, job, out, opt, log)
-                seen = {}  # step -> when rank 0's line for it appeared
-                while after not in seen:
-                    for line in read_from(log_path).splitlines():
-                        m = STEP_LINE.match(line)
-                        if m:
-                            seen.setdefault(int(m.group(1)), time.monotonic())
-                    if p.poll() is not None:
-                        raise RuntimeError(f"the training exited ({p.returncode}) before step "
-                                           f"{after}: {brief_tail(log_path)}")
-                    if time.monotonic() - t0 > 600:
-                        raise TimeoutError(f"no step {after} in 600 s")
-                    time.sleep(POLL)
-                step_s = seen[after] - seen[after - 1] if after - 1 in seen else 0.05
-                time.sleep(delay * step_s)
-                pid = _rank_pid(p.pid, rank)
-                if pid is None:
-                    raise RuntimeError(f"rank {rank}'s process not found after step {after}")
-                os.kill(pid, signal.SIGKILL)
-                tk = time.monotonic()
-                res["killed_at_seconds"] = round(tk - t0, 3)
-                while p.poll() is None and time.monotonic() - tk < RECOVERY_LIMIT:
-                    time.sleep(POLL)
-                if p.poll() is None:
-                    raise TimeoutError(f"a hang: the training still running {RECOVERY_LIMIT:g} "
-                                       f"s after the kill: {brief_tail(log_path)}")
-                res["seconds"] = round(time.monotonic() - tk, 3)
-                res["exit_code"] = p.returncode
-                res["leftover_after_launcher"] = session_members(p.pid)
-                body = read_from(log_path)
-                if p.returncode != 0:
-                    raise RuntimeError(f"the training exited {p.returncode}: "
-                                       f"{brief_tail(log_path)}")
-                if f"rank {rank} exited with -9; restarting it" not in body:
-                    raise RuntimeError(f"the launcher did not restart rank {rank}: "
-                                       f"{brief_tail(log_path)}")
-                show = subprocess.run(
-                    [os.path.join(build, "ctl", "ragshardctl"), "--planner", c.planner,
-                     "--token-file", c.token_file, "job", "show", job],
-                    capture_output=True, text=True, timeout=60)
-                res["recoveries_shown"] = "recoveries:   1 recovery" in show.stdout
-                if "READY" not in show.stdout or not res["recoveries_shown"]:
-                    raise RuntimeError(f"the job is not READY with one recovery: "
-                                       f"{' '.join(show.stdout.split())[:600]}")
-                res["resumed_at_step"] = _first_step(out)
-                res["max_abs_diff"] = max_abs_diff(out, reference)
-                if res["max_abs_diff"] > PARAM_ATOL:
-                    raise RuntimeError(f"diverged: max |delta| {res['max_abs_diff']:.3g} against "
-                                       f"the uninterrupted run (> {PARAM_ATOL:g})")
-                res["passed"] = True
-            finally:
-                end_trial(res, p, c, log, keep_dir, "rank-recovery", trial, workdir)
-    except KeyboardInterrupt:
-        raise
-    except Exception as e:  # the trial fails; the campaign goes on
-        failed_trial(res, e, keep_dir, "rank-recovery", trial, [workdir] + ([c.dir] if c else []))
-    finally:
-        if log is not None:
-            log.close()
-        shutil.rmtree(workdir, ignore_errors=True)
+        with t.cluster(LocalCluster(build, daemons=2)) as c:
+            job = f"rank-recovery-{trial}"
+            log = t.open_log()
+            t0 = time.monotonic()
+            p = _launch(c, job, out, opt, log)
+            t.launch = p
+            seen = {}  # step -> when rank 0's line for it appeared
+            while after not in seen:
+                for line in read_from(log_path).splitlines():
+                    m = STEP_LINE.match(line)
+                    if m:
+                        seen.setdefault(int(m.group(1)), time.monotonic())
+                if p.poll() is not None:
+                    raise RuntimeError(f"the training exited ({p.returncode}) before step "
+                                       f"{after}: {brief_tail(log_path)}")
+                if time.monotonic() - t0 > 600:
+                    raise TimeoutError(f"no step {after} in 600 s")
+                time.sleep(POLL)
+            step_s = seen[after] - seen[after - 1] if after - 1 in seen else 0.05
+            time.sleep(delay * step_s)
+            pid = _rank_pid(p.pid, rank)
+            if pid is None:
+                raise RuntimeError(f"rank {rank}'s process not found after step {after}")
+            os.kill(pid, signal.SIGKILL)
+            tk = time.monotonic()
+            res["killed_at_seconds"] = round(tk - t0, 3)
+            while p.poll() is None and time.monotonic() - tk < RECOVERY_LIMIT:
+                time.sleep(POLL)
+            if p.poll() is None:
+                raise TimeoutError(f"a hang: the training still running {RECOVERY_LIMIT:g} "
+                                   f"s after the kill: {brief_tail(log_path)}")
+            res["seconds"] = round(time.monotonic() - tk, 3)
+            res["exit_code"] = p.returncode
+            res["leftover_after_launcher"] = session_members(p.pid)
+            body = read_from(log_path)
+            if p.returncode != 0:
+                raise RuntimeError(f"the training exited {p.returncode}: "
+                                   f"{brief_tail(log_path)}")
+            if f"rank {rank} exited with -9; restarting it" not in body:
+                raise RuntimeError(f"the launcher did not restart rank {rank}: "
+                                   f"{brief_tail(log_path)}")
+            show = subprocess.run(
+                [os.path.join(build, "ctl", "ragshardctl"), "--planner", c.planner,
+                 "--token-file", c.token_file, "job", "show", job],
+                capture_output=True, text=True, timeout=60)
+            res["recoveries_shown"] = "recoveries:   1 recovery" in show.stdout
+            if "READY" not in show.stdout or not res["recoveries_shown"]:
+                raise RuntimeError(f"the job is not READY with one recovery: "
+                                   f"{' '.join(show.stdout.split())[:600]}")
+            res["resumed_at_step"] = _first_step(out)
+            res["max_abs_diff"] = max_abs_diff(out, reference)
+            if res["max_abs_diff"] > PARAM_ATOL:
+                raise RuntimeError(f"diverged: max |delta| {res['max_abs_diff']:.3g} against "
+                                   f"the uninterrupted run (> {PARAM_ATOL:g})")
+            res["passed"] = True
     return res
 
 

@@ -79,9 +79,9 @@ from chaos_recovery import Uninterrupted, recovery_trial  # noqa: E402
 import chaos_node  # noqa: E402
 import chaos_shrink  # noqa: E402
 import provenance  # noqa: E402
-from chaos_procs import (Interrupted, _live, _on_signal, error_line, keep_logs,  # noqa: E402
-                         end_trial, kill_session, read_from, session_members, stop_cluster_checked,
-                         sweep)
+from chaos_procs import (Interrupted, TrialRun, _live, _on_signal, error_line,  # noqa: E402
+                         keep_logs, kill_session, read_from, session_members,
+                         stop_cluster_checked, sweep)
 WATCH = {"rank-kill": 60.0, "daemon-stop": 120.0, "daemon-kill": 60.0}  # give up after
 STOP_HOLD = 60.0  # how long daemon-stop keeps node-1 stopped at most
 TRAINING_TIMEOUT = 600.0
@@ -219,87 +219,69 @@ def training_trial(fault, trial, build, ref, steps, keep_dir):
 
     res = {"trial": trial, "passed": False, "error": None, "wall_seconds": None,
            "stuck_at_stop": [], "leftover_after_launcher": []}
-    workdir = tempfile.mkdtemp(prefix="ragshard-chaos-")
-    out = os.path.join(workdir, "train")
-    log_path = os.path.join(workdir, "launcher.log")
-    args = ["--steps", str(steps)] + [a for a in SMALL if a != "--quiet"]  # rank 0 prints steps
-    p, c, log = None, None, None
-    try:
+    with TrialRun(res, fault, trial, keep_dir) as t:
+        out, log_path = t.out, t.log_path
+        args = ["--steps", str(steps)] + [a for a in SMALL if a != "--quiet"]  # rank 0 prints steps
         reference = ref.get()
-        with LocalCluster(build, daemons=2) as c:
-            _live["clusters"].append(c)
-            try:
-                job = f"{fault}-{trial}"
-                create_job(c.planner, job, 4)
-                if fault == "planner-kill-registration":
-                    c.kill_planner()
-                log = open(log_path, "w")
-                t0 = time.monotonic()
-                p = subprocess.Popen(
-                    [sys.executable, "-m", "ragshard.launch", "--planner", c.planner, "--job",
-                     job, "--nproc", "4", "--sockets", ",".join(c.sockets), EXAMPLE, "--out",
-                     out] + args, env=env(), stdout=log, stderr=subprocess.STDOUT,
-                    start_new_session=True)
-                _live["sessions"].append(p.pid)
-                if fault == "planner-kill-registration":
-                    time.sleep(1.0)  # the outage's length (the fault's definition)
-                    res["running_at_restart"] = p.poll() is None
-                    tr = time.monotonic()
-                    c.restart_planner()
-                    res["restart_seconds"] = round(time.monotonic() - tr, 3)
-                else:
-                    while True:  # until rank 0 printed step 1: the job READY, training on
-                        body = read_from(log_path)
-                        if "step 1/" in body:
-                            break
-                        if p.poll() is not None:
-                            raise RuntimeError(f"the training exited ({p.returncode}) before "
-                                               f"step 1: {body[-2000:]}")
-                        if time.monotonic() - t0 > TRAINING_TIMEOUT:
-                            raise TimeoutError(f"no step 1 in {TRAINING_TIMEOUT:g} s")
-                        time.sleep(POLL)
-                    c.kill_planner()
-                    tk = time.monotonic()
-                    res["killed_at_seconds"] = round(tk - t0, 3)
-                    res["steps_before_kill"] = read_from(log_path).count(f"/{steps} loss")
-                    time.sleep(1.0)  # the outage's length (the fault's definition)
-                    res["running_at_restart"] = p.poll() is None
-                    tr = time.monotonic()
-                    c.restart_planner()
-                    res["restart_seconds"] = round(time.monotonic() - tr, 3)
-                while p.poll() is None:
+        with t.cluster(LocalCluster(build, daemons=2)) as c:
+            job = f"{fault}-{trial}"
+            create_job(c.planner, job, 4)
+            if fault == "planner-kill-registration":
+                c.kill_planner()
+            log = t.open_log()
+            t0 = time.monotonic()
+            p = subprocess.Popen(
+                [sys.executable, "-m", "ragshard.launch", "--planner", c.planner, "--job",
+                 job, "--nproc", "4", "--sockets", ",".join(c.sockets), EXAMPLE, "--out",
+                 out] + args, env=env(), stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True)
+            t.launch = p
+            _live["sessions"].append(p.pid)
+            if fault == "planner-kill-registration":
+                time.sleep(1.0)  # the outage's length (the fault's definition)
+                res["running_at_restart"] = p.poll() is None
+                tr = time.monotonic()
+                c.restart_planner()
+                res["restart_seconds"] = round(time.monotonic() - tr, 3)
+            else:
+                while True:  # until rank 0 printed step 1: the job READY, training on
+                    body = read_from(log_path)
+                    if "step 1/" in body:
+                        break
+                    if p.poll() is not None:
+                        raise RuntimeError(f"the training exited ({p.returncode}) before "
+                                           f"step 1: {body[-2000:]}")
                     if time.monotonic() - t0 > TRAINING_TIMEOUT:
-                        raise TimeoutError(f"the training still running after "
-                                           f"{TRAINING_TIMEOUT:g} s: "
-                                           f"{read_from(log_path)[-2000:]}")
+                        raise TimeoutError(f"no step 1 in {TRAINING_TIMEOUT:g} s")
                     time.sleep(POLL)
-                res["wall_seconds"] = round(time.monotonic() - t0, 3)
-                res["exit_code"] = p.returncode
-                res["leftover_after_launcher"] = session_members(p.pid)
-                body = read_from(log_path)
-                if fault == "planner-kill-ready":
-                    res["steps_after_restart"] = body.count(f"/{steps} loss") - \
-                        res["steps_before_kill"]
-                if p.returncode != 0:
-                    raise RuntimeError(f"the training exited {p.returncode}: "
-                                       f"{error_line(body)} | {body[-1500:]}")
-                losses = compare(out, reference)
-                res["final_loss"] = losses[-1]
-                res["passed"] = True
-            finally:
-                end_trial(res, p, c, log, keep_dir, fault, trial, workdir)
-    except Interrupted:
-        raise
-    except Exception as e:
-        res["passed"] = False
-        res["error"] = brief(f"{type(e).__name__}: {e}", 1500)
-        res["traceback"] = traceback.format_exc()[-3000:]
-        if keep_dir and "logs" not in res:
-            res["logs"] = keep_logs(keep_dir, fault, trial, [workdir] + ([c.dir] if c else []))
-    finally:
-        if log is not None:
-            log.close()
-        shutil.rmtree(workdir, ignore_errors=True)
+                c.kill_planner()
+                tk = time.monotonic()
+                res["killed_at_seconds"] = round(tk - t0, 3)
+                res["steps_before_kill"] = read_from(log_path).count(f"/{steps} loss")
+                time.sleep(1.0)  # the outage's length (the fault's definition)
+                res["running_at_restart"] = p.poll() is None
+                tr = time.monotonic()
+                c.restart_planner()
+                res["restart_seconds"] = round(time.monotonic() - tr, 3)
+            while p.poll() is None:
+                if time.monotonic() - t0 > TRAINING_TIMEOUT:
+                    raise TimeoutError(f"the training still running after "
+                                       f"{TRAINING_TIMEOUT:g} s: "
+                                       f"{read_from(log_path)[-2000:]}")
+                time.sleep(POLL)
+            res["wall_seconds"] = round(time.monotonic() - t0, 3)
+            res["exit_code"] = p.returncode
+            res["leftover_after_launcher"] = session_members(p.pid)
+            body = read_from(log_path)
+            if fault == "planner-kill-ready":
+                res["steps_after_restart"] = body.count(f"/{steps} loss") - \
+                    res["steps_before_kill"]
+            if p.returncode != 0:
+                raise RuntimeError(f"the training exited {p.returncode}: "
+                                   f"{error_line(body)} | {body[-1500:]}")
+            losses = compare(out, reference)
+            res["final_loss"] = losses[-1]
+            res["passed"] = True
     return res
 
 

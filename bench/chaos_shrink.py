@@ -23,7 +23,7 @@ import tempfile
 import time
 
 from chaos_node import brief_tail, job_show, kill_held_node
-from chaos_procs import _live, end_trial, failed_trial, kill_session
+from chaos_procs import TrialRun, _live, kill_session
 from recovery_runs import max_abs_diff
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -113,56 +113,43 @@ def shrink_trial(trial, build, refs, keep_dir):
     ranks = [node * PER_NODE + i for i in range(PER_NODE)]
     res = {"trial": trial, "passed": False, "error": None, "node": node, "step": step,
            "phase": phase, "stuck_at_stop": [], "leftover_after_launcher": []}
-    workdir = tempfile.mkdtemp(prefix="ragshard-chaos-")
-    out, log_path = os.path.join(workdir, "train"), os.path.join(workdir, "launcher.log")
-    marks = [os.path.join(workdir, f"hold{r}") for r in ranks]
-    p, c, log = None, None, None
-    try:
-        with _cluster(build) as c:
-            _live["clusters"].append(c)
-            try:
-                job = f"node-shrink-{trial}"
-                log = open(log_path, "w")
-                t0 = time.monotonic()
-                p = _launch(c, job, out, log, DAEMONS * PER_NODE, DAEMONS,
-                            ["--replicate", "2", "--max-restarts", "1", "--recovery-deadline",
-                             f"{DEADLINE:g}", "--on-node-loss", "shrink"],
-                            [f"--hold-at={r}:{step}:{phase}:{m}" for r, m in zip(ranks, marks)])
-                kill_held_node(c, p, node, marks, log_path, t0, res, SHRINK_LIMIT)
-                shown = job_show(build, c, job).stdout + job_show(build, c, f"{job}/shrink-1").stdout
-                if "SHRUNK" not in shown or "READY" not in shown:
-                    raise RuntimeError(f"not SHRUNK with a READY successor: "
-                                       f"{' '.join(shown.split())[:600]}")
-                run = _losses(out)
-                resumed = run["first_step"] - 1
-                res["resumed_at_step"] = resumed
-                res["shrunk_bytes"] = (run.get("shrink") or {}).get("bytes")
-                if run.get("world_sizes") != [4] * resumed + [2] * (STEPS - resumed):
-                    raise RuntimeError(f"world_sizes {run.get('world_sizes')} after resuming at "
-                                       f"step {resumed}")
-                ref = refs.get(resumed)
-                a, b = run["losses"], _losses(ref)["losses"]
-                if len(a) != len(b):
-                    raise RuntimeError(f"{len(a)} losses after the shrink, {len(b)} in the "
-                                       "reference")
-                res["max_loss_diff"] = max(abs(x - y) for x, y in zip(a, b))
-                res["max_abs_diff"] = max_abs_diff(out, ref)
-                if max(res["max_loss_diff"], res["max_abs_diff"]) > LOSS_ATOL:
-                    raise RuntimeError(f"diverged: losses {res['max_loss_diff']:.3g}, parameters "
-                                       f"{res['max_abs_diff']:.3g} from the reference saved at "
-                                       f"2 x 2 after step {resumed} and resumed at 1 x 2 "
-                                       f"(> {LOSS_ATOL:g})")
-                res["passed"] = True
-            finally:
-                end_trial(res, p, c, log, keep_dir, "node-shrink", trial, workdir)
-    except KeyboardInterrupt:
-        raise
-    except Exception as e:  # the trial fails; the campaign goes on
-        failed_trial(res, e, keep_dir, "node-shrink", trial, [workdir] + ([c.dir] if c else []))
-    finally:
-        if log is not None:
-            log.close()
-        shutil.rmtree(workdir, ignore_errors=True)
+    with TrialRun(res, "node-shrink", trial, keep_dir) as t:
+        out, log_path = t.out, t.log_path
+        marks = [os.path.join(t.workdir, f"hold{r}") for r in ranks]
+        with t.cluster(_cluster(build)) as c:
+            job = f"node-shrink-{trial}"
+            log = t.open_log()
+            t0 = time.monotonic()
+            p = _launch(c, job, out, log, DAEMONS * PER_NODE, DAEMONS,
+                        ["--replicate", "2", "--max-restarts", "1", "--recovery-deadline",
+                         f"{DEADLINE:g}", "--on-node-loss", "shrink"],
+                        [f"--hold-at={r}:{step}:{phase}:{m}" for r, m in zip(ranks, marks)])
+            t.launch = p
+            kill_held_node(c, p, node, marks, log_path, t0, res, SHRINK_LIMIT)
+            shown = job_show(build, c, job).stdout + job_show(build, c, f"{job}/shrink-1").stdout
+            if "SHRUNK" not in shown or "READY" not in shown:
+                raise RuntimeError(f"not SHRUNK with a READY successor: "
+                                   f"{' '.join(shown.split())[:600]}")
+            run = _losses(out)
+            resumed = run["first_step"] - 1
+            res["resumed_at_step"] = resumed
+            res["shrunk_bytes"] = (run.get("shrink") or {}).get("bytes")
+            if run.get("world_sizes") != [4] * resumed + [2] * (STEPS - resumed):
+                raise RuntimeError(f"world_sizes {run.get('world_sizes')} after resuming at "
+                                   f"step {resumed}")
+            ref = refs.get(resumed)
+            a, b = run["losses"], _losses(ref)["losses"]
+            if len(a) != len(b):
+                raise RuntimeError(f"{len(a)} losses after the shrink, {len(b)} in the "
+                                   "reference")
+            res["max_loss_diff"] = max(abs(x - y) for x, y in zip(a, b))
+            res["max_abs_diff"] = max_abs_diff(out, ref)
+            if max(res["max_loss_diff"], res["max_abs_diff"]) > LOSS_ATOL:
+                raise RuntimeError(f"diverged: losses {res['max_loss_diff']:.3g}, parameters "
+                                   f"{res['max_abs_diff']:.3g} from the reference saved at "
+                                   f"2 x 2 after step {resumed} and resumed at 1 x 2 "
+                                   f"(> {LOSS_ATOL:g})")
+            res["passed"] = True
     return res
 
 
