@@ -107,6 +107,26 @@ absl::Status Client::Register(const Inventory& inventory, bool send_full, int64_
   return absl::OkStatus();
 }
 
+absl::Status Client::ReleaseSalvaged() {
+  if (attachment_.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("rank ", options_.rank, " of job '", options_.job_id, "' is not attached"));
+  }
+  v1::DetachRequest req;
+  req.set_attachment_id(attachment_);
+  req.set_release_salvaged(true);
+  v1::DetachResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + options_.timeout);
+  const grpc::Status st = daemon_->Detach(&ctx, req, &resp);
+  if (st.ok() || st.error_code() == grpc::StatusCode::NOT_FOUND) attachment_.clear();
+  if (st.ok()) return absl::OkStatus();
+  const absl::Status s = FromGrpcStatus(st);
+  return absl::Status(s.code(),
+                      absl::StrCat("release job '", options_.job_id, "' at the daemon at ",
+                                   options_.daemon_socket, ": ", s.message()));
+}
+
 absl::Status Client::Attach(bool salvage) {
   v1::AttachRequest req;
   req.set_job_id(options_.job_id);

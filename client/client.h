@@ -91,6 +91,11 @@ class Client {
   // `salvage`: only to read this rank's state of a job that cannot go on (a shrunk job's, whose
   // successor takes it over: docs/recovery.md, "Shrinking in place"); no operation runs.
   absl::Status Attach(bool salvage = false);
+  // After a salvage Attach, once every survivor of the shrink has taken its state over: detaches,
+  // and the daemon drops the stopped job, returning its buffers on this node to the pool (this
+  // client's views of them must not be read again). NOT_FOUND where another rank of the node
+  // released it first.
+  absl::Status ReleaseSalvaged();
 
   const v1::Plan& plan() const { return plan_; }
   const std::string& job_id() const { return options_.job_id; }

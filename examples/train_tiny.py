@@ -19,18 +19,17 @@ ragshard is imported from the installed package (`pip install .`) or from the bu
 (PYTHONPATH=build/python).
 """
 import argparse
-import contextlib
 import importlib
 import json
 import os
 import resource
-import signal
 import sys
 import time
 
 import torch
 
 import tiny_optim  # beside this script
+from example_faults import Kill  # beside this script
 from example_flags import add_numbers  # beside this script
 from tiny_model import TinyLM, batch, bigram_chain, seeded_init  # beside this script
 
@@ -112,7 +111,8 @@ def parse():
     p.add_argument("--out", default="", help="write losses (JSON) and final parameters (.pt)")
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--kill-at", action="append", default=[], metavar="RANK:STEP:PHASE:MARK",
-                   help="fault injection for the recovery tests: rank RANK sends itself SIGKILL "
+                   help="fault injection for the recovery tests: rank RANK (its rank in the job "
+                        "that runs: after a shrink, the successor's) sends itself SIGKILL "
                         "in step STEP (1-based) at PHASE (forward, backward, step: inside the "
                         "optimizer's update, protected: after the step's protection, before it "
                         "commits (--redundancy), between: after zero_grad), once: only while the "
@@ -234,7 +234,7 @@ def sharded(args, model, chain):
     # process goes on from the last step every rank completed; its data is seeded per step.
     first = fsdp.resume_step
     ckpt = {"save_seconds": [], "load_seconds": 0.0}
-    kill = Kill(args.kill_at, env.rank, args.hold_at, client)
+    kill = Kill(args.kill_at, r, args.hold_at, client)  # r: the rank in the job that runs
     if args.load_state:
         fsdp.load_state_dict(torch.load(args.load_state))
     if args.resume:
@@ -355,84 +355,21 @@ def sharded(args, model, chain):
              "sharding": sharding, "shampoo": tiny_optim.shampoo_report(opt)
              if args.optimizer == "shampoo" else {},
              "first_step": first + 1, "checkpoint": ckpt, "optimizer_state": optimizer_state,
-             # The world size of every step: those before `first_step` ran in the job this
-             # run's state came from (a shrink's predecessor).
-             "world_sizes": [fsdp.shrink["from_world"] if fsdp.shrink else w] * first +
-             [w] * (args.steps - first), "shrink": fsdp.shrink, "rank": r}
+             # The world size of every step: those up to the step a shrink took the state
+             # over at ran in the job it came from (its predecessor), however often this
+             # process restarted since.
+             "world_sizes": world_sizes(fsdp.shrink, w, first, args.steps),
+             "shrink": fsdp.shrink, "rank": r}
     return losses, state, extra
 
 
-class Kill:
-    """--kill-at (repeatable): this rank's SIGKILL at points of its steps, each once (while its
-    mark file does not exist)."""
-
-    def __init__(self, specs, rank, holds=(), client=None):
-        self.client = client  # the rank's Client: its protection (--redundancy) ends a step
-        self.points = {}  # (0-based step, phase) -> mark file
-        self.holds = set()  # the points of --hold-at
-        for spec, hold in [(s, False) for s in specs] + [(s, True) for s in holds]:
-            r, step, phase, mark = spec.split(":", 3)
-            if phase not in ("forward", "backward", "step", "protected", "between"):
-                raise SystemExit(f"--kill-at: phase '{phase}' is not one of forward, backward, "
-                                 "step, protected, between")
-            if int(r) == rank:
-                self.points[(int(step) - 1, phase)] = mark
-                if hold:
-                    self.holds.add((int(step) - 1, phase))
-
-    def armed(self, step, phase):
-        mark = self.points.get((step, phase))
-        return mark is not None and not os.path.exists(mark)
-
-    def at(self, step, phase):
-        if self.armed(step, phase):
-            if (step, phase) in self.holds:
-                with open(self.points[(step, phase)] + ".tmp", "w") as f:
-                    f.write(str(os.getpid()))
-                os.replace(self.points[(step, phase)] + ".tmp", self.points[(step, phase)])
-                while True:  # until the test kills this process (and its node's daemon)
-                    time.sleep(3600)
-            open(self.points[(step, phase)], "w").close()
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    @contextlib.contextmanager
-    def inside_optimizer(self, step):
-        """During the optimizer step: at "step", after the first torch optimizer inside has
-        updated its pieces, before the step completes (on a rank with no pieces to update, no
-        torch optimizer inside, before the step's protection, --redundancy, if it has one); at
-        "protected", once the step's protection has returned, before the step commits."""
-        armed = [p for p in ("step", "protected") if self.armed(step, p)]
-        if not armed:
-            yield
-            return
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-        hook = register_optimizer_step_post_hook(lambda *_: self.at(step, "step"))
-        protect = None
-        if self.client is not None:
-            protect = self.client.protect
-
-            def protected():
-                self.at(step, "step")
-                return _Then(protect(), lambda: self.at(step, "protected"))
-            self.client.protect = protected
-        try:
-            yield
-        finally:
-            hook.remove()
-            if protect is not None:
-                del self.client.protect  # the class's method again
-
-
-class _Then:
-    """A handle whose wait() runs `then` once the operation is done."""
-
-    def __init__(self, handle, then):
-        self.handle, self.then = handle, then
-
-    def wait(self, *args, **kwargs):
-        out = self.handle.wait(*args, **kwargs)
-        self.then()
-        return out
+def world_sizes(shrink, world, first, steps):
+    """The world size of each of `steps` steps of a run at `world` ranks that resumed after
+    step `first`: a shrink's predecessor's up to the step the shrink took the state over at."""
+    if not shrink:
+        return [world] * steps
+    at = shrink.get("step", first)
+    return [shrink["from_world"]] * at + [world] * (steps - at)
 
 
 def unit_operations(client, fsdp):

@@ -44,8 +44,8 @@ namespace {
 // 3: the _secure functions (TLS); version 2's functions remain. 4: rs_client_register takes
 // local_ranks (registration through the daemon). 5: rs_dequantize_chunks, rs_block_amax,
 // rs_encode_chunks. 8: rs_client_attach takes salvage, rs_create_job_secure on_node_loss,
-// rs_job_json (shrinking in place).
-constexpr int kAbiVersion = 8;
+// rs_job_json (shrinking in place). 9: rs_client_release_salvaged.
+constexpr int kAbiVersion = 9;
 
 thread_local std::string last_error;
 thread_local std::string last_string;
@@ -185,6 +185,11 @@ int rs_client_register(rs_client* c, const char* inventory_json, int send_full,
 
 int rs_client_attach(rs_client* c, int salvage) {
   const absl::Status s = c->client->Attach(salvage != 0);
+  return s.ok() ? 0 : Fail(s);
+}
+
+int rs_client_release_salvaged(rs_client* c) {
+  const absl::Status s = c->client->ReleaseSalvaged();
   return s.ok() ? 0 : Fail(s);
 }
 

@@ -59,6 +59,9 @@ int rs_client_register(rs_client* c, const char* inventory_json, int send_full,
                        int64_t local_ranks);
 /* salvage != 0: only to read this rank's state of a job that cannot go on (a shrunk job's). */
 int rs_client_attach(rs_client* c, int salvage);
+/* After a salvage attach, once every survivor of the shrink took its state over: detaches and
+ * drops the stopped job's buffers on this node (NOT_FOUND: another local rank did already). */
+int rs_client_release_salvaged(rs_client* c);
 int rs_client_plan_json(rs_client* c, const char** out);
 /* units, world_size, replicas, rank, cuda_device; *on_device: 1 when buffers are device memory. */
 void rs_client_shape(rs_client* c, int64_t out[5], int* on_device);

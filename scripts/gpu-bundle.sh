@@ -69,7 +69,8 @@ install -m 755 scripts/gpu/run.sh "$bundle/run.sh"
 install -m 644 scripts/gpu/checks.py "$bundle/tools/checks.py"
 # The example and the modules beside it that it imports.
 install -m 644 examples/train_tiny.py examples/tiny_model.py examples/tiny_optim.py \
-    examples/reference_optim.py examples/example_flags.py "$bundle/examples/"
+    examples/reference_optim.py examples/example_flags.py examples/example_faults.py \
+    "$bundle/examples/"
 
 # The libraries every program loads, directly or through another library.
 for p in "${programs[@]}" "$pylib"; do

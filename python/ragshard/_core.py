@@ -18,7 +18,7 @@ import os
 import time
 import weakref
 
-ABI_VERSION = 8
+ABI_VERSION = 9
 _BAD_ARGUMENT, _OUT_OF_RANGE = -1, -2
 
 
@@ -117,6 +117,7 @@ def _load():
         "rs_client_destroy": (None, [c_p]),
         "rs_client_register": (i32, [c_p, cstr, i32, i64]),
         "rs_client_attach": (i32, [c_p, i32]),
+        "rs_client_release_salvaged": (i32, [c_p]),
         "rs_client_plan_json": (i32, [c_p, out_str]),
         "rs_client_shape": (None, [c_p, ctypes.POINTER(i64), ctypes.POINTER(i32)]),
         "rs_client_unit_dtype": (i32, [c_p, i32, out_str]),
@@ -349,6 +350,19 @@ class Client(_NoCopy):
         go on (a shrunk job's, whose successor takes it over: docs/recovery.md, "Shrinking in
         place"); no operation of the job runs."""
         _check(_lib.rs_client_attach(self._c, 1 if salvage else 0))
+
+    def release_salvaged(self):
+        """After attach(salvage=True), once every survivor of the shrink has taken its state
+        over: detaches, and the daemon drops the stopped job, its buffers on this node back to
+        the pool (tensors over them must not be read again). False where another rank of the
+        node released it first."""
+        try:
+            _check(_lib.rs_client_release_salvaged(self._c))
+        except Error as e:
+            if str(e).startswith("NOT_FOUND"):
+                return False
+            raise
+        return True
 
     def plan_json(self):
         return _string(_lib.rs_client_plan_json, self._c)

@@ -18,6 +18,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <thread>
 
 #include "absl/status/statusor.h"
@@ -137,6 +138,12 @@ class NodeDaemon final : public v1::Daemon::CallbackService {
   absl::Status DoAttach(const v1::AttachRequest& request, v1::AttachResponse* resp);
   // `clean`: the rank detached (Detach); else its process was lost (the side channel closed).
   void ReleaseAttachment(const std::string& id, bool clean);
+  // Drops job `job_id` (the planner deleted it, or a shrink's survivors took its state over):
+  // its attachments end (their waiters hear that the job was released), its thread is joined
+  // and its buffers go back to the pool; `why` goes to the log. False where it is not held.
+  bool DropJob(const std::string& job_id, std::string_view why);
+  // DetachRequest.release_salvaged: a salvage attachment detaches and drops its stopped job.
+  absl::Status ReleaseSalvaged(const std::string& id);
   // For a job with redundancy (docs/recovery.md, "A lost node"): where this daemon replaces a
   // lost node of the job (the job is RECOVERING, or this node published a data address in the
   // job's epoch before, by a daemon now gone), the job as it recovers, in an epoch this node has

@@ -151,8 +151,52 @@ void NodeDaemon::ReleaseAttachment(const std::string& id, bool clean) {
   if (job != nullptr && !a.salvage) job->LocalRankLeft(a.local, a.rank, a.generation, clean);
 }
 
+bool NodeDaemon::DropJob(const std::string& job_id, std::string_view why) {
+  std::shared_ptr<JobRuntime> gone;
+  {
+    absl::MutexLock lock(&mu_);
+    auto entry = jobs_.extract(job_id);
+    if (entry.empty()) return false;
+    gone = std::move(entry.mapped());
+    for (auto a = attachments_.begin(); a != attachments_.end();) {
+      if (a->second.job_id != job_id) {
+        ++a;
+        continue;
+      }
+      if (poller_ != nullptr) poller_->Remove(a->first);  // its waiters hear "released"
+      a = attachments_.erase(a);
+    }
+  }
+  gone.reset();  // joins the job thread and returns its buffers to the pool
+  LOG(INFO) << "job " << job_id << " " << why << ": buffers released";
+  return true;
+}
+
+absl::Status NodeDaemon::ReleaseSalvaged(const std::string& id) {
+  Attachment a;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = attachments_.find(id);
+    if (it == attachments_.end())
+      return absl::NotFoundError(absl::StrCat("unknown attachment '", id, "'"));
+    a = it->second;
+  }
+  if (!a.salvage) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "attachment '", id, "' of rank ", a.rank, " of job '", a.job_id,
+        "' is no salvage attachment: only a stopped job that a shrink's survivors took over is "
+        "released this way"));
+  }
+  ReleaseAttachment(id, /*clean=*/true);
+  // A salvage attach found the job stopped, and a stopped job never runs again.
+  DropJob(a.job_id, absl::StrCat("taken over by its shrink's survivors (rank ", a.rank,
+                                 " on node '", options_.node_id, "')"));
+  return absl::OkStatus();
+}
+
 grpc::ServerUnaryReactor* NodeDaemon::Detach(Ctx* ctx, const v1::DetachRequest* req,
                                              v1::DetachResponse*) {
+  if (req->release_salvaged()) return ReplyUnary(ctx, ReleaseSalvaged(req->attachment_id()));
   {
     absl::MutexLock lock(&mu_);
     if (attachments_.count(req->attachment_id()) == 0) {

@@ -156,25 +156,7 @@ void NodeDaemon::RunHeartbeats() {
         job->BeginRecovery(r.epoch(), absl::FromUnixMillis(r.deadline_unix_ms()), r.lost());
       }
     }
-    for (const std::string& job : resp->release_jobs()) {
-      std::shared_ptr<JobRuntime> gone;
-      {
-        absl::MutexLock lock(&mu_);
-        auto entry = jobs_.extract(job);
-        if (entry.empty()) continue;
-        gone = std::move(entry.mapped());
-        for (auto a = attachments_.begin(); a != attachments_.end();) {
-          if (a->second.job_id != job) {
-            ++a;
-            continue;
-          }
-          poller_->Remove(a->first);  // its queue's waiters hear "the job was released"
-          a = attachments_.erase(a);
-        }
-      }
-      gone.reset();  // joins the job thread and returns its buffers to the pool
-      LOG(INFO) << "job " << job << " deleted by the planner: buffers released";
-    }
+    for (const std::string& job : resp->release_jobs()) DropJob(job, "deleted by the planner");
   }
 }
 

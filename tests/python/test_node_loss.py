@@ -21,6 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 BUILD = os.environ.get("RAGSHARD_BUILD", os.path.join(ROOT, "build"))
 sys.path.insert(0, os.path.join(BUILD, "python"))
 
+import ragshard  # noqa: E402
 from ragshard.cluster import LocalCluster  # noqa: E402
 
 EXAMPLE = os.path.join(ROOT, "examples", "train_tiny.py")
@@ -177,35 +178,55 @@ def test_a_lost_node_without_a_replacement_shrinks_the_job(cluster, tmp_path):
     its ranks are killed inside step 1's optimizer step (the optimizers' state is made in that
     step) and no replacement comes. At the recovery deadline the job shrinks to node 1's ranks
     2 and 3, which go on as ranks 0 and 1 of a successor job and take their state over from the
-    old job's buffers in their daemon's pool; node 0's restarted ranks leave. The losses after
-    the shrink equal, within 1e-5, a reference that saves at 2 x 2 after step 1 (the survivors
-    completed it) and resumes at 1 x 2, with the same global batch."""
+    old job's buffers in their daemon's pool; node 0's restarted ranks leave. Then the
+    successor's rank 1 is killed inside step 4: the launcher restarts it there (not in the
+    shrunk job), and the successor recovers in place. The losses after the shrink equal, within
+    1e-5, a reference that saves at 2 x 2 after step 1 (the survivors completed it) and resumes
+    at 1 x 2, with the same global batch; and the output still says where the shrink was."""
     job = "shrink-1"
-    out, stderr = lose_node(cluster, tmp_path, job, "hsdp+", 1, "step", extra=SHRINK, node=0,
+    later = str(tmp_path / f"{job}-later")
+    out, stderr = lose_node(cluster, tmp_path, job, "hsdp+", 1, "step",
+                            extra=SHRINK + [f"--kill-at=1:4:step:{later}"], node=0,
                             replace=False, launcher=("--recovery-deadline", "8",
                                                      "--on-node-loss", "shrink"))
     assert "rank 0 left: the job shrank without it" in stderr, stderr
+    assert os.path.exists(later) and "rank 3 exited with -9; restarting it" in stderr, stderr
     with open(out + ".json") as f:
         shrunk = json.load(f)
-    resumed = shrunk["first_step"] - 1  # the last step every survivor completed
-    assert resumed == 1, shrunk["first_step"]
-    assert shrunk["world_sizes"] == [4] * resumed + [2] * (6 - resumed)
+    # The last step every survivor completed before the shrink, and the one the recovery in the
+    # successor resumed from.
+    assert shrunk["shrink"]["step"] == 1 and shrunk["first_step"] == 4, shrunk["shrink"]
+    assert shrunk["world_sizes"] == [4] + [2] * 5
     assert shrunk["shrink"]["job"] == f"{job}/shrink-1" and shrunk["shrink"]["bytes"] > 0
+    assert (shrunk["shrink"]["world"], shrunk["shrink"]["from_world"]) == (2, 4)
     # The reference: 2 x 2 saved after that step (HSDP's uninterrupted run, whose default global
     # batch is 8 too), resumed at 1 x 2.
     ckpt = reference(cluster, tmp_path, "hsdp+") + ".ckpt"
     ref = launch(cluster, tmp_path, "shrink-ref", 2, 1, [], ["--resume", ckpt])
     with open(ref + ".json") as f:
         resumed_ref = json.load(f)
-    assert resumed_ref["first_step"] == shrunk["first_step"]
-    a, b = shrunk["losses"], resumed_ref["losses"]
-    assert len(a) == len(b) == 6 - resumed
+    assert resumed_ref["first_step"] == 2
+    a, b = shrunk["losses"], resumed_ref["losses"][shrunk["first_step"] - 2:]
+    assert len(a) == len(b) == 3
     assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-5, (a, b)
     same(out, ref, atol=1e-5)
     show = ctl(cluster, "job", "show", job)
     assert show.returncode == 0 and "SHRUNK" in show.stdout, show.stdout + show.stderr
     show = ctl(cluster, "job", "show", f"{job}/shrink-1")
     assert show.returncode == 0 and "READY" in show.stdout, show.stdout + show.stderr
+    # Once the survivors took the state over, their daemon dropped the shrunk job (its buffers
+    # back to the pool). A salvage attach is refused, by name: to that job, to a job that can
+    # still run, to a job the daemon never held.
+    for name, rank, refusal in ((job, 2, "holds no state of the job"),
+                                (f"{job}/shrink-1", 0, "the job can still run"),
+                                ("no-such-job", 0, "holds no state of the job")):
+        c = ragshard.Client(cluster.planner, cluster.sockets[1], name, rank, timeout_ms=5000,
+                            token_file=cluster.token_file)
+        try:
+            with pytest.raises(ragshard.Error, match=refusal):
+                c.attach(salvage=True)
+        finally:
+            c.close()
 
 
 def test_redundancy_is_refused_without_the_nodes_it_needs(cluster, tmp_path):

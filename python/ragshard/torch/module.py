@@ -117,12 +117,18 @@ class ShardedModule(torch.nn.Module):
                         held, self.client, plan_of(held), self.layout.plan, self._control,
                         self._journal, self.units())
                     self.shrink["step"] = self.resume_step
-                    self._taken[0] = 1
+                    self._taken[1:] = torch.tensor([self.shrink["bytes"], self.shrink["from_rank"],
+                                                    self.shrink["from_world"]])
+                    self._taken[0] = 1 + self.resume_step
+                    # Once every rank has copied (a barrier), no take-over is done again: the
+                    # shrunk job's buffers on each node go back to its pool.
+                    self._control.all_reduce_scalar(0.0)
+                    held.release_salvaged()
                 elif adopted or replacement:  # (a successor's own recovery: its own state)
                     self._recover(replacement)
             finally:
                 if held is not None:
-                    held.close()  # the shrunk job's buffers are its daemons' until it is deleted
+                    held.close()
             if self._protects and self._journal.committed == 0 and \
                     self._control.all_reduce_scalar(self._lacks_parity(0)) > 0:
                 # Step 0, the state every rank starts from (a node lost before the first step
@@ -173,13 +179,22 @@ class ShardedModule(torch.nn.Module):
         restarted in the middle of a take-over makes every rank do it again, from `held` (the
         attachment `_attach` made) or one made here to the job the successor came from. None
         once every rank took the state over, and in a job that is no shrink's successor."""
-        pred = self.client.job_info().get("predecessor_job_id")
+        info = self.client.job_info()
+        pred = info.get("predecessor_job_id")
         if not pred:
             return held
-        self._taken, _ = self._shards.pool.tensor("shrink/taken", 1, torch.int64)
+        # [1 + the step taken over (0: not yet), the bytes copied, the rank and world size in
+        # the job it came from]: a rank restarted later in the successor (a recovery there)
+        # still says where the shrink happened (`shrink`), even once that job is deleted.
+        self._taken, _ = self._shards.pool.tensor("shrink/taken", 4, torch.int64)
         if self._control.all_reduce_scalar(0.0 if int(self._taken[0]) else 1.0) == 0.0:
             if held is not None:
                 held.close()
+            if self.shrink is None:
+                step, moved, rank, world = (int(x) for x in self._taken)
+                self.shrink = {"job": self.client.job, "rank": self.client.rank,
+                               "world": info["world_size"], "from_job": pred, "from_rank": rank,
+                               "from_world": world, "step": step - 1, "bytes": moved}
             return None
         if held is None:
             held, self.shrink = salvage(self.client, pred)

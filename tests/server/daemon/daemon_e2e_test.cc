@@ -412,6 +412,20 @@ TEST_F(DaemonE2E, BadInputGetsClearErrorsAndTheDaemonStaysUp) {
   s = wrong->Attach();
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(std::string(s.message()), HasSubstr("not on node 'node-0'"));
+  // Releasing a shrunk job's buffers takes a salvage attachment.
+  s = wrong->ReleaseSalvaged();
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("rank 3 of job 'j' is not attached"));
+  // A salvage attach to a job this daemon holds no state of (its ranks only registered; a job
+  // that can still run is refused too: tests/python/test_node_loss.py).
+  co.rank = 0;
+  co.timeout = 2s;
+  auto stranger = std::move(*Client::Create(co));
+  s = stranger->Attach(/*salvage=*/true);
+  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(
+      std::string(s.message()),
+      HasSubstr("rank 0 of job 'j' on node 'node-0': this daemon holds no state of the job"));
   EXPECT_TRUE(wrong->NoOp().ok());  // still serving
   // A pool that is too small.
   testing::Child small({RAGSHARDD_PATH, "--planner", planner_.address, "--node-id", "tiny",
