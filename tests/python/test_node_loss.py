@@ -73,19 +73,19 @@ def same(out, ref, atol=1e-6):
 
 
 def lose_node(cluster, tmp_path, job, redundancy, step, phase, also=(), extra=(), node=1,
-              replace=True, launcher=("--recovery-deadline", "90")):
+              replace=True, launcher=("--recovery-deadline", "90"), **envs):
     """Runs the training; when both ranks of `node` (ranks 2 and 3 of node 1), and the ranks
     `also` of the other nodes, are held at `phase` of `step`, kills the node's daemon and all of
     them with SIGKILL and starts a replacement daemon (unless `replace` is False: then it is
     started again only once the training is over, for the tests after). Returns the output path
-    and the launcher's stderr."""
+    and the launcher's stderr. `envs`: more environment variables of the launch."""
     ranks = (2 * node, 2 * node + 1) + tuple(also)
     marks = [str(tmp_path / f"{job}-hold{r}") for r in ranks]
     out, cmd = command(cluster, tmp_path, job, redundancy, list(extra) +
                        [f"--hold-at={r}:{step}:{phase}:{m}" for r, m in zip(ranks, marks)],
                        launcher)
-    p = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True)
+    p = subprocess.Popen(cmd, env=dict(env(), **envs), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 240
         while not all(os.path.exists(m) for m in marks):
@@ -178,18 +178,22 @@ def test_a_lost_node_without_a_replacement_shrinks_the_job(cluster, tmp_path):
     its ranks are killed inside step 1's optimizer step (the optimizers' state is made in that
     step) and no replacement comes. At the recovery deadline the job shrinks to node 1's ranks
     2 and 3, which go on as ranks 0 and 1 of a successor job and take their state over from the
-    old job's buffers in their daemon's pool; node 0's restarted ranks leave. Then the
-    successor's rank 1 is killed inside step 4: the launcher restarts it there (not in the
-    shrunk job), and the successor recovers in place. The losses after the shrink equal, within
-    1e-5, a reference that saves at 2 x 2 after step 1 (the survivors completed it) and resumes
-    at 1 x 2, with the same global batch; and the output still says where the shrink was."""
+    old job's buffers in their daemon's pool; node 0's restarted ranks leave. The successor's
+    rank 0 is killed in the middle of its take-over: every rank takes the state over again.
+    Then the successor's rank 1 is killed inside step 4: the launcher restarts it there (not in
+    the shrunk job), and the successor recovers in place. The losses after the shrink equal,
+    within 1e-5, a reference that saves at 2 x 2 after step 1 (the survivors completed it) and
+    resumes at 1 x 2, with the same global batch; and the output still says where the shrink
+    was."""
     job = "shrink-1"
-    later = str(tmp_path / f"{job}-later")
+    later, midway = str(tmp_path / f"{job}-later"), str(tmp_path / f"{job}-midway")
     out, stderr = lose_node(cluster, tmp_path, job, "hsdp+", 1, "step",
                             extra=SHRINK + [f"--kill-at=1:4:step:{later}"], node=0,
                             replace=False, launcher=("--recovery-deadline", "8",
-                                                     "--on-node-loss", "shrink"))
+                                                     "--on-node-loss", "shrink"),
+                            RAGSHARD_SHRINK_FAULT=f"rank=0,mark={midway}")
     assert "rank 0 left: the job shrank without it" in stderr, stderr
+    assert os.path.exists(midway) and "rank 2 exited with -9; restarting it" in stderr, stderr
     assert os.path.exists(later) and "rank 3 exited with -9; restarting it" in stderr, stderr
     with open(out + ".json") as f:
         shrunk = json.load(f)

@@ -16,6 +16,9 @@ the node's pool. A shrink keeps whole shard groups (whole HSDP replica groups we
 the planner checks), so each survivor's shard is cut exactly as its new rank's (checked here
 unit by unit) and nothing crosses nodes. A restarted rank of the lost node leaves with
 SHRINK_EXIT once the planner says the job shrank without it (ragshard.connect)."""
+import os
+import signal
+
 import torch
 
 from .._core import Error
@@ -81,6 +84,7 @@ def take_over(old, new, plan_old, plan_new, control, journal, units):
         dst.copy_(src)
         moved += src.numel() * src.element_size()
         as_tensor(new.grad_shard(ui)).zero_()
+    _fault_point(new.rank)
     to = PoolState(new)
     for name, numel, dtype in held.held_names():
         if name.startswith("shard/"):
@@ -92,3 +96,22 @@ def take_over(old, new, plan_old, plan_new, control, journal, units):
     journal.meta[0] = step
     journal.meta[1] = step
     return step, moved
+
+
+def _fault_point(rank):
+    """The tests' fault hook: RAGSHARD_SHRINK_FAULT="rank=R,mark=PATH" makes rank R of the
+    successor kill itself with SIGKILL in the middle of its take-over (its shards copied, its
+    optimizers' state not yet, nothing marked), once: only while the file PATH does not exist
+    (it is created first). Not for production use."""
+    spec = os.environ.get("RAGSHARD_SHRINK_FAULT", "")
+    if not spec:
+        return
+    try:
+        f = dict(kv.split("=", 1) for kv in spec.split(","))
+        at, mark = int(f["rank"]), f["mark"]
+    except (KeyError, ValueError):
+        raise Error(f"INVALID_ARGUMENT: RAGSHARD_SHRINK_FAULT: '{spec}' is not "
+                    "rank=R,mark=PATH") from None
+    if at == rank and not os.path.exists(mark):
+        open(mark, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
