@@ -131,7 +131,9 @@ def shrink_trial(trial, build, refs, keep_dir):
                 raise RuntimeError(f"not SHRUNK with a READY successor: "
                                    f"{' '.join(shown.split())[:600]}")
             run = _losses(out)
-            resumed = run["first_step"] - 1
+            resumed = (run.get("shrink") or {}).get("step")  # where the survivors took over
+            if resumed is None:
+                raise RuntimeError(f"the output says no shrink: {run.get('shrink')}")
             res["resumed_at_step"] = resumed
             res["shrunk_bytes"] = (run.get("shrink") or {}).get("bytes")
             if run.get("world_sizes") != [4] * resumed + [2] * (STEPS - resumed):

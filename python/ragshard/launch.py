@@ -395,7 +395,7 @@ def run(a):
                 # failed on its absence first seen here, name the cause among them.
                 for q, other in live.items():
                     orc = other.poll()
-                    if orc not in (None, 0):
+                    if orc not in (None, 0, RECOVERY_EXIT, SHRINK_EXIT):  # (not failures)
                         print(f"ragshard.launch: rank {q} exited with {orc} too",
                               file=sys.stderr)
                 break

@@ -138,10 +138,13 @@ class NodeDaemon final : public v1::Daemon::CallbackService {
   absl::Status DoAttach(const v1::AttachRequest& request, v1::AttachResponse* resp);
   // `clean`: the rank detached (Detach); else its process was lost (the side channel closed).
   void ReleaseAttachment(const std::string& id, bool clean);
-  // Drops job `job_id` (the planner deleted it, or a shrink's survivors took its state over):
-  // its attachments end (their waiters hear that the job was released), its thread is joined
-  // and its buffers go back to the pool; `why` goes to the log. False where it is not held.
-  bool DropJob(const std::string& job_id, std::string_view why);
+  // Takes job `job_id` out of the daemon (the planner deleted it, or a shrink's survivors took
+  // its state over): its attachments end (their waiters hear that the job was released); null
+  // where it is not held. The last reference's release joins the job's thread and returns its
+  // buffers to the pool.
+  std::shared_ptr<JobRuntime> TakeJob(const std::string& job_id);
+  // TakeJob, and that release here; `why` goes to the log.
+  void DropJob(const std::string& job_id, std::string_view why);
   // DetachRequest.release_salvaged: a salvage attachment detaches and drops its stopped job.
   absl::Status ReleaseSalvaged(const std::string& id);
   // For a job with redundancy (docs/recovery.md, "A lost node"): where this daemon replaces a

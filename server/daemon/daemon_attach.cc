@@ -151,25 +151,26 @@ void NodeDaemon::ReleaseAttachment(const std::string& id, bool clean) {
   if (job != nullptr && !a.salvage) job->LocalRankLeft(a.local, a.rank, a.generation, clean);
 }
 
-bool NodeDaemon::DropJob(const std::string& job_id, std::string_view why) {
-  std::shared_ptr<JobRuntime> gone;
-  {
-    absl::MutexLock lock(&mu_);
-    auto entry = jobs_.extract(job_id);
-    if (entry.empty()) return false;
-    gone = std::move(entry.mapped());
-    for (auto a = attachments_.begin(); a != attachments_.end();) {
-      if (a->second.job_id != job_id) {
-        ++a;
-        continue;
-      }
-      if (poller_ != nullptr) poller_->Remove(a->first);  // its waiters hear "released"
-      a = attachments_.erase(a);
+std::shared_ptr<JobRuntime> NodeDaemon::TakeJob(const std::string& job_id) {
+  absl::MutexLock lock(&mu_);
+  auto entry = jobs_.extract(job_id);
+  if (entry.empty()) return nullptr;
+  for (auto a = attachments_.begin(); a != attachments_.end();) {
+    if (a->second.job_id != job_id) {
+      ++a;
+      continue;
     }
+    if (poller_ != nullptr) poller_->Remove(a->first);  // its waiters hear "released"
+    a = attachments_.erase(a);
   }
+  return std::move(entry.mapped());
+}
+
+void NodeDaemon::DropJob(const std::string& job_id, std::string_view why) {
+  std::shared_ptr<JobRuntime> gone = TakeJob(job_id);
+  if (gone == nullptr) return;
   gone.reset();  // joins the job thread and returns its buffers to the pool
   LOG(INFO) << "job " << job_id << " " << why << ": buffers released";
-  return true;
 }
 
 absl::Status NodeDaemon::ReleaseSalvaged(const std::string& id) {
@@ -177,8 +178,9 @@ absl::Status NodeDaemon::ReleaseSalvaged(const std::string& id) {
   {
     absl::MutexLock lock(&mu_);
     auto it = attachments_.find(id);
-    if (it == attachments_.end())
+    if (it == attachments_.end()) {
       return absl::NotFoundError(absl::StrCat("unknown attachment '", id, "'"));
+    }
     a = it->second;
   }
   if (!a.salvage) {
@@ -187,10 +189,30 @@ absl::Status NodeDaemon::ReleaseSalvaged(const std::string& id) {
         "' is no salvage attachment: only a stopped job that a shrink's survivors took over is "
         "released this way"));
   }
+  // Only a shrunk job's: the state of a job stopped otherwise (FAILED, DEGRADED) stays for
+  // whoever reads it, until the planner deletes the job.
+  auto job = planner_->GetJob(a.job_id);
+  if (!job.ok()) return job.status();
+  if (job->status() != v1::JOB_SHRUNK) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job '", a.job_id, "' is ", v1::JobStatus_Name(job->status()),
+        ", not JOB_SHRUNK: only a shrunk job's buffers are released by its survivors"));
+  }
   ReleaseAttachment(id, /*clean=*/true);
-  // A salvage attach found the job stopped, and a stopped job never runs again.
-  DropJob(a.job_id, absl::StrCat("taken over by its shrink's survivors (rank ", a.rank,
-                                 " on node '", options_.node_id, "')"));
+  std::shared_ptr<JobRuntime> gone = TakeJob(a.job_id);
+  if (gone == nullptr) return absl::OkStatus();  // another local rank's call took it
+  // Joined on a thread of its own, not this RPC's: the job's thread and data plane end there.
+  const std::string why = absl::StrCat("taken over by its shrink's survivors (rank ", a.rank,
+                                       " on node '", options_.node_id, "')");
+  auto join = std::make_shared<std::shared_ptr<JobRuntime>>(std::move(gone));
+  const absl::Status spawned = Spawn([join, job_id = a.job_id, why] {
+    join->reset();
+    LOG(INFO) << "job " << job_id << " " << why << ": buffers released";
+  });
+  if (!spawned.ok()) {
+    join->reset();  // no thread to spare (or shutting down): here, then
+    LOG(INFO) << "job " << a.job_id << " " << why << ": buffers released";
+  }
   return absl::OkStatus();
 }
 

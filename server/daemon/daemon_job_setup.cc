@@ -62,6 +62,15 @@ absl::StatusOr<std::shared_ptr<JobRuntime>> NodeDaemon::SetUpJob(const std::stri
   if (!plan.ok()) return plan.status();
   auto job = planner_->GetJob(job_id);
   if (!job.ok()) return job.status();
+  if (job->status() == v1::JOB_SHRUNK) {
+    // Never set up again (its buffers would be zeros, and a salvage attach would read them): its
+    // survivors went on in the successor (docs/recovery.md, "Shrinking in place").
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job '", job_id, "' shrank to job '", job->successor_job_id(),
+        "', and this daemon holds none of its state (released once its survivors took it over): "
+        "rank ",
+        rank, " goes on there or leaves"));
+  }
   // The job's nodes with their ranks as runs: O(nodes), whatever the ranks per node.
   auto job_nodes = planner_->ListJobNodes(job_id);
   if (!job_nodes.ok()) return job_nodes.status();

@@ -39,7 +39,8 @@ grpc::ServerUnaryReactor* PlannerService::Heartbeat(Ctx* ctx, const v1::Heartbea
           } else if (j.status() == v1::JOB_DEGRADED || j.status() == v1::JOB_FAILED ||
                      j.status() == v1::JOB_SHRUNK) {
             // A SHRUNK job's operations fail, naming its successor (its error); its buffers stay
-            // until it is deleted: the successor's ranks take their state from them.
+            // until the successor's ranks took their state from them (they release them) or it
+            // is deleted.
             v1::JobFailure* f = resp->add_failed_jobs();
             f->set_job_id(job);
             f->set_error(j.error());

@@ -1,6 +1,7 @@
 """`run(cmd, ...)`: subprocess.run for the tests' `python -m ragshard.launch ...` and `python
 script.py ...` commands, forked from one interpreter that has imported torch once per pytest
-process (a fork server) instead of a fresh interpreter per command.
+process (under ctest, one per test file: a fork server) instead of a fresh interpreter per
+command.
 
 On CI's 2 cores a fresh interpreter's `import torch` (with torch._dynamo, which torch.optim's
 first param group loads, and torch.distributed.checkpoint) is about 2 s of one core, paid by
@@ -8,8 +9,10 @@ every launcher and every one-process reference run before any rank starts: hundr
 suite. The launcher's own `--preload torch` shares that import with its ranks; this shares it
 with the launchers. What runs is the same code as `python -m ragshard.launch` (runpy, in a child
 that gets the command's argv, environment, working directory and standard streams, in a process
-group of its own); only the interpreter's start is shared. Commands of another interpreter or
-with other arguments (stdin, input, ...) go to subprocess.run unchanged.
+group of its own); only the interpreter's start is shared, with what it read at import time
+(the server's environment: OMP_NUM_THREADS, TORCH_* settings; the tests set none that differ).
+Commands of another interpreter or with other arguments (stdin, input, ...) go to
+subprocess.run unchanged.
 
 The server is this file run as a script; it exits when the pytest process that started it
 closes its stdin (or dies), killing the commands still running."""
@@ -30,6 +33,8 @@ import traceback
 PRELOAD = ("torch", "torch._dynamo", "torch.distributed.checkpoint")
 _lock = threading.Lock()
 _server = None  # (Popen, socket path, its temporary directory)
+_started = []  # atexit registered
+_ANSWER_S = 60  # the server forks at once; and a killed command's status comes right after
 
 
 def _routable(cmd):
@@ -42,7 +47,10 @@ def _routable(cmd):
 def _start():
     global _server
     with _lock:
-        if _server is None or _server[0].poll() is not None:
+        if _server is not None and _server[0].poll() is not None:
+            _server[2].cleanup()  # (it died: a new one)
+            _server = None
+        if _server is None:
             tmp = tempfile.TemporaryDirectory(prefix="ragshard-preloaded-")
             path = os.path.join(tmp.name, "sock")
             proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), path],
@@ -52,8 +60,10 @@ def _start():
                 proc.kill()
                 proc.wait()
                 raise RuntimeError(f"preloaded: the fork server did not start ({line!r})")
+            if not _started:
+                atexit.register(_stop)
+                _started.append(True)
             _server = (proc, path, tmp)
-            atexit.register(_stop)
         return _server[1]
 
 
@@ -69,6 +79,7 @@ def _stop():
 
 
 def _read_line(conn):
+    """One answer of the server (a pid, an exit status), within the connection's timeout."""
     data = b""
     while not data.endswith(b"\n"):
         chunk = conn.recv(4096)
@@ -98,6 +109,7 @@ def run(cmd, env=None, timeout=None, capture_output=False, text=False, cwd=None,
         sys.stderr.flush()
         socket.send_fds(conn, [struct.pack("!Q", len(request))], fds)
         conn.sendall(request)
+        conn.settimeout(_ANSWER_S)
         pid = int(_read_line(conn))
         conn.settimeout(timeout)
         try:
@@ -107,7 +119,7 @@ def run(cmd, env=None, timeout=None, capture_output=False, text=False, cwd=None,
                 os.killpg(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            conn.settimeout(None)
+            conn.settimeout(_ANSWER_S)
             _read_line(conn)
             if isinstance(e, socket.timeout):
                 raise subprocess.TimeoutExpired(cmd, timeout) from None
@@ -168,11 +180,49 @@ def _child(request, fds):
         code = 1
     finally:
         try:
+            threading._shutdown()  # as an interpreter's exit: its other threads are joined
             atexit._run_exitfuncs()
             sys.stdout.flush()
             sys.stderr.flush()
         finally:
             os._exit(code & 0xFF)
+
+
+def _fork_command(conn, listener, running, wake):
+    """Reads one request from `conn` and forks its command; its exit status goes to `conn`
+    (kept in `running`) once it ends."""
+    conn.settimeout(_ANSWER_S)
+    head, fds, _, _ = socket.recv_fds(conn, 8, 2)
+    try:
+        if len(head) != 8 or len(fds) != 2:
+            raise ValueError(f"a request of {len(head)} bytes and {len(fds)} descriptors")
+        (size,) = struct.unpack("!Q", head)
+        body = b""
+        while len(body) < size:
+            chunk = conn.recv(size - len(body))
+            if not chunk:
+                raise ValueError("the client left mid-request")
+            body += chunk
+        request = json.loads(body)
+        sys.stdout.flush()
+        pid = os.fork()
+        if pid == 0:
+            listener.close()
+            for other in running.values():
+                other.close()
+            conn.close()
+            for fd in wake:
+                os.close(fd)
+            _child(request, fds)
+        try:
+            os.setpgid(pid, pid)  # (the child does too: whichever runs first)
+        except OSError:
+            pass
+    finally:
+        for fd in fds:
+            os.close(fd)
+    running[pid] = conn  # before the answer: a client gone now still has its command reaped
+    conn.sendall(b"%d\n" % pid)
 
 
 def _serve(path):
@@ -197,26 +247,13 @@ def _serve(path):
                 os.read(wake_r, 4096)
             if listener in readable:
                 conn, _ = listener.accept()
-                conn.settimeout(60)
-                head, fds, _, _ = socket.recv_fds(conn, 8, 2)
-                (size,) = struct.unpack("!Q", head)
-                body = b""
-                while len(body) < size:
-                    body += conn.recv(size - len(body))
-                sys.stdout.flush()
-                pid = os.fork()
-                if pid == 0:
-                    listener.close()
-                    for other in running.values():
-                        other.close()
+                try:
+                    _fork_command(conn, listener, running, (wake_r, wake_w))
+                except (OSError, ValueError) as e:  # a client gone mid-request: not served
+                    print(f"preloaded: a request was dropped: {e}", file=sys.stderr, flush=True)
+                    for pid in [p for p, c in running.items() if c is conn]:
+                        _kill_group(pid)  # (reaped below)
                     conn.close()
-                    os.close(wake_r)
-                    os.close(wake_w)
-                    _child(json.loads(body), fds)
-                for fd in fds:
-                    os.close(fd)
-                conn.sendall(b"%d\n" % pid)
-                running[pid] = conn
             while running:
                 pid, status = os.waitpid(-1, os.WNOHANG)
                 if pid == 0:
@@ -230,10 +267,14 @@ def _serve(path):
                     conn.close()
     finally:
         for pid in running:
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            _kill_group(pid)
+
+
+def _kill_group(pid):
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 if __name__ == "__main__":

@@ -110,25 +110,25 @@ class ShardedModule(torch.nn.Module):
         self._journal = None
         if self.recoverable:
             self._journal = StepJournal(self._shards.pool, self._journaled)
-            held = self._shrink_pending(held)
+            held = self._shrink_pending(held, replacement)
             try:
                 if held is not None:
-                    self.resume_step, self.shrink["bytes"] = take_over(
+                    self.resume_step, moved = take_over(
                         held, self.client, plan_of(held), self.layout.plan, self._control,
                         self._journal, self.units())
-                    self.shrink["step"] = self.resume_step
-                    self._taken[1:] = torch.tensor([self.shrink["bytes"], self.shrink["from_rank"],
-                                                    self.shrink["from_world"]])
+                    self._taken[1:] = torch.tensor([moved, self.shrink["from_world"]])
                     self._taken[0] = 1 + self.resume_step
                     # Once every rank has copied (a barrier), no take-over is done again: the
                     # shrunk job's buffers on each node go back to its pool.
                     self._control.all_reduce_scalar(0.0)
-                    held.release_salvaged()
+                    _release(held)
                 elif adopted or replacement:  # (a successor's own recovery: its own state)
                     self._recover(replacement)
             finally:
                 if held is not None:
                     held.close()
+            if self._taken is not None:  # (after _recover: a replacement's mark is rebuilt)
+                self.shrink = self._shrink_from_mark()
             if self._protects and self._journal.committed == 0 and \
                     self._control.all_reduce_scalar(self._lacks_parity(0)) > 0:
                 # Step 0, the state every rank starts from (a node lost before the first step
@@ -162,7 +162,15 @@ class ShardedModule(torch.nn.Module):
             raise refused
         job, rank, held_job, held_rank = live
         held = client.for_job(held_job, held_rank)
-        held.attach(salvage=True)
+        try:
+            held.attach(salvage=True)
+        except Error as e:
+            if not str(e).startswith("NOT_FOUND"):
+                raise
+            # Released once every rank took it over: the successor's marks say so (else the
+            # take-over fails naming the job, in _shrink_pending).
+            held.close()
+            held = None
         world = client.job_info(job)["world_size"]
         new = client.for_job(job, rank)
         new.register(json.dumps(inventory_at(world)), True)
@@ -173,32 +181,47 @@ class ShardedModule(torch.nn.Module):
         client.close()  # (the caller's client of the shrunk job: self.client replaces it)
         return new, held
 
-    def _shrink_pending(self, held):
+    def _shrink_pending(self, held, replacement):
         """In a shrink's successor job (shrink.py), the salvage attachment to take the state
         over from until every rank has (a mark in each rank's pool, agreed by a sum): a rank
         restarted in the middle of a take-over makes every rank do it again, from `held` (the
         attachment `_attach` made) or one made here to the job the successor came from. None
         once every rank took the state over, and in a job that is no shrink's successor."""
+        self._taken = None
         info = self.client.job_info()
         pred = info.get("predecessor_job_id")
         if not pred:
             return held
-        # [1 + the step taken over (0: not yet), the bytes copied, the rank and world size in
-        # the job it came from]: a rank restarted later in the successor (a recovery there)
-        # still says where the shrink happened (`shrink`), even once that job is deleted.
-        self._taken, _ = self._shards.pool.tensor("shrink/taken", 4, torch.int64)
-        if self._control.all_reduce_scalar(0.0 if int(self._taken[0]) else 1.0) == 0.0:
+        self._successor = (pred, info["world_size"])
+        # [1 + the step taken over (0: not yet), the bytes copied, the world size of the job it
+        # came from]: a rank restarted later in the successor (a recovery there) still says
+        # where the shrink happened (`shrink`), even once that job is deleted. A replacement's
+        # mark comes back with the rest of its state (rebuilt from redundancy): it does not vote.
+        self._taken, _ = self._shards.pool.tensor("shrink/taken", 3, torch.int64)
+        taken = bool(int(self._taken[0])) or replacement
+        if self._control.all_reduce_scalar(0.0 if taken else 1.0) == 0.0:
             if held is not None:
+                _release(held)  # (every local rank may have died between the barrier and it)
                 held.close()
-            if self.shrink is None:
-                step, moved, rank, world = (int(x) for x in self._taken)
-                self.shrink = {"job": self.client.job, "rank": self.client.rank,
-                               "world": info["world_size"], "from_job": pred, "from_rank": rank,
-                               "from_world": world, "step": step - 1, "bytes": moved}
             return None
         if held is None:
             held, self.shrink = salvage(self.client, pred)
         return held
+
+    def _shrink_from_mark(self):
+        """ShardedModule.shrink in a shrink's successor, from this rank's mark (shrink/taken)
+        and the planner's survivor_ranks (None once the job it came from is deleted)."""
+        pred, world = self._successor
+        step, moved, from_world = (int(x) for x in self._taken)
+        from_rank = (self.shrink or {}).get("from_rank")
+        if from_rank is None:
+            try:
+                from_rank = self.client.job_info(pred)["survivor_ranks"][self.client.rank]
+            except (Error, KeyError, IndexError):
+                from_rank = None
+        return {"job": self.client.job, "rank": self.client.rank, "world": world,
+                "from_job": pred, "from_rank": from_rank, "from_world": from_world,
+                "step": step - 1, "bytes": moved}
 
     def _shard_values(self, meta, init, write=True):
         """Each unit's initial values into this rank's shards (unless `write` is False: an
@@ -542,3 +565,13 @@ def fully_shard(module, client=None, units=None, **kwargs):
             raise TypeError("fully_shard: units= is required (a function of the module that "
                             "returns its FSDP units, e.g. lambda m: list(m.layers))")
     return ShardedModule(module, client, units, **kwargs)
+
+
+def _release(held):
+    """The shrunk job's buffers on this node back to its pool, once every rank took them over;
+    where that fails they only stay until the job is deleted."""
+    try:
+        held.release_salvaged()
+    except Error as e:
+        print(f"ragshard: the buffers of job '{held.job}' stay in the pool until it is deleted: "
+              f"{e}", file=sys.stderr, flush=True)

@@ -8,11 +8,12 @@ goes on there with the same global batch over fewer ranks.
 
 A survivor's process, restarted on the recovery notice as in any recovery in place, finds the
 old job unable to run. It follows the shrink (`follow`): it reads its state in the old job
-through a salvage attach (its daemon keeps the old job's buffers until the job is deleted), joins
-the successor as its new rank, and once the successor's plan is there takes the state over
-(`take_over`): the ranks agree on the last step all of them completed, roll back to it, and
-copy their shards and their optimizers' state into the successor's buffers, memory to memory in
-the node's pool. A shrink keeps whole shard groups (whole HSDP replica groups were lost, which
+through a salvage attach (its daemon keeps the old job's buffers until its survivors took them
+over, or the job is deleted), joins the successor as its new rank, and once the successor's
+plan is there takes the state over (`take_over`): the ranks agree on the last step all of them
+completed, roll back to it, and copy their shards and their optimizers' state into the
+successor's buffers, memory to memory in the node's pool; once all of them have, each node's
+copy of the old job is released. A shrink keeps whole shard groups (whole HSDP replica groups were lost, which
 the planner checks), so each survivor's shard is cut exactly as its new rank's (checked here
 unit by unit) and nothing crosses nodes. A restarted rank of the lost node leaves with
 SHRINK_EXIT once the planner says the job shrank without it (ragshard.connect)."""
