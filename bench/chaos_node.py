@@ -26,7 +26,8 @@ import sys
 import tempfile
 import time
 
-from chaos_procs import TrialRun, _live, kill_session, read_from, session_members
+from chaos_procs import (TrialRun, _live, await_launcher, brief_tail, kill_session,
+                         read_from)
 from recovery_runs import max_abs_diff
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,10 +57,6 @@ def draw(trial):
     """The trial's (node, step, phase), from a seeded RNG."""
     rng = random.Random(f"node-rebuild-{trial}")
     return rng.randrange(DAEMONS), rng.randint(1, STEPS - 1), rng.choice(PHASES)
-
-
-def brief_tail(path, n=1500):
-    return " ".join(read_from(path).split())[-n:]
 
 
 def _cluster(build):
@@ -138,14 +135,7 @@ def kill_held_node(c, p, node, marks, log_path, t0, res, limit, replacement=None
     if replacement is not None:
         c.start_daemon(node, log_suffix=replacement)
         res["replacement_up_seconds"] = round(time.monotonic() - tk, 3)
-    while p.poll() is None and time.monotonic() - tk < limit:
-        time.sleep(POLL)
-    if p.poll() is None:
-        raise TimeoutError(f"a hang: the training still running {limit:g} s after the kill: "
-                           f"{brief_tail(log_path)}")
-    res["seconds"] = round(time.monotonic() - tk, 3)
-    res["exit_code"] = p.returncode
-    res["leftover_after_launcher"] = session_members(p.pid)
+    await_launcher(p, tk, limit, log_path, res)
     if p.returncode != 0:
         raise RuntimeError(f"the training exited {p.returncode}: {brief_tail(log_path)}")
 

@@ -149,6 +149,25 @@ def keep_logs(keep_dir, fault, trial, dirs):
     return dest
 
 
+def brief_tail(path, n=1500):
+    """The end of a log, on one line."""
+    return " ".join(read_from(path).split())[-n:]
+
+
+def await_launcher(p, since, limit, log_path, res):
+    """Waits up to `limit` s after `since` (a kill's time) for the launcher `p` to end: still
+    running then is a hang (TimeoutError naming the log's end). Records in `res` the seconds
+    it took, its exit code and what of its session outlived it."""
+    while p.poll() is None and time.monotonic() - since < limit:
+        time.sleep(0.01)  # (the seconds are a figure of the report)
+    if p.poll() is None:
+        raise TimeoutError(f"a hang: the training still running {limit:g} s after the kill: "
+                           f"{brief_tail(log_path)}")
+    res["seconds"] = round(time.monotonic() - since, 3)
+    res["exit_code"] = p.returncode
+    res["leftover_after_launcher"] = session_members(p.pid)
+
+
 def end_trial(res, launch, cluster, log, keep_dir, fault, trial, workdir):
     """A trial's way out, however it went: its launch's session killed, its cluster stopped
     (what would not stop is recorded), and a failed trial's logs kept."""

@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 
-from chaos_procs import TrialRun, _live, kill_session, read_from, session_members
+from chaos_procs import TrialRun, _live, await_launcher, brief_tail, kill_session, read_from
 from recovery_runs import STEP_LINE, max_abs_diff
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,11 +37,6 @@ POLL = 0.01
 
 def optimizer(trial):
     return "adamw" if trial % 2 else "muon"
-
-
-def brief_tail(path, n=1500):
-    """The end of a log, on one line."""
-    return " ".join(read_from(path).split())[-n:]
 
 
 def _env():
@@ -145,14 +140,7 @@ def recovery_trial(trial, build, ref, keep_dir):
             os.kill(pid, signal.SIGKILL)
             tk = time.monotonic()
             res["killed_at_seconds"] = round(tk - t0, 3)
-            while p.poll() is None and time.monotonic() - tk < RECOVERY_LIMIT:
-                time.sleep(POLL)
-            if p.poll() is None:
-                raise TimeoutError(f"a hang: the training still running {RECOVERY_LIMIT:g} "
-                                   f"s after the kill: {brief_tail(log_path)}")
-            res["seconds"] = round(time.monotonic() - tk, 3)
-            res["exit_code"] = p.returncode
-            res["leftover_after_launcher"] = session_members(p.pid)
+            await_launcher(p, tk, RECOVERY_LIMIT, log_path, res)
             body = read_from(log_path)
             if p.returncode != 0:
                 raise RuntimeError(f"the training exited {p.returncode}: "

@@ -22,8 +22,8 @@ import sys
 import tempfile
 import time
 
-from chaos_node import brief_tail, job_show, kill_held_node
-from chaos_procs import TrialRun, _live, kill_session
+from chaos_node import job_show, kill_held_node
+from chaos_procs import TrialRun, _live, brief_tail, kill_session
 from recovery_runs import max_abs_diff
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

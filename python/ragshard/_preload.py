@@ -103,6 +103,14 @@ def fork_rank(script, args, env, threads):
         os._exit(code)
 
 
+def exit_status(e):
+    """The status an interpreter exits with on SystemExit `e` (a message is printed: 1)."""
+    if e.code is None or isinstance(e.code, int):
+        return e.code or 0
+    print(e.code, file=sys.stderr)
+    return 1
+
+
 def _run(script, args, env, threads):
     code = 0
     try:
@@ -115,11 +123,7 @@ def _run(script, args, env, threads):
         sys.path[0] = os.path.dirname(os.path.abspath(script))
         runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
-        if e.code is None or isinstance(e.code, int):
-            code = e.code or 0
-        else:
-            print(e.code, file=sys.stderr)
-            code = 1
+        code = exit_status(e)
     except BaseException:  # noqa: B036 - a rank's uncaught error ends it, as in a fresh interpreter
         traceback.print_exc()
         code = 1

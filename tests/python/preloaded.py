@@ -30,6 +30,11 @@ import tempfile
 import threading
 import traceback
 
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.environ.get("RAGSHARD_BUILD", os.path.join(_ROOT, "build")),
+                                "python"))
+from ragshard._preload import exit_status  # noqa: E402
+
 PRELOAD = ("torch", "torch._dynamo", "torch.distributed.checkpoint")
 _lock = threading.Lock()
 _server = None  # (Popen, socket path, its temporary directory)
@@ -170,11 +175,7 @@ def _child(request, fds):
             runpy.run_path(script, run_name="__main__")
         code = 0
     except SystemExit as e:
-        if e.code is None or isinstance(e.code, int):
-            code = e.code or 0
-        else:
-            print(e.code, file=sys.stderr)
-            code = 1
+        code = exit_status(e)
     except BaseException:  # noqa: B036 - an uncaught error ends the command, as in an interpreter
         traceback.print_exc()
         code = 1
