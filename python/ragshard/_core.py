@@ -354,8 +354,9 @@ class Client(_NoCopy):
     def release_salvaged(self):
         """After attach(salvage=True), once every survivor of the shrink has taken its state
         over: detaches, and the daemon drops the stopped job, its buffers on this node back to
-        the pool (tensors over them must not be read again). False where another rank of the
-        node released it first."""
+        the pool (tensors over them must not be read again). False on NOT_FOUND: another rank
+        of the node released it first, or the planner no longer has the job (deleted: the
+        daemon drops it then on its own)."""
         try:
             _check(_lib.rs_client_release_salvaged(self._c))
         except Error as e:

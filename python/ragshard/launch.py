@@ -393,9 +393,15 @@ def run(a):
                       file=sys.stderr)
                 # Ranks that exited by now too are named: a rank killed, and another that
                 # failed on its absence first seen here, name the cause among them.
+                # A recovery's exit, or a shrink's where the job shrinks, is no failure.
+                benign = {None, 0}
+                if a.max_restarts:
+                    benign.add(RECOVERY_EXIT)
+                if a.on_node_loss == "shrink":
+                    benign.add(SHRINK_EXIT)
                 for q, other in live.items():
                     orc = other.poll()
-                    if orc not in (None, 0, RECOVERY_EXIT, SHRINK_EXIT):  # (not failures)
+                    if orc not in benign:
                         print(f"ragshard.launch: rank {q} exited with {orc} too",
                               file=sys.stderr)
                 break

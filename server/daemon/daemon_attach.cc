@@ -78,6 +78,14 @@ absl::Status NodeDaemon::DoAttach(const v1::AttachRequest& request, v1::AttachRe
   std::string id;
   {
     absl::MutexLock lock(&mu_);
+    // A job released meanwhile (a shrink's survivors took it over, or the planner let it go):
+    // no attachment to buffers going back to the pool.
+    auto held = jobs_.find(req->job_id());
+    if (held == jobs_.end() || held->second != *job) {
+      return absl::NotFoundError(absl::StrCat("job '", req->job_id(), "' was released on node '",
+                                              options_.node_id, "' while rank ", req->rank(),
+                                              " attached"));
+    }
     id = absl::StrCat("a", next_attachment_++, "-", req->job_id(), "-", req->rank());
     attachments_[id] = {req->job_id(), req->rank(), li, joined.generation, req->salvage()};
   }
@@ -199,26 +207,27 @@ absl::Status NodeDaemon::ReleaseSalvaged(const std::string& id) {
         ", not JOB_SHRUNK: only a shrunk job's buffers are released by its survivors"));
   }
   ReleaseAttachment(id, /*clean=*/true);
-  std::shared_ptr<JobRuntime> gone = TakeJob(a.job_id);
-  if (gone == nullptr) return absl::OkStatus();  // another local rank's call took it
-  // Joined on a thread of its own, not this RPC's: the job's thread and data plane end there.
-  const std::string why = absl::StrCat("taken over by its shrink's survivors (rank ", a.rank,
-                                       " on node '", options_.node_id, "')");
-  auto join = std::make_shared<std::shared_ptr<JobRuntime>>(std::move(gone));
-  const absl::Status spawned = Spawn([join, job_id = a.job_id, why] {
-    join->reset();
-    LOG(INFO) << "job " << job_id << " " << why << ": buffers released";
-  });
-  if (!spawned.ok()) {
-    join->reset();  // no thread to spare (or shutting down): here, then
-    LOG(INFO) << "job " << a.job_id << " " << why << ": buffers released";
-  }
+  // Joins the job's thread and data plane, and returns its buffers to the pool (the caller
+  // runs on a thread of its own: Detach).
+  DropJob(a.job_id, absl::StrCat("taken over by its shrink's survivors (rank ", a.rank,
+                                 " on node '", options_.node_id, "')"));
   return absl::OkStatus();
 }
 
 grpc::ServerUnaryReactor* NodeDaemon::Detach(Ctx* ctx, const v1::DetachRequest* req,
                                              v1::DetachResponse*) {
-  if (req->release_salvaged()) return ReplyUnary(ctx, ReleaseSalvaged(req->attachment_id()));
+  if (req->release_salvaged()) {
+    // The release asks the planner (which may take its retry window) and joins the job: on a
+    // thread of its own, as an attach, rather than one of gRPC's callback threads.
+    auto* reactor = ctx->DefaultReactor();
+    const absl::Status s = Spawn([this, id = req->attachment_id(), reactor] {
+      const absl::Status s = ReleaseSalvaged(id);
+      if (!s.ok()) metrics_->Error(s);
+      reactor->Finish(ToGrpcStatus(s));
+    });
+    if (!s.ok()) reactor->Finish(ToGrpcStatus(s));
+    return reactor;
+  }
   {
     absl::MutexLock lock(&mu_);
     if (attachments_.count(req->attachment_id()) == 0) {

@@ -17,6 +17,7 @@ subprocess.run unchanged.
 The server is this file run as a script; it exits when the pytest process that started it
 closes its stdin (or dies), killing the commands still running."""
 import atexit
+import importlib.util
 import json
 import os
 import runpy
@@ -31,9 +32,20 @@ import threading
 import traceback
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(os.environ.get("RAGSHARD_BUILD", os.path.join(_ROOT, "build")),
-                                "python"))
-from ragshard._preload import exit_status  # noqa: E402
+
+
+def _load_exit_status():
+    """ragshard._preload.exit_status, loaded from its file (standard library only) without
+    importing the ragshard package: the commands import the ragshard their own environment
+    names, never one the server imported before forking them."""
+    path = os.path.join(_ROOT, "python", "ragshard", "_preload.py")
+    spec = importlib.util.spec_from_file_location("_ragshard_preload_for_tests", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.exit_status
+
+
+exit_status = _load_exit_status()
 
 PRELOAD = ("torch", "torch._dynamo", "torch.distributed.checkpoint")
 _lock = threading.Lock()

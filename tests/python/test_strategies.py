@@ -145,3 +145,24 @@ def test_deepseek_v3s_strategy_scaled_down_matches_single_process(tmp_path):
         plan = json.loads(plan_show(c, "deepseek-shape", "--json"))
     compare(out, run_reference(tmp_path, "deepseek-shape", extra, world=8))
     assert plan["strategy"]["executed"] == "k=1,p=2x1,g=2x2,os=2x2,prefetch=0", plan["strategy"]
+
+
+def test_fully_shard_runs_the_prefetch_depth_the_plans_strategy_names():
+    """fully_shard's prefetch=None takes the plan's strategy's depth (any D, not only 0 or 1);
+    a plan without one prefetches 1 unit; an explicit prefetch= overrides; a depth that is no
+    number is an error naming it."""
+    from ragshard.torch.module import _prefetch_depth
+
+    def plan(executed):
+        return {"strategy": {"executed": executed}}
+
+    assert _prefetch_depth(None, plan("k=1,p=2x1,g=2x2,os=2x2,prefetch=0")) == 0
+    assert _prefetch_depth(None, plan("k=1,shard=2x2,prefetch=3")) == 3
+    assert _prefetch_depth(None, plan("k=1,shard=2x2")) == 1
+    assert _prefetch_depth(None, {}) == 1
+    assert _prefetch_depth(2, plan("k=1,shard=2x2,prefetch=0")) == 2
+    assert _prefetch_depth(True, {}) == 1
+    with pytest.raises(ValueError, match="prefetch=x"):
+        _prefetch_depth(None, plan("k=1,prefetch=x"))
+    with pytest.raises(ValueError, match="negative"):
+        _prefetch_depth(-1, {})

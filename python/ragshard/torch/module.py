@@ -200,8 +200,13 @@ class ShardedModule(torch.nn.Module):
         self._taken, _ = self._shards.pool.tensor("shrink/taken", 3, torch.int64)
         taken = bool(int(self._taken[0])) or replacement
         if self._control.all_reduce_scalar(0.0 if taken else 1.0) == 0.0:
+            # Every rank took the state over. This node may still hold the shrunk job's buffers
+            # (every local rank died between the barrier and its release): released here; a
+            # daemon that released them already answers NOT_FOUND.
+            if held is None:
+                held = _salvage_to_release(self.client, pred)
             if held is not None:
-                _release(held)  # (every local rank may have died between the barrier and it)
+                _release(held)
                 held.close()
             return None
         if held is None:
@@ -543,11 +548,19 @@ def _inventory(units, world, param_dtype, quantize, granule, optimizer, strategy
 
 def _prefetch_depth(prefetch, plan):
     """The number of units unsharded ahead of the one in use (True is 1): with the unit in use,
-    the bound on units in flight. None: policy auto's choice with the rest of the strategy,
-    else 1."""
+    the bound on units in flight. None: the depth the plan's strategy executes (its
+    "prefetch=D"), else 1."""
     if prefetch is None:
         executed = plan.get("strategy", {}).get("executed", "")
-        prefetch = 0 if "prefetch=0" in executed.split(",") else 1
+        prefetch = 1
+        for item in executed.split(","):
+            key, _, value = item.partition("=")
+            if key.strip() == "prefetch":
+                try:
+                    prefetch = int(value)
+                except ValueError:
+                    raise ValueError(f"prefetch: the plan's strategy '{executed}' has "
+                                     f"'{item}', not a depth") from None
     prefetch = int(prefetch)
     if prefetch < 0:
         raise ValueError(f"prefetch: {prefetch} is negative")
@@ -565,6 +578,16 @@ def fully_shard(module, client=None, units=None, **kwargs):
             raise TypeError("fully_shard: units= is required (a function of the module that "
                             "returns its FSDP units, e.g. lambda m: list(m.layers))")
     return ShardedModule(module, client, units, **kwargs)
+
+
+def _salvage_to_release(client, pred):
+    """A salvage attachment to the shrunk job `pred` that this node's daemon still holds, for
+    its release; None where the daemon released it already or the job is gone (deleted)."""
+    try:
+        held, _ = salvage(client, pred)
+    except Error:
+        return None
+    return held
 
 
 def _release(held):

@@ -41,7 +41,11 @@ def salvage(client, pred):
                     f"is gone: {e}") from None
     rank = info["survivor_ranks"][client.rank]
     held = client.for_job(pred, rank)
-    held.attach(salvage=True)
+    try:
+        held.attach(salvage=True)
+    except Error:
+        held.close()
+        raise
     return held, {"job": client.job, "rank": client.rank, "world": client.job_info()["world_size"],
                   "from_job": pred, "from_rank": rank, "from_world": info["world_size"]}
 
@@ -114,5 +118,9 @@ def _fault_point(rank):
         raise Error(f"INVALID_ARGUMENT: RAGSHARD_SHRINK_FAULT: '{spec}' is not "
                     "rank=R,mark=PATH") from None
     if at == rank and not os.path.exists(mark):
-        open(mark, "w").close()
+        try:
+            open(mark, "w").close()
+        except OSError as e:
+            raise Error(f"INVALID_ARGUMENT: RAGSHARD_SHRINK_FAULT: cannot create its mark "
+                        f"'{mark}': {e}") from None
         os.kill(os.getpid(), signal.SIGKILL)

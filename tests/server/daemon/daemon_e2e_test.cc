@@ -395,7 +395,9 @@ TEST_F(DaemonE2E, BadInputGetsClearErrorsAndTheDaemonStaysUp) {
   bad.daemon_socket = Socket(0);
   bad.job_id = "nope";
   bad.timeout = 2s;
-  auto c = std::move(*Client::Create(bad));
+  absl::StatusOr<std::unique_ptr<Client>> created = Client::Create(bad);
+  ASSERT_TRUE(created.ok()) << created.status();
+  auto c = std::move(*created);
   absl::Status s = c->Attach();
   EXPECT_FALSE(s.ok());
   EXPECT_THAT(std::string(s.message()), HasSubstr("nope"));
@@ -408,7 +410,9 @@ TEST_F(DaemonE2E, BadInputGetsClearErrorsAndTheDaemonStaysUp) {
   co.job_id = "j";
   co.rank = 3;  // lives on node-1
   co.timeout = 5s;
-  auto wrong = std::move(*Client::Create(co));
+  created = Client::Create(co);
+  ASSERT_TRUE(created.ok()) << created.status();
+  auto wrong = std::move(*created);
   s = wrong->Attach();
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(std::string(s.message()), HasSubstr("not on node 'node-0'"));
@@ -420,7 +424,9 @@ TEST_F(DaemonE2E, BadInputGetsClearErrorsAndTheDaemonStaysUp) {
   // that can still run is refused too: tests/python/test_node_loss.py).
   co.rank = 0;
   co.timeout = 2s;
-  auto stranger = std::move(*Client::Create(co));
+  created = Client::Create(co);
+  ASSERT_TRUE(created.ok()) << created.status();
+  auto stranger = std::move(*created);
   s = stranger->Attach(/*salvage=*/true);
   EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(
