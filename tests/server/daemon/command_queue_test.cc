@@ -45,12 +45,15 @@ class FakeJob final : public OpTarget {
     waiting_.push_back({seq, std::move(done)});
   }
 
-  // Completes the oldest waiting operation with `status`; false when none waits.
+  // Completes the oldest waiting operation with `status`; false when none waits. The poller
+  // adds its waiter just after it tells the rank the operation started, so this first waits
+  // for one (an event; the bound only stops a hang).
   bool Complete(const absl::Status& status) {
     std::pair<uint64_t, WaitCallback> w;
     {
       absl::MutexLock lock(&mu_);
-      if (waiting_.empty()) return false;
+      const auto waits = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !waiting_.empty(); };
+      if (!mu_.AwaitWithTimeout(absl::Condition(&waits), absl::Seconds(60))) return false;
       w = std::move(waiting_.front());
       waiting_.pop_front();
     }
