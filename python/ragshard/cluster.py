@@ -59,7 +59,7 @@ def process_token_file():
 class LocalCluster:
     def __init__(self, build_dir, daemons=2, pool_bytes=256 << 20, workdir=None,
                  node_timeout_ms=5000, log=None, cluster_profile=None, backend="host",
-                 metrics=False, default_token=False, tls=None):
+                 metrics=False, default_token=False, tls=None, heartbeat_ms=None):
         self.build = os.path.abspath(build_dir) if build_dir is not None else None
         self.cluster_profile = cluster_profile
         self.n = daemons
@@ -68,6 +68,9 @@ class LocalCluster:
         # "device-shaped" (private per-rank buffers, the shape of a GPU).
         self.backend = backend
         self.node_timeout_ms = node_timeout_ms
+        # The daemons' --heartbeat-ms (None: theirs, 1000): a node timeout a few heartbeats
+        # long loses a live node whose heartbeat a loaded machine delays.
+        self.heartbeat_ms = heartbeat_ms
         self._own_dir = workdir is None
         self.dir = workdir or tempfile.mkdtemp(prefix="ragshard-")
         self.procs = []
@@ -208,7 +211,9 @@ class LocalCluster:
     def start_daemon(self, i, log_suffix=""):
         """Starts daemon `i` (node id and socket as at start): at start, and as the replacement
         of a daemon kill_daemon stopped (docs/recovery.md, "A lost node")."""
-        metrics = ["--metrics-listen", "127.0.0.1:0"] if self.metrics else []
+        flags = ["--metrics-listen", "127.0.0.1:0"] if self.metrics else []
+        if self.heartbeat_ms is not None:
+            flags += ["--heartbeat-ms", str(int(self.heartbeat_ms))]
         name = f"daemon{i}{log_suffix}"
         for stale in (self.sockets[i] + ".fd",):
             if os.path.exists(stale):
@@ -216,7 +221,7 @@ class LocalCluster:
         d = self._spawn([self._bin("server/ragshardd"), "--planner", self.planner,
                          "--node-id", self.nodes[i], "--socket", self.sockets[i],
                          "--pool-bytes", str(self.pool_bytes), "--backend", self.backend] +
-                        metrics, name)
+                        flags, name)
         self._daemons[i] = d
         self._wait_for(self.sockets[i] + ".fd", d, f"ragshardd {self.nodes[i]}", name)
         if self.metrics:

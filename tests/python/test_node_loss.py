@@ -32,7 +32,8 @@ SMALL = ["--layers", "2", "--dim", "64", "--heads", "4", "--seq", "16", "--batch
 
 @pytest.fixture(scope="module")
 def cluster():
-    with LocalCluster(BUILD, daemons=3, pool_bytes=128 << 20, node_timeout_ms=2000) as c:
+    with LocalCluster(BUILD, daemons=3, pool_bytes=128 << 20, node_timeout_ms=2000,
+                      heartbeat_ms=250) as c:
         yield c
 
 

@@ -26,6 +26,9 @@ namespace {
 
 class JobSetupTest : public PlannerFixture {
  protected:
+  // No node is lost by silence here: a loaded machine may delay a heartbeat past 300 ms.
+  JobSetupTest() { node_timeout_ = std::chrono::seconds(60); }
+
   void SetUp() override {
     PlannerFixture::SetUp();
     PlannerClientOptions o;
@@ -126,8 +129,9 @@ TEST_F(JobSetupTest, TwoJobsSetUpInOppositeOrdersOnTwoNodesAreBothReadyInSeconds
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   EXPECT_THAT(errors, ::testing::IsEmpty());
   std::printf("both jobs attached in %.2f s\n", seconds);
-  // The attach deadline is 60 s; setups that wait for each other's job end only there.
-  EXPECT_LT(seconds, 5.0) << "the two jobs' setups waited for each other";
+  // The attach deadline is 60 s; setups that wait for each other's job end only there (the
+  // bound is far from both a loaded machine's seconds and that deadline).
+  EXPECT_LT(seconds, 30.0) << "the two jobs' setups waited for each other";
   for (const std::string job : {"a", "b"}) {
     auto j = client_->GetJob(job);
     ASSERT_TRUE(j.ok()) << j.status();
