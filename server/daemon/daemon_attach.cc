@@ -222,7 +222,8 @@ grpc::ServerUnaryReactor* NodeDaemon::Detach(Ctx* ctx, const v1::DetachRequest* 
     auto* reactor = ctx->DefaultReactor();
     const absl::Status s = Spawn([this, id = req->attachment_id(), reactor] {
       const absl::Status s = ReleaseSalvaged(id);
-      if (!s.ok()) metrics_->Error(s);
+      // NOT_FOUND: another local rank's release took the job first (no error of the daemon's).
+      if (!s.ok() && !absl::IsNotFound(s)) metrics_->Error(s);
       reactor->Finish(ToGrpcStatus(s));
     });
     if (!s.ok()) reactor->Finish(ToGrpcStatus(s));

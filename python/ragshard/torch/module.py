@@ -22,7 +22,7 @@ from .recovery import (PoolState, StepJournal, agree_on_committed, rebuild_state
                        redundancy_step, shard_tensors)
 from .shards import RankShards
 from .._shrink import SHRINK_EXIT, follow
-from .shrink import salvage, take_over
+from .shrink import release, salvage, salvage_to_release, take_over
 from .state import ModuleState
 from .trace import Trace
 from .units import ModuleUnits, find_ties, group_units, policy_units, unit_inventory
@@ -121,7 +121,7 @@ class ShardedModule(torch.nn.Module):
                     # Once every rank has copied (a barrier), no take-over is done again: the
                     # shrunk job's buffers on each node go back to its pool.
                     self._control.all_reduce_scalar(0.0)
-                    _release(held)
+                    release(held)
                 elif adopted or replacement:  # (a successor's own recovery: its own state)
                     self._recover(replacement)
             finally:
@@ -166,6 +166,7 @@ class ShardedModule(torch.nn.Module):
             held.attach(salvage=True)
         except Error as e:
             if not str(e).startswith("NOT_FOUND"):
+                held.close()
                 raise
             # Released once every rank took it over: the successor's marks say so (else the
             # take-over fails naming the job, in _shrink_pending).
@@ -204,9 +205,9 @@ class ShardedModule(torch.nn.Module):
             # (every local rank died between the barrier and its release): released here; a
             # daemon that released them already answers NOT_FOUND.
             if held is None:
-                held = _salvage_to_release(self.client, pred)
+                held = salvage_to_release(self.client, pred)
             if held is not None:
-                _release(held)
+                release(held)
                 held.close()
             return None
         if held is None:
@@ -578,23 +579,3 @@ def fully_shard(module, client=None, units=None, **kwargs):
             raise TypeError("fully_shard: units= is required (a function of the module that "
                             "returns its FSDP units, e.g. lambda m: list(m.layers))")
     return ShardedModule(module, client, units, **kwargs)
-
-
-def _salvage_to_release(client, pred):
-    """A salvage attachment to the shrunk job `pred` that this node's daemon still holds, for
-    its release; None where the daemon released it already or the job is gone (deleted)."""
-    try:
-        held, _ = salvage(client, pred)
-    except Error:
-        return None
-    return held
-
-
-def _release(held):
-    """The shrunk job's buffers on this node back to its pool, once every rank took them over;
-    where that fails they only stay until the job is deleted."""
-    try:
-        held.release_salvaged()
-    except Error as e:
-        print(f"ragshard: the buffers of job '{held.job}' stay in the pool until it is deleted: "
-              f"{e}", file=sys.stderr, flush=True)

@@ -19,6 +19,8 @@ unit by unit) and nothing crosses nodes. A restarted rank of the lost node leave
 SHRINK_EXIT once the planner says the job shrank without it (ragshard.connect)."""
 import os
 import signal
+import sys
+import time
 
 import torch
 
@@ -26,7 +28,7 @@ from .._core import Error
 from .recovery import PoolState, StepJournal, agree_on_committed, shard_tensors
 from .views import as_tensor
 
-__all__ = ["salvage", "take_over"]
+__all__ = ["release", "salvage", "salvage_to_release", "take_over"]
 
 
 def salvage(client, pred):
@@ -40,14 +42,42 @@ def salvage(client, pred):
                     f"taken its state over from job '{pred}' (the shrink it came from), which "
                     f"is gone: {e}") from None
     rank = info["survivor_ranks"][client.rank]
+    world = client.job_info()["world_size"]  # (asked first: nothing to close if it fails)
     held = client.for_job(pred, rank)
     try:
         held.attach(salvage=True)
     except Error:
         held.close()
         raise
-    return held, {"job": client.job, "rank": client.rank, "world": client.job_info()["world_size"],
+    return held, {"job": client.job, "rank": client.rank, "world": world,
                   "from_job": pred, "from_rank": rank, "from_world": info["world_size"]}
+
+
+def salvage_to_release(client, pred):
+    """A salvage attachment to the shrunk job `pred` that this node's daemon still holds, for
+    its release; None where the daemon released it already or the job is gone (deleted)."""
+    try:
+        held, _ = salvage(client, pred)
+    except Error:
+        return None
+    return held
+
+
+def release(held):
+    """The shrunk job's buffers on this node back to its pool, once every rank took them over;
+    where that fails they only stay until the job is deleted. A daemon busy with as many
+    attaches as it runs at once (RESOURCE_EXHAUSTED) is asked again, for up to about 6 s."""
+    for attempt in range(6):
+        try:
+            held.release_salvaged()
+            return
+        except Error as e:
+            if str(e).startswith("RESOURCE_EXHAUSTED") and attempt < 5:
+                time.sleep(0.2 * 2 ** attempt)
+                continue
+            print(f"ragshard: the buffers of job '{held.job}' stay in the pool until it is "
+                  f"deleted: {e}", file=sys.stderr, flush=True)
+            return
 
 
 def _same_cuts(old, new, plan_old, plan_new, units):
