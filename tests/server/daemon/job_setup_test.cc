@@ -26,9 +26,6 @@ namespace {
 
 class JobSetupTest : public PlannerFixture {
  protected:
-  // No node is lost by silence here: a loaded machine may delay a heartbeat past 300 ms.
-  JobSetupTest() { node_timeout_ = std::chrono::seconds(60); }
-
   void SetUp() override {
     PlannerFixture::SetUp();
     PlannerClientOptions o;

@@ -19,8 +19,6 @@ namespace {
 class PlannerLocksTest : public PlannerFixture {
  public:
   PlannerLocksTest() {
-    // No node is lost by silence here (the node the test registers beats once).
-    node_timeout_ = std::chrono::seconds(60);
     // Job "stalled"'s first store write waits until the test releases it.
     before_job_write_ = [this](const std::string& job_id) {
       if (job_id != "stalled" || stalled_once_.exchange(true)) return;

@@ -26,10 +26,6 @@ constexpr char kLost[] = "rank 1 of job 'j' on node 'n1' exited (signal 9)";
 
 class PlannerRecoveryTest : public testing::PlannerFixture {
  protected:
-  // No node is lost by silence unless a test asks for it: a loaded machine may stall a test for
-  // longer than the fixture's 300 ms.
-  PlannerRecoveryTest() { node_timeout_ = 60s; }
-
   // Job `id`, 2 ranks (rank 0 on n0, rank 1 on n1), recovering within `deadline_ms`, planned.
   void CreateReady(const std::string& id, int64_t deadline_ms) {
     v1::CreateJobRequest req;

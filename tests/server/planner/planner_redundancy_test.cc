@@ -26,9 +26,6 @@ using namespace std::chrono_literals;
 
 class PlannerRedundancyTest : public testing::PlannerFixture {
  protected:
-  // No node is lost by silence unless a test asks for it (RestartLosingNodes).
-  PlannerRedundancyTest() { node_timeout_ = 60s; }
-
   // A fresh planner (nothing created yet) whose silent nodes are LOST after 300 ms, with its
   // metrics endpoint.
   void RestartLosingNodes() {

@@ -33,9 +33,6 @@ constexpr int64_t kDeadlineMs = 2000;
 
 class PlannerShrinkTest : public testing::PlannerFixture {
  protected:
-  // Each test starts with RestartLosingNodes; a restart in the middle loses no node.
-  PlannerShrinkTest() { node_timeout_ = 60s; }
-
   // A fresh planner (nothing created yet) whose silent nodes are LOST after `timeout`, with its
   // metrics endpoint.
   void RestartLosingNodes(std::chrono::milliseconds timeout = 300ms) {
