@@ -13,9 +13,9 @@ over, or the job is deleted), joins the successor as its new rank, and once the 
 plan is there takes the state over (`take_over`): the ranks agree on the last step all of them
 completed, roll back to it, and copy their shards and their optimizers' state into the
 successor's buffers, memory to memory in the node's pool; once all of them have, each node's
-copy of the old job is released. A shrink keeps whole shard groups (whole HSDP replica groups were lost, which
-the planner checks), so each survivor's shard is cut exactly as its new rank's (checked here
-unit by unit) and nothing crosses nodes. A restarted rank of the lost node leaves with
+copy of the old job is released. A shrink keeps whole shard groups (whole HSDP replica groups
+were lost, which the planner checks), so each survivor's shard is cut exactly as its new
+rank's (checked here unit by unit) and nothing crosses nodes. A restarted rank of the lost node leaves with
 SHRINK_EXIT once the planner says the job shrank without it (ragshard.connect)."""
 import os
 import signal
