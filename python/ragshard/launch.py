@@ -39,9 +39,11 @@ own. A restarted rank whose daemon is not up yet waits for its socket within the
 deadline (RAGSHARD_DAEMON_WAIT_S), which costs no restart. `--on-node-loss shrink` (with
 --max-restarts) shrinks the job in place where a lost daemon gets no replacement within the
 recovery deadline (docs/recovery.md, "Shrinking in place"): the ranks of the other daemons go on
-as a successor job of fewer ranks (the same global batch; whole HSDP replica groups must have
-been lost, so --replicate 2 or more with each group on daemons of its own), and the lost
-daemon's restarted ranks leave with 76, which the launcher lets go.
+as a successor job of fewer ranks (the same global batch), and the lost daemon's restarted
+ranks leave with 76, which the launcher lets go. Either whole HSDP replica groups were lost
+(--replicate 2 or more, each group on daemons of its own), or one shard group (--replicate 1)
+keeps whole copies of each daemon's state (--redundancy replica or parity:1), from which the
+survivors re-cut the shards for their number.
 
 As torchrun does, when more than one rank shares a daemon (a node) and OMP_NUM_THREADS is not
 set, each rank gets OMP_NUM_THREADS=1 (`--threads-per-rank` sets another number): several ranks'
@@ -139,7 +141,8 @@ def parse(argv):
                    help="with --max-restarts: what a lost daemon without a replacement within "
                         "the recovery deadline does: fail the job (default), or shrink it to the "
                         "other daemons' ranks (docs/recovery.md, \"Shrinking in place\"; needs "
-                        "--replicate 2 or more, whole replica groups on daemons of their own)")
+                        "--replicate 2 or more, whole replica groups on daemons of their own, "
+                        "or --redundancy replica or parity:1)")
     p.add_argument("script", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
     a = p.parse_args(argv)
@@ -191,9 +194,12 @@ def parse(argv):
     if a.on_node_loss == "shrink" and not a.max_restarts:
         p.error("--on-node-loss shrink needs --max-restarts: the survivors' ranks go on through "
                 "a recovery in place")
-    if a.on_node_loss == "shrink" and a.replicate < 2:
-        p.error("--on-node-loss shrink keeps whole HSDP replica groups: it needs --replicate 2 or "
-                f"more (got {a.replicate})")
+    if a.on_node_loss == "shrink" and a.replicate < 2 and \
+            a.redundancy not in ("replica", "parity:1"):
+        p.error("--on-node-loss shrink needs the lost daemons' state held elsewhere: --replicate "
+                "2 or more (whole HSDP replica groups), or --redundancy replica or parity:1 "
+                f"(whole copies, from which the survivors re-cut the shards); got --replicate "
+                f"{a.replicate} and --redundancy '{a.redundancy or 'none'}'")
     if a.max_restarts and not a.create_job:
         p.error("--max-restarts needs a job this launcher creates (--create-job or "
                 "--standalone), with its recovery deadline")

@@ -5,6 +5,8 @@
 #include <utility>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "glog/logging.h"
 #include "infra/ids.h"
@@ -263,13 +265,25 @@ grpc::ServerUnaryReactor* NodeDaemon::StateBuffer(Ctx* ctx, const v1::StateBuffe
                                "state stays in the rank (docs/recovery.md)"));
   }
   int64_t rank = 0;
+  bool salvage = false;
   {
     absl::MutexLock lock(&mu_);
     auto it = attachments_.find(req->attachment_id());
-    if (it != attachments_.end()) rank = it->second.rank;
+    if (it != attachments_.end()) {
+      rank = it->second.rank;
+      salvage = it->second.salvage;
+    }
   }
   auto found = FindAttachment(req->attachment_id());
   if (!found.ok()) return ReplyUnary(ctx, found.status());
+  // A salvage attachment's "copy/<step>/...": the state of another node that this node holds
+  // whole (a shrink's re-cut, JobRuntime::ExposeCopy), made on the first ask.
+  if (int64_t step = 0; salvage && absl::StartsWith(name, "copy/") &&
+                        absl::SimpleAtoi(name.substr(5, name.find('/', 5) - 5), &step)) {
+    if (absl::Status s = found->first->ExposeCopy(found->second, step, pool_.get()); !s.ok()) {
+      return ReplyUnary(ctx, s);
+    }
+  }
   auto b = found->first->StateBuffer(rank, name, req->bytes(), pool_.get());
   if (!b.ok()) return ReplyUnary(ctx, b.status());
   resp->set_offset(b->first->offset());

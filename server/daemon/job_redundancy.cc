@@ -2,6 +2,8 @@
 // the algorithm is redundancy.h's): OP_PROTECT inside every optimizer step's transaction, and
 // OP_REBUILD once the ranks are back after a recovery, which rebuilds the state of a replacement
 // daemon's ranks from the other nodes.
+#include <algorithm>
+#include <cstring>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -17,6 +19,7 @@ namespace {
 
 constexpr char kShardPrefix[] = "shard/";
 constexpr char kJournalPrefix[] = "journal/";
+constexpr char kCopyPrefix[] = "copy/";
 
 }  // namespace
 
@@ -162,6 +165,55 @@ absl::Status JobRuntime::Rebuild(const Op& op) {
   if (auto r = planner_->ReportRecovered(done); !r.ok()) {
     LOG(WARNING) << "job " << job_id_ << ": telling the planner of the rebuild: " << r.status();
   }
+  return absl::OkStatus();
+}
+
+absl::Status JobRuntime::ExposeCopy(int local, int64_t step, Pool* pool) {
+  absl::MutexLock lock(&mu_);
+  if (local < 0 || static_cast<size_t>(local) >= local_ranks_.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("no local rank ", local));
+  }
+  const int64_t rank = local_ranks_[static_cast<size_t>(local)];
+  const std::string prefix = absl::StrCat(kCopyPrefix, step, "/");
+  if (state_.count({rank, prefix + "directory.bytes"}) > 0) return absl::OkStatus();
+  // The job is stopped (a salvage attachment asks): its thread protects nothing any more.
+  if (redundancy_ == nullptr) return absl::OkStatus();
+  auto copy = redundancy_->CopyHeld(local, step);
+  if (absl::IsNotFound(copy.status()) || absl::IsFailedPrecondition(copy.status())) {
+    return absl::OkStatus();  // no copy here: the directory's bytes stay zeros
+  }
+  if (!copy.ok()) {
+    return absl::Status(copy.status().code(), absl::StrCat("job '", job_id_, "' on node '",
+                                                           node_id_, "': ",
+                                                           copy.status().message()));
+  }
+  auto put = [&](const std::string& name, const char* data, int64_t bytes) -> absl::Status {
+    auto lease = pool->Allocate(std::max<int64_t>(bytes, 1));
+    if (!lease.ok()) {
+      return absl::Status(lease.status().code(),
+                          absl::StrCat("the copy of node '", copy->node_name, "''s state buffer '",
+                                       name, "' (", bytes, " bytes) on node '", node_id_,
+                                       "': ", lease.status().message()));
+    }
+    if (bytes > 0) std::memcpy(lease->data(), data, static_cast<size_t>(bytes));
+    state_[{rank, name}] = std::make_pair(std::move(*lease), std::max<int64_t>(bytes, 1));
+    return absl::OkStatus();
+  };
+  // Node i holds ranks [i * L, (i + 1) * L) (daemon_job_setup.cc's NodeMesh).
+  const int64_t from_rank = static_cast<int64_t>(copy->node) * static_cast<int64_t>(local_ranks_.size()) + local;
+  std::string directory = absl::StrCat("node ", copy->node_name, " rank ", from_rank, "\n");
+  for (const StateSegment& s : copy->segments) {
+    absl::StrAppend(&directory, s.bytes, " ", s.name, "\n");
+    RAGSHARD_RETURN_IF_ERROR(put(prefix + s.name, s.data, s.bytes));
+  }
+  RAGSHARD_RETURN_IF_ERROR(put(prefix + "directory", directory.data(),
+                               static_cast<int64_t>(directory.size())));
+  const int64_t size = static_cast<int64_t>(directory.size());
+  RAGSHARD_RETURN_IF_ERROR(put(prefix + "directory.bytes", reinterpret_cast<const char*>(&size),
+                               sizeof(size)));
+  LOG(INFO) << "job " << job_id_ << ": node '" << node_id_ << "' exposes the copy of node '"
+            << copy->node_name << "''s local rank " << local << " at step " << step << " ("
+            << copy->segments.size() << " segments) for a shrink's re-cut";
   return absl::OkStatus();
 }
 

@@ -78,19 +78,19 @@ std::vector<char> MakeBlob(const std::vector<StateSegment>& segments, int64_t* b
 
 // The segments a rebuilt blob names, with where their bytes start.
 absl::StatusOr<std::vector<std::pair<std::string, std::pair<int64_t, int64_t>>>> ReadDirectory(
-    const std::vector<char>& blob, int64_t blob_bytes) {
+    const char* blob, int64_t blob_bytes) {
   const std::string magic = kDirectoryMagic;
   if (blob_bytes < static_cast<int64_t>(magic.size()) ||
-      std::memcmp(blob.data(), magic.data(), magic.size()) != 0) {
+      std::memcmp(blob, magic.data(), magic.size()) != 0) {
     return absl::DataLossError("the rebuilt state does not start with its directory");
   }
-  const char* text = blob.data() + magic.size();
-  const char* end = std::find(text, blob.data() + blob_bytes, '\0');
-  if (end == blob.data() + blob_bytes) {
+  const char* text = blob + magic.size();
+  const char* end = std::find(text, blob + blob_bytes, '\0');
+  if (end == blob + blob_bytes) {
     return absl::DataLossError("the rebuilt state's directory has no end");
   }
   std::vector<std::pair<std::string, std::pair<int64_t, int64_t>>> out;
-  int64_t at = (static_cast<int64_t>(end - blob.data()) + 63) / 64 * 64;
+  int64_t at = (static_cast<int64_t>(end - blob) + 63) / 64 * 64;
   for (absl::string_view line : absl::StrSplit(absl::string_view(text, end - text), '\n')) {
     if (line.empty()) continue;
     std::pair<absl::string_view, absl::string_view> f =
@@ -285,6 +285,38 @@ absl::Status NodeRedundancy::Fill(Slot* slot, int64_t bytes) {
   slot->source_blob.clear();
   slot->source_crc.clear();
   return absl::OkStatus();
+}
+
+absl::StatusOr<NodeRedundancy::Copy> NodeRedundancy::CopyHeld(int local, int64_t step) const {
+  const std::vector<ChunkRef> sources = ParitySources(scheme_, nodes_, node_);
+  if (scheme_.hsdp || sources.size() != 1) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "node ", node_names_[static_cast<size_t>(node_)],
+        "'s parities are XORs of several nodes' chunks (parity:", scheme_.k,
+        "); only replica (or parity:1) holds another node's state whole"));
+  }
+  const Slot* slot = FindSlot(local, step);
+  if (slot == nullptr || slot->source_blob.size() != 1) {
+    return absl::NotFoundError(absl::StrCat("node ", node_names_[static_cast<size_t>(node_)],
+                                            " holds no copy of local rank ", local,
+                                            "'s state at step ", step));
+  }
+  const std::string& from = node_names_[static_cast<size_t>(sources[0].node)];
+  const int64_t bytes = slot->source_blob[0];
+  const uint32_t have = bytes <= slot->bytes ? Crc(slot->lease.data(), bytes) : 0;
+  if (bytes > slot->bytes || have != slot->source_crc[0]) {
+    return absl::DataLossError(absl::StrFormat(
+        "chunk 0 of local rank %d's state of node %s, as node %s holds it at step %d (%d bytes), "
+        "does not match its checksum: CRC-32 %08x, recorded %08x",
+        local, from, node_names_[static_cast<size_t>(node_)], step, bytes, have,
+        slot->source_crc[0]));
+  }
+  RAGSHARD_ASSIGN_OR_RETURN(auto segments, ReadDirectory(slot->lease.data(), bytes));
+  Copy out{sources[0].node, from, {}};
+  for (const auto& [name, where] : segments) {
+    out.segments.push_back({name, slot->lease.data() + where.first, where.second});
+  }
+  return out;
 }
 
 void NodeRedundancy::FlipParityByteForTest(int local, int64_t step, int64_t at) {
@@ -635,7 +667,7 @@ absl::StatusOr<int64_t> NodeRedundancy::Rebuild(Comm& comm, bool replacement,
             want, step));
       }
     }
-    RAGSHARD_ASSIGN_OR_RETURN(auto segments, ReadDirectory(mine, blob_bytes));
+    RAGSHARD_ASSIGN_OR_RETURN(auto segments, ReadDirectory(mine.data(), blob_bytes));
     std::vector<StateSegment> placed;
     for (const auto& [segment, where] : segments) {
       RAGSHARD_ASSIGN_OR_RETURN(char* to, place(static_cast<int>(l), segment, where.second));
@@ -765,7 +797,7 @@ absl::StatusOr<int64_t> NodeRedundancy::RebuildFromReplicas(
           "match its checksum: CRC-32 %08x, the sender's %08x, at step %d",
           c.to_local, name(c.from), c.from_local, bytes, have, want, step));
     }
-    RAGSHARD_ASSIGN_OR_RETURN(auto segments, ReadDirectory(blob, bytes));
+    RAGSHARD_ASSIGN_OR_RETURN(auto segments, ReadDirectory(blob.data(), bytes));
     for (const auto& [segment, where] : segments) {
       RAGSHARD_ASSIGN_OR_RETURN(char* to, place(c.to_local, segment, where.second));
       if (where.second > 0) {

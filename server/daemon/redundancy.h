@@ -116,6 +116,19 @@ class NodeRedundancy {
                                   const std::vector<std::vector<StateSegment>>& state, int64_t step,
                                   const PlaceSegment& place, absl::Time deadline, uint64_t seq);
 
+  // Where this node's parity of `step` for local rank `local` is another node's whole state
+  // (replica, or parity:1's pair: one source): that node and its segments, pointing into the
+  // parity, once its CRC is checked. A shrink that re-cuts the shards reads the lost node's state
+  // here (docs/recovery.md, "Shrinking in place"). FAILED_PRECONDITION where parities are XORs
+  // of several nodes, NOT_FOUND where this node holds no parity of `step`, DATA_LOSS naming the
+  // chunk where its CRC differs. Only while nothing protects (a stopped job).
+  struct Copy {
+    int node = 0;
+    std::string node_name;
+    std::vector<StateSegment> segments;
+  };
+  absl::StatusOr<Copy> CopyHeld(int local, int64_t step) const;
+
   // Bytes of the pool this node's parities hold, and of the local ranks' blobs the last Protect
   // covered, and the steps this node holds every local rank's parity of (one, or two between a
   // protect and its barrier or after a failed one). Thread-safe (the stats read them while the

@@ -72,7 +72,7 @@ absl::StatusOr<std::unique_ptr<PlannerService>> PlannerService::Create(std::uniq
   for (const auto& [id, js] : loaded) {
     const std::string& next = js.job.successor_job_id();
     if (js.job.status() == v1::JOB_SHRUNK && !next.empty() && loaded.count(next) == 0) {
-      successors.push_back(svc->SuccessorOf(js.job));
+      successors.push_back(svc->SuccessorOf(js));
     }
   }
   for (auto& [id, js] : loaded) {

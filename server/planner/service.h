@@ -342,9 +342,10 @@ class PlannerService final
   // of a shard group, or every group; the successor's id is too long), with nothing changed.
   absl::Status Shrink(JobState* js, const std::set<std::string>& lost, const std::string& why,
                       Deferred* deferred);
-  // The successor a SHRUNK `job` names, as CreateJob would make it: REGISTERING, its survivors'
-  // mesh, the job's options (redundancy hsdp left to the default again), its predecessor named.
-  v1::Job SuccessorOf(const v1::Job& job) const;
+  // The successor of SHRUNK `js`, as CreateJob would make it: REGISTERING, its survivors'
+  // mesh (one shard group of them where they re-cut), the job's options (redundancy hsdp left to
+  // the default again; none where a re-cut's nodes left cannot hold it), its predecessor named.
+  v1::Job SuccessorOf(const JobState& js) const;
   // Stores and adds `successor` unless a job of its id lives (a restarted planner made it
   // already). Takes jobs_mu_ and the successor's lock: call with no lock held.
   void CreateSuccessor(const v1::Job& successor);

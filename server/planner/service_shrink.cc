@@ -85,6 +85,16 @@ std::string GoOn(const std::vector<int64_t>& survivors) {
                       Ranks(FirstRanks(survivors.size())));
 }
 
+// Whether redundancy `r` holds on the nodes of `survivors` (CheckRedundancyNodes).
+absl::Status RedundancyLeft(const std::map<int64_t, v1::RankState>& ranks,
+                            const std::vector<int64_t>& survivors, const Redundancy& r) {
+  std::set<std::string> left;
+  for (int64_t rank : survivors) {
+    if (auto it = ranks.find(rank); it != ranks.end()) left.insert(it->second.node_id());
+  }
+  return CheckRedundancyNodes(r, static_cast<int64_t>(left.size()));
+}
+
 }  // namespace
 
 bool PlannerService::ShrinksOnNodeLoss(const v1::Job& job) {
@@ -100,6 +110,14 @@ absl::Status PlannerService::Shrink(JobState* js, const std::set<std::string>& l
     return absl::FailedPreconditionError(
         absl::StrCat("only ", js->ranks.size(), " of its ", world, " ranks are registered"));
   }
+  // A job of one shard group whose redundancy holds each node's state whole on another node
+  // (replica, parity:1) may instead lose part of it: its survivors re-cut the shards for their
+  // number, the lost nodes' share read from those copies (docs/recovery.md).
+  const auto redundancy = ParseRedundancy("options.redundancy", job.options().redundancy());
+  const bool whole_copies = redundancy.ok() && (redundancy->kind == Redundancy::Kind::kReplica ||
+                                                (redundancy->kind == Redundancy::Kind::kParity &&
+                                                 redundancy->k == 1));
+  const bool recut = whole_copies && f == world;
   std::vector<int64_t> survivors;
   for (int64_t g = 0; g < world / f; ++g) {
     // The group's ranks on lost nodes, by node.
@@ -115,15 +133,18 @@ absl::Status PlannerService::Shrink(JobState* js, const std::set<std::string>& l
         ++lost_count;
       }
     }
-    if (lost_count == 0) {
-      for (int64_t rank = g * f; rank < (g + 1) * f; ++rank) survivors.push_back(rank);
+    if (lost_count == 0 || (recut && lost_count < f)) {
+      for (int64_t rank = g * f; rank < (g + 1) * f; ++rank) {
+        if (lost.count(js->ranks.at(rank).node_id()) == 0) survivors.push_back(rank);
+      }
     } else if (lost_count < f) {
       const auto& [node, ranks] = *lost_ranks.begin();
       return absl::FailedPreconditionError(absl::StrCat(
           "node '", node, "' held ", Ranks(ranks), " of shard group ", g, " (ranks ", g * f, "-",
           (g + 1) * f - 1,
           "), and a shrink keeps whole shard groups (HSDP replica groups: --replicate 2 or more, "
-          "with each group on nodes of its own)"));
+          "with each group on nodes of its own) unless one shard group re-cuts from whole copies "
+          "(redundancy replica or parity:1)"));
     }
   }
   if (survivors.empty()) {
@@ -132,13 +153,13 @@ absl::Status PlannerService::Shrink(JobState* js, const std::set<std::string>& l
                      " ranks: no shard group is left to go on"));
   }
   // An explicit redundancy goes on with the successor (SuccessorOf), so the nodes left must
-  // hold it; hsdp is decided again.
-  const auto redundancy = ParseRedundancy("options.redundancy", job.options().redundancy());
+  // hold it; hsdp is decided again. A re-cut's successor goes on without one it cannot hold.
+  std::string kept;
   if (redundancy.ok() && redundancy->enabled() && redundancy->kind != Redundancy::Kind::kHsdp) {
-    std::set<std::string> left;
-    for (int64_t rank : survivors) left.insert(js->ranks.at(rank).node_id());
-    if (absl::Status fits = CheckRedundancyNodes(*redundancy, static_cast<int64_t>(left.size()));
-        !fits.ok()) {
+    absl::Status fits = RedundancyLeft(js->ranks, survivors, *redundancy);
+    if (!fits.ok() && recut) {
+      kept = absl::StrCat("; the successor keeps no redundancy (", fits.message(), ")");
+    } else if (!fits.ok()) {
       return absl::FailedPreconditionError(absl::StrCat(
           "its redundancy '", job.options().redundancy(), "' would not hold on the nodes left (",
           fits.message(), "); under HSDP leave the redundancy to its default, hsdp"));
@@ -155,25 +176,41 @@ absl::Status PlannerService::Shrink(JobState* js, const std::set<std::string>& l
   for (int64_t rank : survivors) job.add_survivor_ranks(rank);
   job.set_error(absl::StrCat(why, ": shrunk to job '", successor, "' of ", survivors.size(),
                              survivors.size() == 1 ? " rank" : " ranks", " (was ", world, "); ",
-                             GoOn(survivors)));
+                             GoOn(survivors),
+                             survivors.size() % f != 0 ? ", re-cutting the shards" : "", kept));
   metrics_.RecoveryEnded(RecoveryOutcome::kShrunk, 0);
   metrics_.JobShrunk();
   LOG(WARNING) << "job " << job.job_id() << " SHRUNK: " << job.error();
   (void)JobChanged(js, deferred);
-  deferred->push_back([this, next = SuccessorOf(job)] { CreateSuccessor(next); });
+  deferred->push_back([this, next = SuccessorOf(*js)] { CreateSuccessor(next); });
   return absl::OkStatus();
 }
 
-v1::Job PlannerService::SuccessorOf(const v1::Job& job) const {
+v1::Job PlannerService::SuccessorOf(const JobState& js) const {
+  const v1::Job& job = js.job;
   v1::CreateJobRequest req;
   req.set_job_id(job.successor_job_id());
   const int64_t f = job.mesh().shard_size();
-  req.mutable_mesh()->set_shard_size(f);
-  req.mutable_mesh()->set_replicate_size(f > 0 ? job.survivor_ranks_size() / f : 0);
+  const int64_t n = job.survivor_ranks_size();
+  if (f > 0 && n % f != 0) {  // a re-cut: one shard group of the survivors
+    req.mutable_mesh()->set_shard_size(n);
+    req.mutable_mesh()->set_replicate_size(1);
+  } else {
+    req.mutable_mesh()->set_shard_size(f);
+    req.mutable_mesh()->set_replicate_size(f > 0 ? n / f : 0);
+  }
   *req.mutable_options() = job.options();
   // hsdp where it was the default or asked for: the default decides again on the survivors
   // (MaybePlan), and a successor of one replica group has none.
   if (req.options().redundancy() == "hsdp") req.mutable_options()->clear_redundancy();
+  // A re-cut goes on without a redundancy that the nodes left cannot hold (Shrink says so).
+  const auto redundancy = ParseRedundancy("options.redundancy", job.options().redundancy());
+  if (f > 0 && n % f != 0 && redundancy.ok() &&
+      !RedundancyLeft(js.ranks, {job.survivor_ranks().begin(), job.survivor_ranks().end()},
+                      *redundancy)
+           .ok()) {
+    req.mutable_options()->set_redundancy("none");
+  }
   v1::Job next = NewJob(req);
   next.set_predecessor_job_id(job.job_id());
   next.set_shrinks(job.shrinks() + 1);

@@ -51,6 +51,9 @@ def command(cluster, tmp_path, job, redundancy, extra=(),
     out = str(tmp_path / job)
     if redundancy == "hsdp+":
         layout = ["--nproc", "4", "--sockets", ",".join(cluster.sockets[:2]), "--replicate", "2"]
+    elif redundancy == "replica-2":  # 2 daemons x 2 ranks, one shard group of 4
+        layout = ["--nproc", "4", "--sockets", ",".join(cluster.sockets[:2]),
+                  "--redundancy", "replica"]
     else:
         layout = ["--nproc", "6", "--sockets", ",".join(cluster.sockets),
                   "--redundancy", redundancy]
@@ -232,6 +235,38 @@ def test_a_lost_node_without_a_replacement_shrinks_the_job(cluster, tmp_path):
                 c.attach(salvage=True)
         finally:
             c.close()
+
+
+def test_a_lost_node_of_one_shard_group_re_cuts_the_shards(cluster, tmp_path):
+    """--on-node-loss shrink over 2 daemons x 2 ranks in one shard group of 4 (plain FSDP) with
+    --redundancy replica: node 0 and both its ranks are killed inside step 3's optimizer step
+    (step 2 is the last one every rank completed) and no replacement comes. The successor's ranks 0 and 1 (node 1's ranks 2 and 3) re-cut
+    every unit's shards for 2 ranks over their data plane: their own old shards, and ranks 0
+    and 1's from the copy of node 0's state that node 1 held (recut.py), AdamW's moments too.
+    The losses after the shrink equal, within 1e-5, a reference that saves at 2 x 2 after
+    step 2 and resumes at 1 x 2 with the same global batch, and so do the final parameters."""
+    job = "recut-1"
+    out, stderr = lose_node(cluster, tmp_path, job, "replica-2", 3, "step", extra=SHRINK,
+                            node=0, replace=False,
+                            launcher=("--recovery-deadline", "8", "--on-node-loss", "shrink"))
+    assert "rank 0 left: the job shrank without it" in stderr, stderr
+    with open(out + ".json") as f:
+        shrunk = json.load(f)
+    assert shrunk["shrink"]["step"] == 2, shrunk["shrink"]
+    assert (shrunk["shrink"]["world"], shrunk["shrink"]["from_world"]) == (2, 4)
+    assert shrunk["world_sizes"][0] == 4 and shrunk["world_sizes"][-1] == 2
+    ckpt = str(tmp_path / "recut-ref.ckpt")
+    launch(cluster, tmp_path, "recut-ref", 4, 2, [], ["--save", ckpt, "--save-step", "2"])
+    ref = launch(cluster, tmp_path, "recut-ref-resumed", 2, 1, [], ["--resume", ckpt])
+    with open(ref + ".json") as f:
+        resumed_ref = json.load(f)
+    a = shrunk["losses"]
+    b = resumed_ref["losses"][shrunk["first_step"] - resumed_ref["first_step"]:]
+    assert len(a) == len(b) > 0, (shrunk, resumed_ref)
+    assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-5, (a, b)
+    same(out, ref, atol=1e-5)
+    show = ctl(cluster, "job", "show", job)
+    assert show.returncode == 0 and "re-cutting the shards" in show.stdout, show.stdout
 
 
 def test_redundancy_is_refused_without_the_nodes_it_needs(cluster, tmp_path):

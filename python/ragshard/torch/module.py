@@ -108,14 +108,17 @@ class ShardedModule(torch.nn.Module):
         # recovery in place, the last step every rank completed (the script resumes there).
         self.resume_step = 0
         self._journal = None
+        self._recut = None  # a shrink's successor: whether it re-cut (state_in_place)
         if self.recoverable:
             self._journal = StepJournal(self._shards.pool, self._journaled)
             held = self._shrink_pending(held, replacement)
             try:
                 if held is not None:
-                    self.resume_step, moved = take_over(
+                    self.resume_step, moved, recut = take_over(
                         held, self.client, plan_of(held), self.layout.plan, self._control,
-                        self._journal, self.units())
+                        self._journal, self.units(),
+                        self.client.job_info(held.job)["survivor_ranks"])
+                    self._recut[0] = int(recut)
                     self._taken[1:] = torch.tensor([moved, self.shrink["from_world"]])
                     self._taken[0] = 1 + self.resume_step
                     # Once every rank has copied (a barrier), no take-over is done again: the
@@ -188,7 +191,7 @@ class ShardedModule(torch.nn.Module):
         restarted in the middle of a take-over makes every rank do it again, from `held` (the
         attachment `_attach` made) or one made here to the job the successor came from. None
         once every rank took the state over, and in a job that is no shrink's successor."""
-        self._taken = None
+        self._taken = self._recut = None
         info = self.client.job_info()
         pred = info.get("predecessor_job_id")
         if not pred:
@@ -199,6 +202,7 @@ class ShardedModule(torch.nn.Module):
         # where the shrink happened (`shrink`), even once that job is deleted. A replacement's
         # mark comes back with the rest of its state (rebuilt from redundancy): it does not vote.
         self._taken, _ = self._shards.pool.tensor("shrink/taken", 3, torch.int64)
+        self._recut, _ = self._shards.pool.tensor("shrink/recut", 1, torch.int64)  # recut.py
         taken = bool(int(self._taken[0])) or replacement
         if self._control.all_reduce_scalar(0.0 if taken else 1.0) == 0.0:
             # Every rank took the state over. This node may still hold the shrunk job's buffers
@@ -213,6 +217,24 @@ class ShardedModule(torch.nn.Module):
         if held is None:
             held, self.shrink = salvage(self.client, pred)
         return held
+
+    @property
+    def state_in_place(self):
+        """Whether the optimizers keep their elementwise state in shard coordinates (each
+        piece's state at its offset in the optimizer range, rather than packed): where a shrink
+        may re-cut the shards (one shard group, no separate factors, whole copies of each node:
+        redundancy replica or parity:1), and in the successor of one that did (recut.py)."""
+        whole = self.redundancy in ("replica", "parity:1") and self.replicas == 1
+        return (whole and not self.factored) or \
+            (self._recut is not None and int(self._recut[0]) == 1)
+
+    def recut_step(self, prefix):
+        """The step count that a re-cut agreed on for optimizer state `prefix` ("opt/<tag>"),
+        or None where the job did not come from a re-cut."""
+        if self._recut is None or int(self._recut[0]) != 1:
+            return None
+        t, existed = self._shards.pool.tensor(f"{prefix}/recut_step", 1, torch.float64)
+        return float(t[0]) if existed else None
 
     def _shrink_from_mark(self):
         """ShardedModule.shrink in a shrink's successor, from this rank's mark (shrink/taken)

@@ -150,6 +150,9 @@ class ShardedOptimizer(ModuleOptimizer):
                                         torch.float64)
         if m.resume_step <= 0 or self.opt is None:
             return
+        recut = m.recut_step(f"opt/{self._tag}")
+        if recut is not None and not bool(self._steps.any()):
+            self._steps.fill_(recut)  # a re-cut's pieces: the count it agreed on (recut.py)
         for i, ((_, piece, _), (ui, lo, hi), at) in enumerate(
                 zip(self.pieces, self.where, self._home_at)):
             n = float(self._steps[i])
@@ -201,10 +204,13 @@ class ShardedOptimizer(ModuleOptimizer):
         back to back."""
         self._home_at, self._unit_numel = [], {}
         self._by_index = {}  # parameter index -> [(piece, its unit, lo, hi)], in tensor order
+        # Where a shrink may re-cut the shards, each piece's state lies at its own offset of the
+        # optimizer range instead (ShardedModule.state_in_place; recut.py).
+        in_place = getattr(self.model, "state_in_place", False)
         for (index, piece, _), (ui, lo, hi) in zip(self.pieces, self.where):
-            at = self._unit_numel.get(ui, 0)
+            at = lo if in_place else self._unit_numel.get(ui, 0)
             self._home_at.append(at)
-            self._unit_numel[ui] = at + hi - lo
+            self._unit_numel[ui] = self.model.os_elems[ui] if in_place else at + hi - lo
             self._by_index.setdefault(index, []).append((piece, ui, lo, hi))
         self._homed = -1  # the pieces with state when they were last homed (-1: not yet)
 

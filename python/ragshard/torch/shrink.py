@@ -13,9 +13,10 @@ over, or the job is deleted), joins the successor as its new rank, and once the 
 plan is there takes the state over (`take_over`): the ranks agree on the last step all of them
 completed, roll back to it, and copy their shards and their optimizers' state into the
 successor's buffers, memory to memory in the node's pool; once all of them have, each node's
-copy of the old job is released. A shrink keeps whole shard groups (whole HSDP replica groups
-were lost, which the planner checks), so each survivor's shard is cut exactly as its new
-rank's (checked here unit by unit) and nothing crosses nodes. A restarted rank of the lost node leaves with
+copy of the old job is released. Where whole HSDP replica groups were lost (which the planner
+checks), each survivor's shard is cut exactly as its new rank's (checked here unit by unit) and
+nothing crosses nodes; a job of one shard group re-cuts its shards over the successor's data
+plane instead, the lost node's share read from its whole copy on another node (recut.py). A restarted rank of the lost node leaves with
 SHRINK_EXIT once the planner says the job shrank without it (ragshard.connect)."""
 import os
 import signal
@@ -26,6 +27,7 @@ import torch
 
 from .._core import Error
 from .recovery import PoolState, StepJournal, agree_on_committed, shard_tensors
+from .recut import recut
 from .views import as_tensor
 
 __all__ = ["release", "salvage", "salvage_to_release", "take_over"]
@@ -102,12 +104,19 @@ def _same_cuts(old, new, plan_old, plan_new, units):
                         "(whole shard groups lost)")
 
 
-def take_over(old, new, plan_old, plan_new, control, journal, units):
+def take_over(old, new, plan_old, plan_new, control, journal, units, survivors):
     """The successor's rank `new` takes over the state of rank `old` (a salvage attachment to
     the shrunk job): every rank agrees on the last step all of them completed there (over
     `control`, the successor's), brings its old state back to it (its undo copies), and copies
     its parameter shards and its optimizers' state into the successor's buffers; `journal`
-    (the successor's) then says that step. Returns the step and the bytes copied."""
+    (the successor's) then says that step. A job of one shard group that shrank re-cuts its
+    shards instead (recut.py; `survivors`: the old job's survivor_ranks). Returns the step,
+    the bytes copied and whether the shards were re-cut."""
+    if old.replicas == 1 and old.world_size != new.world_size:
+        step, moved, _ = recut(old, new, plan_old, plan_new, control, units, survivors)
+        journal.meta[0] = step
+        journal.meta[1] = step
+        return step, moved, True
     _same_cuts(old, new, plan_old, plan_new, units)
     pool = PoolState(old)
     held = StepJournal(pool, lambda: shard_tensors(old, units))
@@ -130,7 +139,7 @@ def take_over(old, new, plan_old, plan_new, control, journal, units):
         moved += src.numel() * src.element_size()
     journal.meta[0] = step
     journal.meta[1] = step
-    return step, moved
+    return step, moved, False
 
 
 def _fault_point(rank):

@@ -1,0 +1,250 @@
+"""A shrink that re-cuts the shards (docs/recovery.md, "Shrinking in place").
+
+A job of one shard group (plain FSDP, `--replicate 1`) whose redundancy holds each node's state
+whole on another node (`replica`, or `parity:1`'s pairs) may lose a node for good: its survivors
+go on as a successor job of fewer ranks, whose plan cuts every unit differently. Each survivor
+then holds its own old shards, and the node that held the lost node's copy holds that node's
+ranks' shards too (its daemon exposes them to a salvage attachment: "copy/<step>/...",
+JobRuntime::ExposeCopy). Every tensor element lies in exactly one old rank's shard, so each
+successor rank writes the elements it holds into its unit's unsharded gradient buffer at the new
+plan's offsets, zeros elsewhere, and a reduce-scatter (sum) over the successor's data plane
+leaves each rank its new shard: x + 0 is exact. The parameter shards and every elementwise
+optimizer state kept in shard coordinates (ShardedOptimizer's under `state_in_place`, Muon's
+momentum) move this way; the optimizers' step counts, one per optimizer, are agreed on.
+"""
+import zlib
+
+import numpy as np
+import torch
+
+from .._core import Error
+from .layout import tensor_places
+from .recovery import PoolState, StepJournal, agree_on_committed, redundancy_step, shard_tensors
+from .views import as_tensor
+
+__all__ = ["recut"]
+
+_STEPS = "/step/-1"  # ShardedOptimizer's step counts, one per piece: "opt/<tag>/step/-1"
+
+
+def recut(old, new, plan_old, plan_new, control, units, survivors):
+    """The successor's rank `new` re-cuts the state of rank `old` (its salvage attachment to
+    the shrunk job) with the other survivors (every rank calls it; `control`: the successor's
+    ControlUnits; `survivors`: the old job's survivor_ranks). Every rank agrees on the step to
+    go on from, brings its old state to it, and the new shards and optimizer state are written
+    into the successor's buffers. Returns (the step, the bytes this rank moved, {optimizer
+    state prefix: its step count})."""
+    _check_plans(old, new, plan_old, plan_new, units)
+    pool = PoolState(old)
+    held = StepJournal(pool, lambda: shard_tensors(old, units))
+    low = agree_on_committed(control, held.committed)
+    step = redundancy_step(old, control, held, low)
+    held.roll_to(step)
+    problem, names, copy = None, {}, None
+    try:
+        names = _state_names(old, held, units)
+        copy = _copy_held(old, step, survivors)
+    except Error as e:
+        problem = e
+    _all_ok(control, old, problem)
+    _check_copies(control, old, copy, survivors)
+    # What every rank moves: each optimizer state's family ("opt/<owner>/<key>") over every
+    # unit, where any rank holds it (a rank without pieces of a unit holds none of it).
+    families = {n.rsplit("/", 1)[0] for n in names if not n.endswith(_STEPS)}
+    if copy is not None:
+        families |= {n.rsplit("/", 1)[0] for n in copy[1]
+                     if n.startswith("opt/") and not n.endswith(_STEPS)}
+    _agree_names(control, old, families | {n for n in names if n.endswith(_STEPS)})
+    sources = [(old.rank, lambda name, ui: _own(old, pool, names, name, ui))]
+    if copy is not None:
+        sources.append((copy[0], lambda name, ui: _copied(old, step, copy[1], name, ui)))
+    moved = 0
+    to = PoolState(new)
+    places_old, places_new = tensor_places(plan_old), tensor_places(plan_new)
+    for ui in units:
+        s_old, s_new = old.shard_elems(ui), new.shard_elems(ui)
+        spans = [(p_old.offset, p_new.offset, p_old.numel)
+                 for name, p_old in places_old.items() if p_old.unit == ui
+                 for p_new in (places_new[name],)]
+        for name in [None] + [f"{f}/{ui}" for f in sorted(families)]:
+            new.allocate_grad(ui).wait()  # (from here to the reduce-scatter's end)
+            full = as_tensor(new.grad(ui))
+            full.zero_()
+            for rank, read in sources:
+                src = read(name, ui)
+                if src is None:
+                    continue  # (no pieces of the unit there)
+                lo, hi = rank * s_old, (rank + 1) * s_old
+                for o_old, o_new, n in spans:
+                    a, b = max(o_old, lo), min(o_old + n, hi)
+                    if a < b:
+                        full[o_new + a - o_old:o_new + b - o_old] = src[a - lo:b - lo]
+                        moved += (b - a) * 4
+            new.reduce_scatter(ui, "sum").wait()
+            got = as_tensor(new.grad_shard(ui))[:s_new]
+            if name is None:
+                as_tensor(new.param_shard(ui)).copy_(got)
+            elif bool(got.any()):  # (else the optimizer makes it, zeros, where it has pieces)
+                to.tensor(name, s_new)[0].copy_(got)
+        as_tensor(new.grad_shard(ui)).zero_()
+    counts = _step_counts(control, old, pool, names, copy, step)
+    for prefix, n in counts.items():
+        to.tensor(f"{prefix}/recut_step", 1, torch.float64)[0][0] = n
+    return step, moved, counts
+
+
+def _check_plans(old, new, plan_old, plan_new, units):
+    """The same units of the same tensors in both plans, fp32, one shard group and no separate
+    optimizer range in each; else Error naming what differs."""
+    if len(plan_old["units"]) != len(plan_new["units"]):
+        raise Error(f"FAILED_PRECONDITION: the shrink's successor job '{new.job}' has "
+                    f"{len(plan_new['units'])} units, job '{old.job}' "
+                    f"{len(plan_old['units'])}: a re-cut keeps the units")
+    for ui in units:
+        # (in any order: a plan places a unit's tensors for its shard size)
+        a = sorted((t["name"], int(t["numel"])) for t in plan_old["units"][ui]["tensors"])
+        b = sorted((t["name"], int(t["numel"])) for t in plan_new["units"][ui]["tensors"])
+        if a != b:
+            raise Error(f"FAILED_PRECONDITION: unit {ui} holds tensors {a[:4]}... in job "
+                        f"'{old.job}' and {b[:4]}... in its successor '{new.job}': a re-cut "
+                        "keeps each unit's tensors")
+        for c, what in ((old, "the shrunk job"), (new, "its successor")):
+            lay = c.layout(ui)
+            if lay["os_elems"] != c.shard_elems(ui) or lay["grad_elems"] != c.shard_elems(ui):
+                raise Error(f"FAILED_PRECONDITION: {what} '{c.job}' shards unit {ui}'s gradients "
+                            "or optimizer state apart from its parameters (AMSP factors): a "
+                            "re-cut moves one shard group's shards")
+        if as_tensor(new.param_shard(ui)).dtype != torch.float32 or \
+                as_tensor(old.param_shard(ui)).dtype != torch.float32:
+            raise Error(f"FAILED_PRECONDITION: unit {ui} of job '{old.job}' is not fp32: a "
+                        "re-cut moves fp32 parameter shards")
+
+
+def _state_names(old, held, units):
+    """{name: elements} of the state rank `old` held at its last commit that a re-cut moves:
+    elementwise optimizer state in shard coordinates ("opt/<owner>/<key>/<unit>", fp32, a
+    shard's elements) and ShardedOptimizer's step counts; Error naming any other."""
+    out = {}
+    for name, numel, dtype in held.held_names():
+        if name.startswith(("shard/", "journal/", "shrink/", "copy/")):
+            continue
+        parts = name.split("/")
+        if name.endswith(_STEPS) and dtype == "float64":
+            out[name] = numel
+            continue
+        if len(parts) == 4 and parts[0] == "opt" and parts[3].lstrip("-").isdigit() and \
+                int(parts[3]) in units and dtype == "float32" and \
+                numel == old.shard_elems(int(parts[3])):
+            out[name] = numel
+            continue
+        raise Error(f"FAILED_PRECONDITION: rank {old.rank} of job '{old.job}' holds state "
+                    f"'{name}' ({numel} x {dtype}), which a re-cut cannot move: it moves "
+                    "parameter shards and elementwise optimizer state in shard coordinates "
+                    "(ShardedAdamW, ShardedOptimizer, Muon's momentum); block-wise or "
+                    "whole-matrix state (8-bit Adam, Shampoo) needs whole replica groups "
+                    "(--replicate 2)")
+    return out
+
+
+def _copy_held(old, step, survivors):
+    """(the rank, {segment: bytes}) of the lost rank whose state this rank's node holds whole
+    at `step` (JobRuntime::ExposeCopy), or None (none, or a survivor's)."""
+    raw, _ = old.state_buffer(f"copy/{step}/directory.bytes", 8)
+    size = int(np.frombuffer(raw.tobytes(), dtype=np.int64)[0])
+    if size <= 0:
+        return None
+    text, _ = old.state_buffer(f"copy/{step}/directory", size)
+    lines = text.tobytes().decode().splitlines()
+    head = lines[0].split()
+    rank = int(head[3])
+    if rank in survivors:
+        return None
+    segments = {}
+    for line in lines[1:]:
+        n, name = line.split(" ", 1)
+        segments[name] = int(n)
+    return rank, segments
+
+
+def _all_ok(control, old, problem):
+    """Raises `problem` on its rank, and on every other rank an Error saying that one could
+    not re-cut, once all of them know (none goes on into a collective the others skip)."""
+    failed = control.all_reduce_scalar(0.0 if problem is None else 1.0)
+    if problem is not None:
+        raise problem
+    if failed:
+        raise Error(f"FAILED_PRECONDITION: {int(failed)} survivor(s) of job '{old.job}' could not "
+                    "re-cut their state (their errors name why)")
+
+
+def _check_copies(control, old, copy, survivors):
+    """Every lost rank's copy found on exactly one survivor, else Error on every rank."""
+    world = old.world_size
+    lost = [r for r in range(world) if r not in set(survivors)]
+    r = copy[0] if copy is not None else 0
+    have = 1.0 if copy is not None else 0.0
+    found = control.all_reduce_scalar(have)
+    sums = control.all_reduce_scalar(float(r) * have), control.all_reduce_scalar(
+        float(r * r) * have)
+    want = len(lost), float(sum(lost)), float(sum(x * x for x in lost))
+    if (found, *sums) != want:
+        raise Error(f"FAILED_PRECONDITION: job '{old.job}' lost ranks {lost}, and the nodes left "
+                    f"hold whole copies of {int(found)} of them: a re-cut needs each lost node's "
+                    "copy on a node left (replica: the node after it on the ring, which was lost "
+                    "too?)")
+
+
+def _agree_names(control, old, names):
+    """The same state names on every rank (each runs the same reduce-scatters), else Error."""
+    mark = float(zlib.crc32("\n".join(sorted(names)).encode()) % 4093)
+    world = control.all_reduce_scalar(1.0)
+    mean = control.all_reduce_scalar(mark) / world
+    if control.all_reduce_scalar((mark - mean) ** 2) != 0.0:
+        raise Error(f"FAILED_PRECONDITION: the survivors of job '{old.job}' hold different "
+                    f"optimizer state (rank {old.rank}: {sorted(names)}): a re-cut needs the "
+                    "same optimizers on every rank")
+
+
+def _own(old, pool, names, name, ui):
+    if name is None:
+        return as_tensor(old.param_shard(ui))
+    return pool.tensor(name, names[name])[0] if name in names else None
+
+
+def _copied(old, step, segments, name, ui):
+    key = f"shard/{ui}" if name is None else name
+    nbytes = segments.get(key)
+    if nbytes is None and name is not None:
+        return None
+    if nbytes is None:
+        raise Error(f"DATA_LOSS: the copy held with rank {old.rank} of job '{old.job}' has no "
+                    f"segment '{key}'")
+    raw, _ = old.state_buffer(f"copy/{step}/{key}", max(nbytes, 1))
+    return torch.from_numpy(raw[:nbytes]).view(torch.float32)
+
+
+def _step_counts(control, old, pool, names, copy, step):
+    """{optimizer state prefix "opt/<tag>": its step count}, the same on every rank: each
+    optimizer's pieces must all have stepped as often (ShardedOptimizer's counts, kept per
+    piece), else Error naming it. A rank without pieces (one count, 0) does not vote."""
+    out = {}
+    for name in sorted(n for n in names if n.endswith(_STEPS)):
+        counts = [pool.tensor(name, names[name], torch.float64)[0].tolist()]
+        if copy is not None and name in copy[1]:
+            raw, _ = old.state_buffer(f"copy/{step}/{name}", copy[1][name])
+            counts.append(torch.from_numpy(raw.copy()).view(torch.float64).tolist())
+        values = set()
+        for c in counts:
+            if c != [0.0]:
+                values |= set(c)
+        mine = next(iter(values)) if len(values) == 1 else 0.0
+        bad = 1.0 if len(values) > 1 else 0.0
+        voters = control.all_reduce_scalar(1.0 if values else 0.0)
+        mean = control.all_reduce_scalar(mine) / max(voters, 1.0)
+        spread = control.all_reduce_scalar((mine - mean) ** 2 if values else 0.0)
+        if control.all_reduce_scalar(bad) or spread != 0.0:
+            raise Error(f"FAILED_PRECONDITION: the pieces of optimizer state '{name[:-8]}' of job "
+                        f"'{old.job}' have stepped different numbers of times (rank {old.rank}: "
+                        f"{sorted(values)}): a re-cut keeps one step count per optimizer")
+        out[name[:-len(_STEPS)]] = mean
+    return out
