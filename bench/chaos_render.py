@@ -49,7 +49,9 @@ WHAT = {
     "node-shrink": f"a whole node lost for good: SIGKILL of a random daemon (of 2) and of its 2 "
                    f"ranks, held (--hold-at) at a random phase of a random one of steps 1 to "
                    f"{chaos_shrink.STEPS - 1} of a {chaos_shrink.STEPS}-step AdamW training of 4 "
-                   f"ranks (2 HSDP replica groups, --global-batch 8) under ragshard.launch "
+                   f"ranks (--global-batch 8; 2 HSDP replica groups in trials 1 to "
+                   f"{chaos_shrink.HSDP_TRIALS}, one shard group with --redundancy replica, "
+                   f"which re-cuts the shards, after) under ragshard.launch "
                    f"--max-restarts 1 --recovery-deadline {chaos_shrink.DEADLINE:g} "
                    f"--on-node-loss shrink, and no replacement",
     "soak": "bench/planner_soak: 40,000 jobs, then 20 planner kills under load, then large "
@@ -149,7 +151,7 @@ def verdict(fault, entry):
         within = (f"rebuilt on the replacement and completed within {LIMITS[fault]:g} s of "
                   f"the kill, final parameters within {PARAM_ATOL:g}")
     elif fault == "node-shrink":
-        within = (f"shrunk to 1 x 2 and completed within {LIMITS[fault]:g} s of the kill, "
+        within = (f"shrunk to 1 x 2 (HSDP kept, or re-cut) and completed within {LIMITS[fault]:g} s of the kill, "
                   f"losses and final parameters within {chaos_shrink.LOSS_ATOL:g} of the "
                   "reference")
     elif fault in RECOVERY_FAULTS:
@@ -506,12 +508,15 @@ def write_report(docs, doc):
                             "compares the final parameters with an uninterrupted run's "
                             "(bench/chaos_node.py), one per redundancy per campaign.\n")
     if "node-shrink" in doc["faults"]:
-        L[1] = L[1][:-2] + ("; node-shrink runs 4 ranks (2 HSDP replica groups) over 2 daemons "
+        L[1] = L[1][:-2] + ("; node-shrink runs 4 ranks over 2 daemons (2 HSDP replica groups "
+                            f"in trials 1 to {chaos_shrink.HSDP_TRIALS}, one shard group with "
+                            "`--redundancy replica`, which re-cuts, after) "
                             "under `ragshard.launch --max-restarts 1 --on-node-loss shrink`, "
                             "kills a daemon and its ranks with no replacement, and compares the "
                             "losses after the shrink and the final parameters with a reference "
                             "saved at 2 x 2 after the step the shrink resumed from and resumed "
-                            "at 1 x 2 (bench/chaos_shrink.py), one per step per campaign.\n")
+                            "at 1 x 2 (bench/chaos_shrink.py), one per step and layout per "
+                            "campaign.\n")
     runs = {}
     for fault in ALL_FAULTS:
         e = doc["faults"].get(fault)

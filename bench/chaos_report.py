@@ -36,11 +36,12 @@ Faults (`--faults`, comma-separated; default the six below, `node-rebuild`, `nod
                              node id: the training exits 0 within 90 s of the kill, the job
                              READY with one rebuild, the final parameters within 1e-6 of an
                              uninterrupted run's (bench/chaos_node.py).
-  node-shrink                (on request; --trials default 5 for it alone) a whole node lost
-                             for good: a random daemon of 2 and its 2 ranks (4 ranks, 2 HSDP
-                             replica groups, of a 6-step AdamW training under ragshard.launch
-                             --max-restarts 1 --on-node-loss shrink) killed with SIGKILL at a
-                             random step and phase, no replacement: the training exits 0 within
+  node-shrink                (on request; --trials default 10 for it alone) a whole node lost
+                             for good: a random daemon of 2 and its 2 ranks (4 ranks of a
+                             6-step AdamW training under ragshard.launch --max-restarts 1
+                             --on-node-loss shrink; 2 HSDP replica groups in trials 1-5, one
+                             shard group with --redundancy replica, which re-cuts, in 6-10)
+                             killed with SIGKILL at a random step and phase, no replacement: the training exits 0 within
                              40 s of the kill, the job SHRUNK to 1 x 2, its losses after the
                              shrink within 1e-5 of a reference saved at 2 x 2 after that step
                              and resumed at 1 x 2 (bench/chaos_shrink.py).
@@ -382,7 +383,7 @@ def main():
                     help="CMake build folder (server/, client/, python/, bench/)")
     ap.add_argument("--trials", type=int, default=None,
                     help="trials per fault (default 20; 15 where node-rebuild is the only fault, "
-                         "5 where node-shrink is)")
+                         "10 where node-shrink is)")
     ap.add_argument("--faults", default=",".join(DEFAULT_FAULTS),
                     help=f"comma-separated, of {', '.join(ALL_FAULTS)}")
     ap.add_argument("--steps", type=int, default=6,
@@ -407,7 +408,7 @@ def main():
                          if k in os.environ}
     faults = [f.strip() for f in args.faults.split(",") if f.strip()]
     if args.trials is None:
-        args.trials = {("node-rebuild",): 15, ("node-shrink",): 5}.get(tuple(faults), 20)
+        args.trials = {("node-rebuild",): 15, ("node-shrink",): 10}.get(tuple(faults), 20)
     bad = [f for f in faults if f not in ALL_FAULTS]
     if bad:
         ap.error(f"unknown fault(s) {bad}; known: {ALL_FAULTS}")

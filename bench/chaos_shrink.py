@@ -1,8 +1,10 @@
 """The node-shrink fault of bench/chaos_report.py: a whole node lost for good (its daemon and both
 its ranks killed with SIGKILL, no replacement) in the middle of a training under ragshard.launch
---max-restarts 1 --on-node-loss shrink (4 ranks of examples/train_tiny.py over 2 daemons, 2 HSDP
-replica groups, AdamW), which shrinks the job in place from 2 x 2 to 1 x 2 at the recovery
-deadline (issue 55; docs/recovery.md, "Shrinking in place").
+--max-restarts 1 --on-node-loss shrink (4 ranks of examples/train_tiny.py over 2 daemons, AdamW),
+which shrinks the job in place from 2 x 2 to 1 x 2 at the recovery deadline (issue 55;
+docs/recovery.md, "Shrinking in place"). In trials 1 to HSDP_TRIALS the 4 ranks are 2 HSDP
+replica groups (the survivors keep their cuts); after, one shard group of 4 with --redundancy
+replica (the survivors re-cut the shards, the lost node's share from its copy).
 
 Each trial (its own LocalCluster) draws the node (0 or 1), the step (1 to STEPS - 1) and the
 phase (forward, backward, step, between) from a seeded RNG; both ranks of that node are held
@@ -12,7 +14,8 @@ plus 30 s; past it the trial is a hang, and everything it started is killed), th
 and its successor READY in `ragshardctl job show`, the run's `world_sizes` say 4 up to the step it
 resumed from and 2 after, and its losses after the shrink (and final parameters) are within
 LOSS_ATOL of a reference that changes the world size at the same step with the same global batch:
-saved at 2 x 2 after that step, resumed at 1 x 2 (`References`, one per step per campaign)."""
+saved at 2 x 2 after that step, resumed at 1 x 2 (`References`, one per step and layout per
+campaign)."""
 import os
 import random
 import shutil
@@ -33,12 +36,18 @@ MODEL = ["--layers", "2", "--dim", "64", "--heads", "4", "--seq", "16", "--batch
          "--global-batch", "8", "--vocab", "32", "--quiet", "--optimizer", "adamw"]
 STEPS = 6
 DAEMONS, PER_NODE = 2, 2
+HSDP_TRIALS = 5  # trials 1-5: 2 HSDP replica groups; after: one shard group, replica, re-cut
+LAYOUTS = {"hsdp": ["--replicate", "2"], "re-cut": ["--redundancy", "replica"]}
 PHASES = ["forward", "backward", "step", "between"]
 DEADLINE = 10.0  # the job's recovery deadline (s): the wait for a replacement before shrinking
 SHRINK_LIMIT = DEADLINE + 30.0  # from the daemon's kill to the launcher's exit
 LOSS_ATOL = 1e-5
 NODE_TIMEOUT_MS = 2000
 POOL_BYTES = 128 << 20
+
+
+def layout_of(trial):
+    return "hsdp" if trial <= HSDP_TRIALS else "re-cut"
 
 
 def draw(trial):
@@ -78,22 +87,24 @@ def _run(cluster, job, out, nproc, daemons, layout, extra):
 
 
 class References:
-    """Per resume step s: 2 x 2 (HSDP) saved after step s, resumed at 1 x 2 to STEPS; once per
-    step per campaign."""
+    """Per resume step s and layout: 2 x 2 (HSDP, or one shard group) saved after step s,
+    resumed at 1 x 2 to STEPS; once per step and layout per campaign."""
 
     def __init__(self, build):
         self.build, self.dir, self.outs = build, None, {}
 
-    def get(self, step):
-        if step not in self.outs:
+    def get(self, step, layout="hsdp"):
+        if (step, layout) not in self.outs:
             self.dir = self.dir or tempfile.mkdtemp(prefix="ragshard-chaos-shrink-ref-")
-            ckpt, out = os.path.join(self.dir, f"ckpt{step}"), os.path.join(self.dir, f"ref{step}")
+            tag = f"{step}-{layout}"
+            ckpt, out = os.path.join(self.dir, f"ckpt{tag}"), os.path.join(self.dir, f"ref{tag}")
+            plain = [] if layout == "re-cut" else LAYOUTS[layout]
             with _cluster(self.build) as c:
-                _run(c, f"save-{step}", out + "-a", 4, 2, ["--replicate", "2"],
+                _run(c, f"save-{tag}", out + "-a", 4, 2, plain,
                      ["--steps", str(step), "--save", ckpt, "--save-step", str(step)])
-                _run(c, f"resume-{step}", out, 2, 1, [], ["--resume", ckpt])
-            self.outs[step] = out
-        return self.outs[step]
+                _run(c, f"resume-{tag}", out, 2, 1, [], ["--resume", ckpt])
+            self.outs[(step, layout)] = out
+        return self.outs[(step, layout)]
 
     def cleanup(self):
         if self.dir:
@@ -110,9 +121,11 @@ def shrink_trial(trial, build, refs, keep_dir):
     """One trial: node `node`'s ranks held at `phase` of `step`, the node killed (daemon, then
     its ranks) and no replacement started."""
     node, step, phase = draw(trial)
+    layout = layout_of(trial)
     ranks = [node * PER_NODE + i for i in range(PER_NODE)]
     res = {"trial": trial, "passed": False, "error": None, "node": node, "step": step,
-           "phase": phase, "stuck_at_stop": [], "leftover_after_launcher": []}
+           "phase": phase, "layout": layout, "stuck_at_stop": [],
+           "leftover_after_launcher": []}
     with TrialRun(res, "node-shrink", trial, keep_dir) as t:
         out, log_path = t.out, t.log_path
         marks = [os.path.join(t.workdir, f"hold{r}") for r in ranks]
@@ -121,7 +134,7 @@ def shrink_trial(trial, build, refs, keep_dir):
             log = t.open_log()
             t0 = time.monotonic()
             p = _launch(c, job, out, log, DAEMONS * PER_NODE, DAEMONS,
-                        ["--replicate", "2", "--max-restarts", "1", "--recovery-deadline",
+                        LAYOUTS[layout] + ["--max-restarts", "1", "--recovery-deadline",
                          f"{DEADLINE:g}", "--on-node-loss", "shrink"],
                         [f"--hold-at={r}:{step}:{phase}:{m}" for r, m in zip(ranks, marks)])
             t.launch = p
@@ -139,7 +152,7 @@ def shrink_trial(trial, build, refs, keep_dir):
             if run.get("world_sizes") != [4] * resumed + [2] * (STEPS - resumed):
                 raise RuntimeError(f"world_sizes {run.get('world_sizes')} after resuming at "
                                    f"step {resumed}")
-            ref = refs.get(resumed)
+            ref = refs.get(resumed, layout)
             a, b = run["losses"], _losses(ref)["losses"]
             if len(a) != len(b):
                 raise RuntimeError(f"{len(a)} losses after the shrink, {len(b)} in the "
@@ -180,13 +193,14 @@ def shrink_text(trials):
 
 
 def shrink_table(trials):
-    L = ["| trial | result | node | step | phase | resumed at step | s from the kill to the "
-         "exit | bytes taken over (rank 0) | max abs Δ loss | max abs Δ parameter |",
-         "|---:|---|---:|---:|---|---:|---:|---:|---:|---:|"]
+    L = ["| trial | result | layout | node | step | phase | resumed at step | s from the kill to "
+         "the exit | bytes taken over (rank 0) | max abs Δ loss | max abs Δ parameter |",
+         "|---:|---|---|---:|---:|---|---:|---:|---:|---:|---:|"]
     for t in trials:
         s, b = t.get("seconds"), t.get("shrunk_bytes")
         dl, dp = t.get("max_loss_diff"), t.get("max_abs_diff")
-        L.append(f"| {t['trial']} | {'pass' if t['passed'] else 'FAIL'} | {t['node']} | "
+        L.append(f"| {t['trial']} | {'pass' if t['passed'] else 'FAIL'} | "
+                 f"{t.get('layout', 'hsdp')} | {t['node']} | "
                  f"{t['step']} | {t['phase']} | {t.get('resumed_at_step', '—')} | "
                  f"{'—' if s is None else f'{s:.2f}'} | {'—' if b is None else f'{b:,}'} | "
                  f"{'—' if dl is None else f'{dl:.1e}'} | {'—' if dp is None else f'{dp:.1e}'} |")

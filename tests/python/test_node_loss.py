@@ -243,13 +243,19 @@ def test_a_lost_node_of_one_shard_group_re_cuts_the_shards(cluster, tmp_path):
     (step 2 is the last one every rank completed) and no replacement comes. The successor's ranks 0 and 1 (node 1's ranks 2 and 3) re-cut
     every unit's shards for 2 ranks over their data plane: their own old shards, and ranks 0
     and 1's from the copy of node 0's state that node 1 held (recut.py), AdamW's moments too.
-    The losses after the shrink equal, within 1e-5, a reference that saves at 2 x 2 after
+    The successor's rank 1 is killed once its re-cut is done, before its mark: every rank re-cuts
+    again. The losses after the shrink equal, within 1e-5, a reference that saves at 2 x 2 after
     step 2 and resumes at 1 x 2 with the same global batch, and so do the final parameters."""
     job = "recut-1"
+    midway = str(tmp_path / f"{job}-midway")
     out, stderr = lose_node(cluster, tmp_path, job, "replica-2", 3, "step", extra=SHRINK,
                             node=0, replace=False,
-                            launcher=("--recovery-deadline", "8", "--on-node-loss", "shrink"))
+                            launcher=("--recovery-deadline", "8", "--on-node-loss", "shrink"),
+                            RAGSHARD_SHRINK_FAULT=f"rank=1,mark={midway}")
     assert "rank 0 left: the job shrank without it" in stderr, stderr
+    # The successor's rank 1 (rank 3) killed once its re-cut was done, before its mark: every
+    # rank re-cut again from the old job.
+    assert os.path.exists(midway) and "rank 3 exited with -9; restarting it" in stderr, stderr
     with open(out + ".json") as f:
         shrunk = json.load(f)
     assert shrunk["shrink"]["step"] == 2, shrunk["shrink"]
@@ -283,3 +289,8 @@ def test_redundancy_is_refused_without_the_nodes_it_needs(cluster, tmp_path):
     r = preloaded.run(base + ["--max-restarts", "1", "--redundancy", "hsdp", EXAMPLE],
                        env=env(), capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "needs --replicate 2 or more" in r.stderr, r.stderr
+    # shrink without whole copies of each daemon's state elsewhere
+    r = preloaded.run(base + ["--max-restarts", "1", "--on-node-loss", "shrink", EXAMPLE],
+                       env=env(), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--on-node-loss shrink needs the lost daemons' state held " \
+        "elsewhere" in r.stderr and "--redundancy 'none'" in r.stderr, r.stderr

@@ -16,8 +16,9 @@ successor's buffers, memory to memory in the node's pool; once all of them have,
 copy of the old job is released. Where whole HSDP replica groups were lost (which the planner
 checks), each survivor's shard is cut exactly as its new rank's (checked here unit by unit) and
 nothing crosses nodes; a job of one shard group re-cuts its shards over the successor's data
-plane instead, the lost node's share read from its whole copy on another node (recut.py). A restarted rank of the lost node leaves with
-SHRINK_EXIT once the planner says the job shrank without it (ragshard.connect)."""
+plane instead, the lost node's share read from its whole copy on another node (recut.py). A
+restarted rank of the lost node leaves with SHRINK_EXIT once the planner says the job shrank
+without it (ragshard.connect)."""
 import os
 import signal
 import sys
@@ -114,6 +115,7 @@ def take_over(old, new, plan_old, plan_new, control, journal, units, survivors):
     the bytes copied and whether the shards were re-cut."""
     if old.replicas == 1 and old.world_size != new.world_size:
         step, moved, _ = recut(old, new, plan_old, plan_new, control, units, survivors)
+        _fault_point(new.rank)
         journal.meta[0] = step
         journal.meta[1] = step
         return step, moved, True
@@ -145,7 +147,8 @@ def take_over(old, new, plan_old, plan_new, control, journal, units, survivors):
 def _fault_point(rank):
     """The tests' fault hook: RAGSHARD_SHRINK_FAULT="rank=R,mark=PATH" makes rank R of the
     successor kill itself with SIGKILL in the middle of its take-over (its shards copied, its
-    optimizers' state not yet, nothing marked), once: only while the file PATH does not exist
+    optimizers' state not yet, nothing marked; in a re-cut, everything moved, nothing marked),
+    once: only while the file PATH does not exist
     (it is created first). Not for production use."""
     spec = os.environ.get("RAGSHARD_SHRINK_FAULT", "")
     if not spec:

@@ -274,6 +274,41 @@ TEST_P(RedundancyTest, AStepProtectedTwiceKeepsItsNewestParityOnly) {
   EXPECT_EQ(placed[1].ranks, second[1].ranks);
 }
 
+TEST_P(RedundancyTest, ANodesWholeCopyIsReadWhereOneParityHoldsItElseRefused) {
+  std::vector<NodeState> at4;
+  for (int n = 0; n < nodes_; ++n) at4.push_back(MakeState(n, kLocals, 4));
+  ProtectAll(at4, 4, 4);
+  const int holder = ParityHolder(scheme_, nodes_, 1, 0);
+  for (int l = 0; l < kLocals; ++l) {
+    auto copy = node_[holder]->CopyHeld(l, 4);
+    if (scheme_.k != 1) {  // XORs of several nodes' chunks: no whole copy anywhere
+      ASSERT_FALSE(copy.ok());
+      EXPECT_EQ(copy.status().code(), absl::StatusCode::kFailedPrecondition);
+      EXPECT_THAT(copy.status().message(), HasSubstr("only replica (or parity:1)"));
+      continue;
+    }
+    ASSERT_TRUE(copy.ok()) << copy.status();
+    EXPECT_EQ(copy->node, 1);
+    EXPECT_EQ(copy->node_name, "n1");
+    std::map<std::string, std::string> got;
+    for (const StateSegment& seg : copy->segments) {
+      got[seg.name] = std::string(seg.data, static_cast<size_t>(seg.bytes));
+    }
+    EXPECT_EQ(got, at4[1].ranks[static_cast<size_t>(l)]) << "local rank " << l;
+  }
+  if (scheme_.k != 1) return;
+  // A step this node holds no parity of, and a flipped byte (the CRC names the chunk).
+  EXPECT_EQ(node_[holder]->CopyHeld(0, 3).status().code(), absl::StatusCode::kNotFound);
+  node_[holder]->FlipParityByteForTest(1, 4, 200);
+  auto bad = node_[holder]->CopyHeld(1, 4);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(bad.status().message(),
+              HasSubstr(absl::StrCat("chunk 0 of local rank 1's state of node n1, as node n",
+                                     holder, " holds it at step 4")));
+  EXPECT_THAT(bad.status().message(), HasSubstr("does not match its checksum"));
+}
+
 TEST_P(RedundancyTest, AChunkRebuiltFromChangedDataFailsItsChecksumNamingIt) {
   std::vector<NodeState> st;
   for (int n = 0; n < nodes_; ++n) st.push_back(MakeState(n, kLocals, 3));

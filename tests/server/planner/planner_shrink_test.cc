@@ -365,12 +365,46 @@ TEST_F(PlannerShrinkTest, ALostPartOfAShardGroupCannotShrinkAndDegradesNamingWhy
                         "missed its deadline: node 'n1' was lost and did not come back within 2 s; "
                         "it cannot shrink: node 'n1' held ranks 2, 3 of shard group 0 (ranks 0-3), "
                         "and a shrink keeps whole shard groups (HSDP replica groups: --replicate 2 "
-                        "or more, with each group on nodes of its own)"));
+                        "or more, with each group on nodes of its own) unless one shard group "
+                        "re-cuts from whole copies (redundancy replica or parity:1)"));
   EXPECT_EQ(job.successor_job_id(), "");
   EXPECT_THAT(Survivors(job), IsEmpty());
   EXPECT_EQ(client_->GetJob("split/shrink-1").status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(Figure(kDeadline), 1);
   EXPECT_EQ(Figure(kShrinks), 0);
+}
+
+TEST_F(PlannerShrinkTest, OneShardGroupWithWholeCopiesShrinksToOneGroupOfTheSurvivors) {
+  RestartLosingNodes();
+  // One shard group of 6 ranks over three nodes, replica: node 'r1' lost, the 4 ranks of the
+  // other two go on as one shard group of 4 (they re-cut the shards), still with replica.
+  CreateReady("cut", 6, 1, {"r0", "r0", "r1", "r1", "r2", "r2"}, "shrink", "replica");
+  const v1::Job job = LoseNode("cut", "r1", {"r0", "r2"});
+  ASSERT_EQ(job.status(), v1::JOB_SHRUNK) << job.error();
+  EXPECT_THAT(Survivors(job), ElementsAre(0, 1, 4, 5));
+  EXPECT_THAT(job.error(), HasSubstr("shrunk to job 'cut/shrink-1' of 4 ranks (was 6); ranks 0, "
+                                     "1, 4, 5 go on there as ranks 0-3, re-cutting the shards"));
+  EXPECT_THAT(job.error(), Not(HasSubstr("keeps no redundancy")));
+  const v1::Job next = AwaitJob("cut/shrink-1", [](const v1::Job&) { return true; });
+  EXPECT_EQ(next.mesh().shard_size(), 4);
+  EXPECT_EQ(next.mesh().replicate_size(), 1);
+  EXPECT_EQ(next.options().redundancy(), "replica");
+  EXPECT_EQ(Figure(kShrinks), 1);
+}
+
+TEST_F(PlannerShrinkTest, AReCutThatLeavesOneNodeGoesOnWithoutRedundancy) {
+  RestartLosingNodes();
+  // parity:1 over two nodes (each holds the other's state whole): one left, which cannot hold
+  // parity:1, so the successor keeps none, and says so.
+  CreateReady("pair", 4, 1, {"p0", "p0", "p1", "p1"}, "shrink", "parity:1");
+  const v1::Job job = LoseNode("pair", "p0", {"p1"});
+  ASSERT_EQ(job.status(), v1::JOB_SHRUNK) << job.error();
+  EXPECT_THAT(Survivors(job), ElementsAre(2, 3));
+  EXPECT_THAT(job.error(), HasSubstr("re-cutting the shards; the successor keeps no redundancy ("));
+  const v1::Job next = AwaitJob("pair/shrink-1", [](const v1::Job&) { return true; });
+  EXPECT_EQ(next.mesh().shard_size(), 2);
+  EXPECT_EQ(next.mesh().replicate_size(), 1);
+  EXPECT_EQ(next.options().redundancy(), "none");
 }
 
 TEST_F(PlannerShrinkTest, CreateJobRefusesAnUnknownOnNodeLossAndShrinkWithoutADeadline) {
