@@ -151,9 +151,9 @@ def verdict(fault, entry):
         within = (f"rebuilt on the replacement and completed within {LIMITS[fault]:g} s of "
                   f"the kill, final parameters within {PARAM_ATOL:g}")
     elif fault == "node-shrink":
-        within = (f"shrunk to 1 x 2 (HSDP kept, or re-cut) and completed within {LIMITS[fault]:g} s of the kill, "
-                  f"losses and final parameters within {chaos_shrink.LOSS_ATOL:g} of the "
-                  "reference")
+        within = (f"shrunk to 1 x 2 (HSDP kept, or re-cut) and completed within "
+                  f"{LIMITS[fault]:g} s of the kill, losses and final parameters within "
+                  f"{chaos_shrink.LOSS_ATOL:g} of the reference")
     elif fault in RECOVERY_FAULTS:
         within = (f"recovered in place within {LIMITS[fault]:g} s of the kill, final "
                   f"parameters within {PARAM_ATOL:g}")

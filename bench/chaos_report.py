@@ -41,10 +41,11 @@ Faults (`--faults`, comma-separated; default the six below, `node-rebuild`, `nod
                              6-step AdamW training under ragshard.launch --max-restarts 1
                              --on-node-loss shrink; 2 HSDP replica groups in trials 1-5, one
                              shard group with --redundancy replica, which re-cuts, in 6-10)
-                             killed with SIGKILL at a random step and phase, no replacement: the training exits 0 within
-                             40 s of the kill, the job SHRUNK to 1 x 2, its losses after the
-                             shrink within 1e-5 of a reference saved at 2 x 2 after that step
-                             and resumed at 1 x 2 (bench/chaos_shrink.py).
+                             killed with SIGKILL at a random step and phase, no replacement:
+                             the training exits 0 within 40 s of the kill, the job SHRUNK to
+                             1 x 2, its losses after the shrink within 1e-5 of a reference
+                             saved at 2 x 2 after that step and resumed at 1 x 2
+                             (bench/chaos_shrink.py).
   soak                       BUILD/bench/planner_soak --mode soak, --mode kills and --mode
                              reject (a refused 200 MiB Put and 1,000,001-tensor registration:
                              the planner's RSS after them; about 5 s), if built.

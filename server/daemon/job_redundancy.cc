@@ -183,34 +183,35 @@ absl::Status JobRuntime::ExposeCopy(int local, int64_t step, Pool* pool) {
     return absl::OkStatus();  // no copy here: the directory's bytes stay zeros
   }
   if (!copy.ok()) {
-    return absl::Status(copy.status().code(), absl::StrCat("job '", job_id_, "' on node '",
-                                                           node_id_, "': ",
-                                                           copy.status().message()));
+    return absl::Status(
+        copy.status().code(),
+        absl::StrCat("job '", job_id_, "' on node '", node_id_, "': ", copy.status().message()));
   }
   auto put = [&](const std::string& name, const char* data, int64_t bytes) -> absl::Status {
     auto lease = pool->Allocate(std::max<int64_t>(bytes, 1));
     if (!lease.ok()) {
-      return absl::Status(lease.status().code(),
-                          absl::StrCat("the copy of node '", copy->node_name, "''s state buffer '",
-                                       name, "' (", bytes, " bytes) on node '", node_id_,
-                                       "': ", lease.status().message()));
+      return absl::Status(
+          lease.status().code(),
+          absl::StrCat("the copy of node '", copy->node_name, "''s state buffer '", name, "' (",
+                       bytes, " bytes) on node '", node_id_, "': ", lease.status().message()));
     }
     if (bytes > 0) std::memcpy(lease->data(), data, static_cast<size_t>(bytes));
     state_[{rank, name}] = std::make_pair(std::move(*lease), std::max<int64_t>(bytes, 1));
     return absl::OkStatus();
   };
   // Node i holds ranks [i * L, (i + 1) * L) (daemon_job_setup.cc's NodeMesh).
-  const int64_t from_rank = static_cast<int64_t>(copy->node) * static_cast<int64_t>(local_ranks_.size()) + local;
+  const int64_t from_rank =
+      static_cast<int64_t>(copy->node) * static_cast<int64_t>(local_ranks_.size()) + local;
   std::string directory = absl::StrCat("node ", copy->node_name, " rank ", from_rank, "\n");
   for (const StateSegment& s : copy->segments) {
     absl::StrAppend(&directory, s.bytes, " ", s.name, "\n");
     RAGSHARD_RETURN_IF_ERROR(put(prefix + s.name, s.data, s.bytes));
   }
-  RAGSHARD_RETURN_IF_ERROR(put(prefix + "directory", directory.data(),
-                               static_cast<int64_t>(directory.size())));
+  RAGSHARD_RETURN_IF_ERROR(
+      put(prefix + "directory", directory.data(), static_cast<int64_t>(directory.size())));
   const int64_t size = static_cast<int64_t>(directory.size());
-  RAGSHARD_RETURN_IF_ERROR(put(prefix + "directory.bytes", reinterpret_cast<const char*>(&size),
-                               sizeof(size)));
+  RAGSHARD_RETURN_IF_ERROR(
+      put(prefix + "directory.bytes", reinterpret_cast<const char*>(&size), sizeof(size)));
   LOG(INFO) << "job " << job_id_ << ": node '" << node_id_ << "' exposes the copy of node '"
             << copy->node_name << "''s local rank " << local << " at step " << step << " ("
             << copy->segments.size() << " segments) for a shrink's re-cut";

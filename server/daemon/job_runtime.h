@@ -104,9 +104,9 @@ class JobRuntime final : public OpTarget {
   // the state of local rank `local`'s counterpart on the node whose whole copy this node holds
   // at `step` (replica, parity:1; NodeRedundancy::CopyHeld), as state buffers of the local rank:
   // "copy/<step>/<segment>" for each of its segments, and "copy/<step>/directory" (text: "node
-  // <name> rank <its rank>", then "<bytes> <segment>" per line) of "copy/<step>/directory.bytes" bytes (an int64;
-  // left zeros where this node holds no such copy). Made once; a checksum that differs is
-  // DATA_LOSS naming the chunk.
+  // <name> rank <its rank>", then "<bytes> <segment>" per line) of "copy/<step>/directory.bytes"
+  // bytes (an int64; left zeros where this node holds no such copy). Made once; a checksum that
+  // differs is DATA_LOSS naming the chunk.
   absl::Status ExposeCopy(int local, int64_t step, Pool* pool);
 
   // Redundancy of the local ranks' persistent state across the job's nodes (docs/recovery.md, "A

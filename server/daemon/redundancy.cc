@@ -290,10 +290,10 @@ absl::Status NodeRedundancy::Fill(Slot* slot, int64_t bytes) {
 absl::StatusOr<NodeRedundancy::Copy> NodeRedundancy::CopyHeld(int local, int64_t step) const {
   const std::vector<ChunkRef> sources = ParitySources(scheme_, nodes_, node_);
   if (scheme_.hsdp || sources.size() != 1) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "node ", node_names_[static_cast<size_t>(node_)],
-        "'s parities are XORs of several nodes' chunks (parity:", scheme_.k,
-        "); only replica (or parity:1) holds another node's state whole"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("node ", node_names_[static_cast<size_t>(node_)],
+                     "'s parities are XORs of several nodes' chunks (parity:", scheme_.k,
+                     "); only replica (or parity:1) holds another node's state whole"));
   }
   const Slot* slot = FindSlot(local, step);
   if (slot == nullptr || slot->source_blob.size() != 1) {

@@ -114,9 +114,9 @@ absl::Status PlannerService::Shrink(JobState* js, const std::set<std::string>& l
   // (replica, parity:1) may instead lose part of it: its survivors re-cut the shards for their
   // number, the lost nodes' share read from those copies (docs/recovery.md).
   const auto redundancy = ParseRedundancy("options.redundancy", job.options().redundancy());
-  const bool whole_copies = redundancy.ok() && (redundancy->kind == Redundancy::Kind::kReplica ||
-                                                (redundancy->kind == Redundancy::Kind::kParity &&
-                                                 redundancy->k == 1));
+  const bool whole_copies =
+      redundancy.ok() && (redundancy->kind == Redundancy::Kind::kReplica ||
+                          (redundancy->kind == Redundancy::Kind::kParity && redundancy->k == 1));
   const bool recut = whole_copies && f == world;
   std::vector<int64_t> survivors;
   for (int64_t g = 0; g < world / f; ++g) {

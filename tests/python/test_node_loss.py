@@ -240,9 +240,10 @@ def test_a_lost_node_without_a_replacement_shrinks_the_job(cluster, tmp_path):
 def test_a_lost_node_of_one_shard_group_re_cuts_the_shards(cluster, tmp_path):
     """--on-node-loss shrink over 2 daemons x 2 ranks in one shard group of 4 (plain FSDP) with
     --redundancy replica: node 0 and both its ranks are killed inside step 3's optimizer step
-    (step 2 is the last one every rank completed) and no replacement comes. The successor's ranks 0 and 1 (node 1's ranks 2 and 3) re-cut
-    every unit's shards for 2 ranks over their data plane: their own old shards, and ranks 0
-    and 1's from the copy of node 0's state that node 1 held (recut.py), AdamW's moments too.
+    (step 2 is the last one every rank completed) and no replacement comes. The successor's
+    ranks 0 and 1 (node 1's ranks 2 and 3) re-cut every unit's shards for 2 ranks over their
+    data plane: their own old shards, and ranks 0 and 1's from the copy of node 0's state that
+    node 1 held (recut.py), AdamW's moments too.
     The successor's rank 1 is killed once its re-cut is done, before its mark: every rank re-cuts
     again. The losses after the shrink equal, within 1e-5, a reference that saves at 2 x 2 after
     step 2 and resumes at 1 x 2 with the same global batch, and so do the final parameters."""
