@@ -4,7 +4,7 @@ import time
 
 from ._core import Error
 
-__all__ = ["SHRINK_EXIT", "follow", "left_in_shrink", "shrunk_ranks"]
+__all__ = ["SHRINK_EXIT", "follow", "left_in_shrink", "shrunk_ranks", "whole_copies"]
 
 # A rank's exit status when its job shrank without it (its node was lost): ragshard-launch
 # lets it go, and the job goes on without it.
@@ -76,3 +76,11 @@ def shrunk_ranks(info_of, job):
         job = info["successor_job_id"]
         info = _successor(info_of, job)
     return job, int(info["world_size"]), ranks
+
+
+def whole_copies(redundancy):
+    """Whether redundancy `redundancy` (JobOptions.redundancy's text) holds each node's state
+    whole on another node, from which a shrink's survivors may re-cut the shards
+    (torch/recut.py): replica, or parity:1 (however K is spelled)."""
+    k = redundancy.removeprefix("parity:")
+    return redundancy == "replica" or (k != redundancy and k.isdigit() and int(k) == 1)

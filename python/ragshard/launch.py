@@ -194,8 +194,7 @@ def parse(argv):
     if a.on_node_loss == "shrink" and not a.max_restarts:
         p.error("--on-node-loss shrink needs --max-restarts: the survivors' ranks go on through "
                 "a recovery in place")
-    if a.on_node_loss == "shrink" and a.replicate < 2 and \
-            a.redundancy not in ("replica", "parity:1"):
+    if a.on_node_loss == "shrink" and a.replicate < 2 and not _whole_copies(a.redundancy):
         p.error("--on-node-loss shrink needs the lost daemons' state held elsewhere: --replicate "
                 "2 or more (whole HSDP replica groups), or --redundancy replica or parity:1 "
                 f"(whole copies, from which the survivors re-cut the shards); got --replicate "
@@ -208,6 +207,11 @@ def parse(argv):
     if not os.path.exists(a.script):
         p.error(f"script not found: {a.script}")
     return a
+
+
+def _whole_copies(redundancy):
+    from ragshard._shrink import whole_copies
+    return whole_copies(redundancy)
 
 
 def _check_redundancy(p, a):

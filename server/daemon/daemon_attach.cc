@@ -280,7 +280,8 @@ grpc::ServerUnaryReactor* NodeDaemon::StateBuffer(Ctx* ctx, const v1::StateBuffe
   // whole (a shrink's re-cut, JobRuntime::ExposeCopy), made on the first ask.
   if (int64_t step = 0; salvage && absl::StartsWith(name, "copy/") &&
                         absl::SimpleAtoi(name.substr(5, name.find('/', 5) - 5), &step)) {
-    if (absl::Status s = found->first->ExposeCopy(found->second, step, pool_.get()); !s.ok()) {
+    if (absl::Status s = found->first->ExposeCopy(found->second, step, name, pool_.get());
+        !s.ok()) {
       return ReplyUnary(ctx, s);
     }
   }

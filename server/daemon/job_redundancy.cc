@@ -168,17 +168,25 @@ absl::Status JobRuntime::Rebuild(const Op& op) {
   return absl::OkStatus();
 }
 
-absl::Status JobRuntime::ExposeCopy(int local, int64_t step, Pool* pool) {
-  absl::MutexLock lock(&mu_);
-  if (local < 0 || static_cast<size_t>(local) >= local_ranks_.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("no local rank ", local));
-  }
-  const int64_t rank = local_ranks_[static_cast<size_t>(local)];
+absl::Status JobRuntime::ExposeCopy(int local, int64_t step, const std::string& name, Pool* pool) {
+  int64_t rank = 0;
+  NodeRedundancy* redundancy = nullptr;
+  bool checked = false;
   const std::string prefix = absl::StrCat(kCopyPrefix, step, "/");
-  if (state_.count({rank, prefix + "directory.bytes"}) > 0) return absl::OkStatus();
-  // The job is stopped (a salvage attachment asks): its thread protects nothing any more.
-  if (redundancy_ == nullptr) return absl::OkStatus();
-  auto copy = redundancy_->CopyHeld(local, step);
+  {
+    absl::MutexLock lock(&mu_);
+    if (local < 0 || static_cast<size_t>(local) >= local_ranks_.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("no local rank ", local));
+    }
+    rank = local_ranks_[static_cast<size_t>(local)];
+    if (state_.count({rank, name}) > 0) return absl::OkStatus();  // made already
+    redundancy = redundancy_.get();
+    checked = copies_checked_.count({local, step}) > 0;
+  }
+  // The job is stopped (a salvage attachment asks): its thread protects nothing any more, so its
+  // parities are read outside the lock. The CRC is checked once per local rank and step.
+  if (redundancy == nullptr) return absl::OkStatus();
+  auto copy = redundancy->CopyHeld(local, step, /*check=*/!checked);
   if (absl::IsNotFound(copy.status()) || absl::IsFailedPrecondition(copy.status())) {
     return absl::OkStatus();  // no copy here: the directory's bytes stay zeros
   }
@@ -187,35 +195,41 @@ absl::Status JobRuntime::ExposeCopy(int local, int64_t step, Pool* pool) {
         copy.status().code(),
         absl::StrCat("job '", job_id_, "' on node '", node_id_, "': ", copy.status().message()));
   }
-  auto put = [&](const std::string& name, const char* data, int64_t bytes) -> absl::Status {
+  absl::MutexLock lock(&mu_);
+  copies_checked_.insert({local, step});
+  auto put = [&](const std::string& to, const char* data, int64_t bytes) -> absl::Status {
+    if (state_.count({rank, to}) > 0) return absl::OkStatus();
     auto lease = pool->Allocate(std::max<int64_t>(bytes, 1));
     if (!lease.ok()) {
       return absl::Status(
           lease.status().code(),
-          absl::StrCat("the copy of node '", copy->node_name, "''s state buffer '", name, "' (",
+          absl::StrCat("the copy of node '", copy->node_name, "''s state buffer '", to, "' (",
                        bytes, " bytes) on node '", node_id_, "': ", lease.status().message()));
     }
     if (bytes > 0) std::memcpy(lease->data(), data, static_cast<size_t>(bytes));
-    state_[{rank, name}] = std::make_pair(std::move(*lease), std::max<int64_t>(bytes, 1));
+    state_[{rank, to}] = std::make_pair(std::move(*lease), std::max<int64_t>(bytes, 1));
     return absl::OkStatus();
   };
-  // Node i holds ranks [i * L, (i + 1) * L) (daemon_job_setup.cc's NodeMesh).
-  const int64_t from_rank =
-      static_cast<int64_t>(copy->node) * static_cast<int64_t>(local_ranks_.size()) + local;
-  std::string directory = absl::StrCat("node ", copy->node_name, " rank ", from_rank, "\n");
-  for (const StateSegment& s : copy->segments) {
-    absl::StrAppend(&directory, s.bytes, " ", s.name, "\n");
-    RAGSHARD_RETURN_IF_ERROR(put(prefix + s.name, s.data, s.bytes));
+  if (name == prefix + "directory" || name == prefix + "directory.bytes") {
+    // Node i holds ranks [i * L, (i + 1) * L) (daemon_job_setup.cc's NodeMesh).
+    const int64_t from_rank =
+        static_cast<int64_t>(copy->node) * static_cast<int64_t>(local_ranks_.size()) + local;
+    std::string directory = absl::StrCat("node ", copy->node_name, " rank ", from_rank, "\n");
+    for (const StateSegment& seg : copy->segments) {
+      absl::StrAppend(&directory, seg.bytes, " ", seg.name, "\n");
+    }
+    const int64_t size = static_cast<int64_t>(directory.size());
+    RAGSHARD_RETURN_IF_ERROR(put(prefix + "directory", directory.data(), size));
+    return put(prefix + "directory.bytes", reinterpret_cast<const char*>(&size), sizeof(size));
   }
-  RAGSHARD_RETURN_IF_ERROR(
-      put(prefix + "directory", directory.data(), static_cast<int64_t>(directory.size())));
-  const int64_t size = static_cast<int64_t>(directory.size());
-  RAGSHARD_RETURN_IF_ERROR(
-      put(prefix + "directory.bytes", reinterpret_cast<const char*>(&size), sizeof(size)));
-  LOG(INFO) << "job " << job_id_ << ": node '" << node_id_ << "' exposes the copy of node '"
-            << copy->node_name << "''s local rank " << local << " at step " << step << " ("
-            << copy->segments.size() << " segments) for a shrink's re-cut";
-  return absl::OkStatus();
+  for (const StateSegment& seg : copy->segments) {
+    if (prefix + seg.name != name) continue;
+    LOG(INFO) << "job " << job_id_ << ": node '" << node_id_ << "' exposes segment '" << seg.name
+              << "' (" << seg.bytes << " bytes) of node '" << copy->node_name << "''s local rank "
+              << local << " at step " << step << " for a shrink's re-cut";
+    return put(name, seg.data, seg.bytes);
+  }
+  return absl::OkStatus();  // no such segment: the ask makes a buffer of zeros, as any other
 }
 
 }  // namespace ragshard::daemon

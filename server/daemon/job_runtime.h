@@ -12,6 +12,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <utility>
@@ -102,12 +103,12 @@ class JobRuntime final : public OpTarget {
 
   // A shrink that re-cuts the shards (docs/recovery.md, "Shrinking in place"): on a stopped job,
   // the state of local rank `local`'s counterpart on the node whose whole copy this node holds
-  // at `step` (replica, parity:1; NodeRedundancy::CopyHeld), as state buffers of the local rank:
-  // "copy/<step>/<segment>" for each of its segments, and "copy/<step>/directory" (text: "node
-  // <name> rank <its rank>", then "<bytes> <segment>" per line) of "copy/<step>/directory.bytes"
-  // bytes (an int64; left zeros where this node holds no such copy). Made once; a checksum that
-  // differs is DATA_LOSS naming the chunk.
-  absl::Status ExposeCopy(int local, int64_t step, Pool* pool);
+  // at `step` (replica, parity:1; NodeRedundancy::CopyHeld), as state buffers of the local rank,
+  // each made when first asked for (`name`): "copy/<step>/directory" (text: "node <name> rank
+  // <its rank>", then "<bytes> <segment>" per line) of "copy/<step>/directory.bytes" bytes (an
+  // int64; left zeros where this node holds no such copy), and "copy/<step>/<segment>" for each
+  // segment. The copy's CRC is checked once: DATA_LOSS naming the chunk where it differs.
+  absl::Status ExposeCopy(int local, int64_t step, const std::string& name, Pool* pool);
 
   // Redundancy of the local ranks' persistent state across the job's nodes (docs/recovery.md, "A
   // lost node"; redundancy.h): OP_PROTECT and OP_REBUILD run with it. This node is `node` of
@@ -255,6 +256,8 @@ class JobRuntime final : public OpTarget {
   std::vector<bool> rejoined_ ABSL_GUARDED_BY(mu_);        // attached since the recovery began
   // (rank, name) -> the buffer and the bytes asked for (the lease may be larger: aligned).
   std::map<std::pair<int64_t, std::string>, std::pair<Lease, int64_t>> state_ ABSL_GUARDED_BY(mu_);
+  // ExposeCopy's copies whose CRC was checked: (local rank, step).
+  std::set<std::pair<int, int64_t>> copies_checked_ ABSL_GUARDED_BY(mu_);
   Op last_done_ ABSL_GUARDED_BY(mu_);  // its kind and unit only
   // Redundancy (EnableRedundancy); redundancy_ is used by the job's thread only.
   std::unique_ptr<NodeRedundancy> redundancy_;

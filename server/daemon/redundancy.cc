@@ -287,7 +287,8 @@ absl::Status NodeRedundancy::Fill(Slot* slot, int64_t bytes) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<NodeRedundancy::Copy> NodeRedundancy::CopyHeld(int local, int64_t step) const {
+absl::StatusOr<NodeRedundancy::Copy> NodeRedundancy::CopyHeld(int local, int64_t step,
+                                                              bool check) const {
   const std::vector<ChunkRef> sources = ParitySources(scheme_, nodes_, node_);
   if (scheme_.hsdp || sources.size() != 1) {
     return absl::FailedPreconditionError(
@@ -303,8 +304,8 @@ absl::StatusOr<NodeRedundancy::Copy> NodeRedundancy::CopyHeld(int local, int64_t
   }
   const std::string& from = node_names_[static_cast<size_t>(sources[0].node)];
   const int64_t bytes = slot->source_blob[0];
-  const uint32_t have = bytes <= slot->bytes ? Crc(slot->lease.data(), bytes) : 0;
-  if (bytes > slot->bytes || have != slot->source_crc[0]) {
+  const uint32_t have = bytes <= slot->bytes && check ? Crc(slot->lease.data(), bytes) : 0;
+  if (bytes > slot->bytes || (check && have != slot->source_crc[0])) {
     return absl::DataLossError(absl::StrFormat(
         "chunk 0 of local rank %d's state of node %s, as node %s holds it at step %d (%d bytes), "
         "does not match its checksum: CRC-32 %08x, recorded %08x",

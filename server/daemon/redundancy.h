@@ -127,7 +127,8 @@ class NodeRedundancy {
     std::string node_name;
     std::vector<StateSegment> segments;
   };
-  absl::StatusOr<Copy> CopyHeld(int local, int64_t step) const;
+  // `check` false: the CRC was checked before (the parity has not changed since).
+  absl::StatusOr<Copy> CopyHeld(int local, int64_t step, bool check = true) const;
 
   // Bytes of the pool this node's parities hold, and of the local ranks' blobs the last Protect
   // covered, and the steps this node holds every local rank's parity of (one, or two between a

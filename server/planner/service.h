@@ -37,6 +37,7 @@
 #include "absl/synchronization/notification.h"
 #include "engine/cluster.h"
 #include "engine/strategy_search.h"
+#include "infra/redundancy.h"
 #include "prometheus/metric_family.h"
 #include "ragshard/v1/planner.grpc.pb.h"
 #include "server/planner/metrics.h"
@@ -346,6 +347,11 @@ class PlannerService final
   // mesh (one shard group of them where they re-cut), the job's options (redundancy hsdp left to
   // the default again; none where a re-cut's nodes left cannot hold it), its predecessor named.
   v1::Job SuccessorOf(const JobState& js) const;
+  // Whether the survivors of one shard group can re-cut it after losing the nodes `lost`: each
+  // lost node's copy (redundancy replica or parity:1) is on a node left, and the plan has no
+  // separate factors. FAILED_PRECONDITION naming the node and its copy's holder otherwise.
+  static absl::Status CheckReCut(JobState* js, const std::set<std::string>& lost,
+                                 const Redundancy& redundancy);
   // Stores and adds `successor` unless a job of its id lives (a restarted planner made it
   // already). Takes jobs_mu_ and the successor's lock: call with no lock held.
   void CreateSuccessor(const v1::Job& successor);

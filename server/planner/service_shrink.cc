@@ -97,6 +97,29 @@ absl::Status RedundancyLeft(const std::map<int64_t, v1::RankState>& ranks,
 
 }  // namespace
 
+absl::Status PlannerService::CheckReCut(JobState* js, const std::set<std::string>& lost,
+                                        const Redundancy& redundancy) {
+  // The daemons' nodes in ListJobNodes' order: replica's copy of node i is on node i + 1 (a
+  // ring), parity:1's on the other node of its pair (server/daemon/redundancy.h).
+  const v1::ListJobNodesResponse& jn = JobNodes(js);
+  const int nodes = jn.node_ids_size();
+  for (int i = 0; i < nodes; ++i) {
+    if (lost.count(jn.node_ids(i)) == 0) continue;
+    const int holder = redundancy.kind == Redundancy::Kind::kReplica ? (i + 1) % nodes : i ^ 1;
+    if (holder < nodes && lost.count(jn.node_ids(holder)) > 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "node '", jn.node_ids(i), "''s state was copied only on node '", jn.node_ids(holder),
+          "' (redundancy ", redundancy.name(), "), lost too: the survivors cannot re-cut"));
+    }
+  }
+  if (js->plan && js->plan->factors_size() > 0) {
+    return absl::FailedPreconditionError(
+        "its plan shards gradients or optimizer state apart from the parameters (AMSP factors): "
+        "a re-cut moves one shard group's shards");
+  }
+  return absl::OkStatus();
+}
+
 bool PlannerService::ShrinksOnNodeLoss(const v1::Job& job) {
   return job.options().on_node_loss() == "shrink" && job.options().recovery_deadline_ms() > 0;
 }
@@ -146,6 +169,9 @@ absl::Status PlannerService::Shrink(JobState* js, const std::set<std::string>& l
           "with each group on nodes of its own) unless one shard group re-cuts from whole copies "
           "(redundancy replica or parity:1)"));
     }
+  }
+  if (recut && survivors.size() < static_cast<size_t>(world)) {
+    RAGSHARD_RETURN_IF_ERROR(CheckReCut(js, lost, *redundancy));
   }
   if (survivors.empty()) {
     return absl::FailedPreconditionError(

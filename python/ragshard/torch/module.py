@@ -21,7 +21,8 @@ from .quantized import QuantizedGathers, plan_quantized_units
 from .recovery import (PoolState, StepJournal, agree_on_committed, rebuild_state,
                        redundancy_step, shard_tensors)
 from .shards import RankShards
-from .._shrink import SHRINK_EXIT, follow
+from .._shrink import SHRINK_EXIT, follow, whole_copies
+from .recut import in_place, recut_step
 from .shrink import release, salvage, salvage_to_release, take_over
 from .state import ModuleState
 from .trace import Trace
@@ -97,6 +98,11 @@ class ShardedModule(torch.nn.Module):
         # Whether each step's state is protected into parity or copies ("hsdp": the other
         # replica groups hold it already).
         self._protects = self.redundancy not in ("", "hsdp")
+        # Whether a shrink may re-cut this job's shards (recut.py; state_in_place).
+        self._may_recut = whole_copies(self.redundancy) and self.layout.replicas == 1 and \
+            not self.layout.factored and \
+            self.client.job_info().get("options", {}).get("on_node_loss") == "shrink"
+        self._in_place = None
         if self.recoverable:
             _check_recoverable(param_dtype, quantize)
             self._shards.pool = PoolState(self.client)
@@ -221,20 +227,20 @@ class ShardedModule(torch.nn.Module):
     @property
     def state_in_place(self):
         """Whether the optimizers keep their elementwise state in shard coordinates (each
-        piece's state at its offset in the optimizer range, rather than packed): where a shrink
-        may re-cut the shards (one shard group, no separate factors, whole copies of each node:
-        redundancy replica or parity:1), and in the successor of one that did (recut.py)."""
-        whole = self.redundancy in ("replica", "parity:1") and self.replicas == 1
-        return (whole and not self.factored) or \
-            (self._recut is not None and int(self._recut[0]) == 1)
+        piece's state at its offset in the optimizer range, rather than packed): in a job whose
+        shards a shrink may re-cut (on_node_loss shrink, one shard group, no separate factors,
+        whole copies of each node: redundancy replica or parity:1), and in a shrink's successor
+        as in the job it came from, or after a re-cut (recut.py; kept in the pool)."""
+        if self._in_place is None:
+            self._in_place = self.recoverable and in_place(self._shards.pool, self._may_recut)
+        return self._in_place
 
     def recut_step(self, prefix):
         """The step count that a re-cut agreed on for optimizer state `prefix` ("opt/<tag>"),
         or None where the job did not come from a re-cut."""
         if self._recut is None or int(self._recut[0]) != 1:
             return None
-        t, existed = self._shards.pool.tensor(f"{prefix}/recut_step", 1, torch.float64)
-        return float(t[0]) if existed else None
+        return recut_step(self._shards.pool, prefix)
 
     def _shrink_from_mark(self):
         """ShardedModule.shrink in a shrink's successor, from this rank's mark (shrink/taken)

@@ -12,7 +12,7 @@ leaves each rank its new shard: x + 0 is exact. The parameter shards and every e
 optimizer state kept in shard coordinates (ShardedOptimizer's under `state_in_place`, Muon's
 momentum) move this way; the optimizers' step counts, one per optimizer, are agreed on.
 """
-import zlib
+import json
 
 import numpy as np
 import torch
@@ -22,7 +22,7 @@ from .layout import tensor_places
 from .recovery import PoolState, StepJournal, agree_on_committed, redundancy_step, shard_tensors
 from .views import as_tensor
 
-__all__ = ["recut"]
+__all__ = ["in_place", "recut", "recut_step"]
 
 _STEPS = "/step/-1"  # ShardedOptimizer's step counts, one per piece: "opt/<tag>/step/-1"
 
@@ -43,18 +43,22 @@ def recut(old, new, plan_old, plan_new, control, units, survivors):
     problem, names, copy = None, {}, None
     try:
         names = _state_names(old, held, units)
-        copy = _copy_held(old, step, survivors)
-    except Error as e:
-        problem = e
+        copy = _copy_held(old, step, survivors, units)
+    except Exception as e:  # noqa: BLE001 (every rank hears of it before any goes on)
+        problem = _as_error(e, old)
     _all_ok(control, old, problem)
     _check_copies(control, old, copy, survivors)
     # What every rank moves: each optimizer state's family ("opt/<owner>/<key>") over every
-    # unit, where any rank holds it (a rank without pieces of a unit holds none of it).
-    families = {n.rsplit("/", 1)[0] for n in names if not n.endswith(_STEPS)}
+    # unit, where any rank holds it (a rank holds none of an optimizer without pieces there).
+    mine = {n.rsplit("/", 1)[0] for n in names if not n.endswith(_STEPS)}
+    steps = {n for n in names if n.endswith(_STEPS)}
     if copy is not None:
-        families |= {n.rsplit("/", 1)[0] for n in copy[1]
-                     if n.startswith("opt/") and not n.endswith(_STEPS)}
-    _agree_names(control, old, families | {n for n in names if n.endswith(_STEPS)})
+        mine |= {n.rsplit("/", 1)[0] for n in copy[1]
+                 if n.startswith("opt/") and not n.endswith(_STEPS)}
+        steps |= {n for n in copy[1] if n.endswith(_STEPS)}
+    families = _union(new, control, units, mine | steps)
+    steps = {n for n in families if n.endswith(_STEPS)}
+    families -= steps
     sources = [(old.rank, lambda name, ui: _own(old, pool, names, name, ui))]
     if copy is not None:
         sources.append((copy[0], lambda name, ui: _copied(old, step, copy[1], name, ui)))
@@ -67,30 +71,73 @@ def recut(old, new, plan_old, plan_new, control, units, survivors):
                  for name, p_old in places_old.items() if p_old.unit == ui
                  for p_new in (places_new[name],)]
         for name in [None] + [f"{f}/{ui}" for f in sorted(families)]:
+            # A rank's own failure is kept until the end, every rank running every collective
+            # (the others would otherwise wait for it in the next one).
             new.allocate_grad(ui).wait()  # (from here to the reduce-scatter's end)
-            full = as_tensor(new.grad(ui))
-            full.zero_()
-            for rank, read in sources:
-                src = read(name, ui)
-                if src is None:
-                    continue  # (no pieces of the unit there)
-                lo, hi = rank * s_old, (rank + 1) * s_old
-                for o_old, o_new, n in spans:
-                    a, b = max(o_old, lo), min(o_old + n, hi)
-                    if a < b:
-                        full[o_new + a - o_old:o_new + b - o_old] = src[a - lo:b - lo]
-                        moved += (b - a) * 4
+            try:
+                if problem is None:
+                    moved += _write(as_tensor(new.grad(ui)), sources, name, ui, s_old, spans)
+            except Exception as e:  # noqa: BLE001
+                problem = _as_error(e, old)
             new.reduce_scatter(ui, "sum").wait()
-            got = as_tensor(new.grad_shard(ui))[:s_new]
-            if name is None:
-                as_tensor(new.param_shard(ui)).copy_(got)
-            elif bool(got.any()):  # (else the optimizer makes it, zeros, where it has pieces)
-                to.tensor(name, s_new)[0].copy_(got)
+            try:
+                got = as_tensor(new.grad_shard(ui))[:s_new]
+                if problem is not None:
+                    pass
+                elif name is None:
+                    as_tensor(new.param_shard(ui)).copy_(got)
+                elif bool(got.any()):  # (else the optimizer makes it, zeros, where it has pieces)
+                    to.tensor(name, s_new)[0].copy_(got)
+            except Exception as e:  # noqa: BLE001
+                problem = _as_error(e, old)
         as_tensor(new.grad_shard(ui)).zero_()
-    counts = _step_counts(control, old, pool, names, copy, step)
+    _all_ok(control, old, problem)
+    counts = _step_counts(control, old, pool, names, copy, step, steps)
     for prefix, n in counts.items():
-        to.tensor(f"{prefix}/recut_step", 1, torch.float64)[0][0] = n
+        to.tensor(f"shrink/steps/{prefix}", 1, torch.float64)[0][0] = n
+    to.tensor("shrink/in_place", 1, torch.int64)[0][0] = 1
     return step, moved, counts
+
+
+def _write(full, sources, name, ui, s_old, spans):
+    """Unit `ui`'s unsharded buffer `full` (the successor's layout): zeros, and each source's
+    elements of state `name` (None: the parameter shard) at their new offsets (`spans`: each
+    tensor's (old offset, new offset, elements)). Returns the bytes written."""
+    full.zero_()
+    moved = 0
+    for rank, read in sources:
+        src = read(name, ui)
+        if src is None:
+            continue  # (no pieces of the unit there)
+        lo, hi = rank * s_old, (rank + 1) * s_old
+        for o_old, o_new, n in spans:
+            a, b = max(o_old, lo), min(o_old + n, hi)
+            if a < b:
+                full[o_new + a - o_old:o_new + b - o_old] = src[a - lo:b - lo]
+                moved += (b - a) * 4
+    return moved
+
+
+def _as_error(e, old):
+    return e if isinstance(e, Error) else \
+        Error(f"INTERNAL: rank {old.rank} of job '{old.job}' could not re-cut its state: "
+              f"{type(e).__name__}: {e}")
+
+
+def in_place(pool, may_recut):
+    """Whether the rank's optimizers keep their elementwise state in shard coordinates
+    (ShardedModule.state_in_place): decided once per job, when first asked (`may_recut`), kept
+    in the pool ("shrink/in_place"), and set by a shrink's take-over in its successor."""
+    t, existed = pool.tensor("shrink/in_place", 1, torch.int64)
+    if not existed:
+        t[0] = int(bool(may_recut))
+    return bool(int(t[0]))
+
+
+def recut_step(pool, prefix):
+    """The step count a re-cut agreed on for optimizer state `prefix` ("opt/<tag>"), or None."""
+    t, existed = pool.tensor(f"shrink/steps/{prefix}", 1, torch.float64)
+    return float(t[0]) if existed else None
 
 
 def _check_plans(old, new, plan_old, plan_new, units):
@@ -120,35 +167,45 @@ def _check_plans(old, new, plan_old, plan_new, units):
                         "re-cut moves fp32 parameter shards")
 
 
+def _kind(old, units, name, numel, dtype):
+    """What a re-cut does with a state buffer: "skip" (the parameter shards, moved apart; the
+    journal's and the shrink's own), "move" (elementwise optimizer state in shard coordinates,
+    "opt/<owner>/<key>/<unit>", fp32, a shard's elements; ShardedOptimizer's step counts,
+    float64), else "refuse"."""
+    if name.startswith(("shard/", "journal/", "shrink/", "copy/")):
+        return "skip"
+    parts = name.split("/")
+    if name.endswith(_STEPS) and dtype == "float64":
+        return "move"
+    if len(parts) == 4 and parts[0] == "opt" and parts[3].isdigit() and \
+            int(parts[3]) in units and dtype == "float32" and \
+            numel == old.shard_elems(int(parts[3])):
+        return "move"
+    return "refuse"
+
+
 def _state_names(old, held, units):
-    """{name: elements} of the state rank `old` held at its last commit that a re-cut moves:
-    elementwise optimizer state in shard coordinates ("opt/<owner>/<key>/<unit>", fp32, a
-    shard's elements) and ShardedOptimizer's step counts; Error naming any other."""
+    """{name: elements} of the state rank `old` held at its last commit that a re-cut moves;
+    Error naming any it cannot move."""
     out = {}
     for name, numel, dtype in held.held_names():
-        if name.startswith(("shard/", "journal/", "shrink/", "copy/")):
-            continue
-        parts = name.split("/")
-        if name.endswith(_STEPS) and dtype == "float64":
+        kind = _kind(old, units, name, numel, dtype)
+        if kind == "move":
             out[name] = numel
-            continue
-        if len(parts) == 4 and parts[0] == "opt" and parts[3].lstrip("-").isdigit() and \
-                int(parts[3]) in units and dtype == "float32" and \
-                numel == old.shard_elems(int(parts[3])):
-            out[name] = numel
-            continue
-        raise Error(f"FAILED_PRECONDITION: rank {old.rank} of job '{old.job}' holds state "
-                    f"'{name}' ({numel} x {dtype}), which a re-cut cannot move: it moves "
-                    "parameter shards and elementwise optimizer state in shard coordinates "
-                    "(ShardedAdamW, ShardedOptimizer, Muon's momentum); block-wise or "
-                    "whole-matrix state (8-bit Adam, Shampoo) needs whole replica groups "
-                    "(--replicate 2)")
+        elif kind == "refuse":
+            raise Error(f"FAILED_PRECONDITION: rank {old.rank} of job '{old.job}' holds state "
+                        f"'{name}' ({numel} x {dtype}), which a re-cut cannot move: it moves "
+                        "parameter shards and elementwise optimizer state in shard coordinates "
+                        "(ShardedAdamW, ShardedOptimizer, Muon's momentum); block-wise or "
+                        "whole-matrix state (8-bit Adam, Shampoo) needs whole replica groups "
+                        "(--replicate 2)")
     return out
 
 
-def _copy_held(old, step, survivors):
+def _copy_held(old, step, survivors, units):
     """(the rank, {segment: bytes}) of the lost rank whose state this rank's node holds whole
-    at `step` (JobRuntime::ExposeCopy), or None (none, or a survivor's)."""
+    at `step` (JobRuntime::ExposeCopy; only the segments a re-cut moves, each checked for its
+    size), or None (none, or a survivor's)."""
     raw, _ = old.state_buffer(f"copy/{step}/directory.bytes", 8)
     size = int(np.frombuffer(raw.tobytes(), dtype=np.int64)[0])
     if size <= 0:
@@ -162,7 +219,27 @@ def _copy_held(old, step, survivors):
     segments = {}
     for line in lines[1:]:
         n, name = line.split(" ", 1)
-        segments[name] = int(n)
+        n = int(n)
+        if name.startswith("shard/"):
+            if int(name[6:]) not in units:
+                continue  # (the module's control units: nothing to keep)
+            ok = n == 4 * old.shard_elems(int(name[6:]))
+        else:
+            float64 = name.endswith(_STEPS)
+            kind = _kind(old, units, name, n // (8 if float64 else 4),
+                         "float64" if float64 else "float32")
+            ok = kind != "refuse" and n % (8 if float64 else 4) == 0
+            if kind == "skip":
+                continue
+        if not ok:
+            raise Error(f"FAILED_PRECONDITION: the copy of rank {rank} of job '{old.job}' held "
+                        f"with rank {old.rank} has state '{name}' of {n} bytes, which a re-cut "
+                        "cannot move")
+        segments[name] = n
+    missing = [ui for ui in units if f"shard/{ui}" not in segments]
+    if missing:
+        raise Error(f"DATA_LOSS: the copy of rank {rank} of job '{old.job}' held with rank "
+                    f"{old.rank} has no parameter shard of units {missing[:8]}")
     return rank, segments
 
 
@@ -194,15 +271,36 @@ def _check_copies(control, old, copy, survivors):
                     "too?)")
 
 
-def _agree_names(control, old, names):
-    """The same state names on every rank (each runs the same reduce-scatters), else Error."""
-    mark = float(zlib.crc32("\n".join(sorted(names)).encode()) % 4093)
-    world = control.all_reduce_scalar(1.0)
-    mean = control.all_reduce_scalar(mark) / world
-    if control.all_reduce_scalar((mark - mean) ** 2) != 0.0:
-        raise Error(f"FAILED_PRECONDITION: the survivors of job '{old.job}' hold different "
-                    f"optimizer state (rank {old.rank}: {sorted(names)}): a re-cut needs the "
-                    "same optimizers on every rank")
+def _union(new, control, units, strings):
+    """The union over the successor's ranks of each rank's set of `strings`: an all-gather
+    through a reduce-scatter (sum) of the largest unit's gradient buffer, each rank writing its
+    strings (JSON, one byte per element, after their length) into its own block of every
+    rank's slot. Error on every rank where one's do not fit its block."""
+    ui = max(units, key=new.shard_elems)
+    s, w = new.shard_elems(ui), new.world_size
+    block = s // w
+    data = json.dumps(sorted(strings)).encode()
+    fits = len(data) + 1 <= block
+    new.allocate_grad(ui).wait()
+    g = as_tensor(new.grad(ui))
+    g.zero_()
+    slots = g[:w * s].view(w, s)
+    slots[:, new.rank * block] = float(len(data)) if fits else -1.0
+    if fits:
+        slots[:, new.rank * block + 1:new.rank * block + 1 + len(data)] = \
+            torch.tensor(list(data), dtype=torch.float32)
+    new.reduce_scatter(ui, "sum").wait()
+    got = as_tensor(new.grad_shard(ui))[:s].clone()
+    as_tensor(new.grad_shard(ui)).zero_()
+    out = set()
+    for r in range(w):
+        n = int(got[r * block])
+        if n < 0:
+            raise Error(f"FAILED_PRECONDITION: the names of rank {r}'s optimizer state do not "
+                        f"fit the {block} elements a re-cut exchanges them in (unit {ui})")
+        raw = bytes(int(x) for x in got[r * block + 1:r * block + 1 + n].tolist())
+        out |= set(json.loads(raw.decode()))
+    return out
 
 
 def _own(old, pool, names, name, ui):
@@ -214,22 +312,21 @@ def _own(old, pool, names, name, ui):
 def _copied(old, step, segments, name, ui):
     key = f"shard/{ui}" if name is None else name
     nbytes = segments.get(key)
-    if nbytes is None and name is not None:
-        return None
     if nbytes is None:
-        raise Error(f"DATA_LOSS: the copy held with rank {old.rank} of job '{old.job}' has no "
-                    f"segment '{key}'")
+        return None  # (the copied rank has no pieces of the unit there; its shards are checked)
     raw, _ = old.state_buffer(f"copy/{step}/{key}", max(nbytes, 1))
     return torch.from_numpy(raw[:nbytes]).view(torch.float32)
 
 
-def _step_counts(control, old, pool, names, copy, step):
-    """{optimizer state prefix "opt/<tag>": its step count}, the same on every rank: each
-    optimizer's pieces must all have stepped as often (ShardedOptimizer's counts, kept per
-    piece), else Error naming it. A rank without pieces (one count, 0) does not vote."""
+def _step_counts(control, old, pool, names, copy, step, steps):
+    """{optimizer state prefix "opt/<tag>": its step count} for each of `steps` (the step
+    counts' names over every rank), the same on every rank: each optimizer's pieces must all
+    have stepped as often (ShardedOptimizer's counts, kept per piece), else Error naming it. A
+    rank without pieces (one count, 0, or none) does not vote."""
     out = {}
-    for name in sorted(n for n in names if n.endswith(_STEPS)):
-        counts = [pool.tensor(name, names[name], torch.float64)[0].tolist()]
+    for name in sorted(steps):
+        counts = [pool.tensor(name, names[name], torch.float64)[0].tolist()] \
+            if name in names else []
         if copy is not None and name in copy[1]:
             raw, _ = old.state_buffer(f"copy/{step}/{name}", copy[1][name])
             counts.append(torch.from_numpy(raw.copy()).view(torch.float64).tolist())

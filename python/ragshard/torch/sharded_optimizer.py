@@ -148,6 +148,14 @@ class ShardedOptimizer(ModuleOptimizer):
         m = self.model
         self._steps = m.optimizer_state(self._tag, "step", -1, max(len(self.pieces), 1),
                                         torch.float64)
+        if getattr(m, "state_in_place", False):
+            # Made now, at their final size, so that the first step's journal names them (a
+            # re-cut after it reads them: recut.py).
+            dtypes = {ui: piece.dtype for (_, piece, _), (ui, _, _) in zip(self.pieces,
+                                                                           self.where)}
+            for ui, dtype in dtypes.items():
+                for key in keys:
+                    m.optimizer_state(self._tag, key, ui, self._unit_numel[ui], dtype)
         if m.resume_step <= 0 or self.opt is None:
             return
         recut = m.recut_step(f"opt/{self._tag}")

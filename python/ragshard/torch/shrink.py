@@ -139,6 +139,9 @@ def take_over(old, new, plan_old, plan_new, control, journal, units, survivors):
         dst, _ = to.tensor(name, numel, getattr(torch, dtype))
         dst.copy_(src)
         moved += src.numel() * src.element_size()
+    # The successor keeps its optimizers' state laid out as the job it came from (recut.py).
+    to.tensor("shrink/in_place", 1, torch.int64)[0][0] = \
+        int(pool.tensor("shrink/in_place", 1, torch.int64)[0][0])
     journal.meta[0] = step
     journal.meta[1] = step
     return step, moved, False

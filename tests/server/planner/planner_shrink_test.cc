@@ -407,6 +407,26 @@ TEST_F(PlannerShrinkTest, AReCutThatLeavesOneNodeGoesOnWithoutRedundancy) {
   EXPECT_EQ(next.options().redundancy(), "none");
 }
 
+TEST_F(PlannerShrinkTest, ReCuttingWithoutALostNodesOnlyCopyDegradesNamingBoth) {
+  RestartLosingNodes();
+  // replica over three nodes: node r1's copy is on r2 (the next on the ring); both lost.
+  CreateReady("gone", 6, 1, {"r0", "r0", "r1", "r1", "r2", "r2"}, "shrink", "replica");
+  RegisterNode("r1");
+  RegisterNode("r2");
+  (void)AwaitJob("gone", [](const v1::Job& j) {
+    return j.status() == v1::JOB_RECOVERING && absl::StrContains(j.error(), " too (after node '");
+  });
+  ASSERT_EQ(Recovered("gone", "r0", 1)->status(), v1::JOB_RECOVERING);
+  const v1::Job job =
+      AwaitJob("gone", [](const v1::Job& j) { return j.status() != v1::JOB_RECOVERING; });
+  EXPECT_EQ(job.status(), v1::JOB_DEGRADED);
+  EXPECT_THAT(job.error(), HasSubstr("it cannot shrink: node 'r1''s state was copied only on "
+                                     "node 'r2' (redundancy replica), lost too: the survivors "
+                                     "cannot re-cut"));
+  EXPECT_EQ(client_->GetJob("gone/shrink-1").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(Figure(kShrinks), 0);
+}
+
 TEST_F(PlannerShrinkTest, CreateJobRefusesAnUnknownOnNodeLossAndShrinkWithoutADeadline) {
   for (const char* bad : {"Shrink", "grow", "degrade", "shrink "}) {
     auto job = client_->CreateJob(Request("j", 2, 2, bad, kDeadlineMs));
