@@ -88,7 +88,8 @@ def _run(cluster, job, out, nproc, daemons, layout, extra):
 
 class References:
     """Per resume step s and layout: 2 x 2 (HSDP, or one shard group) saved after step s,
-    resumed at 1 x 2 to STEPS; once per step and layout per campaign."""
+    resumed at 1 x 2 to STEPS (for s = 0, 1 x 2 from the start: the initial state is the
+    seed's at any world size); once per step and layout per campaign."""
 
     def __init__(self, build):
         self.build, self.dir, self.outs = build, None, {}
@@ -100,9 +101,12 @@ class References:
             ckpt, out = os.path.join(self.dir, f"ckpt{tag}"), os.path.join(self.dir, f"ref{tag}")
             plain = [] if layout == "re-cut" else LAYOUTS[layout]
             with _cluster(self.build) as c:
-                _run(c, f"save-{tag}", out + "-a", 4, 2, plain,
-                     ["--steps", str(step), "--save", ckpt, "--save-step", str(step)])
-                _run(c, f"resume-{tag}", out, 2, 1, [], ["--resume", ckpt])
+                if step == 0:  # (the state every run starts from: 1 x 2 from the start)
+                    _run(c, f"fresh-{tag}", out, 2, 1, [], [])
+                else:
+                    _run(c, f"save-{tag}", out + "-a", 4, 2, plain,
+                         ["--steps", str(step), "--save", ckpt, "--save-step", str(step)])
+                    _run(c, f"resume-{tag}", out, 2, 1, [], ["--resume", ckpt])
             self.outs[(step, layout)] = out
         return self.outs[(step, layout)]
 
