@@ -90,7 +90,8 @@ class NodeRunner(Runner):
     def _launch(self, cluster, kind, job, redundancy, extra, watch=False):
         """redundancy None: no restarts; "none", "parity:2", "replica": --max-restarts 1 with it;
         "hsdp", "shrink": --replicate 3 and the same global batch, "shrink" with --on-node-loss
-        shrink and a deadline of SHRINK_DEADLINE."""
+        shrink and a deadline of SHRINK_DEADLINE; "recut": one shard group with --redundancy
+        replica, --on-node-loss shrink, that deadline and the same global batch."""
         out = os.path.join(self.work, job)
         cmd = [sys.executable, "-m", "ragshard.launch", "--preload", "torch", "--planner",
                cluster.planner, "--job", job, "--nproc", str(WORLD), "--sockets",
@@ -99,6 +100,11 @@ class NodeRunner(Runner):
             cmd += ["--replicate", str(REPLICAS), "--max-restarts", "1", "--recovery-deadline",
                     str(SHRINK_DEADLINE if redundancy == "shrink" else self.deadline)]
             cmd += ["--on-node-loss", "shrink"] if redundancy == "shrink" else []
+            batch = int(self.model[self.model.index("--batch") + 1])
+            extra = ["--global-batch", str(WORLD * batch)] + extra
+        elif redundancy == "recut":
+            cmd += ["--max-restarts", "1", "--recovery-deadline", str(SHRINK_DEADLINE),
+                    "--redundancy", "replica", "--on-node-loss", "shrink"]
             batch = int(self.model[self.model.index("--batch") + 1])
             extra = ["--global-batch", str(WORLD * batch)] + extra
         elif redundancy is not None:
@@ -190,11 +196,13 @@ class NodeRunner(Runner):
                             f"{show.stderr}")
         return {**row, "rebuilt_bytes": int(m.group(2))}
 
-    def shrunk(self, job, node, step, phase):
+    def shrunk(self, job, node, step, phase, how="shrink"):
         """Node `node` lost at `phase` of step `step` with no replacement, in the --replicate 3
-        job that shrinks: `_lose`'s figures, the world size of every step and the bytes rank 0
+        job that shrinks (`how` "shrink"), or the job of one shard group with replica that
+        re-cuts ("recut"): `_lose`'s figures, the world size of every step and the bytes rank 0
         took over (ShardedModule.shrink)."""
-        main, show, row = self._lose(job, "shrunk", "shrink", node, step, phase, False,
+        main, show, row = self._lose(job, "shrunk" if how == "shrink" else "re-cut", how, node,
+                                     step, phase, False,
                                      WORLD - PER_NODE)  # the successor's ranks write outputs
         if "SHRUNK" not in show.stdout:
             raise RunFailed(f"{job}: the job is not SHRUNK:\n{show.stdout}{show.stderr}")

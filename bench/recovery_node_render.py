@@ -83,6 +83,15 @@ def summarize(node):
         if r.get("resumed_step_line_at") is not None and r.get("first_step_seconds"):
             r["back_in"] = r["resumed_step_line_at"] - r["first_step_seconds"] - r["killed_at"]
     s["lost"]["shrink"] = sh
+    # A re-cut: against the replica job uninterrupted (the same layout and redundancy; its
+    # steps after the kill ran at 6 ranks, not 4).
+    rc = _ok(node.get("recut", []))
+    for r in rc:
+        base = s["walls"].get("replica")
+        r["lost"] = r["wall"] - base if base is not None else None
+        if r.get("resumed_step_line_at") is not None and r.get("first_step_seconds"):
+            r["back_in"] = r["resumed_step_line_at"] - r["first_step_seconds"] - r["killed_at"]
+    s["lost"]["recut"] = rc
     s["lost_median"] = {k: med([r["lost"] for r in v if r.get("lost") is not None])
                         for k, v in s["lost"].items()}
     return s
@@ -124,7 +133,8 @@ def plot(doc, s, png):
     sx.grid(axis="y", alpha=0.3)
     kinds = [("parity:2", "rebuilt\nparity:2"), ("replica", "rebuilt\nreplica"),
              ("checkpoint", f"checkpoint every\n{doc['save_every']} steps, restart all"),
-             ("shrink", "shrunk 6 → 4 ranks\n(no replacement)")]
+             ("shrink", "shrunk 6 → 4 ranks\n(HSDP, no replacement)"),
+             ("recut", "re-cut 6 → 4 ranks\n(replica, no replacement)")]
     for x, (k, _) in enumerate(kinds):
         rs = [r for r in s["lost"].get(k, []) if r.get("lost") is not None]
         for i, r in enumerate(rs):
@@ -247,11 +257,18 @@ def lines(doc, out):
           "and go on (docs/recovery.md, \"Shrinking in place\"); seconds lost: the wall time less "
           f"the median of that job uninterrupted ({_f(s.get('base_hsdp'))} s), whose steps after "
           "the kill ran at 6 ranks rather than 4; \"back in training\" (the kill to the first "
-          "step after it, less that step) holds no such difference.\n",
+          "step after it, less that step) holds no such difference. **Re-cut**: the same loss "
+          "with no replacement, in a job of one shard group of 6 ranks with `--redundancy "
+          "replica` (the same global batch) under `--on-node-loss shrink` and the same deadline: "
+          "the other 2 daemons' 4 ranks re-cut every unit's shards for 4 ranks over their data "
+          "plane, the lost node's share from its copy on the next node (docs/recovery.md); "
+          "seconds lost: the wall time less the median of the replica runs uninterrupted "
+          f"({_f(s['walls'].get('replica'))} s), whose steps after the kill ran at 6 ranks.\n",
           "| | seconds lost, median | min–max | trials |", "|---|---:|---:|---:|"]
     names = {"parity:2": "rebuilt from parity:2", "replica": "rebuilt from replica",
              "checkpoint": f"checkpoint every {doc['save_every']} steps, restart all, load",
-             "shrink": "shrunk in place, no replacement (6 → 4 ranks)"}
+             "shrink": "shrunk in place, no replacement (6 → 4 ranks)",
+             "recut": "re-cut in place from replica, no replacement (6 → 4 ranks)"}
     for k, name in names.items():
         xs = [r["lost"] for r in s["lost"].get(k, []) if r.get("lost") is not None]
         L.append(f"| {name} | {_f(med(xs))} | {span(xs)} | {len(xs)} |")
@@ -264,9 +281,10 @@ def lines(doc, out):
                      f"{r['first_step']} | {_f(r.get('back_in'))} | {r['wall']:.2f} | "
                      f"{_f(r.get('lost'))} | {r['rebuilt_bytes']:,} | "
                      f"{_f(r.get('max_abs_diff'), '{:.1e}')} | {_f(r.get('others_cores'))} |")
-    for i, r in enumerate(s["lost"].get("shrink", [])):
+    for i, (k, r) in enumerate([("shrunk", r) for r in s["lost"].get("shrink", [])] +
+                               [("re-cut", r) for r in s["lost"].get("recut", [])]):
         ws = r.get("world_sizes") or []
-        L.append(f"| {i + 1} | shrunk {ws[0] if ws else '?'} → {ws[-1] if ws else '?'} ranks | "
+        L.append(f"| {i + 1} | {k} {ws[0] if ws else '?'} → {ws[-1] if ws else '?'} ranks | "
                  f"{r['node']} | {r['step']} | {r['phase']} | {r['first_step']} | "
                  f"{_f(r.get('back_in'))} | {r['wall']:.2f} | {_f(r.get('lost'))} | "
                  f"{_f(r.get('shrunk_bytes'), '{:,}')} (taken over, rank 0) | — | "
@@ -282,7 +300,7 @@ def lines(doc, out):
            for r in v if "error" in r]
     bad += [(f"rebuilt {k}", r["error"]) for k, v in node["rebuilt"].items() for r in v
             if "error" in r]
-    bad += [(k, r["error"]) for k in ("saved", "checkpointed", "hsdp", "shrunk")
+    bad += [(k, r["error"]) for k in ("saved", "checkpointed", "hsdp", "shrunk", "recut")
             for r in node.get(k, []) if "error" in r]
     if bad:
         L.append("Failed node-loss runs:\n")

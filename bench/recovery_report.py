@@ -112,7 +112,7 @@ def run_node(args, build, work):
     node = {"reps": args.node_reps, "trials": args.node_trials,
             "uninterrupted": {k: [] for k in SCHEMES},
             "rebuilt": {k: [] for k in ("parity:2", "replica")}, "saved": [],
-            "checkpointed": [], "hsdp": [], "shrunk": [], "seed": args.seed,
+            "checkpointed": [], "hsdp": [], "shrunk": [], "recut": [], "seed": args.seed,
             "commands": run.commands, "shrink_deadline": SHRINK_DEADLINE}
     t0 = time.time()
 
@@ -146,6 +146,8 @@ def run_node(args, build, work):
                                 run.uninterrupted, f"n{i}-hsdp", "hsdp"))
         node["shrunk"].append(one(f"trial {i + 1}: the same loss, no replacement: shrunk",
                                   run.shrunk, f"n{i}-shrunk", n, step, phase))
+        node["recut"].append(one(f"trial {i + 1}: the same loss, replica, no replacement: "
+                                 "re-cut", run.shrunk, f"n{i}-recut", n, step, phase, "recut"))
         for name in os.listdir(work):
             if name.endswith(".ckpt"):
                 shutil.rmtree(os.path.join(work, name), ignore_errors=True)
