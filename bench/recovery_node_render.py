@@ -132,9 +132,9 @@ def plot(doc, s, png):
     sx.set_title("step time, --max-restarts 1, alternated runs", fontsize=10)
     sx.grid(axis="y", alpha=0.3)
     kinds = [("parity:2", "rebuilt\nparity:2"), ("replica", "rebuilt\nreplica"),
-             ("checkpoint", f"checkpoint every\n{doc['save_every']} steps, restart all"),
-             ("shrink", "shrunk 6 → 4 ranks\n(HSDP, no replacement)"),
-             ("recut", "re-cut 6 → 4 ranks\n(replica, no replacement)")]
+             ("checkpoint", f"checkpoint\nevery {doc['save_every']} steps,\nrestart all"),
+             ("shrink", "shrunk, HSDP\n6 → 4 ranks"),
+             ("recut", "re-cut, replica\n6 → 4 ranks")]
     for x, (k, _) in enumerate(kinds):
         rs = [r for r in s["lost"].get(k, []) if r.get("lost") is not None]
         for i, r in enumerate(rs):
