@@ -209,7 +209,10 @@ def test_without_restarts_a_lost_rank_fails_the_job_named(cluster, tmp_path):
                     "--out", out, "--kill-at", f"1:2:forward:{mark}"] + SMALL
     r = preloaded.run(cmd, env=env(), capture_output=True, text=True, timeout=300)
     assert r.returncode != 0
-    assert "rank 1 exited with -9; stopping the others" in r.stderr
+    # The launcher may see rank 1's SIGKILL first ("rank 1 exited with -9; stopping the
+    # others"), or another rank's failure on losing it first ("... stopping the others", then
+    # "rank 1 exited with -9 too"): which exit it reaps first is the machine's timing.
+    assert "rank 1 exited with -9" in r.stderr and "stopping the others" in r.stderr, r.stderr
 
 
 def test_launcher_refuses_bad_recovery_flags(tmp_path):
