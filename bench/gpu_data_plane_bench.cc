@@ -98,7 +98,7 @@ int Run(int64_t bytes, int reps, int64_t pool) {
       TimeIt(reps, [&] { return ok((*dp)->Unshard(0, deadline())) && ok((*dp)->Reshard(0, 1)); });
   const double reduce = TimeIt(reps, [&] {
     return ok((*dp)->AllocateGrad(0)) &&
-           ok((*dp)->ReduceScatter(0, daemon::ReduceOp::kSum, deadline()));
+           ok((*dp)->ReduceScatter(0, daemon::ReduceOp::kSum, /*accumulate=*/false, deadline()));
   });
   if (!error.empty()) return Fail(error);
   void *a = nullptr, *b = nullptr;

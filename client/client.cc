@@ -316,7 +316,7 @@ const char* Client::UnshardedData(int unit) const {
 }
 
 absl::StatusOr<OpHandle> Client::StartOp(v1::OpKind kind, int unit, v1::ReduceKind op,
-                                         int keep_ranks) {
+                                         int keep_ranks, bool accumulate) {
   if (attachment_.empty()) return absl::FailedPreconditionError("not attached");
   if (!v1::OpKind_IsValid(kind) || kind == v1::OP_KIND_UNSPECIFIED || kind == v1::OP_NOOP) {
     return absl::InvalidArgumentError(absl::StrCat("kind: ", static_cast<int>(kind),
@@ -332,6 +332,7 @@ absl::StatusOr<OpHandle> Client::StartOp(v1::OpKind kind, int unit, v1::ReduceKi
     c.unit = unit;
     c.reduce = op;
     c.keep_ranks = keep_ranks;
+    c.accumulate = accumulate ? 1 : 0;
     c.timeout_ms = options_.timeout.count();
     auto t = queue_->Start(c);
     if (!t.ok()) return t.status();
@@ -343,6 +344,7 @@ absl::StatusOr<OpHandle> Client::StartOp(v1::OpKind kind, int unit, v1::ReduceKi
   req.set_unit_index(unit);
   req.set_reduce(op);
   req.set_keep_ranks(keep_ranks);
+  req.set_accumulate(accumulate);
   req.set_timeout_ms(options_.timeout.count());
   v1::StartResponse resp;
   grpc::ClientContext ctx;
@@ -364,8 +366,8 @@ absl::StatusOr<OpHandle> Client::AllocateUnsharded(int unit) {
 absl::StatusOr<OpHandle> Client::AllocateGrad(int unit) {
   return StartOp(v1::OP_ALLOCATE_GRAD, unit, v1::REDUCE_SUM);
 }
-absl::StatusOr<OpHandle> Client::ReduceScatter(int unit, v1::ReduceKind op) {
-  return StartOp(v1::OP_REDUCE_SCATTER, unit, op);
+absl::StatusOr<OpHandle> Client::ReduceScatter(int unit, v1::ReduceKind op, bool accumulate) {
+  return StartOp(v1::OP_REDUCE_SCATTER, unit, op, /*keep_ranks=*/0, accumulate);
 }
 
 absl::StatusOr<OpHandle> Client::AllReduce(int unit, v1::ReduceKind op) {

@@ -168,7 +168,10 @@ class Client {
   absl::StatusOr<OpHandle> AllocateUnsharded(int unit);
   // The unit's gradient buffers, zero-filled unless they exist: the start of its backward.
   absl::StatusOr<OpHandle> AllocateGrad(int unit);
-  absl::StatusOr<OpHandle> ReduceScatter(int unit, v1::ReduceKind op = v1::REDUCE_AVG);
+  // `accumulate`: the reduction is added to what the gradient shard holds (gradient
+  // accumulation by repeated backward) instead of replacing it.
+  absl::StatusOr<OpHandle> ReduceScatter(int unit, v1::ReduceKind op = v1::REDUCE_AVG,
+                                         bool accumulate = false);
   // The gradient shards over the replicate dimension (HSDP); done at once without replicas.
   absl::StatusOr<OpHandle> AllReduce(int unit, v1::ReduceKind op = v1::REDUCE_AVG);
   // The gradient-shard pieces of the unit's matrix tensors to their owners' buffers, and back.
@@ -207,9 +210,10 @@ class Client {
 
   // Starts an operation of any kind (the named methods above are this with their kind): what
   // the Python binding passes down as the enum itself. `op` is for the reductions, `keep_ranks`
-  // for OP_RESHARD. INVALID_ARGUMENT for OP_NOOP and unknown kinds.
+  // for OP_RESHARD, `accumulate` for OP_REDUCE_SCATTER. INVALID_ARGUMENT for OP_NOOP and unknown
+  // kinds.
   absl::StatusOr<OpHandle> StartOp(v1::OpKind kind, int unit, v1::ReduceKind op = v1::REDUCE_SUM,
-                                   int keep_ranks = 0);
+                                   int keep_ranks = 0, bool accumulate = false);
 
   // The longest one wait call to the daemon lasts (OpHandle::Wait repeats it).
   static constexpr std::chrono::milliseconds kWaitSlice{2000};

@@ -27,7 +27,7 @@ FSDP2 and ragshard reduce) is then the gradient of the global batch's mean loss.
 
 --out PATH writes PATH.json (rank 0): each step's loss (the global batch's mean), learning rate
 and gradient norm (before clipping), the first step run, and each final parameter's sum and
-norm (FSDP2's fp32 masters; under ragshard with --bf16, the bf16 values the forward uses).
+norm (the fp32 masters under either backend, also with --bf16).
 ragshard is imported from the installed package (`pip install .`) or from the build folder
 (PYTHONPATH=build/python).
 """

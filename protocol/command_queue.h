@@ -38,7 +38,7 @@ struct QueueCommand {
   int32_t unit = 0;
   int32_t reduce = 0;
   int32_t keep_ranks = 0;
-  int32_t reserved = 0;
+  int32_t accumulate = 0;  // OP_REDUCE_SCATTER: StartRequest.accumulate
   int64_t timeout_ms = 0;
 };
 

@@ -310,7 +310,8 @@ int rs_client_buffer(rs_client* c, int unit, int kind, uintptr_t* ptr, int64_t* 
   return 0;
 }
 
-int rs_client_op(rs_client* c, int kind, int unit, int reduce, int keep, rs_handle** out) {
+int rs_client_op(rs_client* c, int kind, int unit, int reduce, int keep, int accumulate,
+                 rs_handle** out) {
   const std::lock_guard<std::mutex> lock(c->mu);
   // GPU buffers: torch's kernels that write them are queued on torch's streams; the daemon's
   // operation must see what they wrote.
@@ -319,7 +320,7 @@ int rs_client_op(rs_client* c, int kind, int unit, int reduce, int keep, rs_hand
     if (!s.ok()) return Fail(s);
   }
   auto h = c->client->StartOp(static_cast<v1::OpKind>(kind), unit,
-                              static_cast<v1::ReduceKind>(reduce), keep);
+                              static_cast<v1::ReduceKind>(reduce), keep, accumulate != 0);
   if (!h.ok()) return Fail(h.status());
   *out = new rs_handle{*h, c};
   return 0;

@@ -76,8 +76,10 @@ int rs_client_layout(rs_client* c, int unit, int64_t out[9]);
 int rs_client_buffer(rs_client* c, int unit, int kind, uintptr_t* ptr, int64_t* count,
                      const char** typestr);
 /* kind: a ragshard.v1.OpKind number (proto/ragshard/v1/daemon.proto; not OP_NOOP), reduce a
- * ragshard.v1.ReduceKind (0 sum, 1 avg; for the reductions), keep the group of OP_RESHARD. */
-int rs_client_op(rs_client* c, int kind, int unit, int reduce, int keep, rs_handle** out);
+ * ragshard.v1.ReduceKind (0 sum, 1 avg; for the reductions), keep the group of OP_RESHARD,
+ * accumulate (0 or 1) whether OP_REDUCE_SCATTER adds into the gradient shards. */
+int rs_client_op(rs_client* c, int kind, int unit, int reduce, int keep, int accumulate,
+                 rs_handle** out);
 int rs_client_noop(rs_client* c);
 /* The daemon's pool and this job's figures, as a JSON object. */
 int rs_client_stats(rs_client* c, const char** out);

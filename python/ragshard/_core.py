@@ -125,7 +125,7 @@ def _load():
         "rs_client_layout": (i32, [c_p, i32, ctypes.POINTER(i64)]),
         "rs_client_buffer": (i32, [c_p, i32, i32, ctypes.POINTER(ctypes.c_size_t),
                                    ctypes.POINTER(i64), out_str]),
-        "rs_client_op": (i32, [c_p, i32, i32, i32, i32, ctypes.POINTER(c_p)]),
+        "rs_client_op": (i32, [c_p, i32, i32, i32, i32, i32, ctypes.POINTER(c_p)]),
         "rs_client_noop": (i32, [c_p]),
         "rs_client_stats": (i32, [c_p, out_str]),
         "rs_client_state_buffer": (i32, [c_p, cstr, i64, ctypes.POINTER(ctypes.c_size_t),
@@ -437,11 +437,11 @@ class Client(_NoCopy):
     def owner_buffer(self, unit):
         return self._buffer(unit, "owner_buffer")
 
-    def _op(self, kind, unit, reduce=ReduceKind.SUM, keep=0):
+    def _op(self, kind, unit, reduce=ReduceKind.SUM, keep=0, accumulate=False):
         h = ctypes.c_void_p()
         issued = time.monotonic_ns()
         _check(_lib.rs_client_op(self._c, int(kind), _unit(unit), int(reduce), int(keep),
-                                 ctypes.byref(h)))
+                                 int(bool(accumulate)), ctypes.byref(h)))
         return Handle(self, h, (kind, unit, issued) if self.trace is not None else None)
 
     def unshard(self, unit):
@@ -456,8 +456,11 @@ class Client(_NoCopy):
     def allocate_grad(self, unit):
         return self._op(OpKind.ALLOCATE_GRAD, unit)
 
-    def reduce_scatter(self, unit, op="avg"):
-        return self._op(OpKind.REDUCE_SCATTER, unit, _reduce(op))
+    def reduce_scatter(self, unit, op="avg", accumulate=False):
+        """Reduces unit `unit`'s gradients (op "avg" or "sum") into this rank's gradient shard
+        and releases them; `accumulate`: added to what the shard holds (repeated backward
+        passes add up), else the shard is replaced."""
+        return self._op(OpKind.REDUCE_SCATTER, unit, _reduce(op), accumulate=accumulate)
 
     def all_reduce(self, unit, op="avg"):
         return self._op(OpKind.ALL_REDUCE, unit, _reduce(op))

@@ -46,8 +46,10 @@ class DataBackend {
   virtual absl::Status Reshard(int unit, int64_t keep) = 0;
   // Allocates the unit's unsharded gradients, zero-filled, unless they exist.
   virtual absl::Status AllocateGrad(int unit) = 0;
-  // Reduces the gradients into the gradient shards and releases them.
-  virtual absl::Status ReduceScatter(int unit, ReduceOp op, absl::Time deadline) = 0;
+  // Reduces the gradients into the gradient shards (`accumulate`: added to what each holds) and
+  // releases them.
+  virtual absl::Status ReduceScatter(int unit, ReduceOp op, bool accumulate,
+                                     absl::Time deadline) = 0;
   virtual absl::Status AllReduce(int unit, ReduceOp op, absl::Time deadline) = 0;
   virtual absl::Status GatherToOwner(int unit, absl::Time deadline) = 0;
   virtual absl::Status ScatterFromOwner(int unit, absl::Time deadline) = 0;

@@ -71,6 +71,11 @@ absl::Status HostTransport::Copy(int, char* dst, int, const char* src, int64_t b
   return absl::OkStatus();
 }
 
+absl::Status HostTransport::Add(int, float* dst, const float* src, int64_t elems, absl::Time) {
+  for (int64_t i = 0; i < elems; ++i) dst[i] += src[i];
+  return absl::OkStatus();
+}
+
 void HostTransport::CopyToReplicas(Factor f, const std::function<char*(int)>& at, size_t offset,
                                    size_t bytes) const {
   if (shape_ == HostShape::kNode) return;

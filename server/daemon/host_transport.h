@@ -55,6 +55,8 @@ class HostTransport final : public Transport {
   absl::Status Zero(int local, char* data, int64_t bytes) override;
   absl::Status Copy(int dst_local, char* dst, int src_local, const char* src, int64_t bytes,
                     absl::Time deadline) override;
+  absl::Status Add(int local, float* dst, const float* src, int64_t elems,
+                   absl::Time deadline) override;
   int view_fd() const override;
   const char* base(int local) const override { return pool_->base(); }
   void DescribeMemory(int, v1::AttachResponse*) const override {}  // the daemon sends the memfd

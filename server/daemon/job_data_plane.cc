@@ -412,7 +412,8 @@ absl::Status JobDataPlane::AllocateGrad(int unit) {
   return absl::OkStatus();
 }
 
-absl::Status JobDataPlane::ReduceScatter(int unit, ReduceOp op, absl::Time deadline) {
+absl::Status JobDataPlane::ReduceScatter(int unit, ReduceOp op, bool accumulate,
+                                         absl::Time deadline) {
   if (auto s = CheckUnit(unit); !s.ok()) return s;
   const uint64_t tag = NextTag(unit, MessageStamp::kReduceScatter);
   Unit& u = units_[unit];
@@ -430,9 +431,35 @@ absl::Status JobDataPlane::ReduceScatter(int unit, ReduceOp op, absl::Time deadl
   out.reserve(local_ranks());
   for (const Lease& g : u.grad) inputs.push_back(g.data());
   for (int i = 0; i < local_ranks(); ++i) out.push_back(grad_shard(unit, i));
+  // Accumulating: what each distinct gradient shard holds (local ranks may share one), kept
+  // aside in its rank's memory while the reduction is formed in its place, then added back.
+  std::vector<std::pair<int, Lease>> held;
+  if (accumulate) {
+    const int64_t bytes = u.grad_elems * 4;
+    for (int i = 0; i < local_ranks(); ++i) {
+      if (std::find(out.begin(), out.begin() + i, out[i]) != out.begin() + i) continue;
+      auto l = AllocateFor(u, "accumulated gradient shard", i, bytes, /*zero=*/false);
+      if (!l.ok()) {
+        u.grad.clear();
+        return l.status();
+      }
+      if (auto s = transport_->Copy(i, l->data(), i, reinterpret_cast<const char*>(out[i]), bytes,
+                                    deadline);
+          !s.ok()) {
+        u.grad.clear();
+        return s;
+      }
+      held.emplace_back(i, std::move(*l));
+    }
+  }
   absl::Status st = transport_->ReduceScatter(inputs, u.dtype, u.grad_elems, out, op, ScratchFor(u),
                                               deadline, tag);
   u.grad.clear();
+  for (auto& [i, l] : held) {
+    if (!st.ok()) break;
+    st = transport_->Add(i, out[static_cast<size_t>(i)], reinterpret_cast<const float*>(l.data()),
+                         u.grad_elems, deadline);
+  }
   return st;
 }
 

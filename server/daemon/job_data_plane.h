@@ -109,8 +109,12 @@ class JobDataPlane final : public DataBackend {
   absl::Status AllocateGrad(int unit) override;
   // Sum (or mean) over the shard group's F ranks of the gradients into each local rank's
   // gradient shard, accumulated in fp32 (gradients may be fp32, bf16 or fp16); then the
-  // gradients are released. FAILED_PRECONDITION when they were not allocated.
-  absl::Status ReduceScatter(int unit, ReduceOp op, absl::Time deadline) override;
+  // gradients are released. FAILED_PRECONDITION when they were not allocated. `accumulate`:
+  // each gradient shard receives what it held plus the reduction (the reduction is formed in
+  // the shard's place, then the held values, kept aside in pool scratch, are added back), so
+  // repeated backward passes add up as PyTorch's .grad does.
+  absl::Status ReduceScatter(int unit, ReduceOp op, bool accumulate,
+                             absl::Time deadline) override;
   // Sum (or mean) of the gradient shards over the R replicas, in place (HSDP); nothing to do
   // when R = 1.
   absl::Status AllReduce(int unit, ReduceOp op, absl::Time deadline) override;

@@ -101,6 +101,7 @@ absl::StatusOr<uint64_t> JobRuntime::StartOp(int local, const OpRequest& req) {
     op.unit = req.unit;
     op.reduce = req.reduce;
     op.keep = req.keep_ranks;
+    op.accumulate = req.accumulate;
     op.first_start = absl::Now();
     op.deadline = op.first_start + absl::Milliseconds(req.timeout_ms > 0 ? req.timeout_ms : 60000);
   } else if (op.kind != req.kind || op.unit != req.unit || op.reduce != req.reduce ||
@@ -112,6 +113,10 @@ absl::StatusOr<uint64_t> JobRuntime::StartOp(int local, const OpRequest& req) {
     // The job cannot go on: the job thread tells the other nodes and the planner.
     if (abort_.ok()) abort_ = op.status;
     return seq;
+  } else {
+    // A rank whose gradient shard is known to be zero asks for no accumulation; adding into
+    // zeros is exact, so one rank that asks is enough.
+    op.accumulate = op.accumulate || req.accumulate;
   }
   if (++op.started == static_cast<int>(local_ranks_.size()) && !op.done) queue_.push_back(seq);
   return seq;
@@ -444,7 +449,7 @@ absl::Status JobRuntime::Execute(const Op& op) {
     case v1::OP_ALLOCATE_GRAD:
       return dp_->AllocateGrad(op.unit);
     case v1::OP_REDUCE_SCATTER:
-      return dp_->ReduceScatter(op.unit, ToReduceOp(op.reduce), op.deadline);
+      return dp_->ReduceScatter(op.unit, ToReduceOp(op.reduce), op.accumulate, op.deadline);
     case v1::OP_ALL_REDUCE:
       return dp_->AllReduce(op.unit, ToReduceOp(op.reduce), op.deadline);
     case v1::OP_GATHER_TO_OWNER:

@@ -159,6 +159,7 @@ class JobRuntime final : public OpTarget {
     int unit = 0;
     v1::ReduceKind reduce = v1::REDUCE_SUM;
     int64_t keep = 0;
+    bool accumulate = false;  // OR of the local ranks' requests
     absl::Time deadline;
     absl::Time first_start;  // when the first local rank started it
     int started = 0;

@@ -5,7 +5,7 @@
 namespace ragshard::daemon {
 
 absl::StatusOr<OpRequest> MakeOpRequest(int kind, int unit, int reduce, int64_t keep_ranks,
-                                        int64_t timeout_ms) {
+                                        bool accumulate, int64_t timeout_ms) {
   if (!v1::OpKind_IsValid(kind) || kind == v1::OP_KIND_UNSPECIFIED) {
     return absl::InvalidArgumentError(
         absl::StrCat("kind: ", kind, " is not an operation (ragshard.v1.OpKind)"));
@@ -19,13 +19,14 @@ absl::StatusOr<OpRequest> MakeOpRequest(int kind, int unit, int reduce, int64_t 
   r.unit = unit;
   r.reduce = static_cast<v1::ReduceKind>(reduce);
   r.keep_ranks = keep_ranks;
+  r.accumulate = accumulate;
   r.timeout_ms = timeout_ms;
   return r;
 }
 
 absl::StatusOr<OpRequest> MakeOpRequest(const v1::StartRequest& req) {
   return MakeOpRequest(req.kind(), req.unit_index(), req.reduce(), req.keep_ranks(),
-                       req.timeout_ms());
+                       req.accumulate(), req.timeout_ms());
 }
 
 }  // namespace ragshard::daemon

@@ -27,12 +27,13 @@ struct OpRequest {
   int unit = 0;
   v1::ReduceKind reduce = v1::REDUCE_SUM;
   int64_t keep_ranks = 0;
+  bool accumulate = false;  // OP_REDUCE_SCATTER: add into the gradient shards
   int64_t timeout_ms = 0;  // 0: 60 s
 };
 
 // The request from its raw fields; INVALID_ARGUMENT names a kind or reduce kind that is not one.
 absl::StatusOr<OpRequest> MakeOpRequest(int kind, int unit, int reduce, int64_t keep_ranks,
-                                        int64_t timeout_ms);
+                                        bool accumulate, int64_t timeout_ms);
 // The same, from the gRPC Start request.
 absl::StatusOr<OpRequest> MakeOpRequest(const v1::StartRequest& req);
 

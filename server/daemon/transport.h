@@ -93,6 +93,10 @@ class Transport {
   // complete on return.
   virtual absl::Status Copy(int dst_local, char* dst, int src_local, const char* src, int64_t bytes,
                             absl::Time deadline) = 0;
+  // dst[i] += src[i] for i < elems, both fp32 in local rank `local`'s memory (gradient
+  // accumulation: a reduction added to what a gradient shard held); complete on return.
+  virtual absl::Status Add(int local, float* dst, const float* src, int64_t elems,
+                           absl::Time deadline) = 0;
   // The memfd of the node's shared memory, into which the data plane may map unsharded views
   // (protocol/unsharded_view.h), or -1 where buffers cannot be composed so.
   virtual int view_fd() const { return -1; }

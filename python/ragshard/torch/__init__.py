@@ -10,7 +10,7 @@
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 100))
     for batch in data:
         loss = model(batch).mean(); loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # or model.clip_grad_norm_(1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # torch's own, on ShardGrads
         opt.step(); sched.step(); opt.zero_grad()
 
 One FSDP unit per submodule chosen by the policy `units(module)`; parameters outside every unit
@@ -40,6 +40,18 @@ Hooks, with the mechanisms FSDP2 uses:
   did not run), then reduces the used-parameter flags and waits. Every rank therefore issues
   the same operations in the same order, whatever its data reached.
 
+ragshard's hooks keep FSDP2's order against the user's (hooks.py): the unshard before any
+forward pre-hook of the user's, the reshard after the user's forward hooks, the backward's
+unshard before the user's backward pre-hooks, whenever the user registered them.
+
+Gradients accumulate as PyTorch's .grad does: each backward adds its reduced gradients into the
+gradient shard (the daemon's reduce-scatter with accumulate) until zero_grad, so several
+`loss.backward()` calls before one `opt.step()` sum, with or without no_sync. After a backward,
+each parameter with a gradient holds in `.grad` a ShardGrad (grads.py): this rank's piece of the
+global gradient, on which torch's own clip_grad_norm_, get_total_norm, clip_grads_with_norm_ and
+clip_grad_value_ compute over every rank's pieces (as on FSDP2's DTensor gradients); nothing of
+torch's is replaced.
+
 Gradients with PyTorch's meaning: `zero_grad(set_to_none=True)` (the default, on the module
 and on the optimizers) forgets which parameters have a gradient; after a backward, a parameter
 has one if any rank's backward reached it (the ranks OR their flags through a small
@@ -51,14 +63,14 @@ Mixed precision: `param_dtype="bf16"` gathers and computes in bf16 with fp32 mas
 the optimizer, gradients reduced in fp32 (FSDP2's MixedPrecisionPolicy(bf16, fp32)); the
 default is fp32 throughout.
 """
-from . import clip
+from .fsdp_api import UnshardHandle, register_fsdp_forward_method, share_comm_ctx
+from .grads import ShardGrad
 from .module import ShardedModule, fully_shard
 from .optim import ShardedMuon, newton_schulz
 from .optim8bit import ShardedAdam8bit
 from .shampoo import ShardedShampoo
 from .sharded_optimizer import ELEMENTWISE, ShardedAdamW, ShardedOptimizer
 
-clip.install()  # torch.nn.utils.clip_grad_norm_ on a fully_shard module's parameters
-
 __all__ = ["fully_shard", "ShardedModule", "ShardedOptimizer", "ShardedAdamW", "ShardedMuon",
-           "ShardedAdam8bit", "ShardedShampoo", "ELEMENTWISE", "newton_schulz"]
+           "ShardedAdam8bit", "ShardedShampoo", "ELEMENTWISE", "newton_schulz", "ShardGrad",
+           "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx"]

@@ -85,6 +85,11 @@ class UnitBuffers:
             self._client.allocate_grad(ui).wait()
         self._bind_grads(ui)  # again after zero_grad(set_to_none=True) under no_sync
 
+    def scale_grads(self, ui, factor):
+        """Multiplies this rank's gradients of unit `ui` (allocated) by `factor`."""
+        full, _ = self._views_of(ui, self._client.grad(ui), "grad")
+        full.mul_(factor)
+
     def drop_grads(self, ui):
         """Forgets unit `ui`'s gradient buffer (its reduce-scatter releases it): .grad None."""
         self._grads.discard(ui)

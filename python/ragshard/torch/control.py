@@ -1,7 +1,12 @@
 """The two small units fully_shard registers after the module's own, and what runs through
-them: sums of one float per rank (gradient clipping's norm), and the used-parameter flags that
-decide which parameters have a gradient."""
+them: sums of one float per rank, sums of short vectors and the largest (or smallest) value over
+the ranks (the gradient norms of grads.py), and the used-parameter flags that decide which
+parameters have a gradient."""
+import math
+
 import torch
+
+from .grads import float_key, key_float
 
 from .views import as_tensor
 
@@ -30,6 +35,7 @@ class ControlUnits:
 
     def __init__(self, client, layout, first, nparams):
         self._client, self._replicas = client, layout.replicas
+        self._rank, self._world = layout.rank, layout.world
         self._scalar, self._flags, self._nparams = first, first + 1, nparams
         self._flag_elems = layout.grad_elems[self._flags]
         if self._flag_elems < nparams:
@@ -50,6 +56,62 @@ class ControlUnits:
         """The sum over ranks of one float per rank (every element of this rank's gradient
         holds `value`, so every element of the reduced shard holds the sum)."""
         return float(self._sum(self._scalar, lambda g: g.fill_(float(value)))[0])
+
+    def all_reduce_sum(self, values):
+        """The sum over ranks of each of `values` (floats; every rank passes as many), in fp32:
+        through the flags unit, whose reduced shard is a vector of its per-rank length (several
+        rounds for a longer list)."""
+        out = []
+        for at in range(0, max(len(values), 1), self._flag_elems):
+            chunk = torch.tensor(values[at:at + self._flag_elems], dtype=torch.float32)
+
+            def write(g, chunk=chunk):
+                g.view(-1, self._flag_elems)[:, :len(chunk)] = chunk
+            out.extend(self._sum(self._flags, write)[:len(chunk)].tolist())
+        return out[:len(values)]
+
+    def all_reduce_extreme(self, value, high=True):
+        """The largest (`high`) or smallest of one float per rank over every rank, exactly:
+        `value` ≥ 0 (or +inf, or NaN), None where this rank has none to give. None where no
+        rank gave one; NaN where any gave NaN. Where twice the world fits in the flags unit's
+        per-rank length, one round (a gather done as a sum); else a radix search over the
+        values' bits, a few bits per round (at most 32 rounds, 4 with 255 or more elements)."""
+        w = self._world
+        if 2 * w <= self._flag_elems:
+            # One round: rank r writes its value at slot r and 1 at slot w + r (zeros elsewhere,
+            # so each slot's sum is that rank's).
+            mine = [0.0] * (2 * w)
+            if value is not None:
+                mine[self._rank], mine[w + self._rank] = value, 1.0
+            sums = self.all_reduce_sum(mine)
+            got = [v for v, present in zip(sums[:w], sums[w:]) if present > 0]
+            if not got:
+                return None
+            if any(math.isnan(v) for v in got):
+                return math.nan
+            return max(got) if high else min(got)
+        flags = self.all_reduce_sum([1.0 if value is not None else 0.0,
+                                     1.0 if value is not None and math.isnan(value) else 0.0])
+        if flags[0] == 0:
+            return None
+        if flags[1] > 0:
+            return math.nan
+        key = float_key(value, high) if value is not None else None
+        bits = min(8, int(math.log2(self._flag_elems + 1)))
+        prefix, known = 0, 0
+        while known < 32:
+            step = min(bits, 32 - known)
+            shift = 32 - known - step
+            digits = [0.0] * ((1 << step) - 1)
+            if key is not None and key >> (shift + step) == prefix:
+                d = (key >> shift) & ((1 << step) - 1)
+                if d:
+                    digits[d - 1] = 1.0
+            counts = self.all_reduce_sum(digits)
+            found = [i + 1 for i, c in enumerate(counts) if c > 0]
+            prefix = (prefix << step) | (max(found) if found else 0)
+            known += step
+        return key_float(prefix, high)
 
     def ranks_using(self, used):
         """For each parameter, the number of ranks whose set `used` holds its index: each rank

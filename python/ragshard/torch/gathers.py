@@ -42,26 +42,22 @@ class UnitGathers:
         else:
             self._started[ui] = self._client.unshard(ui)
 
+    def start(self, ui):
+        """Starts unit `ui`'s unshard (the root's too) unless it is unsharded or started: the
+        next `unshard` binds it (FSDPModule.unshard(async_op=True))."""
+        if self._binding.is_bound(ui) or ui in self._started or self._quantized.is_started(ui):
+            return
+        if self._quantized.covers(ui):
+            self._quantized.prefetch(ui)
+        else:
+            self._started[ui] = self._client.unshard(ui)
+
     def reshard(self, ui, keep=0):
         """Reshards unit `ui` where it is unsharded; `keep` > 1 keeps it within groups of that
         many local ranks (reshard_after_forward=n; not for quantized units)."""
         if self._binding.is_bound(ui):
             self._client.reshard(ui, 0 if self._quantized.covers(ui) else keep).wait()
             self._binding.free(ui)
-
-    def gather(self, ui, quantize=None):
-        """ShardedModule.unshard: all-gathers unit `ui` and binds it, quantized with
-        `quantize` (the module's mode) or plain."""
-        if quantize is None or not self._quantized.covers(ui):
-            if quantize is not None:
-                raise ValueError(f"unit {ui} was not set up for quantized gathers")
-            self._client.unshard(ui).wait()
-            self._binding.bind(ui)
-            return
-        if quantize != self._quantized.mode:
-            raise ValueError(f"quantize: this module gathers {self._quantized.mode}, not "
-                             f"{quantize}")
-        self._quantized.gather(ui)
 
     def gather_exact(self, ui):
         """All-gathers unit `ui`'s exact values (a quantized unit's from its fp32 master) and

@@ -9,10 +9,11 @@ import sys
 import torch
 
 from .. import Client, Env, Error, connect, plan_of
-from . import clip
 from .buffers import UnitBuffers
 from .control import ControlUnits, GradUse, control_inventory
+from .fsdp_api import FSDPMethods, HookOrder, adopt_unit_modules, fsdp2_options
 from .gathers import UnitGathers
+from .grads import GradNorms, ShardGrads
 from .hooks import UnitHooks
 from .layout import ShardLayout
 from .meta import adopt_meta
@@ -23,6 +24,7 @@ from .recovery import (PoolState, StepJournal, agree_on_committed, rebuild_state
 from .shards import RankShards
 from .._shrink import SHRINK_EXIT, follow, whole_copies
 from .recut import in_place, recut_step
+from .settings import UnitSettings
 from .shrink import release, salvage, salvage_to_release, take_over
 from .state import ModuleState
 from .trace import Trace
@@ -40,8 +42,11 @@ def _world_from_environment():
                    0) or None
 
 
-class ShardedModule(torch.nn.Module):
-    """`module` with its parameters in ragshard buffers; see the package docstring.
+class ShardedModule(FSDPMethods, HookOrder, torch.nn.Module):
+    """`module` with its parameters in ragshard buffers; see the package docstring. It is the
+    root of FSDP2's module API (fsdp_api.py): FSDPModule's methods, which on the root act on the
+    parameters outside every unit and, with `recurse`, on every unit; each unit's submodule has
+    them too, for its own unit.
 
     Its parts, each an object built with what it needs (attributes are private; the public API
     below delegates to them):
@@ -53,17 +58,26 @@ class ShardedModule(torch.nn.Module):
       unshard, prefetch and reshard;
     * `_control` (ControlUnits) and `_grad_use` (GradUse), control.py: sums over ranks, and
       which parameters have a gradient;
-    * `_unit_hooks` (UnitHooks, hooks.py) with `_trace` (Trace, trace.py): the forward and
-      backward hooks;
-    * `_state` (ModuleState, state.py): clipping and state dicts."""
+    * `_unit_hooks` (UnitHooks, hooks.py) with `_trace` (Trace, trace.py) and `_settings`
+      (UnitSettings, settings.py): the forward and backward hooks, and what each unit does;
+    * `_grads` (ShardGrads, grads.py): the parameters' .grad after a backward;
+    * `_state` (ModuleState, state.py): state dicts.
+
+    FSDP2's arguments (`mesh`, `shard_placement_fn`, `mp_policy`, `offload_policy`,
+    `ignored_params`; fsdp_api.fsdp2_options) do what FSDP2's do or are refused by name."""
 
     def __init__(self, module, client, units, granule=None, optimizer=None, param_dtype="fp32",
                  reshard_after_forward=True, prefetch=None, register=True, quantize=None,
-                 world=None, init=None, strategy=None):
+                 world=None, init=None, strategy=None, *, mesh=None, shard_placement_fn=None,
+                 mp_policy=None, offload_policy=None, ignored_params=None):
         super().__init__()
+        param_dtype, reshard_after_forward, cast_inputs, output_dtype, ignored, offload = \
+            fsdp2_options(mesh, reshard_after_forward, shard_placement_fn, mp_policy,
+                          offload_policy, ignored_params, param_dtype)
         _check_options(param_dtype, quantize, reshard_after_forward)
         self.module = module
         self.param_dtype, self.quantize = param_dtype, quantize
+        self._policy = (cast_inputs, output_dtype)
         # FSDP2's meanings: True reshards after forward, False keeps the unit unsharded until
         # its backward, an int n > 1 reshards to groups of n local ranks (the ranks per node:
         # the backward's unshard then stays within the node).
@@ -71,7 +85,7 @@ class ShardedModule(torch.nn.Module):
         # A model built on the meta device: its values come from `init`, one tensor at a time.
         meta = adopt_meta(module, init)
         self._needs_load = bool(meta) and init == "empty"
-        found = policy_units(module, units)
+        found = policy_units(module, units, ignored)
         world = world or _world_from_environment()
         if quantize and not world:
             raise ValueError("quantize: the world size is needed before registering (world=)")
@@ -84,6 +98,10 @@ class ShardedModule(torch.nn.Module):
             client, inventory, register,
             lambda w: _inventory(found, w, param_dtype, quantize, granule, optimizer, strategy)[0])
         self.layout = ShardLayout.read(self.client, plan_of(self.client))
+        if offload and hasattr(self.client.param_shard(0), "__cuda_array_interface__"):
+            raise ValueError("fully_shard: offload_policy=CPUOffloadPolicy() on the GPU backend: "
+                             "ragshard keeps the shards in the daemon's GPU pool (on a host "
+                             "backend they are in host memory, as CPU offload asks); drop it")
         self.prefetch = _prefetch_depth(prefetch, self.layout.plan)
         self._units = ModuleUnits(group_units(self.layout.plan, found, bool(qsizes)),
                                   find_ties(module, found), self.layout.places, param_dtype)
@@ -266,7 +284,6 @@ class ShardedModule(torch.nn.Module):
             for n, p in self._units.params(ui):
                 p.grad = None
                 adopt(p, n, self._units.name(ui))
-                clip.own(p, self)
             self._binding.free(ui)
 
     def _journaled(self):
@@ -301,7 +318,12 @@ class ShardedModule(torch.nn.Module):
     @contextlib.contextmanager
     def optimizer_step(self):
         """An optimizer step as one transaction over this rank's state (StepJournal) where the
-        job recovers lost ranks in place; nothing otherwise. The optimizers step inside it."""
+        job recovers lost ranks in place. The optimizers step inside it. Units left unsharded
+        by set_reshard_after_backward(False) are resharded first: no forward after the step
+        computes with their values from before it."""
+        for ui in self.units():
+            if self._gathers.is_unsharded(ui):
+                self._gathers.reshard(ui)
         if self._journal is None:
             yield
             return
@@ -326,16 +348,27 @@ class ShardedModule(torch.nn.Module):
         self._gathers = UnitGathers(client, self._binding, self._quantized, units,
                                     self.prefetch)
         self._grad_use = GradUse(self._control, units.nparams)
+        self._grads = ShardGrads(units, self._shards, self._grad_use,
+                                 GradNorms(self._control, layout))
         self._trace = Trace(client, [name for name, _, _ in units.groups],
                             os.environ.get("RAGSHARD_TRACE"))
-        self._unit_hooks = UnitHooks(self.module, units, self._gathers, self._binding, client,
-                                     self._grad_use, self._trace, self.reshard_after_forward,
-                                     self.prefetch, layout.replicas)
+        cast_inputs, output_dtype = self._policy
+        self._settings = UnitSettings(
+            len(units), self.reshard_after_forward, units.root,
+            param_dtype=DTYPES[self.param_dtype] if self.param_dtype != "fp32" else None,
+            cast_inputs=cast_inputs, output_dtype=output_dtype)
+        self._unit_hooks = UnitHooks(self, self.module, units, self._gathers, self._binding,
+                                     client, self._grad_use, self._grads, self._trace,
+                                     self._settings, self.prefetch, layout.replicas,
+                                     self._binding.pack, self._binding.unpack)
+        adopt_unit_modules(self)
         self._state = ModuleState(self.module, units, layout, self._shards, self._gathers,
-                                  self._control)
-        # Gathers (unshards bound to the parameters) and gradient reduce-scatters by unit name.
+                                  client)
+        # Gathers (unshards bound to the parameters), gradient reduce-scatters by unit name, and
+        # of those the ones that added into a gradient shard holding a gradient.
         self.op_counts = {"gather": self._binding.gathers,
-                          "reduce_scatter": self._unit_hooks.reduce_scatters}
+                          "reduce_scatter": self._unit_hooks.reduce_scatters,
+                          "accumulating": self._unit_hooks.accumulating}
 
     # -- the layout and the parts' figures, read-only ----------------------------------------
 
@@ -368,45 +401,51 @@ class ShardedModule(torch.nn.Module):
     # -- user API ----------------------------------------------------------------------------
 
     def forward(self, *args, **kwargs):
+        """The wrapped module's forward; the hooks (hooks.py, on this module and the wrapped
+        one) gather the root's parameters before it and save parameters for backward by
+        place."""
         if self._needs_load:
             raise RuntimeError("fully_shard(init='empty'): the shards hold no values yet; load a "
                                "checkpoint (ragshard.checkpoint.load) or a state_dict first")
-        with torch.autograd.graph.saved_tensors_hooks(self._binding.pack, self._binding.unpack):
-            out = self.module(*args, **kwargs)
-        if torch.is_grad_enabled():
-            self._unit_hooks.after_root_forward(out)
-        return out
+        return self.module(*args, **kwargs)
+
+    # FSDP2's module API (fsdp_api.py): the root's scope and hooks.
+    def _ragshard_scope(self):
+        return self, self._units.root, list(range(len(self._units)))
+
+    def _ragshard_hooks(self):
+        return self.__dict__.get("_unit_hooks")
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Gradient accumulation: backward passes inside add into the gradient buffers without
-        reduce-scattering; the first backward outside reduces the accumulated sum."""
-        self._unit_hooks.reduce_gradients = False
+        """Gradient accumulation without reduction: backward passes inside add into the
+        unsharded gradient buffers; the first backward outside reduce-scatters the sum (adding
+        it to what the gradient shards hold). FSDP2's set_requires_gradient_sync(False) for the
+        block's duration."""
+        sync = list(self._settings.sync)
+        self._settings.sync[:] = [False] * len(sync)
         try:
             yield
         finally:
-            self._unit_hooks.reduce_gradients = True
+            self._settings.sync[:] = sync
 
     def zero_grad(self, set_to_none=True):
         """PyTorch's zero_grad: zeroes the gradient shards' optimizer ranges and the gradients
-        accumulated under no_sync (outside a backward the unsharded gradients are released and
-        .grad is None). With set_to_none (the default), parameters also stop having a gradient
-        until a backward reaches them (`has_grad`), so the optimizers leave them alone;
-        without, they keep a zero gradient and are stepped with it."""
+        accumulated under no_sync (outside a backward the unsharded gradients are released).
+        Backward passes add into the gradient shards until then, as into PyTorch's .grad. With
+        set_to_none (the default), parameters also stop having a gradient (.grad None) until a
+        backward reaches them (`has_grad`), so the optimizers leave them alone; without, they
+        keep a zero gradient and are stepped with it."""
         self._binding.zero_grads(set_to_none)
         if self.steps:  # else the local rank that steps this memory zeroes it
             for ui in self.units():
                 # The optimizer range (the whole shard when p = g = os): another local rank may
                 # step the rest of a gradient shard it shares.
                 self.shard(ui)[1].zero_()
+        self._unit_hooks.zero_grad()
         if set_to_none:
             self._grad_use.forget()
-
-    def unshard(self, ui, quantize=None):
-        """All-gathers unit `ui`; with quantize="int8" or "fp8" each rank sends its shard as
-        block-quantized codes and scales (about a quarter of the bytes) and every rank
-        dequantizes the whole unit into the unsharded buffer."""
-        self._gathers.gather(ui, quantize)
+            self._grads.forget()
 
     def all_reduce_scalar(self, value):
         """The sum over ranks of one float per rank (through the scalar unit's reduce-scatter:
@@ -414,10 +453,11 @@ class ShardedModule(torch.nn.Module):
         shard holds the sum)."""
         return self._control.all_reduce_scalar(value)
 
-    def clip_grad_norm_(self, max_norm):
-        """Clips the gradient shards by the global norm over all shards; returns that norm
-        (ModuleState.clip_grad_norm_)."""
-        return self._state.clip_grad_norm_(max_norm)
+    def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+        """torch.nn.utils.clip_grad_norm_ over this module's parameters (their .grad are
+        ShardGrads: the global norm, grads.py); returns the norm. Every rank calls it."""
+        return torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm, norm_type,
+                                              error_if_nonfinite, foreach)
 
     def state_dict(self, *args, **kwargs):
         """The full state dict for export (save_pretrained, torch.save), as FSDP2's
@@ -445,9 +485,9 @@ class ShardedModule(torch.nn.Module):
 
     def full_state(self, rank0_only=False):
         """{name: fp32 tensor} of every parameter, unsharded (one all-gather per unit, one unit
-        at a time; every rank calls it). The values are those the forward computes with: with
-        param_dtype bf16, the bf16 rounding of the fp32 masters. `rank0_only`: the other ranks
-        keep nothing and get {}."""
+        at a time; every rank calls it). With param_dtype bf16 the values are the fp32 masters
+        (as FSDP2's full state dict holds them), not their bf16 rounding that the forward
+        computes with. `rank0_only`: the other ranks keep nothing and get {}."""
         return self._state.full_state(rank0_only)
 
     def mark_loaded(self):
@@ -555,6 +595,10 @@ def _check_options(param_dtype, quantize, reshard_after_forward):
         raise ValueError(f"quantize: '{quantize}' is not one of None, int8, fp8")
     if quantize and param_dtype != "fp32":
         raise ValueError("quantize: needs param_dtype fp32 (fp32 masters, quantized gathers)")
+    check_reshard_after_forward(reshard_after_forward)
+
+
+def check_reshard_after_forward(reshard_after_forward):
     if reshard_after_forward is not True and reshard_after_forward is not False and (
             not isinstance(reshard_after_forward, int) or reshard_after_forward < 1):
         raise ValueError(f"reshard_after_forward: {reshard_after_forward!r} is not True, "

@@ -1,55 +1,73 @@
-"""fully_shard's whole-model operations: gradient clipping by the global norm, and PyTorch's
-state_dict / load_state_dict with unsharded tensors."""
-import math
-
+"""fully_shard's whole-model operations: PyTorch's state_dict / load_state_dict with unsharded
+tensors."""
 import torch
 
 from .pieces import set_param_values, tensor_pieces
+from .views import tensor_of
 
 
 class ModuleState:
-    """A ShardedModule's clipping and state dicts: collectives, which every rank calls.
+    """A ShardedModule's state dicts: collectives, which every rank calls.
 
     `module`: the wrapped module (its state_dict names the parameters and holds the
     buffers); `units`: the ModuleUnits; `layout`: the ShardLayout; `shards`: the RankShards
-    (the optimizer ranges, and the pieces a load writes); `gathers`: the UnitGathers (a unit's
-    exact values, unsharded); `control`: the ControlUnits (the sum of the norm over ranks)."""
+    (the optimizer ranges, the fp32 masters, and the pieces a load writes); `gathers`: the
+    UnitGathers (a unit's exact values, unsharded); `client`: the attached ragshard.Client."""
 
-    def __init__(self, module, units, layout, shards, gathers, control):
+    def __init__(self, module, units, layout, shards, gathers, client):
         self._module, self._units, self._layout = module, units, layout
-        self._shards, self._gathers, self._control = shards, gathers, control
-
-    def clip_grad_norm_(self, max_norm):
-        """Clips the gradient shards by the global norm over all shards; returns that norm.
-        Each rank sums the squares of its optimizer range; every os position is held by
-        W / |os| ranks (HSDP's replicas, AMSP's os groups), so the sum over the ranks counts
-        each element that many times."""
-        local = 0.0
-        for ui in self._shards.units():
-            _, g = self._shards.shard(ui)
-            local += float(g.double().pow(2).sum())
-        _, g_size, os_size = self._layout.group_sizes
-        holders = self._layout.replicas * g_size // os_size  # W / |os|
-        total = math.sqrt(self._control.all_reduce_scalar(local) / holders)
-        coef = max_norm / (total + 1e-6)
-        if coef < 1.0 and self._layout.steps:  # else a local rank stepping the same memory
-            for ui in self._shards.units():
-                self._shards.shard(ui)[1].mul_(coef)  # the range: each stepped by one rank
-        return total
+        self._shards, self._gathers, self._client = shards, gathers, client
 
     def full_state(self, rank0_only=False):
         """ShardedModule.full_state: {name: fp32 tensor} of every parameter, unsharded (one
-        all-gather per unit, one unit at a time); the other ranks get {} with `rank0_only`."""
+        all-gather per unit, one unit at a time; with bf16 parameters the fp32 masters, as
+        FSDP2's sharded parameters are: `_gather_masters`), and the plain parameters fully_shard
+        left out (ignored_params) as they are; the other ranks get {} with `rank0_only`."""
         keep = not rank0_only or self._layout.rank == 0
         out = {}
         for ui, (_, _, params) in enumerate(self._units.groups):
+            if self._shards.master_of(ui) is not None and \
+                    self._shards.shard(ui)[0].dtype == torch.bfloat16:
+                full = self._gather_masters(ui)
+                for n, p in params if keep else ():
+                    _, off, numel = next(v for v in self._units.views[ui] if v[0] is p)
+                    out[n] = full[off:off + numel].view(p.shape).clone()
+                continue
             was = self._gathers.is_unsharded(ui)
             self._gathers.gather_exact(ui)  # not a quantized unit's last dequantized values
             for n, p in params if keep else ():
                 out[n] = p.detach().float().cpu().clone()
             if not was:
                 self._gathers.reshard(ui)
+        for n, p in self._module.named_parameters() if keep else ():
+            if self._units.index_of(p) is None:
+                out[n] = p.detach().float().cpu().clone()
         return out
+
+    def _gather_masters(self, ui):
+        """Unit `ui`'s fp32 masters, whole (a collective): the masters' upper and lower 16 bits
+        travel in turn through the bf16 parameter shards (each rank's optimizer range, spread by
+        the update gather where the factors differ) and the unit's all-gather, bit for bit; the
+        shards then get their bf16 values back."""
+        was = self._gathers.is_unsharded(ui)
+        self._gathers.reshard(ui)
+        shard, master = self._shards.shard(ui)[0], self._shards.master_of(ui)
+        bits = master.view(torch.int32)
+        halves = []
+        for part in ((bits >> 16).to(torch.int16), (bits & 0xFFFF).to(torch.int16)):
+            if self._layout.steps:
+                shard.view(torch.int16).copy_(part)
+            self._shards.gather_updates()
+            self._client.unshard(ui).wait()
+            unit = tensor_of(self._client.unsharded(ui), "bf16")
+            halves.append(unit.view(torch.int16).to(torch.int32).cpu())
+            self._client.reshard(ui).wait()
+        if self._layout.steps:
+            shard.copy_(master.to(shard.dtype))
+        self._shards.gather_updates()
+        if was:
+            self._gathers.unshard(ui)
+        return ((halves[0] << 16) | (halves[1] & 0xFFFF)).view(torch.float32)
 
     def state_dict(self):
         """ShardedModule.state_dict: on rank 0 every parameter as an fp32 CPU tensor under each

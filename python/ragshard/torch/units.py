@@ -7,13 +7,15 @@ from .params import storageless
 from .views import DTYPES
 
 
-def policy_units(module, units):
+def policy_units(module, units, ignored=()):
     """[(name, submodule or None, [(fqn, parameter)])]: the submodules `units(module)` returns,
     each with its parameters not in an earlier one, then "root" (None) with the parameters left
-    over; units without parameters are left out. Raises ValueError for a unit that is not a
+    over; units without parameters are left out, and so are the parameters whose id is in
+    `ignored` (fully_shard's ignored_params: they stay plain parameters of the module, neither
+    sharded nor reduced, as FSDP2 leaves them). Raises ValueError for a unit that is not a
     submodule or whose forward is never called (a container)."""
     names = {id(p): n for n, p in module.named_parameters()}
-    seen = set()
+    seen = set(ignored)
     out = []
     for sub in units(module):
         sub_name = next((n for n, m in module.named_modules() if m is sub), None)

@@ -67,6 +67,12 @@ __global__ void ToFloat(const uint16_t* in, bool bf16, int64_t stride, int64_t f
       bf16 ? __uint_as_float(static_cast<uint32_t>(v) << 16) : __half2float(__ushort_as_half(v));
 }
 
+// dst[i] += src[i]: a reduction added to what a gradient shard held (gradient accumulation).
+__global__ void AddKernel(float* dst, const float* src, int64_t n) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < n) dst[i] += src[i];
+}
+
 // A CUDA slab on one device, exported as an IPC handle, sub-allocated by a Pool.
 struct Slab {
   int device = 0;
@@ -148,6 +154,16 @@ class CudaTransport final : public daemon::Transport {
           "cudaMemcpyPeerAsync");
     }
     return s.ok() ? Wait(nullptr, "copy within the node", deadline) : s;
+  }
+  absl::Status Add(int local, float* dst, const float* src, int64_t elems,
+                   absl::Time deadline) override {
+    if (elems <= 0) return absl::OkStatus();
+    absl::Status s = CudaStatus(cudaSetDevice(slabs_[local]->device), "cudaSetDevice");
+    if (!s.ok()) return s;
+    AddKernel<<<static_cast<unsigned>((elems + 255) / 256), 256, 0, streams_[local]>>>(dst, src,
+                                                                                     elems);
+    s = CudaStatus(cudaGetLastError(), "AddKernel launch");
+    return s.ok() ? Wait(nullptr, "gradient accumulation", deadline) : s;
   }
   const char* base(int local) const override { return slabs_[local]->base; }
   void DescribeMemory(int local, v1::AttachResponse* resp) const override {

@@ -193,7 +193,7 @@ int CheckNode(const v1::Plan& plan, int node, int ranks_per_node, Comm* comm, in
           Store((*dp)->grad(u, i), up.dtype(), x, GradValue(local[i], x));
         }
       }
-      if (auto st = (*dp)->ReduceScatter(u, op, deadline); !st.ok()) {
+      if (auto st = (*dp)->ReduceScatter(u, op, /*accumulate=*/false, deadline); !st.ok()) {
         return Fail(absl::StrCat("unit ", u, ": reduce_scatter: ", st.ToString()));
       }
       if ((*dp)->grad(u, 0) != nullptr) {
@@ -224,6 +224,42 @@ int CheckNode(const v1::Plan& plan, int node, int ranks_per_node, Comm* comm, in
           if (std::abs((*dp)->grad_shard(u, i)[e] - expect) > 1e-4) {
             return Fail(absl::StrCat("unit ", u, ": all-reduced element ", e, " of local rank ", i,
                                      " is ", (*dp)->grad_shard(u, i)[e], ", not ", expect));
+          }
+        }
+      }
+    }
+    // Accumulation (a second backward before the step): each gradient shard keeps the mean it
+    // holds and receives the new reduction on top, once per shard also where local ranks share
+    // one; the all-reduce over the replicas then averages the sums.
+    {
+      std::vector<std::vector<float>> held(ranks_per_node);
+      for (int i = 0; i < ranks_per_node; ++i) {
+        held[i].assign((*dp)->grad_shard(u, i), (*dp)->grad_shard(u, i) + s);
+      }
+      if (auto st = (*dp)->AllocateGrad(u); !st.ok()) {
+        return Fail(absl::StrCat("unit ", u, ": allocate_grad (accumulate): ", st.ToString()));
+      }
+      for (int i = 0; i < ranks_per_node; ++i) {
+        for (int64_t x = 0; x < f * s; ++x) {
+          Store((*dp)->grad(u, i), up.dtype(), x, GradValue(local[i] + 1, x));
+        }
+      }
+      if (auto st = (*dp)->ReduceScatter(u, ReduceOp::kAvg, /*accumulate=*/true, deadline);
+          !st.ok()) {
+        return Fail(absl::StrCat("unit ", u, ": accumulating reduce_scatter: ", st.ToString()));
+      }
+      if (auto st = (*dp)->AllReduce(u, ReduceOp::kAvg, deadline); !st.ok()) {
+        return Fail(absl::StrCat("unit ", u, ": all_reduce after accumulating: ", st.ToString()));
+      }
+      for (int i = 0; i < ranks_per_node; ++i) {
+        const int64_t pos = local[i] % f;
+        for (int64_t e = 0; e < s; ++e) {
+          double added = 0;
+          for (int64_t q = 0; q < w; ++q) added += GradValue(q + 1, pos * s + e);
+          const double expect = held[i][e] + added / static_cast<double>(w);
+          if (std::abs((*dp)->grad_shard(u, i)[e] - expect) > 1e-4) {
+            return Fail(absl::StrCat("unit ", u, ": accumulated element ", e, " of local rank ",
+                                     i, " is ", (*dp)->grad_shard(u, i)[e], ", not ", expect));
           }
         }
       }
@@ -515,7 +551,7 @@ TEST(JobDataPlaneErrorsTest, UnsupportedPlacementsAndSmallPoolsAreClearErrors) {
   EXPECT_EQ((*ok)->Unshard(5, absl::Now()).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ((*ok)->GatherToOwner(-1, absl::Now()).code(), absl::StatusCode::kInvalidArgument);
   // Transient buffers must exist before the operations that use them.
-  EXPECT_EQ((*ok)->ReduceScatter(0, ReduceOp::kSum, absl::Now()).code(),
+  EXPECT_EQ((*ok)->ReduceScatter(0, ReduceOp::kSum, false, absl::Now()).code(),
             absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ((*ok)->ScatterFromOwner(0, absl::Now()).code(), absl::StatusCode::kFailedPrecondition);
   // A shard group of 3 ranks neither is whole nodes of 2 nor divides a node's ranks.

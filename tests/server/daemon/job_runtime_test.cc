@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "absl/synchronization/notification.h"
@@ -300,14 +301,14 @@ TEST_F(JobRecoveryTest, StateBuffersKeepTheirBytesAndRefuseAnotherSize) {
 }
 
 TEST(OpRequestTest, KindsAndReduceKindsThatAreNotOnesAreRefusedAtTheBoundary) {
-  EXPECT_TRUE(MakeOpRequest(v1::OP_UNSHARD, 0, v1::REDUCE_AVG, 0, 0).ok());
-  EXPECT_TRUE(MakeOpRequest(v1::OP_NOOP, 0, v1::REDUCE_SUM, 0, 0).ok());
-  auto unspecified = MakeOpRequest(v1::OP_KIND_UNSPECIFIED, 0, v1::REDUCE_SUM, 0, 0);
+  EXPECT_TRUE(MakeOpRequest(v1::OP_UNSHARD, 0, v1::REDUCE_AVG, 0, false, 0).ok());
+  EXPECT_TRUE(MakeOpRequest(v1::OP_NOOP, 0, v1::REDUCE_SUM, 0, false, 0).ok());
+  auto unspecified = MakeOpRequest(v1::OP_KIND_UNSPECIFIED, 0, v1::REDUCE_SUM, 0, false, 0);
   EXPECT_THAT(std::string(unspecified.status().message()), HasSubstr("kind: 0 is not"));
-  auto unknown = MakeOpRequest(99, 0, v1::REDUCE_SUM, 0, 0);
+  auto unknown = MakeOpRequest(99, 0, v1::REDUCE_SUM, 0, false, 0);
   EXPECT_EQ(unknown.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(unknown.status().message()), HasSubstr("kind: 99"));
-  auto reduce = MakeOpRequest(v1::OP_REDUCE_SCATTER, 0, 42, 0, 0);
+  auto reduce = MakeOpRequest(v1::OP_REDUCE_SCATTER, 0, 42, 0, false, 0);
   EXPECT_THAT(std::string(reduce.status().message()), HasSubstr("reduce: 42"));
   v1::StartRequest start;
   start.set_kind(v1::OP_RESHARD);
@@ -350,7 +351,10 @@ class FakeBackend final : public DataBackend {
   absl::Status AllocateUnsharded(int) override { return absl::OkStatus(); }
   absl::Status Reshard(int, int64_t) override { return absl::OkStatus(); }
   absl::Status AllocateGrad(int) override { return absl::OkStatus(); }
-  absl::Status ReduceScatter(int, ReduceOp, absl::Time) override { return absl::OkStatus(); }
+  absl::Status ReduceScatter(int, ReduceOp, bool accumulate, absl::Time) override {
+    accumulated.push_back(accumulate);
+    return absl::OkStatus();
+  }
   absl::Status AllReduce(int, ReduceOp, absl::Time) override { return absl::OkStatus(); }
   absl::Status GatherToOwner(int, absl::Time) override { return absl::OkStatus(); }
   absl::Status ScatterFromOwner(int, absl::Time) override { return absl::OkStatus(); }
@@ -358,6 +362,8 @@ class FakeBackend final : public DataBackend {
   void ResetTransient() override {}
   void Placement(int, int, v1::UnitBuffers*) const override {}
   void Describe(int, const v1::Plan&, v1::AttachResponse*) const override {}
+
+  std::vector<bool> accumulated;  // each reduce-scatter's `accumulate`, in order
 
  private:
   const absl::Status result_;
@@ -372,12 +378,33 @@ class JobRuntimeFaultTest : public JobRuntimeFixture {
     o.world = 2;
     auto plan = BuildPlan(TwoUnits(), o);
     ASSERT_TRUE(plan.ok()) << plan.status();
-    job_ = std::make_unique<JobRuntime>(
-        "job", "node-0", *plan, std::vector<int64_t>{0, 1}, nullptr, nullptr,
-        std::make_unique<FakeBackend>(std::move(unshard_result), release), planner_,
-        std::make_shared<DaemonMetrics>());
+    auto backend = std::make_unique<FakeBackend>(std::move(unshard_result), release);
+    backend_ = backend.get();
+    job_ = std::make_unique<JobRuntime>("job", "node-0", *plan, std::vector<int64_t>{0, 1},
+                                        nullptr, nullptr, std::move(backend), planner_,
+                                        std::make_shared<DaemonMetrics>());
   }
+  FakeBackend* backend_ = nullptr;  // owned by job_
 };
+
+// A rank whose gradient shard is known to be zero asks for no accumulation; where one local rank
+// asks (the shards may be shared, or the ranks' zero_grad calls differ), the reduce-scatter adds.
+TEST_F(JobRuntimeFaultTest, TheLocalRanksRequestsToAccumulateAreOred) {
+  Start(absl::OkStatus());
+  for (const auto& [first, second] : std::vector<std::pair<bool, bool>>{
+           {false, false}, {false, true}, {true, false}, {true, true}}) {
+    OpRequest a = Op(v1::OP_REDUCE_SCATTER, 0), b = a;
+    a.accumulate = first;
+    b.accumulate = second;
+    auto sa = job_->StartOp(0, a);
+    auto sb = job_->StartOp(1, b);
+    ASSERT_TRUE(sa.ok() && sb.ok() && *sa == *sb);
+    auto answer = Wait(*sa, 0, absl::Seconds(30));
+    ASSERT_TRUE(answer->came.WaitForNotificationWithTimeout(absl::Seconds(30)));
+    ASSERT_TRUE(answer->status.ok()) << answer->status;
+  }
+  EXPECT_EQ(backend_->accumulated, (std::vector<bool>{false, true, true, true}));
+}
 
 TEST_F(JobRuntimeFaultTest, ALostPeerStopsTheJobReportsItAndFailsEveryLaterOperation) {
   Start(absl::UnavailableError("peer 1 (node 'node-1') lost (connection closed)"));

@@ -152,7 +152,7 @@ int CheckNode(const v1::Plan& plan, const Sharding& s, int node, Comm* comm,
       for (int i = 0; i < k; ++i) {
         for (int64_t x = 0; x < total; ++x) Store((*dp)->grad(u, i), dt, x, Grad(local[i], x));
       }
-      if (absl::Status st = (*dp)->ReduceScatter(u, op, deadline); !st.ok()) {
+      if (absl::Status st = (*dp)->ReduceScatter(u, op, /*accumulate=*/false, deadline); !st.ok()) {
         return Fail(absl::StrCat("unit ", u, ": reduce_scatter: ", st.ToString()));
       }
       if (absl::Status st = (*dp)->AllReduce(u, op, deadline); !st.ok()) {

@@ -10,6 +10,8 @@
 #include <cstring>
 #include <map>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "engine/planner.h"
 #include "server/daemon/cuda/cuda_device.h"
@@ -116,7 +118,11 @@ TEST_P(GpuDataPlaneTest, AllGatherAndReduceScatterMatchTheReference) {
   }
   ASSERT_TRUE((*dp)->Reshard(0, 1).ok());
   EXPECT_EQ(placement(0).unsharded_offset(), -1);
-  for (auto op : {daemon::ReduceOp::kSum, daemon::ReduceOp::kAvg}) {
+  // Sum, mean, then a mean added to the mean before (gradient accumulation on the device).
+  std::vector<std::vector<float>> held(w, std::vector<float>(s, 0.0f));
+  for (auto [op, accumulate] : {std::pair{daemon::ReduceOp::kSum, false},
+                                std::pair{daemon::ReduceOp::kAvg, false},
+                                std::pair{daemon::ReduceOp::kAvg, true}}) {
     ASSERT_TRUE((*dp)->AllocateGrad(0).ok());
     for (int r = 0; r < w; ++r) {
       std::vector<char> grad(w * s * item);
@@ -126,7 +132,7 @@ TEST_P(GpuDataPlaneTest, AllGatherAndReduceScatterMatchTheReference) {
                            grad.size(), cudaMemcpyHostToDevice),
                 cudaSuccess);
     }
-    ASSERT_TRUE((*dp)->ReduceScatter(0, op, deadline).ok());
+    ASSERT_TRUE((*dp)->ReduceScatter(0, op, accumulate, deadline).ok());
     for (int r = 0; r < w; ++r) {
       EXPECT_EQ(placement(r).grad_offset(), -1) << "the gradients are released";
       std::vector<float> out(s);
@@ -137,12 +143,14 @@ TEST_P(GpuDataPlaneTest, AllGatherAndReduceScatterMatchTheReference) {
         double expect = 0;
         for (int q = 0; q < w; ++q) expect += GV(q, r * s + e);
         if (op == daemon::ReduceOp::kAvg) expect /= w;
+        if (accumulate) expect += held[r][e];
         ASSERT_NEAR(out[e], expect, 1e-5) << "rank " << r << " element " << e;
       }
+      held[r] = out;
     }
   }
   // bf16 gradients are converted to fp32 before NCCL: counted as staging.
-  EXPECT_EQ((*dp)->staging_bytes(), fp32 ? 0 : 2 * w * w * s * 4);
+  EXPECT_EQ((*dp)->staging_bytes(), fp32 ? 0 : 3 * w * w * s * 4);
 }
 
 INSTANTIATE_TEST_SUITE_P(DTypes, GpuDataPlaneTest,
