@@ -172,8 +172,7 @@ void CommandPoller::Handle(Queue& q, const QueueCommand& c) {
     RingRank(l);
     return;
   }
-  auto req = MakeOpRequest(c.kind, c.unit, c.reduce, c.keep_ranks, c.accumulate != 0,
-                           c.timeout_ms);
+  auto req = MakeOpRequest(c.kind, c.unit, c.reduce, c.keep_ranks, c.accumulate != 0, c.timeout_ms);
   if (!req.ok()) return fail(req.status());
   std::shared_ptr<OpTarget> target = q.target.lock();
   if (target == nullptr) return fail(absl::NotFoundError("the job was released"));

@@ -113,8 +113,7 @@ class JobDataPlane final : public DataBackend {
   // each gradient shard receives what it held plus the reduction (the reduction is formed in
   // the shard's place, then the held values, kept aside in pool scratch, are added back), so
   // repeated backward passes add up as PyTorch's .grad does.
-  absl::Status ReduceScatter(int unit, ReduceOp op, bool accumulate,
-                             absl::Time deadline) override;
+  absl::Status ReduceScatter(int unit, ReduceOp op, bool accumulate, absl::Time deadline) override;
   // Sum (or mean) of the gradient shards over the R replicas, in place (HSDP); nothing to do
   // when R = 1.
   absl::Status AllReduce(int unit, ReduceOp op, absl::Time deadline) override;

@@ -28,7 +28,7 @@ struct OpRequest {
   v1::ReduceKind reduce = v1::REDUCE_SUM;
   int64_t keep_ranks = 0;
   bool accumulate = false;  // OP_REDUCE_SCATTER: add into the gradient shards
-  int64_t timeout_ms = 0;  // 0: 60 s
+  int64_t timeout_ms = 0;   // 0: 60 s
 };
 
 // The request from its raw fields; INVALID_ARGUMENT names a kind or reduce kind that is not one.

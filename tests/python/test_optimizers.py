@@ -193,20 +193,41 @@ def test_options_and_state_round_trip(one_rank):
 
 
 def test_torchs_clip_grad_norm_clips_a_sharded_module(one_rank):
-    """torch.nn.utils.clip_grad_norm_(model.parameters(), c), an FSDP2 script's line, clips by
-    the global norm of the shards (the parameters' .grad is None by then) and returns it."""
+    """torch.nn.utils.clip_grad_norm_(model.parameters(), c), an FSDP2 script's line, is torch's
+    own function (ragshard replaces nothing): the parameters' .grad are ShardGrads, on which it
+    computes the global norm of the shards and scales them; a subset is clipped by its own norm,
+    and plain parameters beside them count whole, as in torch."""
+    import ragshard.torch.grads as grads
+    assert torch.nn.utils.clip_grad_norm_.__module__ == "torch.nn.utils.clip_grad"
     fsdp = one_rank("clip")
     fsdp(torch.ones(2, 8)).pow(2).sum().backward()
+    assert all(isinstance(p.grad, grads.ShardGrad) for p in fsdp.parameters())
+    # A subset: its own norm, and only its gradient scaled.
+    first, *others = fsdp.parameters()
+    own = float(first.grad.local.norm())
+    kept = [p.grad.local.clone() for p in others]
+    assert float(torch.nn.utils.clip_grad_norm_([first], own / 2)) == pytest.approx(own, 1e-5)
+    assert float(first.grad.local.norm()) == pytest.approx(own * (own / 2) / (own + 1e-6), 1e-5)
+    assert all(torch.equal(p.grad.local, k) for p, k in zip(others, kept))
     before = torch.cat([fsdp.shard(u)[1].clone() for u in fsdp.units()])
     norm = torch.nn.utils.clip_grad_norm_(fsdp.parameters(), 1e-3)
     assert torch.is_tensor(norm) and abs(float(norm) - float(before.norm())) <= 1e-5 * float(norm)
     after = torch.cat([fsdp.shard(u)[1] for u in fsdp.units()])
     assert abs(float(after.norm()) - 1e-3) <= 1e-6
-    with pytest.raises(ValueError, match="'layers.0.0.bias' and 6 more are not among"):
-        torch.nn.utils.clip_grad_norm_([next(fsdp.parameters())], 1.0)
-    with pytest.raises(ValueError, match="mix a fully_shard module's with others"):
-        torch.nn.utils.clip_grad_norm_([*fsdp.parameters(), torch.nn.Parameter(torch.ones(2))],
-                                       1.0)
+    # Plain parameters beside them count whole.
     plain = torch.nn.Parameter(torch.ones(3))
     plain.grad = torch.full((3,), 4.0)
+    total = float(torch.nn.utils.get_total_norm(
+        [p.grad for p in [*fsdp.parameters(), plain]]))
+    shards = float(torch.cat([fsdp.shard(u)[1] for u in fsdp.units()]).norm())
+    assert total == pytest.approx((shards ** 2 + 48) ** 0.5, 1e-5)
     assert float(torch.nn.utils.clip_grad_norm_([plain], 1.0)) == pytest.approx(48 ** 0.5)
+    # What ragshard does not define on a sharded gradient is refused by name, never computed
+    # on this rank's piece alone.
+    with pytest.raises(RuntimeError, match="sum on the gradient of 'layers.0.0.weight'"):
+        first.grad.sum()
+    # torch's own warnings stay.
+    with pytest.warns(UserWarning, match="empty generator"):
+        torch.nn.utils.clip_grad_norm_((p for p in ()), 1.0)
+    fsdp.zero_grad()
+    assert all(p.grad is None for p in fsdp.parameters())

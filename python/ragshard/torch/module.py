@@ -321,9 +321,7 @@ class ShardedModule(FSDPMethods, HookOrder, torch.nn.Module):
         job recovers lost ranks in place. The optimizers step inside it. Units left unsharded
         by set_reshard_after_backward(False) are resharded first: no forward after the step
         computes with their values from before it."""
-        for ui in self.units():
-            if self._gathers.is_unsharded(ui):
-                self._gathers.reshard(ui)
+        self._reshard_stale()
         if self._journal is None:
             yield
             return
@@ -479,6 +477,7 @@ class ShardedModule(FSDPMethods, HookOrder, torch.nn.Module):
                              "live in the daemon's buffers)")
         self.wait_for_checkpoint_write()
         keys, complete = self._state.load_state_dict(state_dict, strict)
+        self._reshard_stale()
         if complete:
             self.mark_loaded()
         return keys
@@ -525,8 +524,19 @@ class ShardedModule(FSDPMethods, HookOrder, torch.nn.Module):
     def gather_updates(self):
         """AMSP's update gather after an optimizer step (or a load) with separate factors: each
         rank's optimizer range reaches every parameter shard that holds it. Every rank calls
-        it; nothing runs when p = g = os."""
+        it; nothing runs when p = g = os. Units left unsharded (the root after a forward
+        without backward, set_reshard_after_backward(False)) are resharded: their unsharded
+        values may predate what the shards now hold."""
         self._shards.gather_updates()
+        self._reshard_stale()
+
+    def _reshard_stale(self):
+        """Reshards every unit unsharded now, or with a gather started ahead, before or after its
+        shards change (a step, a load): the next forward gathers the new values."""
+        self._gathers.drop_prefetches()
+        for ui in self.units():
+            if self._gathers.is_unsharded(ui):
+                self._gathers.reshard(ui)
 
     def units(self):
         return self._shards.units()

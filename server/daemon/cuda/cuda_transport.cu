@@ -161,7 +161,7 @@ class CudaTransport final : public daemon::Transport {
     absl::Status s = CudaStatus(cudaSetDevice(slabs_[local]->device), "cudaSetDevice");
     if (!s.ok()) return s;
     AddKernel<<<static_cast<unsigned>((elems + 255) / 256), 256, 0, streams_[local]>>>(dst, src,
-                                                                                     elems);
+                                                                                       elems);
     s = CudaStatus(cudaGetLastError(), "AddKernel launch");
     return s.ok() ? Wait(nullptr, "gradient accumulation", deadline) : s;
   }

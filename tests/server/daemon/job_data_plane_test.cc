@@ -258,8 +258,8 @@ int CheckNode(const v1::Plan& plan, int node, int ranks_per_node, Comm* comm, in
           for (int64_t q = 0; q < w; ++q) added += GradValue(q + 1, pos * s + e);
           const double expect = held[i][e] + added / static_cast<double>(w);
           if (std::abs((*dp)->grad_shard(u, i)[e] - expect) > 1e-4) {
-            return Fail(absl::StrCat("unit ", u, ": accumulated element ", e, " of local rank ",
-                                     i, " is ", (*dp)->grad_shard(u, i)[e], ", not ", expect));
+            return Fail(absl::StrCat("unit ", u, ": accumulated element ", e, " of local rank ", i,
+                                     " is ", (*dp)->grad_shard(u, i)[e], ", not ", expect));
           }
         }
       }

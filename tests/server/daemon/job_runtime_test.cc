@@ -380,8 +380,8 @@ class JobRuntimeFaultTest : public JobRuntimeFixture {
     ASSERT_TRUE(plan.ok()) << plan.status();
     auto backend = std::make_unique<FakeBackend>(std::move(unshard_result), release);
     backend_ = backend.get();
-    job_ = std::make_unique<JobRuntime>("job", "node-0", *plan, std::vector<int64_t>{0, 1},
-                                        nullptr, nullptr, std::move(backend), planner_,
+    job_ = std::make_unique<JobRuntime>("job", "node-0", *plan, std::vector<int64_t>{0, 1}, nullptr,
+                                        nullptr, std::move(backend), planner_,
                                         std::make_shared<DaemonMetrics>());
   }
   FakeBackend* backend_ = nullptr;  // owned by job_

@@ -120,9 +120,9 @@ TEST_P(GpuDataPlaneTest, AllGatherAndReduceScatterMatchTheReference) {
   EXPECT_EQ(placement(0).unsharded_offset(), -1);
   // Sum, mean, then a mean added to the mean before (gradient accumulation on the device).
   std::vector<std::vector<float>> held(w, std::vector<float>(s, 0.0f));
-  for (auto [op, accumulate] : {std::pair{daemon::ReduceOp::kSum, false},
-                                std::pair{daemon::ReduceOp::kAvg, false},
-                                std::pair{daemon::ReduceOp::kAvg, true}}) {
+  for (auto [op, accumulate] :
+       {std::pair{daemon::ReduceOp::kSum, false}, std::pair{daemon::ReduceOp::kAvg, false},
+        std::pair{daemon::ReduceOp::kAvg, true}}) {
     ASSERT_TRUE((*dp)->AllocateGrad(0).ok());
     for (int r = 0; r < w; ++r) {
       std::vector<char> grad(w * s * item);
