@@ -370,7 +370,8 @@ def case_accum_reshard_after_backward(m):
 
 def case_accum_muon(m):
     """Accumulation by repeated backward under Muon (the blocks' matrices through their
-    owners)."""
+    owners), zero_grad every second step (the gradients the step sent through the owners are
+    the next backward's to add to)."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
                                     "examples"))
     net = Net()
@@ -391,7 +392,7 @@ def case_accum_muon(m):
                     torch.optim.AdamW([p for p in net.parameters()
                                        if all(p is not q for q in matrices)], lr=1e-2,
                                       weight_decay=0.0))
-    return model, train(m, model, opt, steps=3, micro=2), {}
+    return model, train(m, model, opt, steps=4, micro=2, zero_every=2), {}
 
 
 class _Both:

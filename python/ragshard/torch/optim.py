@@ -99,6 +99,10 @@ class OwnerOptimizer(ModuleOptimizer):
                 ag[option] = g[key]
             ag["lr"] = g["adamw_lr"] * (g["lr"] / base if base else 1.0)
         self.adamw.step(gather=False)
+        # The owner round trip sends each matrix's update through the gradient shards: the
+        # gradients come back after the step, as torch's .grad stays until zero_grad (a backward
+        # before it adds to them).
+        kept = {u: m.shard(u)[1].clone() for u in self.units} if m.steps else {}
         for u in self.units:
             if not m.steps:
                 # Another local rank steps this range in the same memory; the owner operations
@@ -112,6 +116,8 @@ class OwnerOptimizer(ModuleOptimizer):
                 if g is not None:
                     pieces.append((pc.lo, pc.hi, g))
             self.step_unit(u, has, shard, grad, pieces)
+        for u, grad in kept.items():
+            m.shard(u)[1].copy_(grad)
         m.gather_updates()
 
     def step_unit(self, u, has, shard, grad, pieces):

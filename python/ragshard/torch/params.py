@@ -43,8 +43,9 @@ class ShardedParameter(torch.nn.Parameter):
                         raise RuntimeError(
                             f"ragshard: parameter '{x._ragshard_name}' is used while its unit "
                             f"'{x._ragshard_unit}' is resharded: it holds no storage outside "
-                            "the unit's forward and backward (call the unit itself, or "
-                            "ShardedModule.full_state() for the values)")
+                            "the unit's forward and backward (call the unit itself, "
+                            "ShardedModule.full_state() for the values, or step it with a "
+                            "ragshard optimizer: ragshard.torch.ShardedOptimizer)")
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
