@@ -57,6 +57,11 @@ def med(xs):
     return statistics.median(xs) if xs else None
 
 
+TITLES = {"fp32": "fp32", "bf16": "bf16 parameters, fp32 reduction",
+          "accum": "fp32, gradient accumulation (`--accum 2`: two micro-batches a step, a "
+                   "`loss.backward()` each, one `opt.step()`)"}
+
+
 def rng(xs, fmt):
     return f"{fmt(min(xs))}–{fmt(max(xs))}" if len(xs) > 1 else ""
 
@@ -178,7 +183,9 @@ def render(args, configs, precisions, model, runs, commands, started, elapsed, l
            "(the global norm over every rank's shards under both); the loss in fp32 "
            "(`logits.float()`); bf16: `--bf16` (FSDP2: `MixedPrecisionPolicy(param_dtype="
            "bfloat16, reduce_dtype=float32)`; ragshard: `fully_shard(..., param_dtype=\"bf16\")`, "
-           "fp32 reduction and fp32 master shards). The loss shown is the global batch's mean "
+           "fp32 reduction and fp32 master shards); accum: `--accum 2`, each rank's rows in "
+           "two micro-batches, `(loss / 2).backward()` for each and one `opt.step()`, the same "
+           "lines under both. The loss shown is the global batch's mean "
            "(each rank's loss all-reduced).\n",
            "Systems, all with 4 training processes of one intra-op thread each, forked from a "
            "launcher that imported torch and transformers once:\n",
@@ -194,9 +201,9 @@ def render(args, configs, precisions, model, runs, commands, started, elapsed, l
            "`memory.md` still set ragshard beside DDP).\n",
            f"Order: {args.reps} rounds, each running every configuration once in the order "
            "below, so that slow and fast spells of the shared machine fall on all of them"
-           + (f"; the bf16 configurations ran in the first {min(args.bf16_reps, args.reps)} "
-              "rounds only, for time" if "bf16" in precisions and args.bf16_reps < args.reps
-              else "") + ". "
+           + (f"; the bf16 and accum configurations ran in the first "
+              f"{min(args.bf16_reps, args.reps)} rounds only, for time"
+              if len(precisions) > 1 and args.bf16_reps < args.reps else "") + ". "
            "Commands, as run (`python` is `.venv/bin/python`, `PYTHONPATH=build/python`; "
            "`bench/fsdp2_report.py --rank OUT` runs `train_hf.py`'s `main` with its step "
            "timer):\n", "```"]
@@ -219,7 +226,7 @@ def render(args, configs, precisions, model, runs, commands, started, elapsed, l
         if not ref:
             md += [f"FSDP2 in {prec} did not run, so there is no parity figure — **missed**.\n"]
             continue
-        title = "fp32" if prec == "fp32" else "bf16 parameters, fp32 reduction"
+        title = TITLES[prec]
         md += [f"### {title}: every step\n",
                "| step | " + " | ".join(labels[c] for c in present) +
                " | lr | ragshard 2×2 − FSDP2 | ragshard 1×4 − FSDP2 |",
@@ -247,11 +254,16 @@ def render(args, configs, precisions, model, runs, commands, started, elapsed, l
             line = (f"* {labels[c]} against FSDP2: largest loss difference over the {steps} "
                     f"steps {ab:.2e}; gradient norms (before clipping) within {gn:.1e} "
                     f"relative; learning rates {'identical' if lr_same else '**different**'}")
-            if prec == "fp32":
+            if prec in ("fp32", "accum"):
                 met = worst <= RTOL
                 verdicts[c] = met
                 line += (f". Target |difference| ≤ 1e-5 × max(1, |loss|) at every step "
                          f"(tests/python/test_porting.py's): **{'met' if met else 'missed'}**.")
+                own = first.get(c.replace("accum", "fp32")) if prec == "accum" else None
+                if own:
+                    d = max(abs(x - y) for x, y in zip(a["losses"], own["losses"]))
+                    line += (f" Its losses are up to {d:.2e} from its own run of the same rows "
+                             "in one backward a step (the same sums in another order).")
             else:
                 own = first.get(c.replace("bf16", "fp32"))
                 if own:
@@ -327,7 +339,8 @@ def render(args, configs, precisions, model, runs, commands, started, elapsed, l
            "log is outside); a run's figure is the median over steps 2 … "
            f"{steps} (**step 1 is left out as warm-up**) of the slowest rank's time. Each "
            f"configuration ran {args.reps} times (bf16: "
-           f"{min(args.bf16_reps, args.reps)}), alternated with the others: the table gives "
+           f"{min(args.bf16_reps, args.reps)}, and accum too), alternated with the others: the "
+           "table gives "
            "the median of the runs' figures and their range (min–max). ÷ FSDP2: the ratio of "
            "the medians, and the range of the ratios of runs of the same round (side by side, "
            "seconds apart).\n",
@@ -344,7 +357,7 @@ def render(args, configs, precisions, model, runs, commands, started, elapsed, l
            "daemon's `pool_peak` per node (`Client.stats()` at the end of training), and the "
            "daemon process's peak RSS (VmHWM).\n"]
     for prec in precisions:
-        title = "fp32" if prec == "fp32" else "bf16 parameters, fp32 reduction"
+        title = TITLES[prec]
         base = ok.get(f"fsdp2-{prec}", [])
         md += [f"### {title}\n",
                "| system | median step (s) | runs' min–max (s) | ÷ FSDP2 | same-round ratios | "

@@ -59,9 +59,12 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5, help="alternated rounds")
-    ap.add_argument("--precisions", default="fp32,bf16")
+    ap.add_argument("--precisions", default="fp32,bf16,accum",
+                    help="fp32, bf16, accum (fp32 with --accum 2: two micro-batches a step, "
+                         "a loss.backward() each)")
     ap.add_argument("--bf16-reps", type=int, default=2,
-                    help="rounds (the first ones) that also run the bf16 configurations")
+                    help="rounds (the first ones) that also run the bf16 and accum "
+                         "configurations")
     ap.add_argument("--smoke", action="store_true",
                     help="the tests' tiny Llama (hidden 64, 2 layers, vocabulary 128, 16 tokens)")
     ap.add_argument("--example", default=EXAMPLE, help="the training script (train_hf.py)")
@@ -81,8 +84,8 @@ def main():
     else:
         provenance.require(args)
     precisions = [p for p in args.precisions.split(",") if p]
-    if not set(precisions) <= {"fp32", "bf16"} or "fp32" not in precisions:
-        ap.error("--precisions: fp32, optionally with bf16")
+    if not set(precisions) <= {"fp32", "bf16", "accum"} or "fp32" not in precisions:
+        ap.error("--precisions: fp32, optionally with bf16 and accum")
     if args.steps < 3:
         ap.error("--steps: at least 3 (step 1 is left out of the step times)")
     build = os.path.abspath(args.build)
@@ -103,10 +106,10 @@ def main():
     runs = {c[0]: [] for c in configs}  # config -> one result per round
     for rep in range(0 if args.from_json else args.reps):
         for config, prec, label, system, daemons in configs:
-            if prec == "bf16" and rep >= args.bf16_reps:
+            if prec != "fp32" and rep >= args.bf16_reps:
                 continue
             name = f"r{rep}-{config}"
-            extra = ["--bf16"] if prec == "bf16" else []
+            extra = {"bf16": ["--bf16"], "accum": ["--accum", "2"]}.get(prec, [])
             print(f"+ {name} ({(time.time() - t_start) / 60:.1f} min)", file=sys.stderr,
                   flush=True)
             r = run.ragshard(config, name, daemons, extra) if system == "ragshard" else \

@@ -1,8 +1,11 @@
-"""fully_shard's semantics beside FSDP2's, case by case: examples/train_semantics.py under
-ragshard (2 daemons x 2 ranks) and under torch's FSDP2 (4 ranks over gloo), each against the
-same model in one plain PyTorch process (AdamW). Writes docs/benchmarks/semantics.md: for each
-case the largest relative difference of the losses and of the final parameters from the
-reference, or the error (the last line a run printed).
+"""fully_shard's semantics beside FSDP2's, case by case, in two parts. First
+examples/train_semantics.py under ragshard (2 daemons x 2 ranks) and under torch's FSDP2 (4
+ranks over gloo), each against the same model in one plain PyTorch process (AdamW). Then FSDP2's
+training idioms, tests/python/fsdp2_cases.py (the cases of tests/python/test_fsdp2_cases.py:
+accumulation, hooks, freezing, clipping, state dicts, FSDP2's module API), under ragshard on the
+host and the device-shaped backends and under FSDP2, each against one process. Writes
+docs/benchmarks/semantics.md: for each case the largest relative difference of the losses and
+of the final parameters from the reference, or the error (the last line a run printed).
 
     PYTHONPATH=build/python .venv/bin/python bench/semantics_report.py
 """
@@ -16,6 +19,9 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests", "python"))
+import fsdp2_case_runs as fcr  # noqa: E402
+import fsdp2_cases  # noqa: E402
 import provenance  # noqa: E402
 from session import run_in_session  # noqa: E402
 
@@ -46,7 +52,73 @@ def outcome(code, text, out, ref, error_case=False):
     return f"{verdict} (losses {dl:.1e}, parameters {dp:.1e})"
 
 
-def write(path, rows, header):
+def case_outcome(out, case, ref, against=None):
+    """One cell of the second table: `out`'s case against the reference (or `against`)."""
+    if out is None or not os.path.exists(os.path.join(out, case + ".json")):
+        return "did not run"
+    got = fcr.results(out, case)
+    want = fcr.results(*(against or (ref, case)))
+    dl, dp = fcr.largest(got, want)
+    diff = fcr.differences(got, want, rtol=1e-5)
+    return f"{'equal' if not diff else 'DIFFERENT'} (losses {dl:.1e}, parameters {dp:.1e})"
+
+
+def fsdp2_cases_rows(build, tmp, host, device):
+    """(case, what it compares, ragshard host, ragshard device-shaped, FSDP2) of every case of
+    tests/python/fsdp2_cases.py, and the runs that failed."""
+    dirs, failed = {}, []
+
+    def run(key, make):
+        out = os.path.join(tmp, key)
+        os.makedirs(out, exist_ok=True)
+        error = make(out)
+        if error:
+            failed.append((key, error.strip().splitlines()[-1][:240]))
+        dirs[key] = out
+    hsdp, quantized = sorted(fsdp2_cases.HSDP), sorted(fcr.QUANTIZED)
+    run("reference", lambda o: fcr.reference_run(
+        build, [c for c in fsdp2_cases.CASES if c not in fcr.QUANTIZED], o))
+    run("fsdp2", lambda o: fcr.fsdp2_run(build, fcr.WITH_FSDP2, o))
+    run("fsdp2-hsdp", lambda o: fcr.fsdp2_run(build, hsdp, o, hsdp=True))
+    for backend, cluster in (("host", host), ("device", device)):
+        run(f"{backend}-plain", lambda o: fcr.ragshard_run(build, cluster, fcr.PLAIN,
+                                                           f"p{backend[0]}", o))
+        run(f"{backend}-hsdp", lambda o: fcr.ragshard_run(build, cluster, hsdp, f"h{backend[0]}",
+                                                          o, replicate=2))
+        run(f"{backend}-amsp", lambda o: fcr.ragshard_run(build, cluster, ["amsp-accum"],
+                                                          f"a{backend[0]}", o,
+                                                          strategy=fcr.AMSP_STRATEGY))
+        run(f"{backend}-quantized", lambda o: fcr.ragshard_run(build, cluster, quantized,
+                                                               f"q{backend[0]}", o))
+    ref = dirs["reference"]
+    rows = []
+    for case in fsdp2_cases.CASES:
+        kind = "hsdp" if case in fsdp2_cases.HSDP else "amsp" if case in fsdp2_cases.AMSP \
+            else "quantized" if case in fcr.QUANTIZED else "plain"
+        theirs = dirs["fsdp2-hsdp" if kind == "hsdp" else "fsdp2"]
+        against, what = None, "one process"
+        if case in fcr.MIXED:
+            against, what = (theirs, case), "FSDP2, same policy (bf16)"
+        elif case == "quantized-accum":
+            against, what = (dirs["host-quantized"], "quantized-once"), "quantized-once"
+        elif case == "quantized-once":
+            continue
+        cells = [case_outcome(dirs[f"{b}-{kind}"], case, ref, against if case != "quantized-accum"
+                              else (dirs[f"{b}-quantized"], "quantized-once"))
+                 for b in ("host", "device")]
+        if case in fsdp2_cases.RAGSHARD_ONLY or case in fcr.QUANTIZED:
+            cells.append("–")
+        elif case in fcr.MIXED:
+            cells.append("from one process (fp32): " + case_outcome(theirs, case, ref)
+                         .split(" ", 1)[1])
+        else:
+            cells.append(case_outcome(theirs, case, ref))
+        doc = (fsdp2_cases.CASES[case].__doc__ or "").strip().split(".")[0].replace("\n", " ")
+        rows.append((case, doc, what, *cells))
+    return rows, failed
+
+
+def write(path, rows, header, case_rows=(), failed=()):
     lines = [
         "# fully_shard beside FSDP2: PyTorch semantics, case by case", "",
         "Generated by `bench/semantics_report.py`: examples/train_semantics.py (units: two "
@@ -62,6 +134,25 @@ def write(path, rows, header):
         "| case | zero_grad(set_to_none) | ragshard | FSDP2 |", "|---|---|---|---|"]
     for case, stn, ours, theirs in rows:
         lines.append(f"| {case} | {bool(stn)} | {ours} | {theirs} |")
+    if case_rows:
+        lines += [
+            "", "## FSDP2's training idioms", "",
+            "tests/python/fsdp2_cases.py, the cases of tests/python/test_fsdp2_cases.py (written "
+            "after the kinds of case of PyTorch's own FSDP2 tests): a small decoder (an "
+            "embedding, 3 blocks of LayerNorm and an MLP, each a unit, a head; 4 steps of "
+            "AdamW unless the case says otherwise) under ragshard at 2 daemons x 2 ranks on the "
+            "host and the device-shaped backends, and under FSDP2 on 4 ranks over gloo, each "
+            "against one plain PyTorch process on the same global batch (the bf16 cases against "
+            "FSDP2 with the same policy; int8 gathers' accumulation against one backward over "
+            "the same rows). \"equal\": every loss, every final parameter and every number "
+            "the case records (norms, values read in hooks) within 1e-5 (relative). Each mode "
+            "ran all its cases in one launch.", "",
+            "| case | what | against | ragshard, host | ragshard, device-shaped | FSDP2 |",
+            "|---|---|---|---|---|---|"]
+        for case, doc, what, host, device, theirs in case_rows:
+            lines.append(f"| {case} | {doc} | {what} | {host} | {device} | {theirs} |")
+        for key, error in failed:
+            lines.append(f"\nRun **{key}** failed: `{error}`")
     provenance.write(path, "\n".join(lines) + "\n", header)
 
 
@@ -76,11 +167,14 @@ def main():
     provenance.require(a)
     sys.path.insert(0, os.path.join(a.build, "python"))
     from ragshard.cluster import LocalCluster
-    env = dict(os.environ, PYTHONPATH=os.path.join(a.build, "python"))
     rows = []
     with tempfile.TemporaryDirectory() as tmp, \
-            LocalCluster(a.build, daemons=2, pool_bytes=64 << 20,
-                         cluster_profile=PROFILE) as cluster:
+            LocalCluster(a.build, daemons=2, pool_bytes=128 << 20,
+                         cluster_profile=PROFILE) as cluster, \
+            LocalCluster(a.build, daemons=2, pool_bytes=128 << 20, cluster_profile=PROFILE,
+                         backend="device-shaped") as device:
+        # (after the clusters start: their token is in this process's environment now)
+        env = dict(os.environ, PYTHONPATH=os.path.join(a.build, "python"))
         for i, (case, stn) in enumerate(CASES):
             extra = ["--case", case, "--set-to-none", str(stn)]
             base = os.path.join(tmp, str(i))
@@ -104,6 +198,9 @@ def main():
             rows.append((case, stn, ours, theirs))
             print(f"{case} set_to_none={stn}: ragshard {ours}; FSDP2 {theirs}", flush=True)
             write(a.out, rows, a.provenance)  # after every case, so a cut-off run keeps what it measured
+        print("FSDP2's training idioms ...", flush=True)
+        case_rows, failed = fsdp2_cases_rows(os.path.abspath(a.build), tmp, cluster, device)
+        write(a.out, rows, a.provenance, case_rows, failed)
     print("wrote", a.out)
 
 

@@ -56,6 +56,9 @@ def parse(argv=None):
     p.add_argument("--experts", type=int, default=4, help="mixtral: experts per layer")
     p.add_argument("--top-k", type=int, default=2, help="mixtral: experts per token")
     p.add_argument("--global-batch", type=int, default=8, help="sequences per step, all ranks")
+    p.add_argument("--accum", type=int, default=1,
+                   help="micro-batches per step, each its own loss.backward() (gradient "
+                        "accumulation by repeated backward); each rank's rows split evenly")
     p.add_argument("--steps", type=int, default=8, help="the schedule's length and the last step")
     add_numbers(p, lr=3e-3, warmup=2, weight_decay=0.1, clip=1.0)
     p.add_argument("--bf16", action="store_true", help="bf16 parameters, fp32 reductions")
@@ -222,16 +225,23 @@ def main(argv=None):
 
     if a.global_batch % world:
         sys.exit(f"--global-batch {a.global_batch} does not split evenly over {world} ranks")
-    rows = slice(rank * a.global_batch // world, (rank + 1) * a.global_batch // world)
+    per_rank = a.global_batch // world
+    if a.accum < 1 or per_rank % a.accum:
+        sys.exit(f"--accum {a.accum} does not split a rank's {per_rank} sequences evenly")
+    micro = per_rank // a.accum
     losses, lrs, norms = [], [], []
     for step in range(first, a.steps):
         x, y = global_batch(a, chain, step)
-        logits = model(input_ids=x[rows]).logits
-        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, a.vocab),
-                                                 y[rows].reshape(-1))
-        loss.backward()
-        # The same line under both: ragshard.torch makes torch's clip_grad_norm_ clip a fully_shard
-        # module by the global norm of its shards.
+        loss = 0.0
+        for i in range(a.accum):  # the same lines under both: each micro-batch's backward adds
+            rows = slice(rank * per_rank + i * micro, rank * per_rank + (i + 1) * micro)
+            logits = model(input_ids=x[rows]).logits
+            part = torch.nn.functional.cross_entropy(logits.float().reshape(-1, a.vocab),
+                                                     y[rows].reshape(-1)) / a.accum
+            part.backward()
+            loss = loss + part.detach()
+        # The same line under both: torch's clip_grad_norm_, over FSDP2's DTensor gradients or
+        # ragshard's ShardGrads, takes the global norm of every rank's shards.
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip)
         if fsdp2:  # PORT: FSDP2's norm is a DTensor
             norm = norm.full_tensor()
