@@ -157,12 +157,13 @@ def test_hooks_registered_after_wrapping_come_after_the_unshard_and_before_the_r
     net, model = shard()
     layer = net.layers[1]
     seen = []
-    layer.register_forward_pre_hook(lambda m, a: seen.append(("pre", float(m.weight.detach().sum()))),
-                                    prepend=True)
-    layer.register_forward_hook(lambda m, a, o: seen.append(("post", float(m.bias.detach().sum()))),
-                                prepend=True)
-    layer.register_full_backward_pre_hook(
-        lambda m, g: seen.append(("backward_pre", float(m.weight.detach().abs().sum()))), prepend=True)
+
+    def note(kind, t):
+        seen.append((kind, float(t.detach().abs().sum())))  # reads every element
+    layer.register_forward_pre_hook(lambda m, a: note("pre", m.weight), prepend=True)
+    layer.register_forward_hook(lambda m, a, o: note("post", m.bias), prepend=True)
+    layer.register_full_backward_pre_hook(lambda m, g: note("backward_pre", m.weight),
+                                          prepend=True)
     model(torch.ones(2, 8)).sum().backward()
     assert [k for k, _ in seen] == ["pre", "post", "backward_pre"]
     with pytest.raises(RuntimeError, match="used while its unit"):

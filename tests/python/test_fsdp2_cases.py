@@ -33,21 +33,8 @@ import fsdp2_cases  # noqa: E402
 from fsdp2_case_runs import (AMSP_STRATEGY, MIXED, PLAIN, QUANTIZED, RTOL, WITH_FSDP2,  # noqa: E402
                              differences, fsdp2_run, largest, ragshard_run, reference_run,
                              results)
-from ragshard.cluster import LocalCluster  # noqa: E402
-from test_training import PROFILE  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def host():
-    with LocalCluster(BUILD, daemons=2, pool_bytes=128 << 20, cluster_profile=PROFILE) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def device():
-    with LocalCluster(BUILD, daemons=2, pool_bytes=128 << 20, cluster_profile=PROFILE,
-                      backend="device-shaped") as c:
-        yield c
+# The module's clusters: 2 daemons on each host data plane (node-shared, device-shaped).
+from test_training import cluster, device_cluster  # noqa: E402,F401
 
 
 _RUNS = {}
@@ -83,7 +70,7 @@ def fsdp2_hsdp(tmp_path_factory):
 
 def ours(request, tmp_path_factory, backend, kind, cases, **kwargs):
     """The output directory of ragshard's run of `cases` (`kind` names it) on `backend`."""
-    cluster = request.getfixturevalue("host" if backend == "host" else "device")
+    cluster = request.getfixturevalue("cluster" if backend == "host" else "device_cluster")
     prefix = kind[:2] + ("h" if backend == "host" else "d")
     return _run(f"{kind}-{backend}", tmp_path_factory,
                 lambda out: ragshard_run(BUILD, cluster, cases, prefix, out, **kwargs))
