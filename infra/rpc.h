@@ -20,6 +20,9 @@ grpc::Status ToGrpcStatus(const absl::Status& status);
 absl::Status FromGrpcStatus(const grpc::Status& status);
 
 // Finishes a unary callback call with `status` and returns its reactor, for a handler to return.
+// It takes the call's ctx->DefaultReactor(): only for a handler that has not taken it before
+// (DefaultReactor constructs the reactor anew at each call, dropping a Finish made on the first
+// one); such a handler finishes its reactor itself.
 grpc::ServerUnaryReactor* ReplyUnary(grpc::CallbackServerContext* ctx, const absl::Status& status);
 
 // Reads a whole file; NOT_FOUND names the path.

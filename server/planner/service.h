@@ -73,6 +73,9 @@ struct PlannerOptions {
   // Tests only: called with the job's id before each store write of a job, under the job's lock
   // (tests/server/planner/planner_locks_test.cc stalls one there).
   std::function<void(const std::string& job_id)> before_job_write;
+  // Tests only: called with the job's id when a Get or GetKeys has parked, with no lock held and
+  // before its handler returns (planner_locks_test.cc answers the call there).
+  std::function<void(const std::string& job_id)> after_park;
 };
 
 // WatchPlan is a raw (ByteBuffer) method: an event is serialized once and its slices are shared

@@ -19,19 +19,28 @@ grpc::ServerUnaryReactor* PlannerService::GetOrWait(Ctx* ctx, const std::string&
                                                     const std::vector<std::string>& keys,
                                                     int64_t wait_ms,
                                                     const Rendezvous::Answer& answer) {
-  EntryPtr e = Entry(job_id);
-  if (e == nullptr) return ReplyUnary(ctx, LiveJob(job_id, nullptr).status());
+  // The call's one reactor, taken once: DefaultReactor() constructs it anew at every call, which
+  // would drop a Finish that a Put, the job's deletion, the ticker or shutdown made after the call
+  // parked and before this handler returned (the call was then never answered).
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   std::optional<absl::Status> answered;
-  {
+  if (EntryPtr e = Entry(job_id); e == nullptr) {
+    answered = LiveJob(job_id, nullptr).status();
+  } else {
     // Under the job's lock: a job deleted meanwhile parks nothing.
     absl::MutexLock lock(&e->mu);
     auto job = LiveJob(job_id, &e->state);
-    answered = job.ok()
-                   ? rendezvous_.GetOrPark(job_id, keys, wait_ms, ctx->DefaultReactor(), answer)
-                   : job.status();
+    answered =
+        job.ok() ? rendezvous_.GetOrPark(job_id, keys, wait_ms, reactor, answer) : job.status();
   }
-  // Parked: the reactor is finished by a Put, the job's deletion, the deadline or shutdown.
-  return answered ? ReplyUnary(ctx, *answered) : ctx->DefaultReactor();
+  if (answered) {
+    reactor->Finish(ToGrpcStatus(*answered));
+  } else if (options_.after_park) {
+    options_.after_park(job_id);
+  }
+  // Parked: the reactor is finished by a Put, the job's deletion, the deadline or shutdown,
+  // perhaps before this handler returns it (gRPC then finishes it once it is returned).
+  return reactor;
 }
 
 grpc::ServerUnaryReactor* PlannerService::Get(Ctx* ctx, const v1::GetRequest* req,

@@ -38,6 +38,7 @@ class PlannerFixture : public ::testing::Test {
     o.service.default_registration_timeout = 30s;
     o.service.cluster_profile = profile_;
     o.service.before_job_write = before_job_write_;
+    o.service.after_park = after_park_;
     if (with_metrics_) o.metrics_listen = "127.0.0.1:0";
     auto server = planner::PlannerServer::Start(o);
     ASSERT_TRUE(server.ok()) << server.status();
@@ -158,6 +159,8 @@ class PlannerFixture : public ::testing::Test {
   std::unique_ptr<GrpcPlannerClient> client_;
   // PlannerOptions::before_job_write of the next Start (set it in a fixture's constructor).
   std::function<void(const std::string& job_id)> before_job_write_;
+  // PlannerOptions::after_park of the next Start (set it in a fixture's constructor).
+  std::function<void(const std::string& job_id)> after_park_;
 };
 
 }  // namespace ragshard::testing

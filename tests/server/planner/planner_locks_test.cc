@@ -1,9 +1,11 @@
 // The planner's state has owners with their own locks (server/planner/service.h): a job's store
 // write holds that job only, and calls on other jobs, on nodes and on other jobs' keys go on
-// meanwhile; many jobs driven from many threads at once all end as they would one by one.
+// meanwhile; many jobs driven from many threads at once all end as they would one by one; a
+// parked Get answered before its handler has returned hears the answer.
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <functional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -25,11 +27,36 @@ class PlannerLocksTest : public PlannerFixture {
       writing_.Notify();
       release_.WaitForNotification();
     };
+    // Job "held"'s first parked Get stays in its handler (parked, its reactor not yet returned to
+    // gRPC) until the test has answered it.
+    after_park_ = [this](const std::string& job_id) {
+      if (job_id != "held" || parked_once_.exchange(true)) return;
+      parked_.Notify();
+      answered_.WaitForNotification();
+    };
   }
 
  protected:
+  // Gets "held"'s key `key` (30 s wait) on a thread, and once it has parked, runs `answer` before
+  // the Get's handler returns; the Get's answer.
+  absl::StatusOr<std::string> GetAnsweredWhileParking(const std::string& key,
+                                                      const std::function<void()>& answer) {
+    absl::StatusOr<std::string> got;
+    std::thread get([&] { got = client_->Get("held", key, std::chrono::seconds(30)); });
+    absl::Cleanup join = [&] {
+      if (!answered_.HasBeenNotified()) answered_.Notify();
+      get.join();
+    };
+    parked_.WaitForNotification();
+    answer();
+    std::move(join).Invoke();
+    return got;
+  }
+
   std::atomic<bool> stalled_once_{false};
   absl::Notification writing_, release_;
+  std::atomic<bool> parked_once_{false};
+  absl::Notification parked_, answered_;
 };
 
 TEST_F(PlannerLocksTest, AJobStalledInItsStoreWriteHoldsUpNoOtherJobNodeOrKey) {
@@ -135,6 +162,37 @@ TEST_F(PlannerLocksTest, ManyJobsFromManyThreadsEndAsTheyWouldOneByOne) {
   ASSERT_TRUE(jobs.ok());
   ASSERT_EQ(jobs->size(), static_cast<size_t>(kJobs / 2));
   for (const v1::Job& job : *jobs) EXPECT_EQ(job.status(), v1::JOB_READY) << job.job_id();
+}
+
+// A Put that answers a Get between its parking and its handler's return: the Get hears it. (Its
+// answer was once dropped, a second DefaultReactor() constructing the reactor anew, and the call
+// never ended: a daemon's GetKeys of its peers' data addresses outlived its ranks' attaches.)
+TEST_F(PlannerLocksTest, AGetAnsweredByAPutBeforeItsHandlerReturnsHearsTheValue) {
+  Create("held", 1);
+  auto got = GetAnsweredWhileParking("addr", [&] {
+    auto put = client_->Put("held", "addr", "a");
+    EXPECT_TRUE(put.ok()) << put;
+  });
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, "a");
+}
+
+// The same for the job's deletion (an ABORTED answer, not the client's deadline), and the planner
+// answers the calls after it.
+TEST_F(PlannerLocksTest, AGetAnsweredByTheJobsDeletionBeforeItsHandlerReturnsHearsIt) {
+  Create("held", 1);
+  auto got = GetAnsweredWhileParking("never", [&] {
+    auto deleted = client_->DeleteJob("held");
+    EXPECT_TRUE(deleted.ok()) << deleted;
+  });
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kAborted) << got.status();
+  EXPECT_EQ(client_->Get("held", "never", std::chrono::milliseconds(0)).status().code(),
+            absl::StatusCode::kNotFound);
+  Create("held", 1);
+  ASSERT_TRUE(client_->Put("held", "addr", "b").ok());
+  auto again = client_->Get("held", "addr", std::chrono::seconds(30));
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(*again, "b");
 }
 
 }  // namespace
