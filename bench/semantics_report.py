@@ -12,6 +12,7 @@ of the final parameters from the reference, or the error (the last line a run pr
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 
@@ -113,7 +114,8 @@ def fsdp2_cases_rows(build, tmp, host, device):
                          .split(" ", 1)[1])
         else:
             cells.append(case_outcome(theirs, case, ref))
-        doc = (fsdp2_cases.CASES[case].__doc__ or "").strip().split(".")[0].replace("\n", " ")
+        text = " ".join((fsdp2_cases.CASES[case].__doc__ or "").split())
+        doc = re.split(r"\.(?:\s+(?=[A-Z(])|$)", text)[0]
         rows.append((case, doc, what, *cells))
     return rows, failed
 
