@@ -23,6 +23,7 @@ def rank_main(out, example, args):
     import torch
     rank = int(os.environ.get("RAGSHARD_RANK", os.environ.get("RANK", "0")))
     start_rss = vm("VmRSS")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(example)))  # its helpers
     spec = importlib.util.spec_from_file_location("train_hf", example)
     hf = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(hf)

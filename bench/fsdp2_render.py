@@ -31,6 +31,7 @@ def machine():
 def count_parameters(example, model):
     """The model's parameter count (tied embeddings once), built as train_hf.py builds it."""
     import importlib.util
+    sys.path.insert(0, os.path.dirname(os.path.abspath(example)))  # its helpers
     spec = importlib.util.spec_from_file_location("train_hf_count", example)
     hf = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(hf)

@@ -186,6 +186,7 @@ def reference_norm(example, model, world):
     get_total_norm)."""
     import importlib.util
     import torch
+    sys.path.insert(0, os.path.dirname(os.path.abspath(example)))  # its helpers
     spec = importlib.util.spec_from_file_location("train_hf_norm", example)
     hf = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(hf)
