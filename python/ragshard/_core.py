@@ -272,7 +272,7 @@ class Handle(_NoCopy):
 
 
 # The places of a unit's buffer whose arrays a client keeps (Client._buffer); fully_shard keeps
-# its views of as many (ragshard.torch.buffers).
+# its views of as many (ragshard.torch.fsdp.buffers).
 BUFFER_PLACES_KEPT = 4
 
 

@@ -11,6 +11,7 @@
 #include "glog/logging.h"
 #include "infra/ids.h"
 #include "infra/rpc.h"
+#include "protocol/pool_contract.h"
 #include "server/daemon/daemon.h"
 #include "server/daemon/job_runtime.h"
 
@@ -278,8 +279,10 @@ grpc::ServerUnaryReactor* NodeDaemon::StateBuffer(Ctx* ctx, const v1::StateBuffe
   if (!found.ok()) return ReplyUnary(ctx, found.status());
   // A salvage attachment's "copy/<step>/...": the state of another node that this node holds
   // whole (a shrink's re-cut, JobRuntime::ExposeCopy), made on the first ask.
-  if (int64_t step = 0; salvage && absl::StartsWith(name, "copy/") &&
-                        absl::SimpleAtoi(name.substr(5, name.find('/', 5) - 5), &step)) {
+  constexpr size_t kAfter = sizeof(pool::kCopy) - 1;
+  if (int64_t step = 0;
+      salvage && absl::StartsWith(name, pool::kCopy) &&
+      absl::SimpleAtoi(name.substr(kAfter, name.find('/', kAfter) - kAfter), &step)) {
     if (absl::Status s = found->first->ExposeCopy(found->second, step, name, pool_.get());
         !s.ok()) {
       return ReplyUnary(ctx, s);

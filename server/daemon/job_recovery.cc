@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "glog/logging.h"
+#include "protocol/pool_contract.h"
 #include "server/daemon/job_runtime.h"
 
 namespace ragshard::daemon {
@@ -111,14 +112,15 @@ absl::StatusOr<std::pair<const Lease*, bool>> JobRuntime::StateBuffer(int64_t ra
 }
 
 void JobRuntime::JournalSteps(int64_t rank, v1::RankProgress* out) const {
-  // python/ragshard/torch/recovery.py's StepJournal: two int64 (committed, begun).
-  auto it = state_.find({rank, "journal/meta"});
-  int64_t steps[2] = {-1, -1};
+  // The step journal's marks (protocol/pool_contract.h; the rank's StepJournal writes them).
+  auto it = state_.find({rank, pool::kJournalMeta});
+  int64_t steps[pool::kJournalMetaFields] = {};
+  steps[pool::kJournalCommitted] = steps[pool::kJournalBegun] = -1;
   if (it != state_.end() && it->second.second >= static_cast<int64_t>(sizeof(steps))) {
     std::memcpy(steps, it->second.first.data(), sizeof(steps));
   }
-  out->set_committed_step(steps[0]);
-  out->set_begun_step(steps[1]);
+  out->set_committed_step(steps[pool::kJournalCommitted]);
+  out->set_begun_step(steps[pool::kJournalBegun]);
 }
 
 void JobRuntime::FailRecovery(const absl::Status& error) {

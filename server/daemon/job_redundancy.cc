@@ -11,17 +11,10 @@
 #include "absl/strings/str_cat.h"
 #include "glog/logging.h"
 #include "infra/status_macros.h"
+#include "protocol/pool_contract.h"
 #include "server/daemon/job_runtime.h"
 
 namespace ragshard::daemon {
-
-namespace {
-
-constexpr char kShardPrefix[] = "shard/";
-constexpr char kJournalPrefix[] = "journal/";
-constexpr char kCopyPrefix[] = "copy/";
-
-}  // namespace
 
 void JobRuntime::EnableRedundancy(RedundancyScheme scheme, const std::string& text, int node,
                                   std::vector<std::string> nodes, bool replacement, Pool* pool) {
@@ -38,11 +31,11 @@ absl::StatusOr<int64_t> JobRuntime::LocalStep(int field, const char* what) const
   for (size_t l = 0; l < local_ranks_.size(); ++l) {
     v1::RankProgress p;
     JournalSteps(local_ranks_[l], &p);
-    const int64_t s = field == 0 ? p.committed_step() : p.begun_step();
+    const int64_t s = field == pool::kJournalCommitted ? p.committed_step() : p.begun_step();
     if (s < 0) {
       return absl::FailedPreconditionError(
           absl::StrCat(what, ": rank ", local_ranks_[l], " of job '", job_id_,
-                       "' has no step journal (state buffer 'journal/meta'; docs/recovery.md)"));
+                       "' has no step journal (state buffer '", pool::kJournalMeta, "'; docs/recovery.md)"));
     }
     if (l > 0 && s != step) {
       return absl::FailedPreconditionError(
@@ -67,10 +60,10 @@ absl::StatusOr<std::vector<std::vector<StateSegment>>> JobRuntime::ProtectedStat
                          " backend keeps parameter shards outside the host "
                          "pool; redundancy needs a host backend (docs/recovery.md)"));
       }
-      out[l].push_back({absl::StrCat(kShardPrefix, u), data, bytes});
+      out[l].push_back({absl::StrCat(pool::kShard, u), data, bytes});
     }
     for (const auto& [key, buffer] : state_) {
-      if (key.first != local_ranks_[l] || absl::StartsWith(key.second, kJournalPrefix)) continue;
+      if (key.first != local_ranks_[l] || absl::StartsWith(key.second, pool::kJournal)) continue;
       out[l].push_back({key.second, buffer.first.data(), buffer.second});
     }
   }
@@ -90,7 +83,7 @@ absl::Status JobRuntime::Protect(const Op& op) {
   uint64_t seq = 0;
   {
     absl::MutexLock lock(&mu_);
-    RAGSHARD_ASSIGN_OR_RETURN(step, LocalStep(1, "OP_PROTECT"));
+    RAGSHARD_ASSIGN_OR_RETURN(step, LocalStep(pool::kJournalBegun, "OP_PROTECT"));
     RAGSHARD_ASSIGN_OR_RETURN(state, ProtectedState());
     seq = running_seq_;
   }
@@ -109,7 +102,7 @@ absl::Status JobRuntime::Rebuild(const Op& op) {
     replacement = replacement_;
     epoch = epoch_;
     if (!replacement) {
-      RAGSHARD_ASSIGN_OR_RETURN(step, LocalStep(0, "OP_REBUILD"));
+      RAGSHARD_ASSIGN_OR_RETURN(step, LocalStep(pool::kJournalCommitted, "OP_REBUILD"));
       RAGSHARD_ASSIGN_OR_RETURN(state, ProtectedState());
     }
     seq = running_seq_;
@@ -117,8 +110,8 @@ absl::Status JobRuntime::Rebuild(const Op& op) {
   const PlaceSegment place = [this](int local, const std::string& name,
                                     int64_t bytes) -> absl::StatusOr<char*> {
     int unit = 0;
-    if (absl::StartsWith(name, kShardPrefix) &&
-        absl::SimpleAtoi(name.substr(sizeof(kShardPrefix) - 1), &unit)) {
+    if (absl::StartsWith(name, pool::kShard) &&
+        absl::SimpleAtoi(name.substr(sizeof(pool::kShard) - 1), &unit)) {
       int64_t have = 0;
       char* data =
           unit >= 0 && unit < dp_->units() ? dp_->HostParamShard(unit, local, &have) : nullptr;
@@ -172,7 +165,7 @@ absl::Status JobRuntime::ExposeCopy(int local, int64_t step, const std::string& 
   int64_t rank = 0;
   NodeRedundancy* redundancy = nullptr;
   bool checked = false;
-  const std::string prefix = absl::StrCat(kCopyPrefix, step, "/");
+  const std::string prefix = absl::StrCat(pool::kCopy, step, "/");
   {
     absl::MutexLock lock(&mu_);
     if (local < 0 || static_cast<size_t>(local) >= local_ranks_.size()) {
@@ -210,7 +203,7 @@ absl::Status JobRuntime::ExposeCopy(int local, int64_t step, const std::string& 
     state_[{rank, to}] = std::make_pair(std::move(*lease), std::max<int64_t>(bytes, 1));
     return absl::OkStatus();
   };
-  if (name == prefix + "directory" || name == prefix + "directory.bytes") {
+  if (name == prefix + pool::kCopyDirectory || name == prefix + pool::kCopyDirectoryBytes) {
     // Node i holds ranks [i * L, (i + 1) * L) (daemon_job_setup.cc's NodeMesh).
     const int64_t from_rank =
         static_cast<int64_t>(copy->node) * static_cast<int64_t>(local_ranks_.size()) + local;
@@ -219,8 +212,9 @@ absl::Status JobRuntime::ExposeCopy(int local, int64_t step, const std::string& 
       absl::StrAppend(&directory, seg.bytes, " ", seg.name, "\n");
     }
     const int64_t size = static_cast<int64_t>(directory.size());
-    RAGSHARD_RETURN_IF_ERROR(put(prefix + "directory", directory.data(), size));
-    return put(prefix + "directory.bytes", reinterpret_cast<const char*>(&size), sizeof(size));
+    RAGSHARD_RETURN_IF_ERROR(put(prefix + pool::kCopyDirectory, directory.data(), size));
+    return put(prefix + pool::kCopyDirectoryBytes, reinterpret_cast<const char*>(&size),
+               sizeof(size));
   }
   for (const StateSegment& seg : copy->segments) {
     if (prefix + seg.name != name) continue;

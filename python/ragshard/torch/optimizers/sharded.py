@@ -7,7 +7,7 @@
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_then_cosine)
 
 The optimizer is a torch.optim.Optimizer whose param groups hold the module's own parameters
-(ragshard.torch.groups). Underneath, CLS itself runs on this rank's pieces: one tensor per piece
+(ragshard.torch.optimizers.groups). Underneath, CLS itself runs on this rank's pieces: one tensor per piece
 of a parameter in this rank's optimizer range (a view of the parameter shard, or of the fp32
 master with bf16 parameters or quantized gathers), whose gradient is the same piece of the
 gradient shard, in an inner group per param group that takes the group's options at every step.
@@ -21,7 +21,6 @@ The state of the pieces lives in tensors that the module provides
 optimizer's pieces of that unit back to back: whatever CLS allocates at its first step is moved
 there, and CLS updates it in place from then on. Only this rank's pieces have state.
 """
-import contextlib
 import inspect
 
 import torch
@@ -131,7 +130,7 @@ class ShardedOptimizer(ModuleOptimizer):
         self._built = True
         self._layout()
         self._steps = None  # each piece's step count, in the pool (recovery in place)
-        if getattr(model, "recoverable", False):
+        if model.recovery.enabled:
             self._pool_steps()
 
     recovers = True
@@ -148,7 +147,7 @@ class ShardedOptimizer(ModuleOptimizer):
         m = self.model
         self._steps = m.optimizer_state(self._tag, "step", -1, max(len(self.pieces), 1),
                                         torch.float64)
-        if getattr(m, "state_in_place", False):
+        if m.recovery.state_in_place:
             # Made now, at their final size, so that the first step's journal names them (a
             # re-cut after it reads them: recut.py).
             dtypes = {ui: piece.dtype for (_, piece, _), (ui, _, _) in zip(self.pieces,
@@ -158,7 +157,7 @@ class ShardedOptimizer(ModuleOptimizer):
                     m.optimizer_state(self._tag, key, ui, self._unit_numel[ui], dtype)
         if m.resume_step <= 0 or self.opt is None:
             return
-        recut = m.recut_step(f"opt/{self._tag}")
+        recut = m.recovery.recut_step(f"opt/{self._tag}")
         if recut is not None and not bool(self._steps.any()):
             self._steps.fill_(recut)  # a re-cut's pieces: the count it agreed on (recut.py)
         for i, ((_, piece, _), (ui, lo, hi), at) in enumerate(
@@ -213,8 +212,8 @@ class ShardedOptimizer(ModuleOptimizer):
         self._home_at, self._unit_numel = [], {}
         self._by_index = {}  # parameter index -> [(piece, its unit, lo, hi)], in tensor order
         # Where a shrink may re-cut the shards, each piece's state lies at its own offset of the
-        # optimizer range instead (ShardedModule.state_in_place; recut.py).
-        in_place = getattr(self.model, "state_in_place", False)
+        # optimizer range instead (RankRecovery.state_in_place; recovery/recut.py).
+        in_place = self.model.recovery.state_in_place
         for (index, piece, _), (ui, lo, hi) in zip(self.pieces, self.where):
             at = lo if in_place else self._unit_numel.get(ui, 0)
             self._home_at.append(at)
@@ -252,8 +251,7 @@ class ShardedOptimizer(ModuleOptimizer):
             raise ValueError(f"{self._tag}: step(closure) is not supported: an elementwise "
                              "optimizer needs no re-evaluation of the loss")
         self.model.wait_for_checkpoint_write()  # an asynchronous save may be reading the state
-        transaction = getattr(self.model, "optimizer_step", contextlib.nullcontext)
-        with transaction():
+        with self.model.optimizer_step():
             self._step(gather)
 
     def _step(self, gather):

@@ -26,10 +26,10 @@ import time
 
 import torch
 
-from .._core import Error
-from .recovery import PoolState, StepJournal, agree_on_committed, shard_tensors
+from ..._core import Error
+from .journal import PoolState, StepJournal, agree_on_committed, shard_tensors
 from .recut import recut
-from .views import as_tensor
+from ..fsdp.views import as_tensor
 
 __all__ = ["release", "salvage", "salvage_to_release", "take_over"]
 

@@ -25,8 +25,8 @@ import math
 import torch
 
 from .groups import ModuleOptimizer
-from .sharded_optimizer import copy_masters, master_copies
-from .pieces import tensor_pieces
+from .sharded import copy_masters, master_copies
+from ..fsdp.pieces import tensor_pieces
 
 __all__ = ["ShardedAdam8bit", "MATRIX_BLOCK", "VECTOR_BLOCK"]
 
@@ -64,7 +64,7 @@ class _Blocks:
 
 
 def _blocks_of(pc):
-    """The blocks of piece `pc` (ragshard.torch.pieces.Piece); ValueError where the plan cuts
+    """The blocks of piece `pc` (ragshard.torch.fsdp.pieces.Piece); ValueError where the plan cuts
     a block."""
     numel, count = math.prod(pc.shape), pc.hi - pc.lo
     ends = pc.start + count == numel
@@ -126,6 +126,10 @@ class ShardedAdam8bit(ModuleOptimizer):
             raise ValueError("ShardedAdam8bit: step(closure) is not supported")
         m_ = self.model
         m_.wait_for_checkpoint_write()  # an asynchronous save may be reading the state
+        with m_.optimizer_step():
+            self._step(m_)
+
+    def _step(self, m_):
         has = m_.has_grad
         for pc, blocks, st in self.pieces:
             group = self.group_of(pc.index)

@@ -12,7 +12,7 @@ class RankShards:
     """This rank's parameter and gradient shards of every unit.
 
     Its interface is the one ShardedModule offers its optimizers and checkpoints (the module
-    delegates the same names here, and ragshard.torch.pieces takes either): `units()`,
+    delegates the same names here, and ragshard.torch.fsdp.pieces takes either): `units()`,
     `unit_params`, `unit_views`, `param_index`, `pieces`, `piece_start`, `shard`, `master_of`,
     `ospos`, `os_elems`, `gather_updates` and `optimizer_state`, with the attributes `masters`
     ({unit: fp32 master}) and `matrices` (a Matrix per whole-matrix tensor).

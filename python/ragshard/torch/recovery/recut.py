@@ -17,10 +17,10 @@ import json
 import numpy as np
 import torch
 
-from .._core import Error
-from .layout import tensor_places
-from .recovery import PoolState, StepJournal, agree_on_committed, redundancy_step, shard_tensors
-from .views import as_tensor
+from ..._core import Error
+from ..fsdp.layout import tensor_places
+from .journal import PoolState, StepJournal, agree_on_committed, redundancy_step, shard_tensors
+from ..fsdp.views import as_tensor
 
 __all__ = ["in_place", "recut", "recut_step"]
 

@@ -50,7 +50,7 @@ class ModuleOptimizer(torch.optim.Optimizer):
     def __init__(self, model, params, defaults):
         self.model = model
         self._owner_name = type(self).__name__
-        if getattr(model, "recoverable", False) and not self.recovers:
+        if model.recovery.enabled and not self.recovers:
             raise ValueError(
                 f"{self._owner_name}: the job recovers lost ranks in place, which needs every "
                 "optimizer state in the daemon's pool; this optimizer keeps some in the rank "

@@ -21,7 +21,7 @@ import json
 import numpy as np
 import torch
 
-from .views import as_tensor
+from ..fsdp.views import as_tensor
 
 __all__ = ["PoolState", "StepJournal"]
 
