@@ -467,6 +467,9 @@ def render(args, configs, precisions, model, runs, commands, started, elapsed, l
            "files are written, because of a gloo worker thread that may drop its last reference "
            "to a finished collective's tensor during the interpreter's finalization "
            "(`examples/train_tiny.py` says more)."]
+    if "bf16" not in precisions:
+        md.append("* bf16 is not in this run (`--precisions " + ",".join(precisions) + "`): "
+                  f"{args.bf16_note or 'left out by the command line.'}")
     if args.smoke:
         md.append("* **Smoke run** (`--smoke`): the tests' tiny model; step times and memory "
                   "say nothing at this size.")

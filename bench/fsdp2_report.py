@@ -65,6 +65,8 @@ def main():
     ap.add_argument("--bf16-reps", type=int, default=2,
                     help="rounds (the first ones) that also run the bf16 and accum "
                          "configurations")
+    ap.add_argument("--bf16-note", default="",
+                    help="the report's reason for a run without bf16 (--precisions)")
     ap.add_argument("--smoke", action="store_true",
                     help="the tests' tiny Llama (hidden 64, 2 layers, vocabulary 128, 16 tokens)")
     ap.add_argument("--example", default=EXAMPLE, help="the training script (train_hf.py)")

@@ -44,8 +44,9 @@ namespace {
 // 3: the _secure functions (TLS); version 2's functions remain. 4: rs_client_register takes
 // local_ranks (registration through the daemon). 5: rs_dequantize_chunks, rs_block_amax,
 // rs_encode_chunks. 8: rs_client_attach takes salvage, rs_create_job_secure on_node_loss,
-// rs_job_json (shrinking in place). 9: rs_client_release_salvaged.
-constexpr int kAbiVersion = 9;
+// rs_job_json (shrinking in place). 9: rs_client_release_salvaged. 10: rs_client_op takes
+// accumulate (gradient accumulation).
+constexpr int kAbiVersion = 10;
 
 thread_local std::string last_error;
 thread_local std::string last_string;

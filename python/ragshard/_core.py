@@ -18,7 +18,7 @@ import os
 import time
 import weakref
 
-ABI_VERSION = 9
+ABI_VERSION = 10
 _BAD_ARGUMENT, _OUT_OF_RANGE = -1, -2
 
 
