@@ -24,7 +24,7 @@
 #include "engine/sharding.h"
 #include "engine/strategy.h"
 #include "infra/proto_text.h"
-#include "infra/redundancy.h"
+#include "engine/redundancy.h"
 
 namespace ragshard {
 namespace {

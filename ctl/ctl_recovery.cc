@@ -9,7 +9,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "ctl/ctl_format.h"
-#include "infra/redundancy.h"
+#include "engine/redundancy.h"
 
 namespace ragshard {
 namespace {

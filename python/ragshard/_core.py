@@ -18,7 +18,7 @@ import os
 import time
 import weakref
 
-ABI_VERSION = 10
+ABI_VERSION = 11
 _BAD_ARGUMENT, _OUT_OF_RANGE = -1, -2
 
 
@@ -111,6 +111,8 @@ def _load():
     out_str = ctypes.POINTER(cstr)
     sigs = {
         "rs_abi_version": (i32, []),
+        "rs_pool_contract": (i32, [ctypes.POINTER(cstr)]),
+        "rs_redundancy": (i32, [cstr, cstr, i64, ctypes.POINTER(cstr)]),
         "rs_last_error": (cstr, []),
         "rs_client_create_secure": (i32, [cstr, cstr, cstr, i64, cstr, i64,
                                           ctypes.POINTER(_Security), i32, ctypes.POINTER(c_p)]),
@@ -535,6 +537,15 @@ _OPEN = weakref.WeakSet()  # the clients not yet closed
 def _close_open_clients():
     for client in list(_OPEN):
         client.close()
+
+
+def redundancy(text, nodes=0, field="redundancy"):
+    """A job's redundancy across nodes as the planner and the daemon read it (the C library's
+    rules, engine/redundancy.h): {"name": its canonical spelling, "whole_copies": whether it holds
+    each node's state whole on another node, "min_nodes", "group": parity:K's K + 1 (else 0),
+    "nodes_error": why it cannot run on `nodes` nodes, or "" (`nodes` 0: not asked)}. ValueError
+    naming `field` for a spelling that is none of them."""
+    return json.loads(_string(_lib.rs_redundancy, _b(field), _b(text or ""), int(nodes)))
 
 
 def create_job(planner, job, shard_size, replicate_size=1, policy="ragged", default_granule="",

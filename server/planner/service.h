@@ -37,9 +37,10 @@
 #include "absl/synchronization/notification.h"
 #include "engine/cluster.h"
 #include "engine/strategy_search.h"
-#include "infra/redundancy.h"
+#include "engine/redundancy.h"
 #include "prometheus/metric_family.h"
 #include "ragshard/v1/planner.grpc.pb.h"
+#include "server/planner/job_status.h"
 #include "server/planner/metrics.h"
 #include "server/planner/node_registry.h"
 #include "server/planner/parked.h"
@@ -232,7 +233,6 @@ class PlannerService final
   // `state` (its entry's lock held) when its job lives (created, not deleted), else NOT_FOUND
   // naming `id`; UNAVAILABLE once shutting down.
   absl::StatusOr<JobState*> LiveJob(const std::string& id, JobState* state) const;
-  static bool Terminal(v1::JobStatus s) { return s == v1::JOB_FAILED || s == v1::JOB_DELETED; }
   // The job as answered: without its data secret (GetJob adds it where asked).
   static v1::Job Summary(const v1::Job& job);
   static int64_t NowMs();

@@ -23,7 +23,7 @@ v1::Job PlannerService::NewJob(const v1::CreateJobRequest& req) const {
     job.mutable_options()->set_registration_timeout_ms(
         options_.default_registration_timeout.count());
   }
-  job.set_status(v1::JOB_REGISTERING);
+  CHECK(JobStatusMachine::Move(&job, v1::JOB_REGISTERING).ok());  // a new job
   job.set_created_unix_ms(NowMs());
   job.set_registration_deadline_unix_ms(job.created_unix_ms() +
                                         job.options().registration_timeout_ms());
@@ -157,7 +157,7 @@ grpc::ServerUnaryReactor* PlannerService::ListJobNodes(Ctx* ctx, const v1::ListJ
 grpc::ServerUnaryReactor* PlannerService::DeleteJob(Ctx* ctx, const v1::DeleteJobRequest* req,
                                                     v1::DeleteJobResponse*) {
   return OnJob(ctx, Access::kAdmin, req->job_id(), nullptr, [&](JobState& js, Deferred* deferred) {
-    js.job.set_status(v1::JOB_DELETED);
+    RAGSHARD_RETURN_IF_ERROR(JobStatusMachine::Move(&js.job, v1::JOB_DELETED));
     js.job.set_error("deleted");
     const grpc::Status aborted(grpc::StatusCode::ABORTED, "job deleted");
     for (PendingHash& p : js.pending_hash) FinishLater(deferred, p.parked.reactor, aborted);

@@ -25,7 +25,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "glog/logging.h"
-#include "infra/redundancy.h"
+#include "engine/redundancy.h"
 #include "infra/status_macros.h"
 #include "server/planner/service.h"
 
@@ -137,10 +137,7 @@ absl::Status PlannerService::Shrink(JobState* js, const std::set<std::string>& l
   // (replica, parity:1) may instead lose part of it: its survivors re-cut the shards for their
   // number, the lost nodes' share read from those copies (docs/recovery.md).
   const auto redundancy = ParseRedundancy("options.redundancy", job.options().redundancy());
-  const bool whole_copies =
-      redundancy.ok() && (redundancy->kind == Redundancy::Kind::kReplica ||
-                          (redundancy->kind == Redundancy::Kind::kParity && redundancy->k == 1));
-  const bool recut = whole_copies && f == world;
+  const bool recut = redundancy.ok() && redundancy->whole_copies() && f == world;
   std::vector<int64_t> survivors;
   for (int64_t g = 0; g < world / f; ++g) {
     // The group's ranks on lost nodes, by node.
@@ -196,7 +193,7 @@ absl::Status PlannerService::Shrink(JobState* js, const std::set<std::string>& l
     return absl::FailedPreconditionError(absl::StrCat(
         "its successor's id '", successor, "' is not a valid job id (", id.message(), ")"));
   }
-  job.set_status(v1::JOB_SHRUNK);
+  RAGSHARD_RETURN_IF_ERROR(JobStatusMachine::Move(&job, v1::JOB_SHRUNK));
   job.set_successor_job_id(successor);
   job.clear_survivor_ranks();
   for (int64_t rank : survivors) job.add_survivor_ranks(rank);

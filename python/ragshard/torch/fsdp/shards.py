@@ -6,6 +6,7 @@ import torch
 from .meta import release_freed_memory, values
 from .params import Matrix, Piece
 from .views import as_tensor, tensor_of
+from ... import _pool
 
 
 class RankShards:
@@ -190,4 +191,4 @@ class RankShards:
 def state_name(key):
     """The state buffer of optimizer state (owner, key, unit)."""
     owner, name, ui = key
-    return f"opt/{owner}/{name}/{ui}"
+    return _pool.optimizer_state(owner, name, ui)

@@ -120,16 +120,7 @@ class ShardedAdam8bit(ModuleOptimizer):
                 "step": 0, "m": torch.zeros(n, dtype=torch.int8), "m_scale": zeros.clone(),
                 "v": torch.zeros(n, dtype=torch.uint8), "v_scale": zeros.clone()}))
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        if closure is not None:
-            raise ValueError("ShardedAdam8bit: step(closure) is not supported")
-        m_ = self.model
-        m_.wait_for_checkpoint_write()  # an asynchronous save may be reading the state
-        with m_.optimizer_step():
-            self._step(m_)
-
-    def _step(self, m_):
+    def _step_all(self, m_, **options):
         has = m_.has_grad
         for pc, blocks, st in self.pieces:
             group = self.group_of(pc.index)

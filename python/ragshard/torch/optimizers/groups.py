@@ -67,6 +67,26 @@ class ModuleOptimizer(torch.optim.Optimizer):
         self._grouped = {}  # parameter index -> its group's index
         super().__init__(params, defaults)
 
+    # -- steps --------------------------------------------------------------------------------
+
+    # Why a closure is refused (step(closure) re-evaluates the loss, which none of these needs).
+    _closure_why = "the optimizer needs no re-evaluation of the loss"
+
+    @torch.no_grad()
+    def step(self, closure=None, **options):
+        """One optimizer step, inside the module's step transaction (ShardedModule.
+        optimizer_step), once an asynchronous checkpoint write no longer reads the state."""
+        if closure is not None:
+            raise ValueError(f"{self._owner_name}: step(closure) is not supported: "
+                             f"{self._closure_why}")
+        self.model.wait_for_checkpoint_write()
+        with self.model.optimizer_step():
+            self._step_all(self.model, **options)
+
+    def _step_all(self, model, **options):
+        """The step's own work (each optimizer's)."""
+        raise NotImplementedError
+
     # -- groups -------------------------------------------------------------------------------
 
     def add_param_group(self, param_group):

@@ -69,16 +69,7 @@ class OwnerOptimizer(ModuleOptimizer):
             self._base_lr.append(self.param_groups[-1]["lr"])
             self.adamw.add_param_group(self._adamw_group(self.param_groups[-1]))
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        if closure is not None:
-            raise ValueError(f"{type(self).__name__}: step(closure) is not supported")
-        m = self.model
-        m.wait_for_checkpoint_write()  # an asynchronous save may be reading the state
-        with m.optimizer_step():
-            self._step_all(m)
-
-    def _step_all(self, m):
+    def _step_all(self, m, **options):
         has = m.has_grad
         for g, base, ag in zip(self.param_groups, self._base_lr, self.adamw.param_groups):
             for key, option in ADAMW_OPTIONS.items():

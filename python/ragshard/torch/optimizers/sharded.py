@@ -7,8 +7,8 @@
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_then_cosine)
 
 The optimizer is a torch.optim.Optimizer whose param groups hold the module's own parameters
-(ragshard.torch.optimizers.groups). Underneath, CLS itself runs on this rank's pieces: one tensor per piece
-of a parameter in this rank's optimizer range (a view of the parameter shard, or of the fp32
+(ragshard.torch.optimizers.groups). Underneath, CLS itself runs on this rank's pieces: one tensor
+per piece of a parameter in this rank's optimizer range (a view of the parameter shard, or of the fp32
 master with bf16 parameters or quantized gathers), whose gradient is the same piece of the
 gradient shard, in an inner group per param group that takes the group's options at every step.
 A piece is stepped only while its parameter has a gradient (`ShardedModule.has_grad`, the same
@@ -26,6 +26,7 @@ import inspect
 import torch
 
 from .groups import ModuleOptimizer, piece_ranges
+from ... import _pool
 
 __all__ = ["ShardedOptimizer", "ShardedAdamW", "ELEMENTWISE", "master_copies", "copy_masters"]
 
@@ -157,7 +158,7 @@ class ShardedOptimizer(ModuleOptimizer):
                     m.optimizer_state(self._tag, key, ui, self._unit_numel[ui], dtype)
         if m.resume_step <= 0 or self.opt is None:
             return
-        recut = m.recovery.recut_step(f"opt/{self._tag}")
+        recut = m.recovery.recut_step(_pool.optimizer_prefix(self._tag))
         if recut is not None and not bool(self._steps.any()):
             self._steps.fill_(recut)  # a re-cut's pieces: the count it agreed on (recut.py)
         for i, ((_, piece, _), (ui, lo, hi), at) in enumerate(
@@ -243,18 +244,14 @@ class ShardedOptimizer(ModuleOptimizer):
 
     # -- steps -------------------------------------------------------------------------------
 
-    @torch.no_grad()
+    _closure_why = "an elementwise optimizer needs no re-evaluation of the loss"
+
     def step(self, closure=None, gather=True):
         """Steps this rank's optimizer range, then (unless `gather` is False: the caller
         gathers once its own updates are in) AMSP's update gather."""
-        if closure is not None:
-            raise ValueError(f"{self._tag}: step(closure) is not supported: an elementwise "
-                             "optimizer needs no re-evaluation of the loss")
-        self.model.wait_for_checkpoint_write()  # an asynchronous save may be reading the state
-        with self.model.optimizer_step():
-            self._step(gather)
+        return super().step(closure, gather=gather)
 
-    def _step(self, gather):
+    def _step_all(self, model, gather=True):
         if self.opt is not None:
             has = self.model.has_grad
             for index, piece, grad in self.pieces:

@@ -22,6 +22,7 @@ from .journal import (PoolState, StepJournal, agree_on_committed, rebuild_state,
                       redundancy_step, shard_tensors)
 from .recut import in_place, recut_step
 from .takeover import release, salvage, salvage_to_release, take_over
+from ... import _pool
 
 __all__ = ["RankRecovery", "attach"]
 
@@ -172,8 +173,8 @@ class RankRecovery:
         # came from]: a rank restarted later in the successor (a recovery there) still says
         # where the shrink happened (`shrink`), even once that job is deleted. A replacement's
         # mark comes back with the rest of its state (rebuilt from redundancy): it does not vote.
-        self._taken, _ = pool.tensor("shrink/taken", 3, torch.int64)
-        self._recut, _ = pool.tensor("shrink/recut", 1, torch.int64)  # recut.py
+        self._taken, _ = pool.tensor(_pool.SHRINK_TAKEN, 3, torch.int64)
+        self._recut, _ = pool.tensor(_pool.SHRINK_RECUT, 1, torch.int64)  # recut.py
         taken = bool(int(self._taken[0])) or replacement
         if self._control.all_reduce_scalar(0.0 if taken else 1.0) == 0.0:
             # Every rank took the state over. This node may still hold the shrunk job's buffers

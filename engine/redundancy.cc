@@ -1,4 +1,4 @@
-#include "infra/redundancy.h"
+#include "engine/redundancy.h"
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
