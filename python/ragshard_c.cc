@@ -149,7 +149,8 @@ int rs_abi_version(void) { return kAbiVersion; }
 int rs_redundancy(const char* field, const char* text, int64_t nodes, const char** out) {
   auto r = ragshard::ParseRedundancy(field, text);
   if (!r.ok()) return Fail(r.status());
-  const absl::Status fits = nodes > 0 ? ragshard::CheckRedundancyNodes(*r, nodes) : absl::OkStatus();
+  const absl::Status fits =
+      nodes > 0 ? ragshard::CheckRedundancyNodes(*r, nodes) : absl::OkStatus();
   nlohmann::json j = {{"name", r->name()},
                       {"whole_copies", r->whole_copies()},
                       {"min_nodes", r->min_nodes()},

@@ -8,20 +8,13 @@ from ._core import _lib, _string
 _CONTRACT = json.loads(_string(_lib.rs_pool_contract))
 _PREFIXES, _NAMES = _CONTRACT["prefixes"], _CONTRACT["names"]
 
-SHARD = _PREFIXES["shard"]
-JOURNAL = _PREFIXES["journal"]
-OPTIMIZER = _PREFIXES["optimizer"]
-SHRINK = _PREFIXES["shrink"]
-COPY = _PREFIXES["copy"]
-
-JOURNAL_META = _NAMES["journal_meta"]
-JOURNAL_MANIFEST = _NAMES["journal_manifest"]
-JOURNAL_HELD = _NAMES["journal_held"]
-SHRINK_TAKEN = _NAMES["shrink_taken"]
-SHRINK_RECUT = _NAMES["shrink_recut"]
-SHRINK_IN_PLACE = _NAMES["shrink_in_place"]
-COPY_DIRECTORY = _NAMES["copy_directory"]
-COPY_DIRECTORY_BYTES = _NAMES["copy_directory_bytes"]
+# Family prefixes, and whole names (protocol/pool_contract.h's).
+SHARD, JOURNAL, OPTIMIZER, SHRINK, COPY = (
+    _PREFIXES[k] for k in ("shard", "journal", "optimizer", "shrink", "copy"))
+(JOURNAL_META, JOURNAL_MANIFEST, JOURNAL_HELD, SHRINK_TAKEN, SHRINK_RECUT, SHRINK_IN_PLACE,
+ COPY_DIRECTORY, COPY_DIRECTORY_BYTES) = (_NAMES[k] for k in (
+     "journal_meta", "journal_manifest", "journal_held", "shrink_taken", "shrink_recut",
+     "shrink_in_place", "copy_directory", "copy_directory_bytes"))
 
 # The step journal's marks (JOURNAL_META): int64 fields.
 JOURNAL_META_FIELDS = _CONTRACT["journal_meta"]["fields"]

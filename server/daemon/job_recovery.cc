@@ -52,10 +52,9 @@ absl::Status JobRuntime::AwaitRunning(absl::Time deadline) {
   };
   if (!mu_.AwaitWithDeadline(absl::Condition(&running), deadline)) {
     const RecoveryState::View v = recovery_.view();
-    return absl::DeadlineExceededError(
-        absl::StrCat("job '", job_id_, "' is recovering (epoch ", v.target,
-                     "): the other ranks have not all attached again yet; ",
-                     recovery_.notice().message()));
+    return absl::DeadlineExceededError(absl::StrCat(
+        "job '", job_id_, "' is recovering (epoch ", v.target,
+        "): the other ranks have not all attached again yet; ", recovery_.notice().message()));
   }
   if (stopping_) return absl::AbortedError("the job was released");
   return failed_;
@@ -122,8 +121,9 @@ void JobRuntime::Recover() {
       {
         absl::MutexLock lock(&mu_);
         if (!recovery_.reporting()) continue;  // a heartbeat named the epoch meanwhile
-        if (resp.ok() && recovery_.Accept(resp->recovery_epoch(),
-                                          absl::FromUnixMillis(resp->recovery_deadline_unix_ms()))) {
+        if (resp.ok() &&
+            recovery_.Accept(resp->recovery_epoch(),
+                             absl::FromUnixMillis(resp->recovery_deadline_unix_ms()))) {
           continue;
         }
       }
@@ -182,8 +182,8 @@ void JobRuntime::Recover() {
     abort_ = absl::OkStatus();
     running_seq_ = 0;
   }
-  LOG(INFO) << "job " << job_id_ << ": recovered in epoch " << v.target << " on node '"
-            << node_id_ << "'";
+  LOG(INFO) << "job " << job_id_ << ": recovered in epoch " << v.target << " on node '" << node_id_
+            << "'";
   metrics_->Recovered();
   v1::ReportRecoveredRequest done;
   done.set_job_id(job_id_);

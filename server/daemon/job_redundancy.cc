@@ -97,8 +97,7 @@ absl::Status JobRedundancy::Rebuild(Comm& comm, const DataBackend& dp, int64_t e
     if (absl::StartsWith(name, pool::kShard) &&
         absl::SimpleAtoi(name.substr(sizeof(pool::kShard) - 1), &unit)) {
       int64_t have = 0;
-      char* data =
-          unit >= 0 && unit < dp.units() ? dp.HostParamShard(unit, local, &have) : nullptr;
+      char* data = unit >= 0 && unit < dp.units() ? dp.HostParamShard(unit, local, &have) : nullptr;
       if (data == nullptr || have != bytes) {
         return absl::DataLossError(absl::StrCat(
             "the rebuilt state holds ", bytes, " bytes for the parameter shard of unit ", unit,
@@ -170,9 +169,9 @@ absl::Status JobRedundancy::ExposeCopy(int local, int64_t step, const std::strin
   auto put = [&](const std::string& to, const char* data, int64_t bytes) -> absl::Status {
     absl::Status s = states_->PutCopy(rank, to, data, bytes, pool);
     if (s.ok()) return s;
-    return absl::Status(s.code(), absl::StrCat("the copy of node '", copy->node_name,
-                                               "''s state buffer '", to, "' (", bytes,
-                                               " bytes) on node '", node_id_, "': ", s.message()));
+    return absl::Status(
+        s.code(), absl::StrCat("the copy of node '", copy->node_name, "''s state buffer '", to,
+                               "' (", bytes, " bytes) on node '", node_id_, "': ", s.message()));
   };
   const std::string directory_name = pool::CopyName(step, pool::kCopyDirectory);
   const std::string directory_bytes_name = pool::CopyName(step, pool::kCopyDirectoryBytes);

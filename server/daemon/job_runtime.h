@@ -27,9 +27,9 @@
 #include "ragshard/v1/daemon.pb.h"
 #include "server/daemon/comm.h"
 #include "server/daemon/data_backend.h"
+#include "server/daemon/job_redundancy.h"
 #include "server/daemon/metrics.h"
 #include "server/daemon/op_target.h"
-#include "server/daemon/job_redundancy.h"
 #include "server/daemon/pool.h"
 #include "server/daemon/rank_states.h"
 #include "server/daemon/recovery_state.h"
@@ -218,8 +218,8 @@ class JobRuntime final : public OpTarget {
   std::map<std::pair<int, v1::OpKind>, int64_t> unit_operations_ ABSL_GUARDED_BY(mu_);
   std::map<int, int64_t> departed_ ABSL_GUARDED_BY(mu_);  // local index -> rank
   bool departure_reported_ ABSL_GUARDED_BY(mu_) = false;
-  absl::Status report_ ABSL_GUARDED_BY(mu_);  // for the job thread to send to the planner
-  absl::Status abort_ ABSL_GUARDED_BY(mu_);   // for the job thread to tell the other nodes
+  absl::Status report_ ABSL_GUARDED_BY(mu_);       // for the job thread to send to the planner
+  absl::Status abort_ ABSL_GUARDED_BY(mu_);        // for the job thread to tell the other nodes
   uint64_t running_seq_ ABSL_GUARDED_BY(mu_) = 0;  // the operation on the job's thread, or 0
   uint64_t last_done_seq_ ABSL_GUARDED_BY(mu_) = 0;
   Op last_done_ ABSL_GUARDED_BY(mu_);  // its kind and unit only

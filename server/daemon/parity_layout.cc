@@ -81,5 +81,4 @@ ChunkSpan ChunkOf(const RedundancyScheme& scheme, const std::vector<int64_t>& st
   return {offset, std::min(blob[node] - offset, stripe)};
 }
 
-
 }  // namespace ragshard::daemon

@@ -9,8 +9,7 @@
 
 namespace ragshard::daemon {
 
-absl::StatusOr<std::pair<const Lease*, bool>> RankStates::Get(int64_t rank,
-                                                              const std::string& name,
+absl::StatusOr<std::pair<const Lease*, bool>> RankStates::Get(int64_t rank, const std::string& name,
                                                               int64_t bytes, Pool* pool) {
   absl::MutexLock lock(&mu_);
   auto it = buffers_.find({rank, name});

@@ -8,7 +8,10 @@
 namespace ragshard::daemon {
 
 RecoveryState::RecoveryState(std::string job_id, size_t locals)
-    : job_id_(std::move(job_id)), locals_(locals), generation_(locals, 0), rejoined_(locals, false) {}
+    : job_id_(std::move(job_id)),
+      locals_(locals),
+      generation_(locals, 0),
+      rejoined_(locals, false) {}
 
 void RecoveryState::Enable(int64_t epoch, absl::Duration deadline, Reconnect reconnect,
                            RelayComm* relay) {
@@ -47,12 +50,7 @@ absl::Status RecoveryState::notice() {
 
 RecoveryState::View RecoveryState::view() {
   absl::MutexLock lock(&mu_);
-  View v;
-  v.phase = phase_;
-  v.epoch = epoch_;
-  v.target = target_;
-  v.deadline = deadline_;
-  v.lost = lost_;
+  View v{phase_, epoch_, target_, deadline_, lost_, {}};
   for (size_t i = 0; i < locals_; ++i) {
     if (!rejoined_[i]) v.missing.push_back(static_cast<int>(i));
   }

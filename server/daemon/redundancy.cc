@@ -215,9 +215,9 @@ absl::Status NodeRedundancy::ProtectBlobs(Comm& comm,
     for (size_t l = 0; l < L; ++l) {
       const ChunkSpan span = ChunkOf(scheme_, stripes[l], blob[l], node_, c);
       if (span.bytes == 0) continue;
-      RAGSHARD_ASSIGN_OR_RETURN(
-          uint64_t r, comm.PostSend(holder, RedundancyStamp(seq, 1, l), blobs[l].data() + span.offset,
-                                    static_cast<size_t>(span.bytes)));
+      RAGSHARD_ASSIGN_OR_RETURN(uint64_t r, comm.PostSend(holder, RedundancyStamp(seq, 1, l),
+                                                          blobs[l].data() + span.offset,
+                                                          static_cast<size_t>(span.bytes)));
       sends.push_back(r);
     }
   }
@@ -230,8 +230,9 @@ absl::Status NodeRedundancy::ProtectBlobs(Comm& comm,
           ChunkOf(scheme_, stripes[l], blob[l], sources[i].node, sources[i].chunk);
       got[i][l].resize(static_cast<size_t>(span.bytes));
       if (span.bytes == 0) continue;
-      RAGSHARD_ASSIGN_OR_RETURN(uint64_t r, comm.PostRecv(sources[i].node, RedundancyStamp(seq, 1, l),
-                                                          got[i][l].data(), got[i][l].size()));
+      RAGSHARD_ASSIGN_OR_RETURN(
+          uint64_t r, comm.PostRecv(sources[i].node, RedundancyStamp(seq, 1, l), got[i][l].data(),
+                                    got[i][l].size()));
       requests.push_back(r);
     }
   }
@@ -261,6 +262,5 @@ absl::Status NodeRedundancy::ProtectBlobs(Comm& comm,
   DropAllBut(step);
   return absl::OkStatus();
 }
-
 
 }  // namespace ragshard::daemon

@@ -4,8 +4,8 @@
 //
 // A rank's protected state is its parameter shards and its state buffers (the optimizers' state,
 // step counts, the step journal's marks and manifest), but not the journal's undo copies. It is
-// read as one blob: a directory naming each segment and its size, then the segments. Where each chunk
-// and parity lies is parity_layout.h's; the blob is state_blob.h's.
+// read as one blob: a directory naming each segment and its size, then the segments. Where each
+// chunk and parity lies is parity_layout.h's; the blob is state_blob.h's.
 //
 // Protect runs inside every optimizer step's transaction: each node sends its chunks to their
 // holders, which XOR what they receive into a new parity with a CRC-32 of each chunk, tagged with

@@ -34,7 +34,9 @@ struct NodeRedundancy::Census {
   int64_t at(int node, size_t l, size_t field) const {
     return blocks[static_cast<size_t>(node) * block + 2 + l * per_local + field];
   }
-  int64_t& head(int node, size_t field) { return blocks[static_cast<size_t>(node) * block + field]; }
+  int64_t& head(int node, size_t field) {
+    return blocks[static_cast<size_t>(node) * block + field];
+  }
   int64_t head(int node, size_t field) const {
     return blocks[static_cast<size_t>(node) * block + field];
   }
@@ -155,8 +157,8 @@ absl::Status NodeRedundancy::CheckRebuildable(const Census& c, int64_t step) con
         if (src.node == x) continue;
         if (c.replaced[src.node]) {
           return absl::FailedPreconditionError(absl::StrCat(
-              "nodes ", name(x), " and ", name(src.node), " of one parity group were both lost: ",
-              what, "'s state cannot be rebuilt"));
+              "nodes ", name(x), " and ", name(src.node),
+              " of one parity group were both lost: ", what, "'s state cannot be rebuilt"));
         }
         RAGSHARD_RETURN_IF_ERROR(kept(src.node, what));
       }
@@ -174,8 +176,7 @@ absl::Status NodeRedundancy::CheckRebuildable(const Census& c, int64_t step) con
             "nodes ", name(x), " and ", name(src.node), " were both lost: the parity node ",
             name(x), " kept for ", name(src.node), " cannot be rebuilt"));
       }
-      RAGSHARD_RETURN_IF_ERROR(
-          kept(src.node, absl::StrCat("the parity node ", name(x), " kept")));
+      RAGSHARD_RETURN_IF_ERROR(kept(src.node, absl::StrCat("the parity node ", name(x), " kept")));
     }
   }
   return absl::OkStatus();
@@ -189,8 +190,8 @@ absl::Status NodeRedundancy::SizeStripes(Census* census, int64_t step) const {
   for (size_t l = 0; l < c.L; ++l) {
     for (int n = 0; n < nodes_; ++n) {
       const int h0 = ParityHolder(scheme_, nodes_, n, 0);
-      c.blob[l][n] = c.replaced[n] ? c.at(h0, l, 3 + SourceIndex(scheme_, nodes_, h0, n, 0))
-                                   : c.at(n, l, 0);
+      c.blob[l][n] =
+          c.replaced[n] ? c.at(h0, l, 3 + SourceIndex(scheme_, nodes_, h0, n, 0)) : c.at(n, l, 0);
     }
     c.stripes[l] = StripeBytes(scheme_, c.blob[l]);
     for (int x : c.rebuilt_nodes) {
@@ -299,8 +300,8 @@ absl::StatusOr<int64_t> NodeRedundancy::Reassemble(const Census& c,
         return absl::DataLossError(absl::StrFormat(
             "rebuilt chunk %d of local rank %d's state on node %s (bytes [%d, %d) of %d) does not "
             "match its checksum: CRC-32 %08x, node %s recorded %08x at step %d",
-            chunk, l, name(node_), span.offset, span.offset + span.bytes, blob_bytes, have,
-            name(h), want, step));
+            chunk, l, name(node_), span.offset, span.offset + span.bytes, blob_bytes, have, name(h),
+            want, step));
       }
     }
     RAGSHARD_ASSIGN_OR_RETURN(auto segments, ReadDirectory(mine.data(), blob_bytes));
@@ -352,7 +353,8 @@ absl::StatusOr<int64_t> NodeRedundancy::RebuildFromReplicas(
     mine[3 + 2 * l] = Crc32(blobs[l].data(), static_cast<int64_t>(blobs[l].size()));
   }
   RAGSHARD_RETURN_IF_ERROR(AllGather(comm, reinterpret_cast<char*>(blocks.data()),
-                                     block * sizeof(int64_t), deadline, RedundancyStamp(seq, 2, 0)));
+                                     block * sizeof(int64_t), deadline,
+                                     RedundancyStamp(seq, 2, 0)));
   auto field = [&](int n, size_t f) { return blocks[static_cast<size_t>(n) * block + f]; };
   std::vector<bool> replaced(static_cast<size_t>(nodes_));
   std::vector<int> rebuilt_nodes;

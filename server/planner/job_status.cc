@@ -35,10 +35,9 @@ bool JobStatusMachine::Allowed(v1::JobStatus from, v1::JobStatus to) {
 
 absl::Status JobStatusMachine::Move(v1::Job* job, v1::JobStatus to) {
   if (!Allowed(job->status(), to)) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("job '", job->job_id(), "' cannot go from ",
-                     v1::JobStatus_Name(job->status()), " to ", v1::JobStatus_Name(to),
-                     " (server/planner/job_status.h lists the transitions)"));
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job '", job->job_id(), "' cannot go from ", v1::JobStatus_Name(job->status()), " to ",
+        v1::JobStatus_Name(to), " (server/planner/job_status.h lists the transitions)"));
   }
   job->set_status(to);
   return absl::OkStatus();

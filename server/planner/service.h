@@ -36,8 +36,8 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "engine/cluster.h"
-#include "engine/strategy_search.h"
 #include "engine/redundancy.h"
+#include "engine/strategy_search.h"
 #include "prometheus/metric_family.h"
 #include "ragshard/v1/planner.grpc.pb.h"
 #include "server/planner/job_status.h"
@@ -230,6 +230,15 @@ class PlannerService final
                                   const std::string& job_id,
                                   const std::function<absl::Status()>& validate,
                                   const std::function<absl::Status(JobState&, Deferred*)>& body);
+  // OnJob on request `req`'s job, validated by `validate(req, the service's limits)`.
+  template <typename Request>
+  grpc::ServerUnaryReactor* OnJob(grpc::CallbackServerContext* ctx, Access access,
+                                  const Request& req,
+                                  absl::Status (*validate)(const Request&, const ServiceLimits&),
+                                  const std::function<absl::Status(JobState&, Deferred*)>& body) {
+    return OnJob(
+        ctx, access, req.job_id(), [&] { return validate(req, options_.limits); }, body);
+  }
   // `state` (its entry's lock held) when its job lives (created, not deleted), else NOT_FOUND
   // naming `id`; UNAVAILABLE once shutting down.
   absl::StatusOr<JobState*> LiveJob(const std::string& id, JobState* state) const;

@@ -100,28 +100,26 @@ grpc::ServerUnaryReactor* PlannerService::ListJobs(Ctx* ctx, const v1::ListJobsR
 
 grpc::ServerUnaryReactor* PlannerService::ListRanks(Ctx* ctx, const v1::ListRanksRequest* req,
                                                     v1::ListRanksResponse* resp) {
-  return OnJob(
-      ctx, Access::kUser, req->job_id(), [&] { return ValidateListRanks(*req, options_.limits); },
-      [&](JobState& js, Deferred*) {
-        const int64_t world = js.job.world_size();
-        if (req->start_rank() > world) {
-          return absl::InvalidArgumentError(absl::StrCat("start_rank: ", req->start_rank(),
-                                                         " is past the world size ", world,
-                                                         " of job '", req->job_id(), "'"));
-        }
-        const int64_t size = req->page_size() > 0 ? req->page_size() : kDefaultRanksPage;
-        const int64_t end = std::min(world, req->start_rank() + size);
-        auto known = js.ranks.lower_bound(req->start_rank());
-        for (int64_t r = req->start_rank(); r < end; ++r) {
-          if (known != js.ranks.end() && known->first == r) {
-            *resp->add_ranks() = (known++)->second;
-          } else {
-            resp->add_ranks()->set_rank(r);
-          }
-        }
-        resp->set_next_start_rank(end);
-        return absl::OkStatus();
-      });
+  return OnJob(ctx, Access::kUser, *req, ValidateListRanks, [&](JobState& js, Deferred*) {
+    const int64_t world = js.job.world_size();
+    if (req->start_rank() > world) {
+      return absl::InvalidArgumentError(absl::StrCat("start_rank: ", req->start_rank(),
+                                                     " is past the world size ", world, " of job '",
+                                                     req->job_id(), "'"));
+    }
+    const int64_t size = req->page_size() > 0 ? req->page_size() : kDefaultRanksPage;
+    const int64_t end = std::min(world, req->start_rank() + size);
+    auto known = js.ranks.lower_bound(req->start_rank());
+    for (int64_t r = req->start_rank(); r < end; ++r) {
+      if (known != js.ranks.end() && known->first == r) {
+        *resp->add_ranks() = (known++)->second;
+      } else {
+        resp->add_ranks()->set_rank(r);
+      }
+    }
+    resp->set_next_start_rank(end);
+    return absl::OkStatus();
+  });
 }
 
 const v1::ListJobNodesResponse& PlannerService::JobNodes(JobState* js) {

@@ -24,8 +24,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "glog/logging.h"
 #include "engine/redundancy.h"
+#include "glog/logging.h"
 #include "infra/rpc.h"
 #include "infra/status_macros.h"
 #include "server/planner/service.h"
@@ -292,8 +292,7 @@ grpc::ServerUnaryReactor* PlannerService::ReportRecovered(Ctx* ctx,
                                                           const v1::ReportRecoveredRequest* req,
                                                           v1::ReportRecoveredResponse* resp) {
   return OnJob(
-      ctx, Access::kUser, req->job_id(),
-      [&] { return ValidateReportRecovered(*req, options_.limits); },
+      ctx, Access::kUser, *req, ValidateReportRecovered,
       [&](JobState& js, Deferred* deferred) -> absl::Status {
         v1::Job& job = js.job;
         const int64_t now = NowMs();

@@ -6,9 +6,9 @@
 #include "absl/strings/str_join.h"
 #include "engine/plan_codec.h"
 #include "engine/planner.h"
+#include "engine/redundancy.h"
 #include "glog/logging.h"
 #include "infra/proto_text.h"
-#include "engine/redundancy.h"
 #include "infra/rpc.h"
 #include "infra/status_macros.h"
 #include "server/planner/service.h"
@@ -102,7 +102,8 @@ std::optional<grpc::Status> PlannerService::RegisterOnJob(JobState& js, const Re
       // A rank that registered before and now brings another model: name both hashes.
       for (int64_t rank : reg.ranks) {
         const auto r = js.ranks.find(rank);
-        if (JobStatusMachine::Terminal(job.status()) || r == js.ranks.end() || r->second.inventory_sha256() == sha)
+        if (JobStatusMachine::Terminal(job.status()) || r == js.ranks.end() ||
+            r->second.inventory_sha256() == sha)
           continue;
         absl::StrAppend(&error, ": rank ", rank, " registers inventory hash ", HexString(sha),
                         " but registered with ", HexString(r->second.inventory_sha256()),

@@ -72,3 +72,15 @@ def test_the_python_side_reads_the_headers_constants():
         f"{constants['kCopy']}3/{constants['kCopyDirectory']}"
     assert (_pool.JOURNAL_META_FIELDS, _pool.COMMITTED, _pool.BEGUN) == \
         (numbers["kJournalMetaFields"], numbers["kJournalCommitted"], numbers["kJournalBegun"])
+
+
+def test_every_name_of_the_header_reaches_the_python_side():
+    """A name added to the header but not to the contract the C library hands Python
+    (PoolContractJson) fails here, and so does one the library hands on that the header lacks."""
+    header = open(os.path.join(ROOT, CONTRACT)).read()
+    in_header = set(re.findall(r'inline constexpr char k\w+\[\] = "([^"]*)";', header))
+    in_python = set(_pool._PREFIXES.values()) | set(_pool._NAMES.values())
+    assert in_header == in_python, (f"only in {CONTRACT}: {sorted(in_header - in_python)}; only "
+                                    f"in PoolContractJson: {sorted(in_python - in_header)}")
+    numbers = re.findall(r"inline constexpr int (k\w+) = (\d+);", header)
+    assert len(numbers) == len(_pool._CONTRACT["journal_meta"]), numbers

@@ -35,8 +35,8 @@ TEST(JobStatusMachineTest, EveryPairIsAllowedExactlyWhenTheTableListsIt) {
       } else {
         EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
         EXPECT_THAT(std::string(s.message()),
-                    HasSubstr(absl::StrCat("job 'j' cannot go from ", v1::JobStatus_Name(f),
-                                           " to ", v1::JobStatus_Name(t))));
+                    HasSubstr(absl::StrCat("job 'j' cannot go from ", v1::JobStatus_Name(f), " to ",
+                                           v1::JobStatus_Name(t))));
         EXPECT_EQ(job.status(), f) << "a refused transition changed the job";
         ++refused;
       }

@@ -26,6 +26,15 @@ from .units import ModuleUnits, find_ties, group_units, policy_units, unit_inven
 from .views import DTYPES
 
 
+def _delegate(cls, owner, table):
+    """Read-only properties of `cls`, each reading the attribute of the same name of the part
+    `owner` names; `table` has a line "name: its doc" a property."""
+    for line in table.strip().splitlines():
+        name, doc = (part.strip() for part in line.split(":", 1))
+        setattr(cls, name, property(lambda self, n=name: getattr(getattr(self, owner), n),
+                                    doc=doc))
+
+
 def _world_from_environment():
     """The world size ragshard.Env finds (ragshard.launch's, torchrun's or srun's variables),
     else RAGSHARD_WORLD_SIZE or WORLD_SIZE alone; None where there is none."""
@@ -164,43 +173,9 @@ class ShardedModule(FSDPMethods, HookOrder, torch.nn.Module):
                           "reduce_scatter": self._unit_hooks.reduce_scatters,
                           "accumulating": self._unit_hooks.accumulating}
 
-    # -- the layout and the parts' figures, read-only ----------------------------------------
-
-    plan = property(lambda self: self.layout.plan, doc="The job's plan.")
-    world = property(lambda self: self.layout.world, doc="The job's world size W.")
-    rank = property(lambda self: self.layout.rank, doc="This rank.")
-    replicas = property(lambda self: self.layout.replicas, doc="W / |g| (ShardLayout).")
-    pos = property(lambda self: self.layout.pos, doc="The parameter shard's position.")
-    gpos = property(lambda self: self.layout.gpos, doc="The gradient shard's position.")
-    ospos = property(lambda self: self.layout.ospos, doc="The optimizer range's position.")
-    steps = property(lambda self: self.layout.steps, doc="Whether this rank steps its range.")
-    os_group = property(lambda self: self.layout.os_group, doc="This rank's os group.")
-    shard_elems = property(lambda self: self.layout.shard_elems, doc="Each unit's shard.")
-    grad_elems = property(lambda self: self.layout.grad_elems, doc="Each gradient shard.")
-    os_elems = property(lambda self: self.layout.os_elems, doc="Each optimizer range's size.")
-    os_at = property(lambda self: self.layout.os_at, doc="Each range's place (ShardLayout).")
-    factored = property(lambda self: self.layout.factored, doc="Whether the factors differ.")
-    group_sizes = property(lambda self: self.layout.group_sizes, doc="(|p|, |g|, |os|).")
-    masters = property(lambda self: self._shards.masters,
-                       doc="{unit: fp32 master} kept apart from the shards (RankShards).")
-    matrices = property(lambda self: self._shards.matrices,
-                        doc="A Matrix per whole-matrix tensor (Muon's and Shampoo's).")
-    has_grad = property(lambda self: self._grad_use.has_grad,
-                        doc="Whether each parameter has a gradient, by index (GradUse).")
-    peak_unsharded = property(lambda self: self._binding.peak_unsharded,
-                              doc="The most units unsharded at once on this rank so far.")
-    gathered_bytes = property(lambda self: self._quantized.gathered_bytes,
-                              doc="Bytes the quantized gathers moved, and the fp32 figure.")
-    # Recovery (RankRecovery, `recovery`, owns the state; these read it).
+    # The layout's and the parts' figures, and recovery's, read-only: _delegate below.
     recoverable = property(lambda self: self.recovery.enabled,
                            doc="Whether the job recovers lost ranks in place.")
-    redundancy = property(lambda self: self.recovery.redundancy,
-                          doc="The job's redundancy across nodes ('' none).")
-    resume_step = property(lambda self: self.recovery.resume_step,
-                           doc="Completed optimizer steps this rank's state holds (0: new).")
-    shrink = property(lambda self: self.recovery.shrink,
-                      doc="Where a shrink's successor came from ({job, rank, world, from_job, "
-                          "from_rank, from_world, ...}), or None.")
 
     # -- user API ----------------------------------------------------------------------------
 
@@ -390,6 +365,38 @@ class ShardedModule(FSDPMethods, HookOrder, torch.nn.Module):
 
     def named_buffers(self, prefix="", recurse=True, remove_duplicate=True):
         return self.module.named_buffers(prefix, recurse, remove_duplicate)
+
+
+_delegate(ShardedModule, "layout", """
+    plan: The job's plan.
+    world: The job's world size W.
+    rank: This rank.
+    replicas: W / |g| (ShardLayout).
+    pos: The parameter shard's position.
+    gpos: The gradient shard's position.
+    ospos: The optimizer range's position.
+    steps: Whether this rank steps its range.
+    os_group: This rank's os group.
+    shard_elems: Each unit's shard.
+    grad_elems: Each gradient shard.
+    os_elems: Each optimizer range's size.
+    os_at: Each range's place (ShardLayout).
+    factored: Whether the factors differ.
+    group_sizes: (|p|, |g|, |os|).""")
+_delegate(ShardedModule, "_shards", """
+    masters: {unit: fp32 master} kept apart from the shards (RankShards).
+    matrices: A Matrix per whole-matrix tensor (Muon's and Shampoo's).""")
+_delegate(ShardedModule, "_grad_use", """
+    has_grad: Whether each parameter has a gradient, by index (GradUse).""")
+_delegate(ShardedModule, "_binding", """
+    peak_unsharded: The most units unsharded at once on this rank so far.""")
+_delegate(ShardedModule, "_quantized", """
+    gathered_bytes: Bytes the quantized gathers moved, and the fp32 figure.""")
+# Recovery (RankRecovery, `recovery`, owns the state; these read it).
+_delegate(ShardedModule, "recovery", """
+    redundancy: The job's redundancy across nodes ('' none).
+    resume_step: Completed optimizer steps this rank's state holds (0: new).
+    shrink: Where a shrink's successor came from ({job, rank, world, from_job, ...}), or None.""")
 
 
 def _check_options(param_dtype, quantize, reshard_after_forward):
