@@ -211,6 +211,10 @@ def main():
                     help="also the collectives (collectives_bench) and, through the daemons, "
                          "all-gather, reduce-scatter and the no-op latency (daemon_bench)")
     ap.add_argument("--out", default="docs/benchmarks/refactor_ab.md")
+    ap.add_argument("--append", action="store_true",
+                    help="keep the report's earlier sections and add this run's after them (a "
+                         "section of the same title is replaced); its plot is "
+                         "<out>_<label>.png")
     provenance.add_flag(ap)
     a = ap.parse_args()
     provenance.require(a)
@@ -246,7 +250,7 @@ def main():
         rows.append((k, o, n, mo, mn, judged))
     same = exact["old"] == exact["new"]
     what = (f" --what {shlex.quote(a.what)}" if a.what != "a refactor" else "") + (
-        " --data-path" if a.data_path else "")
+        " --data-path" if a.data_path else "") + (" --append" if a.append else "")
     paths = "control and data paths" if a.data_path else "control path"
     lines = [
         f"# {paths.capitalize()} before and after {a.what}", "",
@@ -291,9 +295,27 @@ def main():
                              "time: lower is better)." if ok else
                              "**some figures got worse beyond noise** (rows marked worse)."),
               ""]
-    provenance.write(a.out, "\n".join(lines), a.provenance)
-    plot(rows, os.path.splitext(a.out)[0] + ".png", a.label)
+    text, png = "\n".join(lines), os.path.splitext(a.out)[0] + ".png"
+    if a.append:
+        text = with_earlier_sections(a.out, lines[0], text)
+        png = f"{os.path.splitext(a.out)[0]}_{a.label}.png"
+    provenance.write(a.out, text, a.provenance, heading=lines[0])
+    plot(rows, png, a.label)
     print(f"wrote {a.out}")
+
+
+def with_earlier_sections(path, title, section):
+    """The report at `path` (if any) without a section titled `title`, then `section`."""
+    try:
+        rows = open(path).read().rstrip("\n").split("\n")
+    except OSError:
+        return section
+    if title in rows:
+        at = rows.index(title)
+        end = next((i for i in range(at + 1, len(rows)) if rows[i].startswith("# ")), len(rows))
+        rows = rows[:at] + rows[end:]
+    earlier = "\n".join(rows).rstrip("\n")
+    return f"{earlier}\n\n{section}" if earlier else section
 
 
 def plot(rows, path, label):

@@ -1,5 +1,5 @@
 """Timelines of training steps from the traces fully_shard writes with RAGSHARD_TRACE=DIR
-(python/ragshard/torch/hooks.py): a rank's compute per unit and the daemon's run of each
+(python/ragshard/torch/fsdp/hooks.py): a rank's compute per unit and the daemon's run of each
 operation the rank waited for, on one clock (CLOCK_MONOTONIC, shared by the processes of a
 node). bench/training_report.py plots them and measures how much of each kind of operation ran
 while the rank computed."""

@@ -355,7 +355,7 @@ def main():
            "## Overlap: a step's timeline\n",
            f"![timeline]({os.path.basename(timeline_png)})\n",
            "Rank 0 of two short traced runs (8 steps, `RAGSHARD_TRACE`, "
-           "python/ragshard/torch/hooks.py), step 7: the rank's compute of each unit (forward "
+           "python/ragshard/torch/fsdp/hooks.py), step 7: the rank's compute of each unit (forward "
            "blue, backward orange) and, on the rows below, when the daemon's job thread ran each "
            "operation the rank waited for (start to end, from the command queue's completion; "
            "one clock for both processes). The unshard of the next unit is started before a "

@@ -21,10 +21,10 @@
 #include "engine/models.h"
 #include "engine/plan_json.h"
 #include "engine/planner.h"
+#include "engine/redundancy.h"
 #include "engine/sharding.h"
 #include "engine/strategy.h"
 #include "infra/proto_text.h"
-#include "infra/redundancy.h"
 
 namespace ragshard {
 namespace {

@@ -34,7 +34,7 @@ inline constexpr double kMaxRecoveryDeadlineS = 24 * 3600;
 struct JobCreateFlags {
   std::string memory_budget;      // a byte size ("80GiB"); empty: none
   std::string recovery_deadline;  // seconds ("120", "0.5"); empty: none
-  // none, replica, hsdp or parity:K (infra/redundancy.h); anything but none needs a recovery
+  // none, replica, hsdp or parity:K (engine/redundancy.h); anything but none needs a recovery
   // deadline.
   std::string redundancy;
 };

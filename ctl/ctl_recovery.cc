@@ -9,7 +9,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "ctl/ctl_format.h"
-#include "infra/redundancy.h"
+#include "engine/rank_list.h"
+#include "engine/redundancy.h"
 
 namespace ragshard {
 namespace {
@@ -40,24 +41,6 @@ std::string Rebuilding(const v1::JobRecovery& r) {
 
 std::string Rebuilds(const v1::Job& job) {
   return absl::StrCat("rebuilds: ", job.rebuilds(), " (", job.rebuilt_bytes(), " bytes)");
-}
-
-// Sorted ranks as runs: "0, 1", "0-7, 16-23"; the first 8 pieces and how many more.
-std::string RankList(const google::protobuf::RepeatedField<int64_t>& ranks) {
-  constexpr size_t kShown = 8;
-  std::vector<std::string> pieces;
-  int shown = 0;
-  for (int i = 0; i < ranks.size() && pieces.size() < kShown;) {
-    int j = i;
-    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
-    if (j - i < 2) j = i;  // one piece per rank, but for runs of 3 or more
-    pieces.push_back(j > i ? absl::StrCat(ranks[i], "-", ranks[j]) : absl::StrCat(ranks[i]));
-    shown += j - i + 1;
-    i = j + 1;
-  }
-  std::string out = absl::StrJoin(pieces, ", ");
-  if (shown < ranks.size()) absl::StrAppend(&out, " and ", ranks.size() - shown, " more");
-  return out;
 }
 
 }  // namespace

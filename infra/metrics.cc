@@ -57,6 +57,10 @@ prometheus::Family<prometheus::Counter>& MetricsSet::CounterFamily(const std::st
   return prometheus::BuildCounter().Name(name).Help(help).Register(*registry_);
 }
 
+prometheus::Counter* MetricsSet::Counter(const std::string& name, const std::string& help) {
+  return &CounterFamily(name, help).Add({});
+}
+
 prometheus::Family<prometheus::Histogram>& MetricsSet::HistogramFamily(const std::string& name,
                                                                        const std::string& help) {
   return prometheus::BuildHistogram().Name(name).Help(help).Register(*registry_);

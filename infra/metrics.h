@@ -65,6 +65,8 @@ class MetricsSet {
                                                          const std::string& help);
   prometheus::Family<prometheus::Histogram>& HistogramFamily(const std::string& name,
                                                              const std::string& help);
+  // The one counter of a family without labels.
+  prometheus::Counter* Counter(const std::string& name, const std::string& help);
 
  private:
   std::shared_ptr<prometheus::Registry> registry_;

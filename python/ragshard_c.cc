@@ -20,8 +20,11 @@
 #include "engine/dtype.h"
 #include "engine/inventory.h"
 #include "engine/planner.h"
+#include "engine/redundancy.h"
 #include "infra/proto_text.h"
+#include "nlohmann/json.hpp"
 #include "protocol/planner_client.h"
+#include "protocol/pool_contract.h"
 
 // The C++ Client is thread-compatible, and ctypes releases the GIL around every call: `mu`
 // serialises the calls that do not wait (what the GIL serialised under the pybind11 module),
@@ -45,8 +48,8 @@ namespace {
 // local_ranks (registration through the daemon). 5: rs_dequantize_chunks, rs_block_amax,
 // rs_encode_chunks. 8: rs_client_attach takes salvage, rs_create_job_secure on_node_loss,
 // rs_job_json (shrinking in place). 9: rs_client_release_salvaged. 10: rs_client_op takes
-// accumulate (gradient accumulation).
-constexpr int kAbiVersion = 10;
+// accumulate (gradient accumulation). 11: rs_pool_contract, rs_redundancy.
+constexpr int kAbiVersion = 11;
 
 thread_local std::string last_error;
 thread_local std::string last_string;
@@ -142,6 +145,28 @@ using namespace ragshard;  // NOLINT(google-build-using-namespace): the C ABI's 
 extern "C" {
 
 int rs_abi_version(void) { return kAbiVersion; }
+
+int rs_redundancy(const char* field, const char* text, int64_t nodes, const char** out) {
+  auto r = ragshard::ParseRedundancy(field, text);
+  if (!r.ok()) return Fail(r.status());
+  const absl::Status fits =
+      nodes > 0 ? ragshard::CheckRedundancyNodes(*r, nodes) : absl::OkStatus();
+  nlohmann::json j = {{"name", r->name()},
+                      {"whole_copies", r->whole_copies()},
+                      {"min_nodes", r->min_nodes()},
+                      {"group", r->kind == ragshard::Redundancy::Kind::kParity ? r->k + 1 : 0},
+                      {"nodes_error", std::string(fits.message())}};
+  thread_local std::string json;
+  json = j.dump();
+  *out = json.c_str();
+  return 0;
+}
+
+int rs_pool_contract(const char** out) {
+  static const std::string* json = new std::string(ragshard::pool::PoolContractJson());
+  *out = json->c_str();
+  return 0;
+}
 const char* rs_last_error(void) { return last_error.c_str(); }
 
 int rs_client_create(const char* planner, const char* socket, const char* job, int64_t rank,

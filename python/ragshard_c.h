@@ -26,6 +26,14 @@ typedef struct rs_handle rs_handle;
 
 /* The ABI's version: ragshard._core refuses a library whose version differs. */
 int rs_abi_version(void);
+/* The contract of a rank's state buffers in the daemon's pool (protocol/pool_contract.h) as
+ * JSON: a static string. */
+int rs_pool_contract(const char** out);
+/* A job's redundancy across nodes (engine/redundancy.h), the rules the planner and the daemon
+ * apply, as JSON: {"name", "whole_copies", "min_nodes", "group" (parity:K's K + 1, else 0),
+ * "nodes_error" (why it cannot run on `nodes` nodes, or ""; `nodes` 0: not asked)}. A spelling
+ * that is none of them fails (INVALID_ARGUMENT naming `field`). */
+int rs_redundancy(const char* field, const char* text, int64_t nodes, const char** out);
 const char* rs_last_error(void);
 
 /* How a client reaches its planner: the bearer token file and TLS, as ragshardctl's --token-file,

@@ -18,7 +18,7 @@ import os
 import time
 import weakref
 
-ABI_VERSION = 10
+ABI_VERSION = 11
 _BAD_ARGUMENT, _OUT_OF_RANGE = -1, -2
 
 
@@ -111,6 +111,8 @@ def _load():
     out_str = ctypes.POINTER(cstr)
     sigs = {
         "rs_abi_version": (i32, []),
+        "rs_pool_contract": (i32, [ctypes.POINTER(cstr)]),
+        "rs_redundancy": (i32, [cstr, cstr, i64, ctypes.POINTER(cstr)]),
         "rs_last_error": (cstr, []),
         "rs_client_create_secure": (i32, [cstr, cstr, cstr, i64, cstr, i64,
                                           ctypes.POINTER(_Security), i32, ctypes.POINTER(c_p)]),
@@ -272,7 +274,7 @@ class Handle(_NoCopy):
 
 
 # The places of a unit's buffer whose arrays a client keeps (Client._buffer); fully_shard keeps
-# its views of as many (ragshard.torch.buffers).
+# its views of as many (ragshard.torch.fsdp.buffers).
 BUFFER_PLACES_KEPT = 4
 
 
@@ -537,100 +539,8 @@ def _close_open_clients():
         client.close()
 
 
-def create_job(planner, job, shard_size, replicate_size=1, policy="ragged", default_granule="",
-               token_file="", strategy="", memory_budget_bytes=0, optimizer="",
-               tokens_per_step=0, tls_ca=None, tls_cert=None, tls_key=None,
-               tls_server_name=None, recovery_deadline_ms=0, redundancy="", on_node_loss=""):
-    """Creates a job (ALREADY_EXISTS is an error too: the caller decides); returns its id. The
-    token and TLS options are Client's. `recovery_deadline_ms` > 0: a lost rank process is
-    recovered in place within that many ms (docs/recovery.md). `redundancy`: "" (none),
-    "parity:K" or "replica": a lost node is rebuilt on a replacement daemon (docs/recovery.md,
-    "A lost node"; it needs a recovery deadline). `on_node_loss` "shrink": a node lost without a
-    replacement shrinks the job to the other nodes' ranks (docs/recovery.md, "Shrinking in
-    place")."""
-    if int(recovery_deadline_ms) < 0:
-        raise ValueError(f"recovery_deadline_ms: {recovery_deadline_ms} must not be negative")
-    security = _security(token_file, tls_ca, tls_cert, tls_key, tls_server_name)
-    return _string(_lib.rs_create_job_secure, _b(planner), _b(job), int(shard_size),
-                   int(replicate_size), _b(policy), _b(default_granule), ctypes.byref(security),
-                   _b(strategy), int(memory_budget_bytes), _b(optimizer), int(tokens_per_step),
-                   int(recovery_deadline_ms), _b(redundancy or ""), _b(on_node_loss or ""))
-
-
-def delete_job(planner, job, token_file="", tls_ca=None, tls_cert=None, tls_key=None,
-               tls_server_name=None):
-    security = _security(token_file, tls_ca, tls_cert, tls_key, tls_server_name)
-    _check(_lib.rs_delete_job_secure(_b(planner), _b(job), ctypes.byref(security)))
-
-
-def job_world_size(planner, job, token_file="", tls_ca=None, tls_cert=None, tls_key=None,
-                   tls_server_name=None):
-    """The world size of an existing job (Error NOT_FOUND where there is none)."""
-    out = ctypes.c_int64(0)
-    security = _security(token_file, tls_ca, tls_cert, tls_key, tls_server_name)
-    _check(_lib.rs_job_world_size_secure(_b(planner), _b(job), ctypes.byref(security),
-                                         ctypes.byref(out)))
-    return out.value
-
-
-def job_info(planner, job, token_file="", tls_ca=None, tls_cert=None, tls_key=None,
-              tls_server_name=None):
-    """The job as the planner answers GetJob, a dict with the proto's field names (int64 values
-    as numbers here): its status ("JOB_SHRUNK", ...), and a shrunk job's successor_job_id and
-    survivor_ranks. Error NOT_FOUND where there is none."""
-    security = _security(token_file, tls_ca, tls_cert, tls_key, tls_server_name)
-    job = json.loads(_string(_lib.rs_job_json, _b(planner), _b(job), ctypes.byref(security)))
-    job["survivor_ranks"] = [int(r) for r in job.get("survivor_ranks", [])]
-    for key in ("world_size", "shrinks", "recovery_epoch"):
-        job[key] = int(job.get(key, 0))
-    return job
-
-
-def plan_local(inventory_json, world, policy="ragged", align_bytes=16):
-    """The plan the planner would compute for `inventory_json` (the planners are deterministic),
-    as protobuf JSON: lets a client size buffers that depend on the shard sizes before
-    registering."""
-    return _string(_lib.rs_plan_local, _b(inventory_json), int(world), _b(policy),
-                   int(align_bytes))
-
-
-def dequantize_chunks(codes, n_codes, scales, n_scales, values, chunks, n_chunks, out, n_out):
-    """client/block_quant.h over raw addresses (ints): out[e] = values[codes[e]] * scale of
-    e's block, for the elements of the n_chunks chunks (7 int64 each: pos, bands, rows, cols,
-    width, first_block, tiles). ragshard.quant calls it with its tensors' data_ptr()s; the GIL
-    is released for the call."""
-    _check(_lib.rs_dequantize_chunks(codes, int(n_codes), scales, int(n_scales), values, chunks,
-                                     int(n_chunks), out, int(n_out)))
-
-
-def block_amax(x, n, chunks, n_chunks, amax, n_blocks):
-    """client/block_quant.h's BlockAmax over raw addresses: each block's largest |x| over the
-    chunks, folded into the fp32 amax."""
-    _check(_lib.rs_block_amax(x, int(n), chunks, int(n_chunks), amax, int(n_blocks)))
-
-
-def encode_chunks(x, n, scales, n_scales, chunks, n_chunks, fp8, codes, n_codes):
-    """client/block_quant.h's EncodeChunks over raw addresses: the codes (int8, or FP8 e4m3fn
-    where fp8) of x / its block's scale, clamped, for the elements of the chunks."""
-    _check(_lib.rs_encode_chunks(x, int(n), scales, int(n_scales), chunks, int(n_chunks),
-                                 1 if fp8 else 0, codes, int(n_codes)))
-
-
-def data_plane_peak(units, ranks, shared, prefetch, p_slots=-1, g_slots=-1, g_ring_nodes=1,
-                    g_ring_slots=-1):
-    """The data plane's peak bytes (engine/data_plane_memory.h), as the strategy model counts it:
-    units as (shard_elems, |p|, parameter bytes per element[, gradient shard elements]); the
-    node's blocks hold p_slots parameter and g_slots gradient shards (-1: one per rank); the
-    gradients' reduce-scatter rings between g_ring_nodes nodes, chunks of g_ring_slots shards."""
-    n = len(units)
-    s = (ctypes.c_int64 * n)(*[u[0] for u in units])
-    f = (ctypes.c_int64 * n)(*[u[1] for u in units])
-    b = (ctypes.c_double * n)(*[u[2] for u in units])
-    g = (ctypes.c_int64 * n)(*[u[3] if len(u) > 3 else -1 for u in units])
-    out = (ctypes.c_double * 5)()
-    _lib.rs_data_plane_peak(s, f, b, g, n, int(ranks), int(bool(shared)), int(prefetch),
-                            int(p_slots), int(g_slots), int(g_ring_nodes), int(g_ring_slots),
-                            out)
-    d = dict(zip(("shards", "grad_shards", "unsharded", "grads", "scratch"), out))
-    d["total"] = sum(out)
-    return d
+# The planner's job calls and the C library's kernels, in files of their own; ragshard._core's
+# callers keep reaching them here.
+from ._jobs import create_job, delete_job, job_info, job_world_size, redundancy  # noqa: E402,F401
+from ._kernels import (block_amax, data_plane_peak, dequantize_chunks,  # noqa: E402,F401
+                       encode_chunks, plan_local)

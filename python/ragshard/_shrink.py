@@ -81,6 +81,10 @@ def shrunk_ranks(info_of, job):
 def whole_copies(redundancy):
     """Whether redundancy `redundancy` (JobOptions.redundancy's text) holds each node's state
     whole on another node, from which a shrink's survivors may re-cut the shards
-    (torch/recut.py): replica, or parity:1 (however K is spelled)."""
-    k = redundancy.removeprefix("parity:")
-    return redundancy == "replica" or (k != redundancy and k.isdigit() and int(k) == 1)
+    (torch/recovery/recut.py): the C library's rule (engine/redundancy.h); False for a spelling
+    that is none."""
+    from ._core import redundancy as parse
+    try:
+        return parse(redundancy)["whole_copies"]
+    except ValueError:
+        return False

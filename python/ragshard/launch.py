@@ -219,23 +219,19 @@ def _check_redundancy(p, a):
     if a.redundancy == "none":
         a.redundancy = ""
         return
+    from ragshard._core import redundancy
     nodes = len(a.sockets)
-    if a.redundancy == "hsdp":
-        need = 2
-        if a.replicate < 2:
-            p.error("--redundancy hsdp rebuilds a lost daemon from another HSDP replica group: "
-                    f"it needs --replicate 2 or more (got {a.replicate})")
-    elif a.redundancy == "replica":
-        need = 2
-    else:
-        k = a.redundancy.removeprefix("parity:")
-        if not a.redundancy.startswith("parity:") or not k.isdigit() or not 1 <= int(k) <= 16:
-            p.error(f"--redundancy {a.redundancy}: must be none, replica, hsdp or parity:K with K "
-                    "in [1, 16]")
-        need = int(k) + 1
-        if nodes % need:
-            p.error(f"--redundancy {a.redundancy} needs the daemons in groups of {need}; "
-                    f"--sockets names {nodes}")
+    try:  # the spelling and the node rules the planner and the daemon apply (C library)
+        r = redundancy(a.redundancy, nodes, field="--redundancy")
+    except ValueError as e:
+        p.error(str(e))
+    need = r["min_nodes"]
+    if r["name"] == "hsdp" and a.replicate < 2:
+        p.error("--redundancy hsdp rebuilds a lost daemon from another HSDP replica group: "
+                f"it needs --replicate 2 or more (got {a.replicate})")
+    if r["group"] and nodes >= need and r["nodes_error"]:
+        p.error(f"--redundancy {a.redundancy} needs the daemons in groups of {r['group']}; "
+                f"--sockets names {nodes}")
     if not a.max_restarts:
         p.error(f"--redundancy {a.redundancy} needs --max-restarts: nothing restarts the ranks of "
                 "a lost daemon without it")

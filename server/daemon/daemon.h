@@ -143,6 +143,8 @@ class NodeDaemon final : public v1::Daemon::CallbackService {
   // where it is not held. The last reference's release joins the job's thread and returns its
   // buffers to the pool.
   std::shared_ptr<JobRuntime> TakeJob(const std::string& job_id);
+  // The job `job_id` held here, or null.
+  std::shared_ptr<JobRuntime> FindJob(const std::string& job_id);
   // TakeJob, and that release here; `why` goes to the log.
   void DropJob(const std::string& job_id, std::string_view why);
   // DetachRequest.release_salvaged: a salvage attachment detaches and drops its stopped job.

@@ -11,6 +11,7 @@
 #include "glog/logging.h"
 #include "infra/ids.h"
 #include "infra/rpc.h"
+#include "protocol/pool_contract.h"
 #include "server/daemon/daemon.h"
 #include "server/daemon/job_runtime.h"
 
@@ -115,12 +116,7 @@ absl::StatusOr<std::shared_ptr<JobRuntime>> NodeDaemon::SalvagedJob(const v1::At
   // A shrunk job's survivor (docs/recovery.md, "Shrinking in place") reads the state this
   // daemon holds: never a job set up anew (its buffers would be zeros), and only once the
   // planner has stopped it (its heartbeat's failed_jobs), so that nothing runs on the state.
-  std::shared_ptr<JobRuntime> job;
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = jobs_.find(req.job_id());
-    if (it != jobs_.end()) job = it->second;
-  }
+  std::shared_ptr<JobRuntime> job = FindJob(req.job_id());
   const std::string what = absl::StrCat("a salvage attach of rank ", req.rank(), " of job '",
                                         req.job_id(), "' on node '", options_.node_id, "'");
   if (job == nullptr) {
@@ -159,6 +155,12 @@ void NodeDaemon::ReleaseAttachment(const std::string& id, bool clean) {
   }
   if (poller_ != nullptr) poller_->Remove(id);
   if (job != nullptr && !a.salvage) job->LocalRankLeft(a.local, a.rank, a.generation, clean);
+}
+
+std::shared_ptr<JobRuntime> NodeDaemon::FindJob(const std::string& job_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(job_id);
+  return it == jobs_.end() ? nullptr : it->second;
 }
 
 std::shared_ptr<JobRuntime> NodeDaemon::TakeJob(const std::string& job_id) {
@@ -278,8 +280,10 @@ grpc::ServerUnaryReactor* NodeDaemon::StateBuffer(Ctx* ctx, const v1::StateBuffe
   if (!found.ok()) return ReplyUnary(ctx, found.status());
   // A salvage attachment's "copy/<step>/...": the state of another node that this node holds
   // whole (a shrink's re-cut, JobRuntime::ExposeCopy), made on the first ask.
-  if (int64_t step = 0; salvage && absl::StartsWith(name, "copy/") &&
-                        absl::SimpleAtoi(name.substr(5, name.find('/', 5) - 5), &step)) {
+  constexpr size_t kAfter = sizeof(pool::kCopy) - 1;
+  if (int64_t step = 0;
+      salvage && absl::StartsWith(name, pool::kCopy) &&
+      absl::SimpleAtoi(name.substr(kAfter, name.find('/', kAfter) - kAfter), &step)) {
     if (absl::Status s = found->first->ExposeCopy(found->second, step, name, pool_.get());
         !s.ok()) {
       return ReplyUnary(ctx, s);

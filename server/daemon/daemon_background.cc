@@ -134,25 +134,13 @@ void NodeDaemon::RunHeartbeats() {
       continue;
     }
     for (const v1::JobFailure& f : resp->failed_jobs()) {
-      std::shared_ptr<JobRuntime> job;
-      {
-        absl::MutexLock lock(&mu_);
-        auto it = jobs_.find(f.job_id());
-        if (it != jobs_.end()) job = it->second;
-      }
-      if (job != nullptr) {
+      if (std::shared_ptr<JobRuntime> job = FindJob(f.job_id()); job != nullptr) {
         job->Fail(absl::UnavailableError(
             absl::StrCat("job '", f.job_id(), "' stopped by the planner: ", f.error())));
       }
     }
     for (const v1::JobRecovery& r : resp->recovering_jobs()) {
-      std::shared_ptr<JobRuntime> job;
-      {
-        absl::MutexLock lock(&mu_);
-        auto it = jobs_.find(r.job_id());
-        if (it != jobs_.end()) job = it->second;
-      }
-      if (job != nullptr) {
+      if (std::shared_ptr<JobRuntime> job = FindJob(r.job_id()); job != nullptr) {
         job->BeginRecovery(r.epoch(), absl::FromUnixMillis(r.deadline_unix_ms()), r.lost());
       }
     }

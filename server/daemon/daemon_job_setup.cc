@@ -53,11 +53,8 @@ absl::StatusOr<std::shared_ptr<JobRuntime>> NodeDaemon::GetOrCreateJob(const std
 absl::StatusOr<std::shared_ptr<JobRuntime>> NodeDaemon::SetUpJob(const std::string& job_id,
                                                                  int64_t rank,
                                                                  absl::Time deadline) {
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = jobs_.find(job_id);
-    if (it != jobs_.end()) return it->second;  // set up by the attach this one waited for
-  }
+  // Set up by the attach this one waited for.
+  if (std::shared_ptr<JobRuntime> held = FindJob(job_id); held != nullptr) return held;
   auto plan = planner_->WaitForPlan(job_id, absl::ToChronoMilliseconds(deadline - absl::Now()));
   if (!plan.ok()) return plan.status();
   auto job = planner_->GetJob(job_id);

@@ -34,9 +34,9 @@ JobRuntime::JobRuntime(std::string job_id, std::string node_id, v1::Plan plan,
       dp_(std::move(dp)),
       planner_(std::move(planner)),
       metrics_(metrics != nullptr ? std::move(metrics) : std::make_shared<DaemonMetrics>()),
-      next_seq_(local_ranks_.size(), 1),
-      generation_(local_ranks_.size(), 0),
-      rejoined_(local_ranks_.size(), false) {
+      states_(job_id_),
+      recovery_(job_id_, local_ranks_.size()),
+      next_seq_(local_ranks_.size(), 1) {
   thread_ = std::thread([this] { Run(); });
 }
 
@@ -57,13 +57,9 @@ void JobRuntime::FillStats(v1::JobStats* out) {
   out->set_job_id(job_id_);
   out->set_local_ranks(static_cast<int64_t>(local_ranks_.size()));
   out->set_replicas(dp_->replicas());
-  out->set_staging_bytes(staging_bytes_);
-  out->set_operations(operations_);
-  if (redundancy_ != nullptr) {
-    out->set_protected_bytes(redundancy_->protected_bytes());
-    out->set_parity_bytes(redundancy_->parity_bytes());
-    for (int64_t step : redundancy_->parity_steps()) out->add_parity_steps(step);
-  }
+  out->set_staging_bytes(staging_bytes_.load());
+  out->set_operations(operations_.load());
+  if (redundancy_ != nullptr) redundancy_->FillStats(out);
   for (const auto& [key, count] : unit_operations_) {
     v1::UnitOperations* u = out->add_unit_operations();
     u->set_unit_index(key.first);
@@ -76,7 +72,7 @@ absl::StatusOr<uint64_t> JobRuntime::StartOp(int local, const OpRequest& req) {
   absl::MutexLock lock(&mu_);
   if (!failed_.ok()) return failed_;
   if (req.kind == v1::OP_NOOP) return uint64_t{0};
-  if (phase_ != Phase::kRunning) return notice_;
+  if (absl::Status notice = recovery_.notice(); !notice.ok()) return notice;
   if (!departed_.empty()) {
     absl::Status error = absl::UnavailableError(absl::StrCat(
         "rank ", departed_.begin()->second, " of job '", job_id_, "' on node '", node_id_,
@@ -127,16 +123,16 @@ void JobRuntime::LocalRankLeft(int local, int64_t rank, uint64_t generation, boo
   bool recovering = false;
   {
     absl::MutexLock lock(&mu_);
-    if (generation != generation_[local]) return;  // a process this rank has replaced already
+    // A process this rank has replaced already is ignored.
+    if (!recovery_.Left(local, generation)) return;
     departed_[local] = rank;
-    rejoined_[local] = false;
     // After the job's first failure, a rank leaving is its consequence: the others keep hearing
     // the first failure (Fail and FailPending answered their operations with it already).
     if (!failed_.ok()) return;
-    if (recoverable_ && (!clean || phase_ != Phase::kRunning)) {
+    if (recovery_.recoverable() && (!clean || !recovery_.running())) {
       // A lost process (or any departure during a recovery) is recovered: the job's thread
       // reports it and every rank attaches again.
-      if (phase_ == Phase::kRunning) {
+      if (recovery_.running()) {
         StartRecovery(absl::StrCat("rank ", rank, " of job '", job_id_, "' on node '", node_id_,
                                    "' was lost (its process exited without detaching)"));
       }
@@ -183,8 +179,10 @@ void JobRuntime::FillProgress(std::vector<v1::RankProgress>* out) {
     p.set_job_id(job_id_);
     p.set_rank(local_ranks_[i]);
     p.set_done_seq(last_done_seq_);
-    JournalSteps(local_ranks_[i], &p);
-    p.set_rejoining(phase_ != Phase::kRunning && !rejoined_[i]);
+    const RankStates::JournalMarks marks = states_.Journal(local_ranks_[i]);
+    p.set_committed_step(marks.committed);
+    p.set_begun_step(marks.begun);
+    p.set_rejoining(recovery_.rejoining(static_cast<int>(i)));
     if (last_done_seq_ != 0) p.set_done(Describe(last_done_));
     // The first operation this rank started that has not completed.
     for (const auto& [seq, op] : ops_) {
@@ -268,14 +266,14 @@ void JobRuntime::AddWaiter(uint64_t seq, int local, absl::Time deadline, WaitCal
   done(finished, status, placed ? &placement : nullptr, times);
 }
 
-void JobRuntime::FailPending() {
-  // Queued operations, and those some local ranks have started but not all: a rank already
-  // waiting on one hears the job's first failure, not what follows from it (a sibling rank that
-  // exited on that failure).
+void JobRuntime::FailUnfinished(const absl::Status& error) {
+  // Queued operations, and those some local ranks have started but not all: after a failure, a
+  // rank already waiting on one hears the job's first failure, not what follows from it (a
+  // sibling rank that exited on that failure).
   for (auto& [seq, op] : ops_) {
     if (op.done) continue;
     op.done = true;
-    op.status = failed_;
+    op.status = error;
   }
   queue_.clear();
 }
@@ -326,11 +324,11 @@ void JobRuntime::Run() {
       absl::MutexLock lock(&mu_);
       auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
         return stopping_ || !queue_.empty() || (!abort_.ok() && failed_.ok()) ||
-               (phase_ != Phase::kRunning && failed_.ok());
+               (!recovery_.running() && failed_.ok());
       };
       mu_.AwaitWithTimeout(absl::Condition(&ready), absl::Milliseconds(50));
       if (stopping_) break;  // the waiters left are answered below
-      if (phase_ != Phase::kRunning && failed_.ok()) {
+      if (!recovery_.running() && failed_.ok()) {
         mu_.Unlock();
         Recover();
         mu_.Lock();
@@ -367,7 +365,7 @@ void JobRuntime::Run() {
     const absl::Time started = absl::Now();
     OpTimes times;
     times.started_ns = SteadyNanos();
-    const absl::Status s = Execute(op);
+    const absl::Status s = Execute(seq, op);
     times.finished_ns = SteadyNanos();
     metrics_->OperationDone(op.kind, absl::ToDoubleSeconds(absl::Now() - started), s,
                             comm_ != nullptr ? comm_->sent_bytes() - sent_before : 0);
@@ -386,16 +384,13 @@ void JobRuntime::Run() {
     {
       absl::MutexLock lock(&mu_);
       known = !failed_.ok();
-      if (fatal && !known && recoverable_) {
+      if (fatal && !known && recovery_.recoverable()) {
         recover = true;
-        if (phase_ == Phase::kRunning) {
-          StartRecovery(
-              absl::StrCat("node '", node_id_, "' lost ", Describe(op), ": ", s.message()));
-        }
+        StartRecovery(absl::StrCat("node '", node_id_, "' lost ", Describe(op), ": ", s.message()));
         // The connection failed already (a peer's notice, or a lost peer) and gave up its
         // requests: the recovery replaces it without aborting it again, which would wait once
         // more for sends that a peer that stopped never receives.
-        comm_aborted_ = true;
+        recovery_.MarkCommAborted();
       }
     }
     if (fatal && !known && !recover) {
@@ -406,7 +401,7 @@ void JobRuntime::Run() {
       absl::MutexLock lock(&mu_);
       ++operations_;
       ++unit_operations_[{op.unit, op.kind}];
-      staging_bytes_ = dp_->staging_bytes();
+      staging_bytes_.store(dp_->staging_bytes());
       if (fatal && failed_.ok() && !recover) failed_ = s;
       running_seq_ = 0;
       last_done_seq_ = seq;
@@ -438,7 +433,7 @@ void JobRuntime::Run() {
   }
 }
 
-absl::Status JobRuntime::Execute(const Op& op) {
+absl::Status JobRuntime::Execute(uint64_t seq, const Op& op) {
   switch (op.kind) {
     case v1::OP_UNSHARD:
       return dp_->Unshard(op.unit, op.deadline);
@@ -457,15 +452,44 @@ absl::Status JobRuntime::Execute(const Op& op) {
     case v1::OP_SCATTER_FROM_OWNER:
       return dp_->ScatterFromOwner(op.unit, op.deadline);
     case v1::OP_PROTECT:
-      return Protect(op);
     case v1::OP_REBUILD:
-      return Rebuild(op);
+      return Redundancy(seq, op);
     case v1::OP_UPDATE_GATHER:
       return dp_->UpdateGather(op.unit, op.deadline);
     default:
       return absl::InvalidArgumentError(
           absl::StrCat("unknown operation kind ", static_cast<int>(op.kind)));
   }
+}
+
+void JobRuntime::EnableRedundancy(RedundancyScheme scheme, const std::string& text, int node,
+                                  std::vector<std::string> nodes, bool replacement, Pool* pool) {
+  auto redundancy = std::make_unique<JobRedundancy>(job_id_, node_id_, scheme, text, node,
+                                                    std::move(nodes), local_ranks_, replacement,
+                                                    pool, &states_, planner_, metrics_);
+  absl::MutexLock lock(&mu_);
+  redundancy_ = std::move(redundancy);
+}
+
+absl::Status JobRuntime::ExposeCopy(int local, int64_t step, const std::string& name, Pool* pool) {
+  JobRedundancy* redundancy = redundancy_state();
+  if (redundancy == nullptr) return absl::OkStatus();  // no copy: the buffers stay zeros
+  return redundancy->ExposeCopy(local, step, name, pool);
+}
+
+absl::Status JobRuntime::Redundancy(uint64_t seq, const Op& op) {
+  const char* what = op.kind == v1::OP_PROTECT ? "OP_PROTECT" : "OP_REBUILD";
+  JobRedundancy* redundancy = redundancy_state();
+  if (redundancy == nullptr || comm_ == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        what, ": job '", job_id_, "' has no redundancy across nodes (JobOptions.redundancy)"));
+  }
+  if (op.kind == v1::OP_PROTECT) return redundancy->Protect(*comm_, *dp_, op.deadline, seq);
+  return redundancy->Rebuild(*comm_, *dp_, recovery_.epoch(), op.deadline, seq,
+                             [this](const absl::Status& error) {
+                               Report(error);
+                               Fail(error);
+                             });
 }
 
 }  // namespace ragshard::daemon

@@ -7,6 +7,7 @@
 // thread (gRPC handlers, the side channel); waiter callbacks never run under the job's mutex.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -26,10 +27,12 @@
 #include "ragshard/v1/daemon.pb.h"
 #include "server/daemon/comm.h"
 #include "server/daemon/data_backend.h"
+#include "server/daemon/job_redundancy.h"
 #include "server/daemon/metrics.h"
 #include "server/daemon/op_target.h"
 #include "server/daemon/pool.h"
-#include "server/daemon/redundancy.h"
+#include "server/daemon/rank_states.h"
+#include "server/daemon/recovery_state.h"
 #include "server/daemon/relay_comm.h"
 #include "server/daemon/ucx_comm.h"
 
@@ -72,9 +75,7 @@ class JobRuntime final : public OpTarget {
   // once every local rank has attached again the job's thread returns the transient buffers,
   // connects the next epoch through `reconnect` (null for a job on one node) into `relay`, and
   // runs again from operation 1. `deadline`: how long that may take.
-  using Reconnect =
-      std::function<absl::StatusOr<std::pair<std::unique_ptr<UcxWorker>, std::unique_ptr<Comm>>>(
-          int64_t epoch, absl::Time deadline)>;
+  using Reconnect = RecoveryState::Reconnect;
   void EnableRecovery(int64_t epoch, absl::Duration deadline, Reconnect reconnect,
                       RelayComm* relay);
   // The planner says the job recovers in epoch `epoch` until `deadline` (a heartbeat).
@@ -87,27 +88,16 @@ class JobRuntime final : public OpTarget {
     absl::MutexLock lock(&mu_);
     return stopping_ ? absl::AbortedError("the job was released") : failed_;
   }
-  int64_t epoch() {
-    absl::MutexLock lock(&mu_);
-    return epoch_;
-  }
-  bool recoverable() {
-    absl::MutexLock lock(&mu_);
-    return recoverable_;
-  }
+  int64_t epoch() { return recovery_.epoch(); }
+  bool recoverable() { return recovery_.recoverable(); }
 
   // A buffer of rank `rank`'s own, kept by name for the job's life (StateBuffer RPC): the
   // lease, and whether it existed. FAILED_PRECONDITION when it exists with another size.
   absl::StatusOr<std::pair<const Lease*, bool>> StateBuffer(int64_t rank, const std::string& name,
                                                             int64_t bytes, Pool* pool);
 
-  // A shrink that re-cuts the shards (docs/recovery.md, "Shrinking in place"): on a stopped job,
-  // the state of local rank `local`'s counterpart on the node whose whole copy this node holds
-  // at `step` (replica, parity:1; NodeRedundancy::CopyHeld), as state buffers of the local rank,
-  // each made when first asked for (`name`): "copy/<step>/directory" (text: "node <name> rank
-  // <its rank>", then "<bytes> <segment>" per line) of "copy/<step>/directory.bytes" bytes (an
-  // int64; left zeros where this node holds no such copy), and "copy/<step>/<segment>" for each
-  // segment. The copy's CRC is checked once: DATA_LOSS naming the chunk where it differs.
+  // A shrink's salvage attachment asks for the whole copy this node holds (JobRedundancy::
+  // ExposeCopy); nothing where the job has no redundancy.
   absl::Status ExposeCopy(int local, int64_t step, const std::string& name, Pool* pool);
 
   // Redundancy of the local ranks' persistent state across the job's nodes (docs/recovery.md, "A
@@ -118,12 +108,12 @@ class JobRuntime final : public OpTarget {
   void EnableRedundancy(RedundancyScheme scheme, const std::string& text, int node,
                         std::vector<std::string> nodes, bool replacement, Pool* pool);
   std::string redundancy() {
-    absl::MutexLock lock(&mu_);
-    return redundancy_text_;
+    JobRedundancy* r = redundancy_state();
+    return r != nullptr ? r->text() : std::string();
   }
   bool replacement() {
-    absl::MutexLock lock(&mu_);
-    return replacement_;
+    JobRedundancy* r = redundancy_state();
+    return r != nullptr && r->replacement();
   }
 
   // Tells the planner that the job cannot proceed (it turns the job DEGRADED).
@@ -141,10 +131,7 @@ class JobRuntime final : public OpTarget {
 
   // A new process attached for local rank `local`: its attachment's generation, and whether a
   // process of this rank had attached before (it adopts the rank's state).
-  struct Joined {
-    uint64_t generation = 0;
-    bool adopted = false;
-  };
+  using Joined = RecoveryState::Joined;
   Joined Rejoined(int local);
 
   // Calls `done(true, status, placement, times)` once the operation completes (placement: where
@@ -182,40 +169,33 @@ class JobRuntime final : public OpTarget {
 
   // "OP_UNSHARD of unit 3 'layers.1'".
   std::string Describe(const Op& op) const;
+  // Every operation not done fails with `error` (a rank already waiting on one hears it), and
+  // the queue empties.
+  void FailUnfinished(const absl::Status& error) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Operations pending when the job fails (queued, or started by some local ranks) fail with
   // its first failure.
-  void FailPending() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FailPending() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { FailUnfinished(failed_); }
 
   void Waited(std::map<uint64_t, Op>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (++it->second.waited >= static_cast<int>(local_ranks_.size())) ops_.erase(it);
   }
 
   void Run();
-  enum class Phase { kRunning, kReporting, kRecovering };
-  // A recovery starts: every operation not done fails with `notice_`, and the job's thread
-  // aborts the connection (telling the other nodes). Returns false where one runs already.
+  // A recovery starts (RecoveryState::Start): every operation not done fails with its notice,
+  // and the job's thread aborts the connection (telling the other nodes).
   void StartRecovery(const std::string& lost) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The job thread's part of a recovery (without mu_): asks the planner for the epoch, waits for
   // the local ranks, reconnects, and runs again; or fails the job, named.
   void Recover();
   void FailRecovery(const absl::Status& error);
-  // The rank's committed and begun steps from its journal's state buffer, or -1 and -1.
-  void JournalSteps(int64_t rank, v1::RankProgress* out) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Runs one operation on the data plane (the job thread, without mu_).
-  absl::Status Execute(const Op& op);
-  // OP_PROTECT and OP_REBUILD (job_redundancy.cc; the job thread, without mu_).
-  absl::Status Protect(const Op& op);
-  absl::Status Rebuild(const Op& op);
-  // FAILED_PRECONDITION naming `what` where the job has no redundancy across nodes.
-  absl::Status HasRedundancy(const char* what) const;
-  // The local ranks' protected segments: their parameter shards, then their state buffers by
-  // name, but the step journal's ("journal/...": its marks, which a commit or a rollback changes
-  // outside the step's state, its manifest, and the undo copies).
-  absl::StatusOr<std::vector<std::vector<StateSegment>>> ProtectedState() const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The local ranks' journal field (0: committed, 1: begun), which they must agree on.
-  absl::StatusOr<int64_t> LocalStep(int field, const char* what) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Runs one operation (the job thread, without mu_).
+  absl::Status Execute(uint64_t seq, const Op& op);
+  // OP_PROTECT and OP_REBUILD (JobRedundancy's).
+  absl::Status Redundancy(uint64_t seq, const Op& op);
+  JobRedundancy* redundancy_state() {
+    absl::MutexLock lock(&mu_);
+    return redundancy_.get();
+  }
 
   const std::string job_id_, node_id_;
   const v1::Plan plan_;
@@ -225,46 +205,29 @@ class JobRuntime final : public OpTarget {
   std::unique_ptr<DataBackend> dp_;
   std::shared_ptr<PlannerClient> planner_;
   const std::shared_ptr<DaemonMetrics> metrics_;  // never null
+  // The ranks' state buffers and the recovery's state, each with its own lock (after mu_).
+  RankStates states_;
+  RecoveryState recovery_;
   absl::Mutex mu_;
   std::vector<uint64_t> next_seq_ ABSL_GUARDED_BY(mu_);
   std::map<uint64_t, Op> ops_ ABSL_GUARDED_BY(mu_);
   std::deque<uint64_t> queue_ ABSL_GUARDED_BY(mu_);
   absl::Status failed_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  int64_t operations_ ABSL_GUARDED_BY(mu_) = 0;
   // Operations run, by (unit, kind): the job's stats report them.
   std::map<std::pair<int, v1::OpKind>, int64_t> unit_operations_ ABSL_GUARDED_BY(mu_);
   std::map<int, int64_t> departed_ ABSL_GUARDED_BY(mu_);  // local index -> rank
   bool departure_reported_ ABSL_GUARDED_BY(mu_) = false;
-  absl::Status report_ ABSL_GUARDED_BY(mu_);  // for the job thread to send to the planner
-  absl::Status abort_ ABSL_GUARDED_BY(mu_);   // for the job thread to tell the other nodes
-  int64_t staging_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Status report_ ABSL_GUARDED_BY(mu_);       // for the job thread to send to the planner
+  absl::Status abort_ ABSL_GUARDED_BY(mu_);        // for the job thread to tell the other nodes
   uint64_t running_seq_ ABSL_GUARDED_BY(mu_) = 0;  // the operation on the job's thread, or 0
   uint64_t last_done_seq_ ABSL_GUARDED_BY(mu_) = 0;
-  // Recovery in place (EnableRecovery).
-  bool recoverable_ ABSL_GUARDED_BY(mu_) = false;
-  absl::Duration recovery_deadline_ ABSL_GUARDED_BY(mu_);
-  Reconnect reconnect_;
-  RelayComm* relay_ = nullptr;
-  int64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;
-  Phase phase_ ABSL_GUARDED_BY(mu_) = Phase::kRunning;
-  int64_t target_ ABSL_GUARDED_BY(mu_) = 0;  // the epoch being recovered
-  absl::Time deadline_ ABSL_GUARDED_BY(mu_);
-  absl::Status notice_ ABSL_GUARDED_BY(mu_);  // what operations get while recovering
-  std::string lost_ ABSL_GUARDED_BY(mu_);     // what was lost, for the planner and errors
-  bool comm_aborted_ ABSL_GUARDED_BY(mu_) = false;
-  std::vector<uint64_t> generation_ ABSL_GUARDED_BY(mu_);  // per local rank
-  std::vector<bool> rejoined_ ABSL_GUARDED_BY(mu_);        // attached since the recovery began
-  // (rank, name) -> the buffer and the bytes asked for (the lease may be larger: aligned).
-  std::map<std::pair<int64_t, std::string>, std::pair<Lease, int64_t>> state_ ABSL_GUARDED_BY(mu_);
-  // ExposeCopy's copies whose CRC was checked: (local rank, step).
-  std::set<std::pair<int, int64_t>> copies_checked_ ABSL_GUARDED_BY(mu_);
   Op last_done_ ABSL_GUARDED_BY(mu_);  // its kind and unit only
-  // Redundancy (EnableRedundancy); redundancy_ is used by the job's thread only.
-  std::unique_ptr<NodeRedundancy> redundancy_;
-  std::string redundancy_text_ ABSL_GUARDED_BY(mu_);
-  bool replacement_ ABSL_GUARDED_BY(mu_) = false;
-  Pool* state_pool_ = nullptr;
+  // Redundancy across nodes (EnableRedundancy, once, before the job's first operation).
+  std::unique_ptr<JobRedundancy> redundancy_ ABSL_GUARDED_BY(mu_);
+  // The job's stats, written by the job's thread.
+  std::atomic<int64_t> operations_{0};
+  std::atomic<int64_t> staging_bytes_{0};
   std::thread thread_;
 };
 

@@ -36,16 +36,13 @@ DaemonMetrics::DaemonMetrics() {
                           "Bytes sent to other daemons, by collective and transport");
   errors_ =
       &CounterFamily("ragshard_daemon_errors_total", "Failed operations and attaches, by cause");
-  recoveries_ = &CounterFamily("ragshard_daemon_recoveries_total",
-                               "Recoveries in place this daemon completed (docs/recovery.md)")
-                     .Add({});
-  rebuilds_ = &CounterFamily("ragshard_daemon_rebuilds_total",
-                             "Lost nodes' state this daemon rebuilt as their replacement "
-                             "(docs/recovery.md, \"A lost node\")")
-                   .Add({});
-  rebuilt_bytes_ = &CounterFamily("ragshard_daemon_rebuilt_bytes_total",
-                                  "Bytes of ranks' state this daemon rebuilt from redundancy")
-                        .Add({});
+  recoveries_ = Counter("ragshard_daemon_recoveries_total",
+                        "Recoveries in place this daemon completed (docs/recovery.md)");
+  rebuilds_ = Counter("ragshard_daemon_rebuilds_total",
+                      "Lost nodes' state this daemon rebuilt as their replacement "
+                      "(docs/recovery.md, \"A lost node\")");
+  rebuilt_bytes_ = Counter("ragshard_daemon_rebuilt_bytes_total",
+                           "Bytes of ranks' state this daemon rebuilt from redundancy");
 }
 
 void DaemonMetrics::Recovered() { recoveries_->Increment(); }

@@ -4,12 +4,8 @@
 //
 // A rank's protected state is its parameter shards and its state buffers (the optimizers' state,
 // step counts, the step journal's marks and manifest), but not the journal's undo copies. It is
-// read as one blob: a directory naming each segment and its size, then the segments. With
-// "parity:K", the job's nodes form groups of K + 1; each node's blob (per local rank) is cut into K
-// chunks, and chunk c of the node at position p of its group is covered by the XOR parity that the
-// node at position s = (c < p ? c : c + 1) holds for stripe s. The chunks of one stripe have one
-// length (StripeBytes), so that the group's parities add up to 1/K of its blobs even where the
-// blobs differ in size. "replica" is K = 1 on a ring: node n's whole blob is copied on node n + 1.
+// read as one blob: a directory naming each segment and its size, then the segments. Where each
+// chunk and parity lies is parity_layout.h's; the blob is state_blob.h's.
 //
 // Protect runs inside every optimizer step's transaction: each node sends its chunks to their
 // holders, which XOR what they receive into a new parity with a CRC-32 of each chunk, tagged with
@@ -37,56 +33,13 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "infra/redundancy.h"
 #include "server/daemon/comm.h"
+#include "server/daemon/parity_layout.h"
 #include "server/daemon/pool.h"
+#include "server/daemon/state_blob.h"
 
 namespace ragshard::daemon {
 
-struct RedundancyScheme {
-  int k = 0;             // chunks per blob; 0: no redundancy
-  bool replica = false;  // k = 1 on a ring of all the job's nodes
-  // "hsdp": no parity; a lost rank's state is copied from an HSDP replica of it (rank q and
-  // q + shard_ranks hold the same shards) on another node, as it is at the rebuild's step.
-  bool hsdp = false;
-  int64_t shard_ranks = 0;  // hsdp: the shard group's size
-  bool enabled() const { return k > 0; }
-};
-
-// The scheme of a job's JobOptions.redundancy (infra/redundancy.h parses and checks it).
-RedundancyScheme SchemeOf(const Redundancy& redundancy);
-
-// A chunk of a node's blob: which node, which of its chunks.
-struct ChunkRef {
-  int node = 0;
-  int chunk = 0;
-};
-// The chunks whose XOR node `holder` keeps, in a fixed order (scheme.k of them).
-std::vector<ChunkRef> ParitySources(const RedundancyScheme& scheme, int nodes, int holder);
-// The node that keeps the parity covering chunk `chunk` of node `node`.
-int ParityHolder(const RedundancyScheme& scheme, int nodes, int node, int chunk);
-// The parity bytes each node holds (by node) for one local rank, from every node's blob bytes at
-// the step (`blob`, by node). With parity:K, per group: the least P such that every node's K
-// chunks, of lengths max(0, P - blob[h]) over its chunks' holders h, cover its blob; the stripe of
-// holder h is that length. P = ceil(sum / K) where no blob exceeds sum / K, and then the
-// parities add up to 1/K of the group's blobs. With replica: the blob of the node before.
-std::vector<int64_t> StripeBytes(const RedundancyScheme& scheme, const std::vector<int64_t>& blob);
-// Where chunk `chunk` of node `node`'s blob lies in it: [offset, offset + bytes), clipped to the
-// blob (its stripe's parity is longer where the chunk ends early: zeros beyond).
-struct ChunkSpan {
-  int64_t offset = 0;
-  int64_t bytes = 0;
-};
-ChunkSpan ChunkOf(const RedundancyScheme& scheme, const std::vector<int64_t>& stripes,
-                  const std::vector<int64_t>& blob, int node, int chunk);
-
-// One segment of a rank's protected state: "shard/<unit>" (a parameter shard) or a state
-// buffer's name.
-struct StateSegment {
-  std::string name;
-  char* data = nullptr;
-  int64_t bytes = 0;
-};
 // Where a rebuilt segment goes: `bytes` to write into (the parameter shard of that size, or the
 // state buffer made with it), or an error naming what did not match.
 using PlaceSegment =
@@ -171,6 +124,29 @@ class NodeRedundancy {
   // After a protect's barrier, or a rebuild: every parity but the newest of `step` goes back to
   // the pool.
   void DropAllBut(int64_t step);
+  // Rebuild's steps (redundancy_rebuild.cc), each on every node alike. What the nodes told each
+  // other at its start, and what follows from it:
+  struct Census;
+  // A chunk (or a source of a replacement's own parity) a replacement receives.
+  struct Incoming;
+  // 1. Every node tells the others whether it is a replacement, its pool's free bytes, and per
+  // local rank its blob at `step` and the parity it holds of it.
+  absl::Status TakeCensus(Comm& comm, bool replacement,
+                          const std::vector<std::vector<StateSegment>>& state, int64_t step,
+                          absl::Time deadline, uint64_t seq, Census* census) const;
+  // 2. Every lost chunk has a parity and every other source of it survived.
+  absl::Status CheckRebuildable(const Census& census, int64_t step) const;
+  // 3. Every node's blob bytes and the stripes they make; each holder's parity has its stripe's
+  // length, and each replacement's pool has room for its ranks' state and parity.
+  absl::Status SizeStripes(Census* census, int64_t step) const;
+  // 4. The holders and sources send each replacement what rebuilds its chunks and its parity.
+  absl::StatusOr<std::vector<Incoming>> ExchangeChunks(Comm& comm, const Census& census,
+                                                       int64_t step, absl::Time deadline,
+                                                       uint64_t seq) const;
+  // 5. A replacement: each local rank's blob from what arrived, its chunks' CRCs checked, its
+  // segments placed; then its own parity. Returns the bytes rebuilt.
+  absl::StatusOr<int64_t> Reassemble(const Census& census, const std::vector<Incoming>& incoming,
+                                     int64_t step, const PlaceSegment& place);
   // Rebuild's "hsdp" way: from the replicas' live state.
   absl::StatusOr<int64_t> RebuildFromReplicas(Comm& comm, bool replacement,
                                               const std::vector<std::vector<StateSegment>>& state,

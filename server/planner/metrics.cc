@@ -3,9 +3,8 @@
 namespace ragshard::planner {
 
 PlannerMetrics::PlannerMetrics() {
-  registrations_ = &CounterFamily("ragshard_planner_rank_registrations_total",
-                                  "Rank registrations the planner recorded")
-                        .Add({});
+  registrations_ = Counter("ragshard_planner_rank_registrations_total",
+                           "Rank registrations the planner recorded");
   auto& calls = CounterFamily("ragshard_planner_registration_calls_total",
                               "Registration calls admitted, by method: node (RegisterNodeRanks, a "
                               "node's ranks through its daemon) or rank (RegisterRank)");
@@ -22,12 +21,10 @@ PlannerMetrics::PlannerMetrics() {
                 prometheus::Histogram::BucketBoundaries{0.001, 0.005, 0.02, 0.1, 0.5, 2, 10, 60});
   // A node's daemon takes each plan version once and its ranks take it from the daemon: a job
   // of N nodes costs N sends of the plan per version, whatever its ranks per node.
-  plans_sent_ = &CounterFamily("ragshard_planner_plans_sent_total",
-                               "Plan versions handed to WatchPlan streams")
-                     .Add({});
-  plan_bytes_sent_ = &CounterFamily("ragshard_planner_plan_bytes_sent_total",
-                                    "Bytes of the plan events handed to WatchPlan streams")
-                          .Add({});
+  plans_sent_ =
+      Counter("ragshard_planner_plans_sent_total", "Plan versions handed to WatchPlan streams");
+  plan_bytes_sent_ = Counter("ragshard_planner_plan_bytes_sent_total",
+                             "Bytes of the plan events handed to WatchPlan streams");
   auto& recoveries = CounterFamily(
       "ragshard_planner_recoveries_total",
       "Recoveries in place that ended, by outcome: recovered (every node's ranks re-attached), "
@@ -35,11 +32,10 @@ PlannerMetrics::PlannerMetrics() {
       "was reported during it), node_lost (a node of the job stopped heartbeating), shrunk (the "
       "deadline passed with a node "
       "lost, and the job shrank to its other nodes' ranks: JobOptions.on_node_loss shrink)");
-  recovered_ = &recoveries.Add({{"outcome", "recovered"}});
-  recovery_deadline_ = &recoveries.Add({{"outcome", "deadline"}});
-  recovery_second_failure_ = &recoveries.Add({{"outcome", "second_failure"}});
-  recovery_node_lost_ = &recoveries.Add({{"outcome", "node_lost"}});
-  recovery_shrunk_ = &recoveries.Add({{"outcome", "shrunk"}});
+  size_t i = 0;
+  for (const char* outcome : {"recovered", "deadline", "second_failure", "node_lost", "shrunk"}) {
+    recoveries_[i++] = &recoveries.Add({{"outcome", outcome}});
+  }
   // From a restarted rank's re-attachment in a second to a slow restart near a long deadline.
   recovery_seconds_ =
       &HistogramFamily("ragshard_planner_recovery_seconds",
@@ -47,18 +43,15 @@ PlannerMetrics::PlannerMetrics() {
                        "ones)")
            .Add({},
                 prometheus::Histogram::BucketBoundaries{0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300});
-  rebuilds_ = &CounterFamily("ragshard_planner_rebuilds_total",
-                             "Lost nodes rebuilt on a replacement daemon from their job's "
-                             "redundancy, counted when their recovery ended recovered")
-                   .Add({});
-  rebuilt_bytes_ = &CounterFamily("ragshard_planner_rebuilt_bytes_total",
-                                  "Bytes of persistent state the replacement daemons of lost "
-                                  "nodes rebuilt (their ReportRecovered)")
-                        .Add({});
-  shrinks_ = &CounterFamily("ragshard_planner_shrinks_total",
-                            "Jobs shrunk in place to a successor job of their surviving ranks "
-                            "after a node was lost (JobOptions.on_node_loss shrink)")
-                  .Add({});
+  rebuilds_ = Counter("ragshard_planner_rebuilds_total",
+                      "Lost nodes rebuilt on a replacement daemon from their job's "
+                      "redundancy, counted when their recovery ended recovered");
+  rebuilt_bytes_ = Counter("ragshard_planner_rebuilt_bytes_total",
+                           "Bytes of persistent state the replacement daemons of lost "
+                           "nodes rebuilt (their ReportRecovered)");
+  shrinks_ = Counter("ragshard_planner_shrinks_total",
+                     "Jobs shrunk in place to a successor job of their surviving ranks "
+                     "after a node was lost (JobOptions.on_node_loss shrink)");
 }
 
 void PlannerMetrics::PlanComputed(bool ok, double seconds) {
@@ -67,24 +60,8 @@ void PlannerMetrics::PlanComputed(bool ok, double seconds) {
 }
 
 void PlannerMetrics::RecoveryEnded(RecoveryOutcome outcome, double seconds) {
-  switch (outcome) {
-    case RecoveryOutcome::kRecovered:
-      recovered_->Increment();
-      recovery_seconds_->Observe(seconds);
-      return;
-    case RecoveryOutcome::kDeadline:
-      recovery_deadline_->Increment();
-      return;
-    case RecoveryOutcome::kSecondFailure:
-      recovery_second_failure_->Increment();
-      return;
-    case RecoveryOutcome::kNodeLost:
-      recovery_node_lost_->Increment();
-      return;
-    case RecoveryOutcome::kShrunk:
-      recovery_shrunk_->Increment();
-      return;
-  }
+  recoveries_[static_cast<size_t>(outcome)]->Increment();
+  if (outcome == RecoveryOutcome::kRecovered) recovery_seconds_->Observe(seconds);
 }
 
 }  // namespace ragshard::planner

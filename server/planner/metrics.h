@@ -3,6 +3,7 @@
 // nodes by state and the watch streams are read from the service's state when a scrape comes.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <memory>
 
@@ -55,11 +56,8 @@ class PlannerMetrics : public MetricsSet {
   prometheus::Histogram* plan_seconds_ = nullptr;
   prometheus::Counter* plans_sent_ = nullptr;
   prometheus::Counter* plan_bytes_sent_ = nullptr;
-  prometheus::Counter* recovered_ = nullptr;
-  prometheus::Counter* recovery_deadline_ = nullptr;
-  prometheus::Counter* recovery_second_failure_ = nullptr;
-  prometheus::Counter* recovery_node_lost_ = nullptr;
-  prometheus::Counter* recovery_shrunk_ = nullptr;
+  // One per RecoveryOutcome, in its order.
+  std::array<prometheus::Counter*, 5> recoveries_{};
   prometheus::Histogram* recovery_seconds_ = nullptr;
   prometheus::Counter* rebuilds_ = nullptr;
   prometheus::Counter* rebuilt_bytes_ = nullptr;

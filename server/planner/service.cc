@@ -254,7 +254,10 @@ void PlannerService::NotifyWatchers(JobState* js, Deferred* deferred) {
 }
 
 void PlannerService::FailJob(JobState* js, const std::string& error, Deferred* deferred) {
-  js->job.set_status(v1::JOB_FAILED);
+  if (absl::Status s = JobStatusMachine::Move(&js->job, v1::JOB_FAILED); !s.ok()) {
+    LOG(ERROR) << s;
+    return;
+  }
   js->job.set_error(error);
   LOG(WARNING) << "job " << js->job.job_id() << " failed: " << error;
   const grpc::Status failed(grpc::StatusCode::FAILED_PRECONDITION, error);

@@ -36,10 +36,11 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "engine/cluster.h"
+#include "engine/redundancy.h"
 #include "engine/strategy_search.h"
-#include "infra/redundancy.h"
 #include "prometheus/metric_family.h"
 #include "ragshard/v1/planner.grpc.pb.h"
+#include "server/planner/job_status.h"
 #include "server/planner/metrics.h"
 #include "server/planner/node_registry.h"
 #include "server/planner/parked.h"
@@ -229,10 +230,18 @@ class PlannerService final
                                   const std::string& job_id,
                                   const std::function<absl::Status()>& validate,
                                   const std::function<absl::Status(JobState&, Deferred*)>& body);
+  // OnJob on request `req`'s job, validated by `validate(req, the service's limits)`.
+  template <typename Request>
+  grpc::ServerUnaryReactor* OnJob(grpc::CallbackServerContext* ctx, Access access,
+                                  const Request& req,
+                                  absl::Status (*validate)(const Request&, const ServiceLimits&),
+                                  const std::function<absl::Status(JobState&, Deferred*)>& body) {
+    return OnJob(
+        ctx, access, req.job_id(), [&] { return validate(req, options_.limits); }, body);
+  }
   // `state` (its entry's lock held) when its job lives (created, not deleted), else NOT_FOUND
   // naming `id`; UNAVAILABLE once shutting down.
   absl::StatusOr<JobState*> LiveJob(const std::string& id, JobState* state) const;
-  static bool Terminal(v1::JobStatus s) { return s == v1::JOB_FAILED || s == v1::JOB_DELETED; }
   // The job as answered: without its data secret (GetJob adds it where asked).
   static v1::Job Summary(const v1::Job& job);
   static int64_t NowMs();

@@ -23,7 +23,7 @@ v1::Job PlannerService::NewJob(const v1::CreateJobRequest& req) const {
     job.mutable_options()->set_registration_timeout_ms(
         options_.default_registration_timeout.count());
   }
-  job.set_status(v1::JOB_REGISTERING);
+  CHECK(JobStatusMachine::Move(&job, v1::JOB_REGISTERING).ok());  // a new job
   job.set_created_unix_ms(NowMs());
   job.set_registration_deadline_unix_ms(job.created_unix_ms() +
                                         job.options().registration_timeout_ms());
@@ -100,28 +100,26 @@ grpc::ServerUnaryReactor* PlannerService::ListJobs(Ctx* ctx, const v1::ListJobsR
 
 grpc::ServerUnaryReactor* PlannerService::ListRanks(Ctx* ctx, const v1::ListRanksRequest* req,
                                                     v1::ListRanksResponse* resp) {
-  return OnJob(
-      ctx, Access::kUser, req->job_id(), [&] { return ValidateListRanks(*req, options_.limits); },
-      [&](JobState& js, Deferred*) {
-        const int64_t world = js.job.world_size();
-        if (req->start_rank() > world) {
-          return absl::InvalidArgumentError(absl::StrCat("start_rank: ", req->start_rank(),
-                                                         " is past the world size ", world,
-                                                         " of job '", req->job_id(), "'"));
-        }
-        const int64_t size = req->page_size() > 0 ? req->page_size() : kDefaultRanksPage;
-        const int64_t end = std::min(world, req->start_rank() + size);
-        auto known = js.ranks.lower_bound(req->start_rank());
-        for (int64_t r = req->start_rank(); r < end; ++r) {
-          if (known != js.ranks.end() && known->first == r) {
-            *resp->add_ranks() = (known++)->second;
-          } else {
-            resp->add_ranks()->set_rank(r);
-          }
-        }
-        resp->set_next_start_rank(end);
-        return absl::OkStatus();
-      });
+  return OnJob(ctx, Access::kUser, *req, ValidateListRanks, [&](JobState& js, Deferred*) {
+    const int64_t world = js.job.world_size();
+    if (req->start_rank() > world) {
+      return absl::InvalidArgumentError(absl::StrCat("start_rank: ", req->start_rank(),
+                                                     " is past the world size ", world, " of job '",
+                                                     req->job_id(), "'"));
+    }
+    const int64_t size = req->page_size() > 0 ? req->page_size() : kDefaultRanksPage;
+    const int64_t end = std::min(world, req->start_rank() + size);
+    auto known = js.ranks.lower_bound(req->start_rank());
+    for (int64_t r = req->start_rank(); r < end; ++r) {
+      if (known != js.ranks.end() && known->first == r) {
+        *resp->add_ranks() = (known++)->second;
+      } else {
+        resp->add_ranks()->set_rank(r);
+      }
+    }
+    resp->set_next_start_rank(end);
+    return absl::OkStatus();
+  });
 }
 
 const v1::ListJobNodesResponse& PlannerService::JobNodes(JobState* js) {
@@ -157,7 +155,7 @@ grpc::ServerUnaryReactor* PlannerService::ListJobNodes(Ctx* ctx, const v1::ListJ
 grpc::ServerUnaryReactor* PlannerService::DeleteJob(Ctx* ctx, const v1::DeleteJobRequest* req,
                                                     v1::DeleteJobResponse*) {
   return OnJob(ctx, Access::kAdmin, req->job_id(), nullptr, [&](JobState& js, Deferred* deferred) {
-    js.job.set_status(v1::JOB_DELETED);
+    RAGSHARD_RETURN_IF_ERROR(JobStatusMachine::Move(&js.job, v1::JOB_DELETED));
     js.job.set_error("deleted");
     const grpc::Status aborted(grpc::StatusCode::ABORTED, "job deleted");
     for (PendingHash& p : js.pending_hash) FinishLater(deferred, p.parked.reactor, aborted);

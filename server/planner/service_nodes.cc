@@ -98,7 +98,10 @@ void PlannerService::DegradeJobsOn(const std::vector<std::string>& lost_nodes, D
                     deferred);
         continue;
       }
-      js.job.set_status(v1::JOB_DEGRADED);
+      if (absl::Status s = JobStatusMachine::Move(&js.job, v1::JOB_DEGRADED); !s.ok()) {
+        LOG(ERROR) << s;
+        continue;
+      }
       js.job.set_error(lost);
       (void)JobChanged(&js, deferred);
     }
@@ -116,22 +119,20 @@ std::string PlannerService::ReportText(const v1::ReportFailureRequest& req) {
 grpc::ServerUnaryReactor* PlannerService::ReportFailure(Ctx* ctx,
                                                         const v1::ReportFailureRequest* req,
                                                         v1::ReportFailureResponse* resp) {
-  return OnJob(
-      ctx, Access::kUser, req->job_id(),
-      [&] { return ValidateReportFailure(*req, options_.limits); },
-      [&](JobState& js, Deferred* deferred) {
-        if (RecoveryReport(&js, *req, resp, deferred)) return absl::OkStatus();
-        // The first failure is the cause; the reports it provokes elsewhere do not replace it,
-        // nor do they undo a shrink (the failures of its survivors' last operations).
-        if (!Terminal(js.job.status()) && js.job.status() != v1::JOB_DEGRADED &&
-            js.job.status() != v1::JOB_SHRUNK) {
-          js.job.set_status(v1::JOB_DEGRADED);
-          js.job.set_error(ReportText(*req));
-          LOG(WARNING) << "job " << req->job_id() << " DEGRADED: " << js.job.error();
-          (void)JobChanged(&js, deferred);
-        }
-        return absl::OkStatus();
-      });
+  return OnJob(ctx, Access::kUser, *req, ValidateReportFailure,
+               [&](JobState& js, Deferred* deferred) {
+                 if (RecoveryReport(&js, *req, resp, deferred)) return absl::OkStatus();
+                 // The first failure is the cause; the reports it provokes elsewhere do not replace
+                 // it, nor do they undo a shrink (the failures of its survivors' last operations).
+                 if (!JobStatusMachine::Terminal(js.job.status()) &&
+                     js.job.status() != v1::JOB_DEGRADED && js.job.status() != v1::JOB_SHRUNK) {
+                   RAGSHARD_RETURN_IF_ERROR(JobStatusMachine::Move(&js.job, v1::JOB_DEGRADED));
+                   js.job.set_error(ReportText(*req));
+                   LOG(WARNING) << "job " << req->job_id() << " DEGRADED: " << js.job.error();
+                   (void)JobChanged(&js, deferred);
+                 }
+                 return absl::OkStatus();
+               });
 }
 
 }  // namespace ragshard::planner

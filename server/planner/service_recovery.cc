@@ -24,8 +24,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "engine/redundancy.h"
 #include "glog/logging.h"
-#include "infra/redundancy.h"
 #include "infra/rpc.h"
 #include "infra/status_macros.h"
 #include "server/planner/service.h"
@@ -108,8 +108,11 @@ void PlannerService::StartRecovery(JobState* js, const std::string& lost,
                                    const std::string& reporter, const std::string& lost_node_id,
                                    int64_t now_ms, const std::string& error, Deferred* deferred) {
   v1::Job& job = js->job;
+  if (absl::Status s = JobStatusMachine::Move(&job, v1::JOB_RECOVERING); !s.ok()) {
+    LOG(ERROR) << s;
+    return;
+  }
   job.set_recovery_epoch(job.recovery_epoch() + 1);
-  job.set_status(v1::JOB_RECOVERING);
   v1::JobRecovery& r = *job.mutable_recovery();
   r.Clear();
   r.set_job_id(job.job_id());
@@ -190,7 +193,10 @@ bool PlannerService::NodeLostRecovery(JobState* js, const std::string& node_id,
 
 void PlannerService::EndRecovery(JobState* js, RecoveryOutcome outcome, const std::string& error,
                                  Deferred* deferred) {
-  js->job.set_status(v1::JOB_DEGRADED);
+  if (absl::Status s = JobStatusMachine::Move(&js->job, v1::JOB_DEGRADED); !s.ok()) {
+    LOG(ERROR) << s;
+    return;
+  }
   js->job.set_error(error);
   metrics_.RecoveryEnded(outcome, 0);
   LOG(WARNING) << "job " << js->job.job_id() << " DEGRADED: " << error;
@@ -286,8 +292,7 @@ grpc::ServerUnaryReactor* PlannerService::ReportRecovered(Ctx* ctx,
                                                           const v1::ReportRecoveredRequest* req,
                                                           v1::ReportRecoveredResponse* resp) {
   return OnJob(
-      ctx, Access::kUser, req->job_id(),
-      [&] { return ValidateReportRecovered(*req, options_.limits); },
+      ctx, Access::kUser, *req, ValidateReportRecovered,
       [&](JobState& js, Deferred* deferred) -> absl::Status {
         v1::Job& job = js.job;
         const int64_t now = NowMs();
@@ -322,7 +327,7 @@ grpc::ServerUnaryReactor* PlannerService::ReportRecovered(Ctx* ctx,
         if (NotRecovered(nodes, r).empty()) {
           r.set_finished_unix_ms(now);
           const double seconds = static_cast<double>(now - r.started_unix_ms()) / 1000.0;
-          job.set_status(v1::JOB_READY);
+          RAGSHARD_RETURN_IF_ERROR(JobStatusMachine::Move(&job, v1::JOB_READY));
           job.clear_error();
           job.set_recoveries(job.recoveries() + 1);
           job.set_recovery_seconds(job.recovery_seconds() + seconds);

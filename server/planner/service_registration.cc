@@ -6,9 +6,9 @@
 #include "absl/strings/str_join.h"
 #include "engine/plan_codec.h"
 #include "engine/planner.h"
+#include "engine/redundancy.h"
 #include "glog/logging.h"
 #include "infra/proto_text.h"
-#include "infra/redundancy.h"
 #include "infra/rpc.h"
 #include "infra/status_macros.h"
 #include "server/planner/service.h"
@@ -94,7 +94,7 @@ std::optional<grpc::Status> PlannerService::RegisterOnJob(JobState& js, const Re
                      job.job_id(), "'")));
   } else if (job.status() != v1::JOB_REGISTERING || js.planning) {
     // Registration is closed; an identical re-registration (a restarted rank) is fine.
-    if (!registered_alike() || Terminal(job.status())) {
+    if (!registered_alike() || JobStatusMachine::Terminal(job.status())) {
       std::string error =
           absl::StrCat("job '", job.job_id(), "' is ", v1::JobStatus_Name(job.status()),
                        job.error().empty() ? "" : absl::StrCat(" (", job.error(), ")"),
@@ -102,7 +102,8 @@ std::optional<grpc::Status> PlannerService::RegisterOnJob(JobState& js, const Re
       // A rank that registered before and now brings another model: name both hashes.
       for (int64_t rank : reg.ranks) {
         const auto r = js.ranks.find(rank);
-        if (Terminal(job.status()) || r == js.ranks.end() || r->second.inventory_sha256() == sha)
+        if (JobStatusMachine::Terminal(job.status()) || r == js.ranks.end() ||
+            r->second.inventory_sha256() == sha)
           continue;
         absl::StrAppend(&error, ": rank ", rank, " registers inventory hash ", HexString(sha),
                         " but registered with ", HexString(r->second.inventory_sha256()),
@@ -344,7 +345,10 @@ void PlannerService::PlanDone(JobState* js, absl::StatusOr<v1::Plan> plan, std::
     ready.mutable_mesh()->set_replicate_size(replicate);
   }
   ready.set_plan_version(version);
-  ready.set_status(v1::JOB_READY);
+  if (absl::Status s = JobStatusMachine::Move(&ready, v1::JOB_READY); !s.ok()) {
+    FailJob(js, std::string(s.message()), deferred);
+    return;
+  }
   ready.clear_error();
   // The plan and the job that names it are one transaction: a kill between two writes once left
   // a stored plan beside a job still registering, which no restart planned again.

@@ -8,11 +8,9 @@ namespace ragshard::planner {
 
 grpc::ServerUnaryReactor* PlannerService::Put(Ctx* ctx, const v1::PutRequest* req,
                                               v1::PutResponse*) {
-  return OnJob(
-      ctx, Access::kUser, req->job_id(), [&] { return ValidatePut(*req, options_.limits); },
-      [&](JobState&, Deferred* deferred) {
-        return rendezvous_.Put(req->job_id(), req->key(), req->value(), deferred);
-      });
+  return OnJob(ctx, Access::kUser, *req, ValidatePut, [&](JobState&, Deferred* deferred) {
+    return rendezvous_.Put(req->job_id(), req->key(), req->value(), deferred);
+  });
 }
 
 grpc::ServerUnaryReactor* PlannerService::GetOrWait(Ctx* ctx, const std::string& job_id,

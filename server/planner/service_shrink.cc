@@ -24,37 +24,15 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "engine/rank_list.h"
+#include "engine/redundancy.h"
 #include "glog/logging.h"
-#include "infra/redundancy.h"
 #include "infra/status_macros.h"
 #include "server/planner/service.h"
 
 namespace ragshard::planner {
 
 namespace {
-
-// Sorted ranks as an error names them: runs of 3 or more as "a-b", the others one by one
-// ("0, 1", "0-7, 16-23"); the first 8 pieces and how many ranks more.
-std::string RankList(const std::vector<int64_t>& ranks) {
-  constexpr size_t kShown = 8;
-  std::vector<std::string> pieces;
-  size_t shown = 0;
-  for (size_t i = 0; i < ranks.size() && pieces.size() < kShown;) {
-    size_t j = i;
-    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
-    if (j - i >= 2) {
-      pieces.push_back(absl::StrCat(ranks[i], "-", ranks[j]));
-    } else {
-      j = i;  // one piece per rank
-      pieces.push_back(absl::StrCat(ranks[i]));
-    }
-    shown += j - i + 1;
-    i = j + 1;
-  }
-  std::string out = absl::StrJoin(pieces, ", ");
-  if (shown < ranks.size()) absl::StrAppend(&out, " and ", ranks.size() - shown, " more");
-  return out;
-}
 
 // "rank 2" or "ranks 2, 3".
 std::string Ranks(const std::vector<int64_t>& ranks) {
@@ -137,10 +115,7 @@ absl::Status PlannerService::Shrink(JobState* js, const std::set<std::string>& l
   // (replica, parity:1) may instead lose part of it: its survivors re-cut the shards for their
   // number, the lost nodes' share read from those copies (docs/recovery.md).
   const auto redundancy = ParseRedundancy("options.redundancy", job.options().redundancy());
-  const bool whole_copies =
-      redundancy.ok() && (redundancy->kind == Redundancy::Kind::kReplica ||
-                          (redundancy->kind == Redundancy::Kind::kParity && redundancy->k == 1));
-  const bool recut = whole_copies && f == world;
+  const bool recut = redundancy.ok() && redundancy->whole_copies() && f == world;
   std::vector<int64_t> survivors;
   for (int64_t g = 0; g < world / f; ++g) {
     // The group's ranks on lost nodes, by node.
@@ -196,7 +171,7 @@ absl::Status PlannerService::Shrink(JobState* js, const std::set<std::string>& l
     return absl::FailedPreconditionError(absl::StrCat(
         "its successor's id '", successor, "' is not a valid job id (", id.message(), ")"));
   }
-  job.set_status(v1::JOB_SHRUNK);
+  RAGSHARD_RETURN_IF_ERROR(JobStatusMachine::Move(&job, v1::JOB_SHRUNK));
   job.set_successor_job_id(successor);
   job.clear_survivor_ranks();
   for (int64_t rank : survivors) job.add_survivor_ranks(rank);

@@ -5,8 +5,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine/planner.h"
+#include "engine/redundancy.h"
 #include "engine/strategy.h"
-#include "infra/redundancy.h"
 #include "infra/status_macros.h"
 
 namespace ragshard::planner {

@@ -42,7 +42,7 @@ struct ServiceLimits {
 using ragshard::ValidateId;
 
 absl::Status ValidateCreateJob(const v1::CreateJobRequest& req, const ServiceLimits& limits);
-// A job's redundancy (part of ValidateCreateJob): a known one (infra/redundancy.h), a recovery
+// A job's redundancy (part of ValidateCreateJob): a known one (engine/redundancy.h), a recovery
 // deadline where it is not none, and a world size of at least the nodes it needs. Whether the
 // nodes the ranks register from fit it is checked when they have all registered.
 absl::Status ValidateRedundancy(const v1::JobOptions& o, int64_t world_size, int64_t replicas = 1);

@@ -23,7 +23,9 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 from ragshard import checkpoint  # noqa: E402
 from ragshard.checkpoint import _format  # noqa: E402
 from ragshard.cluster import LocalCluster  # noqa: E402
-from test_training import LAUNCH  # noqa: E402
+# The ranks import the tests' fault hooks (fault_hooks.py: RAGSHARD_CHECKPOINT_FAULT and
+# RAGSHARD_CHECKPOINT_WRITE_HOLD).
+LAUNCH = [sys.executable, "-m", "ragshard.launch", "--preload", "torch,fault_hooks"]
 
 EXAMPLE = os.path.join(ROOT, "examples", "train_tiny.py")
 CTL = os.path.join(BUILD, "ctl", "ragshardctl")
@@ -40,7 +42,9 @@ RTOL = {"shampoo": 1e-4}
 
 def env(**extra):
     e = dict(os.environ)
-    e["PYTHONPATH"] = os.path.join(BUILD, "python") + os.pathsep + e.get("PYTHONPATH", "")
+    e["PYTHONPATH"] = os.pathsep.join([os.path.join(BUILD, "python"),
+                                       os.path.dirname(os.path.abspath(__file__)),
+                                       e.get("PYTHONPATH", "")])
     e.update(extra)
     return e
 

@@ -25,7 +25,8 @@ import ragshard  # noqa: E402
 from ragshard.cluster import LocalCluster  # noqa: E402
 
 EXAMPLE = os.path.join(ROOT, "examples", "train_tiny.py")
-LAUNCH = [sys.executable, "-m", "ragshard.launch", "--preload", "torch"]
+# The ranks import the tests' fault hooks (fault_hooks.py: RAGSHARD_SHRINK_FAULT).
+LAUNCH = [sys.executable, "-m", "ragshard.launch", "--preload", "torch,fault_hooks"]
 SMALL = ["--layers", "2", "--dim", "64", "--heads", "4", "--seq", "16", "--batch", "2",
          "--vocab", "32", "--quiet", "--steps", "6", "--optimizer", "adamw"]
 
@@ -39,7 +40,9 @@ def cluster():
 
 def env():
     e = dict(os.environ)
-    e["PYTHONPATH"] = os.pathsep.join([os.path.join(BUILD, "python"), e.get("PYTHONPATH", "")])
+    e["PYTHONPATH"] = os.pathsep.join([os.path.join(BUILD, "python"),
+                                       os.path.dirname(os.path.abspath(__file__)),
+                                       e.get("PYTHONPATH", "")])
     return e
 
 

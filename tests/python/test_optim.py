@@ -1,6 +1,6 @@
 """The 8-bit Adam's block quantization against a direct, element-by-element formula on small
 tensors with partial blocks: the one-process reference (examples/reference_optim.py) and the
-sharded optimizer's block arithmetic (ragshard.torch.optim8bit), each checked on its own."""
+sharded optimizer's block arithmetic (ragshard.torch.optimizers.adam8bit), each checked on its own."""
 import math
 import os
 import re
@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 import reference_optim  # noqa: E402
 from ragshard.torch import optim8bit  # noqa: E402
-from ragshard.torch.pieces import Piece  # noqa: E402
+from ragshard.torch.fsdp.pieces import Piece  # noqa: E402
 
 LR, B1, B2, EPS, WD = 1e-2, 0.9, 0.999, 1e-8, 0.1
 

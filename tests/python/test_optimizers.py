@@ -197,7 +197,7 @@ def test_torchs_clip_grad_norm_clips_a_sharded_module(one_rank):
     own function (ragshard replaces nothing): the parameters' .grad are ShardGrads, on which it
     computes the global norm of the shards and scales them; a subset is clipped by its own norm,
     and plain parameters beside them count whole, as in torch."""
-    import ragshard.torch.grads as grads
+    import ragshard.torch.fsdp.grads as grads
     assert torch.nn.utils.clip_grad_norm_.__module__ == "torch.nn.utils.clip_grad"
     fsdp = one_rank("clip")
     fsdp(torch.ones(2, 8)).pow(2).sum().backward()

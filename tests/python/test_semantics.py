@@ -178,7 +178,7 @@ def test_a_parameter_used_while_resharded_is_an_error_naming_it(cluster):
     hook = net.moe.register_forward_pre_hook(lambda m, i: seen.append(type(w)))
     model(x, x % 2)
     hook.remove()
-    from ragshard.torch.params import ShardedParameter
+    from ragshard.torch.fsdp.params import ShardedParameter
     assert seen == [torch.nn.Parameter] and net.moe.experts[0].up.weight is w
     assert type(w) is ShardedParameter
     with pytest.raises(RuntimeError, match="'moe.experts.0.up.weight' is used while"):

@@ -2,7 +2,7 @@
 symmetric positive definite matrix has a closed form: sqrt(A) = (A + s I) / sqrt(tr A + 2 s)
 with s = sqrt(det A), applied twice, then the 2 x 2 inverse. Checked: the one-process reference
 (examples/reference_optim.py, whole and blocked) and the sharded optimizer's root and
-blocking (ragshard.torch.shampoo), each on its own."""
+blocking (ragshard.torch.optimizers.shampoo), each on its own."""
 import math
 import os
 import sys

@@ -151,7 +151,7 @@ def test_fully_shard_runs_the_prefetch_depth_the_plans_strategy_names():
     """fully_shard's prefetch=None takes the plan's strategy's depth (any D from 0 to 8, not
     only 0 or 1); a plan without one prefetches 1 unit; an explicit prefetch= overrides; a
     depth that is no number is an error naming it."""
-    from ragshard.torch.module import _prefetch_depth
+    from ragshard.torch.fsdp.module import _prefetch_depth
 
     def plan(executed):
         return {"strategy": {"executed": executed}}

@@ -25,6 +25,8 @@ import os
 import re
 import zlib
 
+from .. import _faults
+
 FORMAT = "ragshard-checkpoint/1"
 CHUNK_BYTES = 1 << 20
 # The largest element count, byte size or offset a metadata file may give (as ragshardctl's
@@ -111,31 +113,18 @@ def write_json_atomic(path, obj):
 
 
 def kill_point(pos, step):
-    """The fault hook for tests: RAGSHARD_CHECKPOINT_FAULT="pos=P,step=N,bytes=B" makes the
-    rank at shard position P kill itself with SIGKILL once it has written B bytes of its part
-    of the save of step N. -1 when unset or not this rank's."""
-    spec = os.environ.get("RAGSHARD_CHECKPOINT_FAULT", "")
-    if not spec:
-        return -1
-    try:
-        f = dict(kv.split("=") for kv in spec.split(","))
-        match = int(f["pos"]) == pos and int(f["step"]) == step
-        return int(f["bytes"]) if match else -1
-    except (KeyError, ValueError):
-        raise CheckpointError(f"RAGSHARD_CHECKPOINT_FAULT: '{spec}' is not "
-                              "pos=P,step=N,bytes=B") from None
+    """The bytes of its part of the save of step `step` after which the rank at shard position
+    `pos` kills itself (the tests' fault point "checkpoint.kill_after", ragshard._faults), or
+    -1: always in production."""
+    after = _faults.point("checkpoint.kill_after", pos=pos, step=step)
+    return -1 if after is None else int(after)
 
 
 def hold_write():
-    """The tests' hook for asynchronous saves: with RAGSHARD_CHECKPOINT_WRITE_HOLD=1, the
-    writing thread of an asynchronous save writes its first piece, then holds the rest of its
-    part until the training thread waits for the write (the optimizer's next step, or
-    SaveHandle.result()), so that the write deterministically spans the next step's forward
-    and backward. Not for production use: it only delays the write."""
-    spec = os.environ.get("RAGSHARD_CHECKPOINT_WRITE_HOLD", "")
-    if spec not in ("", "0", "1"):
-        raise CheckpointError(f"RAGSHARD_CHECKPOINT_WRITE_HOLD: '{spec}' is not 0 or 1")
-    return spec == "1"
+    """Whether an asynchronous save's write holds after its first piece until the training
+    thread waits for it (the tests' point "checkpoint.hold_write", ragshard._faults): never in
+    production."""
+    return bool(_faults.point("checkpoint.hold_write"))
 
 
 def write_pieces(path, pieces, kill_after=-1, after_first=None):

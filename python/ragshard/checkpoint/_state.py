@@ -1,10 +1,10 @@
-"""What a rank of a ShardedModule holds, in tensor coordinates (ragshard.torch.pieces), and
+"""What a rank of a ShardedModule holds, in tensor coordinates (ragshard.torch.fsdp.pieces), and
 where loaded values go. The layout on disk is that of the tensors, not of the plan: a load under
 any other plan reads the ranges its own pieces need.
 """
 import torch
 
-from ..torch.pieces import param_values, set_param_values, tensor_pieces  # noqa: F401
+from ..torch.fsdp.pieces import param_values, set_param_values, tensor_pieces  # noqa: F401
 from ._format import CheckpointError
 
 _TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
@@ -30,10 +30,10 @@ def adamw_of(optimizer):
     """The optimizer's kind and the ShardedAdamW inside it (itself, or ShardedMuon's or
     ShardedShampoo's for the parameters that are not their matrices; none for
     ShardedAdam8bit)."""
-    from ..torch.optim import ShardedMuon
-    from ..torch.optim8bit import ShardedAdam8bit
-    from ..torch.shampoo import ShardedShampoo
-    from ..torch.sharded_optimizer import ShardedOptimizer
+    from ..torch.optimizers.muon import ShardedMuon
+    from ..torch.optimizers.adam8bit import ShardedAdam8bit
+    from ..torch.optimizers.shampoo import ShardedShampoo
+    from ..torch.optimizers.sharded import ShardedOptimizer
     if optimizer is None:
         return None, None
     if isinstance(optimizer, ShardedAdam8bit):
@@ -69,7 +69,7 @@ ADAM8BIT_SCALES = "#adam8bit_scales"
 def _adam8bit_blocks(pc, blocks):
     """The tensor-wide block range [first, first + count) of piece `pc` (tensor coordinates),
     and the tensor's block count."""
-    from ..torch.optim8bit import MATRIX_BLOCK, VECTOR_BLOCK
+    from ..torch.optimizers.adam8bit import MATRIX_BLOCK, VECTOR_BLOCK
     numel = 1
     for d in pc.shape:
         numel *= d

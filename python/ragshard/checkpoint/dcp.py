@@ -160,8 +160,8 @@ def _param_pieces(model):
 
 
 def _optimizer_kind(optimizer):
-    from ..torch.groups import ModuleOptimizer
-    from ..torch.shampoo import ShardedShampoo
+    from ..torch.optimizers.groups import ModuleOptimizer
+    from ..torch.optimizers.shampoo import ShardedShampoo
     if not isinstance(optimizer, ModuleOptimizer) or not hasattr(optimizer, "dcp_state") or \
             isinstance(optimizer, ShardedShampoo):
         raise CheckpointError(

@@ -1,4 +1,5 @@
-"""fully_shard for PyTorch on ragshard.
+"""fully_shard for PyTorch on ragshard, in three subpackages: `fsdp` (fully_shard's mechanics),
+`optimizers` and `recovery` (recovery in place); their public names are imported here.
 
     import ragshard.torch as rt
     model = rt.fully_shard(model, units=lambda m: list(m.layers))  # client from the environment
@@ -40,14 +41,14 @@ Hooks, with the mechanisms FSDP2 uses:
   did not run), then reduces the used-parameter flags and waits. Every rank therefore issues
   the same operations in the same order, whatever its data reached.
 
-ragshard's hooks keep FSDP2's order against the user's (hooks.py): the unshard before any
+ragshard's hooks keep FSDP2's order against the user's (fsdp/hooks.py): the unshard before any
 forward pre-hook of the user's, the reshard after the user's forward hooks, the backward's
 unshard before the user's backward pre-hooks, whenever the user registered them.
 
 Gradients accumulate as PyTorch's .grad does: each backward adds its reduced gradients into the
 gradient shard (the daemon's reduce-scatter with accumulate) until zero_grad, so several
 `loss.backward()` calls before one `opt.step()` sum, with or without no_sync. After a backward,
-each parameter with a gradient holds in `.grad` a ShardGrad (grads.py): this rank's piece of the
+each parameter with a gradient holds in `.grad` a ShardGrad (fsdp/grads.py): this rank's piece of the
 global gradient, on which torch's own clip_grad_norm_, get_total_norm, clip_grads_with_norm_ and
 clip_grad_value_ compute over every rank's pieces (as on FSDP2's DTensor gradients); nothing of
 torch's is replaced.
@@ -63,13 +64,10 @@ Mixed precision: `param_dtype="bf16"` gathers and computes in bf16 with fp32 mas
 the optimizer, gradients reduced in fp32 (FSDP2's MixedPrecisionPolicy(bf16, fp32)); the
 default is fp32 throughout.
 """
-from .fsdp_api import UnshardHandle, register_fsdp_forward_method, share_comm_ctx
-from .grads import ShardGrad
-from .module import ShardedModule, fully_shard
-from .optim import ShardedMuon, newton_schulz
-from .optim8bit import ShardedAdam8bit
-from .shampoo import ShardedShampoo
-from .sharded_optimizer import ELEMENTWISE, ShardedAdamW, ShardedOptimizer
+from .fsdp import (ShardedModule, ShardGrad, UnshardHandle, fully_shard,
+                   register_fsdp_forward_method, share_comm_ctx)
+from .optimizers import (ELEMENTWISE, ShardedAdam8bit, ShardedAdamW, ShardedMuon,
+                         ShardedOptimizer, ShardedShampoo, newton_schulz)
 
 __all__ = ["fully_shard", "ShardedModule", "ShardedOptimizer", "ShardedAdamW", "ShardedMuon",
            "ShardedAdam8bit", "ShardedShampoo", "ELEMENTWISE", "newton_schulz", "ShardGrad",

@@ -2,16 +2,15 @@
 docstring), made of parts that it owns and builds with what each needs (ShardedModule's
 docstring lists them); its public methods delegate to them."""
 import contextlib
-import json
 import os
-import sys
 
 import torch
 
-from .. import Client, Env, Error, connect, plan_of
+from ... import Client, Env, Error, plan_of
+from ..recovery.rank import RankRecovery, attach, journaled
+from .api import FSDPMethods, HookOrder, adopt_unit_modules, fsdp2_options
 from .buffers import UnitBuffers
 from .control import ControlUnits, GradUse, control_inventory
-from .fsdp_api import FSDPMethods, HookOrder, adopt_unit_modules, fsdp2_options
 from .gathers import UnitGathers
 from .grads import GradNorms, ShardGrads
 from .hooks import UnitHooks
@@ -19,17 +18,21 @@ from .layout import ShardLayout
 from .meta import adopt_meta
 from .params import adopt
 from .quantized import QuantizedGathers, plan_quantized_units
-from .recovery import (PoolState, StepJournal, agree_on_committed, rebuild_state,
-                       redundancy_step, shard_tensors)
 from .shards import RankShards
-from .._shrink import SHRINK_EXIT, follow, whole_copies
-from .recut import in_place, recut_step
 from .settings import UnitSettings
-from .shrink import release, salvage, salvage_to_release, take_over
 from .state import ModuleState
 from .trace import Trace
 from .units import ModuleUnits, find_ties, group_units, policy_units, unit_inventory
-from .views import DTYPES, as_tensor
+from .views import DTYPES
+
+
+def _delegate(cls, owner, table):
+    """Read-only properties of `cls`, each reading the attribute of the same name of the part
+    `owner` names; `table` has a line "name: its doc" a property."""
+    for line in table.strip().splitlines():
+        name, doc = (part.strip() for part in line.split(":", 1))
+        setattr(cls, name, property(lambda self, n=name: getattr(getattr(self, owner), n),
+                                    doc=doc))
 
 
 def _world_from_environment():
@@ -91,10 +94,9 @@ class ShardedModule(FSDPMethods, HookOrder, torch.nn.Module):
             raise ValueError("quantize: the world size is needed before registering (world=)")
         inventory, qsizes = _inventory(found, world, param_dtype, quantize, granule, optimizer,
                                        strategy)
-        # A shrunk job's survivor (shrink.py): `held` is its salvage attachment to the old job,
-        # and `shrink` says where the rank goes on (job, rank, world) and from where.
-        self.shrink = None
-        self.client, held = self._attach(
+        # A shrunk job's survivor (recovery/takeover.py): `held` is its salvage attachment to the
+        # old job, and `shrink` says where the rank goes on (job, rank, world) and from where.
+        self.client, held, shrink = attach(
             client, inventory, register,
             lambda w: _inventory(found, w, param_dtype, quantize, granule, optimizer, strategy)[0])
         self.layout = ShardLayout.read(self.client, plan_of(self.client))
@@ -107,173 +109,17 @@ class ShardedModule(FSDPMethods, HookOrder, torch.nn.Module):
                                   find_ties(module, found), self.layout.places, param_dtype)
         self._shards = RankShards(self.client, param_dtype, self.layout, self._units)
         self._binding = UnitBuffers(self.client, param_dtype, self._units)
-        self.recoverable = self.client.recoverable
-        adopted = self.recoverable and self.client.adopted
-        # A lost node's replacement (docs/recovery.md, "A lost node"): its state is rebuilt from
-        # the other nodes' redundancy below, not initialized.
-        replacement = self.recoverable and self.client.replacement
-        self.redundancy = self.client.redundancy if self.recoverable else ""
-        # Whether each step's state is protected into parity or copies ("hsdp": the other
-        # replica groups hold it already).
-        self._protects = self.redundancy not in ("", "hsdp")
-        # Whether a shrink may re-cut this job's shards (recut.py; state_in_place).
-        self._may_recut = whole_copies(self.redundancy) and self.layout.replicas == 1 and \
-            not self.layout.factored and \
-            self.client.job_info().get("options", {}).get("on_node_loss") == "shrink"
-        self._in_place = None
-        if self.recoverable:
-            _check_recoverable(param_dtype, quantize)
-            self._shards.pool = PoolState(self.client)
-        self._shard_values(meta, init, write=not (adopted or replacement))
+        # The rank's recovery state, its one owner (recovery/rank.py).
+        self.recovery = RankRecovery(self.client, self.layout, self._shards, held, shrink,
+                                     param_dtype, quantize)
+        self._shard_values(meta, init, write=self.recovery.writes_initial_values)
         self._control = ControlUnits(self.client, self.layout, len(self._units),
                                      self._units.nparams)
         self._build_parts(qsizes)
-        # Completed optimizer steps that this rank's state holds: 0 for a new job; after a
-        # recovery in place, the last step every rank completed (the script resumes there).
-        self.resume_step = 0
-        self._journal = None
-        self._recut = None  # a shrink's successor: whether it re-cut (state_in_place)
-        if self.recoverable:
-            self._journal = StepJournal(self._shards.pool, self._journaled)
-            held = self._shrink_pending(held, replacement)
-            try:
-                if held is not None:
-                    self.resume_step, moved, recut = take_over(
-                        held, self.client, plan_of(held), self.layout.plan, self._control,
-                        self._journal, self.units(),
-                        self.client.job_info(held.job)["survivor_ranks"])
-                    self._recut[0] = int(recut)
-                    self._taken[1:] = torch.tensor([moved, self.shrink["from_world"]])
-                    self._taken[0] = 1 + self.resume_step
-                    # Once every rank has copied (a barrier), no take-over is done again: the
-                    # shrunk job's buffers on each node go back to its pool.
-                    self._control.all_reduce_scalar(0.0)
-                    release(held)
-                elif adopted or replacement:  # (a successor's own recovery: its own state)
-                    self._recover(replacement)
-            finally:
-                if held is not None:
-                    held.close()
-            if self._taken is not None:  # (after _recover: a replacement's mark is rebuilt)
-                self.shrink = self._shrink_from_mark()
-            if self._protects and self._journal.committed == 0 and \
-                    self._control.all_reduce_scalar(self._lacks_parity(0)) > 0:
-                # Step 0, the state every rank starts from (a node lost before the first step
-                # commits is rebuilt to it), unless every node holds it already (a recovery
-                # back to step 0: protecting it again would put a second parity beside it).
-                self.client.protect().wait()
+        self.recovery.resume(self._control, self.units(),
+                             lambda: journaled(self.client, self._shards, self.units(),
+                                               self.steps))
         self.checkpoint_writing = None  # an asynchronous checkpoint save writing the state
-
-    def _attach(self, client, inventory, register, inventory_at):
-        """Registers `inventory` (unless `register` is False) and attaches; without a client,
-        connects from the environment, once the module is known to be shardable. Returns the
-        client and None; where the job shrank (shrink.py), a client of this rank in the job
-        that goes on (registered with `inventory_at(its world size)`) and a salvage attachment
-        to the job that holds the rank's state."""
-        client = client if client is not None else connect()
-        try:
-            if register:
-                client.register(json.dumps(inventory), True)
-            client.attach()
-            return client, None
-        except Error as e:
-            refused = e
-        try:
-            live = follow(client.job_info, client.job, client.rank, decided=True)
-        except Error as e:
-            if "shrank without" in str(e):  # this rank's node was lost, and came back late
-                print(f"ragshard: {e}; exiting with {SHRINK_EXIT}", file=sys.stderr, flush=True)
-                sys.exit(SHRINK_EXIT)
-            live = None  # the planner's answer is not a shrink's: the refusal stands
-        if live is None:
-            raise refused
-        job, rank, held_job, held_rank = live
-        held = client.for_job(held_job, held_rank)
-        try:
-            held.attach(salvage=True)
-        except Error as e:
-            if not str(e).startswith("NOT_FOUND"):
-                held.close()
-                raise
-            # Released once every rank took it over: the successor's marks say so (else the
-            # take-over fails naming the job, in _shrink_pending).
-            held.close()
-            held = None
-        world = client.job_info(job)["world_size"]
-        new = client.for_job(job, rank)
-        new.register(json.dumps(inventory_at(world)), True)
-        new.attach()
-        self.shrink = {"job": job, "rank": rank, "world": world, "from_job": held_job,
-                       "from_rank": held_rank,
-                       "from_world": client.job_info(held_job)["world_size"]}
-        client.close()  # (the caller's client of the shrunk job: self.client replaces it)
-        return new, held
-
-    def _shrink_pending(self, held, replacement):
-        """In a shrink's successor job (shrink.py), the salvage attachment to take the state
-        over from until every rank has (a mark in each rank's pool, agreed by a sum): a rank
-        restarted in the middle of a take-over makes every rank do it again, from `held` (the
-        attachment `_attach` made) or one made here to the job the successor came from. None
-        once every rank took the state over, and in a job that is no shrink's successor."""
-        self._taken = self._recut = None
-        info = self.client.job_info()
-        pred = info.get("predecessor_job_id")
-        if not pred:
-            return held
-        self._successor = (pred, info["world_size"])
-        # [1 + the step taken over (0: not yet), the bytes copied, the world size of the job it
-        # came from]: a rank restarted later in the successor (a recovery there) still says
-        # where the shrink happened (`shrink`), even once that job is deleted. A replacement's
-        # mark comes back with the rest of its state (rebuilt from redundancy): it does not vote.
-        self._taken, _ = self._shards.pool.tensor("shrink/taken", 3, torch.int64)
-        self._recut, _ = self._shards.pool.tensor("shrink/recut", 1, torch.int64)  # recut.py
-        taken = bool(int(self._taken[0])) or replacement
-        if self._control.all_reduce_scalar(0.0 if taken else 1.0) == 0.0:
-            # Every rank took the state over. This node may still hold the shrunk job's buffers
-            # (every local rank died between the barrier and its release): released here; a
-            # daemon that released them already answers NOT_FOUND.
-            if held is None:
-                held = salvage_to_release(self.client, pred)
-            if held is not None:
-                release(held)
-                held.close()
-            return None
-        if held is None:
-            held, self.shrink = salvage(self.client, pred)
-        return held
-
-    @property
-    def state_in_place(self):
-        """Whether the optimizers keep their elementwise state in shard coordinates (each
-        piece's state at its offset in the optimizer range, rather than packed): in a job whose
-        shards a shrink may re-cut (on_node_loss shrink, one shard group, no separate factors,
-        whole copies of each node: redundancy replica or parity:1), and in a shrink's successor
-        as in the job it came from, or after a re-cut (recut.py; kept in the pool)."""
-        if self._in_place is None:
-            self._in_place = self.recoverable and in_place(self._shards.pool, self._may_recut)
-        return self._in_place
-
-    def recut_step(self, prefix):
-        """The step count that a re-cut agreed on for optimizer state `prefix` ("opt/<tag>"),
-        or None where the job did not come from a re-cut."""
-        if self._recut is None or int(self._recut[0]) != 1:
-            return None
-        return recut_step(self._shards.pool, prefix)
-
-    def _shrink_from_mark(self):
-        """ShardedModule.shrink in a shrink's successor, from this rank's mark (shrink/taken)
-        and the planner's survivor_ranks (None once the job it came from is deleted)."""
-        pred, world = self._successor
-        step, moved, from_world = (int(x) for x in self._taken)
-        from_rank = (self.shrink or {}).get("from_rank")
-        if from_rank is None:
-            try:
-                from_rank = self.client.job_info(pred)["survivor_ranks"][self.client.rank]
-            except (Error, KeyError, IndexError):
-                from_rank = None
-        return {"job": self.client.job, "rank": self.client.rank, "world": world,
-                "from_job": pred, "from_rank": from_rank, "from_world": from_world,
-                "step": step - 1, "bytes": moved}
 
     def _shard_values(self, meta, init, write=True):
         """Each unit's initial values into this rank's shards (unless `write` is False: an
@@ -286,57 +132,16 @@ class ShardedModule(FSDPMethods, HookOrder, torch.nn.Module):
                 adopt(p, n, self._units.name(ui))
             self._binding.free(ui)
 
-    def _journaled(self):
-        """{name: tensor} of the state an optimizer step changes on this rank: its parameter
-        shards (where it steps them) and the optimizers' state."""
-        out = shard_tensors(self.client, self.units()) if self.steps else {}
-        out.update(self._shards.named_state())
-        return out
-
-    def _lacks_parity(self, step):
-        """1.0 where this rank's node holds no parity of `step` (JobStats.parity_steps)."""
-        return 0.0 if step in self.client.stats().get("parity_steps", []) else 1.0
-
-    def _recover(self, replacement=False):
-        """A recovered rank (docs/recovery.md): agrees with the others on the last step all of
-        them completed, brings its state back to it, and drops the interrupted step's
-        gradients. A replacement node's rank has no state: it takes no part in the agreement,
-        and its state is rebuilt from the others' redundancy (`rebuild_state`). With redundancy,
-        the ranks may roll forward one step instead (`redundancy_step`)."""
-        have = not replacement
-        step = agree_on_committed(self._control, self._journal.committed, have=have)
-        if self._protects:
-            step = redundancy_step(self.client, self._control, self._journal, step, have=have)
-        if have:
-            self._journal.roll_to(step)
-        if self.redundancy:
-            rebuild_state(self.client, replacement, self._journal, step)
-        self.resume_step = step
-        for ui in self.units():
-            as_tensor(self.client.grad_shard(ui)).zero_()
-
     @contextlib.contextmanager
     def optimizer_step(self):
-        """An optimizer step as one transaction over this rank's state (StepJournal) where the
-        job recovers lost ranks in place. The optimizers step inside it. Units left unsharded
-        by set_reshard_after_backward(False) are resharded first: no forward after the step
-        computes with their values from before it."""
+        """An optimizer step: the optimizers step inside it. Units left unsharded (by
+        set_reshard_after_backward(False), or the root after a forward without backward) are
+        resharded first, so that no forward after the step computes with their values from
+        before it; where the job recovers lost ranks in place the step is one transaction over
+        this rank's state (RankRecovery.transaction)."""
         self._reshard_stale()
-        if self._journal is None:
+        with self.recovery.transaction():
             yield
-            return
-        self._journal.begin()
-        outermost = self._journal.depth == 1
-        try:
-            yield
-            if self._protects and outermost:
-                # This step's state once whole (a nested step, ShardedMuon's AdamW, is part of
-                # it), before it commits: docs/recovery.md, "One parity held".
-                self.client.protect().wait()
-        except BaseException:
-            self._journal.abandon()
-            raise
-        self._journal.commit()
 
     def _build_parts(self, qsizes):
         """The gathers, hooks and whole-model operations over the shards and their binding."""
@@ -368,33 +173,9 @@ class ShardedModule(FSDPMethods, HookOrder, torch.nn.Module):
                           "reduce_scatter": self._unit_hooks.reduce_scatters,
                           "accumulating": self._unit_hooks.accumulating}
 
-    # -- the layout and the parts' figures, read-only ----------------------------------------
-
-    plan = property(lambda self: self.layout.plan, doc="The job's plan.")
-    world = property(lambda self: self.layout.world, doc="The job's world size W.")
-    rank = property(lambda self: self.layout.rank, doc="This rank.")
-    replicas = property(lambda self: self.layout.replicas, doc="W / |g| (ShardLayout).")
-    pos = property(lambda self: self.layout.pos, doc="The parameter shard's position.")
-    gpos = property(lambda self: self.layout.gpos, doc="The gradient shard's position.")
-    ospos = property(lambda self: self.layout.ospos, doc="The optimizer range's position.")
-    steps = property(lambda self: self.layout.steps, doc="Whether this rank steps its range.")
-    os_group = property(lambda self: self.layout.os_group, doc="This rank's os group.")
-    shard_elems = property(lambda self: self.layout.shard_elems, doc="Each unit's shard.")
-    grad_elems = property(lambda self: self.layout.grad_elems, doc="Each gradient shard.")
-    os_elems = property(lambda self: self.layout.os_elems, doc="Each optimizer range's size.")
-    os_at = property(lambda self: self.layout.os_at, doc="Each range's place (ShardLayout).")
-    factored = property(lambda self: self.layout.factored, doc="Whether the factors differ.")
-    group_sizes = property(lambda self: self.layout.group_sizes, doc="(|p|, |g|, |os|).")
-    masters = property(lambda self: self._shards.masters,
-                       doc="{unit: fp32 master} kept apart from the shards (RankShards).")
-    matrices = property(lambda self: self._shards.matrices,
-                        doc="A Matrix per whole-matrix tensor (Muon's and Shampoo's).")
-    has_grad = property(lambda self: self._grad_use.has_grad,
-                        doc="Whether each parameter has a gradient, by index (GradUse).")
-    peak_unsharded = property(lambda self: self._binding.peak_unsharded,
-                              doc="The most units unsharded at once on this rank so far.")
-    gathered_bytes = property(lambda self: self._quantized.gathered_bytes,
-                              doc="Bytes the quantized gathers moved, and the fp32 figure.")
+    # The layout's and the parts' figures, and recovery's, read-only: _delegate below.
+    recoverable = property(lambda self: self.recovery.enabled,
+                           doc="Whether the job recovers lost ranks in place.")
 
     # -- user API ----------------------------------------------------------------------------
 
@@ -586,16 +367,36 @@ class ShardedModule(FSDPMethods, HookOrder, torch.nn.Module):
         return self.module.named_buffers(prefix, recurse, remove_duplicate)
 
 
-def _check_recoverable(param_dtype, quantize):
-    """Recovery in place keeps the state of fp32 training in the pool; bf16 parameters and
-    quantized gathers keep fp32 masters in the rank, which a lost process would take along."""
-    if param_dtype != "fp32" or quantize:
-        raise ValueError(
-            f"fully_shard: the job recovers lost ranks in place, which keeps every rank's "
-            f"state in its daemon's pool; param_dtype '{param_dtype}'"
-            f"{' with quantize ' + repr(quantize) if quantize else ''} keeps fp32 masters in "
-            "the rank process (docs/recovery.md): train in fp32, or create the job without a "
-            "recovery deadline")
+_delegate(ShardedModule, "layout", """
+    plan: The job's plan.
+    world: The job's world size W.
+    rank: This rank.
+    replicas: W / |g| (ShardLayout).
+    pos: The parameter shard's position.
+    gpos: The gradient shard's position.
+    ospos: The optimizer range's position.
+    steps: Whether this rank steps its range.
+    os_group: This rank's os group.
+    shard_elems: Each unit's shard.
+    grad_elems: Each gradient shard.
+    os_elems: Each optimizer range's size.
+    os_at: Each range's place (ShardLayout).
+    factored: Whether the factors differ.
+    group_sizes: (|p|, |g|, |os|).""")
+_delegate(ShardedModule, "_shards", """
+    masters: {unit: fp32 master} kept apart from the shards (RankShards).
+    matrices: A Matrix per whole-matrix tensor (Muon's and Shampoo's).""")
+_delegate(ShardedModule, "_grad_use", """
+    has_grad: Whether each parameter has a gradient, by index (GradUse).""")
+_delegate(ShardedModule, "_binding", """
+    peak_unsharded: The most units unsharded at once on this rank so far.""")
+_delegate(ShardedModule, "_quantized", """
+    gathered_bytes: Bytes the quantized gathers moved, and the fp32 figure.""")
+# Recovery (RankRecovery, `recovery`, owns the state; these read it).
+_delegate(ShardedModule, "recovery", """
+    redundancy: The job's redundancy across nodes ('' none).
+    resume_step: Completed optimizer steps this rank's state holds (0: new).
+    shrink: Where a shrink's successor came from ({job, rank, world, from_job, ...}), or None.""")
 
 
 def _check_options(param_dtype, quantize, reshard_after_forward):

@@ -1,4 +1,4 @@
-#include "infra/redundancy.h"
+#include "engine/redundancy.h"
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -63,29 +63,29 @@ absl::StatusOr<Redundancy> ParseRedundancy(absl::string_view field, absl::string
 }
 
 absl::Status CheckRedundancyNodes(const Redundancy& r, int64_t nodes) {
+  const std::string on =
+      absl::StrCat("but the job's ranks are on ", nodes, " node", nodes == 1 ? "" : "s");
   switch (r.kind) {
     case Redundancy::Kind::kNone:
       return absl::OkStatus();
     case Redundancy::Kind::kReplica:
+    case Redundancy::Kind::kHsdp: {
       if (nodes >= 2) return absl::OkStatus();
+      const bool replica = r.kind == Redundancy::Kind::kReplica;
       return absl::FailedPreconditionError(absl::StrCat(
-          "redundancy replica needs at least 2 nodes (each node's state copied on another), but "
-          "the job's ranks are on ",
-          nodes, " node", nodes == 1 ? "" : "s"));
-    case Redundancy::Kind::kHsdp:
-      if (nodes >= 2) return absl::OkStatus();
-      return absl::FailedPreconditionError(absl::StrCat(
-          "redundancy hsdp needs the HSDP replicas on at least 2 nodes, but the job's ranks are "
-          "on ",
-          nodes, " node", nodes == 1 ? "" : "s"));
+          replica ? "redundancy replica needs at least 2 nodes (each node's state copied on "
+                    "another), "
+                  : "redundancy hsdp needs the HSDP replicas on at least 2 nodes, ",
+          on));
+    }
     case Redundancy::Kind::kParity:
       break;
   }
   const int64_t group = r.k + 1;
   if (nodes >= group && nodes % group == 0) return absl::OkStatus();
-  return absl::FailedPreconditionError(absl::StrCat(
-      "redundancy parity:", r.k, " needs a multiple of K + 1 = ", group, " nodes (groups of ",
-      group, "), but the job's ranks are on ", nodes, " node", nodes == 1 ? "" : "s"));
+  return absl::FailedPreconditionError(absl::StrCat("redundancy parity:", r.k,
+                                                    " needs a multiple of K + 1 = ", group,
+                                                    " nodes (groups of ", group, "), ", on));
 }
 
 absl::Status CheckHsdpLayout(int64_t shard, const std::vector<std::string>& rank_nodes) {

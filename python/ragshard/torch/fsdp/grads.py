@@ -66,6 +66,13 @@ class _Spread(torch.Tensor):
         # Reached by what bypasses __torch_function__ (autograd's AccumulateGrad, C++ code).
         raise RuntimeError(_refusal(str(func), args, kwargs or {}))
 
+    def describe(self):
+        """What the tensor is, for errors."""
+        raise NotImplementedError
+
+    def __repr__(self, *, tensor_contents=None):
+        return f"<{type(self).__name__}: {self.describe()}>"
+
 
 def _refusal(op, args, kwargs):
     x = next((a for a in _flat(args, kwargs) if isinstance(a, _Spread)), None)
@@ -98,11 +105,8 @@ class ShardGrad(_Spread):
         return self
 
     def describe(self):
-        return f"the gradient of '{self.param_name}'"
-
-    def __repr__(self, *, tensor_contents=None):
-        return (f"ShardGrad('{self.param_name}', shape={list(self.shape)}, this rank's piece: "
-                f"{self.local.numel()} elements)")
+        return (f"the gradient of '{self.param_name}', shape {list(self.shape)}, this rank's "
+                f"piece {self.local.numel()} elements")
 
     def _writes(self):
         """Whether this rank applies in-place operations to its piece (the memory may be another
@@ -123,9 +127,6 @@ class PartialNorm(_Spread):
 
     def describe(self):
         return f"the {self.ord}-norm of the gradient of '{self.param_name}' (a part on each rank)"
-
-    def __repr__(self, *, tensor_contents=None):
-        return f"PartialNorm(ord={self.ord}, '{self.param_name}')"
 
     def full_tensor(self):
         """The global norm (a collective: every rank calls it)."""
@@ -148,15 +149,12 @@ class NormStack(_Spread):
         self.norms = next(iter(engines.values()))
         return self
 
-    def describe(self):
-        return f"a stack of {len(self.entries)} gradient norms (parts on each rank)"
-
-    def __repr__(self, *, tensor_contents=None):
-        return f"NormStack({len(self.entries)} norms)"
-
     def full_tensor(self):
         """Each entry's global norm, as a plain fp32 tensor (a collective)."""
         return self.norms.combine(self.entries, None)
+
+    def describe(self):
+        return f"a stack of {len(self.entries)} gradient norms (parts on each rank)"
 
 
 class GradNorms:

@@ -5,8 +5,8 @@ import json
 
 import torch
 
-from .. import quant
-from .._core import plan_local
+from ... import quant
+from ..._core import plan_local
 from .views import as_tensor
 
 

@@ -1,5 +1,7 @@
-"""The whole-matrix optimizers on the shards of a ShardedModule (Muon here, Shampoo in
-shampoo.py), and what they share; the elementwise ones are sharded_optimizer.py's.
+"""What the whole-matrix optimizers (Muon, muon.py; Shampoo, shampoo.py) share: param groups
+whose matrices step by the subclass's rule on their owner ranks and whose other parameters step
+by AdamW, a momentum buffer per unit shard, and the round trip of a unit's matrices through their
+owners.
 
 Each works on this rank's parameter shards (or their fp32 masters) with the gradient shards as
 gradients, and keeps PyTorch's rule for parameters without a gradient: a parameter whose `.grad`
@@ -7,16 +9,13 @@ would be None (zero_grad(set_to_none=True) and no rank's backward reached it sin
 is not stepped at all: no moment update, no weight decay, no step count. The module decides
 which parameters have a gradient with the same rule on every rank (`ShardedModule.has_grad`).
 """
-import contextlib
-
 import torch
 
+from ..fsdp.views import as_tensor
 from .groups import ModuleOptimizer
-from .sharded_optimizer import ShardedAdamW, copy_masters, master_copies  # noqa: F401
-from .views import as_tensor
+from .sharded import ShardedAdamW
 
-__all__ = ["ShardedAdamW", "ShardedMuon", "OwnerOptimizer", "newton_schulz", "master_copies",
-           "copy_masters", "matrix_units"]
+__all__ = ["OwnerOptimizer", "matrix_units", "ADAMW_OPTIONS"]
 
 # The options of the AdamW that a whole-matrix optimizer runs on the other parameters of each
 # group, and the AdamW option each sets.
@@ -35,19 +34,6 @@ def matrix_units(model, kind, name):
         raise ValueError(f"{name}: parameter '{other[0]}' was registered with another whole-matrix "
                          f"optimizer than '{kind}' (fully_shard's optimizer=)")
     return sorted({mx.unit for mx in model.matrices})
-
-
-def newton_schulz(g, steps=5, eps=1e-7):
-    """Muon's quintic Newton-Schulz orthogonalization, in fp32."""
-    a, b, c = 3.4445, -4.7750, 2.0315
-    x = g / (g.norm() + eps)
-    transposed = x.size(0) > x.size(1)
-    if transposed:
-        x = x.T
-    for _ in range(steps):
-        m = x @ x.T
-        x = a * x + (b * m + c * m @ m) @ x
-    return x.T if transposed else x
 
 
 class OwnerOptimizer(ModuleOptimizer):
@@ -83,16 +69,7 @@ class OwnerOptimizer(ModuleOptimizer):
             self._base_lr.append(self.param_groups[-1]["lr"])
             self.adamw.add_param_group(self._adamw_group(self.param_groups[-1]))
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        if closure is not None:
-            raise ValueError(f"{type(self).__name__}: step(closure) is not supported")
-        m = self.model
-        m.wait_for_checkpoint_write()  # an asynchronous save may be reading the state
-        with getattr(m, "optimizer_step", contextlib.nullcontext)():
-            self._step_all(m)
-
-    def _step_all(self, m):
+    def _step_all(self, m, **options):
         has = m.has_grad
         for g, base, ag in zip(self.param_groups, self._base_lr, self.adamw.param_groups):
             for key, option in ADAMW_OPTIONS.items():
@@ -191,36 +168,3 @@ class OwnerOptimizer(ModuleOptimizer):
         for b, lo, hi, _ in pieces:
             b[lo:hi] = flat[at:at + hi - lo]
             at += hi - lo
-
-
-class ShardedMuon(OwnerOptimizer):
-    """Muon for the `optimizer: matrix` tensors with the planner's owners: momentum on the
-    gradient shards, gather_to_owner, Newton-Schulz on the owner, scatter_from_owner, and the
-    update applied to the parameter shards. Other parameters go through AdamW. A matrix without
-    a gradient is skipped (its momentum kept), as the reference skips a grad of None. Group
-    options: lr, momentum, nesterov, weight_decay, ns_steps and the adamw_ ones."""
-
-    def __init__(self, model, params=None, lr=0.02, momentum=0.95, nesterov=True,
-                 weight_decay=0.0, adamw_lr=1e-3, adamw_betas=(0.9, 0.999), adamw_eps=1e-8,
-                 adamw_weight_decay=0.0, ns_steps=5):
-        super().__init__(model, "matrix", params, dict(
-            lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
-            ns_steps=ns_steps, adamw_lr=adamw_lr, adamw_betas=adamw_betas,
-            adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay), "muon_momentum")
-
-    recovers = True  # its momentum is the module's state tensors; its AdamW's too
-
-    @staticmethod
-    def _orthogonalized(mx, g, group):
-        x = newton_schulz(g.view(mx.shape), group["ns_steps"])
-        return x * max(1.0, mx.shape[0] / mx.shape[1]) ** 0.5
-
-    def step_unit(self, u, has, shard, grad, pieces):
-        buf = self.buf[u]
-        for lo, hi, g in pieces:
-            b, gr = buf[lo:hi], grad[lo:hi]
-            b.copy_(b * g["momentum"] + gr)
-            gr.copy_(gr + g["momentum"] * b if g["nesterov"] else b)
-        self.through_owners(u, has, self._orthogonalized)
-        for lo, hi, g in pieces:
-            self.apply(shard[lo:hi], grad[lo:hi], g)

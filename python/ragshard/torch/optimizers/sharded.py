@@ -7,8 +7,8 @@
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_then_cosine)
 
 The optimizer is a torch.optim.Optimizer whose param groups hold the module's own parameters
-(ragshard.torch.groups). Underneath, CLS itself runs on this rank's pieces: one tensor per piece
-of a parameter in this rank's optimizer range (a view of the parameter shard, or of the fp32
+(ragshard.torch.optimizers.groups). Underneath, CLS itself runs on this rank's pieces: one tensor
+per piece of a parameter in this rank's optimizer range (a view of the parameter shard, or of the fp32
 master with bf16 parameters or quantized gathers), whose gradient is the same piece of the
 gradient shard, in an inner group per param group that takes the group's options at every step.
 A piece is stepped only while its parameter has a gradient (`ShardedModule.has_grad`, the same
@@ -21,12 +21,12 @@ The state of the pieces lives in tensors that the module provides
 optimizer's pieces of that unit back to back: whatever CLS allocates at its first step is moved
 there, and CLS updates it in place from then on. Only this rank's pieces have state.
 """
-import contextlib
 import inspect
 
 import torch
 
 from .groups import ModuleOptimizer, piece_ranges
+from ... import _pool
 
 __all__ = ["ShardedOptimizer", "ShardedAdamW", "ELEMENTWISE", "master_copies", "copy_masters"]
 
@@ -131,7 +131,7 @@ class ShardedOptimizer(ModuleOptimizer):
         self._built = True
         self._layout()
         self._steps = None  # each piece's step count, in the pool (recovery in place)
-        if getattr(model, "recoverable", False):
+        if model.recovery.enabled:
             self._pool_steps()
 
     recovers = True
@@ -148,7 +148,7 @@ class ShardedOptimizer(ModuleOptimizer):
         m = self.model
         self._steps = m.optimizer_state(self._tag, "step", -1, max(len(self.pieces), 1),
                                         torch.float64)
-        if getattr(m, "state_in_place", False):
+        if m.recovery.state_in_place:
             # Made now, at their final size, so that the first step's journal names them (a
             # re-cut after it reads them: recut.py).
             dtypes = {ui: piece.dtype for (_, piece, _), (ui, _, _) in zip(self.pieces,
@@ -158,7 +158,7 @@ class ShardedOptimizer(ModuleOptimizer):
                     m.optimizer_state(self._tag, key, ui, self._unit_numel[ui], dtype)
         if m.resume_step <= 0 or self.opt is None:
             return
-        recut = m.recut_step(f"opt/{self._tag}")
+        recut = m.recovery.recut_step(_pool.optimizer_prefix(self._tag))
         if recut is not None and not bool(self._steps.any()):
             self._steps.fill_(recut)  # a re-cut's pieces: the count it agreed on (recut.py)
         for i, ((_, piece, _), (ui, lo, hi), at) in enumerate(
@@ -213,8 +213,8 @@ class ShardedOptimizer(ModuleOptimizer):
         self._home_at, self._unit_numel = [], {}
         self._by_index = {}  # parameter index -> [(piece, its unit, lo, hi)], in tensor order
         # Where a shrink may re-cut the shards, each piece's state lies at its own offset of the
-        # optimizer range instead (ShardedModule.state_in_place; recut.py).
-        in_place = getattr(self.model, "state_in_place", False)
+        # optimizer range instead (RankRecovery.state_in_place; recovery/recut.py).
+        in_place = self.model.recovery.state_in_place
         for (index, piece, _), (ui, lo, hi) in zip(self.pieces, self.where):
             at = lo if in_place else self._unit_numel.get(ui, 0)
             self._home_at.append(at)
@@ -244,19 +244,14 @@ class ShardedOptimizer(ModuleOptimizer):
 
     # -- steps -------------------------------------------------------------------------------
 
-    @torch.no_grad()
+    _closure_why = "an elementwise optimizer needs no re-evaluation of the loss"
+
     def step(self, closure=None, gather=True):
         """Steps this rank's optimizer range, then (unless `gather` is False: the caller
         gathers once its own updates are in) AMSP's update gather."""
-        if closure is not None:
-            raise ValueError(f"{self._tag}: step(closure) is not supported: an elementwise "
-                             "optimizer needs no re-evaluation of the loss")
-        self.model.wait_for_checkpoint_write()  # an asynchronous save may be reading the state
-        transaction = getattr(self.model, "optimizer_step", contextlib.nullcontext)
-        with transaction():
-            self._step(gather)
+        return super().step(closure, gather=gather)
 
-    def _step(self, gather):
+    def _step_all(self, model, gather=True):
         if self.opt is not None:
             has = self.model.has_grad
             for index, piece, grad in self.pieces:

@@ -6,13 +6,14 @@ import torch
 from .meta import release_freed_memory, values
 from .params import Matrix, Piece
 from .views import as_tensor, tensor_of
+from ... import _pool
 
 
 class RankShards:
     """This rank's parameter and gradient shards of every unit.
 
     Its interface is the one ShardedModule offers its optimizers and checkpoints (the module
-    delegates the same names here, and ragshard.torch.pieces takes either): `units()`,
+    delegates the same names here, and ragshard.torch.fsdp.pieces takes either): `units()`,
     `unit_params`, `unit_views`, `param_index`, `pieces`, `piece_start`, `shard`, `master_of`,
     `ospos`, `os_elems`, `gather_updates` and `optimizer_state`, with the attributes `masters`
     ({unit: fp32 master}) and `matrices` (a Matrix per whole-matrix tensor).
@@ -190,4 +191,4 @@ class RankShards:
 def state_name(key):
     """The state buffer of optimizer state (owner, key, unit)."""
     owner, name, ui = key
-    return f"opt/{owner}/{name}/{ui}"
+    return _pool.optimizer_state(owner, name, ui)

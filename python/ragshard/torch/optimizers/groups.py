@@ -50,7 +50,7 @@ class ModuleOptimizer(torch.optim.Optimizer):
     def __init__(self, model, params, defaults):
         self.model = model
         self._owner_name = type(self).__name__
-        if getattr(model, "recoverable", False) and not self.recovers:
+        if model.recovery.enabled and not self.recovers:
             raise ValueError(
                 f"{self._owner_name}: the job recovers lost ranks in place, which needs every "
                 "optimizer state in the daemon's pool; this optimizer keeps some in the rank "
@@ -66,6 +66,26 @@ class ModuleOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{self._owner_name}: got an empty parameter list")
         self._grouped = {}  # parameter index -> its group's index
         super().__init__(params, defaults)
+
+    # -- steps --------------------------------------------------------------------------------
+
+    # Why a closure is refused (step(closure) re-evaluates the loss, which none of these needs).
+    _closure_why = "the optimizer needs no re-evaluation of the loss"
+
+    @torch.no_grad()
+    def step(self, closure=None, **options):
+        """One optimizer step, inside the module's step transaction (ShardedModule.
+        optimizer_step), once an asynchronous checkpoint write no longer reads the state."""
+        if closure is not None:
+            raise ValueError(f"{self._owner_name}: step(closure) is not supported: "
+                             f"{self._closure_why}")
+        self.model.wait_for_checkpoint_write()
+        with self.model.optimizer_step():
+            self._step_all(self.model, **options)
+
+    def _step_all(self, model, **options):
+        """The step's own work (each optimizer's)."""
+        raise NotImplementedError
 
     # -- groups -------------------------------------------------------------------------------
 

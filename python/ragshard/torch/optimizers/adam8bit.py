@@ -25,8 +25,8 @@ import math
 import torch
 
 from .groups import ModuleOptimizer
-from .sharded_optimizer import copy_masters, master_copies
-from .pieces import tensor_pieces
+from .sharded import copy_masters, master_copies
+from ..fsdp.pieces import tensor_pieces
 
 __all__ = ["ShardedAdam8bit", "MATRIX_BLOCK", "VECTOR_BLOCK"]
 
@@ -64,7 +64,7 @@ class _Blocks:
 
 
 def _blocks_of(pc):
-    """The blocks of piece `pc` (ragshard.torch.pieces.Piece); ValueError where the plan cuts
+    """The blocks of piece `pc` (ragshard.torch.fsdp.pieces.Piece); ValueError where the plan cuts
     a block."""
     numel, count = math.prod(pc.shape), pc.hi - pc.lo
     ends = pc.start + count == numel
@@ -120,12 +120,7 @@ class ShardedAdam8bit(ModuleOptimizer):
                 "step": 0, "m": torch.zeros(n, dtype=torch.int8), "m_scale": zeros.clone(),
                 "v": torch.zeros(n, dtype=torch.uint8), "v_scale": zeros.clone()}))
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        if closure is not None:
-            raise ValueError("ShardedAdam8bit: step(closure) is not supported")
-        m_ = self.model
-        m_.wait_for_checkpoint_write()  # an asynchronous save may be reading the state
+    def _step_all(self, m_, **options):
         has = m_.has_grad
         for pc, blocks, st in self.pieces:
             group = self.group_of(pc.index)

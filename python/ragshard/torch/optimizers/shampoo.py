@@ -19,7 +19,7 @@ A matrix without a gradient is skipped (its statistics, roots, momentum and step
 """
 import torch
 
-from .optim import OwnerOptimizer
+from .owner import OwnerOptimizer
 
 __all__ = ["ShardedShampoo", "inverse_root", "shampoo_blocks"]
 

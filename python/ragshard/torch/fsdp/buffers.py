@@ -2,7 +2,7 @@
 it is unsharded, and saved activations that refer to a unit by place, not address."""
 import collections
 
-from .._core import BUFFER_PLACES_KEPT
+from ..._core import BUFFER_PLACES_KEPT
 from .params import Saved, set_live, storageless
 from .views import tensor_of
 

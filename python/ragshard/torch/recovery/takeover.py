@@ -19,17 +19,16 @@ nothing crosses nodes; a job of one shard group re-cuts its shards over the succ
 plane instead, the lost node's share read from its whole copy on another node (recut.py). A
 restarted rank of the lost node leaves with SHRINK_EXIT once the planner says the job shrank
 without it (ragshard.connect)."""
-import os
-import signal
 import sys
 import time
 
 import torch
 
-from .._core import Error
-from .recovery import PoolState, StepJournal, agree_on_committed, shard_tensors
+from ..._core import Error
+from .journal import PoolState, StepJournal, agree_on_committed, shard_tensors
 from .recut import recut
-from .views import as_tensor
+from ..fsdp.views import as_tensor
+from ... import _faults, _pool
 
 __all__ = ["release", "salvage", "salvage_to_release", "take_over"]
 
@@ -115,9 +114,9 @@ def take_over(old, new, plan_old, plan_new, control, journal, units, survivors):
     the bytes copied and whether the shards were re-cut."""
     if old.replicas == 1 and old.world_size != new.world_size:
         step, moved, _ = recut(old, new, plan_old, plan_new, control, units, survivors)
-        _fault_point(new.rank)
-        journal.meta[0] = step
-        journal.meta[1] = step
+        _faults.point("shrink.take_over", rank=new.rank)
+        journal.meta[_pool.COMMITTED] = step
+        journal.meta[_pool.BEGUN] = step
         return step, moved, True
     _same_cuts(old, new, plan_old, plan_new, units)
     pool = PoolState(old)
@@ -130,42 +129,18 @@ def take_over(old, new, plan_old, plan_new, control, journal, units, survivors):
         dst.copy_(src)
         moved += src.numel() * src.element_size()
         as_tensor(new.grad_shard(ui)).zero_()
-    _fault_point(new.rank)
+    _faults.point("shrink.take_over", rank=new.rank)
     to = PoolState(new)
     for name, numel, dtype in held.held_names():
-        if name.startswith("shard/"):
+        if name.startswith(_pool.SHARD):
             continue  # copied above, every unit's
         src, _ = pool.tensor(name, numel, getattr(torch, dtype))
         dst, _ = to.tensor(name, numel, getattr(torch, dtype))
         dst.copy_(src)
         moved += src.numel() * src.element_size()
     # The successor keeps its optimizers' state laid out as the job it came from (recut.py).
-    to.tensor("shrink/in_place", 1, torch.int64)[0][0] = \
-        int(pool.tensor("shrink/in_place", 1, torch.int64)[0][0])
-    journal.meta[0] = step
-    journal.meta[1] = step
+    to.tensor(_pool.SHRINK_IN_PLACE, 1, torch.int64)[0][0] = \
+        int(pool.tensor(_pool.SHRINK_IN_PLACE, 1, torch.int64)[0][0])
+    journal.meta[_pool.COMMITTED] = step
+    journal.meta[_pool.BEGUN] = step
     return step, moved, False
-
-
-def _fault_point(rank):
-    """The tests' fault hook: RAGSHARD_SHRINK_FAULT="rank=R,mark=PATH" makes rank R of the
-    successor kill itself with SIGKILL in the middle of its take-over (its shards copied, its
-    optimizers' state not yet, nothing marked; in a re-cut, everything moved, nothing marked),
-    once: only while the file PATH does not exist
-    (it is created first). Not for production use."""
-    spec = os.environ.get("RAGSHARD_SHRINK_FAULT", "")
-    if not spec:
-        return
-    try:
-        f = dict(kv.split("=", 1) for kv in spec.split(","))
-        at, mark = int(f["rank"]), f["mark"]
-    except (KeyError, ValueError):
-        raise Error(f"INVALID_ARGUMENT: RAGSHARD_SHRINK_FAULT: '{spec}' is not "
-                    "rank=R,mark=PATH") from None
-    if at == rank and not os.path.exists(mark):
-        try:
-            open(mark, "w").close()
-        except OSError as e:
-            raise Error(f"INVALID_ARGUMENT: RAGSHARD_SHRINK_FAULT: cannot create its mark "
-                        f"'{mark}': {e}") from None
-        os.kill(os.getpid(), signal.SIGKILL)

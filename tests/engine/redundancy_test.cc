@@ -1,5 +1,5 @@
-// A job's redundancy spec (infra/redundancy.h): what parses, what each needs of the nodes.
-#include "infra/redundancy.h"
+// A job's redundancy spec (engine/redundancy.h): what parses, what each needs of the nodes.
+#include "engine/redundancy.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

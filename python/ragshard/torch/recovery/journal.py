@@ -21,7 +21,8 @@ import json
 import numpy as np
 import torch
 
-from .views import as_tensor
+from ..fsdp.views import as_tensor
+from ... import _pool
 
 __all__ = ["PoolState", "StepJournal"]
 
@@ -48,24 +49,25 @@ class StepJournal:
 
     def __init__(self, pool, tensors):
         self.pool, self._tensors = pool, tensors
-        self.meta, _ = pool.tensor("journal/meta", 2, torch.int64)  # committed, begun
-        raw, _ = pool.client.state_buffer("journal/manifest", _MANIFEST_BYTES)
+        self.meta, _ = pool.tensor(_pool.JOURNAL_META, _pool.JOURNAL_META_FIELDS,
+                                  torch.int64)
+        raw, _ = pool.client.state_buffer(_pool.JOURNAL_MANIFEST, _MANIFEST_BYTES)
         self._manifest_raw = raw
         # Every state tensor the rank held at its last commit (a shrink's successor takes them
         # over: shrink.py); the manifest above has only those of a step's start.
-        raw, _ = pool.client.state_buffer("journal/held", _MANIFEST_BYTES)
+        raw, _ = pool.client.state_buffer(_pool.JOURNAL_HELD, _MANIFEST_BYTES)
         self._held_raw, self._held = raw, None
         self._undo = {}  # name -> its undo tensor
         self._recorded = None  # the names in the manifest as last written
         self._depth = 0
 
-    committed = property(lambda self: int(self.meta[0]))
+    committed = property(lambda self: int(self.meta[_pool.COMMITTED]))
     depth = property(lambda self: self._depth, doc="Open transactions (nested ones count).")
 
     def _undo_of(self, name, t):
         u = self._undo.get(name)
         if u is None:
-            u, _ = self.pool.tensor(f"journal/undo/{name}", t.numel(), t.dtype)
+            u, _ = self.pool.tensor(_pool.journal_undo(name), t.numel(), t.dtype)
             self._undo[name] = u
         return u
 
@@ -94,13 +96,13 @@ class StepJournal:
         self._record(tensors)
         for name, t in tensors.items():
             self._undo_of(name, t).copy_(t)
-        self.meta[1] = self.meta[0] + 1
+        self.meta[_pool.BEGUN] = self.meta[_pool.COMMITTED] + 1
 
     def commit(self):
         self._depth -= 1
         if self._depth == 0:
             self._held = _write_names(self._held_raw, self._tensors(), self._held)
-            self.meta[0] = self.meta[1]
+            self.meta[_pool.COMMITTED] = self.meta[_pool.BEGUN]
 
     def abandon(self):
         """A step that raised: its transaction stays begun (a restart undoes it)."""
@@ -109,19 +111,19 @@ class StepJournal:
     def roll_to(self, to):
         """Brings this rank's state to the end of step `to`: forward where the rank began step
         `to` and its state is that step's already (redundancy_step says when), else back."""
-        committed, begun = int(self.meta[0]), int(self.meta[1])
+        committed, begun = int(self.meta[_pool.COMMITTED]), int(self.meta[_pool.BEGUN])
         if committed < to:
             if begun != to:
                 raise RuntimeError(f"ragshard recovery: this rank committed step {committed} "
                                    f"(began {begun}); it cannot roll forward to step {to}")
-            self.meta[0] = to
+            self.meta[_pool.COMMITTED] = to
             return
         self.roll_back(to)
 
     def roll_back(self, to):
         """Brings this rank's state to the start of step `to` + 1: where it began a later step
         (or committed one), the undo copies go back."""
-        committed, begun = int(self.meta[0]), int(self.meta[1])
+        committed, begun = int(self.meta[_pool.COMMITTED]), int(self.meta[_pool.BEGUN])
         if begun > committed or committed > to:
             if committed - to > 1 or begun - to > 1:
                 raise RuntimeError(
@@ -134,8 +136,8 @@ class StepJournal:
                 if t is None:
                     t, _ = self.pool.tensor(name, numel, getattr(torch, dtype))
                 t.copy_(self._undo_of(name, t))
-        self.meta[0] = to
-        self.meta[1] = to
+        self.meta[_pool.COMMITTED] = to
+        self.meta[_pool.BEGUN] = to
 
 
 def _write_names(raw, tensors, last):
@@ -199,7 +201,7 @@ def redundancy_step(client, control, journal, low, have=True):
     miss = 0.0
     if have:
         steps = client.stats().get("parity_steps", [])
-        miss = 0.0 if int(journal.meta[1]) > low and low + 1 in steps else 1.0
+        miss = 0.0 if int(journal.meta[_pool.BEGUN]) > low and low + 1 in steps else 1.0
     return low + 1 if control.all_reduce_scalar(miss) == 0.0 else low
 
 
@@ -211,10 +213,10 @@ def rebuild_state(client, replacement, journal, step):
     protect that did not finish everywhere, covers state the ranks no longer hold)."""
     client.rebuild().wait()
     if replacement:
-        journal.meta[0] = step
-        journal.meta[1] = step
+        journal.meta[_pool.COMMITTED] = step
+        journal.meta[_pool.BEGUN] = step
 
 
 def shard_tensors(client, units):
     """{name: tensor} of this rank's parameter shards (the daemon's buffers)."""
-    return {f"shard/{ui}": as_tensor(client.param_shard(ui)) for ui in units}
+    return {_pool.shard(ui): as_tensor(client.param_shard(ui)) for ui in units}

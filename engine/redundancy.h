@@ -27,6 +27,9 @@ struct Redundancy {
   int64_t min_nodes() const;
   // Its canonical spelling: "none", "parity:K", "replica" or "hsdp".
   std::string name() const;
+  // Whether it holds each node's state whole on another node (replica, or parity:1), from which
+  // a shrink's survivors may re-cut the shards of one shard group (docs/recovery.md).
+  bool whole_copies() const { return kind == Kind::kReplica || (kind == Kind::kParity && k == 1); }
 };
 
 // "" or "none" (none), "parity:K" with 1 <= K <= kMaxParityK, "replica" or "hsdp". Anything else

@@ -17,14 +17,16 @@ import json
 import numpy as np
 import torch
 
-from .._core import Error
-from .layout import tensor_places
-from .recovery import PoolState, StepJournal, agree_on_committed, redundancy_step, shard_tensors
-from .views import as_tensor
+from ..._core import Error
+from ..fsdp.layout import tensor_places
+from .journal import PoolState, StepJournal, agree_on_committed, redundancy_step, shard_tensors
+from ..fsdp.views import as_tensor
+from ... import _pool
 
 __all__ = ["in_place", "recut", "recut_step"]
 
-_STEPS = "/step/-1"  # ShardedOptimizer's step counts, one per piece: "opt/<tag>/step/-1"
+# ShardedOptimizer's step counts, one per piece: its state "step" of unit -1 ("<tag>/step/-1").
+_STEPS = _pool.optimizer_state("", "step", -1)[len(_pool.optimizer_prefix("")):]
 
 
 def recut(old, new, plan_old, plan_new, control, units, survivors):
@@ -54,7 +56,7 @@ def recut(old, new, plan_old, plan_new, control, units, survivors):
     steps = {n for n in names if n.endswith(_STEPS)}
     if copy is not None:
         mine |= {n.rsplit("/", 1)[0] for n in copy[1]
-                 if n.startswith("opt/") and not n.endswith(_STEPS)}
+                 if n.startswith(_pool.OPTIMIZER) and not n.endswith(_STEPS)}
         steps |= {n for n in copy[1] if n.endswith(_STEPS)}
     families = _union(new, control, units, mine | steps)
     steps = {n for n in families if n.endswith(_STEPS)}
@@ -94,8 +96,8 @@ def recut(old, new, plan_old, plan_new, control, units, survivors):
     _all_ok(control, old, problem)
     counts = _step_counts(control, old, pool, names, copy, step, steps)
     for prefix, n in counts.items():
-        to.tensor(f"shrink/steps/{prefix}", 1, torch.float64)[0][0] = n
-    to.tensor("shrink/in_place", 1, torch.int64)[0][0] = 1
+        to.tensor(_pool.shrink_steps(prefix), 1, torch.float64)[0][0] = n
+    to.tensor(_pool.SHRINK_IN_PLACE, 1, torch.int64)[0][0] = 1
     return step, moved, counts
 
 
@@ -128,7 +130,7 @@ def in_place(pool, may_recut):
     """Whether the rank's optimizers keep their elementwise state in shard coordinates
     (ShardedModule.state_in_place): decided once per job, when first asked (`may_recut`), kept
     in the pool ("shrink/in_place"), and set by a shrink's take-over in its successor."""
-    t, existed = pool.tensor("shrink/in_place", 1, torch.int64)
+    t, existed = pool.tensor(_pool.SHRINK_IN_PLACE, 1, torch.int64)
     if not existed:
         t[0] = int(bool(may_recut))
     return bool(int(t[0]))
@@ -136,7 +138,7 @@ def in_place(pool, may_recut):
 
 def recut_step(pool, prefix):
     """The step count a re-cut agreed on for optimizer state `prefix` ("opt/<tag>"), or None."""
-    t, existed = pool.tensor(f"shrink/steps/{prefix}", 1, torch.float64)
+    t, existed = pool.tensor(_pool.shrink_steps(prefix), 1, torch.float64)
     return float(t[0]) if existed else None
 
 
@@ -172,7 +174,7 @@ def _kind(old, units, name, numel, dtype):
     journal's and the shrink's own), "move" (elementwise optimizer state in shard coordinates,
     "opt/<owner>/<key>/<unit>", fp32, a shard's elements; ShardedOptimizer's step counts,
     float64), else "refuse"."""
-    if name.startswith(("shard/", "journal/", "shrink/", "copy/")):
+    if name.startswith((_pool.SHARD, _pool.JOURNAL, _pool.SHRINK, _pool.COPY)):
         return "skip"
     parts = name.split("/")
     if name.endswith(_STEPS) and dtype == "float64":
@@ -206,11 +208,11 @@ def _copy_held(old, step, survivors, units):
     """(the rank, {segment: bytes}) of the lost rank whose state this rank's node holds whole
     at `step` (JobRuntime::ExposeCopy; only the segments a re-cut moves, each checked for its
     size), or None (none, or a survivor's)."""
-    raw, _ = old.state_buffer(f"copy/{step}/directory.bytes", 8)
+    raw, _ = old.state_buffer(_pool.copy(step, _pool.COPY_DIRECTORY_BYTES), 8)
     size = int(np.frombuffer(raw.tobytes(), dtype=np.int64)[0])
     if size <= 0:
         return None
-    text, _ = old.state_buffer(f"copy/{step}/directory", size)
+    text, _ = old.state_buffer(_pool.copy(step, _pool.COPY_DIRECTORY), size)
     lines = text.tobytes().decode().splitlines()
     head = lines[0].split()
     rank = int(head[3])
@@ -220,7 +222,7 @@ def _copy_held(old, step, survivors, units):
     for line in lines[1:]:
         n, name = line.split(" ", 1)
         n = int(n)
-        if name.startswith("shard/"):
+        if name.startswith(_pool.SHARD):
             if int(name[6:]) not in units:
                 continue  # (the module's control units: nothing to keep)
             ok = n == 4 * old.shard_elems(int(name[6:]))
@@ -236,7 +238,7 @@ def _copy_held(old, step, survivors, units):
                         f"with rank {old.rank} has state '{name}' of {n} bytes, which a re-cut "
                         "cannot move")
         segments[name] = n
-    missing = [ui for ui in units if f"shard/{ui}" not in segments]
+    missing = [ui for ui in units if _pool.shard(ui) not in segments]
     if missing:
         raise Error(f"DATA_LOSS: the copy of rank {rank} of job '{old.job}' held with rank "
                     f"{old.rank} has no parameter shard of units {missing[:8]}")
@@ -310,11 +312,11 @@ def _own(old, pool, names, name, ui):
 
 
 def _copied(old, step, segments, name, ui):
-    key = f"shard/{ui}" if name is None else name
+    key = _pool.shard(ui) if name is None else name
     nbytes = segments.get(key)
     if nbytes is None:
         return None  # (the copied rank has no pieces of the unit there; its shards are checked)
-    raw, _ = old.state_buffer(f"copy/{step}/{key}", max(nbytes, 1))
+    raw, _ = old.state_buffer(_pool.copy(step, key), max(nbytes, 1))
     return torch.from_numpy(raw[:nbytes]).view(torch.float32)
 
 
@@ -328,7 +330,7 @@ def _step_counts(control, old, pool, names, copy, step, steps):
         counts = [pool.tensor(name, names[name], torch.float64)[0].tolist()] \
             if name in names else []
         if copy is not None and name in copy[1]:
-            raw, _ = old.state_buffer(f"copy/{step}/{name}", copy[1][name])
+            raw, _ = old.state_buffer(_pool.copy(step, name), copy[1][name])
             counts.append(torch.from_numpy(raw.copy()).view(torch.float64).tolist())
         values = set()
         for c in counts:

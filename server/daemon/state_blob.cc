@@ -1,0 +1,101 @@
+#include "server/daemon/state_blob.h"
+
+#include <zlib.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "server/daemon/comm.h"
+
+namespace ragshard::daemon {
+namespace {
+
+constexpr char kDirectoryMagic[] = "ragshard-state 1\n";
+
+// The directory that opens a blob: the magic line, "<bytes> <name>" per segment, an empty line,
+// zero-padded to 64 bytes.
+std::string Directory(const std::vector<StateSegment>& segments) {
+  std::string d = kDirectoryMagic;
+  for (const StateSegment& s : segments) absl::StrAppend(&d, s.bytes, " ", s.name, "\n");
+  d += "\n";
+  d.resize((d.size() + 63) / 64 * 64, '\0');
+  return d;
+}
+
+}  // namespace
+
+uint64_t RedundancyStamp(uint64_t seq, uint64_t phase, uint64_t index) {
+  MessageStamp s;
+  s.seq = seq;
+  s.unit = 0xFF00 + phase;
+  s.kind = MessageStamp::kNone;
+  s.index = index;
+  return s.Tag();
+}
+
+void XorInto(char* dst, const char* src, int64_t bytes) {
+  int64_t i = 0;
+  for (; i + 8 <= bytes; i += 8) {
+    uint64_t a = 0;
+    uint64_t b = 0;
+    std::memcpy(&a, dst + i, 8);
+    std::memcpy(&b, src + i, 8);
+    a ^= b;
+    std::memcpy(dst + i, &a, 8);
+  }
+  for (; i < bytes; ++i) dst[i] = static_cast<char>(dst[i] ^ src[i]);
+}
+
+uint32_t Crc32(const char* data, int64_t bytes) {
+  return static_cast<uint32_t>(crc32_z(crc32(0L, Z_NULL, 0), reinterpret_cast<const Bytef*>(data),
+                                       static_cast<z_size_t>(bytes)));
+}
+
+std::vector<char> MakeBlob(const std::vector<StateSegment>& segments, int64_t* blob_bytes) {
+  const std::string dir = Directory(segments);
+  int64_t size = static_cast<int64_t>(dir.size());
+  for (const StateSegment& s : segments) size += s.bytes;
+  *blob_bytes = size;
+  std::vector<char> blob(static_cast<size_t>(size), '\0');
+  std::memcpy(blob.data(), dir.data(), dir.size());
+  int64_t at = static_cast<int64_t>(dir.size());
+  for (const StateSegment& s : segments) {
+    if (s.bytes > 0) std::memcpy(blob.data() + at, s.data, static_cast<size_t>(s.bytes));
+    at += s.bytes;
+  }
+  return blob;
+}
+
+absl::StatusOr<std::vector<std::pair<std::string, std::pair<int64_t, int64_t>>>> ReadDirectory(
+    const char* blob, int64_t blob_bytes) {
+  const std::string magic = kDirectoryMagic;
+  if (blob_bytes < static_cast<int64_t>(magic.size()) ||
+      std::memcmp(blob, magic.data(), magic.size()) != 0) {
+    return absl::DataLossError("the rebuilt state does not start with its directory");
+  }
+  const char* text = blob + magic.size();
+  const char* end = std::find(text, blob + blob_bytes, '\0');
+  if (end == blob + blob_bytes) {
+    return absl::DataLossError("the rebuilt state's directory has no end");
+  }
+  std::vector<std::pair<std::string, std::pair<int64_t, int64_t>>> out;
+  int64_t at = (static_cast<int64_t>(end - blob) + 63) / 64 * 64;
+  for (absl::string_view line : absl::StrSplit(absl::string_view(text, end - text), '\n')) {
+    if (line.empty()) continue;
+    std::pair<absl::string_view, absl::string_view> f =
+        absl::StrSplit(line, absl::MaxSplits(' ', 1));
+    int64_t bytes = 0;
+    if (!absl::SimpleAtoi(f.first, &bytes) || bytes < 0 || at + bytes > blob_bytes) {
+      return absl::DataLossError(absl::StrCat("the rebuilt state's directory line '", line,
+                                              "' does not fit its ", blob_bytes, " bytes"));
+    }
+    out.push_back({std::string(f.second), {at, bytes}});
+    at += bytes;
+  }
+  return out;
+}
+
+}  // namespace ragshard::daemon
