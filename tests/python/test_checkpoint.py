@@ -427,10 +427,14 @@ def test_the_optimizer_step_waits_for_an_asynchronous_write():
     release = threading.Event()
     handle = checkpoint.SaveHandle(write=release.wait, commit=lambda: "committed")
     p = torch.nn.Parameter(torch.zeros(1))  # a parameter with no piece on this rank
+    import contextlib
+    # What an optimizer calls of a ShardedModule (its recovery's declared interface included).
     model = types.SimpleNamespace(units=lambda: [], masters={}, has_grad=[False], steps=True,
                                   gather_updates=lambda: None, checkpoint_writing=handle,
                                   parameters=lambda: [p], is_param=lambda q: q is p,
-                                  param_index=lambda q: 0)
+                                  param_index=lambda q: 0,
+                                  recovery=types.SimpleNamespace(enabled=False),
+                                  optimizer_step=contextlib.nullcontext)
     model.wait_for_checkpoint_write = lambda: ShardedModule.wait_for_checkpoint_write(model)
     opt = ShardedAdamW(model)
     stepped = threading.Thread(target=opt.step)

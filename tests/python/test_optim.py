@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.join(BUILD, "python"))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 import reference_optim  # noqa: E402
-from ragshard.torch import optim8bit  # noqa: E402
+from ragshard.torch.optimizers import adam8bit as optim8bit  # noqa: E402
 from ragshard.torch.fsdp.pieces import Piece  # noqa: E402
 
 LR, B1, B2, EPS, WD = 1e-2, 0.9, 0.999, 1e-8, 0.1

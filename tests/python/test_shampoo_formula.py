@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.join(BUILD, "python"))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 import reference_optim  # noqa: E402
-from ragshard.torch import shampoo  # noqa: E402
+from ragshard.torch.optimizers import shampoo  # noqa: E402
 
 LR, MOMENTUM, EPS, WD = 0.5, 0.9, 1e-3, 0.1
 

@@ -210,7 +210,7 @@ def test_meta_init_empty_runs_only_after_a_load(cluster, tmp_path):
 
 def test_meta_init_without_init_or_with_bad_values_is_refused():
     import ragshard.torch as rt
-    from ragshard.torch import meta
+    from ragshard.torch.fsdp import meta
     with torch.device("meta"):
         model = torch.nn.Sequential(torch.nn.Linear(4, 4))
     with pytest.raises(ValueError, match="'0.weight' is on the meta device; pass init=fn"):
