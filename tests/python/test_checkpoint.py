@@ -433,7 +433,7 @@ def test_the_optimizer_step_waits_for_an_asynchronous_write():
                                   gather_updates=lambda: None, checkpoint_writing=handle,
                                   parameters=lambda: [p], is_param=lambda q: q is p,
                                   param_index=lambda q: 0,
-                                  recovery=types.SimpleNamespace(enabled=False),
+                                  recovery=types.SimpleNamespace(enabled=False, state_in_place=False),
                                   optimizer_step=contextlib.nullcontext)
     model.wait_for_checkpoint_write = lambda: ShardedModule.wait_for_checkpoint_write(model)
     opt = ShardedAdamW(model)
