@@ -193,10 +193,13 @@ def test_a_lost_node_without_a_replacement_shrinks_the_job(cluster, tmp_path):
     resumes at 1 x 2, with the same global batch; and the output still says where the shrink
     was."""
     job = "shrink-1"
+    # The recovery deadline (the shrink's wait for a replacement, and the successor's recovery
+    # after its rank 1 is killed) leaves the successor's two restarted ranks time to attach again
+    # beside another Python test (ctest -j4 on 2 cores): 8 s ran out once there.
     later, midway = str(tmp_path / f"{job}-later"), str(tmp_path / f"{job}-midway")
     out, stderr = lose_node(cluster, tmp_path, job, "hsdp+", 1, "step",
                             extra=SHRINK + [f"--kill-at=1:4:step:{later}"], node=0,
-                            replace=False, launcher=("--recovery-deadline", "8",
+                            replace=False, launcher=("--recovery-deadline", "15",
                                                      "--on-node-loss", "shrink"),
                             RAGSHARD_SHRINK_FAULT=f"rank=0,mark={midway}")
     assert "rank 0 left: the job shrank without it" in stderr, stderr
@@ -254,7 +257,7 @@ def test_a_lost_node_of_one_shard_group_re_cuts_the_shards(cluster, tmp_path):
     midway = str(tmp_path / f"{job}-midway")
     out, stderr = lose_node(cluster, tmp_path, job, "replica-2", 3, "step", extra=SHRINK,
                             node=0, replace=False,
-                            launcher=("--recovery-deadline", "8", "--on-node-loss", "shrink"),
+                            launcher=("--recovery-deadline", "15", "--on-node-loss", "shrink"),
                             RAGSHARD_SHRINK_FAULT=f"rank=1,mark={midway}")
     assert "rank 0 left: the job shrank without it" in stderr, stderr
     # The successor's rank 1 (rank 3) killed once its re-cut was done, before its mark: every
