@@ -229,7 +229,7 @@ def _check_redundancy(p, a):
     if r["name"] == "hsdp" and a.replicate < 2:
         p.error("--redundancy hsdp rebuilds a lost daemon from another HSDP replica group: "
                 f"it needs --replicate 2 or more (got {a.replicate})")
-    if r["group"] and nodes >= need and r["nodes_error"]:
+    if r["group"] and r["nodes_error"]:  # parity: not whole groups of K + 1
         p.error(f"--redundancy {a.redundancy} needs the daemons in groups of {r['group']}; "
                 f"--sockets names {nodes}")
     if not a.max_restarts:
