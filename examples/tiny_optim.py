@@ -2,7 +2,7 @@
 for its one-process reference (whose optimizers, in reference_optim.py beside this file, are
 written independently of ragshard's sharded ones), and what Shampoo's preconditioners became.
 
---optimizer adamw | torch-adamw | adam8bit: every parameter. muon | shampoo: the blocks' weight
+--optimizer adamw | torch-adamw | nadam | adam8bit: every parameter. muon | shampoo: the blocks' weight
 matrices (`is_matrix`), the other parameters through AdamW with --lr and no weight decay.
 adamw is ragshard.torch.ShardedAdamW; torch-adamw is torch.optim.AdamW through
 ragshard.torch.ShardedOptimizer (the same torch optimizer on this rank's pieces; its one-process
@@ -13,16 +13,20 @@ import torch
 import reference_optim  # beside this script
 
 
+# The torch optimizers a run takes through ragshard.torch.ShardedOptimizer, by --optimizer.
+_TORCH = {"torch-adamw": torch.optim.AdamW, "nadam": torch.optim.NAdam}
+
+
 def is_matrix(name, p):
     return p.dim() == 2 and "layers." in name  # the blocks' weight matrices
 
 
 def add_arguments(p):
     p.add_argument("--optimizer", default="adamw",
-                   choices=["adamw", "torch-adamw", "muon", "adam8bit", "shampoo"],
+                   choices=["adamw", "torch-adamw", "nadam", "muon", "adam8bit", "shampoo"],
                    help="adamw: ShardedAdamW; torch-adamw: ShardedOptimizer(model, "
                         "torch.optim.AdamW, lr=, weight_decay=) (ShardedAdamW is its AdamW "
-                        "case); adam8bit: AdamW with block-quantized moments (128x128 blocks of "
+                        "case); nadam: the same with torch.optim.NAdam; adam8bit: AdamW with block-quantized moments (128x128 blocks of "
                         "matrices, 256 of vectors; vectors are then not cut: granule whole); "
                         "muon and shampoo: for the blocks' weight matrices, on their owners")
     p.add_argument("--lr", type=float, default=1e-3)
@@ -66,8 +70,8 @@ def sharded_optimizer(args, fsdp):
                                  precondition_every=args.precondition_every, adamw_lr=args.lr)
     if args.optimizer == "adam8bit":
         return rt.ShardedAdam8bit(fsdp, lr=args.lr, weight_decay=args.weight_decay)
-    if args.optimizer == "torch-adamw":
-        return rt.ShardedOptimizer(fsdp, torch.optim.AdamW, lr=args.lr,
+    if args.optimizer in _TORCH:
+        return rt.ShardedOptimizer(fsdp, _TORCH[args.optimizer], lr=args.lr,
                                    weight_decay=args.weight_decay)
     return rt.ShardedAdamW(fsdp, lr=args.lr, weight_decay=args.weight_decay)
 
@@ -80,7 +84,7 @@ def reference_optimizers(args, model):
     wd = 0.0 if whole else args.weight_decay
     if args.optimizer == "adam8bit":
         return [reference_optim.Adam8bit(others, lr=args.lr, weight_decay=wd)]
-    opts = [torch.optim.AdamW(others, lr=args.lr, weight_decay=wd)]
+    opts = [_TORCH.get(args.optimizer, torch.optim.AdamW)(others, lr=args.lr, weight_decay=wd)]
     if args.optimizer == "muon":
         opts.append(reference_optim.Muon(matrices, lr=args.muon_lr))
     elif args.optimizer == "shampoo":

@@ -204,7 +204,9 @@ def main(argv=None):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(a))
     done = Step()
 
-    if a.load_dcp:
+    # A rank restarted in a recovery in place holds its recovered state (resume_step counts
+    # from the checkpoint's step): it does not load the checkpoint again (docs/recovery.md).
+    if a.load_dcp and (fsdp2 or not model.resume_step):
         if fsdp2:  # PORT: loading a DCP checkpoint (written by either backend)
             state = {"model": get_model_state_dict(model),
                      "optim": get_optimizer_state_dict(model, opt), "sched": sched, "step": done}
@@ -212,7 +214,8 @@ def main(argv=None):
             set_model_state_dict(model, state["model"])
             set_optimizer_state_dict(model, opt, state["optim"])
         else:
-            checkpoint.load_dcp(model, opt, a.load_dcp, extra={"sched": sched, "step": done})
+            checkpoint.load_dcp(model, opt, a.load_dcp, extra={"sched": sched, "step": done},
+                                step=lambda: done.step)
     elif not fsdp2 and model.resume_step:
         # A recovery in place (docs/recovery.md): the job goes on from the last step every rank
         # completed; the data is seeded per step, and the schedule resumes there.

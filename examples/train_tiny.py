@@ -235,12 +235,16 @@ def sharded(args, model, chain):
     first = fsdp.resume_step
     ckpt = {"save_seconds": [], "load_seconds": 0.0}
     kill = Kill(args.kill_at, r, args.hold_at, client)  # r: the rank in the job that runs
-    if args.load_state:
+    # A rank restarted in a recovery in place holds its recovered state (resume_step counts
+    # from the checkpoint a load set it to): loading the checkpoint again would go back to it.
+    recovered = first > 0
+    if args.load_state and not recovered:
         fsdp.load_state_dict(torch.load(args.load_state))
-    if args.resume:
+    if args.resume and not recovered:
         fsdp.all_reduce_scalar(0.0)  # every rank starts loading at once (for the timing)
         ts = time.time()
         first = checkpoint.load(fsdp, opt, args.resume)
+        ckpt["loaded"] = first  # (this process loaded it: the step it holds)
         ckpt["load_seconds"] = time.time() - ts
         ckpt["load_bytes_read"] = fsdp.checkpoint_bytes_read
         # What this rank holds under its plan (its optimizer range's position and each unit's

@@ -22,7 +22,8 @@ std::string PoolContractJson() {
       kShrinkSteps, "\", \"copy_directory\": \"", kCopyDirectory,
       "\", \"copy_directory_bytes\": \"", kCopyDirectoryBytes,
       "\"}, \"journal_meta\": {\"fields\": ", kJournalMetaFields,
-      ", \"committed\": ", kJournalCommitted, ", \"begun\": ", kJournalBegun, "}}");
+      ", \"committed\": ", kJournalCommitted, ", \"begun\": ", kJournalBegun,
+      ", \"base\": ", kJournalBase, ", \"base_before\": ", kJournalBaseBefore, "}}");
 }
 
 }  // namespace ragshard::pool

@@ -8,8 +8,8 @@
 //   shard/<unit>                 a parameter shard (the daemon's own buffer, named so in the
 //                                journal and in the redundancy's segments)
 //   journal/meta                 the step journal's marks: kJournalMetaFields int64 (committed,
-//                                begun), which the daemon reads (its progress, OP_PROTECT and
-//                                OP_REBUILD's steps)
+//                                begun, base, base before), which the daemon reads (its
+//                                progress, OP_PROTECT and OP_REBUILD's steps)
 //   journal/manifest, journal/held   what the undo copies cover, and what the rank held at its
 //                                last commit (text the rank writes and reads)
 //   journal/undo/<state>         a state buffer's undo copy
@@ -43,10 +43,15 @@ inline constexpr char kShrinkSteps[] = "shrink/steps/";  // + an optimizer state
 inline constexpr char kCopyDirectory[] = "directory";    // copy/<step>/directory
 inline constexpr char kCopyDirectoryBytes[] = "directory.bytes";
 
-// The step journal's marks (journal/meta): int64 fields.
-inline constexpr int kJournalMetaFields = 2;
+// The step journal's marks (journal/meta): int64 fields. Committed and begun count the
+// journal's transactions (optimizer steps and loads); the training step a rank's state is at is
+// committed + base, a load setting the base (docs/recovery.md, "Checkpoints"); base before: the
+// base at the start of the last transaction (a rollback puts it back).
+inline constexpr int kJournalMetaFields = 4;
 inline constexpr int kJournalCommitted = 0;
 inline constexpr int kJournalBegun = 1;
+inline constexpr int kJournalBase = 2;
+inline constexpr int kJournalBaseBefore = 3;
 
 // "shard/<unit>".
 std::string ShardName(int64_t unit);

@@ -20,6 +20,10 @@ SHARD, JOURNAL, OPTIMIZER, SHRINK, COPY = (
 JOURNAL_META_FIELDS = _CONTRACT["journal_meta"]["fields"]
 COMMITTED = _CONTRACT["journal_meta"]["committed"]
 BEGUN = _CONTRACT["journal_meta"]["begun"]
+# The training step is a transaction's number + BASE (a load sets it); BASE_BEFORE: BASE at the
+# last transaction's start.
+BASE = _CONTRACT["journal_meta"]["base"]
+BASE_BEFORE = _CONTRACT["journal_meta"]["base_before"]
 
 
 def shard(unit):

@@ -180,8 +180,9 @@ void JobRuntime::FillProgress(std::vector<v1::RankProgress>* out) {
     p.set_rank(local_ranks_[i]);
     p.set_done_seq(last_done_seq_);
     const RankStates::JournalMarks marks = states_.Journal(local_ranks_[i]);
-    p.set_committed_step(marks.committed);
-    p.set_begun_step(marks.begun);
+    // Training steps (a load's base added), the planner's progress and `job why`'s.
+    p.set_committed_step(marks.committed < 0 ? marks.committed : marks.committed + marks.base);
+    p.set_begun_step(marks.begun < 0 ? marks.begun : marks.begun + marks.base);
     p.set_rejoining(recovery_.rejoining(static_cast<int>(i)));
     if (last_done_seq_ != 0) p.set_done(Describe(last_done_));
     // The first operation this rank started that has not completed.

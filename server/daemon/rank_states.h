@@ -35,9 +35,12 @@ class RankStates {
                        Pool* pool);
 
   // The rank's step journal's marks (pool::kJournalMeta), or -1 and -1 where it has none.
+  // The journal's transactions (committed, begun), and the base that makes them training
+  // steps (a checkpoint load sets it: step = transaction + base).
   struct JournalMarks {
     int64_t committed = -1;
     int64_t begun = -1;
+    int64_t base = 0;
   };
   JournalMarks Journal(int64_t rank);
   // The rank's buffers that its protected state counts (every one but the step journal's: its

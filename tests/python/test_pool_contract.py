@@ -70,8 +70,10 @@ def test_the_python_side_reads_the_headers_constants():
     assert constants["kShrinkInPlace"] == _pool.SHRINK_IN_PLACE
     assert _pool.copy(3, _pool.COPY_DIRECTORY) == \
         f"{constants['kCopy']}3/{constants['kCopyDirectory']}"
-    assert (_pool.JOURNAL_META_FIELDS, _pool.COMMITTED, _pool.BEGUN) == \
-        (numbers["kJournalMetaFields"], numbers["kJournalCommitted"], numbers["kJournalBegun"])
+    assert (_pool.JOURNAL_META_FIELDS, _pool.COMMITTED, _pool.BEGUN, _pool.BASE,
+            _pool.BASE_BEFORE) == \
+        (numbers["kJournalMetaFields"], numbers["kJournalCommitted"], numbers["kJournalBegun"],
+         numbers["kJournalBase"], numbers["kJournalBaseBefore"])
 
 
 def test_every_name_of_the_header_reaches_the_python_side():

@@ -4,6 +4,7 @@ or between steps; ragshard-launch --max-restarts 1 restarts it, the other ranks 
 daemons' recovery notice and are restarted too, every rank attaches again to the state its
 daemon kept, and the job goes on from the last completed step, with no checkpoint. The final
 parameters equal an uninterrupted run's within 1e-6."""
+import json
 import os
 import subprocess
 import sys
@@ -65,15 +66,15 @@ def env(no_loads=None):
     return e
 
 
-def run(cluster, tmp_path, job, extra, restarts=1, launch=()):
+def run(cluster, tmp_path, job, extra, restarts=1, launch=(), loads=False):
     out = str(tmp_path / job)
     cmd = LAUNCH + ["--planner", cluster.planner, "--job", job, "--nproc", "4",
                     "--sockets", ",".join(cluster.sockets), "--create-job",
                     "--max-restarts", str(restarts), "--recovery-deadline", "60", *launch,
                     EXAMPLE, "--out", out] + SMALL + extra
-    # No checkpoint is configured, and a load would raise.
-    r = preloaded.run(cmd, env=env(tmp_path / "no-loads"), capture_output=True, text=True,
-                       timeout=300)
+    # Unless `loads`, no checkpoint is configured, and a load would raise.
+    r = preloaded.run(cmd, env=env(None if loads else tmp_path / "no-loads"),
+                       capture_output=True, text=True, timeout=300)
     return out, r
 
 
@@ -152,6 +153,41 @@ def test_other_layouts_recover_in_place(request, tmp_path, layout):
     a, b = params(out), params(ref)
     for name in a:
         assert torch.allclose(a[name], b[name], rtol=0, atol=1e-6), name
+
+
+def test_a_job_resumed_from_a_checkpoint_recovers_at_its_own_step(cluster, tmp_path):
+    """A job resumed from a checkpoint of step 2 (docs/recovery.md, "Checkpoints"): the load
+    sets the journal's base, so when rank 0 is lost in step 4's forward, the job goes on from
+    step 3, not 2, and the restarted rank does not load the checkpoint again. The result is the
+    uninterrupted resumed run's, and the daemons count training steps (6, not the 5
+    transactions of a load and 4 steps)."""
+    ckpt = str(tmp_path / "ckpt")
+    _, r = run(cluster, tmp_path, "ckpt-source", ["--save", ckpt, "--save-step", "2"],
+               loads=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    ref, r = run(cluster, tmp_path, "resumed-ref", ["--resume", ckpt], loads=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    mark = str(tmp_path / "killed-resumed")
+    out, r = run(cluster, tmp_path, "resumed-kill",
+                 ["--resume", ckpt, "--kill-at", f"0:4:forward:{mark}"], loads=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert os.path.exists(mark) and "rank 0 exited with -9; restarting it" in r.stderr
+    with open(ref + ".json") as f:
+        assert json.load(f)["first_step"] == 3  # (the uninterrupted one loaded step 2)
+    with open(out + ".json") as f:
+        resumed = json.load(f)  # rank 0's, written by its restarted process
+    assert resumed["first_step"] == 4, resumed["first_step"]
+    assert "loaded" not in resumed["checkpoint"], resumed["checkpoint"]
+    a, b = params(out), params(ref)
+    for name in a:
+        assert torch.allclose(a[name], b[name], rtol=0, atol=1e-6), name
+    deadline = time.time() + 30
+    while True:
+        why = ctl(cluster, "job", "why", "resumed-kill")
+        if "steps:        6 completed by every rank" in why.stdout or time.time() > deadline:
+            break
+        time.sleep(0.2)
+    assert "steps:        6 completed by every rank\n" in why.stdout, why.stdout + why.stderr
 
 
 def test_two_losses_are_two_recoveries(cluster, tmp_path):

@@ -339,11 +339,14 @@ def load(model, optimizer, root, step=None):
     """Loads the checkpoint under `root` (the newest complete one, the step `step`, or `root`
     itself when it is a checkpoint's directory) into `model` and `optimizer`, whatever plan it
     was saved under. Every rank calls it; each reads only the ranges of its own pieces. Returns
-    the checkpoint's step."""
+    the checkpoint's step. Where the job recovers lost ranks in place, the load is one
+    transaction of the step journal and sets its base: a recovery after it resumes at the
+    checkpoint's step plus the steps since (docs/recovery.md, "Checkpoints")."""
     path = _format.resolve(root, step)
     meta = _format.read_metadata(path)
     model.wait_for_checkpoint_write()
-    with _format.Reader(path, meta) as reader:
+    # One transaction where the job recovers in place: the state is at the checkpoint's step.
+    with model.recovery.load(int(meta["step"])), _format.Reader(path, meta) as reader:
         _state.place(model, optimizer, reader, meta)
         model.gather_updates()  # separate factors: the rest of each parameter shard
         for name, b in _buffers(model):

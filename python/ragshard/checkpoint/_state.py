@@ -85,7 +85,7 @@ def _adam8bit_blocks(pc, blocks):
 
 def _collect_adam8bit(optimizer, records, steps, shapes):
     for pc, blocks, st in optimizer.pieces:
-        if st["step"] == 0:
+        if int(st["step"]) == 0:
             continue  # no step yet: nothing but zeros
         first, _, total = _adam8bit_blocks(pc, blocks)
         records += [(pc.name, "adam8bit_m", pc.start, st["m"]),
@@ -99,8 +99,8 @@ def _collect_adam8bit(optimizer, records, steps, shapes):
 def _place_adam8bit(optimizer, reader, steps):
     for pc, blocks, st in optimizer.pieces:
         n = pc.hi - pc.lo
-        st["step"] = int(steps.get(pc.name, 0))
-        if st["step"] == 0:
+        st["step"].fill_(int(steps.get(pc.name, 0)))
+        if int(st["step"]) == 0:
             st["m"].zero_(), st["v"].zero_(), st["m_scale"].zero_(), st["v_scale"].zero_()
             continue
         first, count, _ = _adam8bit_blocks(pc, blocks)
@@ -155,7 +155,7 @@ def collect(model, optimizer):
 
 def _place_shampoo(optimizer, reader, meta, steps):
     """Shampoo's preconditioners of the matrices this rank owns under the loading plan."""
-    optimizer.state.clear()
+    optimizer.clear_state()
     for name in optimizer.owned:
         key = name + SHAMPOO_STATE
         rec = meta["tensors"].get(key)

@@ -342,12 +342,20 @@ def _check(path, target, metadata):
         raise CheckpointError(f"load_dcp: {path} does not fit this model: {'; '.join(wrong[:6])}")
 
 
-def load_dcp(model, optimizer, path, extra=None):
+def load_dcp(model, optimizer, path, extra=None, step=None):
     """Loads a DCP checkpoint at `path` (written by save_dcp, or by FSDP2's dcp.save of
     {"model": get_model_state_dict(m), "optim": get_optimizer_state_dict(m, opt), ...}) into
     model, optimizer (or None: parameters only) and the Stateful entries of `extra`. Every rank
-    calls it; it needs no other rank."""
+    calls it; it needs no other rank except where the job recovers lost ranks in place: there
+    the load is one transaction of the step journal, and `step` (the training step the loaded
+    state is at: an int, or a function called once the load is done, e.g. reading a Stateful
+    of `extra`; None: the step the state was at) its base (docs/recovery.md, "Checkpoints")."""
     model.wait_for_checkpoint_write()
+    with model.recovery.load(step):
+        _load_dcp(model, optimizer, path, extra)
+
+
+def _load_dcp(model, optimizer, path, extra):
     reader = dcp.FileSystemReader(path)
     try:
         metadata = reader.read_metadata()

@@ -110,8 +110,7 @@ class ShardedModule(FSDPMethods, HookOrder, torch.nn.Module):
         self._shards = RankShards(self.client, param_dtype, self.layout, self._units)
         self._binding = UnitBuffers(self.client, param_dtype, self._units)
         # The rank's recovery state, its one owner (recovery/rank.py).
-        self.recovery = RankRecovery(self.client, self.layout, self._shards, held, shrink,
-                                     param_dtype, quantize)
+        self.recovery = RankRecovery(self.client, self.layout, self._shards, held, shrink)
         self._shard_values(meta, init, write=self.recovery.writes_initial_values)
         self._control = ControlUnits(self.client, self.layout, len(self._units),
                                      self._units.nparams)
@@ -247,17 +246,20 @@ class ShardedModule(FSDPMethods, HookOrder, torch.nn.Module):
         nothing ({}), not a copy of the whole model."""
         return self._state.state_dict()
 
-    def load_state_dict(self, state_dict, strict=True, assign=False):
+    def load_state_dict(self, state_dict, strict=True, assign=False, *, step=None):
         """Loads a plain (unsharded) state_dict, as `state_dict()` returns or torch.save of the
         plain model holds: each rank copies its pieces of every parameter into its optimizer
         range (and fp32 masters), and the buffers whole; with separate factors the update
         gather then fills the rest of each parameter shard. Every rank calls it. Returns
-        (missing_keys, unexpected_keys), as torch's."""
+        (missing_keys, unexpected_keys), as torch's. Where the job recovers lost ranks in place
+        the load is one transaction of the step journal; `step`: the training step the loaded
+        state is at (None: the step it was at; docs/recovery.md, "Checkpoints")."""
         if assign:
             raise ValueError("load_state_dict: assign=True is not supported (the parameters "
                              "live in the daemon's buffers)")
         self.wait_for_checkpoint_write()
-        keys, complete = self._state.load_state_dict(state_dict, strict)
+        with self.recovery.load(step):
+            keys, complete = self._state.load_state_dict(state_dict, strict)
         self._reshard_stale()
         if complete:
             self.mark_loaded()

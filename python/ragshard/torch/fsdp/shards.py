@@ -35,6 +35,7 @@ class RankShards:
         # Where the optimizers' state lives: a PoolState (recovery.py) in a job that recovers
         # lost ranks in place, else tensors of this process.
         self.pool = None
+        self._pooled_masters = {}  # name -> a master in the pool (named_state's)
 
     @property
     def ospos(self):
@@ -92,15 +93,32 @@ class RankShards:
                 self.matrices.append(Matrix(ui, off, numel, tuple(p.shape), place.owner,
                                             place.packed, index, n, place.kind, place.block))
         if exact is not None:
-            self.masters[ui] = exact
+            self.masters[ui] = self._master(ui, exact, write)
 
     def keep_whole_master(self, ui):
         """Keeps an exact fp32 master of unit `ui`'s whole parameter shard (quantized gathers:
         the unsharded buffer's slots hold dequantized values once a quantized gather has run),
-        from the shard's values now. Returns it."""
+        from the shard's values now (in a job that recovers in place, unless the pool holds the
+        rank's master already: an adopted rank's shard may hold dequantized values). Returns
+        it."""
         self._whole.add(ui)
-        self.masters[ui] = as_tensor(self._client.param_shard(ui)).clone()
+        shard = as_tensor(self._client.param_shard(ui))
+        self.masters[ui] = self._master(ui, shard if self.pool is not None else shard.clone())
         return self.masters[ui]
+
+    def _master(self, ui, values, write=True):
+        """Unit `ui`'s fp32 master holding `values`: `values` itself (a tensor of this process),
+        or in a job that recovers lost ranks in place, a state buffer of the pool that the step
+        journal covers (a restarted process adopts what it holds: `write` False, or a master the
+        pool holds already, keeps it)."""
+        if self.pool is None:
+            return values
+        name = state_name(_MASTER + (ui,))
+        t, existed = self.pool.tensor(name, values.numel())
+        if write and not existed:
+            t.copy_(values)
+        self._pooled_masters[name] = t
+        return t
 
     # -- the optimizers' and checkpoints' interface -------------------------------------------
 
@@ -180,12 +198,20 @@ class RankShards:
         return t
 
     def named_state(self):
-        """{name: tensor} of what optimizer_state has made (StepJournal's names)."""
-        return {state_name(k): t for k, t in self._optimizer_state.items()}
+        """{name: tensor} of what optimizer_state has made, and of the masters in the pool
+        (StepJournal's names)."""
+        out = {state_name(k): t for k, t in self._optimizer_state.items()}
+        out.update(self._pooled_masters)
+        return out
 
     def optimizer_state_tensors(self):
         """Every tensor optimizer_state has made, in the order made."""
         return list(self._optimizer_state.values())
+
+
+# The fp32 masters' state buffers: (owner, key) of optimizer_state's names, one per unit (the
+# optimizers step them; a re-cut moves an fp32 one of the whole shard like their state).
+_MASTER = ("ShardedModule", "master")
 
 
 def state_name(key):

@@ -104,21 +104,43 @@ class ShardedAdam8bit(ModuleOptimizer):
     one state per piece of a parameter in the shard, stepped only while its parameter has a
     gradient and a param group, with that parameter's step count and its group's lr, betas,
     eps and weight_decay. Works on the fp32 masters where the module keeps them (bf16
-    parameters, quantized gathers) and copies them into the shard."""
+    parameters, quantized gathers) and copies them into the shard.
+
+    The codes, scales and step counts live in the module's state tensors
+    (`ShardedModule.optimizer_state`): per unit, its pieces' codes back to back and their
+    scales back to back, and one step count per piece; in a job that recovers lost ranks in
+    place they are the pool's."""
+
+    recovers = True
 
     def __init__(self, model, params=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=0.01):
         super().__init__(model, params, dict(lr=lr, betas=betas, eps=eps,
                                              weight_decay=weight_decay))
         self.copies = master_copies(model)
-        self.pieces = []  # (Piece, _Blocks, state dict)
+        found = []  # (Piece, _Blocks, its scales' shape, its codes' and scales' offsets)
+        sizes = {}  # (unit, "codes" or "scales") -> the unit's elements so far
         for pc in tensor_pieces(model) if model.steps else ():
             blocks = _blocks_of(pc)
-            n = pc.hi - pc.lo
-            zeros = blocks.scales(torch.zeros(n))
-            self.pieces.append((pc, blocks, {
-                "step": 0, "m": torch.zeros(n, dtype=torch.int8), "m_scale": zeros.clone(),
-                "v": torch.zeros(n, dtype=torch.uint8), "v_scale": zeros.clone()}))
+            shape = blocks.scales(torch.zeros(pc.hi - pc.lo)).shape
+            at = {}
+            for kind, n in (("codes", pc.hi - pc.lo), ("scales", shape.numel())):
+                at[kind] = sizes.get((pc.unit, kind), 0)
+                sizes[pc.unit, kind] = at[kind] + n
+            found.append((pc, blocks, shape, at))
+        tag = type(self).__name__
+        self._steps = model.optimizer_state(tag, "step", -1, max(len(found), 1), torch.float64)
+        # (Piece, _Blocks, {state key: its view}): "step" is a one-element float64 view.
+        self.pieces = []
+        for i, (pc, blocks, shape, at) in enumerate(found):
+            st = {"step": self._steps[i:i + 1]}
+            for key, dtype in _STATE.items():
+                kind = "scales" if key.endswith("_scale") else "codes"
+                whole = model.optimizer_state(tag, key, pc.unit, sizes[pc.unit, kind], dtype)
+                n = shape.numel() if kind == "scales" else pc.hi - pc.lo
+                view = whole[at[kind]:at[kind] + n]
+                st[key] = view.view(shape) if kind == "scales" else view
+            self.pieces.append((pc, blocks, st))
 
     def _step_all(self, m_, **options):
         has = m_.has_grad
@@ -132,29 +154,30 @@ class ShardedAdam8bit(ModuleOptimizer):
             p = (shard if master is None else master)[pc.lo:pc.hi]
             g = grad[pc.lo:pc.hi]
             st["step"] += 1
-            t = st["step"]
+            t = int(st["step"])
             m = _dequantize(st["m"], st["m_scale"], blocks, 127) * b1 + (1 - b1) * g
             u = _dequantize(st["v"], st["v_scale"], blocks, 255)
             v = u * u * b2 + (1 - b2) * g * g
             p.mul_(1 - lr * wd)
             denom = v.sqrt() / math.sqrt(1 - b2 ** t) + group["eps"]
             p.sub_(lr / (1 - b1 ** t) * m / denom)
-            st["m"], st["m_scale"] = _quantize(m, blocks, 127, torch.int8)
-            st["v"], st["v_scale"] = _quantize(v.sqrt(), blocks, 255, torch.uint8)
+            for key, x, levels in (("m", m, 127), ("v", v.sqrt(), 255)):
+                q, scale = _quantize(x, blocks, levels, _STATE[key])
+                st[key].copy_(q)
+                st[key + "_scale"].copy_(scale)
         copy_masters(self.copies)
         m_.gather_updates()
 
     def param_state(self, index):
         mine = [st for pc, _, st in self.pieces if pc.index == index]
-        if not mine or mine[0]["step"] == 0:
+        if not mine or int(mine[0]["step"]) == 0:
             return {}
-        out = {k: torch.cat([st[k].reshape(-1) for st in mine])
-               for k in ("m", "m_scale", "v", "v_scale")}
-        out["step"] = mine[0]["step"]
+        out = {k: torch.cat([st[k].reshape(-1) for st in mine]) for k in _STATE}
+        out["step"] = int(mine[0]["step"])
         return out
 
     def set_param_state(self, index, state):
-        at = dict.fromkeys(("m", "m_scale", "v", "v_scale"), 0)
+        at = dict.fromkeys(_STATE, 0)
         for pc, _, st in self.pieces:
             if pc.index != index:
                 continue
@@ -167,4 +190,10 @@ class ShardedAdam8bit(ModuleOptimizer):
                                      "under the same plan)")
                 st[k].copy_(src.view(st[k].shape))
                 at[k] += n
-            st["step"] = int(state["step"])
+            st["step"].fill_(int(state["step"]))
+
+
+# Each piece's state: its codes and its blocks' scales.
+_STATE = {"m": torch.int8, "m_scale": torch.float32, "v": torch.uint8,
+          "v_scale": torch.float32}
+

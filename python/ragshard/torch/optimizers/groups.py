@@ -54,8 +54,8 @@ class ModuleOptimizer(torch.optim.Optimizer):
             raise ValueError(
                 f"{self._owner_name}: the job recovers lost ranks in place, which needs every "
                 "optimizer state in the daemon's pool; this optimizer keeps some in the rank "
-                "process (docs/recovery.md: ShardedOptimizer's torch optimizers and ShardedMuon "
-                "do not): create the job without a recovery deadline to use it")
+                "process (docs/recovery.md: every optimizer ragshard offers keeps it there, this "
+                "subclass does not): create the job without a recovery deadline to use it")
         if params is None:
             params = list(model.parameters())
         if isinstance(params, torch.Tensor):

@@ -42,17 +42,40 @@ def shampoo_blocks(rows, cols, block):
 
 class _Preconditioner:
     """One owned matrix's state: its step count and, per block, the statistics L and R and
-    their inverse fourth roots."""
+    their inverse fourth roots, as views of `flat` (its state in the module's state tensors,
+    `_Preconditioner.numel(...)` elements) and `step` (a one-element float64 view). New (a step
+    count of 0), it starts from zero statistics and identity roots."""
 
-    def __init__(self, rows, cols, block):
-        self.step = 0
+    def __init__(self, rows, cols, block, flat, step):
+        self._step = step
         self.blocks = shampoo_blocks(rows, cols, block)
-        sizes = [(rs.stop - rs.start, cs.stop - cs.start) for rs, cs in self.blocks]
-        self.left = [torch.zeros(r, r) for r, _ in sizes]
-        self.right = [torch.zeros(c, c) for _, c in sizes]
-        self.left_root = [torch.eye(r) for r, _ in sizes]
-        self.right_root = [torch.eye(c) for _, c in sizes]
-        self.refreshed = []  # the steps whose roots were computed
+        self.left, self.right, self.left_root, self.right_root = [], [], [], []
+        at = 0
+        for rs, cs in self.blocks:
+            r, c = rs.stop - rs.start, cs.stop - cs.start
+            for out, n in ((self.left, r), (self.right, c), (self.left_root, r),
+                           (self.right_root, c)):
+                out.append(flat[at:at + n * n].view(n, n))
+                at += n * n
+        if self.step == 0:
+            flat.zero_()
+            for t in self.left_root + self.right_root:
+                t.copy_(torch.eye(t.shape[0]))
+        self.refreshed = []  # the steps whose roots this process computed
+
+    @staticmethod
+    def numel(rows, cols, block):
+        """The elements of a rows x cols matrix's state."""
+        return sum(2 * ((rs.stop - rs.start) ** 2 + (cs.stop - cs.start) ** 2)
+                   for rs, cs in shampoo_blocks(rows, cols, block))
+
+    @property
+    def step(self):
+        return int(self._step)
+
+    @step.setter
+    def step(self, n):
+        self._step.fill_(n)
 
     def tensors(self):
         """Every state tensor, in a fixed order (for checkpoints)."""
@@ -64,7 +87,11 @@ class ShardedShampoo(OwnerOptimizer):
     """Shampoo for the `optimizer: shampoo` matrices (see the module docstring); AdamW for the
     rest. `precondition_every`: the inverse roots are recomputed every N steps of a matrix,
     from its first. Group options: lr, momentum, eps, precondition_every, weight_decay and the
-    adamw_ ones."""
+    adamw_ ones. Its state is the module's state tensors (in a job that recovers lost ranks in
+    place, the pool's): the momentum, and the owned matrices' statistics, roots and step
+    counts."""
+
+    recovers = True
 
     def __init__(self, model, params=None, lr=0.1, momentum=0.9, eps=1e-6,
                  precondition_every=10, weight_decay=0.0, adamw_lr=1e-3,
@@ -73,11 +100,30 @@ class ShardedShampoo(OwnerOptimizer):
             lr=lr, momentum=momentum, eps=eps, precondition_every=precondition_every,
             weight_decay=weight_decay, adamw_lr=adamw_lr, adamw_betas=adamw_betas,
             adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay), "shampoo_momentum")
-        # This rank's matrices (it is their owner), by name; their state is built at their
-        # first step, or by a checkpoint load.
+        # This rank's matrices (it is their owner), by name. Their state lives in the module's
+        # state tensors (the pool's where the job recovers in place): per unit, its owned
+        # matrices' back to back, and a step count per matrix.
         self.owned = {mx.name: mx for mx in model.matrices
                       if mx.owner == model.ospos and model.steps}
-        self.state = {}  # name -> _Preconditioner
+        names = sorted(self.owned)
+        tag = type(self).__name__
+        self._steps = model.optimizer_state(tag, "matrix_step", -1, max(len(names), 1),
+                                            torch.float64)
+        sizes, self._at = {}, {}  # unit -> its state's elements; name -> (unit, offset, step)
+        for i, name in enumerate(names):
+            mx = self.owned[name]
+            self._at[name] = (mx.unit, sizes.get(mx.unit, 0), i)
+            sizes[mx.unit] = sizes.get(mx.unit, 0) + _Preconditioner.numel(*self._shape(mx))
+        self._flat = {u: model.optimizer_state(tag, "preconditioner", u, n)
+                      for u, n in sizes.items()}
+        self.state = {}  # name -> _Preconditioner, of the matrices stepped (or loaded)
+        for name in names:
+            if self._steps[self._at[name][2]] > 0:  # (a rank that adopted its state)
+                self.preconditioner(name)
+
+    @staticmethod
+    def _shape(mx):
+        return mx.numel // mx.shape[-1], mx.shape[-1], mx.block
 
     def add_param_group(self, param_group):
         every = param_group.get("precondition_every", self.defaults["precondition_every"])
@@ -87,20 +133,27 @@ class ShardedShampoo(OwnerOptimizer):
         super().add_param_group(param_group)
 
     def preconditioner(self, name):
-        """The state of an owned matrix (created empty where it has none yet)."""
+        """The state of an owned matrix (made where it has none yet: zero statistics)."""
         st = self.state.get(name)
         if st is None:
-            mx = self.owned[name]
-            st = self.state[name] = _Preconditioner(mx.numel // mx.shape[-1], mx.shape[-1],
-                                                    mx.block)
+            u, at, i = self._at[name]
+            rows, cols, block = self._shape(self.owned[name])
+            flat = self._flat[u][at:at + _Preconditioner.numel(rows, cols, block)]
+            st = self.state[name] = _Preconditioner(rows, cols, block, flat,
+                                                    self._steps[i:i + 1])
         return st
+
+    def clear_state(self):
+        """Every owned matrix back to no state (a load follows)."""
+        self._steps.zero_()
+        self.state.clear()
 
     def _direction(self, mx, g, group):
         """Updates matrix `mx`'s preconditioner with its gradient g and returns the grafted
         direction."""
         g = g.view(-1, mx.shape[-1])
         st = self.preconditioner(mx.name)
-        st.step += 1
+        st.step = st.step + 1
         refresh = (st.step - 1) % group["precondition_every"] == 0
         if refresh:
             st.refreshed.append(st.step)
@@ -110,8 +163,8 @@ class ShardedShampoo(OwnerOptimizer):
             st.left[i].add_(gb @ gb.T)
             st.right[i].add_(gb.T @ gb)
             if refresh:
-                st.left_root[i] = inverse_root(st.left[i], group["eps"])
-                st.right_root[i] = inverse_root(st.right[i], group["eps"])
+                st.left_root[i].copy_(inverse_root(st.left[i], group["eps"]))
+                st.right_root[i].copy_(inverse_root(st.right[i], group["eps"]))
             u = st.left_root[i] @ gb @ st.right_root[i]
             norm = u.norm()
             out[rs, cs] = u * (gb.norm() / norm) if norm > 0 else u

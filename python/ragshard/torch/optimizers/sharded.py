@@ -48,16 +48,16 @@ def options_of(cls):
 
 
 def state_keys(cls, given):
-    """([elementwise state keys], [other state keys than the step count]) of torch optimizer
-    `cls` with options `given`, from one step of a two-element probe."""
+    """([elementwise state keys], {other state key: its probe value}, the step count left out)
+    of torch optimizer `cls` with options `given`, from one step of a two-element probe."""
     p = torch.zeros(2, requires_grad=True)
     probe = cls([p], **given)
     p.grad = torch.zeros(2)
     probe.step()
     st = probe.state[p]
     elementwise = sorted(k for k, v in st.items() if torch.is_tensor(v) and v.shape == p.shape)
-    other = sorted(k for k, v in st.items()
-                   if k not in elementwise and k != "step" and v is not None)
+    other = {k: v for k, v in sorted(st.items())
+             if k not in elementwise and k != "step" and v is not None}
     return elementwise, other
 
 
@@ -137,17 +137,23 @@ class ShardedOptimizer(ModuleOptimizer):
     recovers = True
 
     def _pool_steps(self):
-        """Where the job recovers lost ranks in place: each piece's step count in a state
-        tensor, and after a recovery, CLS's state of each piece made from the module's state
-        tensors (the pool's) and that count."""
+        """Where the job recovers lost ranks in place: each piece's step count and its other
+        per-piece scalars (NAdam's mu_product, ASGD's eta and mu) in state tensors, and after a
+        recovery, CLS's state of each piece made from the module's state tensors (the pool's)
+        and those scalars."""
         keys, other = state_keys(self.cls, self._given)
-        if other:
-            raise ValueError(f"{self._tag}: state {', '.join(other)} is neither elementwise nor "
-                             "the step count, so a recovery in place could not restore it "
-                             "(docs/recovery.md); use another optimizer or no recovery")
+        for key, v in other.items():
+            if not (torch.is_tensor(v) and v.dim() == 0 and v.is_floating_point()):
+                raise ValueError(f"{self._tag}: state '{key}' is neither elementwise nor a "
+                                 "floating-point scalar, so a recovery in place could not "
+                                 "restore it (docs/recovery.md); use another optimizer or no "
+                                 "recovery")
         m = self.model
-        self._steps = m.optimizer_state(self._tag, "step", -1, max(len(self.pieces), 1),
-                                        torch.float64)
+        count = max(len(self.pieces), 1)
+        self._steps = m.optimizer_state(self._tag, "step", -1, count, torch.float64)
+        # Each scalar in float64, which holds its fp32 (or fp64) value exactly.
+        self._scalars = {key: (m.optimizer_state(self._tag, key, -1, count, torch.float64),
+                               v.dtype) for key, v in other.items()}
         if m.recovery.state_in_place:
             # Made now, at their final size, so that the first step's journal names them (a
             # re-cut after it reads them: recut.py).
@@ -169,6 +175,8 @@ class ShardedOptimizer(ModuleOptimizer):
             st = {key: m.optimizer_state(self._tag, key, ui, self._unit_numel[ui],
                                          piece.dtype)[at:at + hi - lo] for key in keys}
             st["step"] = torch.tensor(n, dtype=torch.float32)
+            for key, (t, dtype) in self._scalars.items():
+                st[key] = torch.tensor(float(t[i]), dtype=dtype)
             self.opt.state[piece] = st
         self._homed = len(self.opt.state)
 
@@ -176,6 +184,8 @@ class ShardedOptimizer(ModuleOptimizer):
         for i, (_, piece, _) in enumerate(self.pieces):
             st = self.opt.state.get(piece)
             self._steps[i] = float(st["step"]) if st and "step" in st else 0.0
+            for key, (t, _) in self._scalars.items():
+                t[i] = float(st[key]) if st and key in st else 0.0
 
     # -- pieces ------------------------------------------------------------------------------
 

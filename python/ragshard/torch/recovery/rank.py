@@ -26,6 +26,10 @@ from ... import _pool
 
 __all__ = ["RankRecovery", "attach"]
 
+# A journal's base (a training step less a transaction's number: negative where a load went
+# back to an earlier step) plus this is non-negative, as the exact extremes take them.
+_BASE_SHIFT = 1 << 61
+
 
 def attach(client, inventory, register, inventory_at):
     """Registers `inventory` (unless `register` is False) and attaches; without a client,
@@ -77,16 +81,15 @@ class RankRecovery:
     """The recovery state of one rank's ShardedModule.
 
     `client`: the attached ragshard.Client; `layout`: the ShardLayout; `shards`: the RankShards
-    (whose optimizer state it places in the pool); `held`, `shrink`: what `attach` returned;
-    `param_dtype`, `quantize`: fully_shard's (a recovering job keeps fp32 state only).
+    (whose optimizer state and fp32 masters it places in the pool); `held`, `shrink`: what
+    `attach` returned.
 
     Its interface: `enabled`, `redundancy`, `writes_initial_values` (a process with nothing to
     adopt fills the shards), `resume_step` (completed steps this rank's state holds), `shrink`
     (where a shrink's successor came from, or None), `state_in_place`, `recut_step(prefix)`,
     `transaction()` (an optimizer step), and `resume(...)` once the module is built."""
 
-    def __init__(self, client, layout, shards, held=None, shrink=None, param_dtype="fp32",
-                 quantize=None):
+    def __init__(self, client, layout, shards, held=None, shrink=None):
         self._client, self._layout, self._shards = client, layout, shards
         self.enabled = bool(client.recoverable)
         self._adopted = self.enabled and client.adopted
@@ -109,8 +112,7 @@ class RankRecovery:
         # Completed optimizer steps that this rank's state holds: 0 for a new job; after a
         # recovery in place, the last step every rank completed (the script resumes there).
         self.resume_step = 0
-        if self.enabled:
-            _check_recoverable(param_dtype, quantize)
+        if self.enabled:  # (the fp32 masters of bf16 or quantized units too: RankShards)
             shards.pool = PoolState(client)
 
     @property
@@ -224,7 +226,17 @@ class RankRecovery:
             self._journal.roll_to(step)
         if self.redundancy:
             rebuild_state(self._client, self._replacement, self._journal, step)
-        self.resume_step = step
+        # The base a load set (the same on every rank at the same transaction), which a
+        # replacement takes from the ranks that kept it; shifted to be non-negative.
+        [(_, low, high)] = self._control.extremes(
+            [None if self._replacement else self._journal.base + _BASE_SHIFT])
+        if low != high:
+            raise RuntimeError(f"ragshard recovery: the ranks' journals put step {step} at "
+                               f"different training steps (bases {low - _BASE_SHIFT} to "
+                               f"{high - _BASE_SHIFT})")
+        self._journal.meta[_pool.BASE] = self._journal.meta[_pool.BASE_BEFORE] = \
+            low - _BASE_SHIFT
+        self.resume_step = self._journal.step
         for ui in units:
             as_tensor(self._client.grad_shard(ui)).zero_()
 
@@ -245,6 +257,33 @@ class RankRecovery:
         if self._recut is None or int(self._recut[0]) != 1:
             return None
         return recut_step(self._shards.pool, prefix)
+
+    @contextlib.contextmanager
+    def load(self, step=None):
+        """A load of the training state (ragshard.checkpoint.load, load_dcp, the module's
+        load_state_dict) as one transaction where the job recovers in place: a rank lost in the
+        middle of it goes back to the state from before, like any rank's in an interrupted
+        step, and once it commits the state is at training step `step` (an int, or a function
+        called once the load is done; None: the step the state was at), which `resume_step`
+        says after a recovery (docs/recovery.md, "Checkpoints"). Every rank calls it."""
+        if self._journal is None:
+            yield
+            return
+        before = self._journal.step
+        # Every rank between steps (no rank begins the load while another is in a step), so the
+        # ranks' transactions differ by at most one, as their steps do.
+        self._control.all_reduce_scalar(0.0)
+        self._journal.begin()
+        try:
+            yield
+            self._journal.set_base(before if step is None else
+                                   step() if callable(step) else step)
+            if self._protects:
+                self._client.protect().wait()
+        except BaseException:
+            self._journal.abandon()
+            raise
+        self._journal.commit()
 
     @contextlib.contextmanager
     def transaction(self):
@@ -280,14 +319,3 @@ def _plan(client):
     from ... import plan_of
     return plan_of(client)
 
-
-def _check_recoverable(param_dtype, quantize):
-    """Recovery in place keeps the state of fp32 training in the pool; bf16 parameters and
-    quantized gathers keep fp32 masters in the rank, which a lost process would take along."""
-    if param_dtype != "fp32" or quantize:
-        raise ValueError(
-            f"fully_shard: the job recovers lost ranks in place, which keeps every rank's "
-            f"state in its daemon's pool; param_dtype '{param_dtype}'"
-            f"{' with quantize ' + repr(quantize) if quantize else ''} keeps fp32 masters in "
-            "the rank process (docs/recovery.md): train in fp32, or create the job without a "
-            "recovery deadline")

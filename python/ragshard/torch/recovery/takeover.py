@@ -110,14 +110,12 @@ def take_over(old, new, plan_old, plan_new, control, journal, units, survivors):
     `control`, the successor's), brings its old state back to it (its undo copies), and copies
     its parameter shards and its optimizers' state into the successor's buffers; `journal`
     (the successor's) then says that step. A job of one shard group that shrank re-cuts its
-    shards instead (recut.py; `survivors`: the old job's survivor_ranks). Returns the step,
-    the bytes copied and whether the shards were re-cut."""
+    shards instead (recut.py; `survivors`: the old job's survivor_ranks). Returns the training
+    step, the bytes copied and whether the shards were re-cut."""
     if old.replicas == 1 and old.world_size != new.world_size:
         step, moved, _ = recut(old, new, plan_old, plan_new, control, units, survivors)
         _faults.point("shrink.take_over", rank=new.rank)
-        journal.meta[_pool.COMMITTED] = step
-        journal.meta[_pool.BEGUN] = step
-        return step, moved, True
+        return _resume_at(old, journal, step), moved, True
     _same_cuts(old, new, plan_old, plan_new, units)
     pool = PoolState(old)
     held = StepJournal(pool, lambda: shard_tensors(old, units))
@@ -141,6 +139,14 @@ def take_over(old, new, plan_old, plan_new, control, journal, units, survivors):
     # The successor keeps its optimizers' state laid out as the job it came from (recut.py).
     to.tensor(_pool.SHRINK_IN_PLACE, 1, torch.int64)[0][0] = \
         int(pool.tensor(_pool.SHRINK_IN_PLACE, 1, torch.int64)[0][0])
-    journal.meta[_pool.COMMITTED] = step
-    journal.meta[_pool.BEGUN] = step
-    return step, moved, False
+    return _resume_at(old, journal, step), moved, False
+
+
+def _resume_at(old, journal, step):
+    """The successor's `journal` at transaction `step` of the job it came from, with that
+    job's base (a load's: docs/recovery.md, "Checkpoints"); returns the training step."""
+    base = int(PoolState(old).tensor(_pool.JOURNAL_META, _pool.JOURNAL_META_FIELDS,
+                                     torch.int64)[0][_pool.BASE])
+    journal.meta[_pool.COMMITTED] = journal.meta[_pool.BEGUN] = step
+    journal.meta[_pool.BASE] = journal.meta[_pool.BASE_BEFORE] = base
+    return journal.step
