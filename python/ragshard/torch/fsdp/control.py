@@ -1,11 +1,13 @@
 """The two small units fully_shard registers after the module's own, and what runs through
 them: sums of one float per rank, sums of short vectors and the largest (or smallest) value over
-the ranks (the gradient norms of grads.py), and the used-parameter flags that decide which
-parameters have a gradient."""
+the ranks (the gradient norms of grads.py), the used-parameter flags that decide which
+parameters have a gradient, and exact sums and extremes of integers (exact.py: the counts
+recovery agrees on)."""
 import math
 
 import torch
 
+from .exact import ExactReductions
 from .grads import float_key, key_float
 
 from .views import as_tensor
@@ -26,21 +28,25 @@ def control_inventory(world, nparams):
                  "dtype": "fp32"}]}]
 
 
-class ControlUnits:
+class ControlUnits(ExactReductions):
     """Sums over ranks through the two units, which the plan puts right after the module's
     units (`first`: the scalar unit's index). `client`: the attached ragshard.Client;
     `layout`: the ShardLayout; `nparams`: the module's parameters. Every rank calls each method
     in the same order (they are collectives). Raises ValueError where the flags unit is too
-    small (registered without the world size)."""
+    small (registered without the world size). The exact integer reductions (`sum_ints`,
+    `extremes`: exact.py) run through the flags unit, its per-rank length per round."""
 
     def __init__(self, client, layout, first, nparams):
         self._client, self._replicas = client, layout.replicas
-        self._rank, self._world = layout.rank, layout.world
+        # Every rank of the job takes part in the sums: the gradients' group |g| times its
+        # replicas (HSDP's; AMSP's W / |g|), not the plan's world (|p|).
+        self._rank, self._world = layout.rank, layout.group_sizes[1] * layout.replicas
         self._scalar, self._flags, self._nparams = first, first + 1, nparams
         self._flag_elems = layout.grad_elems[self._flags]
         if self._flag_elems < nparams:
             raise ValueError("fully_shard: the world size is needed before registering (pass "
                              "world=, or set RAGSHARD_WORLD_SIZE)")
+        super().__init__(self._world, self._rank, self._flag_elems)
 
     def _sum(self, unit, write):
         """The reduced gradient shard of `unit` after `write`(this rank's gradient buffer):
@@ -61,14 +67,19 @@ class ControlUnits:
         """The sum over ranks of each of `values` (floats; every rank passes as many), in fp32:
         through the flags unit, whose reduced shard is a vector of its per-rank length (several
         rounds for a longer list)."""
+        return self._sum_rows(torch.tensor(list(values), dtype=torch.float32)).tolist()
+
+    def _sum_rows(self, rows):
+        """The fp32 sum over ranks of each element of `rows` (a 1-D tensor; every rank passes
+        as many): one round of the flags unit per `_flag_elems` elements (one for none)."""
         out = []
-        for at in range(0, max(len(values), 1), self._flag_elems):
-            chunk = torch.tensor(values[at:at + self._flag_elems], dtype=torch.float32)
+        for at in range(0, max(rows.numel(), 1), self._flag_elems):
+            chunk = rows[at:at + self._flag_elems]
 
             def write(g, chunk=chunk):
                 g.view(-1, self._flag_elems)[:, :len(chunk)] = chunk
-            out.extend(self._sum(self._flags, write)[:len(chunk)].tolist())
-        return out[:len(values)]
+            out.append(self._sum(self._flags, write)[:len(chunk)].clone())
+        return torch.cat(out)
 
     def all_reduce_extreme(self, value, high=True):
         """The largest (`high`) or smallest of one float per rank over every rank, exactly:

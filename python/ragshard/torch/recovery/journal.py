@@ -163,29 +163,19 @@ def _read_names(raw):
 
 def agree_on_committed(control, committed, have=True):
     """The last step every rank committed: the least `committed` over the ranks, which differ by
-    at most one (StepJournal). Sums of one float per rank over every rank (HSDP's replicas
-    included: the ranks the sums cover are counted first); exact while ranks * steps is below
-    2^24, which is checked. A rank without state (`have` False: a replacement node's, rebuilt
-    afterwards) takes part in the sums but counts for nothing."""
-    world = int(round(control.all_reduce_scalar(1.0 if have else 0.0)))
-    if world == 0:
+    at most one (StepJournal). The least and the greatest over every rank (HSDP's replicas
+    included) are exact integer reductions (ControlUnits.extremes: any world up to 2^24 ranks,
+    any step count below 2^63), so the check that they differ by at most one is exact too. A
+    rank without state (`have` False: a replacement node's, rebuilt afterwards) takes part in
+    the reduction but gives no step."""
+    [(ranks, low, high)] = control.extremes([committed if have else None])
+    if ranks == 0:
         raise RuntimeError("ragshard recovery: no rank kept its state (every node was replaced)")
-    if committed * world >= 1 << 24:
-        raise RuntimeError(f"ragshard recovery: {committed} steps at {world} ranks is past what "
-                           "the agreement's fp32 sums hold exactly (2^24)")
-    committed = committed if have else 0
-    total = control.all_reduce_scalar(float(committed))
-    low = int(total // world)
-    off = (committed - low) * (committed - low - 1) if have else 0
-    spread = control.all_reduce_scalar(float(off))
-    if not have:
-        if spread != 0.0:
-            raise RuntimeError(f"ragshard recovery: the ranks' committed steps differ by more "
-                               f"than one (their sum {total:.0f} over {world})")
-        return low
-    if spread != 0.0 or committed not in (low, low + 1):
+    if high - low > 1:
+        mine = f"this rank {committed}, " if have else ""
         raise RuntimeError(f"ragshard recovery: the ranks' committed steps differ by more than "
-                           f"one (this rank {committed}, their sum {total:.0f} over {world})")
+                           f"one ({mine}the least {low} and the greatest {high} over {ranks} "
+                           "ranks)")
     return low
 
 
@@ -197,12 +187,14 @@ def redundancy_step(client, control, journal, low, have=True):
     ends each OP_PROTECT), and each rank's OP_PROTECT comes after its optimizers: so where some
     node dropped `low`'s, every rank's state is `low` + 1's and every node holds its parity (the
     ranks roll forward); otherwise every node still holds `low`'s (they roll back). A rank
-    without state (`have` False) counts for nothing."""
-    miss = 0.0
+    without state (`have` False) counts for nothing. The ranks that cannot roll forward are
+    counted exactly (ControlUnits.sum_ints)."""
+    miss = 0
     if have:
         steps = client.stats().get("parity_steps", [])
-        miss = 0.0 if int(journal.meta[_pool.BEGUN]) > low and low + 1 in steps else 1.0
-    return low + 1 if control.all_reduce_scalar(miss) == 0.0 else low
+        miss = 0 if int(journal.meta[_pool.BEGUN]) > low and low + 1 in steps else 1
+    [missing] = control.sum_ints([miss], bits=1)
+    return low + 1 if missing == 0 else low
 
 
 def rebuild_state(client, replacement, journal, step):

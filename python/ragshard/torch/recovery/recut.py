@@ -248,29 +248,33 @@ def _copy_held(old, step, survivors, units):
 def _all_ok(control, old, problem):
     """Raises `problem` on its rank, and on every other rank an Error saying that one could
     not re-cut, once all of them know (none goes on into a collective the others skip)."""
-    failed = control.all_reduce_scalar(0.0 if problem is None else 1.0)
+    [failed] = control.sum_ints([0 if problem is None else 1], bits=1)
     if problem is not None:
         raise problem
     if failed:
-        raise Error(f"FAILED_PRECONDITION: {int(failed)} survivor(s) of job '{old.job}' could not "
+        raise Error(f"FAILED_PRECONDITION: {failed} survivor(s) of job '{old.job}' could not "
                     "re-cut their state (their errors name why)")
 
 
 def _check_copies(control, old, copy, survivors):
-    """Every lost rank's copy found on exactly one survivor, else Error on every rank."""
-    world = old.world_size
-    lost = [r for r in range(world) if r not in set(survivors)]
-    r = copy[0] if copy is not None else 0
-    have = 1.0 if copy is not None else 0.0
-    found = control.all_reduce_scalar(have)
-    sums = control.all_reduce_scalar(float(r) * have), control.all_reduce_scalar(
-        float(r * r) * have)
-    want = len(lost), float(sum(lost)), float(sum(x * x for x in lost))
-    if (found, *sums) != want:
+    """Every lost rank's copy found on exactly one survivor, else Error on every rank: an exact
+    count per lost rank of the survivors holding its copy (ControlUnits.sum_ints), and one of
+    copies of ranks that were not lost."""
+    kept = set(survivors)
+    lost = [r for r in range(old.world_size) if r not in kept]
+    holds = [0] * (len(lost) + 1)
+    if copy is not None:
+        holds[lost.index(copy[0]) if copy[0] in lost else len(lost)] = 1
+    counts = control.sum_ints(holds, bits=1)
+    if counts != [1] * len(lost) + [0]:
+        found = sum(1 for c in counts[:-1] if c)
+        twice = [r for r, c in zip(lost, counts) if c > 1]
         raise Error(f"FAILED_PRECONDITION: job '{old.job}' lost ranks {lost}, and the nodes left "
-                    f"hold whole copies of {int(found)} of them: a re-cut needs each lost node's "
-                    "copy on a node left (replica: the node after it on the ring, which was lost "
-                    "too?)")
+                    f"hold whole copies of {found} of them"
+                    + (f" (ranks {twice} more than once)" if twice else "")
+                    + (f" and of {counts[-1]} rank(s) not lost" if counts[-1] else "")
+                    + ": a re-cut needs each lost node's copy on a node left (replica: the node "
+                    "after it on the ring, which was lost too?)")
 
 
 def _union(new, control, units, strings):
@@ -324,9 +328,14 @@ def _step_counts(control, old, pool, names, copy, step, steps):
     """{optimizer state prefix "opt/<tag>": its step count} for each of `steps` (the step
     counts' names over every rank), the same on every rank: each optimizer's pieces must all
     have stepped as often (ShardedOptimizer's counts, kept per piece), else Error naming it. A
-    rank without pieces (one count, 0, or none) does not vote."""
-    out = {}
-    for name in sorted(steps):
+    rank without pieces (one count, 0, or none) does not vote. The counts' least and greatest
+    over the voters, and the ranks whose own pieces disagree, are exact integer reductions
+    (ControlUnits.extremes and sum_ints), for every optimizer at once."""
+    order = sorted(steps)
+    if not order:
+        return {}
+    mine, bad, held = [], [], []
+    for name in order:
         counts = [pool.tensor(name, names[name], torch.float64)[0].tolist()] \
             if name in names else []
         if copy is not None and name in copy[1]:
@@ -336,14 +345,19 @@ def _step_counts(control, old, pool, names, copy, step, steps):
         for c in counts:
             if c != [0.0]:
                 values |= set(c)
-        mine = next(iter(values)) if len(values) == 1 else 0.0
-        bad = 1.0 if len(values) > 1 else 0.0
-        voters = control.all_reduce_scalar(1.0 if values else 0.0)
-        mean = control.all_reduce_scalar(mine) / max(voters, 1.0)
-        spread = control.all_reduce_scalar((mine - mean) ** 2 if values else 0.0)
-        if control.all_reduce_scalar(bad) or spread != 0.0:
+        one = next(iter(values)) if len(values) == 1 else None
+        whole = one is not None and float(one).is_integer() and 0 <= one < 2.0 ** 63
+        mine.append(int(one) if whole else None)
+        bad.append(int(len(values) > 1 or (one is not None and not whole)))
+        held.append(sorted(values))
+    ranges = control.extremes(mine)
+    disagree = control.sum_ints(bad, bits=1)
+    out = {}
+    for name, (_, low, high), b, values in zip(order, ranges, disagree, held):
+        if b or low != high:
             raise Error(f"FAILED_PRECONDITION: the pieces of optimizer state '{name[:-8]}' of job "
                         f"'{old.job}' have stepped different numbers of times (rank {old.rank}: "
-                        f"{sorted(values)}): a re-cut keeps one step count per optimizer")
-        out[name[:-len(_STEPS)]] = mean
+                        f"{values}; over the ranks from {low} to {high}): a re-cut keeps one "
+                        "step count per optimizer")
+        out[name[:-len(_STEPS)]] = float(low) if low is not None else 0.0
     return out
