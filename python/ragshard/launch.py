@@ -70,8 +70,9 @@ import subprocess
 import sys
 import time
 
+from ._core import RECOVERY_EXIT  # a rank leaving for a recovery in place (75)
+
 STANDALONE_JOB = "standalone"
-RECOVERY_EXIT = 75  # ragshard._core.RECOVERY_EXIT: a rank leaving for a recovery in place
 SHRINK_EXIT = 76  # ragshard._shrink.SHRINK_EXIT: a lost node's rank that a shrink left out
 MAX_SPARES = 64  # --preload --max-restarts: spare processes forked with the ranks, at most
 
