@@ -16,9 +16,13 @@ import ctypes
 import enum
 import json
 import os
-import threading
 import time
 import weakref
+
+# The daemon's recovery notice, and what a rank does on it: RECOVERY_EXIT is its exit status,
+# RecoveryInProgress what it raises (ragshard._notice).
+from . import _notice
+from ._notice import RECOVERY_EXIT, RECOVERY_NOTICE, RecoveryInProgress  # noqa: F401
 
 ABI_VERSION = 11
 _BAD_ARGUMENT, _OUT_OF_RANGE = -1, -2
@@ -59,110 +63,6 @@ _BUFFER_KINDS = {"param_shard": 0, "unsharded": 1, "grad": 2, "grad_shard": 3, "
 
 class Error(RuntimeError):
     """A failed call of the client library: "CODE: message" (absl's status code names)."""
-
-
-# The daemon's notice that the job is recovering in place (server/daemon/job_recovery.cc).
-RECOVERY_NOTICE = "ragshard recovery in progress"
-# A rank's exit status when its job recovers in place (EX_TEMPFAIL): ragshard-launch restarts it
-# without counting a restart, and the new process attaches to the same state (docs/recovery.md).
-RECOVERY_EXIT = 75
-
-
-class RecoveryInProgress(SystemExit):
-    """The daemon's recovery notice: the job is recovering in place from a lost rank or node,
-    and this process must end so that a new one attaches again and redoes the interrupted step
-    (docs/recovery.md). A BaseException, as KeyboardInterrupt is: `except Exception` does not
-    catch it, `finally` blocks and atexit handlers run, and uncaught it ends the process with
-    status RECOVERY_EXIT and no traceback (a SystemExit whose `code` is 75). A script that
-    catches it and goes on gets an Error naming the recovery at its next ragshard call; a call
-    made while it is being handled (in a `finally` block it runs through, or in the `except`
-    clause that caught it) raises it again.
-    `str()`: the daemon's notice."""
-
-    def __init__(self, message=None):
-        super().__init__(message or _notice or RECOVERY_NOTICE)
-        self.code = RECOVERY_EXIT
-        if _notice is not None and threading.current_thread() is threading.main_thread() and \
-                not _main_told.is_set():
-            # (also where another thread's notice put it here); one sent and not yet raised
-            # is dropped: this one is it.
-            _told.add(threading.get_ident())
-            _main_told.set()
-            if _delivered:
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(_delivered[0]), None)
-
-
-# The first recovery notice this process got (its message; None: none), the threads it was
-# raised in, and whether the main thread was one of them.
-_notice = None
-_told = set()
-_main_told = threading.Event()
-_delivered = []  # the main thread was sent the notice of another thread's
-# How long the main thread has to raise a notice another thread got (a hook's, an asynchronous
-# save's) before the process exits on its own: it is raised at the main thread's next bytecode,
-# unless that thread is blocked in C code (a sleep, a foreign wait).
-NOTICE_GRACE_S = 30.0
-
-
-def _recovery_notice(message=None):
-    """Raises RecoveryInProgress in the calling thread: the daemon's notice `message` (the first
-    one is remembered and printed), or the one remembered. The main thread is told too where
-    another thread got the notice first, as KeyboardInterrupt reaches it: it raises
-    RecoveryInProgress at its next bytecode (PyThreadState_SetAsyncExc), and a watchdog ends the
-    process with RECOVERY_EXIT if it has not within NOTICE_GRACE_S. So a notice never leaves
-    the process running, nor ending with another status, unless the main thread catches it."""
-    global _notice
-    import sys
-    if _notice is None:
-        _notice = message or RECOVERY_NOTICE
-        print(f"ragshard: {_notice}; this process exits with {RECOVERY_EXIT} to attach again",
-              file=sys.stderr, flush=True)
-    _told.add(threading.get_ident())
-    if threading.current_thread() is not threading.main_thread() and \
-            not _main_told.is_set() and not _delivered:
-        _delivered.append(threading.main_thread().ident)
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(_delivered[0]),
-                                                   ctypes.py_object(RecoveryInProgress))
-        threading.Thread(target=_exit_unless_main_told, daemon=True,
-                         name="ragshard-recovery-exit").start()
-    raise RecoveryInProgress(_notice)
-
-
-def _exit_unless_main_told():
-    if _main_told.wait(NOTICE_GRACE_S):
-        return
-    import sys
-    try:
-        print(f"ragshard: the recovery notice reached a thread other than the main one, which "
-              f"did not take it within {NOTICE_GRACE_S:g} s; exiting with {RECOVERY_EXIT} now",
-              file=sys.stderr, flush=True)
-        sys.stdout.flush()
-    finally:
-        os._exit(RECOVERY_EXIT)
-
-
-def _handling_notice():
-    """Whether the calling thread is handling RecoveryInProgress: in an except clause or a
-    finally block it runs through (or an exception raised there)."""
-    import sys
-    e, seen = sys.exc_info()[1], 0
-    while e is not None and seen < 16:
-        if isinstance(e, RecoveryInProgress):
-            return True
-        e, seen = e.__context__, seen + 1
-    return False
-
-
-def _after_notice():
-    """A ragshard call after this process got the recovery notice: RecoveryInProgress in a
-    thread not told yet, or one handling it (a finally block on its way out); else (the script
-    caught it and went on) an Error saying that the process must exit."""
-    if threading.get_ident() not in _told or _handling_notice():
-        _recovery_notice()
-    raise Error(f"FAILED_PRECONDITION: this process was told that its job is recovering in "
-                f"place ({_notice}) and must exit (status {RECOVERY_EXIT}, "
-                "ragshard.RECOVERY_EXIT) for a new process to attach again: a script that "
-                "catches RecoveryInProgress must let the process end")
 
 
 class _Security(ctypes.Structure):
@@ -252,9 +152,10 @@ def _b(s):
 
 def _check(code):
     """The C library's result `code` of a call: nothing for success, else the error it names.
-    The recovery notice raises RecoveryInProgress; any call once it came, _after_notice's."""
-    if _notice is not None:
-        _after_notice()
+    The recovery notice raises RecoveryInProgress; any call once it came, RecoveryInProgress
+    again or an Error saying that the process must exit (_notice.after)."""
+    if _notice.told():
+        raise Error(_notice.after())
     if code == 0:
         return
     message = _lib.rs_last_error().decode(errors="replace")
@@ -263,7 +164,7 @@ def _check(code):
     if code == _OUT_OF_RANGE:
         raise IndexError(message)
     if RECOVERY_NOTICE in message:
-        _recovery_notice(message)
+        _notice.notice(message)
     raise Error(message)
 
 

@@ -70,7 +70,7 @@ import subprocess
 import sys
 import time
 
-from ._core import RECOVERY_EXIT  # a rank leaving for a recovery in place (75)
+from ._notice import RECOVERY_EXIT  # a rank leaving for a recovery in place (75)
 
 STANDALONE_JOB = "standalone"
 SHRINK_EXIT = 76  # ragshard._shrink.SHRINK_EXIT: a lost node's rank that a shrink left out

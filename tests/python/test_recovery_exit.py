@@ -41,9 +41,9 @@ def mark(name, text=""):
 
 atexit.register(mark, "atexit")
 import ragshard
-from ragshard import _core
+from ragshard import _core, _notice
 
-_core.NOTICE_GRACE_S = 1.0
+_notice.NOTICE_GRACE_S = 1.0
 
 
 class Notice:
