@@ -1,6 +1,7 @@
 """The node-rebuild fault of bench/chaos_report.py: a whole node lost (its daemon and both its
 ranks killed with SIGKILL) in the middle of a training under ragshard.launch --max-restarts 1
---redundancy R (6 ranks of examples/train_tiny.py over 3 daemons, AdamW), and a replacement
+--redundancy R (6 ranks of examples/train_tiny.py over 3 daemons; AdamW, bf16 parameters or
+Shampoo: `CONFIGS`), and a replacement
 daemon started with the lost node's id, which rebuilds its ranks' state from the other nodes'
 parity (parity:2) or copy (replica) (issue 55; docs/recovery.md, "A lost node").
 
@@ -9,12 +10,12 @@ phase (forward, backward, step, protected: after the step's protection and befor
 between) from a seeded RNG; both ranks of that node are held
 there (train_tiny.py --hold-at: each writes its pid into a mark file and sleeps), then the
 daemon is killed, the two ranks are killed, and the replacement daemon is started, as
-tests/python/test_node_loss.py does. The scheme: parity:2 in trials 1 to PARITY_TRIALS, replica
-after. A trial passes when the launcher exits 0 within RECOVERY_LIMIT seconds of the daemon's
+tests/python/test_node_loss.py does. The scheme: parity:2 in odd trials, replica in even ones;
+the configuration: AdamW in trials 1-2, bf16 in 3-4, Shampoo in 5-6, and so on. A trial passes when the launcher exits 0 within RECOVERY_LIMIT seconds of the daemon's
 kill (the recovery deadline plus 30 s; past it the trial is a hang, and everything it started
 is killed), the job is READY with `rebuilds:     1` in `ragshardctl job show`, and every final
 parameter is within PARAM_ATOL of an uninterrupted run's with the same redundancy
-(`Uninterrupted`, one per scheme per campaign)."""
+and configuration (`Uninterrupted`, one per scheme and configuration per campaign)."""
 import os
 import random
 import re
@@ -34,11 +35,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "train_tiny.py")
 # tests/python/test_node_loss.py's small model, with 8 steps.
 MODEL = ["--layers", "2", "--dim", "64", "--heads", "4", "--seq", "16", "--batch", "2",
-         "--vocab", "32", "--quiet", "--optimizer", "adamw"]
+         "--vocab", "32", "--quiet"]
+# The configurations the trials cycle through, two trials each (parity:2, then replica).
+CONFIGS = {"adamw": ["--optimizer", "adamw"], "bf16": ["--param-dtype", "bf16"],
+           "shampoo": ["--optimizer", "shampoo", "--precondition-every", "2"]}
 STEPS = 8
 DAEMONS, PER_NODE = 3, 2
 PHASES = ["forward", "backward", "step", "protected", "between"]
-PARITY_TRIALS = 10  # parity:2 in trials 1..10, replica after
 DEADLINE = 60.0  # the job's recovery deadline (s)
 RECOVERY_LIMIT = DEADLINE + 30.0  # from the daemon's kill to the launcher's exit
 HOLD_LIMIT = 300.0  # from the launch to both held ranks' marks
@@ -50,7 +53,12 @@ POLL = 0.01
 
 
 def scheme(trial):
-    return "parity:2" if trial <= PARITY_TRIALS else "replica"
+    return "parity:2" if trial % 2 else "replica"
+
+
+def config(trial):
+    """The trial's configuration (a key of CONFIGS)."""
+    return list(CONFIGS)[(trial - 1) // 2 % len(CONFIGS)]
 
 
 def draw(trial):
@@ -89,13 +97,13 @@ class Uninterrupted:
     def __init__(self, build):
         self.build, self.dir, self.outs = build, None, {}
 
-    def get(self, redundancy):
-        if redundancy not in self.outs:
+    def get(self, redundancy, conf):
+        if (redundancy, conf) not in self.outs:
             self.dir = self.dir or tempfile.mkdtemp(prefix="ragshard-chaos-node-ref-")
-            out = os.path.join(self.dir, redundancy.replace(":", ""))
+            name = f"{redundancy.replace(':', '')}-{conf}"
+            out = os.path.join(self.dir, name)
             with open(out + ".log", "w") as log, _cluster(self.build) as c:
-                p = _launch(c, f"uninterrupted-{redundancy.replace(':', '')}", out, redundancy,
-                            log)
+                p = _launch(c, f"uninterrupted-{name}", out, redundancy, log, CONFIGS[conf])
                 try:
                     p.wait(timeout=600)
                 finally:
@@ -104,8 +112,8 @@ class Uninterrupted:
             if p.returncode != 0:
                 raise RuntimeError(f"the uninterrupted {redundancy} run exited {p.returncode}: "
                                    f"{brief_tail(out + '.log')}")
-            self.outs[redundancy] = out
-        return self.outs[redundancy]
+            self.outs[redundancy, conf] = out
+        return self.outs[redundancy, conf]
 
     def cleanup(self):
         if self.dir:
@@ -144,18 +152,19 @@ def node_trial(trial, build, ref, keep_dir):
     """One trial: node `node`'s ranks held at `phase` of `step`, the node killed (daemon, then
     its ranks) and a replacement daemon started."""
     node, step, phase = draw(trial)
-    redundancy = scheme(trial)
+    redundancy, conf = scheme(trial), config(trial)
     ranks = [node * PER_NODE + i for i in range(PER_NODE)]
-    res = {"trial": trial, "passed": False, "error": None, "scheme": redundancy, "node": node,
+    res = {"trial": trial, "passed": False, "error": None, "scheme": redundancy,
+           "config": conf, "node": node,
            "step": step, "phase": phase, "stuck_at_stop": [], "leftover_after_launcher": []}
     with TrialRun(res, "node-rebuild", trial, keep_dir) as t:
         marks = [os.path.join(t.workdir, f"hold{r}") for r in ranks]
-        reference = ref.get(redundancy)
+        reference = ref.get(redundancy, conf)
         with t.cluster(_cluster(build)) as c:
             job = f"node-rebuild-{trial}"
             t0 = time.monotonic()
-            t.launch = _launch(c, job, t.out, redundancy, t.open_log(),
-                               [f"--hold-at={r}:{step}:{phase}:{m}" for r, m in zip(ranks, marks)])
+            t.launch = _launch(c, job, t.out, redundancy, t.open_log(), CONFIGS[conf] + [
+                f"--hold-at={r}:{step}:{phase}:{m}" for r, m in zip(ranks, marks)])
             kill_held_node(c, t.launch, node, marks, t.log_path, t0, res, RECOVERY_LIMIT,
                            replacement=f"-replacement-{trial}")
             show = job_show(build, c, job)
@@ -204,12 +213,13 @@ def node_text(trials):
 
 
 def node_table(trials):
-    L = ["| trial | result | scheme | node | step | phase | s from the kill to the exit | "
-         "bytes rebuilt | max abs Δ |", "|---:|---|---|---:|---:|---|---:|---:|---:|"]
+    L = ["| trial | result | scheme | configuration | node | step | phase | "
+         "s from the kill to the exit | bytes rebuilt | max abs Δ |",
+         "|---:|---|---|---|---:|---:|---|---:|---:|---:|"]
     for t in trials:
         d, b, s = t.get("max_abs_diff"), t.get("rebuilt_bytes"), t.get("seconds")
         L.append(f"| {t['trial']} | {'pass' if t['passed'] else 'FAIL'} | {t['scheme']} | "
-                 f"{t['node']} | {t['step']} | {t['phase']} | "
+                 f"{t.get('config', 'adamw')} | {t['node']} | {t['step']} | {t['phase']} | "
                  f"{'—' if s is None else f'{s:.2f}'} | {'—' if b is None else f'{b:,}'} | "
                  f"{'—' if d is None else f'{d:.1e}'} |")
     return L

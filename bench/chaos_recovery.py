@@ -6,9 +6,9 @@ A trial (its own LocalCluster) passes when the launcher exits 0 within RECOVERY_
 the kill (the recovery deadline plus 30 s; past it the trial is a hang, and everything it
 started is killed), the launcher restarted the killed rank, the planner shows the job READY
 with one recovery, and every final parameter is within PARAM_ATOL of an uninterrupted run's
-with the same seed (no divergence). The optimizer alternates: AdamW in odd trials, Muon in even
-ones; the uninterrupted runs (one per optimizer, with --max-restarts 1) are made once per
-campaign (`Uninterrupted`)."""
+with the same seed (no divergence). The configuration cycles trial by trial through AdamW,
+Muon, bf16 parameters, FP8 gathers, 8-bit Adam, Shampoo and NAdam (`CONFIGS`); the uninterrupted runs (one per configuration, with --max-restarts 1) are made
+once per campaign (`Uninterrupted`)."""
 import json
 import os
 import random
@@ -35,8 +35,18 @@ PARAM_ATOL = 1e-6
 POLL = 0.01
 
 
+# The training configurations the trials cycle through: each one's arguments of train_tiny.py
+# (docs/recovery.md, "What the daemon keeps").
+CONFIGS = {"adamw": ["--optimizer", "adamw"], "muon": ["--optimizer", "muon"],
+           "bf16": ["--param-dtype", "bf16"], "fp8": ["--quantize", "fp8"],
+           "adam8bit": ["--optimizer", "adam8bit"],
+           "shampoo": ["--optimizer", "shampoo", "--precondition-every", "2"],
+           "nadam": ["--optimizer", "nadam"]}
+
+
 def optimizer(trial):
-    return "adamw" if trial % 2 else "muon"
+    """The trial's configuration (a key of CONFIGS): AdamW and Muon first, as before."""
+    return list(CONFIGS)[(trial - 1) % len(CONFIGS)]
 
 
 def _env():
@@ -47,7 +57,7 @@ def _launch(cluster, job, out, opt, log):
     cmd = [sys.executable, "-m", "ragshard.launch", "--planner", cluster.planner, "--job", job,
            "--nproc", "4", "--sockets", ",".join(cluster.sockets), "--create-job",
            "--max-restarts", "1", "--recovery-deadline", f"{DEADLINE:g}", EXAMPLE, "--out", out,
-           "--steps", str(STEPS), "--optimizer", opt] + MODEL
+           "--steps", str(STEPS)] + CONFIGS[opt] + MODEL
     p = subprocess.Popen(cmd, env=_env(), stdout=log, stderr=subprocess.STDOUT,
                          stdin=subprocess.DEVNULL, start_new_session=True)
     _live["sessions"].append(p.pid)
@@ -73,7 +83,8 @@ def _rank_pid(launcher, rank):
 
 
 class Uninterrupted:
-    """Each optimizer's uninterrupted run (--max-restarts 1, no kill), once per campaign."""
+    """Each configuration's uninterrupted run (--max-restarts 1, no kill), once per
+    campaign."""
 
     def __init__(self, build):
         self.build, self.dir, self.outs = build, None, {}

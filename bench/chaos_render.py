@@ -36,16 +36,17 @@ WHAT = {
     "planner-kill-ready": "kill -9 of the planner once the job is READY and rank 0 printed "
                           "step 1; restarted 1 s later",
     "rank-recovery": f"kill -9, from outside, of a random rank of a {STEPS}-step training under "
-                     f"ragshard.launch --max-restarts 1 --recovery-deadline {DEADLINE:g} (AdamW "
-                     "in odd trials, Muon in even ones), a random fraction of a step after rank "
+                     f"ragshard.launch --max-restarts 1 --recovery-deadline {DEADLINE:g} (AdamW, "
+                     "Muon, bf16 parameters, FP8 gathers, 8-bit Adam, Shampoo and NAdam in "
+                     "turn, trial by trial), a random fraction of a step after rank "
                      f"0 printed a random one of steps 1 to {STEPS - 5}",
     "node-rebuild": f"a whole node lost: SIGKILL of a random daemon (of 3) and of its 2 ranks, "
                     f"held (--hold-at) at a random phase of a random one of steps 1 to "
-                    f"{chaos_node.STEPS - 1} of a {chaos_node.STEPS}-step AdamW training of 6 "
+                    f"{chaos_node.STEPS - 1} of a {chaos_node.STEPS}-step training of 6 "
                     f"ranks under ragshard.launch --max-restarts 1 --recovery-deadline "
-                    f"{chaos_node.DEADLINE:g} --redundancy R (parity:2 in trials 1 to "
-                    f"{chaos_node.PARITY_TRIALS}, replica after), and a replacement daemon "
-                    f"started with the lost node's id",
+                    f"{chaos_node.DEADLINE:g} --redundancy R (parity:2 in odd trials, replica "
+                    f"in even ones; AdamW, bf16 parameters and Shampoo in turn, two trials "
+                    f"each), and a replacement daemon started with the lost node's id",
     "node-shrink": f"a whole node lost for good: SIGKILL of a random daemon (of 2) and of its 2 "
                    f"ranks, held (--hold-at) at a random phase of a random one of steps 1 to "
                    f"{chaos_shrink.STEPS - 1} of a {chaos_shrink.STEPS}-step AdamW training of 4 "
@@ -273,7 +274,7 @@ def fault_section(fault, entry):
     elif fault == "node-shrink":
         L.extend(chaos_shrink.shrink_table(trials))
     elif fault in RECOVERY_FAULTS:
-        L.append("| trial | result | optimizer | rank killed | after step | resumed at step | "
+        L.append("| trial | result | configuration | rank killed | after step | resumed at step | "
                  "s from the kill to the exit | max abs Δ |")
         L.append("|---:|---|---|---:|---:|---:|---:|---:|")
         for t in trials:
@@ -302,8 +303,9 @@ def recovery_text(trials):
         after = f"step {min(steps)}" if min(steps) == max(steps) else \
             f"steps {min(steps)} to {max(steps)}"
         L.append(f"Killed: rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}, "
-                 f"after {after} ({sum(t['optimizer'] == 'adamw' for t in killed)} AdamW, "
-                 f"{sum(t['optimizer'] == 'muon' for t in killed)} Muon trials).\n")
+                 f"after {after} (" + ", ".join(
+                     f"{sum(t['optimizer'] == c for t in killed)} {c}"
+                     for c in sorted({t['optimizer'] for t in killed})) + " trials).\n")
     diffs = [t["max_abs_diff"] for t in trials if "max_abs_diff" in t]
     if diffs:
         L.append(f"Largest |final parameter − the uninterrupted run's| over the trials: "
@@ -500,7 +502,8 @@ def write_report(docs, doc):
         L[1] = L[1][:-2] + ("; rank-recovery runs the training through `ragshard.launch "
                             "--max-restarts 1`, kills a rank from outside and compares the final "
                             "parameters with an uninterrupted run's (bench/chaos_recovery.py), "
-                            "one per optimizer per campaign.\n")
+                            "one per configuration per campaign (AdamW, Muon, bf16, FP8 "
+                            "gathers, 8-bit Adam, Shampoo, NAdam in turn).\n")
     if "node-rebuild" in doc["faults"]:
         L[1] = L[1][:-2] + ("; node-rebuild starts 3 daemons and 6 ranks (2 per daemon) under "
                             "`ragshard.launch --max-restarts 1 --redundancy R`, kills a daemon "

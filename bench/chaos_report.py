@@ -23,15 +23,18 @@ Faults (`--faults`, comma-separated; default the six below, `node-rebuild`, `nod
   planner-kill-ready         as above, but the planner is killed once rank 0 printed step 1
                              (the job READY, training under way) and restarted 1 s later.
   rank-recovery              kill -9 of a random rank of a 20-step training under
-                             ragshard.launch --max-restarts 1 (recovery in place, issue 54), a
+                             ragshard.launch --max-restarts 1 (recovery in place, issue 54;
+                             AdamW, Muon, bf16, FP8 gathers, 8-bit Adam, Shampoo and NAdam in
+                             turn, trial by trial), a
                              random fraction of a step after rank 0 printed a random step: the
                              training exits 0 within 90 s of the kill (the recovery deadline
                              60 s + 30 s), the job READY with one recovery, the final parameters
                              within 1e-6 of an uninterrupted run's (bench/chaos_recovery.py).
-  node-rebuild               (on request; --trials default 15 for it alone) a whole node lost:
-                             a random daemon of 3 and its 2 ranks (6 ranks of an 8-step AdamW
+  node-rebuild               (on request; --trials default 10 for it alone) a whole node lost:
+                             a random daemon of 3 and its 2 ranks (6 ranks of an 8-step
                              training under ragshard.launch --max-restarts 1 --redundancy
-                             parity:2 in trials 1-10, replica in 11-15) killed with SIGKILL at
+                             parity:2 in odd trials, replica in even ones; AdamW, bf16 and
+                             Shampoo in turn, two trials each) killed with SIGKILL at
                              a random step and phase, a replacement daemon started with its
                              node id: the training exits 0 within 90 s of the kill, the job
                              READY with one rebuild, the final parameters within 1e-6 of an
@@ -383,8 +386,8 @@ def main():
     ap.add_argument("--build", default=os.path.join(ROOT, "build"),
                     help="CMake build folder (server/, client/, python/, bench/)")
     ap.add_argument("--trials", type=int, default=None,
-                    help="trials per fault (default 20; 15 where node-rebuild is the only fault, "
-                         "10 where node-shrink is)")
+                    help="trials per fault (default 20; 10 where node-rebuild or node-shrink is "
+                         "the only fault)")
     ap.add_argument("--faults", default=",".join(DEFAULT_FAULTS),
                     help=f"comma-separated, of {', '.join(ALL_FAULTS)}")
     ap.add_argument("--steps", type=int, default=6,
@@ -409,7 +412,7 @@ def main():
                          if k in os.environ}
     faults = [f.strip() for f in args.faults.split(",") if f.strip()]
     if args.trials is None:
-        args.trials = {("node-rebuild",): 15, ("node-shrink",): 10}.get(tuple(faults), 20)
+        args.trials = {("node-rebuild",): 10, ("node-shrink",): 10}.get(tuple(faults), 20)
     bad = [f for f in faults if f not in ALL_FAULTS]
     if bad:
         ap.error(f"unknown fault(s) {bad}; known: {ALL_FAULTS}")

@@ -192,9 +192,13 @@ absl::Status NodeRedundancy::ProtectBlobs(Comm& comm,
                                           int64_t step, absl::Time deadline, uint64_t seq) {
   const int k = scheme_.k;
   const size_t L = static_cast<size_t>(locals_);
-  std::vector<std::vector<char>> blobs(L);
+  std::vector<BlobView> views;
+  views.reserve(L);
   std::vector<int64_t> sizes(static_cast<size_t>(nodes_) * L, 0);
-  for (size_t l = 0; l < L; ++l) blobs[l] = MakeBlob(state[l], &sizes[node_ * L + l]);
+  for (size_t l = 0; l < L; ++l) {
+    views.emplace_back(state[l]);
+    sizes[node_ * L + l] = views[l].bytes();
+  }
   RAGSHARD_RETURN_IF_ERROR(AllGather(comm, reinterpret_cast<char*>(sizes.data()),
                                      L * sizeof(int64_t), deadline, RedundancyStamp(seq, 0, 0)));
   for (size_t l = 0; l < L; ++l) Record(static_cast<int>(l), state[l], step);
@@ -208,45 +212,94 @@ absl::Status NodeRedundancy::ProtectBlobs(Comm& comm,
     for (int n = 0; n < nodes_; ++n) blob[l][n] = sizes[n * L + l];
     stripes[l] = StripeBytes(scheme_, blob[l]);
   }
-  std::vector<uint64_t> requests;  // the receives, then the sends (waited for in that order)
-  std::vector<uint64_t> sends;
+  // What this node sends (its chunk c of each local rank's blob to chunk c's holder) and
+  // receives (each source's chunk, XORed into this node's parity), window by window.
+  struct Flow {
+    int peer = 0;
+    size_t l = 0;
+    ChunkSpan span;
+  };
+  std::vector<Flow> out, in;
   for (int c = 0; c < k; ++c) {
-    const int holder = ParityHolder(scheme_, nodes_, node_, c);
     for (size_t l = 0; l < L; ++l) {
-      const ChunkSpan span = ChunkOf(scheme_, stripes[l], blob[l], node_, c);
-      if (span.bytes == 0) continue;
-      RAGSHARD_ASSIGN_OR_RETURN(uint64_t r, comm.PostSend(holder, RedundancyStamp(seq, 1, l),
-                                                          blobs[l].data() + span.offset,
-                                                          static_cast<size_t>(span.bytes)));
-      sends.push_back(r);
+      out.push_back({ParityHolder(scheme_, nodes_, node_, c), l,
+                     ChunkOf(scheme_, stripes[l], blob[l], node_, c)});
     }
   }
   const std::vector<ChunkRef> sources = ParitySources(scheme_, nodes_, node_);
-  std::vector<std::vector<std::vector<char>>> got(sources.size(),
-                                                  std::vector<std::vector<char>>(L));
-  for (size_t i = 0; i < sources.size(); ++i) {
+  for (const ChunkRef& src : sources) {
     for (size_t l = 0; l < L; ++l) {
-      const ChunkSpan span =
-          ChunkOf(scheme_, stripes[l], blob[l], sources[i].node, sources[i].chunk);
-      got[i][l].resize(static_cast<size_t>(span.bytes));
-      if (span.bytes == 0) continue;
-      RAGSHARD_ASSIGN_OR_RETURN(
-          uint64_t r, comm.PostRecv(sources[i].node, RedundancyStamp(seq, 1, l), got[i][l].data(),
-                                    got[i][l].size()));
-      requests.push_back(r);
+      in.push_back({src.node, l, ChunkOf(scheme_, stripes[l], blob[l], src.node, src.chunk)});
     }
   }
-  requests.insert(requests.end(), sends.begin(), sends.end());
-  RAGSHARD_RETURN_IF_ERROR(comm.WaitAll(requests, deadline));
+  int64_t longest = 0;
+  for (const std::vector<Flow>* flows : {&out, &in}) {
+    for (const Flow& f : *flows) longest = std::max(longest, f.span.bytes);
+  }
+  std::vector<Slot*> slots(L);  // each local rank's new parity
+  for (size_t l = 0; l < L; ++l) {
+    slots[l] = &SlotFor(static_cast<int>(l), step);
+    RAGSHARD_RETURN_IF_ERROR(Fill(slots[l], stripes[l][node_]));
+  }
+  // The staging: one window per flow, leased from the pool (its figures count it) for the
+  // protect's length only, whatever the state's size.
+  const int64_t window = std::min(longest, kProtectWindowBytes);
+  const int64_t staging = window * static_cast<int64_t>(out.size() + in.size());
+  Lease stage;
+  if (staging > 0) {
+    auto lease = pool_->Allocate(staging);
+    if (!lease.ok()) {
+      return absl::Status(lease.status().code(),
+                          absl::StrCat("the protect's staging of ", staging, " bytes (",
+                                       out.size() + in.size(), " windows of ", window,
+                                       "; redundancy): ", lease.status().message()));
+    }
+    stage = std::move(*lease);
+  }
+  std::vector<uint32_t> crc(in.size(), Crc32(nullptr, 0));
+  // Message indices tell a window's flows apart (and a window from the next: a node is at
+  // most one window ahead of its peers, whose receives its sends wait for).
+  const uint64_t laps = std::max<uint64_t>(2, MessageStamp::kMaxDataIndex / std::max<size_t>(L, 1));
+  for (int64_t at = 0; at < longest; at += window) {
+    const uint64_t index = static_cast<uint64_t>(at / window) % laps * L;
+    std::vector<uint64_t> requests;  // the receives, then the sends (waited for in that order)
+    std::vector<uint64_t> sends;
+    for (size_t f = 0; f < out.size(); ++f) {
+      const int64_t n = std::min(window, out[f].span.bytes - at);
+      if (n <= 0) continue;
+      char* buf = stage.data() + static_cast<int64_t>(f) * window;
+      views[out[f].l].Read(out[f].span.offset + at, n, buf);
+      RAGSHARD_ASSIGN_OR_RETURN(
+          uint64_t r, comm.PostSend(out[f].peer, RedundancyStamp(seq, 1, index + out[f].l), buf,
+                                    static_cast<size_t>(n)));
+      sends.push_back(r);
+    }
+    for (size_t f = 0; f < in.size(); ++f) {
+      const int64_t n = std::min(window, in[f].span.bytes - at);
+      if (n <= 0) continue;
+      char* buf = stage.data() + static_cast<int64_t>(out.size() + f) * window;
+      RAGSHARD_ASSIGN_OR_RETURN(
+          uint64_t r, comm.PostRecv(in[f].peer, RedundancyStamp(seq, 1, index + in[f].l), buf,
+                                    static_cast<size_t>(n)));
+      requests.push_back(r);
+    }
+    requests.insert(requests.end(), sends.begin(), sends.end());
+    RAGSHARD_RETURN_IF_ERROR(comm.WaitAll(requests, deadline));
+    for (size_t f = 0; f < in.size(); ++f) {
+      const int64_t n = std::min(window, in[f].span.bytes - at);
+      if (n <= 0) continue;
+      const char* buf = stage.data() + static_cast<int64_t>(out.size() + f) * window;
+      XorInto(slots[in[f].l]->lease.data() + at, buf, n);
+      crc[f] = Crc32Extend(crc[f], buf, n);
+    }
+  }
+  stage.Release();
   const uint64_t made = ++made_;
   for (size_t l = 0; l < L; ++l) {
-    Slot& slot = SlotFor(static_cast<int>(l), step);
-    RAGSHARD_RETURN_IF_ERROR(Fill(&slot, stripes[l][node_]));
+    Slot& slot = *slots[l];
     for (size_t i = 0; i < sources.size(); ++i) {
-      const std::vector<char>& chunk = got[i][l];
-      XorInto(slot.lease.data(), chunk.data(), static_cast<int64_t>(chunk.size()));
       slot.source_blob.push_back(blob[l][sources[i].node]);
-      slot.source_crc.push_back(Crc32(chunk.data(), static_cast<int64_t>(chunk.size())));
+      slot.source_crc.push_back(crc[i * L + l]);
     }
     slot.step = step;
     slot.made = made;

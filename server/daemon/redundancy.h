@@ -8,8 +8,8 @@
 // chunk and parity lies is parity_layout.h's; the blob is state_blob.h's.
 //
 // Protect runs inside every optimizer step's transaction: each node sends its chunks to their
-// holders, which XOR what they receive into a new parity with a CRC-32 of each chunk, tagged with
-// the step; once every node has its new parity (a barrier), each drops its parity of the step
+// holders, window by window (kProtectWindowBytes, staged in the pool), which XOR what they
+// receive into a new parity with a CRC-32 of each chunk, tagged with the step; once every node has its new parity (a barrier), each drops its parity of the step
 // before. A node so holds one parity, and two only between a step's protect and that barrier.
 // A rank's committed step commits after the barrier, so where a node is lost, either some node
 // holds no parity of the step before any more, and then every node holds the new one and every
@@ -47,6 +47,11 @@ using PlaceSegment =
 
 class NodeRedundancy {
  public:
+  // Protect moves each chunk in windows of at most this many bytes, through staging leased from
+  // the pool for the protect's length (one window per chunk sent or received): its memory
+  // beyond the parities is bounded, whatever the state's size, and in the pool's figures.
+  static constexpr int64_t kProtectWindowBytes = int64_t{2} << 20;
+
   // This node is `node` of `node_names.size()`, with `locals` local ranks (the job's nodes hold
   // the same number of ranks). Parities are leased from `pool`.
   NodeRedundancy(RedundancyScheme scheme, int node, std::vector<std::string> node_names, int locals,

@@ -50,22 +50,52 @@ void XorInto(char* dst, const char* src, int64_t bytes) {
 }
 
 uint32_t Crc32(const char* data, int64_t bytes) {
-  return static_cast<uint32_t>(crc32_z(crc32(0L, Z_NULL, 0), reinterpret_cast<const Bytef*>(data),
-                                       static_cast<z_size_t>(bytes)));
+  return Crc32Extend(static_cast<uint32_t>(crc32(0L, Z_NULL, 0)), data, bytes);
+}
+
+uint32_t Crc32Extend(uint32_t crc, const char* data, int64_t bytes) {
+  if (bytes <= 0) return crc;
+  return static_cast<uint32_t>(
+      crc32_z(crc, reinterpret_cast<const Bytef*>(data), static_cast<z_size_t>(bytes)));
+}
+
+BlobView::BlobView(const std::vector<StateSegment>& segments)
+    : segments_(segments), directory_(Directory(segments)) {
+  bytes_ = static_cast<int64_t>(directory_.size());
+  for (const StateSegment& s : segments_) {
+    starts_.push_back(bytes_);
+    bytes_ += s.bytes;
+  }
+}
+
+void BlobView::Read(int64_t from, int64_t n, char* out) const {
+  const int64_t end = from + n;
+  const int64_t dir = static_cast<int64_t>(directory_.size());
+  if (from < dir) {
+    const int64_t take = std::min(end, dir) - from;
+    std::memcpy(out, directory_.data() + from, static_cast<size_t>(take));
+    out += take;
+    from += take;
+  }
+  // The first segment that ends after `from`, then on until `end`.
+  auto it = std::upper_bound(starts_.begin(), starts_.end(), from);
+  size_t i = it == starts_.begin() ? 0 : static_cast<size_t>(it - starts_.begin()) - 1;
+  for (; from < end && i < segments_.size(); ++i) {
+    const int64_t lo = starts_[i];
+    const int64_t hi = lo + segments_[i].bytes;
+    if (hi <= from) continue;
+    const int64_t take = std::min(end, hi) - from;
+    std::memcpy(out, segments_[i].data + (from - lo), static_cast<size_t>(take));
+    out += take;
+    from += take;
+  }
 }
 
 std::vector<char> MakeBlob(const std::vector<StateSegment>& segments, int64_t* blob_bytes) {
-  const std::string dir = Directory(segments);
-  int64_t size = static_cast<int64_t>(dir.size());
-  for (const StateSegment& s : segments) size += s.bytes;
-  *blob_bytes = size;
-  std::vector<char> blob(static_cast<size_t>(size), '\0');
-  std::memcpy(blob.data(), dir.data(), dir.size());
-  int64_t at = static_cast<int64_t>(dir.size());
-  for (const StateSegment& s : segments) {
-    if (s.bytes > 0) std::memcpy(blob.data() + at, s.data, static_cast<size_t>(s.bytes));
-    at += s.bytes;
-  }
+  const BlobView view(segments);
+  *blob_bytes = view.bytes();
+  std::vector<char> blob(static_cast<size_t>(view.bytes()), '\0');
+  view.Read(0, view.bytes(), blob.data());
   return blob;
 }
 

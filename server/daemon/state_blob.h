@@ -28,8 +28,28 @@ void XorInto(char* dst, const char* src, int64_t bytes);
 // The CRC-32 of `bytes` bytes.
 uint32_t Crc32(const char* data, int64_t bytes);
 
-// The blob of `segments`: the directory (a magic line, "<bytes> <name>" per segment, an empty
-// line, zero-padded to 64 bytes), then the segments; `blob_bytes` gets its size.
+// CRC-32 `crc` (of bytes before) extended over `bytes` more: Crc32Extend(Crc32(a), b) is the
+// CRC-32 of a then b; Crc32Extend(Crc32(nullptr, 0), ...) starts one.
+uint32_t Crc32Extend(uint32_t crc, const char* data, int64_t bytes);
+
+// The blob of `segments` (the directory: a magic line, "<bytes> <name>" per segment, an empty
+// line, zero-padded to 64 bytes; then the segments), read in pieces without making it whole
+// (Protect's windows). Refers to `segments`, which must outlive it.
+class BlobView {
+ public:
+  explicit BlobView(const std::vector<StateSegment>& segments);
+  int64_t bytes() const { return bytes_; }
+  // Copies the blob's bytes [from, from + n) into `out` (n >= 0, from + n <= bytes()).
+  void Read(int64_t from, int64_t n, char* out) const;
+
+ private:
+  const std::vector<StateSegment>& segments_;
+  std::string directory_;
+  std::vector<int64_t> starts_;  // where each segment starts in the blob
+  int64_t bytes_ = 0;
+};
+
+// The blob of `segments`, whole; `blob_bytes` gets its size.
 std::vector<char> MakeBlob(const std::vector<StateSegment>& segments, int64_t* blob_bytes);
 // The segments a blob's directory names, with where their bytes start: (name, (offset, bytes)).
 // DATA_LOSS where the directory is missing, has no end, or names bytes past the blob's end.

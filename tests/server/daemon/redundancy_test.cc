@@ -115,7 +115,7 @@ void OnEveryNode(testing::MemFabric* fabric, int nodes, Body body) {
 class RedundancyTest : public ::testing::TestWithParam<std::pair<std::string, int>> {
  protected:
   void SetUp() override {
-    auto pool = Pool::Create(int64_t{64} << 20);
+    auto pool = Pool::Create(int64_t{256} << 20);  // (the many-window test's parities)
     ASSERT_TRUE(pool.ok());
     pool_ = std::move(*pool);
     scheme_ = SchemeOf(*ParseRedundancy("redundancy", GetParam().first));
@@ -212,6 +212,43 @@ TEST_P(RedundancyTest, ALostNodeIsRebuiltBitForBitFromOneStepsParity) {
   auto again = RebuildAll(at3, {other}, 3, &placed);
   for (int n = 0; n < nodes_; ++n) ASSERT_TRUE(again[n].ok()) << n << again[n].status();
   EXPECT_EQ(placed[other].ranks, at3[other].ranks);
+}
+
+TEST_P(RedundancyTest, AStateOfManyWindowsIsProtectedThroughBoundedStaging) {
+  // Each rank's state is several protect windows long, with odd sizes (the last window of each
+  // chunk is partial): the parities are made window by window, and the pool's peak beyond the
+  // parities is at most one window per chunk sent or received on every node.
+  constexpr int64_t kWindow = NodeRedundancy::kProtectWindowBytes;
+  std::vector<NodeState> states;
+  std::mt19937 rng(7);
+  for (int n = 0; n < nodes_; ++n) {
+    NodeState st = MakeState(n, kLocals, 4);
+    for (int l = 0; l < kLocals; ++l) {
+      std::string big(static_cast<size_t>(2 * kWindow + 12345 + 999 * n + l), '\0');
+      for (char& c : big) c = static_cast<char>(rng());
+      st.ranks[static_cast<size_t>(l)]["opt/0/exp_avg_sq/0"] = big;
+    }
+    states.push_back(st);
+  }
+  const int64_t before = pool_->Stats().used;
+  ProtectAll(states, 1, 1);
+  int64_t parity = 0;
+  for (int n = 0; n < nodes_; ++n) {
+    parity += node_[n]->parity_bytes();
+    EXPECT_GT(node_[n]->protected_bytes(), 4 * kWindow) << n;
+  }
+  EXPECT_EQ(pool_->Stats().used, before + parity);  // the staging went back to the pool
+  int64_t staging = 0;  // every node's windows at once
+  for (int n = 0; n < nodes_; ++n) {
+    const int64_t flows =
+        kLocals * (scheme_.k + static_cast<int64_t>(ParitySources(scheme_, nodes_, n).size()));
+    staging += flows * kWindow + 256;
+  }
+  EXPECT_LE(pool_->Stats().peak, before + parity + staging);
+  std::vector<NodeState> placed;
+  auto results = RebuildAll(states, {1}, 1, &placed);
+  for (int n = 0; n < nodes_; ++n) ASSERT_TRUE(results[n].ok()) << n << results[n].status();
+  EXPECT_EQ(placed[1].ranks, states[1].ranks);
 }
 
 TEST_P(RedundancyTest, ANodeLostBeforeTheBarrierLeavesBothStepsRebuildable) {

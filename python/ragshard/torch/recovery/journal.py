@@ -61,7 +61,13 @@ class StepJournal:
         self._recorded = None  # the names in the manifest as last written
         self._depth = 0
 
-    committed = property(lambda self: int(self.meta[_pool.COMMITTED]))
+    committed = property(lambda self: int(self.meta[_pool.COMMITTED]),
+                         doc="The last transaction (optimizer step or load) committed.")
+    base = property(lambda self: int(self.meta[_pool.BASE]),
+                    doc="What makes a transaction's number a training step (a load sets it).")
+    step = property(lambda self: self.committed + self.base,
+                    doc="The training step this rank's state is at: completed steps since the "
+                        "job's start or since the step a loaded checkpoint held.")
     depth = property(lambda self: self._depth, doc="Open transactions (nested ones count).")
 
     def _undo_of(self, name, t):
@@ -96,7 +102,12 @@ class StepJournal:
         self._record(tensors)
         for name, t in tensors.items():
             self._undo_of(name, t).copy_(t)
+        self.meta[_pool.BASE_BEFORE] = self.meta[_pool.BASE]
         self.meta[_pool.BEGUN] = self.meta[_pool.COMMITTED] + 1
+
+    def set_base(self, step):
+        """Inside a load's transaction: the state is at training step `step` once it commits."""
+        self.meta[_pool.BASE] = int(step) - int(self.meta[_pool.BEGUN])
 
     def commit(self):
         self._depth -= 1
@@ -136,6 +147,7 @@ class StepJournal:
                 if t is None:
                     t, _ = self.pool.tensor(name, numel, getattr(torch, dtype))
                 t.copy_(self._undo_of(name, t))
+            self.meta[_pool.BASE] = self.meta[_pool.BASE_BEFORE]
         self.meta[_pool.COMMITTED] = to
         self.meta[_pool.BEGUN] = to
 
