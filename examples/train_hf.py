@@ -36,6 +36,7 @@ import json
 import math
 import os
 import sys
+import time
 
 import torch
 
@@ -232,8 +233,9 @@ def main(argv=None):
     if a.accum < 1 or per_rank % a.accum:
         sys.exit(f"--accum {a.accum} does not split a rank's {per_rank} sequences evenly")
     micro = per_rank // a.accum
-    losses, lrs, norms = [], [], []
+    losses, lrs, norms, seconds = [], [], [], []
     for step in range(first, a.steps):
+        started = time.perf_counter()
         x, y = global_batch(a, chain, step)
         loss = 0.0
         for i in range(a.accum):  # the same lines under both: each micro-batch's backward adds
@@ -252,6 +254,7 @@ def main(argv=None):
         opt.step()
         sched.step()
         opt.zero_grad()
+        seconds.append(time.perf_counter() - started)  # (this rank's: the step's wall time)
         done.step = step + 1
         if fsdp2:  # PORT: the loss's mean over the ranks, for the log
             t = loss.detach().reshape(1)
@@ -281,7 +284,7 @@ def main(argv=None):
         with open(a.out + ".json", "w") as f:
             json.dump({"backend": a.backend, "model": a.model, "world": world,
                        "first_step": first + 1, "losses": losses, "lrs": lrs,
-                       "grad_norms": norms, "checksums": sums}, f)
+                       "grad_norms": norms, "step_seconds": seconds, "checksums": sums}, f)
     if fsdp2:
         dist.destroy_process_group()
         # Leave without the interpreter's teardown: a gloo worker thread may drop its last
