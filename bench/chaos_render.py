@@ -509,7 +509,8 @@ def write_report(docs, doc):
                             "`ragshard.launch --max-restarts 1 --redundancy R`, kills a daemon "
                             "and its ranks, starts a replacement daemon with the node's id and "
                             "compares the final parameters with an uninterrupted run's "
-                            "(bench/chaos_node.py), one per redundancy per campaign.\n")
+                            "(bench/chaos_node.py), one per redundancy and configuration per "
+                            "campaign (AdamW, bf16, Shampoo in turn, two trials each).\n")
     if "node-shrink" in doc["faults"]:
         L[1] = L[1][:-2] + ("; node-shrink runs 4 ranks over 2 daemons (2 HSDP replica groups "
                             f"in trials 1 to {chaos_shrink.HSDP_TRIALS}, one shard group with "
