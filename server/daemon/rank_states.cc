@@ -58,8 +58,7 @@ RankStates::JournalMarks RankStates::Journal(int64_t rank) {
   if (it != buffers_.end() && it->second.second >= static_cast<int64_t>(sizeof(fields))) {
     std::memcpy(fields, it->second.first.data(), sizeof(fields));
   }
-  return {fields[pool::kJournalCommitted], fields[pool::kJournalBegun],
-          fields[pool::kJournalBase]};
+  return {fields[pool::kJournalCommitted], fields[pool::kJournalBegun], fields[pool::kJournalBase]};
 }
 
 std::vector<StateSegment> RankStates::Protected(int64_t rank) {

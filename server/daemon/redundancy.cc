@@ -94,7 +94,7 @@ const NodeRedundancy::Slot* NodeRedundancy::FindSlot(int local, int64_t step) co
   return newest;
 }
 
-absl::Status NodeRedundancy::Fill(Slot* slot, int64_t bytes) {
+absl::Status NodeRedundancy::Fill(Slot* slot, int64_t bytes, int64_t zero_from) {
   slot->step = -1;
   if (!slot->lease.valid() || slot->lease.size() < bytes) {
     slot->lease.Release();
@@ -107,7 +107,8 @@ absl::Status NodeRedundancy::Fill(Slot* slot, int64_t bytes) {
     slot->lease = std::move(*lease);
   }
   slot->bytes = bytes;
-  std::memset(slot->lease.data(), 0, static_cast<size_t>(bytes));
+  zero_from = std::clamp<int64_t>(zero_from, 0, bytes);
+  std::memset(slot->lease.data() + zero_from, 0, static_cast<size_t>(bytes - zero_from));
   slot->source_blob.clear();
   slot->source_crc.clear();
   return absl::OkStatus();
@@ -236,23 +237,25 @@ absl::Status NodeRedundancy::ProtectBlobs(Comm& comm,
   for (const std::vector<Flow>* flows : {&out, &in}) {
     for (const Flow& f : *flows) longest = std::max(longest, f.span.bytes);
   }
+  // A parity of one source (replica, parity:1) is that source's chunk: received in place.
+  const bool direct = sources.size() == 1;
   std::vector<Slot*> slots(L);  // each local rank's new parity
   for (size_t l = 0; l < L; ++l) {
     slots[l] = &SlotFor(static_cast<int>(l), step);
-    RAGSHARD_RETURN_IF_ERROR(Fill(slots[l], stripes[l][node_]));
+    RAGSHARD_RETURN_IF_ERROR(Fill(slots[l], stripes[l][node_], direct ? in[l].span.bytes : 0));
   }
-  // The staging: one window per flow, leased from the pool (its figures count it) for the
-  // protect's length only, whatever the state's size.
+  // The staging: one window per flow (none for the receives in place), leased from the pool
+  // (its figures count it) for the protect's length only, whatever the state's size.
   const int64_t window = std::min(longest, kProtectWindowBytes);
-  const int64_t staging = window * static_cast<int64_t>(out.size() + in.size());
+  const int64_t staging = window * static_cast<int64_t>(out.size() + (direct ? 0 : in.size()));
   Lease stage;
   if (staging > 0) {
     auto lease = pool_->Allocate(staging);
     if (!lease.ok()) {
-      return absl::Status(lease.status().code(),
-                          absl::StrCat("the protect's staging of ", staging, " bytes (",
-                                       out.size() + in.size(), " windows of ", window,
-                                       "; redundancy): ", lease.status().message()));
+      return absl::Status(
+          lease.status().code(),
+          absl::StrCat("the protect's staging of ", staging, " bytes (", out.size() + in.size(),
+                       " windows of ", window, "; redundancy): ", lease.status().message()));
     }
     stage = std::move(*lease);
   }
@@ -267,17 +270,23 @@ absl::Status NodeRedundancy::ProtectBlobs(Comm& comm,
     for (size_t f = 0; f < out.size(); ++f) {
       const int64_t n = std::min(window, out[f].span.bytes - at);
       if (n <= 0) continue;
-      char* buf = stage.data() + static_cast<int64_t>(f) * window;
-      views[out[f].l].Read(out[f].span.offset + at, n, buf);
+      const BlobView& view = views[out[f].l];
+      const char* src = view.Contiguous(out[f].span.offset + at, n);
+      if (src == nullptr) {
+        char* buf = stage.data() + static_cast<int64_t>(f) * window;
+        view.Read(out[f].span.offset + at, n, buf);
+        src = buf;
+      }
       RAGSHARD_ASSIGN_OR_RETURN(
-          uint64_t r, comm.PostSend(out[f].peer, RedundancyStamp(seq, 1, index + out[f].l), buf,
+          uint64_t r, comm.PostSend(out[f].peer, RedundancyStamp(seq, 1, index + out[f].l), src,
                                     static_cast<size_t>(n)));
       sends.push_back(r);
     }
     for (size_t f = 0; f < in.size(); ++f) {
       const int64_t n = std::min(window, in[f].span.bytes - at);
       if (n <= 0) continue;
-      char* buf = stage.data() + static_cast<int64_t>(out.size() + f) * window;
+      char* buf = direct ? slots[in[f].l]->lease.data() + at
+                         : stage.data() + static_cast<int64_t>(out.size() + f) * window;
       RAGSHARD_ASSIGN_OR_RETURN(
           uint64_t r, comm.PostRecv(in[f].peer, RedundancyStamp(seq, 1, index + in[f].l), buf,
                                     static_cast<size_t>(n)));
@@ -288,8 +297,10 @@ absl::Status NodeRedundancy::ProtectBlobs(Comm& comm,
     for (size_t f = 0; f < in.size(); ++f) {
       const int64_t n = std::min(window, in[f].span.bytes - at);
       if (n <= 0) continue;
-      const char* buf = stage.data() + static_cast<int64_t>(out.size() + f) * window;
-      XorInto(slots[in[f].l]->lease.data() + at, buf, n);
+      char* parity = slots[in[f].l]->lease.data() + at;
+      const char* buf =
+          direct ? parity : stage.data() + static_cast<int64_t>(out.size() + f) * window;
+      if (!direct) XorInto(parity, buf, n);
       crc[f] = Crc32Extend(crc[f], buf, n);
     }
   }

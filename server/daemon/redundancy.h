@@ -9,12 +9,13 @@
 //
 // Protect runs inside every optimizer step's transaction: each node sends its chunks to their
 // holders, window by window (kProtectWindowBytes, staged in the pool), which XOR what they
-// receive into a new parity with a CRC-32 of each chunk, tagged with the step; once every node has its new parity (a barrier), each drops its parity of the step
-// before. A node so holds one parity, and two only between a step's protect and that barrier.
-// A rank's committed step commits after the barrier, so where a node is lost, either some node
-// holds no parity of the step before any more, and then every node holds the new one and every
-// rank's state is that step's (the ranks roll forward to it), or every node still holds the one
-// before (they roll back): docs/recovery.md, "One consistent step".
+// receive into a new parity with a CRC-32 of each chunk, tagged with the step; once every node has
+// its new parity (a barrier), each drops its parity of the step before. A node so holds one parity,
+// and two only between a step's protect and that barrier. A rank's committed step commits after the
+// barrier, so where a node is lost, either some node holds no parity of the step before any more,
+// and then every node holds the new one and every rank's state is that step's (the ranks roll
+// forward to it), or every node still holds the one before (they roll back): docs/recovery.md, "One
+// consistent step".
 //
 // "hsdp" keeps nothing: each rank's state is the same as its HSDP replicas' (every replica
 // group steps the same shards with the same gradients), so a lost node's ranks are rebuilt by
@@ -48,8 +49,10 @@ using PlaceSegment =
 class NodeRedundancy {
  public:
   // Protect moves each chunk in windows of at most this many bytes, through staging leased from
-  // the pool for the protect's length (one window per chunk sent or received): its memory
-  // beyond the parities is bounded, whatever the state's size, and in the pool's figures.
+  // the pool for the protect's length (at most one window per chunk sent or received): its
+  // memory beyond the parities is bounded, whatever the state's size, and in the pool's
+  // figures. A window inside one segment is sent from where it lies, and where a parity has one
+  // source (replica, parity:1) its chunk is received straight into the parity.
   static constexpr int64_t kProtectWindowBytes = int64_t{2} << 20;
 
   // This node is `node` of `node_names.size()`, with `locals` local ranks (the job's nodes hold
@@ -162,7 +165,9 @@ class NodeRedundancy {
                             int64_t step, absl::Time deadline, uint64_t seq);
   void CountParities();
   const Slot* FindSlot(int local, int64_t step) const;
-  absl::Status Fill(Slot* slot, int64_t bytes);
+  // `slot` leased for a parity of `bytes`, zeros from byte `zero_from` on (what comes before
+  // is written whole by the caller).
+  absl::Status Fill(Slot* slot, int64_t bytes, int64_t zero_from = 0);
 
   const RedundancyScheme scheme_;
   const int node_;

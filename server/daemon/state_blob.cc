@@ -91,6 +91,16 @@ void BlobView::Read(int64_t from, int64_t n, char* out) const {
   }
 }
 
+const char* BlobView::Contiguous(int64_t from, int64_t n) const {
+  const int64_t dir = static_cast<int64_t>(directory_.size());
+  if (from + n <= dir) return directory_.data() + from;
+  auto it = std::upper_bound(starts_.begin(), starts_.end(), from);
+  if (from < dir || it == starts_.begin()) return nullptr;
+  const size_t i = static_cast<size_t>(it - starts_.begin()) - 1;
+  if (from + n > starts_[i] + segments_[i].bytes) return nullptr;
+  return segments_[i].data + (from - starts_[i]);
+}
+
 std::vector<char> MakeBlob(const std::vector<StateSegment>& segments, int64_t* blob_bytes) {
   const BlobView view(segments);
   *blob_bytes = view.bytes();

@@ -41,6 +41,9 @@ class BlobView {
   int64_t bytes() const { return bytes_; }
   // Copies the blob's bytes [from, from + n) into `out` (n >= 0, from + n <= bytes()).
   void Read(int64_t from, int64_t n, char* out) const;
+  // Where the blob's bytes [from, from + n) lie in one piece (inside one segment, or the
+  // directory), or nullptr where they span several: what a send can take without a copy.
+  const char* Contiguous(int64_t from, int64_t n) const;
 
  private:
   const std::vector<StateSegment>& segments_;

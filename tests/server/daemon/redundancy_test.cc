@@ -238,7 +238,7 @@ TEST_P(RedundancyTest, AStateOfManyWindowsIsProtectedThroughBoundedStaging) {
     EXPECT_GT(node_[n]->protected_bytes(), 4 * kWindow) << n;
   }
   EXPECT_EQ(pool_->Stats().used, before + parity);  // the staging went back to the pool
-  int64_t staging = 0;  // every node's windows at once
+  int64_t staging = 0;                              // every node's windows at once
   for (int n = 0; n < nodes_; ++n) {
     const int64_t flows =
         kLocals * (scheme_.k + static_cast<int64_t>(ParitySources(scheme_, nodes_, n).size()));
