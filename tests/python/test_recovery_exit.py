@@ -222,7 +222,9 @@ def test_a_notice_in_another_thread_reaches_the_main_one(script, tmp_path, how, 
     code, err = run(script, tmp_path / "m", mode, how)
     got = marks_of(tmp_path / "m")
     assert code == RECOVERY_EXIT, err
-    assert mode == "thread-busy" or got.get("thread") == "75", got  # (busy: a daemon's thread)
+    # The thread that got the notice catches it (75) unless the main thread, told at its next
+    # bytecode, ends the process first: a forked rank exits without waiting for the thread.
+    assert got.get("thread", "75") == "75", got
     assert got.get("finally", "").startswith("RecoveryInProgress("), got
     assert "atexit" in got and "main-goes-on" not in got and "spun-out" not in got, got
 
