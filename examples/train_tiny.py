@@ -66,6 +66,10 @@ def parse():
                    help="start from a plain state_dict (torch.save of the unsharded model's "
                         "parameters), with a fresh optimizer")
     p.add_argument("--accum", type=int, default=1, help="micro-batches per step")
+    p.add_argument("--reduce-every-backward", action="store_true",
+                   help="with --accum: every micro-batch's backward reduce-scatters and adds "
+                        "into the gradient shards (FSDP2's default), instead of no_sync until "
+                        "the last")
     p.add_argument("--clip", type=float, default=0.0, help="max global grad norm (0: off)")
     tiny_optim.add_arguments(p)
     p.add_argument("--meta-init", action="store_true",
@@ -282,11 +286,12 @@ def sharded(args, model, chain):
                          args.seq)
             x, y = x.to(args.device), y.to(args.device)
             rows = rank_rows(args, w, r)
-            sync = micro == args.accum - 1
+            last = micro == args.accum - 1
+            sync = last or args.reduce_every_backward
             with (fsdp.no_sync() if not sync else _null()):
                 logits = fsdp(x[rows])
                 kill.at(step, "forward")
-                if kill.armed(step, "backward"):
+                if last and kill.armed(step, "backward"):  # (the last micro-batch's)
                     logits.register_hook(lambda g: kill.at(step, "backward") or g)
                 loss = torch.nn.functional.cross_entropy(
                     logits.float().reshape(-1, args.vocab), y[rows].reshape(-1))

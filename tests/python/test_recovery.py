@@ -132,22 +132,28 @@ def test_a_killed_rank_recovers_in_place(cluster, tmp_path, optimizer, rank, ste
     assert "steps:        6 completed by every rank\n" in why.stdout, why.stdout + why.stderr
 
 
-LAYOUTS = {"hsdp": ["--replicate", "2"], "device-shaped": [],
+# Each layout's launch flags and training flags. HSDP and AMSP train as large models do: bf16
+# parameters (fp32 masters in the pool) and gradient accumulation by repeated backward, each
+# adding into the gradient shards.
+PEOPLE_TRAIN = ["--param-dtype", "bf16", "--accum", "2", "--reduce-every-backward"]
+LAYOUTS = {"hsdp": (["--replicate", "2"], PEOPLE_TRAIN), "device-shaped": ([], []),
            # AMSP's separate factors: each rank steps its os range, the update gather spreads it.
-           "amsp": ["--policy", "auto", "--strategy", "k=1,p=1x1,g=2x1,os=2x2"]}
+           "amsp": (["--policy", "auto", "--strategy", "k=1,p=1x1,g=2x1,os=2x2"], PEOPLE_TRAIN)}
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_other_layouts_recover_in_place(request, tmp_path, layout):
     """Under HSDP (2 replicas of 2) the ranks agree over the replicas too; on the device-shaped
     plane each rank's unsharded buffers are its own; under AMSP's factors the update gather
-    writes the parameter shards inside the step."""
+    writes the parameter shards inside the step. HSDP and AMSP with bf16 parameters and two
+    micro-batches per step, each its own backward that reduce-scatters: the rank is lost in the
+    second one's, the first one's gradients already in the shards."""
     c = request.getfixturevalue("device_cluster" if layout == "device-shaped" else "cluster")
-    launch = LAYOUTS[layout]
-    ref, r = run(c, tmp_path, f"{layout}-ref", [], launch=launch)
+    launch, extra = LAYOUTS[layout]
+    ref, r = run(c, tmp_path, f"{layout}-ref", extra, launch=launch)
     assert r.returncode == 0, r.stdout + r.stderr
-    out, r = run(c, tmp_path, f"{layout}-kill", ["--kill-at", f"2:3:backward:{tmp_path / 'k'}"],
-                 launch=launch)
+    out, r = run(c, tmp_path, f"{layout}-kill",
+                 extra + ["--kill-at", f"2:3:backward:{tmp_path / 'k'}"], launch=launch)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "rank 2 exited with -9; restarting it" in r.stderr
     a, b = params(out), params(ref)
