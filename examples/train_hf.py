@@ -280,11 +280,15 @@ def main(argv=None):
     else:
         full = sorted(model.full_state().items())
     sums = checksums(full)
+    # ragshard: this node's daemon's pool (bench/recovery_cost.py: the state, its parities).
+    node = {} if fsdp2 else {k: v for k, v in model.client.stats().items() if k in (
+        "pool_used", "pool_peak", "protected_bytes", "parity_bytes", "staging_bytes")}
     if a.out and rank == 0:
         with open(a.out + ".json", "w") as f:
             json.dump({"backend": a.backend, "model": a.model, "world": world,
                        "first_step": first + 1, "losses": losses, "lrs": lrs,
-                       "grad_norms": norms, "step_seconds": seconds, "checksums": sums}, f)
+                       "grad_norms": norms, "step_seconds": seconds, "checksums": sums,
+                       "node": node}, f)
     if fsdp2:
         dist.destroy_process_group()
         # Leave without the interpreter's teardown: a gloo worker thread may drop its last

@@ -1,0 +1,108 @@
+"""What recovery in place costs a training step on a real model (issue: recovery where people
+train, item 5): examples/train_hf.py's Llama at >= 100 M parameters, D daemons x R ranks, each
+run on a fresh LocalCluster, in alternated rounds of: no recovery, `--max-restarts 1` (the
+state in the pool, each step journaled), and with redundancy across nodes (parity:2, replica).
+Per run: the slowest rank's step time (median over the steps after the first two), and each
+daemon's resident memory and pool figures at the end of training.
+
+    .venv/bin/python bench/recovery_cost.py --build build --work /tmp/rc --rounds 5 --json OUT
+
+Prints one JSON line per run and writes every run to OUT (JSON)."""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from recovery_runs import Launch, Others, sh, slowest_step  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "examples", "train_hf.py")
+PRELOAD = "torch,transformers.models.llama.modeling_llama"
+# About 105 M parameters: 14 layers of 7.1 M and an 8,192 x 768 tied embedding.
+MODEL = ["--model", "llama", "--hidden", "768", "--layers", "14", "--heads", "12",
+         "--intermediate", "2048", "--vocab", "8192", "--seq", "128", "--quiet"]
+SEQUENCES_PER_RANK = 2
+CONFIGS = {"none": [], "restarts": ["--max-restarts", "1"],
+           "parity:2": ["--max-restarts", "1", "--redundancy", "parity:2"],
+           "replica": ["--max-restarts", "1", "--redundancy", "replica"]}
+
+
+def _rss_kib(pid):
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def one_run(a, layout, config, job):
+    from ragshard.cluster import LocalCluster
+    daemons, per_node = layout
+    out = os.path.join(a.work, job)
+    with Others() as others, LocalCluster(a.build, daemons=daemons,
+                                          pool_bytes=a.pool_gib << 30) as c:
+        # (inside the cluster: the environment names its planner's token)
+        env = dict(os.environ, PYTHONPATH=os.path.join(a.build, "python"))
+        env.pop("OMP_NUM_THREADS", None)
+        cmd = [sys.executable, "-m", "ragshard.launch", "--preload", PRELOAD, "--planner",
+               c.planner, "--job", job, "--nproc", str(daemons * per_node), "--sockets",
+               ",".join(c.sockets), "--create-job"] + CONFIGS[config] + [
+               EXAMPLE, "--backend", "ragshard", "--steps", str(a.steps), "--out", out,
+               "--global-batch", str(SEQUENCES_PER_RANK * daemons * per_node)] + MODEL
+        launch = Launch(cmd, env, a.timeout)
+        daemon_rss = [_rss_kib(p.pid) for p in c._daemons.values()]
+    with open(out + ".log", "w") as f:  # every line of the launch, with its time
+        f.writelines(f"{t:9.3f} {text}\n" for t, text in launch.lines)
+    if launch.code != 0:
+        raise RuntimeError(f"{job}: exited with {launch.code}:\n{launch.tail()}")
+    main = json.load(open(out + ".json"))
+    steps = main["step_seconds"][2:]
+    return {"job": job, "layout": f"{daemons}x{per_node}", "config": config,
+            "command": sh(cmd).replace(ROOT + os.sep, ""), "wall": launch.wall,
+            "others_cores": others.cores(), "steps": main["step_seconds"],
+            "median_step": statistics.median(steps), "daemon_rss_kib": daemon_rss,
+            "node0": main.get("node", {})}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--build", required=True)
+    p.add_argument("--work", required=True)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--layouts", default="2x2,3x2")
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--pool-gib", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--json", default="")
+    a = p.parse_args()
+    sys.path.insert(0, os.path.join(os.path.abspath(a.build), "python"))
+    os.makedirs(a.work, exist_ok=True)
+    layouts = [tuple(int(x) for x in s.split("x")) for s in a.layouts.split(",")]
+    configs = a.configs.split(",")
+    runs = []
+    for r in range(a.rounds):
+        for layout in layouts:
+            for config in configs:
+                if config == "parity:2" and layout[0] % 3:
+                    continue  # (parity:2 needs the daemons in groups of 3)
+                job = f"rc{r}-{layout[0]}x{layout[1]}-{config.replace(':', '')}-{int(time.time())}"
+                run = one_run(a, layout, config, job)
+                run["round"] = r
+                runs.append(run)
+                print(json.dumps({k: run[k] for k in ("layout", "config", "round",
+                                                      "median_step", "daemon_rss_kib", "node0",
+                                                      "others_cores", "wall")}), flush=True)
+                if a.json:
+                    with open(a.json, "w") as f:
+                        json.dump(runs, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
