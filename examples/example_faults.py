@@ -44,8 +44,9 @@ class Kill:
     def inside_optimizer(self, step):
         """During the optimizer step: at "step", after the first torch optimizer inside has
         updated its pieces, before the step completes (on a rank with no pieces to update, no
-        torch optimizer inside, before the step's protection, --redundancy, if it has one); at
-        "protected", once the step's protection has returned, before the step commits."""
+        torch optimizer inside, once the step committed, before its protection starts,
+        --redundancy, if it has one); at "protected", once the step committed and its
+        protection started (it runs in the background of the next step)."""
         armed = [p for p in ("step", "protected") if self.armed(step, p)]
         if not armed:
             yield

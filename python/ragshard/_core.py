@@ -42,6 +42,7 @@ class OpKind(enum.IntEnum):
     UPDATE_GATHER = 10
     PROTECT = 11
     REBUILD = 12
+    PROTECT_FINISH = 13
 
 
 class ReduceKind(enum.IntEnum):
@@ -504,9 +505,15 @@ class Client(_NoCopy):
                                "state is rebuilt from the other nodes (rebuild()).")
 
     def protect(self):
-        """OP_PROTECT: this rank's persistent state into the job's redundancy (every rank,
-        inside each optimizer step's transaction)."""
+        """OP_PROTECT: starts protecting this rank's persistent state into the job's redundancy
+        (every rank, once a step commits); the daemon moves it in the background of the
+        operations that follow, until protect_finish()."""
         return self._op(OpKind.PROTECT, 0)
+
+    def protect_finish(self):
+        """OP_PROTECT_FINISH: the protect under way, whole on every node (every rank, before a
+        step changes the state)."""
+        return self._op(OpKind.PROTECT_FINISH, 0)
 
     def rebuild(self):
         """OP_REBUILD: a replacement node's ranks' state from the other nodes (every rank,

@@ -79,6 +79,11 @@ void JobRuntime::FailRecovery(const absl::Status& error) {
 }
 
 void JobRuntime::Recover() {
+  // A protect running in the background dies with the connection (its parities made whole
+  // before it stay): JobRedundancy::AbandonProtect.
+  if (JobRedundancy* redundancy = redundancy_state(); redundancy != nullptr) {
+    redundancy->AbandonProtect();
+  }
   std::string lost;
   bool abort_comm = false;
   {

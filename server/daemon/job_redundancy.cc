@@ -78,7 +78,7 @@ absl::Status JobRedundancy::Protect(Comm& comm, const DataBackend& dp, absl::Tim
                                     uint64_t seq) {
   RAGSHARD_ASSIGN_OR_RETURN(const int64_t step, LocalStep(/*committed=*/false, "OP_PROTECT"));
   RAGSHARD_ASSIGN_OR_RETURN(auto state, ProtectedState(dp));
-  return redundancy_.Protect(comm, state, step, deadline, seq);
+  return redundancy_.StartProtect(comm, std::move(state), step, deadline, seq);
 }
 
 absl::Status JobRedundancy::Rebuild(Comm& comm, const DataBackend& dp, int64_t epoch,

@@ -48,8 +48,21 @@ class JobRedundancy {
   }
   void FillStats(v1::JobStats* out) const;
 
-  // OP_PROTECT (the job's thread): the local ranks' state at the step they have begun.
+  // OP_PROTECT (the job's thread): starts protecting the local ranks' state at the step they
+  // have begun, in the background of the operations that follow (NodeRedundancy's StartProtect;
+  // a protect still under way is finished first). OP_PROTECT_FINISH: the protect under way, whole.
+  // Advance: a few more of its windows, after each operation of the job's thread.
   absl::Status Protect(Comm& comm, const DataBackend& dp, absl::Time deadline, uint64_t seq);
+  absl::Status FinishProtect(Comm& comm, absl::Time deadline) {
+    return redundancy_.FinishProtect(comm, deadline);
+  }
+  absl::Status AdvanceProtect(Comm& comm, absl::Time deadline) {
+    return redundancy_.AdvanceProtect(comm, NodeRedundancy::kWindowsPerOperation, deadline);
+  }
+  bool protecting() const { return redundancy_.protecting(); }
+  // A recovery in place: the protect under way is given up (its messages died with the
+  // connection); the parities made whole before it stay.
+  void AbandonProtect() { redundancy_.AbandonProtect(); }
   // OP_REBUILD (the job's thread): every node at the step its ranks committed; a replacement
   // gets its ranks' state from the others and tells the planner (ReportRecovered, in `epoch`).
   // A state that cannot be rebuilt, or rebuilt wrong, is named and given to `stop` (which stops

@@ -12,6 +12,9 @@
 namespace ragshard::daemon {
 namespace {
 
+// How long a background protect's windows may wait for a peer (an operation's default bound).
+constexpr absl::Duration kBackgroundDeadline = absl::Seconds(60);
+
 int64_t SteadyNanos() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
              std::chrono::steady_clock::now().time_since_epoch())
@@ -162,7 +165,7 @@ void JobRuntime::LocalRankLeft(int local, int64_t rank, uint64_t generation, boo
 }
 
 std::string JobRuntime::Describe(const Op& op) const {
-  if (op.kind == v1::OP_PROTECT || op.kind == v1::OP_REBUILD) {
+  if (op.kind == v1::OP_PROTECT || op.kind == v1::OP_PROTECT_FINISH || op.kind == v1::OP_REBUILD) {
     return absl::StrCat(v1::OpKind_Name(op.kind), " (the ranks' state across nodes)");
   }
   const std::string name =
@@ -419,6 +422,7 @@ void JobRuntime::Run() {
       if (!failed_.ok()) FailPending();
     }
     ServeWaiters();
+    AdvanceProtect();
   }
   // Stopping: nobody will complete the remaining operations; answer their waiters.
   std::vector<WaitCallback> pending;
@@ -453,6 +457,7 @@ absl::Status JobRuntime::Execute(uint64_t seq, const Op& op) {
     case v1::OP_SCATTER_FROM_OWNER:
       return dp_->ScatterFromOwner(op.unit, op.deadline);
     case v1::OP_PROTECT:
+    case v1::OP_PROTECT_FINISH:
     case v1::OP_REBUILD:
       return Redundancy(seq, op);
     case v1::OP_UPDATE_GATHER:
@@ -478,14 +483,44 @@ absl::Status JobRuntime::ExposeCopy(int local, int64_t step, const std::string& 
   return redundancy->ExposeCopy(local, step, name, pool);
 }
 
+void JobRuntime::AdvanceProtect() {
+  JobRedundancy* redundancy = redundancy_state();
+  if (redundancy == nullptr || comm_ == nullptr || !redundancy->protecting()) return;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_ || !failed_.ok() || !recovery_.running()) return;
+  }
+  const absl::Status s = redundancy->AdvanceProtect(*comm_, absl::Now() + kBackgroundDeadline);
+  if (s.ok()) return;
+  redundancy->AbandonProtect();
+  const std::string what =
+      absl::StrCat("node '", node_id_, "' lost the protect of the ranks' state: ", s.message());
+  {
+    absl::MutexLock lock(&mu_);
+    if (!failed_.ok() || stopping_) return;
+    const bool fatal = absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s) || absl::IsAborted(s);
+    if (fatal && recovery_.recoverable()) {
+      StartRecovery(what);
+      recovery_.MarkCommAborted();  // (as an operation's failure: JobRuntime::Run)
+      return;
+    }
+    failed_ = absl::Status(s.code(), what);
+    FailPending();
+  }
+  LOG(ERROR) << "job " << job_id_ << ": " << what;
+  Report(absl::Status(s.code(), what));
+  ServeWaiters();
+}
+
 absl::Status JobRuntime::Redundancy(uint64_t seq, const Op& op) {
-  const char* what = op.kind == v1::OP_PROTECT ? "OP_PROTECT" : "OP_REBUILD";
+  const std::string what = v1::OpKind_Name(op.kind);
   JobRedundancy* redundancy = redundancy_state();
   if (redundancy == nullptr || comm_ == nullptr) {
     return absl::FailedPreconditionError(absl::StrCat(
         what, ": job '", job_id_, "' has no redundancy across nodes (JobOptions.redundancy)"));
   }
   if (op.kind == v1::OP_PROTECT) return redundancy->Protect(*comm_, *dp_, op.deadline, seq);
+  if (op.kind == v1::OP_PROTECT_FINISH) return redundancy->FinishProtect(*comm_, op.deadline);
   return redundancy->Rebuild(*comm_, *dp_, recovery_.epoch(), op.deadline, seq,
                              [this](const absl::Status& error) {
                                Report(error);

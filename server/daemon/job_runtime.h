@@ -190,8 +190,12 @@ class JobRuntime final : public OpTarget {
   void FailRecovery(const absl::Status& error);
   // Runs one operation (the job thread, without mu_).
   absl::Status Execute(uint64_t seq, const Op& op);
-  // OP_PROTECT and OP_REBUILD (JobRedundancy's).
+  // OP_PROTECT, OP_PROTECT_FINISH and OP_REBUILD (JobRedundancy's).
   absl::Status Redundancy(uint64_t seq, const Op& op);
+  // After each operation (the job thread, without mu_): a few more windows of a protect running
+  // in the background (redundancy.h), while the ranks compute. Its failure is the job's, as an
+  // operation's would be: a recovery where the job recovers in place.
+  void AdvanceProtect();
   JobRedundancy* redundancy_state() {
     absl::MutexLock lock(&mu_);
     return redundancy_.get();

@@ -22,6 +22,29 @@ NodeRedundancy::NodeRedundancy(RedundancyScheme scheme, int node,
       slots_(static_cast<size_t>(locals)),
       own_(static_cast<size_t>(locals)) {}
 
+// What a protect under way keeps between its windows: the state it reads (the blob views
+// refer to it), the flows it sends and receives, the new parities, its staging and where it is.
+struct NodeRedundancy::Pending {
+  struct Flow {
+    int peer = 0;
+    size_t l = 0;
+    ChunkSpan span;
+  };
+  std::vector<std::vector<StateSegment>> state;
+  std::vector<BlobView> views;
+  std::vector<std::vector<int64_t>> blob;  // per local rank: every node's blob bytes
+  std::vector<ChunkRef> sources;
+  std::vector<Flow> out, in;
+  bool direct = false;       // one source: its chunk is received into the parity in place
+  std::vector<Slot*> slots;  // each local rank's new parity
+  Lease stage;
+  std::vector<uint32_t> crc;  // of each incoming flow so far
+  int64_t step = 0, longest = 0, window = 0, at = 0;
+  uint64_t seq = 0, laps = 2;
+};
+
+NodeRedundancy::~NodeRedundancy() = default;
+
 void NodeRedundancy::Record(int local, const std::vector<StateSegment>& state, int64_t step) {
   std::array<Own, 2>& own = own_[static_cast<size_t>(local)];
   Own& o = own[0].step == step   ? own[0]
@@ -179,151 +202,189 @@ void NodeRedundancy::CountParities() {
   }
 }
 
-absl::Status NodeRedundancy::Protect(Comm& comm,
-                                     const std::vector<std::vector<StateSegment>>& state,
+absl::Status NodeRedundancy::Protect(Comm& comm, std::vector<std::vector<StateSegment>> state,
                                      int64_t step, absl::Time deadline, uint64_t seq) {
+  RAGSHARD_RETURN_IF_ERROR(StartProtect(comm, std::move(state), step, deadline, seq));
+  return FinishProtect(comm, deadline);
+}
+
+absl::Status NodeRedundancy::StartProtect(Comm& comm, std::vector<std::vector<StateSegment>> state,
+                                          int64_t step, absl::Time deadline, uint64_t seq) {
+  RAGSHARD_RETURN_IF_ERROR(FinishProtect(comm, deadline));
   if (scheme_.hsdp) return absl::OkStatus();  // the replicas are the redundancy
-  absl::Status done = ProtectBlobs(comm, state, step, deadline, seq);
+  absl::Status planned = PlanProtect(comm, std::move(state), step, deadline, seq);
+  if (!planned.ok()) {
+    AbandonProtect();
+    CountParities();
+  }
+  return planned;
+}
+
+absl::Status NodeRedundancy::FinishProtect(Comm& comm, absl::Time deadline) {
+  if (pending_ == nullptr) return absl::OkStatus();
+  absl::Status done = EndProtect(comm, deadline);
+  AbandonProtect();  // (its staging back to the pool, whole or not)
   CountParities();
   return done;
 }
 
-absl::Status NodeRedundancy::ProtectBlobs(Comm& comm,
-                                          const std::vector<std::vector<StateSegment>>& state,
-                                          int64_t step, absl::Time deadline, uint64_t seq) {
+void NodeRedundancy::AbandonProtect() {
+  if (pending_ == nullptr) return;
+  // A parity not made whole keeps step -1 (Fill): no step counts it, and the next protect's
+  // SlotFor takes it first.
+  pending_.reset();
+}
+
+absl::Status NodeRedundancy::PlanProtect(Comm& comm, std::vector<std::vector<StateSegment>> state,
+                                         int64_t step, absl::Time deadline, uint64_t seq) {
   const int k = scheme_.k;
   const size_t L = static_cast<size_t>(locals_);
-  std::vector<BlobView> views;
-  views.reserve(L);
+  pending_ = std::make_unique<Pending>();
+  Pending& p = *pending_;
+  p.state = std::move(state);
+  p.step = step;
+  p.seq = seq;
+  p.views.reserve(L);
   std::vector<int64_t> sizes(static_cast<size_t>(nodes_) * L, 0);
   for (size_t l = 0; l < L; ++l) {
-    views.emplace_back(state[l]);
-    sizes[node_ * L + l] = views[l].bytes();
+    p.views.emplace_back(p.state[l]);
+    sizes[node_ * L + l] = p.views[l].bytes();
   }
   RAGSHARD_RETURN_IF_ERROR(AllGather(comm, reinterpret_cast<char*>(sizes.data()),
                                      L * sizeof(int64_t), deadline, RedundancyStamp(seq, 0, 0)));
-  for (size_t l = 0; l < L; ++l) Record(static_cast<int>(l), state[l], step);
+  for (size_t l = 0; l < L; ++l) Record(static_cast<int>(l), p.state[l], step);
   int64_t mine = 0;
   for (size_t l = 0; l < L; ++l) mine += sizes[node_ * L + l];
   protected_bytes_.store(mine);
   // Per local rank: every node's blob bytes, and the stripes they make.
-  std::vector<std::vector<int64_t>> blob(L, std::vector<int64_t>(static_cast<size_t>(nodes_)));
+  p.blob.assign(L, std::vector<int64_t>(static_cast<size_t>(nodes_)));
   std::vector<std::vector<int64_t>> stripes(L);
   for (size_t l = 0; l < L; ++l) {
-    for (int n = 0; n < nodes_; ++n) blob[l][n] = sizes[n * L + l];
-    stripes[l] = StripeBytes(scheme_, blob[l]);
+    for (int n = 0; n < nodes_; ++n) p.blob[l][n] = sizes[n * L + l];
+    stripes[l] = StripeBytes(scheme_, p.blob[l]);
   }
   // What this node sends (its chunk c of each local rank's blob to chunk c's holder) and
   // receives (each source's chunk, XORed into this node's parity), window by window.
-  struct Flow {
-    int peer = 0;
-    size_t l = 0;
-    ChunkSpan span;
-  };
-  std::vector<Flow> out, in;
   for (int c = 0; c < k; ++c) {
     for (size_t l = 0; l < L; ++l) {
-      out.push_back({ParityHolder(scheme_, nodes_, node_, c), l,
-                     ChunkOf(scheme_, stripes[l], blob[l], node_, c)});
+      p.out.push_back({ParityHolder(scheme_, nodes_, node_, c), l,
+                       ChunkOf(scheme_, stripes[l], p.blob[l], node_, c)});
     }
   }
-  const std::vector<ChunkRef> sources = ParitySources(scheme_, nodes_, node_);
-  for (const ChunkRef& src : sources) {
+  p.sources = ParitySources(scheme_, nodes_, node_);
+  for (const ChunkRef& src : p.sources) {
     for (size_t l = 0; l < L; ++l) {
-      in.push_back({src.node, l, ChunkOf(scheme_, stripes[l], blob[l], src.node, src.chunk)});
+      p.in.push_back({src.node, l, ChunkOf(scheme_, stripes[l], p.blob[l], src.node, src.chunk)});
     }
   }
-  int64_t longest = 0;
-  for (const std::vector<Flow>* flows : {&out, &in}) {
-    for (const Flow& f : *flows) longest = std::max(longest, f.span.bytes);
+  for (const std::vector<Pending::Flow>* flows : {&p.out, &p.in}) {
+    for (const Pending::Flow& f : *flows) p.longest = std::max(p.longest, f.span.bytes);
   }
   // A parity of one source (replica, parity:1) is that source's chunk: received in place.
-  const bool direct = sources.size() == 1;
-  std::vector<Slot*> slots(L);  // each local rank's new parity
+  p.direct = p.sources.size() == 1;
+  p.slots.resize(L);
   for (size_t l = 0; l < L; ++l) {
-    slots[l] = &SlotFor(static_cast<int>(l), step);
-    RAGSHARD_RETURN_IF_ERROR(Fill(slots[l], stripes[l][node_], direct ? in[l].span.bytes : 0));
+    p.slots[l] = &SlotFor(static_cast<int>(l), step);
+    RAGSHARD_RETURN_IF_ERROR(
+        Fill(p.slots[l], stripes[l][node_], p.direct ? p.in[l].span.bytes : 0));
   }
   // The staging: one window per flow (none for the receives in place), leased from the pool
   // (its figures count it) for the protect's length only, whatever the state's size.
-  const int64_t window = std::min(longest, kProtectWindowBytes);
-  const int64_t staging = window * static_cast<int64_t>(out.size() + (direct ? 0 : in.size()));
-  Lease stage;
+  p.window = std::min(p.longest, kProtectWindowBytes);
+  const int64_t staging =
+      p.window * static_cast<int64_t>(p.out.size() + (p.direct ? 0 : p.in.size()));
   if (staging > 0) {
     auto lease = pool_->Allocate(staging);
     if (!lease.ok()) {
       return absl::Status(
           lease.status().code(),
-          absl::StrCat("the protect's staging of ", staging, " bytes (", out.size() + in.size(),
-                       " windows of ", window, "; redundancy): ", lease.status().message()));
+          absl::StrCat("the protect's staging of ", staging, " bytes (", p.out.size() + p.in.size(),
+                       " windows of ", p.window, "; redundancy): ", lease.status().message()));
     }
-    stage = std::move(*lease);
+    p.stage = std::move(*lease);
   }
-  std::vector<uint32_t> crc(in.size(), Crc32(nullptr, 0));
+  p.crc.assign(p.in.size(), Crc32(nullptr, 0));
   // Message indices tell a window's flows apart (and a window from the next: a node is at
   // most one window ahead of its peers, whose receives its sends wait for).
-  const uint64_t laps = std::max<uint64_t>(2, MessageStamp::kMaxDataIndex / std::max<size_t>(L, 1));
-  for (int64_t at = 0; at < longest; at += window) {
-    const uint64_t index = static_cast<uint64_t>(at / window) % laps * L;
+  p.laps = std::max<uint64_t>(2, MessageStamp::kMaxDataIndex / std::max<size_t>(L, 1));
+  return absl::OkStatus();
+}
+
+absl::Status NodeRedundancy::AdvanceProtect(Comm& comm, int windows, absl::Time deadline) {
+  if (pending_ == nullptr) return absl::OkStatus();
+  Pending& p = *pending_;
+  const size_t L = static_cast<size_t>(locals_);
+  for (int w = 0; w < windows && p.at < p.longest; ++w, p.at += p.window) {
+    const int64_t at = p.at;
+    const uint64_t index = static_cast<uint64_t>(at / p.window) % p.laps * L;
     std::vector<uint64_t> requests;  // the receives, then the sends (waited for in that order)
     std::vector<uint64_t> sends;
-    for (size_t f = 0; f < out.size(); ++f) {
-      const int64_t n = std::min(window, out[f].span.bytes - at);
+    for (size_t f = 0; f < p.out.size(); ++f) {
+      const int64_t n = std::min(p.window, p.out[f].span.bytes - at);
       if (n <= 0) continue;
-      const BlobView& view = views[out[f].l];
-      const char* src = view.Contiguous(out[f].span.offset + at, n);
+      const BlobView& view = p.views[p.out[f].l];
+      const char* src = view.Contiguous(p.out[f].span.offset + at, n);
       if (src == nullptr) {
-        char* buf = stage.data() + static_cast<int64_t>(f) * window;
-        view.Read(out[f].span.offset + at, n, buf);
+        char* buf = p.stage.data() + static_cast<int64_t>(f) * p.window;
+        view.Read(p.out[f].span.offset + at, n, buf);
         src = buf;
       }
       RAGSHARD_ASSIGN_OR_RETURN(
-          uint64_t r, comm.PostSend(out[f].peer, RedundancyStamp(seq, 1, index + out[f].l), src,
-                                    static_cast<size_t>(n)));
+          uint64_t r, comm.PostSend(p.out[f].peer, RedundancyStamp(p.seq, 1, index + p.out[f].l),
+                                    src, static_cast<size_t>(n)));
       sends.push_back(r);
     }
-    for (size_t f = 0; f < in.size(); ++f) {
-      const int64_t n = std::min(window, in[f].span.bytes - at);
+    for (size_t f = 0; f < p.in.size(); ++f) {
+      const int64_t n = std::min(p.window, p.in[f].span.bytes - at);
       if (n <= 0) continue;
-      char* buf = direct ? slots[in[f].l]->lease.data() + at
-                         : stage.data() + static_cast<int64_t>(out.size() + f) * window;
+      char* buf = p.direct ? p.slots[p.in[f].l]->lease.data() + at
+                           : p.stage.data() + static_cast<int64_t>(p.out.size() + f) * p.window;
       RAGSHARD_ASSIGN_OR_RETURN(
-          uint64_t r, comm.PostRecv(in[f].peer, RedundancyStamp(seq, 1, index + in[f].l), buf,
+          uint64_t r, comm.PostRecv(p.in[f].peer, RedundancyStamp(p.seq, 1, index + p.in[f].l), buf,
                                     static_cast<size_t>(n)));
       requests.push_back(r);
     }
     requests.insert(requests.end(), sends.begin(), sends.end());
     RAGSHARD_RETURN_IF_ERROR(comm.WaitAll(requests, deadline));
-    for (size_t f = 0; f < in.size(); ++f) {
-      const int64_t n = std::min(window, in[f].span.bytes - at);
+    for (size_t f = 0; f < p.in.size(); ++f) {
+      const int64_t n = std::min(p.window, p.in[f].span.bytes - at);
       if (n <= 0) continue;
-      char* parity = slots[in[f].l]->lease.data() + at;
+      char* parity = p.slots[p.in[f].l]->lease.data() + at;
       const char* buf =
-          direct ? parity : stage.data() + static_cast<int64_t>(out.size() + f) * window;
-      if (!direct) XorInto(parity, buf, n);
-      crc[f] = Crc32Extend(crc[f], buf, n);
+          p.direct ? parity : p.stage.data() + static_cast<int64_t>(p.out.size() + f) * p.window;
+      if (!p.direct) XorInto(parity, buf, n);
+      p.crc[f] = Crc32Extend(p.crc[f], buf, n);
     }
   }
-  stage.Release();
+  return absl::OkStatus();
+}
+
+absl::Status NodeRedundancy::EndProtect(Comm& comm, absl::Time deadline) {
+  Pending& p = *pending_;
+  const size_t L = static_cast<size_t>(locals_);
+  RAGSHARD_RETURN_IF_ERROR(AdvanceProtect(
+      comm, static_cast<int>((p.longest - p.at + p.window - 1) / std::max<int64_t>(p.window, 1)),
+      deadline));
+  p.stage.Release();
   const uint64_t made = ++made_;
   for (size_t l = 0; l < L; ++l) {
-    Slot& slot = *slots[l];
-    for (size_t i = 0; i < sources.size(); ++i) {
-      slot.source_blob.push_back(blob[l][sources[i].node]);
-      slot.source_crc.push_back(crc[i * L + l]);
+    Slot& slot = *p.slots[l];
+    for (size_t i = 0; i < p.sources.size(); ++i) {
+      slot.source_blob.push_back(p.blob[l][p.sources[i].node]);
+      slot.source_crc.push_back(p.crc[i * L + l]);
     }
-    slot.step = step;
+    slot.step = p.step;
     slot.made = made;
   }
   CountParities();
   if (before_barrier_) RAGSHARD_RETURN_IF_ERROR(before_barrier_());
-  // Every node has its parity of `step` before any drops that of the step before: a node lost
+  // Every node has its parity of the step before any drops that of the step before: a node lost
   // from here on leaves the others holding one step's parity in common (redundancy.h).
   std::vector<int64_t> arrived(static_cast<size_t>(nodes_), 0);
-  arrived[static_cast<size_t>(node_)] = step;
+  arrived[static_cast<size_t>(node_)] = p.step;
   RAGSHARD_RETURN_IF_ERROR(AllGather(comm, reinterpret_cast<char*>(arrived.data()), sizeof(int64_t),
-                                     deadline, RedundancyStamp(seq, 4, 0)));
-  DropAllBut(step);
+                                     deadline, RedundancyStamp(p.seq, 4, 0)));
+  DropAllBut(p.step);
   return absl::OkStatus();
 }
 

@@ -7,15 +7,21 @@
 // read as one blob: a directory naming each segment and its size, then the segments. Where each
 // chunk and parity lies is parity_layout.h's; the blob is state_blob.h's.
 //
-// Protect runs inside every optimizer step's transaction: each node sends its chunks to their
-// holders, window by window (kProtectWindowBytes, staged in the pool), which XOR what they
-// receive into a new parity with a CRC-32 of each chunk, tagged with the step; once every node has
-// its new parity (a barrier), each drops its parity of the step before. A node so holds one parity,
-// and two only between a step's protect and that barrier. A rank's committed step commits after the
-// barrier, so where a node is lost, either some node holds no parity of the step before any more,
-// and then every node holds the new one and every rank's state is that step's (the ranks roll
-// forward to it), or every node still holds the one before (they roll back): docs/recovery.md, "One
-// consistent step".
+// A protect of a step's state: each node sends its chunks to their holders, window by window
+// (kProtectWindowBytes, staged in the pool), which XOR what they receive into a new parity with a
+// CRC-32 of each chunk, tagged with the step; once every node has its new parity (a barrier), each
+// drops its parity of the step before. A node so holds the parity of the step before until the
+// new one is whole everywhere.
+//
+// It runs in the background of the next step (docs/recovery.md, "One consistent step"): the ranks
+// start it once a step commits (StartProtect), the job's thread moves it on by a few windows after
+// each operation it runs (AdvanceProtect: between the forward's and the backward's operations,
+// while the ranks compute), and the ranks finish it before the next step changes the state
+// (FinishProtect: the windows left, then the barrier). Every node runs the same operations in the
+// same order and moves the protect on by the same number of windows after each, so the windows'
+// messages fall between the same operations' on every node. Where a node is lost, every node holds
+// the parity of the last step every rank committed, or of the one before, whose state every rank's
+// undo copy still holds (no rank began the next step: the ranks roll back one step more).
 //
 // "hsdp" keeps nothing: each rank's state is the same as its HSDP replicas' (every replica
 // group steps the same shards with the same gradients), so a lost node's ranks are rebuilt by
@@ -28,6 +34,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -54,16 +61,33 @@ class NodeRedundancy {
   // figures. A window inside one segment is sent from where it lies, and where a parity has one
   // source (replica, parity:1) its chunk is received straight into the parity.
   static constexpr int64_t kProtectWindowBytes = int64_t{2} << 20;
+  // Windows a background protect moves on after each operation of the job's thread (the same
+  // number on every node: their messages must fall between the same operations').
+  static constexpr int kWindowsPerOperation = 4;
 
   // This node is `node` of `node_names.size()`, with `locals` local ranks (the job's nodes hold
   // the same number of ranks). Parities are leased from `pool`.
   NodeRedundancy(RedundancyScheme scheme, int node, std::vector<std::string> node_names, int locals,
                  Pool* pool);
+  ~NodeRedundancy();  // (a protect under way: Pending is redundancy.cc's)
 
-  // Every node, inside optimizer step `step`'s transaction: `state[l]` is local rank l's
-  // protected segments. `seq`: the operation's sequence number (message stamps).
-  absl::Status Protect(Comm& comm, const std::vector<std::vector<StateSegment>>& state,
-                       int64_t step, absl::Time deadline, uint64_t seq);
+  // Every node, once its ranks are at step `step`: `state[l]` is local rank l's protected
+  // segments, which must not change until the protect finishes. `seq`: the operation's sequence
+  // number (message stamps). Protect runs it whole; StartProtect plans it (the nodes exchange
+  // their blobs' sizes, the new parities and the staging are leased) and leaves the windows to
+  // AdvanceProtect and FinishProtect. A protect still under way is finished first.
+  absl::Status Protect(Comm& comm, std::vector<std::vector<StateSegment>> state, int64_t step,
+                       absl::Time deadline, uint64_t seq);
+  absl::Status StartProtect(Comm& comm, std::vector<std::vector<StateSegment>> state, int64_t step,
+                            absl::Time deadline, uint64_t seq);
+  // Up to `windows` more windows of the protect under way (none where there is none).
+  absl::Status AdvanceProtect(Comm& comm, int windows, absl::Time deadline);
+  // The protect under way, whole: its windows left, the barrier, the parity of the step before
+  // dropped. OK where none is under way. A failure leaves the parities from before it.
+  absl::Status FinishProtect(Comm& comm, absl::Time deadline);
+  // Gives up the protect under way (a recovery in place: its messages died with the connection).
+  void AbandonProtect();
+  bool protecting() const { return pending_ != nullptr; }
 
   // Every node, once every rank is back at step `step` (the one all agreed on): where a node is a
   // replacement (`replacement`, its `state` ignored), the others send it what it needs, and it
@@ -160,9 +184,12 @@ class NodeRedundancy {
                                               const std::vector<std::vector<StateSegment>>& state,
                                               int64_t step, const PlaceSegment& place,
                                               absl::Time deadline, uint64_t seq);
-  // Protect's body (Protect counts the parities after it, however it ends).
-  absl::Status ProtectBlobs(Comm& comm, const std::vector<std::vector<StateSegment>>& state,
-                            int64_t step, absl::Time deadline, uint64_t seq);
+  // A protect under way (redundancy.cc).
+  struct Pending;
+  // StartProtect's and FinishProtect's bodies (they count the parities after, however it ends).
+  absl::Status PlanProtect(Comm& comm, std::vector<std::vector<StateSegment>> state, int64_t step,
+                           absl::Time deadline, uint64_t seq);
+  absl::Status EndProtect(Comm& comm, absl::Time deadline);
   void CountParities();
   const Slot* FindSlot(int local, int64_t step) const;
   // `slot` leased for a parity of `bytes`, zeros from byte `zero_from` on (what comes before
@@ -181,6 +208,7 @@ class NodeRedundancy {
   std::array<std::atomic<int64_t>, 2> parity_steps_{-1, -1};
   uint64_t made_ = 0;  // parities made whole so far
   std::function<absl::Status()> before_barrier_;
+  std::unique_ptr<Pending> pending_;
 };
 
 }  // namespace ragshard::daemon

@@ -140,13 +140,13 @@ def reference(cluster, tmp_path, redundancy, extra=()):
     ("parity:2", 3, "step", (), ()), ("replica", 3, "between", (), ()),
     # Lost before the first step commits: rebuilt to the state every rank started from.
     ("parity:2", 1, "forward", (), ()),
-    # Lost once step 3's protection is done everywhere, with rank 0 (node 0) lost before it
-    # committed step 3 while the other survivors did: the nodes hold step 3's parity only, and
-    # rank 0 rolls forward to step 3 (docs/recovery.md, "One parity held").
+    # Lost once step 3 committed and its protection started (it runs in the background of
+    # step 4), rank 0 of node 0 lost with node 1: no node holds step 3's parity whole, so every
+    # rank rolls back to step 2, whose parity every node still holds, and redoes step 3
+    # (docs/recovery.md, "Which parity is held").
     ("parity:2", 3, "protected", (0,), ()),
     # Muon's step holds AdamW's inside it: the step is protected once, whole, after Muon's part
-    # too (a protect after AdamW's part alone would let the ranks roll forward to a step half
-    # done).
+    # too (a protect after AdamW's part alone would protect a step half done).
     ("replica", 3, "protected", (0,), ("--optimizer", "muon")),
     # HSDP's default: node 1's ranks copied from their replicas on node 0, no parity kept.
     ("hsdp+", 3, "step", (), ())])

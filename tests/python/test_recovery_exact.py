@@ -64,10 +64,13 @@ class Simulated(ExactReductions):
 
 
 def ranks(*runs):
-    """The values of ranks 1, 2, ... for one call of OneOfMany, one value each: runs of
-    (value, how many ranks), value None for ranks that give none."""
-    ints = torch.cat([torch.full((k, 1), v or 0, dtype=torch.int64) for v, k in runs])
-    present = torch.cat([torch.full((k, 1), v is not None) for v, k in runs])
+    """The values of ranks 1, 2, ... for one call of OneOfMany: runs of (value, how many
+    ranks), value None for ranks that give none, or a tuple where the call has several."""
+    def row(v):
+        return list(v) if isinstance(v, tuple) else [v]
+    ints = torch.cat([torch.tensor([[x or 0 for x in row(v)]] * k, dtype=torch.int64)
+                      for v, k in runs])
+    present = torch.cat([torch.tensor([[x is not None for x in row(v)]] * k) for v, k in runs])
     return ints, present
 
 
@@ -80,10 +83,9 @@ class OneOfMany:
 
     def _batch(self, values):
         ints, present = self.others.pop(0)
-        assert len(values) == 1 and ints.shape[0] == self.sim._ex_world - 1
-        mine = values[0]
-        return (torch.cat([torch.tensor([[mine or 0]]), ints]),
-                torch.cat([torch.tensor([[mine is not None]]), present]))
+        assert ints.shape == (self.sim._ex_world - 1, len(values))
+        return (torch.cat([torch.tensor([[x or 0 for x in values]]), ints]),
+                torch.cat([torch.tensor([[x is not None for x in values]]), present]))
 
     def extremes(self, values, bits=63):
         ints, present = self._batch(values)
@@ -178,10 +180,18 @@ def test_the_roll_forward_is_counted_exactly_at_65536_ranks():
                                                      dtype=torch.int64))
     journal.meta[_pool.COMMITTED], journal.meta[_pool.BEGUN] = STEPS, STEPS + 1
     client = types.SimpleNamespace(stats=lambda: {"parity_steps": [STEPS, STEPS + 1]})
-    control = OneOfMany(Simulated(BIG), ranks((0, BIG - 1)))
-    assert redundancy_step(client, control, journal, STEPS) == STEPS + 1
-    control = OneOfMany(Simulated(BIG), ranks((0, BIG - 2), (1, 1)))  # one lacks the parity
-    assert redundancy_step(client, control, journal, STEPS) == STEPS
+    # Each rank's (a node lost, cannot roll forward, lacks the parity of STEPS).
+    control = OneOfMany(Simulated(BIG), ranks(((0, 0, 0), BIG - 1)))
+    assert redundancy_step(client, control, journal, STEPS) == (STEPS + 1, False)
+    control = OneOfMany(Simulated(BIG), ranks(((0, 0, 0), BIG - 2), ((0, 1, 0), 1)))
+    assert redundancy_step(client, control, journal, STEPS) == (STEPS, False)
+    # One rank's node holds neither parity: back one step more where a node was lost (the
+    # replacement's rank says so), else the state is whole and protected again.
+    control = OneOfMany(Simulated(BIG), ranks(((0, 0, 0), BIG - 3), ((0, 1, 1), 1),
+                                              ((1, 0, 0), 1)))
+    assert redundancy_step(client, control, journal, STEPS) == (STEPS - 1, False)
+    control = OneOfMany(Simulated(BIG), ranks(((0, 0, 0), BIG - 2), ((0, 1, 1), 1)))
+    assert redundancy_step(client, control, journal, STEPS) == (STEPS, True)
 
 
 class _Exchange:

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "server/daemon/collectives.h"
 #include "tests/server/daemon/mem_comm.h"
 
 namespace ragshard::daemon {
@@ -97,6 +98,24 @@ NodeState MakeState(int node, int locals, uint32_t seed) {
     }
   }
   return st;
+}
+
+// Each rank's state several protect windows long (odd sizes: each chunk's last window is
+// partial), with values from `seed`.
+std::vector<NodeState> ManyWindows(int nodes, int locals, uint32_t seed) {
+  constexpr int64_t kWindow = NodeRedundancy::kProtectWindowBytes;
+  std::vector<NodeState> states;
+  std::mt19937 rng(seed);
+  for (int n = 0; n < nodes; ++n) {
+    NodeState st = MakeState(n, locals, seed);
+    for (int l = 0; l < locals; ++l) {
+      std::string big(static_cast<size_t>(2 * kWindow + 12345 + 999 * n + l), '\0');
+      for (char& c : big) c = static_cast<char>(rng());
+      st.ranks[static_cast<size_t>(l)]["opt/0/exp_avg_sq/0"] = big;
+    }
+    states.push_back(st);
+  }
+  return states;
 }
 
 // Runs `body(node)` on one thread per node, each with its communicator.
@@ -219,17 +238,7 @@ TEST_P(RedundancyTest, AStateOfManyWindowsIsProtectedThroughBoundedStaging) {
   // chunk is partial): the parities are made window by window, and the pool's peak beyond the
   // parities is at most one window per chunk sent or received on every node.
   constexpr int64_t kWindow = NodeRedundancy::kProtectWindowBytes;
-  std::vector<NodeState> states;
-  std::mt19937 rng(7);
-  for (int n = 0; n < nodes_; ++n) {
-    NodeState st = MakeState(n, kLocals, 4);
-    for (int l = 0; l < kLocals; ++l) {
-      std::string big(static_cast<size_t>(2 * kWindow + 12345 + 999 * n + l), '\0');
-      for (char& c : big) c = static_cast<char>(rng());
-      st.ranks[static_cast<size_t>(l)]["opt/0/exp_avg_sq/0"] = big;
-    }
-    states.push_back(st);
-  }
+  std::vector<NodeState> states = ManyWindows(nodes_, kLocals, 4);
   const int64_t before = pool_->Stats().used;
   ProtectAll(states, 1, 1);
   int64_t parity = 0;
@@ -249,6 +258,76 @@ TEST_P(RedundancyTest, AStateOfManyWindowsIsProtectedThroughBoundedStaging) {
   auto results = RebuildAll(states, {1}, 1, &placed);
   for (int n = 0; n < nodes_; ++n) ASSERT_TRUE(results[n].ok()) << n << results[n].status();
   EXPECT_EQ(placed[1].ranks, states[1].ranks);
+}
+
+TEST_P(RedundancyTest, ABackgroundProtectBetweenOtherOperationsIsTheWholeOne) {
+  // Step 2's protect starts, moves on by one window after each of two other operations on the
+  // same communicator (all-gathers whose messages use the index the windows' first one does),
+  // and finishes: the other operations get their own data, step 1's parity is held until the
+  // barrier, and step 2's rebuilds a lost node as a protect run whole does.
+  std::vector<NodeState> at1 = ManyWindows(nodes_, kLocals, 4);
+  std::vector<NodeState> at2 = ManyWindows(nodes_, kLocals, 5);
+  ProtectAll(at1, 1, 1);
+  std::vector<std::vector<int64_t>> during(static_cast<size_t>(nodes_)), gathered = during;
+  std::vector<bool> windows_left(static_cast<size_t>(nodes_));
+  {
+    testing::MemFabric fabric(nodes_);
+    OnEveryNode(&fabric, nodes_, [&](int n, Comm& comm) {
+      const absl::Time deadline = absl::Now() + absl::Seconds(30);
+      ASSERT_TRUE(node_[n]->StartProtect(comm, at2[n].Segments(), 2, deadline, 2).ok());
+      for (uint64_t op = 0; op < 2; ++op) {
+        std::vector<int64_t> values(static_cast<size_t>(nodes_), 0);
+        values[static_cast<size_t>(n)] = 100 * n + static_cast<int64_t>(op);
+        ASSERT_TRUE(AllGather(comm, reinterpret_cast<char*>(values.data()), sizeof(int64_t),
+                              deadline, RedundancyStamp(3 + op, 2, 0))
+                        .ok());
+        gathered[n].insert(gathered[n].end(), values.begin(), values.end());
+        ASSERT_TRUE(node_[n]->AdvanceProtect(comm, 1, deadline).ok());
+      }
+      during[n] = node_[n]->parity_steps();
+      windows_left[n] = node_[n]->protecting();
+      const absl::Status s = node_[n]->FinishProtect(comm, deadline);
+      EXPECT_TRUE(s.ok()) << "node " << n << ": " << s;
+      EXPECT_FALSE(node_[n]->protecting());
+    });
+  }
+  for (int n = 0; n < nodes_; ++n) {
+    EXPECT_EQ(during[n], std::vector<int64_t>{1}) << n;
+    EXPECT_TRUE(windows_left[n]) << n;
+    EXPECT_EQ(node_[n]->parity_steps(), std::vector<int64_t>{2}) << n;
+    for (int op = 0; op < 2; ++op) {
+      for (int m = 0; m < nodes_; ++m) EXPECT_EQ(gathered[n][op * nodes_ + m], 100 * m + op);
+    }
+  }
+  std::vector<NodeState> placed;
+  auto results = RebuildAll(at2, {1}, 2, &placed);
+  for (int n = 0; n < nodes_; ++n) ASSERT_TRUE(results[n].ok()) << n << results[n].status();
+  EXPECT_EQ(placed[1].ranks, at2[1].ranks);
+}
+
+TEST_P(RedundancyTest, AnAbandonedProtectLeavesTheStepBeforeRebuildable) {
+  // A recovery gives up step 2's protect after a window: every node still holds step 1's parity
+  // (and counts no other), from which a lost node is rebuilt.
+  std::vector<NodeState> at1 = ManyWindows(nodes_, kLocals, 6);
+  std::vector<NodeState> at2 = ManyWindows(nodes_, kLocals, 7);
+  ProtectAll(at1, 1, 1);
+  {
+    testing::MemFabric fabric(nodes_);
+    OnEveryNode(&fabric, nodes_, [&](int n, Comm& comm) {
+      const absl::Time deadline = absl::Now() + absl::Seconds(30);
+      ASSERT_TRUE(node_[n]->StartProtect(comm, at2[n].Segments(), 2, deadline, 2).ok());
+      ASSERT_TRUE(node_[n]->AdvanceProtect(comm, 1, deadline).ok());
+      node_[n]->AbandonProtect();
+    });
+  }
+  for (int n = 0; n < nodes_; ++n) {
+    EXPECT_FALSE(node_[n]->protecting()) << n;
+    EXPECT_EQ(node_[n]->parity_steps(), std::vector<int64_t>{1}) << n;
+  }
+  std::vector<NodeState> placed;
+  auto results = RebuildAll(at1, {2 % nodes_}, 1, &placed);
+  for (int n = 0; n < nodes_; ++n) ASSERT_TRUE(results[n].ok()) << n << results[n].status();
+  EXPECT_EQ(placed[2 % nodes_].ranks, at1[2 % nodes_].ranks);
 }
 
 TEST_P(RedundancyTest, ANodeLostBeforeTheBarrierLeavesBothStepsRebuildable) {

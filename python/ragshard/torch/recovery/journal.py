@@ -13,7 +13,7 @@ undo copy back. Ranks agree on the last step every one of them committed (`resum
 rank may have committed a step that another did not finish; those ahead roll back one step too
 (their undo copy is that step's start, since no rank can begin the next step's update before
 every rank has finished this one: the next forward's gathers need them all). With redundancy
-across nodes they may roll forward one step instead (`redundancy_step`). The script then
+across nodes they may roll forward one step instead, or back one more (`redundancy_step`). The script then
 redoes the interrupted step from its start (`ShardedModule.resume_step`).
 """
 import json
@@ -191,22 +191,37 @@ def agree_on_committed(control, committed, have=True):
     return low
 
 
-def redundancy_step(client, control, journal, low, have=True):
-    """The step the ranks resume at where the job keeps redundancy across nodes
-    (docs/recovery.md, "One consistent step"), `low` being the last step every rank committed:
-    `low` + 1 where every node holds its parity of that step and every rank with state began it,
-    else `low`. A node drops a step's parity only once every node holds the next one (a barrier
-    ends each OP_PROTECT), and each rank's OP_PROTECT comes after its optimizers: so where some
-    node dropped `low`'s, every rank's state is `low` + 1's and every node holds its parity (the
-    ranks roll forward); otherwise every node still holds `low`'s (they roll back). A rank
-    without state (`have` False) counts for nothing. The ranks that cannot roll forward are
-    counted exactly (ControlUnits.sum_ints)."""
-    miss = 0
+def redundancy_step(client, control, journal, low, have=True, node_lost=False):
+    """The step the ranks resume at where the job keeps redundancy across nodes, and whether
+    they protect it again first (docs/recovery.md, "One consistent step"); `low` is the last
+    step every rank committed. Each step's state is protected once the step commits, in the
+    background of the next step, and whole on every node before the next step begins (a
+    barrier ends each protect; a node then drops the parity of the step before). So:
+    - `low` + 1 where every node holds its parity and every rank with state began it: a load,
+      whose state is protected before it commits (the ranks roll forward);
+    - else `low` where every node holds its parity (a rank that began `low` + 1 rolls back);
+    - else, where no node was lost, `low`, protected again (the ranks' state is whole);
+    - else `low` - 1: no rank began `low` + 1 (its protect of `low` would have finished), so
+      every rank rolls back from `low` with its undo copy, and every node still holds the
+      parity of `low` - 1 (none passed `low`'s barrier).
+    A rank without state (`have` False: a lost node's replacement) counts for nothing but its
+    loss; `node_lost`: a node was lost, whatever the ranks say (a shrink's re-cut). The counts
+    are exact (ControlUnits.sum_ints)."""
+    lost = 0 if have and not node_lost else 1
+    forward = now = 0
     if have:
         steps = client.stats().get("parity_steps", [])
-        miss = 0 if int(journal.meta[_pool.BEGUN]) > low and low + 1 in steps else 1
-    [missing] = control.sum_ints([miss], bits=1)
-    return low + 1 if missing == 0 else low
+        forward = 0 if int(journal.meta[_pool.BEGUN]) > low and low + 1 in steps else 1
+        now = 0 if low in steps else 1
+    lost, forward, now = control.sum_ints([lost, forward, now], bits=1)
+    if forward == 0:
+        return low + 1, False
+    if now == 0:
+        return low, False
+    if lost == 0 or low == 0:
+        # (At step 0 with a node lost the rebuild names the parity that no node holds.)
+        return low, lost == 0
+    return low - 1, False
 
 
 def rebuild_state(client, replacement, journal, step):

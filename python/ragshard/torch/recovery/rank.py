@@ -157,7 +157,7 @@ class RankRecovery:
             # Step 0, the state every rank starts from (a node lost before the first step
             # commits is rebuilt to it), unless every node holds it already (a recovery back
             # to step 0: protecting it again would put a second parity beside it).
-            self._client.protect().wait()
+            self._protect_now()
 
     def _pending(self, held, replacement):
         """In a shrink's successor job (takeover.py), the salvage attachment to take the state
@@ -208,6 +208,11 @@ class RankRecovery:
                 "from_rank": from_rank, "from_world": from_world, "step": step - 1,
                 "bytes": moved}
 
+    def _protect_now(self):
+        """This rank's state at the step it began, protected on every node before it returns."""
+        self._client.protect().wait()
+        self._client.protect_finish().wait()
+
     def _lacks_parity(self, step):
         """1.0 where this rank's node holds no parity of `step` (JobStats.parity_steps)."""
         return 0.0 if step in self._client.stats().get("parity_steps", []) else 1.0
@@ -220,10 +225,14 @@ class RankRecovery:
         the ranks may roll forward one step instead (`redundancy_step`)."""
         have = not self._replacement
         step = agree_on_committed(self._control, self._journal.committed, have=have)
+        again = False
         if self._protects:
-            step = redundancy_step(self._client, self._control, self._journal, step, have=have)
+            step, again = redundancy_step(self._client, self._control, self._journal, step,
+                                          have=have)
         if have:
             self._journal.roll_to(step)
+        if again:  # (no node was lost; the parity of `step` is whole everywhere from here on)
+            self._protect_now()
         if self.redundancy:
             rebuild_state(self._client, self._replacement, self._journal, step)
         # The base a load set (the same on every rank at the same transaction), which a
@@ -273,13 +282,17 @@ class RankRecovery:
         # Every rank between steps (no rank begins the load while another is in a step), so the
         # ranks' transactions differ by at most one, as their steps do.
         self._control.all_reduce_scalar(0.0)
+        if self._protects:
+            self._client.protect_finish().wait()
         self._journal.begin()
         try:
             yield
             self._journal.set_base(before if step is None else
                                    step() if callable(step) else step)
             if self._protects:
-                self._client.protect().wait()
+                # The loaded state, whole on every node before it commits (a node lost once it
+                # has: the ranks roll forward to it; redundancy_step).
+                self._protect_now()
         except BaseException:
             self._journal.abandon()
             raise
@@ -293,18 +306,22 @@ class RankRecovery:
         if self._journal is None:
             yield
             return
+        outermost = self._journal.depth == 0
+        if self._protects and outermost:
+            # The last step's protect, whole on every node before this step changes the state
+            # it reads (docs/recovery.md, "One consistent step").
+            self._client.protect_finish().wait()
         self._journal.begin()
-        outermost = self._journal.depth == 1
         try:
             yield
-            if self._protects and outermost:
-                # This step's state once whole, before it commits: docs/recovery.md, "One
-                # parity held".
-                self._client.protect().wait()
         except BaseException:
             self._journal.abandon()
             raise
         self._journal.commit()
+        if self._protects and outermost:
+            # This step's state, protected in the background of the next step's forward and
+            # backward (the daemon moves it between their operations).
+            self._client.protect().wait()
 
 
 def journaled(client, shards, units, steps):

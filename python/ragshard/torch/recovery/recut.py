@@ -40,7 +40,7 @@ def recut(old, new, plan_old, plan_new, control, units, survivors):
     pool = PoolState(old)
     held = StepJournal(pool, lambda: shard_tensors(old, units))
     low = agree_on_committed(control, held.committed)
-    step = redundancy_step(old, control, held, low)
+    step, _ = redundancy_step(old, control, held, low, node_lost=True)
     held.roll_to(step)
     problem, names, copy = None, {}, None
     try:
