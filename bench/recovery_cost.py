@@ -7,16 +7,19 @@ daemon's resident memory and pool figures at the end of training.
 
     .venv/bin/python bench/recovery_cost.py --build build --work /tmp/rc --rounds 5 --json OUT
 
-Prints one JSON line per run and writes every run to OUT (JSON)."""
+Prints one JSON line per run and writes every run to OUT (JSON: the commit, the runs), which
+bench/recovery_cost_render.py makes docs/benchmarks/recovery_cost.md of."""
 import argparse
 import json
 import os
 import statistics
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from recovery_runs import Launch, Others, sh, slowest_step  # noqa: E402
+import provenance  # noqa: E402
+from recovery_runs import Launch, Others, sh  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "train_hf.py")
@@ -41,6 +44,40 @@ def _rss_kib(pid):
     return None
 
 
+def _used_bytes():
+    """The machine's memory in use: MemTotal less MemAvailable (/proc/meminfo; the pools'
+    memfd pages count, reclaimable page cache does not)."""
+    fields = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            k, v = line.split(":", 1)
+            fields[k] = int(v.split()[0]) * 1024
+    return fields["MemTotal"] - fields["MemAvailable"]
+
+
+class PeakMemory:
+    """The most memory the machine used over the block, beyond what it used at its start,
+    sampled every `every` seconds (the run's ranks, daemons and planner: nothing else runs)."""
+
+    def __init__(self, every=0.25):
+        self.every, self.peak, self._stop = every, 0, threading.Event()
+
+    def __enter__(self):
+        self.base = _used_bytes()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.wait(self.every):
+            self.peak = max(self.peak, _used_bytes() - self.base)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        return False
+
+
 def one_run(a, layout, config, job):
     from ragshard.cluster import LocalCluster
     daemons, per_node = layout
@@ -55,7 +92,8 @@ def one_run(a, layout, config, job):
                ",".join(c.sockets), "--create-job"] + CONFIGS[config] + [
                EXAMPLE, "--backend", "ragshard", "--steps", str(a.steps), "--out", out,
                "--global-batch", str(SEQUENCES_PER_RANK * daemons * per_node)] + MODEL
-        launch = Launch(cmd, env, a.timeout)
+        with PeakMemory() as memory:
+            launch = Launch(cmd, env, a.timeout)
         daemon_rss = [_rss_kib(p.pid) for p in c._daemons.values()]
     with open(out + ".log", "w") as f:  # every line of the launch, with its time
         f.writelines(f"{t:9.3f} {text}\n" for t, text in launch.lines)
@@ -67,7 +105,7 @@ def one_run(a, layout, config, job):
             "command": sh(cmd).replace(ROOT + os.sep, ""), "wall": launch.wall,
             "others_cores": others.cores(), "steps": main["step_seconds"],
             "median_step": statistics.median(steps), "daemon_rss_kib": daemon_rss,
-            "node0": main.get("node", {})}
+            "peak_bytes_per_node": memory.peak / daemons, "node0": main.get("node", {})}
 
 
 def main():
@@ -81,7 +119,9 @@ def main():
     p.add_argument("--pool-gib", type=int, default=3)
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--json", default="")
+    provenance.add_flag(p)
     a = p.parse_args()
+    provenance.require(a)
     sys.path.insert(0, os.path.join(os.path.abspath(a.build), "python"))
     os.makedirs(a.work, exist_ok=True)
     layouts = [tuple(int(x) for x in s.split("x")) for s in a.layouts.split(",")]
@@ -97,11 +137,11 @@ def main():
                 run["round"] = r
                 runs.append(run)
                 print(json.dumps({k: run[k] for k in ("layout", "config", "round",
-                                                      "median_step", "daemon_rss_kib", "node0",
+                                                      "median_step", "peak_bytes_per_node",
                                                       "others_cores", "wall")}), flush=True)
                 if a.json:
                     with open(a.json, "w") as f:
-                        json.dump(runs, f, indent=1)
+                        json.dump({"provenance": a.provenance, "runs": runs}, f, indent=1)
 
 
 if __name__ == "__main__":
