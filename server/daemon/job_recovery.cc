@@ -79,11 +79,6 @@ void JobRuntime::FailRecovery(const absl::Status& error) {
 }
 
 void JobRuntime::Recover() {
-  // A protect running in the background dies with the connection (its parities made whole
-  // before it stay): JobRedundancy::AbandonProtect.
-  if (JobRedundancy* redundancy = redundancy_state(); redundancy != nullptr) {
-    redundancy->AbandonProtect();
-  }
   std::string lost;
   bool abort_comm = false;
   {
@@ -99,6 +94,11 @@ void JobRuntime::Recover() {
   // once instead of at its bound.
   RelayComm* const relay = recovery_.relay();
   if (relay != nullptr) relay->Close();
+  // A protect running in the background dies with the connection, which wrote its last message
+  // into it (its parities made whole before it stay): JobRedundancy::AbandonProtect.
+  if (JobRedundancy* redundancy = redundancy_state(); redundancy != nullptr) {
+    redundancy->AbandonProtect();
+  }
   RecoveryState::View v;
   while (true) {
     {

@@ -51,7 +51,7 @@ class JobRedundancy {
   // OP_PROTECT (the job's thread): starts protecting the local ranks' state at the step they
   // have begun, in the background of the operations that follow (NodeRedundancy's StartProtect;
   // a protect still under way is finished first). OP_PROTECT_FINISH: the protect under way, whole.
-  // Advance: a few more of its windows, after each operation of the job's thread.
+  // Advance: a few more of its windows, after each collective of the job's thread.
   absl::Status Protect(Comm& comm, const DataBackend& dp, absl::Time deadline, uint64_t seq);
   absl::Status FinishProtect(Comm& comm, absl::Time deadline) {
     return redundancy_.FinishProtect(comm, deadline);

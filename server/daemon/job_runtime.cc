@@ -422,7 +422,7 @@ void JobRuntime::Run() {
       if (!failed_.ok()) FailPending();
     }
     ServeWaiters();
-    AdvanceProtect();
+    AdvanceProtect(op.kind);
   }
   // Stopping: nobody will complete the remaining operations; answer their waiters.
   std::vector<WaitCallback> pending;
@@ -483,7 +483,18 @@ absl::Status JobRuntime::ExposeCopy(int local, int64_t step, const std::string& 
   return redundancy->ExposeCopy(local, step, name, pool);
 }
 
-void JobRuntime::AdvanceProtect() {
+void JobRuntime::AdvanceProtect(v1::OpKind kind) {
+  switch (kind) {
+    case v1::OP_UNSHARD:
+    case v1::OP_REDUCE_SCATTER:
+    case v1::OP_ALL_REDUCE:
+    case v1::OP_GATHER_TO_OWNER:
+    case v1::OP_SCATTER_FROM_OWNER:
+    case v1::OP_UPDATE_GATHER:
+      break;
+    default:
+      return;
+  }
   JobRedundancy* redundancy = redundancy_state();
   if (redundancy == nullptr || comm_ == nullptr || !redundancy->protecting()) return;
   {
@@ -492,7 +503,8 @@ void JobRuntime::AdvanceProtect() {
   }
   const absl::Status s = redundancy->AdvanceProtect(*comm_, absl::Now() + kBackgroundDeadline);
   if (s.ok()) return;
-  redundancy->AbandonProtect();
+  // (The protect stays until the recovery closes the connection, or the job ends: its windows
+  // in flight may still write into its buffers.)
   const std::string what =
       absl::StrCat("node '", node_id_, "' lost the protect of the ranks' state: ", s.message());
   {

@@ -35,11 +35,14 @@ struct NodeRedundancy::Pending {
   std::vector<std::vector<int64_t>> blob;  // per local rank: every node's blob bytes
   std::vector<ChunkRef> sources;
   std::vector<Flow> out, in;
-  bool direct = false;       // one source: its chunk is received into the parity in place
-  std::vector<Slot*> slots;  // each local rank's new parity
-  Lease stage;
+  bool direct = false;        // one source: its chunk is received into the parity in place
+  std::vector<Slot*> slots;   // each local rank's new parity
+  Lease stage;                // a window per flow for each window in flight
   std::vector<uint32_t> crc;  // of each incoming flow so far
-  int64_t step = 0, longest = 0, window = 0, at = 0;
+  int64_t step = 0, longest = 0, window = 0;
+  int64_t at = 0;                  // the next window to post
+  std::vector<int64_t> flying;     // the windows in flight, in order
+  std::vector<uint64_t> requests;  // theirs: the receives, then the sends
   uint64_t seq = 0, laps = 2;
 };
 
@@ -291,8 +294,8 @@ absl::Status NodeRedundancy::PlanProtect(Comm& comm, std::vector<std::vector<Sta
   // The staging: one window per flow (none for the receives in place), leased from the pool
   // (its figures count it) for the protect's length only, whatever the state's size.
   p.window = std::min(p.longest, kProtectWindowBytes);
-  const int64_t staging =
-      p.window * static_cast<int64_t>(p.out.size() + (p.direct ? 0 : p.in.size()));
+  const int64_t staging = p.window * kWindowsPerOperation *
+                          static_cast<int64_t>(p.out.size() + (p.direct ? 0 : p.in.size()));
   if (staging > 0) {
     auto lease = pool_->Allocate(staging);
     if (!lease.ok()) {
@@ -304,28 +307,35 @@ absl::Status NodeRedundancy::PlanProtect(Comm& comm, std::vector<std::vector<Sta
     p.stage = std::move(*lease);
   }
   p.crc.assign(p.in.size(), Crc32(nullptr, 0));
-  // Message indices tell a window's flows apart (and a window from the next: a node is at
-  // most one window ahead of its peers, whose receives its sends wait for).
-  p.laps = std::max<uint64_t>(2, MessageStamp::kMaxDataIndex / std::max<size_t>(L, 1));
+  // Message indices tell a window's flows apart, and a window from the others in flight (a
+  // node is at most two groups of windows ahead of its peers, whose receives its sends wait for).
+  p.laps = std::max<uint64_t>(3 * kWindowsPerOperation,
+                              MessageStamp::kMaxDataIndex / std::max<size_t>(L, 1));
   return absl::OkStatus();
 }
 
 absl::Status NodeRedundancy::AdvanceProtect(Comm& comm, int windows, absl::Time deadline) {
   if (pending_ == nullptr) return absl::OkStatus();
+  RAGSHARD_RETURN_IF_ERROR(LandWindows(comm, deadline));
+  return PostWindows(comm, std::min(windows, kWindowsPerOperation));
+}
+
+absl::Status NodeRedundancy::PostWindows(Comm& comm, int windows) {
   Pending& p = *pending_;
   const size_t L = static_cast<size_t>(locals_);
-  for (int w = 0; w < windows && p.at < p.longest; ++w, p.at += p.window) {
+  const int64_t flows = static_cast<int64_t>(p.out.size() + (p.direct ? 0 : p.in.size()));
+  std::vector<uint64_t> sends;
+  for (int j = 0; j < windows && p.at < p.longest; ++j, p.at += p.window) {
     const int64_t at = p.at;
     const uint64_t index = static_cast<uint64_t>(at / p.window) % p.laps * L;
-    std::vector<uint64_t> requests;  // the receives, then the sends (waited for in that order)
-    std::vector<uint64_t> sends;
+    char* const stage = p.stage.data() + j * flows * p.window;  // this window's staging
     for (size_t f = 0; f < p.out.size(); ++f) {
       const int64_t n = std::min(p.window, p.out[f].span.bytes - at);
       if (n <= 0) continue;
       const BlobView& view = p.views[p.out[f].l];
       const char* src = view.Contiguous(p.out[f].span.offset + at, n);
       if (src == nullptr) {
-        char* buf = p.stage.data() + static_cast<int64_t>(f) * p.window;
+        char* buf = stage + static_cast<int64_t>(f) * p.window;
         view.Read(p.out[f].span.offset + at, n, buf);
         src = buf;
       }
@@ -338,33 +348,47 @@ absl::Status NodeRedundancy::AdvanceProtect(Comm& comm, int windows, absl::Time 
       const int64_t n = std::min(p.window, p.in[f].span.bytes - at);
       if (n <= 0) continue;
       char* buf = p.direct ? p.slots[p.in[f].l]->lease.data() + at
-                           : p.stage.data() + static_cast<int64_t>(p.out.size() + f) * p.window;
+                           : stage + static_cast<int64_t>(p.out.size() + f) * p.window;
       RAGSHARD_ASSIGN_OR_RETURN(
           uint64_t r, comm.PostRecv(p.in[f].peer, RedundancyStamp(p.seq, 1, index + p.in[f].l), buf,
                                     static_cast<size_t>(n)));
-      requests.push_back(r);
+      p.requests.push_back(r);
     }
-    requests.insert(requests.end(), sends.begin(), sends.end());
-    RAGSHARD_RETURN_IF_ERROR(comm.WaitAll(requests, deadline));
+    p.flying.push_back(at);
+  }
+  p.requests.insert(p.requests.end(), sends.begin(), sends.end());
+  return absl::OkStatus();
+}
+
+absl::Status NodeRedundancy::LandWindows(Comm& comm, absl::Time deadline) {
+  Pending& p = *pending_;
+  if (p.flying.empty()) return absl::OkStatus();
+  RAGSHARD_RETURN_IF_ERROR(comm.WaitAll(p.requests, deadline));
+  p.requests.clear();
+  const int64_t flows = static_cast<int64_t>(p.out.size() + (p.direct ? 0 : p.in.size()));
+  for (size_t j = 0; j < p.flying.size(); ++j) {
+    const int64_t at = p.flying[j];
+    const char* const stage = p.stage.data() + static_cast<int64_t>(j) * flows * p.window;
     for (size_t f = 0; f < p.in.size(); ++f) {
       const int64_t n = std::min(p.window, p.in[f].span.bytes - at);
       if (n <= 0) continue;
       char* parity = p.slots[p.in[f].l]->lease.data() + at;
       const char* buf =
-          p.direct ? parity : p.stage.data() + static_cast<int64_t>(p.out.size() + f) * p.window;
+          p.direct ? parity : stage + static_cast<int64_t>(p.out.size() + f) * p.window;
       if (!p.direct) XorInto(parity, buf, n);
       p.crc[f] = Crc32Extend(p.crc[f], buf, n);
     }
   }
+  p.flying.clear();
   return absl::OkStatus();
 }
 
 absl::Status NodeRedundancy::EndProtect(Comm& comm, absl::Time deadline) {
   Pending& p = *pending_;
   const size_t L = static_cast<size_t>(locals_);
-  RAGSHARD_RETURN_IF_ERROR(AdvanceProtect(
-      comm, static_cast<int>((p.longest - p.at + p.window - 1) / std::max<int64_t>(p.window, 1)),
-      deadline));
+  do {
+    RAGSHARD_RETURN_IF_ERROR(AdvanceProtect(comm, kWindowsPerOperation, deadline));
+  } while (!p.flying.empty());
   p.stage.Release();
   const uint64_t made = ++made_;
   for (size_t l = 0; l < L; ++l) {

@@ -15,11 +15,12 @@
 //
 // It runs in the background of the next step (docs/recovery.md, "One consistent step"): the ranks
 // start it once a step commits (StartProtect), the job's thread moves it on by a few windows after
-// each operation it runs (AdvanceProtect: between the forward's and the backward's operations,
-// while the ranks compute), and the ranks finish it before the next step changes the state
-// (FinishProtect: the windows left, then the barrier). Every node runs the same operations in the
-// same order and moves the protect on by the same number of windows after each, so the windows'
-// messages fall between the same operations' on every node. Where a node is lost, every node holds
+// each collective it runs with the other nodes (AdvanceProtect: between the forward's and the
+// backward's gathers and reduce-scatters, while the ranks compute), and the ranks finish it before
+// the next step changes the state (FinishProtect: the windows left, then the barrier). Every node
+// runs the same operations in the same order and moves the protect on by the same number of
+// windows after the same ones, so the windows' messages fall between the same operations' on every
+// node. Where a node is lost, every node holds
 // the parity of the last step every rank committed, or of the one before, whose state every rank's
 // undo copy still holds (no rank began the next step: the ranks roll back one step more).
 //
@@ -56,13 +57,15 @@ using PlaceSegment =
 class NodeRedundancy {
  public:
   // Protect moves each chunk in windows of at most this many bytes, through staging leased from
-  // the pool for the protect's length (at most one window per chunk sent or received): its
+  // the pool for the protect's length (a window per chunk sent or received for each window in
+  // flight, kWindowsPerOperation): its
   // memory beyond the parities is bounded, whatever the state's size, and in the pool's
   // figures. A window inside one segment is sent from where it lies, and where a parity has one
   // source (replica, parity:1) its chunk is received straight into the parity.
   static constexpr int64_t kProtectWindowBytes = int64_t{2} << 20;
-  // Windows a background protect moves on after each operation of the job's thread (the same
-  // number on every node: their messages must fall between the same operations').
+  // Windows a background protect posts after each collective of the job's thread with the
+  // other nodes (the same number on every node: their messages must fall between the same
+  // operations'), left in flight until the next; its staging is that many windows per flow.
   static constexpr int kWindowsPerOperation = 4;
 
   // This node is `node` of `node_names.size()`, with `locals` local ranks (the job's nodes hold
@@ -80,12 +83,17 @@ class NodeRedundancy {
                        absl::Time deadline, uint64_t seq);
   absl::Status StartProtect(Comm& comm, std::vector<std::vector<StateSegment>> state, int64_t step,
                             absl::Time deadline, uint64_t seq);
-  // Up to `windows` more windows of the protect under way (none where there is none).
+  // The protect under way (none: nothing to do) moves on: the windows in flight land (their
+  // messages are waited for, the parities take what they brought), and up to `windows` more
+  // (at most kWindowsPerOperation) are posted and left in flight, their messages moving while
+  // the operations after them wait for their own.
   absl::Status AdvanceProtect(Comm& comm, int windows, absl::Time deadline);
   // The protect under way, whole: its windows left, the barrier, the parity of the step before
   // dropped. OK where none is under way. A failure leaves the parities from before it.
   absl::Status FinishProtect(Comm& comm, absl::Time deadline);
-  // Gives up the protect under way (a recovery in place: its messages died with the connection).
+  // Gives up the protect under way (a recovery in place), once the connection its windows in
+  // flight used is closed or they landed (AdvanceProtect with no more windows): their messages
+  // write into its parities and staging until then.
   void AbandonProtect();
   bool protecting() const { return pending_ != nullptr; }
 
@@ -190,6 +198,10 @@ class NodeRedundancy {
   absl::Status PlanProtect(Comm& comm, std::vector<std::vector<StateSegment>> state, int64_t step,
                            absl::Time deadline, uint64_t seq);
   absl::Status EndProtect(Comm& comm, absl::Time deadline);
+  // AdvanceProtect's parts: posts up to `windows` windows; waits for those in flight and folds
+  // what they brought into the parities.
+  absl::Status PostWindows(Comm& comm, int windows);
+  absl::Status LandWindows(Comm& comm, absl::Time deadline);
   void CountParities();
   const Slot* FindSlot(int local, int64_t step) const;
   // `slot` leased for a parity of `bytes`, zeros from byte `zero_from` on (what comes before

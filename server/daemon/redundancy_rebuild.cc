@@ -76,7 +76,7 @@ absl::StatusOr<int64_t> NodeRedundancy::Rebuild(Comm& comm, bool replacement,
                                                 const std::vector<std::vector<StateSegment>>& state,
                                                 int64_t step, const PlaceSegment& place,
                                                 absl::Time deadline, uint64_t seq) {
-  AbandonProtect();  // (a recovery's: a protect under way covered a step given up)
+  AbandonProtect();  // (a recovery's, on a new connection: the old one's protect is given up)
   if (scheme_.hsdp) {
     return RebuildFromReplicas(comm, replacement, state, step, place, deadline, seq);
   }

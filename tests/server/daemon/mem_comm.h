@@ -1,7 +1,10 @@
 // An in-memory Comm for testing collectives: members are threads of one process; sends are
 // buffered in a shared fabric. A member can be marked lost. Matching and checking follow
 // comm.h: a receive takes the next message from its peer with the same index, then compares the
-// whole tag and the size.
+// whole tag and the size. Receives take their messages in the order they were posted, as UCX's
+// tag matching does: a receive waited for after a later-posted one of the same index (a
+// background protect's window in flight across another operation) still gets the earlier
+// message.
 //
 // A send completes (its WaitAll returns) only once its receiver has taken it, as a large
 // message over a real transport does, and the receiver then checks that the sender's buffer
@@ -67,6 +70,7 @@ class MemComm final : public Comm {
   }
   absl::StatusOr<uint64_t> PostRecv(int peer, uint64_t tag, void* data, size_t bytes) override {
     reqs_.push_back({true, peer, tag, data, bytes, nullptr});
+    posted_[{peer, rank_, tag & MessageStamp::kIndexMask}].push_back(reqs_.size() - 1);
     return reqs_.size() - 1;
   }
   using Comm::WaitAll;
@@ -104,10 +108,12 @@ class MemComm final : public Comm {
         }
         continue;
       }
-      absl::Status st;
-      {
+      // The receives of this index posted before this one take their messages first.
+      const MemFabric::Key key{r.peer, rank_, r.tag & MessageStamp::kIndexMask};
+      std::deque<uint64_t>& order = posted_[key];
+      while (!reqs_[id].landed) {
+        Req& q = reqs_[order.front()];
         absl::MutexLock lock(&fabric_->mu_);
-        const MemFabric::Key key{r.peer, rank_, r.tag & MessageStamp::kIndexMask};
         auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(fabric_->mu_) {
           auto it = fabric_->mail_.find(key);
           return (it != fabric_->mail_.end() && !it->second.empty()) ||
@@ -119,23 +125,31 @@ class MemComm final : public Comm {
         if (auto n = fabric_->notices_.find(rank_); n != fabric_->notices_.end()) {
           return absl::AbortedError(n->second);
         }
-        auto& q = fabric_->mail_[key];
-        if (q.empty()) return absl::UnavailableError(absl::StrCat("peer ", r.peer, " lost"));
-        const MemFabric::Message m = std::move(q.front());
-        q.pop_front();
+        auto& mail = fabric_->mail_[key];
+        if (mail.empty()) return absl::UnavailableError(absl::StrCat("peer ", r.peer, " lost"));
+        const MemFabric::Message m = std::move(mail.front());
+        mail.pop_front();
+        order.pop_front();
+        q.landed = true;
         // (A lost sender's buffers may be gone: not checked.)
         const bool changed = m.source != nullptr && fabric_->lost_.count(r.peer) == 0 &&
                              std::memcmp(m.source, m.bytes.data(), m.bytes.size()) != 0;
         if (m.delivered != nullptr) *m.delivered = true;
         if (changed) {
-          st = absl::InternalError(absl::StrCat("peer ", r.peer, " changed the buffer of ",
-                                                DescribeTag(m.tag), " before it was received"));
-        } else if (m.tag != r.tag || m.bytes.size() != r.bytes) {
-          st = MismatchError(rank_, r.peer, m.tag, m.bytes.size(), r.tag, r.bytes, describe_);
+          q.status =
+              absl::InternalError(absl::StrCat("peer ", r.peer, " changed the buffer of ",
+                                               DescribeTag(m.tag), " before it was received"));
+        } else if (m.tag != q.tag || m.bytes.size() != q.bytes) {
+          q.status = MismatchError(rank_, q.peer, m.tag, m.bytes.size(), q.tag, q.bytes, describe_);
         } else {
-          std::memcpy(r.data, m.bytes.data(), r.bytes);
+          std::memcpy(q.data, m.bytes.data(), q.bytes);
+        }
+        if (!q.status.ok()) {  // (this receive's, or one posted before it: the pairing is wrong)
+          if (mismatched_.ok()) mismatched_ = q.status;
+          break;
         }
       }
+      const absl::Status st = mismatched_.ok() ? reqs_[id].status : mismatched_;
       if (!st.ok()) {
         Abort(std::string(st.message()));
         return st;
@@ -172,10 +186,14 @@ class MemComm final : public Comm {
     void* data;
     size_t bytes;
     std::unique_ptr<bool> delivered;  // sends: set by the receiver, under the fabric's lock
+    bool landed = false;              // receives: its message taken (in the order posted)
+    absl::Status status;              // and how it compared
   };
   MemFabric* fabric_;
   const int rank_;
   std::vector<Req> reqs_;
+  std::map<MemFabric::Key, std::deque<uint64_t>> posted_;  // receives not yet landed, by key
+  absl::Status mismatched_;  // the first receive whose message did not match
   TagDescriber describe_;
 };
 

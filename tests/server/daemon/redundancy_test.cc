@@ -134,7 +134,7 @@ void OnEveryNode(testing::MemFabric* fabric, int nodes, Body body) {
 class RedundancyTest : public ::testing::TestWithParam<std::pair<std::string, int>> {
  protected:
   void SetUp() override {
-    auto pool = Pool::Create(int64_t{256} << 20);  // (the many-window test's parities)
+    auto pool = Pool::Create(int64_t{1} << 30);  // (the many-window tests: parities, staging)
     ASSERT_TRUE(pool.ok());
     pool_ = std::move(*pool);
     scheme_ = SchemeOf(*ParseRedundancy("redundancy", GetParam().first));
@@ -183,6 +183,14 @@ class RedundancyTest : public ::testing::TestWithParam<std::pair<std::string, in
           place, absl::Now() + absl::Seconds(30), 9);
     });
     return results;
+  }
+
+  // Rebuilds node `lost` at `step` from the others, and checks that it gets `states[lost]`.
+  void ExpectRebuilt(std::vector<NodeState>& states, int lost, int64_t step) {
+    std::vector<NodeState> placed;
+    auto results = RebuildAll(states, {lost}, step, &placed);
+    for (int n = 0; n < nodes_; ++n) ASSERT_TRUE(results[n].ok()) << n << results[n].status();
+    EXPECT_EQ(placed[lost].ranks, states[lost].ranks);
   }
 
   static constexpr int kLocals = 2;
@@ -236,7 +244,7 @@ TEST_P(RedundancyTest, ALostNodeIsRebuiltBitForBitFromOneStepsParity) {
 TEST_P(RedundancyTest, AStateOfManyWindowsIsProtectedThroughBoundedStaging) {
   // Each rank's state is several protect windows long, with odd sizes (the last window of each
   // chunk is partial): the parities are made window by window, and the pool's peak beyond the
-  // parities is at most one window per chunk sent or received on every node.
+  // parities is at most kWindowsPerOperation windows per chunk sent or received on every node.
   constexpr int64_t kWindow = NodeRedundancy::kProtectWindowBytes;
   std::vector<NodeState> states = ManyWindows(nodes_, kLocals, 4);
   const int64_t before = pool_->Stats().used;
@@ -251,13 +259,10 @@ TEST_P(RedundancyTest, AStateOfManyWindowsIsProtectedThroughBoundedStaging) {
   for (int n = 0; n < nodes_; ++n) {
     const int64_t flows =
         kLocals * (scheme_.k + static_cast<int64_t>(ParitySources(scheme_, nodes_, n).size()));
-    staging += flows * kWindow + 256;
+    staging += flows * kWindow * NodeRedundancy::kWindowsPerOperation + 256;
   }
   EXPECT_LE(pool_->Stats().peak, before + parity + staging);
-  std::vector<NodeState> placed;
-  auto results = RebuildAll(states, {1}, 1, &placed);
-  for (int n = 0; n < nodes_; ++n) ASSERT_TRUE(results[n].ok()) << n << results[n].status();
-  EXPECT_EQ(placed[1].ranks, states[1].ranks);
+  ExpectRebuilt(states, 1, 1);
 }
 
 TEST_P(RedundancyTest, ABackgroundProtectBetweenOtherOperationsIsTheWholeOne) {
@@ -278,9 +283,10 @@ TEST_P(RedundancyTest, ABackgroundProtectBetweenOtherOperationsIsTheWholeOne) {
       for (uint64_t op = 0; op < 2; ++op) {
         std::vector<int64_t> values(static_cast<size_t>(nodes_), 0);
         values[static_cast<size_t>(n)] = 100 * n + static_cast<int64_t>(op);
-        ASSERT_TRUE(AllGather(comm, reinterpret_cast<char*>(values.data()), sizeof(int64_t),
-                              deadline, RedundancyStamp(3 + op, 2, 0))
-                        .ok());
+        const absl::Status gather =
+            AllGather(comm, reinterpret_cast<char*>(values.data()), sizeof(int64_t), deadline,
+                      RedundancyStamp(3 + op, 2, 0));
+        ASSERT_TRUE(gather.ok()) << "node " << n << ": " << gather;
         gathered[n].insert(gathered[n].end(), values.begin(), values.end());
         ASSERT_TRUE(node_[n]->AdvanceProtect(comm, 1, deadline).ok());
       }
@@ -299,10 +305,7 @@ TEST_P(RedundancyTest, ABackgroundProtectBetweenOtherOperationsIsTheWholeOne) {
       for (int m = 0; m < nodes_; ++m) EXPECT_EQ(gathered[n][op * nodes_ + m], 100 * m + op);
     }
   }
-  std::vector<NodeState> placed;
-  auto results = RebuildAll(at2, {1}, 2, &placed);
-  for (int n = 0; n < nodes_; ++n) ASSERT_TRUE(results[n].ok()) << n << results[n].status();
-  EXPECT_EQ(placed[1].ranks, at2[1].ranks);
+  ExpectRebuilt(at2, 1, 2);
 }
 
 TEST_P(RedundancyTest, AnAbandonedProtectLeavesTheStepBeforeRebuildable) {
@@ -317,6 +320,7 @@ TEST_P(RedundancyTest, AnAbandonedProtectLeavesTheStepBeforeRebuildable) {
       const absl::Time deadline = absl::Now() + absl::Seconds(30);
       ASSERT_TRUE(node_[n]->StartProtect(comm, at2[n].Segments(), 2, deadline, 2).ok());
       ASSERT_TRUE(node_[n]->AdvanceProtect(comm, 1, deadline).ok());
+      ASSERT_TRUE(node_[n]->AdvanceProtect(comm, 0, deadline).ok());  // (it lands)
       node_[n]->AbandonProtect();
     });
   }
@@ -324,10 +328,7 @@ TEST_P(RedundancyTest, AnAbandonedProtectLeavesTheStepBeforeRebuildable) {
     EXPECT_FALSE(node_[n]->protecting()) << n;
     EXPECT_EQ(node_[n]->parity_steps(), std::vector<int64_t>{1}) << n;
   }
-  std::vector<NodeState> placed;
-  auto results = RebuildAll(at1, {2 % nodes_}, 1, &placed);
-  for (int n = 0; n < nodes_; ++n) ASSERT_TRUE(results[n].ok()) << n << results[n].status();
-  EXPECT_EQ(placed[2 % nodes_].ranks, at1[2 % nodes_].ranks);
+  ExpectRebuilt(at1, 2 % nodes_, 1);
 }
 
 TEST_P(RedundancyTest, ANodeLostBeforeTheBarrierLeavesBothStepsRebuildable) {
