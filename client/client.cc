@@ -395,7 +395,7 @@ absl::StatusOr<v1::StatsResponse> Client::DaemonStats() {
 }
 
 absl::StatusOr<Client::StateBuffer> Client::GetStateBuffer(const std::string& name, int64_t bytes) {
-  if (absl::Status s = CheckHostBuffers(); !s.ok()) return s;
+  if (arena_ == nullptr) return absl::FailedPreconditionError("not attached");
   v1::StateBufferRequest req;
   req.set_attachment_id(attachment_);
   req.set_name(name);
@@ -405,13 +405,15 @@ absl::StatusOr<Client::StateBuffer> Client::GetStateBuffer(const std::string& na
   ctx.set_deadline(std::chrono::system_clock::now() + options_.peer_timeout);
   grpc::Status st = daemon_->StateBuffer(&ctx, req, &resp);
   if (!st.ok()) return DaemonCallError(ctx, st, "a state buffer request");
+  const bool on_device = resp.rank_memory() && backend_ == "cuda";
   if (resp.offset() < 0 || resp.bytes() != bytes ||
-      static_cast<uint64_t>(resp.offset() + resp.bytes()) > arena_bytes_) {
+      (!on_device && static_cast<uint64_t>(resp.offset() + resp.bytes()) > arena_bytes_)) {
     return absl::InternalError(absl::StrCat("the daemon answered state buffer '", name, "' at [",
                                             resp.offset(), ", +", resp.bytes(), ") of an arena of ",
                                             arena_bytes_, " bytes"));
   }
-  return StateBuffer{arena_ + resp.offset(), resp.bytes(), resp.existed()};
+  return StateBuffer{on_device ? nullptr : arena_ + resp.offset(), resp.offset(), resp.bytes(),
+                     resp.existed(), resp.rank_memory()};
 }
 
 absl::Status Client::NoOp() {

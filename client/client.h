@@ -183,13 +183,17 @@ class Client {
   // The daemon's pool and job counters.
   absl::StatusOr<v1::StatsResponse> DaemonStats();
 
-  // A buffer of this rank's own in the daemon's pool, kept by name for the job's life: a later
-  // process of the same rank gets it back (docs/recovery.md). `existed`: it was there before
-  // this call, with what was written into it; else its bytes are zero. Host backends only.
+  // A buffer of this rank's own in the daemon, kept by name for the job's life: a later process
+  // of the same rank gets it back (docs/recovery.md). `existed`: it was there before this call,
+  // with what was written into it; else its bytes are zero. `rank_memory`: it lives beside the
+  // rank's parameter shards (pool::InRankMemory), at `offset` of the memory their placements
+  // are offsets of; `data` is its host address, nullptr where that memory is a CUDA device's.
   struct StateBuffer {
     char* data = nullptr;
+    int64_t offset = 0;
     int64_t bytes = 0;
     bool existed = false;
+    bool rank_memory = false;
   };
   absl::StatusOr<StateBuffer> GetStateBuffer(const std::string& name, int64_t bytes);
   // The job's recovery epoch this attachment runs in, and whether this rank's state was in the

@@ -1,8 +1,13 @@
 #include "protocol/pool_contract.h"
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 
 namespace ragshard::pool {
+
+bool InRankMemory(const std::string& name) {
+  return absl::StartsWith(name, kOptimizer) || absl::StartsWith(name, kJournalUndo);
+}
 
 std::string ShardName(int64_t unit) { return absl::StrCat(kShard, unit); }
 

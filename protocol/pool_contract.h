@@ -14,6 +14,7 @@
 //                                last commit (text the rank writes and reads)
 //   journal/undo/<state>         a state buffer's undo copy
 //   opt/<owner>/<key>/<unit>     an optimizer's state of a unit's pieces
+//   (opt/ and journal/undo/ are in the rank's memory: InRankMemory)
 //   shrink/taken, shrink/recut, shrink/in_place, shrink/steps/<opt prefix>   a shrink's marks
 //   copy/<step>/directory, copy/<step>/directory.bytes, copy/<step>/<segment>   another node's
 //                                whole copy, exposed to a salvage attachment
@@ -52,6 +53,13 @@ inline constexpr int kJournalCommitted = 0;
 inline constexpr int kJournalBegun = 1;
 inline constexpr int kJournalBase = 2;
 inline constexpr int kJournalBaseBefore = 3;
+
+// Whether state buffer `name` lives in its rank's memory, beside its parameter shards (a GPU's
+// slab on the CUDA backend, which the rank maps as CUDA tensors): the optimizers' state
+// ("opt/...") and the undo copies ("journal/undo/..."). Every other buffer (the journal's marks,
+// manifest and held list, a shrink's marks, exposed copies) is host memory of the pool, which
+// the daemon reads directly. On the host backends both are the pool.
+bool InRankMemory(const std::string& name);
 
 // "shard/<unit>".
 std::string ShardName(int64_t unit);

@@ -49,7 +49,7 @@ namespace {
 // rs_encode_chunks. 8: rs_client_attach takes salvage, rs_create_job_secure on_node_loss,
 // rs_job_json (shrinking in place). 9: rs_client_release_salvaged. 10: rs_client_op takes
 // accumulate (gradient accumulation). 11: rs_pool_contract, rs_redundancy.
-constexpr int kAbiVersion = 11;
+constexpr int kAbiVersion = 12;
 
 thread_local std::string last_error;
 thread_local std::string last_string;
@@ -359,13 +359,22 @@ int rs_client_noop(rs_client* c) {
 }
 
 int rs_client_state_buffer(rs_client* c, const char* name, int64_t bytes, uintptr_t* ptr,
-                           int* existed) {
+                           int* existed, int* on_device) {
   const std::lock_guard<std::mutex> lock(c->mu);
   if (name == nullptr) return Fail(absl::InvalidArgumentError("name: must not be NULL"));
   auto b = c->client->GetStateBuffer(name, bytes);
   if (!b.ok()) return Fail(b.status());
-  *ptr = reinterpret_cast<uintptr_t>(b->data);
   *existed = b->existed ? 1 : 0;
+  // A buffer in the rank's memory is where its parameter shards are (device memory on the
+  // cuda backend, and with fake_device); the others are host memory of the arena.
+  *on_device = b->rank_memory && (c->client->backend() == "cuda" || c->fake_device) ? 1 : 0;
+  if (!*on_device) {
+    *ptr = reinterpret_cast<uintptr_t>(b->data);
+    return 0;
+  }
+  auto base = Base(c);
+  if (!base.ok()) return Fail(base.status());
+  *ptr = *base + static_cast<uintptr_t>(b->offset);
   return 0;
 }
 

@@ -91,11 +91,13 @@ int rs_client_op(rs_client* c, int kind, int unit, int reduce, int keep, int acc
 int rs_client_noop(rs_client* c);
 /* The daemon's pool and this job's figures, as a JSON object. */
 int rs_client_stats(rs_client* c, const char** out);
-/* A buffer of this rank's own in the daemon's pool, kept by name for the job's life
+/* A buffer of this rank's own in the daemon, kept by name for the job's life
  * (docs/recovery.md): *existed is 1 when it was there before (a restarted process adopts it),
- * else 0 and its bytes are zero. Host backends only. */
+ * else 0 and its bytes are zero. *on_device is 1 when *ptr is device memory beside the rank's
+ * parameter shards (the optimizers' state and undo copies on the cuda backend, or with
+ * fake_device), else 0: host memory. */
 int rs_client_state_buffer(rs_client* c, const char* name, int64_t bytes, uintptr_t* ptr,
-                           int* existed);
+                           int* existed, int* on_device);
 /* The job's recovery epoch of this attachment, 1 when the rank adopted state that a previous
  * process of it left in the daemon, and 1 when the job recovers lost ranks in place. */
 void rs_client_recovery(rs_client* c, int64_t* epoch, int* adopted, int* recoverable);

@@ -4,7 +4,7 @@
 # every library of every program inside the bundle or in the base system, the programs run (the
 # GPU tests skip without a device, saying so), and `bash run.sh OUT` runs to its end: with the
 # system's python3 (no numpy, no torch), and with PYTHON (the project's .venv, with torch) for the
-# training check. On a machine without a GPU every GPU check must say "skipped", "no GPU...", and
+# training and recovery checks. On a machine without a GPU every GPU check must say "skipped", "no GPU...", and
 # every host check must pass (training_host only where PYTHON has torch).
 #   bash tests/gpu_bundle_test.sh BUILD [PYTHON]
 set -euo pipefail
@@ -43,7 +43,7 @@ import json, sys
 out, must_pass = sys.argv[1], sys.argv[2:]
 s = json.load(open(out + "/summary.json"))
 by = {c["name"]: c for c in s["checks"]}
-gpu_checks = ["gpu", "nccl", "cuda_tests", "training_cuda", "memory_cuda",
+gpu_checks = ["gpu", "nccl", "cuda_tests", "training_cuda", "memory_cuda", "recovery_cuda",
               "data_plane_bandwidth", "fp8_bandwidth"]
 bad = [n for n in must_pass if by.get(n, {}).get("status") != "passed"]
 if not s["gpu"]:
@@ -65,7 +65,7 @@ else
 fi
 if [[ -n $python ]]; then
   if "${bare[@]}" PYTHON="$python" bash "$tmp/moved/run.sh" "$tmp/out-py" >"$tmp/run-py.log" 2>&1; then
-    check_summary "$tmp/out-py" "${host_checks[@]}" training_host || fail=1
+    check_summary "$tmp/out-py" "${host_checks[@]}" training_host recovery_host || fail=1
   else
     cat "$tmp/run-py.log" "$tmp"/out-py/logs/python-*.log >&2
     echo "FAIL: run.sh (PYTHON=$python) exited non-zero" >&2

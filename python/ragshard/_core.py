@@ -24,7 +24,7 @@ import weakref
 from . import _notice
 from ._notice import RECOVERY_EXIT, RECOVERY_NOTICE, RecoveryInProgress  # noqa: F401
 
-ABI_VERSION = 11
+ABI_VERSION = 12
 _BAD_ARGUMENT, _OUT_OF_RANGE = -1, -2
 
 
@@ -111,7 +111,7 @@ def _load():
         "rs_client_noop": (i32, [c_p]),
         "rs_client_stats": (i32, [c_p, out_str]),
         "rs_client_state_buffer": (i32, [c_p, cstr, i64, ctypes.POINTER(ctypes.c_size_t),
-                                         ctypes.POINTER(i32)]),
+                                         ctypes.POINTER(i32), ctypes.POINTER(i32)]),
         "rs_client_redundancy": (None, [c_p, ctypes.POINTER(cstr), ctypes.POINTER(i32)]),
         "rs_client_recovery": (None, [c_p, ctypes.POINTER(i64), ctypes.POINTER(i32),
                                       ctypes.POINTER(i32)]),
@@ -468,13 +468,18 @@ class Client(_NoCopy):
         return json.loads(_string(_lib.rs_client_stats, self._c))
 
     def state_buffer(self, name, nbytes):
-        """(a uint8 numpy array over a buffer of this rank's own in the daemon's pool, whether
-        it existed): kept by `name` for the job's life, so that a restarted process of this rank
-        gets it back with what was written (docs/recovery.md); a new one is zeros."""
+        """(the bytes of a buffer of this rank's own in the daemon, whether it existed): kept by
+        `name` for the job's life, so that a restarted process of this rank gets it back with
+        what was written (docs/recovery.md); a new one is zeros. A uint8 numpy array in host
+        memory, or a DeviceBuffer of uint8 where the buffer lives beside the rank's parameter
+        shards on a GPU (the optimizers' state and undo copies on the cuda backend)."""
         import numpy as np
-        ptr, existed = ctypes.c_size_t(), ctypes.c_int()
+        ptr, existed, on_device = ctypes.c_size_t(), ctypes.c_int(), ctypes.c_int()
         _check(_lib.rs_client_state_buffer(self._c, _b(name), int(nbytes), ctypes.byref(ptr),
-                                           ctypes.byref(existed)))
+                                           ctypes.byref(existed), ctypes.byref(on_device)))
+        if on_device.value:
+            shape, _ = self._shape()
+            return DeviceBuffer(self, ptr.value, int(nbytes), "|u1", shape[4]), bool(existed.value)
         return np.asarray(_HostView(self, ptr.value, int(nbytes), "|u1")), bool(existed.value)
 
     def _recovery(self):

@@ -1,6 +1,6 @@
 """The GPU bundle's Python checks, run by run.sh (scripts/gpu/run.sh) with the machine's python3.
 
-    python3 checks.py BUNDLE OUTDIR nccl|package|training|fp8
+    python3 checks.py BUNDLE OUTDIR nccl|package|training|recovery|fp8
 
 Each check writes OUTDIR/checks/<name>.json: {"name", "status": passed|failed|skipped,
 "reason", "figures"}; `nccl` prints the NCCL library it finds instead. The package comes from
@@ -98,11 +98,11 @@ def package():
                units=client.units, pool_peak_bytes=st["pool_peak"])
 
 
-def launch(cluster, tmp, job, world, extra):
+def launch(cluster, tmp, job, world, extra, launcher=()):
     out = os.path.join(tmp, job)
     cmd = [sys.executable, "-m", "ragshard.launch", "--planner", cluster.planner, "--job", job,
            "--nproc", str(world), "--sockets", ",".join(cluster.sockets), "--create-job",
-           EXAMPLE, "--out", out] + SMALL + extra
+           *launcher, EXAMPLE, "--out", out] + SMALL + extra
     r = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=300)
     if r.returncode != 0:
         raise RuntimeError(f"{job}: exit {r.returncode}: {(r.stdout + r.stderr)[-1500:]}")
@@ -185,6 +185,44 @@ def training():
     guarded("training_cuda", on_cuda)
 
 
+def recovery():
+    """A rank lost mid-training recovers in place (docs/recovery.md): SIGKILLed in its backward
+    at step 3, restarted by the launcher, it finds its optimizer state and undo copies where it
+    left them (on the CUDA backend, in its GPU's slab, as CUDA tensors), rolls back, and the run
+    ends with the uninterrupted run's parameters within 1e-6. With a GPU: recovery_cuda, one rank
+    on the CUDA backend; without one: recovery_host, 2 ranks on the device-shaped backend (the
+    same code, memory reached through copies)."""
+    name = "recovery_cuda" if GPU else "recovery_host"
+    try:
+        import torch
+    except ImportError:
+        return record(name, "skipped", f"{sys.executable} has no torch")
+    from ragshard.cluster import LocalCluster
+    if GPU and not torch.cuda.is_available():
+        return record(name, "failed", f"nvidia-smi lists a GPU but torch.cuda.is_available() is "
+                      f"False in {sys.executable}")
+    backend, world, train = ("cuda", 1, ["--device", "cuda"]) if GPU else \
+        ("device-shaped", 2, [])
+    tmp = tempfile.mkdtemp(prefix="ragshard-bundle-")
+    mark = os.path.join(tmp, "killed")
+    launcher = ["--max-restarts", "1", "--recovery-deadline", "60"]
+    with LocalCluster(None, daemons=1, pool_bytes=128 << 20, backend=backend) as c:
+        ref = launch(c, tmp, "rec-ref", world, train, launcher)
+        killed = launch(c, tmp, "rec-kill", world,
+                        train + ["--kill-at", f"{world - 1}:3:backward:{mark}"], launcher)
+    if not os.path.exists(mark):
+        return record(name, "failed", "the rank was not killed")
+    a = torch.load(os.path.join(tmp, "rec-kill.pt"), map_location="cpu")
+    b = torch.load(os.path.join(tmp, "rec-ref.pt"), map_location="cpu")
+    delta = max(float((a[k] - b[k]).abs().max()) for k in b) if a.keys() == b.keys() else math.inf
+    status = "passed" if delta <= 1e-6 else "failed"
+    record(name, status, "" if status == "passed" else
+           f"the recovered run's parameters differ from the uninterrupted run's by {delta:.3g}",
+           backend=backend, ranks=world, steps=len(killed["losses"]), killed="rank "
+           f"{world - 1}, step 3, backward (SIGKILL)", max_abs_parameter_difference=delta,
+           losses=killed["losses"], reference_losses=ref["losses"])
+
+
 def fp8():
     """ragshard.quant's FP8 quantize and dequantize on the GPU against the device's copy
     bandwidth (bytes read + written per second, torch.cuda events, median of 5)."""
@@ -238,6 +276,8 @@ elif WHAT == "package":
     guarded("python_package", package)
 elif WHAT == "training":
     training()
+elif WHAT == "recovery":
+    guarded("recovery_cuda" if GPU else "recovery_host", recovery)
 elif WHAT == "fp8":
     guarded("fp8_bandwidth", fp8)
 else:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU bundle's one command (docs/gpu.md): on a machine with a GPU, checks the GPU, the driver
 # and NCCL, runs the CUDA backend's tests, trains on the CUDA backend and compares with the host
-# backend, reads the device's memory, and measures the intra-device data plane and the FP8
+# backend, recovers a killed rank in place on it, reads the device's memory, and measures the intra-device data plane and the FP8
 # kernels; on any machine, checks the bundle's libraries, programs, host data plane and Python
 # package. Where there is no GPU every GPU check is reported as skipped, with the reason.
 #
@@ -136,15 +136,22 @@ fi
 
 # -- Python: the package, training on both backends, the device's memory, FP8 --------------------
 if [[ $have_py == 1 ]]; then
-  for c in package training; do
+  for c in package training recovery; do
     RAGSHARD_BUNDLE_GPU=$gpu timeout "$limit" "$py" "$here/tools/checks.py" "$here" "$out" "$c" >>"$out/logs/python-$c.log" 2>&1
   done
   [[ -f $out/checks/python_package.json ]] || record python_package failed "checks.py package wrote nothing (logs/python-package.log)"
   [[ -f $out/checks/training_host.json ]] || record training_host failed "checks.py training wrote nothing (logs/python-training.log)"
+  rec=recovery_host
+  [[ $gpu == 1 ]] && rec=recovery_cuda
+  [[ -f $out/checks/$rec.json ]] || record "$rec" failed "checks.py recovery wrote nothing (logs/python-recovery.log)"
 else
   record python_package skipped "no CPython 3.10 or later at '$py'"
   record training_host skipped "no CPython 3.10 or later at '$py'"
+  record recovery_host skipped "no CPython 3.10 or later at '$py'"
 fi
+if [[ $gpu == 1 && $have_py == 0 ]]; then record recovery_cuda skipped "no CPython 3.10 or later at '$py'"; fi
+if [[ $gpu == 0 ]]; then record recovery_cuda skipped "$no_gpu"; fi
+if [[ $gpu == 1 ]]; then record recovery_host skipped "a GPU: the trial ran on the CUDA backend (recovery_cuda)"; fi
 if [[ $gpu == 1 && $have_py == 1 ]]; then
   timeout "$limit" "$py" "$here/tools/checks.py" "$here" "$out" fp8 >>"$out/logs/python-fp8.log" 2>&1
   for c in training_cuda memory_cuda fp8_bandwidth; do
@@ -157,8 +164,8 @@ else
 fi
 
 # -- the summary -----------------------------------------------------------------------------------
-order=(gpu nccl cuda_tests training_cuda memory_cuda data_plane_bandwidth fp8_bandwidth
-  libraries programs host_data_plane python_package training_host)
+order=(gpu nccl cuda_tests training_cuda memory_cuda recovery_cuda data_plane_bandwidth
+  fp8_bandwidth libraries programs host_data_plane python_package training_host recovery_host)
 seconds=$(($(date +%s) - started))
 nfail=0
 items=()

@@ -261,11 +261,6 @@ grpc::ServerUnaryReactor* NodeDaemon::StateBuffer(Ctx* ctx, const v1::StateBuffe
                                absl::StrCat("bytes: ", req->bytes(), " is not in [1, ",
                                             pool_->arena().size(), "] (the pool's size)")));
   }
-  if (backend_ == BackendKind::kCuda) {
-    return ReplyUnary(ctx, absl::FailedPreconditionError(
-                               "state buffers are host memory of the pool; the cuda backend's "
-                               "state stays in the rank (docs/recovery.md)"));
-  }
   int64_t rank = 0;
   bool salvage = false;
   {
@@ -289,11 +284,12 @@ grpc::ServerUnaryReactor* NodeDaemon::StateBuffer(Ctx* ctx, const v1::StateBuffe
       return ReplyUnary(ctx, s);
     }
   }
-  auto b = found->first->StateBuffer(rank, name, req->bytes(), pool_.get());
+  auto b = found->first->StateBuffer(rank, found->second, name, req->bytes(), pool_.get());
   if (!b.ok()) return ReplyUnary(ctx, b.status());
-  resp->set_offset(b->first->offset());
+  resp->set_offset(b->lease->offset());
   resp->set_bytes(req->bytes());
-  resp->set_existed(b->second);
+  resp->set_existed(b->existed);
+  resp->set_rank_memory(b->rank_memory);
   return ReplyUnary(ctx, absl::OkStatus());
 }
 

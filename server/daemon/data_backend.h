@@ -20,11 +20,13 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "protocol/pool_contract.h"
 #include "ragshard/v1/daemon.pb.h"
 #include "ragshard/v1/plan.pb.h"
 #include "server/daemon/collectives.h"
 #include "server/daemon/comm.h"
 #include "server/daemon/pool.h"
+#include "server/daemon/state_blob.h"
 
 namespace ragshard::daemon {
 
@@ -61,13 +63,25 @@ class DataBackend {
   // as at setup; the persistent shards keep their contents.
   virtual void ResetTransient() = 0;
 
-  // Local rank `local`'s persistent parameter shard of `unit` in host memory, and its bytes
-  // (the redundancy of docs/recovery.md, "A lost node", reads and rebuilds it); nullptr where the
-  // backend keeps it elsewhere (the CUDA backend's device memory).
-  virtual char* HostParamShard(int unit, int local, int64_t* bytes) const {
-    (void)unit;
+  // Local rank `local`'s persistent parameter shard of `unit` as a segment of its protected
+  // state (named pool::ShardName(unit), in the memory it lives in: the redundancy of
+  // docs/recovery.md, "A lost node", reads and rebuilds it through it); data nullptr where the
+  // backend has none.
+  virtual StateSegment ParamShardSegment(int unit, int local) const {
     (void)local;
-    *bytes = 0;
+    return {pool::ShardName(unit)};
+  }
+  // A state buffer of local rank `local`'s that lives beside its parameter shards
+  // (pool::InRankMemory): `bytes`, zeroed, from the rank's own memory (its GPU's slab on the
+  // CUDA backend), and how the daemon reaches it (nullptr: host memory). UNIMPLEMENTED where the
+  // backend has no memory of its own (such buffers are then the pool's, as the others).
+  virtual absl::StatusOr<Lease> AllocateRankState(int local, int64_t bytes) const {
+    (void)local;
+    (void)bytes;
+    return absl::UnimplementedError("no memory of the ranks' own");
+  }
+  virtual const SegmentMemory* rank_memory(int local) const {
+    (void)local;
     return nullptr;
   }
 

@@ -59,6 +59,10 @@ class HostTransport final : public Transport {
                    absl::Time deadline) override;
   int view_fd() const override;
   const char* base(int local) const override { return pool_->base(); }
+  // Device-shaped: the ranks' memory is reached through copies, as a GPU's is.
+  const SegmentMemory* memory(int) const override {
+    return shape_ == HostShape::kDevice ? &copied_ : nullptr;
+  }
   void DescribeMemory(int, v1::AttachResponse*) const override {}  // the daemon sends the memfd
   int64_t staging_bytes() const override { return 0; }
 
@@ -86,6 +90,7 @@ class HostTransport final : public Transport {
   NodeMesh mesh_;
   Pool* pool_;
   HostShape shape_;
+  CopiedHostMemory copied_;
   // Over the nodes of this node's group of each collective; nullptr where that is this node
   // alone. grad_replicas_: the nodes holding the same g positions; update_: the nodes of the os
   // group holding the same p positions; os_: the os group (matrix pieces).

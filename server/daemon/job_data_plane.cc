@@ -160,6 +160,13 @@ ScratchFn JobDataPlane::ScratchFor(const Unit& u) {
   };
 }
 
+absl::StatusOr<Lease> JobDataPlane::AllocateRankState(int local, int64_t bytes) const {
+  auto lease = transport_->Allocate(local, bytes);
+  if (!lease.ok()) return lease.status();
+  if (absl::Status s = transport_->Zero(local, lease->data(), bytes); !s.ok()) return s;
+  return lease;
+}
+
 char* JobDataPlane::param_shard(int unit, int local) const {
   const Unit& u = units_[unit];
   if (u.shards.size() == 1) {

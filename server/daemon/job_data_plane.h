@@ -82,10 +82,12 @@ class JobDataPlane final : public DataBackend {
   // Gradient: F * shard_elems of the unit's dtype (per local rank). Gradient shard: grad_elems
   // fp32 (per local rank). Owner buffer: owner_elems(unit, local) fp32.
   char* param_shard(int unit, int local) const;
-  char* HostParamShard(int unit, int local, int64_t* bytes) const override {
-    *bytes = units_[unit].shard_elems * units_[unit].item;
-    return param_shard(unit, local);
+  StateSegment ParamShardSegment(int unit, int local) const override {
+    return {pool::ShardName(unit), param_shard(unit, local),
+            units_[unit].shard_elems * units_[unit].item, transport_->memory(local)};
   }
+  absl::StatusOr<Lease> AllocateRankState(int local, int64_t bytes) const override;
+  const SegmentMemory* rank_memory(int local) const override { return transport_->memory(local); }
   char* unsharded(int unit, int local = 0) const;
   char* grad(int unit, int local) const;
   float* grad_shard(int unit, int local) const;

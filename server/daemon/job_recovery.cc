@@ -60,10 +60,10 @@ absl::Status JobRuntime::AwaitRunning(absl::Time deadline) {
   return failed_;
 }
 
-absl::StatusOr<std::pair<const Lease*, bool>> JobRuntime::StateBuffer(int64_t rank,
-                                                                      const std::string& name,
-                                                                      int64_t bytes, Pool* pool) {
-  return states_.Get(rank, name, bytes, pool);
+absl::StatusOr<RankStates::Buffer> JobRuntime::StateBuffer(int64_t rank, int local,
+                                                           const std::string& name, int64_t bytes,
+                                                           Pool* pool) {
+  return states_.Get(rank, name, bytes, pool, dp_.get(), local);
 }
 
 void JobRuntime::FailRecovery(const absl::Status& error) {

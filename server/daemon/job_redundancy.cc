@@ -59,15 +59,13 @@ absl::StatusOr<std::vector<std::vector<StateSegment>>> JobRedundancy::ProtectedS
   std::vector<std::vector<StateSegment>> out(local_ranks_.size());
   for (size_t l = 0; l < local_ranks_.size(); ++l) {
     for (int u = 0; u < dp.units(); ++u) {
-      int64_t bytes = 0;
-      char* data = dp.HostParamShard(u, static_cast<int>(l), &bytes);
-      if (data == nullptr) {
+      StateSegment shard = dp.ParamShardSegment(u, static_cast<int>(l));
+      if (shard.data == nullptr) {
         return absl::FailedPreconditionError(
-            absl::StrCat("redundancy: the ", dp.name(),
-                         " backend keeps parameter shards outside the host "
-                         "pool; redundancy needs a host backend (docs/recovery.md)"));
+            absl::StrCat("redundancy: the ", dp.name(), " backend has no parameter shard of unit ",
+                         u, " for local rank ", l));
       }
-      out[l].push_back({pool::ShardName(u), data, bytes});
+      out[l].push_back(std::move(shard));
     }
     for (StateSegment& s : states_->Protected(local_ranks_[l])) out[l].push_back(std::move(s));
   }
@@ -92,22 +90,23 @@ absl::Status JobRedundancy::Rebuild(Comm& comm, const DataBackend& dp, int64_t e
     RAGSHARD_ASSIGN_OR_RETURN(state, ProtectedState(dp));
   }
   const PlaceSegment place = [this, &dp](int local, const std::string& name,
-                                         int64_t bytes) -> absl::StatusOr<char*> {
+                                         int64_t bytes) -> absl::StatusOr<StateSegment> {
     int unit = 0;
     if (absl::StartsWith(name, pool::kShard) &&
         absl::SimpleAtoi(name.substr(sizeof(pool::kShard) - 1), &unit)) {
-      int64_t have = 0;
-      char* data = unit >= 0 && unit < dp.units() ? dp.HostParamShard(unit, local, &have) : nullptr;
-      if (data == nullptr || have != bytes) {
+      StateSegment shard =
+          unit >= 0 && unit < dp.units() ? dp.ParamShardSegment(unit, local) : StateSegment{name};
+      if (shard.data == nullptr || shard.bytes != bytes) {
         return absl::DataLossError(absl::StrCat(
             "the rebuilt state holds ", bytes, " bytes for the parameter shard of unit ", unit,
-            "; this node's plan has ", have, " (", dp.units(), " units)"));
+            "; this node's plan has ", shard.bytes, " (", dp.units(), " units)"));
       }
-      return data;
+      return shard;
     }
-    auto b = states_->Get(local_ranks_[static_cast<size_t>(local)], name, bytes, pool_);
+    auto b = states_->Get(local_ranks_[static_cast<size_t>(local)], name, bytes, pool_, &dp, local);
     if (!b.ok()) return b.status();
-    return b->first->data();
+    return StateSegment{name, b->lease->data(), bytes,
+                        b->rank_memory ? dp.rank_memory(local) : nullptr};
   };
   auto rebuilt = redundancy_.Rebuild(comm, replacement, state, step, place, deadline, seq);
   if (!rebuilt.ok()) {

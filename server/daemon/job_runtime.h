@@ -91,10 +91,11 @@ class JobRuntime final : public OpTarget {
   int64_t epoch() { return recovery_.epoch(); }
   bool recoverable() { return recovery_.recoverable(); }
 
-  // A buffer of rank `rank`'s own, kept by name for the job's life (StateBuffer RPC): the
-  // lease, and whether it existed. FAILED_PRECONDITION when it exists with another size.
-  absl::StatusOr<std::pair<const Lease*, bool>> StateBuffer(int64_t rank, const std::string& name,
-                                                            int64_t bytes, Pool* pool);
+  // A buffer of rank `rank`'s own (local rank `local`), kept by name for the job's life
+  // (StateBuffer RPC; RankStates::Get: in the rank's memory or the pool). FAILED_PRECONDITION
+  // when it exists with another size.
+  absl::StatusOr<RankStates::Buffer> StateBuffer(int64_t rank, int local, const std::string& name,
+                                                 int64_t bytes, Pool* pool);
 
   // A shrink's salvage attachment asks for the whole copy this node holds (JobRedundancy::
   // ExposeCopy); nothing where the job has no redundancy.

@@ -9,28 +9,40 @@
 
 namespace ragshard::daemon {
 
-absl::StatusOr<std::pair<const Lease*, bool>> RankStates::Get(int64_t rank, const std::string& name,
-                                                              int64_t bytes, Pool* pool) {
+absl::StatusOr<RankStates::Buffer> RankStates::Get(int64_t rank, const std::string& name,
+                                                   int64_t bytes, Pool* pool, const DataBackend* dp,
+                                                   int local) {
   absl::MutexLock lock(&mu_);
   auto it = buffers_.find({rank, name});
   if (it != buffers_.end()) {
-    if (it->second.second != bytes) {
+    if (it->second.bytes != bytes) {
       return absl::FailedPreconditionError(
           absl::StrCat("state buffer '", name, "' of rank ", rank, " of job '", job_id_, "' has ",
-                       it->second.second, " bytes; asked for ", bytes));
+                       it->second.bytes, " bytes; asked for ", bytes));
     }
-    return std::make_pair(&it->second.first, true);
+    return Buffer{&it->second.lease, true, it->second.rank_memory};
   }
-  auto lease = pool->Allocate(bytes);
+  Held held;
+  held.bytes = bytes;
+  absl::StatusOr<Lease> lease = absl::UnimplementedError("");
+  if (dp != nullptr && pool::InRankMemory(name)) {
+    lease = dp->AllocateRankState(local, bytes);
+    held.rank_memory = lease.ok() || !absl::IsUnimplemented(lease.status());
+    held.memory = dp->rank_memory(local);
+  }
+  if (!held.rank_memory) {
+    held.memory = nullptr;
+    lease = pool->Allocate(bytes);
+    if (lease.ok()) std::memset(lease->data(), 0, static_cast<size_t>(bytes));
+  }
   if (!lease.ok()) {
     return absl::Status(lease.status().code(),
                         absl::StrCat("state buffer '", name, "' of rank ", rank, " (", bytes,
                                      " bytes): ", lease.status().message()));
   }
-  std::memset(lease->data(), 0, static_cast<size_t>(bytes));
-  auto [at, added] =
-      buffers_.emplace(std::make_pair(rank, name), std::make_pair(std::move(*lease), bytes));
-  return std::make_pair(&at->second.first, false);
+  held.lease = std::move(*lease);
+  auto [at, added] = buffers_.emplace(std::make_pair(rank, name), std::move(held));
+  return Buffer{&at->second.lease, false, at->second.rank_memory};
 }
 
 bool RankStates::Has(int64_t rank, const std::string& name) {
@@ -46,7 +58,9 @@ absl::Status RankStates::PutCopy(int64_t rank, const std::string& name, const ch
   auto lease = pool->Allocate(size);
   if (!lease.ok()) return lease.status();
   if (bytes > 0) std::memcpy(lease->data(), data, static_cast<size_t>(bytes));
-  buffers_[{rank, name}] = std::make_pair(std::move(*lease), size);
+  Held& held = buffers_[{rank, name}];
+  held.lease = std::move(*lease);
+  held.bytes = size;
   return absl::OkStatus();
 }
 
@@ -55,8 +69,9 @@ RankStates::JournalMarks RankStates::Journal(int64_t rank) {
   int64_t fields[pool::kJournalMetaFields] = {};
   fields[pool::kJournalCommitted] = fields[pool::kJournalBegun] = -1;
   auto it = buffers_.find({rank, pool::kJournalMeta});
-  if (it != buffers_.end() && it->second.second >= static_cast<int64_t>(sizeof(fields))) {
-    std::memcpy(fields, it->second.first.data(), sizeof(fields));
+  if (it != buffers_.end() && it->second.bytes >= static_cast<int64_t>(sizeof(fields)) &&
+      it->second.memory == nullptr) {
+    std::memcpy(fields, it->second.lease.data(), sizeof(fields));
   }
   return {fields[pool::kJournalCommitted], fields[pool::kJournalBegun], fields[pool::kJournalBase]};
 }
@@ -67,7 +82,7 @@ std::vector<StateSegment> RankStates::Protected(int64_t rank) {
   for (auto it = buffers_.lower_bound({rank, std::string()});
        it != buffers_.end() && it->first.first == rank; ++it) {
     if (absl::StartsWith(it->first.second, pool::kJournal)) continue;
-    out.push_back({it->first.second, it->second.first.data(), it->second.second});
+    out.push_back({it->first.second, it->second.lease.data(), it->second.bytes, it->second.memory});
   }
   return out;
 }

@@ -15,6 +15,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "server/daemon/data_backend.h"
 #include "server/daemon/pool.h"
 #include "server/daemon/state_blob.h"
 
@@ -24,10 +25,17 @@ class RankStates {
  public:
   explicit RankStates(std::string job_id) : job_id_(std::move(job_id)) {}
 
-  // Rank `rank`'s buffer `name` of `bytes` bytes, made (zeroed) from `pool` at the first ask: its
-  // lease, and whether it existed. FAILED_PRECONDITION where it exists with another size.
-  absl::StatusOr<std::pair<const Lease*, bool>> Get(int64_t rank, const std::string& name,
-                                                    int64_t bytes, Pool* pool);
+  // Rank `rank`'s buffer `name` of `bytes` bytes, made (zeroed) at the first ask: in the rank's
+  // own memory where pool::InRankMemory names it and `dp` has such memory (local rank `local`'s,
+  // its GPU's on the CUDA backend), else from `pool`. FAILED_PRECONDITION where it exists with
+  // another size.
+  struct Buffer {
+    const Lease* lease = nullptr;
+    bool existed = false;
+    bool rank_memory = false;  // the lease is of the data plane's memory of the rank
+  };
+  absl::StatusOr<Buffer> Get(int64_t rank, const std::string& name, int64_t bytes, Pool* pool,
+                             const DataBackend* dp, int local);
   bool Has(int64_t rank, const std::string& name);
   // Makes rank `rank`'s buffer `name` a copy of `bytes` bytes at `data` (one byte at least),
   // unless it exists; the pool's error where it has no room.
@@ -51,9 +59,13 @@ class RankStates {
  private:
   const std::string job_id_;
   absl::Mutex mu_;
-  // (rank, name) -> the buffer and the bytes asked for (the lease may be larger: aligned).
-  std::map<std::pair<int64_t, std::string>, std::pair<Lease, int64_t>> buffers_
-      ABSL_GUARDED_BY(mu_);
+  struct Held {
+    Lease lease;
+    int64_t bytes = 0;  // asked for (the lease may be larger: aligned)
+    bool rank_memory = false;
+    const SegmentMemory* memory = nullptr;  // how the daemon reaches it (nullptr: directly)
+  };
+  std::map<std::pair<int64_t, std::string>, Held> buffers_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace ragshard::daemon

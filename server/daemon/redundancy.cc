@@ -336,7 +336,7 @@ absl::Status NodeRedundancy::PostWindows(Comm& comm, int windows) {
       const char* src = view.Contiguous(p.out[f].span.offset + at, n);
       if (src == nullptr) {
         char* buf = stage + static_cast<int64_t>(f) * p.window;
-        view.Read(p.out[f].span.offset + at, n, buf);
+        RAGSHARD_RETURN_IF_ERROR(view.Read(p.out[f].span.offset + at, n, buf));
         src = buf;
       }
       RAGSHARD_ASSIGN_OR_RETURN(

@@ -50,9 +50,9 @@
 namespace ragshard::daemon {
 
 // Where a rebuilt segment goes: `bytes` to write into (the parameter shard of that size, or the
-// state buffer made with it), or an error naming what did not match.
+// state buffer made with it, in the memory it lives in), or an error naming what did not match.
 using PlaceSegment =
-    std::function<absl::StatusOr<char*>(int local, const std::string& name, int64_t bytes)>;
+    std::function<absl::StatusOr<StateSegment>(int local, const std::string& name, int64_t bytes)>;
 
 class NodeRedundancy {
  public:

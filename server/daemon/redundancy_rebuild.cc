@@ -109,7 +109,7 @@ absl::Status NodeRedundancy::TakeCensus(Comm& comm, bool replacement,
   for (size_t l = 0; !replacement && l < c.L; ++l) {
     auto mine = AsProtected(static_cast<int>(l), state[l], step);
     if (mine.ok()) {
-      c.blobs[l] = MakeBlob(*mine, &c.at(node_, l, 0));
+      RAGSHARD_ASSIGN_OR_RETURN(c.blobs[l], MakeBlob(*mine, &c.at(node_, l, 0)));
     } else {
       c.at(node_, l, 0) = -1;  // every node fails, naming it, if a replacement needs it
     }
@@ -308,11 +308,9 @@ absl::StatusOr<int64_t> NodeRedundancy::Reassemble(const Census& c,
     RAGSHARD_ASSIGN_OR_RETURN(auto segments, ReadDirectory(mine.data(), blob_bytes));
     std::vector<StateSegment> placed;
     for (const auto& [segment, where] : segments) {
-      RAGSHARD_ASSIGN_OR_RETURN(char* to, place(static_cast<int>(l), segment, where.second));
-      if (where.second > 0) {
-        std::memcpy(to, mine.data() + where.first, static_cast<size_t>(where.second));
-      }
-      placed.push_back({segment, to, where.second});
+      RAGSHARD_ASSIGN_OR_RETURN(StateSegment to, place(static_cast<int>(l), segment, where.second));
+      RAGSHARD_RETURN_IF_ERROR(WriteSegment(to, mine.data() + where.first));
+      placed.push_back(std::move(to));
     }
     Record(static_cast<int>(l), placed, step);
     rebuilt += blob_bytes;
@@ -350,7 +348,7 @@ absl::StatusOr<int64_t> NodeRedundancy::RebuildFromReplicas(
   mine[0] = replacement ? 1 : 0;
   mine[1] = pool.capacity - pool.used;
   for (size_t l = 0; !replacement && l < L; ++l) {
-    blobs[l] = MakeBlob(state[l], &mine[2 + 2 * l]);
+    RAGSHARD_ASSIGN_OR_RETURN(blobs[l], MakeBlob(state[l], &mine[2 + 2 * l]));
     mine[3 + 2 * l] = Crc32(blobs[l].data(), static_cast<int64_t>(blobs[l].size()));
   }
   RAGSHARD_RETURN_IF_ERROR(AllGather(comm, reinterpret_cast<char*>(blocks.data()),
@@ -436,10 +434,8 @@ absl::StatusOr<int64_t> NodeRedundancy::RebuildFromReplicas(
     }
     RAGSHARD_ASSIGN_OR_RETURN(auto segments, ReadDirectory(blob.data(), bytes));
     for (const auto& [segment, where] : segments) {
-      RAGSHARD_ASSIGN_OR_RETURN(char* to, place(c.to_local, segment, where.second));
-      if (where.second > 0) {
-        std::memcpy(to, blob.data() + where.first, static_cast<size_t>(where.second));
-      }
+      RAGSHARD_ASSIGN_OR_RETURN(StateSegment to, place(c.to_local, segment, where.second));
+      RAGSHARD_RETURN_IF_ERROR(WriteSegment(to, blob.data() + where.first));
     }
     rebuilt += bytes;
   }

@@ -68,7 +68,31 @@ BlobView::BlobView(const std::vector<StateSegment>& segments)
   }
 }
 
-void BlobView::Read(int64_t from, int64_t n, char* out) const {
+absl::Status CopiedHostMemory::ToHost(char* out, const char* from, int64_t n) const {
+  std::memcpy(out, from, static_cast<size_t>(n));
+  return absl::OkStatus();
+}
+
+absl::Status CopiedHostMemory::FromHost(char* to, const char* in, int64_t n) const {
+  std::memcpy(to, in, static_cast<size_t>(n));
+  return absl::OkStatus();
+}
+
+absl::Status ReadSegment(const StateSegment& s, int64_t from, int64_t n, char* out) {
+  if (n <= 0) return absl::OkStatus();
+  if (s.memory != nullptr) return s.memory->ToHost(out, s.data + from, n);
+  std::memcpy(out, s.data + from, static_cast<size_t>(n));
+  return absl::OkStatus();
+}
+
+absl::Status WriteSegment(const StateSegment& s, const char* in) {
+  if (s.bytes <= 0) return absl::OkStatus();
+  if (s.memory != nullptr) return s.memory->FromHost(s.data, in, s.bytes);
+  std::memcpy(s.data, in, static_cast<size_t>(s.bytes));
+  return absl::OkStatus();
+}
+
+absl::Status BlobView::Read(int64_t from, int64_t n, char* out) const {
   const int64_t end = from + n;
   const int64_t dir = static_cast<int64_t>(directory_.size());
   if (from < dir) {
@@ -85,10 +109,14 @@ void BlobView::Read(int64_t from, int64_t n, char* out) const {
     const int64_t hi = lo + segments_[i].bytes;
     if (hi <= from) continue;
     const int64_t take = std::min(end, hi) - from;
-    std::memcpy(out, segments_[i].data + (from - lo), static_cast<size_t>(take));
+    if (absl::Status s = ReadSegment(segments_[i], from - lo, take, out); !s.ok()) {
+      return absl::Status(
+          s.code(), absl::StrCat("reading state segment '", segments_[i].name, "': ", s.message()));
+    }
     out += take;
     from += take;
   }
+  return absl::OkStatus();
 }
 
 const char* BlobView::Contiguous(int64_t from, int64_t n) const {
@@ -97,15 +125,16 @@ const char* BlobView::Contiguous(int64_t from, int64_t n) const {
   auto it = std::upper_bound(starts_.begin(), starts_.end(), from);
   if (from < dir || it == starts_.begin()) return nullptr;
   const size_t i = static_cast<size_t>(it - starts_.begin()) - 1;
-  if (from + n > starts_[i] + segments_[i].bytes) return nullptr;
+  if (from + n > starts_[i] + segments_[i].bytes || segments_[i].memory != nullptr) return nullptr;
   return segments_[i].data + (from - starts_[i]);
 }
 
-std::vector<char> MakeBlob(const std::vector<StateSegment>& segments, int64_t* blob_bytes) {
+absl::StatusOr<std::vector<char>> MakeBlob(const std::vector<StateSegment>& segments,
+                                           int64_t* blob_bytes) {
   const BlobView view(segments);
   *blob_bytes = view.bytes();
   std::vector<char> blob(static_cast<size_t>(view.bytes()), '\0');
-  view.Read(0, view.bytes(), blob.data());
+  if (absl::Status s = view.Read(0, view.bytes(), blob.data()); !s.ok()) return s;
   return blob;
 }
 

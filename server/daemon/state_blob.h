@@ -12,13 +12,39 @@
 
 namespace ragshard::daemon {
 
+// Memory a segment's bytes may be in other than this process's host memory: a GPU's (the CUDA
+// backend's slab), which the daemon reaches only through copies. Every read and write of a
+// segment goes through ReadSegment and WriteSegment, so the host backends and the CUDA one run
+// the same protect and rebuild (docs/recovery.md, "On a GPU").
+class SegmentMemory {
+ public:
+  virtual ~SegmentMemory() = default;
+  // Copies `n` bytes at `from` (in this memory) to host memory `out`; complete on return.
+  virtual absl::Status ToHost(char* out, const char* from, int64_t n) const = 0;
+  // Copies `n` bytes of host memory `in` to `to` (in this memory); complete on return.
+  virtual absl::Status FromHost(char* to, const char* in, int64_t n) const = 0;
+};
+
+// Host memory reached as a device's is, through copies: the device-shaped backend's ranks'
+// memory, so that CI runs the path the CUDA backend takes.
+class CopiedHostMemory final : public SegmentMemory {
+ public:
+  absl::Status ToHost(char* out, const char* from, int64_t n) const override;
+  absl::Status FromHost(char* to, const char* in, int64_t n) const override;
+};
+
 // One segment of a rank's protected state: "shard/<unit>" (a parameter shard) or a state
-// buffer's name.
+// buffer's name. `memory`: where `data` points, nullptr for this process's host memory.
 struct StateSegment {
   std::string name;
   char* data = nullptr;
   int64_t bytes = 0;
+  const SegmentMemory* memory = nullptr;
 };
+
+// Copies the segment's bytes [from, from + n) to host memory `out`, or host memory `in` to them.
+absl::Status ReadSegment(const StateSegment& s, int64_t from, int64_t n, char* out);
+absl::Status WriteSegment(const StateSegment& s, const char* in);
 
 // The stamp of a redundancy operation's message: unit field 0xFF00 + phase (no unit of a plan
 // reaches it in practice; the sequence number tells operations apart anyway).
@@ -39,10 +65,12 @@ class BlobView {
  public:
   explicit BlobView(const std::vector<StateSegment>& segments);
   int64_t bytes() const { return bytes_; }
-  // Copies the blob's bytes [from, from + n) into `out` (n >= 0, from + n <= bytes()).
-  void Read(int64_t from, int64_t n, char* out) const;
-  // Where the blob's bytes [from, from + n) lie in one piece (inside one segment, or the
-  // directory), or nullptr where they span several: what a send can take without a copy.
+  // Copies the blob's bytes [from, from + n) into `out` (n >= 0, from + n <= bytes()); a
+  // segment's memory's error.
+  absl::Status Read(int64_t from, int64_t n, char* out) const;
+  // Where the blob's bytes [from, from + n) lie in one piece of host memory (inside one segment
+  // in host memory, or the directory), or nullptr where they span several or lie in a device's
+  // memory: what a send can take without a copy.
   const char* Contiguous(int64_t from, int64_t n) const;
 
  private:
@@ -53,7 +81,8 @@ class BlobView {
 };
 
 // The blob of `segments`, whole; `blob_bytes` gets its size.
-std::vector<char> MakeBlob(const std::vector<StateSegment>& segments, int64_t* blob_bytes);
+absl::StatusOr<std::vector<char>> MakeBlob(const std::vector<StateSegment>& segments,
+                                           int64_t* blob_bytes);
 // The segments a blob's directory names, with where their bytes start: (name, (offset, bytes)).
 // DATA_LOSS where the directory is missing, has no end, or names bytes past the blob's end.
 absl::StatusOr<std::vector<std::pair<std::string, std::pair<int64_t, int64_t>>>> ReadDirectory(

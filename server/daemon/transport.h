@@ -18,6 +18,7 @@
 #include "ragshard/v1/plan.pb.h"
 #include "server/daemon/collectives.h"
 #include "server/daemon/pool.h"
+#include "server/daemon/state_blob.h"
 
 namespace ragshard::daemon {
 
@@ -97,6 +98,9 @@ class Transport {
   // accumulation: a reduction added to what a gradient shard held); complete on return.
   virtual absl::Status Add(int local, float* dst, const float* src, int64_t elems,
                            absl::Time deadline) = 0;
+  // How the daemon reads and writes local rank `local`'s memory (the redundancy's segments:
+  // state_blob.h): nullptr where it is this process's host memory, used directly.
+  virtual const SegmentMemory* memory(int local) const { return nullptr; }
   // The memfd of the node's shared memory, into which the data plane may map unsharded views
   // (protocol/unsharded_view.h), or -1 where buffers cannot be composed so.
   virtual int view_fd() const { return -1; }

@@ -99,3 +99,29 @@ def test_a_host_backend_client_without_fake_memory_keeps_numpy_views(tmp_path):
     with pytest.raises(ValueError, match="device_memory: 'gpu' is not one of auto, fake"):
         ragshard.Client("127.0.0.1:1", str(tmp_path / "none.sock"), "j", 0,
                         device_memory="gpu")
+
+
+def test_state_beside_the_shards_is_device_memory_and_the_journals_marks_host(clients):
+    """The optimizers' state and the undo copies live in the rank's memory (pool_contract.h,
+    InRankMemory): on a GPU its slab, which the client hands out as it hands out the shards, so
+    that they are CUDA tensors beside the parameters; the journal's marks stay host memory of
+    the pool, which the daemon reads directly."""
+    from ragshard import _pool
+    a, b = clients
+    name = _pool.optimizer_state("adam", "exp_avg", 0)
+    opt, existed = a.state_buffer(name, 64)
+    assert isinstance(opt, ragshard.DeviceBuffer) and not existed
+    cai = opt.__cuda_array_interface__
+    assert cai["typestr"] == "|u1" and cai["shape"] == (64,) and cai["data"][0] == opt.ptr
+    assert bytes((ctypes.c_uint8 * 64).from_address(opt.ptr)) == bytes(64)  # zeroed
+    (ctypes.c_uint8 * 64).from_address(opt.ptr)[3] = 7
+    again, existed = a.state_buffer(name, 64)
+    assert existed and again.ptr == opt.ptr
+    assert (ctypes.c_uint8 * 64).from_address(again.ptr)[3] == 7
+    other, existed = b.state_buffer(name, 64)  # another rank's own
+    assert isinstance(other, ragshard.DeviceBuffer) and not existed and other.ptr != opt.ptr
+    undo, _ = a.state_buffer(_pool.journal_undo(name), 64)
+    assert isinstance(undo, ragshard.DeviceBuffer) and undo.ptr not in (opt.ptr, other.ptr)
+    meta, _ = a.state_buffer(_pool.JOURNAL_META, 8 * _pool.JOURNAL_META_FIELDS)
+    assert isinstance(meta, np.ndarray) and meta.dtype == np.uint8
+    assert meta.shape == (8 * _pool.JOURNAL_META_FIELDS,)

@@ -35,8 +35,11 @@ MARKS, MODE = sys.argv[1], sys.argv[2]
 
 
 def mark(name, text=""):
-    with open(os.path.join(MARKS, name), "w") as f:
+    # Whole or not at all (a rename): a forked rank may end while another thread marks.
+    path = os.path.join(MARKS, name)
+    with open(path + ".part", "w") as f:
         f.write(text)
+    os.rename(path + ".part", path)
 
 
 atexit.register(mark, "atexit")
@@ -168,6 +171,8 @@ def run(script, marks, mode, how):
 def marks_of(marks):
     out = {}
     for path in glob.glob(os.path.join(marks, "*")):
+        if path.endswith(".part"):  # a mark the process ended before it was whole
+            continue
         with open(path) as f:
             out[os.path.basename(path)] = f.read()
     return out

@@ -73,9 +73,37 @@ __global__ void AddKernel(float* dst, const float* src, int64_t n) {
   if (i < n) dst[i] += src[i];
 }
 
+// The daemon's reads and writes of one GPU's memory (the redundancy's segments: state_blob.h):
+// synchronous copies. Nothing else writes that memory meanwhile: the transport's operations are
+// complete on return, and a rank synchronizes its streams before it issues an operation.
+class DeviceMemory final : public daemon::SegmentMemory {
+ public:
+  explicit DeviceMemory(const int* device) : device_(device) {}
+  absl::Status ToHost(char* out, const char* from, int64_t n) const override {
+    absl::Status s = CudaStatus(cudaSetDevice(*device_), "cudaSetDevice");
+    if (s.ok()) {
+      s = CudaStatus(cudaMemcpy(out, from, static_cast<size_t>(n), cudaMemcpyDeviceToHost),
+                     "cudaMemcpy (device to host)");
+    }
+    return s;
+  }
+  absl::Status FromHost(char* to, const char* in, int64_t n) const override {
+    absl::Status s = CudaStatus(cudaSetDevice(*device_), "cudaSetDevice");
+    if (s.ok()) {
+      s = CudaStatus(cudaMemcpy(to, in, static_cast<size_t>(n), cudaMemcpyHostToDevice),
+                     "cudaMemcpy (host to device)");
+    }
+    return s;
+  }
+
+ private:
+  const int* device_;
+};
+
 // A CUDA slab on one device, exported as an IPC handle, sub-allocated by a Pool.
 struct Slab {
   int device = 0;
+  DeviceMemory memory{&device};
   char* base = nullptr;
   cudaIpcMemHandle_t handle{};
   std::unique_ptr<daemon::Pool> pool;
@@ -166,6 +194,7 @@ class CudaTransport final : public daemon::Transport {
     return s.ok() ? Wait(nullptr, "gradient accumulation", deadline) : s;
   }
   const char* base(int local) const override { return slabs_[local]->base; }
+  const daemon::SegmentMemory* memory(int local) const override { return &slabs_[local]->memory; }
   void DescribeMemory(int local, v1::AttachResponse* resp) const override {
     resp->set_cuda_device(slabs_[local]->device);
     resp->set_cuda_ipc_handle(

@@ -283,19 +283,19 @@ TEST_F(JobRecoveryTest, ARecoveryWhoseRanksDoNotAttachAgainFailsAtItsDeadlineNam
 }
 
 TEST_F(JobRecoveryTest, StateBuffersKeepTheirBytesAndRefuseAnotherSize) {
-  auto a = job_->StateBuffer(3, "opt/adam/exp_avg/0", 100, pool_.get());
+  auto a = job_->StateBuffer(3, 1, "opt/adam/exp_avg/0", 100, pool_.get());
   ASSERT_TRUE(a.ok()) << a.status();
-  EXPECT_FALSE(a->second);
-  EXPECT_EQ(a->first->data()[99], 0);
-  a->first->data()[7] = 42;
-  auto again = job_->StateBuffer(3, "opt/adam/exp_avg/0", 100, pool_.get());
+  EXPECT_FALSE(a->existed);
+  EXPECT_EQ(a->lease->data()[99], 0);
+  a->lease->data()[7] = 42;
+  auto again = job_->StateBuffer(3, 1, "opt/adam/exp_avg/0", 100, pool_.get());
   ASSERT_TRUE(again.ok());
-  EXPECT_TRUE(again->second);
-  EXPECT_EQ(again->first->data()[7], 42);
-  auto other_rank = job_->StateBuffer(2, "opt/adam/exp_avg/0", 100, pool_.get());
+  EXPECT_TRUE(again->existed);
+  EXPECT_EQ(again->lease->data()[7], 42);
+  auto other_rank = job_->StateBuffer(2, 0, "opt/adam/exp_avg/0", 100, pool_.get());
   ASSERT_TRUE(other_rank.ok());
-  EXPECT_FALSE(other_rank->second);
-  auto resized = job_->StateBuffer(3, "opt/adam/exp_avg/0", 200, pool_.get());
+  EXPECT_FALSE(other_rank->existed);
+  auto resized = job_->StateBuffer(3, 1, "opt/adam/exp_avg/0", 200, pool_.get());
   EXPECT_EQ(resized.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(std::string(resized.status().message()), HasSubstr("has 100 bytes; asked for 200"));
 }

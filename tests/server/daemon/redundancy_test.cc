@@ -2,6 +2,7 @@
 // and Protect then Rebuild over an in-memory communicator, one thread per node.
 #include "server/daemon/redundancy.h"
 
+#include <atomic>
 #include <map>
 #include <random>
 #include <string>
@@ -70,15 +71,47 @@ TEST(RedundancyStripesTest, UnevenBlobsMakeParitiesOfOneKthOfTheGroupsState) {
 // One node's ranks' state: segments of its own sizes, with values from a seed.
 struct NodeState {
   std::vector<std::map<std::string, std::string>> ranks;  // by local rank: name -> bytes
-  std::vector<std::vector<StateSegment>> Segments() {
+  // The segments over `ranks`, in `memory` (nullptr: host memory, read directly).
+  std::vector<std::vector<StateSegment>> Segments(const SegmentMemory* memory = nullptr) {
     std::vector<std::vector<StateSegment>> out(ranks.size());
     for (size_t l = 0; l < ranks.size(); ++l) {
       for (auto& [name, bytes] : ranks[l]) {
-        out[l].push_back({name, bytes.data(), static_cast<int64_t>(bytes.size())});
+        out[l].push_back({name, bytes.data(), static_cast<int64_t>(bytes.size()), memory});
       }
     }
     return out;
   }
+};
+
+// Memory that, as a GPU's, the daemon may reach only through its copies, which here transform
+// the bytes: a protect or rebuild that read or wrote a segment in it directly would see or
+// leave the scrambled form.
+class ScrambledMemory final : public SegmentMemory {
+ public:
+  static constexpr char kKey = 0x5a;
+  absl::Status ToHost(char* out, const char* from, int64_t n) const override {
+    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<char>(from[i] ^ kKey);
+    copies_.fetch_add(1);
+    return absl::OkStatus();
+  }
+  absl::Status FromHost(char* to, const char* in, int64_t n) const override {
+    for (int64_t i = 0; i < n; ++i) to[i] = static_cast<char>(in[i] ^ kKey);
+    copies_.fetch_add(1);
+    return absl::OkStatus();
+  }
+  // What this memory holds for `state`.
+  static NodeState Of(NodeState state) {
+    for (auto& rank : state.ranks) {
+      for (auto& [name, bytes] : rank) {
+        for (char& c : bytes) c = static_cast<char>(c ^ kKey);
+      }
+    }
+    return state;
+  }
+  int64_t copies() const { return copies_.load(); }
+
+ private:
+  mutable std::atomic<int64_t> copies_{0};
 };
 
 NodeState MakeState(int node, int locals, uint32_t seed) {
@@ -148,8 +181,8 @@ class RedundancyTest : public ::testing::TestWithParam<std::pair<std::string, in
   void ProtectAll(std::vector<NodeState>& states, int64_t step, uint64_t seq) {
     testing::MemFabric fabric(nodes_);
     OnEveryNode(&fabric, nodes_, [&](int n, Comm& comm) {
-      const absl::Status s =
-          node_[n]->Protect(comm, states[n].Segments(), step, absl::Now() + absl::Seconds(30), seq);
+      const absl::Status s = node_[n]->Protect(comm, states[n].Segments(state_memory_), step,
+                                               absl::Now() + absl::Seconds(30), seq);
       EXPECT_TRUE(s.ok()) << "node " << n << ": " << s;
     });
   }
@@ -172,15 +205,15 @@ class RedundancyTest : public ::testing::TestWithParam<std::pair<std::string, in
       const bool replaced = std::find(lost.begin(), lost.end(), n) != lost.end();
       NodeState& mine = (*placed)[n];
       const PlaceSegment place = [&](int l, const std::string& name,
-                                     int64_t bytes) -> absl::StatusOr<char*> {
+                                     int64_t bytes) -> absl::StatusOr<StateSegment> {
         std::string& b = mine.ranks[static_cast<size_t>(l)][name];
         b.assign(static_cast<size_t>(bytes), '\0');
-        return b.data();
+        return StateSegment{name, b.data(), bytes, place_memory_};
       };
-      results[n] = node_[n]->Rebuild(
-          comm, replaced,
-          replaced ? std::vector<std::vector<StateSegment>>(kLocals) : states[n].Segments(), step,
-          place, absl::Now() + absl::Seconds(30), 9);
+      results[n] = node_[n]->Rebuild(comm, replaced,
+                                     replaced ? std::vector<std::vector<StateSegment>>(kLocals)
+                                              : states[n].Segments(state_memory_),
+                                     step, place, absl::Now() + absl::Seconds(30), 9);
     });
     return results;
   }
@@ -194,6 +227,9 @@ class RedundancyTest : public ::testing::TestWithParam<std::pair<std::string, in
   }
 
   static constexpr int kLocals = 2;
+  // Where the ranks' state and the rebuilt segments are (nullptr: host memory).
+  const SegmentMemory* state_memory_ = nullptr;
+  const SegmentMemory* place_memory_ = nullptr;
   std::unique_ptr<Pool> pool_;
   RedundancyScheme scheme_;
   int nodes_ = 0;
@@ -239,6 +275,35 @@ TEST_P(RedundancyTest, ALostNodeIsRebuiltBitForBitFromOneStepsParity) {
   auto again = RebuildAll(at3, {other}, 3, &placed);
   for (int n = 0; n < nodes_; ++n) ASSERT_TRUE(again[n].ok()) << n << again[n].status();
   EXPECT_EQ(placed[other].ranks, at3[other].ranks);
+}
+
+TEST_P(RedundancyTest, StateInADevicesMemoryIsReadAndWrittenThroughItsCopiesOnly) {
+  // The CUDA backend's state is in its GPUs' slabs (the device-shaped backend's, in host memory
+  // it reaches the same way): protect reads it and rebuild writes it through copies only. Here
+  // those copies scramble, so what reaches host memory is right only if every read and write
+  // took them: state in the device rebuilt into host memory is the plain state, and host state
+  // rebuilt into the device is stored scrambled. Many windows: the sends stage every window.
+  ScrambledMemory device;
+  const std::vector<NodeState> plain = ManyWindows(nodes_, kLocals, 6);
+  std::vector<NodeState> stored;
+  for (const NodeState& st : plain) stored.push_back(ScrambledMemory::Of(st));
+  state_memory_ = &device;
+  ProtectAll(stored, 1, 1);
+  std::vector<NodeState> placed;
+  auto results = RebuildAll(stored, {1}, 1, &placed);
+  for (int n = 0; n < nodes_; ++n) ASSERT_TRUE(results[n].ok()) << n << results[n].status();
+  EXPECT_EQ(placed[1].ranks, plain[1].ranks);
+  const int64_t copies = device.copies();
+  EXPECT_GT(copies, 0);
+
+  std::vector<NodeState> host = plain;
+  state_memory_ = nullptr;
+  place_memory_ = &device;
+  ProtectAll(host, 2, 2);
+  results = RebuildAll(host, {0}, 2, &placed);
+  for (int n = 0; n < nodes_; ++n) ASSERT_TRUE(results[n].ok()) << n << results[n].status();
+  EXPECT_EQ(placed[0].ranks, stored[0].ranks);
+  EXPECT_GT(device.copies(), copies);
 }
 
 TEST_P(RedundancyTest, AStateOfManyWindowsIsProtectedThroughBoundedStaging) {
@@ -510,10 +575,10 @@ TEST(HsdpRedundancyTest, ALostNodeIsCopiedFromReplicasElsewhereAndLosingEveryCop
         EXPECT_TRUE(node.Protect(comm, states[n].Segments(), 1, absl::Now(), 1).ok());
         EXPECT_EQ(node.parity_bytes(), 0);
         const PlaceSegment place = [&](int l, const std::string& name,
-                                       int64_t bytes) -> absl::StatusOr<char*> {
+                                       int64_t bytes) -> absl::StatusOr<StateSegment> {
           std::string& b = mine.ranks[static_cast<size_t>(l)][name];
           b.assign(static_cast<size_t>(bytes), '\0');
-          return b.data();
+          return StateSegment{name, b.data(), bytes};
         };
         results[n] = node.Rebuild(
             comm, replaced,

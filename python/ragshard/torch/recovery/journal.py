@@ -40,7 +40,9 @@ class PoolState:
         existed before: a restarted process adopts its values; a new one is zeros)."""
         item = torch.empty((), dtype=dtype).element_size()
         raw, existed = self.client.state_buffer(name, max(int(numel), 1) * item)
-        return torch.from_numpy(raw).view(dtype)[:int(numel)], existed
+        # Beside the parameter shards (the optimizers' state, the undo copies): a CUDA tensor
+        # on the cuda backend; host memory otherwise.
+        return as_tensor(raw).view(dtype)[:int(numel)], existed
 
 
 class StepJournal:
