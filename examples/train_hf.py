@@ -40,7 +40,8 @@ import time
 
 import torch
 
-from example_flags import add_numbers  # beside this script
+from example_faults import Kill  # beside this script
+from example_flags import add_numbers
 
 
 def parse(argv=None):
@@ -73,8 +74,14 @@ def parse(argv=None):
     p.add_argument("--store", default="", metavar="FILE",
                    help="fsdp2 without torchrun: meet through a FileStore at FILE (RANK and "
                         "WORLD_SIZE from the environment)")
+    p.add_argument("--kill-at", action="append", default=[], metavar="RANK:STEP:forward:MARK",
+                   help="a fault for the recovery benchmarks (examples/example_faults.py): "
+                        "SIGKILL rank RANK as step STEP starts, once (while MARK does not exist)")
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
+    if any(k.split(":")[2:3] != ["forward"] for k in a.kill_at):
+        p.error("--kill-at: RANK:STEP:forward:MARK (the start of a step is this script's one "
+                "fault point)")
     if a.steps < 1 or a.global_batch < 1 or a.warmup < 0:
         p.error("--steps and --global-batch must be at least 1, --warmup at least 0")
     if a.save_after and not a.save_dcp:
@@ -234,7 +241,9 @@ def main(argv=None):
         sys.exit(f"--accum {a.accum} does not split a rank's {per_rank} sequences evenly")
     micro = per_rank // a.accum
     losses, lrs, norms, seconds = [], [], [], []
+    kill = Kill(a.kill_at, rank)
     for step in range(first, a.steps):
+        kill.at(step, "forward")
         started = time.perf_counter()
         x, y = global_batch(a, chain, step)
         loss = 0.0
