@@ -80,23 +80,19 @@ class DeviceMemory final : public daemon::SegmentMemory {
  public:
   explicit DeviceMemory(const int* device) : device_(device) {}
   absl::Status ToHost(char* out, const char* from, int64_t n) const override {
-    absl::Status s = CudaStatus(cudaSetDevice(*device_), "cudaSetDevice");
-    if (s.ok()) {
-      s = CudaStatus(cudaMemcpy(out, from, static_cast<size_t>(n), cudaMemcpyDeviceToHost),
-                     "cudaMemcpy (device to host)");
-    }
-    return s;
+    return Copy(out, from, n, cudaMemcpyDeviceToHost, "cudaMemcpy (device to host)");
   }
   absl::Status FromHost(char* to, const char* in, int64_t n) const override {
-    absl::Status s = CudaStatus(cudaSetDevice(*device_), "cudaSetDevice");
-    if (s.ok()) {
-      s = CudaStatus(cudaMemcpy(to, in, static_cast<size_t>(n), cudaMemcpyHostToDevice),
-                     "cudaMemcpy (host to device)");
-    }
-    return s;
+    return Copy(to, in, n, cudaMemcpyHostToDevice, "cudaMemcpy (host to device)");
   }
 
  private:
+  absl::Status Copy(char* dst, const char* src, int64_t n, cudaMemcpyKind kind,
+                    const char* what) const {
+    absl::Status s = CudaStatus(cudaSetDevice(*device_), "cudaSetDevice");
+    if (s.ok()) s = CudaStatus(cudaMemcpy(dst, src, static_cast<size_t>(n), kind), what);
+    return s;
+  }
   const int* device_;
 };
 
