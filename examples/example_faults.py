@@ -1,6 +1,7 @@
 """train_tiny.py's fault points for the recovery tests and benchmarks: --kill-at kills the rank
 (SIGKILL) at a point of one of its steps, --hold-at holds it there, writing its pid to a mark
-file, until the test kills it (and its node's daemon)."""
+file, until the test kills it (and its node's daemon), --raise-at raises an uncaught exception
+there (a rank that crashes)."""
 import contextlib
 import os
 import signal
@@ -11,19 +12,23 @@ class Kill:
     """--kill-at (repeatable): this rank's SIGKILL at points of its steps, each once (while its
     mark file does not exist)."""
 
-    def __init__(self, specs, rank, holds=(), client=None):
+    def __init__(self, specs, rank, holds=(), client=None, raises=()):
         self.client = client  # the rank's Client: its protection (--redundancy) ends a step
         self.points = {}  # (0-based step, phase) -> mark file
         self.holds = set()  # the points of --hold-at
-        for spec, hold in [(s, False) for s in specs] + [(s, True) for s in holds]:
+        self.raises = set()  # the points of --raise-at
+        for spec, how in ([(s, "kill") for s in specs] + [(s, "hold") for s in holds] +
+                          [(s, "raise") for s in raises]):
             r, step, phase, mark = spec.split(":", 3)
             if phase not in ("forward", "backward", "step", "protected", "between"):
                 raise SystemExit(f"--kill-at: phase '{phase}' is not one of forward, backward, "
                                  "step, protected, between")
             if int(r) == rank:
                 self.points[(int(step) - 1, phase)] = mark
-                if hold:
+                if how == "hold":
                     self.holds.add((int(step) - 1, phase))
+                if how == "raise":
+                    self.raises.add((int(step) - 1, phase))
 
     def armed(self, step, phase):
         mark = self.points.get((step, phase))
@@ -38,6 +43,8 @@ class Kill:
                 while True:  # until the test kills this process (and its node's daemon)
                     time.sleep(3600)
             open(self.points[(step, phase)], "w").close()
+            if (step, phase) in self.raises:
+                raise RuntimeError(f"--raise-at: step {step + 1}, {phase} (a crash on purpose)")
             os.kill(os.getpid(), signal.SIGKILL)
 
     @contextlib.contextmanager

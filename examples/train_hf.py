@@ -77,11 +77,14 @@ def parse(argv=None):
     p.add_argument("--kill-at", action="append", default=[], metavar="RANK:STEP:forward:MARK",
                    help="a fault for the recovery benchmarks (examples/example_faults.py): "
                         "SIGKILL rank RANK as step STEP starts, once (while MARK does not exist)")
+    p.add_argument("--hold-at", action="append", default=[], metavar="RANK:STEP:forward:MARK",
+                   help="as --kill-at, but the rank writes its pid into MARK and waits there "
+                        "until something kills it (a benchmark that kills a whole node)")
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
-    if any(k.split(":")[2:3] != ["forward"] for k in a.kill_at):
-        p.error("--kill-at: RANK:STEP:forward:MARK (the start of a step is this script's one "
-                "fault point)")
+    if any(k.split(":")[2:3] != ["forward"] for k in a.kill_at + a.hold_at):
+        p.error("--kill-at, --hold-at: RANK:STEP:forward:MARK (the start of a step is this "
+                "script's one fault point)")
     if a.steps < 1 or a.global_batch < 1 or a.warmup < 0:
         p.error("--steps and --global-batch must be at least 1, --warmup at least 0")
     if a.save_after and not a.save_dcp:
@@ -241,7 +244,7 @@ def main(argv=None):
         sys.exit(f"--accum {a.accum} does not split a rank's {per_rank} sequences evenly")
     micro = per_rank // a.accum
     losses, lrs, norms, seconds = [], [], [], []
-    kill = Kill(a.kill_at, rank)
+    kill = Kill(a.kill_at, rank, a.hold_at)
     for step in range(first, a.steps):
         kill.at(step, "forward")
         started = time.perf_counter()

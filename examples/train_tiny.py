@@ -125,6 +125,10 @@ def parse():
                    help="as --kill-at, but the rank writes its pid into MARK and waits there "
                         "until something kills it (a test that kills a whole node: its daemon "
                         "and its ranks); repeatable")
+    p.add_argument("--raise-at", action="append", default=[], metavar="RANK:STEP:PHASE:MARK",
+                   help="as --kill-at, but the rank raises an uncaught RuntimeError there (a "
+                        "crash: in a job that recovers in place it counts as lost, "
+                        "docs/recovery.md); repeatable")
     a = p.parse_args()
     tiny_optim.check_arguments(p, a)
     try:
@@ -238,7 +242,8 @@ def sharded(args, model, chain):
     # process goes on from the last step every rank completed; its data is seeded per step.
     first = fsdp.resume_step
     ckpt = {"save_seconds": [], "load_seconds": 0.0}
-    kill = Kill(args.kill_at, r, args.hold_at, client)  # r: the rank in the job that runs
+    # r: the rank in the job that runs
+    kill = Kill(args.kill_at, r, args.hold_at, client, args.raise_at)
     # A rank restarted in a recovery in place holds its recovered state (resume_step counts
     # from the checkpoint a load set it to): loading the checkpoint again would go back to it.
     recovered = first > 0

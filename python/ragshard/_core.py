@@ -16,6 +16,7 @@ import ctypes
 import enum
 import json
 import os
+import sys
 import time
 import weakref
 
@@ -527,11 +528,30 @@ class Client(_NoCopy):
 
 
 _OPEN = weakref.WeakSet()  # the clients not yet closed
+# Whether this process is ending on an uncaught exception: sys.excepthook, which the interpreter
+# (and ragshard-launch --preload for a forked rank) calls for one, sets it. Such a process is
+# lost, not leaving: in a job that recovers in place its clients stay attached to the end, so
+# that their daemons start a recovery, as for a killed process (docs/recovery.md, "A rank that
+# crashes"). KeyboardInterrupt and SystemExit (sys.exit, the recovery notice) leave as before.
+_CRASHED = False
+_previous_excepthook = sys.excepthook
+
+
+def _excepthook(kind, value, tb):
+    global _CRASHED
+    if issubclass(kind, Exception):
+        _CRASHED = True
+    _previous_excepthook(kind, value, tb)
+
+
+sys.excepthook = _excepthook
 
 
 @atexit.register
 def _close_open_clients():
     for client in list(_OPEN):
+        if _CRASHED and getattr(client, "_c", None) and client.recoverable:
+            continue  # lost: the side channel closes with the process
         client.close()
 
 

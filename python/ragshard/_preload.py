@@ -16,7 +16,6 @@ import os
 import runpy
 import signal
 import sys
-import traceback
 
 
 _unstarted = set()  # the launcher's write ends of the pipes of ranks not yet started
@@ -125,7 +124,7 @@ def _run(script, args, env, threads):
     except SystemExit as e:
         code = exit_status(e)
     except BaseException:  # noqa: B036 - a rank's uncaught error ends it, as in a fresh interpreter
-        traceback.print_exc()
+        sys.excepthook(*sys.exc_info())  # (which prints it; ragshard's marks the rank lost)
         code = 1
     try:
         atexit._run_exitfuncs()

@@ -29,7 +29,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import traceback
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -189,7 +188,7 @@ def _child(request, fds):
     except SystemExit as e:
         code = exit_status(e)
     except BaseException:  # noqa: B036 - an uncaught error ends the command, as in an interpreter
-        traceback.print_exc()
+        sys.excepthook(*sys.exc_info())  # (which prints it, as an interpreter's does)
         code = 1
     finally:
         try:

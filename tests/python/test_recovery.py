@@ -243,6 +243,27 @@ def test_torchrun_restarts_recover_in_place(cluster, tmp_path):
     assert "recoveries:   1 recovery" in ctl(cluster, "job", "show", "tr-kill").stdout
 
 
+def test_a_rank_that_crashes_recovers_in_place(cluster, tmp_path):
+    """A rank that ends on an uncaught exception is lost, not leaving (ragshard's excepthook
+    keeps its clients attached to the end): its daemon starts a recovery as for a kill, the
+    launcher restarts it (one of its restarts), the others leave on the notice, and the job goes
+    on from the last step every rank completed. Before, its exit detached it and the others
+    failed on "detached" (docs/recovery.md, "A rank that crashes")."""
+    ref = reference(cluster, tmp_path, "adamw")
+    mark = str(tmp_path / "raised")
+    out, r = run(cluster, tmp_path, "crash",
+                 ["--optimizer", "adamw", "--raise-at", f"2:3:forward:{mark}"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert os.path.exists(mark), "the rank did not raise"
+    assert "RuntimeError: --raise-at: step 3, forward" in r.stderr, r.stderr  # its traceback
+    assert "rank 2 exited with 1; restarting it" in r.stderr, r.stderr
+    assert "recovery in progress" in r.stderr and "detached" not in r.stderr, r.stderr
+    a, b = params(out), params(ref)
+    for name in b:
+        assert torch.allclose(a[name], b[name], rtol=0, atol=1e-6), name
+    assert "recoveries:   1 recovery" in ctl(cluster, "job", "show", "crash").stdout
+
+
 def test_without_restarts_a_lost_rank_fails_the_job_named(cluster, tmp_path):
     out = str(tmp_path / "norestart")
     mark = str(tmp_path / "killed-nr")
