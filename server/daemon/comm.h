@@ -103,6 +103,12 @@ class Comm {
   // Tells every peer that this member stopped the job (`why` is the error); their pending and
   // later WaitAll fail with ABORTED quoting it. Best effort, bounded by a short wait.
   virtual void Abort(const std::string& why) = 0;
+  // Thread-safe: the WaitAll running now (or the next) ends at once with ABORTED quoting `why`
+  // (its pending requests cancelled), as does every later one of this connection. For a recovery
+  // the planner started (a node lost without a reset): the job's thread may be waiting on a peer
+  // that will never answer. The default does nothing (a connection whose waits end by
+  // themselves).
+  virtual void Interrupt(const std::string& why) { (void)why; }
   // How errors name a tag's operation (the data plane's unit names); nullptr restores the default.
   virtual void SetDescriber(TagDescriber describe) = 0;
   // Bytes of the messages posted to peers so far (the daemon's metrics); 0 where not counted.
@@ -142,6 +148,7 @@ class SubComm final : public Comm {
     return base_->WaitAll(requests, deadline, idle);
   }
   void Abort(const std::string& why) override { base_->Abort(why); }
+  void Interrupt(const std::string& why) override { base_->Interrupt(why); }
   void SetDescriber(TagDescriber describe) override { base_->SetDescriber(std::move(describe)); }
   int64_t sent_bytes() const override { return base_->sent_bytes(); }
   std::string waiting_for() const override { return base_->waiting_for(); }

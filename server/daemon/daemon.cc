@@ -6,6 +6,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <random>
 #include <utility>
 #include <vector>
 
@@ -111,11 +112,7 @@ absl::StatusOr<std::unique_ptr<NodeDaemon>> NodeDaemon::Start(
       po, [metrics = d->metrics_](const absl::Status& s) { metrics->Error(s); });
   if (!poller.ok()) return poller.status();
   d->poller_ = std::move(*poller);
-  v1::RegisterNodeRequest reg;
-  reg.set_node_id(d->options_.node_id);
-  reg.set_data_address(d->options_.data_host);
-  reg.set_capacity_bytes(d->options_.pool_bytes);
-  auto registered = d->planner_->RegisterNode(reg);
+  auto registered = d->planner_->RegisterNode(d->Registration());
   if (!registered.ok()) LOG(WARNING) << "registering with the planner: " << registered.status();
   d->side_channel_ = std::thread([p = d.get()] { p->RunSideChannel(); });
   d->heartbeats_ = std::thread([p = d.get()] { p->RunHeartbeats(); });
@@ -127,7 +124,21 @@ absl::StatusOr<std::unique_ptr<NodeDaemon>> NodeDaemon::Start(
 
 NodeDaemon::NodeDaemon(DaemonOptions options, std::shared_ptr<PlannerClient> planner,
                        std::unique_ptr<Pool> pool)
-    : options_(std::move(options)), planner_(std::move(planner)), pool_(std::move(pool)) {}
+    : options_(std::move(options)), planner_(std::move(planner)), pool_(std::move(pool)) {
+  std::random_device random;
+  while (incarnation_ == 0) {
+    incarnation_ = (static_cast<uint64_t>(random()) << 32) | static_cast<uint64_t>(random());
+  }
+}
+
+v1::RegisterNodeRequest NodeDaemon::Registration() const {
+  v1::RegisterNodeRequest reg;
+  reg.set_node_id(options_.node_id);
+  reg.set_data_address(options_.data_host);
+  reg.set_capacity_bytes(options_.pool_bytes);
+  reg.set_incarnation(incarnation_);
+  return reg;
+}
 
 NodeDaemon::~NodeDaemon() { Shutdown(); }
 

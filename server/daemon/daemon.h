@@ -70,6 +70,9 @@ struct DaemonOptions {
 
 class JobRuntime;
 
+// ragshardd's exit status when the planner refused it as stale (NodeDaemon::FenceStale).
+inline constexpr int kStaleExitCode = 3;
+
 class NodeDaemon final : public v1::Daemon::CallbackService {
  public:
   static absl::StatusOr<std::unique_ptr<NodeDaemon>> Start(DaemonOptions options,
@@ -175,8 +178,17 @@ class NodeDaemon final : public v1::Daemon::CallbackService {
   // The pool's, the jobs' and the attachments' figures, read when a scrape comes.
   std::vector<prometheus::MetricFamily> ScrapeFigures() const;
 
+  // This daemon's registration with the planner (its incarnation included).
+  v1::RegisterNodeRequest Registration() const;
+  // The planner refused a heartbeat of this incarnation (another daemon registered the node id):
+  // fails every job's operations naming it and ends the process with kStaleExitCode.
+  [[noreturn]] void FenceStale(const absl::Status& refused);
+
   const DaemonOptions options_;
   const std::shared_ptr<PlannerClient> planner_;
+  // Drawn at the start, nonzero (RegisterNodeRequest.incarnation).
+  uint64_t incarnation_ = 0;
+
   const std::unique_ptr<Pool> pool_;
   const std::shared_ptr<DaemonMetrics> metrics_ = std::make_shared<DaemonMetrics>();
   BackendKind backend_ = BackendKind::kHost;

@@ -5,6 +5,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <vector>
 
@@ -93,6 +95,7 @@ void NodeDaemon::RunHeartbeats() {
   while (!stop_.WaitForNotificationWithTimeout(absl::FromChrono(options_.heartbeat_interval))) {
     v1::HeartbeatRequest hb;
     hb.set_node_id(options_.node_id);
+    hb.set_incarnation(incarnation_);
     PoolStats s = pool_->Stats();
     auto* f = hb.mutable_figures();
     f->set_pool_capacity_bytes(s.capacity);
@@ -123,11 +126,9 @@ void NodeDaemon::RunHeartbeats() {
     auto resp = planner_->Heartbeat(hb);
     if (!resp.ok()) {
       if (absl::IsNotFound(resp.status())) {
-        v1::RegisterNodeRequest reg;
-        reg.set_node_id(options_.node_id);
-        reg.set_data_address(options_.data_host);
-        reg.set_capacity_bytes(options_.pool_bytes);
-        (void)planner_->RegisterNode(reg);
+        (void)planner_->RegisterNode(Registration());
+      } else if (absl::IsFailedPrecondition(resp.status())) {
+        FenceStale(resp.status());
       } else {
         LOG_EVERY_N(WARNING, 10) << "heartbeat: " << resp.status();
       }
@@ -146,6 +147,27 @@ void NodeDaemon::RunHeartbeats() {
     }
     for (const std::string& job : resp->release_jobs()) DropJob(job, "deleted by the planner");
   }
+}
+
+void NodeDaemon::FenceStale(const absl::Status& refused) {
+  // Another daemon holds the node id and the jobs went on without this one: it must not write
+  // to them again, nor register again (it would take the id back). Its jobs fail naming why and
+  // it ends at once, without the shutdown's cleanup: its socket paths may be the replacement's
+  // now (on one host), and gRPC's shutdown removes a Unix socket's path whoever bound it last.
+  const absl::Status stale = absl::FailedPreconditionError(absl::StrCat(
+      "the planner refuses this daemon's heartbeat: ", refused.message(), "; ragshardd exits"));
+  LOG(ERROR) << stale.message();
+  std::vector<std::shared_ptr<JobRuntime>> jobs;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, job] : jobs_) jobs.push_back(job);
+  }
+  for (const auto& job : jobs) job->Fail(stale);
+  std::fprintf(stderr, "ragshardd %s: %s\n", options_.node_id.c_str(),
+               std::string(stale.message()).c_str());
+  std::fflush(stderr);
+  google::FlushLogFiles(google::GLOG_INFO);
+  std::_Exit(kStaleExitCode);
 }
 
 void NodeDaemon::RunWaiterClock() {

@@ -40,7 +40,14 @@ void JobRuntime::BeginRecovery(int64_t epoch, absl::Time deadline, const std::st
     absl::MutexLock lock(&mu_);
     if (!failed_.ok()) return;
     const absl::Status notice = recovery_.Named(epoch, deadline, lost);
-    if (!notice.ok()) FailUnfinished(notice);
+    if (!notice.ok()) {
+      FailUnfinished(notice);
+      // The job's thread may be in a collective with the lost node, which may never answer (a
+      // host gone without a reset): it ends now, as for a connection closed.
+      if (RelayComm* relay = recovery_.relay(); relay != nullptr) {
+        relay->Interrupt(std::string(notice.message()));
+      }
+    }
   }
   ServeWaiters();
 }

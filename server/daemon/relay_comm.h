@@ -5,8 +5,8 @@
 //
 // Thread-compatible like every Comm: the job's thread calls it, closes the connection and
 // replaces it; waiting_for() may be called from any thread (ragshardctl job why). Between Close
-// and Replace no operation runs (the job is recovering): only Abort, SetDescriber, sent_bytes
-// and waiting_for are called then, and they do nothing.
+// and Replace no operation runs (the job is recovering): only Abort, SetDescriber, sent_bytes,
+// waiting_for and Interrupt (any thread) are called then, and they do nothing.
 #pragma once
 
 #include <memory>
@@ -64,6 +64,10 @@ class RelayComm final : public Comm {
   }
   void Abort(const std::string& why) override {
     if (comm_ != nullptr) comm_->Abort(why);
+  }
+  void Interrupt(const std::string& why) override {
+    absl::MutexLock lock(&mu_);  // (against Close and Replace in the job's thread)
+    if (comm_ != nullptr) comm_->Interrupt(why);
   }
   void SetDescriber(TagDescriber describe) override {
     describe_ = describe;

@@ -164,6 +164,13 @@ class UcxComm final : public Comm {
     Abandon();
   }
 
+  void Interrupt(const std::string& why) override {
+    absl::MutexLock lock(&waiting_mu_);
+    if (interrupted_.load()) return;
+    interrupt_ = why;
+    interrupted_.store(true, std::memory_order_release);
+  }
+
   void SetDescriber(TagDescriber describe) override { describe_ = std::move(describe); }
 
   using Comm::WaitAll;
@@ -181,6 +188,11 @@ class UcxComm final : public Comm {
       }
       if (notice_.done) {
         result = Notice();
+        break;
+      }
+      if (interrupted_.load(std::memory_order_acquire)) {
+        absl::MutexLock lock(&waiting_mu_);
+        result = absl::AbortedError(interrupt_);
         break;
       }
       for (uint64_t id : ids) {
@@ -389,6 +401,8 @@ class UcxComm final : public Comm {
   // The peers a WaitAll of more than 100 ms still waits for, read by other threads.
   mutable absl::Mutex waiting_mu_;
   std::string waiting_ ABSL_GUARDED_BY(waiting_mu_);
+  std::string interrupt_ ABSL_GUARDED_BY(waiting_mu_);  // Interrupt's why
+  std::atomic<bool> interrupted_{false};
   std::atomic<int64_t> sent_bytes_{0};
 };
 

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "glog/logging.h"
+#include "infra/status_macros.h"
 
 namespace ragshard::planner {
 
@@ -15,10 +16,21 @@ void NodeRegistry::Load(std::vector<v1::Node> nodes, int64_t now_ms) {
   }
 }
 
-absl::Status NodeRegistry::Register(const v1::RegisterNodeRequest& req, int64_t now_ms) {
+absl::StatusOr<std::string> NodeRegistry::Register(const v1::RegisterNodeRequest& req,
+                                                   int64_t now_ms) {
   absl::MutexLock lock(&mu_);
   auto [it, fresh] = nodes_.try_emplace(req.node_id());
   v1::Node& node = it->second;
+  std::string lost;
+  if (!fresh && node.status() == v1::NODE_UP && node.incarnation() != 0 && req.incarnation() != 0 &&
+      node.incarnation() != req.incarnation()) {
+    lost =
+        absl::StrCat("node '", req.node_id(), "' lost (another daemon registered with its id, ",
+                     "from '", req.data_address(), "', while it was up; its daemon at '",
+                     node.data_address(), "' went silent ", now_ms - node.last_heartbeat_unix_ms(),
+                     " ms before, without closing its ", "connections)");
+    LOG(WARNING) << lost;
+  }
   if (!fresh) {
     // The same daemon again (it was forgotten, or it restarted), or a replacement daemon for a
     // lost node: the new registration replaces the old one whole, its figures included.
@@ -32,8 +44,10 @@ absl::Status NodeRegistry::Register(const v1::RegisterNodeRequest& req, int64_t 
   node.set_capacity_bytes(req.capacity_bytes());
   node.set_status(v1::NODE_UP);
   node.set_last_heartbeat_unix_ms(now_ms);
+  node.set_incarnation(req.incarnation());
   LOG(INFO) << "node " << req.node_id() << " registered at '" << req.data_address() << "'";
-  return store_->PutNode(node);
+  RAGSHARD_RETURN_IF_ERROR(store_->PutNode(node));
+  return lost;
 }
 
 absl::Status NodeRegistry::Heartbeat(const v1::HeartbeatRequest& req, int64_t now_ms) {
@@ -44,6 +58,15 @@ absl::Status NodeRegistry::Heartbeat(const v1::HeartbeatRequest& req, int64_t no
         absl::StrCat("node '", req.node_id(), "' is not registered; call RegisterNode"));
   }
   v1::Node& node = it->second;
+  if (node.incarnation() != 0 && req.incarnation() != 0 &&
+      node.incarnation() != req.incarnation()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("node '", req.node_id(), "': this daemon (incarnation ", req.incarnation(),
+                     ") is stale: another daemon (incarnation ", node.incarnation(), ", at '",
+                     node.data_address(),
+                     "') registered with its id while it was unreachable, and the node's "
+                     "jobs went on without it"));
+  }
   *node.mutable_figures() = req.figures();
   node.set_last_heartbeat_unix_ms(now_ms);
   if (node.status() != v1::NODE_UP) {

@@ -26,10 +26,13 @@ class NodeRegistry {
   void Load(std::vector<v1::Node> nodes, int64_t now_ms);
   // Records (again) a node, UP; the store's error if it could not be written. A node registered
   // before, LOST or still UP (a restarted or replacement daemon with the same node id), is
-  // replaced whole: its old address and figures are dropped.
-  absl::Status Register(const v1::RegisterNodeRequest& req, int64_t now_ms);
+  // replaced whole: its old address and figures are dropped. Returns, when the node was UP with
+  // another incarnation (both nonzero: a daemon lost without a reset and replaced before its
+  // heartbeats timed out), why its daemon before counts as lost; else "".
+  absl::StatusOr<std::string> Register(const v1::RegisterNodeRequest& req, int64_t now_ms);
   // Refreshes a registered node's figures (UP again if it was LOST); NOT_FOUND naming it when it
-  // never registered.
+  // never registered; FAILED_PRECONDITION naming both when the heartbeat's incarnation is not
+  // the registered one (a stale daemon that another replaced).
   absl::Status Heartbeat(const v1::HeartbeatRequest& req, int64_t now_ms);
   std::vector<v1::Node> List() const;
   // Marks LOST every UP node silent for longer than `timeout` and returns their ids.

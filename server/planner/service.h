@@ -304,8 +304,9 @@ class PlannerService final
   void FailJob(JobState* js, const std::string& error, Deferred* deferred);
   void ResolvePendingHashes(JobState* js, Deferred* deferred);
   // Marks DEGRADED the live jobs with a rank on a lost node; a job with redundancy recovers
-  // instead (NodeLostRecovery).
-  void DegradeJobsOn(const std::vector<std::string>& lost_nodes, Deferred* deferred);
+  // instead (NodeLostRecovery). `why`: the loss as the jobs name it (default: the node timeout).
+  void DegradeJobsOn(const std::vector<std::string>& lost_nodes, Deferred* deferred,
+                     const std::string& why = "");
   // The nodes of the job's registered ranks, with the ranks as runs (ListJobNodes' answer),
   // built at the first call after the ranks changed.
   static const v1::ListJobNodesResponse& JobNodes(JobState* js);

@@ -11,9 +11,13 @@ grpc::ServerUnaryReactor* PlannerService::RegisterNode(Ctx* ctx, const v1::Regis
                                                        v1::RegisterNodeResponse* resp) {
   return Unlocked(
       ctx, Access::kUser, [&] { return ValidateRegisterNode(*req, options_.limits); },
-      [&](Deferred*) {
+      [&](Deferred* deferred) {
         resp->set_heartbeat_interval_ms(options_.heartbeat_interval.count());
-        return nodes_.Register(*req, NowMs());
+        RAGSHARD_ASSIGN_OR_RETURN(const std::string lost, nodes_.Register(*req, NowMs()));
+        // The daemon before is lost (as at the node timeout): its jobs recover with the new one
+        // as the replacement, shrink or fail, named.
+        if (!lost.empty()) DegradeJobsOn({req->node_id()}, deferred, lost);
+        return absl::OkStatus();
       });
 }
 
@@ -73,7 +77,8 @@ grpc::ServerUnaryReactor* PlannerService::ListNodes(Ctx* ctx, const v1::ListNode
   });
 }
 
-void PlannerService::DegradeJobsOn(const std::vector<std::string>& lost_nodes, Deferred* deferred) {
+void PlannerService::DegradeJobsOn(const std::vector<std::string>& lost_nodes, Deferred* deferred,
+                                   const std::string& why) {
   if (lost_nodes.empty()) return;
   for (auto& [id, e] : Entries()) {
     absl::MutexLock lock(&e->mu);
@@ -87,8 +92,10 @@ void PlannerService::DegradeJobsOn(const std::vector<std::string>& lost_nodes, D
       bool has_rank = false;
       for (const auto& [rank, r] : js.ranks) has_rank |= r.node_id() == node_id;
       if (!has_rank) continue;
-      const std::string lost = absl::StrCat("node '", node_id, "' lost (no heartbeat for ",
-                                            options_.node_timeout.count(), " ms)");
+      const std::string lost = !why.empty()
+                                   ? why
+                                   : absl::StrCat("node '", node_id, "' lost (no heartbeat for ",
+                                                  options_.node_timeout.count(), " ms)");
       // A job with redundancy rebuilds the node on a replacement daemon instead.
       if (NodeLostRecovery(&js, node_id, lost, deferred)) continue;
       if (status == v1::JOB_RECOVERING) {

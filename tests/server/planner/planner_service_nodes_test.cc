@@ -119,6 +119,62 @@ TEST_F(PlannerServiceTest, HeartbeatsTellADaemonWhichOfItsJobsCannotGoOn) {
   EXPECT_EQ(resp->release_jobs_size(), 0);
 }
 
+// A daemon lost without a reset and replaced before the node timeout: the replacement's
+// registration (another incarnation of an UP node) counts the node lost at once, and the
+// daemon before, when it beats again, is refused as stale. The same incarnation (a daemon that
+// registers again after the planner forgot it) and an unknown one (0) replace silently.
+TEST_F(PlannerServiceTest, AnotherIncarnationOfAnUpNodeCountsTheOneBeforeLost) {
+  v1::RegisterNodeRequest node;
+  node.set_node_id("n1");
+  node.set_data_address("10.0.0.1");
+  node.set_incarnation(7);
+  ASSERT_TRUE(client_->RegisterNode(node).ok());
+  ASSERT_TRUE(client_->RegisterNode(node).ok());  // the same daemon again: nothing lost
+  Create("j", 2);
+  Inventory inv = SmallInventory();
+  EXPECT_TRUE(RegisterFull("j", 0, inv, "n0").ok());
+  EXPECT_TRUE(RegisterFull("j", 1, inv, "n1").ok());
+  EXPECT_TRUE(client_->WaitForPlan("j", 10s).ok());
+  EXPECT_EQ(client_->GetJob("j")->status(), v1::JOB_READY);
+
+  node.set_data_address("10.0.0.2");
+  node.set_incarnation(8);
+  ASSERT_TRUE(client_->RegisterNode(node).ok());
+  auto job = client_->GetJob("j");
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->status(), v1::JOB_DEGRADED);  // (no redundancy: the job cannot go on)
+  EXPECT_THAT(job->error(), HasSubstr("node 'n1' lost (another daemon registered with its id, "
+                                      "from '10.0.0.2', while it was up; its daemon at "
+                                      "'10.0.0.1' went silent"));
+  auto nodes = client_->ListNodes();
+  ASSERT_TRUE(nodes.ok()) << nodes.status();
+  ASSERT_EQ(nodes->size(), 1u);
+  EXPECT_EQ(nodes->at(0).status(), v1::NODE_UP);
+  EXPECT_EQ(nodes->at(0).incarnation(), 8u);
+  EXPECT_EQ(nodes->at(0).data_address(), "10.0.0.2");
+
+  v1::HeartbeatRequest hb;
+  hb.set_node_id("n1");
+  hb.set_incarnation(7);
+  auto stale = client_->Heartbeat(hb);
+  EXPECT_EQ(stale.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(stale.status().message(),
+              HasSubstr("this daemon (incarnation 7) is stale: another daemon (incarnation 8, "
+                        "at '10.0.0.2') registered with its id"));
+  hb.set_incarnation(8);
+  EXPECT_TRUE(client_->Heartbeat(hb).ok());
+  hb.set_incarnation(0);  // a daemon that does not say
+  EXPECT_TRUE(client_->Heartbeat(hb).ok());
+
+  // Unknown incarnations replace without a loss, as before.
+  Create("k", 1);
+  EXPECT_TRUE(RegisterFull("k", 0, inv, "n1").ok());
+  EXPECT_TRUE(client_->WaitForPlan("k", 10s).ok());
+  node.set_incarnation(0);
+  ASSERT_TRUE(client_->RegisterNode(node).ok());
+  EXPECT_EQ(client_->GetJob("k")->status(), v1::JOB_READY);
+}
+
 TEST_F(PlannerServiceTest, RendezvousPutAndWaitingGet) {
   RestartWithMetrics();
   Create("j", 2);
