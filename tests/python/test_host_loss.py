@@ -19,10 +19,8 @@ import time
 import pytest
 import preloaded  # beside this file: the launches forked from one torch import
 import torch
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BUILD = os.environ.get("RAGSHARD_BUILD", os.path.join(ROOT, "build"))
-sys.path.insert(0, os.path.join(BUILD, "python"))
+# beside this file; it puts the build's package on the path
+from cluster_runs import BUILD, ROOT, ctl, env
 
 from ragshard.cluster import LocalCluster  # noqa: E402
 
@@ -40,26 +38,12 @@ def cluster():
         yield c
 
 
-def env():
-    e = dict(os.environ)
-    e["PYTHONPATH"] = os.pathsep.join([os.path.join(BUILD, "python"),
-                                       os.path.dirname(os.path.abspath(__file__)),
-                                       e.get("PYTHONPATH", "")])
-    return e
-
-
 def command(cluster, tmp_path, job, extra=()):
     out = str(tmp_path / job)
     return out, LAUNCH + ["--planner", cluster.planner, "--job", job, "--create-job",
                           "--nproc", "4", "--sockets", ",".join(cluster.sockets),
                           "--redundancy", "replica", "--max-restarts", "1",
                           "--recovery-deadline", "90", EXAMPLE, "--out", out] + SMALL + list(extra)
-
-
-def ctl(cluster, *args):
-    return subprocess.run([os.path.join(BUILD, "ctl", "ragshardctl"), "--planner",
-                           cluster.planner, "--token-file", cluster.token_file, *args],
-                          capture_output=True, text=True, timeout=60)
 
 
 def wait_for(what, predicate, seconds=120):

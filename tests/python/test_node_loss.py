@@ -16,10 +16,8 @@ import time
 import pytest
 import preloaded  # beside this file: the launches forked from one torch import
 import torch
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BUILD = os.environ.get("RAGSHARD_BUILD", os.path.join(ROOT, "build"))
-sys.path.insert(0, os.path.join(BUILD, "python"))
+# beside this file; it puts the build's package on the path
+from cluster_runs import BUILD, ROOT, ctl, env
 
 import ragshard  # noqa: E402
 from ragshard.cluster import LocalCluster  # noqa: E402
@@ -36,14 +34,6 @@ def cluster():
     with LocalCluster(BUILD, daemons=3, pool_bytes=128 << 20, node_timeout_ms=2000,
                       heartbeat_ms=250) as c:
         yield c
-
-
-def env():
-    e = dict(os.environ)
-    e["PYTHONPATH"] = os.pathsep.join([os.path.join(BUILD, "python"),
-                                       os.path.dirname(os.path.abspath(__file__)),
-                                       e.get("PYTHONPATH", "")])
-    return e
 
 
 def command(cluster, tmp_path, job, redundancy, extra=(),
@@ -63,12 +53,6 @@ def command(cluster, tmp_path, job, redundancy, extra=(),
     return out, LAUNCH + ["--planner", cluster.planner, "--job", job, "--create-job", *layout,
                           "--max-restarts", "1", *launcher, EXAMPLE, "--out", out] + SMALL + \
         list(extra)
-
-
-def ctl(cluster, *args):
-    return subprocess.run([os.path.join(BUILD, "ctl", "ragshardctl"), "--planner",
-                           cluster.planner, "--token-file", cluster.token_file, *args],
-                          capture_output=True, text=True, timeout=60)
 
 
 def same(out, ref, atol=1e-6):
