@@ -28,10 +28,9 @@ absl::StatusOr<RankStates::Buffer> RankStates::Get(int64_t rank, const std::stri
   if (dp != nullptr && pool::InRankMemory(name)) {
     lease = dp->AllocateRankState(local, bytes);
     held.rank_memory = lease.ok() || !absl::IsUnimplemented(lease.status());
-    held.memory = dp->rank_memory(local);
+    if (held.rank_memory) held.memory = dp->rank_memory(local);
   }
   if (!held.rank_memory) {
-    held.memory = nullptr;
     lease = pool->Allocate(bytes);
     if (lease.ok()) std::memset(lease->data(), 0, static_cast<size_t>(bytes));
   }

@@ -28,7 +28,7 @@ absl::StatusOr<std::string> NodeRegistry::Register(const v1::RegisterNodeRequest
         absl::StrCat("node '", req.node_id(), "' lost (another daemon registered with its id, ",
                      "from '", req.data_address(), "', while it was up; its daemon at '",
                      node.data_address(), "' went silent ", now_ms - node.last_heartbeat_unix_ms(),
-                     " ms before, without closing its ", "connections)");
+                     " ms before, without closing its connections)");
     LOG(WARNING) << lost;
   }
   if (!fresh) {
