@@ -3,8 +3,12 @@
 // in-memory one.
 //
 // Every message is checked. Its 48-bit tag is a MessageStamp: the operation's sequence number,
-// unit and kind, and the message's index within the operation. A receive matches the next
-// message from its peer with the same index, whatever its stamp; on completion the sender's
+// unit and kind, its lane, and the message's index within the operation. A receive matches the
+// next message from its peer with the same index and lane, whatever the rest of its stamp (so
+// that operations the nodes run in different orders fail at once, named, instead of waiting); the
+// background lane holds the transfers that run across the foreground's operations, posted at
+// moments of each node's own choosing (the redundancy's protect), which therefore must never
+// match a foreground message (or the reverse); on completion the sender's
 // stamp and size are compared with the receiver's, and a difference fails the operation with
 // ABORTED naming both sides (through the describer the data plane installs). The job is implied
 // by the connection: a job's daemons connect through a worker of their own and check the job in
@@ -27,7 +31,7 @@ namespace ragshard::daemon {
 
 // What a message says about the operation it belongs to, packed into a 48-bit tag:
 // bits 0-15 the index (a ring step, a piece), 16-18 the kind, 19-34 the unit (modulo 2^16),
-// 35-47 the operation's sequence number (modulo 2^13).
+// 35-46 the operation's sequence number (modulo 2^12), 47 the lane (1: background).
 struct MessageStamp {
   enum Kind : uint32_t {
     kNone = 0,  // collectives called directly (tests, benchmarks)
@@ -39,8 +43,12 @@ struct MessageStamp {
     kUpdateGather = 6,
     kControl = 7,  // the transport's own messages (hello, abort notices)
   };
-  static constexpr int kIndexBits = 16, kKindBits = 3, kUnitBits = 16, kSeqBits = 13;
+  static constexpr int kIndexBits = 16, kKindBits = 3, kUnitBits = 16, kSeqBits = 12;
   static constexpr uint64_t kIndexMask = (uint64_t{1} << kIndexBits) - 1;
+  static constexpr int kLaneShift = kIndexBits + kKindBits + kUnitBits + kSeqBits;
+  static constexpr uint64_t kLaneBit = uint64_t{1} << kLaneShift;
+  // The bits a receive matches on (besides its peer): the index and the lane.
+  static constexpr uint64_t kMatchMask = kIndexMask | kLaneBit;
   // Indices the collectives may use; the rest are the transport's.
   static constexpr uint64_t kMaxDataIndex = kIndexMask - 16;
 
@@ -48,13 +56,15 @@ struct MessageStamp {
   uint64_t unit = 0;
   uint32_t kind = kNone;
   uint64_t index = 0;
+  bool background = false;  // the lane
 
   // The tag (bits beyond each field's width are dropped).
   uint64_t Tag() const {
     auto field = [](uint64_t v, int bits) { return v & ((uint64_t{1} << bits) - 1); };
     return field(index, kIndexBits) | field(kind, kKindBits) << kIndexBits |
            field(unit, kUnitBits) << (kIndexBits + kKindBits) |
-           field(seq, kSeqBits) << (kIndexBits + kKindBits + kUnitBits);
+           field(seq, kSeqBits) << (kIndexBits + kKindBits + kUnitBits) |
+           (background ? kLaneBit : 0);
   }
   static MessageStamp FromTag(uint64_t tag) {
     auto field = [tag](int shift, int bits) {
@@ -65,6 +75,7 @@ struct MessageStamp {
     s.kind = static_cast<uint32_t>(field(kIndexBits, kKindBits));
     s.unit = field(kIndexBits + kKindBits, kUnitBits);
     s.seq = field(kIndexBits + kKindBits + kUnitBits, kSeqBits);
+    s.background = (tag & kLaneBit) != 0;
     return s;
   }
 };
@@ -99,6 +110,16 @@ class Comm {
                                const IdleWork& idle) = 0;
   absl::Status WaitAll(const std::vector<uint64_t>& requests, absl::Time deadline) {
     return WaitAll(requests, deadline, IdleWork());
+  }
+  // Moves the transfers on without waiting for them: true once every request completed (as
+  // WaitAll's OK, the requests then waited for), false while some are in flight and `deadline`
+  // has not passed (poll again, or WaitAll), or WaitAll's errors. For transfers in the
+  // background lane, polled from the thread's idle moments. The default waits (a transport
+  // whose waits cannot be cut short).
+  virtual absl::StatusOr<bool> Poll(const std::vector<uint64_t>& requests, absl::Time deadline) {
+    absl::Status s = WaitAll(requests, deadline);
+    if (!s.ok()) return s;
+    return true;
   }
   // Tells every peer that this member stopped the job (`why` is the error); their pending and
   // later WaitAll fail with ABORTED quoting it. Best effort, bounded by a short wait.
@@ -146,6 +167,9 @@ class SubComm final : public Comm {
   absl::Status WaitAll(const std::vector<uint64_t>& requests, absl::Time deadline,
                        const IdleWork& idle) override {
     return base_->WaitAll(requests, deadline, idle);
+  }
+  absl::StatusOr<bool> Poll(const std::vector<uint64_t>& requests, absl::Time deadline) override {
+    return base_->Poll(requests, deadline);
   }
   void Abort(const std::string& why) override { base_->Abort(why); }
   void Interrupt(const std::string& why) override { base_->Interrupt(why); }

@@ -51,14 +51,16 @@ class JobRedundancy {
   // OP_PROTECT (the job's thread): starts protecting the local ranks' state at the step they
   // have begun, in the background of the operations that follow (NodeRedundancy's StartProtect;
   // a protect still under way is finished first). OP_PROTECT_FINISH: the protect under way, whole.
-  // Advance: a few more of its windows, after each collective of the job's thread.
+  // Advance: moves it on without waiting (after each operation of the job's thread and in its
+  // idle moments); in_flight: whether it has something to move.
   absl::Status Protect(Comm& comm, const DataBackend& dp, absl::Time deadline, uint64_t seq);
   absl::Status FinishProtect(Comm& comm, absl::Time deadline) {
     return redundancy_.FinishProtect(comm, deadline);
   }
-  absl::Status AdvanceProtect(Comm& comm, absl::Time deadline) {
-    return redundancy_.AdvanceProtect(comm, NodeRedundancy::kWindowsPerOperation, deadline);
+  absl::Status AdvanceProtect(Comm& comm, absl::Duration patience) {
+    return redundancy_.AdvanceProtect(comm, NodeRedundancy::kWindowsPerOperation, patience);
   }
+  bool protect_in_flight() const { return redundancy_.protect_in_flight(); }
   bool protecting() const { return redundancy_.protecting(); }
   // A recovery in place: the protect under way is given up (its messages died with the
   // connection); the parities made whole before it stay.

@@ -14,6 +14,9 @@ namespace {
 
 // How long a background protect's windows may wait for a peer (an operation's default bound).
 constexpr absl::Duration kBackgroundDeadline = absl::Seconds(60);
+// How often the job's thread, with nothing else to do, moves a background protect on: its
+// messages wait in the sockets meanwhile, and a new operation wakes the thread at once.
+constexpr absl::Duration kBackgroundPoll = absl::Milliseconds(1);
 
 int64_t SteadyNanos() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -321,6 +324,7 @@ void JobRuntime::ServeWaiters() {
 }
 
 void JobRuntime::Run() {
+  bool background = false;  // a protect with windows to move in the idle moments
   while (true) {
     uint64_t seq = 0;
     Op op;
@@ -330,7 +334,8 @@ void JobRuntime::Run() {
         return stopping_ || !queue_.empty() || (!abort_.ok() && failed_.ok()) ||
                (!recovery_.running() && failed_.ok());
       };
-      mu_.AwaitWithTimeout(absl::Condition(&ready), absl::Milliseconds(50));
+      mu_.AwaitWithTimeout(absl::Condition(&ready),
+                           background ? kBackgroundPoll : absl::Milliseconds(50));
       if (stopping_) break;  // the waiters left are answered below
       if (!recovery_.running() && failed_.ok()) {
         mu_.Unlock();
@@ -357,7 +362,14 @@ void JobRuntime::Run() {
         Report(r);
         mu_.Lock();
       }
-      if (queue_.empty()) continue;
+      if (queue_.empty()) {
+        if (background) {
+          mu_.Unlock();
+          background = AdvanceProtect();
+          mu_.Lock();
+        }
+        continue;
+      }
       seq = queue_.front();
       queue_.pop_front();
       auto found = ops_.find(seq);
@@ -422,7 +434,7 @@ void JobRuntime::Run() {
       if (!failed_.ok()) FailPending();
     }
     ServeWaiters();
-    AdvanceProtect(op.kind);
+    background = AdvanceProtect();
   }
   // Stopping: nobody will complete the remaining operations; answer their waiters.
   std::vector<WaitCallback> pending;
@@ -483,38 +495,27 @@ absl::Status JobRuntime::ExposeCopy(int local, int64_t step, const std::string& 
   return redundancy->ExposeCopy(local, step, name, pool);
 }
 
-void JobRuntime::AdvanceProtect(v1::OpKind kind) {
-  switch (kind) {
-    case v1::OP_UNSHARD:
-    case v1::OP_REDUCE_SCATTER:
-    case v1::OP_ALL_REDUCE:
-    case v1::OP_GATHER_TO_OWNER:
-    case v1::OP_SCATTER_FROM_OWNER:
-    case v1::OP_UPDATE_GATHER:
-      break;
-    default:
-      return;
-  }
+bool JobRuntime::AdvanceProtect() {
   JobRedundancy* redundancy = redundancy_state();
-  if (redundancy == nullptr || comm_ == nullptr || !redundancy->protecting()) return;
+  if (redundancy == nullptr || comm_ == nullptr || !redundancy->protect_in_flight()) return false;
   {
     absl::MutexLock lock(&mu_);
-    if (stopping_ || !failed_.ok() || !recovery_.running()) return;
+    if (stopping_ || !failed_.ok() || !recovery_.running()) return false;
   }
-  const absl::Status s = redundancy->AdvanceProtect(*comm_, absl::Now() + kBackgroundDeadline);
-  if (s.ok()) return;
+  const absl::Status s = redundancy->AdvanceProtect(*comm_, kBackgroundDeadline);
+  if (s.ok()) return redundancy->protect_in_flight();
   // (The protect stays until the recovery closes the connection, or the job ends: its windows
   // in flight may still write into its buffers.)
   const std::string what =
       absl::StrCat("node '", node_id_, "' lost the protect of the ranks' state: ", s.message());
   {
     absl::MutexLock lock(&mu_);
-    if (!failed_.ok() || stopping_) return;
+    if (!failed_.ok() || stopping_) return false;
     const bool fatal = absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s) || absl::IsAborted(s);
     if (fatal && recovery_.recoverable()) {
       StartRecovery(what);
       recovery_.MarkCommAborted();  // (as an operation's failure: JobRuntime::Run)
-      return;
+      return false;
     }
     failed_ = absl::Status(s.code(), what);
     FailPending();
@@ -522,6 +523,7 @@ void JobRuntime::AdvanceProtect(v1::OpKind kind) {
   LOG(ERROR) << "job " << job_id_ << ": " << what;
   Report(absl::Status(s.code(), what));
   ServeWaiters();
+  return false;
 }
 
 absl::Status JobRuntime::Redundancy(uint64_t seq, const Op& op) {

@@ -193,13 +193,12 @@ class JobRuntime final : public OpTarget {
   absl::Status Execute(uint64_t seq, const Op& op);
   // OP_PROTECT, OP_PROTECT_FINISH and OP_REBUILD (JobRedundancy's).
   absl::Status Redundancy(uint64_t seq, const Op& op);
-  // After each operation of kind `kind` that exchanges with the other nodes (the job thread,
-  // without mu_): a few more windows of a protect running in the background (redundancy.h),
-  // while the ranks compute. Not after the node's own operations (a reshard, a gradient buffer),
-  // which the other nodes may run much later: the windows would wait for them. Every node runs
-  // the same kinds in the same order, so it moves the protect on after the same operations. Its
-  // failure is the job's, as an operation's would be: a recovery where the job recovers in place.
-  void AdvanceProtect(v1::OpKind kind);
+  // After each operation and in the idle moments of the job's thread (without mu_): moves a
+  // protect running in the background on (redundancy.h), without waiting for its messages, while
+  // the ranks compute. Returns whether it still has windows to move (the thread then comes back
+  // within kBackgroundPoll rather than sleeping until the next operation). Its failure is the
+  // job's, as an operation's would be: a recovery where the job recovers in place.
+  bool AdvanceProtect();
   JobRedundancy* redundancy_state() {
     absl::MutexLock lock(&mu_);
     return redundancy_.get();

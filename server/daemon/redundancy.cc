@@ -43,6 +43,7 @@ struct NodeRedundancy::Pending {
   int64_t at = 0;                  // the next window to post
   std::vector<int64_t> flying;     // the windows in flight, in order
   std::vector<uint64_t> requests;  // theirs: the receives, then the sends
+  absl::Time posted;               // when they were posted
   uint64_t seq = 0, laps = 2;
 };
 
@@ -314,10 +315,19 @@ absl::Status NodeRedundancy::PlanProtect(Comm& comm, std::vector<std::vector<Sta
   return absl::OkStatus();
 }
 
-absl::Status NodeRedundancy::AdvanceProtect(Comm& comm, int windows, absl::Time deadline) {
+absl::Status NodeRedundancy::AdvanceProtect(Comm& comm, int windows, absl::Duration patience) {
   if (pending_ == nullptr) return absl::OkStatus();
-  RAGSHARD_RETURN_IF_ERROR(LandWindows(comm, deadline));
+  Pending& p = *pending_;
+  if (!p.flying.empty()) {
+    RAGSHARD_ASSIGN_OR_RETURN(const bool landed, comm.Poll(p.requests, p.posted + patience));
+    if (!landed) return absl::OkStatus();
+    Land();
+  }
   return PostWindows(comm, std::min(windows, kWindowsPerOperation));
+}
+
+bool NodeRedundancy::protect_in_flight() const {
+  return pending_ != nullptr && (!pending_->flying.empty() || pending_->at < pending_->longest);
 }
 
 absl::Status NodeRedundancy::PostWindows(Comm& comm, int windows) {
@@ -340,8 +350,9 @@ absl::Status NodeRedundancy::PostWindows(Comm& comm, int windows) {
         src = buf;
       }
       RAGSHARD_ASSIGN_OR_RETURN(
-          uint64_t r, comm.PostSend(p.out[f].peer, RedundancyStamp(p.seq, 1, index + p.out[f].l),
-                                    src, static_cast<size_t>(n)));
+          uint64_t r,
+          comm.PostSend(p.out[f].peer, RedundancyStamp(p.seq, kProtectWindows, index + p.out[f].l),
+                        src, static_cast<size_t>(n)));
       sends.push_back(r);
     }
     for (size_t f = 0; f < p.in.size(); ++f) {
@@ -350,20 +361,20 @@ absl::Status NodeRedundancy::PostWindows(Comm& comm, int windows) {
       char* buf = p.direct ? p.slots[p.in[f].l]->lease.data() + at
                            : stage + static_cast<int64_t>(p.out.size() + f) * p.window;
       RAGSHARD_ASSIGN_OR_RETURN(
-          uint64_t r, comm.PostRecv(p.in[f].peer, RedundancyStamp(p.seq, 1, index + p.in[f].l), buf,
-                                    static_cast<size_t>(n)));
+          uint64_t r,
+          comm.PostRecv(p.in[f].peer, RedundancyStamp(p.seq, kProtectWindows, index + p.in[f].l),
+                        buf, static_cast<size_t>(n)));
       p.requests.push_back(r);
     }
     p.flying.push_back(at);
   }
   p.requests.insert(p.requests.end(), sends.begin(), sends.end());
+  p.posted = absl::Now();
   return absl::OkStatus();
 }
 
-absl::Status NodeRedundancy::LandWindows(Comm& comm, absl::Time deadline) {
+void NodeRedundancy::Land() {
   Pending& p = *pending_;
-  if (p.flying.empty()) return absl::OkStatus();
-  RAGSHARD_RETURN_IF_ERROR(comm.WaitAll(p.requests, deadline));
   p.requests.clear();
   const int64_t flows = static_cast<int64_t>(p.out.size() + (p.direct ? 0 : p.in.size()));
   for (size_t j = 0; j < p.flying.size(); ++j) {
@@ -380,14 +391,17 @@ absl::Status NodeRedundancy::LandWindows(Comm& comm, absl::Time deadline) {
     }
   }
   p.flying.clear();
-  return absl::OkStatus();
 }
 
 absl::Status NodeRedundancy::EndProtect(Comm& comm, absl::Time deadline) {
   Pending& p = *pending_;
   const size_t L = static_cast<size_t>(locals_);
   do {
-    RAGSHARD_RETURN_IF_ERROR(AdvanceProtect(comm, kWindowsPerOperation, deadline));
+    if (!p.flying.empty()) {
+      RAGSHARD_RETURN_IF_ERROR(comm.WaitAll(p.requests, deadline));
+      Land();
+    }
+    RAGSHARD_RETURN_IF_ERROR(PostWindows(comm, kWindowsPerOperation));
   } while (!p.flying.empty());
   p.stage.Release();
   const uint64_t made = ++made_;

@@ -14,13 +14,13 @@
 // new one is whole everywhere.
 //
 // It runs in the background of the next step (docs/recovery.md, "One consistent step"): the ranks
-// start it once a step commits (StartProtect), the job's thread moves it on by a few windows after
-// each collective it runs with the other nodes (AdvanceProtect: between the forward's and the
-// backward's gathers and reduce-scatters, while the ranks compute), and the ranks finish it before
-// the next step changes the state (FinishProtect: the windows left, then the barrier). Every node
-// runs the same operations in the same order and moves the protect on by the same number of
-// windows after the same ones, so the windows' messages fall between the same operations' on every
-// node. Where a node is lost, every node holds
+// start it once a step commits (StartProtect), the job's thread moves it on without waiting for
+// it, after each operation and in its idle moments (AdvanceProtect: while the ranks compute the
+// forward and the backward, the windows land as their messages arrive and the next are posted),
+// and the ranks finish it before the next step changes the state (FinishProtect: the windows
+// left, waited for, then the barrier). The windows' messages travel in the background lane
+// (comm.h), so each node posts them at moments of its own, in the same order on every node,
+// without ever matching a collective's. Where a node is lost, every node holds
 // the parity of the last step every rank committed, or of the one before, whose state every rank's
 // undo copy still holds (no rank began the next step: the ranks roll back one step more).
 //
@@ -63,9 +63,8 @@ class NodeRedundancy {
   // figures. A window inside one segment is sent from where it lies, and where a parity has one
   // source (replica, parity:1) its chunk is received straight into the parity.
   static constexpr int64_t kProtectWindowBytes = int64_t{2} << 20;
-  // Windows a background protect posts after each collective of the job's thread with the
-  // other nodes (the same number on every node: their messages must fall between the same
-  // operations'), left in flight until the next; its staging is that many windows per flow.
+  // Windows a background protect keeps in flight at most (posted together, landed together);
+  // its staging is that many windows per flow.
   static constexpr int kWindowsPerOperation = 4;
 
   // This node is `node` of `node_names.size()`, with `locals` local ranks (the job's nodes hold
@@ -83,16 +82,20 @@ class NodeRedundancy {
                        absl::Time deadline, uint64_t seq);
   absl::Status StartProtect(Comm& comm, std::vector<std::vector<StateSegment>> state, int64_t step,
                             absl::Time deadline, uint64_t seq);
-  // The protect under way (none: nothing to do) moves on: the windows in flight land (their
-  // messages are waited for, the parities take what they brought), and up to `windows` more
-  // (at most kWindowsPerOperation) are posted and left in flight, their messages moving while
-  // the operations after them wait for their own.
-  absl::Status AdvanceProtect(Comm& comm, int windows, absl::Time deadline);
+  // The protect under way (none: nothing to do) moves on without waiting: where the windows in
+  // flight have all arrived (Comm::Poll), the parities take what they brought and up to `windows`
+  // more (at most kWindowsPerOperation) are posted and left in flight, their messages moving
+  // while the job's thread waits for its operations' or for the next operation. Windows in
+  // flight for longer than `patience` fail it (DEADLINE_EXCEEDED naming the peer).
+  absl::Status AdvanceProtect(Comm& comm, int windows, absl::Duration patience);
+  // Whether the protect under way has windows in flight or still to post (AdvanceProtect has
+  // something to do).
+  bool protect_in_flight() const;
   // The protect under way, whole: its windows left, the barrier, the parity of the step before
   // dropped. OK where none is under way. A failure leaves the parities from before it.
   absl::Status FinishProtect(Comm& comm, absl::Time deadline);
   // Gives up the protect under way (a recovery in place), once the connection its windows in
-  // flight used is closed or they landed (AdvanceProtect with no more windows): their messages
+  // flight used is closed or they landed: their messages
   // write into its parities and staging until then.
   void AbandonProtect();
   bool protecting() const { return pending_ != nullptr; }
@@ -198,10 +201,10 @@ class NodeRedundancy {
   absl::Status PlanProtect(Comm& comm, std::vector<std::vector<StateSegment>> state, int64_t step,
                            absl::Time deadline, uint64_t seq);
   absl::Status EndProtect(Comm& comm, absl::Time deadline);
-  // AdvanceProtect's parts: posts up to `windows` windows; waits for those in flight and folds
-  // what they brought into the parities.
+  // AdvanceProtect's parts: posts up to `windows` windows; folds what the windows in flight
+  // brought (all arrived) into the parities.
   absl::Status PostWindows(Comm& comm, int windows);
-  absl::Status LandWindows(Comm& comm, absl::Time deadline);
+  void Land();
   void CountParities();
   const Slot* FindSlot(int local, int64_t step) const;
   // `slot` leased for a parity of `bytes`, zeros from byte `zero_from` on (what comes before

@@ -62,6 +62,9 @@ class RelayComm final : public Comm {
                        const IdleWork& idle) override {
     return comm_->WaitAll(requests, deadline, idle);
   }
+  absl::StatusOr<bool> Poll(const std::vector<uint64_t>& requests, absl::Time deadline) override {
+    return comm_->Poll(requests, deadline);
+  }
   void Abort(const std::string& why) override {
     if (comm_ != nullptr) comm_->Abort(why);
   }

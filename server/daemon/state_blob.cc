@@ -33,6 +33,7 @@ uint64_t RedundancyStamp(uint64_t seq, uint64_t phase, uint64_t index) {
   s.unit = 0xFF00 + phase;
   s.kind = MessageStamp::kNone;
   s.index = index;
+  s.background = phase == kProtectWindows;
   return s.Tag();
 }
 

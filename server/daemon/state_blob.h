@@ -47,7 +47,10 @@ absl::Status ReadSegment(const StateSegment& s, int64_t from, int64_t n, char* o
 absl::Status WriteSegment(const StateSegment& s, const char* in);
 
 // The stamp of a redundancy operation's message: unit field 0xFF00 + phase (no unit of a plan
-// reaches it in practice; the sequence number tells operations apart anyway).
+// reaches it in practice; the sequence number tells operations apart anyway). The protect's
+// windows (kProtectWindows) go in the background lane (comm.h): each node posts them at
+// moments of its own, across the collectives.
+constexpr uint64_t kProtectWindows = 1;
 uint64_t RedundancyStamp(uint64_t seq, uint64_t phase, uint64_t index);
 // dst[i] ^= src[i] for i < bytes.
 void XorInto(char* dst, const char* src, int64_t bytes);

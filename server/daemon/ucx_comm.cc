@@ -21,8 +21,9 @@ namespace {
 constexpr int kRankBits = 16;
 constexpr uint64_t kTagMask = (uint64_t{1} << (64 - kRankBits)) - 1;
 constexpr uint64_t kRankMask = ~kTagMask;
-// A data receive matches its peer and the message's index; the rest of the stamp is checked.
-constexpr uint64_t kDataMask = kRankMask | MessageStamp::kIndexMask;
+// A data receive matches its peer and the message's index and lane; the rest of the stamp is
+// checked.
+constexpr uint64_t kDataMask = kRankMask | MessageStamp::kMatchMask;
 // The transport's own messages.
 const uint64_t kHelloTag =
     MessageStamp{0, 0, MessageStamp::kControl, MessageStamp::kIndexMask - 1}.Tag();
@@ -30,7 +31,7 @@ const uint64_t kNoticeTag =
     MessageStamp{0, 0, MessageStamp::kControl, MessageStamp::kIndexMask}.Tag();
 // A notice receive takes any peer's abort notice.
 constexpr uint64_t kNoticeMask =
-    MessageStamp::kIndexMask |
+    MessageStamp::kMatchMask |
     (((uint64_t{1} << MessageStamp::kKindBits) - 1) << MessageStamp::kIndexBits);
 constexpr size_t kNoticeBytes = 1024;
 
@@ -177,63 +178,18 @@ class UcxComm final : public Comm {
   absl::Status WaitAll(const std::vector<uint64_t>& ids, absl::Time deadline,
                        const IdleWork& idle) override {
     absl::Status result;
-    bool mismatch = false;
     bool idle_left = static_cast<bool>(idle);
     absl::Time publish = absl::Now() + absl::Milliseconds(100);
     while (true) {
-      bool all = true;
       if (absl::Now() >= publish) {
         PublishWaiting(ids);
         publish = absl::Now() + absl::Milliseconds(100);
       }
-      if (notice_.done) {
-        result = Notice();
-        break;
-      }
-      if (interrupted_.load(std::memory_order_acquire)) {
-        absl::MutexLock lock(&waiting_mu_);
-        result = absl::AbortedError(interrupt_);
-        break;
-      }
-      for (uint64_t id : ids) {
-        if (id < base_) continue;  // waited for by an earlier WaitAll
-        Pending& p = *At(id);
-        if (!p.done) {
-          all = false;
-          if (w_->failed.count(p.peer)) {
-            // A peer that stopped the job leaves after its notice: prefer the notice.
-            const absl::Time grace = absl::Now() + absl::Milliseconds(200);
-            while (!notice_.done && absl::Now() < grace) w_->Progress(absl::Milliseconds(1));
-            result = notice_.done ? Notice() : Lost(p.peer);
-            break;
-          }
-        } else if (p.recv && p.checked &&
-                   (p.status == UCS_OK || p.status == UCS_ERR_MESSAGE_TRUNCATED) &&
-                   (p.stamp() != p.want_tag || p.sent_bytes != p.want_bytes)) {
-          result = MismatchError(rank_, p.peer, p.stamp(), p.sent_bytes, p.want_tag, p.want_bytes,
-                                 describe_);
-          mismatch = true;
-          break;
-        } else if (p.status != UCS_OK) {
-          result = w_->failed.count(p.peer)
-                       ? Lost(p.peer)
-                       : UcsStatus(p.status, absl::StrCat("transfer with ", Peer(p.peer)));
-          break;
-        }
-      }
-      if (mismatch) {
-        // Every peer stops too, with this error, instead of waiting for its deadline.
-        Abort(std::string(result.message()));
-        return result;
-      }
+      bool all = true;
+      result = Check(ids, &all);
       if (!result.ok() || all) break;
       if (absl::Now() >= deadline) {
-        int peer = -1;
-        for (uint64_t id : ids) {
-          if (id >= base_ && !At(id)->done) peer = At(id)->peer;
-        }
-        result = absl::DeadlineExceededError(
-            absl::StrCat("transfer with ", Peer(peer), " did not complete before the deadline"));
+        result = Late(ids);
         break;
       }
       // Where the transfers have nothing for this thread to do, a step of the idle work takes
@@ -244,19 +200,26 @@ class UcxComm final : public Comm {
         idle_left = idle();
       }
     }
-    if (result.ok()) {
-      for (uint64_t id : ids) {
-        if (id >= base_) At(id)->waited = true;
-      }
-      Reap();
-    } else {
-      Abandon();
-    }
+    End(ids, result);
     {
       absl::MutexLock lock(&waiting_mu_);
       waiting_.clear();
     }
     return result;
+  }
+
+  absl::StatusOr<bool> Poll(const std::vector<uint64_t>& ids, absl::Time deadline) override {
+    while (ucp_worker_progress(w_->worker) != 0) {
+    }
+    bool all = true;
+    absl::Status result = Check(ids, &all);
+    if (result.ok() && !all) {
+      if (absl::Now() < deadline) return false;
+      result = Late(ids);
+    }
+    End(ids, result);
+    if (!result.ok()) return result;
+    return true;
   }
 
   std::string waiting_for() const override {
@@ -281,6 +244,66 @@ class UcxComm final : public Comm {
     for (int peer : peers) names.push_back(Peer(peer));
     absl::MutexLock lock(&waiting_mu_);
     waiting_ = absl::StrJoin(names, ", ");
+  }
+
+  // Where the requests `ids` stand: an error (a peer's abort notice, an interrupt, a lost peer,
+  // a message that does not match: the peers are told), or OK with `all` false while some are
+  // still in flight.
+  absl::Status Check(const std::vector<uint64_t>& ids, bool* all) {
+    if (notice_.done) return Notice();
+    if (interrupted_.load(std::memory_order_acquire)) {
+      absl::MutexLock lock(&waiting_mu_);
+      return absl::AbortedError(interrupt_);
+    }
+    for (uint64_t id : ids) {
+      if (id < base_) continue;  // waited for by an earlier WaitAll
+      Pending& p = *At(id);
+      if (!p.done) {
+        *all = false;
+        if (w_->failed.count(p.peer)) {
+          // A peer that stopped the job leaves after its notice: prefer the notice.
+          const absl::Time grace = absl::Now() + absl::Milliseconds(200);
+          while (!notice_.done && absl::Now() < grace) w_->Progress(absl::Milliseconds(1));
+          return notice_.done ? Notice() : Lost(p.peer);
+        }
+      } else if (p.recv && p.checked &&
+                 (p.status == UCS_OK || p.status == UCS_ERR_MESSAGE_TRUNCATED) &&
+                 (p.stamp() != p.want_tag || p.sent_bytes != p.want_bytes)) {
+        absl::Status mismatch = MismatchError(rank_, p.peer, p.stamp(), p.sent_bytes, p.want_tag,
+                                              p.want_bytes, describe_);
+        // Every peer stops too, with this error, instead of waiting for its deadline.
+        Abort(std::string(mismatch.message()));
+        return mismatch;
+      } else if (p.status != UCS_OK) {
+        return w_->failed.count(p.peer)
+                   ? Lost(p.peer)
+                   : UcsStatus(p.status, absl::StrCat("transfer with ", Peer(p.peer)));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // The deadline's error, naming a peer still waited for.
+  absl::Status Late(const std::vector<uint64_t>& ids) {
+    int peer = -1;
+    for (uint64_t id : ids) {
+      if (id >= base_ && !At(id)->done) peer = At(id)->peer;
+    }
+    return absl::DeadlineExceededError(
+        absl::StrCat("transfer with ", Peer(peer), " did not complete before the deadline"));
+  }
+
+  // After a wait: the requests `ids` waited for (their bookkeeping freed once nothing else is in
+  // flight), or, on an error, everything in flight given up.
+  void End(const std::vector<uint64_t>& ids, const absl::Status& result) {
+    if (result.ok()) {
+      for (uint64_t id : ids) {
+        if (id >= base_) At(id)->waited = true;
+      }
+      Reap();
+    } else {
+      Abandon();
+    }
   }
 
   absl::Status Lost(int peer) const {

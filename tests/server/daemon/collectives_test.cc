@@ -375,15 +375,24 @@ TEST(CollectiveMismatchTest, DifferentSizesAndKindsAreNamed) {
 }
 
 TEST(MessageStampTest, RoundTripsAndWraps) {
-  const MessageStamp s{(uint64_t{1} << 13) + 5, (uint64_t{1} << 16) + 9,
+  const MessageStamp s{(uint64_t{1} << 12) + 5, (uint64_t{1} << 16) + 9,
                        MessageStamp::kGatherToOwner, 77};
   const MessageStamp t = MessageStamp::FromTag(s.Tag());
   EXPECT_EQ(t.seq, 5u);
   EXPECT_EQ(t.unit, 9u);
   EXPECT_EQ(t.kind, MessageStamp::kGatherToOwner);
   EXPECT_EQ(t.index, 77u);
+  EXPECT_FALSE(t.background);
   EXPECT_LT(s.Tag(), uint64_t{1} << 48);
   EXPECT_EQ(DescribeTag(s.Tag()), "gather-to-owner of unit 9 (operation 5, message 77)");
+  // The lane: the top bit, matched with the index; the sequence number wraps below it.
+  MessageStamp b = s;
+  b.background = true;
+  EXPECT_EQ(b.Tag(), s.Tag() | MessageStamp::kLaneBit);
+  EXPECT_LT(b.Tag(), uint64_t{1} << 48);
+  EXPECT_TRUE(MessageStamp::FromTag(b.Tag()).background);
+  EXPECT_EQ(MessageStamp::FromTag(b.Tag()).seq, 5u);
+  EXPECT_NE(b.Tag() & MessageStamp::kMatchMask, s.Tag() & MessageStamp::kMatchMask);
 }
 
 }  // namespace

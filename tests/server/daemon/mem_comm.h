@@ -63,14 +63,14 @@ class MemComm final : public Comm {
                                     size_t bytes) override {
     absl::MutexLock lock(&fabric_->mu_);
     reqs_.push_back({false, peer, tag, nullptr, bytes, std::make_unique<bool>(false)});
-    fabric_->mail_[{rank_, peer, tag & MessageStamp::kIndexMask}].push_back(
+    fabric_->mail_[{rank_, peer, tag & MessageStamp::kMatchMask}].push_back(
         {tag, std::string(static_cast<const char*>(data), bytes), static_cast<const char*>(data),
          reqs_.back().delivered.get()});
     return reqs_.size() - 1;
   }
   absl::StatusOr<uint64_t> PostRecv(int peer, uint64_t tag, void* data, size_t bytes) override {
     reqs_.push_back({true, peer, tag, data, bytes, nullptr});
-    posted_[{peer, rank_, tag & MessageStamp::kIndexMask}].push_back(reqs_.size() - 1);
+    posted_[{peer, rank_, tag & MessageStamp::kMatchMask}].push_back(reqs_.size() - 1);
     return reqs_.size() - 1;
   }
   using Comm::WaitAll;
@@ -78,14 +78,29 @@ class MemComm final : public Comm {
   // its way.
   absl::Status WaitAll(const std::vector<uint64_t>& ids, absl::Time deadline,
                        const IdleWork& idle) override {
-    absl::Status st = WaitFor(ids, deadline, idle);
+    absl::Status st = WaitFor(ids, deadline, idle, nullptr);
     // A failed wait returns with sends in flight, whose buffers its caller may free: they are
     // delivered from their copies, unchecked.
     if (!st.ok()) Orphan();
     return st;
   }
-  absl::Status WaitFor(const std::vector<uint64_t>& ids, absl::Time deadline,
-                       const IdleWork& idle) {
+  // Takes what has arrived, without waiting.
+  absl::StatusOr<bool> Poll(const std::vector<uint64_t>& ids, absl::Time deadline) override {
+    bool pending = false;
+    absl::Status st = WaitFor(ids, absl::Now(), IdleWork(), &pending);
+    if (st.ok() && pending && absl::Now() >= deadline) {
+      st = absl::DeadlineExceededError("a polled transfer did not complete before the deadline");
+    }
+    if (!st.ok()) {
+      Orphan();
+      return st;
+    }
+    return !pending;
+  }
+  // Waits for `ids` until `deadline`; where `pending` is given, a request not complete at the
+  // deadline sets it instead of failing.
+  absl::Status WaitFor(const std::vector<uint64_t>& ids, absl::Time deadline, const IdleWork& idle,
+                       bool* pending) {
     bool idle_left = static_cast<bool>(idle);
     for (uint64_t id : ids) {
       if (idle_left) idle_left = idle();
@@ -98,6 +113,10 @@ class MemComm final : public Comm {
                  fabric_->notices_.count(rank_) > 0;
         };
         if (!fabric_->mu_.AwaitWithDeadline(absl::Condition(&taken), deadline)) {
+          if (pending != nullptr) {
+            *pending = true;
+            continue;
+          }
           return absl::DeadlineExceededError(absl::StrCat("peer ", r.peer, " did not receive"));
         }
         if (!*delivered) {
@@ -109,7 +128,7 @@ class MemComm final : public Comm {
         continue;
       }
       // The receives of this index posted before this one take their messages first.
-      const MemFabric::Key key{r.peer, rank_, r.tag & MessageStamp::kIndexMask};
+      const MemFabric::Key key{r.peer, rank_, r.tag & MessageStamp::kMatchMask};
       std::deque<uint64_t>& order = posted_[key];
       while (!reqs_[id].landed) {
         Req& q = reqs_[order.front()];
@@ -120,6 +139,10 @@ class MemComm final : public Comm {
                  fabric_->lost_.count(r.peer) > 0 || fabric_->notices_.count(rank_) > 0;
         };
         if (!fabric_->mu_.AwaitWithDeadline(absl::Condition(&ready), deadline)) {
+          if (pending != nullptr) {
+            *pending = true;
+            break;
+          }
           return absl::DeadlineExceededError(absl::StrCat("peer ", r.peer, " did not answer"));
         }
         if (auto n = fabric_->notices_.find(rank_); n != fabric_->notices_.end()) {

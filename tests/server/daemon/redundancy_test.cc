@@ -331,10 +331,12 @@ TEST_P(RedundancyTest, AStateOfManyWindowsIsProtectedThroughBoundedStaging) {
 }
 
 TEST_P(RedundancyTest, ABackgroundProtectBetweenOtherOperationsIsTheWholeOne) {
-  // Step 2's protect starts, moves on by one window after each of two other operations on the
-  // same communicator (all-gathers whose messages use the index the windows' first one does),
-  // and finishes: the other operations get their own data, step 1's parity is held until the
-  // barrier, and step 2's rebuilds a lost node as a protect run whole does.
+  // Step 2's protect starts, moves on by one window around each of two other operations on the
+  // same communicator (all-gathers whose messages use the index the windows' first one does):
+  // the even nodes before each, the odd ones after, so that their windows' messages and the
+  // gathers' cross (the background lane keeps them apart); and finishes: the other operations
+  // get their own data, step 1's parity is held until the barrier, and step 2's rebuilds a lost
+  // node as a protect run whole does.
   std::vector<NodeState> at1 = ManyWindows(nodes_, kLocals, 4);
   std::vector<NodeState> at2 = ManyWindows(nodes_, kLocals, 5);
   ProtectAll(at1, 1, 1);
@@ -345,7 +347,9 @@ TEST_P(RedundancyTest, ABackgroundProtectBetweenOtherOperationsIsTheWholeOne) {
     OnEveryNode(&fabric, nodes_, [&](int n, Comm& comm) {
       const absl::Time deadline = absl::Now() + absl::Seconds(30);
       ASSERT_TRUE(node_[n]->StartProtect(comm, at2[n].Segments(), 2, deadline, 2).ok());
+      const bool before = n % 2 == 0;
       for (uint64_t op = 0; op < 2; ++op) {
+        if (before) ASSERT_TRUE(node_[n]->AdvanceProtect(comm, 1, absl::Seconds(30)).ok());
         std::vector<int64_t> values(static_cast<size_t>(nodes_), 0);
         values[static_cast<size_t>(n)] = 100 * n + static_cast<int64_t>(op);
         const absl::Status gather =
@@ -353,7 +357,7 @@ TEST_P(RedundancyTest, ABackgroundProtectBetweenOtherOperationsIsTheWholeOne) {
                       RedundancyStamp(3 + op, 2, 0));
         ASSERT_TRUE(gather.ok()) << "node " << n << ": " << gather;
         gathered[n].insert(gathered[n].end(), values.begin(), values.end());
-        ASSERT_TRUE(node_[n]->AdvanceProtect(comm, 1, deadline).ok());
+        if (!before) ASSERT_TRUE(node_[n]->AdvanceProtect(comm, 1, absl::Seconds(30)).ok());
       }
       during[n] = node_[n]->parity_steps();
       windows_left[n] = node_[n]->protecting();
@@ -374,7 +378,7 @@ TEST_P(RedundancyTest, ABackgroundProtectBetweenOtherOperationsIsTheWholeOne) {
 }
 
 TEST_P(RedundancyTest, AnAbandonedProtectLeavesTheStepBeforeRebuildable) {
-  // A recovery gives up step 2's protect after a window: every node still holds step 1's parity
+  // A recovery gives up step 2's protect during a window: every node still holds step 1's parity
   // (and counts no other), from which a lost node is rebuilt.
   std::vector<NodeState> at1 = ManyWindows(nodes_, kLocals, 6);
   std::vector<NodeState> at2 = ManyWindows(nodes_, kLocals, 7);
@@ -384,8 +388,10 @@ TEST_P(RedundancyTest, AnAbandonedProtectLeavesTheStepBeforeRebuildable) {
     OnEveryNode(&fabric, nodes_, [&](int n, Comm& comm) {
       const absl::Time deadline = absl::Now() + absl::Seconds(30);
       ASSERT_TRUE(node_[n]->StartProtect(comm, at2[n].Segments(), 2, deadline, 2).ok());
-      ASSERT_TRUE(node_[n]->AdvanceProtect(comm, 1, deadline).ok());
-      ASSERT_TRUE(node_[n]->AdvanceProtect(comm, 0, deadline).ok());  // (it lands)
+      ASSERT_TRUE(node_[n]->AdvanceProtect(comm, 1, absl::Seconds(30)).ok());
+      // (with its window in flight, as a recovery finds it: nothing takes the window's messages
+      // once the fabric, the connection, is gone)
+      EXPECT_TRUE(node_[n]->protect_in_flight());
       node_[n]->AbandonProtect();
     });
   }

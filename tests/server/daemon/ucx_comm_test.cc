@@ -236,6 +236,70 @@ TEST(UcxCommTest, AReduceScatterAgainstAnAllGatherIsNamedBothWays) {
   g.ExpectSucceeded();
 }
 
+TEST(UcxCommTest, BackgroundTransfersCrossAnOperationWithoutMatchingItAndPollWithoutWaiting) {
+  // Member 0 sends a background message of index 0 before an all-gather whose ring uses index 0
+  // too, and another of index 5 after it; member 1 posts the index-5 receive first and polls it
+  // (not there: it is sent only after the all-gather, which waits for member 1), runs the
+  // all-gather, then receives index 0 and polls both home. Matched on the index alone, member 1's
+  // all-gather would take the background message and both would fail.
+  constexpr size_t kBytes = size_t{1} << 20;
+  UcxGroup g = UcxGroup::Spawn(2, [](int r, Comm& comm) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(60);
+    const auto lane = [](uint64_t index) {
+      MessageStamp s{7, 0xFF01, MessageStamp::kNone, index};
+      s.background = true;
+      return s.Tag();
+    };
+    std::vector<char> first(kBytes), second(64), ring(2 * kBytes);
+    for (size_t i = 0; i < kBytes; ++i) ring[r * kBytes + i] = Pattern(r, i);
+    const uint64_t gather = MessageStamp{3, 1, MessageStamp::kAllGather, 0}.Tag();
+    std::vector<uint64_t> background;
+    if (r == 0) {
+      for (size_t i = 0; i < kBytes; ++i) first[i] = Pattern(7, i);
+      for (size_t i = 0; i < second.size(); ++i) second[i] = Pattern(8, i);
+      auto a = comm.PostSend(1, lane(0), first.data(), first.size());
+      if (!a.ok()) return Fail(a.status().ToString());
+      absl::Status s = AllGather(comm, ring.data(), kBytes, deadline, gather);
+      if (!s.ok()) return Fail("all-gather: " + s.ToString());
+      auto b = comm.PostSend(1, lane(5), second.data(), second.size());
+      if (!b.ok()) return Fail(b.status().ToString());
+      s = comm.WaitAll({*a, *b}, deadline);
+      if (!s.ok()) return Fail("background sends: " + s.ToString());
+    } else {
+      auto b = comm.PostRecv(0, lane(5), second.data(), second.size());
+      if (!b.ok()) return Fail(b.status().ToString());
+      absl::StatusOr<bool> early = comm.Poll({*b}, deadline);
+      if (!early.ok() || *early) {
+        return Fail("a background receive whose message is not sent yet polled as " +
+                    (early.ok() ? std::string("complete") : early.status().ToString()));
+      }
+      absl::Status s = AllGather(comm, ring.data(), kBytes, deadline, gather);
+      if (!s.ok()) return Fail("all-gather: " + s.ToString());
+      auto a = comm.PostRecv(0, lane(0), first.data(), first.size());
+      if (!a.ok()) return Fail(a.status().ToString());
+      while (true) {
+        absl::StatusOr<bool> done = comm.Poll({*a, *b}, deadline);
+        if (!done.ok()) return Fail("background receives: " + done.status().ToString());
+        if (*done) break;
+        absl::SleepFor(absl::Milliseconds(1));
+      }
+      for (size_t i = 0; i < kBytes; ++i) {
+        if (first[i] != Pattern(7, i)) return Fail(absl::StrCat("background byte ", i));
+      }
+      for (size_t i = 0; i < second.size(); ++i) {
+        if (second[i] != Pattern(8, i)) return Fail(absl::StrCat("second background byte ", i));
+      }
+    }
+    for (int b = 0; b < 2; ++b) {
+      for (size_t i = 0; i < kBytes; ++i) {
+        if (ring[b * kBytes + i] != Pattern(b, i)) return Fail(absl::StrCat("gathered block ", b));
+      }
+    }
+    return 0;
+  });
+  g.ExpectSucceeded();
+}
+
 TEST(UcxCommTest, DaemonsOfAnotherJobAreRefusedAtConnect) {
   UcxGroup g = UcxGroup::Spawn(
       2, [](int, Comm&) { return 30; },  // must not connect
