@@ -83,7 +83,8 @@ def one_run(a, layout, config, job):
     daemons, per_node = layout
     out = os.path.join(a.work, job)
     with Others() as others, LocalCluster(a.build, daemons=daemons,
-                                          pool_bytes=a.pool_gib << 30) as c:
+                                          pool_bytes=a.pool_gib << 30,
+                                          pool_commit=True) as c:
         # (inside the cluster: the environment names its planner's token)
         env = dict(os.environ, PYTHONPATH=os.path.join(a.build, "python"))
         env.pop("OMP_NUM_THREADS", None)

@@ -59,11 +59,15 @@ def process_token_file():
 class LocalCluster:
     def __init__(self, build_dir, daemons=2, pool_bytes=256 << 20, workdir=None,
                  node_timeout_ms=5000, log=None, cluster_profile=None, backend="host",
-                 metrics=False, default_token=False, tls=None, heartbeat_ms=None):
+                 metrics=False, default_token=False, tls=None, heartbeat_ms=None,
+                 pool_commit=False):
         self.build = os.path.abspath(build_dir) if build_dir is not None else None
         self.cluster_profile = cluster_profile
         self.n = daemons
         self.pool_bytes = pool_bytes
+        # The daemons' --pool-commit: their pools' pages taken at start (for measurements whose
+        # first steps should not pay for pages touched the first time).
+        self.pool_commit = pool_commit
         # The daemons' data plane: "host" (unsharded buffers shared by a node's ranks) or
         # "device-shaped" (private per-rank buffers, the shape of a GPU).
         self.backend = backend
@@ -214,6 +218,8 @@ class LocalCluster:
         flags = ["--metrics-listen", "127.0.0.1:0"] if self.metrics else []
         if self.heartbeat_ms is not None:
             flags += ["--heartbeat-ms", str(int(self.heartbeat_ms))]
+        if self.pool_commit:
+            flags += ["--pool-commit"]
         name = f"daemon{i}{log_suffix}"
         for stale in (self.sockets[i] + ".fd",):
             if os.path.exists(stale):

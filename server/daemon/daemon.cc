@@ -68,7 +68,8 @@ absl::StatusOr<std::unique_ptr<NodeDaemon>> NodeDaemon::Start(
     return absl::InvalidArgumentError("--gpu-pool-bytes: must be positive");
   // Page-aligned leases let the host backend map shard blocks into unsharded views
   // (HostTransport::view_fd); 256-byte ones make it place them by copying.
-  auto pool = Pool::Create(options.pool_bytes, options.unsharded_views ? kViewPageBytes : 256);
+  auto pool = Pool::Create(options.pool_bytes, options.unsharded_views ? kViewPageBytes : 256,
+                           size_t{1} << 16, options.pool_commit);
   if (!pool.ok()) return pool.status();
   std::unique_ptr<NodeDaemon> d(
       new NodeDaemon(std::move(options), std::move(planner), std::move(*pool)));

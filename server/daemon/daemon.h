@@ -47,6 +47,9 @@ struct DaemonOptions {
   // connecting process against the socket file's mode. Empty: the daemon's user alone (0600).
   std::string socket_group;
   int64_t pool_bytes = int64_t{1} << 30;
+  // Take the pool's pages at start (--pool-commit), so that no operation pays for pages touched
+  // the first time (a protect's parities and staging land at new offsets for the first steps).
+  bool pool_commit = false;
   // Host the data-plane listeners bind (each job's UCX worker gets a port of its own, published
   // through the planner's rendezvous).
   std::string data_host = "127.0.0.1";

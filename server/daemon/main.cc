@@ -51,6 +51,8 @@ int main(int argc, char** argv) try {
                  "give the sockets to this group, mode 0660, so that its members may attach "
                  "(default: the daemon's user alone, 0600)");
   app.add_option("--pool-bytes", options.pool_bytes, "size of the shared-memory pool")->required();
+  app.add_flag("--pool-commit", options.pool_commit,
+               "take the pool's pages at start (default: as they are first used)");
   app.add_option("--data-listen", data_listen, "HOST:PORT for data-plane listeners");
   planner.security = ragshard::ClientSecurityFromEnv();  // the flags' defaults
   app.add_option("--token-file", planner.security.token_file,

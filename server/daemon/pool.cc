@@ -1,5 +1,6 @@
 #include "server/daemon/pool.h"
 
+#include <fcntl.h>
 #include <sys/mman.h>
 
 #include <cerrno>
@@ -12,12 +13,16 @@
 namespace ragshard::daemon {
 
 absl::StatusOr<std::unique_ptr<MemfdArena>> MemfdArena::Create(const std::string& name,
-                                                               size_t bytes) {
+                                                               size_t bytes, bool commit) {
   if (bytes == 0) return absl::InvalidArgumentError("arena size must be positive");
   // Sealed: the ranks it is passed to cannot truncate it under the daemon's mappings.
   auto sealed = SealedMemfd(name.c_str(), bytes);
   if (!sealed.ok()) return sealed.status();
   ScopedFd fd = std::move(*sealed);
+  if (commit && ::fallocate(fd.get(), 0, 0, static_cast<off_t>(bytes)) != 0) {
+    return absl::ResourceExhaustedError(absl::StrCat("committing the ", name, "'s ", bytes,
+                                                     " bytes at start: ", std::strerror(errno)));
+  }
   void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
   if (p == MAP_FAILED) {
     return absl::ResourceExhaustedError(
@@ -53,12 +58,12 @@ void Lease::Release() {
 char* Lease::data() const { return pool_ ? pool_->base_ + offset_ : nullptr; }
 
 absl::StatusOr<std::unique_ptr<Pool>> Pool::Create(int64_t capacity, int64_t alignment,
-                                                   size_t max_free_blocks) {
+                                                   size_t max_free_blocks, bool commit) {
   if (capacity <= 0) return absl::InvalidArgumentError("pool capacity must be positive");
   if (alignment <= 0 || (alignment & (alignment - 1)) != 0) {
     return absl::InvalidArgumentError("pool alignment must be a power of two");
   }
-  auto arena = MemfdArena::Create("ragshard-pool", static_cast<size_t>(capacity));
+  auto arena = MemfdArena::Create("ragshard-pool", static_cast<size_t>(capacity), commit);
   if (!arena.ok()) return arena.status();
   char* base = (*arena)->data();
   return std::unique_ptr<Pool>(

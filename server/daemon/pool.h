@@ -22,7 +22,10 @@ namespace ragshard::daemon {
 // One memfd mapped read-write into this process.
 class MemfdArena {
  public:
-  static absl::StatusOr<std::unique_ptr<MemfdArena>> Create(const std::string& name, size_t bytes);
+  // `commit`: its pages are taken now (fallocate), not as they are first touched; where the
+  // kernel refuses, RESOURCE_EXHAUSTED naming the size.
+  static absl::StatusOr<std::unique_ptr<MemfdArena>> Create(const std::string& name, size_t bytes,
+                                                            bool commit = false);
   ~MemfdArena();
   MemfdArena(const MemfdArena&) = delete;
   MemfdArena& operator=(const MemfdArena&) = delete;
@@ -78,8 +81,10 @@ class Lease {
 class Pool {
  public:
   // One arena of `capacity` bytes; allocations are aligned to `alignment` (a power of two).
+  // `commit`: the arena's pages are taken at once (MemfdArena::Create).
   static absl::StatusOr<std::unique_ptr<Pool>> Create(int64_t capacity, int64_t alignment = 256,
-                                                      size_t max_free_blocks = 1 << 16);
+                                                      size_t max_free_blocks = 1 << 16,
+                                                      bool commit = false);
 
   // Best fit. RESOURCE_EXHAUSTED when no free block is large enough, naming the request, the
   // free bytes and the largest free block.

@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 
 #include <cstring>
@@ -48,6 +49,20 @@ TEST(PoolTest, BestFitReusesTheSmallestHoleAndMerges) {
   EXPECT_EQ(s.largest_free, 1 << 20);
   EXPECT_DOUBLE_EQ(s.fragmentation, 0.0);
   (void)d_off;
+}
+
+TEST(PoolTest, ACommittedPoolHoldsItsPagesFromTheStart) {
+  // A pool's memfd takes pages only as they are touched, unless committed at its creation.
+  constexpr int64_t kBytes = int64_t{16} << 20;
+  auto lazy = Pool::Create(kBytes);
+  auto committed = Pool::Create(kBytes, 256, 1 << 16, /*commit=*/true);
+  ASSERT_TRUE(lazy.ok() && committed.ok());
+  struct stat a {
+  }, b{};
+  ASSERT_EQ(fstat((*lazy)->arena().fd(), &a), 0);
+  ASSERT_EQ(fstat((*committed)->arena().fd(), &b), 0);
+  EXPECT_LT(static_cast<int64_t>(a.st_blocks) * 512, kBytes / 4);
+  EXPECT_GE(static_cast<int64_t>(b.st_blocks) * 512, kBytes);
 }
 
 TEST(PoolTest, RequestsBeyondCapacityAreResourceExhausted) {
