@@ -16,6 +16,7 @@ PACKAGES=(
   libabsl-dev libgoogle-glog-dev libgflags-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   libsqlite3-dev sqlite3 libssl-dev openssl nlohmann-json3-dev libcli11-dev zlib1g-dev libzstd-dev
+  libisal-dev
   prometheus-cpp-dev
   libopenmpi-dev openmpi-bin libgloo-dev
   python3-venv
