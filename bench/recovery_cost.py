@@ -106,7 +106,8 @@ def one_run(a, layout, config, job):
             "command": sh(cmd).replace(ROOT + os.sep, ""), "wall": launch.wall,
             "others_cores": others.cores(), "steps": main["step_seconds"],
             "median_step": statistics.median(steps), "daemon_rss_kib": daemon_rss,
-            "peak_bytes_per_node": memory.peak / daemons, "node0": main.get("node", {})}
+            "peak_bytes_per_node": memory.peak / daemons, "node0": main.get("node", {}),
+            "pool_committed": True}
 
 
 def main():

@@ -31,11 +31,19 @@ def groups(runs):
     return out
 
 
+def per_node(r):
+    """A run's memory per node: the machine's beyond the run's start, per node, and, where the
+    daemons committed their pools at their start (before it: --pool-commit, every run of
+    recovery_cost.py since the background protect), node 0's pool at its peak added back."""
+    committed = r.get("pool_committed", True)
+    return r["peak_bytes_per_node"] + (r["node0"].get("pool_peak", 0) if committed else 0)
+
+
 def summary(rs):
     medians = [r["median_step"] for r in rs]
     return {"median": statistics.median(medians), "low": min(medians), "high": max(medians),
             "runs": len(rs),
-            "peak": statistics.median(r["peak_bytes_per_node"] for r in rs),
+            "peak": statistics.median(per_node(r) for r in rs),
             "pool_peak": statistics.median(r["node0"].get("pool_peak", 0) for r in rs),
             "state": statistics.median(r["node0"].get("protected_bytes", 0) for r in rs),
             "parity": statistics.median(r["node0"].get("parity_bytes", 0) for r in rs),
@@ -60,7 +68,9 @@ def render(runs, header):
         "14 layers, 12 heads, intermediate 2048, vocabulary 8,192, tied embeddings: about "
         "105 M parameters), fp32, AdamW, sequences of 128, 2 sequences per rank per step. Each "
         "run on a fresh LocalCluster (a planner and one daemon per node on this machine, "
-        "3 GiB pools), the configurations alternated round by round "
+        "3 GiB pools, their pages taken at the daemons' start: `ragshardd --pool-commit`, so "
+        "that no step pays for a page's first touch), the configurations alternated round by "
+        "round "
         f"({max(r['round'] for r in runs) + 1} rounds). A run's step time: the median over its "
         f"steps after the first two ({len(first['steps']) - 2} steps) of rank 0's wall time of "
         "the step (forward, backward, clipping, optimizer step, zero_grad).", "",
@@ -91,8 +101,10 @@ def render(runs, header):
                          f"{'' if target is None else f'≤ {target:.2f}'} | {verdict} |")
         lines += ["", f"Noise: {noise:.2f} s.", "",
                   "Memory per node: the machine's memory in use at the run's peak beyond its "
-                  "start (/proc/meminfo, MemTotal − MemAvailable: the ranks, the daemons and "
-                  "their pools), per node; node 0's pool at its peak; its ranks' persistent "
+                  "start (/proc/meminfo, MemTotal − MemAvailable: the ranks and the daemons' "
+                  "heaps), per node, plus node 0's pool at its peak (the pools' pages were "
+                  "taken at the daemons' start, before the run's: only the part in use counts); "
+                  "node 0's pool at its peak; its ranks' persistent "
                   "state (the parameter shards and the optimizers' state and step counts, as "
                   "the protect reads them: 1×); and the parities it held at the end.", "",
                   "| configuration | per node (MiB) | over no recovery (MiB) | pool peak (MiB) "

@@ -119,12 +119,36 @@ class LocalCluster:
             raise FileNotFoundError(f"{path} is not built (run scripts/test.sh or cmake --build)")
         return path
 
+    # Where the servers run, and how this process sees their files: here, on this machine
+    # (NamespacedCluster puts each on a host of its own).
+    def _host(self, name):
+        """The host of the server logging to `name` ("planner", "daemon<i>..."): None here."""
+        return None
+
+    def _seen(self, host, path):
+        """`path` on `host` as this process sees it."""
+        return path
+
+    def _private_dir(self, host):
+        """The directory of `host`'s servers' own files (port file, data, sockets)."""
+        return self.dir
+
+    def _listen_address(self, host):
+        return "127.0.0.1"
+
+    def _command(self, host, argv):
+        """`argv` as run on `host`."""
+        return argv
+
+    def _server_env(self):
+        return dict(os.environ, GLOG_logtostderr="1", **self.tls_env)
+
     def _spawn(self, argv, name):
         out = open(os.path.join(self.dir, name + ".log"), "w")
         # GLOG_logtostderr: the servers' first log line (before their main turns it on) goes to
         # this log too, not to a file of its own in /tmp.
-        p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                             env=dict(os.environ, GLOG_logtostderr="1", **self.tls_env))
+        p = subprocess.Popen(self._command(self._host(name), argv), stdout=out,
+                             stderr=subprocess.STDOUT, env=self._server_env())
         out.close()  # the server holds it
         self.procs.append(p)
         return p
@@ -151,7 +175,8 @@ class LocalCluster:
             time.sleep(0.02)
 
     def _wait_for(self, path, proc, what, name):
-        self._wait(lambda: os.path.exists(path), proc, what, name)
+        seen = self._seen(self._host(name), path)
+        self._wait(lambda: os.path.exists(seen), proc, what, name)
 
     def _wait_metrics_url(self, proc, what, name):
         """The URL the server's "metrics on URL" line names, once its log has it."""
@@ -164,10 +189,13 @@ class LocalCluster:
 
     def _start_planner(self, listen):
         metrics = ["--metrics-listen", "127.0.0.1:0"] if self.metrics else []
-        port_file = os.path.join(self.dir, "planner.port")
-        if os.path.exists(port_file):
-            os.unlink(port_file)
-        os.makedirs(os.path.join(self.dir, "planner-data"), mode=0o700, exist_ok=True)
+        host = self._host("planner")
+        own = self._private_dir(host)
+        port_file = os.path.join(own, "planner.port")
+        if os.path.exists(self._seen(host, port_file)):
+            os.unlink(self._seen(host, port_file))
+        os.makedirs(self._seen(host, os.path.join(own, "planner-data")), mode=0o700,
+                    exist_ok=True)
         token = [] if self.default_token else ["--token-file", self.token_file]
         tls = []
         if self.tls:
@@ -175,7 +203,7 @@ class LocalCluster:
             if self.tls.get("client_ca"):
                 tls += ["--tls-client-ca", self.tls["client_ca"]]
         p = self._spawn([self._bin("server/ragshard-planner"), "--listen", listen] + token + tls + [
-                         "--data-dir", os.path.join(self.dir, "planner-data"),
+                         "--data-dir", os.path.join(own, "planner-data"),
                          "--port-file", port_file,
                          "--node-timeout-ms", str(self.node_timeout_ms)] + metrics +
                         (["--cluster-profile", self.cluster_profile] if self.cluster_profile
@@ -185,7 +213,7 @@ class LocalCluster:
         if self.metrics:
             self.metrics_urls["planner"] = self._wait_metrics_url(p, "ragshard-planner", "planner")
         for _ in range(100):
-            with open(port_file) as f:
+            with open(self._seen(host, port_file)) as f:
                 self.planner = f.read().strip()
             if self.planner:
                 break
@@ -204,7 +232,7 @@ class LocalCluster:
     def start(self):
         for program in ("server/ragshard-planner", "server/ragshardd"):
             self._bin(program)  # a missing program is named before anything starts
-        self._start_planner("127.0.0.1:0")
+        self._start_planner(self._listen_address(self._host("planner")) + ":0")
         if self.default_token:
             self._saved_token_env = (os.environ.get("RAGSHARD_TOKEN_FILE"),)
         os.environ["RAGSHARD_TOKEN_FILE"] = self.token_file
@@ -221,7 +249,10 @@ class LocalCluster:
         if self.pool_commit:
             flags += ["--pool-commit"]
         name = f"daemon{i}{log_suffix}"
-        for stale in (self.sockets[i] + ".fd",):
+        host = self._host(name)
+        if host is not None:  # its data plane on the host's own address
+            flags += ["--data-listen", self._listen_address(host) + ":0"]
+        for stale in (self._seen(host, self.sockets[i] + ".fd"),):
             if os.path.exists(stale):
                 os.unlink(stale)
         d = self._spawn([self._bin("server/ragshardd"), "--planner", self.planner,
@@ -305,3 +336,89 @@ class LocalCluster:
     def __exit__(self, *exc):
         self.stop()
         return False
+
+
+class NamespacedCluster(LocalCluster):
+    """A planner and N daemons each on a host of its own (ragshard.hosts: a network namespace
+    with its own address on a private bridge, and a private /tmp), as separate machines would
+    be: nothing is shared between them but the network and the machine's software.
+
+        with NamespacedCluster("build", daemons=2) as c:
+            c.spawn("node-0", [sys.executable, ...], env=c.rank_env(...))
+
+    The hosts are "planner" and the node ids. The planner listens on its host's address (port
+    file in its /tmp), each daemon's socket is /tmp/ragshard/d<i>.sock on its own host and its
+    data plane listens on its host's address. The token is copied into each host's
+    /tmp/ragshard/token (`token_file` names that path, on every host). This process is on none
+    of the hosts (it has no route to them): clients run on a host (`spawn`, `run`). Metrics and
+    TLS are LocalCluster's only (their addresses are 127.0.0.1).
+    """
+
+    def __init__(self, build_dir, daemons=2, **options):
+        if options.get("metrics") or options.get("tls") or options.get("default_token"):
+            raise ValueError("NamespacedCluster: metrics, tls and default_token are "
+                             "LocalCluster's only")
+        from .hosts import Hosts
+        # Its logs and the test's own files: outside /tmp, which each host has of its own.
+        options.setdefault("workdir", tempfile.mkdtemp(prefix="ragshard-ns-", dir="/var/tmp"))
+        super().__init__(build_dir, daemons=daemons, **options)
+        self._own_dir = True
+        self.sockets = [f"/tmp/ragshard/d{i}.sock" for i in range(daemons)]
+        self.hosts = Hosts(["planner"] + self.nodes)
+        self._host_token = "/tmp/ragshard/token"
+        self._daemon_hosts = {}  # a daemon's log name -> its host
+
+    def start_daemon(self, i, log_suffix=""):
+        self._daemon_hosts[f"daemon{i}{log_suffix}"] = self.nodes[i]
+        return super().start_daemon(i, log_suffix)
+
+    def _host(self, name):
+        return self._daemon_hosts.get(name, "planner")
+
+    def _seen(self, host, path):
+        return self.hosts.seen(host, path)
+
+    def _private_dir(self, host):
+        return "/tmp/ragshard"
+
+    def _listen_address(self, host):
+        return self.hosts.address(host)
+
+    def _command(self, host, argv):
+        return self.hosts.command(host, argv)
+
+    def _server_env(self):
+        return dict(super()._server_env(), RAGSHARD_TOKEN_FILE=self._host_token)
+
+    def start(self):
+        self.hosts.start()
+        with open(self.token_file) as f:
+            token = f.read()
+        for host in self.hosts.names:
+            own = self.hosts.seen(host, "/tmp/ragshard")
+            os.makedirs(own, mode=0o700, exist_ok=True)
+            fd = os.open(os.path.join(own, "token"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            os.write(fd, token.encode())
+            os.close(fd)
+        self.token_file = self._host_token  # as every host names it
+        for program in ("server/ragshard-planner", "server/ragshardd"):
+            self._bin(program)
+        self._start_planner(self._listen_address("planner") + ":0")
+        for i in range(self.n):
+            self.start_daemon(i)
+        return self
+
+    def stop(self):
+        super().stop()
+        self.hosts.close()
+
+    def env(self, **more):
+        """The environment of a program on a host: the token and the planner's address."""
+        return dict(os.environ, RAGSHARD_TOKEN_FILE=self._host_token,
+                    RAGSHARD_PLANNER=self.planner, **more)
+
+    def spawn(self, host, argv, cwd=None, **popen):
+        return self.hosts.spawn(host, argv, cwd, **popen)
+
+    def run(self, host, argv, cwd=None, **run):
+        return self.hosts.run(host, argv, cwd, **run)

@@ -15,7 +15,12 @@ also when the launcher gets SIGINT, SIGTERM or SIGHUP (RAGSHARD_KEEP_LOGS=1 keep
 for its logs). A program missing from PATH is named, with PATH, before anything starts.
 
 Ranks are spread over the daemons in order: with N ranks and D sockets, daemon i gets ranks
-[i*N/D, (i+1)*N/D). Each rank runs `script.py` under the same interpreter with RAGSHARD_PLANNER,
+[i*N/D, (i+1)*N/D). On several hosts, as torchrun's --nnodes and --node-rank: each host runs
+`ragshard-launch --nnodes H --node-rank K --sockets <its daemons' sockets> --nodes <their node
+ids>` with the same other arguments (N the job's world size), and starts ranks
+[K*N/H, (K+1)*N/H) on its own daemons; host 0 creates the job (--create-job), the others wait
+for it (up to RAGSHARD_JOB_WAIT_S, 120 s) before their ranks start; --nodes defaults to
+node-<K*D+i>. Each rank runs `script.py` under the same interpreter with RAGSHARD_PLANNER,
 RAGSHARD_JOB, RAGSHARD_RANK, RAGSHARD_WORLD_SIZE, RAGSHARD_SOCKET, RAGSHARD_NODE,
 RAGSHARD_LOCAL_RANK and RAGSHARD_LOCAL_WORLD_SIZE set (read them with `ragshard.Env()`), and the planner's token and TLS settings as RAGSHARD_TOKEN_FILE,
 RAGSHARD_TLS_CA, RAGSHARD_TLS_CERT, RAGSHARD_TLS_KEY and RAGSHARD_TLS_SERVER_NAME (from
@@ -86,7 +91,12 @@ def parse(argv):
     p.add_argument("--planner", default="", help="planner address HOST:PORT")
     p.add_argument("--job", default="",
                    help=f"job id (--standalone: default {STANDALONE_JOB})")
-    p.add_argument("--nproc", type=int, required=True, help="number of ranks")
+    p.add_argument("--nproc", type=int, required=True,
+                   help="number of ranks (of the job: over every host with --nnodes)")
+    p.add_argument("--nnodes", type=int, default=1,
+                   help="hosts of the job, each running a launcher with its --node-rank")
+    p.add_argument("--node-rank", type=int, default=0,
+                   help="this host's place among --nnodes (host 0 creates the job)")
     p.add_argument("--sockets", default="", help="comma-separated daemon sockets")
     p.add_argument("--nodes", default="", help="comma-separated node ids (default node-<i>)")
     p.add_argument("--create-job", action="store_true",
@@ -169,15 +179,26 @@ def parse(argv):
                                                               a.cluster_profile)):
             if value:
                 p.error(f"{flag} is for --standalone")
-        a.nodes = a.nodes or [f"node-{i}" for i in range(len(a.sockets))]
+        # (on host K of --nnodes: node-<K*D+i>)
+        a.nodes = a.nodes or [f"node-{a.node_rank * len(a.sockets) + i}"
+                              for i in range(len(a.sockets))]
     if a.nproc < 1:
         p.error("--nproc must be at least 1")
+    if a.nnodes < 1 or not 0 <= a.node_rank < a.nnodes:
+        p.error(f"--node-rank {a.node_rank} must be in [0, --nnodes {a.nnodes})")
+    if a.nnodes > 1 and a.standalone:
+        p.error("--standalone runs on one host: --nnodes cannot be given with it")
+    if a.nproc % a.nnodes:
+        p.error(f"--nproc {a.nproc} does not split evenly over --nnodes {a.nnodes}")
+    a.local = a.nproc // a.nnodes  # this host's ranks: [a.base, a.base + a.local)
+    a.base = a.node_rank * a.local
     if len(a.nodes) != len(a.sockets):
         p.error(f"--nodes names {len(a.nodes)} nodes for {len(a.sockets)} sockets")
     if a.replicate < 1 or a.nproc % a.replicate:
         p.error(f"--replicate {a.replicate} does not divide --nproc {a.nproc}")
-    if a.nproc % len(a.sockets):
-        p.error(f"--nproc {a.nproc} does not split evenly over {len(a.sockets)} daemons")
+    if a.local % len(a.sockets):
+        p.error(f"--nproc {a.nproc} does not split evenly over {len(a.sockets) * a.nnodes} "
+                "daemons")
     if a.threads_per_rank < 0:
         p.error(f"--threads-per-rank {a.threads_per_rank}: must be at least 1 "
                 "(0 takes the default)")
@@ -221,7 +242,7 @@ def _check_redundancy(p, a):
         a.redundancy = ""
         return
     from ragshard._core import redundancy
-    nodes = len(a.sockets)
+    nodes = len(a.sockets) * a.nnodes
     try:  # the spelling and the node rules the planner and the daemon apply (C library)
         r = redundancy(a.redundancy, nodes, field="--redundancy")
     except ValueError as e:
@@ -242,12 +263,14 @@ def _check_redundancy(p, a):
 
 
 def rank_envs(a, threads):
-    per_node = a.nproc // len(a.sockets)
-    for r in range(a.nproc):
+    """This host's ranks' environments, in rank order."""
+    per_node = a.local // len(a.sockets)
+    for r in range(a.base, a.base + a.local):
+        d = (r - a.base) // per_node  # its daemon, among this host's
         env = dict(os.environ)
         env.update(RAGSHARD_PLANNER=a.planner, RAGSHARD_JOB=a.job, RAGSHARD_RANK=str(r),
-                   RAGSHARD_WORLD_SIZE=str(a.nproc), RAGSHARD_SOCKET=a.sockets[r // per_node],
-                   RAGSHARD_NODE=a.nodes[r // per_node], RAGSHARD_LOCAL_RANK=str(r % per_node),
+                   RAGSHARD_WORLD_SIZE=str(a.nproc), RAGSHARD_SOCKET=a.sockets[d],
+                   RAGSHARD_NODE=a.nodes[d], RAGSHARD_LOCAL_RANK=str(r % per_node),
                    RAGSHARD_LOCAL_WORLD_SIZE=str(per_node), RAGSHARD_TOKEN_FILE=a.token_file,
                    RAGSHARD_TLS_CA=a.tls_ca, RAGSHARD_TLS_CERT=a.tls_cert,
                    RAGSHARD_TLS_KEY=a.tls_key, RAGSHARD_TLS_SERVER_NAME=a.tls_server_name)
@@ -264,7 +287,9 @@ def rank_envs(a, threads):
 
 
 def create_job(a):
-    if a.create_job:
+    if a.create_job and a.node_rank > 0:
+        _await_job(a)
+    elif a.create_job:
         from ragshard import create_job as create
         create(a.planner, a.job, a.nproc // a.replicate, a.replicate, a.policy, "",
                a.token_file, strategy=a.strategy, tokens_per_step=a.tokens_per_step,
@@ -273,6 +298,23 @@ def create_job(a):
                recovery_deadline_ms=int(a.recovery_deadline * 1000) if a.max_restarts else 0,
                redundancy=a.redundancy,
                on_node_loss="" if a.on_node_loss == "fail" else a.on_node_loss)
+
+
+def _await_job(a):
+    """Another host's launcher creates the job: until the planner has it."""
+    from ragshard import job_info
+    wait = float(os.environ.get("RAGSHARD_JOB_WAIT_S", "120"))
+    deadline = time.time() + wait
+    while True:
+        try:
+            job_info(a.planner, a.job, a.token_file, a.tls_ca, a.tls_cert, a.tls_key,
+                     a.tls_server_name)
+            return
+        except Exception as e:  # NOT_FOUND until host 0 created it; a planner not up yet
+            if time.time() > deadline:
+                raise RuntimeError(f"job '{a.job}' was not created within {wait:.0f} s "
+                                   f"(host 0 of --nnodes {a.nnodes} creates it): {e}") from e
+        time.sleep(0.2)
 
 
 class _Stopped(BaseException):
@@ -343,7 +385,7 @@ def start_ranks(a, threads, spares):
         for env in rank_envs(a, threads):
             procs.append(_preload.fork_rank(a.script, a.args, env, threads))
         # A recovery restarts every rank (the lost one, and the others on the notice).
-        for _ in range(min(a.nproc * a.max_restarts, MAX_SPARES)):
+        for _ in range(min(a.local * a.max_restarts, MAX_SPARES)):
             spares.append(_preload.fork_rank(a.script, a.args, None, threads))
         create_job(a)
         for p in procs:
@@ -361,13 +403,13 @@ def start_ranks(a, threads, spares):
 def run(a):
     """Runs the ranks to the end: 0, the first failing rank's code (the others are stopped), or
     128 + the signal that stopped the launcher."""
-    per_node = a.nproc // len(a.sockets)
+    per_node = a.local // len(a.sockets)
     threads = a.threads_per_rank or (os.environ.get("OMP_NUM_THREADS") or
                                      ("1" if per_node > 1 else ""))
     envs = list(rank_envs(a, threads))
     spares = []
     live = dict(enumerate(start_ranks(a, threads, spares)))
-    restarts, recoveries = [0] * a.nproc, [0] * a.nproc
+    restarts, recoveries = [0] * a.local, [0] * a.local
     code = 0
     try:
         while live and code == 0:
@@ -379,7 +421,7 @@ def run(a):
                 if rc == 0:
                     continue
                 if a.on_node_loss == "shrink" and rc == SHRINK_EXIT:
-                    print(f"ragshard.launch: rank {r} left: the job shrank without it (its "
+                    print(f"ragshard.launch: rank {a.base + r} left: the job shrank without it (its "
                           "daemon was lost)", file=sys.stderr, flush=True)
                     _follow_shrink(a, envs)
                     continue
@@ -391,12 +433,12 @@ def run(a):
                     continue
                 if restarts[r] < a.max_restarts:
                     restarts[r] += 1
-                    print(f"ragshard.launch: rank {r} exited with {rc}; restarting it "
+                    print(f"ragshard.launch: rank {a.base + r} exited with {rc}; restarting it "
                           f"({restarts[r]} of {a.max_restarts})", file=sys.stderr, flush=True)
                     live[r] = start_rank(a, envs[r], spares)
                     continue
                 code = rc if rc > 0 else 128 - rc
-                print(f"ragshard.launch: rank {r} exited with {rc}; stopping the others",
+                print(f"ragshard.launch: rank {a.base + r} exited with {rc}; stopping the others",
                       file=sys.stderr)
                 # Ranks that exited by now too are named: a rank killed, and another that
                 # failed on its absence first seen here, name the cause among them.
@@ -409,7 +451,7 @@ def run(a):
                 for q, other in live.items():
                     orc = other.poll()
                     if orc not in benign:
-                        print(f"ragshard.launch: rank {q} exited with {orc} too",
+                        print(f"ragshard.launch: rank {a.base + q} exited with {orc} too",
                               file=sys.stderr)
                 break
             else:
@@ -440,8 +482,10 @@ def _follow_shrink(a, envs):
     if found is None:
         return
     job, world, ranks = found
-    for r, new in ranks.items():
-        envs[r].update(RAGSHARD_JOB=job, RAGSHARD_RANK=str(new), RAGSHARD_WORLD_SIZE=str(world))
+    for r, new in ranks.items():  # (the job's ranks; this host's are a.base on)
+        if a.base <= r < a.base + a.local:
+            envs[r - a.base].update(RAGSHARD_JOB=job, RAGSHARD_RANK=str(new),
+                                    RAGSHARD_WORLD_SIZE=str(world))
 
 
 def run_standalone(a):

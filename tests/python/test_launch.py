@@ -145,6 +145,16 @@ def test_bad_arguments_are_refused(tmp_path):
     assert r.returncode == 2 and "--sockets cannot be given with it" in r.stderr
     r = launch(tmp_path, ["--nproc", "2", "--sockets", "/s0", "--pool-bytes", "1"])
     assert r.returncode == 2 and "--pool-bytes is for --standalone" in r.stderr
+    r = launch(tmp_path, ["--nproc", "4", "--sockets", "/s0", "--nnodes", "2", "--node-rank", "2"])
+    assert r.returncode == 2 and "--node-rank 2 must be in [0, --nnodes 2)" in r.stderr
+    r = launch(tmp_path, ["--nproc", "3", "--sockets", "/s0", "--nnodes", "2"])
+    assert r.returncode == 2 and "--nproc 3 does not split evenly over --nnodes 2" in r.stderr
+    r = launch(tmp_path, ["--nproc", "4", "--sockets", "/s0,/s1", "--nnodes", "4"])
+    assert r.returncode == 2 and "does not split evenly over 8 daemons" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "ragshard.launch", "--standalone", "--nproc", "2",
+                        "--nnodes", "2", EXAMPLE], env=ENV, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "--nnodes cannot be given with it" in r.stderr
 
 
 def standalone(args, env_path=PROGRAMS, timeout=300):
