@@ -143,6 +143,9 @@ class LocalCluster:
     def _server_env(self):
         return dict(os.environ, GLOG_logtostderr="1", **self.tls_env)
 
+    def _planner_flags(self):
+        return []
+
     def _spawn(self, argv, name):
         out = open(os.path.join(self.dir, name + ".log"), "w")
         # GLOG_logtostderr: the servers' first log line (before their main turns it on) goes to
@@ -206,6 +209,7 @@ class LocalCluster:
                          "--data-dir", os.path.join(own, "planner-data"),
                          "--port-file", port_file,
                          "--node-timeout-ms", str(self.node_timeout_ms)] + metrics +
+                        self._planner_flags() +
                         (["--cluster-profile", self.cluster_profile] if self.cluster_profile
                          else []), "planner")
         self._planner_proc = p
@@ -346,15 +350,16 @@ class NamespacedCluster(LocalCluster):
         with NamespacedCluster("build", daemons=2) as c:
             c.spawn("node-0", [sys.executable, ...], env=c.rank_env(...))
 
-    The hosts are "planner" and the node ids. The planner listens on its host's address (port
+    The hosts are "planner", the node ids and `spare_hosts` spares ("spare-<j>"). The planner listens on its host's address (port
     file in its /tmp), each daemon's socket is /tmp/ragshard/d<i>.sock on its own host and its
     data plane listens on its host's address. The token is copied into each host's
     /tmp/ragshard/token (`token_file` names that path, on every host). This process is on none
     of the hosts (it has no route to them): clients run on a host (`spawn`, `run`). Metrics and
-    TLS are LocalCluster's only (their addresses are 127.0.0.1).
+    TLS are LocalCluster's only (their addresses are 127.0.0.1): the planner serves plaintext on
+    the private bridge (--insecure).
     """
 
-    def __init__(self, build_dir, daemons=2, **options):
+    def __init__(self, build_dir, daemons=2, spare_hosts=0, **options):
         if options.get("metrics") or options.get("tls") or options.get("default_token"):
             raise ValueError("NamespacedCluster: metrics, tls and default_token are "
                              "LocalCluster's only")
@@ -364,12 +369,15 @@ class NamespacedCluster(LocalCluster):
         super().__init__(build_dir, daemons=daemons, **options)
         self._own_dir = True
         self.sockets = [f"/tmp/ragshard/d{i}.sock" for i in range(daemons)]
-        self.hosts = Hosts(["planner"] + self.nodes)
+        # Spare hosts ("spare-<j>") for replacements: start_daemon(i, host="spare-0").
+        self.hosts = Hosts(["planner"] + self.nodes + [f"spare-{j}" for j in range(spare_hosts)])
         self._host_token = "/tmp/ragshard/token"
         self._daemon_hosts = {}  # a daemon's log name -> its host
 
-    def start_daemon(self, i, log_suffix=""):
-        self._daemon_hosts[f"daemon{i}{log_suffix}"] = self.nodes[i]
+    def start_daemon(self, i, log_suffix="", host=None):
+        """Daemon `i` (node id nodes[i]) on its own host, or on `host` (a replacement of it on a
+        spare host)."""
+        self._daemon_hosts[f"daemon{i}{log_suffix}"] = host or self.nodes[i]
         return super().start_daemon(i, log_suffix)
 
     def _host(self, name):
@@ -389,6 +397,11 @@ class NamespacedCluster(LocalCluster):
 
     def _server_env(self):
         return dict(super()._server_env(), RAGSHARD_TOKEN_FILE=self._host_token)
+
+    def _planner_flags(self):
+        # Plaintext beyond loopback: the bridge is the test's own, in namespaces nothing else
+        # reaches (a planner refuses it unless told).
+        return ["--insecure"]
 
     def start(self):
         self.hosts.start()

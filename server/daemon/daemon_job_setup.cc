@@ -141,6 +141,7 @@ absl::StatusOr<std::shared_ptr<JobRuntime>> NodeDaemon::SetUpJob(const std::stri
   auto runtime =
       std::make_shared<JobRuntime>(job_id, options_.node_id, std::move(*plan), local, nullptr,
                                    std::move(relay), std::move(*dp), planner_, metrics_);
+  runtime->set_incarnation(incarnation_);
   if (job->options().recovery_deadline_ms() > 0) {
     JobRuntime::Reconnect reconnect;
     if (relay_ptr != nullptr) {

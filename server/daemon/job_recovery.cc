@@ -129,6 +129,7 @@ void JobRuntime::Recover() {
       report.set_message(lost.substr(0, 1024));
       report.set_recoverable(true);
       report.set_epoch(v.epoch);
+      report.set_reporter_incarnation(incarnation_.load());
       auto resp = planner_->ReportFailure(report);
       {
         absl::MutexLock lock(&mu_);

@@ -239,6 +239,7 @@ void JobRuntime::Report(const absl::Status& error) {
   report.set_reporter_node_id(node_id_);
   report.set_lost_peer(std::string(error.message()).substr(0, 256));
   report.set_message(std::string(error.message()).substr(0, 1024));
+  report.set_reporter_incarnation(incarnation_.load());
   if (auto r = planner_->ReportFailure(report); !r.ok()) {
     LOG(WARNING) << "reporting the failure to the planner: " << r.status();
   }

@@ -50,6 +50,9 @@ class JobRuntime final : public OpTarget {
   ~JobRuntime() override;
 
   const v1::Plan& plan() const { return plan_; }
+  // The daemon's incarnation, which its reports of failures carry (the planner refuses those of
+  // a stale daemon). Set once, before the job can fail.
+  void set_incarnation(uint64_t incarnation) { incarnation_.store(incarnation); }
   const std::vector<int64_t>& local_ranks() const { return local_ranks_; }
   const DataBackend& dp() const { return *dp_; }
   void FillStats(v1::JobStats* out);
@@ -211,6 +214,7 @@ class JobRuntime final : public OpTarget {
   std::unique_ptr<Comm> comm_;
   std::unique_ptr<DataBackend> dp_;
   std::shared_ptr<PlannerClient> planner_;
+  std::atomic<uint64_t> incarnation_{0};          // the daemon's, in its reports
   const std::shared_ptr<DaemonMetrics> metrics_;  // never null
   // The ranks' state buffers and the recovery's state, each with its own lock (after mu_).
   RankStates states_;

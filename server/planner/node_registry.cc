@@ -58,15 +58,7 @@ absl::Status NodeRegistry::Heartbeat(const v1::HeartbeatRequest& req, int64_t no
         absl::StrCat("node '", req.node_id(), "' is not registered; call RegisterNode"));
   }
   v1::Node& node = it->second;
-  if (node.incarnation() != 0 && req.incarnation() != 0 &&
-      node.incarnation() != req.incarnation()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("node '", req.node_id(), "': this daemon (incarnation ", req.incarnation(),
-                     ") is stale: another daemon (incarnation ", node.incarnation(), ", at '",
-                     node.data_address(),
-                     "') registered with its id while it was unreachable, and the node's "
-                     "jobs went on without it"));
-  }
+  RAGSHARD_RETURN_IF_ERROR(Stale(node, req.incarnation()));
   *node.mutable_figures() = req.figures();
   node.set_last_heartbeat_unix_ms(now_ms);
   if (node.status() != v1::NODE_UP) {
@@ -75,6 +67,24 @@ absl::Status NodeRegistry::Heartbeat(const v1::HeartbeatRequest& req, int64_t no
     LOG(INFO) << "node " << node.node_id() << " is back";
   }
   return absl::OkStatus();
+}
+
+absl::Status NodeRegistry::Stale(const v1::Node& node, uint64_t incarnation) {
+  if (node.incarnation() == 0 || incarnation == 0 || node.incarnation() == incarnation) {
+    return absl::OkStatus();
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      "node '", node.node_id(), "': this daemon (incarnation ", incarnation,
+      ") is stale: another daemon (incarnation ", node.incarnation(), ", at '", node.data_address(),
+      "') registered with its id while it was unreachable, and the node's "
+      "jobs went on without it"));
+}
+
+absl::Status NodeRegistry::CheckIncarnation(const std::string& node_id,
+                                            uint64_t incarnation) const {
+  absl::MutexLock lock(&mu_);
+  auto it = nodes_.find(node_id);
+  return it == nodes_.end() ? absl::OkStatus() : Stale(it->second, incarnation);
 }
 
 std::vector<v1::Node> NodeRegistry::List() const {

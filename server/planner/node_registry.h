@@ -42,8 +42,12 @@ class NodeRegistry {
   size_t size() const;
   // Whether `node_id` is registered and UP (its heartbeats go on).
   bool Up(const std::string& node_id) const;
+  // FAILED_PRECONDITION naming both where `node_id`'s daemon of `incarnation` is stale: the node
+  // registered since with another incarnation (both nonzero). OK otherwise (unknown nodes too).
+  absl::Status CheckIncarnation(const std::string& node_id, uint64_t incarnation) const;
 
  private:
+  static absl::Status Stale(const v1::Node& node, uint64_t incarnation);
   Store* const store_;
   mutable absl::Mutex mu_;
   std::map<std::string, v1::Node> nodes_ ABSL_GUARDED_BY(mu_);

@@ -128,6 +128,10 @@ grpc::ServerUnaryReactor* PlannerService::ReportFailure(Ctx* ctx,
                                                         v1::ReportFailureResponse* resp) {
   return OnJob(ctx, Access::kUser, *req, ValidateReportFailure,
                [&](JobState& js, Deferred* deferred) {
+                 // A daemon another replaced (back from a partition, or woken) reports the
+                 // connections it lost to the job's live daemons: nothing of it counts.
+                 RAGSHARD_RETURN_IF_ERROR(
+                     nodes_.CheckIncarnation(req->reporter_node_id(), req->reporter_incarnation()));
                  if (RecoveryReport(&js, *req, resp, deferred)) return absl::OkStatus();
                  // The first failure is the cause; the reports it provokes elsewhere do not replace
                  // it, nor do they undo a shrink (the failures of its survivors' last operations).

@@ -6,7 +6,9 @@ addresses and this process reaches none; a host whose link goes down leaves its 
 unanswered (no reset: a connection attempt times out rather than being refused); and nothing
 of them remains afterwards, also when the block fails. And a training across such hosts (a
 planner and two daemons each on its own host, a launcher on each daemon's host starting its two
-ranks: --nnodes 2 --node-rank K) ends equal to the same training on loopback.
+ranks: --nnodes 2 --node-rank K) ends equal to the same training on loopback; and where one of
+those hosts is lost without a reset (its link down, then everything on it killed) and replaced
+on a spare host, the training recovers in place and ends equal to the uninterrupted one.
 
 Namespaces need root: where they cannot be made the tests fail naming why when
 RAGSHARD_REQUIRE_NAMESPACES=1 (.ci/run sets it) and skip with that reason elsewhere."""
@@ -14,6 +16,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -147,3 +150,73 @@ def test_a_training_across_hosts_ends_as_on_loopback(tmp_path):
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+
+def launchers(c, job, out, where, extra=()):
+    """A launcher per (node rank, host) of `where`, for `job` of 2 hosts x 2 ranks that recovers
+    in place with --redundancy replica; each in a session of its own."""
+    return {k: c.spawn(host, [sys.executable, "-m", "ragshard.launch", "--planner", c.planner,
+                              "--job", job, "--create-job", "--nproc", "4", "--nnodes", "2",
+                              "--node-rank", str(k), "--sockets", c.sockets[k], "--nodes",
+                              c.nodes[k], "--max-restarts", "1", "--redundancy", "replica",
+                              "--recovery-deadline", "90", EXAMPLE, "--out", out] + SMALL +
+                       list(extra), env=c.env(PYTHONPATH=env()["PYTHONPATH"]),
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       start_new_session=True)
+            for k, host in where}
+
+
+def finish(procs, timeout=300):
+    try:
+        for k, p in procs.items():
+            text = p.communicate(timeout=timeout)[0]
+            assert p.returncode == 0, f"node rank {k}'s launcher: {text[-4000:]}"
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+                p.wait()
+
+
+def test_a_host_lost_without_a_reset_recovers_on_a_spare_host(tmp_path):
+    # Node-1's host loses its link in the middle of step 3 (its ranks held there), and everything
+    # on it dies with no packet leaving it: no connection of it is reset. A replacement daemon
+    # with its node id starts on a spare host, long before the planner's node timeout (60 s), with
+    # a launcher for node rank 1 there. The job recovers in place and ends equal to the same
+    # training uninterrupted.
+    with NamespacedCluster(BUILD, daemons=2, spare_hosts=1, pool_bytes=128 << 20,
+                           node_timeout_ms=60000, heartbeat_ms=250) as c:
+        ref, out = os.path.join(c.dir, "ref"), os.path.join(c.dir, "lost")
+        finish(launchers(c, "ref", ref, enumerate(c.nodes)))
+        marks = [os.path.join(c.dir, f"hold{r}") for r in (2, 3)]
+        procs = launchers(c, "lost", out, enumerate(c.nodes),
+                          [f"--hold-at={r}:3:forward:{m}" for r, m in zip((2, 3), marks)])
+        try:
+            deadline = time.time() + 240
+            while not all(os.path.exists(m) for m in marks):
+                assert procs[1].poll() is None and procs[0].poll() is None
+                assert time.time() < deadline, "node-1's ranks did not reach the hold"
+                time.sleep(0.05)
+            c.hosts.link_down("node-1")  # then the host dies: nothing of it reaches anyone
+            os.killpg(procs[1].pid, 9)
+            procs[1].wait()
+            c.kill_daemon(1)
+            started = time.time()
+            c.start_daemon(1, log_suffix="-replacement", host="spare-0")
+            procs[1] = launchers(c, "lost", out, [(1, "spare-0")])[1]
+            finish(procs)
+            assert time.time() - started < 60, "the recovery waited for the node timeout"
+            shown = c.run("planner", [os.path.join(BUILD, "ctl", "ragshardctl"), "--planner",
+                                      c.planner, "--token-file", c.token_file, "job", "show",
+                                      "lost"], capture_output=True, text=True, timeout=60).stdout
+            assert "another daemon registered with its id" in shown, shown
+            assert "recoveries:   1 recovery" in shown, shown
+        finally:
+            for p in procs.values():
+                if p.poll() is None:
+                    os.killpg(p.pid, 9)
+                    p.wait()
+        a, b = torch.load(out + ".pt"), torch.load(ref + ".pt")
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.allclose(a[name], b[name], rtol=0, atol=1e-6), name

@@ -175,6 +175,43 @@ TEST_F(PlannerServiceTest, AnotherIncarnationOfAnUpNodeCountsTheOneBeforeLost) {
   EXPECT_EQ(client_->GetJob("k")->status(), v1::JOB_READY);
 }
 
+TEST_F(PlannerServiceTest, AReportFromAStaleDaemonIsRefusedAndChangesNothing) {
+  // Node n1's daemon of incarnation 7 was replaced by one of incarnation 8; the old one, back,
+  // reports a failure of job "m" (on n0 alone, READY): refused, named, and the job stays READY.
+  // A report of the current incarnation, or of one that does not say, still counts.
+  v1::RegisterNodeRequest node;
+  node.set_node_id("n1");
+  node.set_data_address("10.0.0.1");
+  node.set_incarnation(7);
+  ASSERT_TRUE(client_->RegisterNode(node).ok());
+  node.set_data_address("10.0.0.2");
+  node.set_incarnation(8);
+  ASSERT_TRUE(client_->RegisterNode(node).ok());
+  Create("m", 1);
+  Inventory inv = SmallInventory();
+  EXPECT_TRUE(RegisterFull("m", 0, inv, "n0").ok());
+  EXPECT_TRUE(client_->WaitForPlan("m", 10s).ok());
+  v1::ReportFailureRequest report;
+  report.set_job_id("m");
+  report.set_reporter_node_id("n1");
+  report.set_lost_peer("n0");
+  report.set_message("peer 0 (node 'n0') lost (connection closed)");
+  report.set_reporter_incarnation(7);
+  auto stale = client_->ReportFailure(report);
+  EXPECT_EQ(stale.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(stale.status().message(),
+              HasSubstr("node 'n1': this daemon (incarnation 7) is stale: another daemon "
+                        "(incarnation 8, at '10.0.0.2') registered with its id"));
+  auto job = client_->GetJob("m");
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->status(), v1::JOB_READY);
+  EXPECT_EQ(job->error(), "");
+  report.set_reporter_incarnation(8);
+  EXPECT_TRUE(client_->ReportFailure(report).ok());
+  EXPECT_EQ(client_->GetJob("m")->status(), v1::JOB_DEGRADED);
+  EXPECT_THAT(client_->GetJob("m")->error(), HasSubstr("node 'n1' reports"));
+}
+
 TEST_F(PlannerServiceTest, RendezvousPutAndWaitingGet) {
   RestartWithMetrics();
   Create("j", 2);
