@@ -34,6 +34,7 @@ import secrets
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -350,16 +351,18 @@ class NamespacedCluster(LocalCluster):
         with NamespacedCluster("build", daemons=2) as c:
             c.spawn("node-0", [sys.executable, ...], env=c.rank_env(...))
 
-    The hosts are "planner", the node ids and `spare_hosts` spares ("spare-<j>"). The planner listens on its host's address (port
-    file in its /tmp), each daemon's socket is /tmp/ragshard/d<i>.sock on its own host and its
-    data plane listens on its host's address. The token is copied into each host's
-    /tmp/ragshard/token (`token_file` names that path, on every host). This process is on none
+    The hosts are "planner", the node ids and `spare_hosts` spares ("spare-<j>"). The build, the
+    interpreter's environment and `shared` stay visible on every host even under /tmp. The
+    planner listens on its host's address (port file in its /tmp), each daemon's socket is
+    /tmp/ragshard/d<i>.sock on its own host and its data plane listens on its host's address.
+    The token is copied into each host's /tmp/ragshard/token (`token_file` names that path, on
+    every host). This process is on none
     of the hosts (it has no route to them): clients run on a host (`spawn`, `run`). Metrics and
     TLS are LocalCluster's only (their addresses are 127.0.0.1): the planner serves plaintext on
     the private bridge (--insecure).
     """
 
-    def __init__(self, build_dir, daemons=2, spare_hosts=0, **options):
+    def __init__(self, build_dir, daemons=2, spare_hosts=0, shared=(), **options):
         if options.get("metrics") or options.get("tls") or options.get("default_token"):
             raise ValueError("NamespacedCluster: metrics, tls and default_token are "
                              "LocalCluster's only")
@@ -370,7 +373,11 @@ class NamespacedCluster(LocalCluster):
         self._own_dir = True
         self.sockets = [f"/tmp/ragshard/d{i}.sock" for i in range(daemons)]
         # Spare hosts ("spare-<j>") for replacements: start_daemon(i, host="spare-0").
-        self.hosts = Hosts(["planner"] + self.nodes + [f"spare-{j}" for j in range(spare_hosts)])
+        # The software every host runs, where it lies under /tmp (a checkout there), and what the
+        # caller shares on purpose.
+        software = [self.build, sys.prefix, os.path.dirname(os.path.realpath(sys.executable))]
+        self.hosts = Hosts(["planner"] + self.nodes + [f"spare-{j}" for j in range(spare_hosts)],
+                           shared=[p for p in software + list(shared) if p])
         self._host_token = "/tmp/ragshard/token"
         self._daemon_hosts = {}  # a daemon's log name -> its host
 

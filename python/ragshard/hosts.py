@@ -11,9 +11,11 @@ namespace of its own ("switch"), each host's end of its veth pair in the host's 
 addresses of a 10.x.y.0/24 subnet drawn at random (the root namespace has no route to it). Each
 host's /tmp is a tmpfs of its own: its servers' sockets, port files and data directories are
 the host's alone, as on separate machines; the rest of the filesystem (the build, the virtual
-environment) is the machine's, as a shared software install would be. A host is held by a
-process (`sleep`) in its namespaces; commands join them with nsenter, and this process reads a
-host's files through /proc/<holder>/root.
+environment) is the machine's, as a shared software install would be. Paths under /tmp that
+every host must see (a checkout or build that lies there, a directory shared on purpose as NFS
+would be) are given as `shared`: each is bound at the same path into every host's /tmp. A host
+is held by a process (`sleep`) in its namespaces; commands join them with nsenter, and this
+process reads a host's files through /proc/<holder>/root.
 
 Every namespace, link and mount is removed on exit, also when the block fails, and at this
 process's exit (atexit) if a block never ended; namespaces a killed process left behind (their
@@ -24,6 +26,7 @@ or skip on.
 import atexit
 import os
 import random
+import shlex
 import shutil
 import subprocess
 
@@ -62,7 +65,7 @@ def _remove_orphans():
 class Hosts:
     """Hosts named `names`, each with an address on one bridge (`address(name)`)."""
 
-    def __init__(self, names, tmp_bytes=1 << 30):
+    def __init__(self, names, tmp_bytes=1 << 30, shared=()):
         if len(set(names)) != len(names) or not names:
             raise ValueError(f"host names must be distinct and given: {names}")
         if len(names) > 250:
@@ -75,6 +78,12 @@ class Hosts:
         self.tag = f"{PREFIX}{os.getpid()}x{_counter}"
         self.names = list(names)
         self.tmp_bytes = tmp_bytes
+        # The shared paths under /tmp, as paths relative to it (the others need no binding),
+        # those inside another left out (they come with it).
+        under = sorted({os.path.relpath(os.path.realpath(p), "/tmp") for p in shared
+                        if os.path.realpath(p).startswith("/tmp/")})
+        self.shared = [r for r in under
+                       if not any(r.startswith(o + os.sep) for o in under if o != r)]
         subnet = (random.randrange(64, 250), random.randrange(0, 256))
         self.prefix = f"10.{subnet[0]}.{subnet[1]}"
         self._addresses = {n: f"{self.prefix}.{i + 1}" for i, n in enumerate(self.names)}
@@ -123,8 +132,15 @@ class Hosts:
     def _hold(self, host, ns):
         # `ip netns exec` mounts the namespace's own /sys (UCX finds its interfaces there) in a
         # mount namespace of its own; unshare makes the holder's, private, with a /tmp of its own.
-        script = (f"mount -t tmpfs -o mode=1777,size={self.tmp_bytes} tmpfs /tmp && "
-                  "echo ready && exec sleep infinity")
+        # The shared paths are bound back from the machine's /tmp, which fd 3 keeps reachable
+        # under the new one.
+        # (--no-canonicalize: mount would resolve the source to its path, the new /tmp's.)
+        binds = "".join(f"mkdir -p {shlex.quote('/tmp/' + rel)} && "
+                        "mount --no-canonicalize --bind "
+                        f"{shlex.quote('/proc/self/fd/3/' + rel)} {shlex.quote('/tmp/' + rel)} && "
+                        for rel in self.shared)
+        script = (f"exec 3</tmp && mount -t tmpfs -o mode=1777,size={self.tmp_bytes} tmpfs /tmp "
+                  f"&& {binds}exec 3<&- && echo ready && exec sleep infinity")
         p = subprocess.Popen(["ip", "netns", "exec", ns, "unshare", "--mount",
                               "--propagation", "private", "sh", "-c", script],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

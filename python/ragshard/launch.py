@@ -421,8 +421,8 @@ def run(a):
                 if rc == 0:
                     continue
                 if a.on_node_loss == "shrink" and rc == SHRINK_EXIT:
-                    print(f"ragshard.launch: rank {a.base + r} left: the job shrank without it (its "
-                          "daemon was lost)", file=sys.stderr, flush=True)
+                    print(f"ragshard.launch: rank {a.base + r} left: the job shrank without it "
+                          "(its daemon was lost)", file=sys.stderr, flush=True)
                     _follow_shrink(a, envs)
                     continue
                 if a.max_restarts and rc == RECOVERY_EXIT and \

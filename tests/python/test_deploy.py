@@ -217,6 +217,7 @@ DEBIAN = {
     "PkgConfig": {"pkgconf": "/usr/bin/pkg-config"},
     "ucx": {"libucx-dev": f"{LIB}/pkgconfig/ucx.pc"},  # pkg_check_modules: the module's name
     "libzstd": {"libzstd-dev": f"{LIB}/pkgconfig/libzstd.pc"},
+    "libisal": {"libisal-dev": f"{LIB}/pkgconfig/libisal.pc"},
     "ZLIB": {"zlib1g-dev": f"{LIB}/libz.so"},
     # The interpreter CMake finds is the build's venv (python3 -m venv): python3-venv is a
     # package of dependencies only (python3, python3.11-venv), with no file of its own to name.

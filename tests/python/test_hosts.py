@@ -65,7 +65,7 @@ def namespaces():
 
 
 def test_hosts_have_their_own_tmp_reach_each_other_only_and_leave_nothing(tmp_path):
-    with Hosts(["a", "b"]) as h:
+    with Hosts(["a", "b"], shared=[sys.prefix]) as h:  # (the interpreter, under /tmp in CI)
         tag = h.tag
         assert tag in namespaces()
         # Their own /tmp.
@@ -97,7 +97,8 @@ def test_hosts_have_their_own_tmp_reach_each_other_only_and_leave_nothing(tmp_pa
         holders = [h.holder(n) for n in h.names]
     assert tag not in namespaces()
     for pid in holders:
-        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+        gone = not os.path.exists(f"/proc/{pid}")
+        assert gone or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
 
     # A block that fails is cleaned up too.
     with pytest.raises(RuntimeError, match="on purpose"):
@@ -117,7 +118,7 @@ def test_a_training_across_hosts_ends_as_on_loopback(tmp_path):
                            env=env(), capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stdout + r.stderr
 
-    with NamespacedCluster(BUILD, daemons=2, pool_bytes=128 << 20) as c:
+    with NamespacedCluster(BUILD, daemons=2, pool_bytes=128 << 20, shared=[ROOT]) as c:
         out = os.path.join(c.dir, "hosts")  # (outside /tmp, which each host has of its own)
         # The daemons registered from their hosts' addresses (ragshardctl on the planner's host).
         nodes = c.run("planner", [os.path.join(BUILD, "ctl", "ragshardctl"), "--planner",
@@ -185,7 +186,7 @@ def test_a_host_lost_without_a_reset_recovers_on_a_spare_host(tmp_path):
     # a launcher for node rank 1 there. The job recovers in place and ends equal to the same
     # training uninterrupted.
     with NamespacedCluster(BUILD, daemons=2, spare_hosts=1, pool_bytes=128 << 20,
-                           node_timeout_ms=60000, heartbeat_ms=250) as c:
+                           node_timeout_ms=60000, heartbeat_ms=250, shared=[ROOT]) as c:
         ref, out = os.path.join(c.dir, "ref"), os.path.join(c.dir, "lost")
         finish(launchers(c, "ref", ref, enumerate(c.nodes)))
         marks = [os.path.join(c.dir, f"hold{r}") for r in (2, 3)]
