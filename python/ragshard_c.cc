@@ -31,6 +31,8 @@
 // while register, attach and waits run as before, concurrently with them.
 struct rs_client {
   std::unique_ptr<ragshard::Client> client;
+  // The client's planner connection, for the job's keys (rs_client_put, rs_client_get).
+  std::shared_ptr<ragshard::PlannerClient> planner;
   bool fake_device = false;
   std::unique_ptr<ragshard::DeviceMapping> mapping;  // the GPU slab, once opened
   std::mutex mu;
@@ -48,8 +50,9 @@ namespace {
 // local_ranks (registration through the daemon). 5: rs_dequantize_chunks, rs_block_amax,
 // rs_encode_chunks. 8: rs_client_attach takes salvage, rs_create_job_secure on_node_loss,
 // rs_job_json (shrinking in place). 9: rs_client_release_salvaged. 10: rs_client_op takes
-// accumulate (gradient accumulation). 11: rs_pool_contract, rs_redundancy.
-constexpr int kAbiVersion = 12;
+// accumulate (gradient accumulation). 11: rs_pool_contract, rs_redundancy. 13: rs_client_put,
+// rs_client_get (the job's keys on the planner: checkpoints' plans).
+constexpr int kAbiVersion = 13;
 
 thread_local std::string last_error;
 thread_local std::string last_string;
@@ -185,7 +188,7 @@ int rs_client_create_secure(const char* planner, const char* socket, const char*
   auto from_env = ClientOptions::FromEnvironment();  // RAGSHARD_PEER_TIMEOUT_S, _COMMAND_QUEUE
   if (!from_env.ok()) return Fail(from_env.status());
   ClientOptions o = std::move(*from_env);
-  o.planner = std::move(*p);
+  o.planner = *p;
   o.daemon_socket = Str(socket);
   o.job_id = Str(job);
   o.rank = rank;
@@ -195,8 +198,28 @@ int rs_client_create_secure(const char* planner, const char* socket, const char*
   if (!c.ok()) return Fail(c.status());
   *out = new rs_client;
   (*out)->client = std::move(*c);
+  (*out)->planner = std::move(*p);
   (*out)->fake_device = fake_device != 0;
   return 0;
+}
+
+int rs_client_put(rs_client* c, const char* key, const void* value, int64_t n) {
+  if (n < 0 || (n > 0 && value == nullptr)) {
+    return Fail(RS_BAD_ARGUMENT, absl::StrCat("rs_client_put: ", n, " bytes at ",
+                                              value == nullptr ? "NULL" : "a value"));
+  }
+  const absl::Status s =
+      c->planner->Put(c->client->job_id(), Str(key),
+                      n == 0 ? std::string() : std::string(static_cast<const char*>(value), n));
+  return s.ok() ? 0 : Fail(s);
+}
+
+int rs_client_get(rs_client* c, const char* key, int64_t wait_ms, const char** out, int64_t* n) {
+  if (wait_ms < 0) return Fail(RS_BAD_ARGUMENT, absl::StrCat("rs_client_get: wait_ms ", wait_ms));
+  auto v = c->planner->Get(c->client->job_id(), Str(key), std::chrono::milliseconds(wait_ms));
+  if (!v.ok()) return Fail(v.status());
+  *n = static_cast<int64_t>(v->size());
+  return Out(std::move(*v), out);
 }
 
 void rs_client_destroy(rs_client* c) { delete c; }

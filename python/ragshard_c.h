@@ -91,6 +91,11 @@ int rs_client_op(rs_client* c, int kind, int unit, int reduce, int keep, int acc
 int rs_client_noop(rs_client* c);
 /* The daemon's pool and this job's figures, as a JSON object. */
 int rs_client_stats(rs_client* c, const char** out);
+/* A key of this client's job on the planner (its rendezvous keys: Put and Get), set to the n
+ * bytes at value; and a key's value, waiting up to wait_ms for it to be set (DEADLINE_EXCEEDED
+ * naming the key after that): *out holds *n bytes until this thread's next call. */
+int rs_client_put(rs_client* c, const char* key, const void* value, int64_t n);
+int rs_client_get(rs_client* c, const char* key, int64_t wait_ms, const char** out, int64_t* n);
 /* A buffer of this rank's own in the daemon, kept by name for the job's life
  * (docs/recovery.md): *existed is 1 when it was there before (a restarted process adopts it),
  * else 0 and its bytes are zero. *on_device is 1 when *ptr is device memory beside the rank's

@@ -25,7 +25,7 @@ import weakref
 from . import _notice
 from ._notice import RECOVERY_EXIT, RECOVERY_NOTICE, RecoveryInProgress  # noqa: F401
 
-ABI_VERSION = 12
+ABI_VERSION = 13
 _BAD_ARGUMENT, _OUT_OF_RANGE = -1, -2
 
 
@@ -111,6 +111,8 @@ def _load():
         "rs_client_op": (i32, [c_p, i32, i32, i32, i32, i32, ctypes.POINTER(c_p)]),
         "rs_client_noop": (i32, [c_p]),
         "rs_client_stats": (i32, [c_p, out_str]),
+        "rs_client_put": (i32, [c_p, cstr, c_p, i64]),
+        "rs_client_get": (i32, [c_p, cstr, i64, ctypes.POINTER(c_p), ctypes.POINTER(i64)]),
         "rs_client_state_buffer": (i32, [c_p, cstr, i64, ctypes.POINTER(ctypes.c_size_t),
                                          ctypes.POINTER(i32), ctypes.POINTER(i32)]),
         "rs_client_redundancy": (None, [c_p, ctypes.POINTER(cstr), ctypes.POINTER(i32)]),
@@ -464,6 +466,22 @@ class Client(_NoCopy):
 
     def noop(self):
         _check(_lib.rs_client_noop(self._c))
+
+    def put(self, key, value):
+        """Sets `key` of this client's job on the planner to `value` (bytes; the planner takes
+        up to --max-value-bytes, 1 MiB by default): the job's rendezvous keys, which every rank
+        of the job may read (`get`), kept until the job is deleted. A later put replaces it."""
+        value = bytes(value)
+        _check(_lib.rs_client_put(self._c, _b(key), value, len(value)))
+
+    def get(self, key, wait_ms=0):
+        """The value (bytes) of `key` of this client's job on the planner, waiting up to
+        `wait_ms` for a rank to put it: ragshard.Error (DEADLINE_EXCEEDED or NOT_FOUND, naming
+        the key) where none did."""
+        ptr, n = ctypes.c_void_p(), ctypes.c_int64()
+        _check(_lib.rs_client_get(self._c, _b(key), int(wait_ms), ctypes.byref(ptr),
+                                  ctypes.byref(n)))
+        return ctypes.string_at(ptr, n.value) if n.value else b""
 
     def stats(self):
         return json.loads(_string(_lib.rs_client_stats, self._c))

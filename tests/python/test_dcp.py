@@ -148,3 +148,61 @@ def test_a_failed_save_leaves_no_checkpoint(one_rank, tmp_path, monkeypatch):
         assert torch.equal(t, fsdp.state_dict()[n]), n
     a, b = opt.state_dict()["state"], opt2.state_dict()["state"]
     assert a.keys() == b.keys() and all(torch.equal(a[i][k], b[i][k]) for i in a for k in a[i])
+
+
+def test_the_exchange_takes_plans_through_the_planner_and_nothing_else(one_rank, monkeypatch):
+    """save_dcp's plans and results travel through the job's keys on the planner
+    (checkpoint/_exchange.py): a value of any bytes round-trips, a large one in pieces; a value
+    of another save, a piece changed, and a pickle that would run code are refused by name."""
+    import pickle
+
+    from ragshard.checkpoint import _exchange
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
+                                                       TensorProperties)
+    from torch.distributed.checkpoint.planner import (SavePlan, TensorWriteData, WriteItem,
+                                                      WriteItemType)
+    client = one_rank("x").client
+    client.put("raw", b"a\0b\xff")  # the planner's keys hold bytes, NULs included
+    assert client.get("raw") == b"a\0b\xff"
+    with pytest.raises(ragshard.Error, match="absent"):
+        client.get("absent")
+    items = [WriteItem(index=MetadataIndex(f"model.w{i}", torch.Size([i, 0]), 0),
+                       type=WriteItemType.SHARD,
+                       tensor_data=TensorWriteData(ChunkStorageMetadata(torch.Size([i, 0]),
+                                                                        torch.Size([1, 8])),
+                                                   TensorProperties(dtype=torch.bfloat16),
+                                                   torch.Size([4096, 8])))
+             for i in range(4096)]
+    plan = SavePlan(items, planner_data={"model.w0": ("model", "w0")})
+    monkeypatch.setattr(_exchange, "PIECE", 4096)  # many pieces
+    _exchange.post(client, "plan", 3, plan, "/ck/a")
+    got = _exchange.fetch(client, "plan", 3, "/ck/a")
+    assert got == plan and got.items[7].tensor_data.properties.dtype == torch.bfloat16
+    assert client.get("ragshard.ckpt.plan.3.2")  # (a piece)
+    with pytest.raises(checkpoint.CheckpointError, match="belongs to the save of '/ck/a', not "
+                                                         "of '/ck/b'"):
+        _exchange.fetch(client, "plan", 3, "/ck/b")
+    piece = client.get("ragshard.ckpt.plan.3.2")
+    client.put("ragshard.ckpt.plan.3.2", piece[:-1] + bytes([piece[-1] ^ 1]))
+    with pytest.raises(checkpoint.CheckpointError, match=r"plan.3 \(\d+ pieces, \d+ bytes\) "
+                                                         "does not match its checksum"):
+        _exchange.fetch(client, "plan", 3, "/ck/a")
+    with pytest.raises(checkpoint.CheckpointError, match="rank 5's written is not on the "
+                                                         "planner"):
+        _exchange.fetch(client, "written", 5, "/ck/a")
+
+    class RunsCode:
+        def __reduce__(self):
+            return (os.system, ("true",))
+
+    class TakesAnAttribute:  # getattr is let through for enums' members only
+        def __reduce__(self):
+            return (getattr, (torch.Size, "__class__"))
+    for evil, named in [(RunsCode(), "'posix.system' is not something a checkpoint's plan "
+                                     "holds"),
+                        (pickle.loads, "'_pickle.loads' is not something"),
+                        (TakesAnAttribute(), "getattr.*is not an enum's member"),
+                        (torch.load, "'torch.serialization.load' is not something")]:
+        _exchange.post(client, "plan", 0, evil, "/ck/a")
+        with pytest.raises(checkpoint.CheckpointError, match=named):
+            _exchange.fetch(client, "plan", 0, "/ck/a")

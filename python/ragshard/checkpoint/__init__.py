@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from . import _format, _state
+from . import _format, _shared, _state
 from ._format import CheckpointError
 from .dcp import load_dcp, save_dcp  # noqa: F401
 
@@ -280,13 +280,22 @@ def save(model, optimizer, root, step, async_save=False, timeout=600.0):
         shutil.rmtree(partial, ignore_errors=True)  # what a crashed save of this step left
         os.makedirs(partial)
         # The directory this save commits to (a new one where the step is on disk already),
-        # for the other ranks.
+        # for the other ranks, with the save's token (_shared.py).
         name = _format.new_dir_name(root, step)
-        _format.write_json_atomic(os.path.join(partial, _format.TARGET), name)
+        _format.write_json_atomic(os.path.join(partial, _format.TARGET),
+                                  {"name": name, "token": _shared.post_token(model, partial)})
     _barrier(model)  # the partial directory exists, and is empty, for every rank
-    if model.rank != 0:
-        with open(os.path.join(partial, _format.TARGET)) as f:
-            name = json.load(f)
+
+    def target():  # rank 0's directory, seen by this rank (else its part would be lost)
+        try:
+            with open(os.path.join(partial, _format.TARGET)) as f:
+                seen = json.load(f)
+        except (OSError, ValueError):
+            seen = {}
+        _shared.expect_token(model, "save", partial, seen.get("token"), partial)
+        return seen["name"]
+    name = _shared.phase(model, "save", target,
+                         lambda: shutil.rmtree(partial, ignore_errors=True))
     t1 = time.perf_counter()
     writer = _writer(model)
     snapshot = _snapshot(model, optimizer) if writer else None

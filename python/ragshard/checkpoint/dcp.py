@@ -15,17 +15,19 @@ Each rank writes only its own pieces, as chunks of the global tensors: a piece o
 each a chunk of DCP's metadata; the optimizer's elementwise state likewise. Ranks that hold the
 same pieces (HSDP replicas) write them once (DCP's deduplication). DCP's planners and its
 FileSystemWriter and FileSystemReader do the work; ragshard has no torch.distributed process
-group, so the plans and write results a process group would gather travel through files of the
-staging directory, with the job's own collectives as barriers. The commit is atomic: everything
-is written into PATH.partial, rank 0 writes DCP's .metadata there last and renames the directory
-to PATH. A crash leaves no PATH, so nothing that looks complete.
+group, so the plans and write results a process group would gather and scatter travel through
+the job's keys on the planner (_exchange.py), with the job's own collectives as barriers: the
+checkpoint's directory is the one thing the ranks' hosts must share (as for FSDP2), and a save
+to a path some rank's host does not see fails on every rank, named, before anything is written.
+A failure on any rank is raised on every rank. The commit is atomic: everything is written into
+PATH.partial, rank 0 writes DCP's .metadata there last and renames the directory to PATH. A
+crash leaves no PATH, so nothing that looks complete.
 
 A load reads, on each rank, only the chunk ranges its own pieces need (DCP's resharding), at any
 world size, granule, HSDP mesh or strategy, whoever wrote the checkpoint; it checks every key,
 shape and dtype before it reads anything.
 """
 import os
-import pickle
 import shutil
 
 import torch
@@ -37,7 +39,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from . import _state
+from . import _exchange, _shared, _state
 from ._format import CheckpointError
 
 __all__ = ["save_dcp", "load_dcp", "boxes"]
@@ -200,50 +202,14 @@ def _extra_state(extra):
 # -- save ------------------------------------------------------------------------------------
 
 
-def _agree(model, failed):
-    """A barrier that also counts the ranks that failed (a collective through the daemons, so a
-    rank that died makes the others fail rather than wait)."""
-    return model.all_reduce_scalar(1.0 if failed else 0.0) > 0
-
-
-def _phase(model, what, fn, cleanup=None):
-    """Runs fn on every rank; if it failed on any, every rank raises (this one its own error)."""
-    error = None
-    try:
-        result = fn()
-    except Exception as e:  # every rank must learn of it before anyone goes on
-        error, result = e, None
-    if _agree(model, error is not None):
-        if cleanup is not None and model.rank == 0:
-            cleanup()
-        if error is not None:
-            raise error
-        raise CheckpointError(f"{what}: another rank failed; nothing was committed")
-    return result
-
-
-def _exchange(model, directory, name, obj):
-    """Every rank's `obj`, in rank order, through files in `directory`."""
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, f"{name}.{model.rank}")
-    with open(path + ".tmp", "wb") as f:
-        pickle.dump(obj, f)
-    os.replace(path + ".tmp", path)
-    _agree(model, False)  # every rank's file is there
-    out = []
-    for r in range(model.world):
-        with open(os.path.join(directory, f"{name}.{r}"), "rb") as f:
-            out.append(pickle.load(f))
-    _agree(model, False)  # every rank has read them (rank 0 removes them at the commit)
-    return out
-
-
 def save_dcp(model, optimizer, path, extra=None):
     """Writes model (a ShardedModule), optimizer (or None) and `extra` as a DCP checkpoint at
-    `path`, which must not exist. Every rank calls it."""
+    `path`, which must not exist and must be on a filesystem every rank's host sees (as for
+    FSDP2's dcp.save). Every rank calls it; a failure on any rank is raised on every rank."""
     model.wait_for_checkpoint_write()
     path = os.path.abspath(path)
     staging = path + ".partial"
+    marker = os.path.join(staging, ".ragshard-save")
     state = {"model": {}}
     names, buffers = _aliases(model)
     for index, (shape, pieces) in _param_pieces(model).items():
@@ -258,40 +224,64 @@ def save_dcp(model, optimizer, path, extra=None):
     if optimizer is not None:
         state["optim"] = _optim_state(model, optimizer)
     state.update(_extra_state(extra))
+    client, rank, world = model.client, model.rank, model.world
 
     def start():
         if os.path.exists(path):
             raise CheckpointError(f"save_dcp: '{path}' exists; a checkpoint is never "
                                   "overwritten (remove it, or save to a new path)")
-        if model.rank == 0:
+        if rank == 0:
             shutil.rmtree(staging, ignore_errors=True)  # a crashed save's leftovers
             os.makedirs(staging)
-    _phase(model, "save_dcp", start)
+            token = _shared.post_token(model, path)
+            with open(marker, "w") as f:
+                f.write(token)
+    cleanup = lambda: shutil.rmtree(staging, ignore_errors=True)  # noqa: E731
+    _shared.phase(model, "save_dcp", start, cleanup)
+
+    def shared():
+        # Rank 0's staging directory, seen by this rank: else the pieces this rank wrote would
+        # land where rank 0 cannot commit them.
+        try:
+            with open(marker) as f:
+                seen = f.read()
+        except OSError:
+            seen = None
+        _shared.expect_token(model, "save_dcp", staging, seen, path)
+    _shared.phase(model, "save_dcp", shared, cleanup)
     writer = dcp.FileSystemWriter(staging)
     planner = _SavePlanner()
-    # What a process group would gather: every rank's plan, then its write results.
-    coordination = os.path.join(staging, ".ragshard-coordination")
-    cleanup = lambda: shutil.rmtree(staging, ignore_errors=True)  # noqa: E731
 
+    # What a process group would do: every rank's plan to rank 0, which makes the central
+    # plans and the metadata; each rank's central plan back to it; its write results to rank 0.
     def local():
-        planner.set_up_planner(state, writer.storage_meta(), model.rank == 0)
-        writer.set_up_storage_writer(model.rank == 0, rank=model.rank)
-        return writer.prepare_local_plan(planner.create_local_plan())
-    plan = _phase(model, "save_dcp", local, cleanup)
-    plans = _exchange(model, coordination, "plan", plan)
+        planner.set_up_planner(state, writer.storage_meta(), rank == 0)
+        writer.set_up_storage_writer(rank == 0, rank=rank)
+        _exchange.post(client, "plan", rank, writer.prepare_local_plan(
+            planner.create_local_plan()), path)
+    _shared.phase(model, "save_dcp", local, cleanup)
+
+    def central():
+        if rank != 0:
+            return None
+        plans = [_exchange.fetch(client, "plan", r, path) for r in range(world)]
+        global_plans, metadata = planner.create_global_plan(plans)
+        for r, plan in enumerate(writer.prepare_global_plan(global_plans)):
+            _exchange.post(client, "central", r, plan, path)
+        return metadata
+    metadata = _shared.phase(model, "save_dcp", central, cleanup)
 
     def write():
-        global_plans, metadata = planner.create_global_plan(plans)
-        global_plans = writer.prepare_global_plan(global_plans)
-        written = writer.write_data(planner.finish_plan(global_plans[model.rank]), planner)
+        plan = planner.finish_plan(_exchange.fetch(client, "central", rank, path))
+        written = writer.write_data(plan, planner)
         written.wait()
-        return metadata, written.value()
-    metadata, results = _phase(model, "save_dcp", write, cleanup)
-    results = _exchange(model, coordination, "written", results)
+        _exchange.post(client, "written", rank, written.value(), path)
+    _shared.phase(model, "save_dcp", write, cleanup)
 
     def commit():
-        if model.rank == 0:
-            shutil.rmtree(coordination)
+        if rank == 0:
+            results = [_exchange.fetch(client, "written", r, path) for r in range(world)]
+            os.remove(marker)
             writer.finish(metadata, results)
             os.rename(staging, path)
             fd = os.open(os.path.dirname(path), os.O_RDONLY)
@@ -299,7 +289,7 @@ def save_dcp(model, optimizer, path, extra=None):
                 os.fsync(fd)
             finally:
                 os.close(fd)
-    _phase(model, "save_dcp", commit, cleanup)
+    _shared.phase(model, "save_dcp", commit, cleanup)
 
 
 # -- load ------------------------------------------------------------------------------------
@@ -346,8 +336,8 @@ def load_dcp(model, optimizer, path, extra=None, step=None):
     """Loads a DCP checkpoint at `path` (written by save_dcp, or by FSDP2's dcp.save of
     {"model": get_model_state_dict(m), "optim": get_optimizer_state_dict(m, opt), ...}) into
     model, optimizer (or None: parameters only) and the Stateful entries of `extra`. Every rank
-    calls it; it needs no other rank except where the job recovers lost ranks in place: there
-    the load is one transaction of the step journal, and `step` (the training step the loaded
+    calls it; a failure to read on any rank is raised on every rank, before anything is changed.
+    Where the job recovers lost ranks in place the load is one transaction of the step journal, and `step` (the training step the loaded
     state is at: an int, or a function called once the load is done, e.g. reading a Stateful
     of `extra`; None: the step the state was at) its base (docs/recovery.md, "Checkpoints")."""
     model.wait_for_checkpoint_write()
@@ -356,6 +346,21 @@ def load_dcp(model, optimizer, path, extra=None, step=None):
 
 
 def _load_dcp(model, optimizer, path, extra):
+    pieces, target, stateful = _shared.phase(model, "load_dcp",
+                                      lambda: _read(model, optimizer, path, extra))
+    for pc, t in pieces.items():
+        _state.set_param_values(model, pc, t)
+    model.gather_updates()
+    if optimizer is not None:
+        _apply_optim(model, optimizer, target["optim"])
+    for k, v in stateful.items():
+        v.load_state_dict(target[k])
+    model.mark_loaded()
+
+
+def _read(model, optimizer, path, extra):
+    """What this rank's pieces, optimizer state and `extra` load from the checkpoint at `path`
+    (nothing of the model changed yet): (pieces, the loaded state dict, the Stateful entries)."""
     reader = dcp.FileSystemReader(path)
     try:
         metadata = reader.read_metadata()
@@ -388,14 +393,7 @@ def _load_dcp(model, optimizer, path, extra):
     target.update(_extra_state(extra))
     _check(path, target, metadata)
     dcp.load(target, storage_reader=reader, planner=_LoadPlanner(), no_dist=True)
-    for pc, t in pieces.items():
-        _state.set_param_values(model, pc, t)
-    model.gather_updates()
-    if optimizer is not None:
-        _apply_optim(model, optimizer, target["optim"])
-    for k, v in stateful.items():
-        v.load_state_dict(target[k])
-    model.mark_loaded()
+    return pieces, target, stateful
 
 
 def _apply_optim(model, optimizer, loaded):

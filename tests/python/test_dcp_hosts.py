@@ -1,0 +1,124 @@
+"""DCP checkpoints on hosts of their own (ragshard.cluster.NamespacedCluster): three hosts, each
+with its own network namespace and a private /tmp, sharing only the checkpoint directory (the
+cluster's work directory, outside /tmp, as NFS would be). save_dcp's plans and results travel
+through the job's keys on the planner, so nothing but the checkpoint itself is shared.
+
+* ragshard at 3 hosts x 2 ranks (examples/train_hf.py's Llama, one launcher per host:
+  --nnodes 3 --node-rank K) writes a DCP checkpoint after step 4; FSDP2 at W=2 continues it.
+* FSDP2 at W=4 writes one after step 4; ragshard at 3 hosts x 1 rank continues it.
+  Each continuation's steps 5-8 match its writer's within 1e-5 (test_porting.py's check).
+* A save to a path under /tmp, which each host has of its own, fails on every rank naming the
+  directory the other hosts do not see, and leaves no checkpoint on any host: save_dcp's, and
+  ragshard's own format's (checkpoint.save, through examples/train_tiny.py --save).
+
+Namespaces need root: where they cannot be made the tests fail naming why when
+RAGSHARD_REQUIRE_NAMESPACES=1 (.ci/run sets it) and skip with that reason elsewhere."""
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+from cluster_runs import BUILD, ROOT, env  # beside this file; puts the build's package on the path
+from test_porting import EXAMPLE, PRELOAD, SAVE_AFTER, STEPS, check_continuation, run_fsdp2
+
+from ragshard import hosts as hosts_module  # noqa: E402
+from ragshard.cluster import NamespacedCluster  # noqa: E402
+
+WHY = hosts_module.unavailable()
+if WHY:
+    if os.environ.get("RAGSHARD_REQUIRE_NAMESPACES") == "1":
+        pytest.fail(f"hosts in namespaces are required here: {WHY}", pytrace=False)
+    pytest.skip(WHY, allow_module_level=True)
+
+HOSTS = 3
+BATCH = ["--global-batch", "12"]  # splits evenly over 2, 3, 4 and 6 ranks
+TIMEOUT = 600
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with NamespacedCluster(BUILD, daemons=HOSTS, pool_bytes=128 << 20, shared=[ROOT]) as c:
+        yield c
+
+
+HF = [EXAMPLE, "--backend", "ragshard", "--quiet", "--model", "llama", "--steps", str(STEPS)] + \
+    BATCH
+TINY = [os.path.join(ROOT, "examples", "train_tiny.py"), "--layers", "1", "--dim", "32",
+        "--heads", "2", "--seq", "8", "--batch", "2", "--vocab", "16", "--quiet", "--steps", "2"]
+
+
+def launch_on_hosts(c, job, nproc, args, script=HF):
+    """One ragshard.launch per host (--nnodes 3 --node-rank K) running `script` (train_hf's
+    Llama under ragshard) for `job`; returns each host's (exit code, output)."""
+    procs = [c.spawn(node, [sys.executable, "-m", "ragshard.launch", "--preload",
+                            ",".join(PRELOAD), "--planner", c.planner, "--job", job,
+                            "--create-job", "--nproc", str(nproc), "--nnodes", str(HOSTS),
+                            "--node-rank", str(k), "--sockets", c.sockets[k], "--nodes", node]
+                     + script + args,
+                     env=c.env(PYTHONPATH=env()["PYTHONPATH"]), stdout=subprocess.PIPE,
+                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+             for k, node in enumerate(c.nodes)]
+    out = []
+    try:
+        for p in procs:
+            out.append((p.communicate(timeout=TIMEOUT)[0], p.returncode))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    return [(code, text) for text, code in out]
+
+
+def ragshard_run(c, name, nproc, args):
+    out = os.path.join(c.dir, name)
+    for k, (code, text) in enumerate(launch_on_hosts(c, name, nproc, ["--out", out] + args)):
+        assert code == 0, f"{name}: host {k}'s launcher exited with {code}:\n{text[-5000:]}"
+    return json.load(open(out + ".json"))
+
+
+def test_checkpoints_cross_to_fsdp2_and_back_with_only_the_checkpoint_shared(cluster):
+    c = cluster
+    ours = os.path.join(c.dir, "ragshard-ckpt")
+    writer = ragshard_run(c, "ragshard-writes", 2 * HOSTS,
+                          ["--save-dcp", ours, "--save-after", str(SAVE_AFTER)])
+    assert writer["world"] == 2 * HOSTS
+    assert ".metadata" in os.listdir(ours) and not os.path.exists(ours + ".partial")
+    cont = run_fsdp2(c.dir, "fsdp2-continues", 2, ["--model", "llama", "--steps", str(STEPS),
+                                                   "--load-dcp", ours] + BATCH)
+    check_continuation(cont, writer, "FSDP2 W=2 from ragshard 3 hosts x 2's checkpoint")
+
+    theirs = os.path.join(c.dir, "fsdp2-ckpt")
+    fsdp2 = run_fsdp2(c.dir, "fsdp2-writes", 4, ["--model", "llama", "--steps", str(STEPS),
+                                                 "--save-dcp", theirs, "--save-after",
+                                                 str(SAVE_AFTER)] + BATCH)
+    cont = ragshard_run(c, "ragshard-continues", HOSTS, ["--load-dcp", theirs])
+    assert cont["world"] == HOSTS
+    check_continuation(cont, fsdp2, "ragshard 3 hosts x 1 from FSDP2 W=4's checkpoint")
+
+
+def test_a_save_where_other_hosts_cannot_see_it_fails_on_every_rank(cluster):
+    c = cluster
+    private = "/tmp/private-ckpt"  # each host's own /tmp
+    for fmt, script, args, staging, leftovers in [
+            ("save_dcp", HF, ["--steps", "2", "--save-dcp", private, "--save-after", "1"],
+             private + ".partial", [private, private + ".partial"]),
+            ("save", TINY, ["--save", private, "--save-step", "1"],
+             os.path.join(private, ".step_00000001.partial"),
+             [os.path.join(private, ".step_00000001.partial"),
+              os.path.join(private, "step_00000001")])]:
+        got = launch_on_hosts(c, f"private-{fmt.replace('_', '-')}", HOSTS, args, script)
+        for k, (code, text) in enumerate(got):
+            assert code != 0, f"{fmt}: host {k}'s launcher exited 0:\n{text[-3000:]}"
+            if k == 0:  # rank 0 sees its own directory; it learns the others failed
+                assert f"{fmt}: another rank failed; nothing was committed" in text, \
+                    text[-3000:]
+            else:
+                assert f"{fmt}: rank {k} (host " in text and "does not see the directory rank " \
+                    f"0 made for the save, {staging} (absent here)" in text, text[-3000:]
+                assert "filesystem every rank's host shares" in text
+        for node in c.nodes:
+            for path in leftovers:
+                assert not os.path.exists(c.hosts.seen(node, path)), (fmt, node, path)
