@@ -1,6 +1,6 @@
 """train_tiny.py's fault points for the recovery tests and benchmarks: --kill-at kills the rank
 (SIGKILL) at a point of one of its steps, --hold-at holds it there, writing its pid to a mark
-file, until the test kills it (and its node's daemon), --raise-at raises an uncaught exception
+file, until the test kills it (and its node's daemon) or removes the mark (it goes on then), --raise-at raises an uncaught exception
 there (a rank that crashes)."""
 import contextlib
 import os
@@ -40,8 +40,12 @@ class Kill:
                 with open(self.points[(step, phase)] + ".tmp", "w") as f:
                     f.write(str(os.getpid()))
                 os.replace(self.points[(step, phase)] + ".tmp", self.points[(step, phase)])
-                while True:  # until the test kills this process (and its node's daemon)
-                    time.sleep(3600)
+                # Until the test kills this process (and its node's daemon), or removes the mark
+                # (a partition: the rank goes on, into whatever its node's link allows).
+                while os.path.exists(self.points[(step, phase)]):
+                    time.sleep(0.05)
+                self.points.pop((step, phase))
+                return
             open(self.points[(step, phase)], "w").close()
             if (step, phase) in self.raises:
                 raise RuntimeError(f"--raise-at: step {step + 1}, {phase} (a crash on purpose)")

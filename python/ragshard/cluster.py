@@ -271,6 +271,10 @@ class LocalCluster:
                 d, f"ragshardd {self.nodes[i]}", name)
         return d
 
+    def daemon(self, i):
+        """Daemon `i`'s process (the latest start_daemon's)."""
+        return self._daemons[i]
+
     def kill_daemon(self, i):
         """kill -9 of daemon `i` (its pool is lost with it)."""
         self._daemons[i].kill()

@@ -31,6 +31,7 @@
 #include "server/daemon/command_poller.h"
 #include "server/daemon/data_backend.h"
 #include "server/daemon/metrics.h"
+#include "server/daemon/node_lease.h"
 #include "server/daemon/node_registration.h"
 #include "server/daemon/pool.h"
 #include "server/daemon/ucx_comm.h"
@@ -186,6 +187,9 @@ class NodeDaemon final : public v1::Daemon::CallbackService {
   // The planner refused a heartbeat of this incarnation (another daemon registered the node id):
   // fails every job's operations naming it and ends the process with kStaleExitCode.
   [[noreturn]] void FenceStale(const absl::Status& refused);
+  // The lease ran out (lease_): fails the operations of every job that goes on without this
+  // node (JobRuntime::fenced_with_node) with `fence`.
+  void FenceJobs(const absl::Status& fence);
 
   const DaemonOptions options_;
   const std::shared_ptr<PlannerClient> planner_;
@@ -200,6 +204,8 @@ class NodeDaemon final : public v1::Daemon::CallbackService {
   ScopedFd fd_listener_;
   // The ranks' command queues (docs/daemon.md): one per attachment whose side channel is open.
   std::unique_ptr<CommandPoller> poller_;
+  // Whether the planner acknowledges this node's heartbeats (node_lease.h).
+  NodeLease lease_;
   // The node's ranks' registrations, held until the node's call (node_registration.h).
   NodeRegistrations registrations_{options_.node_id};
 

@@ -22,6 +22,7 @@ grpc::ServerUnaryReactor* NodeDaemon::Attach(Ctx* ctx, const v1::AttachRequest* 
   if (auto s = ValidateId("job_id", req->job_id()); !s.ok()) return ReplyUnary(ctx, s);
   if (req->rank() < 0)
     return ReplyUnary(ctx, absl::InvalidArgumentError("rank: must not be negative"));
+  if (absl::Status fenced = lease_.Fenced(); !fenced.ok()) return ReplyUnary(ctx, fenced);
   // Setting a job up waits for the plan and for the peers, so it runs on a thread of its own
   // rather than blocking one of gRPC's callback threads.
   auto* reactor = ctx->DefaultReactor();

@@ -123,6 +123,7 @@ void NodeDaemon::RunHeartbeats() {
       k->set_kind(kind);
       k->set_count(count);
     }
+    const absl::Time sent = absl::Now();
     auto resp = planner_->Heartbeat(hb);
     if (!resp.ok()) {
       if (absl::IsNotFound(resp.status())) {
@@ -133,6 +134,10 @@ void NodeDaemon::RunHeartbeats() {
         LOG_EVERY_N(WARNING, 10) << "heartbeat: " << resp.status();
       }
       continue;
+    }
+    if (lease_.Acknowledged(sent, resp->lease_ms())) {
+      LOG(WARNING) << "the planner acknowledges this node's heartbeats again: the fence ends "
+                      "(the jobs it stopped stay failed)";
     }
     for (const v1::JobFailure& f : resp->failed_jobs()) {
       if (std::shared_ptr<JobRuntime> job = FindJob(f.job_id()); job != nullptr) {
@@ -146,6 +151,22 @@ void NodeDaemon::RunHeartbeats() {
       }
     }
     for (const std::string& job : resp->release_jobs()) DropJob(job, "deleted by the planner");
+  }
+}
+
+void NodeDaemon::FenceJobs(const absl::Status& fence) {
+  LOG(ERROR) << fence.message();
+  std::fprintf(stderr, "ragshardd %s: %s\n", options_.node_id.c_str(),
+               std::string(fence.message()).c_str());
+  std::vector<std::shared_ptr<JobRuntime>> jobs;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, job] : jobs_) jobs.push_back(job);
+  }
+  // A job that does not go on without this node fails where the planner declares it lost, and
+  // rides out an outage of the planner.
+  for (const auto& job : jobs) {
+    if (job->fenced_with_node()) job->Fail(fence);
   }
 }
 
@@ -172,6 +193,7 @@ void NodeDaemon::FenceStale(const absl::Status& refused) {
 
 void NodeDaemon::RunWaiterClock() {
   while (!stop_.WaitForNotificationWithTimeout(absl::Milliseconds(50))) {
+    if (lease_.Expire(absl::Now())) FenceJobs(lease_.Fenced());
     std::vector<std::shared_ptr<JobRuntime>> jobs;
     {
       absl::MutexLock lock(&mu_);

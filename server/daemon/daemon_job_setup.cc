@@ -142,6 +142,8 @@ absl::StatusOr<std::shared_ptr<JobRuntime>> NodeDaemon::SetUpJob(const std::stri
       std::make_shared<JobRuntime>(job_id, options_.node_id, std::move(*plan), local, nullptr,
                                    std::move(relay), std::move(*dp), planner_, metrics_);
   runtime->set_incarnation(incarnation_);
+  runtime->set_fenced_with_node(job->options().recovery_deadline_ms() > 0 ||
+                                job->options().on_node_loss() == "shrink");
   if (job->options().recovery_deadline_ms() > 0) {
     JobRuntime::Reconnect reconnect;
     if (relay_ptr != nullptr) {

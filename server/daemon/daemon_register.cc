@@ -11,6 +11,7 @@ namespace ragshard::daemon {
 
 grpc::ServerUnaryReactor* NodeDaemon::Register(Ctx* ctx, const v1::RegisterRequest* req,
                                                v1::RegisterResponse* resp) {
+  if (absl::Status fenced = lease_.Fenced(); !fenced.ok()) return ReplyUnary(ctx, fenced);
   auto* reactor = ctx->DefaultReactor();
   // The wait for the node's other ranks: the rank's, at most a day (as the rank's own timeout).
   const int64_t wait_ms = std::clamp<int64_t>(req->timeout_ms() > 0 ? req->timeout_ms() : 60000, 1,

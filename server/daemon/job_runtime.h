@@ -53,6 +53,10 @@ class JobRuntime final : public OpTarget {
   // The daemon's incarnation, which its reports of failures carry (the planner refuses those of
   // a stale daemon). Set once, before the job can fail.
   void set_incarnation(uint64_t incarnation) { incarnation_.store(incarnation); }
+  // Whether the job goes on without a lost node (it recovers in place, or shrinks): such a job
+  // stops where its node is fenced (node_lease.h), since another node takes over its part.
+  void set_fenced_with_node(bool fenced) { fenced_with_node_.store(fenced); }
+  bool fenced_with_node() const { return fenced_with_node_.load(); }
   const std::vector<int64_t>& local_ranks() const { return local_ranks_; }
   const DataBackend& dp() const { return *dp_; }
   void FillStats(v1::JobStats* out);
@@ -214,7 +218,8 @@ class JobRuntime final : public OpTarget {
   std::unique_ptr<Comm> comm_;
   std::unique_ptr<DataBackend> dp_;
   std::shared_ptr<PlannerClient> planner_;
-  std::atomic<uint64_t> incarnation_{0};          // the daemon's, in its reports
+  std::atomic<uint64_t> incarnation_{0};  // the daemon's, in its reports
+  std::atomic<bool> fenced_with_node_{false};
   const std::shared_ptr<DaemonMetrics> metrics_;  // never null
   // The ranks' state buffers and the recovery's state, each with its own lock (after mu_).
   RankStates states_;

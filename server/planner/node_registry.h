@@ -18,6 +18,14 @@
 
 namespace ragshard::planner {
 
+// A node's lease (HeartbeatResponse.lease_ms): three quarters of the node timeout. A daemon with
+// no heartbeat acknowledged for this long after it sent one fences itself; the planner counts
+// the timeout from the heartbeat's arrival, after its sending, so the daemon has stopped at
+// least a quarter of the timeout before the node can be declared lost.
+inline int64_t LeaseMs(std::chrono::milliseconds node_timeout) {
+  return node_timeout.count() / 4 * 3;
+}
+
 class NodeRegistry {
  public:
   explicit NodeRegistry(Store* store) : store_(store) {}

@@ -27,6 +27,7 @@ grpc::ServerUnaryReactor* PlannerService::Heartbeat(Ctx* ctx, const v1::Heartbea
       ctx, Access::kUser, [&] { return ValidateHeartbeat(*req, options_.limits); },
       [&](Deferred* deferred) {
         RAGSHARD_RETURN_IF_ERROR(nodes_.Heartbeat(*req, NowMs()));
+        resp->set_lease_ms(LeaseMs(options_.node_timeout));
         const int64_t now_ms = NowMs();
         for (const std::string& job : req->jobs()) {
           EntryPtr e = Entry(job);
