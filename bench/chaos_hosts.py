@@ -1,0 +1,261 @@
+"""Host faults as clusters see them, on hosts of their own (ragshard.cluster.NamespacedCluster:
+a network namespace and a private /tmp per host; issue 72, items 4 and 5; docs/recovery.md):
+
+  loss       a host's link goes down (its packets and those to it vanish: nothing is reset),
+             then everything on it is killed; a replacement daemon with its node id starts on
+             a spare host with a launcher for its node rank (tests/python/test_hosts.py)
+  partition  a host's link goes down while everything on it lives: its daemon fences itself,
+             its ranks exit named; then the replacement as above (tests/python/test_partition.py)
+
+Each trial has a fresh cluster: a planner host, 3 daemon hosts and a spare; train_tiny at
+3 hosts x 2 ranks (one `ragshard-launch --nnodes 3 --node-rank K` per host), --max-restarts 1,
+--redundancy parity:2 in odd trials and replica in even ones, node timeout NODE_TIMEOUT_MS. The
+lost host (1 or 2: host 0's launcher creates the job), the step and, for a loss, the phase are
+drawn from a seeded RNG; the host's two ranks are held there, then the fault. A trial passes
+when every launcher of the job (the partitioned host's excepted) exits 0 within LIMIT_S of the
+cut and the final parameters are within 1e-6 of the same training uninterrupted (one run per
+scheme); its figures are the seconds from the cut to the job's end, the planner's seconds lost
+(`ragshardctl job show`: "recoveries: 1 recovery, X s lost") and, for a partition, when the
+host's ranks exited.
+
+    .venv/bin/python bench/chaos_hosts.py --build build --losses 10 --partitions 5 \\
+        --json docs/benchmarks/chaos_hosts.json --report docs/benchmarks/chaos_hosts.md
+
+Needs root (namespaces)."""
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "examples", "train_tiny.py")
+MODEL = ["--layers", "2", "--dim", "64", "--heads", "4", "--seq", "16", "--batch", "2",
+         "--vocab", "32", "--quiet", "--optimizer", "adamw"]
+STEPS = 6
+HOSTS, PER_HOST = 3, 2
+NODE_TIMEOUT_MS = 6000
+LIMIT_S = 180.0
+PARAM_ATOL = 1e-6
+LOST = re.compile(r"recoveries:\s+(\d+) recover\w*, ([\d.]+) s lost")
+
+
+def scheme(trial):
+    return "parity:2" if trial % 2 else "replica"
+
+
+def launchers(c, job, out, where, redundancy, extra=(), **more_env):
+    """One launcher per (node rank, host) of `where`, each in a session of its own."""
+    env = c.env(PYTHONPATH=os.pathsep.join([os.path.join(c.build, "python"),
+                                            os.environ.get("PYTHONPATH", "")]), **more_env)
+    return {k: c.spawn(host, [sys.executable, "-m", "ragshard.launch", "--planner", c.planner,
+                              "--job", job, "--create-job", "--nproc", str(HOSTS * PER_HOST),
+                              "--nnodes", str(HOSTS), "--node-rank", str(k), "--sockets",
+                              c.sockets[k], "--nodes", c.nodes[k], "--max-restarts", "1",
+                              "--redundancy", redundancy, "--recovery-deadline", "90", EXAMPLE,
+                              "--out", out, "--steps", str(STEPS)] + MODEL + list(extra),
+                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       start_new_session=True)
+            for k, host in where}
+
+
+def kill_all(procs):
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+
+
+def finish(procs, until):
+    """Every launcher's (exit code, output tail), waiting until `until` (time.time())."""
+    out = {}
+    for k, p in procs.items():
+        try:
+            text = p.communicate(timeout=max(1.0, until - time.time()))[0]
+        except subprocess.TimeoutExpired:
+            kill_all([p])
+            text = p.communicate()[0] + "\n(killed: past the trial's limit)"
+        out[k] = (p.returncode, text[-3000:])
+    return out
+
+
+def gone(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def cluster(build):
+    from ragshard.cluster import NamespacedCluster
+    c = NamespacedCluster(build, daemons=HOSTS, spare_hosts=1, pool_bytes=128 << 20,
+                          node_timeout_ms=NODE_TIMEOUT_MS, heartbeat_ms=250, shared=[ROOT])
+    return c
+
+
+def reference(build, work, redundancy):
+    out = os.path.join(work, f"ref-{redundancy.replace(':', '')}")
+    with cluster(build) as c:
+        got = finish(launchers(c, "ref", out, enumerate(c.nodes), redundancy),
+                     time.time() + LIMIT_S)
+    bad = {k: t for k, (rc, t) in got.items() if rc != 0}
+    if bad:
+        raise RuntimeError(f"the uninterrupted {redundancy} run failed: {bad}")
+    return out
+
+
+def trial(build, work, kind, index, rng, refs):
+    from recovery_runs import max_abs_diff
+    redundancy = scheme(index)
+    host = rng.choice([1, 2])
+    step = rng.randint(2, STEPS - 1)
+    phase = "forward" if kind == "partition" else rng.choice(
+        ["forward", "backward", "step", "between"])
+    node = f"node-{host}"
+    record = {"kind": kind, "trial": index, "redundancy": redundancy, "host": node,
+              "step": step, "phase": phase}
+    out = os.path.join(work, f"{kind}-{index}")
+    with cluster(build) as c:
+        ranks = [host * PER_HOST + i for i in range(PER_HOST)]
+        marks = [os.path.join(work, f"{kind}-{index}-hold{r}") for r in ranks]
+        procs = launchers(c, "cut", out, enumerate(c.nodes), redundancy,
+                          [f"--hold-at={r}:{step}:{phase}:{m}" for r, m in zip(ranks, marks)],
+                          RAGSHARD_PLANNER_RETRY_S="5")
+        cut_off = []
+        try:
+            deadline = time.time() + LIMIT_S
+            while not all(os.path.exists(m) for m in marks):
+                if any(p.poll() is not None for p in procs.values()) or time.time() > deadline:
+                    record.update(ok=False, why="the held ranks did not reach their hold")
+                    return record
+                time.sleep(0.05)
+            pids = [int(open(m).read()) for m in marks]
+            c.hosts.link_down(node)
+            cut = time.time()
+            if kind == "loss":  # then everything on the host dies
+                kill_all([procs[host]])
+                for pid in pids:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                c.kill_daemon(host)
+            else:  # its ranks go on, into an operation that cannot finish
+                for m in marks:
+                    os.unlink(m)
+                while not all(gone(p) for p in pids):
+                    if time.time() - cut > LIMIT_S:
+                        record.update(ok=False, why="the partitioned host's ranks did not stop")
+                        return record
+                    time.sleep(0.05)
+                record["ranks_stopped_s"] = round(time.time() - cut, 2)
+            old = procs.pop(host)
+            cut_off.append(old)
+            c.start_daemon(host, log_suffix="-replacement", host="spare-0")
+            procs.update(launchers(c, "cut", out, [(host, "spare-0")], redundancy))
+            got = finish(procs, cut + LIMIT_S)
+            record["end_s"] = round(time.time() - cut, 2)
+            if kind == "partition":
+                text = old.communicate(timeout=120)[0]
+                record["fenced_named"] = "this node is fenced" in text
+            bad = {k: t for k, (rc, t) in got.items() if rc != 0}
+            shown = c.run("planner", [os.path.join(build, "ctl", "ragshardctl"), "--planner",
+                                      c.planner, "--token-file", c.token_file, "job", "show",
+                                      "cut"], capture_output=True, text=True, timeout=60).stdout
+            m = LOST.search(shown)
+            record["lost_s"] = float(m.group(2)) if m else None
+            if bad:
+                record.update(ok=False, why=f"launchers failed: {bad}")
+                return record
+            diff = max_abs_diff(out, refs[redundancy])
+            record["max_abs_diff"] = diff
+            record["ok"] = diff <= PARAM_ATOL and record.get("fenced_named", True)
+            if not record["ok"]:
+                record["why"] = f"max |diff| {diff:.3g}" if diff > PARAM_ATOL else \
+                    "the partitioned host's launcher did not name the fence"
+            return record
+        finally:
+            kill_all(list(procs.values()) + cut_off)
+
+
+def render(records, path):
+    lines = ["# Host faults on hosts of their own", "",
+             "Produced by `bench/chaos_hosts.py` (docs/recovery.md, \"Partitions and fencing\"); "
+             f"train_tiny at {HOSTS} hosts x {PER_HOST} ranks, `--max-restarts 1`, node timeout "
+             f"{NODE_TIMEOUT_MS / 1000:g} s, a replacement daemon on a spare host.", "",
+             "| trial | fault | redundancy | host | step | phase | passed | ranks stopped (s) | "
+             "cut to end (s) | planner's s lost | max abs diff |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        passed = "yes" if r.get("ok") else f"NO: {r.get('why', '')}"
+        diff = f"{r['max_abs_diff']:.3g}" if "max_abs_diff" in r else ""
+        cells = [r["trial"], r["kind"], r["redundancy"], r["host"], r["step"], r["phase"],
+                 passed, r.get("ranks_stopped_s", ""), r.get("end_s", ""),
+                 r.get("lost_s", ""), diff]
+        lines.append("| " + " | ".join(str(x) for x in cells) + " |")
+    lines.append("")
+    for kind in ("loss", "partition"):
+        done = [r for r in records if r["kind"] == kind]
+        if not done:
+            continue
+        ok = [r for r in done if r.get("ok")]
+        ends = [r["end_s"] for r in ok]
+        lost = [r["lost_s"] for r in ok if r.get("lost_s") is not None]
+        lines.append(f"* {kind}: {len(ok)} of {len(done)} passed"
+                     + (f"; cut to end median {statistics.median(ends):.1f} s "
+                        f"({min(ends):.1f}-{max(ends):.1f})" if ends else "")
+                     + (f"; planner's seconds lost median {statistics.median(lost):.1f} s"
+                        if lost else ""))
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--build", default=os.path.join(ROOT, "build"))
+    p.add_argument("--losses", type=int, default=10)
+    p.add_argument("--partitions", type=int, default=5)
+    p.add_argument("--seed", type=int, default=72)
+    p.add_argument("--json", default="")
+    p.add_argument("--report", default="")
+    a = p.parse_args()
+    build = os.path.abspath(a.build)
+    sys.path.insert(0, os.path.join(build, "python"))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from ragshard import hosts
+    why = hosts.unavailable()
+    if why:
+        sys.exit(f"chaos_hosts: hosts in namespaces cannot be made here: {why}")
+    rng = random.Random(a.seed)
+    records = []
+    with tempfile.TemporaryDirectory(prefix="chaos-hosts-", dir="/var/tmp") as work:
+        refs = {s: reference(build, work, s) for s in ("replica", "parity:2")}
+        plan = [("loss", i + 1) for i in range(a.losses)] + \
+            [("partition", i + 1) for i in range(a.partitions)]
+        for kind, i in plan:
+            r = trial(build, work, kind, i, rng, refs)
+            records.append(r)
+            print(json.dumps(r), flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"commit": subprocess.run(["git", "-C", ROOT, "rev-parse", "--short",
+                                                 "HEAD"], capture_output=True,
+                                                text=True).stdout.strip(),
+                       "node_timeout_ms": NODE_TIMEOUT_MS, "trials": records}, f, indent=1)
+    if a.report:
+        render(records, a.report)
+    return 0 if all(r.get("ok") for r in records) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
