@@ -66,12 +66,11 @@ def launchers(c, job, out, where, redundancy, extra=(), **more_env):
 
 
 def kill_all(procs):
+    """Each launcher's session (it and its ranks), killed."""
+    from chaos_procs import kill_session
     for p in procs:
         if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            kill_session(p.pid)
             p.wait()
 
 
@@ -188,11 +187,38 @@ def trial(build, work, kind, index, rng, refs):
             kill_all(list(procs.values()) + cut_off)
 
 
-def render(records, path):
+def plot(records, path):
+    """Each passing trial's seconds from the cut to the job's end and the planner's seconds
+    lost, losses and partitions side by side."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    ok = [r for r in records if r.get("ok")]
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    xs = range(len(ok))
+    ax.bar([x - 0.2 for x in xs], [r["end_s"] for r in ok], 0.4, label="cut to the job's end")
+    ax.bar([x + 0.2 for x in xs], [r.get("lost_s") or 0 for r in ok], 0.4,
+           label="planner's seconds lost")
+    ax.set_xticks(list(xs), [f"{r['kind'][0]}{r['trial']}\n{r['redundancy'][:3]}" for r in ok],
+                  fontsize=7)
+    ax.set_ylabel("seconds")
+    ax.set_title("Host losses (l) and partitions (p) on namespaced hosts, recovered in place")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def render(records, path, commit=""):
     lines = ["# Host faults on hosts of their own", "",
              "Produced by `bench/chaos_hosts.py` (docs/recovery.md, \"Partitions and fencing\"); "
              f"train_tiny at {HOSTS} hosts x {PER_HOST} ranks, `--max-restarts 1`, node timeout "
-             f"{NODE_TIMEOUT_MS / 1000:g} s, a replacement daemon on a spare host.", "",
+             f"{NODE_TIMEOUT_MS / 1000:g} s, a replacement daemon on a spare host; commit "
+             f"{commit or '(not recorded)'}. Run as `.venv/bin/python bench/chaos_hosts.py "
+             "--build build --losses 10 --partitions 5 --json docs/benchmarks/chaos_hosts.json "
+             "--report docs/benchmarks/chaos_hosts.md` (raw trials in chaos_hosts.json).", "",
+             "A partition's replacement starts once the cut-off host's ranks stopped (its "
+             "daemon fenced); a loss's at once. Seconds lost: the planner's, from the failure "
+             "it saw to the job's recovery.", "",
              "| trial | fault | redundancy | host | step | phase | passed | ranks stopped (s) | "
              "cut to end (s) | planner's s lost | max abs diff |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -203,7 +229,7 @@ def render(records, path):
                  passed, r.get("ranks_stopped_s", ""), r.get("end_s", ""),
                  r.get("lost_s", ""), diff]
         lines.append("| " + " | ".join(str(x) for x in cells) + " |")
-    lines.append("")
+    lines += ["", f"![trials]({os.path.basename(path)[:-3]}.png)", ""]
     for kind in ("loss", "partition"):
         done = [r for r in records if r["kind"] == kind]
         if not done:
@@ -218,6 +244,7 @@ def render(records, path):
                         if lost else ""))
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
+    plot(records, path[:-3] + ".png")
 
 
 def main():
@@ -228,7 +255,13 @@ def main():
     p.add_argument("--seed", type=int, default=72)
     p.add_argument("--json", default="")
     p.add_argument("--report", default="")
+    p.add_argument("--from-json", default="", help="render --report from this JSON only")
     a = p.parse_args()
+    if a.from_json:
+        with open(a.from_json) as f:
+            got = json.load(f)
+        render(got["trials"], a.report, got.get("commit", ""))
+        return 0
     build = os.path.abspath(a.build)
     sys.path.insert(0, os.path.join(build, "python"))
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -246,14 +279,14 @@ def main():
             r = trial(build, work, kind, i, rng, refs)
             records.append(r)
             print(json.dumps(r), flush=True)
+    commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
+                            capture_output=True, text=True).stdout.strip()
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"commit": subprocess.run(["git", "-C", ROOT, "rev-parse", "--short",
-                                                 "HEAD"], capture_output=True,
-                                                text=True).stdout.strip(),
-                       "node_timeout_ms": NODE_TIMEOUT_MS, "trials": records}, f, indent=1)
+            json.dump({"commit": commit, "node_timeout_ms": NODE_TIMEOUT_MS,
+                       "trials": records}, f, indent=1)
     if a.report:
-        render(records, a.report)
+        render(records, a.report, commit)
     return 0 if all(r.get("ok") for r in records) else 1
 
 

@@ -25,3 +25,17 @@ def ctl(cluster, *args):
     return subprocess.run([os.path.join(BUILD, "ctl", "ragshardctl"), "--planner",
                            cluster.planner, "--token-file", cluster.token_file, *args],
                           capture_output=True, text=True, timeout=60)
+
+
+def require_namespaces():
+    """Hosts in namespaces (ragshard.hosts) for a test module: where they cannot be made, the
+    module fails naming why when RAGSHARD_REQUIRE_NAMESPACES=1 (.ci/run sets it), and skips with
+    that reason elsewhere."""
+    import pytest
+
+    from ragshard import hosts
+    why = hosts.unavailable()
+    if why:
+        if os.environ.get("RAGSHARD_REQUIRE_NAMESPACES") == "1":
+            pytest.fail(f"hosts in namespaces are required here: {why}", pytrace=False)
+        pytest.skip(why, allow_module_level=True)

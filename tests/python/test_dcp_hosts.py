@@ -11,8 +11,8 @@ through the job's keys on the planner, so nothing but the checkpoint itself is s
   directory the other hosts do not see, and leaves no checkpoint on any host: save_dcp's, and
   ragshard's own format's (checkpoint.save, through examples/train_tiny.py --save).
 
-Namespaces need root: where they cannot be made the tests fail naming why when
-RAGSHARD_REQUIRE_NAMESPACES=1 (.ci/run sets it) and skip with that reason elsewhere."""
+Namespaces need root: cluster_runs.require_namespaces says what happens where they cannot be
+made."""
 import json
 import os
 import signal
@@ -20,17 +20,12 @@ import subprocess
 import sys
 
 import pytest
-from cluster_runs import BUILD, ROOT, env  # beside this file; puts the build's package on the path
+from cluster_runs import BUILD, ROOT, env, require_namespaces  # beside this file
 from test_porting import EXAMPLE, PRELOAD, SAVE_AFTER, STEPS, check_continuation, run_fsdp2
 
-from ragshard import hosts as hosts_module  # noqa: E402
 from ragshard.cluster import NamespacedCluster  # noqa: E402
 
-WHY = hosts_module.unavailable()
-if WHY:
-    if os.environ.get("RAGSHARD_REQUIRE_NAMESPACES") == "1":
-        pytest.fail(f"hosts in namespaces are required here: {WHY}", pytrace=False)
-    pytest.skip(WHY, allow_module_level=True)
+require_namespaces()
 
 HOSTS = 3
 BATCH = ["--global-batch", "12"]  # splits evenly over 2, 3, 4 and 6 ranks

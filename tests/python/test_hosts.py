@@ -10,8 +10,8 @@ ranks: --nnodes 2 --node-rank K) ends equal to the same training on loopback; an
 those hosts is lost without a reset (its link down, then everything on it killed) and replaced
 on a spare host, the training recovers in place and ends equal to the uninterrupted one.
 
-Namespaces need root: where they cannot be made the tests fail naming why when
-RAGSHARD_REQUIRE_NAMESPACES=1 (.ci/run sets it) and skip with that reason elsewhere."""
+Namespaces need root: cluster_runs.require_namespaces says what happens where they cannot be
+made."""
 import os
 import socket
 import subprocess
@@ -21,17 +21,12 @@ import time
 import pytest
 import torch
 # beside this file; it puts the build's package on the path
-from cluster_runs import BUILD, ROOT, env
+from cluster_runs import BUILD, ROOT, env, require_namespaces
 
-from ragshard import hosts as hosts_module  # noqa: E402
 from ragshard.cluster import LocalCluster, NamespacedCluster  # noqa: E402
 from ragshard.hosts import Hosts  # noqa: E402
 
-WHY = hosts_module.unavailable()
-if WHY:
-    if os.environ.get("RAGSHARD_REQUIRE_NAMESPACES") == "1":
-        pytest.fail(f"hosts in namespaces are required here: {WHY}", pytrace=False)
-    pytest.skip(WHY, allow_module_level=True)
+require_namespaces()
 
 EXAMPLE = os.path.join(ROOT, "examples", "train_tiny.py")
 SMALL = ["--layers", "2", "--dim", "64", "--heads", "4", "--seq", "16", "--batch", "2",

@@ -11,24 +11,18 @@ a launcher for node rank 1, and the job recovers in place and ends equal to the 
 uninterrupted (within 1e-6). When the link returns, the partitioned daemon learns that another
 holds its node id and exits, named; nothing of it reached the job.
 
-Namespaces need root: where they cannot be made the tests fail naming why when
-RAGSHARD_REQUIRE_NAMESPACES=1 (.ci/run sets it) and skip with that reason elsewhere."""
+Namespaces need root: cluster_runs.require_namespaces says what happens where they cannot be
+made."""
 import os
 import time
 
-import pytest
 import torch
-from cluster_runs import BUILD, ROOT  # beside this file; puts the build's package on the path
+from cluster_runs import BUILD, ROOT, require_namespaces  # beside this file; the package
 from test_hosts import finish, launchers
 
-from ragshard import hosts as hosts_module  # noqa: E402
 from ragshard.cluster import NamespacedCluster  # noqa: E402
 
-WHY = hosts_module.unavailable()
-if WHY:
-    if os.environ.get("RAGSHARD_REQUIRE_NAMESPACES") == "1":
-        pytest.fail(f"hosts in namespaces are required here: {WHY}", pytrace=False)
-    pytest.skip(WHY, allow_module_level=True)
+require_namespaces()
 
 NODE_TIMEOUT_MS = 6000
 LEASE_S = NODE_TIMEOUT_MS * 3 / 4 / 1000

@@ -43,7 +43,9 @@ TEST_F(PlannerNodeLossTest, ASilentNodeBecomesLostAndItsJobsDegraded) {
     hb.mutable_figures()->set_pool_capacity_bytes(1 << 30);
     hb.mutable_figures()->set_pool_used_bytes(4096);
     while (beating.load()) {
-      if (!client_->Heartbeat(hb).ok()) beat_ok.store(false);
+      // Each answer carries the node's lease: three quarters of the node timeout (node_lease.h).
+      auto resp = client_->Heartbeat(hb);
+      if (!resp.ok() || resp->lease_ms() != 1500) beat_ok.store(false);
       std::this_thread::sleep_for(20ms);
     }
   });
