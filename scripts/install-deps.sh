@@ -20,7 +20,7 @@ PACKAGES=(
   prometheus-cpp-dev
   libopenmpi-dev openmpi-bin libgloo-dev
   python3-venv
-  patchelf iproute2
+  patchelf iproute2 nftables
   slurmctld slurmd slurm-client munge systemd
 )
 

@@ -196,3 +196,28 @@ class Hosts:
 
     def link_up(self, host):
         _ip("-n", self.netns(host), "link", "set", "eth0", "up")
+
+    def lossy(self, host, percent):
+        """`host`'s link drops `percent` % of its packets (eth0's), each way, at random (0:
+        none again): an nftables table in the host's namespace (Debian's nftables; RuntimeError
+        naming why where it cannot be made). Its connections stay up; TCP retransmits what is
+        lost."""
+        if not 0 <= int(percent) <= 100:
+            raise ValueError(f"percent: {percent} is not in [0, 100]")
+        if shutil.which("nft") is None:
+            raise RuntimeError("lossy links need nft (Debian's nftables)")
+        ns = self.netns(host)
+        subprocess.run(["ip", "netns", "exec", ns, "nft", "delete", "table", "inet",
+                        "ragshard_loss"], capture_output=True)
+        if int(percent) == 0:
+            return
+        some = "" if int(percent) == 100 else f"numgen random mod 100 < {int(percent)} "
+        rules = ("table inet ragshard_loss {\n"
+                 "  chain in { type filter hook input priority 0; "
+                 f"iifname eth0 {some}drop; }}\n"
+                 "  chain out { type filter hook output priority 0; "
+                 f"oifname eth0 {some}drop; }}\n}}\n")
+        r = subprocess.run(["ip", "netns", "exec", ns, "nft", "-f", "-"], input=rules,
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"nft in {ns}: {r.stderr.strip() or r.returncode}")

@@ -89,6 +89,17 @@ def test_hosts_have_their_own_tmp_reach_each_other_only_and_leave_nothing(tmp_pa
         got = h.run("a", [sys.executable, "-c", CLIENT, h.address("b"), port, "10"],
                     capture_output=True, text=True)
         assert got.stdout.strip() == "refused", got
+        # A lossy link: every packet dropped is a link that does not answer; none, it answers.
+        h.lossy("b", 100)
+        got = h.run("a", [sys.executable, "-c", CLIENT, h.address("b"), port, "1"],
+                    capture_output=True, text=True)
+        assert got.stdout.strip() == "timeout", got
+        h.lossy("b", 0)
+        got = h.run("a", [sys.executable, "-c", CLIENT, h.address("b"), port, "10"],
+                    capture_output=True, text=True)
+        assert got.stdout.strip() == "refused", got
+        with pytest.raises(ValueError, match="percent: 101 is not in"):
+            h.lossy("b", 101)
         holders = [h.holder(n) for n in h.names]
     assert tag not in namespaces()
     for pid in holders:

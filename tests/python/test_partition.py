@@ -11,6 +11,10 @@ a launcher for node rank 1, and the job recovers in place and ends equal to the 
 uninterrupted (within 1e-6). When the link returns, the partitioned daemon learns that another
 holds its node id and exits, named; nothing of it reached the job.
 
+And a lossy link (Hosts.lossy: node-1's host drops 5 % of its packets each way, at random, for
+the whole training): the job is slower, nothing is fenced, and it ends equal to the same
+training on clean links.
+
 Namespaces need root: cluster_runs.require_namespaces says what happens where they cannot be
 made."""
 import os
@@ -96,3 +100,23 @@ def test_a_partitioned_host_fences_itself_and_the_job_recovers_without_it():
     assert a.keys() == b.keys()
     for name in a:
         assert torch.allclose(a[name], b[name], rtol=0, atol=1e-6), name
+
+
+def test_a_lossy_link_slows_the_job_and_changes_nothing():
+    with NamespacedCluster(BUILD, daemons=2, pool_bytes=128 << 20,
+                           node_timeout_ms=NODE_TIMEOUT_MS, heartbeat_ms=250,
+                           shared=[ROOT]) as c:
+        ref, out = os.path.join(c.dir, "ref"), os.path.join(c.dir, "lossy")
+        finish(launchers(c, "ref", ref, enumerate(c.nodes)))
+        c.hosts.lossy("node-1", 5)
+        started = time.time()
+        finish(launchers(c, "lossy", out, enumerate(c.nodes)), timeout=600)
+        print(f"the training took {time.time() - started:.1f} s with 5 % of node-1's packets "
+              "dropped")
+        c.hosts.lossy("node-1", 0)
+        with open(os.path.join(c.dir, "daemon1.log")) as f:
+            assert "fenced" not in f.read()
+        a, b = torch.load(out + ".pt"), torch.load(ref + ".pt")
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
