@@ -152,11 +152,7 @@ def test_a_training_across_hosts_ends_as_on_loopback(tmp_path):
                 if p.poll() is None:
                     p.kill()
                     p.wait()
-        a = torch.load(out + ".pt")
-    b = torch.load(ref + ".pt")
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
+        assert_same(out, ref)
 
 
 def launchers(c, job, out, where, extra=(), **more_env):
@@ -173,16 +169,31 @@ def launchers(c, job, out, where, extra=(), **more_env):
             for k, host in where}
 
 
+def assert_same(out, ref, atol=0.0):
+    """The final parameters of two runs (PREFIX.pt): equal, or within `atol` each."""
+    a, b = torch.load(out + ".pt"), torch.load(ref + ".pt")
+    assert a.keys() == b.keys()
+    for name in a:
+        same = torch.equal(a[name], b[name]) if atol == 0 else \
+            torch.allclose(a[name], b[name], rtol=0, atol=atol)
+        assert same, f"{name}: max |delta| {float((a[name] - b[name]).abs().max()):.3g}"
+
+
+def stop(procs):
+    """Kills each launcher's session still running (it and its ranks)."""
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, 9)
+            p.wait()
+
+
 def finish(procs, timeout=300):
     try:
         for k, p in procs.items():
             text = p.communicate(timeout=timeout)[0]
             assert p.returncode == 0, f"node rank {k}'s launcher: {text[-4000:]}"
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                os.killpg(p.pid, 9)
-                p.wait()
+        stop(procs.values())
 
 
 def test_a_host_lost_without_a_reset_recovers_on_a_spare_host(tmp_path):
@@ -219,11 +230,5 @@ def test_a_host_lost_without_a_reset_recovers_on_a_spare_host(tmp_path):
             assert "another daemon registered with its id" in shown, shown
             assert "recoveries:   1 recovery" in shown, shown
         finally:
-            for p in procs.values():
-                if p.poll() is None:
-                    os.killpg(p.pid, 9)
-                    p.wait()
-        a, b = torch.load(out + ".pt"), torch.load(ref + ".pt")
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.allclose(a[name], b[name], rtol=0, atol=1e-6), name
+            stop(procs.values())
+        assert_same(out, ref, atol=1e-6)

@@ -20,9 +20,8 @@ made."""
 import os
 import time
 
-import torch
 from cluster_runs import BUILD, ROOT, require_namespaces  # beside this file; the package
-from test_hosts import finish, launchers
+from test_hosts import assert_same, finish, launchers, stop
 
 from ragshard.cluster import NamespacedCluster  # noqa: E402
 
@@ -92,14 +91,8 @@ def test_a_partitioned_host_fences_itself_and_the_job_recovers_without_it():
             assert "this node is fenced" in log and "refuses this daemon's heartbeat" in log, \
                 log[-4000:]
         finally:
-            for p in list(procs.values()) + [cut_off] * (cut_off is not None):
-                if p.poll() is None:
-                    os.killpg(p.pid, 9)
-                    p.wait()
-        a, b = torch.load(out + ".pt"), torch.load(ref + ".pt")
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.allclose(a[name], b[name], rtol=0, atol=1e-6), name
+            stop(list(procs.values()) + [cut_off] * (cut_off is not None))
+        assert_same(out, ref, atol=1e-6)
 
 
 def test_a_lossy_link_slows_the_job_and_changes_nothing():
@@ -116,7 +109,4 @@ def test_a_lossy_link_slows_the_job_and_changes_nothing():
         c.hosts.lossy("node-1", 0)
         with open(os.path.join(c.dir, "daemon1.log")) as f:
             assert "fenced" not in f.read()
-        a, b = torch.load(out + ".pt"), torch.load(ref + ".pt")
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
+        assert_same(out, ref)
