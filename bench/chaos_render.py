@@ -7,6 +7,7 @@ import re
 import statistics
 
 import provenance
+import report_sections
 import chaos_node
 import chaos_shrink
 from chaos_recovery import DEADLINE, PARAM_ATOL, RECOVERY_LIMIT, STEPS
@@ -570,7 +571,9 @@ def write_report(docs, doc):
     commits = sorted({m["commit"] for m, _ in runs.values()})
     header = [x for c in commits for x in ("", f"commit: {c}")][1:] \
         if all(re.match(r"[0-9a-f]{40} \(", c) for c in commits) else None
-    provenance.write(os.path.join(docs, "reliability.md"), "\n".join(L).rstrip() + "\n", header)
+    path = os.path.join(docs, "reliability.md")
+    kept = report_sections.carried(path)  # another script's sections (bench/chaos_hosts.py)
+    provenance.write(path, "\n".join(L).rstrip() + "\n" + ("\n" + kept if kept else ""), header)
 
 
 def load_json(path):

@@ -5,6 +5,7 @@ import os
 import statistics
 
 import provenance
+import report_sections
 import recovery_node_render
 from recovery_runs import WATCH_S
 
@@ -356,5 +357,7 @@ def render(doc, out):
           "(one command of each kind as run; the planner address, the sockets and the paths are "
           "those of that run.) The whole report:\n",
           "```\n.venv/bin/python bench/recovery_report.py --build build\n```\n"]
-    provenance.write(out, "\n".join(L).rstrip() + "\n", doc.get("provenance"))
+    kept = report_sections.carried(out)  # another script's sections (bench/chaos_hosts.py)
+    provenance.write(out, "\n".join(L).rstrip() + "\n" + ("\n" + kept if kept else ""),
+                     doc.get("provenance"))
     return s

@@ -2,6 +2,8 @@
 // with ctypes). Buffers are returned as addresses: the host arena's (host backends) or the GPU
 // slab's, opened from the daemon's CUDA IPC handle (the cuda backend; with fake_device, the host
 // arena, so that the device path's pointers, shapes and types are checked where there is no GPU).
+// Here: the clients' and the jobs' calls; the calls that need no planner or daemon are in
+// ragshard_c_local.cc, the errors and strings every call hands out in ragshard_c_abi.h.
 #include "ragshard_c.h"
 
 #include <chrono>
@@ -13,18 +15,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "client/block_quant.h"
 #include "client/client.h"
 #include "client/device_memory.h"
-#include "engine/data_plane_memory.h"
 #include "engine/dtype.h"
 #include "engine/inventory.h"
-#include "engine/planner.h"
-#include "engine/redundancy.h"
-#include "infra/proto_text.h"
-#include "nlohmann/json.hpp"
 #include "protocol/planner_client.h"
-#include "protocol/pool_contract.h"
+#include "ragshard_c_abi.h"
 
 // The C++ Client is thread-compatible, and ctypes releases the GIL around every call: `mu`
 // serialises the calls that do not wait (what the GIL serialised under the pybind11 module),
@@ -46,6 +42,11 @@ struct rs_handle {
 namespace ragshard {
 namespace {
 
+using c_abi::Fail;
+using c_abi::Out;
+using c_abi::Str;
+using c_abi::ToJson;
+
 // 3: the _secure functions (TLS); version 2's functions remain. 4: rs_client_register takes
 // local_ranks (registration through the daemon). 5: rs_dequantize_chunks, rs_block_amax,
 // rs_encode_chunks. 8: rs_client_attach takes salvage, rs_create_job_secure on_node_loss,
@@ -53,24 +54,6 @@ namespace {
 // accumulate (gradient accumulation). 11: rs_pool_contract, rs_redundancy. 13: rs_client_put,
 // rs_client_get (the job's keys on the planner: checkpoints' plans).
 constexpr int kAbiVersion = 13;
-
-thread_local std::string last_error;
-thread_local std::string last_string;
-
-int Fail(int code, std::string message) {
-  last_error = std::move(message);
-  return code;
-}
-int Fail(const absl::Status& s) {
-  return Fail(static_cast<int>(s.code()),
-              absl::StrCat(absl::StatusCodeToString(s.code()), ": ", s.message()));
-}
-int Out(std::string value, const char** out) {
-  last_string = std::move(value);
-  *out = last_string.c_str();
-  return 0;
-}
-std::string Str(const char* s) { return s == nullptr ? std::string() : std::string(s); }
 
 // rs_security's fields: NULL takes the environment's (ClientSecurityFromEnv), else as given;
 // an empty token_file is the environment's too (ragshard_c.h).
@@ -105,18 +88,6 @@ absl::StatusOr<std::shared_ptr<PlannerClient>> Planner(const char* address,
   return std::shared_ptr<PlannerClient>(std::move(*p));
 }
 
-std::string ToJson(const google::protobuf::Message& m) { return ProtoJson(m, true, false); }
-
-// n_chunks BlockChunks from their int64 fields, in order.
-std::vector<BlockChunk> ParseChunks(const int64_t* chunks, int64_t n_chunks) {
-  std::vector<BlockChunk> parsed(static_cast<size_t>(n_chunks));
-  for (int64_t i = 0; i < n_chunks; ++i) {
-    const int64_t* f = chunks + i * kBlockChunkFields;
-    parsed[i] = {f[0], f[1], f[2], f[3], f[4], f[5], f[6]};
-  }
-  return parsed;
-}
-
 int CheckUnit(const rs_client* c, int unit) {
   if (unit >= 0 && unit < c->client->units()) return 0;
   return Fail(RS_OUT_OF_RANGE,
@@ -149,28 +120,7 @@ extern "C" {
 
 int rs_abi_version(void) { return kAbiVersion; }
 
-int rs_redundancy(const char* field, const char* text, int64_t nodes, const char** out) {
-  auto r = ragshard::ParseRedundancy(field, text);
-  if (!r.ok()) return Fail(r.status());
-  const absl::Status fits =
-      nodes > 0 ? ragshard::CheckRedundancyNodes(*r, nodes) : absl::OkStatus();
-  nlohmann::json j = {{"name", r->name()},
-                      {"whole_copies", r->whole_copies()},
-                      {"min_nodes", r->min_nodes()},
-                      {"group", r->kind == ragshard::Redundancy::Kind::kParity ? r->k + 1 : 0},
-                      {"nodes_error", std::string(fits.message())}};
-  thread_local std::string json;
-  json = j.dump();
-  *out = json.c_str();
-  return 0;
-}
-
-int rs_pool_contract(const char** out) {
-  static const std::string* json = new std::string(ragshard::pool::PoolContractJson());
-  *out = json->c_str();
-  return 0;
-}
-const char* rs_last_error(void) { return last_error.c_str(); }
+const char* rs_last_error(void) { return c_abi::LastError(); }
 
 int rs_client_create(const char* planner, const char* socket, const char* job, int64_t rank,
                      const char* node, int64_t timeout_ms, const char* token_file, int fake_device,
@@ -531,73 +481,6 @@ int rs_job_json(const char* planner, const char* job, const rs_security* securit
   auto j = (*p)->GetJob(Str(job));
   if (!j.ok()) return Fail(j.status());
   return Out(ToJson(*j), out);
-}
-
-int rs_plan_local(const char* inventory_json, int64_t world, const char* policy,
-                  int32_t align_bytes, const char** out) {
-  auto inv = ParseInventoryJson(Str(inventory_json));
-  if (!inv.ok()) return Fail(inv.status());
-  auto p = ParsePolicy(Str(policy));
-  if (!p.ok()) return Fail(RS_BAD_ARGUMENT, std::string(p.status().message()));
-  PlanOptions o;
-  o.policy = *p;
-  o.world = world;
-  o.align_bytes = align_bytes;
-  auto plan = BuildPlan(*inv, o);
-  if (!plan.ok()) return Fail(plan.status());
-  return Out(ToJson(*plan), out);
-}
-
-void rs_data_plane_peak(const int64_t* shard_elems, const int64_t* group, const double* bytes,
-                        const int64_t* grad_shard_elems, int64_t n, int64_t ranks, int shared,
-                        int64_t prefetch, int64_t p_slots, int64_t g_slots, int64_t g_ring_nodes,
-                        int64_t g_ring_slots, double out[5]) {
-  std::vector<DataPlaneUnit> in;
-  for (int64_t i = 0; i < n; ++i) {
-    in.push_back({shard_elems[i], group[i], bytes[i], grad_shard_elems[i]});
-  }
-  const DataPlaneMemory m =
-      DataPlanePeak(in, ranks, shared != 0, prefetch, p_slots, g_slots, g_ring_nodes, g_ring_slots);
-  out[0] = m.shards;
-  out[1] = m.grad_shards;
-  out[2] = m.unsharded;
-  out[3] = m.grads;
-  out[4] = m.scratch;
-}
-
-int rs_dequantize_chunks(const uint8_t* codes, int64_t n_codes, const float* scales,
-                         int64_t n_scales, const float* values, const int64_t* chunks,
-                         int64_t n_chunks, float* out, int64_t n_out) {
-  if (n_codes < 0 || n_scales < 0 || n_chunks < 0 || n_out < 0) {
-    return Fail(absl::InvalidArgumentError("dequantize: a negative count"));
-  }
-  const absl::Status s = DequantizeChunks(
-      absl::MakeConstSpan(codes, n_codes), absl::MakeConstSpan(scales, n_scales),
-      absl::MakeConstSpan(values, 256), ParseChunks(chunks, n_chunks), absl::MakeSpan(out, n_out));
-  return s.ok() ? 0 : Fail(s);
-}
-
-int rs_block_amax(const float* x, int64_t n, const int64_t* chunks, int64_t n_chunks, float* amax,
-                  int64_t n_blocks) {
-  if (n < 0 || n_chunks < 0 || n_blocks < 0) {
-    return Fail(absl::InvalidArgumentError("quantize: a negative count"));
-  }
-  const absl::Status s = BlockAmax(absl::MakeConstSpan(x, n), ParseChunks(chunks, n_chunks),
-                                   absl::MakeSpan(amax, n_blocks));
-  return s.ok() ? 0 : Fail(s);
-}
-
-int rs_encode_chunks(const float* x, int64_t n, const float* scales, int64_t n_scales,
-                     const int64_t* chunks, int64_t n_chunks, int fp8, uint8_t* codes,
-                     int64_t n_codes) {
-  if (n < 0 || n_scales < 0 || n_chunks < 0 || n_codes < 0) {
-    return Fail(absl::InvalidArgumentError("quantize: a negative count"));
-  }
-  const absl::Status s =
-      EncodeChunks(absl::MakeConstSpan(x, n), absl::MakeConstSpan(scales, n_scales),
-                   ParseChunks(chunks, n_chunks), fp8 != 0 ? CodeKind::kFp8E4m3fn : CodeKind::kInt8,
-                   absl::MakeSpan(codes, n_codes));
-  return s.ok() ? 0 : Fail(s);
 }
 
 }  // extern "C"

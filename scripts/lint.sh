@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs clang-tidy (the checks .clang-tidy enables) on every C++ source under infra/, engine/,
-# protocol/, client/, ctl/ and server/, and on python/ragshard_c.cc, with the build's compile
+# protocol/, client/, ctl/ and server/, and on python/ragshard_c*.cc, with the build's compile
 # database. CUDA sources (.cu) are not checked. Exits 1 naming the findings when any check warns.
 #
 #   scripts/lint.sh [--all] [BUILD_DIR]      (default: build; build it first, as scripts/test.sh

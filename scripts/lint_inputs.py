@@ -18,7 +18,8 @@ import re
 import subprocess
 import sys
 
-WANTED = re.compile(r"^(infra|engine|protocol|client|ctl|server)/.*\.cc$|^python/ragshard_c\.cc$")
+WANTED = re.compile(r"^(infra|engine|protocol|client|ctl|server)/.*\.cc$"
+                    r"|^python/ragshard_c(_abi|_local)?\.cc$")
 
 
 def entries(build, root):

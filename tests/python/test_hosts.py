@@ -155,15 +155,17 @@ def test_a_training_across_hosts_ends_as_on_loopback(tmp_path):
         assert_same(out, ref)
 
 
-def launchers(c, job, out, where, extra=(), **more_env):
-    """A launcher per (node rank, host) of `where`, for `job` of 2 hosts x 2 ranks that recovers
-    in place with --redundancy replica; each in a session of its own, with `more_env`."""
+def launchers(c, job, out, where, extra=(), flags=(), nnodes=2, **more_env):
+    """A launcher per (node rank, host) of `where`, for `job` of `nnodes` hosts x 2 ranks that
+    recovers in place with --redundancy replica (`flags`: the launchers' further flags, later
+    ones winning; `extra`: the script's); each in a session of its own, with `more_env`."""
     return {k: c.spawn(host, [sys.executable, "-m", "ragshard.launch", "--planner", c.planner,
-                              "--job", job, "--create-job", "--nproc", "4", "--nnodes", "2",
-                              "--node-rank", str(k), "--sockets", c.sockets[k], "--nodes",
-                              c.nodes[k], "--max-restarts", "1", "--redundancy", "replica",
-                              "--recovery-deadline", "90", EXAMPLE, "--out", out] + SMALL +
-                       list(extra), env=c.env(PYTHONPATH=env()["PYTHONPATH"], **more_env),
+                              "--job", job, "--create-job", "--nproc", str(2 * nnodes),
+                              "--nnodes", str(nnodes), "--node-rank", str(k), "--sockets",
+                              c.sockets[k], "--nodes", c.nodes[k], "--max-restarts", "1",
+                              "--redundancy", "replica", "--recovery-deadline", "90", *flags,
+                              EXAMPLE, "--out", out] + SMALL + list(extra),
+                       env=c.env(PYTHONPATH=env()["PYTHONPATH"], **more_env),
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                        start_new_session=True)
             for k, host in where}
