@@ -310,12 +310,14 @@ def render(records, path, commit=""):
         diff = f"{r['max_abs_diff']:.3g}" if "max_abs_diff" in r else ""
         cells = [r["trial"], r["kind"], r["redundancy"], r["host"], r["step"], r["phase"],
                  passed, r.get("ranks_stopped_s", ""), r.get("end_s", ""),
-                 r.get("lost_s", ""), diff]
+                 "—" if r.get("lost_s") is None else r["lost_s"], diff]
         lines.append("| " + " | ".join(str(x) for x in cells) + " |")
     lines += ["", f"![trials]({os.path.basename(path)[:-3]}.png)", ""]
     table = summary(records)
     lines += [f"* {row[0]}: {row[2]} of {row[1]} passed; cut to end median {row[3]} s "
-              f"({row[4]}); planner's seconds lost median {row[5]} s" for row in table]
+              f"({row[4]})" + (f"; planner's seconds lost median {row[5]} s" if row[5] != "—"
+                               else " (the planner counts no seconds lost for a shrink)")
+              for row in table]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     plot(records, path[:-3] + ".png")
@@ -331,7 +333,9 @@ def render(records, path, commit=""):
                "Unlike the kills on loopback above, no peer learns of the fault from a reset: the "
                "planner's node timeout (or the replacement's registration) names it. Seconds "
                "lost: the planner's (`ragshardctl job show`, from the failure it saw to the "
-               "job's recovery); cut to end: from the link's cut to the job's end. Every trial "
+               "job's recovery; the kill-with-reset figures above are measured as their own "
+               "text says); cut to end: from the link's cut to the job's end, "
+               "the steps after the fault included. Every trial "
                f"in [chaos_hosts.md](chaos_hosts.md).", "",
                "| fault | trials | passed | cut to end (s), median | min–max | planner's s "
                "lost, median | max abs diff |", "|---|---:|---:|---:|---:|---:|---:|"]
