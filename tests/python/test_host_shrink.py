@@ -29,7 +29,7 @@ import os
 import time
 
 from cluster_runs import BUILD, ROOT, require_namespaces  # beside this file; the package
-from test_hosts import assert_same, launchers, stop
+from test_hosts import assert_same, held, launchers, partition, stop
 
 from ragshard.cluster import NamespacedCluster  # noqa: E402
 
@@ -108,20 +108,11 @@ def hold(c, job, out, **more_env):
     procs = launchers(c, job, out, enumerate(c.nodes),
                       SIX + [f"--hold-at={r}:{s}:{p}:{m}" for (r, s, p), m in zip(HOLDS, marks)],
                       SHRINK, **more_env)
-    deadline = time.time() + 240
-    while not all(os.path.exists(m) for m in marks):
-        if procs[0].poll() is not None or procs[1].poll() is not None or \
-                time.time() > deadline:
-            got = outputs(procs, timeout=60)
-            raise AssertionError(f"node-1's ranks did not reach the hold: {got}")
-        time.sleep(0.05)
-    return procs, marks, [int(open(m).read()) for m in marks]
-
-
-def gone(pid):
-    if not os.path.exists(f"/proc/{pid}"):
-        return True
-    return open(f"/proc/{pid}/stat").read().split(") ")[1].split()[0] == "Z"
+    try:
+        pids = held(procs, marks)
+    except AssertionError as e:
+        raise AssertionError(f"{e}: {outputs(procs, timeout=60)}") from e
+    return procs, marks, pids
 
 
 def test_a_host_lost_without_a_replacement_shrinks_the_job():
@@ -151,15 +142,7 @@ def test_a_partitioned_host_fences_itself_and_the_job_shrinks_without_it():
         procs, marks, pids = hold(c, job, out, RAGSHARD_PLANNER_RETRY_S="5")
         old = c.daemon(1)
         try:
-            c.hosts.link_down("node-1")
-            cut = time.time()
-            for m in marks:  # node-1's ranks go on, into an operation that cannot finish
-                os.unlink(m)
-            while not all(gone(p) for p in pids):
-                assert time.time() - cut < LEASE_S + 30, "node-1's ranks did not stop"
-                time.sleep(0.05)
-            stopped = time.time() - cut
-            assert stopped < LEASE_S + 15, stopped
+            cut, stopped = partition(c, "node-1", marks, pids, LEASE_S)
             got = outputs(procs)
             rc, text = got[1]
             assert rc != 0 and "this node is fenced: the planner acknowledged no heartbeat " \

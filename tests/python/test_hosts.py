@@ -171,6 +171,42 @@ def launchers(c, job, out, where, extra=(), flags=(), nnodes=2, **more_env):
             for k, host in where}
 
 
+def held(procs, marks, seconds=240):
+    """Waits until every mark exists (the held ranks wrote their pids there), every launcher
+    still running; the held ranks' pids."""
+    deadline = time.time() + seconds
+    while not all(os.path.exists(m) for m in marks):
+        assert all(p.poll() is None for p in procs.values()), "a launcher ended before the hold"
+        assert time.time() < deadline, "the held ranks did not reach the hold"
+        time.sleep(0.05)
+    return [int(open(m).read()) for m in marks]
+
+
+def gone(pid):
+    """The process has exited (no such process, or a zombie)."""
+    if not os.path.exists(f"/proc/{pid}"):
+        return True
+    return open(f"/proc/{pid}/stat").read().split(") ")[1].split()[0] == "Z"
+
+
+def partition(c, host, marks, pids, lease_s):
+    """Cuts `host`'s link while everything on it lives and lets its held ranks go, into an
+    operation that cannot finish; once its daemon's lease ran out they exit. The time of the
+    cut and the seconds until they stopped (at most the lease and 15 s)."""
+    c.hosts.link_down(host)
+    cut = time.time()
+    for m in marks:
+        os.unlink(m)
+    while not all(gone(p) for p in pids):
+        assert time.time() - cut < lease_s + 30, f"{host}'s ranks did not stop"
+        time.sleep(0.05)
+    stopped = time.time() - cut
+    # The fence comes at most a lease after the cut (before the planner can declare the node
+    # lost); the ranks then exit.
+    assert stopped < lease_s + 15, stopped
+    return cut, stopped
+
+
 def assert_same(out, ref, atol=0.0):
     """The final parameters of two runs (PREFIX.pt): equal, or within `atol` each."""
     a, b = torch.load(out + ".pt"), torch.load(ref + ".pt")
@@ -212,11 +248,7 @@ def test_a_host_lost_without_a_reset_recovers_on_a_spare_host(tmp_path):
         procs = launchers(c, "lost", out, enumerate(c.nodes),
                           [f"--hold-at={r}:3:forward:{m}" for r, m in zip((2, 3), marks)])
         try:
-            deadline = time.time() + 240
-            while not all(os.path.exists(m) for m in marks):
-                assert procs[1].poll() is None and procs[0].poll() is None
-                assert time.time() < deadline, "node-1's ranks did not reach the hold"
-                time.sleep(0.05)
+            held(procs, marks)
             c.hosts.link_down("node-1")  # then the host dies: nothing of it reaches anyone
             os.killpg(procs[1].pid, 9)
             procs[1].wait()

@@ -21,7 +21,7 @@ import os
 import time
 
 from cluster_runs import BUILD, ROOT, require_namespaces  # beside this file; the package
-from test_hosts import assert_same, finish, launchers, stop
+from test_hosts import assert_same, finish, held, launchers, partition, stop
 
 from ragshard.cluster import NamespacedCluster  # noqa: E402
 
@@ -30,12 +30,6 @@ require_namespaces()
 NODE_TIMEOUT_MS = 6000
 LEASE_S = NODE_TIMEOUT_MS * 3 / 4 / 1000
 STALE_EXIT = 3  # ragshardd's exit status when the planner refuses it as stale (kStaleExitCode)
-
-
-def gone(pid):
-    if not os.path.exists(f"/proc/{pid}"):
-        return True
-    return open(f"/proc/{pid}/stat").read().split(") ")[1].split()[0] == "Z"
 
 
 def test_a_partitioned_host_fences_itself_and_the_job_recovers_without_it():
@@ -52,23 +46,8 @@ def test_a_partitioned_host_fences_itself_and_the_job_recovers_without_it():
                           RAGSHARD_PLANNER_RETRY_S="5")
         old, cut_off = c.daemon(1), None
         try:
-            deadline = time.time() + 240
-            while not all(os.path.exists(m) for m in marks):
-                assert procs[1].poll() is None and procs[0].poll() is None
-                assert time.time() < deadline, "node-1's ranks did not reach the hold"
-                time.sleep(0.05)
-            pids = [int(open(m).read()) for m in marks]
-            c.hosts.link_down("node-1")
-            cut = time.time()
-            for m in marks:  # node-1's ranks go on, into an operation that cannot finish
-                os.unlink(m)
-            while not all(gone(p) for p in pids):
-                assert time.time() - cut < LEASE_S + 30, "node-1's ranks did not stop"
-                time.sleep(0.05)
-            stopped = time.time() - cut
-            # The fence comes at most a lease after the cut (before the planner can declare the
-            # node lost); the ranks then exit.
-            assert stopped < LEASE_S + 15, stopped
+            pids = held(procs, marks)
+            cut, stopped = partition(c, "node-1", marks, pids, LEASE_S)
             assert old.poll() is None, "the partitioned daemon lives on, fenced"
             # The replacement: node-1's id on a spare host, with a launcher for node rank 1.
             c.start_daemon(1, log_suffix="-replacement", host="spare-0")
