@@ -8,7 +8,8 @@ of them remains afterwards, also when the block fails. And a training across suc
 planner and two daemons each on its own host, a launcher on each daemon's host starting its two
 ranks: --nnodes 2 --node-rank K) ends equal to the same training on loopback; and where one of
 those hosts is lost without a reset (its link down, then everything on it killed) and replaced
-on a spare host, the training recovers in place and ends equal to the uninterrupted one.
+on a spare host, the training recovers in place and ends equal to the uninterrupted one. The same
+training started by torchrun on each host (--nnodes 2 --node-rank K) ends equal to it too.
 
 Namespaces need root: cluster_runs.require_namespaces says what happens where they cannot be
 made."""
@@ -232,6 +233,34 @@ def finish(procs, timeout=300):
             assert p.returncode == 0, f"node rank {k}'s launcher: {text[-4000:]}"
     finally:
         stop(procs.values())
+
+
+def test_torchrun_across_hosts_ends_as_ragshard_launch(tmp_path):
+    # torchrun on each daemon's host (--nnodes 2 --node-rank K, its static rendezvous at host
+    # 0's address, two workers each), the ranks finding the planner, the job and their daemon
+    # from the environment (docs/training.md): the same training as one ragshard-launch per host.
+    with NamespacedCluster(BUILD, daemons=2, pool_bytes=128 << 20, shared=[ROOT]) as c:
+        ref, out = os.path.join(c.dir, "launch"), os.path.join(c.dir, "torchrun")
+        finish(launchers(c, "launch", ref, enumerate(c.nodes)))
+        procs = {}
+        for k, node in enumerate(c.nodes):
+            e = c.env(PYTHONPATH=env()["PYTHONPATH"], RAGSHARD_JOB="torchrun",
+                      RAGSHARD_SOCKET=c.sockets[k], RAGSHARD_NODE=node)
+            for name in ("RAGSHARD_RANK", "RAGSHARD_WORLD_SIZE"):
+                e.pop(name, None)
+            procs[k] = c.spawn(node, [sys.executable, "-m", "torch.distributed.run",
+                                      "--nnodes", "2", "--node-rank", str(k), "--nproc-per-node",
+                                      "2", "--master-addr", c.hosts.address("node-0"),
+                                      "--master-port", "29500", EXAMPLE, "--out", out] + SMALL,
+                               env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
+        finish(procs)
+        shown = c.run("planner", [os.path.join(BUILD, "ctl", "ragshardctl"), "--planner",
+                                  c.planner, "--token-file", c.token_file, "job", "show",
+                                  "torchrun"], capture_output=True, text=True, timeout=60).stdout
+        for node in c.nodes:  # each host's two ranks on its own daemon
+            assert f"node {node}: 2 rank(s)" in shown, shown
+        assert_same(out, ref)  # (inside: the cluster's directory goes with it)
 
 
 def test_a_host_lost_without_a_reset_recovers_on_a_spare_host(tmp_path):
