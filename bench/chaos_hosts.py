@@ -22,8 +22,8 @@ final parameters are within 1e-6 of the same training uninterrupted (one run per
 after a shrink, within 1e-5 (losses and parameters) of the reference the node-loss tests define:
 the uninterrupted training saved at 3 x 2 after the shrink's step, resumed at 2 x 2 with the
 same global batch. Its figures are the seconds from the cut to the job's end, the planner's
-seconds lost (`ragshardctl job show`: "recoveries: 1 recovery, X s lost"; for a shrink, from
-the failure to the successor's start) and, for a partition, when the host's ranks exited.
+seconds lost (`ragshardctl job show`: "recoveries: 1 recovery, X s lost"; none for a shrink,
+whose shrunk job records no recovery) and, for a partition, when the host's ranks exited.
 
     .venv/bin/python bench/chaos_hosts.py --build build --losses 10 --partitions 5 \\
         --json docs/benchmarks/chaos_hosts.json --report docs/benchmarks/chaos_hosts.md
