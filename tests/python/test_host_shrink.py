@@ -24,12 +24,12 @@ operations fail naming the successor, which runs on node-0's host alone).
 
 Namespaces need root: cluster_runs.require_namespaces says what happens where they cannot be
 made."""
-import json
 import os
 import time
 
 from cluster_runs import BUILD, ROOT, require_namespaces  # beside this file; the package
-from test_hosts import assert_same, held, launchers, partition, stop
+from host_runs import (assert_resumed, ctl, finish, held, launchers, lose_host, outputs,
+                       partition, stop)
 
 from ragshard.cluster import NamespacedCluster  # noqa: E402
 
@@ -47,22 +47,6 @@ def cluster():
                              node_timeout_ms=NODE_TIMEOUT_MS, heartbeat_ms=250, shared=[ROOT])
 
 
-def outputs(procs, timeout=300):
-    """Each launcher's (exit code, output), waiting for all of them."""
-    got = {}
-    try:
-        for k, p in procs.items():
-            got[k] = (p.communicate(timeout=timeout)[0], p.returncode)
-    finally:
-        stop(procs.values())
-    return {k: (rc, text) for k, (text, rc) in got.items()}
-
-
-def finish(procs, timeout=300):
-    for k, (rc, text) in outputs(procs, timeout).items():
-        assert rc == 0, f"node rank {k}'s launcher: {text[-4000:]}"
-
-
 def saved_reference(c):
     """The uninterrupted training at 2 x 2, saved after step 2."""
     ckpt = os.path.join(c.dir, "ref.ckpt")
@@ -74,32 +58,17 @@ def saved_reference(c):
 def check_shrunk(c, job, out, ckpt):
     """The shrink's record, the planner's view of both jobs, and the training after the shrink
     against the reference resumed at 1 x 2 on node-0's host."""
-    with open(out + ".json") as f:
-        shrunk = json.load(f)
+    ref = os.path.join(c.dir, f"{job}-ref-resumed")
+    finish(launchers(c, f"{job}-ref-resumed", ref, [(0, "node-0")], SIX + ["--resume", ckpt],
+                     flags=["--redundancy", "none"], nnodes=1))
+    shrunk = assert_resumed(out, ref)
     assert shrunk["shrink"]["step"] == 2, shrunk["shrink"]
     assert (shrunk["shrink"]["world"], shrunk["shrink"]["from_world"]) == (2, 4)
     assert shrunk["shrink"]["job"] == f"{job}/shrink-1"
     assert shrunk["world_sizes"][0] == 4 and shrunk["world_sizes"][-1] == 2, shrunk
-    ref = os.path.join(c.dir, f"{job}-ref-resumed")
-    finish(launchers(c, f"{job}-ref-resumed", ref, [(0, "node-0")], SIX + ["--resume", ckpt],
-                     flags=["--redundancy", "none"], nnodes=1))
-    with open(ref + ".json") as f:
-        resumed = json.load(f)
-    a = shrunk["losses"]
-    b = resumed["losses"][shrunk["first_step"] - resumed["first_step"]:]
-    assert len(a) == len(b) > 0, (shrunk, resumed)
-    assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-5, (a, b)
-    assert_same(out, ref, atol=1e-5)
     shown = ctl(c, "job", "show", job)
     assert "SHRUNK" in shown and "re-cutting the shards" in shown, shown
     assert "READY" in ctl(c, "job", "show", f"{job}/shrink-1")
-
-
-def ctl(c, *args):
-    r = c.run("planner", [os.path.join(BUILD, "ctl", "ragshardctl"), "--planner", c.planner,
-                          "--token-file", c.token_file, *args],
-              capture_output=True, text=True, timeout=60)
-    return r.stdout + r.stderr
 
 
 def hold(c, job, out, **more_env):
@@ -121,10 +90,7 @@ def test_a_host_lost_without_a_replacement_shrinks_the_job():
         job, out = "lost", os.path.join(c.dir, "lost")
         procs, _, _ = hold(c, job, out)
         try:
-            c.hosts.link_down("node-1")  # then the host dies: nothing of it reaches anyone
-            cut = time.time()
-            stop([procs.pop(1)])
-            c.kill_daemon(1)
+            cut = lose_host(c, procs, 1)
             (rc, text), = outputs(procs).values()
             assert rc == 0, text[-4000:]
             print(f"the job ended {time.time() - cut:.1f} s after the cut")

@@ -20,18 +20,14 @@ import sys
 import time
 
 import pytest
-import torch
 # beside this file; it puts the build's package on the path
 from cluster_runs import BUILD, ROOT, env, require_namespaces
+from host_runs import EXAMPLE, SMALL, assert_same, finish, held, launchers, lose_host, stop
 
 from ragshard.cluster import LocalCluster, NamespacedCluster  # noqa: E402
 from ragshard.hosts import Hosts  # noqa: E402
 
 require_namespaces()
-
-EXAMPLE = os.path.join(ROOT, "examples", "train_tiny.py")
-SMALL = ["--layers", "2", "--dim", "64", "--heads", "4", "--seq", "16", "--batch", "2",
-         "--vocab", "32", "--quiet", "--steps", "4", "--optimizer", "adamw"]
 
 # A server on a host: prints its port, answers one connection with "pong".
 SERVER = """
@@ -156,85 +152,6 @@ def test_a_training_across_hosts_ends_as_on_loopback(tmp_path):
         assert_same(out, ref)
 
 
-def launchers(c, job, out, where, extra=(), flags=(), nnodes=2, **more_env):
-    """A launcher per (node rank, host) of `where`, for `job` of `nnodes` hosts x 2 ranks that
-    recovers in place with --redundancy replica (`flags`: the launchers' further flags, later
-    ones winning; `extra`: the script's); each in a session of its own, with `more_env`."""
-    return {k: c.spawn(host, [sys.executable, "-m", "ragshard.launch", "--planner", c.planner,
-                              "--job", job, "--create-job", "--nproc", str(2 * nnodes),
-                              "--nnodes", str(nnodes), "--node-rank", str(k), "--sockets",
-                              c.sockets[k], "--nodes", c.nodes[k], "--max-restarts", "1",
-                              "--redundancy", "replica", "--recovery-deadline", "90", *flags,
-                              EXAMPLE, "--out", out] + SMALL + list(extra),
-                       env=c.env(PYTHONPATH=env()["PYTHONPATH"], **more_env),
-                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                       start_new_session=True)
-            for k, host in where}
-
-
-def held(procs, marks, seconds=240):
-    """Waits until every mark exists (the held ranks wrote their pids there), every launcher
-    still running; the held ranks' pids."""
-    deadline = time.time() + seconds
-    while not all(os.path.exists(m) for m in marks):
-        assert all(p.poll() is None for p in procs.values()), "a launcher ended before the hold"
-        assert time.time() < deadline, "the held ranks did not reach the hold"
-        time.sleep(0.05)
-    return [int(open(m).read()) for m in marks]
-
-
-def gone(pid):
-    """The process has exited (no such process, or a zombie)."""
-    if not os.path.exists(f"/proc/{pid}"):
-        return True
-    return open(f"/proc/{pid}/stat").read().split(") ")[1].split()[0] == "Z"
-
-
-def partition(c, host, marks, pids, lease_s):
-    """Cuts `host`'s link while everything on it lives and lets its held ranks go, into an
-    operation that cannot finish; once its daemon's lease ran out they exit. The time of the
-    cut and the seconds until they stopped (at most the lease and 15 s)."""
-    c.hosts.link_down(host)
-    cut = time.time()
-    for m in marks:
-        os.unlink(m)
-    while not all(gone(p) for p in pids):
-        assert time.time() - cut < lease_s + 30, f"{host}'s ranks did not stop"
-        time.sleep(0.05)
-    stopped = time.time() - cut
-    # The fence comes at most a lease after the cut (before the planner can declare the node
-    # lost); the ranks then exit.
-    assert stopped < lease_s + 15, stopped
-    return cut, stopped
-
-
-def assert_same(out, ref, atol=0.0):
-    """The final parameters of two runs (PREFIX.pt): equal, or within `atol` each."""
-    a, b = torch.load(out + ".pt"), torch.load(ref + ".pt")
-    assert a.keys() == b.keys()
-    for name in a:
-        same = torch.equal(a[name], b[name]) if atol == 0 else \
-            torch.allclose(a[name], b[name], rtol=0, atol=atol)
-        assert same, f"{name}: max |delta| {float((a[name] - b[name]).abs().max()):.3g}"
-
-
-def stop(procs):
-    """Kills each launcher's session still running (it and its ranks)."""
-    for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, 9)
-            p.wait()
-
-
-def finish(procs, timeout=300):
-    try:
-        for k, p in procs.items():
-            text = p.communicate(timeout=timeout)[0]
-            assert p.returncode == 0, f"node rank {k}'s launcher: {text[-4000:]}"
-    finally:
-        stop(procs.values())
-
-
 def test_torchrun_across_hosts_ends_as_ragshard_launch(tmp_path):
     # torchrun on each daemon's host (--nnodes 2 --node-rank K, its static rendezvous at host
     # 0's address, two workers each), the ranks finding the planner, the job and their daemon
@@ -278,10 +195,7 @@ def test_a_host_lost_without_a_reset_recovers_on_a_spare_host(tmp_path):
                           [f"--hold-at={r}:3:forward:{m}" for r, m in zip((2, 3), marks)])
         try:
             held(procs, marks)
-            c.hosts.link_down("node-1")  # then the host dies: nothing of it reaches anyone
-            os.killpg(procs[1].pid, 9)
-            procs[1].wait()
-            c.kill_daemon(1)
+            lose_host(c, procs, 1)  # its link down, then everything on it dies
             started = time.time()
             c.start_daemon(1, log_suffix="-replacement", host="spare-0")
             procs[1] = launchers(c, "lost", out, [(1, "spare-0")])[1]

@@ -21,7 +21,7 @@ import os
 import time
 
 from cluster_runs import BUILD, ROOT, require_namespaces  # beside this file; the package
-from test_hosts import assert_same, finish, held, launchers, partition, stop
+from host_runs import assert_same, finish, held, launchers, partition, stop
 
 from ragshard.cluster import NamespacedCluster  # noqa: E402
 

@@ -1,24 +1,33 @@
-"""Recovery in place (docs/recovery.md): a rank of a 2 daemons x 2 ranks training
-(examples/train_tiny.py) is killed with SIGKILL in the forward, the backward, the optimizer step
-or between steps; ragshard-launch --max-restarts 1 restarts it, the other ranks exit on the
-daemons' recovery notice and are restarted too, every rank attaches again to the state its
-daemon kept, and the job goes on from the last completed step, with no checkpoint. The final
-parameters equal an uninterrupted run's within 1e-6."""
+"""Recovery in place (docs/recovery.md): a rank of a 2 hosts x 2 ranks training
+(examples/train_tiny.py; hosts of their own, ragshard.cluster.NamespacedCluster, one
+`ragshard-launch --nnodes 2 --node-rank K` per host) is killed with SIGKILL in the forward, the
+backward, the optimizer step or between steps; its host's launcher (--max-restarts 1) restarts
+it, the other ranks, on both hosts, exit on their daemons' recovery notice and are restarted by
+their own launchers too, every rank attaches again to the state its daemon kept, and the job
+goes on from the last completed step, with no checkpoint. The final parameters equal an
+uninterrupted run's within 1e-6. torchrun's own restarts (one host) run on loopback.
+
+Namespaces need root: cluster_runs.require_namespaces says what happens where they cannot be
+made."""
 import json
 import os
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 import preloaded  # beside this file: the launches forked from one torch import
 import torch
+# beside this file; they put the build's package on the path
+from cluster_runs import require_namespaces
+from host_runs import launchers, outputs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BUILD = os.environ.get("RAGSHARD_BUILD", os.path.join(ROOT, "build"))
 sys.path.insert(0, os.path.join(BUILD, "python"))
 
-from ragshard.cluster import LocalCluster  # noqa: E402
+from ragshard.cluster import LocalCluster, NamespacedCluster  # noqa: E402
 
 EXAMPLE = os.path.join(ROOT, "examples", "train_tiny.py")
 LAUNCH = [sys.executable, "-m", "ragshard.launch", "--preload", "torch"]
@@ -27,15 +36,31 @@ SMALL = ["--layers", "2", "--dim", "64", "--heads", "4", "--seq", "16", "--batch
          "--vocab", "32", "--quiet", "--steps", "6"]
 
 
+def hosts(tmp_path_factory, **options):
+    """2 daemons on hosts of their own; the tests' temporary directories seen on every host
+    (their outputs, marks and checkpoints). Where namespaces cannot be made, the tests on them
+    fail or skip (cluster_runs.require_namespaces), not the module: test_recovery_configs
+    imports it and runs on loopback."""
+    require_namespaces()
+    return NamespacedCluster(BUILD, daemons=2, pool_bytes=128 << 20,
+                             shared=[ROOT, str(tmp_path_factory.getbasetemp())], **options)
+
+
 @pytest.fixture(scope="module")
-def cluster():
-    with LocalCluster(BUILD, daemons=2, pool_bytes=128 << 20, cluster_profile=PROFILE) as c:
+def cluster(tmp_path_factory):
+    with hosts(tmp_path_factory, cluster_profile=PROFILE) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
-def device_cluster():
-    with LocalCluster(BUILD, daemons=2, pool_bytes=128 << 20, backend="device-shaped") as c:
+def device_cluster(tmp_path_factory):
+    with hosts(tmp_path_factory, backend="device-shaped") as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def loopback():
+    with LocalCluster(BUILD, daemons=1, pool_bytes=128 << 20) as c:
         yield c
 
 
@@ -52,30 +77,43 @@ c.load = c.load_dcp = _refused
 """
 
 
-def env(no_loads=None):
-    """The ranks' environment; with `no_loads` (a directory), a sitecustomize there makes every
-    checkpoint load raise."""
+def no_loads(directory):
+    """A directory whose sitecustomize makes every checkpoint load raise (for PYTHONPATH)."""
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "sitecustomize.py"), "w") as f:
+        f.write(NO_LOADS)
+    return str(directory)
+
+
+def env(no_loads_dir=None):
+    """The ranks' environment; with `no_loads_dir`, every checkpoint load raises."""
     e = dict(os.environ)
     paths = [os.path.join(BUILD, "python")]
-    if no_loads is not None:
-        os.makedirs(no_loads, exist_ok=True)
-        with open(os.path.join(no_loads, "sitecustomize.py"), "w") as f:
-            f.write(NO_LOADS)
-        paths.append(str(no_loads))
+    if no_loads_dir is not None:
+        paths.append(no_loads(no_loads_dir))
     e["PYTHONPATH"] = os.pathsep.join(paths + [e.get("PYTHONPATH", "")])
     return e
 
 
 def run(cluster, tmp_path, job, extra, restarts=1, launch=(), loads=False):
+    """The training of `job` over the cluster's 2 daemons x 2 ranks: with `restarts`, recovering
+    in place; unless `loads`, a checkpoint load raises. On hosts, one launcher per host, whose
+    outputs the result's stderr holds one after the other; its returncode is 0 if each was."""
     out = str(tmp_path / job)
-    cmd = LAUNCH + ["--planner", cluster.planner, "--job", job, "--nproc", "4",
-                    "--sockets", ",".join(cluster.sockets), "--create-job",
-                    "--max-restarts", str(restarts), "--recovery-deadline", "60", *launch,
-                    EXAMPLE, "--out", out] + SMALL + extra
-    # Unless `loads`, no checkpoint is configured, and a load would raise.
-    r = preloaded.run(cmd, env=env(None if loads else tmp_path / "no-loads"),
-                       capture_output=True, text=True, timeout=300)
-    return out, r
+    recovers = ["--max-restarts", str(restarts), "--recovery-deadline", "60"] * bool(restarts)
+    script = SMALL + extra
+    if not isinstance(cluster, NamespacedCluster):
+        cmd = LAUNCH + ["--planner", cluster.planner, "--job", job, "--nproc", "4",
+                        "--sockets", ",".join(cluster.sockets), "--create-job", *recovers,
+                        *launch, EXAMPLE, "--out", out] + script
+        return out, preloaded.run(cmd, env=env(None if loads else tmp_path / "no-loads"),
+                                  capture_output=True, text=True, timeout=300)
+    got = outputs(launchers(cluster, job, out, enumerate(cluster.nodes), script=script,
+                            base=["--preload", "torch", *recovers, *launch],
+                            paths=[] if loads else [no_loads(tmp_path / "no-loads")]))
+    return out, types.SimpleNamespace(
+        returncode=next((rc for rc, _ in got.values() if rc), 0), stdout="",
+        stderr="\n".join(f"node rank {k}'s launcher:\n{text}" for k, (_, text) in got.items()))
 
 
 def params(out):
@@ -95,9 +133,11 @@ def reference(cluster, tmp_path, optimizer):
 
 
 def ctl(cluster, *args):
-    return subprocess.run([os.path.join(BUILD, "ctl", "ragshardctl"), "--planner",
-                           cluster.planner, "--token-file", cluster.token_file, *args],
-                          capture_output=True, text=True, timeout=60)
+    argv = [os.path.join(BUILD, "ctl", "ragshardctl"), "--planner", cluster.planner,
+            "--token-file", cluster.token_file, *args]
+    if isinstance(cluster, NamespacedCluster):  # from the planner's host
+        return cluster.run("planner", argv, capture_output=True, text=True, timeout=60)
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60)
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
@@ -233,7 +273,8 @@ def torchrun(cluster, tmp_path, job, extra):
     return out
 
 
-def test_torchrun_restarts_recover_in_place(cluster, tmp_path):
+def test_torchrun_restarts_recover_in_place(loopback, tmp_path):
+    cluster = loopback
     ref = torchrun(cluster, tmp_path, "tr-ref", [])
     out = torchrun(cluster, tmp_path, "tr-kill", ["--kill-at", f"1:3:step:{tmp_path / 'k'}"])
     assert os.path.exists(tmp_path / "k")
@@ -265,17 +306,16 @@ def test_a_rank_that_crashes_recovers_in_place(cluster, tmp_path):
 
 
 def test_without_restarts_a_lost_rank_fails_the_job_named(cluster, tmp_path):
-    out = str(tmp_path / "norestart")
     mark = str(tmp_path / "killed-nr")
-    cmd = LAUNCH + ["--planner", cluster.planner, "--job", "norestart", "--nproc", "4",
-                    "--sockets", ",".join(cluster.sockets), "--create-job", EXAMPLE,
-                    "--out", out, "--kill-at", f"1:2:forward:{mark}"] + SMALL
-    r = preloaded.run(cmd, env=env(), capture_output=True, text=True, timeout=300)
+    _, r = run(cluster, tmp_path, "norestart", ["--kill-at", f"1:2:forward:{mark}"], restarts=0)
     assert r.returncode != 0
     # The launcher may see rank 1's SIGKILL first ("rank 1 exited with -9; stopping the
     # others"), or another rank's failure on losing it first ("... stopping the others", then
-    # "rank 1 exited with -9 too"): which exit it reaps first is the machine's timing.
+    # "rank 1 exited with -9 too"): which exit it reaps first is the machine's timing. The other
+    # host's launcher stops its ranks too, failing.
     assert "rank 1 exited with -9" in r.stderr and "stopping the others" in r.stderr, r.stderr
+    assert "node rank 1's launcher" in r.stderr and r.stderr.count("stopping the others") >= 2, \
+        r.stderr
 
 
 def test_launcher_refuses_bad_recovery_flags(tmp_path):
