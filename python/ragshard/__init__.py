@@ -16,12 +16,15 @@ from ._shrink import SHRINK_EXIT, left_in_shrink  # noqa: F401
 __all__ = ["Client", "DeviceBuffer", "Error", "Handle", "RecoveryInProgress", "RECOVERY_EXIT",
            "SHRINK_EXIT", "job_info",
            "create_job", "delete_job", "Env",
-           "connect", "ensure_job", "DEFAULT_SOCKET"]
+           "connect", "ensure_job", "DEFAULT_SOCKET", "OP_TIMEOUT_S"]
 
 
 # Where ragshardd's socket is on a node set up as deploy/ (systemd, Kubernetes) does it: ranks
 # under torchrun look there unless RAGSHARD_SOCKET names another.
 DEFAULT_SOCKET = "/run/ragshard/daemon.sock"
+
+
+OP_TIMEOUT_S = 120  # a rank's operations' timeout unless RAGSHARD_OP_TIMEOUT_S says otherwise
 
 
 class Env:
@@ -45,7 +48,9 @@ class Env:
     default "none" is refused, naming RAGSHARD_JOB) and the socket to DEFAULT_SOCKET, and
     `connect()` creates the job from WORLD_SIZE where it does not exist (with
     RAGSHARD_RECOVERY_DEADLINE_S > 0, one that recovers lost ranks in place within that many
-    seconds: docs/recovery.md). `launcher` says which
+    seconds: docs/recovery.md). RAGSHARD_OP_TIMEOUT_S (default OP_TIMEOUT_S): how long one of
+    the rank's operations may take before its daemon fails the job naming what it waited for
+    (`op_timeout_s`). `launcher` says which
     of "ragshard-launch", "torchrun" and "srun" started the rank. `local_world_size` (None where
     the launcher does not say) lets the node's daemon register the node's ranks with the
     planner in one call (docs/daemon.md, "Registration").
@@ -80,6 +85,9 @@ class Env:
         # A job created here (under torchrun) recovers lost ranks in place within this many
         # seconds (docs/recovery.md); 0: it does not.
         self.recovery_deadline_s = _seconds(e, "RAGSHARD_RECOVERY_DEADLINE_S")
+        # How long one of its operations may take (unset or 0: OP_TIMEOUT_S): past that its
+        # daemon fails the job naming what it waited for (a peer that answers nothing).
+        self.op_timeout_s = _seconds(e, "RAGSHARD_OP_TIMEOUT_S") or OP_TIMEOUT_S
         local_var, local_size_var = (("SLURM_LOCALID", None) if slurm else
                                      ("LOCAL_RANK", "LOCAL_WORLD_SIZE") if torchrun else
                                      ("RAGSHARD_LOCAL_RANK", "RAGSHARD_LOCAL_WORLD_SIZE"))
@@ -148,10 +156,13 @@ def _int(environ, name):
         raise Error(f"INVALID_ARGUMENT: {name}='{environ[name]}' is not an integer") from None
 
 
-def connect(env=None, timeout_ms=120000):
-    """A Client for this rank (not yet registered). Under torchrun the job is created first
-    where it does not exist (ensure_job)."""
+def connect(env=None, timeout_ms=None):
+    """A Client for this rank (not yet registered), whose operations time out after
+    `timeout_ms` (default: the environment's RAGSHARD_OP_TIMEOUT_S, else OP_TIMEOUT_S). Under
+    torchrun the job is created first where it does not exist (ensure_job)."""
     env = env or Env()
+    if timeout_ms is None:
+        timeout_ms = int(getattr(env, "op_timeout_s", OP_TIMEOUT_S) * 1000)
     if env.launcher == "torchrun":
         ensure_job(env)
     _await_daemon(env.socket, _daemon_wait_s(), lambda: _leave_if_shrunk_without(env))

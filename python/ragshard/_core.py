@@ -225,6 +225,11 @@ class DeviceBuffer:
         return self._count
 
 
+# How much longer than its operation's timeout a rank's wait() waits by default: the daemon's
+# verdict at the deadline (giving up a transfer takes it a moment) comes first.
+WAIT_GRACE_MS = 10000
+
+
 class Handle(_NoCopy):
     """An operation in flight: wait() until it is done (an Error if it failed), or poll()."""
 
@@ -233,7 +238,13 @@ class Handle(_NoCopy):
         self._h = handle
         self._traced = traced  # (kind, unit, issued ns) while the client traces
 
-    def wait(self, timeout_ms=60000):
+    def wait(self, timeout_ms=None):
+        """Until the operation is done, at most `timeout_ms`. By default, its client's timeout
+        (the operation's deadline at its daemon, which then fails it naming what it waited
+        for, e.g. a peer that answers nothing) and WAIT_GRACE_MS more for that answer to
+        come."""
+        if timeout_ms is None:
+            timeout_ms = self._owner._settings["timeout_ms"] + WAIT_GRACE_MS
         _check(_lib.rs_handle_wait(self._h, int(timeout_ms)))
         if self._traced is not None and self._owner.trace is not None:
             kind, unit, issued = self._traced

@@ -410,10 +410,8 @@ void JobRuntime::Run() {
         recovery_.MarkCommAborted();
       }
     }
-    if (fatal && !known && !recover) {
-      LOG(ERROR) << "job " << job_id_ << ": " << s;
-      Report(s);
-    }
+    const bool report = fatal && !known && !recover;
+    if (report) LOG(ERROR) << "job " << job_id_ << ": " << s;
     {
       absl::MutexLock lock(&mu_);
       ++operations_;
@@ -435,6 +433,9 @@ void JobRuntime::Run() {
       if (!failed_.ok()) FailPending();
     }
     ServeWaiters();
+    // The planner hears of it once the ranks have their answer: a node cut off from the planner
+    // (whose report waits out its retries) still tells its ranks at once.
+    if (report) Report(s);
     background = AdvanceProtect();
   }
   // Stopping: nobody will complete the remaining operations; answer their waiters.

@@ -26,6 +26,16 @@ def test_launch_variables():
     assert (e.local_rank, e.local_world_size) == (1, 2)
 
 
+def test_the_operations_timeout_comes_from_the_environment():
+    ranked = {**JOB, "RAGSHARD_RANK": "0", "WORLD_SIZE": "1", "RAGSHARD_WORLD_SIZE": "1"}
+    assert ragshard.Env(ranked).op_timeout_s == ragshard.OP_TIMEOUT_S == 120
+    assert ragshard.Env({**ranked, "RAGSHARD_OP_TIMEOUT_S": "0"}).op_timeout_s == 120
+    assert ragshard.Env({**ranked, "RAGSHARD_OP_TIMEOUT_S": "2.5"}).op_timeout_s == 2.5
+    for bad, said in (("soon", "is not a number of seconds"), ("-1", r"is not in \[0, 86400\]")):
+        with pytest.raises(ragshard.Error, match=f"RAGSHARD_OP_TIMEOUT_S.*{said}"):
+            ragshard.Env({**ranked, "RAGSHARD_OP_TIMEOUT_S": bad})
+
+
 def test_launch_tells_each_rank_its_nodes_ranks():
     from ragshard import launch
     a = launch.parse(["--planner", "127.0.0.1:1", "--job", "j", "--nproc", "4", "--sockets",

@@ -1,13 +1,22 @@
 """Faults without a launcher (issue 26): 4 ranks of examples/train_tiny.py over 2 daemons, each
-rank started on its own (no ragshard.launch to stop the others). A daemon stopped with SIGSTOP,
-or a rank killed with SIGKILL: every surviving rank must fail by itself, with an error that
+rank started on its own (no ragshard.launch to stop the others), each daemon and its ranks on a
+host of their own (ragshard.cluster.NamespacedCluster). A daemon stopped with SIGSTOP, a host cut
+off, or a rank killed with SIGKILL: every surviving rank must fail by itself, with an error that
 names the node or the rank, within the deadline (twice the issue's, for CI's busy machine):
   * SIGSTOP of a daemon: 40 s (the ranks of the other node hear it from the planner, which
     marked the node lost; the stopped daemon's own ranks get no answer for the client's peer
     timeout, 30 s, and name their daemon);
+  * node-1's link down, everything on it alive (no reset reaches anyone): 40 s, with the ranks'
+    operation timeout at 20 s (RAGSHARD_OP_TIMEOUT_S; 120 s by default): node-0's ranks hear
+    from the planner that node-1 is lost; node-1's own ranks, whose daemon cannot reach the
+    planner, fail at the operation's deadline, their daemon naming the peer it waited for;
   * kill -9 of a rank: 10 s (its daemon reports it; the planner tells the other daemons);
   * kill -9 of a daemon: 10 s (its ranks find their daemon unreachable; the other daemon loses
-    its peer, or hears from the planner)."""
+    its peer, or hears from the planner).
+A planner restart during registration and `job why` of a hung job run on loopback.
+
+Namespaces need root: cluster_runs.require_namespaces says what happens where they cannot be
+made."""
 import os
 import signal
 import subprocess
@@ -16,29 +25,38 @@ import tempfile
 import time
 
 import pytest
+from cluster_runs import require_namespaces  # beside this file
 
 from ragshard import create_job
-from ragshard.cluster import LocalCluster
+from ragshard.cluster import LocalCluster, NamespacedCluster
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BUILD = os.environ.get("RAGSHARD_BUILD", os.path.join(ROOT, "build"))
 EXAMPLE = os.path.join(ROOT, "examples", "train_tiny.py")
 SLACK = 2.0  # CI's 2-core machine is busy: twice the deadline
+CREATE = "import sys, ragshard; ragshard.create_job(sys.argv[1], sys.argv[2], int(sys.argv[3]))"
 
 
-def start_ranks(c, job, logdir):
-    """4 ranks, 2 per daemon, each its own process with the environment ragshard.launch gives."""
-    create_job(c.planner, job, 4)
+def hosts():
+    require_namespaces()
+    return NamespacedCluster(BUILD, daemons=2, shared=[ROOT])
+
+
+def start_ranks(c, job, logdir, **more_env):
+    """4 ranks, 2 per daemon on its host, each its own process with the environment
+    ragshard.launch gives, and `more_env`."""
+    made = c.run("planner", [sys.executable, "-c", CREATE, c.planner, job, "4"], env=c.env(),
+                 capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
     procs, logs = [], []
     for r in range(4):
-        env = dict(os.environ, RAGSHARD_PLANNER=c.planner, RAGSHARD_JOB=job,
-                   RAGSHARD_RANK=str(r), RAGSHARD_WORLD_SIZE="4",
-                   RAGSHARD_SOCKET=c.sockets[r // 2], RAGSHARD_NODE=c.nodes[r // 2],
-                   OMP_NUM_THREADS="1")
+        env = c.env(RAGSHARD_JOB=job, RAGSHARD_RANK=str(r), RAGSHARD_WORLD_SIZE="4",
+                    RAGSHARD_SOCKET=c.sockets[r // 2], RAGSHARD_NODE=c.nodes[r // 2],
+                    OMP_NUM_THREADS="1", **more_env)
         log = open(os.path.join(logdir, f"rank{r}.log"), "w+")
-        procs.append(subprocess.Popen(
-            [sys.executable, os.path.join(ROOT, "examples", "train_tiny.py"), "--steps", "100000",
-             "--layers", "2", "--dim", "64"], env=env, stdout=log, stderr=subprocess.STDOUT))
+        procs.append(c.spawn(c.nodes[r // 2], [sys.executable, EXAMPLE, "--steps", "100000",
+                                                "--layers", "2", "--dim", "64"],
+                             env=env, stdout=log, stderr=subprocess.STDOUT))
         logs.append(log)
     return procs, logs
 
@@ -61,7 +79,7 @@ def wait_for_steps(procs, logs, steps=3, timeout=180.0):
 
 def expect_failures(procs, logs, ranks, fault, name, timeout):
     """Every rank of `ranks` exits non-zero within `timeout` s of now (the fault), its error
-    naming `name`; prints each one's time and error."""
+    naming `name` (or name[rank], a dict); prints each one's time and error."""
     start = time.time()
     exits = {}
     while len(exits) < len(ranks) and time.time() - start < timeout:
@@ -72,8 +90,8 @@ def expect_failures(procs, logs, ranks, fault, name, timeout):
     for r in ranks:
         assert r in exits, f"rank {r} still running {timeout} s after {fault}"
         assert exits[r][0] != 0, f"rank {r} exited 0 after {fault}"
-        out = text(logs[r])
-        assert name in out, f"rank {r}'s error does not name {name}: {out[-2000:]}"
+        out, named = text(logs[r]), name[r] if isinstance(name, dict) else name
+        assert named in out, f"rank {r}'s error does not name {named}: {out[-2000:]}"
     report(exits, logs)
 
 
@@ -92,9 +110,9 @@ def stop_all(procs):
 
 
 def test_a_stopped_daemon_is_named_by_every_rank_within_the_deadline():
-    with tempfile.TemporaryDirectory() as logdir, LocalCluster(BUILD, daemons=2) as c:
+    with tempfile.TemporaryDirectory() as logdir, hosts() as c:
         procs, logs = start_ranks(c, "stopped-daemon", logdir)
-        daemon1 = c.procs[2]  # planner, daemon node-0, daemon node-1
+        daemon1 = c.daemon(1)
         try:
             wait_for_steps(procs, logs)
             os.kill(daemon1.pid, signal.SIGSTOP)
@@ -104,8 +122,20 @@ def test_a_stopped_daemon_is_named_by_every_rank_within_the_deadline():
             stop_all(procs)
 
 
+def test_a_host_cut_off_is_named_by_every_rank_within_the_deadline():
+    with tempfile.TemporaryDirectory() as logdir, hosts() as c:
+        procs, logs = start_ranks(c, "cut-off", logdir, RAGSHARD_OP_TIMEOUT_S="20")
+        try:
+            wait_for_steps(procs, logs)
+            c.hosts.link_down("node-1")
+            expect_failures(procs, logs, range(4), "node-1's link down",
+                            {0: "node-1", 1: "node-1", 2: "node-0", 3: "node-0"}, 40 * SLACK)
+        finally:
+            stop_all(procs)
+
+
 def test_a_killed_rank_is_named_by_every_survivor_within_the_deadline():
-    with tempfile.TemporaryDirectory() as logdir, LocalCluster(BUILD, daemons=2) as c:
+    with tempfile.TemporaryDirectory() as logdir, hosts() as c:
         procs, logs = start_ranks(c, "killed-rank", logdir)
         try:
             wait_for_steps(procs, logs)
@@ -116,11 +146,11 @@ def test_a_killed_rank_is_named_by_every_survivor_within_the_deadline():
 
 
 def test_a_killed_daemon_is_named_by_every_rank_within_the_deadline():
-    with tempfile.TemporaryDirectory() as logdir, LocalCluster(BUILD, daemons=2) as c:
+    with tempfile.TemporaryDirectory() as logdir, hosts() as c:
         procs, logs = start_ranks(c, "killed-daemon", logdir)
         try:
             wait_for_steps(procs, logs)
-            c.procs[2].kill()  # daemon node-1
+            c.kill_daemon(1)
             expect_failures(procs, logs, range(4), "kill -9 of node-1", "node-1", 10 * SLACK)
         finally:
             stop_all(procs)

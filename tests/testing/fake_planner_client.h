@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "protocol/planner_client.h"
 
@@ -35,6 +36,11 @@ class FakePlannerClient final : public PlannerClient {
     absl::MutexLock lock(&mu_);
     recovery_deadline_ = deadline;
   }
+  // Failure reports wait for `until` (a planner the node cannot reach) before they arrive.
+  void HoldReports(absl::Notification* until) {
+    absl::MutexLock lock(&mu_);
+    hold_reports_ = until;
+  }
   // The nodes' ReportRecovered calls so far, once there are `n` (or after `wait`).
   std::vector<v1::ReportRecoveredRequest> recovered(size_t n = 0,
                                                     absl::Duration wait = absl::Seconds(30)) const {
@@ -46,6 +52,12 @@ class FakePlannerClient final : public PlannerClient {
 
   absl::StatusOr<v1::ReportFailureResponse> ReportFailure(
       const v1::ReportFailureRequest& request) override {
+    absl::Notification* hold = nullptr;
+    {
+      absl::MutexLock lock(&mu_);
+      hold = hold_reports_;
+    }
+    if (hold != nullptr) hold->WaitForNotification();
     absl::MutexLock lock(&mu_);
     failures_.push_back(request);
     v1::ReportFailureResponse resp;
@@ -139,6 +151,7 @@ class FakePlannerClient final : public PlannerClient {
   std::vector<v1::ReportRecoveredRequest> recovered_ ABSL_GUARDED_BY(mu_);
   absl::Duration recovery_deadline_ ABSL_GUARDED_BY(mu_) = absl::ZeroDuration();
   int64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Notification* hold_reports_ ABSL_GUARDED_BY(mu_) = nullptr;
   std::map<std::string, std::string> keys_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -419,6 +419,24 @@ TEST_F(JobRuntimeFaultTest, ALostPeerStopsTheJobReportsItAndFailsEveryLaterOpera
   EXPECT_EQ(later.status().code(), absl::StatusCode::kUnavailable);
 }
 
+// A node cut off from the planner: its report waits (out its retries), and the ranks have their
+// answer, naming the peer, before it ends.
+TEST_F(JobRuntimeFaultTest, AFailedOperationAnswersItsRanksBeforeThePlannerHears) {
+  absl::Notification reachable;
+  planner_->HoldReports(&reachable);
+  Start(absl::DeadlineExceededError(
+      "transfer with peer 1 (node 'node-1') did not complete before the deadline"));
+  const uint64_t seq = StartBoth(Op(v1::OP_UNSHARD, 0));
+  auto answer = Wait(seq, 0, absl::Seconds(30));
+  ASSERT_TRUE(answer->came.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  EXPECT_EQ(answer->status.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(std::string(answer->status.message()), HasSubstr("node 'node-1'"));
+  EXPECT_TRUE(planner_->failures().empty());
+  reachable.Notify();
+  ASSERT_TRUE(planner_->AwaitFailures(1));
+  EXPECT_THAT(planner_->failures()[0].message(), HasSubstr("node 'node-1'"));
+}
+
 TEST_F(JobRuntimeFaultTest, AWaitEndsAtItsDeadlineWhileTheOperationBlocksTheJobThread) {
   absl::Notification release;
   Start(absl::OkStatus(), &release);
