@@ -1,5 +1,6 @@
 """Reliability under faults: the fault tests of tests/python/test_faults.py repeated as a
-campaign, each trial on a fresh LocalCluster (a planner and 2 daemons on this machine), plus
+campaign, each trial on a fresh cluster (a planner and 2 daemons on this machine; the rank
+faults on hosts of their own, ragshard.cluster.NamespacedCluster, which needs root), plus
 the planner soak and kill bursts of bench/planner_soak where that tool is built. Writes the raw
 per-trial results to docs/benchmarks/reliability.json, and docs/benchmarks/reliability.md and
 a plot (reliability.png, or a hand-written reliability.svg without matplotlib) regenerated
@@ -8,8 +9,8 @@ from that JSON: a run of some faults replaces those faults' entries and keeps th
     RAGSHARD_BUILD=build PYTHONPATH=build/python:tests/python \\
         .venv/bin/python bench/chaos_report.py --build build [--trials 20] [--faults a,b]
 
-Faults (`--faults`, comma-separated; default the six below, `node-rebuild`, `node-shrink` and
-`soak` only on request):
+Faults (`--faults`, comma-separated; default the seven below, `node-rebuild`, `node-shrink`
+and `soak` only on request):
   rank-kill                  kill -9 of rank 3 at step 3 (4 ranks of examples/train_tiny.py,
                              2 per daemon, each started on its own, no launcher): every
                              survivor exits non-zero within 10 s, its error naming "rank 3".
@@ -17,6 +18,9 @@ Faults (`--faults`, comma-separated; default the six below, `node-rebuild`, `nod
                              then SIGCONT): every rank exits non-zero within 40 s naming
                              "node-1".
   daemon-kill                kill -9 of daemon node-1: every rank within 10 s naming "node-1".
+  host-cut                   node-1's link down (no reset; everything on it alive), the ranks'
+                             operation timeout 20 s: every rank within 40 s, ranks 0 and 1
+                             naming "node-1", ranks 2 and 3 "node-0".
   planner-kill-registration  the job is created, the planner killed (-9), the 4-rank training
                              launched through ragshard.launch, the planner restarted 1 s later:
                              the training exits 0 with the single-process reference's losses.
@@ -77,9 +81,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests", "python")
 DOCS = os.path.join(ROOT, "docs", "benchmarks")
 
-from chaos_render import (ALL_FAULTS, DEFAULT_FAULTS, LIMIT_TEXT, LIMITS, NAMES,  # noqa: E402
-                          RANK_FAULTS, RECOVERY_FAULTS, TRAINING_FAULTS, brief, load_json,
-                          save)
+from chaos_render import (ALL_FAULTS, DEFAULT_FAULTS, HOST_CUT_OP_TIMEOUT_S,  # noqa: E402
+                          LIMIT_TEXT, LIMITS, RANK_FAULTS, RECOVERY_FAULTS, TRAINING_FAULTS,
+                          brief, expected_name, load_json, save)
 from chaos_recovery import Uninterrupted, recovery_trial  # noqa: E402
 import chaos_node  # noqa: E402
 import chaos_shrink  # noqa: E402
@@ -87,7 +91,8 @@ import provenance  # noqa: E402
 from chaos_procs import (Interrupted, TrialRun, _live, _on_signal, error_line,  # noqa: E402
                          keep_logs, kill_session, read_from, session_members,
                          stop_cluster_checked, sweep)
-WATCH = {"rank-kill": 60.0, "daemon-stop": 120.0, "daemon-kill": 60.0}  # give up after
+WATCH = {"rank-kill": 60.0, "daemon-stop": 120.0, "daemon-kill": 60.0,  # give up after
+         "host-cut": 120.0}
 STOP_HOLD = 60.0  # how long daemon-stop keeps node-1 stopped at most
 TRAINING_TIMEOUT = 600.0
 POLL = 0.01
@@ -110,29 +115,34 @@ def setup_imports(build):
 # ---------------------------------------------------------------------------- rank faults
 
 def rank_fault_trial(fault, trial, build, keep_dir):
-    """One trial of rank-kill, daemon-stop or daemon-kill, as test_faults does it."""
-    from ragshard.cluster import LocalCluster
+    """One trial of rank-kill, daemon-stop, daemon-kill or host-cut, as test_faults does it, on
+    hosts of their own."""
+    from ragshard.cluster import NamespacedCluster
     from test_faults import start_ranks, stop_all, text, wait_for_steps
 
-    limit, name = LIMITS[fault], NAMES[fault]
+    limit = LIMITS[fault]
     ranks = [0, 1, 2] if fault == "rank-kill" else [0, 1, 2, 3]
     res = {"trial": trial, "passed": False, "error": None, "ranks": [], "stuck_at_stop": []}
     logdir = tempfile.mkdtemp(prefix="ragshard-chaos-")
     procs, logs, stopped, c = [], [], None, None
     try:
-        with LocalCluster(build, daemons=2) as c:
+        with NamespacedCluster(build, daemons=2, shared=[ROOT]) as c:
             _live["clusters"].append(c)
             try:
-                procs, logs = start_ranks(c, f"{fault}-{trial}", logdir)
+                more = {"RAGSHARD_OP_TIMEOUT_S": str(HOST_CUT_OP_TIMEOUT_S)} \
+                    if fault == "host-cut" else {}
+                procs, logs = start_ranks(c, f"{fault}-{trial}", logdir, **more)
                 _live["procs"].extend(procs)
                 wait_for_steps(procs, logs, steps=3)
                 offsets = [os.path.getsize(lg.name) for lg in logs]
-                daemon1 = c.procs[2]  # planner, daemon node-0, daemon node-1
+                daemon1 = c.daemon(1)
                 t0 = time.monotonic()
                 if fault == "rank-kill":
                     procs[3].kill()
                 elif fault == "daemon-kill":
                     daemon1.kill()
+                elif fault == "host-cut":
+                    c.hosts.link_down("node-1")
                 else:
                     os.kill(daemon1.pid, signal.SIGSTOP)
                     stopped = daemon1
@@ -152,7 +162,7 @@ def rank_fault_trial(fault, trial, build, keep_dir):
                     time.sleep(POLL)
                 problems = []
                 for r in ranks:
-                    out = text(logs[r])[offsets[r]:]
+                    out, name = text(logs[r])[offsets[r]:], expected_name(fault, r)
                     row = {"rank": r, "exit_code": None, "seconds": None,
                            "names": name in out, "error_line": brief(error_line(out), 400)}
                     if r in exits:
