@@ -20,6 +20,19 @@ SMALL = ["--layers", "2", "--dim", "64", "--heads", "4", "--seq", "16", "--batch
 RECOVERS = ["--max-restarts", "1", "--redundancy", "replica", "--recovery-deadline", "90"]
 
 
+def loopback_reference(out):
+    """train_tiny (SMALL) over 4 ranks and 2 daemons on loopback, through ragshard.launch: what a
+    training across hosts must equal. Its output path."""
+    from ragshard.cluster import LocalCluster
+    with LocalCluster(BUILD, daemons=2, pool_bytes=128 << 20) as c:
+        r = subprocess.run([sys.executable, "-m", "ragshard.launch", "--planner", c.planner,
+                            "--job", "loop", "--create-job", "--nproc", "4", "--sockets",
+                            ",".join(c.sockets), EXAMPLE, "--out", out] + SMALL,
+                           env=env(), capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+    return out
+
+
 def launchers(c, job, out, where, extra=(), flags=(), nnodes=2, base=RECOVERS, script=SMALL,
               paths=(), **more_env):
     """A launcher per entry of `where` for `job` (train_tiny with `script` and `extra`, writing

@@ -22,9 +22,10 @@ import time
 import pytest
 # beside this file; it puts the build's package on the path
 from cluster_runs import BUILD, ROOT, env, require_namespaces
-from host_runs import EXAMPLE, SMALL, assert_same, finish, held, launchers, lose_host, stop
+from host_runs import (EXAMPLE, SMALL, assert_same, finish, held, launchers, lose_host,
+                       loopback_reference, stop)
 
-from ragshard.cluster import LocalCluster, NamespacedCluster  # noqa: E402
+from ragshard.cluster import NamespacedCluster  # noqa: E402
 from ragshard.hosts import Hosts  # noqa: E402
 
 require_namespaces()
@@ -112,15 +113,7 @@ def test_hosts_have_their_own_tmp_reach_each_other_only_and_leave_nothing(tmp_pa
 
 
 def test_a_training_across_hosts_ends_as_on_loopback(tmp_path):
-    # The same training on loopback, through ragshard.launch.
-    ref = str(tmp_path / "loopback")
-    with LocalCluster(BUILD, daemons=2, pool_bytes=128 << 20) as c:
-        r = subprocess.run([sys.executable, "-m", "ragshard.launch", "--planner", c.planner,
-                            "--job", "loop", "--create-job", "--nproc", "4", "--sockets",
-                            ",".join(c.sockets), EXAMPLE, "--out", ref] + SMALL,
-                           env=env(), capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, r.stdout + r.stderr
-
+    ref = loopback_reference(str(tmp_path / "loopback"))  # through ragshard.launch
     with NamespacedCluster(BUILD, daemons=2, pool_bytes=128 << 20, shared=[ROOT]) as c:
         out = os.path.join(c.dir, "hosts")  # (outside /tmp, which each host has of its own)
         # The daemons registered from their hosts' addresses (ragshardctl on the planner's host).
