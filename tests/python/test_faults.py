@@ -109,51 +109,45 @@ def stop_all(procs):
             p.wait()
 
 
-def test_a_stopped_daemon_is_named_by_every_rank_within_the_deadline():
+def fault_at_step_3(job, fault, ranks, what, name, deadline, **more_env):
+    """4 ranks on 2 hosts (`more_env` in their environment); once they train, `fault(c, procs)`
+    (which may return what undoes it, called on the way out); then every rank of `ranks` exits
+    non-zero within `deadline` s naming `name` (expect_failures)."""
     with tempfile.TemporaryDirectory() as logdir, hosts() as c:
-        procs, logs = start_ranks(c, "stopped-daemon", logdir)
-        daemon1 = c.daemon(1)
+        procs, logs = start_ranks(c, job, logdir, **more_env)
+        undo = None
         try:
             wait_for_steps(procs, logs)
-            os.kill(daemon1.pid, signal.SIGSTOP)
-            expect_failures(procs, logs, range(4), "SIGSTOP of node-1", "node-1", 40 * SLACK)
+            undo = fault(c, procs)
+            expect_failures(procs, logs, ranks, what, name, deadline)
         finally:
-            os.kill(daemon1.pid, signal.SIGCONT)
+            if undo is not None:
+                undo()
             stop_all(procs)
+
+
+def test_a_stopped_daemon_is_named_by_every_rank_within_the_deadline():
+    def stop(c, procs):
+        pid = c.daemon(1).pid
+        os.kill(pid, signal.SIGSTOP)
+        return lambda: os.kill(pid, signal.SIGCONT)
+    fault_at_step_3("stopped-daemon", stop, range(4), "SIGSTOP of node-1", "node-1", 40 * SLACK)
 
 
 def test_a_host_cut_off_is_named_by_every_rank_within_the_deadline():
-    with tempfile.TemporaryDirectory() as logdir, hosts() as c:
-        procs, logs = start_ranks(c, "cut-off", logdir, RAGSHARD_OP_TIMEOUT_S="20")
-        try:
-            wait_for_steps(procs, logs)
-            c.hosts.link_down("node-1")
-            expect_failures(procs, logs, range(4), "node-1's link down",
-                            {0: "node-1", 1: "node-1", 2: "node-0", 3: "node-0"}, 40 * SLACK)
-        finally:
-            stop_all(procs)
+    fault_at_step_3("cut-off", lambda c, procs: c.hosts.link_down("node-1"), range(4),
+                    "node-1's link down", {0: "node-1", 1: "node-1", 2: "node-0", 3: "node-0"},
+                    40 * SLACK, RAGSHARD_OP_TIMEOUT_S="20")
 
 
 def test_a_killed_rank_is_named_by_every_survivor_within_the_deadline():
-    with tempfile.TemporaryDirectory() as logdir, hosts() as c:
-        procs, logs = start_ranks(c, "killed-rank", logdir)
-        try:
-            wait_for_steps(procs, logs)
-            procs[3].kill()
-            expect_failures(procs, logs, [0, 1, 2], "kill -9 of rank 3", "rank 3", 10 * SLACK)
-        finally:
-            stop_all(procs)
+    fault_at_step_3("killed-rank", lambda c, procs: procs[3].kill(), [0, 1, 2],
+                    "kill -9 of rank 3", "rank 3", 10 * SLACK)
 
 
 def test_a_killed_daemon_is_named_by_every_rank_within_the_deadline():
-    with tempfile.TemporaryDirectory() as logdir, hosts() as c:
-        procs, logs = start_ranks(c, "killed-daemon", logdir)
-        try:
-            wait_for_steps(procs, logs)
-            c.kill_daemon(1)
-            expect_failures(procs, logs, range(4), "kill -9 of node-1", "node-1", 10 * SLACK)
-        finally:
-            stop_all(procs)
+    fault_at_step_3("killed-daemon", lambda c, procs: c.kill_daemon(1), range(4),
+                    "kill -9 of node-1", "node-1", 10 * SLACK)
 
 
 def test_a_training_rides_through_a_planner_restart_during_registration(tmp_path):
