@@ -9,8 +9,9 @@ import subprocess
 import sys
 import time
 
+# beside this file; cluster_runs puts the build's package on the path
+import preloaded
 import torch
-# beside this file; it puts the build's package on the path
 from cluster_runs import BUILD, ROOT, env
 
 EXAMPLE = os.path.join(ROOT, "examples", "train_tiny.py")
@@ -18,6 +19,9 @@ SMALL = ["--layers", "2", "--dim", "64", "--heads", "4", "--seq", "16", "--batch
          "--vocab", "32", "--quiet", "--steps", "4", "--optimizer", "adamw"]
 # A launch that recovers in place: its ranks restarted once, each daemon's state copied to another.
 RECOVERS = ["--max-restarts", "1", "--redundancy", "replica", "--recovery-deadline", "90"]
+# Every launcher here forks its ranks from its own import of torch (which it has from the tests'
+# preloaded interpreter): test_hosts starts the plain launch, an interpreter per rank, itself.
+PRELOADED = ["--preload", "torch"]
 
 
 def loopback_reference(out):
@@ -38,21 +42,27 @@ def launchers(c, job, out, where, extra=(), flags=(), nnodes=2, base=RECOVERS, s
     """A launcher per entry of `where` for `job` (train_tiny with `script` and `extra`, writing
     `out`), of `nnodes` hosts x 2 ranks: (node rank, host), or (node rank, host, daemon index)
     where the host's daemon is not daemon <node rank>. Its flags: `base`, then `flags` (later
-    ones winning). Each in a session of its own, with `more_env` and `paths` first on its
-    PYTHONPATH."""
+    ones winning), after PRELOADED. Each in a session of its own, with `more_env` and `paths`
+    first on its PYTHONPATH."""
     pythonpath = os.pathsep.join(list(paths) + [env()["PYTHONPATH"]])
     procs = {}
     for k, host, *daemon in where:
         i = daemon[0] if daemon else k
-        procs[k] = c.spawn(host, [sys.executable, "-m", "ragshard.launch", "--planner", c.planner,
-                                  "--job", job, "--create-job", "--nproc", str(2 * nnodes),
-                                  "--nnodes", str(nnodes), "--node-rank", str(k), "--sockets",
-                                  c.sockets[i], "--nodes", c.nodes[i], *base, *flags, EXAMPLE,
-                                  "--out", out] + list(script) + list(extra),
-                           env=c.env(PYTHONPATH=pythonpath, **more_env),
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           start_new_session=True)
+        procs[k] = spawn(c, host, ["-m", "ragshard.launch", "--planner", c.planner, "--job", job,
+                                   "--create-job", "--nproc", str(2 * nnodes), "--nnodes",
+                                   str(nnodes), "--node-rank", str(k), "--sockets", c.sockets[i],
+                                   "--nodes", c.nodes[i], *PRELOADED, *base, *flags, EXAMPLE,
+                                   "--out", out] + list(script) + list(extra),
+                         PYTHONPATH=pythonpath, **more_env)
     return procs
+
+
+def spawn(c, host, args, stdout=None, **more_env):
+    """`python ARGS` on `host` (ragshard.launch, or a script) with the cluster's environment and
+    `more_env`, forked from the tests' preloaded interpreter (preloaded.spawn: in the host's
+    namespaces, a session of its own), its output to `stdout` or kept for communicate()."""
+    return preloaded.spawn([sys.executable, *args], host=c.hosts.holder(host),
+                           env=c.env(**more_env), stdout=stdout)
 
 
 def held(procs, marks, seconds=240):

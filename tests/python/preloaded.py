@@ -10,9 +10,15 @@ suite. The launcher's own `--preload torch` shares that import with its ranks; t
 with the launchers. What runs is the same code as `python -m ragshard.launch` (runpy, in a child
 that gets the command's argv, environment, working directory and standard streams, in a process
 group of its own); only the interpreter's start is shared, with what it read at import time
-(the server's environment: OMP_NUM_THREADS, TORCH_* settings; the tests set none that differ).
+(the server's environment: TORCH_* settings, which the tests set none of that differ; a command's
+OMP_NUM_THREADS is applied with torch.set_num_threads).
 Commands of another interpreter or with other arguments (stdin, input, ...) go to
 subprocess.run unchanged.
+
+`spawn(cmd, host=PID, ...)`: the same, started and left running as subprocess.Popen would (in a
+session of its own, stdout and stderr to one file), optionally on a host of its own
+(ragshard.hosts): the child joins the network and mount namespaces of the host's holder process
+`PID`, as `nsenter --target PID --net --mount` would, before it changes to its working directory.
 
 The server is this file run as a script; it exits when the pytest process that started it
 closes its stdin (or dies), killing the commands still running."""
@@ -112,34 +118,24 @@ def run(cmd, env=None, timeout=None, capture_output=False, text=False, cwd=None,
     if kwargs or not _routable(cmd):
         return subprocess.run(cmd, env=env, timeout=timeout, capture_output=capture_output,
                               text=text, cwd=cwd, check=check, **kwargs)
-    path = _start()
-    request = json.dumps({"argv": [str(a) for a in cmd[1:]],
-                          "env": dict(os.environ if env is None else env),
-                          "cwd": os.path.abspath(cwd or os.getcwd())}).encode()
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
-            socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-        conn.connect(path)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         # Not captured: the test process's own descriptors 1 and 2, as a child would inherit.
-        fds = [out.fileno(), err.fileno()] if capture_output else [1, 2]
-        sys.stdout.flush()
-        sys.stderr.flush()
-        socket.send_fds(conn, [struct.pack("!Q", len(request))], fds)
-        conn.sendall(request)
-        conn.settimeout(_ANSWER_S)
-        pid = int(_read_line(conn))
-        conn.settimeout(timeout)
-        try:
-            code = int(_read_line(conn))
-        except BaseException as e:  # a timeout, or the test interrupted: the command goes too
+        conn, pid = _send(cmd, env, cwd, [out.fileno(), err.fileno()] if capture_output
+                          else [1, 2])
+        with conn:
+            conn.settimeout(timeout)
             try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            conn.settimeout(_ANSWER_S)
-            _read_line(conn)
-            if isinstance(e, socket.timeout):
-                raise subprocess.TimeoutExpired(cmd, timeout) from None
-            raise
+                code = int(_read_line(conn))
+            except BaseException as e:  # a timeout, or the test interrupted: the command goes too
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                conn.settimeout(_ANSWER_S)
+                _read_line(conn)
+                if isinstance(e, socket.timeout):
+                    raise subprocess.TimeoutExpired(cmd, timeout) from None
+                raise
         streams = []
         for f in (out, err):
             f.seek(0)
@@ -151,7 +147,127 @@ def run(cmd, env=None, timeout=None, capture_output=False, text=False, cwd=None,
     return result
 
 
+def _send(cmd, env, cwd, fds, host=None):
+    """Sends one command to the server; the connection, once the server forked it, and its pid."""
+    path = _start()
+    request = json.dumps({"argv": [str(a) for a in cmd[1:]],
+                          "env": dict(os.environ if env is None else env),
+                          "cwd": os.path.abspath(cwd or os.getcwd()), "host": host}).encode()
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(path)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        socket.send_fds(conn, [struct.pack("!Q", len(request))], fds)
+        conn.sendall(request)
+        conn.settimeout(_ANSWER_S)
+        return conn, int(_read_line(conn))
+    except BaseException:
+        conn.close()
+        raise
+
+
+class Spawned:
+    """A command spawn() started: the part of subprocess.Popen's interface the tests use (pid,
+    its process group's id too; returncode, poll, wait, send_signal, kill, communicate, whose
+    first item is the command's output where spawn kept it)."""
+
+    def __init__(self, cmd, conn, pid, out):
+        self.args, self.pid, self.returncode = list(cmd), pid, None
+        self._conn, self._out, self._got = conn, out, b""
+
+    def _status(self, timeout):
+        self._conn.settimeout(timeout)
+        try:
+            while not self._got.endswith(b"\n"):
+                chunk = self._conn.recv(64)
+                if not chunk:
+                    raise RuntimeError("preloaded: the fork server closed the connection")
+                self._got += chunk
+        except (BlockingIOError, socket.timeout):
+            return None
+        self.returncode = int(self._got)
+        self._conn.close()
+        return self.returncode
+
+    def poll(self):
+        return self.returncode if self.returncode is not None else self._status(0)
+
+    def wait(self, timeout=None):
+        if self.returncode is None and self._status(timeout) is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def send_signal(self, sig):
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self):
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, timeout=None):
+        self.wait(timeout)
+        if self._out is None:
+            return None, None
+        self._out.seek(0)
+        return self._out.read().decode(errors="replace"), None
+
+
+def spawn(cmd, host=None, env=None, cwd=None, stdout=None):
+    """subprocess.Popen(cmd, env=env, cwd=cwd, stdout=..., stderr=STDOUT, text=True,
+    start_new_session=True) for a command run() would fork, forked likewise; in the namespaces
+    of process `host` where given (a host's holder). Its output goes to `stdout` (a file) where
+    given, else to a file communicate() reads. Other commands: ValueError."""
+    if not _routable(cmd):
+        raise ValueError(f"preloaded.spawn: not a command it forks: {cmd[:3]}")
+    out = None if stdout is not None else tempfile.TemporaryFile()
+    fd = (stdout or out).fileno()
+    try:
+        conn, pid = _send(cmd, env, cwd, [fd, fd], host)
+    except BaseException:
+        if out is not None:
+            out.close()
+        raise
+    return Spawned(cmd, conn, pid, out)
+
+
 # The server.
+
+CLONE_NEWNS, CLONE_NEWNET = 0x00020000, 0x40000000
+
+
+def _enter(pid):
+    """Joins the network and mount namespaces of process `pid` (a host's holder), as nsenter
+    does: both opened first, the network's joined first. The child is single-threaded (forked),
+    as joining a mount namespace needs; the working directory is set after."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    fds = [os.open(f"/proc/{pid}/ns/{ns}", os.O_RDONLY) for ns in ("net", "mnt")]
+    try:
+        for fd, kind in zip(fds, (CLONE_NEWNET, CLONE_NEWNS)):
+            if libc.setns(fd, kind) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"setns into process {pid}'s namespaces: {os.strerror(err)}")
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _sitecustomize(paths):
+    """Imports the first sitecustomize.py of `paths` (the command's PYTHONPATH), as a fresh
+    interpreter's start would have (the server's own start imported its own, or none)."""
+    for path in paths:
+        found = os.path.join(path, "sitecustomize.py")
+        if os.path.isfile(found):
+            spec = importlib.util.spec_from_file_location("sitecustomize", found)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules["sitecustomize"] = module
+            spec.loader.exec_module(module)
+            return
+
 
 def _child(request, fds):
     """Runs one command in the forked child; never returns."""
@@ -168,11 +284,18 @@ def _child(request, fds):
         os.dup2(fds[1], 2)
         for fd in (null, *fds):
             os.close(fd)
+        if request.get("host"):
+            _enter(int(request["host"]))
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        threads = os.environ.get("OMP_NUM_THREADS", "")
+        if threads.isdigit() and int(threads) > 0:
+            # The server's import read its own OMP_NUM_THREADS; the command's count is set here.
+            sys.modules["torch"].set_num_threads(int(threads))
         # PYTHONPATH as a fresh interpreter would read it, ahead of the server's own path.
         extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        _sitecustomize(extra)
         argv = request["argv"]
         if argv[0] == "-m":
             sys.path[:] = [os.getcwd(), *extra] + [p for p in sys.path[1:] if p not in extra]

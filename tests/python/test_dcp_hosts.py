@@ -16,11 +16,10 @@ made."""
 import json
 import os
 import signal
-import subprocess
-import sys
 
+import host_runs  # beside this file, as cluster_runs
 import pytest
-from cluster_runs import BUILD, ROOT, env, require_namespaces  # beside this file
+from cluster_runs import BUILD, ROOT, env, require_namespaces
 from test_porting import EXAMPLE, PRELOAD, SAVE_AFTER, STEPS, check_continuation, run_fsdp2
 
 from ragshard.cluster import NamespacedCluster  # noqa: E402
@@ -47,13 +46,12 @@ TINY = [os.path.join(ROOT, "examples", "train_tiny.py"), "--layers", "1", "--dim
 def launch_on_hosts(c, job, nproc, args, script=HF):
     """One ragshard.launch per host (--nnodes 3 --node-rank K) running `script` (train_hf's
     Llama under ragshard) for `job`; returns each host's (exit code, output)."""
-    procs = [c.spawn(node, [sys.executable, "-m", "ragshard.launch", "--preload",
-                            ",".join(PRELOAD), "--planner", c.planner, "--job", job,
-                            "--create-job", "--nproc", str(nproc), "--nnodes", str(HOSTS),
-                            "--node-rank", str(k), "--sockets", c.sockets[k], "--nodes", node]
-                     + script + args,
-                     env=c.env(PYTHONPATH=env()["PYTHONPATH"]), stdout=subprocess.PIPE,
-                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    procs = [host_runs.spawn(c, node, ["-m", "ragshard.launch", "--preload", ",".join(PRELOAD),
+                                       "--planner", c.planner, "--job", job, "--create-job",
+                                       "--nproc", str(nproc), "--nnodes", str(HOSTS),
+                                       "--node-rank", str(k), "--sockets", c.sockets[k],
+                                       "--nodes", node] + script + args,
+                             PYTHONPATH=env()["PYTHONPATH"])
              for k, node in enumerate(c.nodes)]
     out = []
     try:

@@ -25,7 +25,8 @@ import tempfile
 import time
 
 import pytest
-from cluster_runs import require_namespaces  # beside this file
+import host_runs  # beside this file, as cluster_runs
+from cluster_runs import require_namespaces
 
 from ragshard import create_job
 from ragshard.cluster import LocalCluster, NamespacedCluster
@@ -50,13 +51,13 @@ def start_ranks(c, job, logdir, **more_env):
     assert made.returncode == 0, made.stderr
     procs, logs = [], []
     for r in range(4):
-        env = c.env(RAGSHARD_JOB=job, RAGSHARD_RANK=str(r), RAGSHARD_WORLD_SIZE="4",
-                    RAGSHARD_SOCKET=c.sockets[r // 2], RAGSHARD_NODE=c.nodes[r // 2],
-                    OMP_NUM_THREADS="1", **more_env)
+        env = dict(RAGSHARD_JOB=job, RAGSHARD_RANK=str(r), RAGSHARD_WORLD_SIZE="4",
+                   RAGSHARD_SOCKET=c.sockets[r // 2], RAGSHARD_NODE=c.nodes[r // 2],
+                   OMP_NUM_THREADS="1", **more_env)
         log = open(os.path.join(logdir, f"rank{r}.log"), "w+")
-        procs.append(c.spawn(c.nodes[r // 2], [sys.executable, EXAMPLE, "--steps", "100000",
-                                                "--layers", "2", "--dim", "64"],
-                             env=env, stdout=log, stderr=subprocess.STDOUT))
+        procs.append(host_runs.spawn(c, c.nodes[r // 2], [EXAMPLE, "--steps", "100000",
+                                                          "--layers", "2", "--dim", "64"],
+                                     stdout=log, **env))
         logs.append(log)
     return procs, logs
 

@@ -1,16 +1,15 @@
-"""Recovery in place (docs/recovery.md): a rank of a 2 daemons x 2 ranks training
-(examples/train_tiny.py) is killed with SIGKILL in the forward, the backward, the optimizer step
-or between steps; ragshard-launch --max-restarts 1 restarts it, the other ranks exit on the
-daemons' recovery notice and are restarted too, every rank attaches again to the state its
-daemon kept, and the job goes on from the last completed step, with no checkpoint. The final
-parameters equal an uninterrupted run's within 1e-6. On 2 hosts of their own
-(ragshard.cluster.NamespacedCluster, one `ragshard-launch --nnodes 2 --node-rank K` per host) the
-same holds for a rank of either host (its host's launcher restarts it; the other host's ranks
-leave on their own daemon's notice and their launcher restarts them), and without restarts the
-loss fails the job on both hosts, named.
+"""Recovery in place (docs/recovery.md): a rank of a 2 hosts x 2 ranks training
+(examples/train_tiny.py; hosts of their own, ragshard.cluster.NamespacedCluster, one
+`ragshard-launch --nnodes 2 --node-rank K` per host) is killed with SIGKILL in the forward, the
+backward, the optimizer step or between steps; its host's launcher (--max-restarts 1) restarts
+it, the other ranks, on both hosts, exit on their daemons' recovery notice and are restarted by
+their own launchers too, every rank attaches again to the state its daemon kept, and the job
+goes on from the last completed step, with no checkpoint. The final parameters equal an
+uninterrupted run's within 1e-6. Without restarts the loss fails the job on both hosts, named.
+torchrun's own restarts (one host) run on loopback.
 
 Namespaces need root: cluster_runs.require_namespaces says what happens where they cannot be
-made (for the tests on hosts only)."""
+made."""
 import json
 import os
 import subprocess
@@ -38,27 +37,31 @@ SMALL = ["--layers", "2", "--dim", "64", "--heads", "4", "--seq", "16", "--batch
          "--vocab", "32", "--quiet", "--steps", "6"]
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with LocalCluster(BUILD, daemons=2, pool_bytes=128 << 20, cluster_profile=PROFILE) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def device_cluster():
-    with LocalCluster(BUILD, daemons=2, pool_bytes=128 << 20, backend="device-shaped") as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def hosts(tmp_path_factory):
+def hosts(tmp_path_factory, **options):
     """2 daemons on hosts of their own; the tests' temporary directories seen on every host
     (their outputs, marks and checkpoints). Where namespaces cannot be made, the tests on them
     fail or skip (cluster_runs.require_namespaces), not the module: test_recovery_configs
-    imports it."""
+    imports it and runs on loopback."""
     require_namespaces()
-    with NamespacedCluster(BUILD, daemons=2, pool_bytes=128 << 20,
-                           shared=[ROOT, str(tmp_path_factory.getbasetemp())]) as c:
+    return NamespacedCluster(BUILD, daemons=2, pool_bytes=128 << 20,
+                             shared=[ROOT, str(tmp_path_factory.getbasetemp())], **options)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with hosts(tmp_path_factory, cluster_profile=PROFILE) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def device_cluster(tmp_path_factory):
+    with hosts(tmp_path_factory, backend="device-shaped") as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def loopback():
+    with LocalCluster(BUILD, daemons=1, pool_bytes=128 << 20) as c:
         yield c
 
 
@@ -150,8 +153,10 @@ def test_a_killed_rank_recovers_in_place(cluster, tmp_path, optimizer, rank, ste
     out, r = run(cluster, tmp_path, job, extra + ["--kill-at", f"{rank}:{step}:{phase}:{mark}"])
     assert r.returncode == 0, r.stdout + r.stderr
     assert os.path.exists(mark), "the rank was not killed"
-    assert f"rank {rank} exited with -9; restarting it" in r.stderr
-    assert "recovery in progress" in r.stderr  # the others left on the daemons' notice
+    # Its own host's launcher restarted it; the other host's ranks left on their own daemon's
+    # notice and were restarted there.
+    assert f"rank {rank} exited with -9; restarting it" in r.launchers[rank // 2], r.stderr
+    assert "recovery in progress" in r.launchers[1 - rank // 2], r.stderr
     a, b = params(out), params(ref)
     assert a.keys() == b.keys()
     for name in a:
@@ -272,7 +277,8 @@ def torchrun(cluster, tmp_path, job, extra):
     return out
 
 
-def test_torchrun_restarts_recover_in_place(cluster, tmp_path):
+def test_torchrun_restarts_recover_in_place(loopback, tmp_path):
+    cluster = loopback  # torchrun's restarts: one host
     ref = torchrun(cluster, tmp_path, "tr-ref", [])
     out = torchrun(cluster, tmp_path, "tr-kill", ["--kill-at", f"1:3:step:{tmp_path / 'k'}"])
     assert os.path.exists(tmp_path / "k")
@@ -303,33 +309,7 @@ def test_a_rank_that_crashes_recovers_in_place(cluster, tmp_path):
     assert "recoveries:   1 recovery" in ctl(cluster, "job", "show", "crash").stdout
 
 
-@pytest.mark.parametrize("optimizer,rank,step,phase", [("adamw", 1, 3, "forward"),
-                                                       ("muon", 3, 3, "step")])
-def test_a_killed_rank_recovers_in_place_across_hosts(hosts, cluster, tmp_path, optimizer, rank,
-                                                     step, phase):
-    """The same on 2 hosts of their own, one launcher per host: a rank of host 0 in the forward,
-    and one of host 1 in the optimizer step. The reference is the loopback run (a training across
-    hosts equals it, test_hosts.py)."""
-    ref = reference(cluster, tmp_path, optimizer)
-    mark = str(tmp_path / f"killed-hosts-{rank}")
-    job = f"hosts-kill-{optimizer}-{rank}"
-    out, r = run(hosts, tmp_path, job, ["--optimizer", optimizer,
-                                        "--kill-at", f"{rank}:{step}:{phase}:{mark}"])
-    assert r.returncode == 0, r.stderr
-    assert os.path.exists(mark), "the rank was not killed"
-    # Its own host's launcher restarted it; the other host's ranks left on their own daemon's
-    # notice and were restarted there.
-    assert f"rank {rank} exited with -9; restarting it" in r.launchers[rank // 2], r.stderr
-    assert "recovery in progress" in r.launchers[1 - rank // 2], r.stderr
-    a, b = params(out), params(ref)
-    for name in a:
-        assert torch.allclose(a[name], b[name], rtol=0, atol=1e-6), name
-    show = ctl(hosts, "job", "show", job)
-    assert "READY" in show.stdout and "recoveries:   1 recovery" in show.stdout, show.stdout
-
-
-def test_without_restarts_a_lost_rank_fails_the_job_named(hosts, tmp_path):
-    cluster = hosts
+def test_without_restarts_a_lost_rank_fails_the_job_named(cluster, tmp_path):
     mark = str(tmp_path / "killed-nr")
     _, r = run(cluster, tmp_path, "norestart", ["--kill-at", f"1:2:forward:{mark}"], restarts=0)
     assert r.returncode != 0
