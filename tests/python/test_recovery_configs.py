@@ -1,22 +1,21 @@
 """Recovery in place where people train (docs/recovery.md, "What a rank keeps"): bf16 parameters
 with fp32 masters, FP8 gathers, 8-bit Adam, Shampoo and NAdam, each on the host plane and the
-device-shaped one. A 2 daemons x 2 ranks training (examples/train_tiny.py) loses four ranks to
-SIGKILL in one run: rank 1 in step 2's forward, rank 2 in step 3's backward, rank 3 inside step
-4's optimizer step and rank 0 between steps 5 and 6. ragshard-launch --max-restarts 1 restarts
-each, the others exit on the daemons' notice, every rank attaches again to the state its daemon
+device-shaped one. A 2 hosts x 2 ranks training (examples/train_tiny.py; hosts of their own, one
+launcher per host, as test_recovery.py) loses four ranks to SIGKILL in one run: rank 1 in step 2's forward, rank 2 in step 3's backward, rank 3 inside step
+4's optimizer step and rank 0 between steps 5 and 6. Its host's ragshard-launch --max-restarts 1
+restarts each, the others exit on the daemons' notice, every rank attaches again to the state its daemon
 kept (masters, bf16 shards, quantization scales, codes, preconditioners and scalars included),
 and the job goes on from the last completed step with no checkpoint. The final parameters equal
 an uninterrupted run's within 1e-6 (bit-exact in practice), and the journal says all 6 steps
-completed."""
+completed.
+
+Namespaces need root: cluster_runs.require_namespaces says what happens where they cannot be
+made."""
 import os
 import time
 
 import pytest
-import torch
-
-from test_recovery import BUILD, PROFILE, ctl, params, run  # beside this file
-
-from ragshard.cluster import LocalCluster  # noqa: E402
+from test_recovery import PROFILE, ctl, hosts, params, run  # beside this file
 
 CONFIGS = {
     "bf16": ["--param-dtype", "bf16"],
@@ -30,10 +29,10 @@ BACKENDS = ("host", "device-shaped")
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
-def cluster(request):
+def cluster(request, tmp_path_factory):
     kw = {"cluster_profile": PROFILE} if request.param == "host" else \
         {"backend": request.param}
-    with LocalCluster(BUILD, daemons=2, pool_bytes=128 << 20, **kw) as c:
+    with hosts(tmp_path_factory, **kw) as c:
         c.kind = request.param
         yield c
 
@@ -56,7 +55,7 @@ def test_every_configuration_recovers_in_place(cluster, tmp_path, config):
     assert r.returncode == 0, r.stdout + r.stderr
     for rank in range(4):
         assert os.path.exists(tmp_path / f"killed-{rank}"), f"rank {rank} was not killed"
-        assert f"rank {rank} exited with -9; restarting it" in r.stderr, r.stderr
+        assert f"rank {rank} exited with -9; restarting it" in r.launchers[rank // 2], r.stderr
     a, b = params(out), params(ref)
     assert a.keys() == b.keys()
     for name in a:
