@@ -1,7 +1,8 @@
 """train_tiny.py's fault points for the recovery tests and benchmarks: --kill-at kills the rank
 (SIGKILL) at a point of one of its steps, --hold-at holds it there, writing its pid to a mark
-file, until the test kills it (and its node's daemon) or removes the mark (it goes on then), --raise-at raises an uncaught exception
-there (a rank that crashes)."""
+file, until the test kills it (and its node's daemon) or removes the mark (it goes on then, and
+writes MARK.done: a restarted rank does not hold there again), --raise-at raises an uncaught
+exception there (a rank that crashes)."""
 import contextlib
 import os
 import signal
@@ -32,7 +33,8 @@ class Kill:
 
     def armed(self, step, phase):
         mark = self.points.get((step, phase))
-        return mark is not None and not os.path.exists(mark)
+        return mark is not None and not os.path.exists(mark) and \
+            not os.path.exists(mark + ".done")
 
     def at(self, step, phase):
         if self.armed(step, phase):
@@ -44,7 +46,7 @@ class Kill:
                 # (a partition: the rank goes on, into whatever its node's link allows).
                 while os.path.exists(self.points[(step, phase)]):
                     time.sleep(0.05)
-                self.points.pop((step, phase))
+                open(self.points.pop((step, phase)) + ".done", "w").close()
                 return
             open(self.points[(step, phase)], "w").close()
             if (step, phase) in self.raises:

@@ -140,6 +140,10 @@ class NodeDaemon final : public v1::Daemon::CallbackService {
   // others), joined at a later Spawn or at Shutdown; RESOURCE_EXHAUSTED beyond kMaxAttaching
   // at once, UNAVAILABLE once shut down.
   absl::Status Spawn(std::function<void()> work);
+  // A rank's registration (Register, once the node is not fenced): batched with the node's
+  // other ranks and sent to the planner; `reactor` answers it.
+  void StartRegistration(const v1::RegisterRequest& req, v1::RegisterResponse* resp,
+                         grpc::ServerUnaryReactor* reactor, absl::Time deadline);
   // Sends a node's registration calls (NodeRegistrations' batches), each on a thread.
   void SendRegistrations(std::vector<NodeRegistrationBatch> batches);
   absl::Status DoAttach(const v1::AttachRequest& request, v1::AttachResponse* resp);

@@ -22,7 +22,6 @@ grpc::ServerUnaryReactor* NodeDaemon::Attach(Ctx* ctx, const v1::AttachRequest* 
   if (auto s = ValidateId("job_id", req->job_id()); !s.ok()) return ReplyUnary(ctx, s);
   if (req->rank() < 0)
     return ReplyUnary(ctx, absl::InvalidArgumentError("rank: must not be negative"));
-  if (absl::Status fenced = lease_.Fenced(); !fenced.ok()) return ReplyUnary(ctx, fenced);
   // Setting a job up waits for the plan and for the peers, so it runs on a thread of its own
   // rather than blocking one of gRPC's callback threads.
   auto* reactor = ctx->DefaultReactor();
@@ -65,6 +64,7 @@ absl::Status NodeDaemon::DoAttach(const v1::AttachRequest& request, v1::AttachRe
   const v1::AttachRequest* req = &request;
   const absl::Time deadline =
       absl::Now() + absl::Milliseconds(req->timeout_ms() > 0 ? req->timeout_ms() : 60000);
+  if (absl::Status fenced = lease_.AwaitUnfenced(deadline); !fenced.ok()) return fenced;
   absl::StatusOr<std::shared_ptr<JobRuntime>> job =
       req->salvage() ? SalvagedJob(*req, deadline)
                      : GetOrCreateJob(req->job_id(), req->rank(), deadline);

@@ -137,7 +137,8 @@ void NodeDaemon::RunHeartbeats() {
     }
     if (lease_.Acknowledged(sent, resp->lease_ms())) {
       LOG(WARNING) << "the planner acknowledges this node's heartbeats again: the fence ends "
-                      "(the jobs it stopped stay failed)";
+                      "(jobs that recover in place go on recovering; the jobs it stopped stay "
+                      "failed)";
     }
     for (const v1::JobFailure& f : resp->failed_jobs()) {
       if (std::shared_ptr<JobRuntime> job = FindJob(f.job_id()); job != nullptr) {
@@ -164,9 +165,9 @@ void NodeDaemon::FenceJobs(const absl::Status& fence) {
     for (const auto& [id, job] : jobs_) jobs.push_back(job);
   }
   // A job that does not go on without this node fails where the planner declares it lost, and
-  // rides out an outage of the planner.
+  // rides out an outage of the planner; one that recovers in place starts a recovery.
   for (const auto& job : jobs) {
-    if (job->fenced_with_node()) job->Fail(fence);
+    if (job->fenced_with_node()) job->Fence(fence);
   }
 }
 

@@ -52,6 +52,27 @@ void JobRuntime::BeginRecovery(int64_t epoch, absl::Time deadline, const std::st
   ServeWaiters();
 }
 
+void JobRuntime::Fence(const absl::Status& fence) {
+  bool recover = false;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!failed_.ok() || stopping_) return;
+    recover = recovery_.recoverable();
+    if (recover && recovery_.running()) {
+      StartRecovery(std::string(fence.message()));
+      // The job's thread is in an operation with nodes it cannot reach: it ends now.
+      if (RelayComm* relay = recovery_.relay(); relay != nullptr) {
+        relay->Interrupt(std::string(fence.message()));
+      }
+    }
+  }
+  if (!recover) {
+    Fail(fence);
+    return;
+  }
+  ServeWaiters();
+}
+
 absl::Status JobRuntime::AwaitRunning(absl::Time deadline) {
   absl::MutexLock lock(&mu_);
   auto running = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {

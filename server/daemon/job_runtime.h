@@ -87,6 +87,11 @@ class JobRuntime final : public OpTarget {
                       RelayComm* relay);
   // The planner says the job recovers in epoch `epoch` until `deadline` (a heartbeat).
   void BeginRecovery(int64_t epoch, absl::Time deadline, const std::string& lost);
+  // The node is fenced (node_lease.h): a job that recovers in place starts a recovery (its
+  // state stays; its operations end with the notice naming `fence`; the report waits for the
+  // planner: a short partition is recovered in place, and after a long one the planner refuses
+  // the daemon as stale); any other job fails with `fence`.
+  void Fence(const absl::Status& fence);
   // Waits until no recovery is in progress: OK, the job's failure, or DEADLINE_EXCEEDED.
   absl::Status AwaitRunning(absl::Time deadline);
   // The planner's failure of the job (its heartbeat's failed_jobs), while the job still holds

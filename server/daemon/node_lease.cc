@@ -28,6 +28,16 @@ bool NodeLease::Expire(absl::Time now) {
   return true;
 }
 
+absl::Status NodeLease::AwaitUnfenced(absl::Time deadline) const {
+  absl::MutexLock lock(&mu_);
+  auto unfenced = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return fence_.ok(); };
+  if (!fence_.ok()) {
+    mu_.AwaitWithDeadline(absl::Condition(&unfenced),
+                          std::min(deadline, last_sent_ + lease_ * 4 / 3));
+  }
+  return fence_;
+}
+
 absl::Status NodeLease::Fenced() const {
   absl::MutexLock lock(&mu_);
   return fence_;

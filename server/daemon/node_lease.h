@@ -27,6 +27,11 @@ class NodeLease {
   bool Expire(absl::Time now);
   // UNAVAILABLE naming the fence while fenced, else OK.
   absl::Status Fenced() const;
+  // Waits while fenced, until `deadline` or until the planner counts the node lost (its node
+  // timeout, four thirds of the lease, after the last acknowledged heartbeat was sent), the
+  // sooner: OK once a heartbeat is acknowledged again, else Fenced(). A rank that registers or
+  // attaches during a short partition goes on when it ends.
+  absl::Status AwaitUnfenced(absl::Time deadline) const;
 
  private:
   mutable absl::Mutex mu_;

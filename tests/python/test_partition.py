@@ -11,6 +11,13 @@ a launcher for node rank 1, and the job recovers in place and ends equal to the 
 uninterrupted (within 1e-6). When the link returns, the partitioned daemon learns that another
 holds its node id and exits, named; nothing of it reached the job.
 
+A short partition (longer than the lease, shorter than the node timeout): node-1's link comes
+back as soon as its daemon fenced itself, before the planner counts the node lost. The fence
+started a recovery in place on node-1 (its state kept; its ranks left on the notice, and their
+restarts waited for the fence to end); once the planner hears node-1 again the job recovers in
+place on the same two hosts and ends equal to the uninterrupted training (within 1e-6), READY
+with one recovery.
+
 And a lossy link (Hosts.lossy: node-1's host drops 5 % of its packets each way, at random, for
 the whole training): the job is slower, nothing is fenced, and it ends equal to the same
 training on clean links.
@@ -21,7 +28,7 @@ import os
 import time
 
 from cluster_runs import BUILD, ROOT, require_namespaces  # beside this file; the package
-from host_runs import assert_same, finish, held, launchers, partition, stop
+from host_runs import assert_same, ctl, finish, held, launchers, partition, stop
 
 from ragshard.cluster import NamespacedCluster  # noqa: E402
 
@@ -89,3 +96,53 @@ def test_a_lossy_link_slows_the_job_and_changes_nothing():
         with open(os.path.join(c.dir, "daemon1.log")) as f:
             assert "fenced" not in f.read()
         assert_same(out, ref)
+
+
+# The short partition's node timeout: its lease is 12 s, and 4 s pass between the fence and the
+# planner counting the node lost, for the link to come back and a heartbeat to get through.
+SHORT_NODE_TIMEOUT_MS = 16000
+
+
+def until_logged(path, text, seconds):
+    """Waits until the log at `path` holds `text`; its contents."""
+    deadline, log = time.time() + seconds, ""
+    while text not in log:
+        assert time.time() < deadline, f"no {text!r} in {path} in {seconds} s: {log[-4000:]}"
+        time.sleep(0.05)
+        with open(path) as f:
+            log = f.read()
+    return log
+
+
+def test_a_short_partition_is_recovered_in_place():
+    with NamespacedCluster(BUILD, daemons=2, pool_bytes=128 << 20,
+                           node_timeout_ms=SHORT_NODE_TIMEOUT_MS, heartbeat_ms=250,
+                           shared=[ROOT]) as c:
+        ref, out = os.path.join(c.dir, "ref"), os.path.join(c.dir, "short")
+        finish(launchers(c, "ref", ref, enumerate(c.nodes)))
+        marks = [os.path.join(c.dir, f"hold{r}") for r in (2, 3)]
+        procs = launchers(c, "short", out, enumerate(c.nodes),
+                          [f"--hold-at={r}:3:forward:{m}" for r, m in zip((2, 3), marks)])
+        log = os.path.join(c.dir, "daemon1.log")
+        try:
+            held(procs, marks)
+            c.hosts.link_down("node-1")
+            cut = time.time()
+            for m in marks:
+                os.unlink(m)
+            until_logged(log, "this node is fenced", SHORT_NODE_TIMEOUT_MS / 1000 + 30)
+            c.hosts.link_up("node-1")
+            print(f"node-1's link came back {time.time() - cut:.1f} s after the cut, "
+                  "once its daemon fenced itself")
+            got = finish(procs)
+            print(f"the job ended {time.time() - cut:.1f} s after the cut")
+        finally:
+            stop(procs.values())
+        # node-1's ranks left on the recovery the fence started, and their launcher restarted
+        # them; the daemon that fenced itself lives on with its node id, its fence ended.
+        assert "ragshard recovery in progress: this node is fenced" in got[1], got[1][-4000:]
+        assert c.daemon(1).poll() is None
+        until_logged(log, "the fence ends", 30)
+        show = ctl(c, "job", "show", "short")
+        assert "READY" in show and "recoveries:   1 recovery" in show, show
+        assert_same(out, ref, atol=1e-6)

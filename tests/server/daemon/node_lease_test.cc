@@ -1,5 +1,7 @@
 #include "server/daemon/node_lease.h"
 
+#include <thread>
+
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -33,6 +35,27 @@ TEST(NodeLeaseTest, ANodeIsFencedOnceItsLeaseRunsOutAndFreedByTheNextAcknowledge
   // A planner that gives no lease (0) fences nothing.
   EXPECT_TRUE(lease.Acknowledged(t0 + absl::Seconds(6), 0));
   EXPECT_FALSE(lease.Expire(t0 + absl::Hours(2)));
+}
+
+TEST(NodeLeaseTest, AWaitForTheFenceEndsWithItOrWhenThePlannerCountsTheNodeLost) {
+  NodeLease lease;
+  const absl::Time far = absl::Now() + absl::Hours(1);
+  EXPECT_TRUE(lease.AwaitUnfenced(far).ok());  // not fenced: at once
+  // Fenced 2 s after the last acknowledged heartbeat was sent with a 1.5 s lease: the planner's
+  // node timeout (2 s) has passed, so the wait ends at once with the fence, whatever its deadline.
+  const absl::Time sent = absl::Now() - absl::Seconds(2);
+  lease.Acknowledged(sent, 1500);
+  ASSERT_TRUE(lease.Expire(sent + absl::Seconds(2)));
+  EXPECT_TRUE(absl::IsUnavailable(lease.AwaitUnfenced(far)));
+  // A long lease: the wait ends at its own deadline, still fenced...
+  const absl::Time now = absl::Now();
+  lease.Acknowledged(now, 3600 * 1000);
+  ASSERT_TRUE(lease.Expire(now + absl::Hours(2)));
+  EXPECT_TRUE(absl::IsUnavailable(lease.AwaitUnfenced(absl::Now() + absl::Milliseconds(10))));
+  // ... or when a heartbeat is acknowledged again: OK.
+  std::thread heartbeat([&] { lease.Acknowledged(absl::Now(), 3600 * 1000); });
+  EXPECT_TRUE(lease.AwaitUnfenced(far).ok());
+  heartbeat.join();
 }
 
 }  // namespace
