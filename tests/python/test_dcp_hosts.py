@@ -13,14 +13,12 @@ through the job's keys on the planner, so nothing but the checkpoint itself is s
 
 Namespaces need root: cluster_runs.require_namespaces says what happens where they cannot be
 made."""
-import json
 import os
-import signal
 
-import host_runs  # beside this file, as cluster_runs
 import pytest
-from cluster_runs import BUILD, ROOT, env, require_namespaces
-from test_porting import EXAMPLE, PRELOAD, SAVE_AFTER, STEPS, check_continuation, run_fsdp2
+from cluster_runs import BUILD, ROOT, require_namespaces  # beside this file
+from test_porting import (EXAMPLE, SAVE_AFTER, STEPS, check_continuation, launch_on_hosts,
+                          run_fsdp2, run_ragshard)
 
 from ragshard.cluster import NamespacedCluster  # noqa: E402
 
@@ -28,7 +26,6 @@ require_namespaces()
 
 HOSTS = 3
 BATCH = ["--global-batch", "12"]  # splits evenly over 2, 3, 4 and 6 ranks
-TIMEOUT = 600
 
 
 @pytest.fixture(scope="module")
@@ -43,33 +40,9 @@ TINY = [os.path.join(ROOT, "examples", "train_tiny.py"), "--layers", "1", "--dim
         "--heads", "2", "--seq", "8", "--batch", "2", "--vocab", "16", "--quiet", "--steps", "2"]
 
 
-def launch_on_hosts(c, job, nproc, args, script=HF):
-    """One ragshard.launch per host (--nnodes 3 --node-rank K) running `script` (train_hf's
-    Llama under ragshard) for `job`; returns each host's (exit code, output)."""
-    procs = [host_runs.spawn(c, node, ["-m", "ragshard.launch", "--preload", ",".join(PRELOAD),
-                                       "--planner", c.planner, "--job", job, "--create-job",
-                                       "--nproc", str(nproc), "--nnodes", str(HOSTS),
-                                       "--node-rank", str(k), "--sockets", c.sockets[k],
-                                       "--nodes", node] + script + args,
-                             PYTHONPATH=env()["PYTHONPATH"])
-             for k, node in enumerate(c.nodes)]
-    out = []
-    try:
-        for p in procs:
-            out.append((p.communicate(timeout=TIMEOUT)[0], p.returncode))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-    return [(code, text) for text, code in out]
-
-
 def ragshard_run(c, name, nproc, args):
-    out = os.path.join(c.dir, name)
-    for k, (code, text) in enumerate(launch_on_hosts(c, name, nproc, ["--out", out] + args)):
-        assert code == 0, f"{name}: host {k}'s launcher exited with {code}:\n{text[-5000:]}"
-    return json.load(open(out + ".json"))
+    return run_ragshard(c, c.dir, name, nproc, HOSTS, ["--model", "llama", "--steps", str(STEPS)]
+                        + BATCH + args)
 
 
 def test_checkpoints_cross_to_fsdp2_and_back_with_only_the_checkpoint_shared(cluster):
@@ -102,7 +75,8 @@ def test_a_save_where_other_hosts_cannot_see_it_fails_on_every_rank(cluster):
              os.path.join(private, ".step_00000001.partial"),
              [os.path.join(private, ".step_00000001.partial"),
               os.path.join(private, "step_00000001")])]:
-        got = launch_on_hosts(c, f"private-{fmt.replace('_', '-')}", HOSTS, args, script)
+        got = launch_on_hosts(c, f"private-{fmt.replace('_', '-')}", HOSTS, HOSTS,
+                              script + args)
         for k, (code, text) in enumerate(got):
             assert code != 0, f"{fmt}: host {k}'s launcher exited 0:\n{text[-3000:]}"
             if k == 0:  # rank 0 sees its own directory; it learns the others failed

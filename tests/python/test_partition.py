@@ -39,18 +39,26 @@ LEASE_S = NODE_TIMEOUT_MS * 3 / 4 / 1000
 STALE_EXIT = 3  # ragshardd's exit status when the planner refuses it as stale (kStaleExitCode)
 
 
+def held_at_step_3(c, job, **more_env):
+    """The uninterrupted run, then `job`'s launchers with node-1's two ranks held at step 3's
+    forward: the two runs' outputs, the launchers and the holds' marks."""
+    ref, out = os.path.join(c.dir, "ref"), os.path.join(c.dir, job)
+    finish(launchers(c, "ref", ref, enumerate(c.nodes)))
+    marks = [os.path.join(c.dir, f"hold{r}") for r in (2, 3)]
+    procs = launchers(c, job, out, enumerate(c.nodes),
+                      [f"--hold-at={r}:3:forward:{m}" for r, m in zip((2, 3), marks)],
+                      **more_env)
+    return ref, out, procs, marks
+
+
 def test_a_partitioned_host_fences_itself_and_the_job_recovers_without_it():
     with NamespacedCluster(BUILD, daemons=2, spare_hosts=1, pool_bytes=128 << 20,
                            node_timeout_ms=NODE_TIMEOUT_MS, heartbeat_ms=250,
                            shared=[ROOT]) as c:
-        ref, out = os.path.join(c.dir, "ref"), os.path.join(c.dir, "cut")
-        finish(launchers(c, "ref", ref, enumerate(c.nodes)))
-        marks = [os.path.join(c.dir, f"hold{r}") for r in (2, 3)]
-        # Their planner calls give up after 5 s (RAGSHARD_PLANNER_RETRY_S): the partitioned
-        # host's launcher restarts its ranks once, and they fail at their first call.
-        procs = launchers(c, "cut", out, enumerate(c.nodes),
-                          [f"--hold-at={r}:3:forward:{m}" for r, m in zip((2, 3), marks)],
-                          RAGSHARD_PLANNER_RETRY_S="5")
+        # The partitioned host's launcher restarts its ranks once: their registrations wait at
+        # the fenced daemon until the node timeout would count the node lost, then fail naming
+        # the fence (their planner calls give up after 5 s, RAGSHARD_PLANNER_RETRY_S).
+        ref, out, procs, marks = held_at_step_3(c, "cut", RAGSHARD_PLANNER_RETRY_S="5")
         old, cut_off = c.daemon(1), None
         try:
             pids = held(procs, marks)
@@ -118,11 +126,7 @@ def test_a_short_partition_is_recovered_in_place():
     with NamespacedCluster(BUILD, daemons=2, pool_bytes=128 << 20,
                            node_timeout_ms=SHORT_NODE_TIMEOUT_MS, heartbeat_ms=250,
                            shared=[ROOT]) as c:
-        ref, out = os.path.join(c.dir, "ref"), os.path.join(c.dir, "short")
-        finish(launchers(c, "ref", ref, enumerate(c.nodes)))
-        marks = [os.path.join(c.dir, f"hold{r}") for r in (2, 3)]
-        procs = launchers(c, "short", out, enumerate(c.nodes),
-                          [f"--hold-at={r}:3:forward:{m}" for r, m in zip((2, 3), marks)])
+        ref, out, procs, marks = held_at_step_3(c, "short")
         log = os.path.join(c.dir, "daemon1.log")
         try:
             held(procs, marks)

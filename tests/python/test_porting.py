@@ -4,19 +4,24 @@ data and recipe (AdamW with decay and no-decay groups, LambdaLR warmup then cosi
 clipping at 1.0, fp32) under torch's FSDP2 (gloo on a CPU mesh) and under ragshard.
 
 * Recipe parity: a Llama with tied embeddings and a Mixtral-style top-2 MoE, 8 steps, ragshard
-  at 2 daemons x 2 ranks against FSDP2 at 4 ranks: every step's loss within 1e-5 of FSDP2's.
+  at 2 hosts x 2 ranks (hosts of their own, ragshard.cluster.NamespacedCluster: one
+  `ragshard-launch --nnodes 2 --node-rank K` per host) against FSDP2 at 4 ranks (gloo, one
+  host): every step's loss within 1e-5 of FSDP2's.
 * Cross checkpoints (the Llama): ragshard at W=4 writes a DCP checkpoint with save_dcp after
   step 4 and FSDP2 at W=2 continues it (dcp.load, set_model_state_dict,
   set_optimizer_state_dict); FSDP2 at W=4 writes one with dcp.save after step 4 and ragshard at
-  W=2 (1 daemon x 2 ranks) continues it with load_dcp. Steps 5 to 8 match the writer's own.
+  W=2 (1 host x 2 ranks) continues it with load_dcp. Steps 5 to 8 match the writer's own.
   The scheduler and the step ride in the checkpoint as extra Stateful entries.
 
 Six runs cover the tests: the 8-step Llama runs of each backend at W=4 also write the
 checkpoints after step 4 and are the references of the runs that continue them. Each run is one
 process group: FSDP2's ranks are forked from one launcher that imported torch and transformers
 once (tests/python/test_porting.py --fsdp2-launch, through tests/python/fsdp2_launcher.py),
-ragshard's by ragshard.launch --preload.
-Every run has a timeout and its whole process group is killed on the way out."""
+ragshard's by ragshard.launch --preload on each host.
+Every run has a timeout and its whole process group is killed on the way out.
+
+Namespaces need root: cluster_runs.require_namespaces says what happens where they cannot be
+made."""
 import json
 import os
 import signal
@@ -29,8 +34,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 BUILD = os.environ.get("RAGSHARD_BUILD", os.path.join(ROOT, "build"))
 sys.path.insert(0, os.path.join(BUILD, "python"))
 
+import host_runs  # noqa: E402  (beside this file, as those below)
+from cluster_runs import require_namespaces  # noqa: E402
 from fsdp2_launcher import fsdp2_launch  # noqa: E402  (--fsdp2-launch below)
 from test_fsdp2 import env  # noqa: E402  (ranks' environment: no torchrun variables)
+
+from ragshard.cluster import NamespacedCluster  # noqa: E402
 
 EXAMPLE = os.path.join(ROOT, "examples", "train_hf.py")
 # Imported once by each launcher, before it forks the ranks (seconds of CPU per rank saved).
@@ -71,20 +80,43 @@ def run_fsdp2(work, name, world, args):
     return json.load(open(out + ".json"))
 
 
+def launch_on_hosts(c, job, nproc, nnodes, argv):
+    """`job` over `nproc` ranks on the first `nnodes` hosts of cluster `c`: one ragshard.launch
+    per host (--nnodes N --node-rank K) running `argv`, each forked from the tests' preloaded
+    interpreter in its host's namespaces; each host's (exit code, output), in order."""
+    procs = {k: host_runs.spawn(c, c.nodes[k], ["-m", "ragshard.launch", "--preload",
+                                                ",".join(PRELOAD), "--planner", c.planner,
+                                                "--job", job, "--create-job", "--nproc",
+                                                str(nproc), "--nnodes", str(nnodes),
+                                                "--node-rank", str(k), "--sockets",
+                                                c.sockets[k], "--nodes", c.nodes[k]] + argv,
+                                PYTHONPATH=env()["PYTHONPATH"], PYTHONFAULTHANDLER="1")
+             for k in range(nnodes)}
+    got = host_runs.outputs(procs, TIMEOUT)
+    return [got[k] for k in range(nnodes)]
+
+
 def run_ragshard(cluster, work, name, world, daemons, args):
+    """train_hf under ragshard as `name`: `world` ranks on the first `daemons` hosts; its
+    record (the launchers' outputs in NAME.log)."""
     out = os.path.join(work, name)
-    cmd = [sys.executable, "-m", "ragshard.launch", "--preload", ",".join(PRELOAD),
-           "--planner", cluster.planner, "--job", name, "--nproc", str(world),
-           "--sockets", ",".join(cluster.sockets[:daemons]), "--create-job", EXAMPLE,
-           "--backend", "ragshard", "--out", out, "--quiet"] + args
-    run_group(cmd, out + ".log")
+    got = launch_on_hosts(cluster, name, world, daemons,
+                          [EXAMPLE, "--backend", "ragshard", "--out", out, "--quiet"] + args)
+    with open(out + ".log", "w") as f:
+        f.write("\n".join(f"host {k}'s launcher:\n{text}" for k, (_, text) in enumerate(got)))
+    for k, (code, text) in enumerate(got):
+        assert code == 0, f"{name}: host {k}'s launcher exited with {code}:\n{text[-6000:]}"
     return json.load(open(out + ".json"))
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    from ragshard.cluster import LocalCluster
-    with LocalCluster(BUILD, daemons=2, pool_bytes=128 << 20) as c:
+def cluster(tmp_path_factory):
+    """2 daemons on hosts of their own, the tests' temporary directories (the runs' outputs and
+    checkpoints) seen on every host. Where namespaces cannot be made the tests fail or skip
+    (cluster_runs.require_namespaces), not the module: test_dcp_hosts imports it."""
+    require_namespaces()
+    with NamespacedCluster(BUILD, daemons=2, pool_bytes=128 << 20,
+                           shared=[ROOT, str(tmp_path_factory.getbasetemp())]) as c:
         yield c
 
 
