@@ -38,19 +38,21 @@ def loopback_reference(out):
 
 
 def launchers(c, job, out, where, extra=(), flags=(), nnodes=2, base=RECOVERS, script=SMALL,
-              paths=(), **more_env):
+              paths=(), create=True, **more_env):
     """A launcher per entry of `where` for `job` (train_tiny with `script` and `extra`, writing
     `out`), of `nnodes` hosts x 2 ranks: (node rank, host), or (node rank, host, daemon index)
     where the host's daemon is not daemon <node rank>. Its flags: `base`, then `flags` (later
-    ones winning), after PRELOADED. Each in a session of its own, with `more_env` and `paths`
-    first on its PYTHONPATH."""
+    ones winning), after PRELOADED; --create-job unless `create` is false (the job made
+    before). Each in a session of its own, with `more_env` and `paths` first on its
+    PYTHONPATH."""
     pythonpath = os.pathsep.join(list(paths) + [env()["PYTHONPATH"]])
     procs = {}
     for k, host, *daemon in where:
         i = daemon[0] if daemon else k
+        made = ["--create-job"] if create else []
         procs[k] = spawn(c, host, ["-m", "ragshard.launch", "--planner", c.planner, "--job", job,
-                                   "--create-job", "--nproc", str(2 * nnodes), "--nnodes",
-                                   str(nnodes), "--node-rank", str(k), "--sockets", c.sockets[i],
+                                   *made, "--nproc", str(2 * nnodes), "--nnodes", str(nnodes),
+                                   "--node-rank", str(k), "--sockets", c.sockets[i],
                                    "--nodes", c.nodes[i], *PRELOADED, *base, *flags, EXAMPLE,
                                    "--out", out] + list(script) + list(extra),
                          PYTHONPATH=pythonpath, **more_env)

@@ -13,7 +13,8 @@ names the node or the rank, within the deadline (twice the issue's, for CI's bus
   * kill -9 of a rank: 10 s (its daemon reports it; the planner tells the other daemons);
   * kill -9 of a daemon: 10 s (its ranks find their daemon unreachable; the other daemon loses
     its peer, or hears from the planner).
-A planner restart during registration and `job why` of a hung job run on loopback.
+On the same hosts: a planner restart (kill -9, back 1 s later) while the job registers, a
+launcher per host; and `ragshardctl job why` of a hung job, its ranks waiting on either host.
 
 Namespaces need root: cluster_runs.require_namespaces says what happens where they cannot be
 made."""
@@ -26,10 +27,9 @@ import time
 
 import pytest
 import host_runs  # beside this file, as cluster_runs
-from cluster_runs import require_namespaces
+from cluster_runs import env, require_namespaces
 
-from ragshard import create_job
-from ragshard.cluster import LocalCluster, NamespacedCluster
+from ragshard.cluster import NamespacedCluster
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BUILD = os.environ.get("RAGSHARD_BUILD", os.path.join(ROOT, "build"))
@@ -38,17 +38,23 @@ SLACK = 2.0  # CI's 2-core machine is busy: twice the deadline
 CREATE = "import sys, ragshard; ragshard.create_job(sys.argv[1], sys.argv[2], int(sys.argv[3]))"
 
 
-def hosts():
+def hosts(*shared):
+    """2 daemons on hosts of their own; the checkout and `shared` seen on every host."""
     require_namespaces()
-    return NamespacedCluster(BUILD, daemons=2, shared=[ROOT])
+    return NamespacedCluster(BUILD, daemons=2, shared=[ROOT, *shared])
+
+
+def create(c, job):
+    """Job `job` of 4 ranks, created from the planner's host."""
+    made = c.run("planner", [sys.executable, "-c", CREATE, c.planner, job, "4"], env=c.env(),
+                 capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
 
 
 def start_ranks(c, job, logdir, **more_env):
     """4 ranks, 2 per daemon on its host, each its own process with the environment
     ragshard.launch gives, and `more_env`."""
-    made = c.run("planner", [sys.executable, "-c", CREATE, c.planner, job, "4"], env=c.env(),
-                 capture_output=True, text=True, timeout=60)
-    assert made.returncode == 0, made.stderr
+    create(c, job)
     procs, logs = [], []
     for r in range(4):
         env = dict(RAGSHARD_JOB=job, RAGSHARD_RANK=str(r), RAGSHARD_WORLD_SIZE="4",
@@ -153,67 +159,91 @@ def test_a_killed_daemon_is_named_by_every_rank_within_the_deadline():
 
 def test_a_training_rides_through_a_planner_restart_during_registration(tmp_path):
     """The planner is killed (-9) while the job registers and comes back 1 s later on the same
-    address: the ranks' registrations and the daemons' job setup retry, and the training ends
-    with the single-process reference's losses."""
-    from test_training import LAUNCH, SMALL, compare, env, run_reference
-    with LocalCluster(BUILD, daemons=2) as c:
-        create_job(c.planner, "restart", 4)
+    address: the ranks' registrations and the daemons' job setup retry, on both hosts, and the
+    training (a launcher per host) ends with the single-process reference's losses."""
+    from test_training import SMALL, compare, run_reference
+    with hosts(str(tmp_path)) as c:
+        create(c, "restart")
         c.kill_planner()
         out = str(tmp_path / "restart")
-        p = subprocess.Popen(
-            LAUNCH + ["--planner", c.planner, "--job", "restart",
-                      "--nproc", "4", "--sockets", ",".join(c.sockets), EXAMPLE, "--out", out,
-                      "--steps", "4"] + SMALL, env=env(), stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True)
+        procs = host_runs.launchers(c, "restart", out, enumerate(c.nodes), base=[], create=False,
+                                    script=SMALL + ["--steps", "4"])
         try:
             time.sleep(1.0)  # the outage's length, not a wait for an event
             c.restart_planner()
-            output, _ = p.communicate(timeout=300)
+            host_runs.finish(procs)
         finally:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        assert p.returncode == 0, output[-4000:]
+            host_runs.stop(procs.values())
     compare(out, run_reference(tmp_path, "restart", ["--steps", "4"]))
 
 
-def test_job_why_shows_where_each_rank_of_a_hung_job_stands():
-    """Ranks 0, 1 and 2 start an all-gather that rank 3 never starts: node-1's operation waits
-    for rank 3, node-0's waits for node-1 in the data plane. `ragshardctl job why` says so for
-    each rank, from the heartbeats, while the job hangs."""
+# Two ranks of the job "hung" on a host: registered and attached, and each but rank 3 starts an
+# all-gather of unit 0; then they wait to be killed.
+HUNG = """import json, sys, threading, time
+import ragshard
+planner, socket, node, first = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+inventory = {"units": [{"name": "a", "tensors": [{"name": "w", "shape": [64, 8],
+                                                  "dtype": "fp32"}]}]}
+clients = [ragshard.Client(planner, socket, "hung", r, node, 60000, local_ranks=2)
+           for r in (first, first + 1)]
+threads = [threading.Thread(target=lambda c: (c.register(json.dumps(inventory), True),
+                                              c.attach()), args=(c,)) for c in clients]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+handles = [c.unshard(0) for r, c in zip((first, first + 1), clients) if r != 3]
+print("started", flush=True)
+time.sleep(600)
+"""
+
+
+def test_job_why_shows_where_each_rank_of_a_hung_job_stands(tmp_path):
+    """Ranks 0, 1 and 2 (2 on node-0's host, 1 on node-1's) start an all-gather that rank 3
+    never starts: node-1's operation waits for rank 3, node-0's waits for node-1 in the data
+    plane. `ragshardctl job why` says so for each rank, from the heartbeats, while the job
+    hangs."""
     import json
-    inventory = {"units": [{"name": "a", "tensors": [{"name": "w", "shape": [64, 8],
-                                                      "dtype": "fp32"}]}]}
-    with LocalCluster(BUILD, daemons=2) as c:
-        clients = c.attach("hung", inventory, ranks=4, daemon=None, timeout_ms=60000)
-        handles = [clients[r].unshard(0) for r in (0, 1, 2)]  # rank 3 never starts it
-        ctl = [os.path.join(BUILD, "ctl", "ragshardctl"), "--planner", c.planner]
-        deadline = time.time() + 60
-        while True:
-            r = subprocess.run(ctl + ["job", "why", "hung"], capture_output=True, text=True,
-                               timeout=60)
-            assert r.returncode == 0, r.stderr
-            rows = {int(ln.split()[0]): ln for ln in r.stdout.splitlines()[2:] if ln.strip()}
-            ok = (len(rows) == 4 and
-                  all("#1 OP_UNSHARD of unit 0 'a'" in rows[k] for k in (0, 1, 2)) and
-                  "local rank 3 to start it" in rows[2] and
-                  all("peer 1 (node 'node-1')" in rows[k] for k in (0, 1)) and
-                  "between operations" in rows[3])
-            if ok:
-                break
-            assert time.time() < deadline, r.stdout
-            time.sleep(0.2)
-        print(r.stdout)
-        j = subprocess.run(ctl + ["job", "why", "hung", "--json"], capture_output=True,
-                           text=True, timeout=60)
-        assert j.returncode == 0, j.stderr
-        doc = json.loads(j.stdout)
-        assert doc["job"]["jobId"] == "hung"
-        assert sorted(int(x.get("rank", 0)) for x in doc["ranks"]) == [0, 1, 2, 3]
-        bad = subprocess.run(ctl + ["job", "why", "no-such-job"], capture_output=True,
-                             text=True, timeout=60)
-        assert bad.returncode != 0 and "no-such-job" in bad.stderr
-        del handles
+    with hosts() as c:
+        ctl = [os.path.join(BUILD, "ctl", "ragshardctl"), "--planner", c.planner,
+               "--token-file", c.token_file]
+        create(c, "hung")
+        logs = [open(tmp_path / f"host{k}.log", "w+") for k in range(2)]
+        procs = [c.spawn(c.nodes[k], [sys.executable, "-c", HUNG, c.planner, c.sockets[k],
+                                      c.nodes[k], str(2 * k)],
+                         env=c.env(PYTHONPATH=env()["PYTHONPATH"]), stdout=logs[k],
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                 for k in range(2)]
+        try:
+            deadline = time.time() + 60
+            while True:
+                for k, p in enumerate(procs):
+                    assert p.poll() is None, f"host {k}'s ranks exited: {text(logs[k])[-3000:]}"
+                r = c.run("planner", ctl + ["job", "why", "hung"], capture_output=True,
+                          text=True, timeout=60)
+                assert r.returncode == 0, r.stderr
+                rows = {int(ln.split()[0]): ln for ln in r.stdout.splitlines()[2:] if ln.strip()}
+                ok = (len(rows) == 4 and
+                      all("#1 OP_UNSHARD of unit 0 'a'" in rows[k] for k in (0, 1, 2)) and
+                      "local rank 3 to start it" in rows[2] and
+                      all("peer 1 (node 'node-1')" in rows[k] for k in (0, 1)) and
+                      "between operations" in rows[3])
+                if ok:
+                    break
+                assert time.time() < deadline, r.stdout
+                time.sleep(0.2)
+            print(r.stdout)
+            j = c.run("planner", ctl + ["job", "why", "hung", "--json"], capture_output=True,
+                      text=True, timeout=60)
+            assert j.returncode == 0, j.stderr
+            doc = json.loads(j.stdout)
+            assert doc["job"]["jobId"] == "hung"
+            assert sorted(int(x.get("rank", 0)) for x in doc["ranks"]) == [0, 1, 2, 3]
+            bad = c.run("planner", ctl + ["job", "why", "no-such-job"], capture_output=True,
+                        text=True, timeout=60)
+            assert bad.returncode != 0 and "no-such-job" in bad.stderr
+        finally:
+            stop_all(procs)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ it, the other ranks, on both hosts, exit on their daemons' recovery notice and a
 their own launchers too, every rank attaches again to the state its daemon kept, and the job
 goes on from the last completed step, with no checkpoint. The final parameters equal an
 uninterrupted run's within 1e-6. Without restarts the loss fails the job on both hosts, named.
-torchrun's own restarts (one host) run on loopback.
+Under torchrun likewise: a torchrun per host (static rendezvous, --max-restarts 1).
 
 Namespaces need root: cluster_runs.require_namespaces says what happens where they cannot be
 made."""
@@ -28,7 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 BUILD = os.environ.get("RAGSHARD_BUILD", os.path.join(ROOT, "build"))
 sys.path.insert(0, os.path.join(BUILD, "python"))
 
-from ragshard.cluster import LocalCluster, NamespacedCluster  # noqa: E402
+from ragshard.cluster import NamespacedCluster  # noqa: E402
 
 EXAMPLE = os.path.join(ROOT, "examples", "train_tiny.py")
 LAUNCH = [sys.executable, "-m", "ragshard.launch", "--preload", "torch"]
@@ -40,8 +40,8 @@ SMALL = ["--layers", "2", "--dim", "64", "--heads", "4", "--seq", "16", "--batch
 def hosts(tmp_path_factory, **options):
     """2 daemons on hosts of their own; the tests' temporary directories seen on every host
     (their outputs, marks and checkpoints). Where namespaces cannot be made, the tests on them
-    fail or skip (cluster_runs.require_namespaces), not the module: test_recovery_configs
-    imports it and runs on loopback."""
+    fail or skip (cluster_runs.require_namespaces), not the module (test_recovery_configs
+    imports it)."""
     require_namespaces()
     return NamespacedCluster(BUILD, daemons=2, pool_bytes=128 << 20,
                              shared=[ROOT, str(tmp_path_factory.getbasetemp())], **options)
@@ -56,12 +56,6 @@ def cluster(tmp_path_factory):
 @pytest.fixture(scope="module")
 def device_cluster(tmp_path_factory):
     with hosts(tmp_path_factory, backend="device-shaped") as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def loopback():
-    with LocalCluster(BUILD, daemons=1, pool_bytes=128 << 20) as c:
         yield c
 
 
@@ -257,30 +251,45 @@ def test_two_losses_are_two_recoveries(cluster, tmp_path):
     assert "recoveries:   2 recoveries" in show.stdout, show.stdout
 
 
+# A torchrun per host (its static rendezvous at node-0's address; the port is free there: the
+# host is the test's own).
+MASTER_PORT = "29500"
+CREATE_RECOVERING = ("import sys, ragshard; ragshard.create_job(sys.argv[1], sys.argv[2], 4, "
+                     "recovery_deadline_ms=60000)")
+
+
 def torchrun(cluster, tmp_path, job, extra):
-    """2 ranks on daemon 0 under torchrun --max-restarts 1 (which replaces both workers when
-    one fails), in a job created with a recovery deadline: one node, so the recovery has no
-    data plane to connect again."""
-    import ragshard
-    ragshard.create_job(cluster.planner, job, 2, recovery_deadline_ms=60000,
-                        token_file=cluster.token_file)
-    e = env()
+    """2 hosts x 2 ranks, a torchrun per host (`--nnodes 2 --node-rank K --max-restarts 1`,
+    which replaces both of its workers when one fails), in a job created with a recovery
+    deadline. Each host's outcome is checked; the output path."""
+    made = cluster.run("planner", [sys.executable, "-c", CREATE_RECOVERING, cluster.planner,
+                                   job], env=cluster.env(PYTHONPATH=env()["PYTHONPATH"]),
+                       capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    out = str(tmp_path / job)
+    e = cluster.env(PYTHONPATH=env()["PYTHONPATH"], RAGSHARD_JOB=job)
     for k in ("RAGSHARD_RANK", "RAGSHARD_WORLD_SIZE", "RAGSHARD_NODE"):
         e.pop(k, None)
-    e.update(RAGSHARD_PLANNER=cluster.planner, RAGSHARD_JOB=job,
-             RAGSHARD_SOCKET=cluster.sockets[0], RAGSHARD_TOKEN_FILE=cluster.token_file)
-    out = str(tmp_path / job)
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        "--nproc-per-node", "2", "--max-restarts", "1", EXAMPLE, "--out", out] +
-                       SMALL + extra, env=e, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
+    procs = {k: cluster.spawn(host, [sys.executable, "-m", "torch.distributed.run",
+                                     "--nnodes", "2", "--node-rank", str(k),
+                                     "--nproc-per-node", "2", "--master-addr",
+                                     cluster.hosts.address(cluster.nodes[0]), "--master-port",
+                                     MASTER_PORT, "--max-restarts", "1", EXAMPLE, "--out", out] +
+                              SMALL + extra, env=dict(e, RAGSHARD_SOCKET=cluster.sockets[k]),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True)
+             for k, host in enumerate(cluster.nodes)}
+    for k, (rc, text) in outputs(procs).items():
+        assert rc == 0, f"node rank {k}'s torchrun: {text[-4000:]}"
     return out
 
 
-def test_torchrun_restarts_recover_in_place(loopback, tmp_path):
-    cluster = loopback  # torchrun's restarts: one host
+def test_torchrun_restarts_recover_in_place(cluster, tmp_path):
+    """Rank 3 (node-1's host) is killed in step 3's optimizer step: its torchrun restarts both
+    of its workers, node-0's ranks leave on the recovery notice and their torchrun restarts
+    them, and the job goes on from the last completed step."""
     ref = torchrun(cluster, tmp_path, "tr-ref", [])
-    out = torchrun(cluster, tmp_path, "tr-kill", ["--kill-at", f"1:3:step:{tmp_path / 'k'}"])
+    out = torchrun(cluster, tmp_path, "tr-kill", ["--kill-at", f"3:3:step:{tmp_path / 'k'}"])
     assert os.path.exists(tmp_path / "k")
     a, b = params(out), params(ref)
     for name in a:
