@@ -1,18 +1,21 @@
-"""The node-rebuild fault of bench/chaos_report.py: a whole node lost (its daemon and both its
-ranks killed with SIGKILL) in the middle of a training under ragshard.launch --max-restarts 1
---redundancy R (6 ranks of examples/train_tiny.py over 3 daemons; AdamW, bf16 parameters or
-Shampoo: `CONFIGS`), and a replacement
-daemon started with the lost node's id, which rebuilds its ranks' state from the other nodes'
-parity (parity:2) or copy (replica) (issue 55; docs/recovery.md, "A lost node").
+"""The node-rebuild fault of bench/chaos_report.py: a whole node lost (everything on its host
+killed with SIGKILL: its daemon, its launcher and both its ranks) in the middle of a training
+under ragshard.launch --max-restarts 1 --redundancy R (6 ranks of examples/train_tiny.py on 3
+hosts of their own, a daemon and a `ragshard.launch --nnodes 3 --node-rank K` on each; AdamW,
+bf16 parameters or Shampoo: `CONFIGS`), and a replacement daemon started with the lost node's
+id on a spare host with a launcher for its node rank, which rebuilds its ranks' state from the
+other nodes' parity (parity:2) or copy (replica) (issue 55; docs/recovery.md, "A lost node").
+The kill resets the host's connections (its kernel lives on); bench/chaos_hosts.py loses hosts
+without a reset.
 
-Each trial (its own LocalCluster) draws the node (0 to 2), the step (1 to STEPS - 1) and the
-phase (forward, backward, step, protected: after the step's protection and before it commits,
-between) from a seeded RNG; both ranks of that node are held
+Each trial (its own NamespacedCluster) draws the node (0 to 2), the step (1 to STEPS - 1) and
+the phase (forward, backward, step, protected: after the step's protection and before it
+commits, between) from a seeded RNG; both ranks of that node are held
 there (train_tiny.py --hold-at: each writes its pid into a mark file and sleeps), then the
-daemon is killed, the two ranks are killed, and the replacement daemon is started, as
-tests/python/test_node_loss.py does. The scheme: parity:2 in odd trials, replica in even ones;
-the configuration: AdamW in trials 1-2, bf16 in 3-4, Shampoo in 5-6, and so on. A trial passes when the launcher exits 0 within RECOVERY_LIMIT seconds of the daemon's
-kill (the recovery deadline plus 30 s; past it the trial is a hang, and everything it started
+daemon, the launcher and the two ranks are killed, and the replacement daemon and launcher are
+started, as tests/python/test_node_loss.py does. The scheme: parity:2 in odd trials, replica in even ones;
+the configuration: AdamW in trials 1-2, bf16 in 3-4, Shampoo in 5-6, and so on. A trial passes when every launcher (the lost one's excepted) exits 0 within RECOVERY_LIMIT
+seconds of the daemon's kill (the recovery deadline plus 30 s; past it the trial is a hang, and everything it started
 is killed), the job is READY with `rebuilds:     1` in `ragshardctl job show`, and every final
 parameter is within PARAM_ATOL of an uninterrupted run's with the same redundancy
 and configuration (`Uninterrupted`, one per scheme and configuration per campaign)."""
@@ -22,13 +25,11 @@ import re
 import shutil
 import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 
-from chaos_procs import (TrialRun, _live, await_launcher, brief_tail, kill_session,
-                         read_from)
+from chaos_procs import (WORK_ROOT, Launch, TrialRun, await_launcher, brief_tail,
+                         host_launchers, job_show, read_from, run_to_end)
 from recovery_runs import max_abs_diff
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -68,27 +69,19 @@ def draw(trial):
 
 
 def _cluster(build):
-    from ragshard.cluster import LocalCluster
-    return LocalCluster(build, daemons=DAEMONS, pool_bytes=POOL_BYTES,
-                        node_timeout_ms=NODE_TIMEOUT_MS)
+    from ragshard.cluster import NamespacedCluster
+    return NamespacedCluster(build, daemons=DAEMONS, spare_hosts=1, pool_bytes=POOL_BYTES,
+                             node_timeout_ms=NODE_TIMEOUT_MS, shared=[ROOT])
 
 
-def _launch(cluster, job, out, redundancy, log, extra=()):
-    cmd = [sys.executable, "-m", "ragshard.launch", "--preload", "torch", "--planner",
-           cluster.planner, "--job", job, "--nproc", str(DAEMONS * PER_NODE), "--sockets",
-           ",".join(cluster.sockets), "--create-job", "--max-restarts", "1",
-           "--recovery-deadline", f"{DEADLINE:g}", "--redundancy", redundancy, EXAMPLE, "--out",
-           out, "--steps", str(STEPS)] + MODEL + list(extra)
-    p = subprocess.Popen(cmd, env=dict(os.environ), stdout=log, stderr=subprocess.STDOUT,
-                         stdin=subprocess.DEVNULL, start_new_session=True)
-    _live["sessions"].append(p.pid)
-    return p
-
-
-def job_show(build, cluster, job):
-    return subprocess.run([os.path.join(build, "ctl", "ragshardctl"), "--planner",
-                           cluster.planner, "--token-file", cluster.token_file, "job", "show",
-                           job], capture_output=True, text=True, timeout=60)
+def _launchers(cluster, job, out, redundancy, log, extra=(), where=None):
+    """The launchers of `job` (each host's own, or those of `where`: (node rank, host, daemon
+    index)), their ranks forked from each one's import of torch."""
+    where = where or [(k, node, k) for k, node in enumerate(cluster.nodes)]
+    return host_launchers(cluster, job, where, DAEMONS, PER_NODE, [
+        "--preload", "torch", "--max-restarts", "1", "--recovery-deadline", f"{DEADLINE:g}",
+        "--redundancy", redundancy, EXAMPLE, "--out", out, "--steps", str(STEPS)] + MODEL +
+        list(extra), log)
 
 
 class Uninterrupted:
@@ -99,19 +92,14 @@ class Uninterrupted:
 
     def get(self, redundancy, conf):
         if (redundancy, conf) not in self.outs:
-            self.dir = self.dir or tempfile.mkdtemp(prefix="ragshard-chaos-node-ref-")
+            self.dir = self.dir or tempfile.mkdtemp(prefix="ragshard-chaos-node-ref-",
+                                                    dir=WORK_ROOT)
             name = f"{redundancy.replace(':', '')}-{conf}"
             out = os.path.join(self.dir, name)
             with open(out + ".log", "w") as log, _cluster(self.build) as c:
-                p = _launch(c, f"uninterrupted-{name}", out, redundancy, log, CONFIGS[conf])
-                try:
-                    p.wait(timeout=600)
-                finally:
-                    kill_session(p.pid)
-                    p.wait()
-            if p.returncode != 0:
-                raise RuntimeError(f"the uninterrupted {redundancy} run exited {p.returncode}: "
-                                   f"{brief_tail(out + '.log')}")
+                run_to_end(Launch(_launchers(c, f"uninterrupted-{name}", out, redundancy, log,
+                                             CONFIGS[conf])),
+                           out + ".log", f"the uninterrupted {redundancy} run")
             self.outs[redundancy, conf] = out
         return self.outs[redundancy, conf]
 
@@ -120,16 +108,17 @@ class Uninterrupted:
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def kill_held_node(c, p, node, marks, log_path, t0, res, limit, replacement=None):
-    """Once the node's ranks are at the hold (their marks), kills the node (its daemon, then the
-    ranks, with SIGKILL), starts a replacement daemon with its id where `replacement` (a log
-    suffix) is given, and waits up to `limit` s for the launcher `p` to exit 0. Records the
-    kill's time, the replacement's start, the seconds to the exit, the exit code and what the
-    launcher left running in `res`; raises naming what went wrong (a hang, an early exit)."""
+def kill_held_node(c, launch, node, marks, log_path, t0, res, limit, replace=None):
+    """Once the node's ranks are at the hold (their marks), kills everything on its host (its
+    daemon, then its launcher with its ranks, with SIGKILL); `replace`, where given, starts the
+    replacement (`replace()`: a daemon with its id and a launcher for its node rank on a spare
+    host). Then waits up to `limit` s for the other launchers to exit 0. Records the kill's
+    time, the replacement's start, the seconds to the exit, the exit code and what the
+    launchers left running in `res`; raises naming what went wrong (a hang, an early exit)."""
     while not all(os.path.exists(m) for m in marks):
-        if p.poll() is not None:
-            raise RuntimeError(f"the training exited ({p.returncode}) before node {node}'s ranks "
-                               f"reached the hold: {brief_tail(log_path)}")
+        if launch.procs[node].poll() is not None or launch.poll() is not None:
+            raise RuntimeError(f"a launcher exited ({launch.returncode}) before node {node}'s "
+                               f"ranks reached the hold: {brief_tail(log_path)}")
         if time.monotonic() - t0 > HOLD_LIMIT:
             raise TimeoutError(f"node {node}'s ranks not at the hold in {HOLD_LIMIT:g} s: "
                                f"{brief_tail(log_path)}")
@@ -138,14 +127,18 @@ def kill_held_node(c, p, node, marks, log_path, t0, res, limit, replacement=None
     c.kill_daemon(node)
     tk = time.monotonic()
     res["killed_at_seconds"] = round(tk - t0, 3)
+    launch.drop(launch.procs[node])
     for pid in pids:
-        os.kill(pid, signal.SIGKILL)
-    if replacement is not None:
-        c.start_daemon(node, log_suffix=replacement)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:  # (gone with its launcher's session)
+            pass
+    if replace is not None:
+        replace()
         res["replacement_up_seconds"] = round(time.monotonic() - tk, 3)
-    await_launcher(p, tk, limit, log_path, res)
-    if p.returncode != 0:
-        raise RuntimeError(f"the training exited {p.returncode}: {brief_tail(log_path)}")
+    await_launcher(launch, tk, limit, log_path, res)
+    if launch.returncode != 0:
+        raise RuntimeError(f"the training exited {launch.returncode}: {brief_tail(log_path)}")
 
 
 def node_trial(trial, build, ref, keep_dir):
@@ -163,10 +156,16 @@ def node_trial(trial, build, ref, keep_dir):
         with t.cluster(_cluster(build)) as c:
             job = f"node-rebuild-{trial}"
             t0 = time.monotonic()
-            t.launch = _launch(c, job, t.out, redundancy, t.open_log(), CONFIGS[conf] + [
-                f"--hold-at={r}:{step}:{phase}:{m}" for r, m in zip(ranks, marks)])
+            log = t.open_log()
+            t.launch = Launch(_launchers(c, job, t.out, redundancy, log, CONFIGS[conf] + [
+                f"--hold-at={r}:{step}:{phase}:{m}" for r, m in zip(ranks, marks)]))
+
+            def replace():
+                c.start_daemon(node, log_suffix="-replacement", host="spare-0")
+                t.launch.add(_launchers(c, job, t.out, redundancy, log, CONFIGS[conf],
+                                        [(node, "spare-0", node)])[0])
             kill_held_node(c, t.launch, node, marks, t.log_path, t0, res, RECOVERY_LIMIT,
-                           replacement=f"-replacement-{trial}")
+                           replace)
             show = job_show(build, c, job)
             m = REBUILDS.search(show.stdout)
             res["rebuilds"] = int(m.group(1)) if m else 0

@@ -1,12 +1,15 @@
 """The processes of bench/chaos_report.py's trials: what is alive and must be killed at exit
 (`_live`, swept by `sweep`), the signal handler that turns the first SIGINT/SIGTERM into
-`Interrupted`, and the helpers that read a trial's logs, kill a launcher's session and stop a
-LocalCluster, naming what needed SIGKILL."""
+`Interrupted`, a training's launchers on hosts of their own seen as one process (`Launch`,
+`host_launchers`), and the helpers that read a trial's logs, kill a launcher's session and stop
+a cluster, naming what needed SIGKILL. A trial's files live outside /tmp (WORK_ROOT), which
+each host has of its own."""
 import contextlib
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -154,6 +157,89 @@ def brief_tail(path, n=1500):
     return " ".join(read_from(path).split())[-n:]
 
 
+# A trial's directory, seen by every host (each has a /tmp of its own).
+WORK_ROOT = "/var/tmp"
+
+
+class Launch:
+    """A training's launchers (a ragshard.launch per host, each in a session of its own) seen as
+    one: it runs while any of them does, and its exit code is the first non-zero one, else 0. A
+    launcher lost with its host leaves it (`drop`), its replacement joins it (`add`)."""
+
+    def __init__(self, procs=()):
+        self.procs = []
+        for p in procs:
+            self.add(p)
+
+    def add(self, p):
+        self.procs.append(p)
+        _live["sessions"].append(p.pid)
+
+    def drop(self, p):
+        """`p` killed with its session (its ranks) and no longer counted."""
+        self.procs.remove(p)
+        kill_session(p.pid)
+        p.wait()
+
+    def poll(self):
+        codes = [p.poll() for p in self.procs]
+        return None if None in codes else next((c for c in codes if c), 0)
+
+    @property
+    def returncode(self):
+        return self.poll()
+
+    def wait(self, timeout=None):
+        """Waits for every launcher (subprocess.TimeoutExpired past `timeout` s)."""
+        end = None if timeout is None else time.monotonic() + timeout
+        for p in self.procs:
+            p.wait(None if end is None else max(0.0, end - time.monotonic()))
+        return self.poll()
+
+    def kill(self):
+        for p in self.procs:
+            kill_session(p.pid)
+            p.wait()
+
+    def members(self):
+        """The live processes of the launchers' sessions."""
+        return [pid for p in self.procs for pid in session_members(p.pid)]
+
+
+def host_launchers(c, job, where, nnodes, per_host, argv, log):
+    """A `ragshard.launch --nnodes NNODES --node-rank K` (creating the job if it is not) per
+    (node rank K, host, daemon index) of `where`, on that host of NamespacedCluster `c` with its
+    daemon, each in a session of its own, writing `log`; `argv` the launcher's other flags, the
+    script and its arguments. Their Popens."""
+    return [c.spawn(host, [sys.executable, "-m", "ragshard.launch", "--planner", c.planner,
+                           "--job", job, "--create-job", "--nproc", str(nnodes * per_host),
+                           "--nnodes", str(nnodes), "--node-rank", str(k), "--sockets",
+                           c.sockets[i], "--nodes", c.nodes[i], *argv],
+                    env=c.env(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    start_new_session=True)
+            for k, host, i in where]
+
+
+def run_to_end(launch, log_path, what, timeout=600):
+    """Waits up to `timeout` s for an uninterrupted run's Launch, kills what is left of it, and
+    raises naming `what` unless it exited 0."""
+    try:
+        launch.wait(timeout)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        launch.kill()
+    if launch.returncode != 0:
+        raise RuntimeError(f"{what} exited {launch.returncode}: {brief_tail(log_path)}")
+
+
+def job_show(build, c, job):
+    """`ragshardctl job show JOB` on the planner's host of NamespacedCluster `c`."""
+    return c.run("planner", [os.path.join(build, "ctl", "ragshardctl"), "--planner", c.planner,
+                             "--token-file", c.token_file, "job", "show", job],
+                 capture_output=True, text=True, timeout=60)
+
+
 def await_launcher(p, since, limit, log_path, res):
     """Waits up to `limit` s after `since` (a kill's time) for the launcher `p` to end: still
     running then is a hang (TimeoutError naming the log's end). Records in `res` the seconds
@@ -165,15 +251,14 @@ def await_launcher(p, since, limit, log_path, res):
                            f"{brief_tail(log_path)}")
     res["seconds"] = round(time.monotonic() - since, 3)
     res["exit_code"] = p.returncode
-    res["leftover_after_launcher"] = session_members(p.pid)
+    res["leftover_after_launcher"] = p.members()
 
 
 def end_trial(res, launch, cluster, log, keep_dir, fault, trial, workdir):
     """A trial's way out, however it went: its launch's session killed, its cluster stopped
     (what would not stop is recorded), and a failed trial's logs kept."""
     if launch is not None:
-        kill_session(launch.pid)
-        launch.wait()
+        launch.kill()
     res["stuck_at_stop"] = stop_cluster_checked(cluster)
     if not res["passed"] and log is not None:
         log.flush()
@@ -193,14 +278,14 @@ def failed_trial(res, e, keep_dir, fault, trial, dirs):
 class TrialRun:
     """One trial's way in and out (`with TrialRun(res, fault, trial, keep_dir) as t:`): its work
     directory (`t.workdir`, with `t.out` and `t.log_path`), its launcher log (`t.open_log()`),
-    its cluster (`with t.cluster(LocalCluster(...)) as c:`) and its launch (`t.launch`, a
-    Popen). However the trial goes, the launch's session is killed and the cluster stopped
+    its cluster (`with t.cluster(NamespacedCluster(...)) as c:`) and its launch (`t.launch`, a
+    Launch). However the trial goes, the launch's session is killed and the cluster stopped
     (end_trial); an Exception fails the trial (failed_trial) and the campaign goes on, while an
     interrupt goes through; the log is closed and the directory removed."""
 
     def __init__(self, res, fault, trial, keep_dir):
         self.res, self.fault, self.trial, self.keep_dir = res, fault, trial, keep_dir
-        self.workdir = tempfile.mkdtemp(prefix="ragshard-chaos-")
+        self.workdir = tempfile.mkdtemp(prefix="ragshard-chaos-", dir=WORK_ROOT)
         self.out = os.path.join(self.workdir, "train")
         self.log_path = os.path.join(self.workdir, "launcher.log")
         self.launch, self.log, self._cluster = None, None, None

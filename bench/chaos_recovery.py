@@ -1,10 +1,11 @@
 """The rank-recovery fault of bench/chaos_report.py: a rank of a recovering training (4 ranks of
-examples/train_tiny.py over 2 daemons, ragshard.launch --max-restarts 1) killed with SIGKILL
-from outside at a random moment of its training, and the job recovered in place (issue 54).
+examples/train_tiny.py over 2 hosts of their own, a `ragshard.launch --nnodes 2 --node-rank K
+--max-restarts 1` and a daemon on each) killed with SIGKILL from outside at a random moment of
+its training, and the job recovered in place (issue 54).
 
-A trial (its own LocalCluster) passes when the launcher exits 0 within RECOVERY_LIMIT seconds of
-the kill (the recovery deadline plus 30 s; past it the trial is a hang, and everything it
-started is killed), the launcher restarted the killed rank, the planner shows the job READY
+A trial (its own NamespacedCluster) passes when both launchers exit 0 within RECOVERY_LIMIT
+seconds of the kill (the recovery deadline plus 30 s; past it the trial is a hang, and everything it
+started is killed), the killed rank's launcher restarted it, the planner shows the job READY
 with one recovery, and every final parameter is within PARAM_ATOL of an uninterrupted run's
 with the same seed (no divergence). The configuration cycles trial by trial through AdamW,
 Muon, bf16 parameters, FP8 gathers, 8-bit Adam, Shampoo and NAdam (`CONFIGS`); the uninterrupted runs (one per configuration, with --max-restarts 1) are made
@@ -14,12 +15,11 @@ import os
 import random
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 
-from chaos_procs import TrialRun, _live, await_launcher, brief_tail, kill_session, read_from
+from chaos_procs import (WORK_ROOT, Launch, TrialRun, await_launcher, brief_tail,
+                         host_launchers, job_show, read_from, run_to_end)
 from recovery_runs import STEP_LINE, max_abs_diff
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -49,29 +49,29 @@ def optimizer(trial):
     return list(CONFIGS)[(trial - 1) % len(CONFIGS)]
 
 
-def _env():
-    return dict(os.environ)  # setup_imports put the build's python/ on PYTHONPATH
+def _cluster(build):
+    from ragshard.cluster import NamespacedCluster
+    return NamespacedCluster(build, daemons=2, shared=[ROOT])
 
 
 def _launch(cluster, job, out, opt, log):
-    cmd = [sys.executable, "-m", "ragshard.launch", "--planner", cluster.planner, "--job", job,
-           "--nproc", "4", "--sockets", ",".join(cluster.sockets), "--create-job",
-           "--max-restarts", "1", "--recovery-deadline", f"{DEADLINE:g}", EXAMPLE, "--out", out,
-           "--steps", str(STEPS)] + CONFIGS[opt] + MODEL
-    p = subprocess.Popen(cmd, env=_env(), stdout=log, stderr=subprocess.STDOUT,
-                         stdin=subprocess.DEVNULL, start_new_session=True)
-    _live["sessions"].append(p.pid)
-    return p
+    """A launcher per host, ranks 2k and 2k + 1 on host k (each an interpreter of its own)."""
+    return Launch(host_launchers(
+        cluster, job, [(k, node, k) for k, node in enumerate(cluster.nodes)], 2, 2,
+        ["--max-restarts", "1", "--recovery-deadline", f"{DEADLINE:g}", EXAMPLE, "--out", out,
+         "--steps", str(STEPS)] + CONFIGS[opt] + MODEL, log))
 
 
-def _rank_pid(launcher, rank):
-    """The pid of the launcher's child that runs rank `rank` (RAGSHARD_RANK in its
+def _rank_pid(launch, rank):
+    """The pid of the launchers' child that runs rank `rank` (RAGSHARD_RANK in its
     environment: ranks without --preload are interpreters of their own), or None."""
-    try:
-        kids = [int(x) for t in os.listdir(f"/proc/{launcher}/task")
-                for x in open(f"/proc/{launcher}/task/{t}/children").read().split()]
-    except OSError:
-        return None
+    kids = []
+    for p in launch.procs:
+        try:
+            kids += [int(x) for t in os.listdir(f"/proc/{p.pid}/task")
+                     for x in open(f"/proc/{p.pid}/task/{t}/children").read().split()]
+        except OSError:
+            pass
     for pid in kids:
         try:
             env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
@@ -91,19 +91,12 @@ class Uninterrupted:
 
     def get(self, opt):
         if opt not in self.outs:
-            from ragshard.cluster import LocalCluster
-            self.dir = self.dir or tempfile.mkdtemp(prefix="ragshard-chaos-uninterrupted-")
+            self.dir = self.dir or tempfile.mkdtemp(prefix="ragshard-chaos-uninterrupted-",
+                                                    dir=WORK_ROOT)
             out = os.path.join(self.dir, opt)
-            with open(out + ".log", "w") as log, LocalCluster(self.build, daemons=2) as c:
-                p = _launch(c, f"uninterrupted-{opt}", out, opt, log)
-                try:
-                    p.wait(timeout=600)
-                finally:
-                    kill_session(p.pid)
-                    p.wait()
-            if p.returncode != 0:
-                raise RuntimeError(f"the uninterrupted {opt} run exited {p.returncode}: "
-                                   f"{brief_tail(out + '.log')}")
+            with open(out + ".log", "w") as log, _cluster(self.build) as c:
+                run_to_end(_launch(c, f"uninterrupted-{opt}", out, opt, log), out + ".log",
+                           f"the uninterrupted {opt} run")
             self.outs[opt] = out
         return self.outs[opt]
 
@@ -115,7 +108,6 @@ class Uninterrupted:
 def recovery_trial(trial, build, ref, keep_dir):
     """One trial: a random rank killed after rank 0 printed a random step, a random fraction
     of a step later."""
-    from ragshard.cluster import LocalCluster
     rng = random.Random(f"rank-recovery-{trial}")
     rank, after = rng.randrange(4), rng.randint(1, STEPS - 5)
     delay = rng.uniform(0.0, 1.0)  # in steps (the last step's seconds, from rank 0's lines)
@@ -125,7 +117,7 @@ def recovery_trial(trial, build, ref, keep_dir):
     with TrialRun(res, "rank-recovery", trial, keep_dir) as t:
         out, log_path = t.out, t.log_path
         reference = ref.get(opt)
-        with t.cluster(LocalCluster(build, daemons=2)) as c:
+        with t.cluster(_cluster(build)) as c:
             job = f"rank-recovery-{trial}"
             log = t.open_log()
             t0 = time.monotonic()
@@ -145,7 +137,7 @@ def recovery_trial(trial, build, ref, keep_dir):
                 time.sleep(POLL)
             step_s = seen[after] - seen[after - 1] if after - 1 in seen else 0.05
             time.sleep(delay * step_s)
-            pid = _rank_pid(p.pid, rank)
+            pid = _rank_pid(p, rank)
             if pid is None:
                 raise RuntimeError(f"rank {rank}'s process not found after step {after}")
             os.kill(pid, signal.SIGKILL)
@@ -159,10 +151,7 @@ def recovery_trial(trial, build, ref, keep_dir):
             if f"rank {rank} exited with -9; restarting it" not in body:
                 raise RuntimeError(f"the launcher did not restart rank {rank}: "
                                    f"{brief_tail(log_path)}")
-            show = subprocess.run(
-                [os.path.join(build, "ctl", "ragshardctl"), "--planner", c.planner,
-                 "--token-file", c.token_file, "job", "show", job],
-                capture_output=True, text=True, timeout=60)
+            show = job_show(build, c, job)
             res["recoveries_shown"] = "recoveries:   1 recovery" in show.stdout
             if "READY" not in show.stdout or not res["recoveries_shown"]:
                 raise RuntimeError(f"the job is not READY with one recovery: "

@@ -88,9 +88,9 @@ from chaos_recovery import Uninterrupted, recovery_trial  # noqa: E402
 import chaos_node  # noqa: E402
 import chaos_shrink  # noqa: E402
 import provenance  # noqa: E402
-from chaos_procs import (Interrupted, TrialRun, _live, _on_signal, error_line,  # noqa: E402
-                         keep_logs, kill_session, read_from, session_members,
-                         stop_cluster_checked, sweep)
+from chaos_procs import (Interrupted, Launch, TrialRun, _live, _on_signal,  # noqa: E402
+                         error_line, keep_logs, kill_session, read_from, stop_cluster_checked,
+                         sweep)
 WATCH = {"rank-kill": 60.0, "daemon-stop": 120.0, "daemon-kill": 60.0,  # give up after
          "host-cut": 120.0}
 STOP_HOLD = 60.0  # how long daemon-stop keeps node-1 stopped at most
@@ -228,9 +228,9 @@ class Reference:
 
 
 def training_trial(fault, trial, build, ref, steps, keep_dir):
-    from ragshard import create_job
-    from ragshard.cluster import LocalCluster
-    from test_training import EXAMPLE, SMALL, compare, env
+    from ragshard.cluster import NamespacedCluster
+    from test_faults import create
+    from test_training import EXAMPLE, SMALL, compare
 
     res = {"trial": trial, "passed": False, "error": None, "wall_seconds": None,
            "stuck_at_stop": [], "leftover_after_launcher": []}
@@ -238,20 +238,22 @@ def training_trial(fault, trial, build, ref, steps, keep_dir):
         out, log_path = t.out, t.log_path
         args = ["--steps", str(steps)] + [a for a in SMALL if a != "--quiet"]  # rank 0 prints steps
         reference = ref.get()
-        with t.cluster(LocalCluster(build, daemons=2)) as c:
+        with t.cluster(NamespacedCluster(build, daemons=2, shared=[ROOT])) as c:
             job = f"{fault}-{trial}"
-            create_job(c.planner, job, 4)
+            create(c, job)
             if fault == "planner-kill-registration":
                 c.kill_planner()
             log = t.open_log()
             t0 = time.monotonic()
-            p = subprocess.Popen(
-                [sys.executable, "-m", "ragshard.launch", "--planner", c.planner, "--job",
-                 job, "--nproc", "4", "--sockets", ",".join(c.sockets), EXAMPLE, "--out",
-                 out] + args, env=env(), stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True)
+            # A launcher per host, for the job made above.
+            p = Launch(c.spawn(node, [sys.executable, "-m", "ragshard.launch", "--planner",
+                                      c.planner, "--job", job, "--nproc", "4", "--nnodes", "2",
+                                      "--node-rank", str(k), "--sockets", c.sockets[k],
+                                      "--nodes", node, EXAMPLE, "--out", out] + args,
+                               env=c.env(), stdout=log, stderr=subprocess.STDOUT,
+                               stdin=subprocess.DEVNULL, start_new_session=True)
+                       for k, node in enumerate(c.nodes))
             t.launch = p
-            _live["sessions"].append(p.pid)
             if fault == "planner-kill-registration":
                 time.sleep(1.0)  # the outage's length (the fault's definition)
                 res["running_at_restart"] = p.poll() is None
@@ -286,7 +288,7 @@ def training_trial(fault, trial, build, ref, steps, keep_dir):
                 time.sleep(POLL)
             res["wall_seconds"] = round(time.monotonic() - t0, 3)
             res["exit_code"] = p.returncode
-            res["leftover_after_launcher"] = session_members(p.pid)
+            res["leftover_after_launcher"] = p.members()
             body = read_from(log_path)
             if fault == "planner-kill-ready":
                 res["steps_after_restart"] = body.count(f"/{steps} loss") - \

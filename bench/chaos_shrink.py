@@ -1,15 +1,17 @@
-"""The node-shrink fault of bench/chaos_report.py: a whole node lost for good (its daemon and both
-its ranks killed with SIGKILL, no replacement) in the middle of a training under ragshard.launch
---max-restarts 1 --on-node-loss shrink (4 ranks of examples/train_tiny.py over 2 daemons, AdamW),
+"""The node-shrink fault of bench/chaos_report.py: a whole node lost for good (everything on its
+host killed with SIGKILL: its daemon, its launcher and both its ranks; no replacement) in the
+middle of a training under ragshard.launch --max-restarts 1 --on-node-loss shrink (4 ranks of
+examples/train_tiny.py on 2 hosts of their own, a daemon and a `ragshard.launch --nnodes 2
+--node-rank K` on each, AdamW),
 which shrinks the job in place from 2 x 2 to 1 x 2 at the recovery deadline (issue 55;
 docs/recovery.md, "Shrinking in place"). In trials 1 to HSDP_TRIALS the 4 ranks are 2 HSDP
 replica groups (the survivors keep their cuts); after, one shard group of 4 with --redundancy
 replica (the survivors re-cut the shards, the lost node's share from its copy).
 
-Each trial (its own LocalCluster) draws the node (0 or 1), the step (1 to STEPS - 1) and the
-phase (forward, backward, step, between) from a seeded RNG; both ranks of that node are held
-there (train_tiny.py --hold-at), then the daemon and the two ranks are killed. A trial passes
-when the launcher exits 0 within SHRINK_LIMIT seconds of the daemon's kill (the recovery deadline
+Each trial (its own NamespacedCluster) draws the node (0 or 1), the step (1 to STEPS - 1) and
+the phase (forward, backward, step, between) from a seeded RNG; both ranks of that node are held
+there (train_tiny.py --hold-at), then the daemon, the launcher and the two ranks are killed. A
+trial passes when the other host's launcher exits 0 within SHRINK_LIMIT seconds of the daemon's kill (the recovery deadline
 plus 30 s; past it the trial is a hang, and everything it started is killed), the job is SHRUNK
 and its successor READY in `ragshardctl job show`, the run's `world_sizes` say 4 up to the step it
 resumed from and 2 after, and its losses after the shrink (and final parameters) are within
@@ -20,13 +22,11 @@ import os
 import random
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 
-from chaos_node import job_show, kill_held_node
-from chaos_procs import TrialRun, _live, brief_tail, kill_session
+from chaos_node import kill_held_node
+from chaos_procs import WORK_ROOT, Launch, TrialRun, host_launchers, job_show, run_to_end
 from recovery_runs import max_abs_diff
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,33 +57,23 @@ def draw(trial):
 
 
 def _cluster(build):
-    from ragshard.cluster import LocalCluster
-    return LocalCluster(build, daemons=DAEMONS, pool_bytes=POOL_BYTES,
-                        node_timeout_ms=NODE_TIMEOUT_MS)
+    from ragshard.cluster import NamespacedCluster
+    return NamespacedCluster(build, daemons=DAEMONS, pool_bytes=POOL_BYTES,
+                             node_timeout_ms=NODE_TIMEOUT_MS, shared=[ROOT])
 
 
-def _launch(cluster, job, out, log, nproc, daemons, layout, extra=()):
-    cmd = [sys.executable, "-m", "ragshard.launch", "--preload", "torch", "--planner",
-           cluster.planner, "--job", job, "--nproc", str(nproc), "--sockets",
-           ",".join(cluster.sockets[:daemons]), "--create-job", *layout, EXAMPLE, "--out", out,
-           "--steps", str(STEPS)] + MODEL + list(extra)
-    p = subprocess.Popen(cmd, env=dict(os.environ), stdout=log, stderr=subprocess.STDOUT,
-                         stdin=subprocess.DEVNULL, start_new_session=True)
-    _live["sessions"].append(p.pid)
-    return p
+def _launch(cluster, job, out, log, hosts, layout, extra=()):
+    """A launcher on each of the first `hosts` hosts, 2 ranks each."""
+    return Launch(host_launchers(
+        cluster, job, [(k, cluster.nodes[k], k) for k in range(hosts)], hosts, PER_NODE,
+        ["--preload", "torch", *layout, EXAMPLE, "--out", out, "--steps", str(STEPS)] + MODEL +
+        list(extra), log))
 
 
-def _run(cluster, job, out, nproc, daemons, layout, extra):
+def _run(cluster, job, out, hosts, layout, extra):
     with open(out + ".log", "w") as log:
-        p = _launch(cluster, job, out, log, nproc, daemons, layout, extra)
-        try:
-            p.wait(timeout=600)
-        finally:
-            kill_session(p.pid)
-            p.wait()
-    if p.returncode != 0:
-        raise RuntimeError(f"the reference run {job} exited {p.returncode}: "
-                           f"{brief_tail(out + '.log')}")
+        run_to_end(_launch(cluster, job, out, log, hosts, layout, extra), out + ".log",
+                   f"the reference run {job}")
 
 
 class References:
@@ -96,17 +86,18 @@ class References:
 
     def get(self, step, layout="hsdp"):
         if (step, layout) not in self.outs:
-            self.dir = self.dir or tempfile.mkdtemp(prefix="ragshard-chaos-shrink-ref-")
+            self.dir = self.dir or tempfile.mkdtemp(prefix="ragshard-chaos-shrink-ref-",
+                                                    dir=WORK_ROOT)
             tag = f"{step}-{layout}"
             ckpt, out = os.path.join(self.dir, f"ckpt{tag}"), os.path.join(self.dir, f"ref{tag}")
             plain = [] if layout == "re-cut" else LAYOUTS[layout]
             with _cluster(self.build) as c:
                 if step == 0:  # (the state every run starts from: 1 x 2 from the start)
-                    _run(c, f"fresh-{tag}", out, 2, 1, [], [])
+                    _run(c, f"fresh-{tag}", out, 1, [], [])
                 else:
-                    _run(c, f"save-{tag}", out + "-a", 4, 2, plain,
+                    _run(c, f"save-{tag}", out + "-a", 2, plain,
                          ["--steps", str(step), "--save", ckpt, "--save-step", str(step)])
-                    _run(c, f"resume-{tag}", out, 2, 1, [], ["--resume", ckpt])
+                    _run(c, f"resume-{tag}", out, 1, [], ["--resume", ckpt])
             self.outs[(step, layout)] = out
         return self.outs[(step, layout)]
 
@@ -137,7 +128,7 @@ def shrink_trial(trial, build, refs, keep_dir):
             job = f"node-shrink-{trial}"
             log = t.open_log()
             t0 = time.monotonic()
-            p = _launch(c, job, out, log, DAEMONS * PER_NODE, DAEMONS,
+            p = _launch(c, job, out, log, DAEMONS,
                         LAYOUTS[layout] + ["--max-restarts", "1", "--recovery-deadline",
                          f"{DEADLINE:g}", "--on-node-loss", "shrink"],
                         [f"--hold-at={r}:{step}:{phase}:{m}" for r, m in zip(ranks, marks)])

@@ -20,7 +20,8 @@ Ranks are spread over the daemons in order: with N ranks and D sockets, daemon i
 ids>` with the same other arguments (N the job's world size), and starts ranks
 [K*N/H, (K+1)*N/H) on its own daemons; host 0 creates the job (--create-job), the others wait
 for it (up to RAGSHARD_JOB_WAIT_S, 120 s) before their ranks start; --nodes defaults to
-node-<K*D+i>. Each rank runs `script.py` under the same interpreter with RAGSHARD_PLANNER,
+node-<K*D+i>. The same command on a replacement of a lost host 0 joins the job while it
+recovers (any other job of that name is refused, named). Each rank runs `script.py` under the same interpreter with RAGSHARD_PLANNER,
 RAGSHARD_JOB, RAGSHARD_RANK, RAGSHARD_WORLD_SIZE, RAGSHARD_SOCKET, RAGSHARD_NODE,
 RAGSHARD_LOCAL_RANK and RAGSHARD_LOCAL_WORLD_SIZE set (read them with `ragshard.Env()`), and the planner's token and TLS settings as RAGSHARD_TOKEN_FILE,
 RAGSHARD_TLS_CA, RAGSHARD_TLS_CERT, RAGSHARD_TLS_KEY and RAGSHARD_TLS_SERVER_NAME (from
@@ -290,14 +291,46 @@ def create_job(a):
     if a.create_job and a.node_rank > 0:
         _await_job(a)
     elif a.create_job:
-        from ragshard import create_job as create
-        create(a.planner, a.job, a.nproc // a.replicate, a.replicate, a.policy, "",
-               a.token_file, strategy=a.strategy, tokens_per_step=a.tokens_per_step,
-               tls_ca=a.tls_ca, tls_cert=a.tls_cert, tls_key=a.tls_key,
-               tls_server_name=a.tls_server_name,
-               recovery_deadline_ms=int(a.recovery_deadline * 1000) if a.max_restarts else 0,
-               redundancy=a.redundancy,
-               on_node_loss="" if a.on_node_loss == "fail" else a.on_node_loss)
+        from ragshard import Error, create_job as create
+        try:
+            create(a.planner, a.job, a.nproc // a.replicate, a.replicate, a.policy, "",
+                   a.token_file, strategy=a.strategy, tokens_per_step=a.tokens_per_step,
+                   tls_ca=a.tls_ca, tls_cert=a.tls_cert, tls_key=a.tls_key,
+                   tls_server_name=a.tls_server_name,
+                   recovery_deadline_ms=int(a.recovery_deadline * 1000) if a.max_restarts else 0,
+                   redundancy=a.redundancy,
+                   on_node_loss="" if a.on_node_loss == "fail" else a.on_node_loss)
+        except Error as e:
+            if a.nnodes < 2 or not str(e).startswith("ALREADY_EXISTS"):
+                raise
+            _join_as_replacement(a)
+
+
+# A job that node rank 0's launcher, started again on a replacement host, joins.
+_JOINABLE = ("JOB_RECOVERING", "JOB_DEGRADED")
+
+
+def _join_as_replacement(a):
+    """Node rank 0's launcher found the job made already: it is the replacement of a lost host
+    0 (the same command on another host) when the job waits for one (recovering, or degraded
+    until the planner starts the recovery); it waits up to RAGSHARD_JOB_WAIT_S for that, and
+    refuses any other job of that name, naming its state."""
+    from ragshard import job_info
+    wait = float(os.environ.get("RAGSHARD_JOB_WAIT_S", "120"))
+    deadline = time.time() + wait
+    while True:
+        status = job_info(a.planner, a.job, a.token_file, a.tls_ca, a.tls_cert, a.tls_key,
+                          a.tls_server_name).get("status", "JOB_STATUS_UNSPECIFIED")
+        if status in _JOINABLE:
+            print(f"ragshard-launch: job '{a.job}' exists ({status}): node rank 0 joins it as "
+                  "the replacement of a lost host", file=sys.stderr, flush=True)
+            return
+        if status not in ("JOB_READY", "JOB_REGISTERING") or time.time() > deadline:
+            raise RuntimeError(f"job '{a.job}' exists already ({status}): node rank 0's "
+                               "launcher joins an existing job only as a lost host's "
+                               f"replacement, while the job recovers (waited {wait:.0f} s, "
+                               "RAGSHARD_JOB_WAIT_S); use another --job for a new training")
+        time.sleep(0.2)
 
 
 def _await_job(a):

@@ -159,6 +159,22 @@ def test_a_lost_node_is_rebuilt_on_a_replacement(cluster, redundancy, step, phas
         assert "redundancy:   hsdp" in show, show
 
 
+def test_host_0_lost_is_rebuilt_by_the_same_command_on_a_replacement(cluster):
+    """Host 0's launcher made the job; the same command on the spare host (--create-job, node
+    rank 0) finds it recovering and joins it as the lost host's replacement. Another node rank
+    0 launch of a job that does not wait for a replacement is refused, naming its state."""
+    ref = reference(cluster, "replica")
+    out, got = lose_node(cluster, "lost-host-0", "replica", 2, "step", node=0)
+    assert "node rank 0 joins it as the replacement of a lost host" in got[0][1], got[0][1]
+    assert_same(out, ref, atol=1e-6)
+    show = ctl(cluster, "job", "show", "lost-host-0")
+    assert "READY" in show and "rebuilds:     1" in show, show
+    _, again = launch(cluster, "lost-host-0", "replica", where=[(0, cluster.at[0])],
+                      RAGSHARD_JOB_WAIT_S="1")
+    rc, text = outputs(again)[0]
+    assert rc != 0 and "job 'lost-host-0' exists already (JOB_READY)" in text, text
+
+
 SHRINK = ["--global-batch", "8"]  # the same global batch at 4 ranks and at 2
 SHRINKS = ("--recovery-deadline", "15", "--on-node-loss", "shrink")
 # A salvage attach (`planner socket token job rank`): the refusal's text, or "attached".
