@@ -1,6 +1,7 @@
 """Reliability under faults: the fault tests of tests/python/test_faults.py repeated as a
-campaign, each trial on a fresh cluster (a planner and 2 daemons on this machine; the rank
-faults on hosts of their own, ragshard.cluster.NamespacedCluster, which needs root), plus
+campaign, each trial on a fresh cluster on hosts of their own (ragshard.cluster.NamespacedCluster:
+the planner and each daemon with its ranks in a network and mount namespace; needs root; the
+trainings with a `ragshard.launch --nnodes N --node-rank K` per host), plus
 the planner soak and kill bursts of bench/planner_soak where that tool is built. Writes the raw
 per-trial results to docs/benchmarks/reliability.json, and docs/benchmarks/reliability.md and
 a plot (reliability.png, or a hand-written reliability.svg without matplotlib) regenerated
@@ -22,7 +23,7 @@ and `soak` only on request):
                              operation timeout 20 s: every rank within 40 s, ranks 0 and 1
                              naming "node-1", ranks 2 and 3 "node-0".
   planner-kill-registration  the job is created, the planner killed (-9), the 4-rank training
-                             launched through ragshard.launch, the planner restarted 1 s later:
+                             launched (a launcher per host), the planner restarted 1 s later:
                              the training exits 0 with the single-process reference's losses.
   planner-kill-ready         as above, but the planner is killed once rank 0 printed step 1
                              (the job READY, training under way) and restarted 1 s later.
@@ -35,16 +36,18 @@ and `soak` only on request):
                              60 s + 30 s), the job READY with one recovery, the final parameters
                              within 1e-6 of an uninterrupted run's (bench/chaos_recovery.py).
   node-rebuild               (on request; --trials default 10 for it alone) a whole node lost:
-                             a random daemon of 3 and its 2 ranks (6 ranks of an 8-step
+                             everything on a random daemon's host of 3 (the daemon, its
+                             launcher and its 2 ranks; 6 ranks of an 8-step
                              training under ragshard.launch --max-restarts 1 --redundancy
                              parity:2 in odd trials, replica in even ones; AdamW, bf16 and
                              Shampoo in turn, two trials each) killed with SIGKILL at
-                             a random step and phase, a replacement daemon started with its
-                             node id: the training exits 0 within 90 s of the kill, the job
+                             a random step and phase, a replacement daemon with its node id
+                             and a launcher for its node rank started on a spare host: the
+                             training exits 0 within 90 s of the kill, the job
                              READY with one rebuild, the final parameters within 1e-6 of an
                              uninterrupted run's (bench/chaos_node.py).
   node-shrink                (on request; --trials default 10 for it alone) a whole node lost
-                             for good: a random daemon of 2 and its 2 ranks (4 ranks of a
+                             for good: everything on a random daemon's host of 2 (4 ranks of a
                              6-step AdamW training under ragshard.launch --max-restarts 1
                              --on-node-loss shrink; 2 HSDP replica groups in trials 1-5, one
                              shard group with --redundancy replica, which re-cuts, in 6-10)
