@@ -28,7 +28,7 @@ import statistics
 import tempfile
 import time
 
-from chaos_procs import (WORK_ROOT, Launch, TrialRun, await_launcher, brief_tail,
+from chaos_procs import (WORK_ROOT, HostLaunch, TrialRun, await_launcher, brief_tail,
                          host_launchers, job_show, read_from, run_to_end)
 from recovery_runs import max_abs_diff
 
@@ -74,11 +74,12 @@ def _cluster(build):
                              node_timeout_ms=NODE_TIMEOUT_MS, shared=[ROOT])
 
 
-def _launchers(cluster, job, out, redundancy, log, extra=(), where=None):
+def _launchers(cluster, job, out, redundancy, log, extra=(), where=None, launch=None):
     """The launchers of `job` (each host's own, or those of `where`: (node rank, host, daemon
-    index)), their ranks forked from each one's import of torch."""
+    index)), their ranks forked from each one's import of torch: a HostLaunch, or `launch`
+    with them added."""
     where = where or [(k, node, k) for k, node in enumerate(cluster.nodes)]
-    return host_launchers(cluster, job, where, DAEMONS, PER_NODE, [
+    return host_launchers(launch or HostLaunch(), cluster, job, where, DAEMONS, PER_NODE, [
         "--preload", "torch", "--max-restarts", "1", "--recovery-deadline", f"{DEADLINE:g}",
         "--redundancy", redundancy, EXAMPLE, "--out", out, "--steps", str(STEPS)] + MODEL +
         list(extra), log)
@@ -97,9 +98,8 @@ class Uninterrupted:
             name = f"{redundancy.replace(':', '')}-{conf}"
             out = os.path.join(self.dir, name)
             with open(out + ".log", "w") as log, _cluster(self.build) as c:
-                run_to_end(Launch(_launchers(c, f"uninterrupted-{name}", out, redundancy, log,
-                                             CONFIGS[conf])),
-                           out + ".log", f"the uninterrupted {redundancy} run")
+                run_to_end(_launchers(c, f"uninterrupted-{name}", out, redundancy, log,
+                                      CONFIGS[conf]), out + ".log", f"the uninterrupted {redundancy} run")
             self.outs[redundancy, conf] = out
         return self.outs[redundancy, conf]
 
@@ -116,9 +116,10 @@ def kill_held_node(c, launch, node, marks, log_path, t0, res, limit, replace=Non
     time, the replacement's start, the seconds to the exit, the exit code and what the
     launchers left running in `res`; raises naming what went wrong (a hang, an early exit)."""
     while not all(os.path.exists(m) for m in marks):
-        if launch.procs[node].poll() is not None or launch.poll() is not None:
-            raise RuntimeError(f"a launcher exited ({launch.returncode}) before node {node}'s "
-                               f"ranks reached the hold: {brief_tail(log_path)}")
+        if launch.failed() is not None or launch.poll() is not None:
+            raise RuntimeError(f"a launcher exited ({launch.failed() or launch.returncode}) "
+                               f"before node {node}'s ranks reached the hold: "
+                               f"{brief_tail(log_path)}")
         if time.monotonic() - t0 > HOLD_LIMIT:
             raise TimeoutError(f"node {node}'s ranks not at the hold in {HOLD_LIMIT:g} s: "
                                f"{brief_tail(log_path)}")
@@ -157,13 +158,13 @@ def node_trial(trial, build, ref, keep_dir):
             job = f"node-rebuild-{trial}"
             t0 = time.monotonic()
             log = t.open_log()
-            t.launch = Launch(_launchers(c, job, t.out, redundancy, log, CONFIGS[conf] + [
-                f"--hold-at={r}:{step}:{phase}:{m}" for r, m in zip(ranks, marks)]))
+            t.launch = _launchers(c, job, t.out, redundancy, log, CONFIGS[conf] + [
+                f"--hold-at={r}:{step}:{phase}:{m}" for r, m in zip(ranks, marks)])
 
             def replace():
                 c.start_daemon(node, log_suffix="-replacement", host="spare-0")
-                t.launch.add(_launchers(c, job, t.out, redundancy, log, CONFIGS[conf],
-                                        [(node, "spare-0", node)])[0])
+                _launchers(c, job, t.out, redundancy, log, CONFIGS[conf],
+                           [(node, "spare-0", node)], t.launch)
             kill_held_node(c, t.launch, node, marks, t.log_path, t0, res, RECOVERY_LIMIT,
                            replace)
             show = job_show(build, c, job)

@@ -1,6 +1,6 @@
 """The processes of bench/chaos_report.py's trials: what is alive and must be killed at exit
 (`_live`, swept by `sweep`), the signal handler that turns the first SIGINT/SIGTERM into
-`Interrupted`, a training's launchers on hosts of their own seen as one process (`Launch`,
+`Interrupted`, a training's launchers on hosts of their own seen as one process (`HostLaunch`,
 `host_launchers`), and the helpers that read a trial's logs, kill a launcher's session and stop
 a cluster, naming what needed SIGKILL. A trial's files live outside /tmp (WORK_ROOT), which
 each host has of its own."""
@@ -161,9 +161,10 @@ def brief_tail(path, n=1500):
 WORK_ROOT = "/var/tmp"
 
 
-class Launch:
+class HostLaunch:
     """A training's launchers (a ragshard.launch per host, each in a session of its own) seen as
-    one: it runs while any of them does, and its exit code is the first non-zero one, else 0. A
+    one: it runs while any of them does, and its exit code is the first non-zero one among them
+    (in the order they were added), else 0; `failed()` says at once when one has failed. A
     launcher lost with its host leaves it (`drop`), its replacement joins it (`add`)."""
 
     def __init__(self, procs=()):
@@ -184,6 +185,10 @@ class Launch:
     def poll(self):
         codes = [p.poll() for p in self.procs]
         return None if None in codes else next((c for c in codes if c), 0)
+
+    def failed(self):
+        """The exit code of a launcher that ended non-zero, or None."""
+        return next((c for c in (p.poll() for p in self.procs) if c), None)
 
     @property
     def returncode(self):
@@ -206,22 +211,25 @@ class Launch:
         return [pid for p in self.procs for pid in session_members(p.pid)]
 
 
-def host_launchers(c, job, where, nnodes, per_host, argv, log):
-    """A `ragshard.launch --nnodes NNODES --node-rank K` (creating the job if it is not) per
-    (node rank K, host, daemon index) of `where`, on that host of NamespacedCluster `c` with its
-    daemon, each in a session of its own, writing `log`; `argv` the launcher's other flags, the
-    script and its arguments. Their Popens."""
-    return [c.spawn(host, [sys.executable, "-m", "ragshard.launch", "--planner", c.planner,
-                           "--job", job, "--create-job", "--nproc", str(nnodes * per_host),
-                           "--nnodes", str(nnodes), "--node-rank", str(k), "--sockets",
-                           c.sockets[i], "--nodes", c.nodes[i], *argv],
-                    env=c.env(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    start_new_session=True)
-            for k, host, i in where]
+def host_launchers(launch, c, job, where, nnodes, per_host, argv, log, create=True):
+    """Adds to HostLaunch `launch` a `ragshard.launch --nnodes NNODES --node-rank K` (with
+    --create-job unless `create` is false: the job made before) per (node rank K, host, daemon index) of `where`, on that host of
+    NamespacedCluster `c` with its daemon, each in a session of its own, writing `log`; `argv`
+    the launcher's other flags, the script and its arguments. Each is added as it starts (the
+    sweep kills it however the trial ends). Returns `launch`."""
+    for k, host, i in where:
+        launch.add(c.spawn(host, [sys.executable, "-m", "ragshard.launch", "--planner",
+                                  c.planner, "--job", job, *["--create-job"] * create, "--nproc",
+                                  str(nnodes * per_host), "--nnodes", str(nnodes),
+                                  "--node-rank", str(k), "--sockets", c.sockets[i], "--nodes",
+                                  c.nodes[i], *argv],
+                           env=c.env(), stdout=log, stderr=subprocess.STDOUT,
+                           stdin=subprocess.DEVNULL, start_new_session=True))
+    return launch
 
 
 def run_to_end(launch, log_path, what, timeout=600):
-    """Waits up to `timeout` s for an uninterrupted run's Launch, kills what is left of it, and
+    """Waits up to `timeout` s for an uninterrupted run's HostLaunch, kills what is left of it, and
     raises naming `what` unless it exited 0."""
     try:
         launch.wait(timeout)
@@ -241,16 +249,17 @@ def job_show(build, c, job):
 
 
 def await_launcher(p, since, limit, log_path, res):
-    """Waits up to `limit` s after `since` (a kill's time) for the launcher `p` to end: still
-    running then is a hang (TimeoutError naming the log's end). Records in `res` the seconds
-    it took, its exit code and what of its session outlived it."""
-    while p.poll() is None and time.monotonic() - since < limit:
+    """Waits up to `limit` s after `since` (a kill's time) for the HostLaunch `p` to end: still
+    running then is a hang (TimeoutError naming the log's end); a launcher that fails ends the
+    wait at once. Records in `res` the seconds it took, its exit code and what of its sessions
+    outlived it."""
+    while p.poll() is None and p.failed() is None and time.monotonic() - since < limit:
         time.sleep(0.01)  # (the seconds are a figure of the report)
-    if p.poll() is None:
+    if p.poll() is None and p.failed() is None:
         raise TimeoutError(f"a hang: the training still running {limit:g} s after the kill: "
                            f"{brief_tail(log_path)}")
     res["seconds"] = round(time.monotonic() - since, 3)
-    res["exit_code"] = p.returncode
+    res["exit_code"] = p.failed() or p.returncode
     res["leftover_after_launcher"] = p.members()
 
 
@@ -279,7 +288,7 @@ class TrialRun:
     """One trial's way in and out (`with TrialRun(res, fault, trial, keep_dir) as t:`): its work
     directory (`t.workdir`, with `t.out` and `t.log_path`), its launcher log (`t.open_log()`),
     its cluster (`with t.cluster(NamespacedCluster(...)) as c:`) and its launch (`t.launch`, a
-    Launch). However the trial goes, the launch's session is killed and the cluster stopped
+    HostLaunch). However the trial goes, the launch's session is killed and the cluster stopped
     (end_trial); an Exception fails the trial (failed_trial) and the campaign goes on, while an
     interrupt goes through; the log is closed and the directory removed."""
 

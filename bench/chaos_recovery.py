@@ -18,7 +18,7 @@ import signal
 import tempfile
 import time
 
-from chaos_procs import (WORK_ROOT, Launch, TrialRun, await_launcher, brief_tail,
+from chaos_procs import (WORK_ROOT, HostLaunch, TrialRun, await_launcher, brief_tail,
                          host_launchers, job_show, read_from, run_to_end)
 from recovery_runs import STEP_LINE, max_abs_diff
 
@@ -56,10 +56,10 @@ def _cluster(build):
 
 def _launch(cluster, job, out, opt, log):
     """A launcher per host, ranks 2k and 2k + 1 on host k (each an interpreter of its own)."""
-    return Launch(host_launchers(
-        cluster, job, [(k, node, k) for k, node in enumerate(cluster.nodes)], 2, 2,
+    return host_launchers(
+        HostLaunch(), cluster, job, [(k, node, k) for k, node in enumerate(cluster.nodes)], 2, 2,
         ["--max-restarts", "1", "--recovery-deadline", f"{DEADLINE:g}", EXAMPLE, "--out", out,
-         "--steps", str(STEPS)] + CONFIGS[opt] + MODEL, log))
+         "--steps", str(STEPS)] + CONFIGS[opt] + MODEL, log)
 
 
 def _rank_pid(launch, rank):
@@ -129,9 +129,9 @@ def recovery_trial(trial, build, ref, keep_dir):
                     m = STEP_LINE.match(line)
                     if m:
                         seen.setdefault(int(m.group(1)), time.monotonic())
-                if p.poll() is not None:
-                    raise RuntimeError(f"the training exited ({p.returncode}) before step "
-                                       f"{after}: {brief_tail(log_path)}")
+                if p.poll() is not None or p.failed() is not None:
+                    raise RuntimeError(f"a launcher exited ({p.failed() or p.returncode}) "
+                                       f"before step {after}: {brief_tail(log_path)}")
                 if time.monotonic() - t0 > 600:
                     raise TimeoutError(f"no step {after} in 600 s")
                 time.sleep(POLL)

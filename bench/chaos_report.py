@@ -91,9 +91,9 @@ from chaos_recovery import Uninterrupted, recovery_trial  # noqa: E402
 import chaos_node  # noqa: E402
 import chaos_shrink  # noqa: E402
 import provenance  # noqa: E402
-from chaos_procs import (Interrupted, Launch, TrialRun, _live, _on_signal,  # noqa: E402
-                         error_line, keep_logs, kill_session, read_from, stop_cluster_checked,
-                         sweep)
+from chaos_procs import (HostLaunch, Interrupted, TrialRun, _live, _on_signal,  # noqa: E402
+                         error_line, host_launchers, keep_logs, kill_session, read_from,
+                         stop_cluster_checked, sweep)
 WATCH = {"rank-kill": 60.0, "daemon-stop": 120.0, "daemon-kill": 60.0,  # give up after
          "host-cut": 120.0}
 STOP_HOLD = 60.0  # how long daemon-stop keeps node-1 stopped at most
@@ -249,13 +249,9 @@ def training_trial(fault, trial, build, ref, steps, keep_dir):
             log = t.open_log()
             t0 = time.monotonic()
             # A launcher per host, for the job made above.
-            p = Launch(c.spawn(node, [sys.executable, "-m", "ragshard.launch", "--planner",
-                                      c.planner, "--job", job, "--nproc", "4", "--nnodes", "2",
-                                      "--node-rank", str(k), "--sockets", c.sockets[k],
-                                      "--nodes", node, EXAMPLE, "--out", out] + args,
-                               env=c.env(), stdout=log, stderr=subprocess.STDOUT,
-                               stdin=subprocess.DEVNULL, start_new_session=True)
-                       for k, node in enumerate(c.nodes))
+            p = host_launchers(HostLaunch(), c, job,
+                               [(k, node, k) for k, node in enumerate(c.nodes)], 2, 2,
+                               [EXAMPLE, "--out", out] + args, log, create=False)
             t.launch = p
             if fault == "planner-kill-registration":
                 time.sleep(1.0)  # the outage's length (the fault's definition)
@@ -268,9 +264,9 @@ def training_trial(fault, trial, build, ref, steps, keep_dir):
                     body = read_from(log_path)
                     if "step 1/" in body:
                         break
-                    if p.poll() is not None:
-                        raise RuntimeError(f"the training exited ({p.returncode}) before "
-                                           f"step 1: {body[-2000:]}")
+                    if p.poll() is not None or p.failed() is not None:
+                        raise RuntimeError(f"a launcher exited ({p.failed() or p.returncode}) "
+                                           f"before step 1: {body[-2000:]}")
                     if time.monotonic() - t0 > TRAINING_TIMEOUT:
                         raise TimeoutError(f"no step 1 in {TRAINING_TIMEOUT:g} s")
                     time.sleep(POLL)
@@ -283,21 +279,21 @@ def training_trial(fault, trial, build, ref, steps, keep_dir):
                 tr = time.monotonic()
                 c.restart_planner()
                 res["restart_seconds"] = round(time.monotonic() - tr, 3)
-            while p.poll() is None:
+            while p.poll() is None and p.failed() is None:
                 if time.monotonic() - t0 > TRAINING_TIMEOUT:
                     raise TimeoutError(f"the training still running after "
                                        f"{TRAINING_TIMEOUT:g} s: "
                                        f"{read_from(log_path)[-2000:]}")
                 time.sleep(POLL)
             res["wall_seconds"] = round(time.monotonic() - t0, 3)
-            res["exit_code"] = p.returncode
+            res["exit_code"] = p.failed() or p.returncode
             res["leftover_after_launcher"] = p.members()
             body = read_from(log_path)
             if fault == "planner-kill-ready":
                 res["steps_after_restart"] = body.count(f"/{steps} loss") - \
                     res["steps_before_kill"]
-            if p.returncode != 0:
-                raise RuntimeError(f"the training exited {p.returncode}: "
+            if res["exit_code"] != 0:
+                raise RuntimeError(f"the training exited {res['exit_code']}: "
                                    f"{error_line(body)} | {body[-1500:]}")
             losses = compare(out, reference)
             res["final_loss"] = losses[-1]

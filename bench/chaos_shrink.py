@@ -26,7 +26,7 @@ import tempfile
 import time
 
 from chaos_node import kill_held_node
-from chaos_procs import WORK_ROOT, Launch, TrialRun, host_launchers, job_show, run_to_end
+from chaos_procs import WORK_ROOT, HostLaunch, TrialRun, host_launchers, job_show, run_to_end
 from recovery_runs import max_abs_diff
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -64,10 +64,10 @@ def _cluster(build):
 
 def _launch(cluster, job, out, log, hosts, layout, extra=()):
     """A launcher on each of the first `hosts` hosts, 2 ranks each."""
-    return Launch(host_launchers(
-        cluster, job, [(k, cluster.nodes[k], k) for k in range(hosts)], hosts, PER_NODE,
-        ["--preload", "torch", *layout, EXAMPLE, "--out", out, "--steps", str(STEPS)] + MODEL +
-        list(extra), log))
+    return host_launchers(
+        HostLaunch(), cluster, job, [(k, cluster.nodes[k], k) for k in range(hosts)], hosts,
+        PER_NODE, ["--preload", "torch", *layout, EXAMPLE, "--out", out, "--steps", str(STEPS)] +
+        MODEL + list(extra), log)
 
 
 def _run(cluster, job, out, hosts, layout, extra):
@@ -113,8 +113,8 @@ def _losses(out):
 
 
 def shrink_trial(trial, build, refs, keep_dir):
-    """One trial: node `node`'s ranks held at `phase` of `step`, the node killed (daemon, then
-    its ranks) and no replacement started."""
+    """One trial: node `node`'s ranks held at `phase` of `step`, everything on its host killed
+    (its daemon, then its launcher and ranks) and no replacement started."""
     node, step, phase = draw(trial)
     layout = layout_of(trial)
     ranks = [node * PER_NODE + i for i in range(PER_NODE)]

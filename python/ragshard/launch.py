@@ -21,7 +21,7 @@ ids>` with the same other arguments (N the job's world size), and starts ranks
 [K*N/H, (K+1)*N/H) on its own daemons; host 0 creates the job (--create-job), the others wait
 for it (up to RAGSHARD_JOB_WAIT_S, 120 s) before their ranks start; --nodes defaults to
 node-<K*D+i>. The same command on a replacement of a lost host 0 joins the job while it
-recovers (any other job of that name is refused, named). Each rank runs `script.py` under the same interpreter with RAGSHARD_PLANNER,
+recovers from that host's loss (any other job of that name is refused, named). Each rank runs `script.py` under the same interpreter with RAGSHARD_PLANNER,
 RAGSHARD_JOB, RAGSHARD_RANK, RAGSHARD_WORLD_SIZE, RAGSHARD_SOCKET, RAGSHARD_NODE,
 RAGSHARD_LOCAL_RANK and RAGSHARD_LOCAL_WORLD_SIZE set (read them with `ragshard.Env()`), and the planner's token and TLS settings as RAGSHARD_TOKEN_FILE,
 RAGSHARD_TLS_CA, RAGSHARD_TLS_CERT, RAGSHARD_TLS_KEY and RAGSHARD_TLS_SERVER_NAME (from
@@ -306,30 +306,48 @@ def create_job(a):
             _join_as_replacement(a)
 
 
-# A job that node rank 0's launcher, started again on a replacement host, joins.
-_JOINABLE = ("JOB_RECOVERING", "JOB_DEGRADED")
-
-
 def _join_as_replacement(a):
     """Node rank 0's launcher found the job made already: it is the replacement of a lost host
-    0 (the same command on another host) when the job waits for one (recovering, or degraded
-    until the planner starts the recovery); it waits up to RAGSHARD_JOB_WAIT_S for that, and
-    refuses any other job of that name, naming its state."""
+    0 (the same command on another host) when the job recovers from the loss of one of this
+    launcher's nodes (the planner's recovery names it as the lost node). It waits up to
+    RAGSHARD_JOB_WAIT_S for that (a loss the planner has not counted yet, a planner restarting),
+    and refuses any other job of that name, naming its state: one that cannot recover (failed,
+    degraded, shrunk, deleted) at once."""
     from ragshard import job_info
     wait = float(os.environ.get("RAGSHARD_JOB_WAIT_S", "120"))
     deadline = time.time() + wait
+    state = "unknown"
     while True:
-        status = job_info(a.planner, a.job, a.token_file, a.tls_ca, a.tls_cert, a.tls_key,
-                          a.tls_server_name).get("status", "JOB_STATUS_UNSPECIFIED")
-        if status in _JOINABLE:
-            print(f"ragshard-launch: job '{a.job}' exists ({status}): node rank 0 joins it as "
-                  "the replacement of a lost host", file=sys.stderr, flush=True)
-            return
-        if status not in ("JOB_READY", "JOB_REGISTERING") or time.time() > deadline:
-            raise RuntimeError(f"job '{a.job}' exists already ({status}): node rank 0's "
-                               "launcher joins an existing job only as a lost host's "
-                               f"replacement, while the job recovers (waited {wait:.0f} s, "
-                               "RAGSHARD_JOB_WAIT_S); use another --job for a new training")
+        try:
+            job = job_info(a.planner, a.job, a.token_file, a.tls_ca, a.tls_cert, a.tls_key,
+                           a.tls_server_name)
+        except Exception as e:  # a planner restarting: asked again until the deadline
+            job, state = None, f"the planner did not answer: {e}"
+        if job is not None:
+            status = job.get("status", "JOB_STATUS_UNSPECIFIED")
+            lost = (job.get("recovery") or {}).get("lost_node_id", "")
+            if status == "JOB_RECOVERING" and lost in a.nodes:
+                print(f"ragshard-launch: job '{a.job}' exists ({status}, node '{lost}' lost): "
+                      "node rank 0 joins it as the replacement of a lost host", file=sys.stderr,
+                      flush=True)
+                return
+            state = status
+            if status == "JOB_RECOVERING":
+                state += f", from the loss of {f'node {lost!r}' if lost else 'rank processes'}"
+            if job.get("error"):
+                state += f": {job['error']}"
+            if status not in ("JOB_READY", "JOB_REGISTERING", "JOB_RECOVERING"):
+                raise RuntimeError(
+                    f"job '{a.job}' exists already ({state}); node rank 0's launcher joins an "
+                    "existing job only as the replacement of a lost host among its nodes "
+                    f"({', '.join(a.nodes)}), while the job recovers; use another --job for a "
+                    "new training")
+        if time.time() > deadline:
+            raise RuntimeError(
+                f"job '{a.job}' exists already ({state}); node rank 0's launcher joins an "
+                f"existing job only as the replacement of a lost host among its nodes "
+                f"({', '.join(a.nodes)}), while the job recovers from that loss (waited "
+                f"{wait:.0f} s, RAGSHARD_JOB_WAIT_S); use another --job for a new training")
         time.sleep(0.2)
 
 

@@ -129,6 +129,60 @@ def test_preloaded_ranks_never_start_when_the_job_cannot_be_created(tmp_path):
     assert "planner at 127.0.0.1:1 unreachable" in r.stderr
 
 
+def _answers(monkeypatch, *answers):
+    """ragshard.job_info answers `answers` in turn (an exception is raised), the last one for
+    good."""
+    seen = list(answers)
+
+    def job_info(*args):
+        got = seen.pop(0) if len(seen) > 1 else seen[0]
+        if isinstance(got, Exception):
+            raise got
+        return got
+    monkeypatch.setattr(ragshard, "job_info", job_info)
+
+
+def _recovering(lost):
+    return {"status": "JOB_RECOVERING", "recovery": {"lost_node_id": lost}}
+
+
+@pytest.mark.parametrize("answers,said", [
+    # Joined: the job recovers from the loss of this launcher's node, at once or once the
+    # planner counted the loss or answers again.
+    ((_recovering("node-0"),), None),
+    (({"status": "JOB_READY"}, _recovering(""), _recovering("node-0")), None),
+    ((ragshard.Error("UNAVAILABLE: planner restarting"), _recovering("node-0")), None),
+    # Refused at once: a job that cannot recover.
+    (({"status": "JOB_DEGRADED", "error": "node 'node-0' lost; no redundancy"},),
+     "(JOB_DEGRADED: node 'node-0' lost; no redundancy); node rank 0's launcher joins"),
+    (({"status": "JOB_SHRUNK"},), "(JOB_SHRUNK)"),
+    # Refused at the wait's end: a recovery of another node's loss or of rank processes only,
+    # a job that runs on.
+    ((_recovering("node-1"),), "(JOB_RECOVERING, from the loss of node 'node-1')"),
+    ((_recovering(""),), "(JOB_RECOVERING, from the loss of rank processes)"),
+    (({"status": "JOB_READY"},), "(JOB_READY); node rank 0's launcher joins an existing job "
+                                 "only as the replacement of a lost host among its nodes "
+                                 "(node-0, node-9)"),
+])
+def test_node_rank_0_joins_an_existing_job_only_as_a_lost_hosts_replacement(
+        monkeypatch, capsys, answers, said):
+    from types import SimpleNamespace
+    from ragshard import launch as launcher
+    monkeypatch.setenv("RAGSHARD_JOB_WAIT_S", "0.3")  # two answers, a third past the wait
+    _answers(monkeypatch, *answers)
+    a = SimpleNamespace(planner="127.0.0.1:1", job="j", token_file="", tls_ca=None,
+                        tls_cert=None, tls_key=None, tls_server_name=None,
+                        nodes=["node-0", "node-9"])
+    if said is None:
+        launcher._join_as_replacement(a)
+        assert "node rank 0 joins it as the replacement of a lost host" in \
+            capsys.readouterr().err
+    else:
+        with pytest.raises(RuntimeError) as e:
+            launcher._join_as_replacement(a)
+        assert said in str(e.value) and "use another --job" in str(e.value), str(e.value)
+
+
 def test_bad_arguments_are_refused(tmp_path):
     r = launch(tmp_path, ["--nproc", "3", "--sockets", "/s0,/s1"])
     assert r.returncode == 2 and "does not split evenly" in r.stderr
