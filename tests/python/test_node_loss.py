@@ -7,7 +7,9 @@ node id starts on a spare host with a launcher for node rank 1; its ranks wait f
 their state from the other nodes' parity (or copy), and the job goes on from the last completed
 step with no checkpoint. The final parameters equal an uninterrupted run's within 1e-6. Also Muon
 under replica, a loss after the step's protection (ranks roll forward), and HSDP's default
-(2 hosts x 2 ranks, --replicate 2: node 1 rebuilt from its replicas on node 0). Without a
+(2 hosts x 2 ranks, --replicate 2: node 1 rebuilt from its replicas on node 0), and host 0
+lost, whose replacement runs the same command as host 0's launcher (which made the job) and
+joins the recovering job. Without a
 replacement the job shrinks: HSDP's survivors take their state over when a host is lost; plain
 FSDP's re-cut the shards when a daemon dies on a host that lives on (its launcher's restarted
 ranks then leave, named).
