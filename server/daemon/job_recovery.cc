@@ -35,19 +35,20 @@ void JobRuntime::StartRecovery(const std::string& lost) {
   if (!notice.ok()) FailUnfinished(notice);
 }
 
+void JobRuntime::StopForRecovery(const absl::Status& notice) {
+  FailUnfinished(notice);
+  if (RelayComm* relay = recovery_.relay(); relay != nullptr) {
+    relay->Interrupt(std::string(notice.message()));
+  }
+}
+
 void JobRuntime::BeginRecovery(int64_t epoch, absl::Time deadline, const std::string& lost) {
   {
     absl::MutexLock lock(&mu_);
     if (!failed_.ok()) return;
+    // The lost node may never answer (a host gone without a reset).
     const absl::Status notice = recovery_.Named(epoch, deadline, lost);
-    if (!notice.ok()) {
-      FailUnfinished(notice);
-      // The job's thread may be in a collective with the lost node, which may never answer (a
-      // host gone without a reset): it ends now, as for a connection closed.
-      if (RelayComm* relay = recovery_.relay(); relay != nullptr) {
-        relay->Interrupt(std::string(notice.message()));
-      }
-    }
+    if (!notice.ok()) StopForRecovery(notice);
   }
   ServeWaiters();
 }
@@ -59,11 +60,9 @@ void JobRuntime::Fence(const absl::Status& fence) {
     if (!failed_.ok() || stopping_) return;
     recover = recovery_.recoverable();
     if (recover && recovery_.running()) {
-      StartRecovery(std::string(fence.message()));
-      // The job's thread is in an operation with nodes it cannot reach: it ends now.
-      if (RelayComm* relay = recovery_.relay(); relay != nullptr) {
-        relay->Interrupt(std::string(fence.message()));
-      }
+      // The nodes this one cannot reach never answer the running operation.
+      const absl::Status notice = recovery_.Start(std::string(fence.message()));
+      if (!notice.ok()) StopForRecovery(notice);
     }
   }
   if (!recover) {

@@ -197,6 +197,9 @@ class JobRuntime final : public OpTarget {
   // A recovery starts (RecoveryState::Start): every operation not done fails with its notice,
   // and the job's thread aborts the connection (telling the other nodes).
   void StartRecovery(const std::string& lost) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A recovery's `notice` ends the job's operations, the running one too: the job's thread may
+  // be in a collective with a node that cannot answer, which ends at once (Comm::Interrupt).
+  void StopForRecovery(const absl::Status& notice) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The job thread's part of a recovery (without mu_): asks the planner for the epoch, waits for
   // the local ranks, reconnects, and runs again; or fails the job, named.
   void Recover();
