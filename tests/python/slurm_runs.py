@@ -126,9 +126,18 @@ PartitionName=debug Nodes={",".join(self.nodes)} Default=YES MaxTime=INFINITE St
                                                start_new_session=True))
 
     def run(self, argv, timeout=600, **more_env):
-        """A Slurm command (on slurmctld's host)."""
-        return subprocess.run(self._command(self.ctl_host, argv), env=dict(self.env, **more_env),
-                              capture_output=True, text=True, timeout=timeout)
+        """A Slurm command (on slurmctld's host). One still running at `timeout` fails the test
+        with where its jobs stand (`scontrol show job`: state and reason) and the daemons' logs,
+        so that a job that never ran or never ended says why."""
+        try:
+            return subprocess.run(self._command(self.ctl_host, argv),
+                                  env=dict(self.env, **more_env), capture_output=True,
+                                  text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            jobs = subprocess.run(self._command(self.ctl_host, [which("scontrol"), "show", "job"]),
+                                  env=self.env, capture_output=True, text=True, timeout=60)
+            pytest.fail(f"{os.path.basename(argv[0])} still running after {timeout} s; the "
+                        f"jobs: {(jobs.stdout + jobs.stderr)[-3000:]}\n" + self.logs())
 
     def start(self):
         self._start("munged", None, [
