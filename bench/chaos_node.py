@@ -13,9 +13,10 @@ the phase (forward, backward, step, protected: after the step's protection and b
 commits, between) from a seeded RNG; both ranks of that node are held
 there (train_tiny.py --hold-at: each writes its pid into a mark file and sleeps), then the
 daemon, the launcher and the two ranks are killed, and the replacement daemon and launcher are
-started, as tests/python/test_node_loss.py does. The scheme: parity:2 in odd trials, replica in even ones;
-the configuration: AdamW in trials 1-2, bf16 in 3-4, Shampoo in 5-6, and so on. A trial passes when every launcher (the lost one's excepted) exits 0 within RECOVERY_LIMIT
-seconds of the daemon's kill (the recovery deadline plus 30 s; past it the trial is a hang, and everything it started
+started, as tests/python/test_node_loss.py does. The scheme: parity:2 in odd trials, replica
+in even ones; the configuration: AdamW in trials 1-2, bf16 in 3-4, Shampoo in 5-6, and so on. A
+trial passes when every launcher (the lost one's excepted) exits 0 within RECOVERY_LIMIT seconds
+of the daemon's kill (the recovery deadline plus 30 s; past it the trial is a hang, and everything it started
 is killed), the job is READY with `rebuilds:     1` in `ragshardctl job show`, and every final
 parameter is within PARAM_ATOL of an uninterrupted run's with the same redundancy
 and configuration (`Uninterrupted`, one per scheme and configuration per campaign)."""
@@ -99,7 +100,8 @@ class Uninterrupted:
             out = os.path.join(self.dir, name)
             with open(out + ".log", "w") as log, _cluster(self.build) as c:
                 run_to_end(_launchers(c, f"uninterrupted-{name}", out, redundancy, log,
-                                      CONFIGS[conf]), out + ".log", f"the uninterrupted {redundancy} run")
+                                      CONFIGS[conf]), out + ".log",
+                           f"the uninterrupted {redundancy} run")
             self.outs[redundancy, conf] = out
         return self.outs[redundancy, conf]
 

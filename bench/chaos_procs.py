@@ -167,10 +167,8 @@ class HostLaunch:
     (in the order they were added), else 0; `failed()` says at once when one has failed. A
     launcher lost with its host leaves it (`drop`), its replacement joins it (`add`)."""
 
-    def __init__(self, procs=()):
+    def __init__(self):
         self.procs = []
-        for p in procs:
-            self.add(p)
 
     def add(self, p):
         self.procs.append(p)
@@ -213,8 +211,9 @@ class HostLaunch:
 
 def host_launchers(launch, c, job, where, nnodes, per_host, argv, log, create=True):
     """Adds to HostLaunch `launch` a `ragshard.launch --nnodes NNODES --node-rank K` (with
-    --create-job unless `create` is false: the job made before) per (node rank K, host, daemon index) of `where`, on that host of
-    NamespacedCluster `c` with its daemon, each in a session of its own, writing `log`; `argv`
+    --create-job unless `create` is false: the job made before) per (node rank K, host, daemon
+    index) of `where`, on that host of NamespacedCluster `c` with its daemon, each in a session
+    of its own, writing `log`; `argv`
     the launcher's other flags, the script and its arguments. Each is added as it starts (the
     sweep kills it however the trial ends). Returns `launch`."""
     for k, host, i in where:
@@ -229,8 +228,8 @@ def host_launchers(launch, c, job, where, nnodes, per_host, argv, log, create=Tr
 
 
 def run_to_end(launch, log_path, what, timeout=600):
-    """Waits up to `timeout` s for an uninterrupted run's HostLaunch, kills what is left of it, and
-    raises naming `what` unless it exited 0."""
+    """Waits up to `timeout` s for an uninterrupted run's HostLaunch, kills what is left of it,
+    and raises naming `what` unless it exited 0."""
     try:
         launch.wait(timeout)
     except subprocess.TimeoutExpired:

@@ -21,7 +21,8 @@ ids>` with the same other arguments (N the job's world size), and starts ranks
 [K*N/H, (K+1)*N/H) on its own daemons; host 0 creates the job (--create-job), the others wait
 for it (up to RAGSHARD_JOB_WAIT_S, 120 s) before their ranks start; --nodes defaults to
 node-<K*D+i>. The same command on a replacement of a lost host 0 joins the job while it
-recovers from that host's loss (any other job of that name is refused, named). Each rank runs `script.py` under the same interpreter with RAGSHARD_PLANNER,
+recovers from that host's loss (any other job of that name is refused, named).
+Each rank runs `script.py` under the same interpreter with RAGSHARD_PLANNER,
 RAGSHARD_JOB, RAGSHARD_RANK, RAGSHARD_WORLD_SIZE, RAGSHARD_SOCKET, RAGSHARD_NODE,
 RAGSHARD_LOCAL_RANK and RAGSHARD_LOCAL_WORLD_SIZE set (read them with `ragshard.Env()`), and the planner's token and TLS settings as RAGSHARD_TOKEN_FILE,
 RAGSHARD_TLS_CA, RAGSHARD_TLS_CERT, RAGSHARD_TLS_KEY and RAGSHARD_TLS_SERVER_NAME (from
