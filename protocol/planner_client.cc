@@ -184,6 +184,7 @@ GrpcPlannerClient::GrpcPlannerClient(PlannerClientOptions options, ClientSecurit
     : options_(std::move(options)), security_(std::move(security)) {
   channel_ = MakeChannel(options_.address, security_);
   stub_ = v1::Planner::NewStub(channel_);
+  beats_ = std::make_unique<HeartbeatStream>(stub_.get(), &security_);
 }
 
 void GrpcPlannerClient::Prepare(grpc::ClientContext* ctx, std::chrono::milliseconds extra) const {
@@ -418,6 +419,13 @@ absl::StatusOr<v1::RegisterNodeResponse> GrpcPlannerClient::RegisterNode(
 
 absl::StatusOr<v1::HeartbeatResponse> GrpcPlannerClient::Heartbeat(
     const v1::HeartbeatRequest& request) {
+  if (options_.heartbeat_stream && !unary_beats_.load()) {
+    v1::HeartbeatResponse response;
+    const grpc::Status st = beats_->Beat(request, options_.rpc_timeout, &response);
+    if (st.ok()) return response;
+    if (st.error_code() != grpc::StatusCode::UNIMPLEMENTED) return Wrap(st);
+    unary_beats_.store(true);  // a planner of an earlier version
+  }
   return CallOnce(&Stub::Heartbeat, request);
 }
 

@@ -10,6 +10,7 @@
 
 #include "absl/status/statusor.h"
 #include "infra/rpc.h"
+#include "protocol/heartbeat_stream.h"
 #include "ragshard/v1/planner.grpc.pb.h"
 
 namespace ragshard {
@@ -124,6 +125,9 @@ struct PlannerClientOptions {
   // event's callback gets `plan`, else the frame as it came in `plan_zstd` (a simulated node
   // in bench/control_plane_bench that only compares it).
   bool decode_plans = true;
+  // Heartbeats go on one long-lived stream (HeartbeatStream), or on the unary call with a planner
+  // without it; false: always the unary call (to measure the two side by side).
+  bool heartbeat_stream = true;
   // Unary calls that find the planner UNAVAILABLE (a restart) are retried with exponential
   // backoff and jitter for this long, then fail saying for how long they tried. Retries are
   // idempotent: a CreateJob whose earlier attempt was committed returns that job (the same mesh
@@ -205,6 +209,9 @@ class GrpcPlannerClient final : public PlannerClient {
   const ClientSecurity security_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Planner::Stub> stub_;
+  // The heartbeats' stream; unary calls once the planner answered UNIMPLEMENTED to it.
+  std::unique_ptr<HeartbeatStream> beats_;
+  std::atomic<bool> unary_beats_{false};
 };
 
 }  // namespace ragshard

@@ -114,6 +114,7 @@ void PlannerService::Shutdown() {
   // Once closed, the registries refuse new watchers and waits (UNAVAILABLE), so a call that
   // found its job live before the flag was set leaves nothing open.
   watchers_.CloseAll(unavailable, &deferred);
+  beat_streams_.CloseAll(unavailable);
   rendezvous_.AbortAll(unavailable, &deferred);
   RunDeferred(&deferred);
   stop_.Notify();

@@ -40,6 +40,7 @@
 #include "engine/strategy_search.h"
 #include "prometheus/metric_family.h"
 #include "ragshard/v1/planner.grpc.pb.h"
+#include "server/planner/beat_streams.h"
 #include "server/planner/job_status.h"
 #include "server/planner/metrics.h"
 #include "server/planner/node_registry.h"
@@ -139,6 +140,9 @@ class PlannerService final
                       v1::RegisterNodeResponse* resp) override;
   // Refreshes a registered node's figures and names the jobs it holds that are gone.
   Unary* Heartbeat(Ctx* ctx, const v1::HeartbeatRequest* req, v1::HeartbeatResponse* resp) override;
+  // Heartbeat on one stream per node: each request answered in turn, as Heartbeat answers it.
+  grpc::ServerBidiReactor<v1::HeartbeatRequest, v1::HeartbeatResponse>* HeartbeatStream(
+      Ctx* ctx) override;
   Unary* ListNodes(Ctx* ctx, const v1::ListNodesRequest* req, v1::ListNodesResponse* resp) override;
   // The rendezvous: Put stores a job's key and answers the Gets waiting for it; Get answers a
   // stored key at once, else waits up to wait_ms (DEADLINE_EXCEEDED naming the key).
@@ -259,6 +263,10 @@ class PlannerService final
   void BeforeJobWrite(const std::string& job_id) const;
   // Persists the job and tells its watchers.
   absl::Status JobChanged(JobState* js, Deferred* deferred);
+  // A node's heartbeat (unary or on its stream): records it, answers the lease and the jobs the
+  // node holds that it must release, fail or recover.
+  absl::Status Beat(const v1::HeartbeatRequest& req, v1::HeartbeatResponse* resp,
+                    Deferred* deferred);
   // Tells the job's watchers what changed (JobChanged without the store write).
   void NotifyWatchers(JobState* js, Deferred* deferred);
   // A registration of one rank (RegisterRank) or of a node's ranks (RegisterNodeRanks).
@@ -386,6 +394,7 @@ class PlannerService final
   NodeRegistry nodes_{store_.get()};
   Rendezvous rendezvous_{store_.get()};
   WatchRegistry watchers_{options_.max_watchers};
+  BeatStreams beat_streams_;
 
   mutable absl::Mutex jobs_mu_;
   std::map<std::string, EntryPtr> jobs_ ABSL_GUARDED_BY(jobs_mu_);

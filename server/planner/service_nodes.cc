@@ -25,49 +25,65 @@ grpc::ServerUnaryReactor* PlannerService::Heartbeat(Ctx* ctx, const v1::Heartbea
                                                     v1::HeartbeatResponse* resp) {
   return Unlocked(
       ctx, Access::kUser, [&] { return ValidateHeartbeat(*req, options_.limits); },
-      [&](Deferred* deferred) {
-        RAGSHARD_RETURN_IF_ERROR(nodes_.Heartbeat(*req, NowMs()));
-        resp->set_lease_ms(LeaseMs(options_.node_timeout));
-        const int64_t now_ms = NowMs();
-        for (const std::string& job : req->jobs()) {
-          EntryPtr e = Entry(job);
-          if (e == nullptr) {
-            resp->add_release_jobs(job);
-            continue;
-          }
-          absl::MutexLock lock(&e->mu);
-          // A recovery past its deadline ends here too, not only at the next tick.
-          ExpireRecovery(&e->state, now_ms, deferred);
-          const v1::Job& j = e->state.job;
-          if (j.job_id().empty() || j.status() == v1::JOB_DELETED) {
-            resp->add_release_jobs(job);
-          } else if (j.status() == v1::JOB_DEGRADED || j.status() == v1::JOB_FAILED ||
-                     j.status() == v1::JOB_SHRUNK) {
-            // A SHRUNK job's operations fail, naming its successor (its error); its buffers stay
-            // until the successor's ranks took their state from them (they release them) or it
-            // is deleted.
-            v1::JobFailure* f = resp->add_failed_jobs();
-            f->set_job_id(job);
-            f->set_error(j.error());
-          } else if (j.status() == v1::JOB_RECOVERING) {
-            // Of the nodes recovered, only this one (if it is): every node of a large job
-            // heartbeats, and the whole list in each answer would cost O(nodes^2) a round.
-            const v1::JobRecovery& recovery = j.recovery();
-            v1::JobRecovery* r = resp->add_recovering_jobs();
-            r->set_job_id(job);
-            r->set_epoch(recovery.epoch());
-            r->set_lost(recovery.lost());
-            r->set_reporter_node_id(recovery.reporter_node_id());
-            r->set_lost_node_id(recovery.lost_node_id());
-            r->set_started_unix_ms(recovery.started_unix_ms());
-            r->set_deadline_unix_ms(recovery.deadline_unix_ms());
-            for (const std::string& node : recovery.recovered_node_ids()) {
-              if (node == req->node_id()) r->add_recovered_node_ids(node);
-            }
-          }
-        }
-        return absl::OkStatus();
-      });
+      [&](Deferred* deferred) { return Beat(*req, resp, deferred); });
+}
+
+grpc::ServerBidiReactor<v1::HeartbeatRequest, v1::HeartbeatResponse>*
+PlannerService::HeartbeatStream(Ctx* ctx) {
+  // Admitted once, at the call: each heartbeat on it is validated and answered as a unary one.
+  return beat_streams_.Open(Admit(ctx, Access::kUser, nullptr),
+                            [this](const v1::HeartbeatRequest& req, v1::HeartbeatResponse* resp) {
+                              RAGSHARD_RETURN_IF_ERROR(ValidateHeartbeat(req, options_.limits));
+                              Deferred deferred;
+                              absl::Status s = Beat(req, resp, &deferred);
+                              RunDeferred(&deferred);
+                              return s;
+                            });
+}
+
+absl::Status PlannerService::Beat(const v1::HeartbeatRequest& req, v1::HeartbeatResponse* resp,
+                                  Deferred* deferred) {
+  RAGSHARD_RETURN_IF_ERROR(nodes_.Heartbeat(req, NowMs()));
+  resp->set_lease_ms(LeaseMs(options_.node_timeout));
+  const int64_t now_ms = NowMs();
+  for (const std::string& job : req.jobs()) {
+    EntryPtr e = Entry(job);
+    if (e == nullptr) {
+      resp->add_release_jobs(job);
+      continue;
+    }
+    absl::MutexLock lock(&e->mu);
+    // A recovery past its deadline ends here too, not only at the next tick.
+    ExpireRecovery(&e->state, now_ms, deferred);
+    const v1::Job& j = e->state.job;
+    if (j.job_id().empty() || j.status() == v1::JOB_DELETED) {
+      resp->add_release_jobs(job);
+    } else if (j.status() == v1::JOB_DEGRADED || j.status() == v1::JOB_FAILED ||
+               j.status() == v1::JOB_SHRUNK) {
+      // A SHRUNK job's operations fail, naming its successor (its error); its buffers stay
+      // until the successor's ranks took their state from them (they release them) or it
+      // is deleted.
+      v1::JobFailure* f = resp->add_failed_jobs();
+      f->set_job_id(job);
+      f->set_error(j.error());
+    } else if (j.status() == v1::JOB_RECOVERING) {
+      // Of the nodes recovered, only this one (if it is): every node of a large job
+      // heartbeats, and the whole list in each answer would cost O(nodes^2) a round.
+      const v1::JobRecovery& recovery = j.recovery();
+      v1::JobRecovery* r = resp->add_recovering_jobs();
+      r->set_job_id(job);
+      r->set_epoch(recovery.epoch());
+      r->set_lost(recovery.lost());
+      r->set_reporter_node_id(recovery.reporter_node_id());
+      r->set_lost_node_id(recovery.lost_node_id());
+      r->set_started_unix_ms(recovery.started_unix_ms());
+      r->set_deadline_unix_ms(recovery.deadline_unix_ms());
+      for (const std::string& node : recovery.recovered_node_ids()) {
+        if (node == req.node_id()) r->add_recovered_node_ids(node);
+      }
+    }
+  }
+  return absl::OkStatus();
 }
 
 grpc::ServerUnaryReactor* PlannerService::ListNodes(Ctx* ctx, const v1::ListNodesRequest*,
