@@ -1,5 +1,6 @@
 #include "server/planner/rendezvous.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -26,16 +27,30 @@ absl::Status Rendezvous::Put(const std::string& job_id, const std::string& key,
   if (absl::Status s = store_->PutKv(job_id, key, value); !s.ok()) return s;
   Keys& kv = keys_[job_id];
   kv[key] = value;
-  for (auto w = waiting_.begin(); w != waiting_.end();) {
-    if (w->job_id == job_id && w->missing.erase(key) > 0 && w->missing.empty()) {
+  auto waiters = by_key_.find({job_id, key});
+  if (waiters == by_key_.end()) return absl::OkStatus();
+  std::vector<WaitingList::iterator> calls = std::move(waiters->second);
+  by_key_.erase(waiters);
+  for (WaitingList::iterator w : calls) {
+    w->missing.erase(key);
+    if (w->missing.empty()) {
       w->answer(kv);
       FinishLater(deferred, w->parked.reactor, grpc::Status::OK);
-      w = waiting_.erase(w);
-    } else {
-      ++w;
+      waiting_.erase(w);  // (in no other key's list: its other keys were put)
     }
   }
   return absl::OkStatus();
+}
+
+Rendezvous::WaitingList::iterator Rendezvous::Forget(WaitingList::iterator w) {
+  for (const std::string& key : w->missing) {
+    auto it = by_key_.find({w->job_id, key});
+    if (it == by_key_.end()) continue;
+    std::vector<WaitingList::iterator>& calls = it->second;
+    calls.erase(std::remove(calls.begin(), calls.end(), w), calls.end());
+    if (calls.empty()) by_key_.erase(it);
+  }
+  return waiting_.erase(w);
 }
 
 std::optional<absl::Status> Rendezvous::GetOrPark(const std::string& job_id,
@@ -65,7 +80,8 @@ std::optional<absl::Status> Rendezvous::GetOrPark(const std::string& job_id,
   w.answer = answer;
   w.parked.reactor = reactor;
   w.parked.deadline = Clock::now() + std::chrono::milliseconds(wait_ms);
-  waiting_.push_back(std::move(w));
+  auto it = waiting_.insert(waiting_.end(), std::move(w));
+  for (const std::string& key : it->missing) by_key_[{job_id, key}].push_back(it);
   return std::nullopt;
 }
 
@@ -78,7 +94,7 @@ void Rendezvous::ExpireWaits(Clock::time_point now, Deferred* deferred) {
                                absl::StrCat("key '", *w->missing.begin(), "' of job '", w->job_id,
                                             "' was not put before the wait ended",
                                             More(w->missing, " keys"))));
-      w = waiting_.erase(w);
+      w = Forget(w);
     } else {
       ++w;
     }
@@ -92,7 +108,7 @@ void Rendezvous::DropJob(const std::string& job_id, const grpc::Status& status,
   for (auto w = waiting_.begin(); w != waiting_.end();) {
     if (w->job_id == job_id) {
       FinishLater(deferred, w->parked.reactor, status);
-      w = waiting_.erase(w);
+      w = Forget(w);
     } else {
       ++w;
     }
@@ -103,6 +119,7 @@ void Rendezvous::AbortAll(const grpc::Status& status, Deferred* deferred) {
   absl::MutexLock lock(&mu_);
   for (Waiting& w : waiting_) FinishLater(deferred, w.parked.reactor, status);
   waiting_.clear();
+  by_key_.clear();
   closed_ = status;
 }
 

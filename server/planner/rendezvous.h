@@ -13,6 +13,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -58,10 +59,18 @@ class Rendezvous {
     Parked parked;
   };
 
+  using WaitingList = std::list<Waiting>;
+  // Removes a waiting call and its entries in by_key_.
+  WaitingList::iterator Forget(WaitingList::iterator w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   Store* const store_;
   mutable absl::Mutex mu_;
   std::map<std::string, Keys> keys_ ABSL_GUARDED_BY(mu_);  // by job id
-  std::list<Waiting> waiting_ ABSL_GUARDED_BY(mu_);
+  WaitingList waiting_ ABSL_GUARDED_BY(mu_);
+  // The waiting calls missing each (job id, key): a Put visits only those, so N nodes each
+  // waiting for N keys cost N^2 key checks in all, not N^3.
+  std::map<std::pair<std::string, std::string>, std::vector<WaitingList::iterator>> by_key_
+      ABSL_GUARDED_BY(mu_);
   std::optional<grpc::Status> closed_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -6,6 +6,7 @@
 
 #include <future>
 
+#include "absl/strings/str_cat.h"
 #include "engine/plan_codec.h"
 #include "infra/proto_text.h"
 #include "ragshard/v1/planner.grpc.pb.h"
@@ -167,6 +168,41 @@ TEST_F(NodeRegistrationTest, ADaemonLearnsTheJobsNodesAndAllAddressesInOneCallEa
   EXPECT_THAT(late.status().message(), HasSubstr("'data/n2'"));
   EXPECT_THAT(client_->GetKeys("j", {}, 0ms).status().message(), HasSubstr("keys"));
   EXPECT_THAT(client_->GetKeys("j", {"data/n0"}, -5ms).status().message(), HasSubstr("wait_ms"));
+}
+
+// Many calls parked on overlapping keys: each Put answers exactly the calls it completes, a call
+// that expires leaves the others waiting on its keys, and each answer holds its keys' values in
+// its order.
+TEST_F(NodeRegistrationTest, ParkedGetKeysAreAnsweredByThePutsThatCompleteThem) {
+  RestartWithMetrics();
+  Create("j", 6);
+  constexpr int kCalls = 6;
+  std::vector<std::future<absl::StatusOr<std::vector<std::string>>>> calls;
+  for (int i = 0; i < kCalls; ++i) {
+    calls.push_back(std::async(std::launch::async, [this, i] {
+      return client_->GetKeys(
+          "j", {absl::StrCat("k", i), "shared", absl::StrCat("k", (i + 1) % kCalls)}, 60s);
+    }));
+  }
+  auto short_wait = std::async(std::launch::async, [this] {
+    return client_->GetKeys("j", {"shared", "k0"}, 200ms);
+  });
+  ASSERT_TRUE(AwaitFigure(kParkedGets, kCalls + 1));
+  EXPECT_EQ(short_wait.get().status().code(), absl::StatusCode::kDeadlineExceeded);
+  for (int i = kCalls - 1; i >= 0; --i) {
+    ASSERT_TRUE(client_->Put("j", absl::StrCat("k", i), absl::StrCat("v", i)).ok());
+  }
+  // Every call still misses "shared".
+  EXPECT_EQ(Figure(kParkedGets), kCalls);
+  for (auto& c : calls) EXPECT_EQ(c.wait_for(0ms), std::future_status::timeout);
+  ASSERT_TRUE(client_->Put("j", "shared", "s").ok());
+  for (int i = 0; i < kCalls; ++i) {
+    auto got = calls[static_cast<size_t>(i)].get();
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_THAT(*got, ::testing::ElementsAre(absl::StrCat("v", i), "s",
+                                             absl::StrCat("v", (i + 1) % kCalls)));
+  }
+  EXPECT_EQ(Figure(kParkedGets), 0);
 }
 
 // Job "j": one node of 2 ranks registered in one call, planned; its plan as the client library
