@@ -92,8 +92,14 @@ class Simulator {
                                      "--count",
                                      std::to_string(count)};
     if (o.sim.unary_heartbeats) argv.push_back("--unary-heartbeats");
+    std::vector<char*> args;  // made before the fork: the child only execs
+    for (auto& a : argv) args.push_back(a.data());
+    args.push_back(nullptr);
     int in[2], out[2];
-    if (::pipe2(in, O_CLOEXEC) != 0 || ::pipe2(out, O_CLOEXEC) != 0) return;
+    if (::pipe2(in, O_CLOEXEC) != 0 || ::pipe2(out, O_CLOEXEC) != 0) {
+      std::perror("control_plane_bench: pipe2");
+      return;  // its answers say it failed
+    }
     const pid_t parent = getpid();
     pid_ = fork();
     if (pid_ == 0) {
@@ -101,9 +107,6 @@ class Simulator {
       if (getppid() != parent) _exit(127);
       dup2(in[0], 0);
       dup2(out[1], 1);
-      std::vector<char*> args;
-      for (auto& a : argv) args.push_back(a.data());
-      args.push_back(nullptr);
       execv(args[0], args.data());
       _exit(127);
     }

@@ -419,12 +419,17 @@ absl::StatusOr<v1::RegisterNodeResponse> GrpcPlannerClient::RegisterNode(
 
 absl::StatusOr<v1::HeartbeatResponse> GrpcPlannerClient::Heartbeat(
     const v1::HeartbeatRequest& request) {
-  if (options_.heartbeat_stream && !unary_beats_.load()) {
+  const int64_t now_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                             std::chrono::steady_clock::now().time_since_epoch())
+                             .count();
+  if (options_.heartbeat_stream && now_ms >= unary_beats_until_ms_.load()) {
     v1::HeartbeatResponse response;
     const grpc::Status st = beats_->Beat(request, options_.rpc_timeout, &response);
     if (st.ok()) return response;
     if (st.error_code() != grpc::StatusCode::UNIMPLEMENTED) return Wrap(st);
-    unary_beats_.store(true);  // a planner of an earlier version
+    // A planner of an earlier version: unary calls, and the stream tried again in a while (the
+    // planner may be upgraded meanwhile).
+    unary_beats_until_ms_.store(now_ms + kUnaryBeatsFor.count());
   }
   return CallOnce(&Stub::Heartbeat, request);
 }

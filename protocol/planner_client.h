@@ -209,9 +209,11 @@ class GrpcPlannerClient final : public PlannerClient {
   const ClientSecurity security_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Planner::Stub> stub_;
-  // The heartbeats' stream; unary calls once the planner answered UNIMPLEMENTED to it.
+  // The heartbeats' stream; unary calls for kUnaryBeatsFor once the planner answered
+  // UNIMPLEMENTED to it (until then, on the steady clock).
+  static constexpr std::chrono::milliseconds kUnaryBeatsFor{std::chrono::minutes(5)};
   std::unique_ptr<HeartbeatStream> beats_;
-  std::atomic<bool> unary_beats_{false};
+  std::atomic<int64_t> unary_beats_until_ms_{0};
 };
 
 }  // namespace ragshard

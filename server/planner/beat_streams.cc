@@ -43,6 +43,10 @@ class BeatStreams::Stream final : public BeatStreams::Reactor {
       End(grpc::Status::OK);
       return;
     }
+    {
+      absl::MutexLock lock(&mu_);
+      if (ended_) return;  // the planner shuts down: the beat is not counted
+    }
     response_.Clear();
     const absl::Status s = beat_(request_, &response_);
     if (!s.ok()) {

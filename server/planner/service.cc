@@ -333,6 +333,8 @@ std::vector<prometheus::MetricFamily> PlannerService::ScrapeFigures() const {
           GaugeFamily("ragshard_planner_nodes", "Nodes by state", "state", nodes),
           GaugeFamily("ragshard_planner_watch_streams", "Open WatchPlan streams", "",
                       {{"", watch_streams}}),
+          GaugeFamily("ragshard_planner_heartbeat_streams", "Open HeartbeatStream streams", "",
+                      {{"", static_cast<double>(beat_streams_.open())}}),
           GaugeFamily("ragshard_planner_parked_calls",
                       "Calls waiting: rendezvous gets for their keys, hash-only registrations for "
                       "a full inventory",

@@ -147,5 +147,20 @@ TEST_F(PlannerBeatStreamTest, TheStreamAnswersAsTheUnaryCallAndShutdownEndsIt) {
   EXPECT_EQ(client_->Heartbeat(hb).status().code(), absl::StatusCode::kUnavailable);
 }
 
+TEST_F(PlannerBeatStreamTest, TheOpenStreamsAreCounted) {
+  RestartWithMetrics();
+  constexpr char kStreams[] = "ragshard_planner_heartbeat_streams";
+  EXPECT_EQ(Figure(kStreams), 0);
+  v1::RegisterNodeRequest reg;
+  reg.set_node_id("node-0");
+  reg.set_data_address("127.0.0.1:1");
+  ASSERT_TRUE(client_->RegisterNode(reg).ok());
+  ASSERT_TRUE(client_->Heartbeat(Beat()).ok());
+  ASSERT_TRUE(client_->Heartbeat(Beat()).ok());
+  EXPECT_EQ(Figure(kStreams), 1);  // one stream for both beats
+  client_.reset();                 // the daemon goes: its stream ends
+  EXPECT_TRUE(AwaitFigure(kStreams, 0));
+}
+
 }  // namespace
 }  // namespace ragshard
