@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "infra/rpc.h"
 
 namespace ragshard::planner {
 
@@ -25,8 +26,7 @@ absl::Status Rendezvous::Put(const std::string& job_id, const std::string& key,
                              const std::string& value, Deferred* deferred) {
   absl::MutexLock lock(&mu_);
   if (absl::Status s = store_->PutKv(job_id, key, value); !s.ok()) return s;
-  Keys& kv = keys_[job_id];
-  kv[key] = value;
+  keys_[job_id][key] = value;
   auto waiters = by_key_.find({job_id, key});
   if (waiters == by_key_.end()) return absl::OkStatus();
   std::vector<WaitingList::iterator> calls = std::move(waiters->second);
@@ -34,8 +34,10 @@ absl::Status Rendezvous::Put(const std::string& job_id, const std::string& key,
   for (WaitingList::iterator w : calls) {
     w->missing.erase(key);
     if (w->missing.empty()) {
-      w->answer(kv);
-      FinishLater(deferred, w->parked.reactor, grpc::Status::OK);
+      deferred->push_back([this, job_id, keys = std::move(w->keys), answer = std::move(w->answer),
+                           reactor = w->parked.reactor] {
+        reactor->Finish(ToGrpcStatus(Fill(job_id, keys, answer)));
+      });
       waiting_.erase(w);  // (in no other key's list: its other keys were put)
     }
   }
@@ -53,11 +55,10 @@ Rendezvous::WaitingList::iterator Rendezvous::Forget(WaitingList::iterator w) {
   return waiting_.erase(w);
 }
 
-std::optional<absl::Status> Rendezvous::GetOrPark(const std::string& job_id,
-                                                  const std::vector<std::string>& keys,
-                                                  int64_t wait_ms,
-                                                  grpc::ServerUnaryReactor* reactor,
-                                                  const Answer& answer) {
+std::optional<absl::Status> Rendezvous::Park(const std::string& job_id,
+                                             const std::vector<std::string>& keys, int64_t wait_ms,
+                                             grpc::ServerUnaryReactor* reactor,
+                                             const Answer& answer) {
   absl::MutexLock lock(&mu_);
   const Keys& kv = keys_[job_id];
   Waiting w;
@@ -65,10 +66,7 @@ std::optional<absl::Status> Rendezvous::GetOrPark(const std::string& job_id,
   for (const std::string& key : keys) {
     if (!kv.count(key)) w.missing.insert(key);
   }
-  if (w.missing.empty()) {
-    answer(kv);
-    return absl::OkStatus();
-  }
+  if (w.missing.empty()) return absl::OkStatus();
   if (wait_ms == 0) {
     return absl::NotFoundError(absl::StrCat("key '", *w.missing.begin(), "' of job '", job_id,
                                             "' not found", More(w.missing, "")));
@@ -77,12 +75,27 @@ std::optional<absl::Status> Rendezvous::GetOrPark(const std::string& job_id,
     return absl::Status(static_cast<absl::StatusCode>(closed_->error_code()),
                         closed_->error_message());
   }
+  w.keys = keys;
   w.answer = answer;
   w.parked.reactor = reactor;
   w.parked.deadline = Clock::now() + std::chrono::milliseconds(wait_ms);
   auto it = waiting_.insert(waiting_.end(), std::move(w));
   for (const std::string& key : it->missing) by_key_[{job_id, key}].push_back(it);
   return std::nullopt;
+}
+
+absl::Status Rendezvous::Fill(const std::string& job_id, const std::vector<std::string>& keys,
+                              const Answer& answer) const {
+  absl::MutexLock lock(&mu_);
+  auto job = keys_.find(job_id);
+  for (const std::string& key : keys) {
+    if (job == keys_.end() || !job->second.count(key)) {
+      return absl::NotFoundError(
+          absl::StrCat("key '", key, "' of job '", job_id, "' is gone (the job was deleted)"));
+    }
+  }
+  answer(job->second);
+  return absl::OkStatus();
 }
 
 void Rendezvous::ExpireWaits(Clock::time_point now, Deferred* deferred) {

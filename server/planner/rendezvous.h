@@ -33,15 +33,21 @@ class Rendezvous {
   explicit Rendezvous(Store* store) : store_(store) {}
 
   void Load(const std::vector<StoredState::Kv>& kv);
-  // Stores the key, then answers the calls it completes.
+  // Stores the key, then answers the calls it completes (their answers built in `deferred`, once
+  // the locks are released: for a large job, every node's addresses for every node).
   absl::Status Put(const std::string& job_id, const std::string& key, const std::string& value,
                    Deferred* deferred);
-  // Answers `keys` of the job from its stored keys at once (the call's status), or parks
-  // `reactor` until they are all put or `wait_ms` passes (std::nullopt: parked). NOT_FOUND naming
-  // the first missing key when wait_ms is 0; after AbortAll, its status.
-  std::optional<absl::Status> GetOrPark(const std::string& job_id,
-                                        const std::vector<std::string>& keys, int64_t wait_ms,
-                                        grpc::ServerUnaryReactor* reactor, const Answer& answer);
+  // OK when every one of `keys` of the job is stored (the caller then builds its answer with
+  // Fill, outside the job's lock), else parks `reactor` until they are all put (the Put builds
+  // the answer with `answer`) or `wait_ms` passes (std::nullopt: parked). NOT_FOUND naming the
+  // first missing key when wait_ms is 0; after AbortAll, its status.
+  std::optional<absl::Status> Park(const std::string& job_id, const std::vector<std::string>& keys,
+                                   int64_t wait_ms, grpc::ServerUnaryReactor* reactor,
+                                   const Answer& answer);
+  // Fills an answer from the job's stored keys; NOT_FOUND naming a key that is gone (the job was
+  // deleted since Park).
+  absl::Status Fill(const std::string& job_id, const std::vector<std::string>& keys,
+                    const Answer& answer) const;
   // Answers DEADLINE_EXCEEDED, naming the missing key, to every call whose wait has ended.
   void ExpireWaits(Clock::time_point now, Deferred* deferred);
   // Forgets the job's keys (the store's rows are purged with the job's data) and answers its
@@ -54,6 +60,7 @@ class Rendezvous {
  private:
   struct Waiting {
     std::string job_id;
+    std::vector<std::string> keys;  // as asked
     std::set<std::string> missing;
     Answer answer;
     Parked parked;

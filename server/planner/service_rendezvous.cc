@@ -28,9 +28,11 @@ grpc::ServerUnaryReactor* PlannerService::GetOrWait(Ctx* ctx, const std::string&
     // Under the job's lock: a job deleted meanwhile parks nothing.
     absl::MutexLock lock(&e->mu);
     auto job = LiveJob(job_id, &e->state);
-    answered =
-        job.ok() ? rendezvous_.GetOrPark(job_id, keys, wait_ms, reactor, answer) : job.status();
+    answered = job.ok() ? rendezvous_.Park(job_id, keys, wait_ms, reactor, answer) : job.status();
   }
+  // Every key is there: the answer (every node's address, for a large job) is built outside the
+  // job's lock, which the job's heartbeats and registrations take.
+  if (answered && answered->ok()) answered = rendezvous_.Fill(job_id, keys, answer);
   if (answered) {
     reactor->Finish(ToGrpcStatus(*answered));
   } else if (options_.after_park) {
