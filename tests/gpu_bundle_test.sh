@@ -44,7 +44,7 @@ out, must_pass = sys.argv[1], sys.argv[2:]
 s = json.load(open(out + "/summary.json"))
 by = {c["name"]: c for c in s["checks"]}
 gpu_checks = ["gpu", "nccl", "cuda_tests", "training_cuda", "memory_cuda", "recovery_cuda",
-              "data_plane_bandwidth", "fp8_bandwidth"]
+              "data_plane_bandwidth", "quant_bandwidth"]
 bad = [n for n in must_pass if by.get(n, {}).get("status") != "passed"]
 if not s["gpu"]:
     bad += [n for n in gpu_checks if by.get(n, {}).get("status") != "skipped" or

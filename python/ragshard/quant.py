@@ -27,6 +27,7 @@ import weakref
 import torch
 
 from . import _core as core
+from . import quant_gpu
 
 
 BLOCK = 128
@@ -163,6 +164,9 @@ class Layout:
         native = self._quantize_native(x, blocks, kind)
         if native is not None:
             return native
+        if x.dtype == torch.float32 and quant_gpu.usable(x) and quant_gpu.fused(self):
+            return quant_gpu.quantize(self, x.contiguous().view(-1), blocks, kind, QMAX[kind],
+                                      CODE_DTYPE[kind])
         chunks, generic = self._on(x.device)
         x = x.contiguous()
         xa = x.abs()
@@ -240,6 +244,10 @@ class Layout:
         buffer): each of its elements is written once, with its final value."""
         chunks, generic = self._on(codes.device)
         dst = out if out is not None else torch.empty(codes.numel(), device=codes.device)
+        if quant_gpu.usable(codes) and quant_gpu.fused(self) and dst.is_contiguous() and \
+                scales.dtype == torch.float32 and scales.device == codes.device:
+            return quant_gpu.dequantize(self, codes.reshape(-1).view(torch.uint8),
+                                        scales.contiguous(), dst.view(-1), kind)
         if self._native(codes.reshape(-1), scales, kind, dst):
             for pos, g in generic:
                 n = g.numel()

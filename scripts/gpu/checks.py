@@ -1,6 +1,6 @@
 """The GPU bundle's Python checks, run by run.sh (scripts/gpu/run.sh) with the machine's python3.
 
-    python3 checks.py BUNDLE OUTDIR nccl|package|training|recovery|fp8
+    python3 checks.py BUNDLE OUTDIR nccl|package|training|recovery|quant
 
 Each check writes OUTDIR/checks/<name>.json: {"name", "status": passed|failed|skipped,
 "reason", "figures"}; `nccl` prints the NCCL library it finds instead. The package comes from
@@ -223,23 +223,23 @@ def recovery():
            losses=killed["losses"], reference_losses=ref["losses"])
 
 
-def fp8():
-    """ragshard.quant's FP8 quantize and dequantize on the GPU against the device's copy
-    bandwidth (bytes read + written per second, torch.cuda events, median of 5)."""
+def quant():
+    """ragshard.quant's int8 and FP8 128x128 block quantize and dequantize on the GPU, on the path
+    the quantized gathers take (a shard's Layout from shard_block_ids: 128 x 128 tiles of a 2-D
+    tensor, runs of 16,384 of a 1-D one), 64 M elements, against the device's copy bandwidth
+    (bytes read + written per second, torch.cuda events, median of 5); the codes and scales
+    compared bit for bit with the CPU path's (the client library's kernel) on the same input."""
     try:
         import torch
     except ImportError:
-        record("fp8_bandwidth", "skipped", f"{sys.executable} has no torch")
+        record("quant_bandwidth", "skipped", f"{sys.executable} has no torch")
         return
     if not torch.cuda.is_available():
-        record("fp8_bandwidth", "failed", "nvidia-smi lists a GPU but torch.cuda.is_available() "
+        record("quant_bandwidth", "failed", "nvidia-smi lists a GPU but torch.cuda.is_available() "
                f"is False in {sys.executable}")
         return
     from ragshard import quant
-    n = 64 << 20
-    x = torch.randn(n, device="cuda")
-    ids = torch.arange(n, device="cuda") // quant.FLAT_BLOCK
-    blocks = n // quant.FLAT_BLOCK
+    n, side = 64 << 20, 8192
 
     def median_seconds(fn):
         times = []
@@ -253,21 +253,45 @@ def fp8():
                 times.append(a.elapsed_time(b) / 1e3)
         return sorted(times)[len(times) // 2]
 
-    codes, scales = quant.quantize(x, ids, blocks, "fp8")
-    back = quant.dequantize(codes, scales, ids, "fp8")
-    rel = float((back - x).norm() / x.norm())
+    torch.manual_seed(0)
+    x = torch.randn(n, device="cuda")
+    xc = x.cpu()
     copy = median_seconds(lambda: x.clone())
-    q = median_seconds(lambda: quant.quantize(x, ids, blocks, "fp8"))
-    d = median_seconds(lambda: quant.dequantize(codes, scales, ids, "fp8"))
-    gbps = lambda moved, s: moved / s / 1e9  # noqa: E731
-    status = "passed" if rel < 0.05 else "failed"
-    record("fp8_bandwidth", status, "" if status == "passed" else
-           f"the FP8 round trip's relative error is {rel:.3g}", elements=n,
-           copy_gbps=gbps(8 * n, copy), quantize_gbps=gbps(5 * n, q),
-           dequantize_gbps=gbps(5 * n, d), quantize_vs_copy=copy / q * 5 / 8,
-           dequantize_vs_copy=copy / d * 5 / 8, round_trip_relative_error=rel,
-           note="bytes counted: fp32 in and out for the copy (8 per element), fp32 and one "
-           "code byte for quantize and dequantize (5 per element); ids and scales not counted")
+    shapes = {"tiles": {"shape": [side, n // side], "granule_elems": quant.BLOCK * (n // side)},
+              "runs": {"shape": [n]}}
+    rows, bad = [], []
+    for layout, t in shapes.items():
+        unit = {"tensors": [dict(t, offset=0, numel=n)]}
+        ids, blocks = quant.shard_block_ids(unit, 0, n)
+        for kind in ("int8", "fp8"):
+            codes, scales = quant.quantize(x, ids, blocks, kind)
+            back = quant.dequantize(codes, scales, ids, kind)
+            ccodes, cscales = quant.quantize(xc, ids, blocks, kind)
+            cback = quant.dequantize(ccodes, cscales, ids, kind)
+            same_codes = torch.equal(codes.cpu().view(torch.uint8), ccodes.view(torch.uint8))
+            same_scales = torch.equal(scales.cpu().view(torch.int32), cscales.view(torch.int32))
+            same_back = torch.equal(back.cpu().view(torch.int32), cback.view(torch.int32))
+            rel = float((back - x).norm() / x.norm())
+            q = median_seconds(lambda: quant.quantize(x, ids, blocks, kind))
+            d = median_seconds(lambda: quant.dequantize(codes, scales, ids, kind))
+            rows.append({"layout": layout, "kind": kind, "blocks": blocks,
+                         "quantize_gbps": 5 * n / q / 1e9, "dequantize_gbps": 5 * n / d / 1e9,
+                         "quantize_vs_copy": copy / q * 5 / 8,
+                         "dequantize_vs_copy": copy / d * 5 / 8,
+                         "quantize_seconds": q, "dequantize_seconds": d,
+                         "codes_identical_to_cpu": same_codes,
+                         "scales_identical_to_cpu": same_scales,
+                         "dequantized_identical_to_cpu": same_back,
+                         "round_trip_relative_error": rel})
+            if not (same_codes and same_scales and same_back):
+                bad.append(f"{layout} {kind}: the GPU's codes, scales or values differ from the "
+                           "CPU path's")
+            if rel > (0.05 if kind == "fp8" else 0.01):
+                bad.append(f"{layout} {kind}: round-trip relative error {rel:.3g}")
+    record("quant_bandwidth", "failed" if bad else "passed", "; ".join(bad), elements=n,
+           copy_gbps=8 * n / copy / 1e9, copy_seconds=copy, kinds=rows,
+           note="bytes counted: fp32 in and out for the copy (8 per element), fp32 and one code "
+           "byte for quantize and dequantize (5 per element); scales not counted")
 
 
 if WHAT == "nccl":
@@ -278,7 +302,7 @@ elif WHAT == "training":
     training()
 elif WHAT == "recovery":
     guarded("recovery_cuda" if GPU else "recovery_host", recovery)
-elif WHAT == "fp8":
-    guarded("fp8_bandwidth", fp8)
+elif WHAT == "quant":
+    guarded("quant_bandwidth", quant)
 else:
     sys.exit(f"checks.py: unknown check '{WHAT}'")

@@ -153,19 +153,19 @@ if [[ $gpu == 1 && $have_py == 0 ]]; then record recovery_cuda skipped "no CPyth
 if [[ $gpu == 0 ]]; then record recovery_cuda skipped "$no_gpu"; fi
 if [[ $gpu == 1 ]]; then record recovery_host skipped "a GPU: the trial ran on the CUDA backend (recovery_cuda)"; fi
 if [[ $gpu == 1 && $have_py == 1 ]]; then
-  timeout "$limit" "$py" "$here/tools/checks.py" "$here" "$out" fp8 >>"$out/logs/python-fp8.log" 2>&1
-  for c in training_cuda memory_cuda fp8_bandwidth; do
+  timeout "$limit" "$py" "$here/tools/checks.py" "$here" "$out" quant >>"$out/logs/python-quant.log" 2>&1
+  for c in training_cuda memory_cuda quant_bandwidth; do
     [[ -f $out/checks/$c.json ]] || record "$c" failed "checks.py wrote nothing (logs/python-*.log)"
   done
 else
   why=$no_gpu
   [[ $gpu == 1 ]] && why="no CPython 3.10 or later at '$py'"
-  for c in training_cuda memory_cuda fp8_bandwidth; do record "$c" skipped "$why"; done
+  for c in training_cuda memory_cuda quant_bandwidth; do record "$c" skipped "$why"; done
 fi
 
 # -- the summary -----------------------------------------------------------------------------------
 order=(gpu nccl cuda_tests training_cuda memory_cuda recovery_cuda data_plane_bandwidth
-  fp8_bandwidth libraries programs host_data_plane python_package training_host recovery_host)
+  quant_bandwidth libraries programs host_data_plane python_package training_host recovery_host)
 seconds=$(($(date +%s) - started))
 nfail=0
 items=()
@@ -184,7 +184,7 @@ for c in "${order[@]}"; do
   status=$(grep -o '"status": "[a-z]*"' "$f" | head -1 | cut -d'"' -f4)
   [[ $status == failed ]] && nfail=$((nfail + 1))
   reason=$(grep -o '"reason": "[^"]*' "$f" | head -1 | cut -d'"' -f4)
-  figures=$(sed 's/.*"figures": //; s/}$//' "$f" | cut -c1-400)
+  figures=$(sed 's/.*"figures": //; s/}$//' "$f")
   echo "| $c | $status | ${reason//|/\\|} | \`${figures//|/\\|}\` |" >>"$out/summary.md"
 done
 {

@@ -1,0 +1,171 @@
+"""Block quantize and dequantize on a GPU (the quantized gathers' codes, docs/quantization.md):
+Triton kernels over a shard's Layout (ragshard.quant), one program per block (a 128 x 128 tile
+or a run of 16,384 elements), each element read once and written once.
+
+The numerics are the CPU path's (client/block_quant.cc), bit for bit: a block's scale is the
+largest |x| of the block divided by QMAX (IEEE division; 1 where it is 0; NaN if any x is), the
+code of x is x / scale (IEEE division) clamped to [-QMAX, QMAX] (NaN kept), then int8 by round to
+nearest even (NaN: 0) or float8_e4m3fn by round to nearest even; a value is its code times its
+block's scale.
+
+`fused(layout)` says whether a layout's blocks each lie in one chunk (no block split between
+chunks or with the partial rows that the layout keeps as explicit ids): then one pass per block
+finds its scale and writes its codes. Other layouts take quant.py's torch path.
+
+CI has no GPU: tests/python/test_quant_gpu.py runs these kernels under Triton's interpreter
+(TRITON_INTERPRET=1, on CPU tensors) against the CPU path; the GPU bundle's quant_bandwidth
+check (scripts/gpu/checks.py) compares them on a GPU, and measures them.
+"""
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton: the torch path
+    triton = None
+
+
+def usable(t):
+    """Whether quant.py sends tensor t here: a CUDA tensor, with Triton importable. (The tests
+    call quantize and dequantize on CPU tensors under Triton's interpreter.)"""
+    return triton is not None and t.is_cuda
+
+
+def fused(layout):
+    """Whether every block of `layout` lies in one of its chunks (cached on the layout)."""
+    got = getattr(layout, "_fused", None)
+    if got is None:
+        spans = sorted((c[5], c[5] + c[1] * c[6]) for c in layout.chunks)
+        got = not layout.generic and all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+        layout._fused = got
+    return got
+
+
+def _shape(chunk):
+    """(rows, columns) of a program's block for a chunk: powers of two that hold h x cw."""
+    _, _, h, cols, cw, _, _, _ = chunk
+    return triton.next_power_of_2(h), triton.next_power_of_2(min(cw, cols))
+
+
+def _tuned(kernel):
+    """kernel, tuned on its first launch per block shape over 4 to 32 warps (Triton's autotune:
+    each candidate timed on the real arguments for about 25 ms; the outputs are the same
+    whichever runs)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return kernel
+    return triton.autotune([triton.Config({}, num_warps=w) for w in (4, 8, 16, 32)],
+                           key=["BR", "BC"], warmup=5, rep=20)(kernel)
+
+
+if triton is not None:
+    @triton.jit
+    def _offsets(pos, h, cols, cw, BR: tl.constexpr, BC: tl.constexpr):
+        band = tl.program_id(0).to(tl.int64)
+        t = tl.program_id(1).to(tl.int64)
+        r = tl.arange(0, BR)[:, None]
+        c = tl.arange(0, BC)[None, :]
+        col = t * cw + c
+        mask = (r < h) & (c < cw) & (col < cols)
+        return pos + band * h * cols + r * cols + col, mask, band, t
+
+    @triton.jit
+    def _to_e4m3fn(f):
+        """The float8_e4m3fn byte of f (|f| <= 448 or NaN), round to nearest even: the CPU's
+        integer steps (client/block_quant.cc, ToE4m3fn), so that both give the same bytes
+        whatever a conversion instruction or Triton's interpreter would do."""
+        every = f.to(tl.uint32, bitcast=True)
+        sign = every & 0x80000000
+        bits = every ^ sign
+        # below 2^-6: the sum's low bits are the subnormal code, rounded by the addition
+        sub = ((bits.to(tl.float32, bitcast=True) + 16384.0).to(tl.uint32, bitcast=True)
+               - (141 << 23))
+        normal = (bits - (120 << 23) + 0x7FFFF + ((bits >> 20) & 1)) >> 20
+        r = tl.where(bits < (121 << 23), sub, normal)
+        r = tl.where(bits >= (1087 << 20), 0x7F, r)  # 448's successors and NaN
+        return (r | (sign >> 24)).to(tl.uint8)
+
+    @triton.jit
+    def _from_e4m3fn(b):
+        """The fp32 value of float8_e4m3fn bytes b (as int32), exactly, without a conversion
+        instruction: normal, subnormal (m x 2^-9), NaN (0x7f, 0xff)."""
+        e = (b >> 3) & 0xF
+        m = b & 7
+        normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+        v = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+        v = tl.where((e == 15) & (m == 7), float("nan"), v)
+        # the sign as a bit (Triton negates as 0 - v, which makes -0 into +0)
+        sign = (b & 0x80).to(tl.uint32) << 24
+        return (v.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+    @_tuned
+    @triton.jit
+    def _quantize_kernel(x_ptr, codes_ptr, scale_ptr, pos, h, cols, cw, b0, tiles, qmax,
+                         INT8: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+        off, mask, band, t = _offsets(pos, h, cols, cw, BR, BC)
+        x = tl.load(x_ptr + off, mask=mask, other=0.0)
+        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+        nan = tl.max(tl.max((x != x).to(tl.int32), axis=1), axis=0)
+        amax = tl.where(nan > 0, float("nan"), amax)
+        scale = tl.div_rn(amax, qmax)
+        scale = tl.where(scale == 0.0, 1.0, scale)
+        # a NaN block's scale: the quiet NaN 0x7fc00000 (the CPU's, from a default NaN input)
+        scale = tl.where(nan > 0, tl.full([], 0x7FC00000, tl.uint32).to(tl.float32, bitcast=True),
+                         scale)
+        y = tl.where(nan > 0, float("nan"), tl.div_rn(x, scale))  # x / NaN, 0 too
+        y = tl.where(y > qmax, qmax, tl.where(y < -qmax, -qmax, y))  # NaN kept
+        if INT8:
+            # round to nearest even as the CPU does it (|y| <= 127): adding and taking away
+            # 1.5 * 2^23 leaves no fraction bits (Triton does not reassociate float additions)
+            r = (y + 12582912.0) - 12582912.0
+            code = tl.where(y != y, 0.0, r).to(tl.int8).to(tl.uint8, bitcast=True)
+        else:
+            code = _to_e4m3fn(y)
+        tl.store(codes_ptr + off, code, mask=mask)
+        tl.store(scale_ptr + b0 + band * tiles + t, scale)
+
+    @_tuned
+    @triton.jit
+    def _dequantize_kernel(codes_ptr, scale_ptr, out_ptr, pos, h, cols, cw, b0, tiles,
+                           INT8: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+        off, mask, band, t = _offsets(pos, h, cols, cw, BR, BC)
+        byte = tl.load(codes_ptr + off, mask=mask, other=0)
+        if INT8:
+            code = byte.to(tl.int8, bitcast=True).to(tl.float32)
+        else:
+            code = _from_e4m3fn(byte.to(tl.int32))
+        scale = tl.load(scale_ptr + b0 + band * tiles + t)
+        tl.store(out_ptr + off, code * scale, mask=mask)
+
+
+def quantize(layout, x, blocks, kind, qmax, code_dtype):
+    """(codes, scales) of x (flat, fp32, contiguous) over a fused layout."""
+    if not fused(layout):
+        raise ValueError("quant_gpu.quantize: the layout has blocks split between chunks")
+    codes = torch.empty(x.numel(), dtype=torch.uint8, device=x.device)
+    covered = sum(c[1] * c[6] for c in layout.chunks)  # each block once (fused)
+    scales = (torch.empty if covered == blocks and blocks else torch.ones)(
+        max(blocks, 1), dtype=torch.float32, device=x.device)
+    for c in layout.chunks:
+        pos, nb, h, cols, cw, b0, tiles, _ = c
+        br, bc = _shape(c)
+        _quantize_kernel[(nb, tiles)](x, codes, scales, pos, h, cols, cw, b0, tiles,
+                                      float(qmax), INT8=kind == "int8", BR=br, BC=bc)
+    for a, b in layout.pads:
+        codes[a:b] = 0
+    return codes.view(code_dtype), scales[:blocks]
+
+
+def dequantize(layout, codes, scales, out, kind):
+    """out = the values of codes (flat bytes) over a fused layout."""
+    if not fused(layout):
+        raise ValueError("quant_gpu.dequantize: the layout has blocks split between chunks")
+    for c in layout.chunks:
+        pos, nb, h, cols, cw, b0, tiles, _ = c
+        br, bc = _shape(c)
+        _dequantize_kernel[(nb, tiles)](codes, scales, out, pos, h, cols, cw, b0, tiles,
+                                        INT8=kind == "int8", BR=br, BC=bc)
+    for a, b in layout.pads:
+        out[a:b] = 0.0
+    return out

@@ -1,0 +1,84 @@
+"""The GPU's block quantize and dequantize (python/ragshard/quant_gpu.py, Triton kernels) give the
+CPU path's bits: codes, scales and values, int8 and FP8, on every layout they take (blocks whole
+in one chunk), with zeros, huge values, negative zeros and NaN. CI has no GPU, so the kernels run
+under Triton's interpreter on CPU tensors (TRITON_INTERPRET=1, set before Triton is imported);
+on a GPU machine, RAGSHARD_QUANT_TEST_DEVICE=cuda runs them on the GPU (docs/gpu.md)."""
+import os
+import sys
+
+DEVICE = os.environ.get("RAGSHARD_QUANT_TEST_DEVICE", "cpu")
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import test_quant_fast as fast  # noqa: E402  (its units, shard sizes and values)
+from ragshard import quant, quant_gpu  # noqa: E402
+
+if quant_gpu.triton is None:
+    pytest.skip("Triton is not importable (torch's CUDA build brings it)", allow_module_level=True)
+if DEVICE != "cpu" and not torch.cuda.is_available():
+    pytest.fail(f"RAGSHARD_QUANT_TEST_DEVICE={DEVICE} but torch sees no GPU", pytrace=False)
+
+
+def _fused_cases():
+    """fast's cases whose shards' layouts the kernels take (every block in one chunk)."""
+    out = []
+    for name, unit, total, s in fast.CASES:
+        world = (total + s - 1) // s
+        lays = [quant.layout_of(quant.shard_block_ids(unit, r, s)[0]) for r in range(world)]
+        if all(quant_gpu.fused(lay) for lay in lays):
+            out.append((name, unit, total, s))
+    return out
+
+
+CASES = _fused_cases()
+
+
+def test_the_kernels_take_tiles_runs_and_mixed_units():
+    assert {c[0] for c in CASES} == {"tiles", "flat", "mixed"}
+    assert len(CASES) >= 12
+
+
+def test_a_block_split_by_a_partial_row_is_not_fused():
+    # a shard that starts inside a row of a row-granule tensor: that row's elements are explicit
+    # ids, sharing their band's blocks with a chunk
+    unit, _ = fast._unit([((384, 256), 128)])
+    lay = quant.layout_of(quant.shard_block_ids(unit, 1, 256 * 100 + 7)[0])
+    assert lay.generic and not quant_gpu.fused(lay)
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[f"{c[0]}-S{c[3]}" for c in CASES])
+def test_the_kernels_give_the_cpu_paths_bits(case, kind):
+    name, unit, total, s = CASES[case]
+    world = (total + s - 1) // s
+    x = fast._values(world * s, case)
+    x[7] = float("nan")  # one block's scale and codes NaN (int8: codes 0), a zero's too
+    x[8] = 0.0
+    for r in range(world):
+        ids, blocks = quant.shard_block_ids(unit, r, s)
+        lay = quant.layout_of(ids)
+        xr = x[r * s:(r + 1) * s].contiguous()
+        want_c, want_s = quant.quantize(xr, ids, blocks, kind)  # the client library's kernel
+        got_c, got_s = quant_gpu.quantize(lay, xr.to(DEVICE), blocks, kind, quant.QMAX[kind],
+                                          quant.CODE_DTYPE[kind])
+        got_c, got_s = got_c.cpu(), got_s.cpu()
+        assert got_c.dtype == want_c.dtype
+        assert torch.equal(got_c.view(torch.uint8), want_c.view(torch.uint8))
+        assert torch.equal(got_s.view(torch.int32), want_s.view(torch.int32))
+        want_v = quant.dequantize(want_c.view(torch.uint8), want_s, ids, kind)
+        out = torch.full((s,), 5.0, device=DEVICE)  # every element overwritten, padding with 0
+        assert quant_gpu.dequantize(lay, got_c.view(torch.uint8).to(DEVICE), got_s.to(DEVICE),
+                                    out, kind) is out
+        _same_bits(out.cpu(), want_v)
+
+
+def _same_bits(got, want):
+    """Equal bit for bit (the signs of zeros too), NaN where NaN (a GPU's arithmetic writes its
+    own NaN's bits: no data is in them)."""
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))
