@@ -50,25 +50,29 @@ def _shape(chunk):
 
 
 def _tuned(kernel):
-    """kernel, tuned on its first launch per block shape over 4 to 32 warps (Triton's autotune:
-    each candidate timed on the real arguments for about 25 ms; the outputs are the same
-    whichever runs)."""
+    """kernel, tuned on its first launch per block shape (Triton's autotune, each candidate
+    timed on the real arguments for about 25 ms; the outputs are the same whichever runs):
+    the warps of a program and the elements it takes per step (STEP)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
-        return kernel
-    return triton.autotune([triton.Config({}, num_warps=w) for w in (4, 8, 16, 32)],
-                           key=["BR", "BC"], warmup=5, rep=20)(kernel)
+        return triton.heuristics({"STEP": lambda _: 4096})(kernel)
+    configs = [triton.Config({"STEP": s}, num_warps=w)
+               for s, w in ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16))]
+    return triton.autotune(configs, key=["BR", "BC"], warmup=5, rep=20)(kernel)
 
 
 if triton is not None:
     @triton.jit
-    def _offsets(pos, h, cols, cw, BR: tl.constexpr, BC: tl.constexpr):
+    def _step(pos, h, cols, cw, i0, STEP: tl.constexpr, BC: tl.constexpr):
+        """Offsets and mask of elements [i0, i0 + STEP) of this program's block, the block
+        read row by row as BR x BC (BC a power of two: the division is a shift)."""
         band = tl.program_id(0).to(tl.int64)
         t = tl.program_id(1).to(tl.int64)
-        r = tl.arange(0, BR)[:, None]
-        c = tl.arange(0, BC)[None, :]
+        i = i0 + tl.arange(0, STEP)
+        r = i // BC
+        c = i % BC
         col = t * cw + c
         mask = (r < h) & (c < cw) & (col < cols)
-        return pos + band * h * cols + r * cols + col, mask, band, t
+        return pos + band * h * cols + r * cols + col, mask
 
     @triton.jit
     def _to_e4m3fn(f):
@@ -102,41 +106,57 @@ if triton is not None:
     @_tuned
     @triton.jit
     def _quantize_kernel(x_ptr, codes_ptr, scale_ptr, pos, h, cols, cw, b0, tiles, qmax,
-                         INT8: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
-        off, mask, band, t = _offsets(pos, h, cols, cw, BR, BC)
-        x = tl.load(x_ptr + off, mask=mask, other=0.0)
-        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-        nan = tl.max(tl.max((x != x).to(tl.int32), axis=1), axis=0)
-        amax = tl.where(nan > 0, float("nan"), amax)
+                         INT8: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+                         STEP: tl.constexpr):
+        # one block per program, in steps of STEP elements (few registers: many programs per
+        # SM hide the memory's latency): its amax, then its codes (the second read from cache)
+        most = tl.zeros([STEP], dtype=tl.float32)
+        nans = tl.zeros([STEP], dtype=tl.int32)
+        for i0 in range(0, BR * BC, STEP):
+            off, mask = _step(pos, h, cols, cw, i0, STEP, BC)
+            x = tl.load(x_ptr + off, mask=mask, other=0.0)
+            most = tl.maximum(most, tl.abs(x))
+            nans = nans | (x != x).to(tl.int32)
+        nan = tl.max(nans, axis=0)
+        amax = tl.max(most, axis=0)
         scale = tl.div_rn(amax, qmax)
         scale = tl.where(scale == 0.0, 1.0, scale)
         # a NaN block's scale: the quiet NaN 0x7fc00000 (the CPU's, from a default NaN input)
         scale = tl.where(nan > 0, tl.full([], 0x7FC00000, tl.uint32).to(tl.float32, bitcast=True),
                          scale)
-        y = tl.where(nan > 0, float("nan"), tl.div_rn(x, scale))  # x / NaN, 0 too
-        y = tl.where(y > qmax, qmax, tl.where(y < -qmax, -qmax, y))  # NaN kept
-        if INT8:
-            # round to nearest even as the CPU does it (|y| <= 127): adding and taking away
-            # 1.5 * 2^23 leaves no fraction bits (Triton does not reassociate float additions)
-            r = (y + 12582912.0) - 12582912.0
-            code = tl.where(y != y, 0.0, r).to(tl.int8).to(tl.uint8, bitcast=True)
-        else:
-            code = _to_e4m3fn(y)
-        tl.store(codes_ptr + off, code, mask=mask)
+        for i0 in range(0, BR * BC, STEP):
+            off, mask = _step(pos, h, cols, cw, i0, STEP, BC)
+            x = tl.load(x_ptr + off, mask=mask, other=0.0)
+            y = tl.where(nan > 0, float("nan"), tl.div_rn(x, scale))  # x / NaN, 0 too
+            y = tl.where(y > qmax, qmax, tl.where(y < -qmax, -qmax, y))  # NaN kept
+            if INT8:
+                # round to nearest even as the CPU does it (|y| <= 127): adding and taking
+                # away 1.5 * 2^23 leaves no fraction bits (Triton does not reassociate)
+                r = (y + 12582912.0) - 12582912.0
+                code = tl.where(y != y, 0.0, r).to(tl.int8).to(tl.uint8, bitcast=True)
+            else:
+                code = _to_e4m3fn(y)
+            tl.store(codes_ptr + off, code, mask=mask)
+        band = tl.program_id(0).to(tl.int64)
+        t = tl.program_id(1).to(tl.int64)
         tl.store(scale_ptr + b0 + band * tiles + t, scale)
 
     @_tuned
     @triton.jit
     def _dequantize_kernel(codes_ptr, scale_ptr, out_ptr, pos, h, cols, cw, b0, tiles,
-                           INT8: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
-        off, mask, band, t = _offsets(pos, h, cols, cw, BR, BC)
-        byte = tl.load(codes_ptr + off, mask=mask, other=0)
-        if INT8:
-            code = byte.to(tl.int8, bitcast=True).to(tl.float32)
-        else:
-            code = _from_e4m3fn(byte.to(tl.int32))
+                           INT8: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+                           STEP: tl.constexpr):
+        band = tl.program_id(0).to(tl.int64)
+        t = tl.program_id(1).to(tl.int64)
         scale = tl.load(scale_ptr + b0 + band * tiles + t)
-        tl.store(out_ptr + off, code * scale, mask=mask)
+        for i0 in range(0, BR * BC, STEP):
+            off, mask = _step(pos, h, cols, cw, i0, STEP, BC)
+            byte = tl.load(codes_ptr + off, mask=mask, other=0)
+            if INT8:
+                code = byte.to(tl.int8, bitcast=True).to(tl.float32)
+            else:
+                code = _from_e4m3fn(byte.to(tl.int32))
+            tl.store(out_ptr + off, code * scale, mask=mask)
 
 
 def quantize(layout, x, blocks, kind, qmax, code_dtype):
