@@ -31,6 +31,11 @@ const NcclApi& N() { return **Nccl(); }
 
 // fp32 scratch per GPU for one chunk of a bf16/fp16 reduce-scatter (F chunks of `width`).
 constexpr int64_t kConvertChunkBytes = int64_t{64} << 20;
+// An operation's wait queries its streams without sleeping for this long (yielding the core
+// between queries), then every kWaitSleep: a sleep of the kernel's timer (50 us and its slack)
+// after each launch was the operations' fixed cost (about 110 us each, docs/benchmarks/gpu.md).
+constexpr auto kWaitSpin = std::chrono::microseconds(500);
+constexpr auto kWaitSleep = std::chrono::microseconds(50);
 
 absl::StatusOr<ncclDataType_t> NcclType(v1::DType d) {
   switch (d) {
@@ -341,6 +346,7 @@ absl::StatusOr<std::unique_ptr<CudaTransport>> CudaTransport::Create(const Backe
 }
 
 absl::Status CudaTransport::Wait(NcclGroup* group, const char* what, absl::Time deadline) {
+  const auto spin_until = std::chrono::steady_clock::now() + kWaitSpin;
   while (true) {
     bool done = true;
     for (size_t i = 0; i < streams_.size(); ++i) {
@@ -370,7 +376,11 @@ absl::Status CudaTransport::Wait(NcclGroup* group, const char* what, absl::Time 
                              " did not complete before the deadline (a peer is lost or "
                              "stalled); the job's NCCL communicators are aborted")));
     }
-    std::this_thread::sleep_for(std::chrono::microseconds(50));
+    if (std::chrono::steady_clock::now() < spin_until) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(kWaitSleep);
+    }
   }
 }
 
