@@ -34,11 +34,13 @@ def usable(t):
 
 
 def fused(layout):
-    """Whether every block of `layout` lies in one of its chunks (cached on the layout)."""
+    """Whether every block of `layout` lies in one of its chunks, and the kernels' offsets
+    within a band (rows x columns) stay below 2^31 (cached on the layout)."""
     got = getattr(layout, "_fused", None)
     if got is None:
         spans = sorted((c[5], c[5] + c[1] * c[6]) for c in layout.chunks)
-        got = not layout.generic and all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+        got = not layout.generic and all(a[1] <= b[0] for a, b in zip(spans, spans[1:])) and \
+            all(c[2] * c[3] < 2**31 for c in layout.chunks)
         layout._fused = got
     return got
 
@@ -68,7 +70,7 @@ if triton is not None:
         band = tl.program_id(0).to(tl.int64)
         t = tl.program_id(1).to(tl.int64)
         i = i0 + tl.arange(0, STEP)
-        r = i // BC
+        r = i // BC  # (r * cols < 2^31: fused)
         c = i % BC
         col = t * cw + c
         mask = (r < h) & (c < cw) & (col < cols)

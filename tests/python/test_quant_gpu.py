@@ -50,6 +50,15 @@ def test_a_block_split_by_a_partial_row_is_not_fused():
     assert lay.generic and not quant_gpu.fused(lay)
 
 
+def test_a_band_past_2_31_elements_is_not_fused():
+    # 128 rows of 2^24 + 128 columns: offsets within the band pass int32 (the torch path)
+    cols = (1 << 24) + 128
+    lay = quant.Layout(128 * cols, [(0, 1, 128, cols, 128, 0, cols // 128, None)], [], [])
+    assert not quant_gpu.fused(lay)
+    lay = quant.Layout(64 * cols, [(0, 1, 64, cols, 128, 0, cols // 128, None)], [], [])
+    assert quant_gpu.fused(lay)
+
+
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[f"{c[0]}-S{c[3]}" for c in CASES])
 def test_the_kernels_give_the_cpu_paths_bits(case, kind):
