@@ -17,9 +17,10 @@ runs: 16,384 elements per row), with no per-element block ids. Ids they do not r
 the generic per-element path; both give the same bits. On the CPU, `dequantize` runs the layout's
 whole tiles and runs through the client library's kernel (client/block_quant.h): one pass,
 each element written once (the gather's destination is a node's shared unsharded buffer); on
-other devices, the same layout through torch ops; `quantize` likewise (a pass for the blocks'
-amax, a pass for the codes, with torch's rounding: int8 to nearest even, FP8 as
-c10::Float8_e4m3fn converts).
+a GPU, Triton kernels over the same layout (ragshard.quant_gpu: one program per block, where
+every block lies in one chunk); elsewhere, the same layout through torch ops; `quantize`
+likewise (a pass for the blocks' amax, a pass for the codes, with torch's rounding: int8 to
+nearest even, FP8 as c10::Float8_e4m3fn converts). Every path gives the same bits.
 """
 import hashlib
 import weakref
@@ -245,9 +246,10 @@ class Layout:
         chunks, generic = self._on(codes.device)
         dst = out if out is not None else torch.empty(codes.numel(), device=codes.device)
         if quant_gpu.usable(codes) and quant_gpu.fused(self) and dst.is_contiguous() and \
+                dst.dtype == torch.float32 and dst.device == codes.device and \
                 scales.dtype == torch.float32 and scales.device == codes.device:
-            return quant_gpu.dequantize(self, codes.reshape(-1).view(torch.uint8),
-                                        scales.contiguous(), dst.view(-1), kind)
+            return quant_gpu.dequantize(self, codes.reshape(-1).view(torch.uint8).contiguous(),
+                                        scales, dst.view(-1), kind)
         if self._native(codes.reshape(-1), scales, kind, dst):
             for pos, g in generic:
                 n = g.numel()

@@ -1,12 +1,17 @@
 """Block quantize and dequantize on a GPU (the quantized gathers' codes, docs/quantization.md):
 Triton kernels over a shard's Layout (ragshard.quant), one program per block (a 128 x 128 tile
-or a run of 16,384 elements), each element read once and written once.
+or a run of 16,384 elements). Dequantize reads each code once and writes each value once;
+quantize reads its block twice (its amax, then its codes: the second read mostly from cache) and
+writes each code once.
 
 The numerics are the CPU path's (client/block_quant.cc), bit for bit: a block's scale is the
 largest |x| of the block divided by QMAX (IEEE division; 1 where it is 0; NaN if any x is), the
 code of x is x / scale (IEEE division) clamped to [-QMAX, QMAX] (NaN kept), then int8 by round to
 nearest even (NaN: 0) or float8_e4m3fn by round to nearest even; a value is its code times its
-block's scale.
+block's scale. Where the division meets NaN or infinity, the GPU's NaN is not the CPU's (x86
+returns a NaN operand, the first of two, and a negative NaN for inf / inf; the GPU a positive
+canonical one), so the kernel writes the CPU's: a NaN x keeps its own (sign), a NaN block's
+codes are +NaN, ±inf in a block whose scale is inf is -NaN. Only the NaN codes' sign is kept.
 
 `fused(layout)` says whether a layout's blocks each lie in one chunk (no block split between
 chunks or with the partial rows that the layout keeps as explicit ids): then one pass per block
@@ -16,6 +21,7 @@ CI has no GPU: tests/python/test_quant_gpu.py runs these kernels under Triton's 
 (TRITON_INTERPRET=1, on CPU tensors) against the CPU path; the GPU bundle's quant_bandwidth
 check (scripts/gpu/checks.py) compares them on a GPU, and measures them.
 """
+import contextlib
 import os
 
 import torch
@@ -33,16 +39,42 @@ def usable(t):
     return triton is not None and t.is_cuda
 
 
+_MAX_TILES = 65535  # a CUDA grid's second axis (a chunk's tiles per band)
+
+
 def fused(layout):
-    """Whether every block of `layout` lies in one of its chunks, and the kernels' offsets
-    within a band (rows x columns) stay below 2^31 (cached on the layout)."""
+    """Whether every block of `layout` lies in one of its chunks, and the kernels can launch
+    over each chunk: at most 65,535 tiles across a band (the grid), offsets within a band (rows
+    x columns) below 2^31 (cached on the layout)."""
     got = getattr(layout, "_fused", None)
     if got is None:
         spans = sorted((c[5], c[5] + c[1] * c[6]) for c in layout.chunks)
         got = not layout.generic and all(a[1] <= b[0] for a, b in zip(spans, spans[1:])) and \
-            all(c[2] * c[3] < 2**31 for c in layout.chunks)
+            all(c[2] * c[3] < 2**31 and c[6] <= _MAX_TILES for c in layout.chunks)
         layout._fused = got
     return got
+
+
+def _top(layout):
+    """One past the largest block id of the layout's chunks."""
+    return max((c[5] + c[1] * c[6] for c in layout.chunks), default=0)
+
+
+def _bench(fn, quantiles=None):
+    """The autotuner's timing of one candidate: the median of 5 launches after one (CUDA
+    events), with no 256 MB cache-clearing buffer beside the daemon's slab, as Triton's
+    do_bench would allocate."""
+    fn()
+    times = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return [times[2], times[0], times[4]] if quantiles else times[2]
 
 
 def _shape(chunk):
@@ -52,14 +84,15 @@ def _shape(chunk):
 
 
 def _tuned(kernel):
-    """kernel, tuned on its first launch per block shape (Triton's autotune, each candidate
-    timed on the real arguments for about 25 ms; the outputs are the same whichever runs):
-    the warps of a program and the elements it takes per step (STEP)."""
+    """kernel, tuned on its first launch per block shape and kind (Triton's autotune, each
+    candidate timed on the real arguments, _bench): the warps of a program and the elements it
+    takes per step (STEP). Tuning runs the kernel a few times over: the outputs are the same
+    whichever runs, each written with its final value."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         return triton.heuristics({"STEP": lambda _: 4096})(kernel)
     configs = [triton.Config({"STEP": s}, num_warps=w)
                for s, w in ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16))]
-    return triton.autotune(configs, key=["BR", "BC"], warmup=5, rep=20)(kernel)
+    return triton.autotune(configs, key=["BR", "BC", "INT8"], do_bench=_bench)(kernel)
 
 
 if triton is not None:
@@ -129,7 +162,14 @@ if triton is not None:
         for i0 in range(0, BR * BC, STEP):
             off, mask = _step(pos, h, cols, cw, i0, STEP, BC)
             x = tl.load(x_ptr + off, mask=mask, other=0.0)
-            y = tl.where(nan > 0, float("nan"), tl.div_rn(x, scale))  # x / NaN, 0 too
+            # x / scale, with the CPU's NaNs (the module's doc)
+            y = tl.where(nan > 0, tl.full([], 0x7FC00000, tl.uint32).to(tl.float32,
+                                                                         bitcast=True),
+                         tl.div_rn(x, scale))
+            y = tl.where(x != x, x, y)
+            if scale == float("inf"):
+                y = tl.where(tl.abs(x) == float("inf"),
+                             tl.full([], 0xFFC00000, tl.uint32).to(tl.float32, bitcast=True), y)
             y = tl.where(y > qmax, qmax, tl.where(y < -qmax, -qmax, y))  # NaN kept
             if INT8:
                 # round to nearest even as the CPU does it (|y| <= 127): adding and taking
@@ -161,33 +201,63 @@ if triton is not None:
             tl.store(out_ptr + off, code * scale, mask=mask)
 
 
+def _on_device(t):
+    """The launches' device context: t's GPU (a kernel runs on the current device)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
 def quantize(layout, x, blocks, kind, qmax, code_dtype):
-    """(codes, scales) of x (flat, fp32, contiguous) over a fused layout."""
+    """(codes, scales) of x (flat, fp32, contiguous, layout.n elements) over a fused layout,
+    with `blocks` scales."""
     if not fused(layout):
         raise ValueError("quant_gpu.quantize: the layout has blocks split between chunks")
+    if x.dtype != torch.float32 or not x.is_contiguous() or x.numel() != layout.n:
+        raise ValueError(f"quant_gpu.quantize: x must be {layout.n} contiguous fp32 elements, "
+                         f"not {x.numel()} of {x.dtype}")
+    top = _top(layout)
+    if top > max(blocks, 1):
+        raise ValueError(f"quant_gpu.quantize: the layout's blocks go to {top}, past the "
+                         f"{blocks} asked for")
     codes = torch.empty(x.numel(), dtype=torch.uint8, device=x.device)
     covered = sum(c[1] * c[6] for c in layout.chunks)  # each block once (fused)
-    scales = (torch.empty if covered == blocks and blocks else torch.ones)(
+    scales = (torch.empty if covered == blocks == top and blocks else torch.ones)(
         max(blocks, 1), dtype=torch.float32, device=x.device)
-    for c in layout.chunks:
-        pos, nb, h, cols, cw, b0, tiles, _ = c
-        br, bc = _shape(c)
-        _quantize_kernel[(nb, tiles)](x, codes, scales, pos, h, cols, cw, b0, tiles,
-                                      float(qmax), INT8=kind == "int8", BR=br, BC=bc)
+    with _on_device(x):
+        for c in layout.chunks:
+            pos, nb, h, cols, cw, b0, tiles, _ = c
+            br, bc = _shape(c)
+            _quantize_kernel[(nb, tiles)](x, codes, scales, pos, h, cols, cw, b0, tiles,
+                                          float(qmax), INT8=kind == "int8", BR=br, BC=bc)
     for a, b in layout.pads:
         codes[a:b] = 0
     return codes.view(code_dtype), scales[:blocks]
 
 
 def dequantize(layout, codes, scales, out, kind):
-    """out = the values of codes (flat bytes) over a fused layout."""
+    """out = the values of codes (flat bytes, layout.n of them) over a fused layout: `out` a
+    contiguous fp32 tensor of layout.n elements on the codes' device, `scales` (fp32, there too)
+    one per block."""
     if not fused(layout):
         raise ValueError("quant_gpu.dequantize: the layout has blocks split between chunks")
-    for c in layout.chunks:
-        pos, nb, h, cols, cw, b0, tiles, _ = c
-        br, bc = _shape(c)
-        _dequantize_kernel[(nb, tiles)](codes, scales, out, pos, h, cols, cw, b0, tiles,
-                                        INT8=kind == "int8", BR=br, BC=bc)
+    if codes.dtype != torch.uint8 or not codes.is_contiguous() or codes.numel() != layout.n:
+        raise ValueError(f"quant_gpu.dequantize: codes must be {layout.n} contiguous bytes, not "
+                         f"{codes.numel()} of {codes.dtype}")
+    if out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != layout.n or \
+            out.device != codes.device:
+        raise ValueError(f"quant_gpu.dequantize: out must be {layout.n} contiguous fp32 "
+                         f"elements on {codes.device}, not {out.numel()} of {out.dtype} on "
+                         f"{out.device}")
+    if scales.dtype != torch.float32 or scales.device != codes.device or \
+            scales.numel() < _top(layout):
+        raise ValueError(f"quant_gpu.dequantize: {_top(layout)} fp32 scales on {codes.device} "
+                         f"needed, not {scales.numel()} of {scales.dtype} on {scales.device}")
+    scales = scales.contiguous()
+    with _on_device(codes):
+        for c in layout.chunks:
+            pos, nb, h, cols, cw, b0, tiles, _ = c
+            br, bc = _shape(c)
+            _dequantize_kernel[(nb, tiles)](codes, scales, out, pos, h, cols, cw, b0, tiles,
+                                            INT8=kind == "int8", BR=br, BC=bc)
     for a, b in layout.pads:
         out[a:b] = 0.0
     return out

@@ -17,6 +17,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import test_quant_fast as fast  # noqa: E402  (its units, shard sizes and values)
 from ragshard import quant, quant_gpu  # noqa: E402
 
+# (numpy's warnings from the interpreter's arithmetic on the NaN and infinite inputs)
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+
 if quant_gpu.triton is None:
     pytest.skip("Triton is not importable (torch's CUDA build brings it)", allow_module_level=True)
 if DEVICE != "cpu" and not torch.cuda.is_available():
@@ -50,13 +53,35 @@ def test_a_block_split_by_a_partial_row_is_not_fused():
     assert lay.generic and not quant_gpu.fused(lay)
 
 
-def test_a_band_past_2_31_elements_is_not_fused():
-    # 128 rows of 2^24 + 128 columns: offsets within the band pass int32 (the torch path)
-    cols = (1 << 24) + 128
-    lay = quant.Layout(128 * cols, [(0, 1, 128, cols, 128, 0, cols // 128, None)], [], [])
-    assert not quant_gpu.fused(lay)
-    lay = quant.Layout(64 * cols, [(0, 1, 64, cols, 128, 0, cols // 128, None)], [], [])
-    assert quant_gpu.fused(lay)
+def _band(rows, cols, width):
+    """A layout of one band of rows x cols in blocks `width` columns wide."""
+    tiles = -(-cols // width)
+    return quant.Layout(rows * cols, [(0, 1, rows, cols, width, 0, tiles, None)], [], [])
+
+
+def test_chunks_the_kernels_cannot_launch_over_are_not_fused():
+    # at most 65,535 tiles across a band (a CUDA grid's second axis)
+    assert quant_gpu.fused(_band(128, 65535 * 128, 128))
+    assert not quant_gpu.fused(_band(128, 65536 * 128, 128))
+    # offsets within a band below 2^31
+    assert quant_gpu.fused(_band(1, (1 << 31) - 1, 1 << 31))
+    assert not quant_gpu.fused(_band(2, 1 << 30, 1 << 31))
+
+
+def test_bad_arguments_are_refused_by_name():
+    unit, total = fast._unit([((256, 256), 128)])
+    ids, blocks = quant.shard_block_ids(unit, 0, total)
+    lay = quant.layout_of(ids)
+    x = torch.zeros(total)
+    with pytest.raises(ValueError, match="past the 3 asked for"):
+        quant_gpu.quantize(lay, x, 3, "int8", 127.0, torch.int8)
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        quant_gpu.quantize(lay, x.double(), blocks, "int8", 127.0, torch.int8)
+    codes = torch.zeros(total, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="out must be"):
+        quant_gpu.dequantize(lay, codes, torch.ones(blocks), torch.zeros(total - 1), "int8")
+    with pytest.raises(ValueError, match="scales on"):
+        quant_gpu.dequantize(lay, codes, torch.ones(blocks - 1), torch.zeros(total), "int8")
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
@@ -67,6 +92,10 @@ def test_the_kernels_give_the_cpu_paths_bits(case, kind):
     x = fast._values(world * s, case)
     x[7] = float("nan")  # one block's scale and codes NaN (int8: codes 0), a zero's too
     x[8] = 0.0
+    x.view(torch.int32)[9] = -4194304  # 0xffc00000: a negative NaN keeps its sign (FP8 0xff)
+    for r in range(world):  # an infinity in each shard's middle block: inf / inf
+        x[r * s + s // 2] = float("inf")
+        x[r * s + s // 2 + 1] = -float("inf")
     for r in range(world):
         ids, blocks = quant.shard_block_ids(unit, r, s)
         lay = quant.layout_of(ids)
