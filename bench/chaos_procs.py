@@ -217,11 +217,8 @@ def host_launchers(launch, c, job, where, nnodes, per_host, argv, log, create=Tr
     the launcher's other flags, the script and its arguments. Each is added as it starts (the
     sweep kills it however the trial ends). Returns `launch`."""
     for k, host, i in where:
-        launch.add(c.spawn(host, [sys.executable, "-m", "ragshard.launch", "--planner",
-                                  c.planner, "--job", job, *["--create-job"] * create, "--nproc",
-                                  str(nnodes * per_host), "--nnodes", str(nnodes),
-                                  "--node-rank", str(k), "--sockets", c.sockets[i], "--nodes",
-                                  c.nodes[i], *argv],
+        launch.add(c.spawn(host, [sys.executable, *c.launcher(job, k, i, nnodes, nnodes * per_host,
+                                                              create), *argv],
                            env=c.env(), stdout=log, stderr=subprocess.STDOUT,
                            stdin=subprocess.DEVNULL, start_new_session=True))
     return launch

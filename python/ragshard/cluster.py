@@ -444,5 +444,15 @@ class NamespacedCluster(LocalCluster):
     def spawn(self, host, argv, cwd=None, **popen):
         return self.hosts.spawn(host, argv, cwd, **popen)
 
+    def launcher(self, job, node_rank, daemon, nnodes, nproc, create=True):
+        """The arguments of `python -m ragshard.launch` for node rank `node_rank` of `nnodes`
+        of `job` (`nproc` ranks in all) on daemon `daemon`'s host, with --create-job unless
+        `create` is false (the job made before); the launcher's other flags, the script and
+        its arguments follow."""
+        return ["-m", "ragshard.launch", "--planner", self.planner, "--job", job,
+                *["--create-job"] * create, "--nproc", str(nproc), "--nnodes", str(nnodes),
+                "--node-rank", str(node_rank), "--sockets", self.sockets[daemon],
+                "--nodes", self.nodes[daemon]]
+
     def run(self, host, argv, cwd=None, **run):
         return self.hosts.run(host, argv, cwd, **run)

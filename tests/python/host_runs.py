@@ -49,13 +49,9 @@ def launchers(c, job, out, where, extra=(), flags=(), nnodes=2, base=RECOVERS, s
     procs = {}
     for k, host, *daemon in where:
         i = daemon[0] if daemon else k
-        made = ["--create-job"] if create else []
-        procs[k] = spawn(c, host, ["-m", "ragshard.launch", "--planner", c.planner, "--job", job,
-                                   *made, "--nproc", str(2 * nnodes), "--nnodes", str(nnodes),
-                                   "--node-rank", str(k), "--sockets", c.sockets[i],
-                                   "--nodes", c.nodes[i], *PRELOADED, *base, *flags, EXAMPLE,
-                                   "--out", out] + list(script) + list(extra),
-                         PYTHONPATH=pythonpath, **more_env)
+        procs[k] = spawn(c, host, c.launcher(job, k, i, nnodes, 2 * nnodes, create) +
+                         [*PRELOADED, *base, *flags, EXAMPLE, "--out", out] + list(script) +
+                         list(extra), PYTHONPATH=pythonpath, **more_env)
     return procs
 
 
