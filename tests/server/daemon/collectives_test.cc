@@ -117,7 +117,9 @@ TEST_P(AllGatherTest, FromASeparateSendBufferPlacesTheOwnBlockWhileWaiting) {
       }
     }
     // With peers to wait for, the placement (or its first step) ran during the waits.
-    if (n > 1) EXPECT_GE(steps[r], 1) << "member " << r;
+    if (n > 1) {
+      EXPECT_GE(steps[r], 1) << "member " << r;
+    }
   }
 }
 
@@ -242,7 +244,7 @@ TEST(PiecesTest, AStepIsCutIntoPiecesOfAtLeastTheMinimumWithinTheIndexBits) {
 // chunk (the first converted into the partial, the rest accumulated), for every dtype.
 TEST(ReduceScatterInputsTest, SeveralInputsPerMemberMatchTheirSum) {
   for (const v1::DType dtype : {v1::DTYPE_FP32, v1::DTYPE_BF16}) {
-    for (const auto [n, count] :
+    for (const auto& [n, count] :
          {std::pair<int, size_t>{1, 301}, {2, 301}, {3, 301}, {2, 700001}, {3, 200003}}) {
       const int k = 3;  // inputs per member
       const size_t total = count * n;

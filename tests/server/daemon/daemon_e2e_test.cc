@@ -275,7 +275,9 @@ TEST_F(DaemonE2E, CudaWhereItCannotRunExitsWithTheReasonAndAutoPicksTheBackend) 
   }
   // No driver here: the daemon must have refused (a test that cannot fail on a CPU machine
   // would prove nothing).
-  if (access("/dev/nvidiactl", F_OK) != 0) ASSERT_FALSE(cuda_runs);
+  if (access("/dev/nvidiactl", F_OK) != 0) {
+    ASSERT_FALSE(cuda_runs);
+  }
   cuda.Kill(SIGTERM);
   for (int n = 0; n < 2; ++n) {
     daemons_[n].Kill(SIGTERM);

@@ -62,14 +62,15 @@ class MemComm final : public Comm {
   absl::StatusOr<uint64_t> PostSend(int peer, uint64_t tag, const void* data,
                                     size_t bytes) override {
     absl::MutexLock lock(&fabric_->mu_);
-    reqs_.push_back({false, peer, tag, nullptr, bytes, std::make_unique<bool>(false)});
+    reqs_.push_back(
+        {false, peer, tag, nullptr, bytes, std::make_unique<bool>(false), false, absl::OkStatus()});
     fabric_->mail_[{rank_, peer, tag & MessageStamp::kMatchMask}].push_back(
         {tag, std::string(static_cast<const char*>(data), bytes), static_cast<const char*>(data),
          reqs_.back().delivered.get()});
     return reqs_.size() - 1;
   }
   absl::StatusOr<uint64_t> PostRecv(int peer, uint64_t tag, void* data, size_t bytes) override {
-    reqs_.push_back({true, peer, tag, data, bytes, nullptr});
+    reqs_.push_back({true, peer, tag, data, bytes, nullptr, false, absl::OkStatus()});
     posted_[{peer, rank_, tag & MessageStamp::kMatchMask}].push_back(reqs_.size() - 1);
     return reqs_.size() - 1;
   }

@@ -302,7 +302,9 @@ TEST_P(RedundancyTest, ABackgroundProtectBetweenOtherOperationsIsTheWholeOne) {
       ASSERT_TRUE(node_[n]->StartProtect(comm, at2[n].Segments(), 2, deadline, 2).ok());
       const bool before = n % 2 == 0;
       for (uint64_t op = 0; op < 2; ++op) {
-        if (before) ASSERT_TRUE(node_[n]->AdvanceProtect(comm, 1, absl::Seconds(30)).ok());
+        if (before) {
+          ASSERT_TRUE(node_[n]->AdvanceProtect(comm, 1, absl::Seconds(30)).ok());
+        }
         std::vector<int64_t> values(static_cast<size_t>(nodes_), 0);
         values[static_cast<size_t>(n)] = 100 * n + static_cast<int64_t>(op);
         const absl::Status gather =
@@ -310,7 +312,9 @@ TEST_P(RedundancyTest, ABackgroundProtectBetweenOtherOperationsIsTheWholeOne) {
                       RedundancyStamp(3 + op, 2, 0));
         ASSERT_TRUE(gather.ok()) << "node " << n << ": " << gather;
         gathered[n].insert(gathered[n].end(), values.begin(), values.end());
-        if (!before) ASSERT_TRUE(node_[n]->AdvanceProtect(comm, 1, absl::Seconds(30)).ok());
+        if (!before) {
+          ASSERT_TRUE(node_[n]->AdvanceProtect(comm, 1, absl::Seconds(30)).ok());
+        }
       }
       during[n] = node_[n]->parity_steps();
       windows_left[n] = node_[n]->protecting();
