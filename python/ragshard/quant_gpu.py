@@ -1,8 +1,9 @@
 """Block quantize and dequantize on a GPU (the quantized gathers' codes, docs/quantization.md):
 Triton kernels over a shard's Layout (ragshard.quant), one program per block (a 128 x 128 tile
-or a run of 16,384 elements). Dequantize reads each code once and writes each value once;
-quantize reads its block twice (its amax, then its codes: the second read mostly from cache) and
-writes each code once.
+or a run of 16,384 elements), each row's columns loaded and stored as one vector where the sizes
+allow. Dequantize reads each code once and writes each value once; quantize writes each code once
+and reads its block once where the autotuner finds a whole block per step fastest (held in
+registers), else twice (its amax, then its codes: the second read mostly from cache).
 
 The numerics are the CPU path's (client/block_quant.cc), bit for bit: a block's scale is the
 largest |x| of the block divided by QMAX (IEEE division; 1 where it is 0; NaN if any x is), the
@@ -86,28 +87,68 @@ def _shape(chunk):
 def _tuned(kernel):
     """kernel, tuned on its first launch per block shape and kind (Triton's autotune, each
     candidate timed on the real arguments, _bench): the warps of a program and the elements it
-    takes per step (STEP). Tuning runs the kernel a few times over: the outputs are the same
-    whichever runs, each written with its final value."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return triton.heuristics({"STEP": lambda _: 4096})(kernel)
+    takes per step (STEP; a STEP of the whole block reads it once). Tuning runs the kernel a few
+    times over: the outputs are the same whichever runs, each written with its final value."""
+    if os.environ.get("TRITON_INTERPRET") == "1":  # the tests: a step they name
+        return triton.heuristics(
+            {"STEP": lambda _: int(os.environ.get("RAGSHARD_QUANT_STEP", "4096"))})(kernel)
     configs = [triton.Config({"STEP": s}, num_warps=w)
-               for s, w in ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16))]
+               for s, w in ((2048, 4), (4096, 8), (8192, 8), (16384, 8), (16384, 16),
+                            (16384, 32))]
     return triton.autotune(configs, key=["BR", "BC", "INT8"], do_bench=_bench)(kernel)
+
+
+def _split(kernel):
+    """kernel with each step's rows (RS) and columns (CS) from STEP and the block's shape: a
+    step is RS x CS of the block, CS <= BC, RS <= BR."""
+    def cs(a):
+        return min(a["BC"], a["STEP"])
+    return triton.heuristics({"CS": cs,
+                              "RS": lambda a: max(1, min(a["BR"], a["STEP"] // cs(a)))})(kernel)
 
 
 if triton is not None:
     @triton.jit
-    def _step(pos, h, cols, cw, i0, STEP: tl.constexpr, BC: tl.constexpr):
-        """Offsets and mask of elements [i0, i0 + STEP) of this program's block, the block
-        read row by row as BR x BC (BC a power of two: the division is a shift)."""
-        band = tl.program_id(0).to(tl.int64)
-        t = tl.program_id(1).to(tl.int64)
-        i = i0 + tl.arange(0, STEP)
-        r = i // BC  # (r * cols < 2^31: fused)
-        c = i % BC
-        col = t * cw + c
-        mask = (r < h) & (c < cw) & (col < cols)
-        return pos + band * h * cols + r * cols + col, mask
+    def _step(pos, h, cols, cw, r0, c0, RS: tl.constexpr, CS: tl.constexpr):
+        """This program's block's start (an int64 element offset), and the int32 offsets from it
+        and mask of its RS x CS elements at row r0, column c0 (offsets within a band < 2^31:
+        fused). Each row's columns are contiguous, so loads and stores are vectorized where
+        the sizes allow."""
+        t = tl.program_id(1)
+        base = pos + tl.program_id(0).to(tl.int64) * h * cols + t * cw
+        r = r0 + tl.arange(0, RS)[:, None]
+        c = c0 + tl.arange(0, CS)[None, :]
+        mask = (r < h) & (c < cw) & (c < cols - t * cw)
+        return base, r * cols + c, mask
+
+    @triton.jit
+    def _code(x, scale, nan, qmax, INT8: tl.constexpr):
+        """The codes of x in a block of `scale` (nan: whether the block holds a NaN)."""
+        # x / scale, with the CPU's NaNs (the module's doc)
+        y = tl.where(nan > 0, tl.full([], 0x7FC00000, tl.uint32).to(tl.float32, bitcast=True),
+                     tl.div_rn(x, scale))
+        y = tl.where(x != x, x, y)
+        if scale == float("inf"):
+            y = tl.where(tl.abs(x) == float("inf"),
+                         tl.full([], 0xFFC00000, tl.uint32).to(tl.float32, bitcast=True), y)
+        y = tl.where(y > qmax, qmax, tl.where(y < -qmax, -qmax, y))  # NaN kept
+        if INT8:
+            # round to nearest even as the CPU does it (|y| <= 127): adding and taking away
+            # 1.5 * 2^23 leaves no fraction bits (Triton does not reassociate)
+            r = (y + 12582912.0) - 12582912.0
+            code = tl.where(y != y, 0.0, r).to(tl.int8).to(tl.uint8, bitcast=True)
+        else:
+            code = _to_e4m3fn(y)
+        return code
+
+    @triton.jit
+    def _scale(amax, nan, qmax):
+        """A block's scale from its largest |x| and whether it holds a NaN."""
+        scale = tl.div_rn(amax, qmax)
+        scale = tl.where(scale == 0.0, 1.0, scale)
+        # a NaN block's scale: the quiet NaN 0x7fc00000 (the CPU's, from a default NaN input)
+        return tl.where(nan > 0, tl.full([], 0x7FC00000, tl.uint32).to(tl.float32, bitcast=True),
+                        scale)
 
     @triton.jit
     def _to_e4m3fn(f):
@@ -139,66 +180,57 @@ if triton is not None:
         return (v.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
     @_tuned
+    @_split
     @triton.jit
     def _quantize_kernel(x_ptr, codes_ptr, scale_ptr, pos, h, cols, cw, b0, tiles, qmax,
                          INT8: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
-                         STEP: tl.constexpr):
-        # one block per program, in steps of STEP elements (few registers: many programs per
-        # SM hide the memory's latency): its amax, then its codes (the second read from cache)
-        most = tl.zeros([STEP], dtype=tl.float32)
-        nans = tl.zeros([STEP], dtype=tl.int32)
-        for i0 in range(0, BR * BC, STEP):
-            off, mask = _step(pos, h, cols, cw, i0, STEP, BC)
-            x = tl.load(x_ptr + off, mask=mask, other=0.0)
-            most = tl.maximum(most, tl.abs(x))
-            nans = nans | (x != x).to(tl.int32)
-        nan = tl.max(nans, axis=0)
-        amax = tl.max(most, axis=0)
-        scale = tl.div_rn(amax, qmax)
-        scale = tl.where(scale == 0.0, 1.0, scale)
-        # a NaN block's scale: the quiet NaN 0x7fc00000 (the CPU's, from a default NaN input)
-        scale = tl.where(nan > 0, tl.full([], 0x7FC00000, tl.uint32).to(tl.float32, bitcast=True),
-                         scale)
-        for i0 in range(0, BR * BC, STEP):
-            off, mask = _step(pos, h, cols, cw, i0, STEP, BC)
-            x = tl.load(x_ptr + off, mask=mask, other=0.0)
-            # x / scale, with the CPU's NaNs (the module's doc)
-            y = tl.where(nan > 0, tl.full([], 0x7FC00000, tl.uint32).to(tl.float32,
-                                                                         bitcast=True),
-                         tl.div_rn(x, scale))
-            y = tl.where(x != x, x, y)
-            if scale == float("inf"):
-                y = tl.where(tl.abs(x) == float("inf"),
-                             tl.full([], 0xFFC00000, tl.uint32).to(tl.float32, bitcast=True), y)
-            y = tl.where(y > qmax, qmax, tl.where(y < -qmax, -qmax, y))  # NaN kept
-            if INT8:
-                # round to nearest even as the CPU does it (|y| <= 127): adding and taking
-                # away 1.5 * 2^23 leaves no fraction bits (Triton does not reassociate)
-                r = (y + 12582912.0) - 12582912.0
-                code = tl.where(y != y, 0.0, r).to(tl.int8).to(tl.uint8, bitcast=True)
-            else:
-                code = _to_e4m3fn(y)
-            tl.store(codes_ptr + off, code, mask=mask)
-        band = tl.program_id(0).to(tl.int64)
-        t = tl.program_id(1).to(tl.int64)
-        tl.store(scale_ptr + b0 + band * tiles + t, scale)
+                         STEP: tl.constexpr, RS: tl.constexpr, CS: tl.constexpr):
+        # one block per program: read once when a step holds it all (registers), else in
+        # steps (few registers: many programs per SM hide the memory's latency), its amax,
+        # then its codes (the second read mostly from cache)
+        if RS * CS >= BR * BC:
+            base, off, mask = _step(pos, h, cols, cw, 0, 0, RS, CS)
+            x = tl.load(x_ptr + base + off, mask=mask, other=0.0)
+            nan = tl.max(tl.max((x != x).to(tl.int32), axis=1), axis=0)
+            scale = _scale(tl.max(tl.max(tl.abs(x), axis=1), axis=0), nan, qmax)
+            tl.store(codes_ptr + base + off, _code(x, scale, nan, qmax, INT8), mask=mask)
+        else:
+            most = tl.zeros([RS, CS], dtype=tl.float32)
+            nans = tl.zeros([RS, CS], dtype=tl.int32)
+            for r0 in range(0, BR, RS):
+                for c0 in range(0, BC, CS):
+                    base, off, mask = _step(pos, h, cols, cw, r0, c0, RS, CS)
+                    x = tl.load(x_ptr + base + off, mask=mask, other=0.0)
+                    most = tl.maximum(most, tl.abs(x))
+                    nans = nans | (x != x).to(tl.int32)
+            nan = tl.max(tl.max(nans, axis=1), axis=0)
+            scale = _scale(tl.max(tl.max(most, axis=1), axis=0), nan, qmax)
+            for r0 in range(0, BR, RS):
+                for c0 in range(0, BC, CS):
+                    base, off, mask = _step(pos, h, cols, cw, r0, c0, RS, CS)
+                    x = tl.load(x_ptr + base + off, mask=mask, other=0.0)
+                    tl.store(codes_ptr + base + off, _code(x, scale, nan, qmax, INT8),
+                             mask=mask)
+        tl.store(scale_ptr + b0 + tl.program_id(0).to(tl.int64) * tiles + tl.program_id(1),
+                 scale)
 
     @_tuned
+    @_split
     @triton.jit
     def _dequantize_kernel(codes_ptr, scale_ptr, out_ptr, pos, h, cols, cw, b0, tiles,
                            INT8: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
-                           STEP: tl.constexpr):
-        band = tl.program_id(0).to(tl.int64)
-        t = tl.program_id(1).to(tl.int64)
-        scale = tl.load(scale_ptr + b0 + band * tiles + t)
-        for i0 in range(0, BR * BC, STEP):
-            off, mask = _step(pos, h, cols, cw, i0, STEP, BC)
-            byte = tl.load(codes_ptr + off, mask=mask, other=0)
-            if INT8:
-                code = byte.to(tl.int8, bitcast=True).to(tl.float32)
-            else:
-                code = _from_e4m3fn(byte.to(tl.int32))
-            tl.store(out_ptr + off, code * scale, mask=mask)
+                           STEP: tl.constexpr, RS: tl.constexpr, CS: tl.constexpr):
+        scale = tl.load(scale_ptr + b0 + tl.program_id(0).to(tl.int64) * tiles +
+                        tl.program_id(1))
+        for r0 in range(0, BR, RS):
+            for c0 in range(0, BC, CS):
+                base, off, mask = _step(pos, h, cols, cw, r0, c0, RS, CS)
+                byte = tl.load(codes_ptr + base + off, mask=mask, other=0)
+                if INT8:
+                    code = byte.to(tl.int8, bitcast=True).to(tl.float32)
+                else:
+                    code = _from_e4m3fn(byte.to(tl.int32))
+                tl.store(out_ptr + base + off, code * scale, mask=mask)
 
 
 def _on_device(t):

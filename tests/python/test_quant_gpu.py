@@ -84,9 +84,17 @@ def test_bad_arguments_are_refused_by_name():
         quant_gpu.dequantize(lay, codes, torch.ones(blocks - 1), torch.zeros(total), "int8")
 
 
+# the elements a program takes per step under the interpreter (on a GPU the autotuner picks): a
+# 128 x 128 tile in steps of 32 rows, a run in steps of 4,096; and each block read once, whole
+STEPS = ["4096", "16384"] if DEVICE == "cpu" else ["tuned"]
+
+
+@pytest.mark.parametrize("step", STEPS)
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[f"{c[0]}-S{c[3]}" for c in CASES])
-def test_the_kernels_give_the_cpu_paths_bits(case, kind):
+def test_the_kernels_give_the_cpu_paths_bits(case, kind, step, monkeypatch):
+    if step != "tuned":
+        monkeypatch.setenv("RAGSHARD_QUANT_STEP", step)
     name, unit, total, s = CASES[case]
     world = (total + s - 1) // s
     x = fast._values(world * s, case)
