@@ -2,8 +2,12 @@
 train, item 5): examples/train_hf.py's Llama at >= 100 M parameters, D daemons x R ranks, each
 run on a fresh LocalCluster, in alternated rounds of: no recovery, `--max-restarts 1` (the
 state in the pool, each step journaled), and with redundancy across nodes (parity:2, replica).
-Per run: the slowest rank's step time (median over the steps after the first two), and each
-daemon's resident memory and pool figures at the end of training.
+Per run: rank 0's step times (their median and mean over the steps after the first two), and
+each daemon's resident memory and pool figures at the end of training. `--steps-per-commit K`
+runs the recovering configurations with `ragshard.launch --steps-per-commit K` (a journal
+transaction and a protect every K steps: docs/recovery.md, "Steps per commit"); their cost then
+comes once every K steps, which the mean over a whole number of K-step commits counts and a
+median would hide.
 
     .venv/bin/python bench/recovery_cost.py --build build --work /tmp/rc --rounds 5 --json OUT
 
@@ -90,7 +94,9 @@ def one_run(a, layout, config, job):
         env.pop("OMP_NUM_THREADS", None)
         cmd = [sys.executable, "-m", "ragshard.launch", "--preload", PRELOAD, "--planner",
                c.planner, "--job", job, "--nproc", str(daemons * per_node), "--sockets",
-               ",".join(c.sockets), "--create-job"] + CONFIGS[config] + [
+               ",".join(c.sockets), "--create-job"] + CONFIGS[config] + (
+               ["--steps-per-commit", str(a.steps_per_commit)]
+               if config != "none" and a.steps_per_commit > 1 else []) + [
                EXAMPLE, "--backend", "ragshard", "--steps", str(a.steps), "--out", out,
                "--global-batch", str(SEQUENCES_PER_RANK * daemons * per_node)] + MODEL
         with PeakMemory() as memory:
@@ -105,7 +111,9 @@ def one_run(a, layout, config, job):
     return {"job": job, "layout": f"{daemons}x{per_node}", "config": config,
             "command": sh(cmd).replace(ROOT + os.sep, ""), "wall": launch.wall,
             "others_cores": others.cores(), "steps": main["step_seconds"],
-            "median_step": statistics.median(steps), "daemon_rss_kib": daemon_rss,
+            "median_step": statistics.median(steps), "mean_step": statistics.fmean(steps),
+            "steps_per_commit": a.steps_per_commit if config != "none" else 1,
+            "daemon_rss_kib": daemon_rss,
             "peak_bytes_per_node": memory.peak / daemons, "node0": main.get("node", {}),
             "pool_committed": True}
 
@@ -120,10 +128,14 @@ def main():
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--pool-gib", type=int, default=3)
     p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--steps-per-commit", type=int, default=1)
     p.add_argument("--json", default="")
     provenance.add_flag(p)
     a = p.parse_args()
     provenance.require(a)
+    if a.steps_per_commit > 1 and (a.steps - 2) % a.steps_per_commit:
+        p.error(f"--steps {a.steps}: the steps after the first two must be a whole number of "
+                f"--steps-per-commit {a.steps_per_commit}")
     sys.path.insert(0, os.path.join(os.path.abspath(a.build), "python"))
     os.makedirs(a.work, exist_ok=True)
     layouts = [tuple(int(x) for x in s.split("x")) for s in a.layouts.split(",")]
@@ -143,7 +155,8 @@ def main():
                                                       "others_cores", "wall")}), flush=True)
                 if a.json:
                     with open(a.json, "w") as f:
-                        json.dump({"provenance": a.provenance, "runs": runs}, f, indent=1)
+                        json.dump({"provenance": a.provenance, "runs": runs,
+                                   "steps_per_commit": a.steps_per_commit}, f, indent=1)
 
 
 if __name__ == "__main__":

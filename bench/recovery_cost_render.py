@@ -1,7 +1,8 @@
 """docs/benchmarks/recovery_cost.md and recovery_cost.png from bench/recovery_cost.py's runs
 (JSON): per layout and configuration, the step time's median over the runs (each run's median
-over its steps after the first two), its ratio to no recovery's with the noise bound, and the
-memory per node.
+over its steps after the first two, or its mean where the recovering runs commit every K steps:
+its cost comes once per K), its ratio to no recovery's with the noise bound, and the memory per
+node.
 
     .venv/bin/python bench/recovery_cost_render.py RUNS.json --out docs/benchmarks/recovery_cost
 """
@@ -39,8 +40,14 @@ def per_node(r):
     return r["peak_bytes_per_node"] + (r["node0"].get("pool_peak", 0) if committed else 0)
 
 
-def summary(rs):
-    medians = [r["median_step"] for r in rs]
+def step(r, k):
+    """A run's step time: its median step, or with K steps per commit its mean step (over a whole
+    number of commits, recovery_cost.py checks), for every configuration alike."""
+    return r["mean_step"] if k > 1 else r["median_step"]
+
+
+def summary(rs, k=1):
+    medians = [step(r, k) for r in rs]
     return {"median": statistics.median(medians), "low": min(medians), "high": max(medians),
             "runs": len(rs),
             "peak": statistics.median(per_node(r) for r in rs),
@@ -50,9 +57,12 @@ def summary(rs):
             "others": max(r["others_cores"] for r in rs)}
 
 
-def render(runs, header):
+def render(runs, header, k=1):
     g = groups(runs)
     first = runs[0]
+    names = {c: n + (f" `--steps-per-commit {k}`" if k > 1 and c != "none" else "")
+             for c, n in NAMES.items()}
+    statistic = "median" if k == 1 else "mean"
     lines = ["# Recovery's cost on a 105 M-parameter model", "", *header, "",
              "Run by `bench/recovery_cost.py`, every figure from that one run; rendered by "
              "`bench/recovery_cost_render.py`. One command of each kind, as run (in the "
@@ -71,32 +81,39 @@ def render(runs, header):
         "3 GiB pools, their pages taken at the daemons' start: `ragshardd --pool-commit`, so "
         "that no step pays for a page's first touch), the configurations alternated round by "
         "round "
-        f"({max(r['round'] for r in runs) + 1} rounds). A run's step time: the median over its "
+        f"({max(r['round'] for r in runs) + 1} rounds). A run's step time: the {statistic} over "
+        "its "
         f"steps after the first two ({len(first['steps']) - 2} steps) of rank 0's wall time of "
-        "the step (forward, backward, clipping, optimizer step, zero_grad).", "",
+        "the step (forward, backward, clipping, optimizer step, zero_grad)" + (
+            "." if k == 1 else
+            f": with {k} steps per commit, each {k}-th step pays the journal's undo copies and "
+            f"the wait for the last protect, so the mean over a whole number of commits counts "
+            f"their cost where a median would leave it out; the runs without recovery are "
+            f"measured the same way."), "",
         "Noise, as docs/benchmarks/README defines it: the larger of 5 % of no recovery's "
         "median and the spread (max − min) of the runs' medians.", ""]
     for layout in sorted(g):
         by = g[layout]
         if "none" not in by:
             continue
-        base = summary(by["none"])
-        noise = max(0.05 * base["median"], max(summary(v)["high"] - summary(v)["low"]
+        base = summary(by["none"], k)
+        noise = max(0.05 * base["median"], max(summary(v, k)["high"] - summary(v, k)["low"]
                                                for v in by.values()))
         lines += [f"## {layout.replace('x', ' daemons × ')} ranks", "",
-                  "| configuration | step (s), median | min–max | runs | × no recovery | "
+                  f"| configuration | step (s), {statistic} of runs' {statistic}s | min–max | runs "
+                  "| × no recovery | "
                   "target | within noise of the target |",
                   "|---|---:|---:|---:|---:|---:|---|"]
         for config in ("none", "restarts", "parity:2", "replica"):
             if config not in by:
                 continue
-            s = summary(by[config])
+            s = summary(by[config], k)
             ratio = s["median"] / base["median"]
             target = TARGETS.get(config)
             verdict = "" if target is None else (
                 "met" if ratio <= target else
                 "within noise" if s["median"] - target * base["median"] <= noise else "not met")
-            lines.append(f"| {NAMES[config]} | {s['median']:.2f} | {s['low']:.2f}–"
+            lines.append(f"| {names[config]} | {s['median']:.2f} | {s['low']:.2f}–"
                          f"{s['high']:.2f} | {s['runs']} | {ratio:.3f} | "
                          f"{'' if target is None else f'≤ {target:.2f}'} | {verdict} |")
         lines += ["", f"Noise: {noise:.2f} s.", "",
@@ -110,14 +127,14 @@ def render(runs, header):
                   "| configuration | per node (MiB) | over no recovery (MiB) | pool peak (MiB) "
                   "| state (MiB) | parities (MiB) | over no recovery, in states | an undo copy and one parity, in states |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|"]
-        state = max(summary(v)["state"] for v in by.values())
+        state = max(summary(v, k)["state"] for v in by.values())
         for config in ("none", "restarts", "parity:2", "replica"):
             if config not in by:
                 continue
-            s = summary(by[config])
+            s = summary(by[config], k)
             over = s["peak"] - base["peak"]
             ideal = "" if config == "none" else f"{1 + PARITY_OF_STATE.get(config, 0):.2f}"
-            lines.append(f"| {NAMES[config]} | {s['peak'] / MIB:.0f} | {over / MIB:.0f} | "
+            lines.append(f"| {names[config]} | {s['peak'] / MIB:.0f} | {over / MIB:.0f} | "
                          f"{s['pool_peak'] / MIB:.0f} | {s['state'] / MIB:.0f} | "
                          f"{s['parity'] / MIB:.0f} | "
                          f"{over / state if state else 0:.2f} | {ideal} |")
@@ -126,7 +143,7 @@ def render(runs, header):
     return "\n".join(lines)
 
 
-def plot(runs, path):
+def plot(runs, path, k=1):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -134,17 +151,18 @@ def plot(runs, path):
     fig, axes = plt.subplots(1, len(g), figsize=(5 * len(g), 3.5), squeeze=False)
     for ax, layout in zip(axes[0], sorted(g)):
         by = g[layout]
-        base = summary(by["none"])["median"]
+        base = summary(by["none"], k)["median"]
         configs = [c for c in ("none", "restarts", "parity:2", "replica") if c in by]
         for i, c in enumerate(configs):
-            xs = [r["median_step"] / base for r in by[c]]
+            xs = [step(r, k) / base for r in by[c]]
             ax.scatter([i] * len(xs), xs, color="gray", s=12)
-            ax.bar(i, summary(by[c])["median"] / base, 0.6, alpha=0.5)
+            ax.bar(i, summary(by[c], k)["median"] / base, 0.6, alpha=0.5)
             if c in TARGETS:
                 ax.hlines(TARGETS[c], i - 0.3, i + 0.3, color="red")
         ax.set_xticks(range(len(configs)), configs)
         ax.set_ylim(0.8, None)
-        ax.set_title(f"{layout}: step time / no recovery (red: target)")
+        ax.set_title(f"{layout}: step time / no recovery (red: target)" +
+                     (f"\n{k} steps per commit" if k > 1 else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -159,9 +177,10 @@ def main():
     a = p.parse_args()
     data = json.load(open(a.runs))
     runs, header = (data["runs"], data["provenance"]) if isinstance(data, dict) else (data, [])
+    k = data.get("steps_per_commit", 1) if isinstance(data, dict) else 1
     with open(a.out + ".md", "w") as f:
-        f.write(render(runs, header) + "\n")
-    plot(runs, a.out + ".png")
+        f.write(render(runs, header, k) + "\n")
+    plot(runs, a.out + ".png", k)
 
 
 if __name__ == "__main__":

@@ -50,7 +50,10 @@ as a successor job of fewer ranks (the same global batch), and the lost daemon's
 ranks leave with 76, which the launcher lets go. Either whole HSDP replica groups were lost
 (--replicate 2 or more, each group on daemons of its own), or one shard group (--replicate 1)
 keeps whole copies of each daemon's state (--redundancy replica or parity:1), from which the
-survivors re-cut the shards for their number.
+survivors re-cut the shards for their number. `--steps-per-commit K` (with --max-restarts) journals
+and protects the state once every K optimizer steps rather than after each: a step costs less, and
+a recovery goes back to the start of the K steps under way (docs/recovery.md, "Steps per
+commit"); the ranks get it as RAGSHARD_STEPS_PER_COMMIT.
 
 As torchrun does, when more than one rank shares a daemon (a node) and OMP_NUM_THREADS is not
 set, each rank gets OMP_NUM_THREADS=1 (`--threads-per-rank` sets another number): several ranks'
@@ -77,6 +80,7 @@ import subprocess
 import sys
 import time
 
+from . import _commit
 from ._notice import RECOVERY_EXIT  # a rank leaving for a recovery in place (75)
 
 STANDALONE_JOB = "standalone"
@@ -156,6 +160,10 @@ def parse(argv):
                         "other daemons' ranks (docs/recovery.md, \"Shrinking in place\"; needs "
                         "--replicate 2 or more, whole replica groups on daemons of their own, "
                         "or --redundancy replica or parity:1)")
+    p.add_argument("--steps-per-commit", type=int, default=1,
+                   help="with --max-restarts: optimizer steps per journal transaction and "
+                        "protect (default 1: each step); a recovery redoes up to this many "
+                        "(docs/recovery.md, \"Steps per commit\")")
     p.add_argument("script", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
     a = p.parse_args(argv)
@@ -223,6 +231,12 @@ def parse(argv):
                 "2 or more (whole HSDP replica groups), or --redundancy replica or parity:1 "
                 f"(whole copies, from which the survivors re-cut the shards); got --replicate "
                 f"{a.replicate} and --redundancy '{a.redundancy or 'none'}'")
+    try:
+        _commit.check(a.steps_per_commit)
+    except ValueError as e:
+        p.error(str(e))
+    if a.steps_per_commit > 1 and not a.max_restarts:
+        p.error("--steps-per-commit needs --max-restarts: without it no step is journaled")
     if a.max_restarts and not a.create_job:
         p.error("--max-restarts needs a job this launcher creates (--create-job or "
                 "--standalone), with its recovery deadline")
@@ -278,6 +292,8 @@ def rank_envs(a, threads):
                    RAGSHARD_TLS_KEY=a.tls_key, RAGSHARD_TLS_SERVER_NAME=a.tls_server_name)
         if a.strategy:
             env["RAGSHARD_STRATEGY"] = a.strategy
+        if a.steps_per_commit > 1:
+            env[_commit.ENV] = str(a.steps_per_commit)
         if a.max_restarts:  # a restarted rank waits for its daemon, as long as a recovery may
             # (past a shrink's deadline, which it learns from the planner while it waits, and
             # then leaves: its recovery began before the rank's restart)

@@ -1,9 +1,10 @@
-"""Block quantize and dequantize on a GPU (the quantized gathers' codes, docs/quantization.md):
-Triton kernels over a shard's Layout (ragshard.quant), one program per block (a 128 x 128 tile
-or a run of 16,384 elements), each row's columns loaded and stored as one vector where the sizes
-allow. Dequantize reads each code once and writes each value once; quantize writes each code once
-and reads its block once where the autotuner finds a whole block per step fastest (held in
-registers), else twice (its amax, then its codes: the second read mostly from cache).
+"""Block quantize and dequantize on a GPU (the quantized gathers' codes: docs/training.md,
+"Block-quantized all-gather"): Triton kernels over a shard's Layout (ragshard.quant), one program
+per block (a 128 x 128 tile or a run of 16,384 elements), each row's columns loaded and stored as
+one vector where the sizes allow. Dequantize reads each code once and writes each value once;
+quantize writes each code once and reads its block once where the autotuner finds a whole block per
+step fastest (held in registers), else twice (its amax, then its codes: the second read mostly from
+cache).
 
 The numerics are the CPU path's (client/block_quant.cc), bit for bit: a block's scale is the
 largest |x| of the block divided by QMAX (IEEE division; 1 where it is 0; NaN if any x is), the

@@ -16,6 +16,7 @@ ranks then leave, named).
 
 Namespaces need root: cluster_runs.require_namespaces says what happens where they cannot be
 made."""
+import json
 import os
 import signal
 import sys
@@ -159,6 +160,23 @@ def test_a_lost_node_is_rebuilt_on_a_replacement(cluster, redundancy, step, phas
     assert "READY" in show and "rebuilds:     1" in show, show
     if redundancy == "hsdp+":
         assert "redundancy:   hsdp" in show, show
+
+
+def test_a_lost_node_inside_a_commit_of_several_steps_goes_back_to_its_start(cluster):
+    """--steps-per-commit 3: the state is protected after steps 3 and 6 only. Node 1 lost after
+    step 5 (its daemon and ranks killed; a replacement daemon on the same host, which the other
+    tests' hosts expect as they are): every rank goes back to the end of step 3 (the survivors by
+    their undo copies, node 1's ranks rebuilt from step 3's copies on the next node), and the
+    job redoes steps 4 to 6."""
+    ref = reference(cluster, "replica")
+    out, _ = lose_node(cluster, "lost-k3", "replica", 5, "between", host_lost=False,
+                       launcher=DEADLINE + ("--steps-per-commit", "3"))
+    assert_same(out, ref, atol=1e-6)
+    for rank in range(6):
+        with open(f"{out}.rank{rank}.json") as f:
+            assert json.load(f)["first_step"] == 4, rank
+    show = ctl(cluster, "job", "show", "lost-k3")
+    assert "READY" in show and "rebuilds:     1" in show, show
 
 
 def test_host_0_lost_is_rebuilt_by_the_same_command_on_a_replacement(cluster):

@@ -170,6 +170,49 @@ def test_a_killed_rank_recovers_in_place(cluster, tmp_path, optimizer, rank, ste
     assert "steps:        6 completed by every rank\n" in why.stdout, why.stdout + why.stderr
 
 
+def test_a_rank_lost_inside_a_commit_of_several_steps_goes_back_to_its_start(cluster, tmp_path):
+    """--steps-per-commit 3 (docs/recovery.md, "Steps per commit"): steps 1-3 are one
+    transaction, 4-6 the next. A rank killed in step 5's backward: every rank goes back to the
+    end of step 3 (the undo copies of step 4's start), redoes steps 4 to 6, and ends with the
+    uninterrupted run's parameters; the journal counts 6 training steps at the end."""
+    ref = reference(cluster, tmp_path, "adamw")
+    job = "kill-k3"
+    out, r = run(cluster, tmp_path, job, ["--optimizer", "adamw", "--kill-at",
+                                          f"2:5:backward:{tmp_path / 'k3'}"],
+                 launch=["--steps-per-commit", "3"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "rank 2 exited with -9; restarting it" in r.launchers[1], r.stderr
+    for rank in range(4):  # every rank's last process went on after step 3
+        with open(f"{out}.rank{rank}.json") as f:
+            assert json.load(f)["first_step"] == 4, rank
+    a, b = params(out), params(ref)
+    for name in a:
+        assert torch.allclose(a[name], b[name], rtol=0, atol=1e-6), name
+    deadline = time.time() + 30
+    while True:
+        why = ctl(cluster, "job", "why", job)
+        if "steps:        6 completed by every rank" in why.stdout or time.time() > deadline:
+            break
+        time.sleep(0.2)
+    assert "steps:        6 completed by every rank\n" in why.stdout, why.stdout + why.stderr
+
+
+def test_steps_per_commit_is_checked_by_the_launcher(tmp_path):
+    for flags, named in ((["--max-restarts", "1", "--steps-per-commit", "0"], "from 1 to"),
+                         (["--steps-per-commit", "2"], "needs --max-restarts")):
+        r = subprocess.run([sys.executable, "-m", "ragshard.launch", "--standalone", "--nproc",
+                            "1", *flags, EXAMPLE], capture_output=True, text=True, timeout=60,
+                           env=env())
+        assert r.returncode == 2 and named in r.stderr, r.stderr
+    # a rank's own reading of it (what the launcher put in its environment)
+    from ragshard import _commit
+    assert _commit.steps_per_commit({}) == 1
+    assert _commit.steps_per_commit({_commit.ENV: "4"}) == 4
+    for bad in ("0", "x", str((1 << 20) + 1)):
+        with pytest.raises(ValueError, match=f"RAGSHARD_STEPS_PER_COMMIT '{bad}'"):
+            _commit.steps_per_commit({_commit.ENV: bad})
+
+
 # Each layout's launch flags and training flags. HSDP and AMSP train as large models do: bf16
 # parameters (fp32 masters in the pool) and gradient accumulation by repeated backward, each
 # adding into the gradient shards.

@@ -15,6 +15,11 @@ rank may have committed a step that another did not finish; those ahead roll bac
 every rank has finished this one: the next forward's gathers need them all). With redundancy
 across nodes they may roll forward one step instead, or back one more (`redundancy_step`). The script then
 redoes the interrupted step from its start (`ShardedModule.resume_step`).
+
+A transaction may also hold several optimizer steps (RankRecovery's steps per commit, K): the
+undo copies are those of its first step's start, it commits after its K-th, and a rank lost in
+the middle goes back to its start (the script redoes up to K steps). Transactions are still
+numbered one by one; the journal's base makes the number a training step (`commit(steps)`).
 """
 import json
 
@@ -111,9 +116,12 @@ class StepJournal:
         """Inside a load's transaction: the state is at training step `step` once it commits."""
         self.meta[_pool.BASE] = int(step) - int(self.meta[_pool.BEGUN])
 
-    def commit(self):
+    def commit(self, steps=1):
+        """Ends the transaction (the outermost of nested calls), which held `steps` optimizer
+        steps: the training step moves on by that many."""
         self._depth -= 1
         if self._depth == 0:
+            self.meta[_pool.BASE] += int(steps) - 1
             self._held = _write_names(self._held_raw, self._tensors(), self._held)
             self.meta[_pool.COMMITTED] = self.meta[_pool.BEGUN]
 

@@ -14,6 +14,7 @@ import sys
 
 import torch
 
+from ..._commit import ENV as STEPS_PER_COMMIT_ENV, steps_per_commit
 from ..._core import Error
 from ..._shrink import SHRINK_EXIT, follow, whole_copies
 from ... import connect
@@ -29,7 +30,6 @@ __all__ = ["RankRecovery", "attach"]
 # A journal's base (a training step less a transaction's number: negative where a load went
 # back to an earlier step) plus this is non-negative, as the exact extremes take them.
 _BASE_SHIFT = 1 << 61
-
 
 def attach(client, inventory, register, inventory_at):
     """Registers `inventory` (unless `register` is False) and attaches; without a client,
@@ -107,6 +107,10 @@ class RankRecovery:
         self._in_place = None
         self._held, self.shrink = held, shrink
         self._journal = None
+        # Optimizer steps per transaction; the steps done in the open one (0: none open); the
+        # optimizer steps under way (one inside another: ShardedMuon's AdamW).
+        self.steps_per_commit = steps_per_commit() if self.enabled else 1
+        self._window = self._nest = 0
         self._taken = self._recut = None  # a shrink's successor's marks (shrink/...)
         self._successor = None
         # Completed optimizer steps that this rank's state holds: 0 for a new job; after a
@@ -130,6 +134,11 @@ class RankRecovery:
         if not self.enabled:
             return
         self._control = control
+        [(ranks, low, high)] = control.extremes([self.steps_per_commit])
+        if low != high:
+            raise RuntimeError(f"ragshard recovery: the ranks step {low} to {high} optimizer steps "
+                               f"per commit ({STEPS_PER_COMMIT_ENV}; this rank "
+                               f"{self.steps_per_commit}): every rank of a job must take the same")
         self._journal = StepJournal(self._shards.pool, journaled)
         held = self._pending(self._held, self._replacement)
         try:
@@ -278,6 +287,7 @@ class RankRecovery:
         if self._journal is None:
             yield
             return
+        self._close_window()  # (the steps before the load, a transaction of their own)
         before = self._journal.step
         # Every rank between steps (no rank begins the load while another is in a step), so the
         # ranks' transactions differ by at most one, as their steps do.
@@ -300,27 +310,45 @@ class RankRecovery:
 
     @contextlib.contextmanager
     def transaction(self):
-        """An optimizer step as one transaction over this rank's state (StepJournal) where the
-        job recovers lost ranks in place; nothing otherwise. Nested steps (ShardedMuon's AdamW)
-        are one transaction."""
+        """An optimizer step as part of a transaction over this rank's state (StepJournal) where
+        the job recovers lost ranks in place; nothing otherwise. The first step of a
+        transaction begins it (its undo copies), the K-th commits it (steps_per_commit; K = 1:
+        each step its own). Nested steps (ShardedMuon's AdamW) are one step."""
         if self._journal is None:
             yield
             return
-        outermost = self._journal.depth == 0
-        if self._protects and outermost:
-            # The last step's protect, whole on every node before this step changes the state
-            # it reads (docs/recovery.md, "One consistent step").
-            self._client.protect_finish().wait()
-        self._journal.begin()
+        self._nest += 1
+        outermost = self._nest == 1
         try:
-            yield
-        except BaseException:
-            self._journal.abandon()
-            raise
-        self._journal.commit()
-        if self._protects and outermost:
-            # This step's state, protected in the background of the next step's forward and
-            # backward (the daemon moves it between their operations).
+            if outermost and self._window == 0:
+                if self._protects:
+                    # The last transaction's protect, whole on every node before this one
+                    # changes the state it reads (docs/recovery.md, "One consistent step").
+                    self._client.protect_finish().wait()
+                self._journal.begin()
+            try:
+                yield
+            except BaseException:
+                if outermost:
+                    self._journal.abandon()
+                    self._window = 0
+                raise
+            if outermost:
+                self._window += 1
+                if self._window == self.steps_per_commit:
+                    self._close_window()
+        finally:
+            self._nest -= 1
+
+    def _close_window(self):
+        """Commits the open transaction, if any, with the steps it holds; where the job keeps
+        redundancy, its state is protected in the background of the next steps' forward and
+        backward (the daemon moves it between their operations)."""
+        if self._window == 0:
+            return
+        steps, self._window = self._window, 0
+        self._journal.commit(steps)
+        if self._protects:
             self._client.protect().wait()
 
 
