@@ -57,13 +57,15 @@ def summary(rs, k=1):
             "others": max(r["others_cores"] for r in rs)}
 
 
-def render(runs, header, k=1):
+def render(runs, header, k=1, image="recovery_cost.png"):
     g = groups(runs)
     first = runs[0]
     names = {c: n + (f" `--steps-per-commit {k}`" if k > 1 and c != "none" else "")
              for c, n in NAMES.items()}
     statistic = "median" if k == 1 else "mean"
-    lines = ["# Recovery's cost on a 105 M-parameter model", "", *header, "",
+    title = "# Recovery's cost on a 105 M-parameter model" + (
+        f", {k} steps per commit" if k > 1 else "")
+    lines = [title, "", *header, "",
              "Run by `bench/recovery_cost.py`, every figure from that one run; rendered by "
              "`bench/recovery_cost_render.py`. One command of each kind, as run (in the "
              "repository root):", ""]
@@ -100,7 +102,7 @@ def render(runs, header, k=1):
         noise = max(0.05 * base["median"], max(summary(v, k)["high"] - summary(v, k)["low"]
                                                for v in by.values()))
         lines += [f"## {layout.replace('x', ' daemons × ')} ranks", "",
-                  f"| configuration | step (s), {statistic} of runs' {statistic}s | min–max | runs "
+                  f"| configuration | step (s), median of runs' {statistic}s | min–max | runs "
                   "| × no recovery | "
                   "target | within noise of the target |",
                   "|---|---:|---:|---:|---:|---:|---|"]
@@ -139,7 +141,7 @@ def render(runs, header, k=1):
                          f"{s['parity'] / MIB:.0f} | "
                          f"{over / state if state else 0:.2f} | {ideal} |")
         lines += [""]
-    lines += ["![step time per configuration, as a ratio to no recovery](recovery_cost.png)", ""]
+    lines += [f"![step time per configuration, as a ratio to no recovery]({image})", ""]
     return "\n".join(lines)
 
 
@@ -179,7 +181,7 @@ def main():
     runs, header = (data["runs"], data["provenance"]) if isinstance(data, dict) else (data, [])
     k = data.get("steps_per_commit", 1) if isinstance(data, dict) else 1
     with open(a.out + ".md", "w") as f:
-        f.write(render(runs, header, k) + "\n")
+        f.write(render(runs, header, k, os.path.basename(a.out) + ".png") + "\n")
     plot(runs, a.out + ".png", k)
 
 
