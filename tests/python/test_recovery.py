@@ -136,6 +136,20 @@ def ctl(cluster, *args):
     return subprocess.run(argv, capture_output=True, text=True, timeout=60)
 
 
+def assert_steps_completed(cluster, job, steps):
+    """Every rank's journal, through its daemon's heartbeats, says `steps` steps completed
+    (within 30 s: the heartbeats carry it)."""
+    deadline = time.time() + 30
+    while True:
+        why = ctl(cluster, "job", "why", job)
+        if f"steps:        {steps} completed by every rank" in why.stdout or \
+                time.time() > deadline:
+            break
+        time.sleep(0.2)
+    assert f"steps:        {steps} completed by every rank\n" in why.stdout, \
+        why.stdout + why.stderr
+
+
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 @pytest.mark.parametrize("rank,step,phase", [
     (1, 3, "forward"), (2, 4, "backward"), (3, 3, "step"), (0, 2, "between")])
@@ -161,13 +175,7 @@ def test_a_killed_rank_recovers_in_place(cluster, tmp_path, optimizer, rank, ste
     assert show.returncode == 0, show.stderr
     assert "READY" in show.stdout and "recoveries:   1 recovery" in show.stdout, show.stdout
     # Every rank's journal, through its daemon's heartbeats: all 6 steps completed.
-    deadline = time.time() + 30
-    while True:
-        why = ctl(cluster, "job", "why", job)
-        if "steps:        6 completed by every rank" in why.stdout or time.time() > deadline:
-            break
-        time.sleep(0.2)
-    assert "steps:        6 completed by every rank\n" in why.stdout, why.stdout + why.stderr
+    assert_steps_completed(cluster, job, 6)
 
 
 def test_a_rank_lost_inside_a_commit_of_several_steps_goes_back_to_its_start(cluster, tmp_path):
@@ -188,13 +196,7 @@ def test_a_rank_lost_inside_a_commit_of_several_steps_goes_back_to_its_start(clu
     a, b = params(out), params(ref)
     for name in a:
         assert torch.allclose(a[name], b[name], rtol=0, atol=1e-6), name
-    deadline = time.time() + 30
-    while True:
-        why = ctl(cluster, "job", "why", job)
-        if "steps:        6 completed by every rank" in why.stdout or time.time() > deadline:
-            break
-        time.sleep(0.2)
-    assert "steps:        6 completed by every rank\n" in why.stdout, why.stdout + why.stderr
+    assert_steps_completed(cluster, job, 6)
 
 
 def test_steps_per_commit_is_checked_by_the_launcher(tmp_path):
