@@ -97,6 +97,8 @@ def one(a, kind, r):
     else:
         fault = ["--kill-at", f"1:{a.kill_step}:forward:{out}.killed"]
         restarts = ["--max-restarts", "1"]
+    if a.steps_per_commit > 1:  # (docs/recovery.md, "Steps per commit")
+        restarts += ["--steps-per-commit", str(a.steps_per_commit)]
     faulty = kind in ("in-place", "checkpoint", "node-in-place", "node-checkpoint")
     launches, killer = [], None
     extra = {"node_timeout_ms": NODE_TIMEOUT_MS} if node else {}
@@ -176,7 +178,13 @@ def _section_lines(name, sec, f, same):
         faults = ("node-in-place", "node-checkpoint")
     lines = [f"## A lost {name}", ""] + list(sec["provenance"]) + ["",
              f"Machine: {sec['machine']}. {what}. The checkpoint is written after step "
-             f"{a['checkpoint_step']}. {a['rounds']} alternated rounds of the four kinds of run, "
+             f"{a['checkpoint_step']}."
+             + (f" The runs recovering in place journal and protect once every "
+                f"{a['steps_per_commit']} steps (`--steps-per-commit "
+                f"{a['steps_per_commit']}`): a loss goes back to the start of the "
+                f"{a['steps_per_commit']} under way." if a.get("steps_per_commit", 1) > 1
+                else "")
+             + f" {a['rounds']} alternated rounds of the four kinds of run, "
              "each on a fresh LocalCluster.", "",
              "| failure handled by | seconds lost, median | min–max | runs | uninterrupted run "
              "(s) | its spread (s) | a step (s) | final parameters as uninterrupted |",
@@ -256,6 +264,8 @@ def main():
     p.add_argument("--checkpoint-step", type=int, default=2)
     p.add_argument("--pool-gib", type=int, default=3)
     p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--steps-per-commit", type=int, default=1,
+                   help="the in-place runs' ragshard-launch --steps-per-commit")
     p.add_argument("--json", default="")
     p.add_argument("--report", default="", help="write REPORT.md and REPORT.png")
     p.add_argument("--from-json", default="", help="only the report, from these runs")
@@ -289,7 +299,7 @@ def main():
             "provenance": a.provenance, "machine": f"{os.cpu_count()} cores, "
             f"{platform.platform()}, Python {platform.python_version()}",
             "args": {k: getattr(a, k) for k in ("layout", "rounds", "steps", "kill_step",
-                                                "checkpoint_step")}}
+                                                "checkpoint_step", "steps_per_commit")}}
     for r in range(a.rounds):
         for name in sections:
             for kind in SECTIONS[name]:
