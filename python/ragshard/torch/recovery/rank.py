@@ -31,6 +31,7 @@ __all__ = ["RankRecovery", "attach"]
 # back to an earlier step) plus this is non-negative, as the exact extremes take them.
 _BASE_SHIFT = 1 << 61
 
+
 def attach(client, inventory, register, inventory_at):
     """Registers `inventory` (unless `register` is False) and attaches; without a client,
     connects from the environment. Returns (the client, None, None); where the job shrank
@@ -134,7 +135,7 @@ class RankRecovery:
         if not self.enabled:
             return
         self._control = control
-        [(ranks, low, high)] = control.extremes([self.steps_per_commit])
+        [(_, low, high)] = control.extremes([self.steps_per_commit])
         if low != high:
             raise RuntimeError(f"ragshard recovery: the ranks step {low} to {high} optimizer steps "
                                f"per commit ({STEPS_PER_COMMIT_ENV}; this rank "
